@@ -1,0 +1,48 @@
+"""NVFP4: E2M1 values with one float8_e4m3fn scale per 16 values and an FP32 global scale.
+
+Encoding a tensor x with global scale g: each block of 16 gets
+``s = e4m3(amax(|x_block|) / 6 * g)`` and codes ``e2m1(x * g / s)`` (zero codes when
+``s == 0``). Decoding gives ``e2m1_value * s / g``. Every product of an E2M1 value and
+an E4M3 scale is exact in BF16.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .blocks import E4M3_MAX, broadcast_per_lead, split_blocks, to_e4m3
+from .e2m1 import E2M1_MAX, decode_e2m1, encode_e2m1, pack_nibbles, unpack_nibbles
+
+NVFP4_BLOCK = 16
+NVFP4_MAX = E2M1_MAX * E4M3_MAX  # 2688: the largest magnitude a block can hold with global scale one
+
+
+def quantize_nvfp4(x: torch.Tensor, global_scale: float | torch.Tensor = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize x [..., K] (BF16/FP16/FP32, K % 16 == 0) to NVFP4.
+
+    global_scale: a float, or a tensor over x's leading dims (e.g. [E] for x [E, N, K]).
+    Returns (packed uint8 [..., K/2], scales float8_e4m3fn [..., K/16]) with linear scales.
+    """
+    blocks = split_blocks(x, NVFP4_BLOCK)
+    g = broadcast_per_lead(global_scale, blocks)
+    amax = blocks.abs().amax(dim=-1)
+    scales = to_e4m3(amax / E2M1_MAX * g.squeeze(-1))
+    scale_values = scales.float().unsqueeze(-1)
+    safe = torch.where(scale_values == 0, torch.ones_like(scale_values), scale_values)
+    codes = encode_e2m1(blocks * g / safe)
+    codes = torch.where(scale_values == 0, torch.zeros_like(codes), codes)
+    return pack_nibbles(codes.reshape(x.shape)), scales
+
+
+def dequantize_nvfp4(
+    packed: torch.Tensor,
+    scales: torch.Tensor,
+    global_scale: float | torch.Tensor = 1.0,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Inverse of quantize_nvfp4: packed [..., K/2] + linear scales [..., K/16] -> [..., K] of ``dtype``."""
+    codes = unpack_nibbles(packed)
+    blocks = split_blocks(decode_e2m1(codes), NVFP4_BLOCK)
+    g = broadcast_per_lead(global_scale, blocks)
+    values = blocks * scales.float().unsqueeze(-1) / g
+    return values.reshape(codes.shape).to(dtype)

@@ -1,0 +1,63 @@
+"""Block-scale layouts: linear (row-major [rows, cols]) and the 128x4 swizzle.
+
+The 128x4 swizzle (cuDNN's ``F8_128x4`` reordering, used by Blackwell block-scaled
+MMA) stores a scale matrix of R rows x C columns, padded to a multiple of 128 rows
+and 4 columns, as 512-byte tiles of 128 rows x 4 columns; tiles are ordered with
+the column tile fastest. Inside a tile, element (r, c) sits at
+``(r % 32) * 16 + ((r % 128) // 32) * 4 + c % 4``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+SWIZZLE_ROWS = 128
+SWIZZLE_COLS = 4
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def swizzled_shape(rows: int, cols: int) -> tuple[int, int]:
+    """Padded (rows, cols) of the 128x4 layout for a rows x cols scale matrix."""
+    return _round_up(rows, SWIZZLE_ROWS), _round_up(cols, SWIZZLE_COLS)
+
+
+def swizzled_offset(row: int, col: int, cols: int) -> int:
+    """Byte offset of scale (row, col) in the 128x4 layout of a matrix with ``cols`` columns."""
+    col_tiles = _round_up(cols, SWIZZLE_COLS) // SWIZZLE_COLS
+    tile = (row // SWIZZLE_ROWS) * col_tiles + col // SWIZZLE_COLS
+    return tile * 512 + (row % 32) * 16 + ((row % SWIZZLE_ROWS) // 32) * 4 + col % SWIZZLE_COLS
+
+
+def swizzle_128x4(scales: torch.Tensor) -> torch.Tensor:
+    """Linear scales [..., R, C] -> 128x4-swizzled [..., Rp * Cp] (same dtype; padding is zero).
+
+    Rp = R rounded up to 128, Cp = C rounded up to 4. Works for any 1-byte or wider dtype.
+    """
+    *lead, rows, cols = scales.shape
+    padded_rows, padded_cols = swizzled_shape(rows, cols)
+    padded = scales.new_zeros(*lead, padded_rows, padded_cols)
+    padded[..., :rows, :cols] = scales
+    # (r // 128, (r % 128) // 32, r % 32, c // 4, c % 4) -> (r // 128, c // 4, r % 32, (r % 128) // 32, c % 4)
+    tiles = padded.reshape(*lead, padded_rows // 128, 4, 32, padded_cols // 4, 4)
+    n = len(lead)
+    order = [*range(n), n, n + 3, n + 2, n + 1, n + 4]
+    return tiles.permute(order).reshape(*lead, padded_rows * padded_cols)
+
+
+def unswizzle_128x4(swizzled: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """Inverse of swizzle_128x4: [..., Rp * Cp] -> linear [..., rows, cols] (padding dropped)."""
+    padded_rows, padded_cols = swizzled_shape(rows, cols)
+    *lead, size = swizzled.shape
+    if size != padded_rows * padded_cols:
+        raise ValueError(
+            f"swizzled scales hold {size} entries per matrix; a {rows}x{cols} matrix needs "
+            f"{padded_rows}x{padded_cols} = {padded_rows * padded_cols}"
+        )
+    tiles = swizzled.reshape(*lead, padded_rows // 128, padded_cols // 4, 32, 4, 4)
+    n = len(lead)
+    order = [*range(n), n, n + 3, n + 2, n + 1, n + 4]
+    linear = tiles.permute(order).reshape(*lead, padded_rows, padded_cols)
+    return linear[..., :rows, :cols].contiguous()
