@@ -9,7 +9,16 @@ the column tile fastest. Inside a tile, element (r, c) sits at
 
 from __future__ import annotations
 
+import enum
+
 import torch
+
+
+class ScaleLayout(enum.Enum):
+    """Where block scale (row, col) lives in memory."""
+
+    LINEAR = "linear"  # row-major [rows, cols]
+    SWIZZLED_128X4 = "128x4"  # cuDNN F8_128x4 tiles, see the module docstring
 
 SWIZZLE_ROWS = 128
 SWIZZLE_COLS = 4

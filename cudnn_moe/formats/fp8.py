@@ -1,0 +1,89 @@
+"""FP8 E4M3 with FP32 dequantization scales: per tensor, per 128x128 weight block, per 1x128 activation block.
+
+Every variant stores ``q = e4m3(x / s)`` (round to nearest even, saturating at +-448) and
+decodes ``q * s``. A computed scale is ``amax / 448`` over its group, so the largest
+magnitude maps to 448. A group whose amax is zero gets scale 1.0 (its codes are zero
+either way; a positive scale keeps every stored scale a valid divisor).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .blocks import E4M3_MAX, split_blocks, to_e4m3
+
+FP8_BLOCK = 128
+
+
+def _scale_from_amax(amax: torch.Tensor) -> torch.Tensor:
+    """float32 amax -> float32 dequantization scale amax / 448 (1.0 where amax is zero)."""
+    return torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+
+
+def quantize_fp8_per_tensor(
+    x: torch.Tensor, scale: float | torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (any shape, floating) -> (float8_e4m3fn, same shape; float32 0-dim dequantization scale).
+
+    scale: the dequantization scale to use; by default amax(|x|) / 448.
+    """
+    x = x.float()
+    if scale is None:
+        scale = _scale_from_amax(x.abs().amax())
+    scale = torch.as_tensor(scale, dtype=torch.float32, device=x.device).reshape(())
+    return to_e4m3(x / scale), scale
+
+
+def dequantize_fp8_per_tensor(
+    values: torch.Tensor, scale: float | torch.Tensor, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """E4M3 tensor + scalar dequantization scale -> values * scale as ``dtype``."""
+    scale = torch.as_tensor(scale, dtype=torch.float32, device=values.device)
+    return (values.float() * scale).to(dtype)
+
+
+def _expand_block_scales(scales: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """Block scales [..., ceil(rows/128), ceil(cols/128)] -> float32 per element [..., rows, cols]."""
+    full = scales.float().repeat_interleave(FP8_BLOCK, dim=-2).repeat_interleave(FP8_BLOCK, dim=-1)
+    return full[..., :rows, :cols]
+
+
+def quantize_fp8_block128(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weights w [..., N, K] (floating) -> (float8_e4m3fn [..., N, K], float32 scales [..., ceil(N/128), ceil(K/128)]).
+
+    Each 128x128 tile (partial at the bottom and right edges when N or K is not a
+    multiple of 128) has its own dequantization scale amax / 448.
+    """
+    *lead, rows, cols = w.shape
+    w = w.float()
+    pad_rows, pad_cols = -rows % FP8_BLOCK, -cols % FP8_BLOCK
+    tiles = F.pad(w.abs(), (0, pad_cols, 0, pad_rows)).reshape(
+        *lead, (rows + pad_rows) // FP8_BLOCK, FP8_BLOCK, (cols + pad_cols) // FP8_BLOCK, FP8_BLOCK
+    )
+    scales = _scale_from_amax(tiles.amax(dim=(-3, -1)))
+    return to_e4m3(w / _expand_block_scales(scales, rows, cols)), scales
+
+
+def dequantize_fp8_block128(
+    values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """Inverse of quantize_fp8_block128: E4M3 [..., N, K] + scales [..., ceil(N/128), ceil(K/128)] -> [..., N, K]."""
+    rows, cols = values.shape[-2:]
+    return (values.float() * _expand_block_scales(scales, rows, cols)).to(dtype)
+
+
+def quantize_fp8_act128(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Activations x [..., K] (K % 128 == 0) -> (float8_e4m3fn [..., K], float32 scales [..., K/128]).
+
+    One dequantization scale amax / 448 per 128 consecutive values of the last dim.
+    """
+    blocks = split_blocks(x, FP8_BLOCK)
+    scales = _scale_from_amax(blocks.abs().amax(dim=-1))
+    return to_e4m3(blocks / scales.unsqueeze(-1)).reshape(x.shape), scales
+
+
+def dequantize_fp8_act128(values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Inverse of quantize_fp8_act128: E4M3 [..., K] + scales [..., K/128] -> [..., K] of ``dtype``."""
+    blocks = split_blocks(values, FP8_BLOCK)
+    return (blocks * scales.float().unsqueeze(-1)).reshape(values.shape).to(dtype)

@@ -1,0 +1,147 @@
+// Device helpers shared by the MoE glue kernels: number formats, the 128x4
+// scale swizzle and a vectorised byte copy.
+//
+// Self-contained on purpose: NVRTC (through CuPy) may not find the CUDA
+// headers, so the FP8/FP4/BF16 conversions are written with plain bit
+// manipulation and the built-in vector types (uint2, uint4) only.
+#pragma once
+
+namespace moe {
+
+typedef unsigned char u8;
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef long long i64;
+typedef unsigned long long u64;
+
+// ---------------------------------------------------------------------------
+// BF16 <-> FP32
+// ---------------------------------------------------------------------------
+
+// BF16 is the top half of an FP32 word, so widening is a shift.
+__device__ __forceinline__ float bf16_to_float(u16 b) {
+  return __uint_as_float(static_cast<u32>(b) << 16);
+}
+
+// Round-to-nearest-even narrowing: add 0x7FFF plus the lowest kept bit, then
+// truncate. Finite values that round past the BF16 range become +-inf, as in
+// IEEE. NaN stays a (quiet) NaN with its sign.
+__device__ __forceinline__ u16 float_to_bf16(float f) {
+  u32 u = __float_as_uint(f);
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<u16>((u >> 16) | 0x0040u);
+  u += 0x7FFFu + ((u >> 16) & 1u);
+  return static_cast<u16>(u >> 16);
+}
+
+// ---------------------------------------------------------------------------
+// E4M3 (float8_e4m3fn): 1 sign, 4 exponent (bias 7), 3 mantissa bits.
+// Normal:    (1 + m/8) * 2^(e-7), e in 1..15 (e=15, m=7 is NaN, so max 448).
+// Subnormal: (m/8) * 2^-6 = m * 2^-9.
+// ---------------------------------------------------------------------------
+
+// Round to nearest even, saturate to +-448. Never returns the NaN codes
+// 0x7F/0xFF: a NaN input gives +448 (0x7E).
+__device__ __forceinline__ u8 float_to_e4m3(float f) {
+  u32 u = __float_as_uint(f);
+  const u32 sign = (u >> 24) & 0x80u;
+  u &= 0x7FFFFFFFu;
+  if (u > 0x7F800000u) return 0x7E;
+  const float a = __uint_as_float(u);
+  // Everything from 448 up (including the tie at 464 and inf) rounds or
+  // saturates to 448.
+  if (a >= 448.0f) return static_cast<u8>(sign | 0x7Eu);
+  if (a < 0.015625f) {
+    // Below 2^-6: subnormal grid of step 2^-9. The scaling by 512 is exact
+    // and rintf rounds half to even; m == 8 is the smallest normal, 0x08.
+    return static_cast<u8>(sign | static_cast<u32>(rintf(a * 512.0f)));
+  }
+  // Normal: rebias the exponent (127 -> 7), keep 3 of the 23 mantissa bits
+  // and round the other 20 to nearest even; a carry moves into the exponent.
+  u32 bits = (((u >> 23) - 120u) << 3) | ((u >> 20) & 7u);
+  const u32 rest = u & 0xFFFFFu;
+  if (rest > 0x80000u || (rest == 0x80000u && (bits & 1u))) ++bits;
+  return static_cast<u8>(sign | bits);
+}
+
+// Exact widening; the NaN codes 0x7F/0xFF decode to NaN.
+__device__ __forceinline__ float e4m3_to_float(u8 b) {
+  const u32 sign = static_cast<u32>(b & 0x80u) << 24;
+  const u32 e = (b >> 3) & 0xFu;
+  const u32 m = b & 7u;
+  if (e == 15u && m == 7u) return __uint_as_float(sign | 0x7FC00000u);
+  if (e == 0u) return __uint_as_float(sign | __float_as_uint(static_cast<float>(m) * 0.001953125f));
+  return __uint_as_float(sign | ((e + 120u) << 23) | (m << 20));
+}
+
+// ---------------------------------------------------------------------------
+// E2M1 (FP4): code = sign << 3 | index, index 0..7 into the magnitude grid
+// {0, 0.5, 1, 1.5, 2, 3, 4, 6}.
+// ---------------------------------------------------------------------------
+
+// Round to nearest even on the grid, saturate to +-6. The midpoints and the
+// neighbour with an even index that wins each tie:
+//   0.25 -> 0 (idx 0), 0.75 -> 1 (idx 2), 1.25 -> 1 (idx 2), 1.75 -> 2 (idx 4),
+//   2.5  -> 2 (idx 4), 3.5  -> 4 (idx 6), 5    -> 4 (idx 6).
+// The sign bit is kept, so small negative values give 0x8 (negative zero).
+// NaN gives index 7 (6.0) with its sign.
+__device__ __forceinline__ u8 float_to_e2m1(float f) {
+  const u8 sign = (__float_as_uint(f) >> 28) & 0x8u;
+  const float a = fabsf(f);
+  u8 idx;
+  if (a <= 0.25f) idx = 0;
+  else if (a < 0.75f) idx = 1;
+  else if (a <= 1.25f) idx = 2;
+  else if (a < 1.75f) idx = 3;
+  else if (a <= 2.5f) idx = 4;
+  else if (a < 3.5f) idx = 5;
+  else if (a <= 5.0f) idx = 6;
+  else idx = 7;
+  return static_cast<u8>(sign | idx);
+}
+
+// Magnitude: index/2 for indices 0..3, then 2, 3, 4, 6 for 4..7.
+__device__ __forceinline__ float e2m1_to_float(u8 code) {
+  const u32 idx = code & 7u;
+  const float v = idx < 4u ? 0.5f * static_cast<float>(idx) : (idx == 7u ? 6.0f : static_cast<float>(idx - 2u));
+  return (code & 8u) ? -v : v;
+}
+
+// ---------------------------------------------------------------------------
+// Block-scale layouts
+// ---------------------------------------------------------------------------
+
+// Byte offset of scale (r, c) of an R x C scale matrix in the 128x4 swizzled
+// layout (rows padded to 128, columns to 4): tiles of 128 rows x 4 columns are
+// 512 contiguous bytes, row-major over tiles; inside a tile, row r sits at
+// (r % 32) * 16 + ((r % 128) / 32) * 4 and column c at c % 4.
+__device__ __forceinline__ i64 swizzle_128x4_offset(i64 r, i64 c, i64 C) {
+  const i64 col_tiles = (C + 3) / 4;
+  return ((r / 128) * col_tiles + c / 4) * 512 + (r % 32) * 16 + ((r % 128) / 32) * 4 + c % 4;
+}
+
+// Offset of scale (r, c) in either layout: linear row-major (r * C + c) or
+// the 128x4 swizzle.
+__device__ __forceinline__ i64 scale_offset(i64 r, i64 c, i64 C, bool swizzled) {
+  return swizzled ? swizzle_128x4_offset(r, c, C) : r * C + c;
+}
+
+// ---------------------------------------------------------------------------
+// Copies
+// ---------------------------------------------------------------------------
+
+// Copy n bytes with the threads of one block (thread `tid` of `nthreads`),
+// in 16- or 8-byte words when both pointers and n allow it.
+__device__ __forceinline__ void block_copy_bytes(u8* dst, const u8* src, i64 n, int tid, int nthreads) {
+  const u64 align = reinterpret_cast<u64>(dst) | reinterpret_cast<u64>(src) | static_cast<u64>(n);
+  if ((align & 15u) == 0) {
+    for (i64 i = tid; i < n / 16; i += nthreads)
+      reinterpret_cast<uint4*>(dst)[i] = reinterpret_cast<const uint4*>(src)[i];
+  } else if ((align & 7u) == 0) {
+    for (i64 i = tid; i < n / 8; i += nthreads)
+      reinterpret_cast<uint2*>(dst)[i] = reinterpret_cast<const uint2*>(src)[i];
+  } else {
+    for (i64 i = tid; i < n; i += nthreads) dst[i] = src[i];
+  }
+}
+
+}  // namespace moe
