@@ -22,7 +22,6 @@ STAMP := $(VENV)/.installed-$(if $(HAS_GPU),gpu,cpu)
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
 ifeq ($(HAS_GPU),yes)
 	$(PY) -m pip install -q -e ".[test,$(CUDA)]"
 else

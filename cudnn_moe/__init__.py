@@ -1,0 +1,36 @@
+"""cudnn-moe: fused NVFP4 Mixture-of-Experts inference on cuDNN grouped-GEMM graphs.
+
+Importing the package needs only torch and numpy; CuPy and the cuDNN frontend are loaded on
+the first GPU call.
+"""
+
+from .activations import GELU, SiLU, SiTU, ReLU, ReLU2, GeGLU, GeGLUTanh, Identity, SwiGLU, SwiGLUStep
+from .config import Nvfp4Activations, Nvfp4MoeConfig, Nvfp4Weights
+from .executor import UnfinalizedOutput
+from .ops import fused_moe
+from .reference import reference_moe
+from .routing import Routing, pack_routing, unpack_routing
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "GELU",
+    "GeGLU",
+    "GeGLUTanh",
+    "Identity",
+    "Nvfp4Activations",
+    "Nvfp4MoeConfig",
+    "Nvfp4Weights",
+    "ReLU",
+    "ReLU2",
+    "Routing",
+    "SiLU",
+    "SiTU",
+    "SwiGLU",
+    "SwiGLUStep",
+    "UnfinalizedOutput",
+    "fused_moe",
+    "pack_routing",
+    "reference_moe",
+    "unpack_routing",
+]

@@ -126,6 +126,35 @@ __device__ __forceinline__ i64 scale_offset(i64 r, i64 c, i64 C, bool swizzled) 
 }
 
 // ---------------------------------------------------------------------------
+// Vectors of 8 BF16 (16 bytes; element j is the low half of 32-bit word j/2)
+// ---------------------------------------------------------------------------
+
+// Load 8 BF16 from a 16-byte aligned address and widen them to FP32.
+__device__ __forceinline__ void load_bf16x8(const u16* src, float out[8]) {
+  const uint4 v = *reinterpret_cast<const uint4*>(src);
+  const u32 w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    out[2 * j] = __uint_as_float(w[j] << 16);
+    out[2 * j + 1] = __uint_as_float(w[j] & 0xFFFF0000u);
+  }
+}
+
+// Round 8 FP32 to BF16 (RNE) and store them to a 16-byte aligned address.
+__device__ __forceinline__ void store_bf16x8(u16* dst, const float in[8]) {
+  u32 w[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j)
+    w[j] = static_cast<u32>(float_to_bf16(in[2 * j])) | (static_cast<u32>(float_to_bf16(in[2 * j + 1])) << 16);
+  uint4 v;
+  v.x = w[0];
+  v.y = w[1];
+  v.z = w[2];
+  v.w = w[3];
+  *reinterpret_cast<uint4*>(dst) = v;
+}
+
+// ---------------------------------------------------------------------------
 // Copies
 // ---------------------------------------------------------------------------
 

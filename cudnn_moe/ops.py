@@ -1,0 +1,152 @@
+"""The public fused NVFP4 MoE op."""
+
+from __future__ import annotations
+
+import torch
+
+from .activations import GPU_KERNEL_ACTIVATIONS, Activation, SwiGLU, parse_activation
+from .arch import arch_name, device_arch
+from .config import Nvfp4Activations, Nvfp4MoeConfig, Nvfp4Weights
+from .executor import MoeExecutor, UnfinalizedOutput, row_capacity
+from .routing import Routing, check_distinct_experts
+from .validate import require_contiguous, require_same_device, require_shape, require_tensor
+
+
+def _engine_for(device: torch.device):
+    from .engines import CudnnGemmEngine
+
+    return CudnnGemmEngine(device)
+
+
+def get_executor(
+    config: Nvfp4MoeConfig,
+    weights: Nvfp4Weights,
+    *,
+    top_k: int,
+    activation: Activation,
+    local_expert_start: int,
+) -> MoeExecutor:
+    """The executor cached on ``weights`` for this (top_k, activation, expert range, max tokens)."""
+    key = (top_k, activation, local_expert_start, config.max_num_tokens)
+    executor = weights.executors.get(key)
+    if executor is None:
+        executor = MoeExecutor(
+            weights,
+            _engine_for(weights.device),
+            top_k=top_k,
+            activation=activation,
+            local_expert_start=local_expert_start,
+            max_num_tokens=config.max_num_tokens,
+        )
+        executor = weights.executors.setdefault(key, executor)
+    return executor
+
+
+def _validate(
+    config: Nvfp4MoeConfig,
+    activations: Nvfp4Activations,
+    routing: Routing,
+    weights: Nvfp4Weights,
+    activation: Activation,
+    local_expert_start: int,
+) -> None:
+    if not isinstance(config, Nvfp4MoeConfig):
+        raise TypeError(f"config must be an Nvfp4MoeConfig, got {type(config).__name__}")
+    if not isinstance(activations, Nvfp4Activations):
+        raise TypeError("activations must be the Nvfp4Activations from config.prepare_activations()")
+    if not isinstance(weights, Nvfp4Weights):
+        raise TypeError("weights must be the Nvfp4Weights from config.prepare_weights()")
+    if not isinstance(routing, Routing):
+        raise TypeError("routing must be a cudnn_moe.Routing (Routing.packed(...) or Routing.unpacked(...))")
+    device = require_same_device(
+        activations=activations.packed, activation_scales=activations.scales, weights=weights.w1,
+        routing=routing.device_tensor(),
+    )
+    if device.type != "cuda":
+        raise ValueError(f"fused_moe runs on a CUDA device; the inputs are on {device}")
+    arch = device_arch(device)
+    if not config.supported(arch):
+        raise RuntimeError(f"fused_moe supports sm90, sm100 and sm103; this GPU is {arch_name(arch)}")
+    tokens, hidden = activations.num_tokens, weights.hidden_size
+    require_tensor("activations.packed", activations.packed, torch.uint8, rank=2)
+    require_tensor("activations.scales", activations.scales, torch.float8_e4m3fn, rank=2)
+    require_shape("activations.packed", activations.packed, (tokens, hidden // 2))
+    require_shape("activations.scales", activations.scales, (tokens, hidden // 16))
+    require_contiguous(activations_packed=activations.packed, activations_scales=activations.scales)
+    if routing.num_tokens != tokens:
+        raise ValueError(f"routing covers {routing.num_tokens} tokens but activations hold {tokens}")
+    if tokens > config.max_num_tokens:
+        raise ValueError(
+            f"{tokens} tokens exceed the config's max_num_tokens={config.max_num_tokens}; "
+            "raise it or split the batch"
+        )
+    if activation.kind not in GPU_KERNEL_ACTIVATIONS:
+        raise ValueError(f"{type(activation).__name__} has no GPU kernel yet; supported: "
+                         + ", ".join(k.name for k in sorted(GPU_KERNEL_ACTIVATIONS)))
+    if activation.gated != weights.gated:
+        raise ValueError(
+            f"{type(activation).__name__} is {'gated' if activation.gated else 'non-gated'} but the weights "
+            f"were prepared for a {'gated' if weights.gated else 'non-gated'} activation"
+        )
+    if not isinstance(local_expert_start, int) or local_expert_start < 0:
+        raise ValueError(f"local_expert_start must be a non-negative int, got {local_expert_start!r}")
+
+
+def fused_moe(
+    config: Nvfp4MoeConfig,
+    activations: Nvfp4Activations,
+    routing: Routing,
+    weights: Nvfp4Weights,
+    *,
+    activation: Activation | str = SwiGLU(),
+    local_expert_start: int = 0,
+    finalize: bool = True,
+    out: torch.Tensor | None = None,
+    use_cuda_graph: bool = True,
+    check_routing: bool = False,
+) -> torch.Tensor | UnfinalizedOutput:
+    """Run one NVFP4 MoE layer on the GPU.
+
+    activations: T tokens from ``config.prepare_activations``. routing: top-k global expert ids
+    and route weights for the T tokens. weights: this rank's E experts, global ids
+    ``local_expert_start .. local_expert_start + E - 1``; slots naming other experts are skipped.
+    Each token must name distinct experts (``check_routing=True`` verifies it, at the cost of a
+    device sync).
+
+    finalize=True returns bfloat16 [T, H]: sum over slots (in slot order, FP32) of route weight x
+    w2 global x GEMM2 row, rounded once. finalize=False returns an UnfinalizedOutput.
+    ``out``, when given, receives the result ([T, H], or [R, H] rows for finalize=False) and
+    must be a contiguous bfloat16 tensor on the same device.
+
+    use_cuda_graph=False launches every kernel eagerly (for debugging); results are bitwise equal.
+    When the current stream is capturing a CUDA graph the launches are recorded into it.
+    """
+    act = parse_activation(activation)
+    _validate(config, activations, routing, weights, act, local_expert_start)
+    tokens, hidden = activations.num_tokens, weights.hidden_size
+    executor = get_executor(
+        config, weights, top_k=routing.top_k, activation=act, local_expert_start=local_expert_start
+    )
+    if out is not None:
+        rows = tokens if finalize else row_capacity(
+            tokens, routing.top_k, weights.num_experts, executor.engine.row_alignment
+        )
+        require_tensor("out", out, torch.bfloat16, rank=2)
+        require_shape("out", out, (rows, hidden))
+        require_contiguous(out=out)
+        require_same_device(out=out, weights=weights.w1)
+    if check_routing:
+        check_distinct_experts(routing.ids_and_weights()[0])
+    if tokens == 0:
+        return _empty_result(routing, weights, finalize, out)
+    return executor.run(activations, routing, finalize=finalize, out=out, use_cuda_graph=use_cuda_graph)
+
+
+def _empty_result(
+    routing: Routing, weights: Nvfp4Weights, finalize: bool, out: torch.Tensor | None
+) -> torch.Tensor | UnfinalizedOutput:
+    empty = out if out is not None else torch.empty(0, weights.hidden_size, dtype=torch.bfloat16, device=weights.device)
+    if finalize:
+        return empty
+    ids, route_weights = routing.ids_and_weights()
+    return UnfinalizedOutput(empty, route_weights, torch.full_like(ids, -1))

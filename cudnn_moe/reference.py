@@ -1,0 +1,215 @@
+"""Float64 oracle of the NVFP4 MoE layer (sort, GEMM1, activation + requantize, GEMM2, finalize).
+
+It quantizes where the GPU pipeline quantizes and computes everything else in float64:
+
+1. activations and weights are dequantized exactly (E2M1 code times E4M3 block scale;
+   the activation global scale is one, the per-expert weight alphas are not folded in);
+2. for each slot (t, s) routed to a local expert e: h1 = x_t @ w1_e^T * w1_alpha[e];
+3. y = activation(h1), splitting GEMM1's columns into [up | gate] when gated;
+4. y is requantized to NVFP4 with global scale one per row in blocks of 16, as the GPU's
+   activation kernel does, and dequantized again;
+5. row = w2_alpha[e] * (y_q @ w2_e^T);
+6. finalize: out[t] = sum over slots, in slot order, of weight[t, s] * row[t, s].
+
+Slots whose expert is not local are masked: they contribute nothing, whatever their weight.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, overload
+
+import torch
+
+from .activations import Activation, ActivationKind, parse_activation
+from .formats import NVFP4_BLOCK, dequantize_nvfp4, quantize_nvfp4
+from .routing import Routing, check_distinct_experts, local_mask
+
+
+@dataclass(frozen=True)
+class UnfinalizedReference:
+    """The reference's per-slot results before the weighted sum.
+
+    rows: float64 [T, k, H], w2_alpha applied, zero where mask is False.
+    weights: float32 [T, k] route weights (BF16-rounded when routing was packed).
+    mask: bool [T, k], True where the slot's expert is local.
+
+    The GPU's unfinalized output keeps one BF16 row per routed slot in expert order plus a
+    token_to_row map [T, k]; its row ``token_to_row[t, s]`` is compared with ``rows[t, s]``
+    wherever ``mask[t, s]``.
+    """
+
+    rows: torch.Tensor
+    weights: torch.Tensor
+    mask: torch.Tensor
+
+
+def requantize_nvfp4_rows(y: torch.Tensor) -> torch.Tensor:
+    """y [..., K] -> the values the GPU's NVFP4 requantization (global scale one) stores, as float64.
+
+    Per block of 16: s = e4m3(amax / 6) (nearest even, saturating at 448), codes =
+    e2m1(y / s) (nearest even, saturating at 6), zero codes when s == 0. quantize_nvfp4
+    evaluates exactly that in float32 (its ``y * 1 / s`` is ``y / s``: the product by one is
+    exact, and it divides by s rather than multiplying by a rounded 1 / s).
+    """
+    packed, scales = quantize_nvfp4(y)
+    return dequantize_nvfp4(packed, scales, dtype=torch.float64)
+
+
+def _expect(tensor: object, name: str, dtype: torch.dtype, shape: tuple[int, ...], device: torch.device) -> None:
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.dtype != dtype:
+        raise TypeError(f"{name} must be {dtype}, got {tensor.dtype}")
+    if tuple(tensor.shape) != shape:
+        raise ValueError(f"{name} must have shape {list(shape)}, got {list(tensor.shape)}")
+    if tensor.device != device:
+        raise ValueError(f"{name} is on {tensor.device}, expected {device} like act_packed")
+
+
+def _expert_rows(
+    x: torch.Tensor,
+    w1: torch.Tensor,
+    w1_alpha: torch.Tensor,
+    w2: torch.Tensor,
+    w2_alpha: torch.Tensor,
+    ids: torch.Tensor,
+    mask: torch.Tensor,
+    activation: Activation,
+    local_expert_start: int,
+) -> torch.Tensor:
+    """The pipeline after dequantization, all float64.
+
+    x [T, H], w1 [E, N1, H], w1_alpha [E], w2 [E, H, I], w2_alpha [E], ids/mask [T, k].
+    Returns rows [T, k, H]: w2_alpha[e] * (requant(act(w1_alpha[e] * x_t @ w1_e^T)) @ w2_e^T),
+    zero for masked slots.
+    """
+    num_tokens, top_k = ids.shape
+    rows = torch.zeros(num_tokens, top_k, w2.shape[1], dtype=torch.float64, device=x.device)
+    for local in range(w1.shape[0]):
+        tokens, slots = ((ids == local_expert_start + local) & mask).nonzero(as_tuple=True)
+        if tokens.numel() == 0:
+            continue
+        h1 = (x[tokens] @ w1[local].T) * w1_alpha[local]
+        y = requantize_nvfp4_rows(activation.apply_gemm1(h1))
+        rows[tokens, slots] = (y @ w2[local].T) * w2_alpha[local]
+    return rows
+
+
+def _finalize(rows: torch.Tensor, weights: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """sum_s weight[t, s] * rows[t, s] in slot order, float64 [T, H]; masked slots are skipped
+    (a NaN or inf weight there does not reach the output)."""
+    out = torch.zeros(rows.shape[0], rows.shape[2], dtype=torch.float64, device=rows.device)
+    for slot in range(rows.shape[1]):
+        contribution = weights[:, slot, None].to(torch.float64) * rows[:, slot]
+        out += torch.where(mask[:, slot, None], contribution, 0.0)
+    return out
+
+
+@overload
+def reference_moe(
+    act_packed: torch.Tensor,
+    act_scales: torch.Tensor,
+    w1_packed: torch.Tensor,
+    w1_scales: torch.Tensor,
+    w1_alpha: torch.Tensor,
+    w2_packed: torch.Tensor,
+    w2_scales: torch.Tensor,
+    w2_alpha: torch.Tensor,
+    routing: Routing,
+    activation: Activation | ActivationKind | str,
+    *,
+    local_expert_start: int = 0,
+    finalize: Literal[True] = True,
+) -> torch.Tensor: ...
+
+
+@overload
+def reference_moe(
+    act_packed: torch.Tensor,
+    act_scales: torch.Tensor,
+    w1_packed: torch.Tensor,
+    w1_scales: torch.Tensor,
+    w1_alpha: torch.Tensor,
+    w2_packed: torch.Tensor,
+    w2_scales: torch.Tensor,
+    w2_alpha: torch.Tensor,
+    routing: Routing,
+    activation: Activation | ActivationKind | str,
+    *,
+    local_expert_start: int = 0,
+    finalize: Literal[False],
+) -> UnfinalizedReference: ...
+
+
+def reference_moe(
+    act_packed: torch.Tensor,
+    act_scales: torch.Tensor,
+    w1_packed: torch.Tensor,
+    w1_scales: torch.Tensor,
+    w1_alpha: torch.Tensor,
+    w2_packed: torch.Tensor,
+    w2_scales: torch.Tensor,
+    w2_alpha: torch.Tensor,
+    routing: Routing,
+    activation: Activation | ActivationKind | str,
+    *,
+    local_expert_start: int = 0,
+    finalize: bool = True,
+) -> torch.Tensor | UnfinalizedReference:
+    """Float64 result of the NVFP4 MoE layer.
+
+    act_packed uint8 [T, H/2], act_scales float8_e4m3fn [T, H/16] (linear, global scale one);
+    w1_packed uint8 [E, N1, H/2], w1_scales float8_e4m3fn [E, N1, H/16] (linear), w1_alpha
+    float32 [E]; w2_packed uint8 [E, H, I/2], w2_scales float8_e4m3fn [E, H, I/16] (linear),
+    w2_alpha float32 [E]. E counts the local experts, global ids local_expert_start .. + E - 1;
+    N1 = 2I for gated activations (rows [up; gate]), else I. H and I are multiples of 16.
+
+    Returns float64 [T, H] when finalize, else an UnfinalizedReference. Raises ValueError when
+    a token names an expert twice, TypeError / ValueError naming a malformed argument.
+    """
+    activation = parse_activation(activation)
+    if not isinstance(routing, Routing):
+        raise TypeError(f"routing must be a Routing, got {type(routing).__name__}")
+    if not isinstance(act_packed, torch.Tensor) or act_packed.dim() != 2:
+        raise ValueError("act_packed must be a 2-D tensor [T, H/2]")
+    if not isinstance(w2_packed, torch.Tensor) or w2_packed.dim() != 3:
+        raise ValueError("w2_packed must be a 3-D tensor [E, H, I/2]")
+    num_tokens, hidden = act_packed.shape[0], 2 * act_packed.shape[1]
+    num_experts, intermediate = w2_packed.shape[0], 2 * w2_packed.shape[2]
+    if hidden % NVFP4_BLOCK or intermediate % NVFP4_BLOCK:
+        raise ValueError(f"hidden ({hidden}) and intermediate ({intermediate}) sizes must be multiples of 16")
+    n1 = activation.gemm1_columns(intermediate)
+    device = act_packed.device
+    u8, e4m3 = torch.uint8, torch.float8_e4m3fn
+    _expect(act_packed, "act_packed", u8, (num_tokens, hidden // 2), device)
+    _expect(act_scales, "act_scales", e4m3, (num_tokens, hidden // NVFP4_BLOCK), device)
+    _expect(w1_packed, "w1_packed", u8, (num_experts, n1, hidden // 2), device)
+    _expect(w1_scales, "w1_scales", e4m3, (num_experts, n1, hidden // NVFP4_BLOCK), device)
+    _expect(w1_alpha, "w1_alpha", torch.float32, (num_experts,), device)
+    _expect(w2_packed, "w2_packed", u8, (num_experts, hidden, intermediate // 2), device)
+    _expect(w2_scales, "w2_scales", e4m3, (num_experts, hidden, intermediate // NVFP4_BLOCK), device)
+    _expect(w2_alpha, "w2_alpha", torch.float32, (num_experts,), device)
+    if routing.num_tokens != num_tokens:
+        raise ValueError(f"routing has {routing.num_tokens} tokens, act_packed has {num_tokens}")
+    if routing.device != device:
+        raise ValueError(f"routing is on {routing.device}, expected {device} like act_packed")
+
+    ids, weights = routing.ids_and_weights()
+    check_distinct_experts(ids)
+    mask = local_mask(ids, local_expert_start, num_experts)
+    f64 = torch.float64
+    rows = _expert_rows(
+        dequantize_nvfp4(act_packed, act_scales, dtype=f64),
+        dequantize_nvfp4(w1_packed, w1_scales, dtype=f64),
+        w1_alpha.to(f64),
+        dequantize_nvfp4(w2_packed, w2_scales, dtype=f64),
+        w2_alpha.to(f64),
+        ids,
+        mask,
+        activation,
+        local_expert_start,
+    )
+    if not finalize:
+        return UnfinalizedReference(rows=rows, weights=weights, mask=mask)
+    return _finalize(rows, weights, mask)

@@ -1,0 +1,55 @@
+// Copy the caller's activations and routing into the static bucket buffers.
+#include "common.cuh"
+
+using namespace moe;
+
+// Routing formats; cudnn_moe.kernels.ROUTING_* holds the same values.
+#define ROUTING_PACKED 0  // int32 per slot: expert id in the high 16 bits (signed), BF16 weight in the low 16
+#define ROUTING_FP32 1    // ids int32/int64 + weights FP32
+#define ROUTING_BF16 2    // ids int32/int64 + weights BF16
+
+// One block per bucket row t < B.
+//   x        uint8 [T, row_bytes]    packed FP4 activations (row_bytes = H/2)
+//   x_scales uint8 [T, scale_bytes]  E4M3 block scales, linear (scale_bytes = H/16)
+//   ids      [T, top_k] int32 (packed or plain) or int64 (plain, ids_int64 != 0)
+//   weights  [T, top_k] FP32 or BF16 (unused for ROUTING_PACKED)
+//   xs, xss  [B, row_bytes], [B, scale_bytes]: rows >= T are left untouched
+//   ids_out  int32 [B, top_k], w_out FP32 [B, top_k]: rows >= T get id -1, weight 0
+// An int64 id outside the int32 range becomes -1 (masked).
+extern "C" __global__ void moe_stage_inputs(const u8* __restrict__ x, const u8* __restrict__ x_scales,
+                                            const void* __restrict__ ids, const void* __restrict__ weights,
+                                            int routing_format, int ids_int64, u8* __restrict__ xs,
+                                            u8* __restrict__ xss, int* __restrict__ ids_out,
+                                            float* __restrict__ w_out, int T, int top_k, int row_bytes,
+                                            int scale_bytes) {
+  const int t = blockIdx.x;
+  if (t < T) {
+    block_copy_bytes(xs + static_cast<i64>(t) * row_bytes, x + static_cast<i64>(t) * row_bytes, row_bytes,
+                     threadIdx.x, blockDim.x);
+    block_copy_bytes(xss + static_cast<i64>(t) * scale_bytes, x_scales + static_cast<i64>(t) * scale_bytes,
+                     scale_bytes, threadIdx.x, blockDim.x);
+  }
+  for (int s = threadIdx.x; s < top_k; s += blockDim.x) {
+    const i64 i = static_cast<i64>(t) * top_k + s;
+    int id = -1;
+    float w = 0.0f;
+    if (t < T) {
+      if (routing_format == ROUTING_PACKED) {
+        const int p = static_cast<const int*>(ids)[i];
+        id = p >> 16;
+        w = bf16_to_float(static_cast<u16>(p & 0xFFFF));
+      } else {
+        if (ids_int64) {
+          const i64 v = static_cast<const i64*>(ids)[i];
+          id = (v < -2147483647LL - 1 || v > 2147483647LL) ? -1 : static_cast<int>(v);
+        } else {
+          id = static_cast<const int*>(ids)[i];
+        }
+        w = routing_format == ROUTING_FP32 ? static_cast<const float*>(weights)[i]
+                                           : bf16_to_float(static_cast<const u16*>(weights)[i]);
+      }
+    }
+    ids_out[i] = id;
+    w_out[i] = w;
+  }
+}
