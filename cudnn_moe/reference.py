@@ -49,8 +49,9 @@ def requantize_nvfp4_rows(y: torch.Tensor) -> torch.Tensor:
 
     Per block of 16: s = e4m3(amax / 6) (nearest even, saturating at 448), codes =
     e2m1(y / s) (nearest even, saturating at 6), zero codes when s == 0. quantize_nvfp4
-    evaluates exactly that in float32 (its ``y * 1 / s`` is ``y / s``: the product by one is
-    exact, and it divides by s rather than multiplying by a rounded 1 / s).
+    evaluates exactly that in float32, the kernel's precision: y is rounded to float32 first,
+    and its ``y * 1 / s`` equals ``y / s`` (the product by one is exact; it divides by s
+    rather than multiplying by a rounded 1 / s).
     """
     packed, scales = quantize_nvfp4(y)
     return dequantize_nvfp4(packed, scales, dtype=torch.float64)
@@ -74,20 +75,19 @@ def _expert_rows(
     w2: torch.Tensor,
     w2_alpha: torch.Tensor,
     ids: torch.Tensor,
-    mask: torch.Tensor,
     activation: Activation,
     local_expert_start: int,
 ) -> torch.Tensor:
     """The pipeline after dequantization, all float64.
 
-    x [T, H], w1 [E, N1, H], w1_alpha [E], w2 [E, H, I], w2_alpha [E], ids/mask [T, k].
+    x [T, H], w1 [E, N1, H], w1_alpha [E], w2 [E, H, I], w2_alpha [E], global ids [T, k].
     Returns rows [T, k, H]: w2_alpha[e] * (requant(act(w1_alpha[e] * x_t @ w1_e^T)) @ w2_e^T),
-    zero for masked slots.
+    zero for slots whose expert is not local.
     """
     num_tokens, top_k = ids.shape
     rows = torch.zeros(num_tokens, top_k, w2.shape[1], dtype=torch.float64, device=x.device)
     for local in range(w1.shape[0]):
-        tokens, slots = ((ids == local_expert_start + local) & mask).nonzero(as_tuple=True)
+        tokens, slots = (ids == local_expert_start + local).nonzero(as_tuple=True)
         if tokens.numel() == 0:
             continue
         h1 = (x[tokens] @ w1[local].T) * w1_alpha[local]
@@ -206,7 +206,6 @@ def reference_moe(
         dequantize_nvfp4(w2_packed, w2_scales, dtype=f64),
         w2_alpha.to(f64),
         ids,
-        mask,
         activation,
         local_expert_start,
     )

@@ -1,0 +1,183 @@
+"""GPU tests of the fused NVFP4 MoE op against the float64 reference.
+
+Tolerance: relative L2 error per token row <= ROW_TOL and over the whole output <= TOTAL_TOL.
+The GPU rounds GEMM outputs to BF16 before the activation and the requantization, so a few
+E2M1 codes of the intermediate can land one step away from the reference's; that keeps the
+error near 1e-2. A wrong block scale or global scale (>= 2x), a swapped nibble order, a dropped
+slot or a wrong expert each put at least one row far above ROW_TOL.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cudnn_moe import (
+    GELU, GeGLU, GeGLUTanh, Identity, Nvfp4MoeConfig, ReLU, ReLU2, Routing, SiLU, SwiGLU,
+    fused_moe, pack_routing, reference_moe,
+)
+from cudnn_moe.executor import row_capacity
+
+pytestmark = pytest.mark.gpu
+
+ROW_TOL = 0.06
+TOTAL_TOL = 0.025
+
+
+def _layer(experts, hidden, inter, top_k, tokens, activation, seed, *, local=None, routing="fp32"):
+    gen = torch.Generator().manual_seed(seed)
+    rows1 = 2 * inter if activation.gated else inter
+    x = torch.randn(tokens, hidden, generator=gen)
+    w1 = torch.randn(experts, rows1, hidden, generator=gen) / hidden**0.5
+    w2 = torch.randn(experts, hidden, inter, generator=gen) / inter**0.5
+    total_experts = experts if local is None else local[1]
+    ids = torch.rand(tokens, total_experts, generator=gen).argsort(dim=1)[:, :top_k].to(torch.int32)
+    route_w = torch.rand(tokens, top_k, generator=gen) + 0.1
+    dev = torch.device("cuda")
+    if routing == "packed":
+        r = Routing.packed(pack_routing(ids, route_w).to(dev))
+    elif routing == "bf16":
+        r = Routing.unpacked(ids.to(dev), route_w.to(dev, torch.bfloat16))
+    else:
+        r = Routing.unpacked(ids.to(dev), route_w.to(dev))
+    return (x.to(dev, torch.bfloat16), w1.to(dev, torch.bfloat16), w2.to(dev, torch.bfloat16), r)
+
+
+def _run_case(experts, hidden, inter, top_k, tokens, activation, *, seed=0, local=None, routing="fp32",
+              finalize=True, graph=True):
+    """local = (start, total_experts): this rank holds experts start .. start+experts-1 of total."""
+    x, w1, w2, r = _layer(experts, hidden, inter, top_k, tokens, activation, seed, local=local, routing=routing)
+    start = 0 if local is None else local[0]
+    config = Nvfp4MoeConfig(max_num_tokens=max(tokens, 1))
+    weights = config.prepare_weights(w1, w2, activation=activation)
+    acts = config.prepare_activations(x)
+    w1s, w2s = weights.linear_scales()
+    ref = reference_moe(acts.packed, acts.scales, weights.w1, w1s, weights.w1_alpha, weights.w2, w2s,
+                        weights.w2_alpha, r, activation, local_expert_start=start, finalize=finalize)
+    if finalize:
+        out = torch.full((tokens, hidden), float("nan"), dtype=torch.bfloat16, device="cuda")
+    else:
+        rows = row_capacity(tokens, top_k, experts, _align(weights, config, top_k, activation, start))
+        out = torch.full((rows, hidden), float("nan"), dtype=torch.bfloat16, device="cuda")
+    got = fused_moe(config, acts, r, weights, activation=activation, local_expert_start=start,
+                    finalize=finalize, out=out, use_cuda_graph=graph)
+    return got, ref, (config, acts, r, weights, activation, start)
+
+
+def _align(weights, config, top_k, activation, start):
+    from cudnn_moe.ops import get_executor
+
+    return get_executor(config, weights, top_k=top_k, activation=activation,
+                        local_expert_start=start).engine.row_alignment
+
+
+def _check_close(got: torch.Tensor, ref: torch.Tensor) -> None:
+    assert not torch.isnan(got).any(), "NaN in the output (unwritten or poisoned element)"
+    got, ref = got.double(), ref.double().to(got.device)
+    if ref.numel() == 0:
+        assert got.numel() == 0
+        return
+    assert ref.abs().max() > 0, "reference is all zeros: the case tests nothing"
+    err = (got - ref).norm(dim=-1)
+    scale = ref.norm(dim=-1)
+    live = scale > 0
+    assert torch.all(err[~live] == 0), "rows that must be zero are not"
+    row_err = (err[live] / scale[live]).max().item() if live.any() else 0.0
+    total = ((got - ref).norm() / ref.norm()).item()
+    assert row_err <= ROW_TOL and total <= TOTAL_TOL, f"worst row {row_err:.3e}, total {total:.3e}"
+
+
+CASES = [
+    # experts, hidden, inter, top_k, tokens, activation
+    (8, 256, 256, 2, 64, SwiGLU()),
+    (8, 256, 128, 1, 1, SwiGLU()),
+    (8, 128, 256, 8, 3, GeGLU()),
+    (64, 512, 256, 8, 64, SwiGLU()),
+    (64, 256, 384, 2, 1000, GELU()),
+    (256, 256, 128, 8, 64, ReLU()),
+    (8, 2048, 2048, 2, 64, SwiGLU()),
+    (8, 256, 256, 2, 64, SiLU()),
+    (8, 256, 256, 2, 64, Identity()),
+    (8, 256, 256, 2, 64, ReLU2()),
+    (8, 256, 256, 2, 64, GeGLUTanh()),
+    (8, 256, 256, 2, 64, SwiGLU(alpha=1.702, beta=1.0, limit=7.0)),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"E{c[0]}-H{c[1]}-I{c[2]}-k{c[3]}-T{c[4]}-{type(c[5]).__name__}")
+def test_matches_reference(case):
+    got, ref, _ = _run_case(*case)
+    _check_close(got, ref)
+
+
+@pytest.mark.parametrize("routing", ["packed", "fp32", "bf16"])
+def test_routing_formats(routing):
+    got, ref, _ = _run_case(8, 256, 256, 4, 64, SwiGLU(), routing=routing, seed=3)
+    _check_close(got, ref)
+
+
+@pytest.mark.parametrize("tokens", [0, 1, 3])
+def test_small_token_counts(tokens):
+    got, ref, _ = _run_case(64, 256, 256, 8, tokens, SwiGLU(), seed=tokens)
+    _check_close(got, ref)
+
+
+def test_expert_parallel_subset():
+    # This rank holds experts 16..31 of 64: most slots are masked, some tokens get no local expert.
+    got, ref, _ = _run_case(16, 256, 256, 4, 64, SwiGLU(), local=(16, 64), seed=5)
+    _check_close(got, ref)
+
+
+def test_all_slots_masked_gives_zeros():
+    got, ref, _ = _run_case(8, 256, 128, 2, 16, SwiGLU(), local=(200, 8), seed=6)
+    assert not torch.isnan(got).any()
+    assert torch.count_nonzero(got) == 0 and torch.count_nonzero(ref) == 0
+
+
+@pytest.mark.parametrize("routing", ["packed", "fp32"])
+def test_unfinalized_rows(routing):
+    got, ref, _ = _run_case(8, 256, 256, 2, 64, SwiGLU(), routing=routing, finalize=False, seed=7)
+    rows, weights, token_to_row = got.rows, got.expert_weights, got.token_to_row
+    assert token_to_row.shape == (64, 2) and token_to_row.dtype == torch.int32
+    assert torch.equal(token_to_row.cpu() >= 0, ref.mask.cpu())
+    used = token_to_row[token_to_row >= 0]
+    assert used.unique().numel() == used.numel(), "two slots share a row"
+    gathered = rows[token_to_row.clamp_min(0).long()]
+    gathered[token_to_row < 0] = 0
+    _check_close(gathered.reshape(-1, rows.shape[1]), ref.rows.reshape(-1, rows.shape[1]))
+    torch.testing.assert_close(weights.cpu(), ref.weights.cpu(), rtol=0, atol=0)
+    unused = torch.ones(rows.shape[0], dtype=torch.bool, device=rows.device)
+    unused[used.long()] = False
+    assert torch.count_nonzero(rows[unused]) == 0, "rows no slot points at must be zero"
+
+
+def test_graph_replay_equals_eager_and_repeats():
+    eager, ref, (config, acts, r, weights, act, start) = _run_case(64, 512, 256, 8, 100, SwiGLU(), graph=False)
+    _check_close(eager, ref)
+    replays = [fused_moe(config, acts, r, weights, activation=act, use_cuda_graph=True) for _ in range(3)]
+    for out in replays:
+        assert torch.equal(out, eager)
+
+
+def test_bucket_reuse_with_fewer_tokens():
+    # Run 100 tokens (bucket 128), then 37 tokens in the same bucket: stale rows must not leak.
+    _, _, (config, acts, r, weights, act, start) = _run_case(8, 256, 256, 2, 100, SwiGLU(), seed=9)
+    x, w1, w2, r2 = _layer(8, 256, 256, 2, 37, act, seed=10)
+    acts2 = config.prepare_activations(x)
+    w1s, w2s = weights.linear_scales()
+    ref = reference_moe(acts2.packed, acts2.scales, weights.w1, w1s, weights.w1_alpha, weights.w2, w2s,
+                        weights.w2_alpha, r2, act)
+    out = torch.full((37, 256), float("nan"), dtype=torch.bfloat16, device="cuda")
+    _check_close(fused_moe(config, acts2, r2, weights, activation=act, out=out), ref)
+
+
+def test_records_into_callers_cuda_graph():
+    eager, ref, (config, acts, r, weights, act, start) = _run_case(8, 256, 256, 2, 32, SwiGLU(), seed=11)
+    out = torch.full_like(eager, float("nan"))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fused_moe(config, acts, r, weights, activation=act, out=out)
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
