@@ -83,7 +83,9 @@ def quantize_fp8_act128(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return to_e4m3(blocks / scales.unsqueeze(-1)).reshape(x.shape), scales
 
 
-def dequantize_fp8_act128(values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def dequantize_fp8_act128(
+    values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """Inverse of quantize_fp8_act128: E4M3 [..., K] + scales [..., K/128] -> [..., K] of ``dtype``."""
     blocks = split_blocks(values, FP8_BLOCK)
     return (blocks * scales.float().unsqueeze(-1)).reshape(values.shape).to(dtype)

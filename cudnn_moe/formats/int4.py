@@ -26,9 +26,9 @@ def quantize_mxint4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     blocks = split_blocks(x, MXINT4_BLOCK)
     scales = (blocks.abs().amax(dim=-1) / INT4_MAX).to(torch.bfloat16)
     scale_values = scales.float().unsqueeze(-1)
+    # A zero scale means amax / 7 rounds to zero in BF16, so dividing by 1 instead still gives zero codes.
     safe = torch.where(scale_values == 0, torch.ones_like(scale_values), scale_values)
     q = torch.round(blocks / safe).clamp(INT4_MIN, INT4_MAX)
-    q = torch.where(scale_values == 0, torch.zeros_like(q), q)
     codes = (q.to(torch.int16) & 0xF).to(torch.uint8)
     return pack_nibbles(codes.reshape(x.shape)), scales
 

@@ -30,7 +30,6 @@ def quantize_nvfp4(x: torch.Tensor, global_scale: float | torch.Tensor = 1.0) ->
     scale_values = scales.float().unsqueeze(-1)
     safe = torch.where(scale_values == 0, torch.ones_like(scale_values), scale_values)
     codes = encode_e2m1(blocks * g / safe)
-    codes = torch.where(scale_values == 0, torch.zeros_like(codes), codes)
     return pack_nibbles(codes.reshape(x.shape)), scales
 
 
