@@ -81,14 +81,19 @@ class Nvfp4Weights:
         )
 
 
+_CHUNK_ELEMENTS = 1 << 27  # experts are quantized in chunks of about this many values to bound temporaries
+
+
 def _quantize_per_expert(w: torch.Tensor, layout: ScaleLayout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """float [E, rows, K] -> (packed [E, rows, K/2], scales in ``layout``, alpha float32 [E])."""
-    amax = w.float().abs().amax(dim=(1, 2))
+    amax = w.abs().amax(dim=(1, 2)).float()
     alpha = torch.where(amax > 0, amax / NVFP4_MAX, torch.ones_like(amax))
-    packed, scales = quantize_nvfp4(w, 1.0 / alpha)
+    step = max(1, _CHUNK_ELEMENTS // w[0].numel())
+    packed, scales = zip(*(quantize_nvfp4(w[e : e + step], 1.0 / alpha[e : e + step]) for e in range(0, w.shape[0], step)))
+    scales = torch.cat(scales)
     if layout is ScaleLayout.SWIZZLED_128X4:
         scales = swizzle_128x4(scales)
-    return packed, scales, alpha
+    return torch.cat(packed), scales, alpha
 
 
 class Nvfp4MoeConfig:

@@ -70,6 +70,7 @@ class _Bucket:
             # Zero-filled so rows the pipeline never writes always hold finite values.
             return torch.zeros(*shape, dtype=dtype, device=dev)
 
+        engine = executor.engine
         self.tokens, self.rows = tokens, rows
         self.x = empty(tokens, hidden // 2)
         self.x_scales = empty(tokens, hidden // 16)
@@ -80,12 +81,11 @@ class _Bucket:
         self.row_to_slot = empty(rows, dtype=torch.int32)
         self.row_expert = empty(rows, dtype=torch.int32)
         self.x_sorted = empty(rows, hidden // 2)
-        self.x_sorted_scales = empty(rows * hidden // 16)
+        self.x_sorted_scales = empty(engine.token_scale_bytes(rows, hidden, experts))
         self.gemm1_out = empty(rows, n1, dtype=torch.bfloat16)
         self.act = empty(rows, inter // 2)
-        self.act_scales = empty(rows * inter // 16)
+        self.act_scales = empty(engine.token_scale_bytes(rows, inter, experts))
         self.gemm2_out = empty(rows, hidden, dtype=torch.bfloat16)
-        engine = executor.engine
         self.gemm_workspace = empty(
             max(
                 engine.workspace_bytes(rows, hidden, n1, experts),

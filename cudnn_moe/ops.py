@@ -58,15 +58,6 @@ def _validate(
         raise TypeError("weights must be the Nvfp4Weights from config.prepare_weights()")
     if not isinstance(routing, Routing):
         raise TypeError("routing must be a cudnn_moe.Routing (Routing.packed(...) or Routing.unpacked(...))")
-    device = require_same_device(
-        activations=activations.packed, activation_scales=activations.scales, weights=weights.w1,
-        routing=routing.device_tensor(),
-    )
-    if device.type != "cuda":
-        raise ValueError(f"fused_moe runs on a CUDA device; the inputs are on {device}")
-    arch = device_arch(device)
-    if not config.supported(arch):
-        raise RuntimeError(f"fused_moe supports sm90, sm100 and sm103; this GPU is {arch_name(arch)}")
     tokens, hidden = activations.num_tokens, weights.hidden_size
     require_tensor("activations.packed", activations.packed, torch.uint8, rank=2)
     require_tensor("activations.scales", activations.scales, torch.float8_e4m3fn, rank=2)
@@ -90,6 +81,15 @@ def _validate(
         )
     if not isinstance(local_expert_start, int) or local_expert_start < 0:
         raise ValueError(f"local_expert_start must be a non-negative int, got {local_expert_start!r}")
+    device = require_same_device(
+        activations=activations.packed, activation_scales=activations.scales, weights=weights.w1,
+        routing=routing.device_tensor(),
+    )
+    if device.type != "cuda":
+        raise ValueError(f"fused_moe runs on a CUDA device; the inputs are on {device}")
+    arch = device_arch(device)
+    if not config.supported(arch):
+        raise RuntimeError(f"fused_moe supports sm90, sm100 and sm103; this GPU is {arch_name(arch)}")
 
 
 def fused_moe(

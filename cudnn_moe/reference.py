@@ -26,7 +26,7 @@ from .formats import NVFP4_BLOCK, dequantize_nvfp4, quantize_nvfp4
 from .routing import Routing, check_distinct_experts, local_mask
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class UnfinalizedReference:
     """The reference's per-slot results before the weighted sum.
 
@@ -171,6 +171,8 @@ def reference_moe(
     activation = parse_activation(activation)
     if not isinstance(routing, Routing):
         raise TypeError(f"routing must be a Routing, got {type(routing).__name__}")
+    if not isinstance(local_expert_start, int) or local_expert_start < 0:
+        raise ValueError(f"local_expert_start must be a non-negative int, got {local_expert_start!r}")
     if not isinstance(act_packed, torch.Tensor) or act_packed.dim() != 2:
         raise ValueError("act_packed must be a 2-D tensor [T, H/2]")
     if not isinstance(w2_packed, torch.Tensor) or w2_packed.dim() != 3:

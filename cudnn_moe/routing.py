@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .kernels import ROUTING_BF16, ROUTING_FP32, ROUTING_PACKED
+
 _ID_MIN, _ID_MAX = -(1 << 15), (1 << 15) - 1
 _ID_DTYPES = (torch.int32, torch.int64)
 _WEIGHT_DTYPES = (torch.float32, torch.bfloat16)
@@ -58,7 +60,7 @@ def _require_tensor(value: object, name: str, dtypes: tuple[torch.dtype, ...]) -
     return value
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Routing:
     """One token -> experts assignment, held packed (int32 [T, k]) or as ids + weights.
 
@@ -99,21 +101,28 @@ class Routing:
     def is_packed(self) -> bool:
         return self.packed_tensor is not None
 
-    @property
-    def _shape_source(self) -> torch.Tensor:
+    def device_tensor(self) -> torch.Tensor:
+        """The [T, k] tensor that fixes the shape and device: the packed tensor, or the ids."""
         return self.packed_tensor if self.packed_tensor is not None else self.ids
 
     @property
     def num_tokens(self) -> int:
-        return self._shape_source.shape[0]
+        return self.device_tensor().shape[0]
 
     @property
     def top_k(self) -> int:
-        return self._shape_source.shape[1]
+        return self.device_tensor().shape[1]
 
     @property
     def device(self) -> torch.device:
-        return self._shape_source.device
+        return self.device_tensor().device
+
+    def kernel_operands(self) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+        """(ids or packed tensor, weights or None, kernels.ROUTING_* code), as the staging kernel reads them."""
+        if self.packed_tensor is not None:
+            return self.packed_tensor, None, ROUTING_PACKED
+        code = ROUTING_FP32 if self.weights.dtype == torch.float32 else ROUTING_BF16
+        return self.ids, self.weights, code
 
     def ids_and_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(ids int32 [T, k], weights float32 [T, k]); packed weights are BF16-exact."""

@@ -78,25 +78,17 @@ __device__ __forceinline__ float e4m3_to_float(u8 b) {
 // {0, 0.5, 1, 1.5, 2, 3, 4, 6}.
 // ---------------------------------------------------------------------------
 
-// Round to nearest even on the grid, saturate to +-6. The midpoints and the
-// neighbour with an even index that wins each tie:
-//   0.25 -> 0 (idx 0), 0.75 -> 1 (idx 2), 1.25 -> 1 (idx 2), 1.75 -> 2 (idx 4),
-//   2.5  -> 2 (idx 4), 3.5  -> 4 (idx 6), 5    -> 4 (idx 6).
-// The sign bit is kept, so small negative values give 0x8 (negative zero).
-// NaN gives index 7 (6.0) with its sign.
+// Round to nearest even on the grid, saturate to +-6. The index is the number of
+// midpoints that |f| has passed; at a midpoint the neighbour with the even index
+// wins, so the test is >= where the upper neighbour's index is even, > otherwise:
+//   0.25 -> idx 0, 0.75 -> idx 2, 1.25 -> idx 2, 1.75 -> idx 4,
+//   2.5  -> idx 4, 3.5  -> idx 6, 5    -> idx 6.
+// A value that rounds to zero gets code 0 (never 0x8), as does NaN; this matches
+// cudnn_moe.formats.encode_e2m1.
 __device__ __forceinline__ u8 float_to_e2m1(float f) {
-  const u8 sign = (__float_as_uint(f) >> 28) & 0x8u;
   const float a = fabsf(f);
-  u8 idx;
-  if (a <= 0.25f) idx = 0;
-  else if (a < 0.75f) idx = 1;
-  else if (a <= 1.25f) idx = 2;
-  else if (a < 1.75f) idx = 3;
-  else if (a <= 2.5f) idx = 4;
-  else if (a < 3.5f) idx = 5;
-  else if (a <= 5.0f) idx = 6;
-  else idx = 7;
-  return static_cast<u8>(sign | idx);
+  const u32 idx = (a > 0.25f) + (a >= 0.75f) + (a > 1.25f) + (a >= 1.75f) + (a > 2.5f) + (a >= 3.5f) + (a > 5.0f);
+  return static_cast<u8>(idx | ((f < 0.0f && idx != 0u) ? 8u : 0u));
 }
 
 // Magnitude: index/2 for indices 0..3, then 2, 3, 4, 6 for 4..7.

@@ -7,8 +7,8 @@ K) feeding `moe_grouped_matmul` (mode NONE, FP32 accumulation), BF16 output.
 
 Physical buffers (torch, row-major, M = `rows`, the token capacity of a bucket):
     token_packed   uint8 [M, K/2]       two E2M1 codes per byte, element 2i in the low nibble
-    token_scales   float8_e4m3fn        LINEAR: [M, K/16]; SWIZZLED_128X4: a dense blob of
-                                        `token_scale_bytes` bytes, the 128x4 swizzle of [M, K/16]
+    token_scales   float8_e4m3fn        LINEAR: [M, K/16]; SWIZZLED_128X4: `token_scale_bytes`
+                                        bytes starting with the 128x4 swizzle of [M, K/16]
     weight_packed  uint8 [E, N, K/2]    row n of expert e holds its K codes
     weight_scales  float8_e4m3fn        LINEAR: [E, N, K/16]; SWIZZLED_128X4: [E, Np, Kp], each
                                         expert's [N, K/16] swizzled on its own (Np = N rounded up
@@ -19,26 +19,22 @@ Physical buffers (torch, row-major, M = `rows`, the token capacity of a bucket):
 
 from __future__ import annotations
 
+import math
 import threading
 from collections import Counter
 from dataclasses import dataclass
-from enum import Enum, IntEnum
+from enum import IntEnum
 from typing import Any, NamedTuple
 
 import torch
 
+from ..arch import Arch, engine_scale_layout, is_blackwell
+from ..formats import NVFP4_BLOCK, ScaleLayout
+from ..formats.scale_layout import SWIZZLE_COLS, SWIZZLE_ROWS
 from .handles import using_handle
 from .probe import MIN_BACKEND, NATIVE_NVFP4_MOE_BACKEND, format_version, require_cudnn
 
-NVFP4_BLOCK = 16
-SWIZZLE_ROWS = 128
-SWIZZLE_COLS = 4
 EXPLICIT_OFFSETS_SM90_BACKEND = 92800  # 9.19 rejects E+1 offsets on SM90, 9.28 accepts them (measured)
-
-
-class ScaleLayout(Enum):
-    LINEAR = "linear"  # row-major scale matrices (the SM90 dequantizing engine)
-    SWIZZLED_128X4 = "swizzled_128x4"  # cuDNN F8_128x4 reordering (the SM100 native NVFP4 engines)
 
 
 class UID(IntEnum):
@@ -69,7 +65,7 @@ class GroupedGemmKey:
     scale_layout: ScaleLayout
     offsets_len: int
     device: int
-    arch: tuple[int, int]
+    arch: Arch
     backend: int
 
     def __post_init__(self) -> None:
@@ -85,11 +81,6 @@ class GroupedGemmKey:
             raise ValueError(f"{self}: swizzled token scales need rows to be a multiple of {SWIZZLE_ROWS}")
 
     @property
-    def scale_cols(self) -> int:
-        """K / 16: scales per row."""
-        return self.k // NVFP4_BLOCK
-
-    @property
     def swizzled(self) -> bool:
         return self.scale_layout is ScaleLayout.SWIZZLED_128X4
 
@@ -102,31 +93,31 @@ class GroupedGemmKey:
         )
 
 
-def scale_layout_for(arch: tuple[int, int]) -> ScaleLayout:
-    """SWIZZLED_128X4 on SM100+ (the native NVFP4 engines take F8_128x4 scales), LINEAR on SM90."""
-    return ScaleLayout.SWIZZLED_128X4 if arch[0] >= 10 else ScaleLayout.LINEAR
+def scale_layout_for(arch: Arch) -> ScaleLayout:
+    """SWIZZLED_128X4 on SM100/SM103 (the native NVFP4 engines take F8_128x4 scales), LINEAR on SM90."""
+    return engine_scale_layout(arch)
 
 
-def row_alignment(arch: tuple[int, int]) -> int:
+def row_alignment(arch: Arch) -> int:
     """Rows each expert segment is padded to.
 
-    SM100+: 128, the native engine's M tile and the height of a 128x4 scale atom, so
+    SM100/SM103: 128, the native engine's M tile and the height of a 128x4 scale atom, so
     every segment starts on a fresh atom. SM90: 8. The dequantizing engine reads linear
     scales and has no row tile the offsets must meet; 8 rows keep every segment start
     16-byte aligned in each operand (8 scale rows are K/2 bytes) at a cost of at most
     7 padding rows per expert.
     """
-    return SWIZZLE_ROWS if arch[0] >= 10 else 8
+    return SWIZZLE_ROWS if is_blackwell(arch) else 8
 
 
-def offsets_len_for(num_experts: int, arch: tuple[int, int], backend: int) -> int:
+def offsets_len_for(num_experts: int, arch: Arch, backend: int) -> int:
     """E + 1 explicit boundaries where the backend takes them, else E segment starts.
 
-    SM100+ always takes boundaries (the frontend's SM100 engine requires them); SM90
+    SM100/SM103 always take boundaries (the frontend's SM100 engine requires them); SM90
     from cuDNN 9.28 on. With starts only, the last segment runs to the token capacity.
     One expert always needs boundaries (the frontend rejects a single start).
     """
-    explicit = num_experts == 1 or arch[0] >= 10 or backend >= EXPLICIT_OFFSETS_SM90_BACKEND
+    explicit = num_experts == 1 or is_blackwell(arch) or backend >= EXPLICIT_OFFSETS_SM90_BACKEND
     return num_experts + 1 if explicit else num_experts
 
 
@@ -139,26 +130,28 @@ def segmented_scale_rows(rows: int, num_groups: int) -> int:
     return SWIZZLE_ROWS * (active + (rows - active) // SWIZZLE_ROWS)
 
 
-def token_scale_bytes(key: GroupedGemmKey) -> int:
+def token_scale_bytes(rows: int, k: int, layout: ScaleLayout, num_experts: int) -> int:
     """Bytes the token-scale buffer must hold.
 
-    LINEAR: M * K/16. SWIZZLED_128X4: the frontend's SM100 engine lays each segment's
-    scales out from its own 128-row atom and checks the buffer covers the worst case
-    (`segmented_scale_rows`). With segments padded to 128 rows that layout is exactly
-    the 128x4 swizzle of the M rows, so only the first M rows' atoms are ever read.
+    LINEAR: rows * K/16. SWIZZLED_128X4: the frontend's SM100 engine lays each expert
+    segment's scales out from its own 128-row atom and checks that the buffer covers
+    the worst case (`segmented_scale_rows`). With segments padded to 128 rows that
+    layout is exactly the 128x4 swizzle of all rows, so only the first ceil(rows/128)
+    row atoms are ever read; the rest is headroom the check asks for.
     """
-    if not key.swizzled:
-        return key.rows * key.scale_cols
-    groups = key.offsets_len - 1 if key.offsets_len == key.num_experts + 1 else key.num_experts
-    rows = max(_round_up(key.rows, SWIZZLE_ROWS), segmented_scale_rows(key.rows, groups))
-    return rows * _round_up(key.scale_cols, SWIZZLE_COLS)
+    cols = k // NVFP4_BLOCK
+    if layout is ScaleLayout.LINEAR:
+        return rows * cols
+    padded_rows = max(_round_up(rows, SWIZZLE_ROWS), segmented_scale_rows(rows, num_experts))
+    return padded_rows * _round_up(cols, SWIZZLE_COLS)
 
 
-def weight_scale_shape(key: GroupedGemmKey) -> tuple[int, int, int]:
-    """Physical weight-scale shape: [E, N, K/16] linear, [E, Np, Kp] swizzled (one 128x4 plane per expert)."""
-    if key.swizzled:
-        return key.num_experts, _round_up(key.n, SWIZZLE_ROWS), _round_up(key.scale_cols, SWIZZLE_COLS)
-    return key.num_experts, key.n, key.scale_cols
+def weight_scale_shape(num_experts: int, n: int, k: int, layout: ScaleLayout) -> tuple[int, int, int]:
+    """Physical weight-scale shape: [E, N, K/16] linear; [E, Np, Kp] swizzled, one 128x4 plane per expert."""
+    cols = k // NVFP4_BLOCK
+    if layout is ScaleLayout.LINEAR:
+        return num_experts, n, cols
+    return num_experts, _round_up(n, SWIZZLE_ROWS), _round_up(cols, SWIZZLE_COLS)
 
 
 def _dequant_dtypes(layout: ScaleLayout) -> tuple[str, ...]:
@@ -183,15 +176,15 @@ def _declare(cudnn: Any, key: GroupedGemmKey, handle: Any, dequant_dtype: Any) -
         is_cuda_graph_replay_expected=True,
     )
     reorder = cudnn.tensor_reordering.F8_128x4 if key.swizzled else None
-    # Swizzled scale tensors are declared at their padded 128x4 extents, as cuDNN expects.
-    _, scale_n, scale_k = weight_scale_shape(key)
-    scale_m = _round_up(m, SWIZZLE_ROWS) if key.swizzled else m
+    # Swizzled scale tensors are declared at their padded 128x4 extents, as cuDNN expects
+    # (m is already a multiple of 128 there).
+    _, scale_n, scale_k = weight_scale_shape(e, n, k, key.scale_layout)
 
     token = graph.tensor(name="token", dim=[1, m, k], stride=[m * k, k, 1], data_type=dt.FP4_E2M1, uid=int(UID.TOKEN))
     token_scale = graph.tensor(
         name="token_scale",
-        dim=[1, scale_m, scale_k],
-        stride=[scale_m * scale_k, scale_k, 1],
+        dim=[1, m, scale_k],
+        stride=[m * scale_k, scale_k, 1],
         data_type=dt.FP8_E4M3,
         reordering_type=reorder,
         uid=int(UID.TOKEN_SCALE),
@@ -231,7 +224,8 @@ def _declare(cudnn: Any, key: GroupedGemmKey, handle: Any, dequant_dtype: Any) -
     return graph
 
 
-_FP4_STORAGE = tuple(d for d in (torch.uint8, getattr(torch, "float4_e2m1fn_x2", None)) if d is not None)
+_FP4_DTYPE = getattr(torch, "float4_e2m1fn_x2", None)  # torch's packed-FP4 dtype, where it has one
+_FP4_STORAGE = (torch.uint8,) if _FP4_DTYPE is None else (torch.uint8, _FP4_DTYPE)
 _SCALE_STORAGE = (torch.float8_e4m3fn, torch.uint8)
 
 
@@ -243,10 +237,7 @@ def _operand(t: torch.Tensor, name: str, key: GroupedGemmKey, dtypes: tuple[torc
         raise ValueError(f"{name} must be one of {dtypes}, got {t.dtype}")
     if not t.is_contiguous():
         raise ValueError(f"{name} must be contiguous")
-    numel = 1
-    for extent in shape:
-        numel *= extent
-    if t.numel() != numel:
+    if t.numel() != math.prod(shape):
         raise ValueError(f"{name} holds {t.numel()} elements; {key.describe()} needs {list(shape)}")
     return t.view(shape)
 
@@ -270,26 +261,22 @@ class GroupedFp4Gemm:
         workspace: torch.Tensor | None,
         stream_ptr: int,
     ) -> None:
-        """Enqueue the GEMM on ``stream_ptr``; layouts as in the module docstring. Capturable in a CUDA graph.
+        """Enqueue the GEMM on ``stream_ptr`` (layouts in the module docstring; uint8 is
+        accepted for the FP8 scales). Capturable in a CUDA graph once it has run eagerly.
 
-        offsets: int32 with exactly `key.offsets_len` entries. workspace: uint8 with at
-        least `workspace_bytes` bytes (None allowed when that is 0).
+        offsets: int32 with exactly `key.offsets_len` entries. workspace: at least
+        `workspace_bytes` bytes (None allowed when that is 0).
         """
         key = self.key
-        m, k, n, e = key.rows, key.k, key.n, key.num_experts
-        fp4 = getattr(torch, "float4_e2m1fn_x2", None)
+        m, k, n, e, layout = key.rows, key.k, key.n, key.num_experts, key.scale_layout
         token_packed = _operand(token_packed, "token_packed", key, _FP4_STORAGE, (1, m, k // 2))
         weight_packed = _operand(weight_packed, "weight_packed", key, _FP4_STORAGE, (e, n, k // 2))
-        if fp4 is not None:  # tell the frontend these bytes are packed FP4 pairs
-            token_packed, weight_packed = token_packed.view(fp4), weight_packed.view(fp4)
-        if key.swizzled:
-            need = token_scale_bytes(key)
-            if token_scales.numel() < need:
-                raise ValueError(f"token_scales holds {token_scales.numel()} bytes; {key.describe()} needs {need}")
-            token_scales = _operand(token_scales, "token_scales", key, _SCALE_STORAGE, (token_scales.numel(),))
-        else:
-            token_scales = _operand(token_scales, "token_scales", key, _SCALE_STORAGE, (1, m, key.scale_cols))
-        weight_scales = _operand(weight_scales, "weight_scales", key, _SCALE_STORAGE, weight_scale_shape(key))
+        if _FP4_DTYPE is not None:  # the frontend's own spelling of packed E2M1 pairs
+            token_packed, weight_packed = token_packed.view(_FP4_DTYPE), weight_packed.view(_FP4_DTYPE)
+        _, _, scale_k = weight_scale_shape(e, n, k, layout)
+        token_scale_shape = (1, token_scale_bytes(m, k, layout, e) // scale_k, scale_k)
+        token_scales = _operand(token_scales, "token_scales", key, _SCALE_STORAGE, token_scale_shape)
+        weight_scales = _operand(weight_scales, "weight_scales", key, _SCALE_STORAGE, weight_scale_shape(e, n, k, layout))
         pack = {
             int(UID.TOKEN): token_packed,
             int(UID.TOKEN_SCALE): token_scales.view(torch.float8_e4m3fn),
@@ -306,9 +293,9 @@ class GroupedFp4Gemm:
 
 def build_grouped_fp4_gemm(key: GroupedGemmKey) -> GroupedFp4Gemm:
     """Declare, check and build the graph for ``key`` on its device (seconds; do it before capture)."""
-    if key.swizzled and (key.arch[0] < 10 or key.backend < NATIVE_NVFP4_MOE_BACKEND):
+    if key.swizzled and (not is_blackwell(key.arch) or key.backend < NATIVE_NVFP4_MOE_BACKEND):
         raise RuntimeError(
-            f"{key.describe()}: the F8_128x4 NVFP4 grouped GEMM needs SM100+ and cuDNN >= {format_version(NATIVE_NVFP4_MOE_BACKEND)}"
+            f"{key.describe()}: the F8_128x4 NVFP4 grouped GEMM needs SM100/SM103 and cuDNN >= {format_version(NATIVE_NVFP4_MOE_BACKEND)}"
         )
     cudnn = require_cudnn(NATIVE_NVFP4_MOE_BACKEND if key.swizzled else MIN_BACKEND)
     failures: list[str] = []
@@ -327,9 +314,9 @@ def build_grouped_fp4_gemm(key: GroupedGemmKey) -> GroupedFp4Gemm:
                 failures.append(f"with {name} dequantize outputs: {type(exc).__name__}: {exc}")
                 last = exc
     hint = (
-        "the F8_128x4 NVFP4 grouped GEMM needs SM100+ and cuDNN >= 9.21"
+        "the F8_128x4 NVFP4 grouped GEMM needs SM100/SM103 and cuDNN >= 9.21"
         if key.swizzled
-        else "the linear-scale NVFP4 grouped GEMM needs cuDNN >= 9.18 and BF16 dequantize outputs"
+        else "the linear-scale NVFP4 grouped GEMM needs cuDNN >= 9.18; on SM90 only BF16 dequantize outputs get a plan"
     )
     raise RuntimeError(f"cuDNN could not build the {key.describe()} ({hint}): " + "; ".join(failures)) from last
 

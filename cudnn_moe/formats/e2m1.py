@@ -47,7 +47,7 @@ def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
     """uint8 codes [..., K] (K even) -> packed bytes [..., K/2]; element 2i is the low nibble."""
     if codes.shape[-1] % 2:
         raise ValueError(f"the last dimension must be even to pack two codes per byte, got {codes.shape[-1]}")
-    pairs = codes.reshape(*codes.shape[:-1], -1, 2)
+    pairs = codes.reshape(*codes.shape[:-1], codes.shape[-1] // 2, 2)
     return (pairs[..., 0] & 0xF) | ((pairs[..., 1] & 0xF) << 4)
 
 
@@ -55,4 +55,4 @@ def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
     """Packed bytes [..., K/2] (uint8) -> codes [..., K] (uint8); inverse of pack_nibbles."""
     low = packed & 0xF
     high = packed >> 4
-    return torch.stack((low, high), dim=-1).reshape(*packed.shape[:-1], -1)
+    return torch.stack((low, high), dim=-1).reshape(*packed.shape[:-1], 2 * packed.shape[-1])

@@ -1,0 +1,50 @@
+"""Every cuDNN concern of cudnn-moe: import probe, handles, and the NVFP4 grouped-GEMM graphs.
+
+Importing this package does not import `cudnn`; building or running a graph does.
+"""
+
+from .grouped_gemm import (
+    UID,
+    CacheInfo,
+    GroupedFp4Gemm,
+    GroupedGemmKey,
+    ScaleLayout,
+    build_grouped_fp4_gemm,
+    cache_info,
+    clear_cache,
+    graph_for,
+    offsets_len_for,
+    row_alignment,
+    scale_layout_for,
+    segmented_scale_rows,
+    token_scale_bytes,
+    weight_scale_shape,
+)
+from .handles import device_index, handle_for, using_handle
+from .probe import MIN_BACKEND, MIN_FRONTEND, NATIVE_NVFP4_MOE_BACKEND, backend_version, require_cudnn
+
+__all__ = [
+    "MIN_BACKEND",
+    "MIN_FRONTEND",
+    "NATIVE_NVFP4_MOE_BACKEND",
+    "UID",
+    "CacheInfo",
+    "GroupedFp4Gemm",
+    "GroupedGemmKey",
+    "ScaleLayout",
+    "backend_version",
+    "build_grouped_fp4_gemm",
+    "cache_info",
+    "clear_cache",
+    "device_index",
+    "graph_for",
+    "handle_for",
+    "offsets_len_for",
+    "require_cudnn",
+    "row_alignment",
+    "scale_layout_for",
+    "segmented_scale_rows",
+    "token_scale_bytes",
+    "using_handle",
+    "weight_scale_shape",
+]

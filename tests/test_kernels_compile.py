@@ -1,0 +1,205 @@
+"""CPU checks of the CUDA glue kernels: every .cu compiles with nvcc, every Python wrapper passes arguments whose
+count and types match its kernel's C signature, and the number-format helpers of common.cuh, built for the host
+with a few stand-ins for CUDA built-ins, match torch bit for bit."""
+
+from __future__ import annotations
+
+import math
+import re
+import shutil
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from cudnn_moe import kernels
+from cudnn_moe.formats import decode_e2m1, encode_e2m1
+from cudnn_moe.formats.blocks import to_e4m3
+
+KERNELS_DIR = kernels.kernels_dir()
+SOURCES = sorted(path.name for path in KERNELS_DIR.glob("*.cu"))
+NVCC = shutil.which("nvcc") or shutil.which("nvcc", path="/usr/local/cuda/bin")
+CXX = shutil.which("c++") or shutil.which("g++")
+
+# C parameter type -> the numpy scalar type a wrapper must pass for it.
+_ARG_TYPES = {"int": np.int32, "float": np.float32, "pointer": np.uint64}
+_ENTRY = re.compile(r'extern "C" __global__ void(?:\s+__launch_bounds__\(\w+\))?\s+(\w+)\(([^)]*)\)')
+
+
+def _kernel_signatures() -> dict[str, list[str]]:
+    """Entry point name -> parameter kinds ("int", "float" or "pointer"), parsed from the sources."""
+    signatures = {}
+    for name in SOURCES:
+        for kernel, params in _ENTRY.findall((KERNELS_DIR / name).read_text()):
+            kinds = []
+            for param in params.split(","):
+                decl = param.strip()
+                kinds.append("pointer" if "*" in decl else decl.split()[0])
+            signatures[kernel] = kinds
+    return signatures
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found")
+@pytest.mark.parametrize("arch", ["sm_90", "sm_100a"])
+@pytest.mark.parametrize("source", SOURCES)
+def test_kernel_compiles(source: str, arch: str, tmp_path: Path) -> None:
+    command = [NVCC, "-std=c++17", f"-arch={arch}", "-I", str(KERNELS_DIR), "-c", str(KERNELS_DIR / source)]
+    result = subprocess.run([*command, "-o", str(tmp_path / "kernel.o")], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+
+
+def test_sources_present() -> None:
+    assert SOURCES == ["activation.cu", "finalize.cu", "permute.cu", "sort.cu", "stage.cu"]
+
+
+def _wrapper_calls() -> list[tuple[str, Callable[..., None], tuple[Any, ...]]]:
+    """(kernel name, its wrapper, arguments) with CPU tensors of consistent small shapes."""
+    u8, i32, f32, bf16 = torch.uint8, torch.int32, torch.float32, torch.bfloat16
+    T, B, k, H, inter, E, R = 3, 4, 2, 64, 32, 2, 16
+
+    def z(*shape: int, dtype: torch.dtype = u8) -> torch.Tensor:
+        return torch.zeros(*shape, dtype=dtype)
+
+    stage = (
+        z(T, H // 2), z(T, H // 16), z(T, k, dtype=i32), None, kernels.ROUTING_PACKED,
+        z(B, H // 2), z(B, H // 16), z(B, k, dtype=i32), z(B, k, dtype=f32),
+    )
+    sort = (z(B * k, dtype=i32), k, 0, E, 8, z(E + 1, dtype=i32), z(B * k, dtype=i32), z(R, dtype=i32), z(R, dtype=i32))
+    permute = (z(B, H // 2), z(B, H // 16), z(B * k, dtype=i32), B * k, k, z(R, H // 2), z(R * H // 16), False)
+    activation = (
+        z(R, 2 * inter, dtype=bf16), z(E, dtype=f32), z(R, dtype=i32), z(R, dtype=i32), z(E + 1, dtype=i32),
+        10, 1.0, 0.0, float("inf"), True, z(R, inter // 2), z(R * inter // 16), False,
+    )
+    finalize = (
+        z(R, H, dtype=bf16), z(B * k, dtype=i32), z(R, dtype=i32), z(B, k, dtype=f32), z(E, dtype=f32), k,
+        z(T, H, dtype=bf16),
+    )
+    scale_rows = (z(R, H, dtype=bf16), z(R, dtype=i32), z(R, dtype=i32), z(E, dtype=f32), z(R - 2, H, dtype=bf16))
+    return [
+        ("moe_stage_inputs", kernels.stage_inputs, stage),
+        ("moe_sort", kernels.sort_routing, sort),
+        ("moe_permute", kernels.permute_tokens, permute),
+        ("moe_activation", kernels.activate_quantize, activation),
+        ("moe_finalize", kernels.finalize, finalize),
+        ("moe_scale_rows", kernels.scale_rows, scale_rows),
+    ]
+
+
+def test_wrapper_arguments_match_kernel_signatures(monkeypatch: pytest.MonkeyPatch) -> None:
+    launches: list[tuple[str, tuple[Any, ...]]] = []
+    monkeypatch.setattr(kernels, "_ptr", lambda tensor, align=1: np.uint64(0))
+    monkeypatch.setattr(kernels, "_launch", lambda file, name, device, grid, block, args: launches.append((name, args)))
+    signatures = _kernel_signatures()
+    calls = _wrapper_calls()
+    assert sorted(signatures) == sorted(name for name, _, _ in calls)
+    for name, wrapper, args in calls:
+        launches.clear()
+        wrapper(*args)
+        assert [launched for launched, _ in launches] == [name]
+        expected = [_ARG_TYPES[kind] for kind in signatures[name]]
+        assert [type(arg) for arg in launches[0][1]] == expected, name
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Number-format helpers (shared with the device test in test_kernels_gpu.py)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def format_inputs() -> torch.Tensor:
+    """float32 [N]: every finite E4M3 value, the E2M1 grid at several scales, the midpoints (ties) of both
+    and the floats just around each, wide-range random values, specials (+-0, 448..480, inf, subnormals), NaN."""
+    e4m3 = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    e4m3 = e4m3[e4m3.isfinite() & (e4m3 >= 0)].sort().values
+    e2m1 = decode_e2m1(torch.arange(8, dtype=torch.uint8))
+    grids = [e4m3, *(e2m1 * 2.0**p for p in range(-3, 4))]
+    base = torch.cat([g for grid in grids for g in (grid, (grid[1:] + grid[:-1]) / 2)])
+    near = torch.cat([base, torch.nextafter(base, torch.tensor(math.inf)), torch.nextafter(base, torch.tensor(0.0))])
+    gen = torch.Generator().manual_seed(0)
+    exponents = torch.randint(-24, 12, (20000,), generator=gen).float()
+    randoms = (torch.rand(20000, generator=gen) + 1.0) * torch.exp2(exponents)
+    specials = torch.tensor([0.0, 448.0, 464.0, 479.0, 480.0, 1e30, math.inf, 2.0**-10, 2.0**-10 * 1.0001, 1e-40])
+    values = torch.cat([near, randoms, specials])
+    return torch.cat([values, -values, torch.tensor([math.nan])])
+
+
+def check_format_helpers(
+    x: torch.Tensor, e4m3: torch.Tensor, e2m1: torch.Tensor, bf16: torch.Tensor, decoded: torch.Tensor
+) -> None:
+    """Compare helper outputs with torch and the project's codecs.
+
+    x float32 [N]; e4m3, e2m1 uint8 [N] and bf16 int16 [N] (bits) are float_to_e4m3 / float_to_e2m1 /
+    float_to_bf16 of x; decoded float32 [65536, 3] holds, for every 16-bit pattern i, bf16_to_float(i),
+    e4m3_to_float(i & 0xFF) and e2m1_to_float(i & 0xF).
+    """
+    nan = x.isnan()
+    finite = x[~nan]
+    assert torch.equal(e4m3[~nan], to_e4m3(finite).view(torch.uint8))
+    assert torch.equal(e2m1[~nan], encode_e2m1(finite))
+    assert torch.equal(bf16[~nan], finite.to(torch.bfloat16).view(torch.int16))
+    assert bool((e4m3[nan] == 0x7E).all()) and bool((e2m1[nan] == 0).all())  # never the E4M3 NaN code
+    assert bool(bf16[nan].view(torch.bfloat16).isnan().all())
+
+    patterns = torch.arange(65536, dtype=torch.int32)
+    signed = torch.where(patterns >= 32768, patterns - 65536, patterns).to(torch.int16)
+    want_bf16 = signed.view(torch.bfloat16).float()
+    assert torch.equal(decoded[:, 0].contiguous().view(torch.int32), want_bf16.view(torch.int32))
+    want_e4m3 = (patterns & 0xFF).to(torch.uint8).view(torch.float8_e4m3fn).float()
+    torch.testing.assert_close(decoded[:, 1], want_e4m3, rtol=0, atol=0, equal_nan=True)
+    assert torch.equal(decoded[:, 2], decode_e2m1((patterns & 0xF).to(torch.uint8)))
+
+
+# Host build of common.cuh: stand-ins for the CUDA qualifiers, vector types and bit-cast intrinsics it uses.
+_HOST_DRIVER = r"""
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#define __device__
+#define __forceinline__ inline
+struct uint2 { unsigned int x, y; };
+struct uint4 { unsigned int x, y, z, w; };
+static inline unsigned int __float_as_uint(float f) { unsigned int u; std::memcpy(&u, &f, 4); return u; }
+static inline float __uint_as_float(unsigned int u) { float f; std::memcpy(&f, &u, 4); return f; }
+#include "common.cuh"
+using namespace moe;
+
+// argv[1]: float32 inputs. argv[2]: per input e4m3, e2m1 (1 byte each) and bf16 (2 bytes), then for every
+// 16-bit pattern i the decoded bf16, e4m3 (i & 0xFF) and e2m1 (i & 0xF) as three float32.
+int main(int, char** argv) {
+  FILE* in = std::fopen(argv[1], "rb");
+  FILE* out = std::fopen(argv[2], "wb");
+  float f;
+  while (std::fread(&f, 4, 1, in) == 1) {
+    const u8 codes[2] = {float_to_e4m3(f), float_to_e2m1(f)};
+    const u16 bf16 = float_to_bf16(f);
+    std::fwrite(codes, 1, 2, out);
+    std::fwrite(&bf16, 2, 1, out);
+  }
+  for (int i = 0; i < 65536; ++i) {
+    const float d[3] = {bf16_to_float(static_cast<u16>(i)), e4m3_to_float(static_cast<u8>(i & 0xFF)),
+                        e2m1_to_float(static_cast<u8>(i & 0xF))};
+    std::fwrite(d, 4, 3, out);
+  }
+  return std::fclose(out) != 0 || std::fclose(in) != 0;
+}
+"""
+
+
+@pytest.mark.skipif(CXX is None, reason="no C++ compiler")
+def test_format_helpers_on_host(tmp_path: Path) -> None:
+    (tmp_path / "driver.cpp").write_text(_HOST_DRIVER)
+    build = [CXX, "-std=c++17", "-O2", "-I", str(KERNELS_DIR), str(tmp_path / "driver.cpp"), "-o", str(tmp_path / "drv")]
+    result = subprocess.run(build, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    x = format_inputs()
+    x.numpy().tofile(tmp_path / "in.bin")
+    subprocess.run([str(tmp_path / "drv"), str(tmp_path / "in.bin"), str(tmp_path / "out.bin")], check=True)
+    raw = np.fromfile(tmp_path / "out.bin", dtype=np.uint8)
+    n = x.numel()
+    encoded = torch.from_numpy(raw[: 4 * n].reshape(n, 4).copy())
+    bf16 = encoded[:, 2:].contiguous().view(torch.int16).reshape(n)
+    decoded = torch.from_numpy(raw[4 * n :].copy().view(np.float32).reshape(65536, 3))
+    check_format_helpers(x, encoded[:, 0].contiguous(), encoded[:, 1].contiguous(), bf16, decoded)

@@ -1,0 +1,375 @@
+"""GPU unit tests of the CUDA glue kernels, each against a plain Python or torch statement of its documented
+semantics. Output buffers are poisoned before every launch so that missing and stray writes both show."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+import torch
+
+from cudnn_moe import kernels
+from cudnn_moe.activations import GELU, Activation, GeGLU, GeGLUTanh, Identity, ReLU, ReLU2, SiLU, SwiGLU
+from cudnn_moe.executor import row_capacity
+from cudnn_moe.formats import encode_e2m1, swizzled_offset, swizzled_shape, unpack_nibbles
+from cudnn_moe.formats.blocks import to_e4m3
+from cudnn_moe.routing import pack_routing
+from test_kernels_compile import check_format_helpers, format_inputs
+
+pytestmark = pytest.mark.gpu
+
+DEV = torch.device("cuda")
+POISON_BYTE = 0xA5
+POISON_INT = -7
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _full(shape: tuple[int, ...], value: float, dtype: torch.dtype) -> torch.Tensor:
+    return torch.full(shape, value, dtype=dtype, device=DEV)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Number-format helpers of common.cuh, through a small test kernel
+# ---------------------------------------------------------------------------------------------------------------
+
+_HELPERS_SOURCE = r"""
+#include "common.cuh"
+using namespace moe;
+
+extern "C" __global__ void encode(const float* x, int n, u8* e4m3, u8* e2m1, u16* bf16) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  e4m3[i] = float_to_e4m3(x[i]);
+  e2m1[i] = float_to_e2m1(x[i]);
+  bf16[i] = float_to_bf16(x[i]);
+}
+
+// decoded [65536, 3]: for every 16-bit pattern i, BF16 i, E4M3 (i & 0xFF) and E2M1 (i & 0xF) widened to FP32.
+extern "C" __global__ void decode(float* decoded) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= 65536) return;
+  decoded[3 * i] = bf16_to_float(static_cast<u16>(i));
+  decoded[3 * i + 1] = e4m3_to_float(static_cast<u8>(i & 0xFF));
+  decoded[3 * i + 2] = e2m1_to_float(static_cast<u8>(i & 0xF));
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def helpers() -> Callable[[str, int, tuple], None]:
+    """Runs a kernel of _HELPERS_SOURCE over ``count`` threads and waits for it."""
+    import cupy
+
+    module = cupy.RawModule(code=kernels.module_source(_HELPERS_SOURCE), options=kernels.compile_options())
+
+    def run(name: str, count: int, args: tuple) -> None:
+        torch.cuda.synchronize()
+        with cupy.cuda.Device(torch.cuda.current_device()):
+            module.get_function(name)(((count + 255) // 256,), (256,), args)
+            cupy.cuda.Device().synchronize()
+
+    return run
+
+
+def _ptr(t: torch.Tensor) -> np.uint64:
+    return np.uint64(t.data_ptr())
+
+
+def test_format_helpers_on_device(helpers: Callable[[str, int, tuple], None]) -> None:
+    x = format_inputs()
+    n = x.numel()
+    x_dev = x.to(DEV)
+    e4m3, e2m1 = _full((n,), POISON_BYTE, torch.uint8), _full((n,), POISON_BYTE, torch.uint8)
+    bf16 = _full((n,), POISON_INT, torch.int16)
+    decoded = _full((65536, 3), math.nan, torch.float32)
+    helpers("encode", n, (_ptr(x_dev), np.int32(n), _ptr(e4m3), _ptr(e2m1), _ptr(bf16)))
+    helpers("decode", 65536, (_ptr(decoded),))
+    check_format_helpers(x, e4m3.cpu(), e2m1.cpu(), bf16.cpu(), decoded.cpu())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# stage
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("routing", ["packed", "fp32", "bf16", "fp32_int64_ids"])
+def test_stage_inputs(routing: str) -> None:
+    tokens, bucket, top_k, hidden = 5, 8, 4, 256
+    x = torch.randint(0, 256, (tokens, hidden // 2), dtype=torch.uint8, generator=_gen(3))
+    x_scales = torch.randint(0, 256, (tokens, hidden // 16), dtype=torch.uint8, generator=_gen(4))
+    ids = torch.randint(-3, 600, (tokens, top_k), dtype=torch.int32, generator=_gen(5))
+    weights = torch.rand(tokens, top_k, generator=_gen(6)) * 4 - 2
+    want_ids, want_w = ids.clone(), weights.clone()
+    if routing == "packed":
+        ids_in, w_in, fmt = pack_routing(ids, weights), None, kernels.ROUTING_PACKED
+        want_w = weights.to(torch.bfloat16).float()
+    elif routing == "bf16":
+        ids_in, w_in, fmt = ids, weights.to(torch.bfloat16), kernels.ROUTING_BF16
+        want_w = w_in.float()
+    else:
+        ids_in, w_in, fmt = ids, weights, kernels.ROUTING_FP32
+        if routing == "fp32_int64_ids":
+            ids_in = ids.to(torch.int64)
+            ids_in[0, 0], ids_in[1, 1] = 2**32 + 1, -(2**40)  # outside int32: masked
+            want_ids[0, 0], want_ids[1, 1] = -1, -1
+    xs = _full((bucket, hidden // 2), POISON_BYTE, torch.uint8)
+    xss = _full((bucket, hidden // 16), POISON_BYTE, torch.uint8)
+    ids_out = _full((bucket, top_k), POISON_INT, torch.int32)
+    w_out = _full((bucket, top_k), math.nan, torch.float32)
+    w_dev = None if w_in is None else w_in.to(DEV)
+    kernels.stage_inputs(x.to(DEV), x_scales.to(DEV), ids_in.to(DEV), w_dev, fmt, xs, xss, ids_out, w_out)
+    torch.cuda.synchronize()
+    assert torch.equal(xs[:tokens].cpu(), x) and bool((xs[tokens:] == POISON_BYTE).all())
+    assert torch.equal(xss[:tokens].cpu(), x_scales) and bool((xss[tokens:] == POISON_BYTE).all())
+    assert torch.equal(ids_out[:tokens].cpu(), want_ids) and bool((ids_out[tokens:] == -1).all())
+    assert torch.equal(w_out[:tokens].cpu(), want_w) and bool((w_out[tokens:] == 0).all())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# sort, and the routing the other tests use
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class SortResult:
+    offsets: list[int]
+    slot_to_row: list[int]
+    row_to_slot: list[int]
+    row_expert: list[int]
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {name: torch.tensor(values, dtype=torch.int32) for name, values in vars(self).items()}
+
+
+def sort_reference(ids: list[int], local_start: int, num_local: int, align: int, capacity: int) -> SortResult:
+    """The documented semantics of moe_sort, slot by slot."""
+    counts = [0] * num_local
+    for expert in ids:
+        if local_start <= expert < local_start + num_local:
+            counts[expert - local_start] += 1
+    offsets = [0]
+    for count in counts:
+        offsets.append(offsets[-1] + -(-count // align) * align)
+    slot_to_row, row_to_slot, row_expert = [-1] * len(ids), [-1] * capacity, [-1] * capacity
+    next_row = offsets[:-1]
+    for slot, expert in enumerate(ids):
+        if local_start <= expert < local_start + num_local:
+            e = expert - local_start
+            slot_to_row[slot], row_to_slot[next_row[e]] = next_row[e], slot
+            next_row[e] += 1
+    for e in range(num_local):
+        row_expert[offsets[e] : offsets[e + 1]] = [e] * (offsets[e + 1] - offsets[e])
+    return SortResult(offsets, slot_to_row, row_to_slot, row_expert)
+
+
+def _random_ids(count: int, low: int, high: int, seed: int, hot: int | None = None) -> list[int]:
+    """count ids uniform in [low, high); with ``hot``, about 90% of them equal ``hot``."""
+    ids = torch.randint(low, high, (count,), generator=_gen(seed))
+    if hot is not None:
+        ids = torch.where(torch.rand(count, generator=_gen(seed + 1)) < 0.9, torch.full_like(ids, hot), ids)
+    return ids.tolist()
+
+
+SORT_CASES = {
+    # name: (tokens, top_k, local_start, num_local, align, id range low, high, hot expert id)
+    "small": (64, 8, 0, 16, 8, -1, 20, None),
+    "one_expert": (4, 1, 5, 1, 128, 3, 8, None),
+    "all_masked": (32, 4, 0, 4, 8, -1, 0, None),
+    "offset_range": (300, 6, 100, 64, 128, 0, 300, None),
+    "hot_expert": (2048, 2, 0, 8, 128, -2, 10, 3),
+    "max_size": (8192, 8, 0, 512, 128, 0, 512, None),
+    "max_size_align8": (8192, 8, 0, 512, 8, -5, 520, None),
+}
+
+
+@pytest.mark.parametrize("case", list(SORT_CASES))
+def test_sort_matches_reference(case: str) -> None:
+    tokens, top_k, start, num_local, align, low, high, hot = SORT_CASES[case]
+    ids = _random_ids(tokens * top_k, low, high, seed=len(case), hot=hot)
+    capacity = row_capacity(tokens, top_k, num_local, align)
+    want = sort_reference(ids, start, num_local, align, capacity).tensors()
+    got = {name: torch.full_like(tensor, POISON_INT, device=DEV) for name, tensor in want.items()}
+    ids_dev = torch.tensor(ids, dtype=torch.int32, device=DEV)
+    for _ in range(2):  # a second run over the first's outputs gives the same result
+        kernels.sort_routing(ids_dev, top_k, start, num_local, align, *got.values())
+        torch.cuda.synchronize()
+        for name, tensor in want.items():
+            assert torch.equal(got[name].cpu(), tensor), name
+
+
+def _routing(tokens: int, top_k: int, num_local: int, align: int, seed: int) -> tuple[SortResult, int]:
+    """Sorted routing of random ids (some masked) over experts [1, 1 + num_local); returns it and the capacity."""
+    ids = _random_ids(tokens * top_k, -1, num_local + 3, seed)
+    capacity = row_capacity(tokens, top_k, num_local, align)
+    return sort_reference(ids, 1, num_local, align, capacity), capacity
+
+
+def _scale_index(row: int, col: int, cols: int, swizzled: bool) -> int:
+    return swizzled_offset(row, col, cols) if swizzled else row * cols + col
+
+
+def _scale_buffer_bytes(rows: int, cols: int, swizzled: bool) -> int:
+    padded_rows, padded_cols = swizzled_shape(rows, cols) if swizzled else (rows, cols)
+    return padded_rows * padded_cols
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# permute
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("swizzled", [False, True])
+@pytest.mark.parametrize("hidden", [256, 96])
+def test_permute(swizzled: bool, hidden: int) -> None:
+    bucket, top_k, num_local, align = 16, 4, 6, 8
+    routing, capacity = _routing(bucket, top_k, num_local, align, seed=7)
+    cols = hidden // 16
+    xs = torch.randint(0, 256, (bucket, hidden // 2), dtype=torch.uint8, generator=_gen(8))
+    xss = torch.randint(0, 256, (bucket, cols), dtype=torch.uint8, generator=_gen(9))
+    xp = _full((capacity, hidden // 2), POISON_BYTE, torch.uint8)
+    xps = _full((_scale_buffer_bytes(capacity, cols, swizzled),), POISON_BYTE, torch.uint8)
+    slot_to_row = routing.tensors()["slot_to_row"].to(DEV)
+    kernels.permute_tokens(xs.to(DEV), xss.to(DEV), slot_to_row, bucket * top_k, top_k, xp, xps, swizzled)
+    torch.cuda.synchronize()
+    want_xp = torch.full_like(xp.cpu(), POISON_BYTE)
+    want_xps = torch.full_like(xps.cpu(), POISON_BYTE)
+    for slot, row in enumerate(routing.slot_to_row):
+        if row >= 0:
+            want_xp[row] = xs[slot // top_k]
+            for col in range(cols):
+                want_xps[_scale_index(row, col, cols, swizzled)] = xss[slot // top_k, col]
+    assert torch.equal(xp.cpu(), want_xp)
+    assert torch.equal(xps.cpu(), want_xps)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# activation + NVFP4 requantization
+# ---------------------------------------------------------------------------------------------------------------
+
+ACTIVATIONS = {
+    "identity": Identity(),
+    "relu": ReLU(),
+    "gelu": GELU(),
+    "silu": SiLU(),
+    "relu2": ReLU2(),
+    "swiglu": SwiGLU(),
+    "swiglu_clamped": SwiGLU(alpha=1.702, beta=1.0, limit=7.0),
+    "geglu": GeGLU(),
+    "geglu_tanh": GeGLUTanh(),
+}
+
+# Per-expert w1 alphas: ordinary, subnormal E4M3 scales, saturated scales, all-zero scales.
+ALPHA1 = (1.0, 0.01, 3000.0, 1e-9)
+
+# Relative slack on values and scales: a code or a scale may take either neighbour when the reference value
+# lies within this of a rounding tie (torch's and CUDA's erf/exp/tanh differ in the last bits).
+TIE_TOL = 1e-5
+
+
+def _check_quantized(y: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> None:
+    """y float32 [n, I] reference activations; codes uint8 [n, I] and scale bytes [n, I/16] from the kernel."""
+    blocks = y.reshape(y.shape[0], -1, 16)
+    amax = blocks.abs().amax(dim=-1)
+    scale_options = [to_e4m3(amax / 6 * f).view(torch.uint8) for f in (1 - TIE_TOL, 1 + TIE_TOL)]
+    assert bool(((scales == scale_options[0]) | (scales == scale_options[1])).all())
+    sf = scales.view(torch.float8_e4m3fn).float().unsqueeze(-1)
+    q = blocks / torch.where(sf == 0, torch.ones_like(sf), sf)
+    codes = codes.reshape(blocks.shape)
+    near = (codes == encode_e2m1(q * (1 - TIE_TOL))) | (codes == encode_e2m1(q * (1 + TIE_TOL)))
+    assert bool(torch.where(sf == 0, codes == 0, near).all())
+
+
+@pytest.mark.parametrize("swizzled", [False, True])
+@pytest.mark.parametrize("name", list(ACTIVATIONS))
+def test_activation_quantize(name: str, swizzled: bool) -> None:
+    act: Activation = ACTIVATIONS[name]
+    bucket, top_k, inter, align = 32, 4, 64, 8
+    num_local = len(ALPHA1)
+    routing, capacity = _routing(bucket, top_k, num_local, align, seed=10)
+    total = routing.offsets[-1]
+    n1 = act.gemm1_columns(inter)
+    g1 = (torch.randn(capacity, n1, generator=_gen(11)) * 3).to(torch.bfloat16)
+    used = torch.tensor([slot >= 0 for slot in routing.row_to_slot])
+    g1[~used] = math.nan  # padding rows and rows past the end must not be read
+    alpha1 = torch.tensor(ALPHA1, dtype=torch.float32)
+    t = routing.tensors()
+    cols = inter // 16
+    out = _full((capacity, inter // 2), POISON_BYTE, torch.uint8)
+    out_scales = _full((_scale_buffer_bytes(capacity, cols, swizzled),), POISON_BYTE, torch.uint8)
+    routing_dev = [t[name].to(DEV) for name in ("row_to_slot", "row_expert", "offsets")]
+    params = (int(act.kind), *act.params(), act.gated)
+    kernels.activate_quantize(g1.to(DEV), alpha1.to(DEV), *routing_dev, *params, out, out_scales, swizzled)
+    torch.cuda.synchronize()
+    out, out_scales = out.cpu(), out_scales.cpu()
+
+    # Layout: rows >= total untouched, padding rows zero; gather the scales of the used rows.
+    assert bool((out[total:] == POISON_BYTE).all())
+    want_scales = torch.full_like(out_scales, POISON_BYTE)
+    index = torch.tensor([[_scale_index(r, c, cols, swizzled) for c in range(cols)] for r in range(capacity)])
+    want_scales[index[:total]] = 0
+    written = out_scales.clone()
+    written[index[:total]] = 0
+    assert torch.equal(written, want_scales)  # nothing outside rows < total was written
+    padding = ~used[:total]
+    assert bool((out[:total][padding] == 0).all()) and bool((out_scales[index[:total][padding]] == 0).all())
+
+    # Values of the used rows against the reference activation, in FP32 as the kernel computes.
+    rows = used.nonzero().squeeze(1)
+    v = g1[rows].float() * alpha1[t["row_expert"][rows]].unsqueeze(1)
+    y = act.apply_gemm1(v)
+    _check_quantized(y, unpack_nibbles(out[rows]), out_scales[index[rows]])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# finalize and scale_rows
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _gemm2_case(seed: int) -> tuple[SortResult, torch.Tensor, torch.Tensor, int]:
+    """Routing, g2 bfloat16 [R, H] (NaN on rows no slot uses), alpha2 float32 [E], top_k."""
+    bucket, top_k, hidden, num_local, align = 16, 4, 256, 5, 8
+    routing, capacity = _routing(bucket, top_k, num_local, align, seed)
+    g2 = torch.randn(capacity, hidden, generator=_gen(seed + 1)).to(torch.bfloat16)
+    g2[torch.tensor(routing.row_to_slot) < 0] = math.nan
+    alpha2 = torch.rand(num_local, generator=_gen(seed + 2)) * 2 + 0.1
+    return routing, g2, alpha2, top_k
+
+
+def test_finalize() -> None:
+    routing, g2, alpha2, top_k = _gemm2_case(seed=20)
+    slot_to_row = torch.tensor(routing.slot_to_row)
+    weights = torch.rand(slot_to_row.numel(), generator=_gen(23)) * 2 - 0.5
+    weights[slot_to_row < 0] = math.nan  # masked slots must contribute nothing
+    tokens = slot_to_row.numel() // top_k - 3  # fewer tokens than the bucket holds
+    t = routing.tensors()
+    out = _full((tokens, g2.shape[1]), math.nan, torch.bfloat16)
+    slot_to_row_dev, row_expert_dev = t["slot_to_row"].to(DEV), t["row_expert"].to(DEV)
+    kernels.finalize(g2.to(DEV), slot_to_row_dev, row_expert_dev, weights.to(DEV), alpha2.to(DEV), top_k, out)
+    torch.cuda.synchronize()
+    want = torch.zeros(tokens, g2.shape[1], dtype=torch.float64)
+    for slot in range(tokens * top_k):
+        row = routing.slot_to_row[slot]
+        if row >= 0:
+            alpha = alpha2[routing.row_expert[row]].double()
+            want[slot // top_k] += weights[slot].double() * alpha * g2[row].double()
+    # One BF16 rounding (half an ulp, <= 2^-9 relative) plus FP32 accumulation error.
+    torch.testing.assert_close(out.cpu().double(), want, rtol=2**-8, atol=1e-5)
+
+
+def test_scale_rows() -> None:
+    routing, g2, alpha2, _ = _gemm2_case(seed=30)
+    t = routing.tensors()
+    rows_out = g2.shape[0] - 5
+    out = _full((rows_out, g2.shape[1]), math.nan, torch.bfloat16)
+    kernels.scale_rows(g2.to(DEV), t["row_to_slot"].to(DEV), t["row_expert"].to(DEV), alpha2.to(DEV), out)
+    torch.cuda.synchronize()
+    used = (t["row_to_slot"][:rows_out] >= 0).unsqueeze(1)
+    alpha = alpha2[t["row_expert"][:rows_out].clamp(min=0)].unsqueeze(1)
+    want = torch.where(used, alpha * g2[:rows_out].float(), torch.zeros(())).to(torch.bfloat16)
+    assert torch.equal(out.cpu().view(torch.int16), want.view(torch.int16))
