@@ -334,11 +334,13 @@ def activate_quantize(
     )
 
 
-def _check_bf16_rows(g2: torch.Tensor, out: torch.Tensor) -> int:
+def _check_gemm2_operands(g2: torch.Tensor, alpha2: torch.Tensor, out: torch.Tensor) -> int:
     """Common checks of finalize / scale_rows; returns the hidden size H (a multiple of 8)."""
     hidden = g2.shape[1]
     if g2.dtype != torch.bfloat16 or out.dtype != torch.bfloat16 or out.shape[1] != hidden or hidden % 8:
         raise ValueError(f"need bfloat16 g2 {tuple(g2.shape)} and out {tuple(out.shape)} of one width H, H % 8 == 0")
+    if alpha2.dtype != torch.float32:
+        raise ValueError(f"alpha2 must be float32, got {alpha2.dtype}")
     return hidden
 
 
@@ -356,7 +358,7 @@ def finalize(
 
     g2 bfloat16 [R, H]; slot_to_row int32 [B*k]; weights float32 [B*k]; alpha2 float32 [E].
     """
-    hidden = _check_bf16_rows(g2, out)
+    hidden = _check_gemm2_operands(g2, alpha2, out)
     tokens = out.shape[0]
     if tokens * top_k > min(slot_to_row.numel(), weights.numel()) or weights.dtype != torch.float32:
         raise ValueError(f"finalize: {tokens} tokens x top-{top_k} exceed the float32 routing of the bucket")
@@ -388,7 +390,7 @@ def scale_rows(
 ) -> None:
     """out_rows bfloat16 [R_out, H] (R_out <= R): alpha2[row_expert[r]] * g2[r] for rows with row_to_slot[r] >= 0,
     zero for the others. g2 bfloat16 [R, H]; row_to_slot, row_expert int32 [R]; alpha2 float32 [E]."""
-    hidden = _check_bf16_rows(g2, out_rows)
+    hidden = _check_gemm2_operands(g2, alpha2, out_rows)
     rows = out_rows.shape[0]
     if rows > min(g2.shape[0], row_to_slot.numel()):
         raise ValueError(f"scale_rows: {rows} output rows exceed the {g2.shape[0]} GEMM rows")

@@ -4,11 +4,12 @@ It quantizes where the GPU pipeline quantizes and computes everything else in fl
 
 1. activations and weights are dequantized exactly (E2M1 code times E4M3 block scale;
    the activation global scale is one, the per-expert weight alphas are not folded in);
-2. for each slot (t, s) routed to a local expert e: h1 = x_t @ w1_e^T * w1_alpha[e];
+2. for each slot (t, s) routed to a local expert e: h1 = bf16(x_t @ w1_e^T) * w1_alpha[e]
+   (the grouped GEMMs write BF16, so both GEMM results are rounded to BF16 here too);
 3. y = activation(h1), splitting GEMM1's columns into [up | gate] when gated;
 4. y is requantized to NVFP4 with global scale one per row in blocks of 16, as the GPU's
    activation kernel does, and dequantized again;
-5. row = w2_alpha[e] * (y_q @ w2_e^T);
+5. row = w2_alpha[e] * bf16(y_q @ w2_e^T);
 6. finalize: out[t] = sum over slots, in slot order, of weight[t, s] * row[t, s].
 
 Slots whose expert is not local are masked: they contribute nothing, whatever their weight.
@@ -68,6 +69,11 @@ def _expect(tensor: object, name: str, dtype: torch.dtype, shape: tuple[int, ...
         raise ValueError(f"{name} is on {tensor.device}, expected {device} like act_packed")
 
 
+def _round_bf16(x: torch.Tensor) -> torch.Tensor:
+    """Round float64 values to BF16 (nearest even), keeping float64 storage: a GEMM's BF16 output."""
+    return x.to(torch.bfloat16).double()
+
+
 def _expert_rows(
     x: torch.Tensor,
     w1: torch.Tensor,
@@ -81,7 +87,7 @@ def _expert_rows(
     """The pipeline after dequantization, all float64.
 
     x [T, H], w1 [E, N1, H], w1_alpha [E], w2 [E, H, I], w2_alpha [E], global ids [T, k].
-    Returns rows [T, k, H]: w2_alpha[e] * (requant(act(w1_alpha[e] * x_t @ w1_e^T)) @ w2_e^T),
+    Returns rows [T, k, H]: w2_alpha[e] * bf16(requant(act(w1_alpha[e] * bf16(x_t @ w1_e^T))) @ w2_e^T),
     zero for slots whose expert is not local.
     """
     num_tokens, top_k = ids.shape
@@ -90,9 +96,9 @@ def _expert_rows(
         tokens, slots = (ids == local_expert_start + local).nonzero(as_tuple=True)
         if tokens.numel() == 0:
             continue
-        h1 = (x[tokens] @ w1[local].T) * w1_alpha[local]
+        h1 = _round_bf16(x[tokens] @ w1[local].T) * w1_alpha[local]
         y = requantize_nvfp4_rows(activation.apply_gemm1(h1))
-        rows[tokens, slots] = (y @ w2[local].T) * w2_alpha[local]
+        rows[tokens, slots] = _round_bf16(y @ w2[local].T) * w2_alpha[local]
     return rows
 
 

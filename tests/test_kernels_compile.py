@@ -190,13 +190,14 @@ int main(int, char** argv) {
 
 @pytest.mark.skipif(CXX is None, reason="no C++ compiler")
 def test_format_helpers_on_host(tmp_path: Path) -> None:
-    (tmp_path / "driver.cpp").write_text(_HOST_DRIVER)
-    build = [CXX, "-std=c++17", "-O2", "-I", str(KERNELS_DIR), str(tmp_path / "driver.cpp"), "-o", str(tmp_path / "drv")]
+    source, program = tmp_path / "driver.cpp", tmp_path / "driver"
+    source.write_text(_HOST_DRIVER)
+    build = [CXX, "-std=c++17", "-O2", "-I", str(KERNELS_DIR), str(source), "-o", str(program)]
     result = subprocess.run(build, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     x = format_inputs()
     x.numpy().tofile(tmp_path / "in.bin")
-    subprocess.run([str(tmp_path / "drv"), str(tmp_path / "in.bin"), str(tmp_path / "out.bin")], check=True)
+    subprocess.run([str(program), str(tmp_path / "in.bin"), str(tmp_path / "out.bin")], check=True)
     raw = np.fromfile(tmp_path / "out.bin", dtype=np.uint8)
     n = x.numel()
     encoded = torch.from_numpy(raw[: 4 * n].reshape(n, 4).copy())
