@@ -21,7 +21,10 @@ def main(argv: list[str] | None = None) -> int:
                           default=getattr(defaults, f.name), help=f"default: {getattr(defaults, f.name)}")
     args = parser.parse_args(argv)
     if args.command == "demo":
-        run_demo(DemoShape(**{f.name: getattr(args, f.name) for f in fields(DemoShape)}))
+        try:
+            run_demo(DemoShape(**{f.name: getattr(args, f.name) for f in fields(DemoShape)}))
+        except ValueError as error:
+            parser.exit(2, f"cudnn-moe demo: error: {error}\n")
     return 0
 
 

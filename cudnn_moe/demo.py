@@ -10,7 +10,7 @@ import torch
 from .activations import parse_activation
 from .config import Nvfp4MoeConfig
 from .formats import dequantize_nvfp4
-from .reference import reference_moe
+from .reference import reference_for_prepared
 from .routing import Routing
 
 
@@ -48,6 +48,8 @@ def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def run_demo(shape: DemoShape = DemoShape()) -> None:
     """Print a short report: quantization error, reference output, and the GPU op's error."""
+    if shape.tokens < 1 or shape.experts < 1 or not 1 <= shape.top_k <= shape.experts:
+        raise ValueError(f"the demo needs tokens >= 1 and 1 <= top_k <= experts, got {shape}")
     gpu = torch.cuda.is_available()
     device = torch.device("cuda" if gpu else "cpu")
     act = parse_activation(shape.activation)
@@ -62,12 +64,9 @@ def run_demo(shape: DemoShape = DemoShape()) -> None:
           f"w1 {_rel_err(dequantize_nvfp4(weights.w1, w1_scales) * weights.w1_alpha[:, None, None], w1):.4f}  "
           f"w2 {_rel_err(dequantize_nvfp4(weights.w2, w2_scales) * weights.w2_alpha[:, None, None], w2):.4f}")
     start = time.perf_counter()
-    ref = reference_moe(
-        acts.packed, acts.scales, weights.w1, w1_scales, weights.w1_alpha,
-        weights.w2, w2_scales, weights.w2_alpha, routing, act,
-    )
+    ref = reference_for_prepared(acts, weights, routing, act)
     print(f"float64 reference: output [{ref.shape[0]}, {ref.shape[1]}], rms {float(ref.pow(2).mean().sqrt()):.4f}, "
-          f"{(time.perf_counter() - start) * 1e3:.1f} ms on the CPU/GPU via torch")
+          f"computed in {(time.perf_counter() - start) * 1e3:.1f} ms on {device}")
     if not gpu:
         print("no CUDA GPU: the fused GPU op was not run")
         return

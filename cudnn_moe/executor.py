@@ -17,6 +17,7 @@ Calls that share an executor share its workspace: order them on one stream.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -206,27 +207,34 @@ class MoeExecutor:
                     bucket.graph = graph
         return bucket.graph
 
-    def _pipeline(self, b: _Bucket) -> None:
-        """The five bucket-static launches: sort, permute, GEMM1, activation, GEMM2."""
+    def _pipeline(self, bucket: _Bucket) -> None:
+        """Launch the bucket-static part of the layer on the current stream."""
+        for _, launch in self.stages(bucket):
+            launch()
+
+    def stages(self, b: _Bucket) -> list[tuple[str, Callable[[], None]]]:
+        """The five bucket-static launches, in order: sort, permute, GEMM1, activation, GEMM2."""
         w, k, act = self.weights, self.top_k, self.activation
-        experts, hidden, inter = w.num_experts, w.hidden_size, w.intermediate_size
-        kernels.sort_routing(
-            b.ids.view(-1), k, self.local_expert_start, experts, self.engine.row_alignment,
-            b.offsets, b.slot_to_row, b.row_to_slot, b.row_expert,
-        )
-        kernels.permute_tokens(
-            b.x, b.x_scales, b.slot_to_row, b.tokens * k, k, b.x_sorted, b.x_sorted_scales, self.swizzled
-        )
-        self.engine.gemm(
-            b.rows, hidden, w.w1.shape[1], experts, b.x_sorted, b.x_sorted_scales,
-            w.w1, w.w1_scales, b.offsets, b.gemm1_out, b.gemm_workspace,
-        )
+        experts, hidden, inter, n1 = w.num_experts, w.hidden_size, w.intermediate_size, w.w1.shape[1]
         a, beta, limit = act.params()
-        kernels.activate_quantize(
-            b.gemm1_out, w.w1_alpha, b.row_to_slot, b.row_expert, b.offsets, int(act.kind), a, beta, limit,
-            act.gated, b.act, b.act_scales, self.swizzled,
-        )
-        self.engine.gemm(
-            b.rows, inter, hidden, experts, b.act, b.act_scales,
-            w.w2, w.w2_scales, b.offsets, b.gemm2_out, b.gemm_workspace,
-        )
+        return [
+            ("sort", lambda: kernels.sort_routing(
+                b.ids.view(-1), k, self.local_expert_start, experts, self.engine.row_alignment,
+                b.offsets, b.slot_to_row, b.row_to_slot, b.row_expert,
+            )),
+            ("permute", lambda: kernels.permute_tokens(
+                b.x, b.x_scales, b.slot_to_row, b.tokens * k, k, b.x_sorted, b.x_sorted_scales, self.swizzled,
+            )),
+            ("gemm1", lambda: self.engine.gemm(
+                b.rows, hidden, n1, experts, b.x_sorted, b.x_sorted_scales,
+                w.w1, w.w1_scales, b.offsets, b.gemm1_out, b.gemm_workspace,
+            )),
+            ("activation", lambda: kernels.activate_quantize(
+                b.gemm1_out, w.w1_alpha, b.row_to_slot, b.row_expert, b.offsets, int(act.kind), a, beta, limit,
+                act.gated, b.act, b.act_scales, self.swizzled,
+            )),
+            ("gemm2", lambda: self.engine.gemm(
+                b.rows, inter, hidden, experts, b.act, b.act_scales,
+                w.w2, w.w2_scales, b.offsets, b.gemm2_out, b.gemm_workspace,
+            )),
+        ]

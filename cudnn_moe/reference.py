@@ -18,11 +18,11 @@ Slots whose expert is not local are masked: they contribute nothing, whatever th
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, overload
 
 import torch
 
 from .activations import Activation, ActivationKind, parse_activation
+from .config import Nvfp4Activations, Nvfp4Weights
 from .formats import NVFP4_BLOCK, dequantize_nvfp4, quantize_nvfp4
 from .routing import Routing, check_distinct_experts, local_mask
 
@@ -112,42 +112,6 @@ def _finalize(rows: torch.Tensor, weights: torch.Tensor, mask: torch.Tensor) -> 
     return out
 
 
-@overload
-def reference_moe(
-    act_packed: torch.Tensor,
-    act_scales: torch.Tensor,
-    w1_packed: torch.Tensor,
-    w1_scales: torch.Tensor,
-    w1_alpha: torch.Tensor,
-    w2_packed: torch.Tensor,
-    w2_scales: torch.Tensor,
-    w2_alpha: torch.Tensor,
-    routing: Routing,
-    activation: Activation | ActivationKind | str,
-    *,
-    local_expert_start: int = 0,
-    finalize: Literal[True] = True,
-) -> torch.Tensor: ...
-
-
-@overload
-def reference_moe(
-    act_packed: torch.Tensor,
-    act_scales: torch.Tensor,
-    w1_packed: torch.Tensor,
-    w1_scales: torch.Tensor,
-    w1_alpha: torch.Tensor,
-    w2_packed: torch.Tensor,
-    w2_scales: torch.Tensor,
-    w2_alpha: torch.Tensor,
-    routing: Routing,
-    activation: Activation | ActivationKind | str,
-    *,
-    local_expert_start: int = 0,
-    finalize: Literal[False],
-) -> UnfinalizedReference: ...
-
-
 def reference_moe(
     act_packed: torch.Tensor,
     act_scales: torch.Tensor,
@@ -220,3 +184,21 @@ def reference_moe(
     if not finalize:
         return UnfinalizedReference(rows=rows, weights=weights, mask=mask)
     return _finalize(rows, weights, mask)
+
+
+def reference_for_prepared(
+    activations: Nvfp4Activations,
+    weights: Nvfp4Weights,
+    routing: Routing,
+    activation: Activation | ActivationKind | str,
+    *,
+    local_expert_start: int = 0,
+    finalize: bool = True,
+) -> torch.Tensor | UnfinalizedReference:
+    """reference_moe on what Nvfp4MoeConfig prepared (weight scales converted to linear if swizzled)."""
+    w1_scales, w2_scales = weights.linear_scales()
+    return reference_moe(
+        activations.packed, activations.scales, weights.w1, w1_scales, weights.w1_alpha,
+        weights.w2, w2_scales, weights.w2_alpha, routing, activation,
+        local_expert_start=local_expert_start, finalize=finalize,
+    )

@@ -3,6 +3,7 @@
 # Usage: OUT=/path/to/logs bash scripts/gpu_check.sh [pytest args...]
 # Wheels the machine lacks (the cuDNN frontend) are expected in .whl/ (see README, "GPU runs").
 # BENCH_ARGS passes options to benchmarks/bench_moe.py; SKIP_BENCH=1 / SKIP_TESTS=1 skip a step.
+# Also runs `python3 -m cudnn_moe demo` (the demo job, with the fused op on the GPU).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}
@@ -21,12 +22,16 @@ print("gpu", torch.cuda.get_device_name(), "cc", torch.cuda.get_device_capabilit
 print("torch", torch.__version__, "cuda", torch.version.cuda, "cupy", cupy.__version__,
       "cudnn frontend", cudnn.__version__, "cudnn backend", cudnn.backend_version())
 PY
+python3 -m cudnn_moe demo 2>&1 | tee "$OUT/demo.log"
+[ "${PIPESTATUS[0]}" = 0 ] || status=1
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
   python3 -m pytest -m gpu -q -p no:cacheprovider "$@" 2>&1 | tee "$OUT/pytest_gpu.log"
   status=${PIPESTATUS[0]}
 fi
 if [ "${SKIP_BENCH:-0}" != 1 ]; then
   python3 benchmarks/bench_moe.py ${BENCH_ARGS:-} --markdown "$OUT/bench.md" 2>&1 | tee "$OUT/bench.log"
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
+  python3 benchmarks/bench_stages.py --markdown "$OUT/stages.md" 2>&1 | tee "$OUT/stages.log"
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 exit $status

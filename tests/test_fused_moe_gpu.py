@@ -15,8 +15,9 @@ import torch
 
 from cudnn_moe import (
     GELU, GeGLU, GeGLUTanh, Identity, Nvfp4MoeConfig, ReLU, ReLU2, Routing, SiLU, SwiGLU,
-    fused_moe, pack_routing, reference_moe,
+    fused_moe, pack_routing,
 )
+from cudnn_moe.reference import reference_for_prepared
 from cudnn_moe.executor import row_capacity
 
 pytestmark = pytest.mark.gpu
@@ -52,9 +53,7 @@ def _run_case(experts, hidden, inter, top_k, tokens, activation, *, seed=0, loca
     config = Nvfp4MoeConfig(max_num_tokens=max(tokens, 1))
     weights = config.prepare_weights(w1, w2, activation=activation)
     acts = config.prepare_activations(x)
-    w1s, w2s = weights.linear_scales()
-    ref = reference_moe(acts.packed, acts.scales, weights.w1, w1s, weights.w1_alpha, weights.w2, w2s,
-                        weights.w2_alpha, r, activation, local_expert_start=start, finalize=finalize)
+    ref = reference_for_prepared(acts, weights, r, activation, local_expert_start=start, finalize=finalize)
     if finalize:
         out = torch.full((tokens, hidden), float("nan"), dtype=torch.bfloat16, device="cuda")
     else:
@@ -165,9 +164,7 @@ def test_bucket_reuse_with_fewer_tokens():
     _, _, (config, acts, r, weights, act, start) = _run_case(8, 256, 256, 2, 100, SwiGLU(), seed=9)
     x, w1, w2, r2 = _layer(8, 256, 256, 2, 37, act, seed=10)
     acts2 = config.prepare_activations(x)
-    w1s, w2s = weights.linear_scales()
-    ref = reference_moe(acts2.packed, acts2.scales, weights.w1, w1s, weights.w1_alpha, weights.w2, w2s,
-                        weights.w2_alpha, r2, act)
+    ref = reference_for_prepared(acts2, weights, r2, act)
     out = torch.full((37, 256), float("nan"), dtype=torch.bfloat16, device="cuda")
     _check_close(fused_moe(config, acts2, r2, weights, activation=act, out=out), ref)
 
@@ -180,5 +177,17 @@ def test_records_into_callers_cuda_graph():
         fused_moe(config, acts, r, weights, activation=act, out=out)
     out.fill_(float("nan"))
     graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
+
+
+def test_runs_on_a_side_stream():
+    eager, ref, (config, acts, r, weights, act, start) = _run_case(8, 256, 256, 2, 32, SwiGLU(), seed=12)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        out = torch.full_like(eager, float("nan"))
+        fused_moe(config, acts, r, weights, activation=act, out=out)
+    torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
     assert torch.equal(out, eager)

@@ -1,0 +1,85 @@
+"""Where the time of one fused NVFP4 MoE call goes: per-stage GPU time and host time per call.
+
+Prints, per model and token count: each bucket-static stage launched alone (sort, permute,
+GEMM1, activation, GEMM2), the whole call (stage + graph replay + finalize) on the GPU, and the
+host time to submit one call. Usage: python benchmarks/bench_stages.py --help
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench_moe import MODELS, time_us  # noqa: E402
+
+from cudnn_moe import Nvfp4MoeConfig, Routing, SwiGLU, fused_moe  # noqa: E402
+from cudnn_moe.ops import get_executor  # noqa: E402
+
+
+def host_us_per_call(fn, calls: int = 200) -> float:
+    """Mean host time to submit fn() (the GPU may run behind), in microseconds."""
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed / calls * 1e6
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", default=["qwen3-30b-a3b"], choices=list(MODELS))
+    parser.add_argument("--tokens", nargs="+", type=int, default=[1, 64, 4096])
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--markdown", type=Path, help="also write the table here")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_stages needs a CUDA GPU", file=sys.stderr)
+        return 2
+    dev = torch.device("cuda")
+    stage_names = ["sort", "permute", "gemm1", "activation", "gemm2"]
+    lines = [f"{torch.cuda.get_device_name()}: GPU us per stage (each launched alone), whole call, host us per call", "",
+             "| model | T | " + " | ".join(stage_names) + " | whole call (GPU) | host per call |",
+             "| --- | ---: |" + " ---: |" * (len(stage_names) + 2)]
+    print("\n".join(lines[2:]), flush=True)
+    gen = torch.Generator(device=dev).manual_seed(0)
+    for key in args.models:
+        m = MODELS[key]
+        config = Nvfp4MoeConfig(max_num_tokens=max(args.tokens))
+        w1 = torch.randn(m.experts, 2 * m.intermediate, m.hidden, device=dev, dtype=torch.bfloat16, generator=gen)
+        w2 = torch.randn(m.experts, m.hidden, m.intermediate, device=dev, dtype=torch.bfloat16, generator=gen)
+        weights = config.prepare_weights(w1, w2)
+        del w1, w2
+        executor = get_executor(config, weights, top_k=m.top_k, activation=SwiGLU(), local_expert_start=0)
+        for tokens in args.tokens:
+            x = torch.randn(tokens, m.hidden, device=dev, dtype=torch.bfloat16, generator=gen)
+            ids = torch.rand(tokens, m.experts, device=dev, generator=gen).argsort(1)[:, : m.top_k].to(torch.int32)
+            routing = Routing.unpacked(ids, torch.rand(tokens, m.top_k, device=dev, generator=gen))
+            acts = config.prepare_activations(x)
+            out = torch.empty(tokens, m.hidden, device=dev, dtype=torch.bfloat16)
+            call = lambda: fused_moe(config, acts, routing, weights, out=out)  # noqa: E731
+            whole = time_us(call, 3, args.iters)
+            stages = [time_us(launch, 2, args.iters) for _, launch in executor.stages(executor.bucket(tokens))]
+            host = host_us_per_call(call)
+            row = (f"| {m.name} | {tokens} | " + " | ".join(f"{t:.1f}" for t in stages)
+                   + f" | {whole:.1f} | {host:.1f} |")
+            lines.append(row)
+            print(row, flush=True)
+        del weights, executor
+        torch.cuda.empty_cache()
+    if args.markdown:
+        args.markdown.write_text("\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
