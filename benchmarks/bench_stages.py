@@ -1,13 +1,15 @@
 """Where the time of one fused NVFP4 MoE call goes: per-stage GPU time and host time per call.
 
-Prints, per model and token count: each bucket-static stage launched alone (sort, permute,
-GEMM1, activation, GEMM2), the whole call (stage + graph replay + finalize) on the GPU, and the
-host time to submit one call. Usage: python benchmarks/bench_stages.py --help
+Prints, per model and token count: the GPU time of each bucket-static stage (sort, permute,
+GEMM1, activation, GEMM2; each captured alone in a CUDA graph, so launch overhead is excluded),
+the whole call (stage + graph replay + finalize) on the GPU, and the host time to submit one
+call to an idle GPU. Usage: python benchmarks/bench_stages.py --help
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -23,16 +25,26 @@ from cudnn_moe import Nvfp4MoeConfig, Routing, SwiGLU, fused_moe  # noqa: E402
 from cudnn_moe.ops import get_executor  # noqa: E402
 
 
-def host_us_per_call(fn, calls: int = 200) -> float:
-    """Mean host time to submit fn() (the GPU may run behind), in microseconds."""
-    fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
+def host_us_per_call(fn, calls: int = 50) -> float:
+    """Median host time to submit fn() to an idle GPU, in microseconds."""
+    times = []
     for _ in range(calls):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
         fn()
-    elapsed = time.perf_counter() - start
+        times.append((time.perf_counter() - start) * 1e6)
     torch.cuda.synchronize()
-    return elapsed / calls * 1e6
+    return statistics.median(times)
+
+
+def graphed_us(launch, iters: int, repeats: int = 10) -> float:
+    """GPU time of one launch(), from a CUDA graph holding ``repeats`` of them."""
+    launch()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(repeats):
+            launch()
+    return time_us(graph.replay, 2, iters) / repeats
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -47,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     dev = torch.device("cuda")
     stage_names = ["sort", "permute", "gemm1", "activation", "gemm2"]
-    lines = [f"{torch.cuda.get_device_name()}: GPU us per stage (each launched alone), whole call, host us per call", "",
+    lines = [f"{torch.cuda.get_device_name()}: GPU us per stage (graphed alone), whole call; host us to submit one call", "",
              "| model | T | " + " | ".join(stage_names) + " | whole call (GPU) | host per call |",
              "| --- | ---: |" + " ---: |" * (len(stage_names) + 2)]
     print("\n".join(lines[2:]), flush=True)
@@ -68,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
             out = torch.empty(tokens, m.hidden, device=dev, dtype=torch.bfloat16)
             call = lambda: fused_moe(config, acts, routing, weights, out=out)  # noqa: E731
             whole = time_us(call, 3, args.iters)
-            stages = [time_us(launch, 2, args.iters) for _, launch in executor.stages(executor.bucket(tokens))]
+            stages = [graphed_us(launch, args.iters) for _, launch in executor.stages(executor.bucket(tokens))]
             host = host_us_per_call(call)
             row = (f"| {m.name} | {tokens} | " + " | ".join(f"{t:.1f}" for t in stages)
                    + f" | {whole:.1f} | {host:.1f} |")

@@ -15,7 +15,7 @@ SIZE_MULTIPLE = 128
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Nvfp4Activations:
     """NVFP4 activation pack with global scale one.
 
@@ -35,7 +35,7 @@ class Nvfp4Activations:
         return self.packed.shape[1] * 2
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Nvfp4Weights:
     """Per-expert NVFP4 weights of one MoE layer (E experts held by this rank).
 
@@ -43,6 +43,8 @@ class Nvfp4Weights:
     w2: uint8 [E, H, I/2]. Scales are float8_e4m3fn per 16 values along the last (reduction)
     dim; LINEAR: [E, rows, K/16], SWIZZLED_128X4: [E, rows * K/16] in 128x4 tiles per expert.
     w1_alpha / w2_alpha: float32 [E]; dequantized weight = e2m1 * block scale * alpha.
+    ``executors`` caches the GPU executors built for these weights (see ops.get_executor); they
+    are released with the weights.
     """
 
     w1: torch.Tensor

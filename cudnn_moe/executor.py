@@ -16,9 +16,11 @@ Calls that share an executor share its workspace: order them on one stream.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import threading
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -57,6 +59,19 @@ class UnfinalizedOutput:
     rows: torch.Tensor
     expert_weights: torch.Tensor
     token_to_row: torch.Tensor
+
+
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Keep Python's cyclic GC from running inside a capture: freeing another object's CUDA
+    memory or graph there would invalidate the capture."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 class _Bucket:
@@ -116,7 +131,9 @@ class MoeExecutor:
                 f"{engine.name} engine on this GPU reads {engine.scale_layout.value} scales; "
                 "prepare them with a config for this GPU's architecture"
             )
-        self.weights, self.engine = weights, engine
+        # A view without the executor cache: no reference cycle weights -> executor -> weights, so the
+        # buckets and CUDA graphs are freed by reference counting, never by a GC pass during a capture.
+        self.weights, self.engine = replace(weights, executors={}), engine
         self.top_k, self.activation = top_k, activation
         self.local_expert_start, self.max_num_tokens = local_expert_start, max_num_tokens
         self._buckets: dict[int, _Bucket] = {}
@@ -202,7 +219,7 @@ class MoeExecutor:
                 if bucket.graph is None:
                     self._pipeline(bucket)  # compiles kernels and builds GEMM plans outside capture
                     graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph):
+                    with _gc_paused(), torch.cuda.graph(graph):
                         self._pipeline(bucket)
                     bucket.graph = graph
         return bucket.graph
