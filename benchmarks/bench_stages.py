@@ -49,8 +49,8 @@ def graphed_us(launch, iters: int, repeats: int = 10) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", nargs="+", default=["qwen3-30b-a3b"], choices=list(MODELS))
-    parser.add_argument("--tokens", nargs="+", type=int, default=[1, 64, 4096])
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--tokens", nargs="+", type=int, default=[1, 8, 64, 512, 4096])
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--markdown", type=Path, help="also write the table here")
     args = parser.parse_args(argv)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 
 import torch
@@ -34,8 +35,14 @@ def parse_arch(arch: str | int | tuple[int, int]) -> Arch:
 
 
 def device_arch(device: torch.device | int | None = None) -> Arch:
-    """Compute capability of a CUDA device (the current one by default)."""
-    return tuple(torch.cuda.get_device_capability(device))  # type: ignore[return-value]
+    """Compute capability of a CUDA device (the current one by default); cached per device."""
+    index = device.index if isinstance(device, torch.device) else device
+    return _capability(torch.cuda.current_device() if index is None else index)
+
+
+@functools.cache
+def _capability(index: int) -> Arch:
+    return tuple(torch.cuda.get_device_capability(index))  # type: ignore[return-value]
 
 
 def is_blackwell(arch: Arch) -> bool:

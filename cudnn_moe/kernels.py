@@ -32,6 +32,7 @@ _ROW_THREADS = 128
 _lock = threading.RLock()
 _modules: dict[tuple[int, str, tuple[str, ...]], Any] = {}
 _functions: dict[tuple[int, str, str], Any] = {}
+_streams: dict[tuple[int, int], Any] = {}
 
 
 def kernels_dir() -> Path:
@@ -92,6 +93,21 @@ class _StreamRef:
         return (0, self.handle)
 
 
+def _cupy_stream(handle: int, index: int) -> Any:
+    """A CuPy view of the raw CUDA stream ``handle`` of device ``index`` (cached: building one costs host time)."""
+    key = (handle, index)
+    stream = _streams.get(key)
+    if stream is None:
+        import cupy
+
+        if hasattr(cupy.cuda.Stream, "from_external"):  # CuPy >= 14
+            stream = cupy.cuda.Stream.from_external(_StreamRef(handle))
+        else:
+            stream = cupy.cuda.ExternalStream(handle, index)
+        stream = _streams.setdefault(key, stream)
+    return stream
+
+
 def _launch(filename: str, name: str, device: torch.device, grid: int, block: int, args: tuple[Any, ...]) -> None:
     """Launch kernel ``name`` of kernels_cuda/``filename`` with a 1-D grid on torch's current stream of ``device``."""
     if grid <= 0:
@@ -100,11 +116,8 @@ def _launch(filename: str, name: str, device: torch.device, grid: int, block: in
 
     index = device.index if device.index is not None else torch.cuda.current_device()
     function = _function(filename, name, index)
-    handle = torch.cuda.current_stream(index).cuda_stream
-    if hasattr(cupy.cuda.Stream, "from_external"):  # CuPy >= 14
-        stream = cupy.cuda.Stream.from_external(_StreamRef(handle))
-    else:
-        stream = cupy.cuda.ExternalStream(handle, index)
+    # The raw handle of torch's current stream, without building a torch.cuda.Stream object per launch.
+    stream = _cupy_stream(torch._C._cuda_getCurrentRawStream(index), index)
     with cupy.cuda.Device(index), stream:
         function((grid,), (block,), args)
 
