@@ -73,6 +73,50 @@ def grouped_mm_layer(x, ids, route_w, w1_t, w2_t, inter):
     return (out.view(tokens, top_k, -1) * route_w.unsqueeze(-1)).sum(1).to(torch.bfloat16)
 
 
+def random_weights(m: ModelShape, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """BF16 w1 [E, 2I, H] (rows [up; gate]) and w2 [E, H, I] on the GPU, scaled by 1/sqrt(fan-in)."""
+    dev = gen.device
+    w1 = torch.randn(m.experts, 2 * m.intermediate, m.hidden, device=dev, dtype=torch.bfloat16, generator=gen)
+    w2 = torch.randn(m.experts, m.hidden, m.intermediate, device=dev, dtype=torch.bfloat16, generator=gen)
+    return w1.div_(m.hidden**0.5), w2.div_(m.intermediate**0.5)
+
+
+def random_batch(m: ModelShape, tokens: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """BF16 x [T, H], distinct uniform top-k ids int32 [T, k], softmax route weights FP32 [T, k]."""
+    dev = gen.device
+    x = torch.randn(tokens, m.hidden, device=dev, dtype=torch.bfloat16, generator=gen)
+    ids = torch.rand(tokens, m.experts, device=dev, generator=gen).argsort(1)[:, : m.top_k].to(torch.int32)
+    return x, ids, torch.softmax(torch.randn(tokens, m.top_k, device=dev, generator=gen), 1)
+
+
+def emit(lines: list[str], row: str) -> None:
+    """Print a table row now and keep it for the markdown file."""
+    lines.append(row)
+    print(row, flush=True)
+
+
+def bench_model(m: ModelShape, args: argparse.Namespace, gen: torch.Generator, lines: list[str]) -> None:
+    """One table row per token count for model ``m`` (ours, floor, ratio, BF16 peer and its floor)."""
+    config = Nvfp4MoeConfig(max_num_tokens=max(args.tokens))
+    w1, w2 = random_weights(m, gen)
+    weights = config.prepare_weights(w1, w2, activation=SwiGLU())
+    w1_t, w2_t = w1.transpose(1, 2), w2.transpose(1, 2)
+    per_expert = 3 * m.hidden * m.intermediate  # weight elements of one expert (w1 2I x H, w2 H x I)
+    for tokens in args.tokens:
+        x, ids, route_w = random_batch(m, tokens, gen)
+        routing = Routing.unpacked(ids, route_w)
+        acts = config.prepare_activations(x)
+        out = torch.empty(tokens, m.hidden, device=x.device, dtype=torch.bfloat16)
+        ours = time_us(lambda: fused_moe(config, acts, routing, weights, out=out), 3, args.iters)
+        peer = time_us(lambda: grouped_mm_layer(x, ids.long(), route_w, w1_t, w2_t, m.intermediate), 3, args.iters)
+        active = int(torch.unique(ids).numel())
+        compute_floor = 2 * tokens * m.top_k * per_expert / (args.peak_tflops * 1e12) * 1e6
+        fp4_floor = max(active * per_expert * (0.5 + 1 / 16) / (args.bandwidth_tbs * 1e12) * 1e6, compute_floor)
+        bf16_floor = max(active * per_expert * 2 / (args.bandwidth_tbs * 1e12) * 1e6, compute_floor)
+        emit(lines, f"| {m.name} | {tokens} | {ours:.1f} | {fp4_floor:.1f} | {ours / fp4_floor:.1f} | "
+                    f"{peer:.1f} | {bf16_floor:.1f} | {peer / bf16_floor:.1f} |")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
@@ -95,34 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     print(lines[2], flush=True)
     gen = torch.Generator(device=dev).manual_seed(0)
     for key in args.models:
-        m = MODELS[key]
-        config = Nvfp4MoeConfig(max_num_tokens=max(args.tokens))
-        w1 = torch.randn(m.experts, 2 * m.intermediate, m.hidden, device=dev, dtype=torch.bfloat16, generator=gen)
-        w1 /= m.hidden**0.5
-        w2 = torch.randn(m.experts, m.hidden, m.intermediate, device=dev, dtype=torch.bfloat16, generator=gen)
-        w2 /= m.intermediate**0.5
-        weights = config.prepare_weights(w1, w2, activation=SwiGLU())
-        w1_t, w2_t = w1.transpose(1, 2), w2.transpose(1, 2)
-        for tokens in args.tokens:
-            x = torch.randn(tokens, m.hidden, device=dev, dtype=torch.bfloat16, generator=gen)
-            ids = torch.rand(tokens, m.experts, device=dev, generator=gen).argsort(1)[:, : m.top_k].to(torch.int32)
-            route_w = torch.softmax(torch.randn(tokens, m.top_k, device=dev, generator=gen), 1)
-            routing = Routing.unpacked(ids, route_w)
-            acts = config.prepare_activations(x)
-            out = torch.empty(tokens, m.hidden, device=dev, dtype=torch.bfloat16)
-            ours = time_us(lambda: fused_moe(config, acts, routing, weights, out=out), 3, args.iters)
-            peer = time_us(lambda: grouped_mm_layer(x, ids.long(), route_w, w1_t, w2_t, m.intermediate), 3, args.iters)
-            active = int(torch.unique(ids).numel())
-            per_expert = 3 * m.hidden * m.intermediate  # weight elements of one expert (w1 2I x H, w2 H x I)
-            flops = 2 * tokens * m.top_k * per_expert
-            compute_floor = flops / (args.peak_tflops * 1e12) * 1e6
-            fp4_floor = max(active * per_expert * (0.5 + 1 / 16) / (args.bandwidth_tbs * 1e12) * 1e6, compute_floor)
-            bf16_floor = max(active * per_expert * 2 / (args.bandwidth_tbs * 1e12) * 1e6, compute_floor)
-            row = (f"| {m.name} | {tokens} | {ours:.1f} | {fp4_floor:.1f} | {ours / fp4_floor:.1f} | "
-                   f"{peer:.1f} | {bf16_floor:.1f} | {peer / bf16_floor:.1f} |")
-            lines.append(row)
-            print(row, flush=True)
-        del weights, w1, w2, w1_t, w2_t
+        bench_model(MODELS[key], args, gen, lines)
         torch.cuda.empty_cache()
     if args.markdown:
         args.markdown.write_text("\n".join(lines) + "\n")

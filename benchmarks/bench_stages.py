@@ -19,7 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench_moe import MODELS, time_us  # noqa: E402
+from bench_moe import MODELS, ModelShape, emit, random_batch, random_weights, time_us  # noqa: E402
 
 from cudnn_moe import Nvfp4MoeConfig, Routing, SwiGLU, fused_moe  # noqa: E402
 from cudnn_moe.ops import get_executor  # noqa: E402
@@ -47,6 +47,24 @@ def graphed_us(launch, iters: int, repeats: int = 10) -> float:
     return time_us(graph.replay, 2, iters) / repeats
 
 
+def bench_model(m: ModelShape, args: argparse.Namespace, gen: torch.Generator, lines: list[str]) -> None:
+    """One table row per token count for model ``m``: stage times, whole call, host time."""
+    config = Nvfp4MoeConfig(max_num_tokens=max(args.tokens))
+    weights = config.prepare_weights(*random_weights(m, gen))
+    executor = get_executor(config, weights, top_k=m.top_k, activation=SwiGLU(), local_expert_start=0)
+    for tokens in args.tokens:
+        x, ids, route_w = random_batch(m, tokens, gen)
+        routing = Routing.unpacked(ids, route_w)
+        acts = config.prepare_activations(x)
+        out = torch.empty(tokens, m.hidden, device=x.device, dtype=torch.bfloat16)
+        call = lambda: fused_moe(config, acts, routing, weights, out=out)  # noqa: E731
+        whole = time_us(call, 3, args.iters)
+        stages = [graphed_us(launch, args.iters) for _, launch in executor.stages(executor.bucket(tokens))]
+        host = host_us_per_call(call)
+        emit(lines, f"| {m.name} | {tokens} | " + " | ".join(f"{t:.1f}" for t in stages)
+             + f" | {whole:.1f} | {host:.1f} |")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
@@ -65,28 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(lines[2:]), flush=True)
     gen = torch.Generator(device=dev).manual_seed(0)
     for key in args.models:
-        m = MODELS[key]
-        config = Nvfp4MoeConfig(max_num_tokens=max(args.tokens))
-        w1 = torch.randn(m.experts, 2 * m.intermediate, m.hidden, device=dev, dtype=torch.bfloat16, generator=gen)
-        w2 = torch.randn(m.experts, m.hidden, m.intermediate, device=dev, dtype=torch.bfloat16, generator=gen)
-        weights = config.prepare_weights(w1, w2)
-        del w1, w2
-        executor = get_executor(config, weights, top_k=m.top_k, activation=SwiGLU(), local_expert_start=0)
-        for tokens in args.tokens:
-            x = torch.randn(tokens, m.hidden, device=dev, dtype=torch.bfloat16, generator=gen)
-            ids = torch.rand(tokens, m.experts, device=dev, generator=gen).argsort(1)[:, : m.top_k].to(torch.int32)
-            routing = Routing.unpacked(ids, torch.rand(tokens, m.top_k, device=dev, generator=gen))
-            acts = config.prepare_activations(x)
-            out = torch.empty(tokens, m.hidden, device=dev, dtype=torch.bfloat16)
-            call = lambda: fused_moe(config, acts, routing, weights, out=out)  # noqa: E731
-            whole = time_us(call, 3, args.iters)
-            stages = [graphed_us(launch, args.iters) for _, launch in executor.stages(executor.bucket(tokens))]
-            host = host_us_per_call(call)
-            row = (f"| {m.name} | {tokens} | " + " | ".join(f"{t:.1f}" for t in stages)
-                   + f" | {whole:.1f} | {host:.1f} |")
-            lines.append(row)
-            print(row, flush=True)
-        del weights, executor
+        bench_model(MODELS[key], args, gen, lines)
         torch.cuda.empty_cache()
     if args.markdown:
         args.markdown.write_text("\n".join(lines) + "\n")

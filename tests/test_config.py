@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cudnn_moe import GELU, Nvfp4MoeConfig, Routing, SwiGLU, fused_moe
+from cudnn_moe import GELU, Nvfp4MoeConfig, Routing, fused_moe
 from cudnn_moe.formats import E2M1_GRID, ScaleLayout, unswizzle_128x4
 
 E, H, I = 3, 256, 128
