@@ -7,7 +7,7 @@ the first GPU call.
 from .activations import GELU, SiLU, SiTU, ReLU, ReLU2, GeGLU, GeGLUTanh, Identity, SwiGLU, SwiGLUStep
 from .config import Nvfp4Activations, Nvfp4MoeConfig, Nvfp4Weights
 from .executor import UnfinalizedOutput
-from .ops import fused_moe
+from .ops import fused_moe, get_executor, unfinalized_row_count
 from .reference import reference_moe
 from .routing import Routing, pack_routing, unpack_routing
 
@@ -30,7 +30,9 @@ __all__ = [
     "SwiGLUStep",
     "UnfinalizedOutput",
     "fused_moe",
+    "get_executor",
     "pack_routing",
     "reference_moe",
+    "unfinalized_row_count",
     "unpack_routing",
 ]

@@ -211,7 +211,8 @@ class MoeExecutor:
         )
         kernels.scale_rows(bucket.gemm2_out, bucket.row_to_slot, bucket.row_expert, w.w2_alpha, rows_out)
         token_to_row = bucket.slot_to_row[: tokens * self.top_k].view(tokens, self.top_k).clone()
-        return UnfinalizedOutput(rows_out, routing.ids_and_weights()[1], token_to_row)
+        route_weights = bucket.route_weights[:tokens].clone()  # as decoded by the stage kernel
+        return UnfinalizedOutput(rows_out, route_weights, token_to_row)
 
     def _ensure_graph(self, bucket: _Bucket) -> torch.cuda.CUDAGraph:
         if bucket.graph is None:

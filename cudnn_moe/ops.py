@@ -18,6 +18,14 @@ def _engine_for(device: torch.device):
     return CudnnGemmEngine(device)
 
 
+def unfinalized_row_count(weights: Nvfp4Weights, num_tokens: int, top_k: int) -> int:
+    """Rows R of ``UnfinalizedOutput.rows`` for a call of this size on the weights' GPU: the size
+    an ``out`` tensor [R, H] must have with finalize=False."""
+    from .cudnn.grouped_gemm import row_alignment
+
+    return row_capacity(num_tokens, top_k, weights.num_experts, row_alignment(device_arch(weights.device)))
+
+
 def get_executor(
     config: Nvfp4MoeConfig,
     weights: Nvfp4Weights,
@@ -128,9 +136,7 @@ def fused_moe(
         config, weights, top_k=routing.top_k, activation=act, local_expert_start=local_expert_start
     )
     if out is not None:
-        rows = tokens if finalize else row_capacity(
-            tokens, routing.top_k, weights.num_experts, executor.engine.row_alignment
-        )
+        rows = tokens if finalize else unfinalized_row_count(weights, tokens, routing.top_k)
         require_tensor("out", out, torch.bfloat16, rank=2)
         require_shape("out", out, (rows, hidden))
         require_contiguous(out=out)

@@ -9,7 +9,7 @@ from cudnn_moe import (
     GELU, GeGLU, GeGLUTanh, Identity, Nvfp4MoeConfig, ReLU, ReLU2, Routing, SiLU, SwiGLU,
     fused_moe, pack_routing,
 )
-from cudnn_moe.executor import row_capacity
+from cudnn_moe.ops import unfinalized_row_count
 from cudnn_moe.reference import reference_for_prepared
 from moe_checks import check_close as _check_close
 
@@ -47,18 +47,11 @@ def _run_case(experts, hidden, inter, top_k, tokens, activation, *, seed=0, loca
     if finalize:
         out = torch.full((tokens, hidden), float("nan"), dtype=torch.bfloat16, device="cuda")
     else:
-        rows = row_capacity(tokens, top_k, experts, _align(weights, config, top_k, activation, start))
+        rows = unfinalized_row_count(weights, tokens, top_k)
         out = torch.full((rows, hidden), float("nan"), dtype=torch.bfloat16, device="cuda")
     got = fused_moe(config, acts, r, weights, activation=activation, local_expert_start=start,
                     finalize=finalize, out=out, use_cuda_graph=graph)
     return got, ref, (config, acts, r, weights, activation, start)
-
-
-def _align(weights, config, top_k, activation, start):
-    from cudnn_moe.ops import get_executor
-
-    return get_executor(config, weights, top_k=top_k, activation=activation,
-                        local_expert_start=start).engine.row_alignment
 
 
 CASES = [
