@@ -7,7 +7,7 @@ import torch
 
 from cudnn_moe import (
     GELU, GeGLU, GeGLUTanh, Identity, Nvfp4MoeConfig, ReLU, ReLU2, Routing, SiLU, SwiGLU,
-    fused_moe, pack_routing,
+    fused_moe, get_executor, pack_routing,
 )
 from cudnn_moe.ops import unfinalized_row_count
 from cudnn_moe.reference import reference_for_prepared
@@ -158,3 +158,18 @@ def test_runs_on_a_side_stream():
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
     assert torch.equal(out, eager)
+
+
+def test_warmup_then_capture_without_a_prior_call():
+    x, w1, w2, r = _layer(8, 256, 256, 2, 20, SwiGLU(), seed=13)
+    config = Nvfp4MoeConfig(max_num_tokens=32)
+    weights = config.prepare_weights(w1, w2)
+    acts = config.prepare_activations(x)
+    get_executor(config, weights, top_k=2, activation=SwiGLU(), local_expert_start=0).warmup()
+    out = torch.full((20, 256), float("nan"), dtype=torch.bfloat16, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fused_moe(config, acts, r, weights, out=out)
+    graph.replay()
+    torch.cuda.synchronize()
+    _check_close(out, reference_for_prepared(acts, weights, r, SwiGLU()))
