@@ -93,6 +93,7 @@ class _Bucket:
         self.ids = empty(tokens, k, dtype=torch.int32)
         self.route_weights = empty(tokens, k, dtype=torch.float32)
         self.offsets = empty(experts + 1, dtype=torch.int32)
+        self.expert_counts = empty(experts, dtype=torch.int32)  # slots per local expert of the last call
         self.slot_to_row = empty(tokens * k, dtype=torch.int32)
         self.row_to_slot = empty(rows, dtype=torch.int32)
         self.row_expert = empty(rows, dtype=torch.int32)
@@ -238,7 +239,7 @@ class MoeExecutor:
         return [
             ("sort", lambda: kernels.sort_routing(
                 b.ids.view(-1), k, self.local_expert_start, experts, self.engine.row_alignment,
-                b.offsets, b.slot_to_row, b.row_to_slot, b.row_expert,
+                b.offsets, b.slot_to_row, b.row_to_slot, b.row_expert, b.expert_counts,
             )),
             ("permute", lambda: kernels.permute_tokens(
                 b.x, b.x_scales, b.slot_to_row, b.tokens * k, k, b.x_sorted, b.x_sorted_scales, self.swizzled,

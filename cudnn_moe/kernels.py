@@ -208,6 +208,7 @@ def sort_routing(
     slot_to_row: torch.Tensor,
     row_to_slot: torch.Tensor,
     row_expert: torch.Tensor,
+    counts: torch.Tensor,
 ) -> None:
     """Group the B*k routing slots by local expert into segments padded to ``align`` rows.
 
@@ -215,7 +216,8 @@ def sort_routing(
     Outputs (int32): offsets [num_local + 1] segment starts (offsets[num_local] = rows used), slot_to_row [B*k]
     (-1 masked), row_to_slot [R] and row_expert [R] for R = row_capacity = row_to_slot.numel() (every entry
     written: -1 for padding rows and rows past the end; row_expert is the segment's expert for padding rows
-    inside a segment). Rows within a segment follow slot order. R must cover the worst case
+    inside a segment), counts [num_local] slots per local expert before padding. Rows within a segment
+    follow slot order. R must cover the worst case
     roundup(B*k + min(num_local, B*k) * (align - 1), align).
     """
     num_slots, row_capacity = ids_flat.numel(), row_to_slot.numel()
@@ -224,8 +226,10 @@ def sort_routing(
             f"sort needs 1 <= num_local <= {SORT_MAX_EXPERTS}, align >= 1 and top_k dividing the slot count; "
             f"got num_local={num_local}, align={align}, {num_slots} slots, top_k={top_k}"
         )
-    if ids_flat.dtype != torch.int32 or offsets.numel() != num_local + 1 or row_expert.numel() != row_capacity:
-        raise ValueError("sort operands: int32 ids, offsets [num_local + 1], row_expert as long as row_to_slot")
+    if (ids_flat.dtype != torch.int32 or offsets.numel() != num_local + 1 or row_expert.numel() != row_capacity
+            or counts.numel() != num_local):
+        raise ValueError("sort operands: int32 ids, offsets [num_local + 1], counts [num_local], "
+                         "row_expert as long as row_to_slot")
     _launch(
         "sort.cu",
         "moe_sort",
@@ -243,6 +247,7 @@ def sort_routing(
             _ptr(slot_to_row),
             _ptr(row_to_slot),
             _ptr(row_expert),
+            _ptr(counts),
         ),
     )
 

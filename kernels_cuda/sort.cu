@@ -60,13 +60,14 @@ __device__ __forceinline__ int segment_of(const int* seg, int num_experts, int r
 //   slot_to_row int32 [num_slots]        row of each slot, -1 when masked
 //   row_to_slot int32 [row_capacity]     slot of each row, -1 for padding rows and rows >= total
 //   row_expert  int32 [row_capacity]     local expert of the segment holding the row, -1 for rows >= total
+//   counts      int32 [num_experts]      slots routed to each local expert (before padding)
 // Inside a segment, rows follow slot order. Requires 1 <= num_experts <= SORT_MAX_EXPERTS and align >= 1.
 // The caller sizes row_capacity for the worst case; should it still be short, offsets are clamped to it and
 // slots that would land past the end of their clamped segment are dropped (slot_to_row = -1).
 extern "C" __global__ void __launch_bounds__(SORT_THREADS)
     moe_sort(const int* __restrict__ ids, int num_slots, int local_start, int num_experts, int align,
              int row_capacity, int* __restrict__ offsets, int* __restrict__ slot_to_row,
-             int* __restrict__ row_to_slot, int* __restrict__ row_expert) {
+             int* __restrict__ row_to_slot, int* __restrict__ row_expert, int* __restrict__ counts) {
   __shared__ int count[SORT_MAX_EXPERTS];     // histogram, then next free row of each segment
   __shared__ int seg[SORT_MAX_EXPERTS + 1];   // clamped segment starts
   __shared__ u16 warp_count[SORT_WARPS][SORT_MAX_EXPERTS];  // slots per (warp, expert) in the current chunk
@@ -90,6 +91,7 @@ extern "C" __global__ void __launch_bounds__(SORT_THREADS)
   const int padded = tid < num_experts ? (count[tid] + align - 1) / align * align : 0;
   const int start = block_exclusive_scan(padded, scratch);
   if (tid < num_experts) {
+    counts[tid] = count[tid];
     seg[tid] = min(start, row_capacity);
     count[tid] = seg[tid];
   }

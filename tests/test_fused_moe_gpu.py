@@ -91,8 +91,12 @@ def test_small_token_counts(tokens):
 
 def test_expert_parallel_subset():
     # This rank holds experts 16..31 of 64: most slots are masked, some tokens get no local expert.
-    got, ref, _ = _run_case(16, 256, 256, 4, 64, SwiGLU(), local=(16, 64), seed=5)
+    got, ref, (config, acts, r, weights, act, start) = _run_case(16, 256, 256, 4, 64, SwiGLU(), local=(16, 64), seed=5)
     _check_close(got, ref)
+    ids = r.ids_and_weights()[0].cpu().flatten()
+    local = ids[(ids >= 16) & (ids < 32)] - 16
+    executor = get_executor(config, weights, top_k=4, activation=act, local_expert_start=start)
+    assert torch.equal(executor.bucket(64).expert_counts.cpu(), torch.bincount(local, minlength=16).to(torch.int32))
 
 
 def test_all_slots_masked_gives_zeros():

@@ -68,7 +68,10 @@ def _wrapper_calls() -> list[tuple[str, Callable[..., None], tuple[Any, ...]]]:
         z(T, H // 2), z(T, H // 16), z(T, k, dtype=i32), None, kernels.ROUTING_PACKED,
         z(B, H // 2), z(B, H // 16), z(B, k, dtype=i32), z(B, k, dtype=f32),
     )
-    sort = (z(B * k, dtype=i32), k, 0, E, 8, z(E + 1, dtype=i32), z(B * k, dtype=i32), z(R, dtype=i32), z(R, dtype=i32))
+    sort = (
+        z(B * k, dtype=i32), k, 0, E, 8, z(E + 1, dtype=i32), z(B * k, dtype=i32), z(R, dtype=i32), z(R, dtype=i32),
+        z(E, dtype=i32),
+    )
     permute = (z(B, H // 2), z(B, H // 16), z(B * k, dtype=i32), B * k, k, z(R, H // 2), z(R * H // 16), False)
     activation = (
         z(R, 2 * inter, dtype=bf16), z(E, dtype=f32), z(R, dtype=i32), z(R, dtype=i32), z(E + 1, dtype=i32),

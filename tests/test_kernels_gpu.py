@@ -142,6 +142,7 @@ class SortResult:
     slot_to_row: list[int]
     row_to_slot: list[int]
     row_expert: list[int]
+    counts: list[int]
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return {name: torch.tensor(values, dtype=torch.int32) for name, values in vars(self).items()}
@@ -165,7 +166,7 @@ def sort_reference(ids: list[int], local_start: int, num_local: int, align: int,
             next_row[e] += 1
     for e in range(num_local):
         row_expert[offsets[e] : offsets[e + 1]] = [e] * (offsets[e + 1] - offsets[e])
-    return SortResult(offsets, slot_to_row, row_to_slot, row_expert)
+    return SortResult(offsets, slot_to_row, row_to_slot, row_expert, counts)
 
 
 def _random_ids(count: int, low: int, high: int, seed: int, hot: int | None = None) -> list[int]:
