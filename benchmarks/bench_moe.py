@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import statistics
 import sys
 from dataclasses import dataclass
@@ -25,6 +26,8 @@ from cudnn_moe.cudnn import backend_version  # noqa: E402
 
 @dataclass(frozen=True)
 class ModelShape:
+    """One MoE layer shape from graphs/presets.json."""
+
     name: str
     experts: int
     hidden: int
@@ -32,10 +35,8 @@ class ModelShape:
     top_k: int
 
 
-MODELS = {
-    "qwen3-30b-a3b": ModelShape("Qwen3-30B-A3B", 128, 2048, 768, 8),
-    "deepseek-v3": ModelShape("DeepSeek-V3", 256, 7168, 2048, 8),
-}
+PRESETS = Path(__file__).resolve().parent.parent / "graphs" / "presets.json"
+MODELS = {key: ModelShape(**shape) for key, shape in json.loads(PRESETS.read_text()).items()}
 
 
 def time_us(fn, warmup: int, iters: int) -> float:
