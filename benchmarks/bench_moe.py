@@ -13,6 +13,7 @@ import datetime
 import json
 import statistics
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -96,6 +97,18 @@ def emit(lines: list[str], row: str) -> None:
     print(row, flush=True)
 
 
+def run_table(args: argparse.Namespace, lines: list[str], bench_model: Callable[..., None]) -> int:
+    """Print the column header (lines[2]), add bench_model's rows per model, write --markdown."""
+    print(lines[2], flush=True)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for key in args.models:
+        bench_model(MODELS[key], args, gen, lines)
+        torch.cuda.empty_cache()
+    if args.markdown:
+        args.markdown.write_text("\n".join(lines) + "\n")
+    return 0
+
+
 def bench_model(m: ModelShape, args: argparse.Namespace, gen: torch.Generator, lines: list[str]) -> None:
     """One table row per token count for model ``m`` (ours, floor, ratio, BF16 peer and its floor)."""
     config = Nvfp4MoeConfig(max_num_tokens=max(args.tokens))
@@ -130,21 +143,13 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("bench_moe needs a CUDA GPU", file=sys.stderr)
         return 2
-    dev = torch.device("cuda")
     header = (f"{datetime.date.today()} | {torch.cuda.get_device_name()} | cuDNN backend {backend_version()} | "
               f"torch {torch.__version__} | floor: {args.bandwidth_tbs} TB/s, {args.peak_tflops} TFLOP/s BF16")
     lines = [header, "",
              "| model | T | ours (us) | floor (us) | ours/floor | grouped_mm BF16 (us) | BF16 floor (us) | grouped_mm/BF16 floor |",
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     print(header, flush=True)
-    print(lines[2], flush=True)
-    gen = torch.Generator(device=dev).manual_seed(0)
-    for key in args.models:
-        bench_model(MODELS[key], args, gen, lines)
-        torch.cuda.empty_cache()
-    if args.markdown:
-        args.markdown.write_text("\n".join(lines) + "\n")
-    return 0
+    return run_table(args, lines, bench_model)
 
 
 if __name__ == "__main__":

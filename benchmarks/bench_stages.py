@@ -19,7 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench_moe import MODELS, ModelShape, emit, random_batch, random_weights, time_us  # noqa: E402
+from bench_moe import MODELS, ModelShape, emit, random_batch, random_weights, run_table, time_us  # noqa: E402
 
 from cudnn_moe import Nvfp4MoeConfig, Routing, SwiGLU, fused_moe  # noqa: E402
 from cudnn_moe.ops import get_executor  # noqa: E402
@@ -75,19 +75,11 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("bench_stages needs a CUDA GPU", file=sys.stderr)
         return 2
-    dev = torch.device("cuda")
     stage_names = ["sort", "permute", "gemm1", "activation", "gemm2"]
     lines = [f"{torch.cuda.get_device_name()}: GPU us per stage (graphed alone), whole call; host us to submit one call", "",
              "| model | T | " + " | ".join(stage_names) + " | whole call (GPU) | host per call |",
              "| --- | ---: |" + " ---: |" * (len(stage_names) + 2)]
-    print("\n".join(lines[2:]), flush=True)
-    gen = torch.Generator(device=dev).manual_seed(0)
-    for key in args.models:
-        bench_model(MODELS[key], args, gen, lines)
-        torch.cuda.empty_cache()
-    if args.markdown:
-        args.markdown.write_text("\n".join(lines) + "\n")
-    return 0
+    return run_table(args, lines, bench_model)
 
 
 if __name__ == "__main__":

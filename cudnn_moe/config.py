@@ -150,7 +150,7 @@ class Nvfp4MoeConfig:
         intermediate = w2.shape[2]
         require_multiple("hidden size (w1_bf16.shape[2])", hidden, SIZE_MULTIPLE)
         require_multiple("intermediate size (w2_bf16.shape[2])", intermediate, SIZE_MULTIPLE)
-        expected_rows = 2 * intermediate if act.gated else intermediate
+        expected_rows = act.gemm1_columns(intermediate)
         if rows1 != expected_rows:
             kind = "gated" if act.gated else "non-gated"
             raise ValueError(

@@ -30,8 +30,7 @@ class DemoShape:
 def random_layer(shape: DemoShape, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Routing]:
     """Random BF16 x [T, H], w1 [E, N1, H], w2 [E, H, I] and a distinct-expert top-k routing."""
     gen = torch.Generator().manual_seed(shape.seed)
-    gated = parse_activation(shape.activation).gated
-    rows1 = 2 * shape.intermediate if gated else shape.intermediate
+    rows1 = parse_activation(shape.activation).gemm1_columns(shape.intermediate)
     x = torch.randn(shape.tokens, shape.hidden, generator=gen)
     w1 = torch.randn(shape.experts, rows1, shape.hidden, generator=gen) / shape.hidden**0.5
     w2 = torch.randn(shape.experts, shape.hidden, shape.intermediate, generator=gen) / shape.intermediate**0.5

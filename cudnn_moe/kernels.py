@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .activations import GPU_KERNEL_ACTIVATIONS, ActivationKind
 from .formats.scale_layout import swizzled_shape
 
 # Routing formats of stage_inputs (stage.cu uses the same values).
@@ -22,9 +23,10 @@ ROUTING_BF16 = 2  # ids int32/int64 [T, k] + weights bfloat16 [T, k]
 
 SORT_MAX_EXPERTS = 512  # local experts one moe_sort block handles (sort.cu)
 
-# Activation codes activate_quantize accepts, split by whether GEMM1's output is [up | gate].
-_PLAIN_ACTIVATIONS = frozenset({0, 1, 2, 3, 4})  # IDENTITY, RELU, GELU, SILU, RELU2
-_GATED_ACTIVATIONS = frozenset({10, 11, 12})  # SWIGLU, GEGLU, GEGLU_TANH
+# Activation codes activate_quantize accepts, split by whether GEMM1's output is [up | gate]
+# (gated codes start at SWIGLU = 10, as in activation.cu).
+_GATED_ACTIVATIONS = frozenset(k for k in GPU_KERNEL_ACTIVATIONS if k >= ActivationKind.SWIGLU)
+_PLAIN_ACTIVATIONS = GPU_KERNEL_ACTIVATIONS - _GATED_ACTIVATIONS
 
 _SORT_THREADS = 1024
 _ROW_THREADS = 128

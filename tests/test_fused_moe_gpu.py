@@ -18,7 +18,7 @@ pytestmark = pytest.mark.gpu
 
 def _layer(experts, hidden, inter, top_k, tokens, activation, seed, *, local=None, routing="fp32"):
     gen = torch.Generator().manual_seed(seed)
-    rows1 = 2 * inter if activation.gated else inter
+    rows1 = activation.gemm1_columns(inter)
     x = torch.randn(tokens, hidden, generator=gen)
     w1 = torch.randn(experts, rows1, hidden, generator=gen) / hidden**0.5
     w2 = torch.randn(experts, hidden, inter, generator=gen) / inter**0.5

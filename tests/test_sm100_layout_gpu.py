@@ -56,7 +56,7 @@ class SwizzledInputsEngine:
 def test_sm100_layout_pipeline_matches_reference(experts, top_k, tokens, activation, local):
     hidden, inter = 256, 256
     gen = torch.Generator().manual_seed(experts + tokens)
-    rows1 = 2 * inter if activation.gated else inter
+    rows1 = activation.gemm1_columns(inter)
     w1 = (torch.randn(experts, rows1, hidden, generator=gen) / hidden**0.5).to("cuda", torch.bfloat16)
     w2 = (torch.randn(experts, hidden, inter, generator=gen) / inter**0.5).to("cuda", torch.bfloat16)
     x = torch.randn(tokens, hidden, generator=gen).to("cuda", torch.bfloat16)
