@@ -54,7 +54,7 @@ def requantize_nvfp4_rows(y: torch.Tensor) -> torch.Tensor:
     and its ``y * 1 / s`` equals ``y / s`` (the product by one is exact; it divides by s
     rather than multiplying by a rounded 1 / s).
     """
-    packed, scales = quantize_nvfp4(y)
+    packed, scales = quantize_nvfp4(y, check_finite=False)  # the kernel saturates Inf rather than refusing it
     return dequantize_nvfp4(packed, scales, dtype=torch.float64)
 
 
@@ -136,12 +136,13 @@ def reference_moe(
     N1 = 2I for gated activations (rows [up; gate]), else I. H and I are multiples of 16.
 
     Returns float64 [T, H] when finalize, else an UnfinalizedReference. Raises ValueError when
-    a token names an expert twice, TypeError / ValueError naming a malformed argument.
+    a token names an expert twice or an int64 id lies outside the int32 range (the GPU op
+    masks such ids instead), TypeError / ValueError naming a malformed argument.
     """
     activation = parse_activation(activation)
     if not isinstance(routing, Routing):
         raise TypeError(f"routing must be a Routing, got {type(routing).__name__}")
-    if not isinstance(local_expert_start, int) or local_expert_start < 0:
+    if isinstance(local_expert_start, bool) or not isinstance(local_expert_start, int) or local_expert_start < 0:
         raise ValueError(f"local_expert_start must be a non-negative int, got {local_expert_start!r}")
     if not isinstance(act_packed, torch.Tensor) or act_packed.dim() != 2:
         raise ValueError("act_packed must be a 2-D tensor [T, H/2]")

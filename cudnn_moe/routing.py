@@ -14,6 +14,7 @@ import torch
 from .kernels import ROUTING_BF16, ROUTING_FP32, ROUTING_PACKED
 
 _ID_MIN, _ID_MAX = -(1 << 15), (1 << 15) - 1
+_INT32_MIN, _INT32_MAX = -(1 << 31), (1 << 31) - 1
 _ID_DTYPES = (torch.int32, torch.int64)
 _WEIGHT_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -21,23 +22,36 @@ _WEIGHT_DTYPES = (torch.float32, torch.bfloat16)
 def pack_routing(ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """ids (integer [T, k], each in [-32768, 32767]) + weights (floating [T, k]) -> packed int32 [T, k].
 
-    Weights are rounded to BF16 (nearest, ties to even). The id range check reads the ids
-    (a device sync on CUDA).
+    Weights are rounded to BF16 (nearest, ties to even) and must be finite after rounding (a
+    weight above BF16's range, e.g. 1e39, would become inf). Both checks read the data (a
+    device sync on CUDA). Raises TypeError / ValueError naming ``ids`` or ``weights``.
     """
+    for name, value in (("ids", ids), ("weights", weights)):
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+        if value.dim() != 2:
+            raise ValueError(f"{name} must be 2-D [num_tokens, top_k], got shape {tuple(value.shape)}")
     if ids.shape != weights.shape:
         raise ValueError(f"ids {tuple(ids.shape)} and weights {tuple(weights.shape)} must have one shape")
     if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
         raise TypeError(f"ids must be an integer tensor, got {ids.dtype}")
     if not weights.is_floating_point():
         raise TypeError(f"weights must be a floating tensor, got {weights.dtype}")
+    if ids.device != weights.device:
+        raise ValueError(f"ids ({ids.device}) and weights ({weights.device}) must be on one device")
     if ids.numel() and (int(ids.min()) < _ID_MIN or int(ids.max()) > _ID_MAX):
         raise ValueError(f"expert ids must lie in [{_ID_MIN}, {_ID_MAX}] to fit the packed format")
-    weight_bits = weights.to(torch.bfloat16).view(torch.int16).to(torch.int32) & 0xFFFF
+    rounded = weights.to(torch.bfloat16)
+    if not bool(torch.isfinite(rounded).all()):
+        raise ValueError("weights must be finite and within BF16's range (|w| < 3.39e38); got NaN or Inf after rounding")
+    weight_bits = rounded.view(torch.int16).to(torch.int32) & 0xFFFF
     return ids.to(torch.int32) * (1 << 16) + weight_bits
 
 
 def unpack_routing(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """packed int32 [T, k] -> (ids int32 [T, k], weights float32 [T, k], BF16-exact)."""
+    if not isinstance(packed, torch.Tensor):
+        raise TypeError(f"packed routing must be a torch.Tensor, got {type(packed).__name__}")
     if packed.dtype != torch.int32:
         raise TypeError(f"packed routing must be int32, got {packed.dtype}")
     ids = packed >> 16  # arithmetic shift keeps the id's sign
@@ -57,6 +71,8 @@ def _require_tensor(value: object, name: str, dtypes: tuple[torch.dtype, ...]) -
         raise ValueError(f"{name} must be 2-D [num_tokens, top_k], got shape {tuple(value.shape)}")
     if value.shape[1] < 1:
         raise ValueError(f"{name} needs top_k >= 1, got shape {tuple(value.shape)}")
+    if not value.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (row-major, the kernels index raw memory); call .contiguous() first")
     return value
 
 
@@ -65,7 +81,13 @@ class Routing:
     """One token -> experts assignment, held packed (int32 [T, k]) or as ids + weights.
 
     Build with ``Routing.packed(tensor)`` or ``Routing.unpacked(ids, weights)``; ids are
-    int32/int64, weights float32/bfloat16. T may be 0; top_k must be at least 1.
+    int32/int64, weights float32/bfloat16, each a contiguous 2-D tensor. T may be 0; top_k must
+    be at least 1. Construction checks types, shapes, devices and contiguity only (no data read).
+
+    Expert ids that name no local expert (negative, or outside the weights' range) are unrouted.
+    int64 ids outside the int32 range are unrouted on the GPU too (the stage kernel masks them
+    without a data read); ``ids_and_weights()``, which the float reference and
+    ``check_routing=True`` use, reads the ids and raises ValueError for them instead of wrapping.
     """
 
     packed_tensor: torch.Tensor | None = None
@@ -125,10 +147,17 @@ class Routing:
         return self.ids, self.weights, code
 
     def ids_and_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(ids int32 [T, k], weights float32 [T, k]); packed weights are BF16-exact."""
+        """(ids int32 [T, k], weights float32 [T, k]); packed weights are BF16-exact.
+
+        int64 ids are range-checked before the cast (a data read, a device sync on CUDA): an id
+        outside [-2^31, 2^31) raises ValueError rather than wrapping to another expert.
+        """
         if self.packed_tensor is not None:
             return unpack_routing(self.packed_tensor)
-        return self.ids.to(torch.int32), self.weights.to(torch.float32)
+        ids = self.ids
+        if ids.dtype == torch.int64 and ids.numel() and (int(ids.min()) < _INT32_MIN or int(ids.max()) > _INT32_MAX):
+            raise ValueError(f"ids must lie in the int32 range [{_INT32_MIN}, {_INT32_MAX}]; int64 ids outside it would wrap")
+        return ids.to(torch.int32), self.weights.to(torch.float32)
 
 
 def check_distinct_experts(ids: torch.Tensor) -> None:

@@ -114,7 +114,7 @@ def make_layer(num_tokens: int, num_experts: int, act: Activation, seed: int, w1
 def make_routing(num_tokens: int, top_k: int, global_experts: int, fmt: str, seed: int):
     """Distinct ids per token; returns (Routing, ids int64, weights as the oracle sees them)."""
     gen = torch.Generator().manual_seed(seed + 1)
-    ids = torch.rand(num_tokens, global_experts, generator=gen).argsort(dim=1)[:, :top_k]
+    ids = torch.rand(num_tokens, global_experts, generator=gen).argsort(dim=1)[:, :top_k].contiguous()
     weights = torch.rand(num_tokens, top_k, generator=gen)
     if fmt == "packed":
         return Routing.packed(pack_routing(ids, weights)), ids, weights.to(torch.bfloat16).float()

@@ -22,7 +22,7 @@ def test_round_trip_bf16_exact_weights_and_negative_ids() -> None:
     torch.manual_seed(0)
     ids = torch.randint(-3, 300, (64, 6), dtype=torch.int64)
     weights = torch.randn(64, 6)
-    weights[0, :3] = torch.tensor([-0.0, float("inf"), 1e-40])  # signed zero, inf, a subnormal
+    weights[0, :3] = torch.tensor([-0.0, 3.3e38, 1e-40])  # signed zero, near BF16's max, a subnormal
     weights = weights.to(torch.bfloat16).float()
     got_ids, got_weights = unpack_routing(pack_routing(ids, weights))
     assert got_ids.dtype == torch.int32 and got_weights.dtype == torch.float32
@@ -49,6 +49,31 @@ def test_pack_errors() -> None:
         pack_routing(torch.tensor([[40000]]), torch.zeros(1, 1))
     with pytest.raises(TypeError, match="int32"):
         unpack_routing(torch.zeros(1, 1, dtype=torch.int64))
+
+
+@pytest.mark.parametrize("bad", [1e39, float("inf"), float("nan")])
+def test_pack_refuses_weights_that_are_not_finite_in_bf16(bad: float) -> None:
+    weights = torch.tensor([[0.5, bad]], dtype=torch.float64)
+    with pytest.raises(ValueError, match="weights must be finite"):
+        pack_routing(torch.zeros(1, 2, dtype=torch.int32), weights)
+
+
+def test_int64_ids_outside_int32_are_refused_not_wrapped() -> None:
+    routing = Routing.unpacked(torch.tensor([[2**32 + 1, -1]]), torch.ones(1, 2))
+    with pytest.raises(ValueError, match="ids must lie in the int32 range"):
+        routing.ids_and_weights()
+    edge = torch.tensor([[2**31 - 1, -(2**31)]])
+    assert Routing.unpacked(edge, torch.ones(1, 2)).ids_and_weights()[0].tolist() == edge.tolist()
+
+
+def test_non_contiguous_routing_is_refused() -> None:
+    ids = torch.zeros(4, 2, dtype=torch.int32)
+    with pytest.raises(ValueError, match="ids must be contiguous"):
+        Routing.unpacked(ids.T, torch.ones(2, 4))
+    with pytest.raises(ValueError, match="weights must be contiguous"):
+        Routing.unpacked(ids, torch.ones(2, 4).T)
+    with pytest.raises(ValueError, match="packed must be contiguous"):
+        Routing.packed(torch.zeros(4, 4, dtype=torch.int32)[:, ::2])
 
 
 @pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])

@@ -1,17 +1,90 @@
-"""Shared helpers for block-scaled formats: blocking the last dimension and casting scales."""
+"""Shared helpers for block-scaled formats: argument checks, blocking the last dimension and casting scales.
+
+Every public format function checks its arguments with these before touching the data:
+TypeError / ValueError naming the argument for non-tensors, wrong dtypes, too few dims,
+mismatched scale shapes and bad global scales.
+"""
 
 from __future__ import annotations
 
 import torch
 
+from ..validate import (
+    FLOAT_DTYPES,
+    require_finite,
+    require_finite_scalar,
+    require_float_tensor,
+    require_positive_finite,
+    require_tensor,
+)
+
 E4M3_MAX = 448.0
 
 
-def split_blocks(x: torch.Tensor, block: int) -> torch.Tensor:
+def check_values(name: str, x: object, *, min_rank: int = 1, finite: bool = True) -> torch.Tensor:
+    """A float16/bfloat16/float32/float64 tensor of at least ``min_rank`` dims to quantize.
+
+    finite=True also reads the data and refuses NaN / Inf (a device sync on CUDA).
+    """
+    x = require_float_tensor(name, x, min_rank=min_rank)
+    if finite:
+        require_finite(name, x)
+    return x
+
+
+def check_codes(name: str, value: object, dtype: torch.dtype, *, min_rank: int = 1) -> torch.Tensor:
+    """An encoded tensor of exactly ``dtype`` with at least ``min_rank`` dims."""
+    value = require_tensor(name, value, dtype)
+    if value.dim() < min_rank:
+        raise ValueError(f"{name} must have at least {min_rank} dimension(s), got shape {tuple(value.shape)}")
+    return value
+
+
+def check_scales(name: str, scales: object, dtypes: tuple[torch.dtype, ...], shape: tuple[int, ...]) -> torch.Tensor:
+    """Block scales of one of ``dtypes`` with exactly ``shape``."""
+    scales = require_tensor(name, scales, dtypes)
+    if tuple(scales.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)} to match the values, got {tuple(scales.shape)}")
+    return scales
+
+
+def check_out_dtype(dtype: object) -> torch.dtype:
+    """The floating dtype a dequantize function returns."""
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
+    return dtype
+
+
+def check_global_scale(name: str, scale: object, x: torch.Tensor) -> None:
+    """A finite positive number, or a floating tensor over x's leading dims, finite and positive.
+
+    A tensor scale is read (a device sync on CUDA). Zero, negative, NaN and Inf are refused.
+    """
+    if isinstance(scale, torch.Tensor) and scale.dim() > 0:
+        require_tensor(name, scale, FLOAT_DTYPES)
+        lead = tuple(x.shape[: scale.dim()])
+        if scale.dim() >= x.dim() or tuple(scale.shape) != lead:
+            raise ValueError(
+                f"{name} of shape {tuple(scale.shape)} must cover leading dims of the values "
+                f"(e.g. {tuple(x.shape[:1])} for shape {tuple(x.shape)})"
+            )
+        require_positive_finite(name, scale)
+        return
+    require_finite_scalar(name, scale, positive=True)
+
+
+def split_blocks(x: torch.Tensor, block: int, name: str = "x") -> torch.Tensor:
     """[..., K] -> float32 [..., K / block, block]; K must be a multiple of ``block``."""
     if x.shape[-1] % block:
-        raise ValueError(f"the last dimension ({x.shape[-1]}) must be a multiple of the block size {block}")
+        raise ValueError(f"the last dimension of {name} ({x.shape[-1]}) must be a multiple of the block size {block}")
     return x.float().reshape(*x.shape[:-1], x.shape[-1] // block, block)
+
+
+def block_scale_shape(values_shape: torch.Size, elements: int, block: int, name: str) -> tuple[int, ...]:
+    """Scale shape [..., elements / block] for values [..., *] holding ``elements`` per row."""
+    if elements % block:
+        raise ValueError(f"{name} holds {elements} values per row, not a multiple of the block size {block}")
+    return (*values_shape[:-1], elements // block)
 
 
 def to_e4m3(x: torch.Tensor) -> torch.Tensor:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from ..validate import FLOAT_DTYPES, require_tensor
+
 E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 E2M1_MAX = 6.0
 
@@ -22,10 +24,12 @@ _TIE_ROUNDS_UP = (False, True, False, True, False, True, False)
 def encode_e2m1(x: torch.Tensor) -> torch.Tensor:
     """Round float values to E2M1 codes (nearest, ties to even; saturate at +-6).
 
-    x: any shape, floating dtype (NaN is not allowed: callers validate).
+    x: any shape, float16/bfloat16/float32/float64 (TypeError otherwise). The data is not read
+    to check it: NaN encodes as code 0 (+0) and +-Inf saturate to +-6 like any large value.
     Returns uint8 codes of the same shape. Values that round to zero get code 0
     (no negative zero), so equal values always get equal codes.
     """
+    require_tensor("x", x, FLOAT_DTYPES)
     mag = x.abs().float()
     index = torch.zeros(x.shape, dtype=torch.uint8, device=x.device)
     for midpoint, tie_up in zip(_MIDPOINTS, _TIE_ROUNDS_UP):
@@ -37,6 +41,7 @@ def encode_e2m1(x: torch.Tensor) -> torch.Tensor:
 
 def decode_e2m1(codes: torch.Tensor) -> torch.Tensor:
     """E2M1 codes (uint8, low 4 bits used) -> float32 values, same shape."""
+    require_tensor("codes", codes, torch.uint8)
     grid = torch.tensor(E2M1_GRID, dtype=torch.float32, device=codes.device)
     codes = codes.to(torch.int64)
     value = grid[codes & 7]
@@ -45,6 +50,9 @@ def decode_e2m1(codes: torch.Tensor) -> torch.Tensor:
 
 def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
     """uint8 codes [..., K] (K even) -> packed bytes [..., K/2]; element 2i is the low nibble."""
+    require_tensor("codes", codes, torch.uint8)
+    if codes.dim() < 1:
+        raise ValueError("codes must have at least 1 dimension, got a 0-d tensor")
     if codes.shape[-1] % 2:
         raise ValueError(f"the last dimension must be even to pack two codes per byte, got {codes.shape[-1]}")
     pairs = codes.reshape(*codes.shape[:-1], codes.shape[-1] // 2, 2)
@@ -53,6 +61,9 @@ def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
 
 def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
     """Packed bytes [..., K/2] (uint8) -> codes [..., K] (uint8); inverse of pack_nibbles."""
+    require_tensor("packed", packed, torch.uint8)
+    if packed.dim() < 1:
+        raise ValueError("packed must have at least 1 dimension, got a 0-d tensor")
     low = packed & 0xF
     high = packed >> 4
     return torch.stack((low, high), dim=-1).reshape(*packed.shape[:-1], 2 * packed.shape[-1])

@@ -4,6 +4,11 @@ Every variant stores ``q = e4m3(x / s)`` (round to nearest even, saturating at +
 decodes ``q * s``. A computed scale is ``amax / 448`` over its group, so the largest
 magnitude maps to 448. A group whose amax is zero gets scale 1.0 (its codes are zero
 either way; a positive scale keeps every stored scale a valid divisor).
+
+Arguments are checked before any work (TypeError / ValueError naming them): values to quantize
+must be a finite floating tensor (NaN / Inf raise ValueError; the check reads the data, a
+device sync on CUDA), a given scale a finite positive number or one-element tensor, encoded
+values float8_e4m3fn and block scales floating tensors of the matching shape.
 """
 
 from __future__ import annotations
@@ -11,7 +16,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .blocks import E4M3_MAX, split_blocks, to_e4m3
+from ..validate import FLOAT_DTYPES, require_finite_scalar
+from .blocks import E4M3_MAX, block_scale_shape, check_codes, check_out_dtype, check_scales, check_values, split_blocks, to_e4m3
 
 FP8_BLOCK = 128
 
@@ -26,8 +32,11 @@ def quantize_fp8_per_tensor(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x (any shape, floating) -> (float8_e4m3fn, same shape; float32 0-dim dequantization scale).
 
-    scale: the dequantization scale to use; by default amax(|x|) / 448.
+    scale: the dequantization scale to use (finite, positive); by default amax(|x|) / 448.
     """
+    check_values("x", x)
+    if scale is not None:
+        require_finite_scalar("scale", scale, positive=True)
     x = x.float()
     if scale is None:
         scale = _scale_from_amax(x.abs().amax())
@@ -38,7 +47,10 @@ def quantize_fp8_per_tensor(
 def dequantize_fp8_per_tensor(
     values: torch.Tensor, scale: float | torch.Tensor, dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
-    """E4M3 tensor + scalar dequantization scale -> values * scale as ``dtype``."""
+    """E4M3 tensor + scalar dequantization scale (finite, positive) -> values * scale as ``dtype``."""
+    check_codes("values", values, torch.float8_e4m3fn)
+    require_finite_scalar("scale", scale, positive=True)
+    check_out_dtype(dtype)
     scale = torch.as_tensor(scale, dtype=torch.float32, device=values.device)
     return (values.float() * scale).to(dtype)
 
@@ -55,6 +67,7 @@ def quantize_fp8_block128(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     Each 128x128 tile (partial at the bottom and right edges when N or K is not a
     multiple of 128) has its own dequantization scale amax / 448.
     """
+    check_values("w", w, min_rank=2)
     *lead, rows, cols = w.shape
     w = w.float()
     pad_rows, pad_cols = -rows % FP8_BLOCK, -cols % FP8_BLOCK
@@ -69,7 +82,10 @@ def dequantize_fp8_block128(
     values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
     """Inverse of quantize_fp8_block128: E4M3 [..., N, K] + scales [..., ceil(N/128), ceil(K/128)] -> [..., N, K]."""
-    rows, cols = values.shape[-2:]
+    check_codes("values", values, torch.float8_e4m3fn, min_rank=2)
+    *lead, rows, cols = values.shape
+    check_scales("scales", scales, FLOAT_DTYPES, (*lead, -(-rows // FP8_BLOCK), -(-cols // FP8_BLOCK)))
+    check_out_dtype(dtype)
     return (values.float() * _expand_block_scales(scales, rows, cols)).to(dtype)
 
 
@@ -78,6 +94,7 @@ def quantize_fp8_act128(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
     One dequantization scale amax / 448 per 128 consecutive values of the last dim.
     """
+    check_values("x", x)
     blocks = split_blocks(x, FP8_BLOCK)
     scales = _scale_from_amax(blocks.abs().amax(dim=-1))
     return to_e4m3(blocks / scales.unsqueeze(-1)).reshape(x.shape), scales
@@ -87,5 +104,8 @@ def dequantize_fp8_act128(
     values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
     """Inverse of quantize_fp8_act128: E4M3 [..., K] + scales [..., K/128] -> [..., K] of ``dtype``."""
+    check_codes("values", values, torch.float8_e4m3fn)
+    check_scales("scales", scales, FLOAT_DTYPES, block_scale_shape(values.shape, values.shape[-1], FP8_BLOCK, "values"))
+    check_out_dtype(dtype)
     blocks = split_blocks(values, FP8_BLOCK)
     return (blocks * scales.float().unsqueeze(-1)).reshape(values.shape).to(dtype)

@@ -11,13 +11,18 @@ gets the smallest scale, 2^-127, and zero elements.
 
 E8M0 scales are built from their exponent bits: torch's float -> float8_e8m0fnu cast
 rounds up, which is not the floor this rule needs.
+
+Arguments are checked before any work (TypeError / ValueError naming them): values must be a
+finite floating tensor of at least one dim (NaN / Inf raise ValueError; the check reads the
+data, a device sync on CUDA), codes uint8 / float8_e4m3fn, scales float8_e8m0fnu of the
+matching shape.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .blocks import split_blocks, to_e4m3
+from .blocks import block_scale_shape, check_codes, check_out_dtype, check_scales, check_values, split_blocks, to_e4m3
 from .e2m1 import decode_e2m1, encode_e2m1, pack_nibbles, unpack_nibbles
 
 MX_BLOCK = 32
@@ -43,6 +48,7 @@ def quantize_mxfp4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     Returns (packed E2M1 codes uint8 [..., K/2], element 2i in the low nibble;
     scales float8_e8m0fnu [..., K/32]).
     """
+    check_values("x", x)
     blocks = split_blocks(x, MX_BLOCK)
     scales, scale_values = _mx_scales(blocks, _E2M1_EMAX)
     codes = encode_e2m1(blocks / scale_values)
@@ -51,6 +57,10 @@ def quantize_mxfp4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def dequantize_mxfp4(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Inverse of quantize_mxfp4: packed uint8 [..., K/2] + E8M0 scales [..., K/32] -> [..., K] of ``dtype``."""
+    check_codes("packed", packed, torch.uint8)
+    shape = block_scale_shape(packed.shape, 2 * packed.shape[-1], MX_BLOCK, "packed")
+    check_scales("scales", scales, (torch.float8_e8m0fnu,), shape)
+    check_out_dtype(dtype)
     codes = unpack_nibbles(packed)
     blocks = split_blocks(decode_e2m1(codes), MX_BLOCK)
     return (blocks * scales.float().unsqueeze(-1)).reshape(codes.shape).to(dtype)
@@ -61,6 +71,7 @@ def quantize_mxfp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
     Returns (elements float8_e4m3fn [..., K], scales float8_e8m0fnu [..., K/32]).
     """
+    check_values("x", x)
     blocks = split_blocks(x, MX_BLOCK)
     scales, scale_values = _mx_scales(blocks, _E4M3_EMAX)
     return to_e4m3(blocks / scale_values).reshape(x.shape), scales
@@ -68,5 +79,9 @@ def quantize_mxfp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def dequantize_mxfp8(values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Inverse of quantize_mxfp8: E4M3 [..., K] + E8M0 scales [..., K/32] -> [..., K] of ``dtype``."""
+    check_codes("values", values, torch.float8_e4m3fn)
+    shape = block_scale_shape(values.shape, values.shape[-1], MX_BLOCK, "values")
+    check_scales("scales", scales, (torch.float8_e8m0fnu,), shape)
+    check_out_dtype(dtype)
     blocks = split_blocks(values, MX_BLOCK)
     return (blocks * scales.float().unsqueeze(-1)).reshape(values.shape).to(dtype)

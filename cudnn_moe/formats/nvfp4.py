@@ -4,25 +4,48 @@ Encoding a tensor x with global scale g: each block of 16 gets
 ``s = e4m3(amax(|x_block|) / 6 * g)`` and codes ``e2m1(x * g / s)`` (zero codes when
 ``s == 0``). Decoding gives ``e2m1_value * s / g``. Every product of an E2M1 value and
 an E4M3 scale is exact in BF16.
+
+Arguments are checked before any work (TypeError / ValueError naming them): values must be a
+floating tensor of at least one dim, finite unless ``check_finite=False``; the global scale a
+finite positive number or a positive tensor over the leading dims; packed codes uint8 and
+scales float8_e4m3fn of the matching shape.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .blocks import E4M3_MAX, broadcast_per_lead, split_blocks, to_e4m3
+from .blocks import (
+    E4M3_MAX,
+    block_scale_shape,
+    broadcast_per_lead,
+    check_codes,
+    check_global_scale,
+    check_out_dtype,
+    check_scales,
+    check_values,
+    split_blocks,
+    to_e4m3,
+)
 from .e2m1 import E2M1_MAX, decode_e2m1, encode_e2m1, pack_nibbles, unpack_nibbles
 
 NVFP4_BLOCK = 16
 NVFP4_MAX = E2M1_MAX * E4M3_MAX  # 2688: the largest magnitude a block can hold with global scale one
 
 
-def quantize_nvfp4(x: torch.Tensor, global_scale: float | torch.Tensor = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize x [..., K] (BF16/FP16/FP32, K % 16 == 0) to NVFP4.
+def quantize_nvfp4(
+    x: torch.Tensor, global_scale: float | torch.Tensor = 1.0, *, check_finite: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize x [..., K] (BF16/FP16/FP32/FP64, K % 16 == 0) to NVFP4.
 
-    global_scale: a float, or a tensor over x's leading dims (e.g. [E] for x [E, N, K]).
+    global_scale: a positive finite float, or a tensor over x's leading dims (e.g. [E] for
+    x [E, N, K]; read to check it). check_finite: refuse NaN / Inf in x with ValueError (reads
+    x, a device sync on CUDA). With False, a block holding NaN gets a NaN scale and all-zero
+    codes, and a block holding Inf gets scale 448 with the Inf saturated to +-6.
     Returns (packed uint8 [..., K/2], scales float8_e4m3fn [..., K/16]) with linear scales.
     """
+    check_values("x", x, finite=check_finite)
+    check_global_scale("global_scale", global_scale, x)
     blocks = split_blocks(x, NVFP4_BLOCK)
     g = broadcast_per_lead(global_scale, blocks)
     amax = blocks.abs().amax(dim=-1)
@@ -39,7 +62,15 @@ def dequantize_nvfp4(
     global_scale: float | torch.Tensor = 1.0,
     dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """Inverse of quantize_nvfp4: packed [..., K/2] + linear scales [..., K/16] -> [..., K] of ``dtype``."""
+    """Inverse of quantize_nvfp4: packed [..., K/2] + linear scales [..., K/16] -> [..., K] of ``dtype``.
+
+    A NaN scale (E4M3 code 0x7F) decodes its block to NaN; the data is not read to check.
+    """
+    check_codes("packed", packed, torch.uint8)
+    shape = block_scale_shape(packed.shape, 2 * packed.shape[-1], NVFP4_BLOCK, "packed")
+    check_scales("scales", scales, (torch.float8_e4m3fn,), shape)
+    check_global_scale("global_scale", global_scale, packed)
+    check_out_dtype(dtype)
     codes = unpack_nibbles(packed)
     blocks = split_blocks(decode_e2m1(codes), NVFP4_BLOCK)
     g = broadcast_per_lead(global_scale, blocks)

@@ -13,6 +13,8 @@ import enum
 
 import torch
 
+from ..validate import require_int_arg
+
 
 class ScaleLayout(enum.Enum):
     """Where block scale (row, col) lives in memory."""
@@ -30,6 +32,8 @@ def _round_up(value: int, multiple: int) -> int:
 
 def swizzled_shape(rows: int, cols: int) -> tuple[int, int]:
     """Padded (rows, cols) of the 128x4 layout for a rows x cols scale matrix."""
+    require_int_arg("rows", rows, minimum=0)
+    require_int_arg("cols", cols, minimum=0)
     return _round_up(rows, SWIZZLE_ROWS), _round_up(cols, SWIZZLE_COLS)
 
 
@@ -45,6 +49,10 @@ def swizzle_128x4(scales: torch.Tensor) -> torch.Tensor:
 
     Rp = R rounded up to 128, Cp = C rounded up to 4. Works for any 1-byte or wider dtype.
     """
+    if not isinstance(scales, torch.Tensor):
+        raise TypeError(f"scales must be a torch.Tensor, got {type(scales).__name__}")
+    if scales.dim() < 2:
+        raise ValueError(f"scales must have at least 2 dimensions [..., R, C], got shape {tuple(scales.shape)}")
     *lead, rows, cols = scales.shape
     padded_rows, padded_cols = swizzled_shape(rows, cols)
     padded = scales.new_zeros(*lead, padded_rows, padded_cols)
@@ -58,6 +66,12 @@ def swizzle_128x4(scales: torch.Tensor) -> torch.Tensor:
 
 def unswizzle_128x4(swizzled: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     """Inverse of swizzle_128x4: [..., Rp * Cp] -> linear [..., rows, cols] (padding dropped)."""
+    if not isinstance(swizzled, torch.Tensor):
+        raise TypeError(f"swizzled must be a torch.Tensor, got {type(swizzled).__name__}")
+    if swizzled.dim() < 1:
+        raise ValueError("swizzled must have at least 1 dimension [..., Rp * Cp], got a 0-d tensor")
+    require_int_arg("rows", rows, minimum=1)
+    require_int_arg("cols", cols, minimum=1)
     padded_rows, padded_cols = swizzled_shape(rows, cols)
     *lead, size = swizzled.shape
     if size != padded_rows * padded_cols:
