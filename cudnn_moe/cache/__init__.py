@@ -1,0 +1,33 @@
+"""Persistent cache of built artifacts (serialized cuDNN plans, kernel binaries, measured choices).
+
+Backend-neutral: entries are bytes under an EntryKey that names what they are and the
+environment they are valid in. Pure Python: importing this package imports neither CuPy nor
+cuDNN (current_environment does, when called).
+
+    disk = DiskCache()                      # cache_dir(): $CUDNN_MOE_CACHE_DIR or ~/.cache/cudnn_moe
+    key = EntryKey(KIND_CUDNN_PLAN, "gemm1 ...", {"experts": 128, ...}, current_environment(device))
+    payload, source = lookup_or_build(key, build_plan_bytes, memory, disk)   # source: memory | disk | built
+"""
+
+from .keys import KIND_CHOICE, KIND_CUDNN_PLAN, KIND_KERNEL, EntryKey, Environment, current_environment
+from .lookup import lookup_or_build
+from .paths import ENV_VAR, cache_dir, default_cache_dir
+from .store import CacheEntry, CacheWarning, CorruptEntry, DiskCache, EntryCheck
+
+__all__ = [
+    "ENV_VAR",
+    "KIND_CHOICE",
+    "KIND_CUDNN_PLAN",
+    "KIND_KERNEL",
+    "CacheEntry",
+    "CacheWarning",
+    "CorruptEntry",
+    "DiskCache",
+    "EntryCheck",
+    "EntryKey",
+    "Environment",
+    "cache_dir",
+    "current_environment",
+    "default_cache_dir",
+    "lookup_or_build",
+]

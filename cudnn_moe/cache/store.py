@@ -1,0 +1,282 @@
+"""DiskCache: one file per entry under the cache directory, written atomically, checked on every read.
+
+Entry file ``<sha256 of the key JSON>.entry``, little-endian:
+
+    magic  b"CUDNNMOE"         8 bytes
+    format version             uint16 (FORMAT_VERSION)
+    key length                 uint32, then the key's canonical JSON (ASCII)
+    payload length             uint64
+    payload sha256             32 bytes
+    payload
+
+Writes go to a temporary file in the same directory (``.<digest>.<random>.tmp``), are fsynced
+and renamed over the entry with os.replace, so a reader sees the old entry, the new one or
+none, never a partial file; several processes may write one key at once and the last rename
+wins. A read that finds a corrupt, truncated or foreign entry (wrong magic or version, bad
+checksum, another key) warns once per file per process (CacheWarning), removes the file and
+returns None so the caller rebuilds: nothing unchecked is ever returned.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import struct
+import tempfile
+import threading
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+from .keys import EntryKey
+from .paths import cache_dir
+
+MAGIC = b"CUDNNMOE"
+FORMAT_VERSION = 1
+SUFFIX = ".entry"
+TEMP_SUFFIX = ".tmp"
+STALE_TEMP_SECONDS = 600.0  # a temporary file this old belongs to a writer that died
+_HEAD = struct.Struct("<8sHI")  # magic, format version, key length
+_PAYLOAD_HEAD = struct.Struct("<Q32s")  # payload length, payload sha256
+
+
+class CacheWarning(UserWarning):
+    """A cache entry was unreadable or invalid and is being rebuilt, or an entry could not be stored."""
+
+
+class CorruptEntry(ValueError):
+    """An entry file that does not parse or whose checksum does not match."""
+
+
+_reported: set[str] = set()
+_reported_lock = threading.Lock()
+
+
+def report_once(subject: str, message: str) -> None:
+    """warnings.warn(CacheWarning) the first time ``subject`` (a file path) has a problem in this process."""
+    with _reported_lock:
+        if subject in _reported:
+            return
+        _reported.add(subject)
+    warnings.warn(f"cudnn_moe cache: {message}", CacheWarning, stacklevel=3)
+
+
+def encode_entry(key_json: str, payload: bytes) -> bytes:
+    """The bytes of an entry file holding ``payload`` under ``key_json``."""
+    key_bytes = key_json.encode("ascii")
+    return b"".join((
+        _HEAD.pack(MAGIC, FORMAT_VERSION, len(key_bytes)),
+        key_bytes,
+        _PAYLOAD_HEAD.pack(len(payload), hashlib.sha256(payload).digest()),
+        payload,
+    ))
+
+
+def _decode_head(data: bytes) -> tuple[str, int, bytes, int]:
+    """(key JSON, payload length, payload sha256, payload offset); raises CorruptEntry."""
+    if len(data) < _HEAD.size:
+        raise CorruptEntry(f"truncated header ({len(data)} bytes)")
+    magic, version, key_length = _HEAD.unpack_from(data)
+    if magic != MAGIC:
+        raise CorruptEntry("not a cudnn_moe cache entry (wrong magic)")
+    if version != FORMAT_VERSION:
+        raise CorruptEntry(f"entry format {version}, this package reads {FORMAT_VERSION}")
+    key_end = _HEAD.size + key_length
+    if len(data) < key_end + _PAYLOAD_HEAD.size:
+        raise CorruptEntry("truncated key")
+    try:
+        key_json = data[_HEAD.size:key_end].decode("ascii")
+    except UnicodeDecodeError as exc:
+        raise CorruptEntry("key is not ASCII JSON") from exc
+    length, checksum = _PAYLOAD_HEAD.unpack_from(data, key_end)
+    return key_json, length, checksum, key_end + _PAYLOAD_HEAD.size
+
+
+def decode_entry(data: bytes) -> tuple[str, bytes]:
+    """(key JSON, payload) of an entry file's bytes, payload checksum verified; raises CorruptEntry."""
+    key_json, length, checksum, start = _decode_head(data)
+    payload = data[start:]
+    if len(payload) != length:
+        raise CorruptEntry(f"payload is {len(payload)} bytes, header says {length} (truncated or padded)")
+    if hashlib.sha256(payload).digest() != checksum:
+        raise CorruptEntry("payload checksum mismatch")
+    return key_json, payload
+
+
+@dataclass(frozen=True)
+class CacheEntry:
+    """One entry file as listed: key JSON (None if the header is unreadable), sizes, mtime."""
+
+    path: Path
+    key_json: str | None
+    file_size: int
+    payload_size: int | None
+    mtime: float
+    problem: str | None = None
+
+    @property
+    def key(self) -> EntryKey | None:
+        if self.key_json is None:
+            return None
+        try:
+            return EntryKey.from_json(self.key_json)
+        except ValueError:
+            return None
+
+
+@dataclass(frozen=True)
+class EntryCheck:
+    """verify()'s finding for one entry file: ok, or the problem."""
+
+    path: Path
+    ok: bool
+    problem: str | None
+    key_json: str | None
+
+
+class DiskCache:
+    """Entries under one cache directory (see cache_dir for the default and its 0700 mode)."""
+
+    def __init__(self, root: str | os.PathLike[str] | None = None) -> None:
+        self.root = cache_dir(root)
+
+    def path_for(self, key: EntryKey) -> Path:
+        return self.root / f"{key.digest()}{SUFFIX}"
+
+    def get(self, key: EntryKey) -> bytes | None:
+        """The payload stored under ``key``, or None when absent, unreadable or invalid (reported once, removed)."""
+        path = self.path_for(key)
+        try:
+            with open(path, "rb") as f:
+                stat = os.fstat(f.fileno())
+                data = f.read()
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            report_once(str(path), f"cannot read {path} ({exc}); rebuilding")
+            return None
+        try:
+            key_json, payload = decode_entry(data)
+            if key_json != key.to_json():
+                raise CorruptEntry("it holds another key (foreign or renamed entry)")
+        except CorruptEntry as exc:
+            self._discard(path, stat, str(exc))
+            return None
+        return payload
+
+    def put(self, key: EntryKey, payload: bytes) -> Path:
+        """Store ``payload`` under ``key`` atomically; returns the entry's path. Raises OSError when
+        the directory cannot be written."""
+        if not isinstance(payload, (bytes, bytearray, memoryview)):
+            raise TypeError(f"payload must be bytes, got {type(payload).__name__}")
+        digest = key.digest()
+        self.clean_temporaries(prefix=f".{digest}.")
+        data = encode_entry(key.to_json(), bytes(payload))
+        fd, temp = tempfile.mkstemp(prefix=f".{digest}.", suffix=TEMP_SUFFIX, dir=self.root)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(temp, self.path_for(key))
+        except BaseException:
+            Path(temp).unlink(missing_ok=True)
+            raise
+        self._sync_directory()
+        return self.path_for(key)
+
+    def entries(self) -> list[CacheEntry]:
+        """Every entry file, sorted by path, from its header only (no checksum)."""
+        found = []
+        for path in self._entry_paths():
+            try:
+                stat = path.stat()
+                with open(path, "rb") as f:
+                    head = f.read(_HEAD.size)
+                    key_length = _HEAD.unpack_from(head)[2] if len(head) == _HEAD.size else 0
+                    head += f.read(key_length + _PAYLOAD_HEAD.size)
+            except FileNotFoundError:
+                continue  # removed while listing
+            except OSError as exc:
+                found.append(CacheEntry(path, None, 0, None, 0.0, problem=str(exc)))
+                continue
+            try:
+                key_json, length, _, _ = _decode_head(head)
+            except CorruptEntry as exc:
+                found.append(CacheEntry(path, None, stat.st_size, None, stat.st_mtime, problem=str(exc)))
+                continue
+            found.append(CacheEntry(path, key_json, stat.st_size, length, stat.st_mtime))
+        return found
+
+    def verify(self) -> list[EntryCheck]:
+        """Read every entry fully: header, payload checksum, and the file name against the key's digest.
+
+        Reports, removes nothing (a bad entry is replaced on its next get)."""
+        checks = []
+        for path in self._entry_paths():
+            key_json = None
+            try:
+                key_json, _ = decode_entry(path.read_bytes())
+                digest = hashlib.sha256(key_json.encode("ascii")).hexdigest()
+                if path.name != f"{digest}{SUFFIX}":
+                    raise CorruptEntry(f"file name does not match its key (key digest {digest[:12]}...)")
+                EntryKey.from_json(key_json)
+            except FileNotFoundError:
+                continue
+            except (OSError, ValueError) as exc:  # CorruptEntry is a ValueError
+                checks.append(EntryCheck(path, False, str(exc), key_json))
+                continue
+            checks.append(EntryCheck(path, True, None, key_json))
+        return checks
+
+    def clean_temporaries(self, prefix: str = ".", max_age: float = STALE_TEMP_SECONDS) -> int:
+        """Remove temporary files (``prefix*.tmp``) older than ``max_age`` seconds, left by writers
+        that died mid-write; returns how many. Younger ones may belong to a live writer."""
+        removed = 0
+        now = time.time()
+        for path in self.root.glob(f"{prefix}*{TEMP_SUFFIX}"):
+            try:
+                if now - path.stat().st_mtime >= max_age:
+                    path.unlink()
+                    removed += 1
+            except FileNotFoundError:
+                continue
+        return removed
+
+    def clear(self) -> int:
+        """Remove every entry and temporary file; returns how many files went."""
+        removed = 0
+        for path in [*self._entry_paths(), *self.root.glob(f".*{TEMP_SUFFIX}")]:
+            try:
+                path.unlink()
+                removed += 1
+            except FileNotFoundError:
+                continue
+        return removed
+
+    def _entry_paths(self) -> list[Path]:
+        return sorted(self.root.glob(f"*{SUFFIX}")) if self.root.is_dir() else []
+
+    def _discard(self, path: Path, seen: os.stat_result, problem: str) -> None:
+        """Report ``path`` once and remove it, unless a writer has replaced it since it was read."""
+        report_once(str(path), f"ignoring invalid entry {path}: {problem}; it will be rebuilt")
+        try:
+            now = os.stat(path)
+            if (now.st_ino, now.st_mtime_ns, now.st_size) == (seen.st_ino, seen.st_mtime_ns, seen.st_size):
+                path.unlink()
+        except OSError:
+            pass  # already gone, or not ours to remove: the caller rebuilds either way
+
+    def _sync_directory(self) -> None:
+        """fsync the directory so the rename survives a power loss (where the OS allows it)."""
+        try:
+            fd = os.open(self.root, os.O_RDONLY)
+        except OSError:
+            return
+        try:
+            os.fsync(fd)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
