@@ -1,4 +1,4 @@
-"""Command line: ``python -m cudnn_moe demo`` (see ``--help``)."""
+"""Command line: ``python -m cudnn_moe demo`` and ``python -m cudnn_moe prebuild`` (see ``--help``)."""
 
 from __future__ import annotations
 
@@ -6,6 +6,8 @@ import argparse
 from dataclasses import fields
 
 from .demo import DemoShape, run_demo
+from .prebuild import add_arguments as add_prebuild_arguments
+from .prebuild import run_prebuild
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -19,7 +21,17 @@ def main(argv: list[str] | None = None) -> int:
     for f in fields(DemoShape):
         demo.add_argument(f"--{f.name.replace('_', '-')}", type=type(getattr(defaults, f.name)),
                           default=getattr(defaults, f.name), help=f"default: {getattr(defaults, f.name)}")
+    prebuild = commands.add_parser(
+        "prebuild",
+        help="build a layer's token buckets into the persistent cache before serving; list, verify or clear it",
+        description="Build every token bucket of the given layer shapes on this GPU so that serving starts from "
+        "the cache, or manage the cache directory (--list/--verify/--clear need no GPU). Exit status: 0 ok, "
+        "1 a build failed, a cache entry is bad or there is no usable GPU, 2 bad arguments.",
+    )
+    add_prebuild_arguments(prebuild)
     args = parser.parse_args(argv)
+    if args.command == "prebuild":
+        return run_prebuild(args)
     if args.command == "demo":
         try:
             run_demo(DemoShape(**{f.name: getattr(args, f.name) for f in fields(DemoShape)}))

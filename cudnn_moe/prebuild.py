@@ -1,0 +1,361 @@
+"""``cudnn-moe prebuild``: build a layer shape's token buckets ahead of serving, and manage the cache.
+
+Shapes come from presets (graphs/presets.json, or a JSON file of the same format) and
+``--shape E,H,I,TOPK``; each (shape, bucket) is built through build_layer, the one function
+here that touches the GPU (torch, CuPy and cuDNN are imported inside it). ``--list``,
+``--verify`` and ``--clear`` work on the cache directory and need no GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TextIO
+
+from .activations import GPU_KERNEL_ACTIVATIONS, Activation, parse_activation
+from .cache import ENV_VAR, DiskCache, cache_dir
+
+PRESETS_FILE = Path(__file__).resolve().parent.parent / "graphs" / "presets.json"
+PRESET_FIELDS = ("name", "experts", "hidden", "intermediate", "top_k")
+MAX_BUCKET = 4096
+DEFAULT_BUCKETS = tuple(1 << i for i in range(13))  # 1, 2, 4, ..., 4096
+ENGINES = ("auto",)  # the executor picks the engine for the GPU; named engines come with the engine registry
+NO_GPU = "prebuild needs a CUDA GPU; --list/--verify/--clear work without one"
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """One MoE layer shape: E experts, hidden size H, intermediate size I, top-k."""
+
+    name: str
+    experts: int
+    hidden: int
+    intermediate: int
+    top_k: int
+
+    def describe(self) -> str:
+        return f"{self.name} (E{self.experts} H{self.hidden} I{self.intermediate} top-{self.top_k})"
+
+
+@dataclass(frozen=True)
+class BuildResult:
+    """One (shape, bucket): 'built', 'disk' (loaded from the cache) or 'failed' (with the error)."""
+
+    shape: LayerShape
+    bucket: int
+    source: str
+    seconds: float
+    error: str | None = None
+
+
+def _shape(name: str, experts: object, hidden: object, intermediate: object, top_k: object) -> LayerShape:
+    values = {"experts": experts, "hidden": hidden, "intermediate": intermediate, "top_k": top_k}
+    for field, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{field} must be a positive integer, got {value!r}")
+    if top_k > experts:  # type: ignore[operator]
+        raise ValueError(f"top_k ({top_k}) cannot exceed experts ({experts})")
+    return LayerShape(name, experts, hidden, intermediate, top_k)  # type: ignore[arg-type]
+
+
+def load_presets(path: Path) -> dict[str, LayerShape]:
+    """Preset file -> {key: LayerShape}; ValueError naming the file and entry when malformed."""
+    try:
+        document = json.loads(path.read_text())
+    except OSError as exc:
+        raise ValueError(f"cannot read preset file {path}: {exc.strerror or exc}") from exc
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"preset file {path} is not JSON: {exc}") from exc
+    if not isinstance(document, dict) or not document:
+        raise ValueError(f"preset file {path} must hold a non-empty JSON object of presets")
+    presets = {}
+    for key, entry in document.items():
+        if not isinstance(entry, dict) or set(entry) != set(PRESET_FIELDS):
+            raise ValueError(f"preset {key!r} in {path} must have exactly the fields {', '.join(PRESET_FIELDS)}")
+        try:
+            presets[key] = _shape(str(entry["name"]), entry["experts"], entry["hidden"], entry["intermediate"], entry["top_k"])
+        except ValueError as exc:
+            raise ValueError(f"preset {key!r} in {path}: {exc}") from exc
+    return presets
+
+
+def parse_preset(text: str) -> list[LayerShape]:
+    """--preset NAME (a key of graphs/presets.json) or PATH (a preset file: all its presets)."""
+    path = Path(text).expanduser()
+    if text.endswith(".json") or path.is_file():
+        try:
+            return list(load_presets(path).values())
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from exc
+    if not PRESETS_FILE.is_file():
+        raise argparse.ArgumentTypeError(f"preset names need {PRESETS_FILE} (a checkout); pass a preset file PATH instead")
+    presets = load_presets(PRESETS_FILE)
+    if text not in presets:
+        raise argparse.ArgumentTypeError(f"unknown preset {text!r}; known: {', '.join(presets)} (or a .json file)")
+    return [presets[text]]
+
+
+def parse_shape(text: str) -> LayerShape:
+    """--shape E,H,I,TOPK -> LayerShape."""
+    parts = text.split(",")
+    try:
+        values = [int(p) for p in parts]
+        if len(values) != 4:
+            raise ValueError(f"expected 4 comma-separated integers E,H,I,TOPK, got {len(values)}")
+        return _shape(f"custom {text}", *values)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"bad shape {text!r}: {exc}") from exc
+
+
+def parse_buckets(text: str) -> tuple[int, ...]:
+    """--buckets 1,2,4,... or max=N -> sorted distinct powers of two up to 4096."""
+    try:
+        if text.startswith("max="):
+            limit = int(text[4:])
+            if limit < 1:
+                raise ValueError(f"max must be >= 1, got {limit}")
+            buckets = tuple(b for b in DEFAULT_BUCKETS if b < limit) + (1 << (limit - 1).bit_length(),)
+        else:
+            buckets = tuple(int(p) for p in text.split(","))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"bad buckets {text!r}: {exc}; use e.g. 1,2,4,8 or max=4096") from exc
+    for b in buckets:
+        if b < 1 or b & (b - 1) or b > MAX_BUCKET:
+            raise argparse.ArgumentTypeError(
+                f"bad buckets {text!r}: {b} is not a power of two in [1, {MAX_BUCKET}] (token buckets are powers of two)"
+            )
+    return tuple(sorted(set(buckets)))
+
+
+def parse_gpu_activation(text: str) -> Activation:
+    try:
+        act = parse_activation(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+    if act.kind not in GPU_KERNEL_ACTIVATIONS:
+        raise argparse.ArgumentTypeError(f"{text!r} has no GPU kernel (it exists in the reference only)")
+    return act
+
+
+class Progress:
+    """A one-line progress bar with ETA on ``stream`` (redrawn in place on a terminal, one line per step otherwise)."""
+
+    def __init__(self, total: int, stream: TextIO | None = None, enabled: bool = True, width: int = 24) -> None:
+        self.total, self.done, self.width = total, 0, width
+        self.stream = sys.stderr if stream is None else stream
+        self.enabled = enabled and total > 0
+        self.start = time.monotonic()
+
+    def advance(self, label: str = "") -> None:
+        """Count one step done and redraw."""
+        self.done = min(self.done + 1, self.total)
+        if not self.enabled:
+            return
+        elapsed = time.monotonic() - self.start
+        eta = elapsed / self.done * (self.total - self.done)
+        filled = self.width * self.done // self.total
+        bar = "#" * filled + "." * (self.width - filled)
+        line = f"[{bar}] {self.done}/{self.total} {label}  {elapsed:.1f}s elapsed, ETA {eta:.1f}s"
+        tty = getattr(self.stream, "isatty", lambda: False)()
+        self.stream.write(f"\r\x1b[K{line}" if tty else f"{line}\n")
+        if tty and self.done == self.total:
+            self.stream.write("\n")
+        self.stream.flush()
+
+
+def build_layer(
+    shape: LayerShape,
+    buckets: Sequence[int],
+    cache: DiskCache,
+    activation: Activation,
+    engine: str,
+    progress: Progress,
+) -> list[BuildResult]:
+    """Build every bucket of one layer shape on the current GPU: random weights prepared with
+    Nvfp4MoeConfig, then the executor's warmup per bucket (workspace, GEMM plans, CUDA graph).
+
+    cache: the store the engines read and write (its directory is also exported as
+    $CUDNN_MOE_CACHE_DIR by run_prebuild); until the engines report cache hits, every bucket
+    that succeeds counts as 'built'. A failing bucket is recorded and the next one tried.
+    """
+    import torch
+
+    from .config import Nvfp4MoeConfig
+    from .ops import get_executor
+
+    if engine not in ENGINES:
+        raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}")
+    config = Nvfp4MoeConfig(max_num_tokens=max(buckets))
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rows1 = activation.gemm1_columns(shape.intermediate)
+    like = dict(device="cuda", dtype=torch.bfloat16, generator=gen)
+    w1 = torch.randn(shape.experts, rows1, shape.hidden, **like) / shape.hidden**0.5
+    w2 = torch.randn(shape.experts, shape.hidden, shape.intermediate, **like) / shape.intermediate**0.5
+    weights = config.prepare_weights(w1, w2, activation=activation)
+    del w1, w2
+    executor = get_executor(config, weights, top_k=shape.top_k, activation=activation, local_expert_start=0)
+    results = []
+    for bucket in sorted(buckets):
+        start = time.monotonic()
+        try:
+            executor.warmup(bucket)
+            torch.cuda.synchronize()
+            results.append(BuildResult(shape, bucket, "built", time.monotonic() - start))
+        except Exception as exc:  # reported per bucket; the summary and exit code carry it
+            results.append(BuildResult(shape, bucket, "failed", time.monotonic() - start, f"{type(exc).__name__}: {exc}"))
+        progress.advance(f"{shape.name} bucket {bucket}")
+    return results
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The prebuild subcommand's options."""
+    what = parser.add_argument_group("what to build")
+    what.add_argument("--preset", action="append", type=parse_preset, default=[], metavar="NAME|PATH",
+                      help="a preset from graphs/presets.json, or a JSON file of the same format (repeatable)")
+    what.add_argument("--shape", action="append", type=parse_shape, default=[], metavar="E,H,I,TOPK",
+                      help="a custom layer shape: experts, hidden size, intermediate size, top-k (repeatable)")
+    what.add_argument("--buckets", type=parse_buckets, default=DEFAULT_BUCKETS, metavar="LIST|max=N",
+                      help="token buckets, powers of two: e.g. 1,2,4,8 or max=512 (default: 1, 2, 4, ..., 4096)")
+    what.add_argument("--activation", type=parse_gpu_activation, default=parse_activation("swiglu"),
+                      help="the layer's activation (default: swiglu)")
+    what.add_argument("--engine", choices=ENGINES, default="auto", help="GEMM engine (default: auto, the one for this GPU)")
+    store = parser.add_argument_group("cache")
+    store.add_argument("--cache-dir", type=Path, default=None, metavar="DIR",
+                       help=f"cache directory (default: ${ENV_VAR}, else $XDG_CACHE_HOME/cudnn_moe or ~/.cache/cudnn_moe)")
+    store.add_argument("--list", action="store_true", help="list the cached entries: key, size, time")
+    store.add_argument("--verify", action="store_true", help="read every entry and check its header, checksum and key")
+    store.add_argument("--clear", action="store_true", help="remove every entry (before building, if shapes are given)")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar (the summary still prints)")
+
+
+def _environment_summary(key: Any) -> str:
+    env = key.environment
+    sm = "-" if env.compute_capability is None else "sm{}{}".format(*env.compute_capability)
+    return f"{env.gpu_name or '-'} {sm} cuDNN {env.cudnn_backend or '-'} frontend {env.cudnn_frontend or '-'} package {env.package_version}"
+
+
+def list_entries(disk: DiskCache, out: TextIO) -> int:
+    entries = disk.entries()
+    for entry in entries:
+        key = entry.key
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(entry.mtime)) if entry.mtime else "-"
+        head = f"{entry.path.name[:12]}  {entry.file_size:>10}  {stamp}"
+        if key is None:
+            out.write(f"{head}  unreadable: {entry.problem or 'bad key'}\n")
+            continue
+        out.write(f"{head}  {key.kind}  {key.name}\n")
+        out.write(f"    fields {json.dumps(key.field_dict(), sort_keys=True)}\n    for {_environment_summary(key)}\n")
+    total = sum(e.file_size for e in entries)
+    out.write(f"{len(entries)} entries, {total} bytes in {disk.root}\n")
+    return 0
+
+
+def verify_entries(disk: DiskCache, out: TextIO) -> int:
+    checks = disk.verify()
+    bad = [c for c in checks if not c.ok]
+    for check in checks:
+        out.write(f"{'ok ' if check.ok else 'BAD'}  {check.path.name}{'' if check.ok else '  ' + str(check.problem)}\n")
+    out.write(f"{len(checks) - len(bad)} ok, {len(bad)} bad in {disk.root}\n")
+    if bad:
+        out.write("bad entries are rebuilt and replaced on their next use; --clear removes everything\n")
+    return 1 if bad else 0
+
+
+def summary_table(results: list[BuildResult], out: TextIO) -> None:
+    """Per layer: buckets, built, loaded from disk, failed, seconds; then the total and each failure."""
+    rows = [("layer", "buckets", "built", "loaded", "failed", "seconds")]
+    layers: dict[LayerShape, list[BuildResult]] = {}
+    for r in results:
+        layers.setdefault(r.shape, []).append(r)
+
+    def row(label: str, rs: list[BuildResult]) -> tuple[str, ...]:
+        count = lambda s: str(sum(r.source == s for r in rs))  # noqa: E731
+        return (label, str(len(rs)), count("built"), count("disk"), count("failed"), f"{sum(r.seconds for r in rs):.2f}")
+
+    rows += [row(shape.describe(), rs) for shape, rs in layers.items()]
+    rows.append(row("total", results))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        out.write("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip() + "\n")
+    failures: dict[tuple[LayerShape, str], list[int]] = {}
+    for r in results:
+        if r.error:
+            failures.setdefault((r.shape, r.error), []).append(r.bucket)
+    for (shape, error), buckets in failures.items():
+        out.write(f"failed: {shape.describe()} bucket{'s' if len(buckets) > 1 else ''} {', '.join(map(str, buckets))}: {error}\n")
+
+
+def _gpu_problem() -> str | None:
+    """Why this machine cannot build (no GPU, unsupported GPU, missing or old cuDNN), or None."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return NO_GPU
+    from .arch import arch_name, device_arch
+    from .config import Nvfp4MoeConfig
+
+    arch = device_arch()
+    if not Nvfp4MoeConfig.supported(arch):
+        return f"prebuild needs an sm90, sm100 or sm103 GPU; this one is {arch_name(arch)}"
+    try:
+        from .engines.cudnn.probe import require_cudnn
+
+        require_cudnn()
+    except (ImportError, RuntimeError) as exc:
+        return f"prebuild cannot use cuDNN: {exc}"
+    return None
+
+
+def run_prebuild(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None = None) -> int:
+    """The prebuild subcommand; returns the exit code (0 ok, 1 failures or no GPU, 2 usage).
+
+    out / err: where the report and the errors and progress go (default: sys.stdout / sys.stderr).
+    """
+    out = sys.stdout if out is None else out
+    err = sys.stderr if err is None else err
+    shapes = list(dict.fromkeys([s for group in args.preset for s in group] + args.shape))
+    manage = args.list or args.verify or args.clear
+    if not shapes and not manage:
+        err.write("cudnn-moe prebuild: error: nothing to do: give --preset or --shape to build, or --list/--verify/--clear\n")
+        return 2
+    try:
+        root = cache_dir(args.cache_dir, create=bool(shapes))
+    except OSError as exc:
+        err.write(f"cudnn-moe prebuild: error: --cache-dir: {exc}\n")
+        return 2
+    if not root.is_dir():  # only managing, and there is no cache yet
+        out.write(f"no cache at {root}: 0 entries\n")
+        return 0
+    disk = DiskCache(root)
+    status = 0
+    if args.clear:
+        out.write(f"removed {disk.clear()} files from {root}\n")
+    if args.list:
+        status |= list_entries(disk, out)
+    if args.verify:
+        status |= verify_entries(disk, out)
+    if not shapes:
+        return status
+    problem = _gpu_problem()
+    if problem:
+        err.write(f"cudnn-moe prebuild: error: {problem}\n")
+        return 1
+    os.environ[ENV_VAR] = str(root)  # engines that open the default cache use this directory
+    progress = Progress(len(shapes) * len(args.buckets), stream=err, enabled=not args.quiet)
+    results: list[BuildResult] = []
+    for shape in shapes:
+        try:
+            results += build_layer(shape, args.buckets, disk, args.activation, args.engine, progress)
+        except Exception as exc:  # the layer could not be prepared: every bucket fails with the reason
+            reason = f"{type(exc).__name__}: {exc}"
+            for bucket in args.buckets:
+                results.append(BuildResult(shape, bucket, "failed", 0.0, reason))
+                progress.advance(f"{shape.name} bucket {bucket} (failed)")
+    summary_table(results, out)
+    return 1 if status or any(r.source == "failed" for r in results) else 0
