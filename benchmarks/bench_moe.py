@@ -22,7 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from cudnn_moe import Nvfp4MoeConfig, Routing, SwiGLU, fused_moe  # noqa: E402
-from cudnn_moe.cudnn import backend_version  # noqa: E402
+from cudnn_moe.engines.cudnn import backend_version  # noqa: E402
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""GPU architectures: parsing compute capabilities and what each one's engine expects."""
+"""GPU architectures: parsing compute capabilities (what runs where is the engines' business)."""
 
 from __future__ import annotations
 
@@ -7,14 +7,11 @@ import re
 
 import torch
 
-from .formats import ScaleLayout
-
 Arch = tuple[int, int]
 
 SM90: Arch = (9, 0)
 SM100: Arch = (10, 0)
 SM103: Arch = (10, 3)
-SUPPORTED_ARCHS: tuple[Arch, ...] = (SM90, SM100, SM103)
 
 
 def parse_arch(arch: str | int | tuple[int, int]) -> Arch:
@@ -48,11 +45,6 @@ def _capability(index: int) -> Arch:
 def is_blackwell(arch: Arch) -> bool:
     """SM100 / SM103 data-center Blackwell: native NVFP4 block-scaled MMA in cuDNN."""
     return arch[0] == 10
-
-
-def engine_scale_layout(arch: Arch) -> ScaleLayout:
-    """Block-scale layout the GEMM engine for ``arch`` reads: 128x4 tiles on SM100+, linear on SM90."""
-    return ScaleLayout.SWIZZLED_128X4 if is_blackwell(arch) else ScaleLayout.LINEAR
 
 
 def arch_name(arch: Arch) -> str:

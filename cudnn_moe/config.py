@@ -7,8 +7,9 @@ from dataclasses import dataclass, field
 import torch
 
 from .activations import Activation, SwiGLU, parse_activation
-from .arch import SUPPORTED_ARCHS, Arch, device_arch, engine_scale_layout, parse_arch
-from .formats import NVFP4_MAX, ScaleLayout, quantize_nvfp4, swizzle_128x4, unswizzle_128x4
+from .arch import SM90, Arch, arch_name, device_arch, parse_arch
+from .engines import ENGINE_NAMES, EngineSpec, GemmShape, choose_engine, engine_class, supported_archs
+from .formats import NVFP4_MAX, quantize_nvfp4
 from .validate import require_finite, require_multiple, require_same_device, require_tensor
 
 SIZE_MULTIPLE = 128
@@ -37,11 +38,13 @@ class Nvfp4Activations:
 
 @dataclass(frozen=True, eq=False)
 class Nvfp4Weights:
-    """Per-expert NVFP4 weights of one MoE layer (E experts held by this rank).
+    """Per-expert NVFP4 weights of one MoE layer (E experts held by this rank), in the layout of the
+    GEMM engine they were prepared for (``spec``).
 
-    w1: uint8 [E, N1, H/2] with N1 = 2I rows [up; gate] for gated activations, else I.
-    w2: uint8 [E, H, I/2]. Scales are float8_e4m3fn per 16 values along the last (reduction)
-    dim; LINEAR: [E, rows, K/16], SWIZZLED_128X4: [E, rows * K/16] in 128x4 tiles per expert.
+    Canonical form (``canonical()``): w1 codes uint8 [E, N1, H/2] with N1 = 2I rows [up; gate] for
+    gated activations, else I; w2 codes uint8 [E, H, I/2]; float8_e4m3fn scales per 16 values along
+    the reduction dim, linear [E, rows, K/16]. ``w1``/``w1_scales``/``w2``/``w2_scales`` hold them in
+    ``spec.weight_layout`` (see ``cudnn_moe.engines.WeightLayout``).
     w1_alpha / w2_alpha: float32 [E]; dequantized weight = e2m1 * block scale * alpha.
     ``executors`` caches the GPU executors built for these weights (see ops.get_executor); they
     are released with the weights.
@@ -53,8 +56,10 @@ class Nvfp4Weights:
     w2: torch.Tensor
     w2_scales: torch.Tensor
     w2_alpha: torch.Tensor
-    scale_layout: ScaleLayout
+    spec: EngineSpec
     gated: bool
+    hidden_size: int
+    intermediate_size: int
     executors: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
@@ -62,68 +67,87 @@ class Nvfp4Weights:
         return self.w1.shape[0]
 
     @property
-    def hidden_size(self) -> int:
-        return self.w2.shape[1]
-
-    @property
-    def intermediate_size(self) -> int:
-        return self.w2.shape[2] * 2
+    def gemm1_rows(self) -> int:
+        """N1: rows of w1 per expert (2I gated, I otherwise)."""
+        return 2 * self.intermediate_size if self.gated else self.intermediate_size
 
     @property
     def device(self) -> torch.device:
         return self.w1.device
 
-    def linear_scales(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(w1 scales [E, N1, H/16], w2 scales [E, H, I/16]) in the linear layout."""
-        if self.scale_layout is ScaleLayout.LINEAR:
-            return self.w1_scales, self.w2_scales
-        return (
-            unswizzle_128x4(self.w1_scales, self.w1.shape[1], self.hidden_size // 16),
-            unswizzle_128x4(self.w2_scales, self.hidden_size, self.intermediate_size // 16),
+    def canonical(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(w1 codes [E, N1, H/2], w1 scales [E, N1, H/16], w2 codes [E, H, I/2], w2 scales [E, H, I/16]),
+        scales linear float8_e4m3fn (derived from the engine layout; a copy for repacked layouts)."""
+        engine = engine_class(self.spec.engine)
+        w1, w1_scales = engine.unpack_weights(self.spec.arch, self.w1, self.w1_scales, self.gemm1_rows, self.hidden_size)
+        w2, w2_scales = engine.unpack_weights(
+            self.spec.arch, self.w2, self.w2_scales, self.hidden_size, self.intermediate_size
         )
+        return w1, w1_scales, w2, w2_scales
 
 
-_CHUNK_ELEMENTS = 1 << 27  # experts are quantized in chunks of about this many values to bound temporaries
+_CHUNK_ELEMENTS = 1 << 26  # experts are quantized in chunks of about this many values to bound temporaries
 
 
-def _quantize_per_expert(w: torch.Tensor, layout: ScaleLayout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """float [E, rows, K] -> (packed [E, rows, K/2], scales in ``layout``, alpha float32 [E])."""
+def _quantize_per_expert(w: torch.Tensor, spec: EngineSpec) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """float [E, rows, K] -> (data, scales) in ``spec``'s weight layout and alpha float32 [E].
+
+    Each expert gets global scale 2688 / amax so its largest block uses the full E4M3 range.
+    """
+    engine = engine_class(spec.engine)
     amax = w.abs().amax(dim=(1, 2)).float()
     alpha = torch.where(amax > 0, amax / NVFP4_MAX, torch.ones_like(amax))
     step = max(1, _CHUNK_ELEMENTS // w[0].numel())
-    packed, scales = zip(*(quantize_nvfp4(w[e : e + step], 1.0 / alpha[e : e + step]) for e in range(0, w.shape[0], step)))
-    scales = torch.cat(scales)
-    if layout is ScaleLayout.SWIZZLED_128X4:
-        scales = swizzle_128x4(scales)
-    return torch.cat(packed), scales, alpha
+    data, scales = zip(
+        *(
+            engine.pack_weights(spec.arch, *quantize_nvfp4(w[e : e + step], 1.0 / alpha[e : e + step]))
+            for e in range(0, w.shape[0], step)
+        )
+    )
+    return torch.cat(data), torch.cat(scales), alpha
 
 
 class Nvfp4MoeConfig:
-    """NVFP4 MoE on cuDNN grouped GEMMs: NVFP4 activations and weights, FP32 per-expert global scales.
+    """NVFP4 MoE: NVFP4 activations and weights, FP32 per-expert global scales.
 
     arch: the GPU the prepared weights are for ('sm90', 'sm100', (10, 0), ...); by default the
-    current CUDA device, or linear scales (the SM90 layout) when there is none.
+    current CUDA device, or SM90 when there is none.
     max_num_tokens: the largest token count one call may pass (token buckets go up to it).
+    engine: the grouped-GEMM engine: 'auto' (the SM90 kernels on Hopper, cuDNN graphs on
+    Blackwell or where the kernels do not fit the shape), 'sm90' or 'cudnn'.
     """
 
-    def __init__(self, arch: str | int | tuple[int, int] | None = None, max_num_tokens: int = 4096) -> None:
-        if not isinstance(max_num_tokens, int) or max_num_tokens < 1:
+    def __init__(
+        self, arch: str | int | tuple[int, int] | None = None, max_num_tokens: int = 4096, engine: str = "auto"
+    ) -> None:
+        if not isinstance(max_num_tokens, int) or isinstance(max_num_tokens, bool) or max_num_tokens < 1:
             raise ValueError(f"max_num_tokens must be a positive int, got {max_num_tokens!r}")
+        if engine not in ENGINE_NAMES:
+            raise ValueError(f"engine must be one of {', '.join(ENGINE_NAMES)}, got {engine!r}")
         self.arch: Arch | None = None if arch is None else parse_arch(arch)
+        if self.arch is not None and not self.supported(self.arch):
+            raise ValueError(f"arch {arch!r} ({arch_name(self.arch)}) is not supported; the NVFP4 config runs on "
+                             + ", ".join(sorted(arch_name(a) for a in supported_archs())))
         self.max_num_tokens = max_num_tokens
+        self.engine = engine
 
     @staticmethod
     def supported(arch: str | int | tuple[int, int]) -> bool:
-        """True for the architectures this config runs on: SM90 (Hopper) and SM100/SM103 (Blackwell)."""
-        return parse_arch(arch) in SUPPORTED_ARCHS
+        """True for the architectures some engine runs this config on: SM90 (Hopper), SM100/SM103 (Blackwell)."""
+        return parse_arch(arch) in supported_archs()
 
-    def scale_layout(self) -> ScaleLayout:
-        """Weight-scale layout for this config's target GPU."""
+    def target_arch(self) -> Arch:
+        """The architecture weights are prepared for: ``arch``, else the current GPU, else SM90."""
         if self.arch is not None:
-            return engine_scale_layout(self.arch)
-        if torch.cuda.is_available():
-            return engine_scale_layout(device_arch())
-        return ScaleLayout.LINEAR
+            return self.arch
+        return device_arch() if torch.cuda.is_available() else SM90
+
+    def engine_spec(self, hidden: int, intermediate: int, num_experts: int, gated: bool) -> EngineSpec:
+        """The engine (and its layouts) this config picks for a layer of that shape on ``target_arch()``."""
+        arch = self.target_arch()
+        n1 = 2 * intermediate if gated else intermediate
+        shapes = (GemmShape(hidden, n1, num_experts), GemmShape(intermediate, hidden, num_experts))
+        return choose_engine(arch, self.engine, shapes).spec(arch)
 
     def prepare_weights(
         self,
@@ -136,7 +160,8 @@ class Nvfp4MoeConfig:
 
         w1_bf16: [E, N1, H] (N1 = 2I rows [up; gate] for gated activations, I otherwise).
         w2_bf16: [E, H, I]. BF16, FP16 or FP32; H and I multiples of 128; finite.
-        Each expert gets global scale 2688 / amax so its largest block uses the full E4M3 range.
+        Each expert gets global scale 2688 / amax so its largest block uses the full E4M3 range; the
+        result is laid out for the engine ``engine_spec`` picks.
         """
         act = parse_activation(activation)
         w1 = require_tensor("w1_bf16", w1_bf16, _FLOAT_DTYPES, rank=3)
@@ -159,10 +184,12 @@ class Nvfp4MoeConfig:
             )
         require_finite("w1_bf16", w1)
         require_finite("w2_bf16", w2)
-        layout = self.scale_layout()
-        w1_packed, w1_scales, w1_alpha = _quantize_per_expert(w1, layout)
-        w2_packed, w2_scales, w2_alpha = _quantize_per_expert(w2, layout)
-        return Nvfp4Weights(w1_packed, w1_scales, w1_alpha, w2_packed, w2_scales, w2_alpha, layout, act.gated)
+        spec = self.engine_spec(hidden, intermediate, experts, act.gated)
+        w1_data, w1_scales, w1_alpha = _quantize_per_expert(w1, spec)
+        w2_data, w2_scales, w2_alpha = _quantize_per_expert(w2, spec)
+        return Nvfp4Weights(
+            w1_data, w1_scales, w1_alpha, w2_data, w2_scales, w2_alpha, spec, act.gated, hidden, intermediate
+        )
 
     def prepare_activations(self, hidden_states_bf16: torch.Tensor) -> Nvfp4Activations:
         """Quantize activations [M, H] (BF16/FP16/FP32, H a multiple of 128) to NVFP4, global scale one.

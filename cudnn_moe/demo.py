@@ -56,12 +56,12 @@ def run_demo(shape: DemoShape = DemoShape()) -> None:
     x, w1, w2, routing = random_layer(shape, device)
     weights = config.prepare_weights(w1, w2, activation=act)
     acts = config.prepare_activations(x)
-    w1_scales, w2_scales = weights.linear_scales()
+    w1_codes, w1_scales, w2_codes, w2_scales = weights.canonical()
     print(f"layer: E={shape.experts} H={shape.hidden} I={shape.intermediate} top-{shape.top_k} "
           f"T={shape.tokens} activation={type(act).__name__} device={device}")
     print(f"NVFP4 round-trip error: activations {_rel_err(dequantize_nvfp4(acts.packed, acts.scales), x):.4f}  "
-          f"w1 {_rel_err(dequantize_nvfp4(weights.w1, w1_scales) * weights.w1_alpha[:, None, None], w1):.4f}  "
-          f"w2 {_rel_err(dequantize_nvfp4(weights.w2, w2_scales) * weights.w2_alpha[:, None, None], w2):.4f}")
+          f"w1 {_rel_err(dequantize_nvfp4(w1_codes, w1_scales) * weights.w1_alpha[:, None, None], w1):.4f}  "
+          f"w2 {_rel_err(dequantize_nvfp4(w2_codes, w2_scales) * weights.w2_alpha[:, None, None], w2):.4f}")
     start = time.perf_counter()
     ref = reference_for_prepared(acts, weights, routing, act)
     print(f"float64 reference: output [{ref.shape[0]}, {ref.shape[1]}], rms {float(ref.pow(2).mean().sqrt()):.4f}, "
@@ -79,5 +79,5 @@ def run_demo(shape: DemoShape = DemoShape()) -> None:
         fused_moe(config, acts, routing, weights, activation=act, out=out)
     torch.cuda.synchronize()
     per_call = (time.perf_counter() - start) / repeats * 1e6
-    print(f"fused_moe on {torch.cuda.get_device_name()}: relative error vs reference {_rel_err(out, ref):.2e}, "
+    print(f"fused_moe ({weights.spec.engine} engine) on {torch.cuda.get_device_name()}: relative error vs reference {_rel_err(out, ref):.2e}, "
           f"{per_call:.0f} us per call (graph replay, wall clock)")

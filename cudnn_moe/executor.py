@@ -27,8 +27,7 @@ import torch
 from . import kernels
 from .activations import Activation
 from .config import Nvfp4Activations, Nvfp4Weights
-from .engines import GemmEngine
-from .formats import ScaleLayout
+from .engines import GemmEngine, GemmOperands, GemmShape, TokenOperand, WeightOperand
 from .routing import Routing
 
 
@@ -49,8 +48,8 @@ def row_capacity(num_tokens: int, top_k: int, num_experts: int, align: int) -> i
 class UnfinalizedOutput:
     """Per-slot expert outputs before the weighted sum over slots.
 
-    rows: bfloat16 [R, H], GEMM2 rows in expert-sorted order times their expert's w2 global
-    scale (route weight not applied); rows no slot points at are zero.
+    rows: bfloat16 [R, H], GEMM2 rows in expert-sorted order (bf16 of the w2 global times the FP32
+    accumulator; route weight not applied); rows no slot points at are zero.
     expert_weights: float32 [T, k] route weights. token_to_row: int32 [T, k], the row of slot
     (t, s) in ``rows`` or -1 where the slot's expert is not local. The finalized output is
     ``sum_s expert_weights[t, s] * rows[token_to_row[t, s]]`` over slots with a row.
@@ -75,18 +74,22 @@ def _gc_paused() -> Iterator[None]:
 
 
 class _Bucket:
-    """Static device buffers for up to ``tokens`` tokens (see the module docstring)."""
+    """Static device buffers for up to ``tokens`` tokens (see the module docstring), and the operand
+    bundles of its two grouped GEMMs."""
 
     def __init__(self, tokens: int, rows: int, executor: MoeExecutor) -> None:
-        w = executor.weights
+        w, engine = executor.weights, executor.engine
         dev, k, hidden, inter = w.device, executor.top_k, w.hidden_size, w.intermediate_size
-        experts, n1 = w.num_experts, w.w1.shape[1]
+        experts, n1 = w.num_experts, w.gemm1_rows
 
         def empty(*shape: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
             # Zero-filled so rows the pipeline never writes always hold finite values.
             return torch.zeros(*shape, dtype=dtype, device=dev)
 
-        engine = executor.engine
+        def token_operand(width: int) -> TokenOperand:
+            shape, dtype, scale_bytes = engine.token_buffers(rows, width, experts)
+            return TokenOperand(empty(*shape, dtype=dtype), empty(scale_bytes) if scale_bytes else None)
+
         self.tokens, self.rows = tokens, rows
         self.x = empty(tokens, hidden // 2)
         self.x_scales = empty(tokens, hidden // 16)
@@ -97,18 +100,16 @@ class _Bucket:
         self.slot_to_row = empty(tokens * k, dtype=torch.int32)
         self.row_to_slot = empty(rows, dtype=torch.int32)
         self.row_expert = empty(rows, dtype=torch.int32)
-        self.x_sorted = empty(rows, hidden // 2)
-        self.x_sorted_scales = empty(engine.token_scale_bytes(rows, hidden, experts))
-        self.gemm1_out = empty(rows, n1, dtype=torch.bfloat16)
-        self.act = empty(rows, inter // 2)
-        self.act_scales = empty(engine.token_scale_bytes(rows, inter, experts))
-        self.gemm2_out = empty(rows, hidden, dtype=torch.bfloat16)
-        self.gemm_workspace = empty(
-            max(
-                engine.workspace_bytes(rows, hidden, n1, experts),
-                engine.workspace_bytes(rows, inter, hidden, experts),
-                1,
-            )
+        shape1, shape2 = GemmShape(hidden, n1, experts), GemmShape(inter, hidden, experts)
+        workspace_bytes = max(engine.workspace_bytes(rows, shape1), engine.workspace_bytes(rows, shape2))
+        workspace = empty(workspace_bytes) if workspace_bytes else None
+        self.gemm1 = GemmOperands(
+            rows, shape1, token_operand(hidden), WeightOperand(w.w1, w.w1_scales, w.w1_alpha), self.offsets,
+            empty(rows, n1, dtype=torch.bfloat16), workspace,
+        )
+        self.gemm2 = GemmOperands(
+            rows, shape2, token_operand(inter), WeightOperand(w.w2, w.w2_scales, w.w2_alpha), self.offsets,
+            empty(rows, hidden, dtype=torch.bfloat16), workspace,
         )
         self.graph: torch.cuda.CUDAGraph | None = None
 
@@ -126,11 +127,10 @@ class MoeExecutor:
         local_expert_start: int,
         max_num_tokens: int,
     ) -> None:
-        if weights.scale_layout is not engine.scale_layout:
+        if weights.spec != engine.layout:
             raise ValueError(
-                f"the weights were prepared with {weights.scale_layout.value} scales but the "
-                f"{engine.name} engine on this GPU reads {engine.scale_layout.value} scales; "
-                "prepare them with a config for this GPU's architecture"
+                f"the weights were prepared for the {weights.spec.describe()} but the executor got the "
+                f"{engine.layout.describe()}; prepare them with a config for this GPU"
             )
         # A view without the executor cache: no reference cycle weights -> executor -> weights, so the
         # buckets and CUDA graphs are freed by reference counting, never by a GC pass during a capture.
@@ -139,10 +139,6 @@ class MoeExecutor:
         self.local_expert_start, self.max_num_tokens = local_expert_start, max_num_tokens
         self._buckets: dict[int, _Bucket] = {}
         self._lock = threading.Lock()
-
-    @property
-    def swizzled(self) -> bool:
-        return self.engine.scale_layout is ScaleLayout.SWIZZLED_128X4
 
     def bucket(self, num_tokens: int) -> _Bucket:
         """The bucket for ``num_tokens`` tokens, allocating it on first use."""
@@ -201,16 +197,13 @@ class MoeExecutor:
             result = out if out is not None else torch.empty(
                 tokens, w.hidden_size, dtype=torch.bfloat16, device=w.device
             )
-            kernels.finalize(
-                bucket.gemm2_out, bucket.slot_to_row, bucket.row_expert, bucket.route_weights,
-                w.w2_alpha, self.top_k, result,
-            )
+            kernels.finalize(bucket.gemm2.out, bucket.slot_to_row, bucket.route_weights, self.top_k, result)
             return result
         rows = row_capacity(tokens, self.top_k, w.num_experts, self.engine.row_alignment)
         rows_out = out if out is not None else torch.empty(
             rows, w.hidden_size, dtype=torch.bfloat16, device=w.device
         )
-        kernels.scale_rows(bucket.gemm2_out, bucket.row_to_slot, bucket.row_expert, w.w2_alpha, rows_out)
+        kernels.unfinalized_rows(bucket.gemm2.out, bucket.row_to_slot, rows_out)
         token_to_row = bucket.slot_to_row[: tokens * self.top_k].view(tokens, self.top_k).clone()
         route_weights = bucket.route_weights[:tokens].clone()  # as decoded by the stage kernel
         return UnfinalizedOutput(rows_out, route_weights, token_to_row)
@@ -233,27 +226,19 @@ class MoeExecutor:
 
     def stages(self, b: _Bucket) -> list[tuple[str, Callable[[], None]]]:
         """The five bucket-static launches, in order: sort, permute, GEMM1, activation, GEMM2."""
-        w, k, act = self.weights, self.top_k, self.activation
-        experts, hidden, inter, n1 = w.num_experts, w.hidden_size, w.intermediate_size, w.w1.shape[1]
-        a, beta, limit = act.params()
+        k, engine, layout = self.top_k, self.engine, self.engine.token_layout
+        g1, g2 = b.gemm1, b.gemm2
         return [
             ("sort", lambda: kernels.sort_routing(
-                b.ids.view(-1), k, self.local_expert_start, experts, self.engine.row_alignment,
+                b.ids.view(-1), k, self.local_expert_start, self.weights.num_experts, engine.row_alignment,
                 b.offsets, b.slot_to_row, b.row_to_slot, b.row_expert, b.expert_counts,
             )),
             ("permute", lambda: kernels.permute_tokens(
-                b.x, b.x_scales, b.slot_to_row, b.tokens * k, k, b.x_sorted, b.x_sorted_scales, self.swizzled,
+                b.x, b.x_scales, b.slot_to_row, b.tokens * k, k, layout, g1.tokens.data, g1.tokens.scales,
             )),
-            ("gemm1", lambda: self.engine.gemm(
-                b.rows, hidden, n1, experts, b.x_sorted, b.x_sorted_scales,
-                w.w1, w.w1_scales, b.offsets, b.gemm1_out, b.gemm_workspace,
-            )),
+            ("gemm1", lambda: engine.gemm(g1)),
             ("activation", lambda: kernels.activate_quantize(
-                b.gemm1_out, w.w1_alpha, b.row_to_slot, b.row_expert, b.offsets, int(act.kind), a, beta, limit,
-                act.gated, b.act, b.act_scales, self.swizzled,
+                g1.out, b.row_to_slot, b.offsets, self.activation, layout, g2.tokens.data, g2.tokens.scales,
             )),
-            ("gemm2", lambda: self.engine.gemm(
-                b.rows, inter, hidden, experts, b.act, b.act_scales,
-                w.w2, w.w2_scales, b.offsets, b.gemm2_out, b.gemm_workspace,
-            )),
+            ("gemm2", lambda: engine.gemm(g2)),
         ]

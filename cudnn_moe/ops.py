@@ -7,23 +7,22 @@ import torch
 from .activations import GPU_KERNEL_ACTIVATIONS, Activation, SwiGLU, parse_activation
 from .arch import arch_name, device_arch
 from .config import Nvfp4Activations, Nvfp4MoeConfig, Nvfp4Weights
+from .engines import engine_for
 from .executor import MoeExecutor, UnfinalizedOutput, row_capacity
 from .routing import Routing, check_distinct_experts
 from .validate import require_contiguous, require_same_device, require_shape, require_tensor
 
 
-def _engine_for(device: torch.device):
-    from .engines import CudnnGemmEngine
-
-    return CudnnGemmEngine(device)
-
-
 def unfinalized_row_count(weights: Nvfp4Weights, num_tokens: int, top_k: int) -> int:
-    """Rows R of ``UnfinalizedOutput.rows`` for a call of this size on the weights' GPU: the size
-    an ``out`` tensor [R, H] must have with finalize=False."""
-    from .cudnn.grouped_gemm import row_alignment
-
-    return row_capacity(num_tokens, top_k, weights.num_experts, row_alignment(device_arch(weights.device)))
+    """Rows R of ``UnfinalizedOutput.rows`` for a call of this size with these weights (set by the
+    row alignment of the engine they were prepared for): the size an ``out`` tensor [R, H] must have
+    with finalize=False."""
+    if not isinstance(weights, Nvfp4Weights):
+        raise TypeError("weights must be the Nvfp4Weights from config.prepare_weights()")
+    for name, value in (("num_tokens", num_tokens), ("top_k", top_k)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < (0 if name == "num_tokens" else 1):
+            raise ValueError(f"{name} must be a {'non-negative' if name == 'num_tokens' else 'positive'} int, got {value!r}")
+    return row_capacity(num_tokens, top_k, weights.num_experts, weights.spec.row_alignment)
 
 
 def get_executor(
@@ -40,7 +39,7 @@ def get_executor(
     if executor is None:
         executor = MoeExecutor(
             weights,
-            _engine_for(weights.device),
+            engine_for(weights.spec, weights.device),
             top_k=top_k,
             activation=activation,
             local_expert_start=local_expert_start,
@@ -98,6 +97,9 @@ def _validate(
     arch = device_arch(device)
     if not config.supported(arch):
         raise RuntimeError(f"fused_moe supports sm90, sm100 and sm103; this GPU is {arch_name(arch)}")
+    if weights.spec.arch != arch:
+        raise ValueError(f"weights were prepared for the {weights.spec.describe()} but this GPU is {arch_name(arch)}; "
+                         "prepare them with a config for this GPU")
 
 
 def fused_moe(

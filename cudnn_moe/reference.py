@@ -1,18 +1,23 @@
-"""Float64 oracle of the NVFP4 MoE layer (sort, GEMM1, activation + requantize, GEMM2, finalize).
+"""Float64 oracle of the NVFP4 MoE layer, and the rounding contract every GEMM engine follows.
 
-It quantizes where the GPU pipeline quantizes and computes everything else in float64:
+It quantizes and rounds exactly where the GPU pipeline does and computes everything else in
+float64. The rounding points, in data-path order:
 
-1. activations and weights are dequantized exactly (E2M1 code times E4M3 block scale;
-   the activation global scale is one, the per-expert weight alphas are not folded in);
-2. for each slot (t, s) routed to a local expert e: h1 = bf16(x_t @ w1_e^T) * w1_alpha[e]
-   (the grouped GEMMs write BF16, so both GEMM results are rounded to BF16 here too);
-3. y = activation(h1), splitting GEMM1's columns into [up | gate] when gated;
-4. y is requantized to NVFP4 with global scale one per row in blocks of 16, as the GPU's
-   activation kernel does, and dequantized again;
-5. row = w2_alpha[e] * bf16(y_q @ w2_e^T);
-6. finalize: out[t] = sum over slots, in slot order, of weight[t, s] * row[t, s].
+1. activations and weights are decoded exactly (E2M1 code times E4M3 block scale; the
+   activation global scale is one); every product of two decoded values is exact in FP32;
+2. GEMM1 accumulates in FP32 (order free); the expert's w1 global is applied to the FP32
+   accumulator, then the result rounds once to BF16: h1 = bf16(w1_alpha[e] * (x_t @ w1_e^T));
+3. y = activation(h1) in FP32, splitting GEMM1's columns into [up | gate] when gated;
+4. y is requantized to NVFP4 with global scale one per row in blocks of 16 (scale =
+   e4m3(amax / 6), codes e2m1(y / scale)) straight from FP32, and decoded exactly again;
+5. GEMM2 likewise: row = bf16(w2_alpha[e] * (y_q @ w2_e^T));
+6. finalize: out[t] = bf16(sum over slots, in slot order, of weight[t, s] * row[t, s]), each
+   product and sum a separate FP32 operation (no fused multiply-add); the reference sums in
+   float64 and rounds once.
 
-Slots whose expert is not local are masked: they contribute nothing, whatever their weight.
+What remains between an engine and this oracle is the FP32 accumulation order of the GEMMs:
+it can move a BF16 rounding by one unit and, rarely, an NVFP4 code of the intermediate by one
+step. Slots whose expert is not local are masked: they contribute nothing, whatever their weight.
 """
 
 from __future__ import annotations
@@ -87,7 +92,7 @@ def _expert_rows(
     """The pipeline after dequantization, all float64.
 
     x [T, H], w1 [E, N1, H], w1_alpha [E], w2 [E, H, I], w2_alpha [E], global ids [T, k].
-    Returns rows [T, k, H]: w2_alpha[e] * bf16(requant(act(w1_alpha[e] * bf16(x_t @ w1_e^T))) @ w2_e^T),
+    Returns rows [T, k, H]: bf16(w2_alpha[e] * (requant(act(bf16(w1_alpha[e] * (x_t @ w1_e^T)))) @ w2_e^T)),
     zero for slots whose expert is not local.
     """
     num_tokens, top_k = ids.shape
@@ -96,9 +101,9 @@ def _expert_rows(
         tokens, slots = (ids == local_expert_start + local).nonzero(as_tuple=True)
         if tokens.numel() == 0:
             continue
-        h1 = _round_bf16(x[tokens] @ w1[local].T) * w1_alpha[local]
+        h1 = _round_bf16(w1_alpha[local] * (x[tokens] @ w1[local].T))
         y = requantize_nvfp4_rows(activation.apply_gemm1(h1))
-        rows[tokens, slots] = _round_bf16(y @ w2[local].T) * w2_alpha[local]
+        rows[tokens, slots] = _round_bf16(w2_alpha[local] * (y @ w2[local].T))
     return rows
 
 
@@ -196,10 +201,10 @@ def reference_for_prepared(
     local_expert_start: int = 0,
     finalize: bool = True,
 ) -> torch.Tensor | UnfinalizedReference:
-    """reference_moe on what Nvfp4MoeConfig prepared (weight scales converted to linear if swizzled)."""
-    w1_scales, w2_scales = weights.linear_scales()
+    """reference_moe on what Nvfp4MoeConfig prepared (the weights' canonical form, whatever the engine layout)."""
+    w1, w1_scales, w2, w2_scales = weights.canonical()
     return reference_moe(
-        activations.packed, activations.scales, weights.w1, w1_scales, weights.w1_alpha,
-        weights.w2, w2_scales, weights.w2_alpha, routing, activation,
+        activations.packed, activations.scales, w1, w1_scales, weights.w1_alpha,
+        w2, w2_scales, weights.w2_alpha, routing, activation,
         local_expert_start=local_expert_start, finalize=finalize,
     )

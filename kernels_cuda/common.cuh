@@ -6,6 +6,11 @@
 // manipulation and the built-in vector types (uint2, uint4) only.
 #pragma once
 
+// Codes shared with Python arrive as -D options (cudnn_moe.kernels.codes.cuda_defines()).
+#if !defined(ACT_SWIGLU) || !defined(ROUTING_PACKED) || !defined(TOKENS_BF16_FRAGMENTS) || !defined(SORT_THREADS)
+#error "compile with the -D options of cudnn_moe.kernels.codes.cuda_defines()"
+#endif
+
 namespace moe {
 
 typedef unsigned char u8;

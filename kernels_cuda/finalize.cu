@@ -4,14 +4,13 @@
 using namespace moe;
 
 // One block per token t < B; each thread handles 8 consecutive hidden columns.
-//   g2          BF16 [row_capacity, hidden], 16-byte aligned, hidden % 8 == 0
+//   g2          BF16 [row_capacity, hidden]: the second GEMM's rows, expert global already applied;
+//               16-byte aligned, hidden % 8 == 0
 //   slot_to_row int32 [B * top_k]; weights FP32 [B * top_k]
-//   row_expert  int32 [row_capacity]; alpha2 FP32 [num_experts]
 //   out         BF16 [B, hidden]: out[t, h] = bf16(sum over slots s in order, skipping masked ones,
-//               of w[t, s] * (alpha2[e] * float(g2[r, h]))), accumulated in FP32
+//               of w[t, s] * float(g2[r, h])): a separate FP32 multiply and add per slot
 extern "C" __global__ void moe_finalize(const u16* __restrict__ g2, const int* __restrict__ slot_to_row,
-                                        const int* __restrict__ row_expert, const float* __restrict__ weights,
-                                        const float* __restrict__ alpha2, int top_k, int hidden,
+                                        const float* __restrict__ weights, int top_k, int hidden,
                                         u16* __restrict__ out) {
   const i64 t = blockIdx.x;
   for (int h = 8 * threadIdx.x; h < hidden; h += 8 * blockDim.x) {
@@ -21,11 +20,10 @@ extern "C" __global__ void moe_finalize(const u16* __restrict__ g2, const int* _
       const int r = slot_to_row[i];
       if (r < 0) continue;
       const float w = weights[i];
-      const float a = alpha2[row_expert[r]];
       float v[8];
       load_bf16x8(g2 + static_cast<i64>(r) * hidden + h, v);
 #pragma unroll
-      for (int j = 0; j < 8; ++j) acc[j] += w * (a * v[j]);
+      for (int j = 0; j < 8; ++j) acc[j] = __fadd_rn(acc[j], __fmul_rn(w, v[j]));
     }
     store_bf16x8(out + t * hidden + h, acc);
   }
@@ -33,20 +31,14 @@ extern "C" __global__ void moe_finalize(const u16* __restrict__ g2, const int* _
 
 // One block per output row r < R_out (R_out <= row_capacity).
 //   g2       BF16 [row_capacity, hidden], 16-byte aligned, hidden % 8 == 0
-//   rows_out BF16 [R_out, hidden]: bf16(alpha2[row_expert[r]] * float(g2[r])) where row_to_slot[r] >= 0, else 0
-extern "C" __global__ void moe_scale_rows(const u16* __restrict__ g2, const int* __restrict__ row_to_slot,
-                                          const int* __restrict__ row_expert, const float* __restrict__ alpha2,
-                                          int hidden, u16* __restrict__ rows_out) {
+//   rows_out BF16 [R_out, hidden]: g2[r] where row_to_slot[r] >= 0, else 0
+extern "C" __global__ void moe_unfinalized_rows(const u16* __restrict__ g2, const int* __restrict__ row_to_slot,
+                                                int hidden, u16* __restrict__ rows_out) {
   const i64 r = blockIdx.x;
   const bool used = row_to_slot[r] >= 0;
-  const float a = used ? alpha2[row_expert[r]] : 0.0f;
   for (int h = 8 * threadIdx.x; h < hidden; h += 8 * blockDim.x) {
-    float v[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-    if (used) {
-      load_bf16x8(g2 + r * hidden + h, v);
-#pragma unroll
-      for (int j = 0; j < 8; ++j) v[j] *= a;
-    }
-    store_bf16x8(rows_out + r * hidden + h, v);
+    uint4 v{0u, 0u, 0u, 0u};
+    if (used) v = *reinterpret_cast<const uint4*>(g2 + r * hidden + h);
+    *reinterpret_cast<uint4*>(rows_out + r * hidden + h) = v;
   }
 }

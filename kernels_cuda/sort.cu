@@ -3,9 +3,8 @@
 
 using namespace moe;
 
-#define SORT_THREADS 1024
+// SORT_THREADS and SORT_MAX_EXPERTS come from cudnn_moe.kernels.codes.
 #define SORT_WARPS (SORT_THREADS / 32)
-#define SORT_MAX_EXPERTS 512  // cudnn_moe.kernels.SORT_MAX_EXPERTS
 
 // Local expert of an id, or -1 when it lies outside [local_start, local_start + num_experts).
 // The subtraction wraps in unsigned arithmetic, so ids below local_start become huge.

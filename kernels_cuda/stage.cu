@@ -3,10 +3,7 @@
 
 using namespace moe;
 
-// Routing formats; cudnn_moe.kernels.ROUTING_* holds the same values.
-#define ROUTING_PACKED 0  // int32 per slot: expert id in the high 16 bits (signed), BF16 weight in the low 16
-#define ROUTING_FP32 1    // ids int32/int64 + weights FP32
-#define ROUTING_BF16 2    // ids int32/int64 + weights BF16
+// Routing formats ROUTING_PACKED / ROUTING_FP32 / ROUTING_BF16 come from cudnn_moe.kernels.codes.RoutingFormat.
 
 // One block per bucket row t < B.
 //   x        uint8 [T, row_bytes]    packed FP4 activations (row_bytes = H/2)

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from cudnn_moe import GELU, Nvfp4MoeConfig, Routing, fused_moe
-from cudnn_moe.formats import E2M1_GRID, ScaleLayout, unswizzle_128x4
+from cudnn_moe.engines import WeightLayout
+from cudnn_moe.formats import E2M1_GRID, unswizzle_128x4
 
 E, H, I = 3, 256, 128
 
@@ -29,8 +30,8 @@ def _decode(packed: torch.Tensor, scales_linear: torch.Tensor, alpha: torch.Tens
 
 def test_prepare_weights_sm90_linear():
     w1, w2 = _weights()
-    wts = Nvfp4MoeConfig(arch="sm90").prepare_weights(w1, w2)
-    assert wts.scale_layout is ScaleLayout.LINEAR and wts.gated
+    wts = Nvfp4MoeConfig(arch="sm90", engine="cudnn").prepare_weights(w1, w2)
+    assert wts.spec.weight_layout is WeightLayout.LINEAR and wts.spec.engine == "cudnn" and wts.gated
     assert wts.w1.shape == (E, 2 * I, H // 2) and wts.w1.dtype == torch.uint8
     assert wts.w1_scales.shape == (E, 2 * I, H // 16) and wts.w1_scales.dtype == torch.float8_e4m3fn
     assert wts.w2.shape == (E, H, I // 2) and wts.w2_scales.shape == (E, H, I // 16)
@@ -45,9 +46,9 @@ def test_prepare_weights_sm90_linear():
 
 def test_prepare_weights_sm100_swizzled_matches_linear():
     w1, w2 = _weights()
-    lin = Nvfp4MoeConfig(arch="sm90").prepare_weights(w1, w2)
+    lin = Nvfp4MoeConfig(arch="sm90", engine="cudnn").prepare_weights(w1, w2)
     swz = Nvfp4MoeConfig(arch="sm100").prepare_weights(w1, w2)
-    assert swz.scale_layout is ScaleLayout.SWIZZLED_128X4
+    assert swz.spec.weight_layout is WeightLayout.SWIZZLED_128X4 and swz.spec.row_alignment == 128
     assert swz.w1_scales.shape == (E, 2 * I * H // 16) and swz.w2_scales.shape == (E, H * I // 16)
     assert torch.equal(swz.w1, lin.w1) and torch.equal(swz.w2, lin.w2)
     for got, want, rows, cols in ((swz.w1_scales, lin.w1_scales, 2 * I, H // 16), (swz.w2_scales, lin.w2_scales, H, I // 16)):
@@ -55,14 +56,44 @@ def test_prepare_weights_sm100_swizzled_matches_linear():
         # element (r=33, c=5) of expert 1 sits at the formula's offset
         offset = ((33 // 128) * (cols // 4) + 5 // 4) * 512 + (33 % 32) * 16 + ((33 % 128) // 32) * 4 + 5 % 4
         assert got[1, offset].view(torch.uint8) == want[1, 33, 5].view(torch.uint8)
-    s1, s2 = swz.linear_scales()
+    _, s1, _, s2 = swz.canonical()
     assert torch.equal(s1.view(torch.uint8), lin.w1_scales.view(torch.uint8))
+    assert torch.equal(s2.view(torch.uint8), lin.w2_scales.view(torch.uint8))
+
+
+def test_prepare_weights_sm90_engine_tiles_match_linear():
+    """The default SM90 engine stores the same codes and scales repacked into fragment tiles."""
+    w1, w2 = _weights()
+    lin = Nvfp4MoeConfig(arch="sm90", engine="cudnn").prepare_weights(w1, w2)
+    tiles = Nvfp4MoeConfig(arch="sm90").prepare_weights(w1, w2)
+    assert tiles.spec.engine == "sm90" and tiles.spec.weight_layout is WeightLayout.SM90_TILES
+    assert tiles.w1.shape == (E, 2 * I * H // 2) and tiles.w1_scales.shape == (E, 2 * I * H // 16)
+    assert not torch.equal(tiles.w1.view(E, 2 * I, H // 2), lin.w1)  # really repacked
+    for got, want in zip(tiles.canonical(), (lin.w1, lin.w1_scales, lin.w2, lin.w2_scales)):
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    assert torch.equal(tiles.w1_alpha, lin.w1_alpha) and torch.equal(tiles.w2_alpha, lin.w2_alpha)
+
+
+@pytest.mark.parametrize("engine, arch, match", [
+    ("sm90", "sm100", "runs on sm90, not sm100"),
+    ("nope", "sm90", "engine must be one of"),
+])
+def test_engine_choice_errors(engine, arch, match):
+    w1, w2 = _weights()
+    with pytest.raises(ValueError, match=match):
+        Nvfp4MoeConfig(arch=arch, engine=engine).prepare_weights(w1, w2)
+
+
+@pytest.mark.parametrize("arch", ["sm80", "sm120", 9, (8, 9)])
+def test_unsupported_arch_rejected_at_construction(arch):
+    with pytest.raises(ValueError, match="not supported"):
+        Nvfp4MoeConfig(arch=arch)
 
 
 def test_prepare_weights_non_gated():
     w1, w2 = _weights(gated=False, dtype=torch.float32)
     wts = Nvfp4MoeConfig(arch="sm90").prepare_weights(w1, w2, activation=GELU())
-    assert not wts.gated and wts.w1.shape == (E, I, H // 2)
+    assert not wts.gated and wts.gemm1_rows == I and wts.canonical()[0].shape == (E, I, H // 2)
 
 
 @pytest.mark.parametrize(

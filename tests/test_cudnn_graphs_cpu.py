@@ -9,13 +9,13 @@ import types
 
 import pytest
 
-from cudnn_moe.cudnn import (
+from cudnn_moe.engines import WeightLayout
+from cudnn_moe.engines.cudnn import (
+    CudnnGemmEngine,
     GroupedGemmKey,
     ScaleLayout,
     offsets_len_for,
     probe,
-    row_alignment,
-    scale_layout_for,
     segmented_scale_rows,
     token_scale_bytes,
     weight_scale_shape,
@@ -85,10 +85,11 @@ def test_offsets_len(arch, backend, experts, expected):
     assert offsets_len_for(experts, arch, backend) == expected
 
 
-@pytest.mark.parametrize("arch, alignment, layout", [(SM90, 8, ScaleLayout.LINEAR), (SM100, 128, ScaleLayout.SWIZZLED_128X4), (SM103, 128, ScaleLayout.SWIZZLED_128X4)])
+@pytest.mark.parametrize("arch, alignment, layout", [(SM90, 8, WeightLayout.LINEAR), (SM100, 128, WeightLayout.SWIZZLED_128X4), (SM103, 128, WeightLayout.SWIZZLED_128X4)])
 def test_arch_choices(arch, alignment, layout):
-    assert row_alignment(arch) == alignment
-    assert scale_layout_for(arch) is layout
+    spec = CudnnGemmEngine.spec(arch)
+    assert spec.row_alignment == alignment
+    assert spec.weight_layout is layout
 
 
 def test_segmented_scale_rows():
@@ -147,7 +148,7 @@ def test_probe_library_missing(fake_cudnn):
 
 
 def test_import_does_not_need_cudnn():
-    code = "import sys; sys.modules['cudnn'] = None; import cudnn_moe.cudnn, cudnn_moe.engines"
+    code = "import sys; sys.modules['cudnn'] = None; import cudnn_moe.engines, cudnn_moe.engines.cudnn, cudnn_moe"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -157,7 +158,7 @@ def test_graph_declaration(layout, arch, backend):
     cudnn = pytest.importorskip("cudnn")
     from cudnn._gemm_validate import validate_graph
 
-    from cudnn_moe.cudnn.grouped_gemm import UID, _declare, _dequant_dtypes
+    from cudnn_moe.engines.cudnn.grouped_gemm import UID, _declare, _dequant_dtypes
 
     key = make_key(rows=256, k=160, n=200, num_experts=4, scale_layout=layout, offsets_len=offsets_len_for(4, arch, backend), arch=arch, backend=backend)
     dequant = getattr(cudnn.data_type, _dequant_dtypes(layout)[0])
@@ -177,7 +178,7 @@ def test_graph_declaration(layout, arch, backend):
     assert weight_scale.stride == [weight_scale.dim[1] * weight_scale.dim[2], 1, weight_scale.dim[1]]
     assert tensors[UID.FIRST_TOKEN_OFFSET].dim == [key.offsets_len, 1, 1]
     (out,) = graph.get_outputs()
-    assert (out.uid, out.dim, out.data_type) == (UID.OUTPUT, [1, 256, 200], cudnn.data_type.BFLOAT16)
+    assert (out.uid, out.dim, out.data_type) == (UID.OUTPUT, [1, 256, 200], cudnn.data_type.FLOAT)
     dequants = [node for node in graph.nodes if node.outputs["OUT_0"].is_virtual]
     assert [node.params["block_size"] for node in dequants] == [[1, 16], [16, 1]]
     assert all(node.outputs["OUT_0"].data_type == dequant for node in dequants)

@@ -4,6 +4,7 @@ with a few stand-ins for CUDA built-ins, match torch bit for bit."""
 
 from __future__ import annotations
 
+import importlib
 import math
 import re
 import shutil
@@ -17,6 +18,7 @@ import pytest
 import torch
 
 from cudnn_moe import kernels
+from cudnn_moe.activations import SwiGLU
 from cudnn_moe.formats import decode_e2m1, encode_e2m1
 from cudnn_moe.formats.blocks import to_e4m3
 
@@ -47,56 +49,58 @@ def _kernel_signatures() -> dict[str, list[str]]:
 @pytest.mark.parametrize("arch", ["sm_90", "sm_100a"])
 @pytest.mark.parametrize("source", SOURCES)
 def test_kernel_compiles(source: str, arch: str, tmp_path: Path) -> None:
-    command = [NVCC, "-std=c++17", f"-arch={arch}", "-I", str(KERNELS_DIR), "-c", str(KERNELS_DIR / source)]
+    command = [NVCC, "-std=c++17", f"-arch={arch}", "-I", str(KERNELS_DIR), *kernels.cuda_defines(), "-c",
+               str(KERNELS_DIR / source)]
     result = subprocess.run([*command, "-o", str(tmp_path / "kernel.o")], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
 
 
 def test_sources_present() -> None:
-    assert SOURCES == ["activation.cu", "finalize.cu", "permute.cu", "sort.cu", "stage.cu"]
+    assert SOURCES == ["activation.cu", "expert_scale.cu", "finalize.cu", "permute.cu", "sort.cu", "stage.cu"]
 
 
 def _wrapper_calls() -> list[tuple[str, Callable[..., None], tuple[Any, ...]]]:
     """(kernel name, its wrapper, arguments) with CPU tensors of consistent small shapes."""
     u8, i32, f32, bf16 = torch.uint8, torch.int32, torch.float32, torch.bfloat16
-    T, B, k, H, inter, E, R = 3, 4, 2, 64, 32, 2, 16
+    T, B, k, H, inter, E, R = 3, 4, 2, 64, 64, 2, 16
 
     def z(*shape: int, dtype: torch.dtype = u8) -> torch.Tensor:
         return torch.zeros(*shape, dtype=dtype)
 
-    stage = (
+    staged = (
         z(T, H // 2), z(T, H // 16), z(T, k, dtype=i32), None, kernels.ROUTING_PACKED,
         z(B, H // 2), z(B, H // 16), z(B, k, dtype=i32), z(B, k, dtype=f32),
     )
-    sort = (
+    sorting = (
         z(B * k, dtype=i32), k, 0, E, 8, z(E + 1, dtype=i32), z(B * k, dtype=i32), z(R, dtype=i32), z(R, dtype=i32),
         z(E, dtype=i32),
     )
-    permute = (z(B, H // 2), z(B, H // 16), z(B * k, dtype=i32), B * k, k, z(R, H // 2), z(R * H // 16), False)
+    linear = kernels.TokenLayout.NVFP4_LINEAR
+    permute = (z(B, H // 2), z(B, H // 16), z(B * k, dtype=i32), B * k, k, linear, z(R, H // 2), z(R * H // 16))
     activation = (
-        z(R, 2 * inter, dtype=bf16), z(E, dtype=f32), z(R, dtype=i32), z(R, dtype=i32), z(E + 1, dtype=i32),
-        10, 1.0, 0.0, float("inf"), True, z(R, inter // 2), z(R * inter // 16), False,
+        z(R, 2 * inter, dtype=bf16), z(R, dtype=i32), z(E + 1, dtype=i32), SwiGLU(), linear, z(R, inter // 2),
+        z(R * inter // 16),
     )
-    finalize = (
-        z(R, H, dtype=bf16), z(B * k, dtype=i32), z(R, dtype=i32), z(B, k, dtype=f32), z(E, dtype=f32), k,
-        z(T, H, dtype=bf16),
-    )
-    scale_rows = (z(R, H, dtype=bf16), z(R, dtype=i32), z(R, dtype=i32), z(E, dtype=f32), z(R - 2, H, dtype=bf16))
+    finalize = (z(R, H, dtype=bf16), z(B * k, dtype=i32), z(B, k, dtype=f32), k, z(T, H, dtype=bf16))
+    unfinalized = (z(R, H, dtype=bf16), z(R, dtype=i32), z(R - 2, H, dtype=bf16))
     return [
-        ("moe_stage_inputs", kernels.stage_inputs, stage),
-        ("moe_sort", kernels.sort_routing, sort),
+        ("moe_stage_inputs", kernels.stage_inputs, staged),
+        ("moe_sort", kernels.sort_routing, sorting),
         ("moe_permute", kernels.permute_tokens, permute),
         ("moe_activation", kernels.activate_quantize, activation),
         ("moe_finalize", kernels.finalize, finalize),
-        ("moe_scale_rows", kernels.scale_rows, scale_rows),
+        ("moe_unfinalized_rows", kernels.unfinalized_rows, unfinalized),
     ]
 
 
 def test_wrapper_arguments_match_kernel_signatures(monkeypatch: pytest.MonkeyPatch) -> None:
     launches: list[tuple[str, tuple[Any, ...]]] = []
-    monkeypatch.setattr(kernels, "_ptr", lambda tensor, align=1: np.uint64(0))
-    monkeypatch.setattr(kernels, "_launch", lambda file, name, device, grid, block, args: launches.append((name, args)))
+    for stage_name in ("stage", "sort", "permute", "activate", "finalize"):
+        module = importlib.import_module(f"cudnn_moe.kernels.{stage_name}")
+        monkeypatch.setattr(module, "ptr", lambda tensor, align=1: np.uint64(0))
+        monkeypatch.setattr(module, "launch", lambda file, name, device, grid, block, args: launches.append((name, args)))
     signatures = _kernel_signatures()
+    signatures.pop("moe_expert_scale")  # launched by the cuDNN engine, checked on the GPU
     calls = _wrapper_calls()
     assert sorted(signatures) == sorted(name for name, _, _ in calls)
     for name, wrapper, args in calls:
@@ -195,7 +199,7 @@ int main(int, char** argv) {
 def test_format_helpers_on_host(tmp_path: Path) -> None:
     source, program = tmp_path / "driver.cpp", tmp_path / "driver"
     source.write_text(_HOST_DRIVER)
-    build = [CXX, "-std=c++17", "-O2", "-I", str(KERNELS_DIR), str(source), "-o", str(program)]
+    build = [CXX, "-std=c++17", "-O2", "-I", str(KERNELS_DIR), *kernels.cuda_defines(), str(source), "-o", str(program)]
     result = subprocess.run(build, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     x = format_inputs()

@@ -14,7 +14,9 @@ import torch
 from cudnn_moe import kernels
 from cudnn_moe.activations import GELU, Activation, GeGLU, GeGLUTanh, Identity, ReLU, ReLU2, SiLU, SwiGLU
 from cudnn_moe.executor import row_capacity
-from cudnn_moe.formats import encode_e2m1, swizzled_offset, swizzled_shape, unpack_nibbles
+from cudnn_moe.engines.sm90.layout import from_token_fragments
+from cudnn_moe.formats import dequantize_nvfp4, encode_e2m1, swizzled_offset, swizzled_shape, unpack_nibbles
+from cudnn_moe.kernels import TokenLayout
 from cudnn_moe.formats.blocks import to_e4m3
 from cudnn_moe.routing import pack_routing
 from test_kernels_compile import check_format_helpers, format_inputs
@@ -66,7 +68,7 @@ def helpers() -> Callable[[str, int, tuple], None]:
     """Runs a kernel of _HELPERS_SOURCE over ``count`` threads and waits for it."""
     import cupy
 
-    module = cupy.RawModule(code=kernels.module_source(_HELPERS_SOURCE), options=kernels.compile_options())
+    module = cupy.RawModule(code=_HELPERS_SOURCE, options=kernels.compile_options())
 
     def run(name: str, count: int, args: tuple) -> None:
         torch.cuda.synchronize()
@@ -228,6 +230,7 @@ def _scale_buffer_bytes(rows: int, cols: int, swizzled: bool) -> int:
 @pytest.mark.parametrize("swizzled", [False, True])
 @pytest.mark.parametrize("hidden", [256, 96])
 def test_permute(swizzled: bool, hidden: int) -> None:
+    layout = TokenLayout.NVFP4_SWIZZLED_128X4 if swizzled else TokenLayout.NVFP4_LINEAR
     bucket, top_k, num_local, align = 16, 4, 6, 8
     routing, capacity = _routing(bucket, top_k, num_local, align, seed=7)
     cols = hidden // 16
@@ -236,7 +239,7 @@ def test_permute(swizzled: bool, hidden: int) -> None:
     xp = _full((capacity, hidden // 2), POISON_BYTE, torch.uint8)
     xps = _full((_scale_buffer_bytes(capacity, cols, swizzled),), POISON_BYTE, torch.uint8)
     slot_to_row = routing.tensors()["slot_to_row"].to(DEV)
-    kernels.permute_tokens(xs.to(DEV), xss.to(DEV), slot_to_row, bucket * top_k, top_k, xp, xps, swizzled)
+    kernels.permute_tokens(xs.to(DEV), xss.to(DEV), slot_to_row, bucket * top_k, top_k, layout, xp, xps)
     torch.cuda.synchronize()
     want_xp = torch.full_like(xp.cpu(), POISON_BYTE)
     want_xps = torch.full_like(xps.cpu(), POISON_BYTE)
@@ -286,26 +289,31 @@ def _check_quantized(y: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor)
     assert bool(torch.where(sf == 0, codes == 0, near).all())
 
 
+def _activation_case(act: Activation, seed: int = 10):
+    """Routing, and GEMM1 rows g1 bfloat16 [R, N1] whose expert globals (ALPHA1) are already applied."""
+    bucket, top_k, inter, align = 32, 4, 64, 8
+    routing, capacity = _routing(bucket, top_k, len(ALPHA1), align, seed=seed)
+    t = routing.tensors()
+    alpha1 = torch.tensor(ALPHA1, dtype=torch.float32)[t["row_expert"].clamp(min=0)].unsqueeze(1)
+    g1 = (torch.randn(capacity, act.gemm1_columns(inter), generator=_gen(seed + 1)) * 3 * alpha1).to(torch.bfloat16)
+    used = torch.tensor([slot >= 0 for slot in routing.row_to_slot])
+    g1[~used] = math.nan  # padding rows and rows past the end must not be read
+    return routing, capacity, inter, g1, used
+
+
 @pytest.mark.parametrize("swizzled", [False, True])
 @pytest.mark.parametrize("name", list(ACTIVATIONS))
 def test_activation_quantize(name: str, swizzled: bool) -> None:
     act: Activation = ACTIVATIONS[name]
-    bucket, top_k, inter, align = 32, 4, 64, 8
-    num_local = len(ALPHA1)
-    routing, capacity = _routing(bucket, top_k, num_local, align, seed=10)
+    routing, capacity, inter, g1, used = _activation_case(act)
     total = routing.offsets[-1]
-    n1 = act.gemm1_columns(inter)
-    g1 = (torch.randn(capacity, n1, generator=_gen(11)) * 3).to(torch.bfloat16)
-    used = torch.tensor([slot >= 0 for slot in routing.row_to_slot])
-    g1[~used] = math.nan  # padding rows and rows past the end must not be read
-    alpha1 = torch.tensor(ALPHA1, dtype=torch.float32)
     t = routing.tensors()
     cols = inter // 16
+    layout = TokenLayout.NVFP4_SWIZZLED_128X4 if swizzled else TokenLayout.NVFP4_LINEAR
     out = _full((capacity, inter // 2), POISON_BYTE, torch.uint8)
     out_scales = _full((_scale_buffer_bytes(capacity, cols, swizzled),), POISON_BYTE, torch.uint8)
-    routing_dev = [t[name].to(DEV) for name in ("row_to_slot", "row_expert", "offsets")]
-    params = (int(act.kind), *act.params(), act.gated)
-    kernels.activate_quantize(g1.to(DEV), alpha1.to(DEV), *routing_dev, *params, out, out_scales, swizzled)
+    row_to_slot, offsets = t["row_to_slot"].to(DEV), t["offsets"].to(DEV)
+    kernels.activate_quantize(g1.to(DEV), row_to_slot, offsets, act, layout, out, out_scales)
     torch.cuda.synchronize()
     out, out_scales = out.cpu(), out_scales.cpu()
 
@@ -322,55 +330,71 @@ def test_activation_quantize(name: str, swizzled: bool) -> None:
 
     # Values of the used rows against the reference activation, in FP32 as the kernel computes.
     rows = used.nonzero().squeeze(1)
-    v = g1[rows].float() * alpha1[t["row_expert"][rows]].unsqueeze(1)
-    y = act.apply_gemm1(v)
+    y = act.apply_gemm1(g1[rows].float())
     _check_quantized(y, unpack_nibbles(out[rows]), out_scales[index[rows]])
 
 
+@pytest.mark.parametrize("name", ["swiglu", "gelu"])
+def test_activation_bf16_fragments_decode_the_nvfp4_values(name: str) -> None:
+    """The BF16-fragment output holds exactly the decoded NVFP4 values of the linear output, permuted."""
+    act: Activation = ACTIVATIONS[name]
+    routing, capacity, inter, g1, used = _activation_case(act, seed=40)
+    total = routing.offsets[-1]
+    t = routing.tensors()
+    row_to_slot, offsets, g1_dev = t["row_to_slot"].to(DEV), t["offsets"].to(DEV), g1.to(DEV)
+    codes = torch.zeros(capacity, inter // 2, dtype=torch.uint8, device=DEV)
+    scales = torch.zeros(capacity * inter // 16, dtype=torch.uint8, device=DEV)
+    kernels.activate_quantize(g1_dev, row_to_slot, offsets, act, TokenLayout.NVFP4_LINEAR, codes, scales)
+    frags = _full((capacity, inter), math.nan, torch.bfloat16)
+    kernels.activate_quantize(g1_dev, row_to_slot, offsets, act, TokenLayout.BF16_FRAGMENTS, frags, None)
+    torch.cuda.synchronize()
+    want = dequantize_nvfp4(codes.cpu(), scales.cpu().view(torch.float8_e4m3fn).view(capacity, -1), dtype=torch.bfloat16)
+    got = from_token_fragments(frags.cpu())
+    assert torch.equal(got[:total].view(torch.int16), want[:total].view(torch.int16))
+    assert bool(got[:total][~used[:total]].eq(0).all()) and bool(got[total:].isnan().all())
+
+
 # ---------------------------------------------------------------------------------------------------------------
-# finalize and scale_rows
+# finalize and unfinalized rows
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _gemm2_case(seed: int) -> tuple[SortResult, torch.Tensor, torch.Tensor, int]:
-    """Routing, g2 bfloat16 [R, H] (NaN on rows no slot uses), alpha2 float32 [E], top_k."""
+def _gemm2_case(seed: int) -> tuple[SortResult, torch.Tensor, int]:
+    """Routing, g2 bfloat16 [R, H] (NaN on rows no slot uses), top_k."""
     bucket, top_k, hidden, num_local, align = 16, 4, 256, 5, 8
     routing, capacity = _routing(bucket, top_k, num_local, align, seed)
     g2 = torch.randn(capacity, hidden, generator=_gen(seed + 1)).to(torch.bfloat16)
     g2[torch.tensor(routing.row_to_slot) < 0] = math.nan
-    alpha2 = torch.rand(num_local, generator=_gen(seed + 2)) * 2 + 0.1
-    return routing, g2, alpha2, top_k
+    return routing, g2, top_k
 
 
 def test_finalize() -> None:
-    routing, g2, alpha2, top_k = _gemm2_case(seed=20)
+    routing, g2, top_k = _gemm2_case(seed=20)
     slot_to_row = torch.tensor(routing.slot_to_row)
     weights = torch.rand(slot_to_row.numel(), generator=_gen(23)) * 2 - 0.5
     weights[slot_to_row < 0] = math.nan  # masked slots must contribute nothing
     tokens = slot_to_row.numel() // top_k - 3  # fewer tokens than the bucket holds
     t = routing.tensors()
     out = _full((tokens, g2.shape[1]), math.nan, torch.bfloat16)
-    slot_to_row_dev, row_expert_dev = t["slot_to_row"].to(DEV), t["row_expert"].to(DEV)
-    kernels.finalize(g2.to(DEV), slot_to_row_dev, row_expert_dev, weights.to(DEV), alpha2.to(DEV), top_k, out)
+    slot_to_row_dev = t["slot_to_row"].to(DEV)
+    kernels.finalize(g2.to(DEV), slot_to_row_dev, weights.to(DEV), top_k, out)
     torch.cuda.synchronize()
     want = torch.zeros(tokens, g2.shape[1], dtype=torch.float64)
     for slot in range(tokens * top_k):
         row = routing.slot_to_row[slot]
         if row >= 0:
-            alpha = alpha2[routing.row_expert[row]].double()
-            want[slot // top_k] += weights[slot].double() * alpha * g2[row].double()
+            want[slot // top_k] += weights[slot].double() * g2[row].double()
     # One BF16 rounding (half an ulp, <= 2^-9 relative) plus FP32 accumulation error.
     torch.testing.assert_close(out.cpu().double(), want, rtol=2**-8, atol=1e-5)
 
 
-def test_scale_rows() -> None:
-    routing, g2, alpha2, _ = _gemm2_case(seed=30)
+def test_unfinalized_rows() -> None:
+    routing, g2, _ = _gemm2_case(seed=30)
     t = routing.tensors()
     rows_out = g2.shape[0] - 5
     out = _full((rows_out, g2.shape[1]), math.nan, torch.bfloat16)
-    kernels.scale_rows(g2.to(DEV), t["row_to_slot"].to(DEV), t["row_expert"].to(DEV), alpha2.to(DEV), out)
+    kernels.unfinalized_rows(g2.to(DEV), t["row_to_slot"].to(DEV), out)
     torch.cuda.synchronize()
     used = (t["row_to_slot"][:rows_out] >= 0).unsqueeze(1)
-    alpha = alpha2[t["row_expert"][:rows_out].clamp(min=0)].unsqueeze(1)
-    want = torch.where(used, alpha * g2[:rows_out].float(), torch.zeros(())).to(torch.bfloat16)
+    want = torch.where(used, g2[:rows_out].float(), torch.zeros(())).to(torch.bfloat16)
     assert torch.equal(out.cpu().view(torch.int16), want.view(torch.int16))

@@ -85,12 +85,12 @@ def plain_moe(layer: Layer, ids: torch.Tensor, weights: torch.Tensor, act: Activ
             if not 0 <= e < w1.shape[0]:
                 continue
             mask[t, s] = True
-            h1 = (w1[e] @ x[t]).to(torch.bfloat16).double() * float(layer.w1_alpha[e])
+            h1 = (float(layer.w1_alpha[e]) * (w1[e] @ x[t])).to(torch.bfloat16).double()
             if act.gated:
                 y = act.apply(h1[:INTERMEDIATE], h1[INTERMEDIATE:])
             else:
                 y = act.apply(h1)
-            rows[t, s] = (w2[e] @ plain_requantize(y)).to(torch.bfloat16).double() * float(layer.w2_alpha[e])
+            rows[t, s] = (float(layer.w2_alpha[e]) * (w2[e] @ plain_requantize(y))).to(torch.bfloat16).double()
             out[t] += float(weights[t, s]) * rows[t, s]
     return out, rows, mask
 

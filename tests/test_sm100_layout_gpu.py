@@ -13,40 +13,40 @@ import pytest
 import torch
 
 from cudnn_moe import Nvfp4MoeConfig, Routing, SwiGLU, GELU
+from dataclasses import replace
+
+from cudnn_moe.arch import SM100
+from cudnn_moe.engines import GemmOperands, TokenOperand, WeightLayout, WeightOperand
+from cudnn_moe.engines.cudnn import CudnnGemmEngine
 from cudnn_moe.executor import MoeExecutor
-from cudnn_moe.formats import ScaleLayout, swizzled_shape, unswizzle_128x4
+from cudnn_moe.formats import swizzled_shape, unswizzle_128x4
 from cudnn_moe.reference import reference_for_prepared
 from moe_checks import check_close
 
 pytestmark = pytest.mark.gpu
 
 
-class SwizzledInputsEngine:
-    """GemmEngine with the SM100 input contract, computing through the linear cuDNN graph."""
-
-    name = "sm100-layout-check"
-    row_alignment = 128
-    scale_layout = ScaleLayout.SWIZZLED_128X4
+class SwizzledInputsEngine(CudnnGemmEngine):
+    """The SM100 cuDNN engine's input contract (128-row segments, 128x4 token and weight scales),
+    computed by unswizzling and calling the linear-scale cuDNN GEMM of this GPU."""
 
     def __init__(self, device: torch.device) -> None:
-        from cudnn_moe.engines import CudnnGemmEngine
+        super().__init__(device)
+        self.layout = CudnnGemmEngine.spec(SM100)
 
-        self.inner = CudnnGemmEngine(device)
-
-    def workspace_bytes(self, rows: int, k: int, n: int, num_experts: int) -> int:
-        return self.inner.workspace_bytes(rows, k, n, num_experts)
-
-    def token_scale_bytes(self, rows: int, k: int, num_experts: int) -> int:
+    def token_buffers(self, rows: int, k: int, num_experts: int) -> tuple[tuple[int, ...], torch.dtype, int]:
         padded_rows, padded_cols = swizzled_shape(rows, k // 16)
-        return padded_rows * padded_cols
+        return (rows, k // 2), torch.uint8, padded_rows * padded_cols
 
-    def gemm(self, rows, k, n, num_experts, token_packed, token_scales, weight_packed, weight_scales,
-             offsets, out, workspace) -> None:
-        cols = k // 16
-        tokens_linear = unswizzle_128x4(token_scales.view(torch.uint8)[: rows * cols], rows, cols)
-        weights_linear = unswizzle_128x4(weight_scales.view(torch.uint8), n, cols)
-        self.inner.gemm(rows, k, n, num_experts, token_packed, tokens_linear.view(torch.float8_e4m3fn),
-                        weight_packed, weights_linear.view(torch.float8_e4m3fn), offsets, out, workspace)
+    def gemm(self, operands: GemmOperands) -> None:
+        rows, n, cols = operands.rows, operands.shape.n, operands.shape.k // 16
+        tokens = unswizzle_128x4(operands.tokens.scales.view(torch.uint8)[: swizzled_shape(rows, cols)[0] * swizzled_shape(rows, cols)[1]], rows, cols)
+        weights = unswizzle_128x4(operands.weights.scales.view(torch.uint8), n, cols)
+        super().gemm(replace(
+            operands,
+            tokens=TokenOperand(operands.tokens.data, tokens.contiguous().view(torch.float8_e4m3fn)),
+            weights=WeightOperand(operands.weights.data, weights.contiguous().view(torch.float8_e4m3fn), operands.weights.alpha),
+        ))
 
 
 @pytest.mark.parametrize(
@@ -65,7 +65,7 @@ def test_sm100_layout_pipeline_matches_reference(experts, top_k, tokens, activat
 
     config = Nvfp4MoeConfig(arch="sm100", max_num_tokens=tokens)
     weights = config.prepare_weights(w1, w2, activation=activation)
-    assert weights.scale_layout is ScaleLayout.SWIZZLED_128X4
+    assert weights.spec.weight_layout is WeightLayout.SWIZZLED_128X4
     acts = config.prepare_activations(x)
     executor = MoeExecutor(weights, SwizzledInputsEngine(weights.device), top_k=top_k, activation=activation,
                            local_expert_start=local[0], max_num_tokens=tokens)

@@ -3,7 +3,8 @@
     out[r, :] = dequant(token[r, :]) @ dequant(weight[e])^T   for every row r of expert e's segment
 
 Graph: `block_scale_dequantize` on both FP4 operands (E4M3 scale per 16 values along
-K) feeding `moe_grouped_matmul` (mode NONE, FP32 accumulation), BF16 output.
+K) feeding `moe_grouped_matmul` (mode NONE, FP32 accumulation), FP32 output: the
+engine applies the expert globals and the one BF16 rounding afterwards (engine.py).
 
 Physical buffers (torch, row-major, M = `rows`, the token capacity of a bucket):
     token_packed   uint8 [M, K/2]       two E2M1 codes per byte, element 2i in the low nibble
@@ -14,7 +15,7 @@ Physical buffers (torch, row-major, M = `rows`, the token capacity of a bucket):
                                         expert's [N, K/16] swizzled on its own (Np = N rounded up
                                         to 128, Kp = K/16 rounded up to 4)
     offsets        int32 [offsets_len]  expert segment starts, plus the end when offsets_len = E+1
-    out            bfloat16 [M, N]
+    out            float32 [M, N]
 """
 
 from __future__ import annotations
@@ -28,9 +29,9 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ..arch import Arch, engine_scale_layout, is_blackwell
-from ..formats import NVFP4_BLOCK, ScaleLayout
-from ..formats.scale_layout import SWIZZLE_COLS, SWIZZLE_ROWS
+from ...arch import Arch, is_blackwell
+from ...formats import NVFP4_BLOCK, ScaleLayout
+from ...formats.scale_layout import SWIZZLE_COLS, SWIZZLE_ROWS
 from .handles import using_handle
 from .probe import MIN_BACKEND, NATIVE_NVFP4_MOE_BACKEND, format_version, require_cudnn
 
@@ -91,23 +92,6 @@ class GroupedGemmKey:
             f"scales={self.scale_layout.value} offsets={self.offsets_len} on cuda:{self.device} "
             f"(SM{major}{minor}, cuDNN {format_version(self.backend)})"
         )
-
-
-def scale_layout_for(arch: Arch) -> ScaleLayout:
-    """SWIZZLED_128X4 on SM100/SM103 (the native NVFP4 engines take F8_128x4 scales), LINEAR on SM90."""
-    return engine_scale_layout(arch)
-
-
-def row_alignment(arch: Arch) -> int:
-    """Rows each expert segment is padded to.
-
-    SM100/SM103: 128, the native engine's M tile and the height of a 128x4 scale atom, so
-    every segment starts on a fresh atom. SM90: 8. The dequantizing engine reads linear
-    scales and has no row tile the offsets must meet; 8 rows keep every segment start
-    16-byte aligned in each operand (8 scale rows are K/2 bytes) at a cost of at most
-    7 padding rows per expert.
-    """
-    return SWIZZLE_ROWS if is_blackwell(arch) else 8
 
 
 def offsets_len_for(num_experts: int, arch: Arch, backend: int) -> int:
@@ -220,7 +204,7 @@ def _declare(cudnn: Any, key: GroupedGemmKey, handle: Any, dequant_dtype: Any) -
         compute_data_type=dt.FLOAT,
         name="moe",
     )
-    out.set_output(True).set_data_type(dt.BFLOAT16).set_uid(int(UID.OUTPUT)).set_dim([1, m, n]).set_stride([m * n, n, 1])
+    out.set_output(True).set_data_type(dt.FLOAT).set_uid(int(UID.OUTPUT)).set_dim([1, m, n]).set_stride([m * n, n, 1])
     return graph
 
 
@@ -283,7 +267,7 @@ class GroupedFp4Gemm:
             int(UID.WEIGHT): weight_packed,
             int(UID.WEIGHT_SCALE): weight_scales.view(torch.float8_e4m3fn),
             int(UID.FIRST_TOKEN_OFFSET): _operand(offsets, "offsets", key, (torch.int32,), (key.offsets_len, 1, 1)),
-            int(UID.OUTPUT): _operand(out, "out", key, (torch.bfloat16,), (1, m, n)),
+            int(UID.OUTPUT): _operand(out, "out", key, (torch.float32,), (1, m, n)),
         }
         if self.workspace_bytes and (workspace is None or workspace.numel() * workspace.element_size() < self.workspace_bytes):
             raise ValueError(f"{key.describe()} needs a workspace of {self.workspace_bytes} bytes")

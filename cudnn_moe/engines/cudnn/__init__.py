@@ -1,4 +1,4 @@
-"""Every cuDNN concern of cudnn-moe: import probe, handles, and the NVFP4 grouped-GEMM graphs.
+"""The cuDNN engine and every cuDNN concern: import probe, handles, the NVFP4 grouped-GEMM graphs.
 
 Importing this package does not import `cudnn`; building or running a graph does.
 """
@@ -14,12 +14,11 @@ from .grouped_gemm import (
     clear_cache,
     graph_for,
     offsets_len_for,
-    row_alignment,
-    scale_layout_for,
     segmented_scale_rows,
     token_scale_bytes,
     weight_scale_shape,
 )
+from .engine import CudnnGemmEngine
 from .handles import device_index, handle_for, using_handle
 from .probe import MIN_BACKEND, MIN_FRONTEND, NATIVE_NVFP4_MOE_BACKEND, backend_version, require_cudnn
 
@@ -29,6 +28,7 @@ __all__ = [
     "NATIVE_NVFP4_MOE_BACKEND",
     "UID",
     "CacheInfo",
+    "CudnnGemmEngine",
     "GroupedFp4Gemm",
     "GroupedGemmKey",
     "ScaleLayout",
@@ -41,8 +41,6 @@ __all__ = [
     "handle_for",
     "offsets_len_for",
     "require_cudnn",
-    "row_alignment",
-    "scale_layout_for",
     "segmented_scale_rows",
     "token_scale_bytes",
     "using_handle",

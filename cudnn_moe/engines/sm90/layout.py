@@ -1,0 +1,144 @@
+"""Layouts of the SM90 engine: NVFP4 weights repacked into mma.sync fragment tiles, and BF16
+token fragments.
+
+The SM90 kernels multiply with ``mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32`` and swap
+the operands: the weights are the 16-row A operand (16 output features x 16 k) and the tokens
+the 8-wide B operand (16 k x 8 tokens), so a single token still fills the tensor core's long
+side. For lane L of a warp, g = L // 4 and q = L % 4:
+
+    A registers  a0 = W[g, 2q:2q+2]   a1 = W[g+8, 2q:2q+2]   a2 = W[g, 2q+8:2q+10]   a3 = W[g+8, 2q+8:2q+10]
+    B registers  b0 = X[g, 2q:2q+2]   b1 = X[g, 2q+8:2q+10]             (X[token, k], token g)
+    C registers  c0 = (feature g, token 2q)    c1 = (g, 2q+1)    c2 = (g+8, 2q)    c3 = (g+8, 2q+1)
+
+Each register holds two BF16 values, the lower k in the low half.
+
+Weight tiles (``pack_weight_tiles``). An expert's NVFP4 matrix W [N, K] (codes + linear E4M3
+scales per 16 k) is cut into m16 x k64 tiles, tile (i, j) = rows 16i.., columns 64j.., stored
+at tile index i * (K/64) + j, so one warp streams a row block along K through consecutive
+512-byte tiles. Inside a tile, lane L owns bytes [16L, 16L + 16): four little-endian words, word
+s holding the eight E2M1 codes of its A registers for the k16 step s (k = 64j + 16s + ...).
+Register r (a0..a3) sits in both 16-bit halves of the word (the low half holds the lower k), at
+these bits of each half:
+
+    a0: sign 15, magnitude bits 6, 7, 8        decode:  w & 0x81C081C0
+    a1: sign 12, magnitude bits 3, 4, 5        decode:  (w << 3) & 0x81C081C0
+    a2: sign  9, magnitude bits 0, 1, 2        decode:  (w << 6) & 0x81C081C0
+    a3: sign 14, magnitude bits 10, 11, 13     decode:  ((w << 1) & 0x80008000)
+                                                      | ((w >> 4) & 0x00C000C0) | ((w >> 5) & 0x01000100)
+
+(magnitude bits listed from the code's bit 0 up). Each decode yields two BF16 values equal to
+the E2M1 values times 2^-126 exactly: the magnitude lands on the top mantissa bit and the two
+low exponent bits.
+
+Scale tiles: 64 bytes per weight tile, at the same tile index; byte g * 8 + s * 2 + h is the E4M3
+scale of row 16i + g + 8h and k block 4j + s. The four lanes of a group g read the same 8
+bytes. Both arrays keep the canonical sizes (N*K/2 and N*K/16 bytes per expert), and
+``unpack_weight_tiles`` gives the canonical tensors back.
+
+Token fragments (``to_token_fragments``). Tokens enter the kernels as BF16 rows [R, K] whose
+columns are permuted inside each block of 64: position 16q + 4s + 2b + e holds k = 16s + 8b +
+2q + e. Lane (g, q) then finds its B registers of four k16 steps in 32 contiguous bytes
+(b0 and b1 of step s at words 2s and 2s + 1 of the 8 words at byte 32q).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...formats import NVFP4_BLOCK, pack_nibbles, unpack_nibbles
+
+TILE_ROWS = 16  # weight rows (output features) per tile: the mma's M
+TILE_K = 64  # reduction values per tile: four k16 steps
+TILE_BYTES = TILE_ROWS * TILE_K // 2  # 512: 32 lanes x 16 bytes
+TILE_SCALE_BYTES = TILE_ROWS * TILE_K // NVFP4_BLOCK  # 64
+
+# Bit positions (sign, magnitude bit 0, 1, 2) of register r's code inside each 16-bit half.
+CODE_BITS = (
+    (15, 6, 7, 8),
+    (12, 3, 4, 5),
+    (9, 0, 1, 2),
+    (14, 10, 11, 13),
+)
+
+
+def _check_weight_shapes(n: int, k: int) -> None:
+    if n <= 0 or n % TILE_ROWS:
+        raise ValueError(f"weight rows N must be a positive multiple of {TILE_ROWS}, got {n}")
+    if k <= 0 or k % TILE_K:
+        raise ValueError(f"reduction size K must be a positive multiple of {TILE_K}, got {k}")
+
+
+def pack_weight_tiles(packed: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Canonical NVFP4 weights -> SM90 fragment tiles (layout in the module docstring).
+
+    packed: uint8 [E, N, K/2] (element 2i in the low nibble); scales: float8_e4m3fn or uint8
+    [E, N, K/16], linear. Returns (tiles uint8 [E, N*K/2], tile_scales uint8 [E, N*K/16]).
+    """
+    experts, n, half_k = packed.shape
+    k = 2 * half_k
+    _check_weight_shapes(n, k)
+    if tuple(scales.shape) != (experts, n, k // NVFP4_BLOCK):
+        raise ValueError(f"scales must be [E, N, K/16] = {[experts, n, k // NVFP4_BLOCK]}, got {list(scales.shape)}")
+    # codes[e, i, h, g, j, s, b, q, x] = code of row 16i + 8h + g, column 64j + 16s + 8b + 2q + x
+    codes = unpack_nibbles(packed).view(experts, n // 16, 2, 8, k // 64, 4, 2, 4, 2).to(torch.int32)
+    # -> [e, i, j, g, q, s, b, h, x]: lane (g, q), word s, register r = 2b + h, half x
+    codes = codes.permute(0, 1, 4, 3, 7, 5, 6, 2, 8)
+    word = torch.zeros(codes.shape[:6], dtype=torch.int64, device=packed.device)
+    for r, (sign_bit, *mag_bits) in enumerate(CODE_BITS):
+        b, h = divmod(r, 2)
+        for x in range(2):
+            c = codes[..., b, h, x].to(torch.int64)
+            placed = ((c >> 3) & 1) << sign_bit
+            for bit, pos in enumerate(mag_bits):
+                placed |= ((c >> bit) & 1) << pos
+            word |= placed << (16 * x)
+    word_bytes = torch.stack([(word >> (8 * byte)) & 0xFF for byte in range(4)], dim=-1).to(torch.uint8)
+    tiles = word_bytes.reshape(experts, n * k // 2)
+    # scale[e, i, h, g, j, s] of row 16i + 8h + g, block 4j + s -> [e, i, j, g, s, h]
+    raw = scales.view(torch.uint8) if scales.dtype != torch.uint8 else scales
+    tile_scales = raw.reshape(experts, n // 16, 2, 8, k // 64, 4).permute(0, 1, 4, 3, 5, 2)
+    return tiles, tile_scales.reshape(experts, n * k // NVFP4_BLOCK).contiguous()
+
+
+def unpack_weight_tiles(tiles: torch.Tensor, tile_scales: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of pack_weight_tiles: -> (packed uint8 [E, N, K/2], scales float8_e4m3fn [E, N, K/16])."""
+    _check_weight_shapes(n, k)
+    experts = tiles.shape[0]
+    if tuple(tiles.shape) != (experts, n * k // 2) or tuple(tile_scales.shape) != (experts, n * k // NVFP4_BLOCK):
+        raise ValueError(f"tiles [E, N*K/2] and tile_scales [E, N*K/16] do not match N={n}, K={k}")
+    word_bytes = tiles.reshape(experts, n // 16, k // 64, 8, 4, 4, 4).to(torch.int64)
+    word = sum(word_bytes[..., byte] << (8 * byte) for byte in range(4))  # [e, i, j, g, q, s]
+    codes = torch.zeros(*word.shape, 2, 2, 2, dtype=torch.int64, device=tiles.device)  # [.., b, h, x]
+    for r, (sign_bit, *mag_bits) in enumerate(CODE_BITS):
+        b, h = divmod(r, 2)
+        for x in range(2):
+            half = word >> (16 * x)
+            c = ((half >> sign_bit) & 1) << 3
+            for bit, pos in enumerate(mag_bits):
+                c |= ((half >> pos) & 1) << bit
+            codes[..., b, h, x] = c
+    # [e, i, j, g, q, s, b, h, x] -> [e, i, h, g, j, s, b, q, x]
+    codes = codes.permute(0, 1, 7, 3, 2, 5, 6, 4, 8).reshape(experts, n, k).to(torch.uint8)
+    scales = tile_scales.reshape(experts, n // 16, k // 64, 8, 4, 2).permute(0, 1, 5, 3, 2, 4)
+    return pack_nibbles(codes), scales.reshape(experts, n, k // NVFP4_BLOCK).contiguous().view(torch.float8_e4m3fn)
+
+
+def token_fragment_order(k: int) -> torch.Tensor:
+    """int64 [K]: entry p is the column k stored at position p of a token-fragment row."""
+    if k <= 0 or k % TILE_K:
+        raise ValueError(f"K must be a positive multiple of {TILE_K}, got {k}")
+    p = torch.arange(k)
+    within = p % 64
+    q, s, b, x = within // 16, (within // 4) % 4, (within // 2) % 2, within % 2
+    return p - within + 16 * s + 8 * b + 2 * q + x
+
+
+def to_token_fragments(x: torch.Tensor) -> torch.Tensor:
+    """Rows [..., K] in natural column order -> the token-fragment order (same dtype)."""
+    return x[..., token_fragment_order(x.shape[-1]).to(x.device)]
+
+
+def from_token_fragments(x: torch.Tensor) -> torch.Tensor:
+    """Inverse of to_token_fragments."""
+    order = token_fragment_order(x.shape[-1]).to(x.device)
+    return torch.empty_like(x).index_copy_(x.dim() - 1, order, x)

@@ -1,0 +1,44 @@
+"""The CUDA glue kernels of the pipeline, one module per stage, in data-path order:
+
+stage (caller's tokens and routing -> bucket buffers), sort (slots -> expert segments), permute
+(tokens -> expert-sorted rows in the engine's token layout), [GEMM1: the engine], activate
+(activation + NVFP4 requantize), [GEMM2: the engine], finalize (weighted sum or per-slot rows).
+Sources live in kernels_cuda/ and compile with CuPy (NVRTC) on first use (loader); constants shared
+with CUDA are in codes.
+"""
+
+from .activate import activate_quantize
+from .codes import ROW_THREADS, SORT_MAX_EXPERTS, SORT_THREADS, RoutingFormat, TokenLayout, cuda_defines
+from .finalize import finalize, unfinalized_rows
+from .loader import compile_options, kernels_dir, launch, load_module, module_source, ptr
+from .permute import permute_tokens
+from .sort import sort_routing
+from .stage import stage_inputs
+
+ROUTING_PACKED = RoutingFormat.PACKED
+ROUTING_FP32 = RoutingFormat.FP32
+ROUTING_BF16 = RoutingFormat.BF16
+
+__all__ = [
+    "ROUTING_BF16",
+    "ROUTING_FP32",
+    "ROUTING_PACKED",
+    "ROW_THREADS",
+    "SORT_MAX_EXPERTS",
+    "SORT_THREADS",
+    "RoutingFormat",
+    "TokenLayout",
+    "activate_quantize",
+    "compile_options",
+    "cuda_defines",
+    "finalize",
+    "kernels_dir",
+    "launch",
+    "load_module",
+    "module_source",
+    "permute_tokens",
+    "ptr",
+    "sort_routing",
+    "stage_inputs",
+    "unfinalized_rows",
+]

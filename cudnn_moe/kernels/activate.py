@@ -1,0 +1,56 @@
+"""Activation: the first GEMM's rows -> activation -> NVFP4 requantize (global scale one), written in the
+second GEMM's token layout (kernels_cuda/activation.cu)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..activations import Activation, GPU_KERNEL_ACTIVATIONS
+from .codes import ROW_THREADS, TokenLayout
+from .loader import launch, ptr
+from .permute import require_scale_room
+
+
+def activate_quantize(
+    g1: torch.Tensor,
+    row_to_slot: torch.Tensor,
+    offsets: torch.Tensor,
+    activation: Activation,
+    layout: TokenLayout,
+    out: torch.Tensor,
+    out_scales: torch.Tensor | None,
+) -> None:
+    """Activate GEMM1's output and requantize it to NVFP4 with global scale one.
+
+    g1 bfloat16 [R, N1], the expert global already applied (N1 = 2I as [up | gate] when gated, else
+    I; I % 64 == 0). Per 16-value block of y = activation(float(g1)) (FP32): s = e4m3(amax / 6),
+    codes e2m1(y / s) (zero when s == 0). By ``layout``: NVFP4 codes out uint8 [R, I/2] (element
+    2i in the low nibble) with E4M3 scales in out_scales (R x I/16, linear or 128x4); or
+    BF16_FRAGMENTS: out bfloat16 [R, I], the decoded values code * s (exact) in token-fragment order.
+    Rows >= offsets[E] are not written; padding rows (row_to_slot < 0) are written as zeros.
+    """
+    if activation.kind not in GPU_KERNEL_ACTIVATIONS:
+        raise ValueError(f"{type(activation).__name__} has no GPU kernel")
+    rows = out.shape[0]
+    inter = out.shape[1] if layout is TokenLayout.BF16_FRAGMENTS else 2 * out.shape[1]
+    if inter % 64 or tuple(g1.shape) != (rows, activation.gemm1_columns(inter)) or row_to_slot.numel() < rows:
+        raise ValueError(f"activation: g1 {tuple(g1.shape)} does not match an output of {rows} rows x {inter}")
+    if g1.dtype != torch.bfloat16 or offsets.dtype != torch.int32:
+        raise ValueError("activation: g1 must be bfloat16 and offsets int32 [E + 1]")
+    if layout is TokenLayout.BF16_FRAGMENTS:
+        if out.dtype != torch.bfloat16:
+            raise ValueError("activation: BF16 fragments need a bfloat16 output")
+    else:
+        if out.dtype != torch.uint8 or out_scales is None:
+            raise ValueError("activation: NVFP4 output needs uint8 codes and a scale buffer")
+        require_scale_room(out_scales, rows, inter // 16, layout)
+    a, b, limit = activation.params()
+    launch(
+        "activation.cu", "moe_activation", g1.device, rows, ROW_THREADS,
+        (
+            ptr(g1, 16), ptr(row_to_slot), ptr(offsets), np.int32(offsets.numel() - 1), np.int32(activation.kind),
+            np.int32(activation.gated), np.float32(a), np.float32(b), np.float32(limit), np.int32(inter),
+            np.int32(layout), ptr(out, 8), ptr(out_scales),
+        ),
+    )

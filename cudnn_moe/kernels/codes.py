@@ -1,0 +1,49 @@
+"""Constants the CUDA sources share with Python, defined here only.
+
+Every kernel module is compiled with ``cuda_defines()`` as ``-D`` options, so the ``.cu`` files use
+these names without defining them (``kernels_cuda/common.cuh`` stops the build when one is
+missing). ``tests/test_kernel_codes.py`` checks that every such name a source uses is defined here.
+"""
+
+from __future__ import annotations
+
+import enum
+
+from ..activations import ActivationKind
+
+
+class RoutingFormat(enum.IntEnum):
+    """How the stage kernel reads routing (``ROUTING_*`` in CUDA)."""
+
+    PACKED = 0  # int32 [T, k]: signed expert id in bits 31..16, BF16 weight bits in 15..0
+    FP32 = 1  # ids int32/int64 [T, k] + weights float32 [T, k]
+    BF16 = 2  # ids int32/int64 [T, k] + weights bfloat16 [T, k]
+
+
+class TokenLayout(enum.IntEnum):
+    """How a GEMM engine reads its token operand, and so how permute and activation write it
+    (``TOKENS_*`` in CUDA).
+
+    NVFP4_LINEAR: packed E2M1 uint8 [R, K/2] + E4M3 scales [R, K/16] row-major.
+    NVFP4_SWIZZLED_128X4: the same codes, scales in 128x4 tiles of the R x K/16 matrix.
+    BF16_FRAGMENTS: decoded BF16 [R, K], columns in the SM90 token-fragment order
+    (``cudnn_moe.engines.sm90.layout``).
+    """
+
+    NVFP4_LINEAR = 0
+    NVFP4_SWIZZLED_128X4 = 1
+    BF16_FRAGMENTS = 2
+
+
+SORT_THREADS = 1024  # threads of the single moe_sort block
+SORT_MAX_EXPERTS = 512  # local experts one moe_sort block handles
+ROW_THREADS = 128  # threads per block of the row-wise glue kernels
+
+
+def cuda_defines() -> tuple[str, ...]:
+    """The ``-DNAME=value`` options every kernel module is compiled with."""
+    values = {f"ACT_{kind.name}": int(kind) for kind in ActivationKind}
+    values.update({f"ROUTING_{fmt.name}": int(fmt) for fmt in RoutingFormat})
+    values.update({f"TOKENS_{layout.name}": int(layout) for layout in TokenLayout})
+    values.update(SORT_THREADS=SORT_THREADS, SORT_MAX_EXPERTS=SORT_MAX_EXPERTS)
+    return tuple(f"-D{name}={value}" for name, value in sorted(values.items()))

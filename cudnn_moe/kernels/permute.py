@@ -1,0 +1,63 @@
+"""Permute: gather each routed slot's token into its expert-sorted row, in the GEMM engine's token
+layout (kernels_cuda/permute.cu for the NVFP4 layouts, kernels_cuda/sm90/tokens.cu for BF16 fragments)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..formats.scale_layout import swizzled_shape
+from .codes import ROW_THREADS, TokenLayout
+from .loader import launch, ptr
+
+
+def require_scale_room(scales: torch.Tensor, rows: int, cols: int, layout: TokenLayout) -> None:
+    """Check that ``scales`` holds a rows x cols E4M3 matrix, linear or padded to 128 x 4 tiles."""
+    swizzled = layout is TokenLayout.NVFP4_SWIZZLED_128X4
+    padded_rows, padded_cols = swizzled_shape(rows, cols) if swizzled else (rows, cols)
+    if scales.numel() * scales.element_size() < padded_rows * padded_cols:
+        raise ValueError(f"a {rows}x{cols} scale buffer ({'128x4' if swizzled else 'linear'}) is too small")
+
+
+def permute_tokens(
+    xs: torch.Tensor,
+    xss: torch.Tensor,
+    slot_to_row: torch.Tensor,
+    num_slots: int,
+    top_k: int,
+    layout: TokenLayout,
+    xp: torch.Tensor,
+    xps: torch.Tensor | None,
+) -> None:
+    """Copy token t = slot // top_k of every routed slot to its row r = slot_to_row[slot] >= 0.
+
+    xs uint8 [B, H/2] packed E2M1, xss (1-byte E4M3, linear) [B, H/16]. By ``layout``:
+    NVFP4_LINEAR / NVFP4_SWIZZLED_128X4: xp uint8 [R, H/2], xps the scales of an R x H/16 matrix,
+    linear or in 128x4 tiles (flat, >= roundup(R, 128) * roundup(H/16, 4) bytes).
+    BF16_FRAGMENTS: xp bfloat16 [R, H], the decoded values (exact) in token-fragment column order;
+    xps unused. Rows no slot maps to are not written.
+    """
+    hidden = 2 * xs.shape[1]
+    scale_cols = xss.shape[1]
+    if top_k < 1 or num_slots > slot_to_row.numel() or hidden != 16 * scale_cols:
+        raise ValueError(f"permute: top_k={top_k}, {num_slots} slots, slot_to_row of {slot_to_row.numel()}, "
+                         f"tokens {tuple(xs.shape)} with scales {tuple(xss.shape)}")
+    if layout is TokenLayout.BF16_FRAGMENTS:
+        if xp.dtype != torch.bfloat16 or xp.dim() != 2 or xp.shape[1] != hidden or hidden % 64:
+            raise ValueError(f"permute: BF16 fragments need xp bfloat16 [R, {hidden}] with H % 64 == 0, got {tuple(xp.shape)}")
+        launch(
+            "sm90/tokens.cu", "sm90_permute_decode", xs.device, num_slots, ROW_THREADS,
+            (ptr(xs, 16), ptr(xss), ptr(slot_to_row), np.int32(top_k), np.int32(hidden), ptr(xp, 16)),
+        )
+        return
+    rows = xp.shape[0]
+    if xps is None or xp.dtype != torch.uint8 or tuple(xp.shape[1:]) != (hidden // 2,):
+        raise ValueError(f"permute: NVFP4 tokens need xp uint8 [R, {hidden // 2}] and a scale buffer")
+    require_scale_room(xps, rows, scale_cols, layout)
+    launch(
+        "permute.cu", "moe_permute", xs.device, num_slots, ROW_THREADS,
+        (
+            ptr(xs), ptr(xss), ptr(slot_to_row), np.int32(top_k), np.int32(hidden // 2), np.int32(scale_cols),
+            np.int32(layout is TokenLayout.NVFP4_SWIZZLED_128X4), ptr(xp), ptr(xps),
+        ),
+    )

@@ -1,0 +1,66 @@
+"""Stage: copy the caller's tokens and routing into a bucket's static buffers (kernels_cuda/stage.cu)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .codes import ROW_THREADS, RoutingFormat
+from .loader import launch, ptr
+
+
+def stage_inputs(
+    x_packed: torch.Tensor,
+    x_scales: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor | None,
+    routing_format: int,
+    xs: torch.Tensor,
+    xss: torch.Tensor,
+    ids_out: torch.Tensor,
+    w_out: torch.Tensor,
+) -> None:
+    """Copy T tokens into a bucket of B >= T rows.
+
+    x_packed uint8 [T, H/2] -> xs [B, H/2]; x_scales (1-byte E4M3, linear) [T, H/16] -> xss [B, H/16];
+    rows >= T of xs/xss are left as they are. ids: packed int32 [T, k] (RoutingFormat.PACKED, weights None) or
+    int32/int64 [T, k] with weights float32 (RoutingFormat.FP32) / bfloat16 (RoutingFormat.BF16) [T, k].
+    ids_out int32 [B, k] and w_out float32 [B, k] get the decoded routing, -1 / 0.0 for rows >= T.
+    """
+    tokens, row_bytes = x_packed.shape
+    bucket, top_k = ids_out.shape
+    if routing_format == RoutingFormat.PACKED:
+        if ids.dtype != torch.int32:
+            raise ValueError(f"packed routing must be int32, got {ids.dtype}")
+    else:
+        expected = {RoutingFormat.FP32: torch.float32, RoutingFormat.BF16: torch.bfloat16}.get(routing_format)
+        if expected is None or weights is None or weights.dtype != expected:
+            found = None if weights is None else weights.dtype
+            raise ValueError(f"routing format {routing_format} does not match weights of dtype {found}")
+        if ids.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"routing ids must be int32 or int64, got {ids.dtype}")
+    if tokens > bucket or tuple(ids.shape) != (tokens, top_k) or x_scales.element_size() != 1:
+        raise ValueError(f"cannot stage {tokens} tokens x top-{top_k} into a bucket of {bucket}")
+    launch(
+        "stage.cu",
+        "moe_stage_inputs",
+        xs.device,
+        bucket,
+        ROW_THREADS,
+        (
+            ptr(x_packed),
+            ptr(x_scales),
+            ptr(ids),
+            ptr(weights),
+            np.int32(routing_format),
+            np.int32(ids.dtype == torch.int64),
+            ptr(xs),
+            ptr(xss),
+            ptr(ids_out),
+            ptr(w_out),
+            np.int32(tokens),
+            np.int32(top_k),
+            np.int32(row_bytes),
+            np.int32(x_scales.shape[1]),
+        ),
+    )
