@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# GPU check in one command: install the carried wheels, run the GPU tests, then the benchmark.
+# GPU check in one command: install the carried wheels, run the GPU tests, then the benchmarks.
 # Usage: OUT=/path/to/logs bash scripts/gpu_check.sh [pytest args...]
 # Wheels the machine lacks (the cuDNN frontend) are expected in .whl/ (see README, "GPU runs").
-# BENCH_ARGS passes options to benchmarks/bench_moe.py; SKIP_BENCH=1 / SKIP_TESTS=1 skip a step.
-# Also runs `python3 -m cudnn_moe demo` (the demo job, with the fused op on the GPU).
+# BENCH_ARGS passes options to benchmarks/bench_moe.py, STAGES_ARGS to benchmarks/bench_stages.py;
+# SKIP_BENCH=1 / SKIP_STAGES=1 / SKIP_TESTS=1 skip a step. Also runs `python3 -m cudnn_moe demo`.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}
@@ -16,22 +16,23 @@ else
 fi
 export PYTHONUNBUFFERED=1
 status=0
-python3 - <<'PY' 2>&1 | tee "$OUT/env.txt"
+step() {  # step NAME COMMAND...: run, tee into $OUT/NAME.log, remember a failure
+  local name=$1
+  shift
+  echo "=== $name: $*"
+  local start=$SECONDS
+  "$@" 2>&1 | tee "$OUT/$name.log"
+  local rc=${PIPESTATUS[0]}
+  echo "=== $name: exit $rc after $((SECONDS - start)) s"
+  [ "$rc" = 0 ] || status=1
+}
+step env python3 -c '
 import torch, cupy, cudnn
 print("gpu", torch.cuda.get_device_name(), "cc", torch.cuda.get_device_capability())
 print("torch", torch.__version__, "cuda", torch.version.cuda, "cupy", cupy.__version__,
-      "cudnn frontend", cudnn.__version__, "cudnn backend", cudnn.backend_version())
-PY
-python3 -m cudnn_moe demo 2>&1 | tee "$OUT/demo.log"
-[ "${PIPESTATUS[0]}" = 0 ] || status=1
-if [ "${SKIP_TESTS:-0}" != 1 ]; then
-  python3 -m pytest -m gpu -q -p no:cacheprovider "$@" 2>&1 | tee "$OUT/pytest_gpu.log"
-  status=${PIPESTATUS[0]}
-fi
-if [ "${SKIP_BENCH:-0}" != 1 ]; then
-  python3 benchmarks/bench_moe.py ${BENCH_ARGS:-} --markdown "$OUT/bench.md" 2>&1 | tee "$OUT/bench.log"
-  [ "${PIPESTATUS[0]}" = 0 ] || status=1
-  python3 benchmarks/bench_stages.py --markdown "$OUT/stages.md" 2>&1 | tee "$OUT/stages.log"
-  [ "${PIPESTATUS[0]}" = 0 ] || status=1
-fi
+      "cudnn frontend", cudnn.__version__, "cudnn backend", cudnn.backend_version())'
+step demo python3 -m cudnn_moe demo
+[ "${SKIP_TESTS:-0}" = 1 ] || step pytest_gpu python3 -m pytest -m gpu -q -p no:cacheprovider "$@"
+[ "${SKIP_BENCH:-0}" = 1 ] || step bench python3 benchmarks/bench_moe.py ${BENCH_ARGS:-} --markdown "$OUT/bench.md"
+[ "${SKIP_STAGES:-0}" = 1 ] || step stages python3 benchmarks/bench_stages.py ${STAGES_ARGS:-} --markdown "$OUT/stages.md"
 exit $status

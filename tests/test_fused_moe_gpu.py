@@ -35,12 +35,15 @@ def _layer(experts, hidden, inter, top_k, tokens, activation, seed, *, local=Non
     return (x.to(dev, torch.bfloat16), w1.to(dev, torch.bfloat16), w2.to(dev, torch.bfloat16), r)
 
 
+ENGINES = ["sm90", "cudnn"]
+
+
 def _run_case(experts, hidden, inter, top_k, tokens, activation, *, seed=0, local=None, routing="fp32",
-              finalize=True, graph=True):
+              finalize=True, graph=True, engine="auto"):
     """local = (start, total_experts): this rank holds experts start .. start+experts-1 of total."""
     x, w1, w2, r = _layer(experts, hidden, inter, top_k, tokens, activation, seed, local=local, routing=routing)
     start = 0 if local is None else local[0]
-    config = Nvfp4MoeConfig(max_num_tokens=max(tokens, 1))
+    config = Nvfp4MoeConfig(max_num_tokens=max(tokens, 1), engine=engine)
     weights = config.prepare_weights(w1, w2, activation=activation)
     acts = config.prepare_activations(x)
     ref = reference_for_prepared(acts, weights, r, activation, local_expert_start=start, finalize=finalize)
@@ -71,27 +74,80 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"E{c[0]}-H{c[1]}-I{c[2]}-k{c[3]}-T{c[4]}-{type(c[5]).__name__}")
-def test_matches_reference(case):
-    got, ref, _ = _run_case(*case)
+def test_matches_reference(case, engine):
+    got, ref, (_, _, _, weights, _, _) = _run_case(*case, engine=engine)
+    assert weights.spec.engine == engine
     _check_close(got, ref)
 
 
+@pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("routing", ["packed", "fp32", "bf16"])
-def test_routing_formats(routing):
-    got, ref, _ = _run_case(8, 256, 256, 4, 64, SwiGLU(), routing=routing, seed=3)
+def test_routing_formats(routing, engine):
+    got, ref, _ = _run_case(8, 256, 256, 4, 64, SwiGLU(), routing=routing, seed=3, engine=engine)
     _check_close(got, ref)
 
 
+@pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("tokens", [0, 1, 3])
-def test_small_token_counts(tokens):
-    got, ref, _ = _run_case(64, 256, 256, 8, tokens, SwiGLU(), seed=tokens)
+def test_small_token_counts(tokens, engine):
+    got, ref, _ = _run_case(64, 256, 256, 8, tokens, SwiGLU(), seed=tokens, engine=engine)
     _check_close(got, ref)
 
 
-def test_expert_parallel_subset():
+def _random_case(seed: int) -> dict:
+    """A random layer: E, H, I, top-k, T (1..4096), activation, expert-parallel subset, finalize or not."""
+    gen = torch.Generator().manual_seed(1000 + seed)
+    pick = lambda options: options[int(torch.randint(len(options), (1,), generator=gen))]  # noqa: E731
+    experts = pick([1, 4, 8, 32, 128, 256])
+    total = experts * pick([1, 1, 2, 4])
+    top_k = min(total, pick([1, 2, 4, 6, 8]))
+    tokens = pick([1, 2, 5, 8, 17, 64, 100, 512, 1500, 4096])
+    hidden = 128 * pick([1, 2, 3, 8, 16])
+    inter = 128 * pick([1, 2, 5, 6, 12])
+    activation = pick([SwiGLU(), SwiGLU(alpha=1.702, beta=1.0, limit=7.0), GeGLU(), GeGLUTanh(), GELU(), ReLU(),
+                       SiLU(), ReLU2(), Identity()])
+    start = experts * int(torch.randint(total // experts, (1,), generator=gen))
+    return dict(experts=experts, hidden=hidden, inter=inter, top_k=top_k, tokens=tokens, activation=activation,
+                local=(start, total), finalize=bool(seed % 3), seed=seed, routing=pick(["fp32", "packed", "bf16"]))
+
+
+def _dense_rows(got, ref):
+    """Unfinalized GPU rows gathered to the reference's [T*k, H] order (zero where masked), and the reference rows."""
+    rows, token_to_row = got.rows, got.token_to_row
+    gathered = rows[token_to_row.clamp_min(0).long()]
+    gathered[token_to_row < 0] = 0
+    return gathered.reshape(-1, rows.shape[1]), ref.rows.reshape(-1, rows.shape[1])
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_random_layers_every_engine_and_each_other(seed):
+    """Both engines against the float64 reference, and against each other, on a random layer."""
+    case = _random_case(seed)
+    outputs = []
+    for engine in ENGINES:
+        if engine == "cudnn" and case["experts"] == 1:
+            continue  # one expert needs E+1 offsets, which cuDNN takes on SM90 only from 9.28
+        got, ref, _ = _run_case(case["experts"], case["hidden"], case["inter"], case["top_k"], case["tokens"],
+                                case["activation"], seed=case["seed"], local=case["local"], routing=case["routing"],
+                                finalize=case["finalize"], engine=engine)
+        if not case["finalize"]:
+            got, ref = _dense_rows(got, ref)
+        if torch.count_nonzero(ref) == 0:
+            assert torch.count_nonzero(got) == 0 and not torch.isnan(got).any()
+            continue
+        _check_close(got, ref)
+        outputs.append(got)
+    for other in outputs[1:]:
+        _check_close(other, outputs[0])
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_expert_parallel_subset(engine):
     # This rank holds experts 16..31 of 64: most slots are masked, some tokens get no local expert.
-    got, ref, (config, acts, r, weights, act, start) = _run_case(16, 256, 256, 4, 64, SwiGLU(), local=(16, 64), seed=5)
+    got, ref, (config, acts, r, weights, act, start) = _run_case(16, 256, 256, 4, 64, SwiGLU(), local=(16, 64), seed=5,
+                                                                 engine=engine)
     _check_close(got, ref)
     ids = r.ids_and_weights()[0].cpu().flatten()
     local = ids[(ids >= 16) & (ids < 32)] - 16
@@ -105,25 +161,26 @@ def test_all_slots_masked_gives_zeros():
     assert torch.count_nonzero(got) == 0 and torch.count_nonzero(ref) == 0
 
 
+@pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("routing", ["packed", "fp32"])
-def test_unfinalized_rows(routing):
-    got, ref, _ = _run_case(8, 256, 256, 2, 64, SwiGLU(), routing=routing, finalize=False, seed=7)
+def test_unfinalized_rows(routing, engine):
+    got, ref, _ = _run_case(8, 256, 256, 2, 64, SwiGLU(), routing=routing, finalize=False, seed=7, engine=engine)
     rows, weights, token_to_row = got.rows, got.expert_weights, got.token_to_row
     assert token_to_row.shape == (64, 2) and token_to_row.dtype == torch.int32
     assert torch.equal(token_to_row.cpu() >= 0, ref.mask.cpu())
     used = token_to_row[token_to_row >= 0]
     assert used.unique().numel() == used.numel(), "two slots share a row"
-    gathered = rows[token_to_row.clamp_min(0).long()]
-    gathered[token_to_row < 0] = 0
-    _check_close(gathered.reshape(-1, rows.shape[1]), ref.rows.reshape(-1, rows.shape[1]))
+    _check_close(*_dense_rows(got, ref))
     torch.testing.assert_close(weights.cpu(), ref.weights.cpu(), rtol=0, atol=0)
     unused = torch.ones(rows.shape[0], dtype=torch.bool, device=rows.device)
     unused[used.long()] = False
     assert torch.count_nonzero(rows[unused]) == 0, "rows no slot points at must be zero"
 
 
-def test_graph_replay_equals_eager_and_repeats():
-    eager, ref, (config, acts, r, weights, act, start) = _run_case(64, 512, 256, 8, 100, SwiGLU(), graph=False)
+@pytest.mark.parametrize("engine", ENGINES)
+def test_graph_replay_equals_eager_and_repeats(engine):
+    eager, ref, (config, acts, r, weights, act, start) = _run_case(64, 512, 256, 8, 100, SwiGLU(), graph=False,
+                                                                   engine=engine)
     _check_close(eager, ref)
     replays = [fused_moe(config, acts, r, weights, activation=act, use_cuda_graph=True) for _ in range(3)]
     for out in replays:
