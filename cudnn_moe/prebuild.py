@@ -20,12 +20,12 @@ from typing import Any, TextIO
 
 from .activations import GPU_KERNEL_ACTIVATIONS, Activation, parse_activation
 from .cache import ENV_VAR, DiskCache, cache_dir
+from .engines.select import ENGINE_NAMES
 
 PRESETS_FILE = Path(__file__).resolve().parent.parent / "graphs" / "presets.json"
 PRESET_FIELDS = ("name", "experts", "hidden", "intermediate", "top_k")
 MAX_BUCKET = 4096
 DEFAULT_BUCKETS = tuple(1 << i for i in range(13))  # 1, 2, 4, ..., 4096
-ENGINES = ("auto",)  # the executor picks the engine for the GPU; named engines come with the engine registry
 NO_GPU = "prebuild needs a CUDA GPU; --list/--verify/--clear work without one"
 
 
@@ -189,9 +189,7 @@ def build_layer(
     from .config import Nvfp4MoeConfig
     from .ops import get_executor
 
-    if engine not in ENGINES:
-        raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}")
-    config = Nvfp4MoeConfig(max_num_tokens=max(buckets))
+    config = Nvfp4MoeConfig(max_num_tokens=max(buckets), engine=engine)
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows1 = activation.gemm1_columns(shape.intermediate)
     like = dict(device="cuda", dtype=torch.bfloat16, generator=gen)
@@ -224,7 +222,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="token buckets, powers of two: e.g. 1,2,4,8 or max=512 (default: 1, 2, 4, ..., 4096)")
     what.add_argument("--activation", type=parse_gpu_activation, default=parse_activation("swiglu"),
                       help="the layer's activation (default: swiglu)")
-    what.add_argument("--engine", choices=ENGINES, default="auto", help="GEMM engine (default: auto, the one for this GPU)")
+    what.add_argument("--engine", choices=ENGINE_NAMES, default="auto",
+                      help="GEMM engine (default: auto, the first that runs the layer on this GPU)")
     store = parser.add_argument_group("cache")
     store.add_argument("--cache-dir", type=Path, default=None, metavar="DIR",
                        help=f"cache directory (default: ${ENV_VAR}, else $XDG_CACHE_HOME/cudnn_moe or ~/.cache/cudnn_moe)")
