@@ -10,6 +10,7 @@ from .executor import UnfinalizedOutput
 from .ops import fused_moe, get_executor, unfinalized_row_count
 from .reference import reference_moe
 from .routing import Routing, pack_routing, unpack_routing
+from .torch_op import MoeLayer
 
 __version__ = "0.1.0"
 
@@ -18,6 +19,7 @@ __all__ = [
     "GeGLU",
     "GeGLUTanh",
     "Identity",
+    "MoeLayer",
     "Nvfp4Activations",
     "Nvfp4MoeConfig",
     "Nvfp4Weights",

@@ -10,7 +10,14 @@ from .config import Nvfp4Activations, Nvfp4MoeConfig, Nvfp4Weights
 from .engines import engine_for
 from .executor import MoeExecutor, UnfinalizedOutput, row_capacity
 from .routing import Routing, check_distinct_experts
-from .validate import require_contiguous, require_same_device, require_shape, require_tensor
+from .validate import (
+    require_contiguous,
+    require_int_arg,
+    require_no_overlap,
+    require_same_device,
+    require_shape,
+    require_tensor,
+)
 
 
 def unfinalized_row_count(weights: Nvfp4Weights, num_tokens: int, top_k: int) -> int:
@@ -19,9 +26,8 @@ def unfinalized_row_count(weights: Nvfp4Weights, num_tokens: int, top_k: int) ->
     with finalize=False."""
     if not isinstance(weights, Nvfp4Weights):
         raise TypeError("weights must be the Nvfp4Weights from config.prepare_weights()")
-    for name, value in (("num_tokens", num_tokens), ("top_k", top_k)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < (0 if name == "num_tokens" else 1):
-            raise ValueError(f"{name} must be a {'non-negative' if name == 'num_tokens' else 'positive'} int, got {value!r}")
+    require_int_arg("num_tokens", num_tokens, 0)
+    require_int_arg("top_k", top_k, 1)
     return row_capacity(num_tokens, top_k, weights.num_experts, weights.spec.row_alignment)
 
 
@@ -34,6 +40,8 @@ def get_executor(
     local_expert_start: int,
 ) -> MoeExecutor:
     """The executor cached on ``weights`` for this (top_k, activation, expert range, max tokens)."""
+    require_int_arg("top_k", top_k, 1)
+    require_int_arg("local_expert_start", local_expert_start, 0)
     key = (top_k, activation, local_expert_start, config.max_num_tokens)
     executor = weights.executors.get(key)
     if executor is None:
@@ -86,8 +94,7 @@ def _validate(
             f"{type(activation).__name__} is {'gated' if activation.gated else 'non-gated'} but the weights "
             f"were prepared for a {'gated' if weights.gated else 'non-gated'} activation"
         )
-    if not isinstance(local_expert_start, int) or local_expert_start < 0:
-        raise ValueError(f"local_expert_start must be a non-negative int, got {local_expert_start!r}")
+    require_int_arg("local_expert_start", local_expert_start, 0)
     device = require_same_device(
         activations=activations.packed, activation_scales=activations.scales, weights=weights.w1,
         routing=routing.device_tensor(),
@@ -123,10 +130,11 @@ def fused_moe(
     Each token must name distinct experts (``check_routing=True`` verifies it, at the cost of a
     device sync).
 
-    finalize=True returns bfloat16 [T, H]: sum over slots (in slot order, FP32) of route weight x
-    w2 global x GEMM2 row, rounded once. finalize=False returns an UnfinalizedOutput.
-    ``out``, when given, receives the result ([T, H], or [R, H] rows for finalize=False) and
-    must be a contiguous bfloat16 tensor on the same device.
+    finalize=True returns bfloat16 [T, H]: sum over slots (in slot order, FP32, no fused
+    multiply-add) of route weight x GEMM2 row, rounded once (rounding points: cudnn_moe.reference).
+    finalize=False returns an UnfinalizedOutput. ``out``, when given, receives the result ([T, H],
+    or [R, H] rows for finalize=False) and must be a contiguous bfloat16 tensor on the same device
+    that shares no memory with any input; nothing else the caller owns is written.
 
     use_cuda_graph=False launches every kernel eagerly (for debugging); results are bitwise equal.
     When the current stream is capturing a CUDA graph the launches are recorded into it.
@@ -134,20 +142,36 @@ def fused_moe(
     act = parse_activation(activation)
     _validate(config, activations, routing, weights, act, local_expert_start)
     tokens, hidden = activations.num_tokens, weights.hidden_size
-    executor = get_executor(
-        config, weights, top_k=routing.top_k, activation=act, local_expert_start=local_expert_start
-    )
     if out is not None:
         rows = tokens if finalize else unfinalized_row_count(weights, tokens, routing.top_k)
         require_tensor("out", out, torch.bfloat16, rank=2)
         require_shape("out", out, (rows, hidden))
         require_contiguous(out=out)
         require_same_device(out=out, weights=weights.w1)
+        _require_out_apart(out, activations, routing, weights)
     if check_routing:
         check_distinct_experts(routing.ids_and_weights()[0])
+    executor = get_executor(
+        config, weights, top_k=routing.top_k, activation=act, local_expert_start=local_expert_start
+    )
     if tokens == 0:
         return _empty_result(routing, weights, finalize, out)
     return executor.run(activations, routing, finalize=finalize, out=out, use_cuda_graph=use_cuda_graph)
+
+
+def _require_out_apart(out: torch.Tensor, activations: Nvfp4Activations, routing: Routing, weights: Nvfp4Weights) -> None:
+    """``out`` must share no memory with any input (the op would write into it)."""
+    inputs = {
+        "activations.packed": activations.packed, "activations.scales": activations.scales,
+        "weights.w1": weights.w1, "weights.w1_scales": weights.w1_scales, "weights.w1_alpha": weights.w1_alpha,
+        "weights.w2": weights.w2, "weights.w2_scales": weights.w2_scales, "weights.w2_alpha": weights.w2_alpha,
+    }
+    if routing.is_packed:
+        inputs["routing.packed"] = routing.packed_tensor
+    else:
+        inputs.update({"routing.ids": routing.ids, "routing.weights": routing.weights})
+    for name, tensor in inputs.items():
+        require_no_overlap("out", out, name, tensor)
 
 
 def _empty_result(

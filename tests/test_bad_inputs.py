@@ -11,6 +11,8 @@ import math
 import pytest
 import torch
 
+import cudnn_moe
+
 from cudnn_moe.activations import parse_activation
 from cudnn_moe.formats import (
     decode_e2m1,
@@ -331,3 +333,45 @@ def test_require_no_overlap() -> None:
     ]:
         with pytest.raises(ValueError, match="out overlaps the memory of weights.w1"):
             require_no_overlap("out", a, "weights.w1", b)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The public op's own argument checks (CPU: they fire before any GPU work)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _cpu_layer():
+    from cudnn_moe import Nvfp4MoeConfig
+
+    gen = torch.Generator().manual_seed(0)
+    config = Nvfp4MoeConfig(arch="sm90")
+    weights = config.prepare_weights(torch.randn(2, 256, 128, generator=gen), torch.randn(2, 128, 128, generator=gen))
+    return config, weights
+
+
+@pytest.mark.parametrize(
+    "call, error, match",
+    [
+        (lambda c, w: cudnn_moe.get_executor(c, w, top_k=2, activation="swiglu", local_expert_start=True),
+         TypeError, "local_expert_start"),
+        (lambda c, w: cudnn_moe.get_executor(c, w, top_k=0, activation="swiglu", local_expert_start=0),
+         ValueError, "top_k"),
+        (lambda c, w: cudnn_moe.unfinalized_row_count(w, True, 2), TypeError, "num_tokens"),
+        (lambda c, w: cudnn_moe.unfinalized_row_count(w, -1, 2), ValueError, "num_tokens"),
+        (lambda c, w: cudnn_moe.unfinalized_row_count(w, 4, 2.0), TypeError, "top_k"),
+        (lambda c, w: cudnn_moe.unfinalized_row_count("weights", 4, 2), TypeError, "weights"),
+        (lambda c, w: cudnn_moe.Nvfp4MoeConfig(max_num_tokens=True), ValueError, "max_num_tokens"),
+        (lambda c, w: cudnn_moe.Nvfp4MoeConfig(engine="fastest"), ValueError, "engine"),
+        (lambda c, w: cudnn_moe.Nvfp4MoeConfig(arch="sm120"), ValueError, "arch"),
+    ],
+)
+def test_op_arguments(call, error, match):
+    config, weights = _cpu_layer()
+    with pytest.raises(error, match=match):
+        call(config, weights)
+
+
+def test_unfinalized_row_count_needs_no_gpu():
+    _, weights = _cpu_layer()
+    # 6 slots + up to 7 padding rows for each of the 2 experts, rounded up to the 8-row alignment
+    assert cudnn_moe.unfinalized_row_count(weights, 3, 2) == 24

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from cudnn_moe import (
-    GELU, GeGLU, GeGLUTanh, Identity, Nvfp4MoeConfig, ReLU, ReLU2, Routing, SiLU, SwiGLU,
+    GELU, GeGLU, GeGLUTanh, Identity, Nvfp4Activations, Nvfp4MoeConfig, ReLU, ReLU2, Routing, SiLU, SwiGLU,
     fused_moe, get_executor, pack_routing,
 )
 from cudnn_moe.ops import unfinalized_row_count
@@ -234,3 +234,34 @@ def test_warmup_then_capture_without_a_prior_call():
     graph.replay()
     torch.cuda.synchronize()
     _check_close(out, reference_for_prepared(acts, weights, r, SwiGLU()))
+
+
+def _sharing_storage(t: torch.Tensor, out_shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(a copy of t, a bfloat16 tensor of out_shape) laid over the same bytes."""
+    out_bytes = out_shape[0] * out_shape[1] * 2
+    buffer = torch.zeros(max(out_bytes, t.numel() * t.element_size()), dtype=torch.uint8, device=t.device)
+    copy = buffer[: t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+    copy.copy_(t)
+    return copy, buffer[:out_bytes].view(torch.bfloat16).view(out_shape)
+
+
+@pytest.mark.parametrize("victim", ["w2", "activations", "routing"])
+def test_out_overlapping_an_input_is_refused(victim):
+    x, w1, w2, r = _layer(8, 256, 256, 2, 16, SwiGLU(), seed=14)
+    config = Nvfp4MoeConfig(max_num_tokens=16)
+    weights = config.prepare_weights(w1, w2)
+    acts = config.prepare_activations(x)
+    if victim == "w2":
+        owner = weights.w2
+        out = owner.view(-1)[: 16 * 256 * 2].view(torch.bfloat16).view(16, 256)
+    elif victim == "activations":
+        owner, out = _sharing_storage(acts.packed, (16, 256))
+        acts = Nvfp4Activations(owner, acts.scales)
+    else:
+        owner, out = _sharing_storage(r.ids, (16, 256))
+        r = Routing.unpacked(owner, r.weights)
+    before = owner.clone()
+    with pytest.raises(ValueError, match="overlaps"):
+        fused_moe(config, acts, r, weights, out=out)
+    torch.cuda.synchronize()
+    assert torch.equal(owner, before)

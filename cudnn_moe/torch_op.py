@@ -1,0 +1,109 @@
+"""``fused_moe`` as a torch custom op, so ``torch.compile`` and a caller's CUDA-graph capture of a whole
+model can hold it.
+
+``MoeLayer`` (an ``nn.Module``) owns a prepared layer; its forward calls the custom op
+``torch.ops.cudnn_moe.fused_moe_`` with a handle to the layer, the activation pack, the routing and the
+caller's ``out`` (declared as mutated; the op returns nothing). The op is opaque to the compiler, and
+its fake implementation only says that ``out`` is written, so graphs compile without a break.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from .activations import Activation, SwiGLU, parse_activation
+from .config import Nvfp4Activations, Nvfp4MoeConfig, Nvfp4Weights
+from .ops import fused_moe
+from .routing import Routing
+
+
+@dataclass(frozen=True)
+class _Layer:
+    config: Nvfp4MoeConfig
+    weights: Nvfp4Weights
+    activation: Activation
+    local_expert_start: int
+
+
+_layers: dict[int, _Layer] = {}
+_handles = itertools.count(1)
+
+
+@torch.library.custom_op("cudnn_moe::fused_moe_", mutates_args=("out",), device_types="cuda")
+def fused_moe_op(
+    layer: int,
+    act_packed: torch.Tensor,
+    act_scales: torch.Tensor,
+    routing_ids: torch.Tensor,
+    routing_weights: torch.Tensor | None,
+    out: torch.Tensor,
+) -> None:
+    """out bfloat16 [T, H] = fused_moe of layer ``layer`` (a MoeLayer handle) on the NVFP4 pack
+    (uint8 [T, H/2], float8_e4m3fn [T, H/16]) and the routing: packed int32 [T, k] when
+    ``routing_weights`` is None, else ids int32/int64 [T, k] + weights float32/bfloat16 [T, k]."""
+    found = _layers.get(layer)
+    if found is None:
+        raise ValueError(f"no MoeLayer with handle {layer} (it was freed, or the handle is not one)")
+    routing = Routing.packed(routing_ids) if routing_weights is None else Routing.unpacked(routing_ids, routing_weights)
+    fused_moe(
+        found.config, Nvfp4Activations(act_packed, act_scales), routing, found.weights,
+        activation=found.activation, local_expert_start=found.local_expert_start, out=out,
+    )
+
+
+@fused_moe_op.register_fake
+def _fused_moe_fake(layer, act_packed, act_scales, routing_ids, routing_weights, out) -> None:  # noqa: ANN001
+    return None
+
+
+class MoeLayer(torch.nn.Module):
+    """A prepared NVFP4 MoE layer as a module: ``forward(act_packed, act_scales, routing_ids,
+    routing_weights=None, out=None) -> out`` (bfloat16 [T, H]).
+
+    Inside a CUDA-graph capture (yours, or torch.compile's "reduce-overhead"), every token bucket the
+    capture uses must have run once before, or call ``warmup()`` first.
+    """
+
+    def __init__(
+        self,
+        config: Nvfp4MoeConfig,
+        weights: Nvfp4Weights,
+        *,
+        activation: Activation | str = SwiGLU(),
+        local_expert_start: int = 0,
+    ) -> None:
+        super().__init__()
+        if not isinstance(config, Nvfp4MoeConfig):
+            raise TypeError(f"config must be an Nvfp4MoeConfig, got {type(config).__name__}")
+        if not isinstance(weights, Nvfp4Weights):
+            raise TypeError("weights must be the Nvfp4Weights from config.prepare_weights()")
+        self.handle = next(_handles)
+        self.layer = _Layer(config, weights, parse_activation(activation), local_expert_start)
+        _layers[self.handle] = self.layer
+        weakref.finalize(self, _layers.pop, self.handle, None)
+
+    def warmup(self, top_k: int, max_tokens: int | None = None) -> None:
+        """Build every token bucket up to ``max_tokens`` (default: the config's) for routing of ``top_k``."""
+        from .ops import get_executor
+
+        layer = self.layer
+        get_executor(layer.config, layer.weights, top_k=top_k, activation=layer.activation,
+                     local_expert_start=layer.local_expert_start).warmup(max_tokens)
+
+    def forward(
+        self,
+        act_packed: torch.Tensor,
+        act_scales: torch.Tensor,
+        routing_ids: torch.Tensor,
+        routing_weights: torch.Tensor | None = None,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if out is None:
+            out = torch.empty(act_packed.shape[0], self.layer.weights.hidden_size, dtype=torch.bfloat16,
+                              device=act_packed.device)
+        torch.ops.cudnn_moe.fused_moe_(self.handle, act_packed, act_scales, routing_ids, routing_weights, out)
+        return out
