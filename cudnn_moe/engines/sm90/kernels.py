@@ -1,0 +1,271 @@
+"""Launch wrappers of the SM90 kernels (kernels_cuda/sm90/): the grouped NVFP4 x BF16 GEMM over
+ragged expert segments, in a decode and a prefill variant, and the token gather-and-decode.
+
+Every argument is checked on the host before anything is launched (ValueError naming it); work is
+derived from device data only (``offsets``), the grid from capacities, so the launches are
+CUDA-graph safe. Kernels go on torch's current stream.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ...kernels.codes import ROW_THREADS
+from ...kernels.loader import launch, ptr
+from .layout import TILE_K
+
+GEMM_SOURCE = "sm90/grouped_gemm.cu"
+TOKENS_SOURCE = "sm90/tokens.cu"
+FEATURE_MULTIPLE = 128  # N % 128 == 0: every variant's feature block divides it
+ROW_ALIGNMENT = 8  # segment starts (offsets) are multiples of 8
+MAX_GRID_Y = 65535
+
+_PREFILL_STAGE_BYTES = 4096 + 512 + 128 * 144  # grouped_gemm.cu PF_STAGE_BYTES
+_PREFILL_C_BYTES = 128 * 272  # PF_C_BYTES
+_MAX_DYNAMIC_SMEM = 227 * 1024  # per block on SM90
+
+
+@dataclass(frozen=True)
+class DecodeVariant:
+    """``sm90_gemm_decode``: WM x WK warps (features x split-K), each MT m16 feature tiles x NT n8
+    token tiles, weights prefetched PREFETCH k64 steps ahead in registers. Tiles of 8 NT rows,
+    CTAs of 16 MT WM features. For segments of up to ~64 rows."""
+
+    mt: int = 1
+    wm: int = 2
+    wk: int = 4
+    nt: int = 1
+    prefetch: int = 4
+
+    kernel = "sm90_gemm_decode"
+
+    def __post_init__(self) -> None:
+        if self.mt < 1 or self.wm < 1 or 16 * self.mt * self.wm not in (16, 32, 64, 128):
+            raise ValueError(f"decode variant: 16 * MT * WM must be 16, 32, 64 or 128, got MT={self.mt}, WM={self.wm}")
+        if self.wk < 1 or not 1 <= self.wm * self.wk <= 32:
+            raise ValueError(f"decode variant: WM * WK must be 1..32 warps, got WM={self.wm}, WK={self.wk}")
+        if not 1 <= self.nt <= 8 or not 1 <= self.prefetch <= 16:
+            raise ValueError(f"decode variant: NT must be 1..8 and PREFETCH 1..16, got {self.nt}, {self.prefetch}")
+        if self.wk * self.tile_rows * (self.feature_block + 4) * 4 > 48 * 1024:
+            raise ValueError(f"decode variant {self}: the split-K buffer exceeds 48 KB of shared memory")
+
+    @property
+    def tile_rows(self) -> int:
+        return 8 * self.nt
+
+    @property
+    def feature_block(self) -> int:
+        return 16 * self.mt * self.wm
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.wm * self.wk
+
+    @property
+    def shared_mem(self) -> int:
+        return 0  # static shared memory only
+
+    def options(self) -> tuple[str, ...]:
+        return (f"-DSM90_MT={self.mt}", f"-DSM90_WM={self.wm}", f"-DSM90_WK={self.wk}", f"-DSM90_NT={self.nt}",
+                f"-DSM90_PREFETCH={self.prefetch}")
+
+
+@dataclass(frozen=True)
+class PrefillVariant:
+    """``sm90_gemm_prefill``: CTA tile 128 features x 128 token rows, k64 per stage, STAGES-deep
+    cp.async pipeline (23040 bytes of dynamic shared memory per stage). For large segments.
+    min_blocks: CTAs per SM the register allocation must allow (2: at most 128 registers a thread)."""
+
+    stages: int = 4
+    min_blocks: int = 2
+
+    kernel = "sm90_gemm_prefill"
+    tile_rows = 128
+    feature_block = 128
+    threads = 256
+
+    def __post_init__(self) -> None:
+        if not 2 <= self.stages <= 8:
+            raise ValueError(f"prefill variant: STAGES must be 2..8, got {self.stages}")
+        if self.min_blocks not in (1, 2):
+            raise ValueError(f"prefill variant: MIN_BLOCKS must be 1 or 2, got {self.min_blocks}")
+
+    @property
+    def shared_mem(self) -> int:
+        return max(self.stages * _PREFILL_STAGE_BYTES, _PREFILL_C_BYTES)
+
+    def options(self) -> tuple[str, ...]:
+        return (f"-DSM90_PF_STAGES={self.stages}", f"-DSM90_PF_MIN_BLOCKS={self.min_blocks}")
+
+
+GemmVariant = DecodeVariant | PrefillVariant
+DECODE = DecodeVariant()
+PREFILL = PrefillVariant()
+
+
+def _tensor(name: str, value: object) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    return value
+
+
+def _check(name: str, t: torch.Tensor, dtypes: tuple[torch.dtype, ...], shape: tuple[int, ...]) -> None:
+    if t.dtype not in dtypes:
+        raise ValueError(f"{name} must be {' or '.join(str(d) for d in dtypes)}, got {t.dtype}")
+    if tuple(t.shape) != shape:
+        raise ValueError(f"{name} must have shape {list(shape)}, got {list(t.shape)}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
+
+
+def _check_device(named: dict[str, torch.Tensor], align: dict[str, int]) -> None:
+    """Every tensor on one CUDA device, each aligned to align[name] bytes."""
+    devices = {t.device for t in named.values()}
+    for name, t in named.items():
+        if not t.is_cuda:
+            raise ValueError(f"{name} must be a CUDA tensor, got {t.device}")
+    if len(devices) != 1:
+        raise ValueError(f"all operands must be on one device, got {sorted(str(d) for d in devices)}")
+    for name, t in named.items():
+        if t.numel() and t.data_ptr() % align.get(name, 1):
+            raise ValueError(f"{name} must be {align[name]}-byte aligned, got address {t.data_ptr():#x}")
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    a1, b1 = a0 + a.numel() * a.element_size(), b0 + b.numel() * b.element_size()
+    return a0 < b1 and b0 < a1
+
+
+def gemm_grid(variant: GemmVariant, num_experts: int, n: int, row_capacity: int) -> tuple[int, int]:
+    """(feature blocks, upper bound on tiles): non-empty segments hold >= 8 rows each, so at most
+    min(E, R/8) of them, and sum ceil(len/TB) <= R/TB + that count."""
+    tiles = min(num_experts, row_capacity // ROW_ALIGNMENT) + -(-row_capacity // variant.tile_rows)
+    return n // variant.feature_block, tiles
+
+
+def grouped_gemm(
+    w_tiles: torch.Tensor,
+    w_tile_scales: torch.Tensor,
+    alpha: torch.Tensor,
+    x: torch.Tensor,
+    offsets: torch.Tensor,
+    out: torch.Tensor,
+    variant: GemmVariant = DECODE,
+) -> None:
+    """out[r, :N] = bf16(float32(alpha[e] * 256) * (x[r] @ W_e^T * 2^-8)) for the rows r of each segment e.
+
+    w_tiles uint8 [E, N*K/2] and w_tile_scales uint8 (or float8_e4m3fn) [E, N*K/16]: NVFP4 weights in
+    the fragment-tile layout (layout.pack_weight_tiles); alpha float32 [E]; x bfloat16 [R, K] in
+    token-fragment column order; offsets int32 [E + 1] on the device (segment e = rows
+    offsets[e]..offsets[e+1], each a multiple of 8, offsets[E] <= R); out bfloat16 [R, N], rows
+    outside every segment untouched. N % 128 == 0, K % 64 == 0.
+    """
+    if not isinstance(variant, (DecodeVariant, PrefillVariant)):
+        raise ValueError(f"variant must be a DecodeVariant or PrefillVariant, got {type(variant).__name__}")
+    w_tiles = _tensor("w_tiles", w_tiles)
+    w_tile_scales = _tensor("w_tile_scales", w_tile_scales)
+    alpha, x, offsets, out = (_tensor(n, v) for n, v in (("alpha", alpha), ("x", x), ("offsets", offsets), ("out", out)))
+    if x.dim() != 2 or out.dim() != 2 or w_tiles.dim() != 2:
+        raise ValueError(f"x, out and w_tiles must be 2-D, got x {list(x.shape)}, out {list(out.shape)}, "
+                         f"w_tiles {list(w_tiles.shape)}")
+    rows, k = x.shape
+    n = out.shape[1]
+    experts = w_tiles.shape[0]
+    if k <= 0 or k % TILE_K:
+        raise ValueError(f"x: K = {k} must be a positive multiple of {TILE_K}")
+    if n <= 0 or n % FEATURE_MULTIPLE:
+        raise ValueError(f"out: N = {n} must be a positive multiple of {FEATURE_MULTIPLE}")
+    if experts < 1:
+        raise ValueError("w_tiles: need at least one expert")
+    _check("x", x, (torch.bfloat16,), (rows, k))
+    _check("out", out, (torch.bfloat16,), (rows, n))
+    _check("w_tiles", w_tiles, (torch.uint8,), (experts, n * k // 2))
+    _check("w_tile_scales", w_tile_scales, (torch.uint8, torch.float8_e4m3fn), (experts, n * k // 16))
+    _check("alpha", alpha, (torch.float32,), (experts,))
+    _check("offsets", offsets, (torch.int32,), (experts + 1,))
+    grid = gemm_grid(variant, experts, n, rows)
+    if grid[1] > MAX_GRID_Y:
+        raise ValueError(f"x: R = {rows} rows need up to {grid[1]} tiles of {variant.tile_rows} rows, more than the "
+                         f"grid's {MAX_GRID_Y}; use a variant with larger tiles")
+    if variant.shared_mem > _MAX_DYNAMIC_SMEM:
+        raise ValueError(f"variant {variant} needs {variant.shared_mem} bytes of shared memory")
+    named = {"w_tiles": w_tiles, "w_tile_scales": w_tile_scales, "alpha": alpha, "x": x, "offsets": offsets, "out": out}
+    _check_device(named, {"w_tiles": 16, "w_tile_scales": 16, "alpha": 4, "x": 16, "offsets": 4, "out": 16})
+    if rows and _overlap(x, out):
+        raise ValueError("out must not overlap x")
+    if rows == 0:
+        return
+    launch(
+        GEMM_SOURCE,
+        variant.kernel,
+        out.device,
+        grid,
+        variant.threads,
+        (
+            ptr(w_tiles, 16),
+            ptr(w_tile_scales, 16),
+            ptr(alpha, 4),
+            ptr(x, 16),
+            ptr(offsets, 4),
+            np.int32(experts),
+            np.int32(n),
+            np.int32(k),
+            np.int32(rows),
+            ptr(out, 16),
+        ),
+        shared_mem=variant.shared_mem,
+        extra_options=variant.options(),
+    )
+
+
+def permute_decode(
+    x_packed: torch.Tensor,
+    x_scales: torch.Tensor,
+    slot_to_row: torch.Tensor,
+    num_slots: int,
+    top_k: int,
+    out: torch.Tensor,
+) -> None:
+    """Row slot_to_row[i] of ``out`` (bfloat16 [R, H], token-fragment column order) = the exact BF16
+    decode of token i // top_k, for every slot i < num_slots with slot_to_row[i] >= 0.
+
+    x_packed uint8 [B, H/2] (element 2i in the low nibble), x_scales uint8 / float8_e4m3fn [B, H/16]
+    (linear E4M3), slot_to_row int32 [>= num_slots] with rows < R. H % 64 == 0.
+    """
+    x_packed, x_scales = _tensor("x_packed", x_packed), _tensor("x_scales", x_scales)
+    slot_to_row, out = _tensor("slot_to_row", slot_to_row), _tensor("out", out)
+    if x_packed.dim() != 2 or out.dim() != 2:
+        raise ValueError(f"x_packed and out must be 2-D, got {list(x_packed.shape)} and {list(out.shape)}")
+    tokens, half = x_packed.shape
+    hidden = 2 * half
+    if hidden <= 0 or hidden % TILE_K:
+        raise ValueError(f"x_packed: H = {hidden} must be a positive multiple of {TILE_K}")
+    _check("x_packed", x_packed, (torch.uint8,), (tokens, half))
+    _check("x_scales", x_scales, (torch.uint8, torch.float8_e4m3fn), (tokens, hidden // 16))
+    _check("out", out, (torch.bfloat16,), (out.shape[0], hidden))
+    if slot_to_row.dtype != torch.int32 or slot_to_row.dim() != 1 or not slot_to_row.is_contiguous():
+        raise ValueError(f"slot_to_row must be a contiguous 1-D int32 tensor, got {slot_to_row.dtype} "
+                         f"{list(slot_to_row.shape)}")
+    if isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)) or top_k < 1:
+        raise ValueError(f"top_k must be a positive int, got {top_k!r}")
+    if isinstance(num_slots, bool) or not isinstance(num_slots, (int, np.integer)) or num_slots < 0:
+        raise ValueError(f"num_slots must be a non-negative int, got {num_slots!r}")
+    if num_slots > slot_to_row.numel() or num_slots > tokens * top_k:
+        raise ValueError(f"num_slots = {num_slots} exceeds slot_to_row ({slot_to_row.numel()}) or "
+                         f"x_packed's {tokens} tokens x top_k {top_k}")
+    named = {"x_packed": x_packed, "x_scales": x_scales, "slot_to_row": slot_to_row, "out": out}
+    _check_device(named, {"x_packed": 16, "slot_to_row": 4, "out": 16})
+    if num_slots == 0:
+        return
+    launch(
+        TOKENS_SOURCE,
+        "sm90_permute_decode",
+        out.device,
+        int(num_slots),
+        ROW_THREADS,
+        (ptr(x_packed, 16), ptr(x_scales), ptr(slot_to_row, 4), np.int32(top_k), np.int32(hidden), ptr(out, 16)),
+    )

@@ -1,0 +1,256 @@
+// Device helpers of the SM90 (mma.sync) kernels: NVFP4 weight-fragment decode, E4M3 scale decode,
+// the BF16 tensor-core mma, global / shared-memory access in PTX, the ragged tile finder and the
+// epilogue. The layouts are those of cudnn_moe/engines/sm90/layout.py:
+//
+//   lane L of a warp: g = L / 4, q = L % 4
+//   A (weights, 16 features x 16 k):  a0 = W[g, 2q:2q+2]  a1 = W[g+8, 2q:2q+2]
+//                                     a2 = W[g, 2q+8:+2]  a3 = W[g+8, 2q+8:+2]
+//   B (tokens, 16 k x 8 tokens):      b0 = X[g, 2q:2q+2]  b1 = X[g, 2q+8:+2]   (X[token, k])
+//   C (16 features x 8 tokens):       c0 = (g, 2q)  c1 = (g, 2q+1)  c2 = (g+8, 2q)  c3 = (g+8, 2q+1)
+//
+// Weight tile (m16 x k64, 512 bytes): lane L owns bytes [16L, 16L+16) = four words, word s for the
+// k16 step s. Scale tile (64 bytes): byte g*8 + s*2 + h = scale of row g + 8h, k16 step s.
+// Token fragments: lane (g, q) finds b0, b1 of step s at words 2s, 2s+1 of the 32 bytes at 32q of the
+// token's 128-byte k64 block.
+//
+// Numerics: a weight word decodes to BF16 E2M1 x 2^-126 exactly (one mask, or shift + mask); a scale
+// byte b decodes to BF16 bits (b & 0x7F) << 4 = s x 2^-120 (E4M3 subnormals land on BF16 subnormals),
+// then two exact multiplies by 2^119 give s x 2^118, and the product with the weight is w s 2^-8,
+// exact and normal in BF16 (|w s| >= 2^-10). The epilogue multiplies the FP32 accumulator by the
+// exact FP32 product alpha * 256 and rounds once to BF16 (RNE). BF16 arithmetic in PTX keeps
+// subnormal inputs (there is no .ftz for bf16 / bf16x2).
+#pragma once
+
+#include "common.cuh"
+
+namespace sm90 {
+
+using moe::i64;
+using moe::u16;
+using moe::u32;
+using moe::u64;
+using moe::u8;
+
+// ---------------------------------------------------------------------------------------------
+// NVFP4 weight fragments
+// ---------------------------------------------------------------------------------------------
+
+constexpr u32 kCodeMask = 0x81C081C0u;   // sign -> bit 15, magnitude -> bits 6, 7, 8 (each half)
+constexpr u32 kBf16x2Pow119 = 0x7B007B00u;  // bf16x2 (2^119, 2^119)
+
+// The four A registers (a0..a3) of one k16 step from the 32-bit word of layout.py: two BF16 values
+// each, E2M1 x 2^-126, the lower k in the low half.
+__device__ __forceinline__ void decode_a(u32 w, u32 (&a)[4]) {
+  a[0] = w & kCodeMask;
+  a[1] = (w << 3) & kCodeMask;
+  a[2] = (w << 6) & kCodeMask;
+  a[3] = ((w << 1) & 0x80008000u) | ((w >> 4) & 0x00C000C0u) | ((w >> 5) & 0x01000100u);
+}
+
+// bf16x2 products, round to nearest even (exact for every use here).
+__device__ __forceinline__ u32 bf16x2_mul(u32 a, u32 b) {
+  u32 d;
+  asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+
+// a * (low half of s, low half of s)
+__device__ __forceinline__ u32 bf16x2_mul_lo(u32 a, u32 s) {
+  u32 d;
+  asm("{\n\t.reg .b16 l, h;\n\t.reg .b32 t;\n\tmov.b32 {l, h}, %2;\n\tmov.b32 t, {l, l};\n\t"
+      "mul.rn.bf16x2 %0, %1, t;\n\t}"
+      : "=r"(d)
+      : "r"(a), "r"(s));
+  return d;
+}
+
+// a * (high half of s, high half of s)
+__device__ __forceinline__ u32 bf16x2_mul_hi(u32 a, u32 s) {
+  u32 d;
+  asm("{\n\t.reg .b16 l, h;\n\t.reg .b32 t;\n\tmov.b32 {l, h}, %2;\n\tmov.b32 t, {h, h};\n\t"
+      "mul.rn.bf16x2 %0, %1, t;\n\t}"
+      : "=r"(d)
+      : "r"(a), "r"(s));
+  return d;
+}
+
+// One 32-bit word of a lane's 8 scale bytes: bytes (step 2p row g, step 2p row g+8, step 2p+1 row g,
+// step 2p+1 row g+8). Returns bf16x2 pairs s x 2^118 of (step 2p, step 2p+1) for row g and row g+8.
+__device__ __forceinline__ void decode_scale_word(u32 w, u32& row_g, u32& row_g8) {
+  const u32 lo = (w << 4) & 0x07F007F0u;  // bytes 0 and 2, (b & 0x7F) << 4 in each half: s x 2^-120
+  const u32 hi = (w >> 4) & 0x07F007F0u;  // bytes 1 and 3
+  row_g = bf16x2_mul(bf16x2_mul(lo, kBf16x2Pow119), kBf16x2Pow119);
+  row_g8 = bf16x2_mul(bf16x2_mul(hi, kBf16x2Pow119), kBf16x2Pow119);
+}
+
+// Scaled A registers of k16 step s (0..3) of a tile: words `w` (4 words of a lane), scale pairs
+// sg[2] / sg8[2] from decode_scale_word of the two scale words.
+template <int S>
+__device__ __forceinline__ void scaled_a(u32 w, u32 sg, u32 sg8, u32 (&a)[4]) {
+  decode_a(w, a);
+  if (S & 1) {
+    a[0] = bf16x2_mul_hi(a[0], sg);
+    a[2] = bf16x2_mul_hi(a[2], sg);
+    a[1] = bf16x2_mul_hi(a[1], sg8);
+    a[3] = bf16x2_mul_hi(a[3], sg8);
+  } else {
+    a[0] = bf16x2_mul_lo(a[0], sg);
+    a[2] = bf16x2_mul_lo(a[2], sg);
+    a[1] = bf16x2_mul_lo(a[1], sg8);
+    a[3] = bf16x2_mul_lo(a[3], sg8);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Tensor core
+// ---------------------------------------------------------------------------------------------
+
+// c += A (16x16, row) * B (16x8, col), BF16 inputs, FP32 accumulation.
+__device__ __forceinline__ void mma_bf16_16816(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Global loads
+// ---------------------------------------------------------------------------------------------
+
+// 16 bytes of read-only data that is used once (weights): no L1 allocation.
+__device__ __forceinline__ uint4 ldg_stream_v4(const void* p) {
+  uint4 v;
+  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+      : "l"(p));
+  return v;
+}
+
+// 8 bytes of read-only data used once per warp (scales).
+__device__ __forceinline__ uint2 ldg_stream_v2(const void* p) {
+  uint2 v;
+  asm("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
+  return v;
+}
+
+// 16 bytes of read-only data shared by several warps (token fragments), L1-cached.
+__device__ __forceinline__ uint4 ldg_v4(const void* p) {
+  uint4 v;
+  asm("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Shared memory
+// ---------------------------------------------------------------------------------------------
+
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+  return static_cast<u32>(__cvta_generic_to_shared(p));
+}
+
+// 16-byte asynchronous copy global -> shared; only `src_bytes` (0 or 16) are read, the rest of the
+// 16 bytes is zero-filled. With src_bytes == 0 nothing is read.
+__device__ __forceinline__ void cp_async_16(u32 dst, const void* src, u32 src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+// Shared-memory loads and stores are plain C++ accesses (the compiler then orders them against
+// __syncthreads); stmatrix and cp.async are volatile asm with a memory clobber.
+
+// Four 8x8 b16 matrices stored transposed: lane l holds, in register i, the elements (row l/4,
+// columns 2(l%4), 2(l%4)+1) of matrix i; they land at shared rows 2(l%4) and 2(l%4)+1, column l/4,
+// where lanes 8i..8i+7 give the addresses of the 8 (16-byte) rows of matrix i.
+__device__ __forceinline__ void stmatrix_x4_trans(u32 addr, u32 r0, u32 r1, u32 r2, u32 r3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(r0),
+               "r"(r1), "r"(r2), "r"(r3)
+               : "memory");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Epilogue
+// ---------------------------------------------------------------------------------------------
+
+// (bf16(lo) | bf16(hi) << 16), each rounded to nearest even (NaN stays NaN, overflow gives inf).
+__device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) {
+  u32 d;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+  return d;
+}
+
+// 16-byte global store.
+__device__ __forceinline__ void stg_v4(void* p, uint4 v) {
+  asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+               : "memory");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Ragged tile scheduling
+// ---------------------------------------------------------------------------------------------
+
+struct Tile {
+  int expert;   // local expert of the tile
+  int row0;     // first row of the tile
+  int row_end;  // end of the expert's segment (clamped to the row capacity): rows >= row_end are
+                // neither read nor written
+};
+
+// Warp-collective (all 32 lanes, same arguments): tile `t` of the concatenation over experts of
+// ceil(len_e / TILE_ROWS) tiles, expert e's segment being rows [offsets[e], offsets[e+1]).
+// Returns false (in every lane) when t is past the last tile. Each lane sums a contiguous range of
+// ceil(E / 32) experts, a warp scan finds the lane holding tile t, which walks its range again.
+template <int TILE_ROWS>
+__device__ __forceinline__ bool find_tile(const int* __restrict__ offsets, int num_experts, int row_capacity,
+                                          int t, Tile& tile) {
+  const int lane = threadIdx.x & 31;
+  const int per = (num_experts + 31) >> 5;
+  const int e0 = min(lane * per, num_experts);
+  const int e1 = min(e0 + per, num_experts);
+  int count = 0;
+  {
+    int prev = __ldg(offsets + e0);
+    for (int e = e0; e < e1; ++e) {
+      const int next = __ldg(offsets + e + 1);
+      count += (max(next - prev, 0) + TILE_ROWS - 1) / TILE_ROWS;
+      prev = next;
+    }
+  }
+  int inclusive = count;
+#pragma unroll
+  for (int d = 1; d < 32; d <<= 1) {
+    const int v = __shfl_up_sync(0xFFFFFFFFu, inclusive, d);
+    if (lane >= d) inclusive += v;
+  }
+  const u32 holders = __ballot_sync(0xFFFFFFFFu, inclusive > t);
+  if (holders == 0u) return false;
+  const int src = __ffs(holders) - 1;
+  int expert = 0, row0 = 0, row_end = 0;
+  if (lane == src) {
+    int before = inclusive - count;
+    int prev = __ldg(offsets + e0);
+    for (int e = e0; e < e1; ++e) {
+      const int next = __ldg(offsets + e + 1);
+      const int n = (max(next - prev, 0) + TILE_ROWS - 1) / TILE_ROWS;
+      if (t - before < n) {
+        expert = e;
+        row0 = prev + (t - before) * TILE_ROWS;
+        row_end = min(next, row_capacity);
+        break;
+      }
+      before += n;
+      prev = next;
+    }
+  }
+  tile.expert = __shfl_sync(0xFFFFFFFFu, expert, src);
+  tile.row0 = __shfl_sync(0xFFFFFFFFu, row0, src);
+  tile.row_end = __shfl_sync(0xFFFFFFFFu, row_end, src);
+  return true;
+}
+
+}  // namespace sm90

@@ -1,0 +1,158 @@
+"""Issue budget of the SM90 kernels' main loops, read off the SASS (CPU only: nvcc + cuobjdump).
+
+    python scripts/sass_budget.py [--arch 90a] [-D SM90_MT=2 ...] [--kernel sm90_gemm_decode]
+
+Compiles kernels_cuda/sm90/grouped_gemm.cu to a cubin, disassembles it and, for each kernel, finds
+the loop (a backward branch) with the most HMMA instructions: it prints the loop's instruction
+count, its HMMA count and the instructions per k16 step per lane (= per HMMA / (MT x NT) mma per
+step), plus any local-memory traffic (LDL / STL) anywhere in the kernel.
+cuobjdump is looked up on PATH and in the nvidia-cuda-cuobjdump wheel of the running Python.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SOURCE = ROOT / "kernels_cuda" / "sm90" / "grouped_gemm.cu"
+
+_INSTR = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?);")
+_BRANCH = re.compile(r"\bBRA\b.*?(0x[0-9a-f]+)")
+
+
+def find_tool(name: str) -> str | None:
+    found = shutil.which(name) or shutil.which(name, path="/usr/local/cuda/bin")
+    if found:
+        return found
+    try:
+        import nvidia  # type: ignore[import-not-found]
+
+        for base in getattr(nvidia, "__path__", []):
+            for candidate in Path(base).glob(f"*/bin/{name}"):
+                return str(candidate)
+    except ImportError:
+        pass
+    return None
+
+
+@dataclass
+class LoopReport:
+    kernel: str
+    instructions: int  # in the loop body, branch included
+    hmma: int
+    local_memory: int  # LDL / STL anywhere in the kernel
+    registers: int | None = None
+
+    def per_k16(self, mma_per_k16: int) -> float:
+        return self.instructions / max(self.hmma // max(mma_per_k16, 1), 1)
+
+
+def compile_cubin(arch: str, defines: list[str], out: Path, source: Path = SOURCE) -> str:
+    """nvcc -cubin; returns ptxas' -v report."""
+    sys.path.insert(0, str(ROOT))
+    from cudnn_moe.kernels import cuda_defines
+
+    nvcc = find_tool("nvcc")
+    if nvcc is None:
+        raise FileNotFoundError("nvcc not found")
+    command = [
+        nvcc, "-std=c++17", f"-gencode=arch=compute_{arch},code=sm_{arch}", "-I", str(ROOT / "kernels_cuda"),
+        *cuda_defines(), *[f"-D{d}" for d in defines], "-Xptxas", "-v", "-cubin", str(source), "-o", str(out),
+    ]
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode:
+        raise RuntimeError(result.stderr)
+    return result.stderr
+
+
+def disassemble(cubin: Path) -> dict[str, list[tuple[int, str]]]:
+    """kernel name -> [(address, instruction)]."""
+    cuobjdump = find_tool("cuobjdump")
+    if cuobjdump is None:
+        raise FileNotFoundError("cuobjdump not found")
+    text = subprocess.run([cuobjdump, "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+    kernels: dict[str, list[tuple[int, str]]] = {}
+    current: list[tuple[int, str]] | None = None
+    for line in text.splitlines():
+        match = re.search(r"Function : (\S+)", line)
+        if match:
+            current = kernels.setdefault(match.group(1), [])
+            continue
+        match = _INSTR.search(line)
+        if match and current is not None:
+            current.append((int(match.group(1), 16), match.group(2).strip()))
+    return kernels
+
+
+def main_loop(kernel: str, code: list[tuple[int, str]]) -> LoopReport:
+    best = (0, 0)
+    for index, (address, instruction) in enumerate(code):
+        match = _BRANCH.search(instruction)
+        if not match:
+            continue
+        target = int(match.group(1), 16)
+        if target >= address:
+            continue
+        body = [ins for addr, ins in code[: index + 1] if addr >= target]
+        hmma = sum("HMMA" in ins for ins in body)
+        if hmma > best[1]:
+            best = (len(body), hmma)
+    local = sum(bool(re.search(r"\b(LDL|STL)\b", ins)) for _, ins in code)
+    return LoopReport(kernel, best[0], best[1], local)
+
+
+def registers_of(report: str) -> dict[str, int]:
+    out: dict[str, int] = {}
+    kernel = None
+    for line in report.splitlines():
+        match = re.search(r"Compiling entry function '(\w+)'", line)
+        if match:
+            kernel = match.group(1)
+        match = re.search(r"Used (\d+) registers", line)
+        if match and kernel:
+            out[kernel] = int(match.group(1))
+    return out
+
+
+def budget(arch: str = "90a", defines: list[str] | None = None) -> dict[str, LoopReport]:
+    defines = defines or []
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = Path(tmp) / "kernel.cubin"
+        report = compile_cubin(arch, defines, cubin)
+        registers = registers_of(report)
+        reports = {}
+        for kernel, code in disassemble(cubin).items():
+            loop = main_loop(kernel, code)
+            loop.registers = registers.get(kernel)
+            reports[kernel] = loop
+        return reports
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--arch", default="90a")
+    parser.add_argument("-D", dest="defines", action="append", default=[], help="macro, e.g. SM90_MT=2")
+    parser.add_argument("--kernel", default=None)
+    args = parser.parse_args()
+    macros = dict(d.split("=", 1) for d in args.defines if "=" in d)
+    mma_per_k16 = {
+        "sm90_gemm_decode": int(macros.get("SM90_MT", 1)) * int(macros.get("SM90_NT", 1)),
+        "sm90_gemm_prefill": 16,
+    }
+    for kernel, loop in sorted(budget(args.arch, args.defines).items()):
+        if args.kernel and kernel != args.kernel:
+            continue
+        per = loop.per_k16(mma_per_k16.get(kernel, 1))
+        print(f"{kernel}: {loop.registers} registers, main loop {loop.instructions} instructions, {loop.hmma} HMMA, "
+              f"{per:.1f} instructions per k16 step per lane, {loop.local_memory} LDL/STL")
+
+
+if __name__ == "__main__":
+    main()

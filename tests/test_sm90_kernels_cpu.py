@@ -1,0 +1,532 @@
+"""CPU checks of the SM90 kernels (kernels_cuda/sm90/): every source compiles with nvcc for sm_90a and
+sm_100a; the decode bit operations of fragments.cuh, emulated in Python, give the exact NVFP4 values
+for every E2M1 code and E4M3 scale byte, and read the layouts of layout.py right (weight tiles, scale
+tiles, token fragments, the C fragment and the transposing stmatrix of the prefill epilogue); the
+tile finder finds every tile; the wrappers check their arguments before launching and pass what
+the kernels' C signatures take; the decode kernel's main loop keeps to its issue budget in SASS."""
+
+from __future__ import annotations
+
+import math
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from cudnn_moe.engines.sm90 import kernels as sm90
+from cudnn_moe.engines.sm90.layout import pack_weight_tiles, to_token_fragments
+from cudnn_moe.formats import decode_e2m1, dequantize_nvfp4, quantize_nvfp4
+from cudnn_moe.kernels import cuda_defines, kernels_dir
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+import sass_budget  # noqa: E402
+
+SM90_DIR = kernels_dir() / "sm90"
+SOURCES = sorted(path.name for path in SM90_DIR.glob("*.cu"))
+NVCC = shutil.which("nvcc") or shutil.which("nvcc", path="/usr/local/cuda/bin")
+CUOBJDUMP = sass_budget.find_tool("cuobjdump")
+
+DECODE_VARIANTS = [
+    sm90.DecodeVariant(),
+    sm90.DecodeVariant(mt=2, wm=2, wk=2, nt=1, prefetch=4),
+    sm90.DecodeVariant(mt=1, wm=2, wk=4, nt=2, prefetch=4),
+    sm90.DecodeVariant(mt=1, wm=1, wk=8, nt=4, prefetch=2),
+    sm90.DecodeVariant(mt=2, wm=4, wk=2, nt=1, prefetch=3),
+]
+
+
+def _nvcc(source: Path, arch: str, out: Path, options: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    command = [NVCC, "-std=c++17", f"-gencode=arch=compute_{arch},code=sm_{arch}", "-I", str(kernels_dir()),
+               *cuda_defines(), *options, "-Xptxas", "-v", "-c", str(source), "-o", str(out)]
+    return subprocess.run(command, capture_output=True, text=True)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Compilation
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_sources_present() -> None:
+    assert SOURCES == ["grouped_gemm.cu", "tokens.cu"]
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found")
+@pytest.mark.parametrize("arch", ["90a", "100a"])
+@pytest.mark.parametrize("source", SOURCES)
+def test_kernel_compiles(source: str, arch: str, tmp_path: Path) -> None:
+    result = _nvcc(SM90_DIR / source, arch, tmp_path / "kernel.o")
+    assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found")
+@pytest.mark.parametrize("variant", [*DECODE_VARIANTS, sm90.PrefillVariant(3), sm90.PrefillVariant(4, 1)], ids=str)
+def test_variant_compiles(variant: Any, tmp_path: Path) -> None:
+    result = _nvcc(SM90_DIR / "grouped_gemm.cu", "90a", tmp_path / "kernel.o", variant.options())
+    assert result.returncode == 0, result.stderr
+    report = result.stderr.split(f"Compiling entry function '{variant.kernel}'")[1].split("Compiling entry")[0]
+    print(variant, report)
+    if variant.kernel == "sm90_gemm_decode":  # the decode register ring must never go to local memory
+        assert " 0 bytes spill stores" in report, report
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Bit-exact emulation of the decode of fragments.cuh
+# ---------------------------------------------------------------------------------------------------------------
+
+M32 = 0xFFFFFFFF
+CODE_MASK = 0x81C081C0
+POW119 = 0x7B00  # bf16 2^119
+
+
+def _u32(x: np.ndarray) -> np.ndarray:
+    return (x.astype(np.uint64) & M32).astype(np.uint64)
+
+
+def decode_a(w: np.ndarray) -> list[np.ndarray]:
+    """fragments.cuh decode_a: word -> a0..a3 (bf16x2 bits)."""
+    w = w.astype(np.uint64)
+    return [
+        w & CODE_MASK,
+        ((w << 3) & M32) & CODE_MASK,
+        ((w << 6) & M32) & CODE_MASK,
+        (((w << 1) & M32) & 0x80008000) | ((w >> 4) & 0x00C000C0) | ((w >> 5) & 0x01000100),
+    ]
+
+
+def bf16_value(bits: np.ndarray) -> np.ndarray:
+    """16-bit patterns -> float64 values (subnormals included)."""
+    t = torch.from_numpy((bits.astype(np.int64) & 0xFFFF).astype(np.uint16).view(np.int16).copy())
+    return t.view(torch.bfloat16).double().numpy()
+
+
+def bf16_bits(values: np.ndarray) -> np.ndarray:
+    """float64 values that must be exact BF16 -> their 16-bit patterns (asserts exactness)."""
+    t = torch.from_numpy(np.asarray(values, dtype=np.float64))
+    rounded = t.to(torch.float32).to(torch.bfloat16)
+    assert torch.equal(rounded.double(), t), "a product is not exact in BF16"
+    return rounded.view(torch.int16).numpy().astype(np.int64) & 0xFFFF
+
+
+def halves(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    return x & 0xFFFF, (x >> 16) & 0xFFFF
+
+
+def bf16x2_mul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """mul.rn.bf16x2 for exact products (asserted)."""
+    (alo, ahi), (blo, bhi) = halves(a), halves(b)
+    lo = bf16_bits(bf16_value(alo) * bf16_value(blo))
+    hi = bf16_bits(bf16_value(ahi) * bf16_value(bhi))
+    return (lo | (hi << 16)).astype(np.uint64)
+
+
+def decode_scale_word(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """fragments.cuh decode_scale_word -> (row g pair, row g+8 pair) of s x 2^118."""
+    w = w.astype(np.uint64)
+    lo = ((w << 4) & M32) & 0x07F007F0
+    hi = (w >> 4) & 0x07F007F0
+    p = np.full_like(w, POW119 | (POW119 << 16))
+    return bf16x2_mul(bf16x2_mul(lo, p), p), bf16x2_mul(bf16x2_mul(hi, p), p)
+
+
+def broadcast(s: np.ndarray, high: bool) -> np.ndarray:
+    h = (s >> 16) & 0xFFFF if high else s & 0xFFFF
+    return h | (h << 16)
+
+
+def scaled_a(w: np.ndarray, sg: np.ndarray, sg8: np.ndarray, step: int) -> list[np.ndarray]:
+    """fragments.cuh scaled_a<step>: sg / sg8 = the pairs of the scale word of steps (step & ~1, | 1)."""
+    a = decode_a(w)
+    high = bool(step & 1)
+    return [bf16x2_mul(a[0], broadcast(sg, high)), bf16x2_mul(a[1], broadcast(sg8, high)),
+            bf16x2_mul(a[2], broadcast(sg, high)), bf16x2_mul(a[3], broadcast(sg8, high))]
+
+
+def test_weight_decode_every_code_every_scale() -> None:
+    """All 16 codes in every register slot and half, x all 127 finite scale bytes, in every scale
+    byte position: (bits -> bf16) x (scale byte -> bf16 x 2^118) == e2m1 x e4m3 x 2^-8 exactly."""
+    codes = np.arange(16)
+    expected_w = decode_e2m1(torch.arange(16, dtype=torch.uint8)).double().numpy()
+    # A word holding code c in every slot: place bits per layout.CODE_BITS
+    from cudnn_moe.engines.sm90.layout import CODE_BITS
+
+    for r, (sign, *mag) in enumerate(CODE_BITS):
+        for half in range(2):
+            word = np.zeros(16, dtype=np.uint64)
+            for bit, pos in enumerate(mag):
+                word |= (((codes >> bit) & 1).astype(np.uint64) << np.uint64(pos + 16 * half))
+            word |= (((codes >> 3) & 1).astype(np.uint64) << np.uint64(sign + 16 * half))
+            value = bf16_value((decode_a(word)[r] >> (16 * half)) & 0xFFFF)
+            np.testing.assert_array_equal(value, expected_w * 2.0**-126)
+            other = bf16_value((decode_a(word)[r] >> (16 * (1 - half))) & 0xFFFF)
+            assert not other.any(), "a code leaks into the other half"
+            for r2 in range(4):
+                if r2 != r:
+                    assert not decode_a(word)[r2].any(), f"register {r} leaks into register {r2}"
+
+    scale_bytes = np.arange(127, dtype=np.uint64)
+    expected_s = torch.arange(127, dtype=torch.uint8).view(torch.float8_e4m3fn).double().numpy()
+    for pos in range(4):  # byte position in the scale word: (step parity, row half)
+        others = np.uint64(0xA5A5A5A5) & ~np.uint64(0xFF << (8 * pos))  # neighbours must not leak
+        word = (scale_bytes << np.uint64(8 * pos)) | others
+        row_g, row_g8 = decode_scale_word(word)
+        pair = row_g if pos % 2 == 0 else row_g8
+        chosen = broadcast(pair, high=pos >= 2) & 0xFFFF
+        np.testing.assert_array_equal(bf16_value(chosen), expected_s * 2.0**118)
+        # products with every code: exact, equal to w * s * 2^-8, normal or zero
+        w_bits = bf16_bits(expected_w * 2.0**-126)
+        product = bf16_value(w_bits)[:, None] * bf16_value(chosen)[None, :]
+        np.testing.assert_array_equal(bf16_value(bf16_bits(product.ravel())).reshape(product.shape),
+                                      expected_w[:, None] * expected_s[None, :] * 2.0**-8)
+        nonzero = np.abs(product[product != 0])
+        assert nonzero.min() >= 2.0**-126 * 2**8  # far from BF16 subnormals (min |w s| 2^-8 = 2^-18)
+
+
+def _dequantized(packed: torch.Tensor, scales: torch.Tensor) -> np.ndarray:
+    return dequantize_nvfp4(packed, scales, 1.0, torch.float64).numpy()
+
+
+def _random_weights(e: int, n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    packed = torch.randint(0, 256, (e, n, k // 2), dtype=torch.uint8, generator=gen)
+    scales = torch.randint(0, 127, (e, n, k // 16), dtype=torch.uint8, generator=gen).view(torch.float8_e4m3fn)
+    return packed, scales
+
+
+def emulate_a_tile(tiles: np.ndarray, tile_scales: np.ndarray, tile: int) -> np.ndarray:
+    """One m16 x k64 weight tile as the kernels read it: lane L's 16 bytes at tile*512 + 16L, its scale
+    bytes at tile*64 + 8g; A registers per step -> W[16, 64] (values x 2^8)."""
+    lanes = np.arange(32)
+    g, q = lanes // 4, lanes % 4
+    raw = tiles[tile * 512 + 16 * lanes[:, None] + np.arange(16)].astype(np.uint64)  # [32, 16]
+    words = raw[:, 0::4] | (raw[:, 1::4] << 8) | (raw[:, 2::4] << 16) | (raw[:, 3::4] << 24)  # [32, 4]
+    sraw = tile_scales[tile * 64 + 8 * g[:, None] + np.arange(8)].astype(np.uint64)
+    swords = sraw[:, 0::4] | (sraw[:, 1::4] << 8) | (sraw[:, 2::4] << 16) | (sraw[:, 3::4] << 24)  # [32, 2]
+    out = np.full((16, 64), np.nan)
+    for s in range(4):
+        sg, sg8 = decode_scale_word(swords[:, s >> 1])
+        a = scaled_a(words[:, s], sg, sg8, s)
+        for r, (row_off, col_off) in enumerate(((0, 0), (8, 0), (0, 8), (8, 8))):
+            for half in range(2):
+                out[g + row_off, 16 * s + 2 * q + col_off + half] = bf16_value((a[r] >> (16 * half)) & 0xFFFF)
+    assert not np.isnan(out).any()
+    return out * 2.0**8
+
+
+def test_weight_tiles_decode_to_the_canonical_matrix() -> None:
+    e, n, k = 2, 32, 128
+    packed, scales = _random_weights(e, n, k, seed=1)
+    tiles, tile_scales = pack_weight_tiles(packed, scales)
+    want = _dequantized(packed, scales)
+    kt = k // 64
+    for expert in range(e):
+        t, ts = tiles[expert].numpy(), tile_scales[expert].numpy()
+        for i in range(n // 16):
+            for j in range(kt):
+                got = emulate_a_tile(t, ts, i * kt + j)
+                np.testing.assert_array_equal(got, want[expert, 16 * i : 16 * i + 16, 64 * j : 64 * j + 64])
+
+
+def emulate_b(x_frag_bytes: np.ndarray, row_bytes: int, rows: np.ndarray, j: int) -> np.ndarray:
+    """B registers of a k64 block j for token rows[g] (lane g, q): 32 bytes at row*row_bytes + 128j + 32q;
+    b0 / b1 of step s = words 2s / 2s+1 -> X[8, 64] (token g, k)."""
+    lanes = np.arange(32)
+    g, q = lanes // 4, lanes % 4
+    base = rows[g] * row_bytes + 128 * j + 32 * q
+    raw = x_frag_bytes[base[:, None] + np.arange(32)].astype(np.uint64)
+    words = raw[:, 0::4] | (raw[:, 1::4] << 8) | (raw[:, 2::4] << 16) | (raw[:, 3::4] << 24)  # [32, 8]
+    out = np.full((8, 64), np.nan)
+    for s in range(4):
+        for b in range(2):
+            for half in range(2):
+                out[g, 16 * s + 8 * b + 2 * q + half] = bf16_value((words[:, 2 * s + b] >> (16 * half)) & 0xFFFF)
+    return out
+
+
+def test_token_fragments_give_the_b_registers() -> None:
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(8, 192, generator=gen).to(torch.bfloat16)
+    frag = to_token_fragments(x).contiguous().view(torch.uint8).numpy().ravel()
+    for j in range(3):
+        got = emulate_b(frag, 192 * 2, np.arange(8), j)
+        np.testing.assert_array_equal(got, x[:, 64 * j : 64 * j + 64].double().numpy())
+
+
+def test_stmatrix_trans_puts_c_fragments_at_token_feature() -> None:
+    """The prefill epilogue's stmatrix.x4.trans addressing, per the PTX fragment layout: register i of
+    lane l holds (row l/4, cols 2(l%4), +1) of matrix i and lands at row 2(l%4)(+1), col l/4 of it."""
+    stride, staged = 272 // 2, {}
+    for wm in range(4):
+        for wn in range(2):
+            for mt in range(2):
+                for nt in range(0, 8, 2):
+                    # rows addressed by lanes 8i..8i+7 (kernel: token / feature of lane l)
+                    addr = {}
+                    for lane in range(32):
+                        mi, r = lane >> 3, lane & 7
+                        token = wn * 64 + (nt + (mi >> 1)) * 8 + r
+                        feature = wm * 32 + mt * 16 + (mi & 1) * 8
+                        addr[(mi, r)] = token * stride + feature
+                    for lane in range(32):
+                        g, q = lane // 4, lane % 4
+                        # registers: r0 = (c0, c1) of nt, r1 = (c2, c3) of nt, r2 / r3 the same of nt + 1
+                        for i, (ntt, row_off) in enumerate(((nt, 0), (nt, 8), (nt + 1, 0), (nt + 1, 8))):
+                            for half in range(2):
+                                feature = wm * 32 + mt * 16 + g + row_off
+                                token = wn * 64 + ntt * 8 + 2 * q + half
+                                where = addr[(i, 2 * q + half)] + g  # .trans: row 2(l%4)+half, column l/4
+                                assert where not in staged
+                                staged[where] = (token, feature)
+    assert len(staged) == 128 * 128
+    for where, (token, feature) in staged.items():
+        assert where == token * stride + feature
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Tile finder (fragments.cuh find_tile), emulated lane by lane
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def find_tile(offsets: list[int], tile_rows: int, capacity: int, t: int) -> tuple[int, int, int] | None:
+    e_count = len(offsets) - 1
+    per = (e_count + 31) >> 5
+    counts, ranges = [], []
+    for lane in range(32):
+        e0 = min(lane * per, e_count)
+        e1 = min(e0 + per, e_count)
+        ranges.append((e0, e1))
+        counts.append(sum((max(offsets[e + 1] - offsets[e], 0) + tile_rows - 1) // tile_rows for e in range(e0, e1)))
+    inclusive = list(np.cumsum(counts))
+    holders = [lane for lane in range(32) if inclusive[lane] > t]
+    if not holders:
+        return None
+    src = holders[0]
+    before = inclusive[src] - counts[src]
+    e0, e1 = ranges[src]
+    for e in range(e0, e1):
+        n = (max(offsets[e + 1] - offsets[e], 0) + tile_rows - 1) // tile_rows
+        if t - before < n:
+            return e, offsets[e] + (t - before) * tile_rows, min(offsets[e + 1], capacity)
+        before += n
+    raise AssertionError("unreachable")
+
+
+@pytest.mark.parametrize("experts", [1, 3, 31, 32, 33, 64, 100, 512])
+@pytest.mark.parametrize("tile_rows", [8, 16, 32, 128])
+def test_tile_finder_covers_every_row_once(experts: int, tile_rows: int) -> None:
+    gen = torch.Generator().manual_seed(experts * 1000 + tile_rows)
+    lengths = torch.randint(0, 40, (experts,), generator=gen) * 8
+    lengths[torch.rand(experts, generator=gen) < 0.3] = 0
+    offsets = [0, *torch.cumsum(lengths, 0).tolist()]
+    capacity = offsets[-1] + 16
+    grid_y = min(experts, capacity // 8) + -(-capacity // tile_rows)
+    covered = np.zeros(capacity, dtype=int)
+    for t in range(grid_y):
+        found = find_tile(offsets, tile_rows, capacity, t)
+        if found is None:
+            assert t >= sum(-(-n // tile_rows) for n in lengths.tolist())
+            continue
+        e, row0, row_end = found
+        assert offsets[e] <= row0 < row_end == offsets[e + 1]
+        covered[row0 : min(row0 + tile_rows, row_end)] += 1
+    assert (covered[: offsets[-1]] == 1).all() and not covered[offsets[-1] :].any()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Token gather (tokens.cu), emulated
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_permute_decode_indexing_matches_token_fragments() -> None:
+    """tokens.cu: piece c of a row (16 bytes) holds element 2w+e = nibble e of byte q of word w of the
+    16 packed bytes at 32j + 16h, scale byte 4j + 2h + w // 2."""
+    hidden = 192
+    gen = torch.Generator().manual_seed(3)
+    packed = torch.randint(0, 256, (1, hidden // 2), dtype=torch.uint8, generator=gen)
+    scales = torch.randint(0, 127, (1, hidden // 16), dtype=torch.uint8, generator=gen)
+    want = to_token_fragments(dequantize_nvfp4(packed, scales.view(torch.float8_e4m3fn), 1.0, torch.float32))[0]
+    codes, sc = packed[0].numpy(), scales[0].view(torch.float8_e4m3fn).float().numpy()
+    grid = decode_e2m1(torch.arange(16, dtype=torch.uint8)).numpy()
+    got = np.zeros(hidden, dtype=np.float32)
+    for c in range(hidden // 8):
+        j, q, h = c >> 3, (c >> 1) & 3, c & 1
+        for w in range(4):
+            byte = codes[32 * j + 16 * h + 4 * w + q]
+            s = sc[4 * j + 2 * h + (w >> 1)]
+            got[8 * c + 2 * w] = grid[byte & 0xF] * s
+            got[8 * c + 2 * w + 1] = grid[byte >> 4] * s
+    np.testing.assert_array_equal(got, want.numpy())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Wrappers: argument checks and kernel signatures
+# ---------------------------------------------------------------------------------------------------------------
+
+_ENTRY = re.compile(r'extern "C" __global__ void(?:\s+__launch_bounds__\([^)]*\))?\s+(\w+)\(([^)]*)\)', re.S)
+_ARG_TYPES = {"int": np.int32, "float": np.float32, "pointer": np.uint64}
+
+
+def _signatures() -> dict[str, list[str]]:
+    out = {}
+    for name in SOURCES:
+        for kernel, params in _ENTRY.findall((SM90_DIR / name).read_text()):
+            out[kernel] = ["pointer" if "*" in p else p.split()[0] for p in (x.strip() for x in params.split(","))]
+    return out
+
+
+def _gemm_args(e: int = 3, n: int = 128, k: int = 128, rows: int = 40) -> dict[str, torch.Tensor]:
+    return {
+        "w_tiles": torch.zeros(e, n * k // 2, dtype=torch.uint8),
+        "w_tile_scales": torch.zeros(e, n * k // 16, dtype=torch.uint8),
+        "alpha": torch.ones(e, dtype=torch.float32),
+        "x": torch.zeros(rows, k, dtype=torch.bfloat16),
+        "offsets": torch.zeros(e + 1, dtype=torch.int32),
+        "out": torch.zeros(rows, n, dtype=torch.bfloat16),
+    }
+
+
+def _permute_args() -> dict[str, Any]:
+    return {
+        "x_packed": torch.zeros(4, 64, dtype=torch.uint8),
+        "x_scales": torch.zeros(4, 8, dtype=torch.uint8),
+        "slot_to_row": torch.zeros(8, dtype=torch.int32),
+        "num_slots": 8,
+        "top_k": 2,
+        "out": torch.zeros(16, 128, dtype=torch.bfloat16),
+    }
+
+
+@pytest.fixture
+def launches(monkeypatch: pytest.MonkeyPatch) -> list[tuple]:
+    """Record launches instead of running them, with the CUDA-only checks stubbed out."""
+    calls: list[tuple] = []
+    monkeypatch.setattr(sm90, "launch", lambda *args, **kwargs: calls.append((args, kwargs)))
+    monkeypatch.setattr(sm90, "ptr", lambda tensor, align=1: np.uint64(0))
+    monkeypatch.setattr(sm90, "_check_device", lambda named, align: None)
+    return calls
+
+
+def test_wrappers_match_kernel_signatures(launches: list[tuple]) -> None:
+    signatures = _signatures()
+    assert sorted(signatures) == ["sm90_gemm_decode", "sm90_gemm_prefill", "sm90_permute_decode"]
+    for variant in (sm90.DECODE, sm90.PREFILL, *DECODE_VARIANTS):
+        launches.clear()
+        sm90.grouped_gemm(**_gemm_args(), variant=variant)
+        (source, name, _device, grid, block, args), kwargs = launches[0]
+        assert (source, name) == ("sm90/grouped_gemm.cu", variant.kernel)
+        assert [type(a) for a in args] == [_ARG_TYPES[kind] for kind in signatures[name]]
+        assert grid == (128 // variant.feature_block, min(3, 40 // 8) + -(-40 // variant.tile_rows))
+        assert block == variant.threads and kwargs["shared_mem"] == variant.shared_mem
+        assert kwargs["extra_options"] == variant.options()
+    launches.clear()
+    sm90.permute_decode(**_permute_args())
+    (source, name, _device, grid, block, args), _ = launches[0]
+    assert (source, name, grid) == ("sm90/tokens.cu", "sm90_permute_decode", 8)
+    assert [type(a) for a in args] == [_ARG_TYPES[kind] for kind in signatures[name]]
+
+
+def test_variant_macros_match_the_source() -> None:
+    text = (SM90_DIR / "grouped_gemm.cu").read_text()
+    defaults = dict(re.findall(r"#define (SM90_\w+) (\d+)", text))
+    d = sm90.DecodeVariant()
+    p = sm90.PrefillVariant()
+    assert defaults == {"SM90_MT": str(d.mt), "SM90_WM": str(d.wm), "SM90_WK": str(d.wk), "SM90_NT": str(d.nt),
+                        "SM90_PREFETCH": str(d.prefetch), "SM90_PF_STAGES": str(p.stages),
+                        "SM90_PF_MIN_BLOCKS": str(p.min_blocks)}
+    assert "#define PF_STAGE_BYTES (PF_X_OFFSET + PF_TB * PF_X_STRIDE)  // 23040" in text
+    assert sm90.PrefillVariant(2).shared_mem == 2 * 23040 >= 128 * 272 and sm90.PrefillVariant(4).shared_mem == 4 * 23040
+
+
+_GEMM_BAD = [
+    ("w_tiles", "w_tiles dtype", lambda a: a["w_tiles"].to(torch.int8), "w_tiles"),
+    ("w_tiles", "w_tiles shape", lambda a: a["w_tiles"][:, :-16].contiguous(), "w_tiles"),
+    ("w_tile_scales", "w_tile_scales shape", lambda a: a["w_tile_scales"][:, :-1].contiguous(), "w_tile_scales"),
+    ("alpha", "alpha dtype", lambda a: a["alpha"].double(), "alpha"),
+    ("alpha", "alpha shape", lambda a: a["alpha"][:2].contiguous(), "alpha"),
+    ("alpha", "alpha not a tensor", lambda a: a["alpha"].tolist(), "alpha"),
+    ("x", "x dtype", lambda a: a["x"].half(), "x"),
+    ("x", "x K", lambda a: torch.zeros(40, 96, dtype=torch.bfloat16), "K"),
+    ("x", "x strided", lambda a: torch.zeros(128, 40, dtype=torch.bfloat16).t(), "x"),
+    ("offsets", "offsets dtype", lambda a: a["offsets"].long(), "offsets"),
+    ("offsets", "offsets shape", lambda a: a["offsets"][:3].contiguous(), "offsets"),
+    ("out", "out N", lambda a: torch.zeros(40, 192, dtype=torch.bfloat16), "N"),
+    ("out", "out rows", lambda a: torch.zeros(48, 128, dtype=torch.bfloat16), "out"),
+    ("out", "out dtype", lambda a: a["out"].float(), "out"),
+]
+
+
+@pytest.mark.parametrize("key,name,mutate,needle", _GEMM_BAD, ids=[b[1] for b in _GEMM_BAD])
+def test_grouped_gemm_rejects_bad_arguments(key: str, name: str, mutate: Any, needle: str,
+                                            launches: list[tuple]) -> None:
+    args = _gemm_args()
+    args[key] = mutate(args)
+    with pytest.raises(ValueError, match=needle):
+        sm90.grouped_gemm(**args)
+    assert not launches
+
+
+def test_grouped_gemm_rejects_cpu_tensors_and_bad_variants() -> None:
+    with pytest.raises(ValueError, match="CUDA"):
+        sm90.grouped_gemm(**_gemm_args())  # valid shapes: fails on the device check, before any launch
+    with pytest.raises(ValueError, match="variant"):
+        sm90.grouped_gemm(**_gemm_args(), variant="decode")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="grid"):
+        sm90.grouped_gemm(**_gemm_args(rows=8 * 70000))
+    with pytest.raises(ValueError):
+        sm90.DecodeVariant(mt=3)
+    with pytest.raises(ValueError):
+        sm90.DecodeVariant(wm=4, wk=16)
+    with pytest.raises(ValueError):
+        sm90.DecodeVariant(mt=2, wm=4, nt=8, wk=4)  # split-K buffer > 48 KB
+    with pytest.raises(ValueError):
+        sm90.PrefillVariant(1)
+
+
+_PERMUTE_BAD = [
+    ("x_packed", lambda a: a["x_packed"][:, :40].contiguous(), "H"),
+    ("x_scales", lambda a: a["x_scales"][:, :4].contiguous(), "x_scales"),
+    ("slot_to_row", lambda a: a["slot_to_row"].long(), "slot_to_row"),
+    ("num_slots", lambda a: 9, "num_slots"),
+    ("top_k", lambda a: 0, "top_k"),
+    ("out", lambda a: torch.zeros(16, 64, dtype=torch.bfloat16), "out"),
+]
+
+
+@pytest.mark.parametrize("key,mutate,needle", _PERMUTE_BAD, ids=[b[0] for b in _PERMUTE_BAD])
+def test_permute_decode_rejects_bad_arguments(key: str, mutate: Any, needle: str, launches: list[tuple]) -> None:
+    args = _permute_args()
+    args[key] = mutate(args)
+    with pytest.raises(ValueError, match=needle):
+        sm90.permute_decode(**args)
+    assert not launches
+
+
+def test_permute_decode_rejects_cpu_tensors() -> None:
+    with pytest.raises(ValueError, match="CUDA"):
+        sm90.permute_decode(**_permute_args())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# SASS budget of the decode main loop
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(NVCC is None or CUOBJDUMP is None, reason="nvcc or cuobjdump not found")
+@pytest.mark.parametrize("variant", DECODE_VARIANTS[:3], ids=str)
+def test_decode_sass_budget(variant: sm90.DecodeVariant) -> None:
+    defines = [option[2:] for option in variant.options()]
+    reports = sass_budget.budget("90a", defines)
+    decode = reports["sm90_gemm_decode"]
+    assert decode.local_memory == 0
+    per_k16 = decode.per_k16(variant.mt * variant.nt)
+    print(f"{variant}: {decode.registers} registers, {per_k16:.1f} instructions per k16 step per lane")
+    assert decode.hmma == 4 * variant.prefetch * variant.mt * variant.nt  # the steady-state loop: PREFETCH k64 steps
+    if variant == sm90.DECODE:
+        assert per_k16 <= 24, f"decode main loop: {per_k16:.1f} instructions per k16 step (budget 24)"
+    assert not math.isnan(per_k16)
