@@ -1,25 +1,42 @@
-"""Compiling and launching the CUDA sources of kernels_cuda/ through CuPy (NVRTC).
+"""Compiling, caching and launching the CUDA sources of kernels_cuda/.
 
-Modules compile once per (device, source, options) and are cached in memory; CuPy also caches
-the binaries on disk, keyed by source text and options. Launches go on torch's current stream.
+Compilation: CuPy (NVRTC) compiles a module exactly as ``cupy.RawModule(code=..., options=...)``
+does, into a private temporary CuPy kernel-cache directory; the binary CuPy writes there is kept in
+the package's persistent cache (``cudnn_moe.cache.active_cache()``) under a key of the source digest
+(the file and every header), the options, the GPU and the CuPy / NVRTC versions. A later process
+loads that binary with ``cuModuleLoadData`` and compiles nothing. Where CuPy leaves no binary file
+behind (a CuPy that caches elsewhere), the compiled module is used as it is and nothing is stored.
+
+Launches go through ``cuLaunchKernel`` (``cupy.cuda.driver.launchKernel``) with an argument buffer
+packed by ``pack_args``, on torch's current stream; no CuPy stream or kernel objects are built per call.
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import hashlib
+import os
+import tempfile
+import struct
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from ..cache import KIND_KERNEL, EntryKey, Environment, active_cache, current_environment, record
+from ..cache.store import report_once
 from .codes import cuda_defines
 
 _lock = threading.RLock()
-_modules: dict[tuple[int, str, tuple[str, ...]], Any] = {}
-_functions: dict[tuple[int, str, str, tuple[str, ...]], Any] = {}
-_streams: dict[tuple[int, int], Any] = {}
+_modules: dict[tuple[int, str, tuple[str, ...]], _Module] = {}
+_functions: dict[tuple[int, str, str, tuple[str, ...]], int] = {}
+_shared_limits: dict[int, int] = {}  # CUfunction -> dynamic shared memory limit set so far
+_MAX_DYNAMIC_SHARED = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+_CUPY_HASH_BYTES = 32  # CuPy's kernel-cache files: md5 hex digest of the binary, then the binary
 
 
 def kernels_dir() -> Path:
@@ -37,8 +54,8 @@ def compile_options(extra_options: tuple[str, ...] = ()) -> tuple[str, ...]:
 
 
 def module_source(filename: str) -> str:
-    """The text of kernels_cuda/``filename`` prefixed with a digest of every header, so CuPy's disk cache
-    (keyed by source text) recompiles when a shared header changes."""
+    """The text of kernels_cuda/``filename`` prefixed with a digest of every header, so any cache keyed
+    by source text recompiles when a shared header changes."""
     root = kernels_dir()
     digest = hashlib.sha256()
     for header in sorted(root.rglob("*.cuh")):
@@ -47,56 +64,211 @@ def module_source(filename: str) -> str:
     return f"// headers sha256 {digest.hexdigest()}\n{(root / filename).read_text()}"
 
 
-def load_module(filename: str, device: int, extra_options: tuple[str, ...] = ()) -> Any:
-    """The compiled cupy.RawModule of kernels_cuda/``filename`` on CUDA device ``device`` (cached)."""
+@functools.cache
+def _kernel_environment(device: int) -> Environment:
+    return current_environment(device, cudnn=False, compiler=True)
+
+
+def kernel_key(filename: str, source: str, options: tuple[str, ...], environment: Environment) -> EntryKey:
+    """The cache key of one compiled module: source digest and options (include paths left out:
+    the digest covers what they hold), valid in ``environment`` (GPU, compute capability, CuPy/NVRTC)."""
+    return EntryKey(
+        KIND_KERNEL,
+        f"{filename} {' '.join(o for o in options if o.startswith('-DSM90'))}".strip(),
+        {
+            "file": filename,
+            "source_sha256": hashlib.sha256(source.encode()).hexdigest(),
+            "options": [o for o in options if not o.startswith("-I")],
+        },
+        environment,
+    )
+
+
+def read_cupy_binary(directory: Path) -> bytes | None:
+    """The one binary CuPy's kernel cache wrote into ``directory`` (a file of md5 hex digest +
+    binary), checked against its digest; None when there is not exactly one valid such file."""
+    files = [p for p in directory.iterdir() if p.is_file() and p.name.endswith(".cubin")]
+    if len(files) != 1:
+        return None
+    data = files[0].read_bytes()
+    head, binary = data[:_CUPY_HASH_BYTES], data[_CUPY_HASH_BYTES:]
+    if not binary or head != hashlib.md5(binary).hexdigest().encode("ascii"):
+        return None
+    return binary
+
+
+@dataclass
+class _Module:
+    """A loaded module: the CUmodule handle and the object keeping it loaded (CuPy's, or None when
+    loaded by handle from a cached binary), and where it came from ('disk', 'built')."""
+
+    handle: int | None
+    owner: Any
+    source: str
+
+    def function(self, name: str) -> int:
+        """The CUfunction handle of kernel ``name``."""
+        from cupy.cuda import driver
+
+        if self.handle is not None:
+            return int(driver.moduleGetFunction(self.handle, name))
+        return int(self.owner.get_function(name).kernel.ptr)
+
+
+def _compile(source: str, options: tuple[str, ...], device: int) -> tuple[bytes | None, Any]:
+    """Compile with CuPy into a private kernel-cache directory: (the binary CuPy wrote, or None; the RawModule)."""
+    import cupy
+
+    with tempfile.TemporaryDirectory(prefix="cudnn_moe_nvrtc_") as private:
+        previous = os.environ.get("CUPY_CACHE_DIR")
+        os.environ["CUPY_CACHE_DIR"] = private  # CuPy reads it when it compiles
+        try:
+            with cupy.cuda.Device(device):
+                module = cupy.RawModule(code=source, options=options)
+                module.compile()
+        finally:
+            if previous is None:
+                os.environ.pop("CUPY_CACHE_DIR", None)
+            else:
+                os.environ["CUPY_CACHE_DIR"] = previous
+        return read_cupy_binary(Path(private)), module
+
+
+def _load(filename: str, device: int, extra_options: tuple[str, ...]) -> _Module:
+    import cupy
+    from cupy.cuda import driver
+
+    source, options = module_source(filename), compile_options(extra_options)
+    key = kernel_key(filename, source, options, _kernel_environment(device))
+    disk = active_cache()
+    binary = disk.get(key) if disk is not None else None
+    if binary is not None:
+        try:
+            with cupy.cuda.Device(device):
+                _bind(device)
+                return _Module(int(driver.moduleLoadData(binary)), None, "disk")
+        except Exception as exc:  # a binary the driver refuses: rebuilt and replaced, never fatal
+            report_once(str(disk.path_for(key)), f"cannot load the cached kernel {key.name} ({exc}); recompiling")
+    binary, raw = _compile(source, options, device)
+    if binary is not None and disk is not None:
+        try:
+            disk.put(key, binary)
+        except OSError:
+            pass  # an unwritable cache costs a compile next time, nothing else
+    return _Module(None, raw, "built")
+
+
+def load_module(filename: str, device: int, extra_options: tuple[str, ...] = ()) -> _Module:
+    """The loaded module of kernels_cuda/``filename`` on CUDA device ``device``: from this process's
+    memory, the persistent cache, or compiled now (and stored)."""
     key = (device, filename, extra_options)
     with _lock:
         module = _modules.get(key)
         if module is None:
-            import cupy
-
-            with cupy.cuda.Device(device):
-                module = cupy.RawModule(code=module_source(filename), options=compile_options(extra_options))
-                module.compile()
-            _modules[key] = module
+            module = _modules[key] = _load(filename, device, extra_options)
+            record(KIND_KERNEL, module.source)
         return module
 
 
-def kernel_function(filename: str, name: str, device: int, extra_options: tuple[str, ...] = ()) -> Any:
-    """The cupy RawKernel ``name`` of kernels_cuda/``filename`` (cached)."""
+def kernel_function(filename: str, name: str, device: int, extra_options: tuple[str, ...] = ()) -> int:
+    """The CUfunction handle of kernel ``name`` of kernels_cuda/``filename`` (cached)."""
     key = (device, filename, name, extra_options)
     function = _functions.get(key)
     if function is None:
         with _lock:
             function = _functions.get(key)
             if function is None:
-                function = _functions[key] = load_module(filename, device, extra_options).get_function(name)
+                import cupy
+
+                module = load_module(filename, device, extra_options)
+                with cupy.cuda.Device(device):
+                    _bind(device)
+                    function = _functions[key] = module.function(name)
     return function
 
 
-class _StreamRef:
-    """A raw cudaStream_t behind the CUDA stream protocol (for cupy.cuda.Stream.from_external)."""
-
-    def __init__(self, handle: int) -> None:
-        self.handle = handle
-
-    def __cuda_stream__(self) -> tuple[int, int]:
-        return (0, self.handle)
+_STRUCT_CODES: dict[type, str] = {
+    np.int8: "b", np.uint8: "B", np.int16: "h", np.uint16: "H", np.int32: "i", np.uint32: "I",
+    np.int64: "q", np.uint64: "Q", np.float32: "f", np.float64: "d",
+}
 
 
-def _cupy_stream(handle: int, index: int) -> Any:
-    """A CuPy view of the raw CUDA stream ``handle`` of device ``index`` (cached: building one costs host time)."""
-    key = (handle, index)
-    stream = _streams.get(key)
-    if stream is None:
+@functools.lru_cache(maxsize=256)
+def _layout(types: tuple[type, ...]) -> tuple[struct.Struct, tuple[int, ...]]:
+    """struct layout (little-endian, each argument aligned to its own size) and offsets of ``types``."""
+    fmt, offsets, size = ["<"], [], 0
+    for index, kind in enumerate(types):
+        code = _STRUCT_CODES.get(kind)
+        if code is None:
+            raise TypeError(f"kernel argument {index} must be a numpy scalar (np.int32, np.uint64, np.float32, ...), "
+                            f"got {kind.__name__}")
+        width = struct.calcsize("<" + code)
+        aligned = -(-size // width) * width
+        fmt.append("x" * (aligned - size) + code)
+        offsets.append(aligned)
+        size = aligned + width
+    return struct.Struct("".join(fmt)), tuple(offsets)
+
+
+class PackedArgs:
+    """Kernel arguments laid out for cuLaunchKernel: ``pointer`` is the address of a ``void*[n]`` whose
+    entries point at each argument's bytes in one buffer (both kept alive by this object).
+
+    args: numpy scalars (np.int32, np.uint64, np.float32, ...), each stored little-endian at an offset
+    aligned to its size, as the kernel's parameter list lays them out. ``repack`` overwrites the
+    values in place (same types), so a launcher can reuse one PackedArgs per argument layout.
+    """
+
+    def __init__(self, args: tuple[Any, ...]) -> None:
+        self.types = tuple(map(type, args))
+        self.layout, self.offsets = _layout(self.types)
+        self.buffer = ctypes.create_string_buffer(max(self.layout.size, 1))
+        base = ctypes.addressof(self.buffer)
+        self.params = (ctypes.c_void_p * max(len(self.offsets), 1))(*[base + o for o in self.offsets])
+        self.pointer = ctypes.addressof(self.params)
+        self.repack(args)
+
+    def repack(self, args: tuple[Any, ...]) -> None:
+        """Write ``args`` (of this object's types) into the buffer."""
+        self.layout.pack_into(self.buffer, 0, *args)
+
+    def argument_bytes(self, index: int, size: int) -> bytes:
+        """The ``size`` bytes entry ``index`` of the pointer array points at."""
+        return ctypes.string_at(self.params[index], size)
+
+
+_packers = threading.local()
+
+
+def packed_args(args: tuple[Any, ...]) -> PackedArgs:
+    """``args`` packed into this thread's reusable PackedArgs for their type layout (valid until the
+    thread's next launch with the same layout; cuLaunchKernel copies the values at the call)."""
+    cache = getattr(_packers, "by_types", None)
+    if cache is None:
+        cache = _packers.by_types = {}
+    types = tuple(map(type, args))
+    packed = cache.get(types)
+    if packed is None:
+        packed = cache[types] = PackedArgs(args)
+    else:
+        packed.repack(args)
+    return packed
+
+
+_bound = threading.local()
+
+
+def _bind(index: int) -> None:
+    """Make device ``index`` (the current device) bind its primary context on this thread, once per
+    thread and device: driver-API calls need a current context; torch and CuPy share that one."""
+    devices = getattr(_bound, "devices", None)
+    if devices is None:
+        devices = _bound.devices = set()
+    if index not in devices:
         import cupy
 
-        if hasattr(cupy.cuda.Stream, "from_external"):  # CuPy >= 14
-            stream = cupy.cuda.Stream.from_external(_StreamRef(handle))
-        else:
-            stream = cupy.cuda.ExternalStream(handle, index)
-        stream = _streams.setdefault(key, stream)
-    return stream
+        cupy.cuda.runtime.setDevice(index)
+        devices.add(index)
 
 
 def launch(
@@ -113,21 +285,33 @@ def launch(
     """Launch kernel ``name`` of kernels_cuda/``filename`` on torch's current stream of ``device``.
 
     A grid with a zero extent launches nothing. ``shared_mem`` bytes of dynamic shared memory are
-    requested (the kernel's limit is raised on first use when above 48 KB).
+    requested (the kernel's limit is raised on first use when above 48 KB). ``args`` are numpy
+    scalars (``ptr(tensor)`` gives a device address).
     """
     grid = (grid,) if isinstance(grid, int) else grid
     if min(grid) <= 0:
         return
-    import cupy
-
     index = device.index if device.index is not None else torch.cuda.current_device()
     function = kernel_function(filename, name, index, extra_options)
-    if shared_mem > 48 * 1024 and function.max_dynamic_shared_size_bytes < shared_mem:
-        function.max_dynamic_shared_size_bytes = shared_mem
-    # The raw handle of torch's current stream, without building a torch.cuda.Stream object per launch.
-    stream = _cupy_stream(torch._C._cuda_getCurrentRawStream(index), index)
-    with cupy.cuda.Device(index), stream:
-        function(grid, (block,), args, shared_mem=shared_mem)
+    packed = packed_args(args)
+    gx, gy, gz = (*grid, 1, 1)[:3]
+    stream = torch._C._cuda_getCurrentRawStream(index)
+    if torch.cuda.current_device() == index:
+        _launch(function, gx, gy, gz, block, shared_mem, stream, packed, index)
+    else:
+        with torch.cuda.device(index):
+            _launch(function, gx, gy, gz, block, shared_mem, stream, packed, index)
+
+
+def _launch(function: int, gx: int, gy: int, gz: int, block: int, shared_mem: int, stream: int,
+            packed: PackedArgs, index: int) -> None:
+    from cupy.cuda import driver
+
+    _bind(index)
+    if shared_mem > 48 * 1024 and _shared_limits.get(function, 0) < shared_mem:
+        driver.funcSetAttribute(function, _MAX_DYNAMIC_SHARED, shared_mem)
+        _shared_limits[function] = shared_mem
+    driver.launchKernel(function, gx, gy, gz, block, 1, 1, shared_mem, stream, packed.pointer, 0)
 
 
 def ptr(tensor: torch.Tensor | None, align: int = 1) -> np.uint64:
