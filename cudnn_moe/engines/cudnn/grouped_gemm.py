@@ -317,15 +317,20 @@ _counts: Counter[str] = Counter()
 
 
 def graph_for(key: GroupedGemmKey) -> GroupedFp4Gemm:
-    """The built graph for ``key``, from the in-process cache or built now (outside the lock)."""
+    """The built graph for ``key``: from the in-process cache, else the persistent cache
+    (``cudnn_moe.cache.active_cache()``, see plan_cache), else built now and stored (outside the lock)."""
     with _cache_lock:
         gemm = _cache.get(key)
         _counts["hits" if gemm is not None else "misses"] += 1
     if gemm is not None:
         return gemm
-    gemm = build_grouped_fp4_gemm(key)
+    from ...cache import KIND_CUDNN_PLAN, active_cache, record
+    from .plan_cache import load_or_build
+
+    gemm, source = load_or_build(key, build_grouped_fp4_gemm, active_cache())
+    record(KIND_CUDNN_PLAN, source)
     with _cache_lock:
-        return _cache.setdefault(key, gemm)  # a racing thread's build wins; ours is dropped
+        return _cache.setdefault(key, gemm)  # a racing thread's plan wins; ours is dropped
 
 
 def cache_info() -> CacheInfo:
