@@ -10,6 +10,13 @@ A call with T tokens runs in the smallest power-of-two bucket B >= T. Per call:
    caller's graph when the caller's stream is capturing).
 3. finalize or scale_rows (eager launch): writes the caller's output for the T live tokens.
 
+Full-call graphs: when a finalized call with a caller ``out`` repeats a signature (the same caller
+tensors: pointers, shapes, strides, dtypes, and T) on two consecutive calls of a bucket, stage +
+pipeline + finalize are captured into one CUDA graph for that signature, and later calls with it
+replay only that graph (it reads the caller's current tensor contents, so results equal the eager
+path bitwise). Each bucket keeps the FULL_GRAPHS_PER_BUCKET most recently used ones. Nothing is
+captured while the caller's stream is capturing (the launches are recorded into the caller's graph).
+
 Nothing on the call path allocates device memory (outputs aside), syncs, or copies host<->device.
 Calls that share an executor share its workspace: order them on one stream.
 """
@@ -19,7 +26,8 @@ from __future__ import annotations
 import contextlib
 import gc
 import threading
-from collections.abc import Callable, Iterator
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass, replace
 
 import torch
@@ -112,6 +120,11 @@ class _Bucket:
             empty(rows, hidden, dtype=torch.bfloat16), workspace,
         )
         self.graph: torch.cuda.CUDAGraph | None = None
+        self.full_graphs: OrderedDict[Hashable, torch.cuda.CUDAGraph] = OrderedDict()  # LRU, by signature
+        self.last_signature: Hashable | None = None
+
+
+FULL_GRAPHS_PER_BUCKET = 4
 
 
 class MoeExecutor:
@@ -179,16 +192,24 @@ class MoeExecutor:
         finalize: bool,
         out: torch.Tensor | None,
         use_cuda_graph: bool,
+        signature: Hashable | None = None,
     ) -> torch.Tensor | UnfinalizedOutput:
-        """Run the layer for T = activations.num_tokens (validated by the caller) tokens."""
+        """Run the layer for T = activations.num_tokens (validated by the caller) tokens.
+
+        signature: a hashable identity of the caller's tensors (pointers, shapes, strides, dtypes) and
+        T; given with finalize=True, an ``out`` and use_cuda_graph, repeated calls replay one full-call
+        graph (module docstring). None: never.
+        """
         tokens = activations.num_tokens
         bucket = self.bucket(tokens)
-        ids, route_weights, routing_format = routing.kernel_operands()
-        kernels.stage_inputs(
-            activations.packed, activations.scales, ids, route_weights, routing_format,
-            bucket.x, bucket.x_scales, bucket.ids, bucket.route_weights,
-        )
-        if use_cuda_graph and not torch.cuda.is_current_stream_capturing():
+        graphed = use_cuda_graph and not torch.cuda.is_current_stream_capturing()
+        if signature is not None and graphed and finalize and out is not None:
+            full = self._full_graph(bucket, signature, activations, routing, out)
+            if full is not None:
+                full.replay()
+                return out
+        self._stage(bucket, activations, routing)
+        if graphed:
             self._ensure_graph(bucket).replay()
         else:
             self._pipeline(bucket)
@@ -197,7 +218,7 @@ class MoeExecutor:
             result = out if out is not None else torch.empty(
                 tokens, w.hidden_size, dtype=torch.bfloat16, device=w.device
             )
-            kernels.finalize(bucket.gemm2.out, bucket.slot_to_row, bucket.route_weights, self.top_k, result)
+            self._finalize(bucket, result)
             return result
         rows = row_capacity(tokens, self.top_k, w.num_experts, self.engine.row_alignment)
         rows_out = out if out is not None else torch.empty(
@@ -207,6 +228,42 @@ class MoeExecutor:
         token_to_row = bucket.slot_to_row[: tokens * self.top_k].view(tokens, self.top_k).clone()
         route_weights = bucket.route_weights[:tokens].clone()  # as decoded by the stage kernel
         return UnfinalizedOutput(rows_out, route_weights, token_to_row)
+
+    def _stage(self, bucket: _Bucket, activations: Nvfp4Activations, routing: Routing) -> None:
+        ids, route_weights, routing_format = routing.kernel_operands()
+        kernels.stage_inputs(
+            activations.packed, activations.scales, ids, route_weights, routing_format,
+            bucket.x, bucket.x_scales, bucket.ids, bucket.route_weights,
+        )
+
+    def _finalize(self, bucket: _Bucket, out: torch.Tensor) -> None:
+        kernels.finalize(bucket.gemm2.out, bucket.slot_to_row, bucket.route_weights, self.top_k, out)
+
+    def _full_graph(
+        self, bucket: _Bucket, signature: Hashable, activations: Nvfp4Activations, routing: Routing, out: torch.Tensor
+    ) -> torch.cuda.CUDAGraph | None:
+        """The full-call graph of ``signature``: found, captured now (second consecutive call with it),
+        or None (first call: run the usual path)."""
+        graph = bucket.full_graphs.get(signature)
+        if graph is not None:
+            bucket.full_graphs.move_to_end(signature)
+            bucket.last_signature = signature
+            return graph
+        repeated = bucket.last_signature == signature
+        bucket.last_signature = signature
+        if not repeated:
+            return None
+        self._ensure_graph(bucket)  # kernels compiled and GEMM plans built outside the capture
+        with self._lock:
+            graph = torch.cuda.CUDAGraph()
+            with _gc_paused(), torch.cuda.graph(graph):
+                self._stage(bucket, activations, routing)
+                self._pipeline(bucket)
+                self._finalize(bucket, out)
+            bucket.full_graphs[signature] = graph
+            while len(bucket.full_graphs) > FULL_GRAPHS_PER_BUCKET:
+                bucket.full_graphs.popitem(last=False)
+        return graph
 
     def _ensure_graph(self, bucket: _Bucket) -> torch.cuda.CUDAGraph:
         if bucket.graph is None:

@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import threading
+import weakref
+from collections import OrderedDict
+from collections.abc import Hashable
+from typing import Any, NamedTuple
+
 import torch
 
 from .activations import GPU_KERNEL_ACTIVATIONS, Activation, SwiGLU, parse_activation
@@ -138,7 +144,22 @@ def fused_moe(
 
     use_cuda_graph=False launches every kernel eagerly (for debugging); results are bitwise equal.
     When the current stream is capturing a CUDA graph the launches are recorded into it.
+
+    Host path: the checks of a call are remembered per signature (the caller's tensor addresses,
+    shapes, strides, dtypes, devices, T and the other arguments), so a repeated call skips them; a
+    finalized call with ``out`` that repeats its signature replays one CUDA graph of the whole call
+    (see cudnn_moe.executor). Pass ``out`` (reused across calls) for the fastest path.
     """
+    key = None if check_routing else signature_key(
+        config, activations, routing, weights, activation, local_expert_start, finalize, out, use_cuda_graph
+    )
+    if key is not None:
+        checked = _checked.get(key)
+        if checked is not None and checked.config() is config and checked.weights() is weights:
+            executor = checked.executor()
+            if executor is not None:
+                return executor.run(activations, routing, finalize=finalize, out=out,
+                                    use_cuda_graph=use_cuda_graph, signature=key)
     act = parse_activation(activation)
     _validate(config, activations, routing, weights, act, local_expert_start)
     tokens, hidden = activations.num_tokens, weights.hidden_size
@@ -156,7 +177,75 @@ def fused_moe(
     )
     if tokens == 0:
         return _empty_result(routing, weights, finalize, out)
-    return executor.run(activations, routing, finalize=finalize, out=out, use_cuda_graph=use_cuda_graph)
+    if key is not None:
+        _remember(key, config, weights, executor)
+    return executor.run(activations, routing, finalize=finalize, out=out, use_cuda_graph=use_cuda_graph, signature=key)
+
+
+MAX_CHECKED_SIGNATURES = 64
+
+
+class _Checked(NamedTuple):
+    """A signature whose checks passed: weak references to what it was checked against."""
+
+    config: weakref.ref
+    weights: weakref.ref
+    executor: weakref.ref
+
+
+_checked: OrderedDict[Hashable, _Checked] = OrderedDict()
+_checked_lock = threading.Lock()
+
+
+def _tensor_signature(t: Any) -> tuple[Any, ...] | None:
+    """What the checks of a tensor argument depend on: address, shape, strides, dtype, device."""
+    if t is None:
+        return None
+    return (t.data_ptr(), t.shape, t.stride(), t.dtype, t.get_device())
+
+
+def signature_key(
+    config: Any,
+    activations: Any,
+    routing: Any,
+    weights: Any,
+    activation: Any,
+    local_expert_start: Any,
+    finalize: bool,
+    out: Any,
+    use_cuda_graph: bool,
+) -> Hashable | None:
+    """A cheap hashable identity of one fused_moe call's arguments: everything its checks read (object
+    identities, the config's max_num_tokens, and each tensor's address, shape, strides, dtype and
+    device) and T; None when the arguments cannot form one (they then go through the full checks)."""
+    try:
+        key = (
+            id(config), config.max_num_tokens, id(weights), type(activations), type(routing), activation,
+            type(local_expert_start), local_expert_start, bool(finalize), bool(use_cuda_graph),
+            _tensor_signature(activations.packed), _tensor_signature(activations.scales),
+            _tensor_signature(routing.packed_tensor), _tensor_signature(routing.ids),
+            _tensor_signature(routing.weights), _tensor_signature(out),
+        )
+        hash(key)
+    except (AttributeError, TypeError):
+        return None
+    return key
+
+
+def _remember(key: Hashable, config: Nvfp4MoeConfig, weights: Nvfp4Weights, executor: MoeExecutor) -> None:
+    """Record that ``key`` passed every check (bounded: the oldest signature goes first)."""
+    checked = _Checked(weakref.ref(config), weakref.ref(weights), weakref.ref(executor))
+    with _checked_lock:
+        _checked[key] = checked
+        _checked.move_to_end(key)
+        while len(_checked) > MAX_CHECKED_SIGNATURES:
+            _checked.popitem(last=False)
+
+
+def clear_checked_signatures() -> None:
+    """Forget every remembered signature (the next call of each is checked in full again)."""
+    with _checked_lock:
+        _checked.clear()
 
 
 def _require_out_apart(out: torch.Tensor, activations: Nvfp4Activations, routing: Routing, weights: Nvfp4Weights) -> None:
