@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from .activations import GPU_KERNEL_ACTIVATIONS, Activation, parse_activation
-from .cache import ENV_VAR, DiskCache, cache_dir
+from .cache import ENV_VAR, KIND_CUDNN_PLAN, KIND_KERNEL, DiskCache, EntryKey, cache_dir, set_cache_dir, stats
 from .engines.select import ENGINE_NAMES
 
 PRESETS_FILE = Path(__file__).resolve().parent.parent / "graphs" / "presets.json"
@@ -45,13 +45,17 @@ class LayerShape:
 
 @dataclass(frozen=True)
 class BuildResult:
-    """One (shape, bucket): 'built', 'disk' (loaded from the cache) or 'failed' (with the error)."""
+    """One (shape, bucket): 'built' (some cache entry had to be built), 'disk' (served from the cache
+    without building anything) or 'failed' (with the error); and how many persistent entries (cuDNN
+    plans, kernel binaries) it built and loaded from disk."""
 
     shape: LayerShape
     bucket: int
     source: str
     seconds: float
     error: str | None = None
+    entries_built: int = 0
+    entries_loaded: int = 0
 
 
 def _shape(name: str, experts: object, hidden: object, intermediate: object, top_k: object) -> LayerShape:
@@ -180,9 +184,9 @@ def build_layer(
     """Build every bucket of one layer shape on the current GPU: random weights prepared with
     Nvfp4MoeConfig, then the executor's warmup per bucket (workspace, GEMM plans, CUDA graph).
 
-    cache: the store the engines read and write (its directory is also exported as
-    $CUDNN_MOE_CACHE_DIR by run_prebuild); until the engines report cache hits, every bucket
-    that succeeds counts as 'built'. A failing bucket is recorded and the next one tried.
+    cache: the store the engines read and write (run_prebuild selects its directory with
+    set_cache_dir). Each bucket counts the cuDNN plans and kernel binaries it built and loaded from
+    disk (cudnn_moe.cache.stats()). A failing bucket is recorded and the next one tried.
     """
     import torch
 
@@ -201,14 +205,24 @@ def build_layer(
     results = []
     for bucket in sorted(buckets):
         start = time.monotonic()
+        before = entry_counts()
         try:
             executor.warmup(bucket)
             torch.cuda.synchronize()
-            results.append(BuildResult(shape, bucket, "built", time.monotonic() - start))
+            built, loaded = (a - b for a, b in zip(entry_counts(), before))
+            results.append(BuildResult(shape, bucket, "built" if built else "disk", time.monotonic() - start,
+                                       entries_built=built, entries_loaded=loaded))
         except Exception as exc:  # reported per bucket; the summary and exit code carry it
             results.append(BuildResult(shape, bucket, "failed", time.monotonic() - start, f"{type(exc).__name__}: {exc}"))
         progress.advance(f"{shape.name} bucket {bucket}")
     return results
+
+
+def entry_counts() -> tuple[int, int]:
+    """(persistent entries built, loaded from disk) in this process so far: cuDNN plans and kernels."""
+    counts = stats()
+    kinds = (KIND_CUDNN_PLAN, KIND_KERNEL)
+    return sum(counts.get((k, "built"), 0) for k in kinds), sum(counts.get((k, "disk"), 0) for k in kinds)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -266,16 +280,70 @@ def verify_entries(disk: DiskCache, out: TextIO) -> int:
     return 1 if bad else 0
 
 
+def load_entry(key: Any, payload: bytes, device: int) -> str:
+    """Load one entry the way serving would on CUDA device ``device``: 'ok', 'skipped (...)', or raises.
+
+    cuDNN plans are deserialized on the GPU, kernel binaries loaded with cuModuleLoadData; entries made
+    for another GPU or software stack (their environment differs from this one) are skipped.
+    """
+    if key.kind == KIND_CUDNN_PLAN:
+        from .engines.cudnn.plan_cache import CUDNN_SERIALIZER, gemm_key_of, plan_environment
+
+        if key.environment != plan_environment(device):
+            return "skipped (made for another GPU or cuDNN)"
+        CUDNN_SERIALIZER.deserialize(gemm_key_of(key, device), payload)
+        return "ok"
+    if key.kind == KIND_KERNEL:
+        import cupy
+        from cupy.cuda import driver
+
+        from .kernels.loader import _kernel_environment
+
+        if key.environment != _kernel_environment(device):
+            return "skipped (made for another GPU or compiler)"
+        with cupy.cuda.Device(device):
+            driver.moduleUnload(driver.moduleLoadData(payload))
+        return "ok"
+    return f"skipped (no loader for {key.kind} entries)"
+
+
+def verify_loads(disk: DiskCache, out: TextIO) -> int:
+    """With a GPU: load every valid entry as serving would (load_entry) and report; 1 if any failed."""
+    import torch
+
+    if not torch.cuda.is_available():
+        out.write("no GPU: entries were checked, not loaded\n")
+        return 0
+    device = torch.cuda.current_device()
+    failed = 0
+    for check in disk.verify():
+        if not check.ok:
+            continue  # reported by the file check
+        key = EntryKey.from_json(check.key_json)
+        payload = disk.get(key)
+        if payload is None:
+            continue  # removed or replaced meanwhile
+        try:
+            verdict = load_entry(key, payload, device)
+        except Exception as exc:  # noqa: BLE001 -- any failure to load is the finding
+            verdict = f"FAILED to load: {type(exc).__name__}: {exc}"
+            failed += 1
+        out.write(f"load {check.path.name[:12]}  {key.kind}  {key.name}: {verdict}\n")
+    return 1 if failed else 0
+
+
 def summary_table(results: list[BuildResult], out: TextIO) -> None:
-    """Per layer: buckets, built, loaded from disk, failed, seconds; then the total and each failure."""
-    rows = [("layer", "buckets", "built", "loaded", "failed", "seconds")]
+    """Per layer: buckets built / served from the cache / failed, seconds, and the persistent entries
+    (cuDNN plans, kernel binaries) built and loaded from disk; then the total and each failure."""
+    rows = [("layer", "buckets", "built", "loaded", "failed", "seconds", "entries_built", "entries_loaded")]
     layers: dict[LayerShape, list[BuildResult]] = {}
     for r in results:
         layers.setdefault(r.shape, []).append(r)
 
     def row(label: str, rs: list[BuildResult]) -> tuple[str, ...]:
         count = lambda s: str(sum(r.source == s for r in rs))  # noqa: E731
-        return (label, str(len(rs)), count("built"), count("disk"), count("failed"), f"{sum(r.seconds for r in rs):.2f}")
+        return (label, str(len(rs)), count("built"), count("disk"), count("failed"), f"{sum(r.seconds for r in rs):.2f}",
+                str(sum(r.entries_built for r in rs)), str(sum(r.entries_loaded for r in rs)))
 
     rows += [row(shape.describe(), rs) for shape, rs in layers.items()]
     rows.append(row("total", results))
@@ -339,13 +407,15 @@ def run_prebuild(args: argparse.Namespace, out: TextIO | None = None, err: TextI
         status |= list_entries(disk, out)
     if args.verify:
         status |= verify_entries(disk, out)
+        status |= verify_loads(disk, out)
     if not shapes:
         return status
     problem = _gpu_problem()
     if problem:
         err.write(f"cudnn-moe prebuild: error: {problem}\n")
         return 1
-    os.environ[ENV_VAR] = str(root)  # engines that open the default cache use this directory
+    set_cache_dir(root)  # the engines' plans and kernels go through this directory
+    os.environ[ENV_VAR] = str(root)  # and child processes see it too
     progress = Progress(len(shapes) * len(args.buckets), stream=err, enabled=not args.quiet)
     results: list[BuildResult] = []
     for shape in shapes:

@@ -15,6 +15,7 @@ import torch
 from cudnn_moe import prebuild
 from cudnn_moe.__main__ import main
 from cudnn_moe.cache import KIND_CUDNN_PLAN, KIND_KERNEL, DiskCache, EntryKey, Environment
+from cudnn_moe.cache import runtime as cache_runtime
 from cudnn_moe.prebuild import DEFAULT_BUCKETS, PRESETS_FILE, LayerShape, Progress, load_presets
 
 ENV = Environment(gpu_name="NVIDIA H200", compute_capability=(9, 0), cudnn_backend=91900, cudnn_frontend="1.32.0")
@@ -163,6 +164,7 @@ def test_build_path_with_a_fake_layer(monkeypatch: pytest.MonkeyPatch, tmp_path:
     """The loop around build_layer: progress, summary table, failures and exit code (no GPU touched)."""
     monkeypatch.setattr(prebuild, "_gpu_problem", lambda: None)
     monkeypatch.setenv("CUDNN_MOE_CACHE_DIR", "restored after the test")
+    monkeypatch.setattr(cache_runtime, "_explicit", cache_runtime._explicit)  # run_prebuild sets it
     seen = []
 
     def fake_build_layer(shape, buckets, cache, activation, engine, progress):
@@ -171,7 +173,8 @@ def test_build_path_with_a_fake_layer(monkeypatch: pytest.MonkeyPatch, tmp_path:
             raise ValueError("hidden size (w1_bf16.shape[2]) must be a positive multiple of 128, got 2880")
         results = []
         for b in buckets:
-            results.append(prebuild.BuildResult(shape, b, "disk" if b == 1 else "built", 0.5))
+            results.append(prebuild.BuildResult(shape, b, "disk" if b == 1 else "built", 0.5,
+                                                entries_built=0 if b == 1 else 2, entries_loaded=3 if b == 1 else 0))
             progress.advance(f"{shape.name} bucket {b}")
         return results
 
@@ -183,10 +186,12 @@ def test_build_path_with_a_fake_layer(monkeypatch: pytest.MonkeyPatch, tmp_path:
     assert seen == [("Mixtral-8x7B", (1, 2, 4), cache, "GeGLU", "auto"), ("gpt-oss-120b", (1, 2, 4), cache, "GeGLU", "auto")]
     assert os.environ["CUDNN_MOE_CACHE_DIR"] == str(cache)
     lines = out.splitlines()
-    assert lines[0].split() == ["layer", "buckets", "built", "loaded", "failed", "seconds"]
-    assert lines[1].split()[-5:] == ["3", "2", "1", "0", "1.50"]
-    assert lines[2].split()[-5:] == ["3", "0", "0", "3", "0.00"]
-    assert lines[3].split() == ["total", "6", "2", "1", "3", "1.50"]
+    assert lines[0].split() == ["layer", "buckets", "built", "loaded", "failed", "seconds", "entries_built",
+                                "entries_loaded"]
+    assert lines[1].split()[-7:] == ["3", "2", "1", "0", "1.50", "4", "3"]
+    assert lines[2].split()[-7:] == ["3", "0", "0", "3", "0.00", "0", "0"]
+    assert lines[3].split() == ["total", "6", "2", "1", "3", "1.50", "4", "3"]
+    assert cache_runtime._explicit == cache  # the engines' plans and kernels go there
     assert "failed: gpt-oss-120b (E128 H2880 I2880 top-4) buckets 1, 2, 4: ValueError: hidden size" in out
     assert "6/6" in err and "ETA" in err
 
