@@ -1,155 +1,251 @@
-"""Benchmark the fused NVFP4 MoE layer (CUDA-graph replay) against its roofline floor and a BF16 peer.
+"""Benchmark the fused NVFP4 MoE layer, per engine, against its roofline floor and a torch BF16 layer.
 
-For each model shape and token count it prints: our time, the floor (max of FP4 weight bytes of
-the experts the routing touches / HBM bandwidth and FLOPs / BF16 tensor-core peak), their ratio,
-and a BF16 layer built on torch._grouped_mm over the same routing, timed in the same process.
-Times are medians of CUDA-event-timed runs. Usage: python benchmarks/bench_moe.py --help
+Per model and token count T: each engine's time (SwiGLU, top-k of the preset, uniform random
+distinct routing) and its ratio to the FP4 floor = max(NVFP4 weight bytes incl. E4M3 scales of the
+experts the routing touches / HBM bandwidth, FLOPs / BF16 peak); a BF16 layer on torch._grouped_mm
+over the same routing, its ratio to the BF16 floor (2 bytes per weight), and BF16 / best engine.
+Every contender is timed the same way (common.py): ONE call captured in a CUDA graph, median of
+CUDA-event-timed replays with L2 flushed before each. Then the SM90 kernel variant per GEMM (where
+the engine exposes its choice) and the host time per fused_moe call at T=1.
+Usage: python benchmarks/bench_moe.py --help
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import statistics
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from cudnn_moe import Nvfp4MoeConfig, Routing, SwiGLU, fused_moe  # noqa: E402
-from cudnn_moe.engines.cudnn import backend_version  # noqa: E402
+from common import (  # noqa: E402
+    BF16_BYTES_PER_WEIGHT,
+    FP4_BYTES_PER_WEIGHT,
+    ModelShape,
+    Report,
+    Roofline,
+    Timer,
+    capture,
+    executor_for,
+    fmt,
+    gpu_missing,
+    header_line,
+    host_us_back_to_back,
+    host_us_idle_gpu,
+    make_parser,
+    measure_engine,
+    md_row,
+    moe_call,
+    positive_int,
+    prepare_engines,
+    progress,
+    random_batch,
+    random_weights,
+    run_models,
+)
+
+from cudnn_moe import Nvfp4MoeConfig, Nvfp4Weights  # noqa: E402
+
+try:  # the SM90 engine's kernel choice per GEMM, where this checkout's engine exposes it
+    from cudnn_moe.engines.sm90.engine import choose_variant
+except ImportError:
+    choose_variant = None
+
+GPU_BOUND = 1.1  # a back-to-back host time under this x the call's GPU time measured the GPU instead
 
 
-@dataclass(frozen=True)
-class ModelShape:
-    """One MoE layer shape from graphs/presets.json."""
-
-    name: str
-    experts: int
-    hidden: int
-    intermediate: int
-    top_k: int
-
-
-PRESETS = Path(__file__).resolve().parent.parent / "graphs" / "presets.json"
-MODELS = {key: ModelShape(**shape) for key, shape in json.loads(PRESETS.read_text()).items()}
-
-
-def time_us(fn, warmup: int, iters: int) -> float:
-    """Median time of fn() in microseconds, each run between its own pair of CUDA events."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times)
-
-
-def grouped_mm_layer(x, ids, route_w, w1_t, w2_t, inter):
+def grouped_mm_layer(
+    x: torch.Tensor, ids: torch.Tensor, route_w: torch.Tensor, w1_t: torch.Tensor, w2_t: torch.Tensor, inter: int
+) -> torch.Tensor:
     """BF16 MoE layer on torch._grouped_mm: sort slots by expert, GEMM1, SwiGLU, GEMM2, weighted sum.
 
-    x [T, H] bf16; w1_t [E, H, 2I] and w2_t [E, I, H] (transposed views of [E, 2I, H] / [E, H, I]).
+    x [T, H] bf16; ids int64 [T, k]; route_w float32 [T, k]; w1_t [E, H, 2I] and w2_t [E, I, H]
+    (transposed views of [E, 2I, H] rows [up; gate] / [E, H, I]). Nothing waits for the GPU (no
+    bincount, item, nonzero or boolean mask), so the layer can be captured in a CUDA graph.
     """
     tokens, top_k = ids.shape
-    flat = ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=w1_t.shape[0])
-    offs = torch.cumsum(counts, 0).to(torch.int32)
-    rows = x[order // top_k]
-    h = torch._grouped_mm(rows, w1_t, offs=offs)
+    sorted_ids, order = torch.sort(ids.reshape(-1), stable=True)
+    experts = torch.arange(w1_t.shape[0], device=ids.device, dtype=ids.dtype)
+    offs = torch.searchsorted(sorted_ids, experts, right=True, out_int32=True)  # int32 cumulative segment ends
+    h = torch._grouped_mm(x[order // top_k], w1_t, offs=offs)
     up, gate = h[:, :inter], h[:, inter:]
-    a = torch.nn.functional.silu(gate) * up
-    y = torch._grouped_mm(a, w2_t, offs=offs)
+    y = torch._grouped_mm(torch.nn.functional.silu(gate) * up, w2_t, offs=offs)
     out = torch.zeros(tokens * top_k, x.shape[1], dtype=torch.float32, device=x.device)
     out[order] = y.float()
     return (out.view(tokens, top_k, -1) * route_w.unsqueeze(-1)).sum(1).to(torch.bfloat16)
 
 
-def random_weights(m: ModelShape, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """BF16 w1 [E, 2I, H] (rows [up; gate]) and w2 [E, H, I] on the GPU, scaled by 1/sqrt(fan-in)."""
-    dev = gen.device
-    w1 = torch.randn(m.experts, 2 * m.intermediate, m.hidden, device=dev, dtype=torch.bfloat16, generator=gen)
-    w2 = torch.randn(m.experts, m.hidden, m.intermediate, device=dev, dtype=torch.bfloat16, generator=gen)
-    return w1.div_(m.hidden**0.5), w2.div_(m.intermediate**0.5)
+def host_cells(call: Callable[[], object], graph: torch.cuda.CUDAGraph, gpu_us: float, calls: int) -> list[str]:
+    """Host us per call of fused_moe and of a bare replay of its graph: back to back, then to an idle GPU;
+    and the call's GPU time. A back-to-back time the GPU bounds reads '<= x (GPU-bound)'."""
+    def bounded(us: float) -> str:
+        return f"<= {us:.1f} (GPU-bound)" if us <= GPU_BOUND * gpu_us else fmt(us)
+
+    cells = []
+    for fn in (call, graph.replay):
+        cells += [bounded(host_us_back_to_back(fn, calls)), fmt(host_us_idle_gpu(fn, calls))]
+    return [*cells, fmt(gpu_us)]
 
 
-def random_batch(m: ModelShape, tokens: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """BF16 x [T, H], distinct uniform top-k ids int32 [T, k], softmax route weights FP32 [T, k]."""
-    dev = gen.device
-    x = torch.randn(tokens, m.hidden, device=dev, dtype=torch.bfloat16, generator=gen)
-    ids = torch.rand(tokens, m.experts, device=dev, generator=gen).argsort(1)[:, : m.top_k].to(torch.int32)
-    return x, ids, torch.softmax(torch.randn(tokens, m.top_k, device=dev, generator=gen), 1)
+class Bf16Peer:
+    """The torch BF16 layer, captured in a CUDA graph; where this torch cannot capture it, timed eagerly
+    and labeled so (said once)."""
+
+    def __init__(self, report: Report) -> None:
+        self.report = report
+        self.eager = False
+
+    def time_us(self, timer: Timer, fn: Callable[[], object]) -> tuple[float, str]:
+        """(median us, cell text)."""
+        fn()  # outside any capture: an error here is the layer's own and propagates
+        if not self.eager:
+            try:
+                graph = capture(fn)
+            except RuntimeError as exc:
+                self.eager = True
+                self.report.note(f"the torch BF16 layer cannot be captured in a CUDA graph on torch "
+                                 f"{torch.__version__} ({exc}); it is timed eagerly, cells marked 'eager'")
+            else:
+                us = timer.median_us(graph.replay)
+                return us, fmt(us)
+        us = timer.median_us(fn)
+        return us, f"{fmt(us)} (eager)"
 
 
-def emit(lines: list[str], row: str) -> None:
-    """Print a table row now and keep it for the markdown file."""
-    lines.append(row)
-    print(row, flush=True)
+class MoeBench:
+    """The whole-layer table (rows as they are measured), then the SM90 variant and T=1 host-time tables."""
+
+    def __init__(self, args: argparse.Namespace, report: Report) -> None:
+        self.args, self.report = args, report
+        self.roofline = Roofline(args.bandwidth_tbs, args.peak_tflops)
+        self.peer = Bf16Peer(report)
+        self.host_rows: list[list[str]] = []
+        self.variant_rows: list[list[str]] = []
+
+    def columns(self) -> list[str]:
+        engines = [c for e in self.args.engines for c in (f"{e} (us)", f"{e}/FP4 floor")]
+        return ["model", "T", *engines, "FP4 floor (us)", "torch BF16 layer (graph) (us)", "BF16 floor (us)",
+                "torch BF16/BF16 floor", "ours vs BF16 (BF16 / best engine)"]
+
+    def time_ours(
+        self, m: ModelShape, engine: str, config: Nvfp4MoeConfig, weights: Nvfp4Weights,
+        batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor], timer: Timer,
+    ) -> float:
+        """Median us of one captured fused_moe call; at T=1 also its host-time row."""
+        tokens = batch[0].shape[0]
+        call = moe_call(config, weights, *batch)
+        graph = capture(call)
+        us = timer.median_us(graph.replay)
+        if tokens == 1:
+            self.host_rows.append([m.name, engine, *host_cells(call, graph, us, self.args.host_calls)])
+        if choose_variant is not None and weights.spec.engine == "sm90":
+            bucket = executor_for(m, config, weights).bucket(tokens)
+            variants = [repr(choose_variant(gemm.rows, gemm.shape)) for gemm in (bucket.gemm1, bucket.gemm2)]
+            self.variant_rows.append([m.name, str(tokens), engine, str(bucket.rows), *variants])
+        return us
+
+    def model(self, m: ModelShape, gen: torch.Generator, timer: Timer) -> None:
+        """One row per token count for model ``m``."""
+        args, report = self.args, self.report
+        progress(f"{m.name}: random BF16 weights, NVFP4 weights for {', '.join(args.engines)}")
+        w1, w2 = random_weights(m, gen)  # kept: the BF16 peer reads them
+        prepared = prepare_engines(m, w1, w2, args.engines, max(args.tokens), report)
+        w1_t, w2_t = w1.transpose(1, 2), w2.transpose(1, 2)
+        for tokens in args.tokens:
+            batch = random_batch(m, tokens, gen)
+            x, ids, route_w = batch
+            active = int(torch.unique(ids).numel())
+            fp4_floor = self.roofline.floor_us(m, tokens, active, FP4_BYTES_PER_WEIGHT)
+            bf16_floor = self.roofline.floor_us(m, tokens, active, BF16_BYTES_PER_WEIGHT)
+            cells, times = [m.name, str(tokens)], []
+            for engine in args.engines:
+                result = measure_engine(
+                    report, args.skip_slow_cudnn, m, tokens, engine, prepared,
+                    lambda config, weights: self.time_ours(m, engine, config, weights, batch, timer),  # noqa: B023
+                )
+                if isinstance(result, str):
+                    cells += [result, "-"]
+                else:
+                    cells += [fmt(result), fmt(result / fp4_floor)]
+                    times.append(result)
+            ids_long = ids.long()
+            try:
+                peer_us, peer_cell = self.peer.time_us(
+                    timer, lambda: grouped_mm_layer(x, ids_long, route_w, w1_t, w2_t, m.intermediate)  # noqa: B023
+                )
+            except Exception as exc:  # noqa: BLE001 - the peer failing must not lose our rows
+                report.note(f"{m.name}: torch BF16 layer: {type(exc).__name__}: {exc}")
+                peer_us, peer_cell = None, "error"
+            cells += [fmt(fp4_floor), peer_cell, fmt(bf16_floor)]
+            cells.append("-" if peer_us is None else fmt(peer_us / bf16_floor))
+            cells.append(f"{peer_us / min(times):.2f}x" if peer_us is not None and times else "-")
+            report.emit(md_row(cells))
+
+    def variant_table(self) -> None:
+        """The SM90 kernel variant of each GEMM per model, T and engine that ran on the sm90 engine."""
+        report = self.report
+        if choose_variant is None:
+            report.note("this checkout's SM90 engine does not expose its kernel choice (choose_variant): "
+                        "no variant table")
+            return
+        if not self.variant_rows:
+            return
+        report.emit()
+        report.emit("SM90 kernel variant per GEMM (engines.sm90.engine.choose_variant for the bucket's row capacity)")
+        report.emit()
+        report.table(["model", "T", "engine", "bucket rows", "GEMM1 variant", "GEMM2 variant"], left=3)
+        for row in self.variant_rows:
+            report.emit(md_row(row))
+
+    def host_table(self) -> None:
+        """The T=1 host-time table."""
+        report, calls = self.report, self.args.host_calls
+        report.emit()
+        if not self.host_rows:
+            report.emit("host us per fused_moe call (T=1): not measured (needs T=1 in --tokens and an engine that ran)")
+            return
+        report.emit(f"host us per fused_moe call (T=1): {calls} calls back to back without a sync (loop time / "
+                    f"{calls}, median of 3 loops) and one call at a time to an idle GPU (median of {calls}), next "
+                    "to a bare CUDAGraph.replay() of the same call's graph; '<= x (GPU-bound)': the GPU was the "
+                    "slower side, so that loop measured GPU time")
+        report.emit()
+        report.table(["model", "engine", "fused_moe back to back", "fused_moe to idle GPU",
+                      "graph replay back to back", "graph replay to idle GPU", "GPU us per call (graph, L2 flushed)"],
+                     left=2)
+        for row in self.host_rows:
+            report.emit(md_row(row))
 
 
-def run_table(args: argparse.Namespace, lines: list[str], bench_model: Callable[..., None]) -> int:
-    """Print the column header (lines[2]), add bench_model's rows per model, write --markdown."""
-    print(lines[2], flush=True)
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    for key in args.models:
-        bench_model(MODELS[key], args, gen, lines)
-        torch.cuda.empty_cache()
-    if args.markdown:
-        args.markdown.write_text("\n".join(lines) + "\n")
-    return 0
-
-
-def bench_model(m: ModelShape, args: argparse.Namespace, gen: torch.Generator, lines: list[str]) -> None:
-    """One table row per token count for model ``m`` (ours, floor, ratio, BF16 peer and its floor)."""
-    config = Nvfp4MoeConfig(max_num_tokens=max(args.tokens))
-    w1, w2 = random_weights(m, gen)
-    weights = config.prepare_weights(w1, w2, activation=SwiGLU())
-    w1_t, w2_t = w1.transpose(1, 2), w2.transpose(1, 2)
-    per_expert = 3 * m.hidden * m.intermediate  # weight elements of one expert (w1 2I x H, w2 H x I)
-    for tokens in args.tokens:
-        x, ids, route_w = random_batch(m, tokens, gen)
-        routing = Routing.unpacked(ids, route_w)
-        acts = config.prepare_activations(x)
-        out = torch.empty(tokens, m.hidden, device=x.device, dtype=torch.bfloat16)
-        ours = time_us(lambda: fused_moe(config, acts, routing, weights, out=out), 3, args.iters)
-        peer = time_us(lambda: grouped_mm_layer(x, ids.long(), route_w, w1_t, w2_t, m.intermediate), 3, args.iters)
-        active = int(torch.unique(ids).numel())
-        compute_floor = 2 * tokens * m.top_k * per_expert / (args.peak_tflops * 1e12) * 1e6
-        fp4_floor = max(active * per_expert * (0.5 + 1 / 16) / (args.bandwidth_tbs * 1e12) * 1e6, compute_floor)
-        bf16_floor = max(active * per_expert * 2 / (args.bandwidth_tbs * 1e12) * 1e6, compute_floor)
-        emit(lines, f"| {m.name} | {tokens} | {ours:.1f} | {fp4_floor:.1f} | {ours / fp4_floor:.1f} | "
-                    f"{peer:.1f} | {bf16_floor:.1f} | {peer / bf16_floor:.1f} |")
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = make_parser(__doc__.splitlines()[0])
+    parser.add_argument("--bandwidth-tbs", type=float, default=4.3, help="HBM bandwidth for the floors (TB/s)")
+    parser.add_argument("--peak-tflops", type=float, default=790.0, help="BF16 tensor-core peak for the floors")
+    parser.add_argument("--host-calls", type=positive_int, default=300, help="calls per host-time loop at T=1")
+    return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
-    parser.add_argument("--tokens", nargs="+", type=int, default=[1, 8, 64, 512, 4096])
-    parser.add_argument("--iters", type=int, default=20)
-    parser.add_argument("--bandwidth-tbs", type=float, default=4.3, help="HBM bandwidth for the floor (TB/s)")
-    parser.add_argument("--peak-tflops", type=float, default=790.0, help="BF16 tensor-core peak for the floor")
-    parser.add_argument("--markdown", type=Path, help="also write the table here")
-    args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("bench_moe needs a CUDA GPU", file=sys.stderr)
+    args = parse_args(argv)
+    if gpu_missing("bench_moe"):
         return 2
-    header = (f"{datetime.date.today()} | {torch.cuda.get_device_name()} | cuDNN backend {backend_version()} | "
-              f"torch {torch.__version__} | floor: {args.bandwidth_tbs} TB/s, {args.peak_tflops} TFLOP/s BF16")
-    lines = [header, "",
-             "| model | T | ours (us) | floor (us) | ours/floor | grouped_mm BF16 (us) | BF16 floor (us) | grouped_mm/BF16 floor |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    print(header, flush=True)
-    return run_table(args, lines, bench_model)
+    report = Report()
+    report.emit(header_line(f"floor: {args.bandwidth_tbs} TB/s, {args.peak_tflops} TFLOP/s BF16, "
+                            f"FP4 {FP4_BYTES_PER_WEIGHT} B/weight, BF16 {BF16_BYTES_PER_WEIGHT:g} B/weight"))
+    report.emit()
+    report.emit(f"Whole layer, SwiGLU, uniform random distinct routing; each contender: one warm-up call, ONE call "
+                f"captured in a CUDA graph, median of {args.iters} CUDA-event-timed replays, 256 MiB L2 flush "
+                "before each. us = microseconds; ratios are time / floor.")
+    report.emit()
+    bench = MoeBench(args, report)
+    report.table(bench.columns(), left=1)
+    run_models(args, bench.model)
+    bench.variant_table()
+    bench.host_table()
+    report.write(args.markdown)
+    return 0
 
 
 if __name__ == "__main__":

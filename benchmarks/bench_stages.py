@@ -1,85 +1,92 @@
-"""Where the time of one fused NVFP4 MoE call goes: per-stage GPU time and host time per call.
+"""Where the GPU time of one fused NVFP4 MoE call goes, per engine: each stage alone and the whole call.
 
-Prints, per model and token count: the GPU time of each bucket-static stage (sort, permute,
-GEMM1, activation, GEMM2; each captured alone in a CUDA graph, so launch overhead is excluded),
-the whole call (stage + graph replay + finalize) on the GPU, and the host time to submit one
-call to an idle GPU. Usage: python benchmarks/bench_stages.py --help
+Per model, token count and engine: the GPU time of each bucket-static stage of the executor (sort,
+permute, GEMM1, activation, GEMM2), each captured alone in a CUDA graph, their sum, and the whole
+call (stage + those five + finalize) captured in one graph. Every time is the median of
+CUDA-event-timed replays with L2 flushed before each (common.py). Host time per call: bench_moe.py.
+Usage: python benchmarks/bench_stages.py --help
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench_moe import MODELS, ModelShape, emit, random_batch, random_weights, run_table, time_us  # noqa: E402
+from common import (  # noqa: E402
+    ModelShape,
+    Report,
+    Timer,
+    capture,
+    executor_for,
+    fmt,
+    gpu_missing,
+    header_line,
+    make_parser,
+    measure_engine,
+    md_row,
+    moe_call,
+    prepare_engines,
+    progress,
+    random_batch,
+    random_weights,
+    run_models,
+)
 
-from cudnn_moe import Nvfp4MoeConfig, Routing, SwiGLU, fused_moe  # noqa: E402
-from cudnn_moe.ops import get_executor  # noqa: E402
+from cudnn_moe import Nvfp4MoeConfig, Nvfp4Weights  # noqa: E402
 
-
-def host_us_per_call(fn, calls: int = 50) -> float:
-    """Median host time to submit fn() to an idle GPU, in microseconds."""
-    times = []
-    for _ in range(calls):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e6)
-    torch.cuda.synchronize()
-    return statistics.median(times)
-
-
-def graphed_us(launch, iters: int, repeats: int = 10) -> float:
-    """GPU time of one launch(), from a CUDA graph holding ``repeats`` of them."""
-    launch()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(repeats):
-            launch()
-    return time_us(graph.replay, 2, iters) / repeats
+STAGES = ("sort", "permute", "gemm1", "activation", "gemm2")  # executor.stages(), in order
 
 
-def bench_model(m: ModelShape, args: argparse.Namespace, gen: torch.Generator, lines: list[str]) -> None:
-    """One table row per token count for model ``m``: stage times, whole call, host time."""
-    config = Nvfp4MoeConfig(max_num_tokens=max(args.tokens))
-    weights = config.prepare_weights(*random_weights(m, gen))
-    executor = get_executor(config, weights, top_k=m.top_k, activation=SwiGLU(), local_expert_start=0)
+def stage_times(
+    m: ModelShape, config: Nvfp4MoeConfig, weights: Nvfp4Weights,
+    batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor], timer: Timer,
+) -> list[float]:
+    """GPU us of each stage (captured alone, on the buffers the call staged), their sum, the whole call."""
+    call = moe_call(config, weights, *batch)
+    whole = timer.median_us(capture(call).replay)
+    executor = executor_for(m, config, weights)
+    stages = executor.stages(executor.bucket(batch[0].shape[0]))
+    names = tuple(name for name, _ in stages)
+    if names != STAGES:
+        raise RuntimeError(f"the executor's stages are {names}; this script tabulates {STAGES}")
+    times = [timer.median_us(capture(launch).replay) for _, launch in stages]
+    return [*times, sum(times), whole]
+
+
+def bench_model(args: argparse.Namespace, report: Report, m: ModelShape, gen: torch.Generator, timer: Timer) -> None:
+    """One row per token count and engine for model ``m``."""
+    progress(f"{m.name}: random BF16 weights, NVFP4 weights for {', '.join(args.engines)}")
+    prepared = prepare_engines(m, *random_weights(m, gen), args.engines, max(args.tokens), report)
     for tokens in args.tokens:
-        x, ids, route_w = random_batch(m, tokens, gen)
-        routing = Routing.unpacked(ids, route_w)
-        acts = config.prepare_activations(x)
-        out = torch.empty(tokens, m.hidden, device=x.device, dtype=torch.bfloat16)
-        call = lambda: fused_moe(config, acts, routing, weights, out=out)  # noqa: E731
-        whole = time_us(call, 3, args.iters)
-        stages = [graphed_us(launch, args.iters) for _, launch in executor.stages(executor.bucket(tokens))]
-        host = host_us_per_call(call)
-        emit(lines, f"| {m.name} | {tokens} | " + " | ".join(f"{t:.1f}" for t in stages)
-             + f" | {whole:.1f} | {host:.1f} |")
+        batch = random_batch(m, tokens, gen)
+        for engine in args.engines:
+            result = measure_engine(
+                report, args.skip_slow_cudnn, m, tokens, engine, prepared,
+                lambda config, weights: stage_times(m, config, weights, batch, timer),  # noqa: B023
+            )
+            cells = [result] * (len(STAGES) + 2) if isinstance(result, str) else [fmt(t) for t in result]
+            report.emit(md_row([m.name, str(tokens), engine, *cells]))
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
-    parser.add_argument("--tokens", nargs="+", type=int, default=[1, 8, 64, 512, 4096])
-    parser.add_argument("--iters", type=int, default=20)
-    parser.add_argument("--markdown", type=Path, help="also write the table here")
-    args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("bench_stages needs a CUDA GPU", file=sys.stderr)
+    args = make_parser(__doc__.splitlines()[0]).parse_args(argv)
+    if gpu_missing("bench_stages"):
         return 2
-    stage_names = ["sort", "permute", "gemm1", "activation", "gemm2"]
-    lines = [f"{torch.cuda.get_device_name()}: GPU us per stage (graphed alone), whole call; host us to submit one call", "",
-             "| model | T | " + " | ".join(stage_names) + " | whole call (GPU) | host per call |",
-             "| --- | ---: |" + " ---: |" * (len(stage_names) + 2)]
-    return run_table(args, lines, bench_model)
+    report = Report()
+    report.emit(header_line())
+    report.emit()
+    report.emit(f"GPU us per stage, each captured alone in a CUDA graph, and of the whole call captured in one "
+                f"graph; median of {args.iters} CUDA-event-timed replays, 256 MiB L2 flush before each.")
+    report.emit()
+    report.table(["model", "T", "engine", *STAGES, "sum of stages", "whole call"], left=3)
+    run_models(args, lambda m, gen, timer: bench_model(args, report, m, gen, timer))
+    report.write(args.markdown)
+    return 0
 
 
 if __name__ == "__main__":
