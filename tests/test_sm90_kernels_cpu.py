@@ -530,3 +530,259 @@ def test_decode_sass_budget(variant: sm90.DecodeVariant) -> None:
     if variant == sm90.DECODE:
         assert per_k16 <= 24, f"decode main loop: {per_k16:.1f} instructions per k16 step (budget 24)"
     assert not math.isnan(per_k16)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Whole-kernel emulation: the address arithmetic of grouped_gemm.cu, CTA by CTA and lane by lane, with the
+# bit-exact fragment decode above and the PTX fragment layouts of mma.m16n8k16 and stmatrix.trans
+# ---------------------------------------------------------------------------------------------------------------
+
+LANES = np.arange(32)
+G, Q = LANES // 4, LANES % 4
+
+
+def _words(data: np.ndarray, base: np.ndarray, count: int) -> np.ndarray:
+    """[32, count] little-endian 32-bit words at byte offsets base[lane]."""
+    raw = data[base[:, None] + np.arange(4 * count)].astype(np.uint64)
+    return raw[:, 0::4] | (raw[:, 1::4] << 8) | (raw[:, 2::4] << 16) | (raw[:, 3::4] << 24)
+
+
+def _half(x: np.ndarray, h: int) -> np.ndarray:
+    return bf16_value((x >> (16 * h)) & 0xFFFF)
+
+
+def a_matrix(a: list[np.ndarray]) -> np.ndarray:
+    m = np.full((16, 16), np.nan)
+    for r, (row, col) in enumerate(((0, 0), (8, 0), (0, 8), (8, 8))):
+        for h in range(2):
+            m[G + row, 2 * Q + col + h] = _half(a[r], h)
+    return m
+
+
+def b_matrix(b0: np.ndarray, b1: np.ndarray) -> np.ndarray:
+    m = np.full((16, 8), np.nan)
+    for h in range(2):
+        m[2 * Q + h, G] = _half(b0, h)
+        m[2 * Q + 8 + h, G] = _half(b1, h)
+    return m
+
+
+def _to_bf16(v: np.ndarray) -> np.ndarray:
+    return torch.from_numpy(np.asarray(v, dtype=np.float32)).to(torch.bfloat16).double().numpy()
+
+
+def emulate_decode(v: sm90.DecodeVariant, w: np.ndarray, s: np.ndarray, alpha: np.ndarray, xb: np.ndarray,
+                   offsets: list[int], n: int, k: int, rows: int) -> np.ndarray:
+    """sm90_gemm_decode, step by step as in the source."""
+    experts, kt = len(offsets) - 1, k // 64
+    fb, tb = v.feature_block, v.tile_rows
+    grid = sm90.gemm_grid(v, experts, n, rows)
+    out = np.full((rows, n), np.nan)
+    for by in range(grid[1]):
+        tile = find_tile(offsets, tb, rows, by)
+        if tile is None:
+            continue
+        e, row0, row_end = tile
+        for bx in range(grid[0]):
+            red = np.zeros((v.wk, tb, fb))
+            for warp in range(v.wm * v.wk):
+                wm, wk = warp % v.wm, warp // v.wm
+                expert_tiles = (n >> 4) * kt
+                first_tile = (bx * (v.wm * v.mt) + wm * v.mt) * kt + wk
+                wp = (e * expert_tiles + first_tile) * 512 + LANES * 16
+                sp = (e * expert_tiles + first_tile) * 64 + G * 8
+                xp = []
+                for nt in range(v.nt):
+                    row = row0 + nt * 8 + G
+                    xp.append((np.where(row < row_end, row, row0) * k + wk * 64) * 2 + Q * 32)
+                nsteps = (kt - wk + v.wk - 1) // v.wk if wk < kt else 0
+                acc = np.zeros((v.mt, v.nt, 16, 8))
+                for step in range(nsteps):
+                    ww = [_words(w, wp + step * v.wk * 512 + mt * kt * 512, 4) for mt in range(v.mt)]
+                    ss = [_words(s, sp + step * v.wk * 64 + mt * kt * 64, 2) for mt in range(v.mt)]
+                    bb = [_words(xb, xp[nt] + step * v.wk * 128, 8) for nt in range(v.nt)]
+                    for k16 in range(4):
+                        for mt in range(v.mt):
+                            sg, sg8 = decode_scale_word(ss[mt][:, k16 >> 1])
+                            a = a_matrix(scaled_a(ww[mt][:, k16], sg, sg8, k16))
+                            for nt in range(v.nt):
+                                acc[mt, nt] += a @ b_matrix(bb[nt][:, 2 * k16], bb[nt][:, 2 * k16 + 1])
+                for mt in range(v.mt):
+                    for nt in range(v.nt):
+                        f = (wm * v.mt + mt) * 16
+                        red[wk, nt * 8 : nt * 8 + 8, f : f + 16] = acc[mt, nt].T
+            total = red.sum(axis=0)
+            for t in range(tb):
+                if row0 + t < row_end:
+                    out[row0 + t, bx * fb : bx * fb + fb] = _to_bf16(np.float32(alpha[e] * 256.0) * total[t])
+    return out
+
+
+def emulate_prefill(w: np.ndarray, s: np.ndarray, alpha: np.ndarray, xb: np.ndarray, offsets: list[int], n: int,
+                    k: int, rows: int, seed: int = 0) -> np.ndarray:
+    """sm90_gemm_prefill as in the source: cp.async copies into one stage buffer (pre-filled with
+    garbage, so a byte the copies miss shows), warp reads, mma, stmatrix.trans staging, stores."""
+    experts, kt = len(offsets) - 1, k // 64
+    grid = sm90.gemm_grid(sm90.PREFILL, experts, n, rows)
+    rng = np.random.default_rng(seed)
+    out = np.full((rows, n), np.nan)
+    tid = np.arange(256)
+    lane = tid & 31
+    for by in range(grid[1]):
+        tile = find_tile(offsets, 128, rows, by)
+        if tile is None:
+            continue
+        e, row0, row_end = tile
+        for bx in range(grid[0]):
+            expert_tiles = (n >> 4) * kt
+            block_tile0 = e * expert_tiles + bx * 8 * kt
+            w_src = (block_tile0 + (tid >> 5) * kt) * 512 + lane * 16
+            w_dst = (tid >> 5) * 512 + lane * 16
+            s_src = (block_tile0 + ((tid >> 2) & 7) * kt) * 64 + (tid & 3) * 16
+            s_dst = 4096 + ((tid >> 2) & 7) * 64 + (tid & 3) * 16
+            x_row = row0 + (tid >> 3)
+            x_src = (tid & 7) * 16
+            x_dst = 4608 + (tid >> 3) * 144 + (tid & 7) * 16
+            acc = np.zeros((8, 2, 8, 16, 8))  # [warp, mt, nt]
+            for j in range(kt):
+                stage = rng.integers(0, 256, 23040).astype(np.uint8)  # stale bytes of an earlier stage
+                for t in range(256):
+                    stage[w_dst[t] : w_dst[t] + 16] = w[w_src[t] + j * 512 : w_src[t] + j * 512 + 16]
+                    if t < 32:
+                        stage[s_dst[t] : s_dst[t] + 16] = s[s_src[t] + j * 64 : s_src[t] + j * 64 + 16]
+                    for u in range(4):
+                        row = x_row[t] + 32 * u
+                        src = x_src[t] + j * 128 + min(row, row_end - 1) * k * 2
+                        dst = x_dst[t] + u * 32 * 144
+                        stage[dst : dst + 16] = xb[src : src + 16] if row < row_end else 0
+                for warp in range(8):
+                    wm, wn = warp & 3, warp >> 2
+                    wq = [_words(stage, (wm * 2 + mt) * 512 + LANES * 16, 4) for mt in range(2)]
+                    sc = [_words(stage, 4096 + (wm * 2 + mt) * 64 + G * 8, 2) for mt in range(2)]
+                    xoff = 4608 + (wn * 64 + G) * 144 + Q * 32
+                    for h in range(2):
+                        a = {}
+                        for mt in range(2):
+                            sg, sg8 = decode_scale_word(sc[mt][:, h])
+                            a[0, mt] = a_matrix(scaled_a(wq[mt][:, 2 * h], sg, sg8, 2 * h))
+                            a[1, mt] = a_matrix(scaled_a(wq[mt][:, 2 * h + 1], sg, sg8, 2 * h + 1))
+                        for nt in range(8):
+                            bq = _words(stage, xoff + nt * 8 * 144 + h * 16, 4)
+                            for mt in range(2):
+                                acc[warp, mt, nt] += a[0, mt] @ b_matrix(bq[:, 0], bq[:, 1])
+                                acc[warp, mt, nt] += a[1, mt] @ b_matrix(bq[:, 2], bq[:, 3])
+            # epilogue: stmatrix.x4.trans into [token][feature] (stride 272 bytes = 136 values), then stores
+            staged = np.full(128 * 136, np.nan)
+            scale = np.float32(alpha[e] * 256.0)
+            for warp in range(8):
+                wm, wn = warp & 3, warp >> 2
+                for mt in range(2):
+                    for nt in range(0, 8, 2):
+                        c = [_to_bf16(scale * acc[warp, mt, nt + i // 2]) for i in range(4)]
+                        row_addr = {}
+                        for ln in range(32):
+                            mi, r = ln >> 3, ln & 7
+                            row_addr[mi, r] = (wn * 64 + (nt + (mi >> 1)) * 8 + r) * 136 + wm * 32 + mt * 16 + (mi & 1) * 8
+                        for i in range(4):  # register i = matrix i: (c0, c1) or (c2, c3) of its n8 tile
+                            frag = c[i][8 * (i & 1) :][:8]  # rows g (+8) of C
+                            for ln in range(32):
+                                for hh in range(2):
+                                    value = frag[ln // 4, 2 * (ln % 4) + hh]
+                                    staged[row_addr[i, 2 * (ln % 4) + hh] + ln // 4] = value
+            for cidx in range(2048):
+                row, chunk = cidx >> 4, cidx & 15
+                if row0 + row < row_end:
+                    out[row0 + row, bx * 128 + chunk * 8 : bx * 128 + chunk * 8 + 8] = staged[row * 136 + chunk * 8 :][:8]
+    return out
+
+
+def _emulation_problem(experts: int, n: int, k: int, lengths: list[int], spare: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    packed, scales = _random_weights(experts, n, k, seed)
+    tiles, tile_scales = pack_weight_tiles(packed, scales)
+    offsets = [0]
+    for length in lengths:
+        offsets.append(offsets[-1] + -(-length // 8) * 8)
+    rows = offsets[-1] + spare
+    x = dequantize_nvfp4(*quantize_nvfp4(torch.randn(rows, k, generator=gen)), 1.0, torch.bfloat16)
+    x[offsets[-1] :] = math.nan  # rows past the last segment: garbage the kernels must not need
+    alpha = (torch.rand(experts, generator=gen) + 0.5).numpy()
+    xb = to_token_fragments(x).contiguous().view(torch.uint8).numpy().ravel()
+    ref = np.full((rows, n), np.nan)
+    w64 = _dequantized(packed, scales)
+    x64 = x.double().numpy()
+    for e in range(experts):
+        lo, hi = offsets[e], offsets[e + 1]
+        ref[lo:hi] = _to_bf16(alpha[e] * (x64[lo:hi] @ w64[e].T))
+    return tiles.numpy().ravel(), tile_scales.numpy().ravel(), alpha, xb, offsets, rows, ref
+
+
+def _compare(out: np.ndarray, ref: np.ndarray, used: int) -> None:
+    assert not np.isnan(out[:used]).any(), "rows of a segment not written"
+    assert np.isnan(out[used:]).all(), "rows outside the segments written"
+    np.testing.assert_allclose(out[:used], ref[:used], rtol=1e-2, atol=1e-3 * np.abs(ref[:used]).max())
+
+
+@pytest.mark.parametrize("variant", [sm90.DECODE, sm90.DecodeVariant(mt=2, wm=2, wk=2),
+                                     sm90.DecodeVariant(wm=2, wk=4, nt=2), sm90.DecodeVariant(wm=1, wk=8, nt=4)], ids=str)
+def test_decode_kernel_emulation(variant: sm90.DecodeVariant) -> None:
+    w, s, alpha, xb, offsets, rows, ref = _emulation_problem(3, 128, 192, [13, 0, 21], 16, seed=4)
+    out = emulate_decode(variant, w, s, alpha, xb, offsets, 128, 192, rows)
+    _compare(out, ref, offsets[-1])
+
+
+def test_prefill_kernel_emulation() -> None:
+    w, s, alpha, xb, offsets, rows, ref = _emulation_problem(2, 128, 128, [131, 40], 8, seed=5)
+    out = emulate_prefill(w, s, alpha, xb, offsets, 128, 128, rows)
+    _compare(out, ref, offsets[-1])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# NVRTC (the compiler CuPy uses at run time), when its library is installed
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _nvrtc_library() -> Any:
+    import ctypes
+    import ctypes.util
+
+    candidates = [ctypes.util.find_library("nvrtc")]
+    try:
+        import nvidia  # type: ignore[import-not-found]
+
+        for base in getattr(nvidia, "__path__", []):
+            candidates += [str(p) for p in sorted(Path(base).glob("*/lib/libnvrtc.so*")) if "builtins" not in p.name]
+    except ImportError:
+        pass
+    for candidate in candidates:
+        if candidate:
+            try:
+                return ctypes.CDLL(candidate)
+            except OSError:
+                continue
+    return None
+
+
+NVRTC = _nvrtc_library()
+
+
+@pytest.mark.skipif(NVRTC is None, reason="libnvrtc not found")
+@pytest.mark.parametrize("arch", ["compute_90", "compute_100"])
+@pytest.mark.parametrize("variant", [None, sm90.DECODE, sm90.PREFILL, *DECODE_VARIANTS[1:]], ids=str)
+def test_nvrtc_compiles(arch: str, variant: Any) -> None:
+    import ctypes
+
+    from cudnn_moe.kernels import compile_options, module_source
+
+    filename = "sm90/tokens.cu" if variant is None else "sm90/grouped_gemm.cu"
+    options = [*compile_options(() if variant is None else variant.options()), f"--gpu-architecture={arch}"]
+    program = ctypes.c_void_p()
+    assert NVRTC.nvrtcCreateProgram(ctypes.byref(program), module_source(filename).encode(), filename.encode(), 0,
+                                    None, None) == 0
+    status = NVRTC.nvrtcCompileProgram(program, len(options), (ctypes.c_char_p * len(options))(*[o.encode() for o in options]))
+    size = ctypes.c_size_t()
+    NVRTC.nvrtcGetProgramLogSize(program, ctypes.byref(size))
+    log = ctypes.create_string_buffer(size.value)
+    NVRTC.nvrtcGetProgramLog(program, log)
+    NVRTC.nvrtcDestroyProgram(ctypes.byref(program))
+    assert status == 0, log.value.decode()

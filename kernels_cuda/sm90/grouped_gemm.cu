@@ -99,6 +99,7 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS)
   __shared__ __align__(16) float red[SM90_WK][DEC_TB][DEC_RED_STRIDE];
   Tile tile;
   if (!find_tile<DEC_TB>(offsets, num_experts, row_capacity, static_cast<int>(blockIdx.y), tile)) return;
+  if (tile.row0 < 0 || tile.row0 >= tile.row_end) return;  // offsets outside [0, row_capacity]: nothing safe to do
 
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
@@ -297,6 +298,7 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, SM90_PF_MIN_BLOCKS)
   extern __shared__ __align__(128) u8 smem[];
   Tile tile;
   if (!find_tile<PF_TB>(offsets, num_experts, row_capacity, static_cast<int>(blockIdx.y), tile)) return;
+  if (tile.row0 < 0 || tile.row0 >= tile.row_end) return;  // offsets outside [0, row_capacity]: nothing safe to do
 
   const int tid = threadIdx.x;
   const int lane = tid & 31;
@@ -308,32 +310,33 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, SM90_PF_MIN_BLOCKS)
   const int kt = k >> 6;
   const u32 smem_base = smem_addr(smem);
 
-  // Copy assignments (fixed over the K loop). Weights: thread -> tile tid / 32, 16 B chunk tid % 32.
+  // Copy assignments; the source pointers advance by one k64 block per loaded stage. Weights:
+  // thread -> tile tid / 32, 16 B chunk tid % 32 (shared offset tid * 16).
   const i64 expert_tiles = static_cast<i64>(n >> 4) * kt;
   const i64 block_tile0 = tile.expert * expert_tiles + static_cast<i64>(blockIdx.x * 8) * kt;
   const u8* w_src = w_tiles + (block_tile0 + static_cast<i64>(tid >> 5) * kt) * 512 + lane * 16;
-  const u32 w_dst = (tid >> 5) * 512 + lane * 16;
-  // Scales: threads 0..31 -> tile tid / 4, 16 B chunk tid % 4.
+  // Scales: threads 0..31 -> tile tid / 4, 16 B chunk tid % 4 (shared offset PF_W_BYTES + tid * 16).
   const u8* s_src = w_scales + (block_tile0 + static_cast<i64>((tid >> 2) & 7) * kt) * 64 + (tid & 3) * 16;
-  const u32 s_dst = PF_W_BYTES + ((tid >> 2) & 7) * 64 + (tid & 3) * 16;
   // Tokens: thread -> rows tid / 8 + 32 u (u = 0..3), 16 B chunk tid % 8. Rows past the segment read
   // nothing (src size 0: zero fill); their address is clamped to the segment's last row.
   const int x_row = tile.row0 + (tid >> 3);
+  const int x_last = tile.row_end - 1;
   const u8* x_src = reinterpret_cast<const u8*>(x) + (tid & 7) * 16;
-  const i64 x_row_bytes = static_cast<i64>(k) * 2;
   const u32 x_dst = PF_X_OFFSET + (tid >> 3) * PF_X_STRIDE + (tid & 7) * 16;
 
-  auto load_stage = [&](int slot, int j) {
+  auto load_stage = [&](int slot) {
     const u32 base = smem_base + slot * PF_STAGE_BYTES;
-    cp_async_16(base + w_dst, w_src + static_cast<i64>(j) * 512, 16u);
-    if (tid < 32) cp_async_16(base + s_dst, s_src + static_cast<i64>(j) * 64, 16u);
-    const u8* src = x_src + static_cast<i64>(j) * 128;
+    cp_async_16(base + tid * 16, w_src, 16u);
+    if (tid < 32) cp_async_16(base + PF_W_BYTES + tid * 16, s_src, 16u);
 #pragma unroll
     for (int u = 0; u < 4; ++u) {
       const int row = x_row + 32 * u;
-      cp_async_16(base + x_dst + u * 32 * PF_X_STRIDE, src + min(row, tile.row_end - 1) * x_row_bytes,
-                  row < tile.row_end ? 16u : 0u);
+      cp_async_16(base + x_dst + u * 32 * PF_X_STRIDE, x_src + static_cast<i64>(min(row, x_last)) * k * 2,
+                  row <= x_last ? 16u : 0u);
     }
+    w_src += 512;
+    s_src += 64;
+    x_src += 128;
   };
 
   float acc[2][8][4];
@@ -346,7 +349,7 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, SM90_PF_MIN_BLOCKS)
 
 #pragma unroll
   for (int s = 0; s < SM90_PF_STAGES - 1; ++s) {
-    if (s < kt) load_stage(s, s);
+    if (s < kt) load_stage(s);
     cp_async_commit();
   }
 
@@ -355,7 +358,7 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, SM90_PF_MIN_BLOCKS)
   for (int j = 0; j < kt; ++j) {
     cp_async_wait<SM90_PF_STAGES - 2>();
     __syncthreads();  // stage j landed for every thread; stage j - 1 is free to overwrite
-    if (j + SM90_PF_STAGES - 1 < kt) load_stage(write_slot, j + SM90_PF_STAGES - 1);
+    if (j + SM90_PF_STAGES - 1 < kt) load_stage(write_slot);
     cp_async_commit();
 
     const u8* st = smem + read_slot * PF_STAGE_BYTES;
