@@ -1,4 +1,9 @@
-"""The SM90 engine (see the package docstring): layouts, support and the choice of kernel variant."""
+"""The SM90 engine (see the package docstring): layouts, support and the choice of kernel variant.
+
+Variant per GEMM, from the rows a bucket can hold: the decode kernel (weights streamed straight into
+registers, split-K across warps) with token tiles of 8, 16 or 32 rows while segments stay short, the
+prefill kernel (128 x 128 tiles through a cp.async pipeline) once they average more than 48 rows.
+"""
 
 from __future__ import annotations
 
@@ -7,10 +12,34 @@ import torch
 from ...arch import SM90, Arch
 from ...kernels.codes import TokenLayout
 from ..base import EngineSpec, GemmEngine, GemmOperands, GemmShape, Support, WeightLayout
+from .kernels import FEATURE_MULTIPLE, PREFILL, ROW_ALIGNMENT, DecodeVariant, GemmVariant, grouped_gemm
 from .layout import TILE_K, pack_weight_tiles, unpack_weight_tiles
 
-FEATURE_MULTIPLE = 128  # output columns N per CTA of the widest kernel variant
-ROW_ALIGNMENT = 8  # segments start on the 8-token side of the MMA
+# (largest average rows per expert segment, variant), first match wins; PREFILL beyond.
+_DECODE_VARIANTS: tuple[tuple[int, DecodeVariant], ...] = (
+    (8, DecodeVariant(nt=1)),
+    (16, DecodeVariant(nt=2)),
+    (48, DecodeVariant(nt=4, prefetch=2)),
+)
+
+
+def rows_per_expert(rows: int, num_experts: int) -> float:
+    """Average rows of a used expert segment when a bucket's row capacity is ``rows``.
+
+    The capacity holds S slots plus up to 7 padding rows for each of min(E, S) used experts, so
+    S = rows - 7E once S >= E, else about rows / 8 slots with one expert each.
+    """
+    slots = rows - (ROW_ALIGNMENT - 1) * num_experts
+    return slots / num_experts if slots >= num_experts else 1.0
+
+
+def choose_variant(rows: int, shape: GemmShape) -> GemmVariant:
+    """The kernel variant for a bucket of ``rows`` rows (see the module docstring)."""
+    average = rows_per_expert(rows, shape.num_experts)
+    for limit, variant in _DECODE_VARIANTS:
+        if average <= limit:
+            return variant
+    return PREFILL
 
 
 class Sm90GemmEngine(GemmEngine):
@@ -47,4 +76,6 @@ class Sm90GemmEngine(GemmEngine):
         super().__init__(device, SM90)
 
     def gemm(self, operands: GemmOperands) -> None:
-        raise NotImplementedError
+        w = operands.weights
+        grouped_gemm(w.data, w.scales, w.alpha, operands.tokens.data, operands.offsets, operands.out,
+                     choose_variant(operands.rows, operands.shape))
