@@ -1,0 +1,128 @@
+"""GPU tests of the serving path: the full-call graph equals the eager path bitwise (repeated calls,
+inputs changed in place, a changed signature), capture into a caller's graph still works, and plans
+and kernels loaded from a disk cache give bitwise the output of fresh builds."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from cudnn_moe import Nvfp4MoeConfig, Routing, SwiGLU, fused_moe, ops
+
+pytestmark = pytest.mark.gpu
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _layer(engine: str = "auto", tokens: int = 3, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    e, h, i, k = 8, 256, 256, 2
+    w1 = (torch.randn(e, 2 * i, h, generator=gen) / h**0.5).to("cuda", torch.bfloat16)
+    w2 = (torch.randn(e, h, i, generator=gen) / i**0.5).to("cuda", torch.bfloat16)
+    x = torch.randn(tokens, h, generator=gen).to("cuda", torch.bfloat16)
+    ids = torch.rand(tokens, e, generator=gen).argsort(1)[:, :k].to("cuda", torch.int32)
+    route = (torch.rand(tokens, k, generator=gen) + 0.1).cuda()
+    config = Nvfp4MoeConfig(max_num_tokens=16, engine=engine)
+    weights = config.prepare_weights(w1, w2)
+    return config, weights, config.prepare_activations(x), ids, route
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16)
+
+
+@pytest.mark.parametrize("engine", ["sm90", "cudnn"])
+def test_full_call_graph_equals_eager_and_follows_in_place_changes(engine: str) -> None:
+    config, weights, acts, ids, route = _layer(engine)
+    routing = Routing.unpacked(ids, route)
+    out = torch.full((3, 256), float("nan"), dtype=torch.bfloat16, device="cuda")
+    eager = fused_moe(config, acts, routing, weights, use_cuda_graph=False)
+    for _ in range(3):  # 1st: usual path, 2nd: capture, 3rd: replay
+        out.fill_(float("nan"))
+        fused_moe(config, acts, routing, weights, out=out)
+        torch.cuda.synchronize()
+        assert torch.equal(_bits(out), _bits(eager))
+    bucket = ops.get_executor(config, weights, top_k=2, activation=SwiGLU(), local_expert_start=0).bucket(3)
+    assert len(bucket.full_graphs) == 1
+    # the caller writes new inputs into the same tensors: the replay reads them
+    _, _, acts2, ids2, route2 = _layer(engine, seed=1)
+    acts.packed.copy_(acts2.packed)
+    acts.scales.copy_(acts2.scales)
+    ids.copy_(ids2)
+    route.copy_(route2)
+    fused_moe(config, acts, routing, weights, out=out)
+    expected = fused_moe(config, acts, routing, weights, use_cuda_graph=False)
+    torch.cuda.synchronize()
+    assert torch.equal(_bits(out), _bits(expected)) and len(bucket.full_graphs) == 1
+
+
+def test_changed_signature_falls_back_and_is_still_exact() -> None:
+    config, weights, acts, ids, route = _layer()
+    routing = Routing.unpacked(ids, route)
+    out = torch.empty(3, 256, dtype=torch.bfloat16, device="cuda")
+    fused_moe(config, acts, routing, weights, out=out)
+    fused_moe(config, acts, routing, weights, out=out)  # full-call graph of this signature
+    other_out = torch.empty_like(out)
+    fused_moe(config, acts, routing, weights, out=other_out)  # new out: usual path
+    two = Routing.unpacked(ids[:2], route[:2])
+    from cudnn_moe.config import Nvfp4Activations
+
+    acts2 = Nvfp4Activations(acts.packed[:2], acts.scales[:2])
+    first_two = fused_moe(config, acts2, two, weights)  # T=2: another bucket, no out
+    expected = fused_moe(config, acts, routing, weights, use_cuda_graph=False)
+    torch.cuda.synchronize()
+    assert torch.equal(_bits(other_out), _bits(expected)) and torch.equal(_bits(out), _bits(expected))
+    assert torch.equal(_bits(first_two), _bits(expected[:2]))
+    with pytest.raises(ValueError, match="out must have shape"):  # a new signature is checked in full
+        fused_moe(config, acts, routing, weights, out=torch.empty(2, 256, dtype=torch.bfloat16, device="cuda"))
+
+
+def test_capture_into_callers_graph_with_a_remembered_signature() -> None:
+    config, weights, acts, ids, route = _layer()
+    routing = Routing.unpacked(ids, route)
+    out = torch.empty(3, 256, dtype=torch.bfloat16, device="cuda")
+    for _ in range(3):
+        fused_moe(config, acts, routing, weights, out=out)
+    torch.cuda.synchronize()
+    expected = out.clone()
+    out.fill_(float("nan"))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fused_moe(config, acts, routing, weights, out=out)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(_bits(out), _bits(expected))
+
+
+_CHILD = """
+import sys, torch
+sys.path.insert(0, {tests!r})
+from test_serving_gpu import _layer
+from cudnn_moe import Routing, fused_moe
+from cudnn_moe.cache import stats
+config, weights, acts, ids, route = _layer("cudnn")
+out = fused_moe(config, acts, Routing.unpacked(ids, route), weights)
+torch.cuda.synchronize()
+torch.save(out.cpu(), {path!r})
+print("STATS", sorted(stats().items()))
+"""
+
+
+def test_plans_and_kernels_loaded_from_disk_equal_fresh_builds(tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    env = {**os.environ, "CUDNN_MOE_CACHE_DIR": str(cache), "PYTHONPATH": os.pathsep.join([str(REPO), *sys.path])}
+    outputs, reports = [], []
+    for run in ("fresh", "from-disk"):
+        path = tmp_path / f"{run}.pt"
+        code = _CHILD.format(tests=str(REPO / "tests"), path=str(path))
+        result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+        reports.append(result.stdout)
+        outputs.append(torch.load(path))
+    assert "('cudnn-plan', 'built')" in reports[0] and "('cudnn-plan', 'disk')" not in reports[0]
+    assert "('cudnn-plan', 'disk')" in reports[1] and "('cudnn-plan', 'built')" not in reports[1], reports[1]
+    assert "('kernel', 'disk')" in reports[1] and "('kernel', 'built')" not in reports[1], reports[1]
+    assert torch.equal(_bits(outputs[0]), _bits(outputs[1]))
