@@ -66,7 +66,8 @@ def test_kernel_compiles(source: str, arch: str, tmp_path: Path) -> None:
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found")
-@pytest.mark.parametrize("variant", [*DECODE_VARIANTS, sm90.PrefillVariant(3), sm90.PrefillVariant(4, 1)], ids=str)
+@pytest.mark.parametrize("variant", [*DECODE_VARIANTS, sm90.PrefillVariant(3), sm90.PrefillVariant(4, 1),
+                                     sm90.PrefillVariant(stmatrix=False)], ids=str)
 def test_variant_compiles(variant: Any, tmp_path: Path) -> None:
     result = _nvcc(SM90_DIR / "grouped_gemm.cu", "90a", tmp_path / "kernel.o", variant.options())
     assert result.returncode == 0, result.stderr
@@ -438,7 +439,7 @@ def test_variant_macros_match_the_source() -> None:
     p = sm90.PrefillVariant()
     assert defaults == {"SM90_MT": str(d.mt), "SM90_WM": str(d.wm), "SM90_WK": str(d.wk), "SM90_NT": str(d.nt),
                         "SM90_PREFETCH": str(d.prefetch), "SM90_PF_STAGES": str(p.stages),
-                        "SM90_PF_MIN_BLOCKS": str(p.min_blocks)}
+                        "SM90_PF_MIN_BLOCKS": str(p.min_blocks), "SM90_PF_STMATRIX": str(int(p.stmatrix))}
     assert "#define PF_STAGE_BYTES (PF_X_OFFSET + PF_TB * PF_X_STRIDE)  // 23040" in text
     assert sm90.PrefillVariant(2).shared_mem == 2 * 23040 >= 128 * 272 and sm90.PrefillVariant(4).shared_mem == 4 * 23040
 

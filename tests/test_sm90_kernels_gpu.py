@@ -23,7 +23,8 @@ DECODE_VARIANTS = [
     sm90.DecodeVariant(mt=1, wm=1, wk=8, nt=4, prefetch=2),
     sm90.DecodeVariant(mt=2, wm=4, wk=2, nt=1, prefetch=3),
 ]
-PREFILL_VARIANTS = [sm90.PrefillVariant(), sm90.PrefillVariant(3), sm90.PrefillVariant(4, min_blocks=1)]
+PREFILL_VARIANTS = [sm90.PrefillVariant(), sm90.PrefillVariant(3), sm90.PrefillVariant(4, min_blocks=1),
+                    sm90.PrefillVariant(stmatrix=False)]
 VARIANTS = DECODE_VARIANTS + PREFILL_VARIANTS
 
 

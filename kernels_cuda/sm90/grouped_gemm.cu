@@ -271,6 +271,9 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS)
 #ifndef SM90_PF_STAGES
 #define SM90_PF_STAGES 4
 #endif
+#ifndef SM90_PF_STMATRIX
+#define SM90_PF_STMATRIX 1  // epilogue staging with stmatrix.trans (0: 16-bit shared stores)
+#endif
 #ifndef SM90_PF_MIN_BLOCKS
 #define SM90_PF_MIN_BLOCKS 2  // CTAs per SM the register allocation must allow (2: <= 128 registers)
 #endif
@@ -402,6 +405,7 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, SM90_PF_MIN_BLOCKS)
   // C tile -> shared [token][feature] BF16 (row stride PF_C_STRIDE) with transposing stmatrix:
   // matrix i of an x4 = (n8 tile nt + i / 2, features 8 (i % 2) .. + 8 of the m16 tile).
   const float scale = __ldg(alpha + tile.expert) * 256.0f;
+#if SM90_PF_STMATRIX
   {
     const int mi = lane >> 3;
     const int r = lane & 7;
@@ -419,6 +423,22 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, SM90_PF_MIN_BLOCKS)
       }
     }
   }
+#else
+  // C fragment (feature g (+8), token 2q (+1)) -> 16-bit stores at [token][feature].
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt) {
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+      const u32 lo = pack_bf16x2(scale * acc[mt][nt][0], scale * acc[mt][nt][1]);
+      const u32 hi = pack_bf16x2(scale * acc[mt][nt][2], scale * acc[mt][nt][3]);
+      u16* c = reinterpret_cast<u16*>(smem + (wn * 64 + nt * 8 + 2 * q) * PF_C_STRIDE) + wm * 32 + mt * 16 + g;
+      c[0] = static_cast<u16>(lo);
+      c[PF_C_STRIDE / 2] = static_cast<u16>(lo >> 16);
+      c[8] = static_cast<u16>(hi);
+      c[PF_C_STRIDE / 2 + 8] = static_cast<u16>(hi >> 16);
+    }
+  }
+#endif
   __syncthreads();
   // 128 rows x 16 chunks of 16 B; rows past the segment are not written.
 #pragma unroll

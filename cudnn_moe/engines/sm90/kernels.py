@@ -77,10 +77,12 @@ class DecodeVariant:
 class PrefillVariant:
     """``sm90_gemm_prefill``: CTA tile 128 features x 128 token rows, k64 per stage, STAGES-deep
     cp.async pipeline (23040 bytes of dynamic shared memory per stage). For large segments.
-    min_blocks: CTAs per SM the register allocation must allow (2: at most 128 registers a thread)."""
+    min_blocks: CTAs per SM the register allocation must allow (2: at most 128 registers a thread).
+    stmatrix: stage the C tile with stmatrix.trans (False: 16-bit shared stores, a fallback)."""
 
     stages: int = 4
     min_blocks: int = 2
+    stmatrix: bool = True
 
     kernel = "sm90_gemm_prefill"
     tile_rows = 128
@@ -98,7 +100,8 @@ class PrefillVariant:
         return max(self.stages * _PREFILL_STAGE_BYTES, _PREFILL_C_BYTES)
 
     def options(self) -> tuple[str, ...]:
-        return (f"-DSM90_PF_STAGES={self.stages}", f"-DSM90_PF_MIN_BLOCKS={self.min_blocks}")
+        return (f"-DSM90_PF_STAGES={self.stages}", f"-DSM90_PF_MIN_BLOCKS={self.min_blocks}",
+                f"-DSM90_PF_STMATRIX={int(self.stmatrix)}")
 
 
 GemmVariant = DecodeVariant | PrefillVariant
