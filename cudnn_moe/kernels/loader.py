@@ -264,7 +264,7 @@ def _bind(index: int) -> None:
     devices = getattr(_bound, "devices", None)
     if devices is None:
         devices = _bound.devices = set()
-    if index not in devices:
+    if index not in devices and not torch.cuda.is_current_stream_capturing():  # a capturing thread has one
         import cupy
 
         cupy.cuda.runtime.setDevice(index)
