@@ -1,7 +1,7 @@
 """The SM90 engine (see the package docstring): layouts, support and the choice of kernel variant.
 
 Variant per GEMM, from the rows a bucket can hold: the decode kernel (weights streamed straight into
-registers, split-K across warps) with token tiles of 8, 16 or 32 rows while segments stay short, the
+registers, split-K across warps) with token tiles of 8 or 32 rows while segments stay short, the
 prefill kernel (128 x 128 tiles through a cp.async pipeline) once they average more than 48 rows.
 """
 
@@ -15,11 +15,12 @@ from ..base import EngineSpec, GemmEngine, GemmOperands, GemmShape, Support, Wei
 from .kernels import FEATURE_MULTIPLE, PREFILL, ROW_ALIGNMENT, DecodeVariant, GemmVariant, grouped_gemm
 from .layout import TILE_K, pack_weight_tiles, unpack_weight_tiles
 
-# (largest average rows per expert segment, variant), first match wins; PREFILL beyond.
+# (largest average rows per expert segment, variant), first match wins; PREFILL beyond. Picked from
+# benchmarks/tune_sm90.py on an H200 (benchmarks/RESULTS.md): two m16 row blocks per warp halve the
+# token-fragment loads per weight byte, and two-way split-K keeps enough CTAs in flight.
 _DECODE_VARIANTS: tuple[tuple[int, DecodeVariant], ...] = (
-    (8, DecodeVariant(nt=1)),
-    (16, DecodeVariant(nt=2)),
-    (48, DecodeVariant(nt=4, prefetch=2)),
+    (8, DecodeVariant(mt=2, wm=2, wk=2, nt=1, prefetch=4)),
+    (48, DecodeVariant(mt=2, wm=2, wk=2, nt=4, prefetch=2)),
 )
 
 

@@ -1,0 +1,92 @@
+"""Time the SM90 engine's GEMM kernel variants on the operands of real token buckets.
+
+For each model and token count: one fused_moe call fills the bucket (routing, sorted rows, both
+GEMMs' inputs), then each candidate variant runs GEMM1 and GEMM2 on those buffers, captured alone in
+a CUDA graph and timed like the benchmarks (L2 flushed, median). Prints the engine's own choice next
+to the fastest candidate. Usage: python benchmarks/tune_sm90.py --help
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import (  # noqa: E402
+    Report, Timer, capture, executor_for, gpu_missing, header_line, make_parser, md_row, moe_call, random_batch,
+    random_weights, run_models,
+)
+
+from cudnn_moe import Nvfp4MoeConfig, SwiGLU  # noqa: E402
+from cudnn_moe.engines.sm90.engine import choose_variant  # noqa: E402
+from cudnn_moe.engines.sm90.kernels import DecodeVariant, PrefillVariant, grouped_gemm  # noqa: E402
+
+DECODE = [
+    DecodeVariant(mt=1, wm=2, wk=4, nt=1, prefetch=4),
+    DecodeVariant(mt=1, wm=2, wk=4, nt=1, prefetch=8),
+    DecodeVariant(mt=1, wm=4, wk=2, nt=1, prefetch=4),
+    DecodeVariant(mt=1, wm=4, wk=2, nt=1, prefetch=8),
+    DecodeVariant(mt=1, wm=1, wk=8, nt=1, prefetch=4),
+    DecodeVariant(mt=2, wm=2, wk=2, nt=1, prefetch=4),
+    DecodeVariant(mt=1, wm=8, wk=1, nt=1, prefetch=8),
+    DecodeVariant(mt=1, wm=4, wk=4, nt=1, prefetch=4),
+    DecodeVariant(mt=1, wm=2, wk=4, nt=2, prefetch=4),
+    DecodeVariant(mt=1, wm=4, wk=2, nt=2, prefetch=4),
+    DecodeVariant(mt=1, wm=2, wk=4, nt=4, prefetch=2),
+    DecodeVariant(mt=1, wm=4, wk=2, nt=4, prefetch=2),
+    DecodeVariant(mt=2, wm=2, wk=2, nt=4, prefetch=2),
+    DecodeVariant(mt=4, wm=2, wk=1, nt=1, prefetch=4),
+    DecodeVariant(mt=4, wm=1, wk=2, nt=1, prefetch=4),
+    DecodeVariant(mt=2, wm=4, wk=1, nt=1, prefetch=4),
+    DecodeVariant(mt=2, wm=2, wk=2, nt=1, prefetch=6),
+    DecodeVariant(mt=2, wm=2, wk=4, nt=1, prefetch=4),
+    DecodeVariant(mt=4, wm=2, wk=2, nt=1, prefetch=4),
+    DecodeVariant(mt=2, wm=1, wk=4, nt=1, prefetch=4),
+    DecodeVariant(mt=2, wm=2, wk=2, nt=2, prefetch=4),
+    DecodeVariant(mt=4, wm=2, wk=1, nt=4, prefetch=2),
+    DecodeVariant(mt=2, wm=4, wk=1, nt=4, prefetch=2),
+    DecodeVariant(mt=2, wm=2, wk=2, nt=4, prefetch=3),
+    DecodeVariant(mt=4, wm=1, wk=2, nt=4, prefetch=2),
+]
+PREFILL = [PrefillVariant(stages=s, min_blocks=b) for s in (3, 4) for b in (1, 2)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = make_parser(__doc__.splitlines()[0])
+    parser.set_defaults(tokens=[1, 8, 64, 512, 4096])
+    args = parser.parse_args(argv)
+    if gpu_missing("tune_sm90"):
+        return 2
+    report = Report()
+    report.emit(header_line())
+    report.emit()
+    report.table(["model", "T", "GEMM", "variant", "us", "chosen by the engine"], left=4)
+
+    def bench_model(m, gen, timer: Timer) -> None:
+        config = Nvfp4MoeConfig(max_num_tokens=max(args.tokens), engine="sm90")
+        weights = config.prepare_weights(*random_weights(m, gen), activation=SwiGLU())
+        executor = executor_for(m, config, weights)
+        for tokens in args.tokens:
+            moe_call(config, weights, *random_batch(m, tokens, gen))()
+            bucket = executor.bucket(tokens)
+            for name, ops in (("gemm1", bucket.gemm1), ("gemm2", bucket.gemm2)):
+                chosen = choose_variant(ops.rows, ops.shape)
+                candidates = PREFILL if tokens >= 1024 else DECODE + (PREFILL if tokens >= 256 else [])
+                for variant in candidates:
+                    w = ops.weights
+                    run = lambda v=variant: grouped_gemm(  # noqa: E731
+                        w.data, w.scales, w.alpha, ops.tokens.data, ops.offsets, ops.out, v)
+                    try:
+                        us = f"{timer.median_us(capture(run).replay):.1f}"
+                    except Exception as exc:  # noqa: BLE001 - a variant that does not fit is reported, not fatal
+                        us = f"error: {type(exc).__name__}"
+                    report.emit(md_row([m.name, str(tokens), name, repr(variant), us, "yes" if variant == chosen else ""]))
+
+    run_models(args, bench_model)
+    report.write(args.markdown)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
