@@ -158,11 +158,11 @@ def test_graph_declaration(layout, arch, backend):
     cudnn = pytest.importorskip("cudnn")
     from cudnn._gemm_validate import validate_graph
 
-    from cudnn_moe.engines.cudnn.grouped_gemm import UID, _declare, _dequant_dtypes
+    from cudnn_moe.engines.cudnn.grouped_gemm import UID, declare_graph, dequant_dtypes
 
     key = make_key(rows=256, k=160, n=200, num_experts=4, scale_layout=layout, offsets_len=offsets_len_for(4, arch, backend), arch=arch, backend=backend)
-    dequant = getattr(cudnn.data_type, _dequant_dtypes(layout)[0])
-    graph = _declare(cudnn, key, None, dequant)
+    dequant = getattr(cudnn.data_type, dequant_dtypes(layout)[0])
+    graph = declare_graph(cudnn, key, dequant)
     assert validate_graph(graph)
     tensors = {t.uid: t for t in graph.get_inputs()}
     assert sorted(tensors) == sorted(int(u) for u in UID if u is not UID.OUTPUT)

@@ -138,7 +138,7 @@ def weight_scale_shape(num_experts: int, n: int, k: int, layout: ScaleLayout) ->
     return num_experts, _round_up(n, SWIZZLE_ROWS), _round_up(cols, SWIZZLE_COLS)
 
 
-def _dequant_dtypes(layout: ScaleLayout) -> tuple[str, ...]:
+def dequant_dtypes(layout: ScaleLayout) -> tuple[str, ...]:
     """cuDNN data types to try, in order, for the dequantized operands.
 
     LINEAR (SM90): only BF16 gives the runtime-fusion engine a plan (measured). SWIZZLED:
@@ -148,16 +148,20 @@ def _dequant_dtypes(layout: ScaleLayout) -> tuple[str, ...]:
     return ("BFLOAT16",) if layout is ScaleLayout.LINEAR else ("FLOAT", "BFLOAT16")
 
 
-def _declare(cudnn: Any, key: GroupedGemmKey, handle: Any, dequant_dtype: Any) -> Any:
-    """The graph for ``key``, declared but not built. Dims and strides count logical elements."""
+def declare_graph(cudnn: Any, key: GroupedGemmKey, dequant_dtype: Any, *, handle: Any = None,
+                  device_property: Any = None) -> Any:
+    """The graph for ``key``, declared but not built, for a GPU given by a cuDNN ``handle`` (to run
+    it) or by cuDNN ``device_property`` (to check it for another GPU, deviceless.py). Dims and
+    strides count logical elements."""
     m, k, n, e = key.rows, key.k, key.n, key.num_experts
     dt = cudnn.data_type
+    target = {"handle": handle} if device_property is None else {"device_property": device_property}
     graph = cudnn.pygraph(
         io_data_type=dt.BFLOAT16,
         intermediate_data_type=dt.FLOAT,
         compute_data_type=dt.FLOAT,
-        handle=handle,
         is_cuda_graph_replay_expected=True,
+        **target,
     )
     reorder = cudnn.tensor_reordering.F8_128x4 if key.swizzled else None
     # Swizzled scale tensors are declared at their padded 128x4 extents, as cuDNN expects
@@ -285,9 +289,9 @@ def build_grouped_fp4_gemm(key: GroupedGemmKey) -> GroupedFp4Gemm:
     failures: list[str] = []
     last: Exception | None = None
     with torch.cuda.device(key.device), using_handle(key.device, torch.cuda.current_stream(key.device).cuda_stream) as handle:
-        for name in _dequant_dtypes(key.scale_layout):
+        for name in dequant_dtypes(key.scale_layout):
             try:
-                graph = _declare(cudnn, key, handle, getattr(cudnn.data_type, name))
+                graph = declare_graph(cudnn, key, getattr(cudnn.data_type, name), handle=handle)
                 graph.validate()
                 graph.build_operation_graph()
                 graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
