@@ -4,10 +4,16 @@
 # Wheels the machine lacks (the cuDNN frontend) are expected in .whl/ (see README, "GPU runs").
 # BENCH_ARGS passes options to benchmarks/bench_moe.py, STAGES_ARGS to benchmarks/bench_stages.py;
 # SKIP_BENCH=1 / SKIP_STAGES=1 / SKIP_TESTS=1 skip a step. Also runs `python3 -m cudnn_moe demo`.
+# CUDNN_PRELOAD=.cudnn/assemble.sh runs everything on a newer cuDNN backend carried in parts
+# (../shared/gpu/fetch-cudnn.sh says how): the script assembles it and preloads its libraries.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}
 mkdir -p "$OUT"
+if [ -n "${CUDNN_PRELOAD:-}" ]; then
+  # shellcheck disable=SC1090
+  source "$CUDNN_PRELOAD" || { echo "could not preload cuDNN from $CUDNN_PRELOAD"; exit 1; }
+fi
 if compgen -G ".whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/cudnn_moe_site .whl/*.whl || exit 1
   export PYTHONPATH=/tmp/cudnn_moe_site:$PWD${PYTHONPATH:+:$PYTHONPATH}
