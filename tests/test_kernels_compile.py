@@ -75,6 +75,11 @@ def _wrapper_calls() -> list[tuple[str, Callable[..., None], tuple[Any, ...]]]:
         z(B * k, dtype=i32), k, 0, E, 8, z(E + 1, dtype=i32), z(B * k, dtype=i32), z(R, dtype=i32), z(R, dtype=i32),
         z(E, dtype=i32),
     )
+    big = 3 * kernels.SORT_THREADS + 5  # more slots than one block sorts: moe_sort_blocks
+    sorting_blocks = (
+        z(big, dtype=i32), 1, 0, E, 8, z(E + 1, dtype=i32), z(big, dtype=i32), z(2 * big, dtype=i32),
+        z(2 * big, dtype=i32), z(E, dtype=i32),
+    )
     linear = kernels.TokenLayout.NVFP4_LINEAR
     permute = (z(B, H // 2), z(B, H // 16), z(B * k, dtype=i32), B * k, k, linear, z(R, H // 2), z(R * H // 16))
     activation = (
@@ -86,6 +91,7 @@ def _wrapper_calls() -> list[tuple[str, Callable[..., None], tuple[Any, ...]]]:
     return [
         ("moe_stage_inputs", kernels.stage_inputs, staged),
         ("moe_sort", kernels.sort_routing, sorting),
+        ("moe_sort_blocks", kernels.sort_routing, sorting_blocks),
         ("moe_permute", kernels.permute_tokens, permute),
         ("moe_activation", kernels.activate_quantize, activation),
         ("moe_finalize", kernels.finalize, finalize),

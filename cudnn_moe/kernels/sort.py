@@ -8,6 +8,21 @@ import torch
 from .codes import SORT_MAX_EXPERTS, SORT_THREADS
 from .loader import launch, ptr
 
+# Most blocks of one moe_sort_blocks launch. Every block counts all slot ids, so the grid is capped:
+# up to SORT_MAX_BLOCKS * SORT_THREADS slots each block places one chunk of SORT_THREADS slots, beyond
+# that each places several consecutive chunks.
+SORT_MAX_BLOCKS = 128
+
+
+def sort_grid(num_slots: int) -> tuple[int, int]:
+    """(blocks, slots per block) of the sort of ``num_slots`` slots: (1, num_slots) up to SORT_THREADS slots
+    (moe_sort, one block), else a grid of moe_sort_blocks with a multiple of SORT_THREADS slots per block."""
+    chunks = -(-num_slots // SORT_THREADS)
+    if chunks <= 1:
+        return 1, num_slots
+    per_block = -(-chunks // min(chunks, SORT_MAX_BLOCKS)) * SORT_THREADS
+    return -(-num_slots // per_block), per_block
+
 
 def sort_routing(
     ids_flat: torch.Tensor,
@@ -29,7 +44,10 @@ def sort_routing(
     written: -1 for padding rows and rows past the end; row_expert is the segment's expert for padding rows
     inside a segment), counts [num_local] slots per local expert before padding. Rows within a segment
     follow slot order. R must cover the worst case
-    roundup(B*k + min(num_local, B*k) * (align - 1), align).
+    roundup(B*k + min(num_local, B*k) * (align - 1), align); when it does not, offsets are clamped to R and
+    slots past the end of their clamped segment are dropped (slot_to_row -1).
+    One launch: up to SORT_THREADS slots one block (moe_sort), beyond that a grid of independent blocks
+    (moe_sort_blocks, sort_grid) with the same outputs.
     """
     num_slots, row_capacity = ids_flat.numel(), row_to_slot.numel()
     if not 1 <= num_local <= SORT_MAX_EXPERTS or align < 1 or top_k < 1 or num_slots % top_k:
@@ -41,23 +59,12 @@ def sort_routing(
             or counts.numel() != num_local):
         raise ValueError("sort operands: int32 ids, offsets [num_local + 1], counts [num_local], "
                          "row_expert as long as row_to_slot")
-    launch(
-        "sort.cu",
-        "moe_sort",
-        ids_flat.device,
-        1,
-        SORT_THREADS,
-        (
-            ptr(ids_flat),
-            np.int32(num_slots),
-            np.int32(local_start),
-            np.int32(num_local),
-            np.int32(align),
-            np.int32(row_capacity),
-            ptr(offsets),
-            ptr(slot_to_row),
-            ptr(row_to_slot),
-            ptr(row_expert),
-            ptr(counts),
-        ),
-    )
+    head = (ptr(ids_flat), np.int32(num_slots), np.int32(local_start), np.int32(num_local), np.int32(align),
+            np.int32(row_capacity))
+    tail = (ptr(offsets), ptr(slot_to_row), ptr(row_to_slot), ptr(row_expert), ptr(counts))
+    blocks, block_slots = sort_grid(num_slots)
+    if blocks == 1:
+        launch("sort.cu", "moe_sort", ids_flat.device, 1, SORT_THREADS, (*head, *tail))
+    else:
+        launch("sort.cu", "moe_sort_blocks", ids_flat.device, blocks, SORT_THREADS,
+               (*head, np.int32(block_slots), *tail))
