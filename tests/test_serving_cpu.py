@@ -5,7 +5,6 @@ and the serving benchmarks' command lines."""
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 import subprocess
 import sys
@@ -26,7 +25,7 @@ from cudnn_moe.cache import store as store_module
 from cudnn_moe.config import Nvfp4Activations
 from cudnn_moe.engines.cudnn import GroupedGemmKey, ScaleLayout
 from cudnn_moe.engines.cudnn import plan_cache
-from cudnn_moe.kernels.loader import PackedArgs, kernel_key, packed_args, read_cupy_binary
+from cudnn_moe.kernels.loader import PackedArgs, kernel_key, packed_args
 
 REPO = Path(__file__).resolve().parent.parent
 ENV = Environment(gpu_name="NVIDIA H200", compute_capability=(9, 0), cudnn_backend=91900, cudnn_frontend="1.32.0")
@@ -232,16 +231,6 @@ def test_packed_args_reuse_per_layout_and_refuse_python_ints() -> None:
 
 
 # ---------------------------------------------------------------- kernel binaries
-
-
-def test_read_cupy_binary(tmp_path: Path) -> None:
-    binary = b"\x7fELF cubin bytes"
-    (tmp_path / "abc_2.cubin").write_bytes(hashlib.md5(binary).hexdigest().encode() + binary)
-    assert read_cupy_binary(tmp_path) == binary
-    (tmp_path / "abc_2.cubin").write_bytes(b"0" * 32 + binary)  # digest mismatch
-    assert read_cupy_binary(tmp_path) is None
-    (tmp_path / "abc_2.cubin").unlink()
-    assert read_cupy_binary(tmp_path) is None  # CuPy wrote nothing here
 
 
 def test_kernel_key_covers_source_options_and_environment() -> None:

@@ -1,11 +1,10 @@
 """Compiling, caching and launching the CUDA sources of kernels_cuda/.
 
-Compilation: CuPy (NVRTC) compiles a module exactly as ``cupy.RawModule(code=..., options=...)``
-does, into a private temporary CuPy kernel-cache directory; the binary CuPy writes there is kept in
-the package's persistent cache (``cudnn_moe.cache.active_cache()``) under a key of the source digest
-(the file and every header), the options, the GPU and the CuPy / NVRTC versions. A later process
-loads that binary with ``cuModuleLoadData`` and compiles nothing. Where CuPy leaves no binary file
-behind (a CuPy that caches elsewhere), the compiled module is used as it is and nothing is stored.
+Compilation: NVRTC, through CuPy's ``compile_using_nvrtc``, gives the module's binary (a cubin for the
+device's architecture); it is loaded with ``cuModuleLoadData`` and kept in the package's persistent
+cache (``cudnn_moe.cache.active_cache()``) under a key of the source digest (the file and every
+header), the options, the GPU and the CuPy / NVRTC versions. A later process loads that binary and
+compiles nothing; fresh and cached modules are loaded the same way.
 
 Launches go through ``cuLaunchKernel`` (``cupy.cuda.driver.launchKernel``) with an argument buffer
 packed by ``pack_args``, on torch's current stream; no CuPy stream or kernel objects are built per call.
@@ -16,8 +15,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
-import os
-import tempfile
 import struct
 import threading
 from dataclasses import dataclass
@@ -36,7 +33,6 @@ _modules: dict[tuple[int, str, tuple[str, ...]], _Module] = {}
 _functions: dict[tuple[int, str, str, tuple[str, ...]], int] = {}
 _shared_limits: dict[int, int] = {}  # CUfunction -> dynamic shared memory limit set so far
 _MAX_DYNAMIC_SHARED = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-_CUPY_HASH_BYTES = 32  # CuPy's kernel-cache files: md5 hex digest of the binary, then the binary
 
 
 def kernels_dir() -> Path:
@@ -84,59 +80,39 @@ def kernel_key(filename: str, source: str, options: tuple[str, ...], environment
     )
 
 
-def read_cupy_binary(directory: Path) -> bytes | None:
-    """The one binary CuPy's kernel cache wrote into ``directory`` (a file of md5 hex digest +
-    binary), checked against its digest; None when there is not exactly one valid such file."""
-    files = [p for p in directory.iterdir() if p.is_file() and p.name.endswith(".cubin")]
-    if len(files) != 1:
-        return None
-    data = files[0].read_bytes()
-    head, binary = data[:_CUPY_HASH_BYTES], data[_CUPY_HASH_BYTES:]
-    if not binary or head != hashlib.md5(binary).hexdigest().encode("ascii"):
-        return None
-    return binary
-
-
 @dataclass
 class _Module:
-    """A loaded module: the CUmodule handle and the object keeping it loaded (CuPy's, or None when
-    loaded by handle from a cached binary), and where it came from ('disk', 'built')."""
+    """A loaded module: its CUmodule handle, and where it came from ('disk', 'built')."""
 
-    handle: int | None
-    owner: Any
+    handle: int
     source: str
 
     def function(self, name: str) -> int:
         """The CUfunction handle of kernel ``name``."""
         from cupy.cuda import driver
 
-        if self.handle is not None:
-            return int(driver.moduleGetFunction(self.handle, name))
-        return int(self.owner.get_function(name).kernel.ptr)
+        return int(driver.moduleGetFunction(self.handle, name))
 
 
-def _compile(source: str, options: tuple[str, ...], device: int) -> tuple[bytes | None, Any]:
-    """Compile with CuPy into a private kernel-cache directory: (the binary CuPy wrote, or None; the RawModule)."""
+def _compile(source: str, options: tuple[str, ...]) -> bytes:
+    """The NVRTC binary of ``source`` for the current device (a cubin, or PTX where NVRTC cannot target it)."""
+    from cupy.cuda import compiler
+
+    binary, _ = compiler.compile_using_nvrtc(source, options)
+    return binary.encode() if isinstance(binary, str) else bytes(binary)
+
+
+def _module_from(binary: bytes, device: int, source: str) -> _Module:
     import cupy
+    from cupy.cuda import driver
 
-    with tempfile.TemporaryDirectory(prefix="cudnn_moe_nvrtc_") as private:
-        previous = os.environ.get("CUPY_CACHE_DIR")
-        os.environ["CUPY_CACHE_DIR"] = private  # CuPy reads it when it compiles
-        try:
-            with cupy.cuda.Device(device):
-                module = cupy.RawModule(code=source, options=options)
-                module.compile()
-        finally:
-            if previous is None:
-                os.environ.pop("CUPY_CACHE_DIR", None)
-            else:
-                os.environ["CUPY_CACHE_DIR"] = previous
-        return read_cupy_binary(Path(private)), module
+    with cupy.cuda.Device(device):
+        _bind(device)
+        return _Module(int(driver.moduleLoadData(binary)), source)
 
 
 def _load(filename: str, device: int, extra_options: tuple[str, ...]) -> _Module:
     import cupy
-    from cupy.cuda import driver
 
     source, options = module_source(filename), compile_options(extra_options)
     key = kernel_key(filename, source, options, _kernel_environment(device))
@@ -144,18 +120,17 @@ def _load(filename: str, device: int, extra_options: tuple[str, ...]) -> _Module
     binary = disk.get(key) if disk is not None else None
     if binary is not None:
         try:
-            with cupy.cuda.Device(device):
-                _bind(device)
-                return _Module(int(driver.moduleLoadData(binary)), None, "disk")
+            return _module_from(binary, device, "disk")
         except Exception as exc:  # a binary the driver refuses: rebuilt and replaced, never fatal
             report_once(str(disk.path_for(key)), f"cannot load the cached kernel {key.name} ({exc}); recompiling")
-    binary, raw = _compile(source, options, device)
-    if binary is not None and disk is not None:
+    with cupy.cuda.Device(device):
+        binary = _compile(source, options)
+    if disk is not None:
         try:
             disk.put(key, binary)
         except OSError:
             pass  # an unwritable cache costs a compile next time, nothing else
-    return _Module(None, raw, "built")
+    return _module_from(binary, device, "built")
 
 
 def load_module(filename: str, device: int, extra_options: tuple[str, ...] = ()) -> _Module:
