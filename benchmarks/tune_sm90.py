@@ -49,7 +49,22 @@ DECODE = [
     DecodeVariant(mt=2, wm=2, wk=2, nt=4, prefetch=3),
     DecodeVariant(mt=4, wm=1, wk=2, nt=4, prefetch=2),
 ]
-PREFILL = [PrefillVariant(stages=s, min_blocks=b) for s in (3, 4) for b in (1, 2)]
+PREFILL = [PrefillVariant(stages=s, min_blocks=b) for s in (3, 4) for b in (1, 2)] + [
+    # 256 features x 64 token rows: the default's warp tile, less padding on ~128-row segments
+    PrefillVariant(4, 2, feature_block=256, tile_rows=64),
+    PrefillVariant(3, 2, feature_block=256, tile_rows=64),
+    PrefillVariant(4, 1, feature_block=256, tile_rows=64),
+    # 128 x 64: 4 warps, up to 4 CTAs per SM
+    PrefillVariant(4, 4, feature_block=128, tile_rows=64),
+    PrefillVariant(3, 3, feature_block=128, tile_rows=64),
+    # 256 x 128 (16 warps, one CTA per SM)
+    PrefillVariant(4, 1, feature_block=256, tile_rows=128),
+    # weights decoded once per CTA (adec)
+    PrefillVariant(3, 2, adec=True),
+    PrefillVariant(3, 1, adec=True),
+    PrefillVariant(4, 1, adec=True),
+    PrefillVariant(3, 1, feature_block=256, adec=True),
+]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -40,6 +40,20 @@ DECODE_VARIANTS = [
     sm90.DecodeVariant(mt=1, wm=1, wk=8, nt=4, prefetch=2),
     sm90.DecodeVariant(mt=2, wm=4, wk=2, nt=1, prefetch=3),
 ]
+PREFILL_VARIANTS = [
+    sm90.PrefillVariant(),
+    sm90.PrefillVariant(3),
+    sm90.PrefillVariant(4, 1),
+    sm90.PrefillVariant(stmatrix=False),
+    sm90.PrefillVariant(feature_block=256, tile_rows=64),
+    sm90.PrefillVariant(feature_block=128, tile_rows=64, min_blocks=4),
+    sm90.PrefillVariant(feature_block=64, tile_rows=128, min_blocks=4),
+    sm90.PrefillVariant(feature_block=256, tile_rows=128, min_blocks=1),
+    sm90.PrefillVariant(3, adec=True),
+    sm90.PrefillVariant(3, 1, adec=True),
+    sm90.PrefillVariant(4, 1, adec=True),
+    sm90.PrefillVariant(3, 1, feature_block=256, adec=True),
+]
 
 
 def _nvcc(source: Path, arch: str, out: Path, options: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
@@ -66,8 +80,7 @@ def test_kernel_compiles(source: str, arch: str, tmp_path: Path) -> None:
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found")
-@pytest.mark.parametrize("variant", [*DECODE_VARIANTS, sm90.PrefillVariant(3), sm90.PrefillVariant(4, 1),
-                                     sm90.PrefillVariant(stmatrix=False)], ids=str)
+@pytest.mark.parametrize("variant", [*DECODE_VARIANTS, *PREFILL_VARIANTS[1:]], ids=str)
 def test_variant_compiles(variant: Any, tmp_path: Path) -> None:
     result = _nvcc(SM90_DIR / "grouped_gemm.cu", "90a", tmp_path / "kernel.o", variant.options())
     assert result.returncode == 0, result.stderr
@@ -75,6 +88,15 @@ def test_variant_compiles(variant: Any, tmp_path: Path) -> None:
     print(variant, report)
     if variant.kernel == "sm90_gemm_decode":  # the decode register ring must never go to local memory
         assert " 0 bytes spill stores" in report, report
+    else:  # the dynamic shared memory only: PrefillVariant.shared_mem is all the kernel needs
+        assert not re.search(r"\b[1-9]\d* bytes smem", report), report
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found")
+@pytest.mark.parametrize("variant", PREFILL_VARIANTS[4:], ids=str)
+def test_prefill_variant_compiles_for_sm100(variant: Any, tmp_path: Path) -> None:
+    result = _nvcc(SM90_DIR / "grouped_gemm.cu", "100a", tmp_path / "kernel.o", variant.options())
+    assert result.returncode == 0, result.stderr
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -416,13 +438,13 @@ def launches(monkeypatch: pytest.MonkeyPatch) -> list[tuple]:
 def test_wrappers_match_kernel_signatures(launches: list[tuple]) -> None:
     signatures = _signatures()
     assert sorted(signatures) == ["sm90_gemm_decode", "sm90_gemm_prefill", "sm90_permute_decode"]
-    for variant in (sm90.DECODE, sm90.PREFILL, *DECODE_VARIANTS):
+    for variant in (sm90.DECODE, *PREFILL_VARIANTS, *DECODE_VARIANTS):
         launches.clear()
         sm90.grouped_gemm(**_gemm_args(), variant=variant)
         (source, name, _device, grid, block, args), kwargs = launches[0]
         assert (source, name) == ("sm90/grouped_gemm.cu", variant.kernel)
         assert [type(a) for a in args] == [_ARG_TYPES[kind] for kind in signatures[name]]
-        assert grid == (128 // variant.feature_block, min(3, 40 // 8) + -(-40 // variant.tile_rows))
+        assert grid == (-(-128 // variant.feature_block), min(3, 40 // 8) + -(-40 // variant.tile_rows))
         assert block == variant.threads and kwargs["shared_mem"] == variant.shared_mem
         assert kwargs["extra_options"] == variant.options()
     launches.clear()
@@ -439,9 +461,14 @@ def test_variant_macros_match_the_source() -> None:
     p = sm90.PrefillVariant()
     assert defaults == {"SM90_MT": str(d.mt), "SM90_WM": str(d.wm), "SM90_WK": str(d.wk), "SM90_NT": str(d.nt),
                         "SM90_PREFETCH": str(d.prefetch), "SM90_PF_STAGES": str(p.stages),
-                        "SM90_PF_MIN_BLOCKS": str(p.min_blocks), "SM90_PF_STMATRIX": str(int(p.stmatrix))}
-    assert "#define PF_STAGE_BYTES (PF_X_OFFSET + PF_TB * PF_X_STRIDE)  // 23040" in text
+                        "SM90_PF_MIN_BLOCKS": str(p.min_blocks), "SM90_PF_STMATRIX": str(int(p.stmatrix)),
+                        "SM90_PF_FB": str(p.feature_block), "SM90_PF_TB": str(p.tile_rows),
+                        "SM90_PF_ADEC": str(int(p.adec))}
+    assert "#define PF_STAGE_BYTES (PF_X_OFFSET + PF_TB * PF_X_STRIDE)  // 23040 at 128 x 128" in text
     assert sm90.PrefillVariant(2).shared_mem == 2 * 23040 >= 128 * 272 and sm90.PrefillVariant(4).shared_mem == 4 * 23040
+    assert p.threads == 256 and p.options()[:3] == ("-DSM90_PF_STAGES=4", "-DSM90_PF_MIN_BLOCKS=2", "-DSM90_PF_STMATRIX=1")
+    assert sm90.PrefillVariant(feature_block=256, tile_rows=64).shared_mem == 4 * (256 * 36 + 64 * 144)
+    assert sm90.PrefillVariant(3, adec=True).shared_mem == 3 * 23040 + 2 * 16384
 
 
 _GEMM_BAD = [
@@ -487,6 +514,11 @@ def test_grouped_gemm_rejects_cpu_tensors_and_bad_variants() -> None:
         sm90.DecodeVariant(mt=2, wm=4, nt=8, wk=4)  # split-K buffer > 48 KB
     with pytest.raises(ValueError):
         sm90.PrefillVariant(1)
+    for bad in ({"tile_rows": 256}, {"feature_block": 32}, {"adec": True, "tile_rows": 64}, {"adec": True, "stages": 2},
+                {"min_blocks": 5}, {"min_blocks": 3, "feature_block": 256, "tile_rows": 128},
+                {"stages": 8, "feature_block": 256, "tile_rows": 128, "adec": True}):
+        with pytest.raises(ValueError):
+            sm90.PrefillVariant(**bad)
 
 
 _PERMUTE_BAD = [
@@ -620,80 +652,122 @@ def emulate_decode(v: sm90.DecodeVariant, w: np.ndarray, s: np.ndarray, alpha: n
 
 
 def emulate_prefill(w: np.ndarray, s: np.ndarray, alpha: np.ndarray, xb: np.ndarray, offsets: list[int], n: int,
-                    k: int, rows: int, seed: int = 0) -> np.ndarray:
-    """sm90_gemm_prefill as in the source: cp.async copies into one stage buffer (pre-filled with
-    garbage, so a byte the copies miss shows), warp reads, mma, stmatrix.trans staging, stores."""
+                    k: int, rows: int, seed: int = 0, v: sm90.PrefillVariant = sm90.PREFILL) -> np.ndarray:
+    """sm90_gemm_prefill as in the source: cp.async copies into the stage buffer (pre-filled with
+    garbage, so a byte the copies miss shows; weight tiles past N read nothing), with ADEC the decode
+    warps' stores and the mma warps' loads of the decoded A fragments, warp reads, mma,
+    stmatrix.trans staging, guarded stores."""
     experts, kt = len(offsets) - 1, k // 64
-    grid = sm90.gemm_grid(sm90.PREFILL, experts, n, rows)
+    fb, tb, threads = v.feature_block, v.tile_rows, v.threads
+    wmc, mtiles = fb // 32, fb // 16
+    w_bytes, x_offset = mtiles * 512, mtiles * 576
+    stage_bytes = v.stage_bytes
+    grid = sm90.gemm_grid(v, experts, n, rows)
     rng = np.random.default_rng(seed)
     out = np.full((rows, n), np.nan)
-    tid = np.arange(256)
+    tid = np.arange(threads)
     lane = tid & 31
+    guard = fb > 128
     for by in range(grid[1]):
-        tile = find_tile(offsets, 128, rows, by)
+        tile = find_tile(offsets, tb, rows, by)
         if tile is None:
             continue
         e, row0, row_end = tile
         for bx in range(grid[0]):
+            mtiles_in = (n >> 4) - bx * mtiles
             expert_tiles = (n >> 4) * kt
-            block_tile0 = e * expert_tiles + bx * 8 * kt
-            w_src = (block_tile0 + (tid >> 5) * kt) * 512 + lane * 16
-            w_dst = (tid >> 5) * 512 + lane * 16
-            s_src = (block_tile0 + ((tid >> 2) & 7) * kt) * 64 + (tid & 3) * 16
-            s_dst = 4096 + ((tid >> 2) & 7) * 64 + (tid & 3) * 16
-            x_row = row0 + (tid >> 3)
-            x_src = (tid & 7) * 16
-            x_dst = 4608 + (tid >> 3) * 144 + (tid & 7) * 16
-            acc = np.zeros((8, 2, 8, 16, 8))  # [warp, mt, nt]
-            for j in range(kt):
-                stage = rng.integers(0, 256, 23040).astype(np.uint8)  # stale bytes of an earlier stage
-                for t in range(256):
-                    stage[w_dst[t] : w_dst[t] + 16] = w[w_src[t] + j * 512 : w_src[t] + j * 512 + 16]
-                    if t < 32:
-                        stage[s_dst[t] : s_dst[t] + 16] = s[s_src[t] + j * 64 : s_src[t] + j * 64 + 16]
-                    for u in range(4):
-                        row = x_row[t] + 32 * u
-                        src = x_src[t] + j * 128 + min(row, row_end - 1) * k * 2
-                        dst = x_dst[t] + u * 32 * 144
+            block_tile0 = e * expert_tiles + bx * mtiles * kt
+            w_copies = []  # (src, dst, bytes) per thread and chunk
+            for u in range(2 * fb // threads):
+                m = (tid + u * threads) >> 5
+                ok = (not guard) | (m < mtiles_in)
+                w_copies.append(((block_tile0 + np.where(ok, m, 0) * kt) * 512 + lane * 16, (tid + u * threads) * 16,
+                                 np.where(ok, 16, 0)))
+            s_tile = (tid >> 2) & (mtiles - 1)
+            s_ok = (not guard) | (s_tile < mtiles_in)
+            s_src = (block_tile0 + np.where(s_ok, s_tile, 0) * kt) * 64 + (tid & 3) * 16
+            s_dst = w_bytes + tid * 16
+            x_first = row0 + (tid >> 3)
+            x_step = threads // 8
+            x_dst = x_offset + (tid >> 3) * 144 + (tid & 7) * 16
+            acc = np.zeros((threads // 32, 2, 8, 16, 8))  # [warp, mt, nt]
+            decoded = [None, None]
+            stages = {}
+
+            def load(j: int) -> None:
+                stage = rng.integers(0, 256, stage_bytes).astype(np.uint8)  # stale bytes of an earlier stage
+                for t in range(threads):
+                    for src, dst, nbytes in w_copies:
+                        stage[dst[t] : dst[t] + 16] = w[src[t] + j * 512 : src[t] + j * 512 + 16] if nbytes[t] else 0
+                    if t < fb // 4:
+                        stage[s_dst[t] : s_dst[t] + 16] = s[s_src[t] + j * 64 : s_src[t] + j * 64 + 16] if s_ok[t] else 0
+                    for u in range(8 * tb // threads):
+                        row = x_first[t] + x_step * u
+                        src = (row0 * k * 2 + (tid[t] & 7) * 16) + (min(row, row_end - 1) - row0) * k * 2 + j * 128
+                        dst = x_dst[t] + u * x_step * 144
                         stage[dst : dst + 16] = xb[src : src + 16] if row < row_end else 0
-                for warp in range(8):
-                    wm, wn = warp & 3, warp >> 2
-                    wq = [_words(stage, (wm * 2 + mt) * 512 + LANES * 16, 4) for mt in range(2)]
-                    sc = [_words(stage, 4096 + (wm * 2 + mt) * 64 + G * 8, 2) for mt in range(2)]
-                    xoff = 4608 + (wn * 64 + G) * 144 + Q * 32
+                stages[j] = stage
+
+            def decode(j: int) -> np.ndarray:  # ADEC: warp w decodes m16 tile w -> [lane-major fragments]
+                buf = rng.integers(0, 2**32, (mtiles, 4, 32, 4)).astype(np.uint64)
+                for warp in range(threads // 32):
+                    wq = _words(stages[j], warp * 512 + LANES * 16, 4)
+                    sc = _words(stages[j], w_bytes + warp * 64 + G * 8, 2)
+                    for st in range(4):
+                        sg, sg8 = decode_scale_word(sc[:, st >> 1])
+                        buf[warp, st] = np.stack(scaled_a(wq[:, st], sg, sg8, st), axis=1)
+                return buf
+
+            for j in range(kt):
+                load(j)
+                if v.adec:
+                    decoded[j & 1] = decode(j)
+                stage = stages.pop(j)
+                for warp in range(threads // 32):
+                    wm, wn = warp % wmc, warp // wmc
+                    if not v.adec:
+                        wq = [_words(stage, (wm * 2 + mt) * 512 + LANES * 16, 4) for mt in range(2)]
+                        sc = [_words(stage, w_bytes + (wm * 2 + mt) * 64 + G * 8, 2) for mt in range(2)]
+                    xoff = x_offset + (wn * 64 + G) * 144 + Q * 32
                     for h in range(2):
                         a = {}
                         for mt in range(2):
-                            sg, sg8 = decode_scale_word(sc[mt][:, h])
-                            a[0, mt] = a_matrix(scaled_a(wq[mt][:, 2 * h], sg, sg8, 2 * h))
-                            a[1, mt] = a_matrix(scaled_a(wq[mt][:, 2 * h + 1], sg, sg8, 2 * h + 1))
+                            if v.adec:  # da + mt * 2048 + (2h + s2) * 512 + 16 lane, da at tile 2 wm
+                                for s2 in range(2):
+                                    a[s2, mt] = a_matrix(list(decoded[j & 1][wm * 2 + mt, 2 * h + s2].T))
+                            else:
+                                sg, sg8 = decode_scale_word(sc[mt][:, h])
+                                a[0, mt] = a_matrix(scaled_a(wq[mt][:, 2 * h], sg, sg8, 2 * h))
+                                a[1, mt] = a_matrix(scaled_a(wq[mt][:, 2 * h + 1], sg, sg8, 2 * h + 1))
                         for nt in range(8):
                             bq = _words(stage, xoff + nt * 8 * 144 + h * 16, 4)
                             for mt in range(2):
                                 acc[warp, mt, nt] += a[0, mt] @ b_matrix(bq[:, 0], bq[:, 1])
                                 acc[warp, mt, nt] += a[1, mt] @ b_matrix(bq[:, 2], bq[:, 3])
-            # epilogue: stmatrix.x4.trans into [token][feature] (stride 272 bytes = 136 values), then stores
-            staged = np.full(128 * 136, np.nan)
+            # epilogue: stmatrix.x4.trans into [token][feature] (stride 2 FB + 16 bytes), then stores
+            stride = fb + 8
+            staged = np.full(tb * stride, np.nan)
             scale = np.float32(alpha[e] * 256.0)
-            for warp in range(8):
-                wm, wn = warp & 3, warp >> 2
+            for warp in range(threads // 32):
+                wm, wn = warp % wmc, warp // wmc
                 for mt in range(2):
                     for nt in range(0, 8, 2):
                         c = [_to_bf16(scale * acc[warp, mt, nt + i // 2]) for i in range(4)]
                         row_addr = {}
                         for ln in range(32):
                             mi, r = ln >> 3, ln & 7
-                            row_addr[mi, r] = (wn * 64 + (nt + (mi >> 1)) * 8 + r) * 136 + wm * 32 + mt * 16 + (mi & 1) * 8
+                            row_addr[mi, r] = (wn * 64 + (nt + (mi >> 1)) * 8 + r) * stride + wm * 32 + mt * 16 + (mi & 1) * 8
                         for i in range(4):  # register i = matrix i: (c0, c1) or (c2, c3) of its n8 tile
                             frag = c[i][8 * (i & 1) :][:8]  # rows g (+8) of C
                             for ln in range(32):
                                 for hh in range(2):
                                     value = frag[ln // 4, 2 * (ln % 4) + hh]
                                     staged[row_addr[i, 2 * (ln % 4) + hh] + ln // 4] = value
-            for cidx in range(2048):
-                row, chunk = cidx >> 4, cidx & 15
-                if row0 + row < row_end:
-                    out[row0 + row, bx * 128 + chunk * 8 : bx * 128 + chunk * 8 + 8] = staged[row * 136 + chunk * 8 :][:8]
+            chunks = fb // 8
+            for cidx in range(tb * chunks):
+                row, chunk = cidx // chunks, cidx % chunks
+                if row0 + row < row_end and (not guard or (chunk >> 1) < mtiles_in):
+                    out[row0 + row, bx * fb + chunk * 8 : bx * fb + chunk * 8 + 8] = staged[row * stride + chunk * 8 :][:8]
     return out
 
 
@@ -732,9 +806,20 @@ def test_decode_kernel_emulation(variant: sm90.DecodeVariant) -> None:
     _compare(out, ref, offsets[-1])
 
 
-def test_prefill_kernel_emulation() -> None:
-    w, s, alpha, xb, offsets, rows, ref = _emulation_problem(2, 128, 128, [131, 40], 8, seed=5)
-    out = emulate_prefill(w, s, alpha, xb, offsets, 128, 128, rows)
+@pytest.mark.parametrize("variant", [sm90.PREFILL, sm90.PrefillVariant(3, adec=True)], ids=str)
+def test_prefill_kernel_emulation(variant: sm90.PrefillVariant) -> None:
+    w, s, alpha, xb, offsets, rows, ref = _emulation_problem(2, 128, 192, [131, 40], 8, seed=5)
+    out = emulate_prefill(w, s, alpha, xb, offsets, 128, 192, rows, v=variant)
+    _compare(out, ref, offsets[-1])
+
+
+@pytest.mark.parametrize("variant", [sm90.PrefillVariant(feature_block=256, tile_rows=64),
+                                     sm90.PrefillVariant(feature_block=64, tile_rows=128, min_blocks=4),
+                                     sm90.PrefillVariant(3, 1, feature_block=256, adec=True)], ids=str)
+def test_prefill_kernel_emulation_other_tiles(variant: sm90.PrefillVariant) -> None:
+    """N = 384: a 256-feature CTA overhangs N by 128 features (skipped); 64-row tiles split segments."""
+    w, s, alpha, xb, offsets, rows, ref = _emulation_problem(2, 384, 64, [75, 16], 8, seed=6)
+    out = emulate_prefill(w, s, alpha, xb, offsets, 384, 64, rows, v=variant)
     _compare(out, ref, offsets[-1])
 
 
@@ -769,7 +854,7 @@ NVRTC = _nvrtc_library()
 
 @pytest.mark.skipif(NVRTC is None, reason="libnvrtc not found")
 @pytest.mark.parametrize("arch", ["compute_90", "compute_100"])
-@pytest.mark.parametrize("variant", [None, sm90.DECODE, sm90.PREFILL, *DECODE_VARIANTS[1:]], ids=str)
+@pytest.mark.parametrize("variant", [None, sm90.DECODE, *PREFILL_VARIANTS, *DECODE_VARIANTS[1:]], ids=str)
 def test_nvrtc_compiles(arch: str, variant: Any) -> None:
     import ctypes
 

@@ -25,6 +25,19 @@ DECODE_VARIANTS = [
 ]
 PREFILL_VARIANTS = [sm90.PrefillVariant(), sm90.PrefillVariant(3), sm90.PrefillVariant(4, min_blocks=1),
                     sm90.PrefillVariant(stmatrix=False)]
+# Other CTA tiles (256 features overhang N = 128 / 384 in CASES) and the decode-once-per-CTA (adec) path.
+NEW_PREFILL_VARIANTS = [
+    sm90.PrefillVariant(feature_block=256, tile_rows=64),
+    sm90.PrefillVariant(feature_block=128, tile_rows=64, min_blocks=4),
+    sm90.PrefillVariant(feature_block=64, tile_rows=128, min_blocks=4),
+    sm90.PrefillVariant(feature_block=256, tile_rows=128, min_blocks=1),
+    sm90.PrefillVariant(3, adec=True),
+    sm90.PrefillVariant(3, 1, adec=True),
+    sm90.PrefillVariant(4, 1, adec=True),
+    sm90.PrefillVariant(3, 1, feature_block=256, adec=True),
+    sm90.PrefillVariant(3, stmatrix=False, feature_block=256, tile_rows=64),
+]
+PREFILL_VARIANTS += NEW_PREFILL_VARIANTS
 VARIANTS = DECODE_VARIANTS + PREFILL_VARIANTS
 
 
@@ -131,13 +144,14 @@ def test_grouped_gemm_matches_reference(variant: sm90.GemmVariant, case: int) ->
     assert torch.equal(out.view(torch.int16), again.view(torch.int16)), "results differ between runs"
 
 
-@pytest.mark.parametrize("variant", [sm90.DECODE, sm90.PREFILL], ids=str)
+@pytest.mark.parametrize("variant", [sm90.DECODE, sm90.PREFILL, *NEW_PREFILL_VARIANTS], ids=str)
 def test_every_scale_byte(variant: sm90.GemmVariant) -> None:
     problem = Problem(3, 384, 704, [40, 0, 135], 8, seed=7, cover_scales=True)
     check(problem, problem.run(variant))
 
 
-@pytest.mark.parametrize("variant", [sm90.DECODE, sm90.DecodeVariant(nt=4, wm=2, wk=4), sm90.PREFILL], ids=str)
+@pytest.mark.parametrize("variant", [sm90.DECODE, sm90.DecodeVariant(nt=4, wm=2, wk=4), sm90.PREFILL,
+                                     *NEW_PREFILL_VARIANTS], ids=str)
 def test_segment_edges(variant: sm90.GemmVariant) -> None:
     """Single-row segments, a segment ending exactly at the row capacity, experts beyond the 32 a
     lane of the tile finder holds alone, segments of exactly one tile and one row more."""
@@ -152,6 +166,17 @@ def test_decode_and_prefill_on_one_problem() -> None:
     a, b = problem.run(sm90.DECODE), problem.run(sm90.PREFILL)
     check(problem, a)
     check(problem, b)
+
+
+def test_prefill_variants_agree_bitwise() -> None:
+    """Every prefill variant sums each output in the same FP32 order (k64 steps in order, the same
+    mma sequence per k64): the tile shapes and the decode path must not change a single bit."""
+    problem = Problem(5, 384, 320, [200, 0, 64, 129, 7], 16, seed=13)
+    want = problem.run(sm90.PREFILL)
+    check(problem, want)
+    for variant in NEW_PREFILL_VARIANTS:
+        got = problem.run(variant)
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16)), f"{variant} differs from the default"
 
 
 def test_graph_capture_follows_device_offsets() -> None:

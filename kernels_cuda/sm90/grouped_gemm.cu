@@ -264,8 +264,13 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS)
 }
 
 // =============================================================================================
-// Prefill: large segments. CTA tile 128 features x 128 tokens x k64 per stage, cp.async pipeline.
-// 8 warps: 4 along features (32 each: MT = 2) x 2 along tokens (64 each: NT = 8).
+// Prefill: large segments. CTA tile FB features x TB token rows x k64 per stage, STAGES-deep cp.async
+// pipeline. Warps of 32 features (MT = 2 m16 tiles) x 64 tokens (NT = 8 n8 tiles): FB / 32 warps
+// along features x TB / 64 along tokens (default 128 x 128: 4 x 2 warps, 256 threads).
+// ADEC = 1 (TB = 128): each k64 weight tile is decoded once per CTA instead of once per token warp.
+// Warp w decodes m16 tile w of the stage (one k64 step ahead of the mma) into a double-buffered
+// shared buffer of BF16 A fragments (lane L's a0..a3 of step s at 16 L + 512 s), which the mma warps
+// read with one LDS.128 per m16 x k16; the values are those of scaled_a, bit for bit.
 // =============================================================================================
 
 #ifndef SM90_PF_STAGES
@@ -275,25 +280,52 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS)
 #define SM90_PF_STMATRIX 1  // epilogue staging with stmatrix.trans (0: 16-bit shared stores)
 #endif
 #ifndef SM90_PF_MIN_BLOCKS
-#define SM90_PF_MIN_BLOCKS 2  // CTAs per SM the register allocation must allow (2: <= 128 registers)
+#define SM90_PF_MIN_BLOCKS 2  // CTAs per SM the register allocation must allow (2 x 256 threads: <= 128 registers)
+#endif
+#ifndef SM90_PF_FB
+#define SM90_PF_FB 128  // features per CTA: 64, 128 or 256 (256: the CTAs past N / 128 features skip them)
+#endif
+#ifndef SM90_PF_TB
+#define SM90_PF_TB 128  // token rows per tile: 64 or 128
+#endif
+#ifndef SM90_PF_ADEC
+#define SM90_PF_ADEC 0  // 1: decode the weight tile once per CTA into shared memory (TB = 128)
 #endif
 
-#define PF_THREADS 256
-#define PF_FB 128                     // features per CTA
-#define PF_TB 128                     // token rows per tile
-#define PF_W_BYTES 4096               // 8 weight tiles of 512 B
-#define PF_S_BYTES 512                // 8 scale tiles of 64 B
-#define PF_X_STRIDE 144               // 128 B of a token's k64 block + 16 B pad (conflict-free LDS.128)
+#define PF_FB SM90_PF_FB
+#define PF_TB SM90_PF_TB
+#define PF_WM (PF_FB / 32)                  // warps along features
+#define PF_WN (PF_TB / 64)                  // warps along tokens
+#define PF_THREADS (PF_WM * PF_WN * 32)
+#define PF_MTILES (PF_FB / 16)              // m16 weight tiles per CTA
+#define PF_W_BYTES (PF_MTILES * 512)        // weight tiles of one k64 step
+#define PF_S_BYTES (PF_MTILES * 64)         // their scale tiles
+#define PF_X_STRIDE 144                     // 128 B of a token's k64 block + 16 B pad (conflict-free LDS.128)
 #define PF_X_OFFSET (PF_W_BYTES + PF_S_BYTES)
-#define PF_STAGE_BYTES (PF_X_OFFSET + PF_TB * PF_X_STRIDE)  // 23040
-#define PF_C_STRIDE 272               // 256 B of a token's 128 BF16 outputs + 16 B pad
-#define PF_C_BYTES (PF_TB * PF_C_STRIDE)  // 34816
-#define PF_SMEM_BYTES (SM90_PF_STAGES * PF_STAGE_BYTES > PF_C_BYTES ? SM90_PF_STAGES * PF_STAGE_BYTES : PF_C_BYTES)
+#define PF_STAGE_BYTES (PF_X_OFFSET + PF_TB * PF_X_STRIDE)  // 23040 at 128 x 128
+#define PF_D_BYTES (PF_MTILES * 4 * 512)    // decoded A fragments of one k64 step (ADEC)
+#define PF_D_OFFSET (SM90_PF_STAGES * PF_STAGE_BYTES)
+#define PF_PIPE_BYTES (PF_D_OFFSET + SM90_PF_ADEC * 2 * PF_D_BYTES)
+#define PF_C_STRIDE (PF_FB * 2 + 16)        // a token's FB BF16 outputs + 16 B pad
+#define PF_C_BYTES (PF_TB * PF_C_STRIDE)
+#define PF_SMEM_BYTES (PF_PIPE_BYTES > PF_C_BYTES ? PF_PIPE_BYTES : PF_C_BYTES)
+#define PF_W_PER_THREAD (2 * PF_FB / PF_THREADS)  // 16-byte weight chunks per thread and stage (128 / TB)
+#define PF_X_PER_THREAD (8 * PF_TB / PF_THREADS)  // token chunks (512 / FB)
+#define PF_S_THREADS (PF_FB / 4)                  // threads copying a scale chunk
+#define PF_C_PER_THREAD (PF_TB * PF_FB / 8 / PF_THREADS)  // 16-byte output chunks (8)
 
 static_assert(SM90_PF_STAGES >= 2 && SM90_PF_STAGES <= 8, "prefill: 2..8 stages");
+static_assert(PF_FB == 64 || PF_FB == 128 || PF_FB == 256, "prefill: FB must be 64, 128 or 256");
+static_assert(PF_TB == 64 || PF_TB == 128, "prefill: TB must be 64 or 128");
+static_assert(PF_THREADS <= 512, "prefill: at most 16 warps");
+static_assert(PF_W_PER_THREAD * PF_THREADS == 2 * PF_FB && PF_X_PER_THREAD * PF_THREADS == 8 * PF_TB, "prefill: copy split");
+static_assert(PF_S_THREADS <= PF_THREADS && PF_C_PER_THREAD * PF_THREADS * 8 == PF_TB * PF_FB, "prefill: copy split");
 static_assert(PF_STAGE_BYTES % 128 == 0, "prefill: stage alignment");
+static_assert(SM90_PF_ADEC == 0 || (PF_WM * PF_WN == PF_MTILES && SM90_PF_STAGES >= 3),
+              "prefill: ADEC needs one warp per m16 tile (TB = 128) and >= 3 stages");
+static_assert(PF_SMEM_BYTES <= 227 * 1024, "prefill: shared memory");
 
-// Dynamic shared memory: PF_SMEM_BYTES (the host reads it as SM90_PF_STAGES * 23040, at least 34816).
+// Dynamic shared memory: PF_SMEM_BYTES (PrefillVariant.shared_mem computes the same).
 extern "C" __global__ void __launch_bounds__(PF_THREADS, SM90_PF_MIN_BLOCKS)
     sm90_gemm_prefill(const u8* __restrict__ w_tiles, const u8* __restrict__ w_scales, const float* __restrict__ alpha,
                       const u16* __restrict__ x, const int* __restrict__ offsets, int num_experts, int n, int k,
@@ -303,44 +335,91 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, SM90_PF_MIN_BLOCKS)
   if (!find_tile<PF_TB>(offsets, num_experts, row_capacity, static_cast<int>(blockIdx.y), tile)) return;
   if (tile.row0 < 0 || tile.row0 >= tile.row_end) return;  // offsets outside [0, row_capacity]: nothing safe to do
 
+  // With FB > 128 (N is only a multiple of 128) the last CTA may hold m16 tiles past N: their
+  // copies read nothing (zero fill, address clamped to the CTA's first tile), their columns are
+  // not stored.
+  constexpr bool kGuard = PF_FB > 128;
   const int tid = threadIdx.x;
   const int lane = tid & 31;
   const int warp = tid >> 5;
-  const int wm = warp & 3;   // features [32 wm, 32 wm + 32) of the CTA
-  const int wn = warp >> 2;  // tokens [64 wn, 64 wn + 64) of the tile
+  const int wm = warp % PF_WM;  // features [32 wm, 32 wm + 32) of the CTA
+  const int wn = warp / PF_WM;  // tokens [64 wn, 64 wn + 64) of the tile
   const int g = lane >> 2;
   const int q = lane & 3;
   const int kt = k >> 6;
+  const int mtiles_in = (n >> 4) - static_cast<int>(blockIdx.x) * PF_MTILES;  // m16 tiles of the CTA inside N
   const u32 smem_base = smem_addr(smem);
 
   // Copy assignments; the source pointers advance by one k64 block per loaded stage. Weights:
-  // thread -> tile tid / 32, 16 B chunk tid % 32 (shared offset tid * 16).
+  // chunk c = tid + u * THREADS -> tile c / 32, 16 B piece c % 32 (shared offset c * 16).
   const i64 expert_tiles = static_cast<i64>(n >> 4) * kt;
-  const i64 block_tile0 = tile.expert * expert_tiles + static_cast<i64>(blockIdx.x * 8) * kt;
-  const u8* w_src = w_tiles + (block_tile0 + static_cast<i64>(tid >> 5) * kt) * 512 + lane * 16;
-  // Scales: threads 0..31 -> tile tid / 4, 16 B chunk tid % 4 (shared offset PF_W_BYTES + tid * 16).
-  const u8* s_src = w_scales + (block_tile0 + static_cast<i64>((tid >> 2) & 7) * kt) * 64 + (tid & 3) * 16;
-  // Tokens: thread -> rows tid / 8 + 32 u (u = 0..3), 16 B chunk tid % 8. Rows past the segment read
+  const i64 block_tile0 = tile.expert * expert_tiles + static_cast<i64>(blockIdx.x * PF_MTILES) * kt;
+  const u8* w_src[PF_W_PER_THREAD];
+  u32 w_bytes[PF_W_PER_THREAD];
+#pragma unroll
+  for (int u = 0; u < PF_W_PER_THREAD; ++u) {
+    const int m = (tid + u * PF_THREADS) >> 5;
+    const bool ok = !kGuard || m < mtiles_in;
+    w_src[u] = w_tiles + (block_tile0 + static_cast<i64>(ok ? m : 0) * kt) * 512 + lane * 16;
+    w_bytes[u] = ok ? 16u : 0u;
+  }
+  // Scales: threads tid < FB / 4 -> tile tid / 4, 16 B chunk tid % 4 (shared offset W_BYTES + tid * 16).
+  const int s_tile = (tid >> 2) & (PF_MTILES - 1);
+  const bool s_ok = !kGuard || s_tile < mtiles_in;
+  const u8* s_src = w_scales + (block_tile0 + static_cast<i64>(s_ok ? s_tile : 0) * kt) * 64 + (tid & 3) * 16;
+  const u32 s_bytes = s_ok ? 16u : 0u;
+  // Tokens: thread -> rows tid / 8 + (THREADS / 8) u, 16 B chunk tid % 8. Rows past the segment read
   // nothing (src size 0: zero fill); their address is clamped to the segment's last row.
-  const int x_row = tile.row0 + (tid >> 3);
+  // The row offsets (from the tile's first row, < 2^31 bytes) stay the same for every stage.
+  constexpr int X_ROW_STEP = PF_THREADS / 8;
+  const int x_first = tile.row0 + (tid >> 3);
   const int x_last = tile.row_end - 1;
-  const u8* x_src = reinterpret_cast<const u8*>(x) + (tid & 7) * 16;
+  const u8* x_src = reinterpret_cast<const u8*>(x) + static_cast<i64>(tile.row0) * k * 2 + (tid & 7) * 16;
+  u32 x_off[PF_X_PER_THREAD];
+  u32 x_bytes[PF_X_PER_THREAD];
+#pragma unroll
+  for (int u = 0; u < PF_X_PER_THREAD; ++u) {
+    const int row = x_first + X_ROW_STEP * u;
+    x_off[u] = static_cast<u32>(min(row, x_last) - tile.row0) * static_cast<u32>(k) * 2u;
+    x_bytes[u] = row <= x_last ? 16u : 0u;
+  }
   const u32 x_dst = PF_X_OFFSET + (tid >> 3) * PF_X_STRIDE + (tid & 7) * 16;
 
   auto load_stage = [&](int slot) {
     const u32 base = smem_base + slot * PF_STAGE_BYTES;
-    cp_async_16(base + tid * 16, w_src, 16u);
-    if (tid < 32) cp_async_16(base + PF_W_BYTES + tid * 16, s_src, 16u);
 #pragma unroll
-    for (int u = 0; u < 4; ++u) {
-      const int row = x_row + 32 * u;
-      cp_async_16(base + x_dst + u * 32 * PF_X_STRIDE, x_src + static_cast<i64>(min(row, x_last)) * k * 2,
-                  row <= x_last ? 16u : 0u);
+    for (int u = 0; u < PF_W_PER_THREAD; ++u) {
+      cp_async_16(base + (tid + u * PF_THREADS) * 16, w_src[u], w_bytes[u]);
+      w_src[u] += 512;
     }
-    w_src += 512;
+    if (tid < PF_S_THREADS) cp_async_16(base + PF_W_BYTES + tid * 16, s_src, s_bytes);
+#pragma unroll
+    for (int u = 0; u < PF_X_PER_THREAD; ++u)
+      cp_async_16(base + x_dst + u * X_ROW_STEP * PF_X_STRIDE, x_src + x_off[u], x_bytes[u]);
     s_src += 64;
     x_src += 128;
   };
+
+#if SM90_PF_ADEC
+  // Warp w: m16 tile w of the stage in `slot` -> decoded A fragments of its 4 k16 steps in buffer `buf`.
+  auto decode_stage = [&](int slot, int buf) {
+    const u8* st = smem + slot * PF_STAGE_BYTES;
+    const uint4 wq = *reinterpret_cast<const uint4*>(st + warp * 512 + lane * 16);
+    const uint2 sc = *reinterpret_cast<const uint2*>(st + PF_W_BYTES + warp * 64 + g * 8);
+    u8* d = smem + PF_D_OFFSET + buf * PF_D_BYTES + warp * 2048 + lane * 16;
+    u32 sg, sg8, a[4];
+    decode_scale_word(sc.x, sg, sg8);
+    scaled_a<0>(wq.x, sg, sg8, a);
+    *reinterpret_cast<uint4*>(d) = make_uint4(a[0], a[1], a[2], a[3]);
+    scaled_a<1>(wq.y, sg, sg8, a);
+    *reinterpret_cast<uint4*>(d + 512) = make_uint4(a[0], a[1], a[2], a[3]);
+    decode_scale_word(sc.y, sg, sg8);
+    scaled_a<2>(wq.z, sg, sg8, a);
+    *reinterpret_cast<uint4*>(d + 1024) = make_uint4(a[0], a[1], a[2], a[3]);
+    scaled_a<3>(wq.w, sg, sg8, a);
+    *reinterpret_cast<uint4*>(d + 1536) = make_uint4(a[0], a[1], a[2], a[3]);
+  };
+#endif
 
   float acc[2][8][4];
 #pragma unroll
@@ -355,16 +434,33 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, SM90_PF_MIN_BLOCKS)
     if (s < kt) load_stage(s);
     cp_async_commit();
   }
+#if SM90_PF_ADEC
+  cp_async_wait<SM90_PF_STAGES - 2>();
+  __syncthreads();  // stage 0 landed for every thread
+  decode_stage(0, 0);
+#endif
 
   int read_slot = 0;
   int write_slot = SM90_PF_STAGES - 1;
   for (int j = 0; j < kt; ++j) {
+#if SM90_PF_ADEC
+    // Stage j + 1 landed for every thread; decoded step j visible; decoded buffer (j + 1) & 1 and
+    // stage slot j - 1 free (both last read by step j - 1's mma).
+    cp_async_wait<SM90_PF_STAGES - 3>();
+    __syncthreads();
+    if (j + SM90_PF_STAGES - 1 < kt) load_stage(write_slot);
+    cp_async_commit();
+    if (j + 1 < kt) decode_stage(read_slot + 1 == SM90_PF_STAGES ? 0 : read_slot + 1, (j + 1) & 1);
+    const u8* da = smem + PF_D_OFFSET + (j & 1) * PF_D_BYTES + wm * 2 * 2048 + lane * 16;
+#else
     cp_async_wait<SM90_PF_STAGES - 2>();
     __syncthreads();  // stage j landed for every thread; stage j - 1 is free to overwrite
     if (j + SM90_PF_STAGES - 1 < kt) load_stage(write_slot);
     cp_async_commit();
+#endif
 
     const u8* st = smem + read_slot * PF_STAGE_BYTES;
+#if !SM90_PF_ADEC
     uint4 wq[2];
     uint2 sc[2];
 #pragma unroll
@@ -373,18 +469,34 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, SM90_PF_MIN_BLOCKS)
       wq[mt] = *reinterpret_cast<const uint4*>(st + m * 512 + lane * 16);
       sc[mt] = *reinterpret_cast<const uint2*>(st + PF_W_BYTES + m * 64 + g * 8);
     }
+#endif
     const u8* xb = st + PF_X_OFFSET + (wn * 64 + g) * PF_X_STRIDE + q * 32;
-    // Two k16 steps at a time: decode their A (2 steps x MT = 2) once, then per n8 tile one 16-byte
-    // B load (b0, b1 of both steps) and 4 mma.
-#define SM90_PREFILL_HALF(H)                                                                        \
-  {                                                                                                 \
-    u32 a[2][2][4];                                                                                 \
+    // Two k16 steps at a time: their A (2 steps x MT = 2), then per n8 tile one 16-byte B load (b0, b1
+    // of both steps) and 4 mma.
+#if SM90_PF_ADEC
+#define SM90_PREFILL_A(H)                                                                           \
+    _Pragma("unroll") for (int mt = 0; mt < 2; ++mt) {                                              \
+      _Pragma("unroll") for (int s2 = 0; s2 < 2; ++s2) {                                            \
+        const uint4 v = *reinterpret_cast<const uint4*>(da + mt * 2048 + (2 * H + s2) * 512);       \
+        a[s2][mt][0] = v.x;                                                                         \
+        a[s2][mt][1] = v.y;                                                                         \
+        a[s2][mt][2] = v.z;                                                                         \
+        a[s2][mt][3] = v.w;                                                                         \
+      }                                                                                             \
+    }
+#else
+#define SM90_PREFILL_A(H)                                                                           \
     _Pragma("unroll") for (int mt = 0; mt < 2; ++mt) {                                              \
       u32 sg, sg8;                                                                                  \
       decode_scale_word(H ? sc[mt].y : sc[mt].x, sg, sg8);                                          \
       scaled_a<2 * H>(word_of<2 * H>(wq[mt]), sg, sg8, a[0][mt]);                                   \
       scaled_a<2 * H + 1>(word_of<2 * H + 1>(wq[mt]), sg, sg8, a[1][mt]);                           \
-    }                                                                                               \
+    }
+#endif
+#define SM90_PREFILL_HALF(H)                                                                        \
+  {                                                                                                 \
+    u32 a[2][2][4];                                                                                 \
+    SM90_PREFILL_A(H)                                                                               \
     _Pragma("unroll") for (int nt = 0; nt < 8; ++nt) {                                              \
       const uint4 bq = *reinterpret_cast<const uint4*>(xb + nt * 8 * PF_X_STRIDE + H * 16);         \
       _Pragma("unroll") for (int mt = 0; mt < 2; ++mt) {                                            \
@@ -396,6 +508,7 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, SM90_PF_MIN_BLOCKS)
     SM90_PREFILL_HALF(0)
     SM90_PREFILL_HALF(1)
 #undef SM90_PREFILL_HALF
+#undef SM90_PREFILL_A
     read_slot = read_slot + 1 == SM90_PF_STAGES ? 0 : read_slot + 1;
     write_slot = write_slot + 1 == SM90_PF_STAGES ? 0 : write_slot + 1;
   }
@@ -440,14 +553,15 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, SM90_PF_MIN_BLOCKS)
   }
 #endif
   __syncthreads();
-  // 128 rows x 16 chunks of 16 B; rows past the segment are not written.
+  // TB rows x FB / 8 chunks of 16 B; rows past the segment (and, FB > 128, columns past N) are not written.
+  constexpr int CHUNKS_PER_ROW = PF_FB / 8;
 #pragma unroll
-  for (int u = 0; u < (PF_TB * 16) / PF_THREADS; ++u) {
+  for (int u = 0; u < PF_C_PER_THREAD; ++u) {
     const int c = tid + u * PF_THREADS;
-    const int row = c >> 4;
-    const int chunk = c & 15;
+    const int row = c / CHUNKS_PER_ROW;
+    const int chunk = c % CHUNKS_PER_ROW;
     const int grow = tile.row0 + row;
-    if (grow < tile.row_end) {
+    if (grow < tile.row_end && (!kGuard || (chunk >> 1) < mtiles_in)) {
       const uint4 v = *reinterpret_cast<const uint4*>(smem + row * PF_C_STRIDE + chunk * 16);
       stg_v4(out + static_cast<i64>(grow) * n + blockIdx.x * PF_FB + chunk * 8, v);
     }

@@ -19,12 +19,10 @@ from .layout import TILE_K
 
 GEMM_SOURCE = "sm90/grouped_gemm.cu"
 TOKENS_SOURCE = "sm90/tokens.cu"
-FEATURE_MULTIPLE = 128  # N % 128 == 0: every variant's feature block divides it
+FEATURE_MULTIPLE = 128  # N % 128 == 0: every feature block divides it, or (256) overhangs N by 128 that the kernel skips
 ROW_ALIGNMENT = 8  # segment starts (offsets) are multiples of 8
 MAX_GRID_Y = 65535
 
-_PREFILL_STAGE_BYTES = 4096 + 512 + 128 * 144  # grouped_gemm.cu PF_STAGE_BYTES
-_PREFILL_C_BYTES = 128 * 272  # PF_C_BYTES
 _MAX_DYNAMIC_SMEM = 227 * 1024  # per block on SM90
 
 
@@ -75,33 +73,57 @@ class DecodeVariant:
 
 @dataclass(frozen=True)
 class PrefillVariant:
-    """``sm90_gemm_prefill``: CTA tile 128 features x 128 token rows, k64 per stage, STAGES-deep
-    cp.async pipeline (23040 bytes of dynamic shared memory per stage). For large segments.
-    min_blocks: CTAs per SM the register allocation must allow (2: at most 128 registers a thread).
-    stmatrix: stage the C tile with stmatrix.trans (False: 16-bit shared stores, a fallback)."""
+    """``sm90_gemm_prefill``: CTA tile ``feature_block`` features x ``tile_rows`` token rows, k64 per
+    stage, STAGES-deep cp.async pipeline; warps of 32 features x 64 tokens (feature_block / 32 x
+    tile_rows / 64 of them). For large segments.
+    min_blocks: CTAs per SM the register allocation must allow (2 x 256 threads: at most 128 registers).
+    stmatrix: stage the C tile with stmatrix.trans (False: 16-bit shared stores, a fallback).
+    feature_block: 64, 128 or 256 (256: a last CTA past N, a multiple of 128 only, skips the rest).
+    tile_rows: 64 or 128 (64 wastes fewer padding rows on segments of ~100-200 rows).
+    adec: decode each k64 weight tile once per CTA into shared memory (one warp per m16 tile, one
+    step ahead of the mma) instead of once per token warp; needs tile_rows 128 and >= 3 stages."""
 
     stages: int = 4
     min_blocks: int = 2
     stmatrix: bool = True
+    feature_block: int = 128
+    tile_rows: int = 128
+    adec: bool = False
 
     kernel = "sm90_gemm_prefill"
-    tile_rows = 128
-    feature_block = 128
-    threads = 256
 
     def __post_init__(self) -> None:
         if not 2 <= self.stages <= 8:
             raise ValueError(f"prefill variant: STAGES must be 2..8, got {self.stages}")
-        if self.min_blocks not in (1, 2):
-            raise ValueError(f"prefill variant: MIN_BLOCKS must be 1 or 2, got {self.min_blocks}")
+        if self.feature_block not in (64, 128, 256):
+            raise ValueError(f"prefill variant: feature_block must be 64, 128 or 256, got {self.feature_block}")
+        if self.tile_rows not in (64, 128):
+            raise ValueError(f"prefill variant: tile_rows must be 64 or 128, got {self.tile_rows}")
+        if not 1 <= self.min_blocks <= 4 or self.threads * self.min_blocks > 1024:
+            raise ValueError(f"prefill variant: MIN_BLOCKS must be 1..4 with at most 1024 threads per SM, got "
+                             f"{self.min_blocks} x {self.threads}")
+        if self.adec and (self.tile_rows != 128 or self.stages < 3):
+            raise ValueError(f"prefill variant: adec needs tile_rows 128 and >= 3 stages, got {self}")
+        if self.shared_mem > _MAX_DYNAMIC_SMEM:
+            raise ValueError(f"prefill variant {self}: {self.shared_mem} bytes of shared memory exceed the limit")
+
+    @property
+    def threads(self) -> int:
+        return self.feature_block * self.tile_rows // 64
+
+    @property
+    def stage_bytes(self) -> int:
+        return self.feature_block * 36 + self.tile_rows * 144  # grouped_gemm.cu PF_STAGE_BYTES
 
     @property
     def shared_mem(self) -> int:
-        return max(self.stages * _PREFILL_STAGE_BYTES, _PREFILL_C_BYTES)
+        pipeline = self.stages * self.stage_bytes + int(self.adec) * 2 * self.feature_block * 128  # + PF_D_BYTES x 2
+        return max(pipeline, self.tile_rows * (2 * self.feature_block + 16))  # PF_C_BYTES
 
     def options(self) -> tuple[str, ...]:
         return (f"-DSM90_PF_STAGES={self.stages}", f"-DSM90_PF_MIN_BLOCKS={self.min_blocks}",
-                f"-DSM90_PF_STMATRIX={int(self.stmatrix)}")
+                f"-DSM90_PF_STMATRIX={int(self.stmatrix)}", f"-DSM90_PF_FB={self.feature_block}",
+                f"-DSM90_PF_TB={self.tile_rows}", f"-DSM90_PF_ADEC={int(self.adec)}")
 
 
 GemmVariant = DecodeVariant | PrefillVariant
@@ -145,9 +167,10 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def gemm_grid(variant: GemmVariant, num_experts: int, n: int, row_capacity: int) -> tuple[int, int]:
     """(feature blocks, upper bound on tiles): non-empty segments hold >= 8 rows each, so at most
-    min(E, R/8) of them, and sum ceil(len/TB) <= R/TB + that count."""
+    min(E, R/8) of them, and sum ceil(len/TB) <= R/TB + that count. A feature block wider than 128
+    may overhang N (a multiple of 128): the kernel skips the features past N."""
     tiles = min(num_experts, row_capacity // ROW_ALIGNMENT) + -(-row_capacity // variant.tile_rows)
-    return n // variant.feature_block, tiles
+    return -(-n // variant.feature_block), tiles
 
 
 def grouped_gemm(
