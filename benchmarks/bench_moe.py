@@ -49,11 +49,6 @@ from common import (  # noqa: E402
 
 from cudnn_moe import Nvfp4MoeConfig, Nvfp4Weights  # noqa: E402
 
-try:  # the SM90 engine's kernel choice per GEMM, where this checkout's engine exposes it
-    from cudnn_moe.engines.sm90.engine import choose_variant
-except ImportError:
-    choose_variant = None
-
 GPU_BOUND = 1.1  # a back-to-back host time under this x the call's GPU time measured the GPU instead
 
 
@@ -141,9 +136,10 @@ class MoeBench:
         us = timer.median_us(graph.replay)
         if tokens == 1:
             self.host_rows.append([m.name, engine, *host_cells(call, graph, us, self.args.host_calls)])
-        if choose_variant is not None and weights.spec.engine == "sm90":
-            bucket = executor_for(m, config, weights).bucket(tokens)
-            variants = [repr(choose_variant(gemm.rows, gemm.shape)) for gemm in (bucket.gemm1, bucket.gemm2)]
+        if weights.spec.engine == "sm90":
+            executor = executor_for(m, config, weights)
+            bucket = executor.bucket(tokens)
+            variants = [repr(executor.engine.variant(gemm.rows, gemm.shape)) for gemm in (bucket.gemm1, bucket.gemm2)]
             self.variant_rows.append([m.name, str(tokens), engine, str(bucket.rows), *variants])
         return us
 
@@ -187,14 +183,10 @@ class MoeBench:
     def variant_table(self) -> None:
         """The SM90 kernel variant of each GEMM per model, T and engine that ran on the sm90 engine."""
         report = self.report
-        if choose_variant is None:
-            report.note("this checkout's SM90 engine does not expose its kernel choice (choose_variant): "
-                        "no variant table")
-            return
         if not self.variant_rows:
             return
         report.emit()
-        report.emit("SM90 kernel variant per GEMM (engines.sm90.engine.choose_variant for the bucket's row capacity)")
+        report.emit("SM90 kernel variant per GEMM (the SM90 engine's choice for the bucket's row capacity)")
         report.emit()
         report.table(["model", "T", "engine", "bucket rows", "GEMM1 variant", "GEMM2 variant"], left=3)
         for row in self.variant_rows:

@@ -19,7 +19,6 @@ from common import (  # noqa: E402
 )
 
 from cudnn_moe import Nvfp4MoeConfig, SwiGLU  # noqa: E402
-from cudnn_moe.engines.sm90.engine import choose_variant  # noqa: E402
 from cudnn_moe.engines.sm90.kernels import DecodeVariant, PrefillVariant, grouped_gemm  # noqa: E402
 
 DECODE = [
@@ -86,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
             moe_call(config, weights, *random_batch(m, tokens, gen))()
             bucket = executor.bucket(tokens)
             for name, ops in (("gemm1", bucket.gemm1), ("gemm2", bucket.gemm2)):
-                chosen = choose_variant(ops.rows, ops.shape)
+                chosen = executor.engine.variant(ops.rows, ops.shape)
                 candidates = PREFILL if tokens >= 1024 else DECODE + (PREFILL if tokens >= 256 else [])
                 for variant in candidates:
                     w = ops.weights

@@ -18,6 +18,7 @@ import bench_stages  # noqa: E402
 import common  # noqa: E402
 
 from cudnn_moe.engines import GemmShape  # noqa: E402
+from cudnn_moe.engines.sm90.engine import choose_variant  # noqa: E402
 
 QWEN3, DEEPSEEK = common.MODELS["qwen3-30b-a3b"], common.MODELS["deepseek-v3"]
 ROOFLINE = common.Roofline(bandwidth_tbs=4.3, peak_tflops=790.0)
@@ -154,6 +155,8 @@ class _FakeTimer:
 
 
 class _FakeExecutor:
+    engine = SimpleNamespace(variant=lambda rows, shape: choose_variant(rows, shape, sm_count=132))
+
     def bucket(self, tokens: int) -> SimpleNamespace:
         rows = common.MODELS["tiny"].top_k * tokens + 7 * min(tokens * 2, 8)
         gemm = [SimpleNamespace(rows=rows, shape=GemmShape(k, n, 8)) for k, n in ((256, 256), (128, 256))]
@@ -190,16 +193,14 @@ def test_bench_moe_tables_with_fake_cuda(fake_cuda: None, tmp_path: Path, capsys
     text = md.read_text()
     assert "| Tiny | 1 |" in capsys.readouterr().out
     rows = [line for line in text.splitlines() if line.startswith("| Tiny |")]
-    variants = 2 if bench_moe.choose_variant is not None else 0  # sm90 variant rows for both token counts
-    assert len(rows) == 2 + variants + 2  # two token counts, SM90 variants, the host rows of both engines at T=1
+    assert len(rows) == 2 + 2 + 2  # two token counts, SM90 variants, the host rows of both engines at T=1
     cells = rows[0].strip("| ").split(" | ")
     assert cells[:3] == ["Tiny", "1", "10.0"] and cells[4] == "10.0" and cells[-1] == "1.00x"
     assert cells[3] == common.fmt(10.0 / ROOFLINE.floor_us(TINY, 1, 2, common.FP4_BYTES_PER_WEIGHT))
     assert "host us per fused_moe call (T=1)" in text
     assert rows[-2].startswith("| Tiny | sm90 |") and rows[-1].startswith("| Tiny | cudnn |")
-    if bench_moe.choose_variant is not None:  # the SM90 engine exposes its kernel choice
-        assert [row.split(" | ")[1:3] for row in rows[2:4]] == [["1", "sm90"], ["4", "sm90"]]
-        assert "Variant(" in rows[2]
+    assert [row.split(" | ")[1:3] for row in rows[2:4]] == [["1", "sm90"], ["4", "sm90"]]
+    assert "Variant(" in rows[2]
 
 
 def test_bench_stages_table_with_fake_cuda(fake_cuda: None, tmp_path: Path) -> None:

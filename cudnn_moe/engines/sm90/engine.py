@@ -1,8 +1,9 @@
 """The SM90 engine (see the package docstring): layouts, support and the choice of kernel variant.
 
 Variant per GEMM, from the rows a bucket can hold: the decode kernel (weights streamed straight into
-registers, split-K across warps) with token tiles of 8 or 32 rows while segments stay short, the
-prefill kernel (128 x 128 tiles through a cp.async pipeline) once they average more than 48 rows.
+registers, split-K across warps when CTAs would be few) with token tiles of 8 or 32 rows while
+segments stay short, the prefill kernel (128 x 128 tiles through a cp.async pipeline) once they
+average more than 48 rows.
 """
 
 from __future__ import annotations
@@ -15,32 +16,39 @@ from ..base import EngineSpec, GemmEngine, GemmOperands, GemmShape, Support, Wei
 from .kernels import FEATURE_MULTIPLE, PREFILL, ROW_ALIGNMENT, DecodeVariant, GemmVariant, grouped_gemm
 from .layout import TILE_K, pack_weight_tiles, unpack_weight_tiles
 
-# (largest average rows per expert segment, variant), first match wins; PREFILL beyond. Picked from
-# benchmarks/tune_sm90.py on an H200 (benchmarks/RESULTS.md): two m16 row blocks per warp halve the
-# token-fragment loads per weight byte, and two-way split-K keeps enough CTAs in flight.
-_DECODE_VARIANTS: tuple[tuple[int, DecodeVariant], ...] = (
-    (8, DecodeVariant(mt=2, wm=2, wk=2, nt=1, prefetch=4)),
-    (48, DecodeVariant(mt=2, wm=2, wk=2, nt=4, prefetch=2)),
-)
+# Decode variants picked with benchmarks/tune_sm90.py on an H200 (benchmarks/RESULTS.md). Two m16 row
+# blocks per warp halve the token-fragment loads per weight byte; 128 features per CTA when that
+# still gives every SM two CTAs, else 64 features and two-way split-K for more CTAs.
+_WIDE = DecodeVariant(mt=2, wm=4, wk=1, nt=1, prefetch=4)
+_SPLIT = DecodeVariant(mt=2, wm=2, wk=2, nt=1, prefetch=4)
+# 32-row token tiles for segments of 9-48 rows; long reductions keep the split-K.
+_MID = DecodeVariant(mt=4, wm=2, wk=1, nt=4, prefetch=2)
+_MID_LONG_K = DecodeVariant(mt=2, wm=2, wk=2, nt=4, prefetch=2)
+_DECODE_MAX_ROWS, _MID_MAX_ROWS, _LONG_K = 8, 48, 4096
+
+
+def _slots(rows: int, num_experts: int) -> int:
+    """Slots S a bucket of row capacity ``rows`` holds: the capacity is S plus up to 7 padding rows
+    for each of min(E, S) used experts, so S = rows - 7E once S >= E, else about rows / 8."""
+    slots = rows - (ROW_ALIGNMENT - 1) * num_experts
+    return slots if slots >= num_experts else max(1, rows // ROW_ALIGNMENT)
 
 
 def rows_per_expert(rows: int, num_experts: int) -> float:
-    """Average rows of a used expert segment when a bucket's row capacity is ``rows``.
-
-    The capacity holds S slots plus up to 7 padding rows for each of min(E, S) used experts, so
-    S = rows - 7E once S >= E, else about rows / 8 slots with one expert each.
-    """
-    slots = rows - (ROW_ALIGNMENT - 1) * num_experts
-    return slots / num_experts if slots >= num_experts else 1.0
+    """Average rows of a used expert segment when a bucket's row capacity is ``rows``."""
+    slots = _slots(rows, num_experts)
+    return slots / min(num_experts, slots)
 
 
-def choose_variant(rows: int, shape: GemmShape) -> GemmVariant:
-    """The kernel variant for a bucket of ``rows`` rows (see the module docstring)."""
+def choose_variant(rows: int, shape: GemmShape, sm_count: int) -> GemmVariant:
+    """The kernel variant for a bucket of ``rows`` rows on a GPU of ``sm_count`` SMs."""
     average = rows_per_expert(rows, shape.num_experts)
-    for limit, variant in _DECODE_VARIANTS:
-        if average <= limit:
-            return variant
-    return PREFILL
+    if average > _MID_MAX_ROWS:
+        return PREFILL
+    if average > _DECODE_MAX_ROWS:
+        return _MID_LONG_K if shape.k >= _LONG_K else _MID
+    used = min(shape.num_experts, _slots(rows, shape.num_experts))
+    return _WIDE if shape.n // _WIDE.feature_block * used >= 2 * sm_count else _SPLIT
 
 
 class Sm90GemmEngine(GemmEngine):
@@ -75,8 +83,13 @@ class Sm90GemmEngine(GemmEngine):
 
     def __init__(self, device: torch.device) -> None:
         super().__init__(device, SM90)
+        self.sm_count = torch.cuda.get_device_properties(device).multi_processor_count
+
+    def variant(self, rows: int, shape: GemmShape) -> GemmVariant:
+        """The kernel variant a GEMM of a bucket with ``rows`` rows runs."""
+        return choose_variant(rows, shape, self.sm_count)
 
     def gemm(self, operands: GemmOperands) -> None:
         w = operands.weights
         grouped_gemm(w.data, w.scales, w.alpha, operands.tokens.data, operands.offsets, operands.out,
-                     choose_variant(operands.rows, operands.shape))
+                     self.variant(operands.rows, operands.shape))
