@@ -6,6 +6,7 @@ the first GPU call.
 
 from .activations import GELU, SiLU, SiTU, ReLU, ReLU2, GeGLU, GeGLUTanh, Identity, SwiGLU, SwiGLUStep
 from .config import Nvfp4Activations, Nvfp4MoeConfig, Nvfp4Weights
+from .distributed import ExpertParallelMoe, expert_shard, shard_weights
 from .executor import UnfinalizedOutput
 from .ops import fused_moe, get_executor, unfinalized_row_count
 from .reference import reference_moe
@@ -15,6 +16,7 @@ from .torch_op import MoeLayer
 __version__ = "0.1.0"
 
 __all__ = [
+    "ExpertParallelMoe",
     "GELU",
     "GeGLU",
     "GeGLUTanh",
@@ -31,10 +33,12 @@ __all__ = [
     "SwiGLU",
     "SwiGLUStep",
     "UnfinalizedOutput",
+    "expert_shard",
     "fused_moe",
     "get_executor",
     "pack_routing",
     "reference_moe",
+    "shard_weights",
     "unfinalized_row_count",
     "unpack_routing",
 ]
