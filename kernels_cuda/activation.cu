@@ -40,46 +40,115 @@ __device__ __forceinline__ float act_gated(int act, float up, float gate, float 
   return gate * sigmoid(alpha * gate) * (up + beta);
 }
 
-// Write one requantized 16-value block g of row r in the token layout of the second GEMM.
-// NVFP4 layouts: 8 bytes of codes at out + r * inter/2 + 8g and the scale byte (linear or 128x4).
-// TOKENS_BF16_FRAGMENTS: the 16 decoded values (code * scale, exact in BF16) into the BF16 row
-// out + r * inter (2 bytes each) in the SM90 token-fragment column order: the block is k16 step
-// s = g % 4 of the 64-column block g / 4, and lane group q there holds columns 2q, 2q+1, 2q+8, 2q+9
-// of the block, stored together at position 16q + 4s.
-__device__ __forceinline__ void store_block(int layout, u8* out, u8* out_scales, i64 r, int g, int groups,
-                                           const u8 codes[16], u8 scale) {
+// Activation of the 32 values at column c0 of a GEMM1 row (y, FP32): f(x) when not gated, else
+// f(gate) * up with up at c0 and gate at inter + c0. ACT and GATED are compile-time, so the
+// activation's switch folds away.
+template <int ACT, bool GATED>
+__device__ __forceinline__ void activate_32(const u16* row, int inter, int c0, float alpha, float beta, float limit,
+                                            float y[32]) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) load_bf16x8(row + c0 + 8 * i, y + 8 * i);
+  if (GATED) {
+    float gate[32];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) load_bf16x8(row + inter + c0 + 8 * i, gate + 8 * i);
+#pragma unroll
+    for (int j = 0; j < 32; ++j) y[j] = act_gated(ACT, y[j], gate[j], alpha, beta, limit);
+  } else {
+#pragma unroll
+    for (int j = 0; j < 32; ++j) y[j] = act_fn(ACT, y[j]);
+  }
+}
+
+// Requantize one 16-value block in place: s = e4m3(amax(|y|) / 6) (returned), y_j = the E2M1 grid value of
+// y_j / float(s) (true division; round_to_e2m1 is e2m1_to_float(float_to_e2m1(.))), all +0 when float(s) == 0.
+__device__ __forceinline__ u8 requantize_16(float y[16]) {
+  float amax = 0.0f;
+#pragma unroll
+  for (int j = 0; j < 16; ++j) amax = fmaxf(amax, fabsf(y[j]));
+  const u8 s = float_to_e4m3(amax / 6.0f);
+  const float sf = e4m3_to_float(s);
+#pragma unroll
+  for (int j = 0; j < 16; ++j) y[j] = sf != 0.0f ? round_to_e2m1(y[j] / sf) : 0.0f;
+  return s;
+}
+
+// BF16 bits of grid value v times scale sf, packed in pairs: the product is exact in FP32 and in BF16
+// (2 x 4 significant bits, no NaN), so its top half is the round-to-nearest-even BF16.
+__device__ __forceinline__ u32 scaled_bf16x2(float v0, float v1, float sf) {
+  return __byte_perm(__float_as_uint(__fmul_rn(v0, sf)), __float_as_uint(__fmul_rn(v1, sf)), 0x7632);
+}
+
+// Groups 2u and 2u + 1 (32 values, columns 32u .. 32u + 31) of row r: grid values v (zero for padding
+// rows) and their scale bytes, written in the second GEMM's token layout.
+// TOKENS_BF16_FRAGMENTS: the 32 decoded values (v * scale, exact) into the BF16 row out + r * inter in
+// the SM90 token-fragment column order: group g is k16 step g % 4 of the 64-column block g / 4, and lane
+// group q there holds columns 2q, 2q+1, 2q+8, 2q+9 of the group at position 16q + 4(g % 4); the two
+// groups are adjacent, so each q is one 16-byte store.
+// NVFP4 layouts: 16 bytes of codes at out + r * inter/2 + 16u (8-byte stores when out is not 16-byte
+// aligned) and the two scale bytes (linear or 128x4).
+__device__ __forceinline__ void store_unit(int layout, u8* out, u8* out_scales, i64 r, int u, int inter,
+                                           const float v[32], u8 s0, u8 s1) {
   if (layout == TOKENS_BF16_FRAGMENTS) {
-    const float sf = e4m3_to_float(scale);
-    u16* row = reinterpret_cast<u16*>(out) + r * (16 * groups) + 64 * (g / 4) + 4 * (g % 4);
+    const float sf0 = e4m3_to_float(s0), sf1 = e4m3_to_float(s1);
+    u16* dst = reinterpret_cast<u16*>(out) + r * inter + 64 * (u >> 1) + 8 * (u & 1);
 #pragma unroll
     for (int q = 0; q < 4; ++q) {
-      uint2 v;
-      v.x = static_cast<u32>(float_to_bf16(e2m1_to_float(codes[2 * q]) * sf)) |
-            (static_cast<u32>(float_to_bf16(e2m1_to_float(codes[2 * q + 1]) * sf)) << 16);
-      v.y = static_cast<u32>(float_to_bf16(e2m1_to_float(codes[2 * q + 8]) * sf)) |
-            (static_cast<u32>(float_to_bf16(e2m1_to_float(codes[2 * q + 9]) * sf)) << 16);
-      *reinterpret_cast<uint2*>(row + 16 * q) = v;
+      uint4 w;
+      w.x = scaled_bf16x2(v[2 * q], v[2 * q + 1], sf0);
+      w.y = scaled_bf16x2(v[2 * q + 8], v[2 * q + 9], sf0);
+      w.z = scaled_bf16x2(v[16 + 2 * q], v[16 + 2 * q + 1], sf1);
+      w.w = scaled_bf16x2(v[16 + 2 * q + 8], v[16 + 2 * q + 9], sf1);
+      *reinterpret_cast<uint4*>(dst + 16 * q) = w;
     }
     return;
   }
-  uint2 packed{0u, 0u};
+  u32 packed[4] = {0u, 0u, 0u, 0u};
 #pragma unroll
-  for (int j = 0; j < 8; ++j) {
-    packed.x |= static_cast<u32>(codes[j]) << (4 * j);
-    packed.y |= static_cast<u32>(codes[j + 8]) << (4 * j);
+  for (int j = 0; j < 32; ++j) packed[j / 8] |= static_cast<u32>(float_to_e2m1(v[j])) << (4 * (j % 8));
+  u8* dst = out + r * (inter / 2) + 16 * u;
+  if ((reinterpret_cast<u64>(dst) & 15u) == 0) {
+    *reinterpret_cast<uint4*>(dst) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+  } else {
+    reinterpret_cast<uint2*>(dst)[0] = make_uint2(packed[0], packed[1]);
+    reinterpret_cast<uint2*>(dst)[1] = make_uint2(packed[2], packed[3]);
   }
-  *reinterpret_cast<uint2*>(out + r * (8 * groups) + 8 * g) = packed;
-  out_scales[scale_offset(r, g, groups, layout == TOKENS_NVFP4_SWIZZLED_128X4)] = scale;
+  const int groups = inter / 16;
+  const bool swizzled = layout == TOKENS_NVFP4_SWIZZLED_128X4;
+  out_scales[scale_offset(r, 2 * u, groups, swizzled)] = s0;
+  out_scales[scale_offset(r, 2 * u + 1, groups, swizzled)] = s1;
 }
 
-// One block per row r < row_capacity; each thread handles 16-value quantization blocks.
+// The units u = first, first + stride, ... < inter / 32 of row r.
+template <int ACT, bool GATED>
+__device__ __forceinline__ void activate_row(const u16* row, bool padding, i64 r, int first, int stride, int inter,
+                                             float alpha, float beta, float limit, int layout, u8* out,
+                                             u8* out_scales) {
+  for (int u = first; u < inter / 32; u += stride) {
+    float v[32];
+    u8 s0 = 0, s1 = 0;
+    if (padding) {
+#pragma unroll
+      for (int j = 0; j < 32; ++j) v[j] = 0.0f;
+    } else {
+      activate_32<ACT, GATED>(row, inter, 32 * u, alpha, beta, limit, v);
+      s0 = requantize_16(v);
+      s1 = requantize_16(v + 16);
+    }
+    store_unit(layout, out, out_scales, r, u, inter, v, s0, s1);
+  }
+}
+
+// Rows r < row_capacity; a thread handles units of 32 values (two 16-value quantization blocks):
+// inter / 32 units per row, blockDim.x / (inter / 32) rows per block (at least one; launch
+// ceil(row_capacity / rows per block) blocks).
 //   g1          BF16 [row_capacity, N1]: the first GEMM's output, expert global already applied;
 //               N1 = 2 * inter when gated (columns [0, inter) up, [inter, 2 * inter) gate), else inter;
 //               16-byte aligned
 //   row_to_slot int32 [row_capacity]; offsets int32 [num_experts + 1] (rows used = offsets[num_experts])
 //   layout      TOKENS_*: NVFP4 codes (uint8 [row_capacity, inter / 2], element 2i in the low nibble)
 //               + E4M3 scales of the inter / 16 blocks per row, linear or 128x4 swizzled; or BF16
-//               fragments (BF16 [row_capacity, inter], out_scales unused)
+//               fragments (BF16 [row_capacity, inter], 16-byte aligned, out_scales unused)
 // Per block: y = activation(float(g1)) in FP32, s = e4m3(amax(|y|) / 6), code_i = e2m1(y_i / float(s)),
 // all codes 0 when float(s) == 0. Padding rows (r < total, row_to_slot[r] < 0) are written as zeros;
 // rows >= total are not written. inter must be a multiple of 64.
@@ -87,39 +156,35 @@ extern "C" __global__ void moe_activation(const u16* __restrict__ g1, const int*
                                           const int* __restrict__ offsets, int num_experts, int act, int gated,
                                           float alpha, float beta, float limit, int inter, int layout,
                                           u8* __restrict__ out, u8* __restrict__ out_scales) {
-  const int r = blockIdx.x;
+  const int units = inter / 32;
+  const int rows_per_block = max(1, static_cast<int>(blockDim.x) / units);
+  const int sub = threadIdx.x / units;  // the block's row of this thread
+  if (sub >= rows_per_block) return;
+  const int r = blockIdx.x * rows_per_block + sub;
   if (r >= offsets[num_experts]) return;
-  const int groups = inter / 16;
+  const int first = threadIdx.x - sub * units;
+  const int stride = rows_per_block == 1 ? static_cast<int>(blockDim.x) : units;
   const bool padding = row_to_slot[r] < 0;
   const u16* row = g1 + static_cast<i64>(r) * (gated ? 2 * inter : inter);
-  for (int g = threadIdx.x; g < groups; g += blockDim.x) {
-    u8 codes[16];
-    u8 s = 0;
-    if (padding) {
-#pragma unroll
-      for (int j = 0; j < 16; ++j) codes[j] = 0;
-    } else {
-      float y[16];
-      load_bf16x8(row + 16 * g, y);
-      load_bf16x8(row + 16 * g + 8, y + 8);
-      if (gated) {
-        float gate[16];
-        load_bf16x8(row + inter + 16 * g, gate);
-        load_bf16x8(row + inter + 16 * g + 8, gate + 8);
-#pragma unroll
-        for (int j = 0; j < 16; ++j) y[j] = act_gated(act, y[j], gate[j], alpha, beta, limit);
-      } else {
-#pragma unroll
-        for (int j = 0; j < 16; ++j) y[j] = act_fn(act, y[j]);
-      }
-      float amax = 0.0f;
-#pragma unroll
-      for (int j = 0; j < 16; ++j) amax = fmaxf(amax, fabsf(y[j]));
-      s = float_to_e4m3(amax / 6.0f);
-      const float sf = e4m3_to_float(s);
-#pragma unroll
-      for (int j = 0; j < 16; ++j) codes[j] = sf != 0.0f ? float_to_e2m1(y[j] / sf) : 0;
-    }
-    store_block(layout, out, out_scales, r, g, groups, codes, s);
+#define MOE_ACTIVATE_ROW(ACT, GATED) \
+  activate_row<ACT, GATED>(row, padding, r, first, stride, inter, alpha, beta, limit, layout, out, out_scales)
+#define MOE_ACTIVATION_CASE(ACT)          \
+  case ACT:                               \
+    if (gated) MOE_ACTIVATE_ROW(ACT, true); \
+    else MOE_ACTIVATE_ROW(ACT, false);    \
+    break;
+  switch (act) {
+    MOE_ACTIVATION_CASE(ACT_SWIGLU)
+    MOE_ACTIVATION_CASE(ACT_SILU)
+    MOE_ACTIVATION_CASE(ACT_GELU)
+    MOE_ACTIVATION_CASE(ACT_GEGLU)
+    MOE_ACTIVATION_CASE(ACT_GEGLU_TANH)
+    MOE_ACTIVATION_CASE(ACT_RELU)
+    MOE_ACTIVATION_CASE(ACT_RELU2)
+    default:  // ACT_IDENTITY and any other code: act_fn's default
+      if (gated) MOE_ACTIVATE_ROW(ACT_IDENTITY, true);
+      else MOE_ACTIVATE_ROW(ACT_IDENTITY, false);
   }
+#undef MOE_ACTIVATION_CASE
+#undef MOE_ACTIVATE_ROW
 }

@@ -103,6 +103,19 @@ __device__ __forceinline__ float e2m1_to_float(u8 code) {
   return (code & 8u) ? -v : v;
 }
 
+// The E2M1 grid value float_to_e2m1(q) stands for, e2m1_to_float(float_to_e2m1(q)), computed without
+// the code: round q to the grid step of its magnitude (0.5 below 2, 1 below 4, 2 above) by adding and
+// subtracting 1.5 * 2^(22 + k), whose ulp is that step (round to nearest, ties to even: an even multiple
+// of the step, which is the grid point of even index), then saturate to +-6. The sum keeps the ulp over
+// the whole range it is used for, and (M + q) - M is +0 when q rounds to zero, so the result is never -0,
+// as code 0 decodes to +0. NaN gives +0 (code 0). Equal to the helpers' composition for every float q.
+__device__ __forceinline__ float round_to_e2m1(float q) {
+  const float a = fabsf(q);
+  const float magic = a < 2.0f ? 6291456.0f : (a < 4.0f ? 12582912.0f : 25165824.0f);
+  const float r = fminf(fmaxf(__fsub_rn(__fadd_rn(q, magic), magic), -6.0f), 6.0f);
+  return q == q ? r : 0.0f;
+}
+
 // ---------------------------------------------------------------------------
 // Block-scale layouts
 // ---------------------------------------------------------------------------
@@ -149,6 +162,50 @@ __device__ __forceinline__ void store_bf16x8(u16* dst, const float in[8]) {
   v.z = w[2];
   v.w = w[3];
   *reinterpret_cast<uint4*>(dst) = v;
+}
+
+// ---------------------------------------------------------------------------
+// NVFP4 -> BF16 token fragments (SM90 token-fragment order, cudnn_moe/engines/sm90/layout.py)
+// ---------------------------------------------------------------------------
+
+// BF16 of a product of an E2M1 value and an E4M3 scale: the product is exact in FP32 and in BF16, so
+// the top half of its bits is the round-to-nearest-even BF16 (what float_to_bf16 gives); a NaN product
+// (NaN scale) is a quiet NaN, whose top half float_to_bf16 also returns unchanged.
+__device__ __forceinline__ u32 exact_product_bf16(float p) { return __float_as_uint(p) >> 16; }
+
+// Decode the 32 columns of unit u (k64 block j = u / 2, half h = u % 2) of a packed NVFP4 row into the
+// four 16-byte pieces it owns in the token-fragment order: piece q (q = 0..3) is positions 64j + 16q +
+// 8h .. + 7 of the BF16 row, i.e. element 2w + e of piece q is k = 64j + 32h + 16(w / 2) + 8(w % 2) +
+// 2q + e: nibble e of byte q of word w of the 16 bytes at 16u of the packed row, scale byte
+// 2u + w / 2. codes: the packed row (16-byte aligned); scales: its E4M3 scale bytes. Exact values.
+__device__ __forceinline__ void decode_fragment_unit(const u8* codes, const u8* scales, int u, uint4 piece[4]) {
+  const uint4 packed = *reinterpret_cast<const uint4*>(codes + 16 * u);
+  const float s0 = e4m3_to_float(scales[2 * u]);
+  const float s1 = e4m3_to_float(scales[2 * u + 1]);
+  const u32 words[4] = {packed.x, packed.y, packed.z, packed.w};
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    u32 out[4];
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {
+      const u32 byte = (words[w] >> (8 * q)) & 0xFFu;
+      const float s = w < 2 ? s0 : s1;
+      const float lo = e2m1_to_float(static_cast<u8>(byte & 0xFu)) * s;
+      const float hi = e2m1_to_float(static_cast<u8>(byte >> 4)) * s;
+      out[w] = exact_product_bf16(lo) | (exact_product_bf16(hi) << 16);
+    }
+    piece[q].x = out[0];
+    piece[q].y = out[1];
+    piece[q].z = out[2];
+    piece[q].w = out[3];
+  }
+}
+
+// Store the four pieces of unit u into the BF16 row dst (16-byte aligned): piece q at 64j + 16q + 8h.
+__device__ __forceinline__ void store_fragment_unit(u16* dst, int u, const uint4 piece[4]) {
+  u16* base = dst + 64 * (u >> 1) + 8 * (u & 1);
+#pragma unroll
+  for (int q = 0; q < 4; ++q) *reinterpret_cast<uint4*>(base + 16 * q) = piece[q];
 }
 
 // ---------------------------------------------------------------------------

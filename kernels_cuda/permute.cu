@@ -26,3 +26,42 @@ extern "C" __global__ void moe_permute(const u8* __restrict__ xs, const u8* __re
     block_copy_bytes(xps + static_cast<i64>(r) * scale_cols, src, scale_cols, threadIdx.x, blockDim.x);
   }
 }
+
+// BF16 token fragments (TokenLayout.BF16_FRAGMENTS, the SM90 engine): the exact decoded values of
+// each routed slot's token, in the token-fragment column order of sm90/tokens.cu's
+// sm90_permute_decode, with the same output; but token-major: a token's 32-column unit is loaded and
+// decoded once and stored to the rows of all its slots.
+// A thread handles units of H / 32 per token; blockDim.x / (H / 32) tokens per block (at least one;
+// launch ceil(ceil(num_slots / top_k) / tokens per block) blocks).
+//   xs          uint8 [B, H/2]       packed E2M1 (element 2i in the low nibble), 16-byte aligned
+//   xss         uint8 [B, H/16]      E4M3 scales, linear
+//   slot_to_row int32 [num_slots]    destination row of slot i (token i / top_k), -1 when masked
+//   xp          bf16 [rows, H]       16-byte aligned; rows no slot maps to are not written
+// Requires H % 64 == 0.
+extern "C" __global__ void moe_permute_bf16(const u8* __restrict__ xs, const u8* __restrict__ xss,
+                                            const int* __restrict__ slot_to_row, int num_slots, int top_k,
+                                            int hidden, u16* __restrict__ xp) {
+  const int units = hidden / 32;
+  const int tokens_per_block = max(1, static_cast<int>(blockDim.x) / units);
+  const int sub = threadIdx.x / units;  // the block's token of this thread
+  if (sub >= tokens_per_block) return;
+  const i64 t = static_cast<i64>(blockIdx.x) * tokens_per_block + sub;
+  const i64 first_slot = t * top_k;
+  if (first_slot >= num_slots) return;
+  const int slots = static_cast<int>(min(static_cast<i64>(top_k), num_slots - first_slot));
+  const int* rows = slot_to_row + first_slot;
+  bool live = false;
+  for (int s = 0; s < slots; ++s) live |= rows[s] >= 0;
+  if (!live) return;  // every slot masked (tokens past T): nothing to decode
+  const u8* codes = xs + t * (hidden / 2);
+  const u8* scales = xss + t * (hidden / 16);
+  const int stride = tokens_per_block == 1 ? static_cast<int>(blockDim.x) : units;
+  for (int u = threadIdx.x - sub * units; u < units; u += stride) {
+    uint4 piece[4];
+    decode_fragment_unit(codes, scales, u, piece);
+    for (int s = 0; s < slots; ++s) {
+      const int r = rows[s];
+      if (r >= 0) store_fragment_unit(xp + static_cast<i64>(r) * hidden, u, piece);
+    }
+  }
+}

@@ -82,6 +82,10 @@ def _wrapper_calls() -> list[tuple[str, Callable[..., None], tuple[Any, ...]]]:
     )
     linear = kernels.TokenLayout.NVFP4_LINEAR
     permute = (z(B, H // 2), z(B, H // 16), z(B * k, dtype=i32), B * k, k, linear, z(R, H // 2), z(R * H // 16))
+    permute_bf16 = (
+        z(B, H // 2), z(B, H // 16), z(B * k, dtype=i32), B * k, k, kernels.TokenLayout.BF16_FRAGMENTS,
+        z(R, H, dtype=bf16), None,
+    )
     activation = (
         z(R, 2 * inter, dtype=bf16), z(R, dtype=i32), z(E + 1, dtype=i32), SwiGLU(), linear, z(R, inter // 2),
         z(R * inter // 16),
@@ -93,6 +97,7 @@ def _wrapper_calls() -> list[tuple[str, Callable[..., None], tuple[Any, ...]]]:
         ("moe_sort", kernels.sort_routing, sorting),
         ("moe_sort_blocks", kernels.sort_routing, sorting_blocks),
         ("moe_permute", kernels.permute_tokens, permute),
+        ("moe_permute_bf16", kernels.permute_tokens, permute_bf16),
         ("moe_activation", kernels.activate_quantize, activation),
         ("moe_finalize", kernels.finalize, finalize),
         ("moe_unfinalized_rows", kernels.unfinalized_rows, unfinalized),
@@ -176,6 +181,8 @@ struct uint2 { unsigned int x, y; };
 struct uint4 { unsigned int x, y, z, w; };
 static inline unsigned int __float_as_uint(float f) { unsigned int u; std::memcpy(&u, &f, 4); return u; }
 static inline float __uint_as_float(unsigned int u) { float f; std::memcpy(&f, &u, 4); return f; }
+static inline float __fadd_rn(float a, float b) { return a + b; }
+static inline float __fsub_rn(float a, float b) { return a - b; }
 #include "common.cuh"
 using namespace moe;
 
@@ -217,3 +224,57 @@ def test_format_helpers_on_host(tmp_path: Path) -> None:
     bf16 = encoded[:, 2:].contiguous().view(torch.int16).reshape(n)
     decoded = torch.from_numpy(raw[4 * n :].copy().view(np.float32).reshape(65536, 3))
     check_format_helpers(x, encoded[:, 0].contiguous(), encoded[:, 1].contiguous(), bf16, decoded)
+
+
+_ROUND_DRIVER = r"""
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#define __device__
+#define __forceinline__ inline
+struct uint2 { unsigned int x, y; };
+struct uint4 { unsigned int x, y, z, w; };
+static inline unsigned int __float_as_uint(float f) { unsigned int u; std::memcpy(&u, &f, 4); return u; }
+static inline float __uint_as_float(unsigned int u) { float f; std::memcpy(&f, &u, 4); return f; }
+static inline float __fadd_rn(float a, float b) { return a + b; }
+static inline float __fsub_rn(float a, float b) { return a - b; }
+#include "common.cuh"
+using namespace moe;
+
+// argv[1]: float32 inputs; argv[2]: per input round_to_e2m1(x) and e2m1_to_float(float_to_e2m1(x)) as float32.
+int main(int, char** argv) {
+  FILE* in = std::fopen(argv[1], "rb");
+  FILE* out = std::fopen(argv[2], "wb");
+  float f;
+  while (std::fread(&f, 4, 1, in) == 1) {
+    const float d[2] = {round_to_e2m1(f), e2m1_to_float(float_to_e2m1(f))};
+    std::fwrite(d, 4, 2, out);
+  }
+  return std::fclose(out) != 0 || std::fclose(in) != 0;
+}
+"""
+
+
+@pytest.mark.skipif(CXX is None, reason="no C++ compiler")
+def test_round_to_e2m1_is_the_encode_decode_composition(tmp_path: Path) -> None:
+    """round_to_e2m1 (the activation kernel's requantize) equals e2m1_to_float(float_to_e2m1(x)) bit for bit:
+    every tie and its neighbours on both grids, wide-range randoms, specials, NaN, and every float around the
+    seven E2M1 midpoints and saturation at many binades of offset."""
+    source, program = tmp_path / "round.cpp", tmp_path / "round"
+    source.write_text(_ROUND_DRIVER)
+    build = [CXX, "-std=c++17", "-O2", "-I", str(KERNELS_DIR), *kernels.cuda_defines(), str(source), "-o", str(program)]
+    result = subprocess.run(build, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    mids = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.0, 2.5, 3.5, 4.0, 5.0, 6.0, 7.0, 8.0, 2.0**21, 2.0**22, 2.0**23,
+                         2.0**24, 2.0**25, 3.0e38])
+    bits = mids.view(torch.int32).unsqueeze(1) + torch.arange(-64, 65, dtype=torch.int32)
+    around = bits.reshape(-1).view(torch.float32)
+    gen = torch.Generator().manual_seed(1)
+    uniform = torch.rand(200000, generator=gen) * 16 - 8
+    x = torch.cat([format_inputs(), around, -around, uniform, torch.tensor([-0.0, math.inf, -math.inf, -math.nan])])
+    x.numpy().tofile(tmp_path / "in.bin")
+    subprocess.run([str(program), str(tmp_path / "in.bin"), str(tmp_path / "out.bin")], check=True)
+    got = torch.from_numpy(np.fromfile(tmp_path / "out.bin", dtype=np.float32).reshape(-1, 2).copy())
+    assert torch.equal(got[:, 0].view(torch.int32), got[:, 1].view(torch.int32))
+    want = decode_e2m1(encode_e2m1(x.nan_to_num(nan=0.0)))  # the project's codec (NaN: code 0)
+    assert torch.equal(got[:, 0].view(torch.int32), want.view(torch.int32))

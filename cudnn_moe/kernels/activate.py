@@ -7,9 +7,9 @@ import numpy as np
 import torch
 
 from ..activations import Activation, GPU_KERNEL_ACTIVATIONS
-from .codes import ROW_THREADS, TokenLayout
+from .codes import TokenLayout
 from .loader import launch, ptr
-from .permute import require_scale_room
+from .permute import require_scale_room, unit_grid
 
 
 def activate_quantize(
@@ -28,7 +28,8 @@ def activate_quantize(
     codes e2m1(y / s) (zero when s == 0). By ``layout``: NVFP4 codes out uint8 [R, I/2] (element
     2i in the low nibble) with E4M3 scales in out_scales (R x I/16, linear or 128x4); or
     BF16_FRAGMENTS: out bfloat16 [R, I], the decoded values code * s (exact) in token-fragment order.
-    Rows >= offsets[E] are not written; padding rows (row_to_slot < 0) are written as zeros.
+    Rows >= offsets[E] are not written; padding rows (row_to_slot < 0) are written as zeros. g1 16-byte
+    aligned; out 16-byte aligned for BF16_FRAGMENTS, 8 for the NVFP4 codes.
     """
     if activation.kind not in GPU_KERNEL_ACTIVATIONS:
         raise ValueError(f"{type(activation).__name__} has no GPU kernel")
@@ -46,11 +47,13 @@ def activate_quantize(
             raise ValueError("activation: NVFP4 output needs uint8 codes and a scale buffer")
         require_scale_room(out_scales, rows, inter // 16, layout)
     a, b, limit = activation.params()
+    blocks, threads = unit_grid(rows, inter // 32)  # a thread per 32 values
+    out_align = 16 if layout is TokenLayout.BF16_FRAGMENTS else 8
     launch(
-        "activation.cu", "moe_activation", g1.device, rows, ROW_THREADS,
+        "activation.cu", "moe_activation", g1.device, blocks, threads,
         (
             ptr(g1, 16), ptr(row_to_slot), ptr(offsets), np.int32(offsets.numel() - 1), np.int32(activation.kind),
             np.int32(activation.gated), np.float32(a), np.float32(b), np.float32(limit), np.int32(inter),
-            np.int32(layout), ptr(out, 8), ptr(out_scales),
+            np.int32(layout), ptr(out, out_align), ptr(out_scales),
         ),
     )

@@ -11,6 +11,18 @@ from .codes import ROW_THREADS, TokenLayout
 from .loader import launch, ptr
 
 
+UNIT_THREADS = 256  # most threads of a block of the unit-per-thread kernels (moe_permute_bf16, moe_activation)
+
+
+def unit_grid(items: int, units: int) -> tuple[int, int]:
+    """(blocks, threads) of a kernel with one thread per unit and ``units`` units per item (token or row): as
+    many whole items per block as UNIT_THREADS threads hold (at least one; the kernel derives the same count
+    as max(1, blockDim.x / units)), the block rounded up to whole warps."""
+    per_block = max(1, UNIT_THREADS // units)
+    threads = min(UNIT_THREADS, -(-per_block * units // 32) * 32)
+    return -(-items // per_block), threads
+
+
 def require_scale_room(scales: torch.Tensor, rows: int, cols: int, layout: TokenLayout) -> None:
     """Check that ``scales`` holds a rows x cols E4M3 matrix, linear or padded to 128 x 4 tiles."""
     swizzled = layout is TokenLayout.NVFP4_SWIZZLED_128X4
@@ -35,7 +47,8 @@ def permute_tokens(
     NVFP4_LINEAR / NVFP4_SWIZZLED_128X4: xp uint8 [R, H/2], xps the scales of an R x H/16 matrix,
     linear or in 128x4 tiles (flat, >= roundup(R, 128) * roundup(H/16, 4) bytes).
     BF16_FRAGMENTS: xp bfloat16 [R, H], the decoded values (exact) in token-fragment column order;
-    xps unused. Rows no slot maps to are not written.
+    xps unused (moe_permute_bf16: each token decoded once for all its slots). Rows no slot maps to are not
+    written.
     """
     hidden = 2 * xs.shape[1]
     scale_cols = xss.shape[1]
@@ -45,9 +58,11 @@ def permute_tokens(
     if layout is TokenLayout.BF16_FRAGMENTS:
         if xp.dtype != torch.bfloat16 or xp.dim() != 2 or xp.shape[1] != hidden or hidden % 64:
             raise ValueError(f"permute: BF16 fragments need xp bfloat16 [R, {hidden}] with H % 64 == 0, got {tuple(xp.shape)}")
+        blocks, threads = unit_grid(-(-num_slots // top_k), hidden // 32)
         launch(
-            "sm90/tokens.cu", "sm90_permute_decode", xs.device, num_slots, ROW_THREADS,
-            (ptr(xs, 16), ptr(xss), ptr(slot_to_row), np.int32(top_k), np.int32(hidden), ptr(xp, 16)),
+            "permute.cu", "moe_permute_bf16", xs.device, blocks, threads,
+            (ptr(xs, 16), ptr(xss), ptr(slot_to_row), np.int32(num_slots), np.int32(top_k), np.int32(hidden),
+             ptr(xp, 16)),
         )
         return
     rows = xp.shape[0]
