@@ -3,27 +3,49 @@
 
 using namespace moe;
 
+// Add w * g2[r, h .. h + 7] to acc (a separate FP32 multiply and add per element) when r >= 0.
+__device__ __forceinline__ void accumulate_row(float acc[8], int r, float w, const uint4& raw) {
+  if (r < 0) return;
+  const u32 words[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    acc[2 * j] = __fadd_rn(acc[2 * j], __fmul_rn(w, __uint_as_float(words[j] << 16)));
+    acc[2 * j + 1] = __fadd_rn(acc[2 * j + 1], __fmul_rn(w, __uint_as_float(words[j] & 0xFFFF0000u)));
+  }
+}
+
 // One block per token t < B; each thread handles 8 consecutive hidden columns.
 //   g2          BF16 [row_capacity, hidden]: the second GEMM's rows, expert global already applied;
 //               16-byte aligned, hidden % 8 == 0
 //   slot_to_row int32 [B * top_k]; weights FP32 [B * top_k]
 //   out         BF16 [B, hidden]: out[t, h] = bf16(sum over slots s in order, skipping masked ones,
 //               of w[t, s] * float(g2[r, h])): a separate FP32 multiply and add per slot
+// The rows of four slots are loaded together (four 16-byte loads in flight per thread), then added in
+// slot order.
 extern "C" __global__ void moe_finalize(const u16* __restrict__ g2, const int* __restrict__ slot_to_row,
                                         const float* __restrict__ weights, int top_k, int hidden,
                                         u16* __restrict__ out) {
   const i64 t = blockIdx.x;
+  const int* rows = slot_to_row + t * top_k;
+  const float* w = weights + t * top_k;
   for (int h = 8 * threadIdx.x; h < hidden; h += 8 * blockDim.x) {
     float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-    for (int s = 0; s < top_k; ++s) {
-      const i64 i = t * top_k + s;
-      const int r = slot_to_row[i];
-      if (r < 0) continue;
-      const float w = weights[i];
-      float v[8];
-      load_bf16x8(g2 + static_cast<i64>(r) * hidden + h, v);
+    int s = 0;
+    for (; s + 4 <= top_k; s += 4) {
+      int r[4];
+      uint4 v[4];
 #pragma unroll
-      for (int j = 0; j < 8; ++j) acc[j] = __fadd_rn(acc[j], __fmul_rn(w, v[j]));
+      for (int i = 0; i < 4; ++i) {
+        r[i] = rows[s + i];
+        v[i] = r[i] >= 0 ? *reinterpret_cast<const uint4*>(g2 + static_cast<i64>(r[i]) * hidden + h)
+                         : make_uint4(0u, 0u, 0u, 0u);
+      }
+#pragma unroll
+      for (int i = 0; i < 4; ++i) accumulate_row(acc, r[i], r[i] >= 0 ? w[s + i] : 0.0f, v[i]);
+    }
+    for (; s < top_k; ++s) {
+      const int r = rows[s];
+      if (r >= 0) accumulate_row(acc, r, w[s], *reinterpret_cast<const uint4*>(g2 + static_cast<i64>(r) * hidden + h));
     }
     store_bf16x8(out + t * hidden + h, acc);
   }
