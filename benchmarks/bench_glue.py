@@ -1,0 +1,138 @@
+"""GPU time and achieved bandwidth of each glue kernel of one fused NVFP4 MoE call.
+
+Per model, token count and engine: a real bucket (random SwiGLU layer, uniform top-k routing, one
+fused_moe call to fill it), then each glue launch of the call captured alone in a CUDA graph and timed
+(median of CUDA-event-timed replays, 256 MiB L2 flush before each, common.py): stage (the caller's
+tokens and routing into the bucket), sort, permute, activation (executor.stages()) and finalize. Each
+row gives the DRAM bytes the launch has to move at least (what it reads once and writes; the live slot
+and row counts of this routing), the achieved GB/s, the share of --bandwidth and that floor in us.
+Every time includes the graph launch (about 2.5 us on an H200). Uses only the executor's public stages,
+so it runs unchanged on older revisions (before/after comparisons).
+Usage: python benchmarks/bench_glue.py --help
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import (  # noqa: E402
+    ModelShape,
+    Report,
+    Timer,
+    capture,
+    executor_for,
+    fmt,
+    gpu_missing,
+    header_line,
+    make_parser,
+    md_row,
+    moe_call,
+    prepare_engines,
+    progress,
+    random_batch,
+    random_weights,
+    run_models,
+)
+
+from cudnn_moe import Nvfp4MoeConfig, Nvfp4Weights, Routing, kernels  # noqa: E402
+from cudnn_moe.kernels import TokenLayout  # noqa: E402
+
+GLUE = ("stage", "sort", "permute", "activation", "finalize")
+
+
+def token_bytes(width: int, layout: TokenLayout) -> int:
+    """Bytes of one token row of ``width`` values in ``layout``: BF16, or E2M1 codes + E4M3 scales."""
+    return 2 * width if layout is TokenLayout.BF16_FRAGMENTS else width // 2 + width // 16
+
+
+def glue_launches(
+    m: ModelShape, config: Nvfp4MoeConfig, weights: Nvfp4Weights, batch: tuple[torch.Tensor, ...]
+) -> list[tuple[str, object, int]]:
+    """(name, launch, minimum DRAM bytes) of each glue kernel on the bucket one call of ``batch`` filled."""
+    x, ids, route_w = batch
+    tokens, hidden, inter, k = x.shape[0], m.hidden, m.intermediate, m.top_k
+    moe_call(config, weights, *batch)()  # fills the bucket: staged inputs, sorted routing, GEMM rows
+    torch.cuda.synchronize()
+    executor = executor_for(m, config, weights)
+    bucket = executor.bucket(tokens)
+    layout = executor.engine.token_layout
+    acts, routing = config.prepare_activations(x), Routing.unpacked(ids, route_w)
+    ids_k, weights_k, routing_format = routing.kernel_operands()
+    out = torch.empty(tokens, hidden, device=x.device, dtype=torch.bfloat16)
+
+    slots = bucket.tokens * k
+    live_slots = int((bucket.slot_to_row[:slots] >= 0).sum())
+    live_tokens = int((bucket.slot_to_row[:slots].view(bucket.tokens, k) >= 0).any(1).sum())
+    rows_used = int(bucket.offsets[-1])
+    fp4_row = hidden // 2 + hidden // 16
+    staged_routing = tokens * k * (ids_k.element_size() + (0 if weights_k is None else weights_k.element_size()))
+    bytes_moved = {
+        # tokens and routing read once and written once; the bucket's routing tail (-1 / 0) written
+        "stage": 2 * tokens * fp4_row + staged_routing + bucket.tokens * k * 8,
+        # ids read; slot_to_row, row_to_slot, row_expert written
+        "sort": slots * 4 + slots * 4 + 2 * bucket.rows * 4,
+        # each live token read once, each live slot's row written
+        "permute": live_tokens * fp4_row + live_slots * token_bytes(hidden, layout),
+        # the used GEMM1 rows read ([up | gate]), the second GEMM's token rows written
+        "activation": rows_used * 2 * (2 * inter) + rows_used * token_bytes(inter, layout),
+        # each live slot's GEMM2 row and the routing read, the output written
+        "finalize": live_slots * 2 * hidden + tokens * k * 8 + tokens * 2 * hidden,
+    }
+    stages = dict(executor.stages(bucket))
+    launches = {
+        "stage": lambda: kernels.stage_inputs(acts.packed, acts.scales, ids_k, weights_k, routing_format,
+                                              bucket.x, bucket.x_scales, bucket.ids, bucket.route_weights),
+        "sort": stages["sort"],
+        "permute": stages["permute"],
+        "activation": stages["activation"],
+        "finalize": lambda: kernels.finalize(bucket.gemm2.out, bucket.slot_to_row, bucket.route_weights, k, out),
+    }
+    return [(name, launches[name], bytes_moved[name]) for name in GLUE]
+
+
+def bench_model(args: argparse.Namespace, report: Report, m: ModelShape, gen: torch.Generator, timer: Timer) -> None:
+    """Rows per token count, engine and glue kernel of model ``m``."""
+    progress(f"{m.name}: random BF16 weights, NVFP4 weights for {', '.join(args.engines)}")
+    prepared = prepare_engines(m, *random_weights(m, gen), args.engines, max(args.tokens), report)
+    for tokens in args.tokens:
+        batch = random_batch(m, tokens, gen)
+        for engine in args.engines:
+            if engine not in prepared:
+                continue
+            config, weights = prepared[engine]
+            for name, launch, moved in glue_launches(m, config, weights, batch):
+                us = timer.median_us(capture(launch).replay)
+                gbs = moved / (us * 1e-6) / 1e9
+                floor = moved / (args.bandwidth * 1e12) * 1e6
+                report.emit(md_row([m.name, str(tokens), engine, name, fmt(us), f"{moved / 1e6:.2f}", f"{gbs:.0f}",
+                                    f"{100 * gbs / (args.bandwidth * 1e3):.0f}%", fmt(floor)]))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = make_parser(__doc__.splitlines()[0])
+    parser.set_defaults(engines=["sm90"])
+    parser.add_argument("--bandwidth", type=float, default=4.3, help="HBM TB/s for the %% column (default: %(default)s)")
+    args = parser.parse_args(argv)
+    if gpu_missing("bench_glue"):
+        return 2
+    report = Report()
+    report.emit(header_line())
+    report.emit()
+    report.emit(f"GPU us per glue launch, each captured alone in a CUDA graph (launch included); median of "
+                f"{args.iters} CUDA-event-timed replays, 256 MiB L2 flush before each. MB: the DRAM bytes it must "
+                f"move; GB/s and % of {args.bandwidth} TB/s achieved; floor: MB at that bandwidth.")
+    report.emit()
+    report.table(["model", "T", "engine", "kernel", "us", "MB", "GB/s", "% of HBM", "floor us"], left=4)
+    run_models(args, lambda m, gen, timer: bench_model(args, report, m, gen, timer))
+    report.write(args.markdown)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
