@@ -2,8 +2,8 @@
 
 Variant per GEMM, from the rows a bucket can hold: the decode kernel (weights streamed straight into
 registers, split-K across warps when CTAs would be few) with token tiles of 8 or 32 rows while
-segments stay short, the prefill kernel (128 x 128 tiles through a cp.async pipeline) once they
-average more than 48 rows.
+segments stay short, the prefill kernel (128 features x 64 token rows per CTA through a cp.async
+pipeline) once they average more than 48 rows.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 from ...arch import SM90, Arch
 from ...kernels.codes import TokenLayout
 from ..base import EngineSpec, GemmEngine, GemmOperands, GemmShape, Support, WeightLayout
-from .kernels import FEATURE_MULTIPLE, PREFILL, ROW_ALIGNMENT, DecodeVariant, GemmVariant, grouped_gemm
+from .kernels import FEATURE_MULTIPLE, ROW_ALIGNMENT, DecodeVariant, GemmVariant, PrefillVariant, grouped_gemm
 from .layout import TILE_K, pack_weight_tiles, unpack_weight_tiles
 
 # Decode variants picked with benchmarks/tune_sm90.py on an H200 (benchmarks/RESULTS.md). Two m16 row
@@ -25,6 +25,9 @@ _SPLIT = DecodeVariant(mt=2, wm=2, wk=2, nt=1, prefetch=4)
 _MID = DecodeVariant(mt=4, wm=2, wk=1, nt=4, prefetch=2)
 _MID_LONG_K = DecodeVariant(mt=2, wm=2, wk=2, nt=4, prefetch=2)
 _DECODE_MAX_ROWS, _MID_MAX_ROWS, _LONG_K = 8, 48, 4096
+# Longer segments: 128 features x 64 token rows per CTA (less padding than 128-row tiles when
+# segments hold about 128 rows), 4 CTAs per SM, 4-stage cp.async pipeline.
+_PREFILL = PrefillVariant(stages=4, min_blocks=4, feature_block=128, tile_rows=64)
 
 
 def _slots(rows: int, num_experts: int) -> int:
@@ -44,7 +47,7 @@ def choose_variant(rows: int, shape: GemmShape, sm_count: int) -> GemmVariant:
     """The kernel variant for a bucket of ``rows`` rows on a GPU of ``sm_count`` SMs."""
     average = rows_per_expert(rows, shape.num_experts)
     if average > _MID_MAX_ROWS:
-        return PREFILL
+        return _PREFILL
     if average > _DECODE_MAX_ROWS:
         return _MID_LONG_K if shape.k >= _LONG_K else _MID
     used = min(shape.num_experts, _slots(rows, shape.num_experts))
