@@ -171,8 +171,10 @@ class MoeExecutor:
             return self._buckets[size]
 
     def warmup(self, max_tokens: int | None = None, use_cuda_graph: bool = True) -> None:
-        """Allocate every bucket up to ``max_tokens``, build its GEMM plans and capture its graph."""
+        """Allocate every bucket up to ``max_tokens``, build its GEMM plans and capture its graph; also
+        load the stage and finalize kernels, so the first call builds nothing."""
         limit = self.max_num_tokens if max_tokens is None else max_tokens
+        kernels.load_call_kernels(self.weights.device.index)
         size = 1
         while True:
             bucket = self.bucket(size)

@@ -9,11 +9,22 @@ with CUDA are in codes.
 
 from .activate import activate_quantize
 from .codes import ROW_THREADS, SORT_MAX_EXPERTS, SORT_THREADS, RoutingFormat, TokenLayout, cuda_defines
+from .finalize import SOURCE as _FINALIZE_SOURCE
 from .finalize import finalize, unfinalized_rows
 from .loader import compile_options, kernels_dir, launch, load_module, module_source, ptr
 from .permute import permute_tokens
 from .sort import sort_routing
+from .stage import SOURCE as _STAGE_SOURCE
 from .stage import stage_inputs
+
+
+
+def load_call_kernels(device: int) -> None:
+    """Compile, or load from the persistent cache, the kernels every call launches around the bucket
+    pipeline (stage, finalize), so that warming up a layer leaves nothing to build on its first call."""
+    for source in (_STAGE_SOURCE, _FINALIZE_SOURCE):
+        load_module(source, device)
+
 
 ROUTING_PACKED = RoutingFormat.PACKED
 ROUTING_FP32 = RoutingFormat.FP32
@@ -34,6 +45,7 @@ __all__ = [
     "finalize",
     "kernels_dir",
     "launch",
+    "load_call_kernels",
     "load_module",
     "module_source",
     "permute_tokens",

@@ -9,6 +9,8 @@ import torch
 from .codes import ROW_THREADS
 from .loader import launch, ptr
 
+SOURCE = "finalize.cu"
+
 
 def _hidden_of(g2: torch.Tensor, out: torch.Tensor) -> int:
     hidden = g2.shape[1]
@@ -28,7 +30,7 @@ def finalize(g2: torch.Tensor, slot_to_row: torch.Tensor, weights: torch.Tensor,
     if tokens * top_k > min(slot_to_row.numel(), weights.numel()) or weights.dtype != torch.float32:
         raise ValueError(f"finalize: {tokens} tokens x top-{top_k} exceed the float32 routing of the bucket")
     launch(
-        "finalize.cu", "moe_finalize", out.device, tokens, ROW_THREADS,
+        SOURCE, "moe_finalize", out.device, tokens, ROW_THREADS,
         (ptr(g2, 16), ptr(slot_to_row), ptr(weights), np.int32(top_k), np.int32(hidden), ptr(out, 16)),
     )
 
@@ -40,6 +42,6 @@ def unfinalized_rows(g2: torch.Tensor, row_to_slot: torch.Tensor, out_rows: torc
     if rows > min(g2.shape[0], row_to_slot.numel()):
         raise ValueError(f"unfinalized rows: {rows} output rows exceed the {g2.shape[0]} GEMM rows")
     launch(
-        "finalize.cu", "moe_unfinalized_rows", out_rows.device, rows, ROW_THREADS,
+        SOURCE, "moe_unfinalized_rows", out_rows.device, rows, ROW_THREADS,
         (ptr(g2, 16), ptr(row_to_slot), np.int32(hidden), ptr(out_rows, 16)),
     )

@@ -8,6 +8,8 @@ import torch
 from .codes import ROW_THREADS, RoutingFormat
 from .loader import launch, ptr
 
+SOURCE = "stage.cu"
+
 
 def stage_inputs(
     x_packed: torch.Tensor,
@@ -42,7 +44,7 @@ def stage_inputs(
     if tokens > bucket or tuple(ids.shape) != (tokens, top_k) or x_scales.element_size() != 1:
         raise ValueError(f"cannot stage {tokens} tokens x top-{top_k} into a bucket of {bucket}")
     launch(
-        "stage.cu",
+        SOURCE,
         "moe_stage_inputs",
         xs.device,
         bucket,
