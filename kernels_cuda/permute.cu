@@ -28,9 +28,9 @@ extern "C" __global__ void moe_permute(const u8* __restrict__ xs, const u8* __re
 }
 
 // BF16 token fragments (TokenLayout.BF16_FRAGMENTS, the SM90 engine): the exact decoded values of
-// each routed slot's token, in the token-fragment column order of sm90/tokens.cu's
-// sm90_permute_decode, with the same output; but token-major: a token's 32-column unit is loaded and
-// decoded once and stored to the rows of all its slots.
+// each routed slot's token, in the token-fragment column order (cudnn_moe/engines/sm90/layout.py).
+// Token-major: a token's 32-column unit is loaded and decoded once and stored to the rows of all its
+// slots.
 // A thread handles units of H / 32 per token; blockDim.x / (H / 32) tokens per block (at least one;
 // launch ceil(ceil(num_slots / top_k) / tokens per block) blocks).
 //   xs          uint8 [B, H/2]       packed E2M1 (element 2i in the low nibble), 16-byte aligned

@@ -68,7 +68,7 @@ def _nvcc(source: Path, arch: str, out: Path, options: tuple[str, ...] = ()) -> 
 
 
 def test_sources_present() -> None:
-    assert SOURCES == ["grouped_gemm.cu", "tokens.cu"]
+    assert SOURCES == ["grouped_gemm.cu"]
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found")
@@ -362,32 +362,6 @@ def test_tile_finder_covers_every_row_once(experts: int, tile_rows: int) -> None
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Token gather (tokens.cu), emulated
-# ---------------------------------------------------------------------------------------------------------------
-
-
-def test_permute_decode_indexing_matches_token_fragments() -> None:
-    """tokens.cu: piece c of a row (16 bytes) holds element 2w+e = nibble e of byte q of word w of the
-    16 packed bytes at 32j + 16h, scale byte 4j + 2h + w // 2."""
-    hidden = 192
-    gen = torch.Generator().manual_seed(3)
-    packed = torch.randint(0, 256, (1, hidden // 2), dtype=torch.uint8, generator=gen)
-    scales = torch.randint(0, 127, (1, hidden // 16), dtype=torch.uint8, generator=gen)
-    want = to_token_fragments(dequantize_nvfp4(packed, scales.view(torch.float8_e4m3fn), 1.0, torch.float32))[0]
-    codes, sc = packed[0].numpy(), scales[0].view(torch.float8_e4m3fn).float().numpy()
-    grid = decode_e2m1(torch.arange(16, dtype=torch.uint8)).numpy()
-    got = np.zeros(hidden, dtype=np.float32)
-    for c in range(hidden // 8):
-        j, q, h = c >> 3, (c >> 1) & 3, c & 1
-        for w in range(4):
-            byte = codes[32 * j + 16 * h + 4 * w + q]
-            s = sc[4 * j + 2 * h + (w >> 1)]
-            got[8 * c + 2 * w] = grid[byte & 0xF] * s
-            got[8 * c + 2 * w + 1] = grid[byte >> 4] * s
-    np.testing.assert_array_equal(got, want.numpy())
-
-
-# ---------------------------------------------------------------------------------------------------------------
 # Wrappers: argument checks and kernel signatures
 # ---------------------------------------------------------------------------------------------------------------
 
@@ -414,17 +388,6 @@ def _gemm_args(e: int = 3, n: int = 128, k: int = 128, rows: int = 40) -> dict[s
     }
 
 
-def _permute_args() -> dict[str, Any]:
-    return {
-        "x_packed": torch.zeros(4, 64, dtype=torch.uint8),
-        "x_scales": torch.zeros(4, 8, dtype=torch.uint8),
-        "slot_to_row": torch.zeros(8, dtype=torch.int32),
-        "num_slots": 8,
-        "top_k": 2,
-        "out": torch.zeros(16, 128, dtype=torch.bfloat16),
-    }
-
-
 @pytest.fixture
 def launches(monkeypatch: pytest.MonkeyPatch) -> list[tuple]:
     """Record launches instead of running them, with the CUDA-only checks stubbed out."""
@@ -437,7 +400,7 @@ def launches(monkeypatch: pytest.MonkeyPatch) -> list[tuple]:
 
 def test_wrappers_match_kernel_signatures(launches: list[tuple]) -> None:
     signatures = _signatures()
-    assert sorted(signatures) == ["sm90_gemm_decode", "sm90_gemm_prefill", "sm90_permute_decode"]
+    assert sorted(signatures) == ["sm90_gemm_decode", "sm90_gemm_prefill"]
     for variant in (sm90.DECODE, *PREFILL_VARIANTS, *DECODE_VARIANTS):
         launches.clear()
         sm90.grouped_gemm(**_gemm_args(), variant=variant)
@@ -447,11 +410,6 @@ def test_wrappers_match_kernel_signatures(launches: list[tuple]) -> None:
         assert grid == (-(-128 // variant.feature_block), min(3, 40 // 8) + -(-40 // variant.tile_rows))
         assert block == variant.threads and kwargs["shared_mem"] == variant.shared_mem
         assert kwargs["extra_options"] == variant.options()
-    launches.clear()
-    sm90.permute_decode(**_permute_args())
-    (source, name, _device, grid, block, args), _ = launches[0]
-    assert (source, name, grid) == ("sm90/tokens.cu", "sm90_permute_decode", 8)
-    assert [type(a) for a in args] == [_ARG_TYPES[kind] for kind in signatures[name]]
 
 
 def test_variant_macros_match_the_source() -> None:
@@ -519,30 +477,6 @@ def test_grouped_gemm_rejects_cpu_tensors_and_bad_variants() -> None:
                 {"stages": 8, "feature_block": 256, "tile_rows": 128, "adec": True}):
         with pytest.raises(ValueError):
             sm90.PrefillVariant(**bad)
-
-
-_PERMUTE_BAD = [
-    ("x_packed", lambda a: a["x_packed"][:, :40].contiguous(), "H"),
-    ("x_scales", lambda a: a["x_scales"][:, :4].contiguous(), "x_scales"),
-    ("slot_to_row", lambda a: a["slot_to_row"].long(), "slot_to_row"),
-    ("num_slots", lambda a: 9, "num_slots"),
-    ("top_k", lambda a: 0, "top_k"),
-    ("out", lambda a: torch.zeros(16, 64, dtype=torch.bfloat16), "out"),
-]
-
-
-@pytest.mark.parametrize("key,mutate,needle", _PERMUTE_BAD, ids=[b[0] for b in _PERMUTE_BAD])
-def test_permute_decode_rejects_bad_arguments(key: str, mutate: Any, needle: str, launches: list[tuple]) -> None:
-    args = _permute_args()
-    args[key] = mutate(args)
-    with pytest.raises(ValueError, match=needle):
-        sm90.permute_decode(**args)
-    assert not launches
-
-
-def test_permute_decode_rejects_cpu_tensors() -> None:
-    with pytest.raises(ValueError, match="CUDA"):
-        sm90.permute_decode(**_permute_args())
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -854,14 +788,14 @@ NVRTC = _nvrtc_library()
 
 @pytest.mark.skipif(NVRTC is None, reason="libnvrtc not found")
 @pytest.mark.parametrize("arch", ["compute_90", "compute_100"])
-@pytest.mark.parametrize("variant", [None, sm90.DECODE, *PREFILL_VARIANTS, *DECODE_VARIANTS[1:]], ids=str)
+@pytest.mark.parametrize("variant", [sm90.DECODE, *PREFILL_VARIANTS, *DECODE_VARIANTS[1:]], ids=str)
 def test_nvrtc_compiles(arch: str, variant: Any) -> None:
     import ctypes
 
     from cudnn_moe.kernels import compile_options, module_source
 
-    filename = "sm90/tokens.cu" if variant is None else "sm90/grouped_gemm.cu"
-    options = [*compile_options(() if variant is None else variant.options()), f"--gpu-architecture={arch}"]
+    filename = "sm90/grouped_gemm.cu"
+    options = [*compile_options(variant.options()), f"--gpu-architecture={arch}"]
     program = ctypes.c_void_p()
     assert NVRTC.nvrtcCreateProgram(ctypes.byref(program), module_source(filename).encode(), filename.encode(), 0,
                                     None, None) == 0

@@ -11,6 +11,8 @@ import torch
 from cudnn_moe.engines.sm90 import kernels as sm90
 from cudnn_moe.engines.sm90.layout import from_token_fragments, pack_weight_tiles, to_token_fragments
 from cudnn_moe.formats import dequantize_nvfp4, quantize_nvfp4
+from cudnn_moe import kernels
+from cudnn_moe.kernels import TokenLayout
 
 pytestmark = pytest.mark.gpu
 
@@ -203,7 +205,7 @@ def test_graph_capture_follows_device_offsets() -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# permute_decode
+# token gather + decode (the permute stage for the BF16-fragment token layout)
 # ---------------------------------------------------------------------------------------------------------------
 
 
@@ -218,7 +220,8 @@ def test_permute_decode_matches_formats(hidden: int) -> None:
     slot_to_row[torch.rand(slots, generator=gen) < 0.2] = -1
     want = to_token_fragments(dequantize_nvfp4(packed, scales.view(torch.float8_e4m3fn), 1.0, torch.bfloat16))
     out = torch.full((rows, hidden), math.nan, dtype=torch.bfloat16, device=DEV)
-    sm90.permute_decode(packed.to(DEV), scales.to(DEV), slot_to_row.to(DEV), slots, top_k, out)
+    kernels.permute_tokens(packed.to(DEV), scales.to(DEV), slot_to_row.to(DEV), slots, top_k,
+                           TokenLayout.BF16_FRAGMENTS, out, None)
     torch.cuda.synchronize()
     got = out.cpu()
     written = torch.zeros(rows, dtype=torch.bool)
@@ -236,7 +239,8 @@ def test_permute_decode_nan_scale_gives_nan() -> None:
     scales[1, 3] = 0x7F
     scales[1, 5] = 0xFF
     out = torch.zeros(2, hidden, dtype=torch.bfloat16, device=DEV)
-    sm90.permute_decode(packed.to(DEV), scales.to(DEV), torch.tensor([0, 1], dtype=torch.int32, device=DEV), 2, 1, out)
+    kernels.permute_tokens(packed.to(DEV), scales.to(DEV), torch.tensor([0, 1], dtype=torch.int32, device=DEV), 2, 1,
+                           TokenLayout.BF16_FRAGMENTS, out, None)
     torch.cuda.synchronize()
     natural = from_token_fragments(out).cpu().float()
     assert not natural[0].isnan().any()

@@ -1,5 +1,6 @@
 """Launch wrappers of the SM90 kernels (kernels_cuda/sm90/): the grouped NVFP4 x BF16 GEMM over
-ragged expert segments, in a decode and a prefill variant, and the token gather-and-decode.
+ragged expert segments, in a decode and a prefill variant. (The tokens enter in the BF16-fragment
+layout written by the permute and activation stages, cudnn_moe.kernels.)
 
 Every argument is checked on the host before anything is launched (ValueError naming it); work is
 derived from device data only (``offsets``), the grid from capacities, so the launches are
@@ -13,12 +14,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ...kernels.codes import ROW_THREADS
 from ...kernels.loader import launch, ptr
 from .layout import TILE_K
 
 GEMM_SOURCE = "sm90/grouped_gemm.cu"
-TOKENS_SOURCE = "sm90/tokens.cu"
 FEATURE_MULTIPLE = 128  # N % 128 == 0: every feature block divides it, or (256) overhangs N by 128 that the kernel skips
 ROW_ALIGNMENT = 8  # segment starts (offsets) are multiples of 8
 MAX_GRID_Y = 65535
@@ -245,53 +244,4 @@ def grouped_gemm(
         ),
         shared_mem=variant.shared_mem,
         extra_options=variant.options(),
-    )
-
-
-def permute_decode(
-    x_packed: torch.Tensor,
-    x_scales: torch.Tensor,
-    slot_to_row: torch.Tensor,
-    num_slots: int,
-    top_k: int,
-    out: torch.Tensor,
-) -> None:
-    """Row slot_to_row[i] of ``out`` (bfloat16 [R, H], token-fragment column order) = the exact BF16
-    decode of token i // top_k, for every slot i < num_slots with slot_to_row[i] >= 0.
-
-    x_packed uint8 [B, H/2] (element 2i in the low nibble), x_scales uint8 / float8_e4m3fn [B, H/16]
-    (linear E4M3), slot_to_row int32 [>= num_slots] with rows < R. H % 64 == 0.
-    """
-    x_packed, x_scales = _tensor("x_packed", x_packed), _tensor("x_scales", x_scales)
-    slot_to_row, out = _tensor("slot_to_row", slot_to_row), _tensor("out", out)
-    if x_packed.dim() != 2 or out.dim() != 2:
-        raise ValueError(f"x_packed and out must be 2-D, got {list(x_packed.shape)} and {list(out.shape)}")
-    tokens, half = x_packed.shape
-    hidden = 2 * half
-    if hidden <= 0 or hidden % TILE_K:
-        raise ValueError(f"x_packed: H = {hidden} must be a positive multiple of {TILE_K}")
-    _check("x_packed", x_packed, (torch.uint8,), (tokens, half))
-    _check("x_scales", x_scales, (torch.uint8, torch.float8_e4m3fn), (tokens, hidden // 16))
-    _check("out", out, (torch.bfloat16,), (out.shape[0], hidden))
-    if slot_to_row.dtype != torch.int32 or slot_to_row.dim() != 1 or not slot_to_row.is_contiguous():
-        raise ValueError(f"slot_to_row must be a contiguous 1-D int32 tensor, got {slot_to_row.dtype} "
-                         f"{list(slot_to_row.shape)}")
-    if isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)) or top_k < 1:
-        raise ValueError(f"top_k must be a positive int, got {top_k!r}")
-    if isinstance(num_slots, bool) or not isinstance(num_slots, (int, np.integer)) or num_slots < 0:
-        raise ValueError(f"num_slots must be a non-negative int, got {num_slots!r}")
-    if num_slots > slot_to_row.numel() or num_slots > tokens * top_k:
-        raise ValueError(f"num_slots = {num_slots} exceeds slot_to_row ({slot_to_row.numel()}) or "
-                         f"x_packed's {tokens} tokens x top_k {top_k}")
-    named = {"x_packed": x_packed, "x_scales": x_scales, "slot_to_row": slot_to_row, "out": out}
-    _check_device(named, {"x_packed": 16, "slot_to_row": 4, "out": 16})
-    if num_slots == 0:
-        return
-    launch(
-        TOKENS_SOURCE,
-        "sm90_permute_decode",
-        out.device,
-        int(num_slots),
-        ROW_THREADS,
-        (ptr(x_packed, 16), ptr(x_scales), ptr(slot_to_row, 4), np.int32(top_k), np.int32(hidden), ptr(out, 16)),
     )
