@@ -210,7 +210,7 @@ def test_graph_capture_follows_device_offsets() -> None:
 
 
 @pytest.mark.parametrize("hidden", [64, 192, 7168])
-def test_permute_decode_matches_formats(hidden: int) -> None:
+def test_permute_to_bf16_fragments_matches_formats(hidden: int) -> None:
     gen = _gen(hidden)
     tokens, top_k, rows = 37, 4, 200
     packed = torch.randint(0, 256, (tokens, hidden // 2), dtype=torch.uint8, generator=gen)
@@ -232,7 +232,7 @@ def test_permute_decode_matches_formats(hidden: int) -> None:
     assert got[~written].isnan().all()
 
 
-def test_permute_decode_nan_scale_gives_nan() -> None:
+def test_permute_to_bf16_fragments_nan_scale_gives_nan() -> None:
     hidden = 128
     packed = torch.full((2, hidden // 2), 0x21, dtype=torch.uint8)
     scales = torch.full((2, hidden // 16), 0x38, dtype=torch.uint8)

@@ -1,5 +1,5 @@
 """Permute: gather each routed slot's token into its expert-sorted row, in the GEMM engine's token
-layout (kernels_cuda/permute.cu for the NVFP4 layouts, kernels_cuda/sm90/tokens.cu for BF16 fragments)."""
+layout (kernels_cuda/permute.cu: moe_permute for the NVFP4 layouts, moe_permute_bf16 for BF16 fragments)."""
 
 from __future__ import annotations
 
