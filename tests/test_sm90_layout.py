@@ -1,0 +1,63 @@
+"""CPU tests of the SM90 engine's layouts: the weight-tile repack round-trips to the canonical NVFP4
+tensors, and the token-fragment order puts each lane's B registers where layout.py says."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cudnn_moe.engines.sm90.layout import (
+    from_token_fragments,
+    pack_weight_tiles,
+    to_token_fragments,
+    token_fragment_order,
+    unpack_weight_tiles,
+)
+
+
+@pytest.mark.parametrize("experts, n, k", [(1, 16, 64), (3, 48, 192), (2, 128, 2048)])
+def test_weight_tiles_round_trip(experts: int, n: int, k: int) -> None:
+    gen = torch.Generator().manual_seed(n + k)
+    packed = torch.randint(0, 256, (experts, n, k // 2), dtype=torch.uint8, generator=gen)
+    scales = torch.randint(0, 127, (experts, n, k // 16), dtype=torch.uint8, generator=gen).view(torch.float8_e4m3fn)
+    tiles, tile_scales = pack_weight_tiles(packed, scales)
+    assert tiles.shape == (experts, n * k // 2) and tile_scales.shape == (experts, n * k // 16)
+    assert not torch.equal(tiles.view(experts, n, k // 2), packed)  # really moved
+    back, back_scales = unpack_weight_tiles(tiles, tile_scales, n, k)
+    assert torch.equal(back, packed)
+    assert torch.equal(back_scales.view(torch.uint8), scales.view(torch.uint8))
+
+
+def test_scale_tile_bytes() -> None:
+    """Byte g*8 + s*2 + h of tile (i, j) is the scale of row 16i + g + 8h, k block 4j + s."""
+    n, k = 32, 128
+    scales = torch.arange(n * k // 16, dtype=torch.int32).remainder(127).to(torch.uint8).view(1, n, k // 16)
+    _, tile_scales = pack_weight_tiles(torch.zeros(1, n, k // 2, dtype=torch.uint8), scales.view(torch.float8_e4m3fn))
+    tiles = tile_scales.view(n // 16, k // 64, 64)
+    for i in range(n // 16):
+        for j in range(k // 64):
+            for g in range(8):
+                for s in range(4):
+                    for h in range(2):
+                        assert tiles[i, j, g * 8 + s * 2 + h] == scales[0, 16 * i + g + 8 * h, 4 * j + s]
+
+
+@pytest.mark.parametrize("n, k", [(8, 64), (16, 96)])
+def test_weight_shapes_rejected(n: int, k: int) -> None:
+    with pytest.raises(ValueError):
+        pack_weight_tiles(torch.zeros(1, n, k // 2, dtype=torch.uint8), torch.zeros(1, n, k // 16, dtype=torch.uint8))
+
+
+def test_token_fragment_order_gives_each_lane_its_registers() -> None:
+    """Lane (g, q) reads 32 bytes at 32q of a token's k64 block: words 2s and 2s + 1 are its b0 and b1 of
+    k16 step s, i.e. columns 16s + 2q + (0, 1) and 16s + 8 + 2q + (0, 1)."""
+    order = token_fragment_order(128)
+    for block in range(2):
+        for q in range(4):
+            for s in range(4):
+                base = 64 * block + 16 * q + 4 * s
+                assert order[base : base + 4].tolist() == [64 * block + 16 * s + 2 * q + d for d in (0, 1, 8, 9)]
+    x = torch.randn(3, 192)
+    assert torch.equal(from_token_fragments(to_token_fragments(x)), x)
+    with pytest.raises(ValueError):
+        token_fragment_order(100)
