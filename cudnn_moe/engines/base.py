@@ -165,11 +165,9 @@ class GemmEngine(abc.ABC):
             return (rows, k), torch.bfloat16, 0
         return (rows, k // 2), torch.uint8, rows * (k // 16)
 
-    def prepare(self, rows: int, shape: GemmShape) -> None:
-        """Build whatever a GEMM of ``rows`` rows and ``shape`` needs (plans, kernels), before any capture."""
-
     def workspace_bytes(self, rows: int, shape: GemmShape) -> int:
-        """Workspace a GEMM of ``rows`` rows needs (0 by default)."""
+        """Workspace a GEMM of ``rows`` rows needs (0 by default); an engine that builds plans per shape
+        builds them here, before any capture."""
         return 0
 
     @abc.abstractmethod

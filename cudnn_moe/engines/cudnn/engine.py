@@ -78,9 +78,6 @@ class CudnnGemmEngine(GemmEngine):
     def token_buffers(self, rows: int, k: int, num_experts: int) -> tuple[tuple[int, ...], torch.dtype, int]:
         return (rows, k // 2), torch.uint8, token_scale_bytes(rows, k, self.scale_layout, num_experts)
 
-    def prepare(self, rows: int, shape: GemmShape) -> None:
-        graph_for(self.key(rows, shape))
-
     def workspace_bytes(self, rows: int, shape: GemmShape) -> int:
         """The graph's own workspace, then the FP32 result [rows, N] (16-byte aligned)."""
         graph_bytes = -(-graph_for(self.key(rows, shape)).workspace_bytes // 16) * 16
