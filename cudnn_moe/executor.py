@@ -8,7 +8,7 @@ A call with T tokens runs in the smallest power-of-two bucket B >= T. Per call:
 2. sort, permute, GEMM1, activation + NVFP4 requantize, GEMM2: captured once per bucket in a
    CUDA graph and replayed (or launched eagerly in debug mode, or recorded straight into the
    caller's graph when the caller's stream is capturing).
-3. finalize or scale_rows (eager launch): writes the caller's output for the T live tokens.
+3. finalize, or the unfinalized rows (eager launch): writes the caller's output for the T live tokens.
 
 Full-call graphs: when a finalized call with a caller ``out`` repeats a signature (the same caller
 tensors: pointers, shapes, strides, dtypes, and T) on two consecutive calls of a bucket, stage +
