@@ -1,4 +1,4 @@
-"""cudnn-moe: fused NVFP4 Mixture-of-Experts inference on cuDNN grouped-GEMM graphs.
+"""cudnn-moe: fused NVFP4 Mixture-of-Experts inference on NVIDIA GPUs (our SM90 kernels or cuDNN graphs).
 
 Importing the package needs only torch and numpy; CuPy and the cuDNN frontend are loaded on
 the first GPU call.

@@ -22,7 +22,16 @@ from .activations import GPU_KERNEL_ACTIVATIONS, Activation, parse_activation
 from .cache import ENV_VAR, KIND_CUDNN_PLAN, KIND_KERNEL, DiskCache, EntryKey, cache_dir, set_cache_dir, stats
 from .engines.select import ENGINE_NAMES
 
-PRESETS_FILE = Path(__file__).resolve().parent.parent / "graphs" / "presets.json"
+def _presets_file() -> Path:
+    """graphs/presets.json: cudnn_moe/_graphs in an installed wheel, else the repository's graphs/."""
+    package = Path(__file__).resolve().parent
+    for candidate in (package / "_graphs" / "presets.json", package.parent / "graphs" / "presets.json"):
+        if candidate.is_file():
+            return candidate
+    return package.parent / "graphs" / "presets.json"
+
+
+PRESETS_FILE = _presets_file()
 PRESET_FIELDS = ("name", "experts", "hidden", "intermediate", "top_k")
 MAX_BUCKET = 4096
 DEFAULT_BUCKETS = tuple(1 << i for i in range(13))  # 1, 2, 4, ..., 4096
@@ -98,7 +107,7 @@ def parse_preset(text: str) -> list[LayerShape]:
         except ValueError as exc:
             raise argparse.ArgumentTypeError(str(exc)) from exc
     if not PRESETS_FILE.is_file():
-        raise argparse.ArgumentTypeError(f"preset names need {PRESETS_FILE} (a checkout); pass a preset file PATH instead")
+        raise argparse.ArgumentTypeError(f"preset names need {PRESETS_FILE}; pass a preset file PATH instead")
     presets = load_presets(PRESETS_FILE)
     if text not in presets:
         raise argparse.ArgumentTypeError(f"unknown preset {text!r}; known: {', '.join(presets)} (or a .json file)")
