@@ -1,0 +1,123 @@
+"""Float64 oracle of the aligned-plan NVFP4 MoE op (contract 002): it walks the plan block by block.
+
+For every active block j (``j * block_m < num_tokens_post_padded``), with e = expert_ids[j], and
+every entry i of the block that is not padding (``i < M * top_k``; token t = i // top_k, slot
+s = i % top_k), in plan order. Rounding points, in data-path order:
+
+1. activations and weights are decoded exactly (E2M1 code times E4M3 block scale; no global
+   scale: the per-expert output scales carry it);
+2. GEMM1 accumulates x_t . w1_e over K in FP32 (modelled in float64; order free). Rows 0 .. N/2-1
+   of w1_e are the gate, rows N/2 .. N-1 the up projection;
+3. gate = acc_gate * output1_scale_gate_scalar[e], up = acc_up * output1_scale_scalar[e], and
+   y = silu(gate) * up: the contract is silent on intermediate roundings here; this oracle keeps
+   them unrounded (float64 standing for FP32, no BF16 step), unlike reference_moe's bf16(h1);
+4. y is rounded to float32 and requantized to NVFP4 with global scale one, per 16 values
+   (requantize_nvfp4_rows: scale = e4m3(amax / 6), codes = e2m1(y / scale)), then decoded exactly;
+5. GEMM2 accumulates y_q . w2_e over N/2 in FP32 (modelled in float64), and the contribution is
+   acc2 * output2_scale_scalar[e] * topk_weights[t, s] * routed_scaling_factor;
+6. an accumulator [M, K] starts from out's BF16 values; every contribution is added to row t in
+   plan order (float64 here); the sum is rounded once to BF16 (nearest even) straight from
+   float64 (the contract's FP32 accumulator and its reduction order are the op's noise, like
+   the GEMMs' accumulation order).
+
+Entries that appear twice contribute twice; a slot the plan never names contributes nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..formats import dequantize_nvfp4
+from ..reference import requantize_nvfp4_rows
+from .checks import check_aligned_args
+
+
+def _check_plan_values(
+    sorted_token_ids: torch.Tensor,
+    expert_ids: torch.Tensor,
+    num_tokens_post_padded: torch.Tensor,
+    block_m: int,
+    num_experts: int,
+) -> int:
+    """Read the plan (a device sync on CUDA) and return the number of active blocks.
+
+    The contract requires what the GPU op cannot check without a sync: 0 <= extent <=
+    expert_ids.numel() * block_m, and valid expert ids and non-negative entries in active blocks.
+    """
+    extent = int(num_tokens_post_padded[0])
+    if not 0 <= extent <= expert_ids.numel() * block_m:
+        raise ValueError(
+            f"num_tokens_post_padded ({extent}) must lie in [0, expert_ids.numel() * block_m = "
+            f"{expert_ids.numel() * block_m}]"
+        )
+    active = -(-extent // block_m)
+    experts = expert_ids[:active]
+    if bool(((experts < 0) | (experts >= num_experts)).any()):
+        raise ValueError(f"expert_ids must lie in [0, {num_experts}) in the blocks before num_tokens_post_padded")
+    if bool((sorted_token_ids[: active * block_m] < 0).any()):
+        raise ValueError("sorted_token_ids must be non-negative in the blocks before num_tokens_post_padded")
+    return active
+
+
+def reference_aligned_moe(
+    hidden_states: torch.Tensor,
+    hidden_states_scale: torch.Tensor,
+    gemm1_weights: torch.Tensor,
+    gemm1_weights_scale: torch.Tensor,
+    gemm2_weights: torch.Tensor,
+    gemm2_weights_scale: torch.Tensor,
+    output1_scale_gate_scalar: torch.Tensor,
+    output1_scale_scalar: torch.Tensor,
+    output2_scale_scalar: torch.Tensor,
+    sorted_token_ids: torch.Tensor,
+    expert_ids: torch.Tensor,
+    num_tokens_post_padded: torch.Tensor,
+    topk_weights: torch.Tensor,
+    out: torch.Tensor,
+    top_k: int,
+    block_m: int = 8,
+    routed_scaling_factor: float = 1.0,
+) -> torch.Tensor:
+    """The value the aligned op leaves in ``out``: a new BF16 [M, K] tensor; ``out`` itself is
+    only read, never written (the op adds into it in place).
+
+    Arguments as check_aligned_args describes (the contract's names and layouts); the module
+    docstring gives the walk and its rounding points. A block is active when its first entry
+    lies before num_tokens_post_padded, and all its entries are then walked (those inside
+    sorted_token_ids; a last partial block is shorter); entries >= M * top_k are padding.
+    Raises TypeError / ValueError naming the argument; also ValueError when the plan breaks the
+    contract (extent past the capacity, an expert id outside [0, E) or a negative entry in an
+    active block): this oracle reads the plan, the GPU op will not.
+    """
+    dims = check_aligned_args(
+        hidden_states, hidden_states_scale, gemm1_weights, gemm1_weights_scale, gemm2_weights,
+        gemm2_weights_scale, output1_scale_gate_scalar, output1_scale_scalar, output2_scale_scalar,
+        sorted_token_ids, expert_ids, num_tokens_post_padded, topk_weights, out, top_k, block_m,
+        routed_scaling_factor,
+    )
+    active = _check_plan_values(sorted_token_ids, expert_ids, num_tokens_post_padded, block_m, dims.num_experts)
+    f64, half = torch.float64, dims.n // 2
+    num_slots = dims.num_tokens * top_k
+    x = dequantize_nvfp4(hidden_states, hidden_states_scale, dtype=f64)
+    route_weights = topk_weights.reshape(-1).to(f64)
+    acc = out.to(f64)
+    entries, experts = sorted_token_ids.tolist(), expert_ids[:active].tolist()
+    loaded = -1  # the expert whose weights are decoded (one at a time: E * N * K float64 would not fit)
+    for block, expert in enumerate(experts):
+        slots = [i for i in entries[block * block_m : (block + 1) * block_m] if i < num_slots]
+        if not slots:
+            continue
+        if expert != loaded:
+            w1 = dequantize_nvfp4(gemm1_weights[expert], gemm1_weights_scale[expert], dtype=f64)
+            w2 = dequantize_nvfp4(gemm2_weights[expert], gemm2_weights_scale[expert], dtype=f64)
+            loaded = expert
+        index = torch.tensor(slots, dtype=torch.int64, device=x.device)
+        acc1 = x[index // top_k] @ w1.T  # [rows, N]: [gate | up]
+        gate = acc1[:, :half] * float(output1_scale_gate_scalar[expert])
+        up = acc1[:, half:] * float(output1_scale_scalar[expert])
+        y = requantize_nvfp4_rows(torch.nn.functional.silu(gate) * up)
+        down = (y @ w2.T) * float(output2_scale_scalar[expert])
+        contributions = down * route_weights[index, None] * dims.routed_scaling_factor
+        for row, slot in enumerate(slots):
+            acc[slot // top_k] += contributions[row]
+    return acc.to(torch.bfloat16)
