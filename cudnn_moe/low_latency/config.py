@@ -1,0 +1,328 @@
+"""The low-latency MoE config (1-8 tokens per call): where each weight format runs, and weight preparation.
+
+Preparation keeps the caller's payloads bit-exact (copies, never requantized or cast) wherever the
+format is given already quantized, and pads I to a multiple of 128 with zero bytes (see
+``cudnn_moe.low_latency.weights``). Only ``prepare_nvfp4_weights`` quantizes, from a float source.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..activations import Activation, SwiGLU, parse_activation
+from ..arch import SM90, SM100, SM103, Arch, arch_name, device_arch, parse_arch
+from ..config import Nvfp4Activations
+from ..formats import NVFP4_MAX, quantize_nvfp4
+from ..validate import require_finite, require_multiple, require_positive_finite, require_same_device, require_tensor
+from .weights import (
+    DenseWeights,
+    LowLatencyWeights,
+    Mxfp4WeightOnlyWeights,
+    Mxint4WeightOnlyWeights,
+    Nvfp4PairWeights,
+    Nvfp4WeightOnlyWeights,
+    WeightFormat,
+    pad_columns,
+    pad_gemm1_rows,
+    padded_intermediate,
+)
+
+MAX_NUM_TOKENS = 8
+MAX_TOP_K = 32
+WEIGHT_ONLY_HIDDEN_MULTIPLE = 128
+WEIGHT_ONLY_INTERMEDIATE_MULTIPLE = 32
+PAIR_HIDDEN_MULTIPLE = 512
+PAIR_INTERMEDIATE_MULTIPLE = 128
+
+SM80: Arch = (8, 0)
+SM107: Arch = (10, 7)
+SM120: Arch = (12, 0)
+
+_ALL_FORMATS = tuple(WeightFormat)
+# SM80 runs the 16-bit formats only. The contract lists the NVFP4 weight + NVFP4 activation pair
+# without an architecture of its own; it shares the FMA kernels (software E2M1 decode on SM90), so it
+# is offered wherever the 4-bit weight-only formats are.
+_FORMATS_BY_ARCH: dict[Arch, tuple[WeightFormat, ...]] = {
+    SM80: (WeightFormat.BF16, WeightFormat.FP16),
+    SM90: _ALL_FORMATS,
+    SM100: _ALL_FORMATS,
+    SM103: _ALL_FORMATS,
+    SM107: _ALL_FORMATS,
+    SM120: _ALL_FORMATS,
+}
+_FLOAT_SOURCE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _check_pair(
+    name1: str, w1: object, name2: str, w2: object, dtypes: torch.dtype | tuple[torch.dtype, ...]
+) -> tuple[int, int, int]:
+    """Check w1 [E, N1, X1] and w2 [E, H, X2] (3-D, ``dtypes``, one device, same E >= 1); return (E, H, X2)."""
+    w1 = require_tensor(name1, w1, dtypes, rank=3)
+    w2 = require_tensor(name2, w2, dtypes, rank=3)
+    require_same_device(**{name1: w1, name2: w2})
+    if w2.shape[0] != w1.shape[0]:
+        raise ValueError(f"{name1} has {w1.shape[0]} experts but {name2} has {w2.shape[0]}")
+    if w1.shape[0] < 1:
+        raise ValueError(f"{name1} must hold at least one expert, got shape {tuple(w1.shape)}")
+    return w1.shape[0], w2.shape[1], w2.shape[2]
+
+
+def _check_gemm1_rows(name: str, rows: int, act: Activation, intermediate: int) -> None:
+    expected = act.gemm1_columns(intermediate)
+    if rows != expected:
+        kind = "gated" if act.gated else "non-gated"
+        raise ValueError(
+            f"{name} must have {expected} rows per expert for the {kind} activation {type(act).__name__} "
+            f"(intermediate size {intermediate}), got {rows}"
+        )
+
+
+def _check_scales(name: str, scales: object, dtype: torch.dtype, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    scales = require_tensor(name, scales, dtype, rank=3)
+    if tuple(scales.shape) != shape:
+        raise ValueError(f"{name} must have shape {shape} to match the codes, got {tuple(scales.shape)}")
+    if scales.device != device:
+        raise ValueError(f"{name} is on {scales.device} but the codes are on {device}")
+    return scales
+
+
+def _check_global(name: str, value: object, experts: int, device: torch.device) -> torch.Tensor:
+    value = require_tensor(name, value, torch.float32, rank=1)
+    if value.shape[0] != experts:
+        raise ValueError(f"{name} must have shape ({experts},), one global per expert, got {tuple(value.shape)}")
+    if value.device != device:
+        raise ValueError(f"{name} is on {value.device} but the codes are on {device}")
+    require_positive_finite(name, value)
+    return value
+
+
+class LowLatencyMoeConfig:
+    """Routed MoE for decode: 1..8 tokens per call, FMA/tensor-core kernels streaming the weights.
+
+    max_num_tokens: the most tokens one call may pass, 1..8 (default 2).
+    arch: the GPU the weights are prepared for ('sm90', (10, 0), ...); by default the current CUDA
+    device, or SM90 when there is none. An arch this config does not run on is refused.
+    """
+
+    def __init__(self, max_num_tokens: int = 2, arch: str | int | tuple[int, int] | None = None) -> None:
+        if isinstance(max_num_tokens, bool) or not isinstance(max_num_tokens, int):
+            raise ValueError(f"max_num_tokens must be an int in 1..{MAX_NUM_TOKENS}, got {max_num_tokens!r}")
+        if not 1 <= max_num_tokens <= MAX_NUM_TOKENS:
+            raise ValueError(
+                f"max_num_tokens must be in 1..{MAX_NUM_TOKENS} (the low-latency config serves decode steps; "
+                f"use Nvfp4MoeConfig for larger batches), got {max_num_tokens}"
+            )
+        self.max_num_tokens = max_num_tokens
+        self.arch: Arch | None = None if arch is None else parse_arch(arch)
+        if self.arch is not None and not self.supported(self.arch):
+            raise ValueError(f"arch {arch!r} ({arch_name(self.arch)}) is not supported; the low-latency config runs on "
+                             + ", ".join(arch_name(a) for a in _FORMATS_BY_ARCH))
+
+    @staticmethod
+    def supported_formats(arch: str | int | tuple[int, int]) -> tuple[WeightFormat, ...]:
+        """The formats that run on ``arch``: SM80 BF16/FP16; SM90, SM100, SM103, SM107, SM120 all; else ()."""
+        return _FORMATS_BY_ARCH.get(parse_arch(arch), ())
+
+    @staticmethod
+    def supported(arch: str | int | tuple[int, int]) -> bool:
+        """True for SM80, SM90, SM100, SM103, SM107 and SM120."""
+        return parse_arch(arch) in _FORMATS_BY_ARCH
+
+    @staticmethod
+    def require_format(arch: str | int | tuple[int, int], fmt: WeightFormat) -> None:
+        """Raise ValueError naming both when ``fmt`` does not run on ``arch``."""
+        parsed = parse_arch(arch)
+        if fmt not in LowLatencyMoeConfig.supported_formats(parsed):
+            runs = ", ".join(f.value for f in LowLatencyMoeConfig.supported_formats(parsed)) or "nothing"
+            raise ValueError(f"weight format {fmt.value} does not run on arch {arch_name(parsed)} (it runs {runs})")
+
+    def target_arch(self) -> Arch:
+        """``arch``, else the current GPU's, else SM90."""
+        if self.arch is not None:
+            return self.arch
+        return device_arch() if torch.cuda.is_available() else SM90
+
+    # ------------------------------------------------------------------ 16-bit
+    def _prepare_dense(
+        self, fmt: WeightFormat, dtype: torch.dtype, w1: object, w2: object, activation: Activation | str
+    ) -> DenseWeights:
+        self.require_format(self.target_arch(), fmt)
+        act = parse_activation(activation)
+        _, hidden, intermediate = _check_pair("w1", w1, "w2", w2, dtype)
+        if w1.shape[2] != hidden:
+            raise ValueError(f"w1 must be [E, N1, H] with H = {hidden} (from w2 [E, H, I]), got {tuple(w1.shape)}")
+        if hidden < 1 or intermediate < 1:
+            raise ValueError(f"w2 must have a positive hidden and intermediate size, got {tuple(w2.shape)}")
+        _check_gemm1_rows("w1", w1.shape[1], act, intermediate)
+        ip = padded_intermediate(intermediate)
+        return DenseWeights(
+            format=fmt, hidden_size=hidden, intermediate_size=intermediate, padded_intermediate=ip, gated=act.gated,
+            w1=pad_gemm1_rows(w1, intermediate, ip, act.gated), w2=pad_columns(w2, ip),
+        )
+
+    def prepare_bf16_weights(
+        self, w1: torch.Tensor, w2: torch.Tensor, *, activation: Activation | str = SwiGLU()
+    ) -> DenseWeights:
+        """BF16 w1 [E, N1, H] (N1 = 2I rows [up; gate] for gated activations, else I) and w2 [E, H, I].
+
+        Any positive H and I; I is padded to a multiple of 128 with zero rows (w1) and columns (w2).
+        The values are copied bit for bit.
+        """
+        return self._prepare_dense(WeightFormat.BF16, torch.bfloat16, w1, w2, activation)
+
+    def prepare_fp16_weights(
+        self, w1: torch.Tensor, w2: torch.Tensor, *, activation: Activation | str = SwiGLU()
+    ) -> DenseWeights:
+        """FP16 twin of ``prepare_bf16_weights``."""
+        return self._prepare_dense(WeightFormat.FP16, torch.float16, w1, w2, activation)
+
+    # ------------------------------------------------------------------ 4-bit weight-only
+    def _prepare_block_scaled(
+        self,
+        fmt: WeightFormat,
+        cls: type,
+        scale_dtype: torch.dtype,
+        w1_codes: object,
+        w1_scales: object,
+        w2_codes: object,
+        w2_scales: object,
+        activation: Activation | str,
+        **globals_: object,
+    ) -> LowLatencyWeights:
+        self.require_format(self.target_arch(), fmt)
+        act = parse_activation(activation)
+        experts, hidden, half_i = _check_pair("w1_codes", w1_codes, "w2_codes", w2_codes, torch.uint8)
+        intermediate = 2 * half_i
+        require_multiple("hidden size (w2_codes.shape[1])", hidden, WEIGHT_ONLY_HIDDEN_MULTIPLE)
+        require_multiple("intermediate size (2 * w2_codes.shape[2])", intermediate, WEIGHT_ONLY_INTERMEDIATE_MULTIPLE)
+        if 2 * w1_codes.shape[2] != hidden:
+            raise ValueError(f"w1_codes must be [E, N1, H/2] with H = {hidden} (from w2_codes), got {tuple(w1_codes.shape)}")
+        _check_gemm1_rows("w1_codes", w1_codes.shape[1], act, intermediate)
+        device, block = w1_codes.device, cls.block
+        n1 = w1_codes.shape[1]
+        w1_scales = _check_scales("w1_scales", w1_scales, scale_dtype, (experts, n1, hidden // block), device)
+        w2_scales = _check_scales("w2_scales", w2_scales, scale_dtype, (experts, hidden, intermediate // block), device)
+        checked = {name: _check_global(name, value, experts, device) for name, value in globals_.items()}
+        ip = padded_intermediate(intermediate)
+        return cls(
+            format=fmt, hidden_size=hidden, intermediate_size=intermediate, padded_intermediate=ip, gated=act.gated,
+            w1_codes=pad_gemm1_rows(w1_codes, intermediate, ip, act.gated),
+            w1_scales=pad_gemm1_rows(w1_scales, intermediate, ip, act.gated),
+            w2_codes=pad_columns(w2_codes, ip // 2),
+            w2_scales=pad_columns(w2_scales, ip // block),
+            **{name: value.clone() for name, value in checked.items()},
+        )
+
+    def prepare_nvfp4_weight_only(
+        self,
+        w1_codes: torch.Tensor,
+        w1_scales: torch.Tensor,
+        w1_global: torch.Tensor,
+        w2_codes: torch.Tensor,
+        w2_scales: torch.Tensor,
+        w2_global: torch.Tensor,
+        *,
+        activation: Activation | str = SwiGLU(),
+    ) -> Nvfp4WeightOnlyWeights:
+        """NVFP4 weights for BF16/FP16 activations, preserved bit for bit.
+
+        w1_codes uint8 [E, N1, H/2] (canonical E2M1, element 2i in the low nibble; N1 = 2I [up; gate]
+        gated, else I), w1_scales float8_e4m3fn [E, N1, H/16] linear, w1_global float32 [E];
+        w2_codes uint8 [E, H, I/2], w2_scales float8_e4m3fn [E, H, I/16], w2_global float32 [E].
+        Weight = e2m1 * scale * global (globals finite and positive). H % 128 == 0, I % 32 == 0,
+        I padded to a multiple of 128.
+        """
+        return self._prepare_block_scaled(
+            WeightFormat.NVFP4_WEIGHT_ONLY, Nvfp4WeightOnlyWeights, torch.float8_e4m3fn,
+            w1_codes, w1_scales, w2_codes, w2_scales, activation, w1_global=w1_global, w2_global=w2_global,
+        )
+
+    def prepare_mxfp4_weight_only(
+        self,
+        w1_codes: torch.Tensor,
+        w1_scales: torch.Tensor,
+        w2_codes: torch.Tensor,
+        w2_scales: torch.Tensor,
+        *,
+        activation: Activation | str = SwiGLU(),
+    ) -> Mxfp4WeightOnlyWeights:
+        """MXFP4 weights for BF16/FP16 activations, preserved bit for bit.
+
+        Codes as in ``prepare_nvfp4_weight_only``; scales float8_e8m0fnu [E, N1, H/32] and [E, H, I/32],
+        linear (value = e2m1 * 2^(byte - 127), decoded through FP32). H % 128 == 0, I % 32 == 0, I
+        padded to a multiple of 128.
+        """
+        return self._prepare_block_scaled(
+            WeightFormat.MXFP4_WEIGHT_ONLY, Mxfp4WeightOnlyWeights, torch.float8_e8m0fnu,
+            w1_codes, w1_scales, w2_codes, w2_scales, activation,
+        )
+
+    def prepare_mxint4_weight_only(
+        self,
+        w1_codes: torch.Tensor,
+        w1_scales: torch.Tensor,
+        w2_codes: torch.Tensor,
+        w2_scales: torch.Tensor,
+        *,
+        activation: Activation | str = SwiGLU(),
+    ) -> Mxint4WeightOnlyWeights:
+        """MXINT4 weights for BF16/FP16 activations, preserved bit for bit.
+
+        Codes uint8, two's-complement INT4 nibbles (element 2i low); scales bfloat16 [E, N1, H/32] and
+        [E, H, I/32], linear (value = int4 * scale). H % 128 == 0, I % 32 == 0, I padded to 128.
+        """
+        return self._prepare_block_scaled(
+            WeightFormat.MXINT4_WEIGHT_ONLY, Mxint4WeightOnlyWeights, torch.bfloat16,
+            w1_codes, w1_scales, w2_codes, w2_scales, activation,
+        )
+
+    # ------------------------------------------------------------------ NVFP4 weights + NVFP4 activations
+    def prepare_nvfp4_weights(
+        self, w1_bf16: torch.Tensor, w2_bf16: torch.Tensor, *, activation: Activation | str = SwiGLU()
+    ) -> Nvfp4PairWeights:
+        """Quantize float weights (BF16, FP16 or FP32, finite) to NVFP4 for use with NVFP4 activations.
+
+        w1_bf16 [E, N1, H], w2_bf16 [E, H, I]; H % 512 == 0, I % 128 == 0 (so nothing is padded).
+        Per expert and GEMM: global = amax / 2688 (one for an all-zero expert), block scales
+        e4m3(amax16 / 6 / global) per 16 K values, codes e2m1(w / global / scale), the plain
+        6-max recipe (the 4over6 recipe is not supported). Weight = e2m1 * scale * global.
+        """
+        self.require_format(self.target_arch(), WeightFormat.NVFP4_W_NVFP4_A)
+        act = parse_activation(activation)
+        _, hidden, intermediate = _check_pair("w1_bf16", w1_bf16, "w2_bf16", w2_bf16, _FLOAT_SOURCE_DTYPES)
+        if w1_bf16.shape[2] != hidden:
+            raise ValueError(f"w1_bf16 must be [E, N1, H] with H = {hidden} (from w2_bf16), got {tuple(w1_bf16.shape)}")
+        require_multiple("hidden size (w2_bf16.shape[1])", hidden, PAIR_HIDDEN_MULTIPLE)
+        require_multiple("intermediate size (w2_bf16.shape[2])", intermediate, PAIR_INTERMEDIATE_MULTIPLE)
+        _check_gemm1_rows("w1_bf16", w1_bf16.shape[1], act, intermediate)
+        require_finite("w1_bf16", w1_bf16)
+        require_finite("w2_bf16", w2_bf16)
+        w1_codes, w1_scales, w1_global = _quantize_per_expert(w1_bf16)
+        w2_codes, w2_scales, w2_global = _quantize_per_expert(w2_bf16)
+        return Nvfp4PairWeights(
+            format=WeightFormat.NVFP4_W_NVFP4_A, hidden_size=hidden, intermediate_size=intermediate,
+            padded_intermediate=intermediate, gated=act.gated,
+            w1_codes=w1_codes, w1_scales=w1_scales, w2_codes=w2_codes, w2_scales=w2_scales,
+            w1_global=w1_global, w2_global=w2_global,
+        )
+
+    def prepare_nvfp4_activations(self, hidden_states: torch.Tensor) -> Nvfp4Activations:
+        """Quantize x [T, H] (BF16/FP16/FP32, T <= max_num_tokens, H % 512 == 0) to NVFP4, global scale one.
+
+        Scales are linear float8_e4m3fn [T, H/16]; codes uint8 [T, H/2]. The data is not read (a NaN
+        gives its block a NaN scale).
+        """
+        x = require_tensor("hidden_states", hidden_states, _FLOAT_SOURCE_DTYPES, rank=2)
+        if x.shape[0] > self.max_num_tokens:
+            raise ValueError(f"hidden_states has {x.shape[0]} tokens, more than max_num_tokens={self.max_num_tokens}")
+        require_multiple("hidden size (hidden_states.shape[1])", x.shape[1], PAIR_HIDDEN_MULTIPLE)
+        packed, scales = quantize_nvfp4(x, check_finite=False)
+        return Nvfp4Activations(packed, scales)
+
+
+def _quantize_per_expert(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """float [E, rows, K] -> (codes uint8 [E, rows, K/2], scales e4m3 [E, rows, K/16], global float32 [E])."""
+    amax = w.abs().amax(dim=(1, 2)).float()
+    global_scale = torch.where(amax > 0, amax / NVFP4_MAX, torch.ones_like(amax))
+    codes, scales = quantize_nvfp4(w, 1.0 / global_scale)
+    return codes, scales, global_scale

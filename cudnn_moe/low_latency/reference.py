@@ -1,0 +1,276 @@
+"""Float64 references of the low-latency MoE config, one per weight format, with the contract's roundings.
+
+Weights are decoded exactly (in float64; MXFP4 through FP32 like the kernels, which keeps E8M0's
+range) and every GEMM is summed in float64. Then, per routed slot (token t, expert e), in order:
+
+1. preactivation h = x_t @ w1_e^T, rounded through FP32 (the kernels' accumulator) to
+   - the input dtype (BF16 or FP16) for BF16, FP16, NVFP4 and MXFP4 weight-only;
+   - FP32 only (kept as FP32) for MXINT4 weight-only;
+   - BF16 for the NVFP4 weight + NVFP4 activation pair (its inputs are NVFP4, decoded exactly);
+2. intermediate y = activation(h) in float64, rounded through FP32 to the input dtype (BF16 for the
+   NVFP4 pair; this config does not requantize it to NVFP4);
+3. expert row r = y @ w2_e^T, rounded through FP32 to the output dtype (BF16 or FP16; BF16 only
+   for the NVFP4 pair);
+4. finalize, per token: acc = 0 (FP32); for each slot in order, p = fp32(weight * r) then
+   acc = fp32(acc + p): a separate multiply and add, never fused; out = acc rounded to the output
+   dtype. Packed route weights are the BF16 values of the packing; unpacked FP32/BF16 weights are
+   used as FP32.
+
+Expert ids: for the NVFP4 pair an id outside [0, E) marks an unrouted slot: finalize skips it and its
+weight (a NaN or Inf weight there never reaches the output) and its raw row is zero. For every other
+format such an id raises ValueError (the GPU call cannot check it without a device sync and requires
+ids in range). A token may name an expert twice; each slot is computed on its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..activations import Activation, ActivationKind, parse_activation
+from ..config import Nvfp4Activations
+from ..formats import dequantize_mxfp4, dequantize_mxint4, dequantize_nvfp4
+from ..routing import Routing
+from ..validate import require_tensor
+from .config import MAX_NUM_TOKENS, MAX_TOP_K
+from .weights import (
+    DenseWeights,
+    LowLatencyWeights,
+    Mxfp4WeightOnlyWeights,
+    Mxint4WeightOnlyWeights,
+    Nvfp4PairWeights,
+    Nvfp4WeightOnlyWeights,
+    WeightFormat,
+)
+
+_OUT_DTYPES = (torch.bfloat16, torch.float16)
+_F64 = torch.float64
+ActivationArg = Activation | ActivationKind | str
+
+
+@dataclass(frozen=True, eq=False)
+class RawReference:
+    """Per-slot results before the weighted sum (identity route mapping: slot (t, s) is row (t, s)).
+
+    rows: [T, k, H] of the output dtype, zero where ``mask`` is False.
+    weights: float32 [T, k], the route weights as given (packed ones BF16-rounded), NaN/Inf kept.
+    mask: bool [T, k], False for unrouted slots (NVFP4 pair only; all True otherwise).
+    """
+
+    rows: torch.Tensor
+    weights: torch.Tensor
+    mask: torch.Tensor
+
+
+def _round(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """float64 -> FP32 (the accumulator) -> ``dtype``, back in float64 storage."""
+    return x.float().to(dtype).double()
+
+
+def combine_ordered_fp32(
+    rows: torch.Tensor, weights: torch.Tensor, mask: torch.Tensor, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """Finalize: rows [T, k, H] (values of the output dtype), weights float32 [T, k], mask bool [T, k].
+
+    acc = 0; for s in slot order where mask: acc = fp32(acc + fp32(weight[:, s] * rows[:, s])). Each
+    multiply and add is its own FP32 operation (no fused multiply-add). Returns ``out_dtype`` [T, H].
+    """
+    acc = torch.zeros(rows.shape[0], rows.shape[2], dtype=torch.float32, device=rows.device)
+    for slot in range(rows.shape[1]):
+        product = weights[:, slot, None].float() * rows[:, slot].float()
+        acc = torch.where(mask[:, slot, None], acc + product, acc)
+    return acc.to(out_dtype)
+
+
+def _decode(weights: LowLatencyWeights) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact float64 (w1 [E, N1, H], w2 [E, H, I]) from the weights' canonical (unpadded) form."""
+    if isinstance(weights, DenseWeights):
+        w1, w2 = weights.canonical()
+        return w1.double(), w2.double()
+    if isinstance(weights, Nvfp4WeightOnlyWeights):
+        w1c, w1s, w1g, w2c, w2s, w2g = weights.canonical()
+        w1 = dequantize_nvfp4(w1c, w1s, dtype=_F64) * w1g.double()[:, None, None]
+        return w1, dequantize_nvfp4(w2c, w2s, dtype=_F64) * w2g.double()[:, None, None]
+    decode = dequantize_mxfp4 if isinstance(weights, Mxfp4WeightOnlyWeights) else dequantize_mxint4
+    w1c, w1s, w2c, w2s = weights.canonical()
+    return decode(w1c, w1s).double(), decode(w2c, w2s).double()  # through FP32, as the kernels decode
+
+
+def _routing(routing: object, num_tokens: int, num_experts: int, device: torch.device, unrouted_ok: bool):
+    """(ids int64 [T, k], weights float32 [T, k], mask bool [T, k]) after the checks on ``routing``."""
+    if not isinstance(routing, Routing):
+        raise TypeError(f"routing must be a Routing, got {type(routing).__name__}")
+    if routing.num_tokens != num_tokens:
+        raise ValueError(f"routing has {routing.num_tokens} tokens but the input has {num_tokens}")
+    if routing.top_k > MAX_TOP_K:
+        raise ValueError(f"routing has top_k={routing.top_k}; the low-latency config takes top_k <= {MAX_TOP_K}")
+    if routing.device != device:
+        raise ValueError(f"routing is on {routing.device} but the weights are on {device}")
+    ids, route_weights = routing.ids_and_weights()
+    mask = (ids >= 0) & (ids < num_experts)
+    if not unrouted_ok and not bool(mask.all()):
+        bad = ids[~mask][0].item()
+        raise ValueError(
+            f"routing names expert {bad}, outside [0, {num_experts}); only the NVFP4 weight + NVFP4 activation "
+            "pair treats such ids as unrouted slots"
+        )
+    return ids.long(), route_weights, mask
+
+
+def _run(
+    x: torch.Tensor,
+    weights: LowLatencyWeights,
+    routing: object,
+    activation: ActivationArg,
+    *,
+    preact_dtype: torch.dtype,
+    inter_dtype: torch.dtype,
+    out_dtype: object,
+    finalize: bool,
+    unrouted_ok: bool,
+) -> torch.Tensor | RawReference:
+    """Shared pipeline; x is float64 [T, H] (exact input values)."""
+    act = parse_activation(activation)
+    if act.gated != weights.gated:
+        kind = "gated" if weights.gated else "non-gated"
+        raise ValueError(f"activation {type(act).__name__} does not fit the {kind} weights")
+    if out_dtype not in _OUT_DTYPES:
+        raise ValueError(f"out_dtype must be torch.bfloat16 or torch.float16, got {out_dtype!r}")
+    if not isinstance(finalize, bool):
+        raise TypeError(f"finalize must be a bool, got {type(finalize).__name__}")
+    w1, w2 = _decode(weights)
+    if x.device != w1.device:
+        raise ValueError(f"the input is on {x.device} but the weights are on {w1.device}")
+    num_tokens = x.shape[0]
+    ids, route_weights, mask = _routing(routing, num_tokens, w1.shape[0], w1.device, unrouted_ok)
+    rows = torch.zeros(num_tokens, ids.shape[1], weights.hidden_size, dtype=out_dtype, device=x.device)
+    for expert in range(w1.shape[0]):
+        tokens, slots = ((ids == expert) & mask).nonzero(as_tuple=True)
+        if tokens.numel():
+            h = _round(x[tokens] @ w1[expert].T, preact_dtype)
+            y = _round(act.apply_gemm1(h), inter_dtype)
+            rows[tokens, slots] = (y @ w2[expert].T).float().to(out_dtype)
+    if not finalize:
+        return RawReference(rows=rows, weights=route_weights, mask=mask)
+    return combine_ordered_fp32(rows, route_weights, mask, out_dtype)
+
+
+def _check_input(x: object, weights: object, cls: type, fmt: WeightFormat, dtypes: tuple[torch.dtype, ...]) -> torch.Tensor:
+    if not isinstance(weights, cls) or weights.format is not fmt:
+        raise TypeError(f"weights must be {cls.__name__} prepared as {fmt.value}, got {type(weights).__name__}"
+                        + (f" ({weights.format.value})" if isinstance(weights, LowLatencyWeights) else ""))
+    x = require_tensor("x", x, dtypes, rank=2)
+    if x.shape[1] != weights.hidden_size:
+        raise ValueError(f"x must be [T, {weights.hidden_size}] to match the weights, got {tuple(x.shape)}")
+    if x.shape[0] > MAX_NUM_TOKENS:
+        raise ValueError(f"x has {x.shape[0]} tokens; the low-latency config takes at most {MAX_NUM_TOKENS}")
+    return x
+
+
+def _reference_16bit(fmt: WeightFormat, dtype: torch.dtype, x, weights, routing, activation, out_dtype, finalize):
+    x = _check_input(x, weights, DenseWeights, fmt, (dtype,))
+    return _run(x.double(), weights, routing, activation, preact_dtype=dtype, inter_dtype=dtype,
+                out_dtype=out_dtype, finalize=finalize, unrouted_ok=False)
+
+
+def reference_bf16(
+    x: torch.Tensor, weights: DenseWeights, routing: Routing, activation: ActivationArg, *,
+    out_dtype: torch.dtype = torch.bfloat16, finalize: bool = True,
+) -> torch.Tensor | RawReference:
+    """BF16 weights and BF16 x [T, H] (T <= 8): preactivation and intermediate rounded to BF16, rows to
+    ``out_dtype``, ordered FP32 combine. Returns ``out_dtype`` [T, H], or a RawReference."""
+    return _reference_16bit(WeightFormat.BF16, torch.bfloat16, x, weights, routing, activation, out_dtype, finalize)
+
+
+def reference_fp16(
+    x: torch.Tensor, weights: DenseWeights, routing: Routing, activation: ActivationArg, *,
+    out_dtype: torch.dtype = torch.bfloat16, finalize: bool = True,
+) -> torch.Tensor | RawReference:
+    """FP16 twin of ``reference_bf16`` (FP16 x and weights, preactivation and intermediate rounded to FP16)."""
+    return _reference_16bit(WeightFormat.FP16, torch.float16, x, weights, routing, activation, out_dtype, finalize)
+
+
+def _reference_weight_only(
+    fmt: WeightFormat, cls: type, x, weights, routing, activation, out_dtype, finalize
+) -> torch.Tensor | RawReference:
+    x = _check_input(x, weights, cls, fmt, _OUT_DTYPES)
+    preact = torch.float32 if fmt is WeightFormat.MXINT4_WEIGHT_ONLY else x.dtype
+    return _run(x.double(), weights, routing, activation, preact_dtype=preact, inter_dtype=x.dtype,
+                out_dtype=out_dtype, finalize=finalize, unrouted_ok=False)
+
+
+def reference_nvfp4_weight_only(
+    x: torch.Tensor, weights: Nvfp4WeightOnlyWeights, routing: Routing, activation: ActivationArg, *,
+    out_dtype: torch.dtype = torch.bfloat16, finalize: bool = True,
+) -> torch.Tensor | RawReference:
+    """NVFP4 weight-only, x BF16 or FP16 [T, H]: preactivation and intermediate rounded to x's dtype,
+    rows to ``out_dtype``, ordered FP32 combine."""
+    return _reference_weight_only(WeightFormat.NVFP4_WEIGHT_ONLY, Nvfp4WeightOnlyWeights, x, weights, routing,
+                                  activation, out_dtype, finalize)
+
+
+def reference_mxfp4_weight_only(
+    x: torch.Tensor, weights: Mxfp4WeightOnlyWeights, routing: Routing, activation: ActivationArg, *,
+    out_dtype: torch.dtype = torch.bfloat16, finalize: bool = True,
+) -> torch.Tensor | RawReference:
+    """MXFP4 weight-only (weights decoded through FP32), x BF16 or FP16: roundings as NVFP4 weight-only."""
+    return _reference_weight_only(WeightFormat.MXFP4_WEIGHT_ONLY, Mxfp4WeightOnlyWeights, x, weights, routing,
+                                  activation, out_dtype, finalize)
+
+
+def reference_mxint4_weight_only(
+    x: torch.Tensor, weights: Mxint4WeightOnlyWeights, routing: Routing, activation: ActivationArg, *,
+    out_dtype: torch.dtype = torch.bfloat16, finalize: bool = True,
+) -> torch.Tensor | RawReference:
+    """MXINT4 weight-only, x BF16 or FP16: FP32 preactivation (not rounded to x's dtype), intermediate
+    rounded to x's dtype, rows to ``out_dtype``, ordered FP32 combine."""
+    return _reference_weight_only(WeightFormat.MXINT4_WEIGHT_ONLY, Mxint4WeightOnlyWeights, x, weights, routing,
+                                  activation, out_dtype, finalize)
+
+
+def reference_nvfp4_pair(
+    activations: Nvfp4Activations, weights: Nvfp4PairWeights, routing: Routing, activation: ActivationArg, *,
+    out_dtype: torch.dtype = torch.bfloat16, finalize: bool = True,
+) -> torch.Tensor | RawReference:
+    """NVFP4 weights with NVFP4 activations (packed uint8 [T, H/2], linear e4m3 scales [T, H/16], global
+    one): BF16 preactivation, BF16 intermediate, BF16 rows, ordered FP32 combine. Ids outside [0, E)
+    are unrouted slots (skipped by finalize, zero raw rows). ``out_dtype`` must be BF16."""
+    if not isinstance(activations, Nvfp4Activations):
+        raise TypeError(f"activations must be Nvfp4Activations, got {type(activations).__name__}")
+    if out_dtype is not torch.bfloat16:
+        raise ValueError(f"out_dtype must be torch.bfloat16 for the NVFP4 weight + NVFP4 activation pair, got {out_dtype!r}")
+    if not isinstance(weights, Nvfp4PairWeights):
+        raise TypeError(f"weights must be Nvfp4PairWeights (prepare_nvfp4_weights), got {type(weights).__name__}")
+    packed = require_tensor("activations.packed", activations.packed, torch.uint8, rank=2)
+    scales = require_tensor("activations.scales", activations.scales, torch.float8_e4m3fn, rank=2)
+    hidden = weights.hidden_size
+    if tuple(packed.shape[1:]) != (hidden // 2,) or tuple(scales.shape) != (packed.shape[0], hidden // 16):
+        raise ValueError(f"activations must be packed [T, {hidden // 2}] and scales [T, {hidden // 16}], "
+                         f"got {tuple(packed.shape)} and {tuple(scales.shape)}")
+    if packed.shape[0] > MAX_NUM_TOKENS:
+        raise ValueError(f"activations hold {packed.shape[0]} tokens; the low-latency config takes at most {MAX_NUM_TOKENS}")
+    x = dequantize_nvfp4(packed, scales, dtype=_F64)
+    return _run(x, weights, routing, activation, preact_dtype=torch.bfloat16, inter_dtype=torch.bfloat16,
+                out_dtype=out_dtype, finalize=finalize, unrouted_ok=True)
+
+
+def reference_low_latency(
+    inputs: torch.Tensor | Nvfp4Activations, weights: LowLatencyWeights, routing: Routing, activation: ActivationArg,
+    *, out_dtype: torch.dtype = torch.bfloat16, finalize: bool = True,
+) -> torch.Tensor | RawReference:
+    """The reference for ``weights.format``: x [T, H] (or Nvfp4Activations for the NVFP4 pair)."""
+    if not isinstance(weights, LowLatencyWeights):
+        raise TypeError(f"weights must be prepared by LowLatencyMoeConfig, got {type(weights).__name__}")
+    function = _BY_FORMAT[weights.format]
+    return function(inputs, weights, routing, activation, out_dtype=out_dtype, finalize=finalize)
+
+
+_BY_FORMAT = {
+    WeightFormat.BF16: reference_bf16,
+    WeightFormat.FP16: reference_fp16,
+    WeightFormat.NVFP4_WEIGHT_ONLY: reference_nvfp4_weight_only,
+    WeightFormat.MXFP4_WEIGHT_ONLY: reference_mxfp4_weight_only,
+    WeightFormat.MXINT4_WEIGHT_ONLY: reference_mxint4_weight_only,
+    WeightFormat.NVFP4_W_NVFP4_A: reference_nvfp4_pair,
+}

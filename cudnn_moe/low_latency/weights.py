@@ -1,0 +1,188 @@
+"""Prepared weights of the low-latency MoE config: the caller's payloads, bit for bit, plus zero padding.
+
+Every prepared form stores the bytes it was given (copied, never requantized or cast) with the
+intermediate size I padded up to a multiple of 128:
+
+- GEMM1 (w1, rows along N1): non-gated rows [0, I) hold the caller's rows and [I, Ip) are zero;
+  gated weights keep two halves of Ip rows each, [up rows, zeros, gate rows, zeros], so the kernels
+  split the GEMM1 output at Ip.
+- GEMM2 (w2, [E, H, I] along K = I): columns (and their block scales) beyond I are zero.
+
+Padding is all-zero bytes in every tensor: a zero code (E2M1 +0, INT4 0) or a zero BF16/FP16 value,
+so padded rows and columns contribute exactly nothing (every activation maps 0 to 0, and the padded
+w2 columns are zero anyway); a zero E8M0 scale byte means 2^-127, harmless under zero codes.
+
+No kernel layout yet: the stored tensors are linear (row-major, scales [E, rows, K / block]). A later
+session may repack them for the kernels; ``canonical()`` keeps returning the caller's logical tensors.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+PAD_MULTIPLE = 128
+_BIT_DTYPES = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
+
+
+class WeightFormat(str, enum.Enum):
+    """The weight (and, for the last, activation) formats of the low-latency config."""
+
+    BF16 = "bf16"
+    FP16 = "fp16"
+    NVFP4_WEIGHT_ONLY = "nvfp4_weight_only"
+    MXFP4_WEIGHT_ONLY = "mxfp4_weight_only"
+    MXINT4_WEIGHT_ONLY = "mxint4_weight_only"
+    NVFP4_W_NVFP4_A = "nvfp4_w_nvfp4_a"
+
+
+def padded_intermediate(intermediate: int) -> int:
+    """I rounded up to a multiple of 128."""
+    return -(-intermediate // PAD_MULTIPLE) * PAD_MULTIPLE
+
+
+def _zeros_like_bits(t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """A tensor of ``t``'s dtype and device whose bytes are all zero (built as integers, then viewed)."""
+    return torch.zeros(shape, dtype=_BIT_DTYPES[t.element_size()], device=t.device).view(t.dtype)
+
+
+def pad_gemm1_rows(t: torch.Tensor, intermediate: int, padded: int, gated: bool) -> torch.Tensor:
+    """[E, N1, X] -> [E, N1p, X] (N1 = 2I or I, N1p = 2Ip or Ip); each half's rows first, zeros after."""
+    halves = t.chunk(2, dim=1) if gated else (t,)
+    out = _zeros_like_bits(t, (t.shape[0], len(halves) * padded, t.shape[2]))
+    for index, half in enumerate(halves):
+        out[:, index * padded : index * padded + intermediate] = half
+    return out
+
+
+def unpad_gemm1_rows(t: torch.Tensor, intermediate: int, padded: int, gated: bool) -> torch.Tensor:
+    """Inverse of pad_gemm1_rows: [E, N1p, X] -> [E, N1, X] (a view when not gated)."""
+    if not gated:
+        return t[:, :intermediate]
+    return torch.cat((t[:, :intermediate], t[:, padded : padded + intermediate]), dim=1)
+
+
+def pad_columns(t: torch.Tensor, columns: int) -> torch.Tensor:
+    """[E, H, C] -> [E, H, columns] with zero bytes after the caller's C columns."""
+    out = _zeros_like_bits(t, (*t.shape[:-1], columns))
+    out[..., : t.shape[-1]] = t
+    return out
+
+
+@dataclass(frozen=True, eq=False)
+class LowLatencyWeights:
+    """What every prepared form records: the format, H, logical I, padded I (multiple of 128), gated."""
+
+    format: WeightFormat
+    hidden_size: int
+    intermediate_size: int
+    padded_intermediate: int
+    gated: bool
+
+    @property
+    def gemm1_rows(self) -> int:
+        """Logical N1: 2I gated, I otherwise."""
+        return 2 * self.intermediate_size if self.gated else self.intermediate_size
+
+    @property
+    def num_experts(self) -> int:
+        raise NotImplementedError
+
+    def canonical(self) -> tuple[torch.Tensor, ...]:
+        """The caller's logical tensors, without padding (see each subclass)."""
+        raise NotImplementedError
+
+
+@dataclass(frozen=True, eq=False)
+class DenseWeights(LowLatencyWeights):
+    """BF16 or FP16 weights (``format`` says which).
+
+    w1: [E, N1p, H] (N1p = 2Ip gated, halves [up; gate], else Ip); w2: [E, H, Ip]; dtype of the format.
+    """
+
+    w1: torch.Tensor
+    w2: torch.Tensor
+
+    @property
+    def num_experts(self) -> int:
+        return self.w1.shape[0]
+
+    def canonical(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(w1 [E, N1, H], w2 [E, H, I]) as the caller passed them."""
+        w1 = unpad_gemm1_rows(self.w1, self.intermediate_size, self.padded_intermediate, self.gated)
+        return w1, self.w2[..., : self.intermediate_size]
+
+
+@dataclass(frozen=True, eq=False)
+class BlockScaledWeights(LowLatencyWeights):
+    """4-bit codes with linear block scales along K, two codes per byte, element 2i in the low nibble.
+
+    w1_codes uint8 [E, N1p, H/2], w1_scales [E, N1p, H/block];
+    w2_codes uint8 [E, H, Ip/2], w2_scales [E, H, Ip/block]. The scale dtype is the format's.
+    """
+
+    block: ClassVar[int]
+    w1_codes: torch.Tensor
+    w1_scales: torch.Tensor
+    w2_codes: torch.Tensor
+    w2_scales: torch.Tensor
+
+    @property
+    def num_experts(self) -> int:
+        return self.w1_codes.shape[0]
+
+    def _canonical_payloads(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        i, ip, gated = self.intermediate_size, self.padded_intermediate, self.gated
+        return (
+            unpad_gemm1_rows(self.w1_codes, i, ip, gated),
+            unpad_gemm1_rows(self.w1_scales, i, ip, gated),
+            self.w2_codes[..., : i // 2],
+            self.w2_scales[..., : i // self.block],
+        )
+
+    def canonical(self) -> tuple[torch.Tensor, ...]:
+        """(w1_codes [E, N1, H/2], w1_scales [E, N1, H/block], w2_codes [E, H, I/2], w2_scales [E, H, I/block])."""
+        return self._canonical_payloads()
+
+
+@dataclass(frozen=True, eq=False)
+class Mxfp4WeightOnlyWeights(BlockScaledWeights):
+    """MXFP4 weight-only: E2M1 codes, float8_e8m0fnu scales per 32 K values (value = e2m1 * 2^(byte - 127))."""
+
+    block: ClassVar[int] = 32
+
+
+@dataclass(frozen=True, eq=False)
+class Mxint4WeightOnlyWeights(BlockScaledWeights):
+    """MXINT4 weight-only: two's-complement INT4 codes (-8..7), bfloat16 scales per 32 K values."""
+
+    block: ClassVar[int] = 32
+
+
+@dataclass(frozen=True, eq=False)
+class Nvfp4WeightOnlyWeights(BlockScaledWeights):
+    """NVFP4 weight-only: E2M1 codes, float8_e4m3fn scales per 16 K values, float32 global [E] per GEMM.
+
+    Dequantized weight = e2m1 * block scale * global (the global multiplies, like ``w1_alpha`` of
+    the NVFP4 config).
+    """
+
+    block: ClassVar[int] = 16
+    w1_global: torch.Tensor
+    w2_global: torch.Tensor
+
+    def canonical(self) -> tuple[torch.Tensor, ...]:
+        """(w1_codes, w1_scales, w1_global, w2_codes, w2_scales, w2_global): the prepare method's argument order."""
+        w1_codes, w1_scales, w2_codes, w2_scales = self._canonical_payloads()
+        return w1_codes, w1_scales, self.w1_global, w2_codes, w2_scales, self.w2_global
+
+
+@dataclass(frozen=True, eq=False)
+class Nvfp4PairWeights(Nvfp4WeightOnlyWeights):
+    """NVFP4 weights for NVFP4 activations, quantized from a float source by ``prepare_nvfp4_weights``.
+
+    Same tensors as ``Nvfp4WeightOnlyWeights``; H % 512 == 0 and I % 128 == 0, so there is no padding.
+    """
