@@ -5,6 +5,7 @@ the first GPU call.
 """
 
 from .activations import GELU, SiLU, SiTU, ReLU, ReLU2, GeGLU, GeGLUTanh, Identity, SwiGLU, SwiGLUStep
+from .aligned import align_routing, reference_aligned_moe
 from .config import Nvfp4Activations, Nvfp4MoeConfig, Nvfp4Weights
 from .distributed import ExpertParallelMoe, expert_shard, shard_weights
 from .executor import UnfinalizedOutput
@@ -33,10 +34,12 @@ __all__ = [
     "SwiGLU",
     "SwiGLUStep",
     "UnfinalizedOutput",
+    "align_routing",
     "expert_shard",
     "fused_moe",
     "get_executor",
     "pack_routing",
+    "reference_aligned_moe",
     "reference_moe",
     "shard_weights",
     "unfinalized_row_count",
