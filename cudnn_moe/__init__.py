@@ -9,6 +9,7 @@ from .aligned import align_routing, reference_aligned_moe
 from .config import Nvfp4Activations, Nvfp4MoeConfig, Nvfp4Weights
 from .distributed import ExpertParallelMoe, expert_shard, shard_weights
 from .executor import UnfinalizedOutput
+from .low_latency import LowLatencyMoeConfig, reference_low_latency
 from .ops import fused_moe, get_executor, unfinalized_row_count
 from .reference import reference_moe
 from .routing import Routing, pack_routing, unpack_routing
@@ -22,6 +23,7 @@ __all__ = [
     "GeGLU",
     "GeGLUTanh",
     "Identity",
+    "LowLatencyMoeConfig",
     "MoeLayer",
     "Nvfp4Activations",
     "Nvfp4MoeConfig",
@@ -40,6 +42,7 @@ __all__ = [
     "get_executor",
     "pack_routing",
     "reference_aligned_moe",
+    "reference_low_latency",
     "reference_moe",
     "shard_weights",
     "unfinalized_row_count",
