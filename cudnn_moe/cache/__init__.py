@@ -1,4 +1,4 @@
-"""Persistent cache of built artifacts (serialized cuDNN plans, kernel binaries, measured choices).
+"""Persistent cache of built artifacts (serialized cuDNN plans, kernel binaries).
 
 Backend-neutral: entries are bytes under an EntryKey that names what they are and the
 environment they are valid in. Pure Python: importing this package imports neither CuPy nor
@@ -12,7 +12,7 @@ The GPU paths (cuDNN plans, kernel binaries) use ``active_cache()``: the directo
 ``set_cache_dir(path)``, else $CUDNN_MOE_CACHE_DIR, else the user's cache home.
 """
 
-from .keys import KIND_CHOICE, KIND_CUDNN_PLAN, KIND_KERNEL, EntryKey, Environment, current_environment
+from .keys import KIND_CUDNN_PLAN, KIND_KERNEL, EntryKey, Environment, current_environment
 from .lookup import lookup_or_build
 from .paths import ENV_VAR, cache_dir, default_cache_dir
 from .runtime import active_cache, record, reset_stats, set_cache_dir, stats
@@ -20,7 +20,6 @@ from .store import CacheEntry, CacheWarning, CorruptEntry, DiskCache, EntryCheck
 
 __all__ = [
     "ENV_VAR",
-    "KIND_CHOICE",
     "KIND_CUDNN_PLAN",
     "KIND_KERNEL",
     "CacheEntry",

@@ -21,7 +21,6 @@ import torch
 
 KIND_CUDNN_PLAN = "cudnn-plan"  # a serialized cuDNN execution plan
 KIND_KERNEL = "kernel"  # a compiled kernel binary (cubin)
-KIND_CHOICE = "choice"  # a measured engine / tile choice, small JSON
 
 Scalar = Union[str, int, float, bool, None]
 FieldValue = Union[Scalar, tuple["FieldValue", ...]]
@@ -114,7 +113,7 @@ def current_environment(
 class EntryKey:
     """One cache entry's identity.
 
-    kind: KIND_CUDNN_PLAN, KIND_KERNEL, KIND_CHOICE or another short tag. name: a readable
+    kind: KIND_CUDNN_PLAN, KIND_KERNEL or another short tag. name: a readable
     description ("gemm1 E128 H2048 N1536 bucket 64"). fields: the graph / kernel key (a mapping
     of str to JSON scalars or lists; held as sorted pairs). environment: where it is valid.
     """
