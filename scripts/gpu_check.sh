@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU check in one command: install the carried wheels, run the GPU tests, then the benchmarks.
 # Usage: OUT=/path/to/logs bash scripts/gpu_check.sh [pytest args...]
-# Wheels the machine lacks (the cuDNN frontend) are expected in .whl/ (see README, "GPU runs").
+# Wheels the machine lacks (the cuDNN frontend) are expected in .whl/ (git-ignored; installed with --no-index).
 # BENCH_ARGS passes options to benchmarks/bench_moe.py, STAGES_ARGS to benchmarks/bench_stages.py;
 # SKIP_BENCH=1 / SKIP_STAGES=1 / SKIP_TESTS=1 skip a step. Also runs `python3 -m cudnn_moe demo`.
 # CUDNN_PRELOAD=.cudnn/assemble.sh runs everything on a newer cuDNN backend carried in parts
