@@ -11,7 +11,7 @@ from .prebuild import run_prebuild
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="cudnn-moe", description="cudnn-moe: NVFP4 MoE layers on cuDNN graphs")
+    parser = argparse.ArgumentParser(prog="cudnn-moe", description="cudnn-moe: fused NVFP4 MoE layers (SM90 kernels or cuDNN graphs)")
     commands = parser.add_subparsers(dest="command", required=True)
     demo = commands.add_parser(
         "demo",
