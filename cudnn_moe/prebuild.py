@@ -367,18 +367,26 @@ def summary_table(results: list[BuildResult], out: TextIO) -> None:
         out.write(f"failed: {shape.describe()} bucket{'s' if len(buckets) > 1 else ''} {', '.join(map(str, buckets))}: {error}\n")
 
 
-def _gpu_problem() -> str | None:
-    """Why this machine cannot build (no GPU, unsupported GPU, missing or old cuDNN), or None."""
+def _gpu_problem(engine: str) -> str | None:
+    """Why this machine cannot build with ``engine`` (no GPU, unsupported GPU, or, where the cuDNN
+    engine runs, missing or old cuDNN), or None."""
     import torch
 
     if not torch.cuda.is_available():
         return NO_GPU
     from .arch import arch_name, device_arch
     from .config import Nvfp4MoeConfig
+    from .engines import choose_engine
 
     arch = device_arch()
     if not Nvfp4MoeConfig.supported(arch):
         return f"prebuild needs an sm90, sm100 or sm103 GPU; this one is {arch_name(arch)}"
+    try:
+        chosen = choose_engine(arch, engine)
+    except ValueError as exc:
+        return str(exc)
+    if chosen.name != "cudnn":
+        return None
     try:
         from .engines.cudnn.probe import require_cudnn
 
@@ -419,7 +427,7 @@ def run_prebuild(args: argparse.Namespace, out: TextIO | None = None, err: TextI
         status |= verify_loads(disk, out)
     if not shapes:
         return status
-    problem = _gpu_problem()
+    problem = _gpu_problem(args.engine)
     if problem:
         err.write(f"cudnn-moe prebuild: error: {problem}\n")
         return 1

@@ -162,7 +162,7 @@ def test_clear(filled: Path, capsys, no_gpu) -> None:
 
 def test_build_path_with_a_fake_layer(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys) -> None:
     """The loop around build_layer: progress, summary table, failures and exit code (no GPU touched)."""
-    monkeypatch.setattr(prebuild, "_gpu_problem", lambda: None)
+    monkeypatch.setattr(prebuild, "_gpu_problem", lambda engine: None)
     monkeypatch.setenv("CUDNN_MOE_CACHE_DIR", "restored after the test")
     monkeypatch.setattr(cache_runtime, "_explicit", cache_runtime._explicit)  # run_prebuild sets it
     seen = []

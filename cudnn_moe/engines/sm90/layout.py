@@ -49,8 +49,6 @@ from ...formats import NVFP4_BLOCK, pack_nibbles, unpack_nibbles
 
 TILE_ROWS = 16  # weight rows (output features) per tile: the mma's M
 TILE_K = 64  # reduction values per tile: four k16 steps
-TILE_BYTES = TILE_ROWS * TILE_K // 2  # 512: 32 lanes x 16 bytes
-TILE_SCALE_BYTES = TILE_ROWS * TILE_K // NVFP4_BLOCK  # 64
 
 # Bit positions (sign, magnitude bit 0, 1, 2) of register r's code inside each 16-bit half.
 CODE_BITS = (
