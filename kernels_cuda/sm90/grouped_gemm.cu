@@ -153,6 +153,18 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS)
   for (int p = 0; p < SM90_PREFETCH; ++p)
     if (p < nsteps) SM90_DECODE_LOAD(p, p)
 
+  // Both loops below run SM90_DECODE_SLOT(P) for the ring slots P = 0 .. PREFETCH-1 (the slot macro
+  // differs: bounds tests only in the tail), then move the pointers on by PREFETCH steps.
+#define SM90_DECODE_EACH_SLOT                                                                       \
+  SM90_DECODE_SLOT(0) SM90_DECODE_SLOT(1) SM90_DECODE_SLOT(2) SM90_DECODE_SLOT(3)                   \
+  SM90_DECODE_SLOT(4) SM90_DECODE_SLOT(5) SM90_DECODE_SLOT(6) SM90_DECODE_SLOT(7)                   \
+  SM90_DECODE_SLOT(8) SM90_DECODE_SLOT(9) SM90_DECODE_SLOT(10) SM90_DECODE_SLOT(11)                 \
+  SM90_DECODE_SLOT(12) SM90_DECODE_SLOT(13) SM90_DECODE_SLOT(14) SM90_DECODE_SLOT(15)
+#define SM90_DECODE_ADVANCE                                                                         \
+  wp += SM90_PREFETCH * W_STEP;                                                                     \
+  sp += SM90_PREFETCH * S_STEP;                                                                     \
+  _Pragma("unroll") for (int nt = 0; nt < SM90_NT; ++nt) xp[nt] += SM90_PREFETCH * X_STEP;
+
   // Steady state: every slot consumed and refilled, no bounds tests.
   int s0 = 0;
   for (; s0 + 2 * SM90_PREFETCH <= nsteps; s0 += SM90_PREFETCH) {
@@ -161,27 +173,9 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS)
     decode_step<(P < SM90_PREFETCH ? P : 0)>(ring, acc);                                            \
     SM90_DECODE_LOAD((P < SM90_PREFETCH ? P : 0), P + SM90_PREFETCH)                                \
   }
-    SM90_DECODE_SLOT(0)
-    SM90_DECODE_SLOT(1)
-    SM90_DECODE_SLOT(2)
-    SM90_DECODE_SLOT(3)
-    SM90_DECODE_SLOT(4)
-    SM90_DECODE_SLOT(5)
-    SM90_DECODE_SLOT(6)
-    SM90_DECODE_SLOT(7)
-    SM90_DECODE_SLOT(8)
-    SM90_DECODE_SLOT(9)
-    SM90_DECODE_SLOT(10)
-    SM90_DECODE_SLOT(11)
-    SM90_DECODE_SLOT(12)
-    SM90_DECODE_SLOT(13)
-    SM90_DECODE_SLOT(14)
-    SM90_DECODE_SLOT(15)
+    SM90_DECODE_EACH_SLOT
 #undef SM90_DECODE_SLOT
-    wp += SM90_PREFETCH * W_STEP;
-    sp += SM90_PREFETCH * S_STEP;
-#pragma unroll
-    for (int nt = 0; nt < SM90_NT; ++nt) xp[nt] += SM90_PREFETCH * X_STEP;
+    SM90_DECODE_ADVANCE
   }
   // Tail: fewer than 2 * PREFETCH steps left.
   for (; s0 < nsteps; s0 += SM90_PREFETCH) {
@@ -190,29 +184,13 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS)
     decode_step<(P < SM90_PREFETCH ? P : 0)>(ring, acc);                                            \
     if (s0 + P + SM90_PREFETCH < nsteps) SM90_DECODE_LOAD((P < SM90_PREFETCH ? P : 0), P + SM90_PREFETCH) \
   }
-    SM90_DECODE_SLOT(0)
-    SM90_DECODE_SLOT(1)
-    SM90_DECODE_SLOT(2)
-    SM90_DECODE_SLOT(3)
-    SM90_DECODE_SLOT(4)
-    SM90_DECODE_SLOT(5)
-    SM90_DECODE_SLOT(6)
-    SM90_DECODE_SLOT(7)
-    SM90_DECODE_SLOT(8)
-    SM90_DECODE_SLOT(9)
-    SM90_DECODE_SLOT(10)
-    SM90_DECODE_SLOT(11)
-    SM90_DECODE_SLOT(12)
-    SM90_DECODE_SLOT(13)
-    SM90_DECODE_SLOT(14)
-    SM90_DECODE_SLOT(15)
+    SM90_DECODE_EACH_SLOT
 #undef SM90_DECODE_SLOT
-    wp += SM90_PREFETCH * W_STEP;
-    sp += SM90_PREFETCH * S_STEP;
-#pragma unroll
-    for (int nt = 0; nt < SM90_NT; ++nt) xp[nt] += SM90_PREFETCH * X_STEP;
+    SM90_DECODE_ADVANCE
   }
 #undef SM90_DECODE_LOAD
+#undef SM90_DECODE_EACH_SLOT
+#undef SM90_DECODE_ADVANCE
 
   // Partial sums -> red[wk][token][feature].
 #pragma unroll
