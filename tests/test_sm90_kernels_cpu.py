@@ -33,27 +33,7 @@ SOURCES = sorted(path.name for path in SM90_DIR.glob("*.cu"))
 NVCC = shutil.which("nvcc") or shutil.which("nvcc", path="/usr/local/cuda/bin")
 CUOBJDUMP = sass_budget.find_tool("cuobjdump")
 
-DECODE_VARIANTS = [
-    sm90.DecodeVariant(),
-    sm90.DecodeVariant(mt=2, wm=2, wk=2, nt=1, prefetch=4),
-    sm90.DecodeVariant(mt=1, wm=2, wk=4, nt=2, prefetch=4),
-    sm90.DecodeVariant(mt=1, wm=1, wk=8, nt=4, prefetch=2),
-    sm90.DecodeVariant(mt=2, wm=4, wk=2, nt=1, prefetch=3),
-]
-PREFILL_VARIANTS = [
-    sm90.PrefillVariant(),
-    sm90.PrefillVariant(3),
-    sm90.PrefillVariant(4, 1),
-    sm90.PrefillVariant(stmatrix=False),
-    sm90.PrefillVariant(feature_block=256, tile_rows=64),
-    sm90.PrefillVariant(feature_block=128, tile_rows=64, min_blocks=4),
-    sm90.PrefillVariant(feature_block=64, tile_rows=128, min_blocks=4),
-    sm90.PrefillVariant(feature_block=256, tile_rows=128, min_blocks=1),
-    sm90.PrefillVariant(3, adec=True),
-    sm90.PrefillVariant(3, 1, adec=True),
-    sm90.PrefillVariant(4, 1, adec=True),
-    sm90.PrefillVariant(3, 1, feature_block=256, adec=True),
-]
+from sm90_variants import DECODE_VARIANTS, OTHER_PREFILL_VARIANTS, PREFILL_VARIANTS  # noqa: E402
 
 
 def _nvcc(source: Path, arch: str, out: Path, options: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
@@ -93,7 +73,7 @@ def test_variant_compiles(variant: Any, tmp_path: Path) -> None:
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found")
-@pytest.mark.parametrize("variant", PREFILL_VARIANTS[4:], ids=str)
+@pytest.mark.parametrize("variant", OTHER_PREFILL_VARIANTS, ids=str)
 def test_prefill_variant_compiles_for_sm100(variant: Any, tmp_path: Path) -> None:
     result = _nvcc(SM90_DIR / "grouped_gemm.cu", "100a", tmp_path / "kernel.o", variant.options())
     assert result.returncode == 0, result.stderr

@@ -13,33 +13,15 @@ from cudnn_moe.engines.sm90.layout import from_token_fragments, pack_weight_tile
 from cudnn_moe.formats import dequantize_nvfp4, quantize_nvfp4
 from cudnn_moe import kernels
 from cudnn_moe.kernels import TokenLayout
+from sm90_variants import BASIC_PREFILL_VARIANTS, DECODE_VARIANTS, OTHER_PREFILL_VARIANTS
 
 pytestmark = pytest.mark.gpu
 
 DEV = torch.device("cuda")
 
-DECODE_VARIANTS = [
-    sm90.DecodeVariant(),
-    sm90.DecodeVariant(mt=2, wm=2, wk=2, nt=1, prefetch=4),
-    sm90.DecodeVariant(mt=1, wm=2, wk=4, nt=2, prefetch=4),
-    sm90.DecodeVariant(mt=1, wm=1, wk=8, nt=4, prefetch=2),
-    sm90.DecodeVariant(mt=2, wm=4, wk=2, nt=1, prefetch=3),
-]
-PREFILL_VARIANTS = [sm90.PrefillVariant(), sm90.PrefillVariant(3), sm90.PrefillVariant(4, min_blocks=1),
-                    sm90.PrefillVariant(stmatrix=False)]
-# Other CTA tiles (256 features overhang N = 128 / 384 in CASES) and the decode-once-per-CTA (adec) path.
-NEW_PREFILL_VARIANTS = [
-    sm90.PrefillVariant(feature_block=256, tile_rows=64),
-    sm90.PrefillVariant(feature_block=128, tile_rows=64, min_blocks=4),
-    sm90.PrefillVariant(feature_block=64, tile_rows=128, min_blocks=4),
-    sm90.PrefillVariant(feature_block=256, tile_rows=128, min_blocks=1),
-    sm90.PrefillVariant(3, adec=True),
-    sm90.PrefillVariant(3, 1, adec=True),
-    sm90.PrefillVariant(4, 1, adec=True),
-    sm90.PrefillVariant(3, 1, feature_block=256, adec=True),
-    sm90.PrefillVariant(3, stmatrix=False, feature_block=256, tile_rows=64),
-]
-PREFILL_VARIANTS += NEW_PREFILL_VARIANTS
+# The CPU tests' variants, plus one more combination of the other tile with the fallback epilogue.
+NEW_PREFILL_VARIANTS = [*OTHER_PREFILL_VARIANTS, sm90.PrefillVariant(3, stmatrix=False, feature_block=256, tile_rows=64)]
+PREFILL_VARIANTS = BASIC_PREFILL_VARIANTS + NEW_PREFILL_VARIANTS
 VARIANTS = DECODE_VARIANTS + PREFILL_VARIANTS
 
 

@@ -1,0 +1,28 @@
+"""The SM90 GEMM kernel variants the CPU tests compile and emulate and the GPU tests run."""
+
+from __future__ import annotations
+
+from cudnn_moe.engines.sm90 import kernels as sm90
+
+DECODE_VARIANTS = [
+    sm90.DecodeVariant(),
+    sm90.DecodeVariant(mt=2, wm=2, wk=2, nt=1, prefetch=4),
+    sm90.DecodeVariant(mt=1, wm=2, wk=4, nt=2, prefetch=4),
+    sm90.DecodeVariant(mt=1, wm=1, wk=8, nt=4, prefetch=2),
+    sm90.DecodeVariant(mt=2, wm=4, wk=2, nt=1, prefetch=3),
+]
+# The first prefill variants share the 128 x 128 CTA tile; the others change the tile or decode the
+# weights once per CTA (adec).
+BASIC_PREFILL_VARIANTS = [sm90.PrefillVariant(), sm90.PrefillVariant(3), sm90.PrefillVariant(4, min_blocks=1),
+                          sm90.PrefillVariant(stmatrix=False)]
+OTHER_PREFILL_VARIANTS = [
+    sm90.PrefillVariant(feature_block=256, tile_rows=64),
+    sm90.PrefillVariant(feature_block=128, tile_rows=64, min_blocks=4),
+    sm90.PrefillVariant(feature_block=64, tile_rows=128, min_blocks=4),
+    sm90.PrefillVariant(feature_block=256, tile_rows=128, min_blocks=1),
+    sm90.PrefillVariant(3, adec=True),
+    sm90.PrefillVariant(3, 1, adec=True),
+    sm90.PrefillVariant(4, 1, adec=True),
+    sm90.PrefillVariant(3, 1, feature_block=256, adec=True),
+]
+PREFILL_VARIANTS = BASIC_PREFILL_VARIANTS + OTHER_PREFILL_VARIANTS
