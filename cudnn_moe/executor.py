@@ -81,7 +81,7 @@ def _gc_paused() -> Iterator[None]:
             gc.enable()
 
 
-class _Bucket:
+class Bucket:
     """Static device buffers for up to ``tokens`` tokens (see the module docstring), and the operand
     bundles of its two grouped GEMMs."""
 
@@ -112,7 +112,7 @@ class _Bucket:
         workspace_bytes = max(engine.workspace_bytes(rows, shape1), engine.workspace_bytes(rows, shape2))
         workspace = empty(workspace_bytes) if workspace_bytes else None
         self.gemm1 = GemmOperands(
-            rows, shape1, token_operand(hidden), WeightOperand(w.w1, w.w1_scales, w.w1_alpha), self.offsets,
+            rows, shape1, token_operand(hidden), WeightOperand(w.w1, w.w1_scales, w.w1_alpha, w.w1_alpha_split), self.offsets,
             empty(rows, n1, dtype=torch.bfloat16), workspace,
         )
         self.gemm2 = GemmOperands(
@@ -150,10 +150,10 @@ class MoeExecutor:
         self.weights, self.engine = replace(weights, executors={}), engine
         self.top_k, self.activation = top_k, activation
         self.local_expert_start, self.max_num_tokens = local_expert_start, max_num_tokens
-        self._buckets: dict[int, _Bucket] = {}
+        self._buckets: dict[int, Bucket] = {}
         self._lock = threading.Lock()
 
-    def bucket(self, num_tokens: int) -> _Bucket:
+    def bucket(self, num_tokens: int) -> Bucket:
         """The bucket for ``num_tokens`` tokens, allocating it on first use."""
         size = bucket_size(num_tokens)
         found = self._buckets.get(size)
@@ -167,7 +167,7 @@ class MoeExecutor:
         with self._lock:
             if size not in self._buckets:
                 rows = row_capacity(size, self.top_k, self.weights.num_experts, self.engine.row_alignment)
-                self._buckets[size] = _Bucket(size, rows, self)
+                self._buckets[size] = Bucket(size, rows, self)
             return self._buckets[size]
 
     def warmup(self, max_tokens: int | None = None, use_cuda_graph: bool = True) -> None:
@@ -203,46 +203,78 @@ class MoeExecutor:
         graph (module docstring). None: never.
         """
         tokens = activations.num_tokens
-        bucket = self.bucket(tokens)
-        graphed = use_cuda_graph and not torch.cuda.is_current_stream_capturing()
-        if signature is not None and graphed and finalize and out is not None:
-            full = self._full_graph(bucket, signature, activations, routing, out)
-            if full is not None:
-                full.replay()
-                return out
-        self._stage(bucket, activations, routing)
-        if graphed:
-            self._ensure_graph(bucket).replay()
-        else:
-            self._pipeline(bucket)
         w = self.weights
+
+        def stage(bucket: Bucket) -> None:
+            self._stage(bucket, activations, routing)
+
         if finalize:
             result = out if out is not None else torch.empty(
                 tokens, w.hidden_size, dtype=torch.bfloat16, device=w.device
             )
-            self._finalize(bucket, result)
+            self.run_call(tokens, stage, lambda bucket: self._finalize(bucket, result),
+                          use_cuda_graph=use_cuda_graph, signature=signature if out is not None else None)
             return result
         rows = row_capacity(tokens, self.top_k, w.num_experts, self.engine.row_alignment)
         rows_out = out if out is not None else torch.empty(
             rows, w.hidden_size, dtype=torch.bfloat16, device=w.device
         )
-        kernels.unfinalized_rows(bucket.gemm2.out, bucket.row_to_slot, rows_out)
+
+        def unfinalized(bucket: Bucket) -> None:
+            kernels.unfinalized_rows(bucket.gemm2.out, bucket.row_to_slot, rows_out)
+
+        self.run_call(tokens, stage, unfinalized, use_cuda_graph=use_cuda_graph)
+        bucket = self.bucket(tokens)
         token_to_row = bucket.slot_to_row[: tokens * self.top_k].view(tokens, self.top_k).clone()
         route_weights = bucket.route_weights[:tokens].clone()  # as decoded by the stage kernel
         return UnfinalizedOutput(rows_out, route_weights, token_to_row)
 
-    def _stage(self, bucket: _Bucket, activations: Nvfp4Activations, routing: Routing) -> None:
+    def run_call(
+        self,
+        tokens: int,
+        stage: Callable[[Bucket], None],
+        finish: Callable[[Bucket], None],
+        *,
+        use_cuda_graph: bool,
+        signature: Hashable | None = None,
+    ) -> None:
+        """One call of T = ``tokens`` tokens: ``stage(bucket)`` (caller's inputs -> the bucket's static
+        buffers), the bucket pipeline, ``finish(bucket)`` (bucket -> the caller's output).
+
+        signature: a hashable identity of everything stage and finish read and write (tensor pointers,
+        shapes, strides, dtypes, scalars baked into launches) and T; with use_cuda_graph, repeated calls
+        replay one full-call graph of stage + pipeline + finish (module docstring). None: never.
+        """
+        bucket = self.bucket(tokens)
+        graphed = use_cuda_graph and not torch.cuda.is_current_stream_capturing()
+        if signature is not None and graphed:
+            full = self._full_graph(bucket, signature, stage, finish)
+            if full is not None:
+                full.replay()
+                return
+        stage(bucket)
+        if graphed:
+            self._ensure_graph(bucket).replay()
+        else:
+            self._pipeline(bucket)
+        finish(bucket)
+
+    def _stage(self, bucket: Bucket, activations: Nvfp4Activations, routing: Routing) -> None:
         ids, route_weights, routing_format = routing.kernel_operands()
         kernels.stage_inputs(
             activations.packed, activations.scales, ids, route_weights, routing_format,
             bucket.x, bucket.x_scales, bucket.ids, bucket.route_weights,
         )
 
-    def _finalize(self, bucket: _Bucket, out: torch.Tensor) -> None:
+    def _finalize(self, bucket: Bucket, out: torch.Tensor) -> None:
         kernels.finalize(bucket.gemm2.out, bucket.slot_to_row, bucket.route_weights, self.top_k, out)
 
     def _full_graph(
-        self, bucket: _Bucket, signature: Hashable, activations: Nvfp4Activations, routing: Routing, out: torch.Tensor
+        self,
+        bucket: Bucket,
+        signature: Hashable,
+        stage: Callable[[Bucket], None],
+        finish: Callable[[Bucket], None],
     ) -> torch.cuda.CUDAGraph | None:
         """The full-call graph of ``signature``: found, captured now (second consecutive call with it),
         or None (first call: run the usual path)."""
@@ -259,15 +291,15 @@ class MoeExecutor:
         with self._lock:
             graph = torch.cuda.CUDAGraph()
             with _gc_paused(), torch.cuda.graph(graph):
-                self._stage(bucket, activations, routing)
+                stage(bucket)
                 self._pipeline(bucket)
-                self._finalize(bucket, out)
+                finish(bucket)
             bucket.full_graphs[signature] = graph
             while len(bucket.full_graphs) > FULL_GRAPHS_PER_BUCKET:
                 bucket.full_graphs.popitem(last=False)
         return graph
 
-    def _ensure_graph(self, bucket: _Bucket) -> torch.cuda.CUDAGraph:
+    def _ensure_graph(self, bucket: Bucket) -> torch.cuda.CUDAGraph:
         if bucket.graph is None:
             with self._lock:
                 if bucket.graph is None:
@@ -278,12 +310,12 @@ class MoeExecutor:
                     bucket.graph = graph
         return bucket.graph
 
-    def _pipeline(self, bucket: _Bucket) -> None:
+    def _pipeline(self, bucket: Bucket) -> None:
         """Launch the bucket-static part of the layer on the current stream."""
         for _, launch in self.stages(bucket):
             launch()
 
-    def stages(self, b: _Bucket) -> list[tuple[str, Callable[[], None]]]:
+    def stages(self, b: Bucket) -> list[tuple[str, Callable[[], None]]]:
         """The five bucket-static launches, in order: sort, permute, GEMM1, activation, GEMM2."""
         k, engine, layout = self.top_k, self.engine, self.engine.token_layout
         g1, g2 = b.gemm1, b.gemm2

@@ -197,7 +197,7 @@ _checked: OrderedDict[Hashable, _Checked] = OrderedDict()
 _checked_lock = threading.Lock()
 
 
-def _tensor_signature(t: Any) -> tuple[Any, ...] | None:
+def tensor_signature(t: Any) -> tuple[Any, ...] | None:
     """What the checks of a tensor argument depend on: address, shape, strides, dtype, device."""
     if t is None:
         return None
@@ -222,9 +222,9 @@ def signature_key(
         key = (
             id(config), config.max_num_tokens, id(weights), type(activations), type(routing), activation,
             type(local_expert_start), local_expert_start, bool(finalize), bool(use_cuda_graph),
-            _tensor_signature(activations.packed), _tensor_signature(activations.scales),
-            _tensor_signature(routing.packed_tensor), _tensor_signature(routing.ids),
-            _tensor_signature(routing.weights), _tensor_signature(out),
+            tensor_signature(activations.packed), tensor_signature(activations.scales),
+            tensor_signature(routing.packed_tensor), tensor_signature(routing.ids),
+            tensor_signature(routing.weights), tensor_signature(out),
         )
         hash(key)
     except (AttributeError, TypeError):

@@ -174,38 +174,40 @@ def fake_executor(monkeypatch: pytest.MonkeyPatch):
     ex._lock = __import__("threading").Lock()
     launched = []
     ex._ensure_graph = lambda bucket: None
-    ex._stage = lambda bucket, a, r: launched.append("stage")
     ex._pipeline = lambda bucket: launched.append("pipeline")
-    ex._finalize = lambda bucket, out: launched.append("finalize")
     bucket = type("B", (), {})()
     bucket.full_graphs, bucket.last_signature = OrderedDict(), None
-    return ex, bucket, launched
+
+    def full_graph(signature):
+        return ex._full_graph(bucket, signature, lambda b: launched.append("stage"), lambda b: launched.append("finalize"))
+
+    return full_graph, bucket, launched
 
 
 def test_full_graph_is_captured_on_the_second_consecutive_call(fake_executor) -> None:
-    ex, bucket, launched = fake_executor
-    assert ex._full_graph(bucket, "A", None, None, None) is None  # first call: usual path
-    graph = ex._full_graph(bucket, "A", None, None, None)  # second: captured
+    full_graph, bucket, launched = fake_executor
+    assert full_graph("A") is None  # first call: usual path
+    graph = full_graph("A")  # second: captured
     assert isinstance(graph, _FakeGraph) and launched == ["stage", "pipeline", "finalize"]
-    assert ex._full_graph(bucket, "A", None, None, None) is graph and _FakeGraph.captured == 1
+    assert full_graph("A") is graph and _FakeGraph.captured == 1
 
 
 def test_alternating_fresh_signatures_never_capture(fake_executor) -> None:
-    ex, bucket, _ = fake_executor
+    full_graph, bucket, _ = fake_executor
     for n in range(10):
-        assert ex._full_graph(bucket, ("fresh", n), None, None, None) is None
+        assert full_graph(("fresh", n)) is None
     assert _FakeGraph.captured == 0
 
 
 def test_full_graphs_are_an_lru_of_four(fake_executor) -> None:
-    ex, bucket, _ = fake_executor
+    full_graph, bucket, _ = fake_executor
     for sig in "ABCDE":
-        ex._full_graph(bucket, sig, None, None, None)
-        ex._full_graph(bucket, sig, None, None, None)
+        full_graph(sig)
+        full_graph(sig)
     assert list(bucket.full_graphs) == list("BCDE") and executor_module.FULL_GRAPHS_PER_BUCKET == 4
-    ex._full_graph(bucket, "B", None, None, None)  # a hit refreshes B
-    ex._full_graph(bucket, "F", None, None, None)
-    ex._full_graph(bucket, "F", None, None, None)
+    full_graph("B")  # a hit refreshes B
+    full_graph("F")
+    full_graph("F")
     assert list(bucket.full_graphs) == list("DEBF")
 
 
