@@ -5,7 +5,7 @@ the first GPU call.
 """
 
 from .activations import GELU, SiLU, SiTU, ReLU, ReLU2, GeGLU, GeGLUTanh, Identity, SwiGLU, SwiGLUStep
-from .aligned import align_routing, reference_aligned_moe
+from .aligned import AlignedWeights, align_routing, aligned_moe, prepare_aligned_weights, reference_aligned_moe
 from .config import Nvfp4Activations, Nvfp4MoeConfig, Nvfp4Weights
 from .distributed import ExpertParallelMoe, expert_shard, shard_weights
 from .executor import UnfinalizedOutput
@@ -18,6 +18,7 @@ from .torch_op import MoeLayer
 __version__ = "0.1.0"
 
 __all__ = [
+    "AlignedWeights",
     "ExpertParallelMoe",
     "GELU",
     "GeGLU",
@@ -37,10 +38,12 @@ __all__ = [
     "SwiGLUStep",
     "UnfinalizedOutput",
     "align_routing",
+    "aligned_moe",
     "expert_shard",
     "fused_moe",
     "get_executor",
     "pack_routing",
+    "prepare_aligned_weights",
     "reference_aligned_moe",
     "reference_low_latency",
     "reference_moe",

@@ -46,6 +46,8 @@ class Nvfp4Weights:
     the reduction dim, linear [E, rows, K/16]. ``w1``/``w1_scales``/``w2``/``w2_scales`` hold them in
     ``spec.weight_layout`` (see ``cudnn_moe.engines.WeightLayout``).
     w1_alpha / w2_alpha: float32 [E]; dequantized weight = e2m1 * block scale * alpha.
+    w1_alpha_split: None, or (the aligned-plan op's weights) I: w1_alpha is then [2E] and GEMM1
+    output features f >= I (the gate half) take w1_alpha[E + e].
     ``executors`` caches the GPU executors built for these weights (see ops.get_executor); they
     are released with the weights.
     """
@@ -60,6 +62,7 @@ class Nvfp4Weights:
     gated: bool
     hidden_size: int
     intermediate_size: int
+    w1_alpha_split: int | None = None
     executors: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property

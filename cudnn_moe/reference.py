@@ -74,7 +74,7 @@ def _expect(tensor: object, name: str, dtype: torch.dtype, shape: tuple[int, ...
         raise ValueError(f"{name} is on {tensor.device}, expected {device} like act_packed")
 
 
-def _round_bf16(x: torch.Tensor) -> torch.Tensor:
+def round_bf16(x: torch.Tensor) -> torch.Tensor:
     """Round float64 values to BF16 (nearest even), keeping float64 storage: a GEMM's BF16 output."""
     return x.to(torch.bfloat16).double()
 
@@ -101,9 +101,9 @@ def _expert_rows(
         tokens, slots = (ids == local_expert_start + local).nonzero(as_tuple=True)
         if tokens.numel() == 0:
             continue
-        h1 = _round_bf16(w1_alpha[local] * (x[tokens] @ w1[local].T))
+        h1 = round_bf16(w1_alpha[local] * (x[tokens] @ w1[local].T))
         y = requantize_nvfp4_rows(activation.apply_gemm1(h1))
-        rows[tokens, slots] = _round_bf16(w2_alpha[local] * (y @ w2[local].T))
+        rows[tokens, slots] = round_bf16(w2_alpha[local] * (y @ w2[local].T))
     return rows
 
 

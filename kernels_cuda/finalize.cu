@@ -19,17 +19,27 @@ __device__ __forceinline__ void accumulate_row(float acc[8], int r, float w, con
 //               16-byte aligned, hidden % 8 == 0
 //   slot_to_row int32 [B * top_k]; weights FP32 [B * top_k]
 //   out         BF16 [B, hidden]: out[t, h] = bf16(sum over slots s in order, skipping masked ones,
-//               of w[t, s] * float(g2[r, h])): a separate FP32 multiply and add per slot
+//               of w[t, s] * float(g2[r, h])): a separate FP32 multiply and add per slot. With
+//               accumulate != 0 the sum starts from float(out[t, h]) instead of zero.
 // The rows of four slots are loaded together (four 16-byte loads in flight per thread), then added in
 // slot order.
 extern "C" __global__ void moe_finalize(const u16* __restrict__ g2, const int* __restrict__ slot_to_row,
                                         const float* __restrict__ weights, int top_k, int hidden,
-                                        u16* __restrict__ out) {
+                                        int accumulate, u16* __restrict__ out) {
   const i64 t = blockIdx.x;
   const int* rows = slot_to_row + t * top_k;
   const float* w = weights + t * top_k;
   for (int h = 8 * threadIdx.x; h < hidden; h += 8 * blockDim.x) {
     float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+    if (accumulate) {
+      const uint4 raw = *reinterpret_cast<const uint4*>(out + t * hidden + h);
+      const u32 words[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        acc[2 * j] = __uint_as_float(words[j] << 16);
+        acc[2 * j + 1] = __uint_as_float(words[j] & 0xFFFF0000u);
+      }
+    }
     int s = 0;
     for (; s + 4 <= top_k; s += 4) {
       int r[4];

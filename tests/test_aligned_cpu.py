@@ -185,14 +185,18 @@ class Layer:
         x = plain_decode(self.hidden_states, self.hidden_states_scale)
         w1 = plain_decode(self.gemm1_weights, self.gemm1_weights_scale)
         w2 = plain_decode(self.gemm2_weights, self.gemm2_weights_scale)
+        def bf16(v: torch.Tensor) -> torch.Tensor:
+            return v.to(torch.bfloat16).double()
+
         acc = out.double()
         for token, slot, expert in walk:
             h = w1[expert] @ x[token]
-            gate = h[: N // 2] * self.gate_scale[expert].item()
-            up = h[N // 2 :] * self.up_scale[expert].item()
+            gate = bf16(h[: N // 2] * self.gate_scale[expert].item())
+            up = bf16(h[N // 2 :] * self.up_scale[expert].item())
             y = plain_requantize(gate / (1.0 + torch.exp(-gate)) * up)
-            down = (w2[expert] @ y) * self.down_scale[expert].item()
-            acc[token] += down * self.topk_weights[token, slot].item() * rsf
+            down = bf16((w2[expert] @ y) * self.down_scale[expert].item())
+            weight = (self.topk_weights[token, slot] * torch.tensor(rsf, dtype=torch.float32)).item()  # FP32 product
+            acc[token] += down * weight
         return acc.to(torch.bfloat16)
 
 
@@ -259,20 +263,31 @@ def test_reference_skips_blocks_past_the_extent() -> None:
 
 def test_reference_hand_built_plan() -> None:
     """Blocks in any expert order, a repeated expert, padding of every size, a partial last block
-    (a vLLM plan without pad_sorted_ids), one slot named twice and one never."""
+    (a vLLM plan without pad_sorted_ids), one slot never named."""
     layer = Layer(seed=5, num_tokens=3, top_k=2)
     pad = 6
     sorted_ids = torch.tensor([3, 0, pad, 7, pad, pad, pad, pad,  # expert 2 (7 and up: padding too)
-                               1, 4, 4, pad, pad, pad, pad, pad,  # expert 0, slot 4 twice
+                               1, 4, pad, pad, pad, pad, pad, pad,  # expert 0
                                2, pad, pad, pad, pad, pad, pad, pad,  # expert 2 again
                                pad, pad, pad, pad], dtype=I32)  # partial last block, past the extent
     expert_ids = torch.tensor([2, 0, 2, 1], dtype=I32)
     post = torch.tensor([24], dtype=I32)
     plan = (sorted_ids, expert_ids, post)
     walk = plan_walk(plan, 8, 6, 2)
-    assert walk == [(1, 1, 2), (0, 0, 2), (0, 1, 0), (2, 0, 0), (2, 0, 0), (1, 0, 2)]  # slot (2, 1) never
+    assert walk == [(1, 1, 2), (0, 0, 2), (0, 1, 0), (2, 0, 0), (1, 0, 2)]  # slot (2, 1) never
     assert_bf16_close(layer.reference(plan), layer.plain(walk, layer.out, 1.0))
     assert_bf16_close(layer.reference(plan, rsf=-0.75), layer.plain(walk, layer.out, -0.75))
+
+
+def test_reference_rejects_a_slot_named_twice() -> None:
+    layer = Layer(seed=5, num_tokens=3, top_k=2)
+    pad = 6
+    sorted_ids = torch.tensor([3, 0, pad, pad, pad, pad, pad, pad, 1, 3, pad, pad, pad, pad, pad, pad], dtype=I32)
+    plan = (sorted_ids, torch.tensor([2, 0], dtype=I32), torch.tensor([16], dtype=I32))
+    with pytest.raises(ValueError, match="names a slot twice"):
+        layer.reference(plan)
+    past_extent = (sorted_ids, plan[1], torch.tensor([8], dtype=I32))  # the repeat lies past the extent: fine
+    assert layer.reference(past_extent).shape == (3, K)
 
 
 def test_reference_ignores_slots_routed_nowhere() -> None:

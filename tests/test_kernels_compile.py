@@ -28,12 +28,12 @@ NVCC = shutil.which("nvcc") or shutil.which("nvcc", path="/usr/local/cuda/bin")
 CXX = shutil.which("c++") or shutil.which("g++")
 
 # C parameter type -> the numpy scalar type a wrapper must pass for it.
-_ARG_TYPES = {"int": np.int32, "float": np.float32, "pointer": np.uint64}
+_ARG_TYPES = {"int": np.int32, "i64": np.int64, "float": np.float32, "pointer": np.uint64}
 _ENTRY = re.compile(r'extern "C" __global__ void(?:\s+__launch_bounds__\(\w+\))?\s+(\w+)\(([^)]*)\)')
 
 
 def _kernel_signatures() -> dict[str, list[str]]:
-    """Entry point name -> parameter kinds ("int", "float" or "pointer"), parsed from the sources."""
+    """Entry point name -> parameter kinds ("int", "i64", "float" or "pointer"), parsed from the sources."""
     signatures = {}
     for name in SOURCES:
         for kernel, params in _ENTRY.findall((KERNELS_DIR / name).read_text()):
@@ -56,7 +56,8 @@ def test_kernel_compiles(source: str, arch: str, tmp_path: Path) -> None:
 
 
 def test_sources_present() -> None:
-    assert SOURCES == ["activation.cu", "expert_scale.cu", "finalize.cu", "permute.cu", "sort.cu", "stage.cu"]
+    assert SOURCES == ["activation.cu", "aligned_stage.cu", "expert_scale.cu", "finalize.cu", "permute.cu", "sort.cu",
+                       "stage.cu"]
 
 
 def _wrapper_calls() -> list[tuple[str, Callable[..., None], tuple[Any, ...]]]:
@@ -91,9 +92,16 @@ def _wrapper_calls() -> list[tuple[str, Callable[..., None], tuple[Any, ...]]]:
         z(R * inter // 16),
     )
     finalize = (z(R, H, dtype=bf16), z(B * k, dtype=i32), z(B, k, dtype=f32), k, z(T, H, dtype=bf16))
+    aligned = (
+        z(T, H // 2), z(T, H // 16), z(T, k, dtype=f32), 2.0, (z(E, dtype=f32), z(E, dtype=f32), z(E, dtype=f32)),
+        z(B, H // 2), z(B, H // 16), z(B, k, dtype=i32), z(B, k, dtype=f32), z(2 * E, dtype=f32), z(E, dtype=f32),
+    )
+    plan = (z(R, dtype=i32), z(R // 8, dtype=i32), z(1, dtype=i32), 8, T * k, E, z(B * k, dtype=i32))
     unfinalized = (z(R, H, dtype=bf16), z(R, dtype=i32), z(R - 2, H, dtype=bf16))
     return [
         ("moe_stage_inputs", kernels.stage_inputs, staged),
+        ("moe_stage_aligned", kernels.stage_aligned, aligned),
+        ("moe_plan_routes", kernels.plan_routes, plan),
         ("moe_sort", kernels.sort_routing, sorting),
         ("moe_sort_blocks", kernels.sort_routing, sorting_blocks),
         ("moe_permute", kernels.permute_tokens, permute),
@@ -106,7 +114,7 @@ def _wrapper_calls() -> list[tuple[str, Callable[..., None], tuple[Any, ...]]]:
 
 def test_wrapper_arguments_match_kernel_signatures(monkeypatch: pytest.MonkeyPatch) -> None:
     launches: list[tuple[str, tuple[Any, ...]]] = []
-    for stage_name in ("stage", "sort", "permute", "activate", "finalize"):
+    for stage_name in ("stage", "aligned_stage", "sort", "permute", "activate", "finalize"):
         module = importlib.import_module(f"cudnn_moe.kernels.{stage_name}")
         monkeypatch.setattr(module, "ptr", lambda tensor, align=1: np.uint64(0))
         monkeypatch.setattr(module, "launch", lambda file, name, device, grid, block, args: launches.append((name, args)))

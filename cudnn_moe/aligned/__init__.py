@@ -1,8 +1,20 @@
-"""The aligned-plan NVFP4 MoE op of contract 002 (vLLM / SGLang routing plans), CPU groundwork:
-the plan builder, the op's argument checks and its float64 reference."""
+"""The aligned-plan NVFP4 MoE op of contract 002 (vLLM / SGLang routing plans): the plan builder,
+the op's argument checks, its weight preparation, the GPU op and its float64 reference."""
 
 from .checks import AlignedDims, check_aligned_args
+from .op import aligned_moe, clear_aligned_caches
 from .plan import align_routing, plan_capacity
 from .reference import reference_aligned_moe
+from .weights import AlignedWeights, prepare_aligned_weights
 
-__all__ = ["AlignedDims", "align_routing", "check_aligned_args", "plan_capacity", "reference_aligned_moe"]
+__all__ = [
+    "AlignedDims",
+    "AlignedWeights",
+    "align_routing",
+    "aligned_moe",
+    "check_aligned_args",
+    "clear_aligned_caches",
+    "plan_capacity",
+    "prepare_aligned_weights",
+    "reference_aligned_moe",
+]

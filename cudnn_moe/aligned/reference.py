@@ -2,25 +2,29 @@
 
 For every active block j (``j * block_m < num_tokens_post_padded``), with e = expert_ids[j], and
 every entry i of the block that is not padding (``i < M * top_k``; token t = i // top_k, slot
-s = i % top_k), in plan order. Rounding points, in data-path order:
+s = i % top_k). The rounding points, in data-path order, are those of the NVFP4 pipeline
+(cudnn_moe.reference), with the op's two GEMM1 scales:
 
 1. activations and weights are decoded exactly (E2M1 code times E4M3 block scale; no global
    scale: the per-expert output scales carry it);
-2. GEMM1 accumulates x_t . w1_e over K in FP32 (modelled in float64; order free). Rows 0 .. N/2-1
-   of w1_e are the gate, rows N/2 .. N-1 the up projection;
-3. gate = acc_gate * output1_scale_gate_scalar[e], up = acc_up * output1_scale_scalar[e], and
-   y = silu(gate) * up: the contract is silent on intermediate roundings here; this oracle keeps
-   them unrounded (float64 standing for FP32, no BF16 step), unlike reference_moe's bf16(h1);
-4. y is rounded to float32 and requantized to NVFP4 with global scale one, per 16 values
-   (requantize_nvfp4_rows: scale = e4m3(amax / 6), codes = e2m1(y / scale)), then decoded exactly;
-5. GEMM2 accumulates y_q . w2_e over N/2 in FP32 (modelled in float64), and the contribution is
-   acc2 * output2_scale_scalar[e] * topk_weights[t, s] * routed_scaling_factor;
-6. an accumulator [M, K] starts from out's BF16 values; every contribution is added to row t in
-   plan order (float64 here); the sum is rounded once to BF16 (nearest even) straight from
-   float64 (the contract's FP32 accumulator and its reduction order are the op's noise, like
-   the GEMMs' accumulation order).
+2. GEMM1 accumulates x_t . w1_e over K in FP32 (order free). Rows 0 .. N/2-1 of w1_e are the gate,
+   rows N/2 .. N-1 the up projection; each half's scale is applied to the FP32 accumulator and the
+   result rounds once to BF16: gate = bf16(output1_scale_gate_scalar[e] * acc_gate), up =
+   bf16(output1_scale_scalar[e] * acc_up) (the contract leaves this precision open; ours is the
+   pipeline's BF16 GEMM output);
+3. y = silu(gate) * up in FP32;
+4. y is requantized to NVFP4 with global scale one per 16 values straight from FP32
+   (requantize_nvfp4_rows: scale = e4m3(amax / 6), codes = e2m1(y / scale)), decoded exactly;
+5. GEMM2 accumulates y_q . w2_e over N/2 in FP32 and rounds once to BF16:
+   down = bf16(output2_scale_scalar[e] * acc2);
+6. each route weight is scaled in FP32: w = fp32(topk_weights[t, s] * routed_scaling_factor);
+7. out[t] = bf16(float(out[t]) + sum over the planned slots s of t, in slot order, of w[t, s] *
+   down[t, s]), each product and sum a separate FP32 operation on the GPU (deterministic: no
+   atomics, the same inputs give the same bits); this oracle sums in float64 and rounds once.
 
-Entries that appear twice contribute twice; a slot the plan never names contributes nothing.
+What remains between the GPU and this oracle is the FP32 accumulation order of the GEMMs and of
+step 7. A slot the plan never names contributes nothing; a slot named twice breaks the plan
+format (this oracle raises, the GPU op keeps one of the two).
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from __future__ import annotations
 import torch
 
 from ..formats import dequantize_nvfp4
-from ..reference import requantize_nvfp4_rows
+from ..reference import requantize_nvfp4_rows, round_bf16
 from .checks import check_aligned_args
 
 
@@ -38,11 +42,13 @@ def _check_plan_values(
     num_tokens_post_padded: torch.Tensor,
     block_m: int,
     num_experts: int,
+    num_slots: int,
 ) -> int:
     """Read the plan (a device sync on CUDA) and return the number of active blocks.
 
     The contract requires what the GPU op cannot check without a sync: 0 <= extent <=
-    expert_ids.numel() * block_m, and valid expert ids and non-negative entries in active blocks.
+    expert_ids.numel() * block_m; valid expert ids, non-negative entries and no slot twice in
+    active blocks.
     """
     extent = int(num_tokens_post_padded[0])
     if not 0 <= extent <= expert_ids.numel() * block_m:
@@ -54,8 +60,12 @@ def _check_plan_values(
     experts = expert_ids[:active]
     if bool(((experts < 0) | (experts >= num_experts)).any()):
         raise ValueError(f"expert_ids must lie in [0, {num_experts}) in the blocks before num_tokens_post_padded")
-    if bool((sorted_token_ids[: active * block_m] < 0).any()):
+    entries = sorted_token_ids[: active * block_m]
+    if bool((entries < 0).any()):
         raise ValueError("sorted_token_ids must be non-negative in the blocks before num_tokens_post_padded")
+    slots = entries[entries < num_slots]
+    if slots.numel() != torch.unique(slots).numel():
+        raise ValueError("sorted_token_ids names a slot twice in the blocks before num_tokens_post_padded")
     return active
 
 
@@ -86,8 +96,8 @@ def reference_aligned_moe(
     lies before num_tokens_post_padded, and all its entries are then walked (those inside
     sorted_token_ids; a last partial block is shorter); entries >= M * top_k are padding.
     Raises TypeError / ValueError naming the argument; also ValueError when the plan breaks the
-    contract (extent past the capacity, an expert id outside [0, E) or a negative entry in an
-    active block): this oracle reads the plan, the GPU op will not.
+    contract (extent past the capacity, an expert id outside [0, E), a negative entry or a slot
+    named twice in an active block): this oracle reads the plan, the GPU op will not.
     """
     dims = check_aligned_args(
         hidden_states, hidden_states_scale, gemm1_weights, gemm1_weights_scale, gemm2_weights,
@@ -95,12 +105,15 @@ def reference_aligned_moe(
         sorted_token_ids, expert_ids, num_tokens_post_padded, topk_weights, out, top_k, block_m,
         routed_scaling_factor,
     )
-    active = _check_plan_values(sorted_token_ids, expert_ids, num_tokens_post_padded, block_m, dims.num_experts)
     f64, half = torch.float64, dims.n // 2
     num_slots = dims.num_tokens * top_k
+    active = _check_plan_values(sorted_token_ids, expert_ids, num_tokens_post_padded, block_m, dims.num_experts,
+                                num_slots)
     x = dequantize_nvfp4(hidden_states, hidden_states_scale, dtype=f64)
-    route_weights = topk_weights.reshape(-1).to(f64)
-    acc = out.to(f64)
+    scaled = topk_weights.reshape(-1) * torch.tensor(dims.routed_scaling_factor, dtype=torch.float32)
+    route_weights = scaled.to(f64)  # the FP32 product of step 6
+    down = torch.zeros(num_slots, dims.hidden, dtype=f64, device=x.device)
+    planned = torch.zeros(num_slots, dtype=torch.bool, device=x.device)
     entries, experts = sorted_token_ids.tolist(), expert_ids[:active].tolist()
     loaded = -1  # the expert whose weights are decoded (one at a time: E * N * K float64 would not fit)
     for block, expert in enumerate(experts):
@@ -113,11 +126,15 @@ def reference_aligned_moe(
             loaded = expert
         index = torch.tensor(slots, dtype=torch.int64, device=x.device)
         acc1 = x[index // top_k] @ w1.T  # [rows, N]: [gate | up]
-        gate = acc1[:, :half] * float(output1_scale_gate_scalar[expert])
-        up = acc1[:, half:] * float(output1_scale_scalar[expert])
+        gate = round_bf16(float(output1_scale_gate_scalar[expert]) * acc1[:, :half])
+        up = round_bf16(float(output1_scale_scalar[expert]) * acc1[:, half:])
         y = requantize_nvfp4_rows(torch.nn.functional.silu(gate) * up)
-        down = (y @ w2.T) * float(output2_scale_scalar[expert])
-        contributions = down * route_weights[index, None] * dims.routed_scaling_factor
-        for row, slot in enumerate(slots):
-            acc[slot // top_k] += contributions[row]
+        down[index] = round_bf16(float(output2_scale_scalar[expert]) * (y @ w2.T))
+        planned[index] = True
+    acc = out.to(f64)
+    down = down.view(dims.num_tokens, top_k, dims.hidden)
+    route_weights, planned = route_weights.view(dims.num_tokens, top_k), planned.view(dims.num_tokens, top_k)
+    for slot in range(top_k):  # slot order; unplanned slots add nothing, whatever their weight
+        contribution = route_weights[:, slot, None] * down[:, slot]
+        acc += torch.where(planned[:, slot, None], contribution, 0.0)
     return acc.to(torch.bfloat16)

@@ -87,11 +87,18 @@ class TokenOperand:
 @dataclass(frozen=True)
 class WeightOperand:
     """One GEMM's prepared weights: ``data`` and ``scales`` in the engine's weight layout, ``alpha``
-    float32 [E] (the expert globals)."""
+    float32 [E] (the expert globals). With ``alpha_split`` (a multiple of 128 below N), alpha is
+    [2E] and output features f >= alpha_split take alpha[E + e] (GEMM1 halves with their own scales)."""
 
     data: torch.Tensor
     scales: torch.Tensor
     alpha: torch.Tensor
+    alpha_split: int | None = None
+
+
+def alpha_split(weights: WeightOperand, n: int) -> int:
+    """The first output feature that takes the second alpha half: ``weights.alpha_split``, or N (none)."""
+    return n if weights.alpha_split is None else weights.alpha_split
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """The CUDA glue kernels of the pipeline, one module per stage, in data-path order:
 
-stage (caller's tokens and routing -> bucket buffers), sort (slots -> expert segments), permute
+stage (caller's tokens and routing -> bucket buffers; aligned_stage for the aligned-plan op), sort (slots -> expert segments), permute
 (tokens -> expert-sorted rows in the engine's token layout), [GEMM1: the engine], activate
 (activation + NVFP4 requantize), [GEMM2: the engine], finalize (weighted sum or per-slot rows).
 Sources live in kernels_cuda/ and compile with CuPy (NVRTC) on first use (loader); constants shared
@@ -8,6 +8,8 @@ with CUDA are in codes.
 """
 
 from .activate import activate_quantize
+from .aligned_stage import SOURCE as _ALIGNED_STAGE_SOURCE
+from .aligned_stage import plan_routes, stage_aligned
 from .codes import ROW_THREADS, SORT_MAX_EXPERTS, SORT_THREADS, RoutingFormat, TokenLayout, cuda_defines
 from .finalize import SOURCE as _FINALIZE_SOURCE
 from .finalize import finalize, unfinalized_rows
@@ -19,10 +21,11 @@ from .stage import stage_inputs
 
 
 
-def load_call_kernels(device: int) -> None:
+def load_call_kernels(device: int, aligned: bool = False) -> None:
     """Compile, or load from the persistent cache, the kernels every call launches around the bucket
-    pipeline (stage, finalize), so that warming up a layer leaves nothing to build on its first call."""
-    for source in (_STAGE_SOURCE, _FINALIZE_SOURCE):
+    pipeline (stage or the aligned stage, finalize), so that warming up a layer leaves nothing to build
+    on its first call."""
+    for source in (_ALIGNED_STAGE_SOURCE if aligned else _STAGE_SOURCE, _FINALIZE_SOURCE):
         load_module(source, device)
 
 
@@ -49,8 +52,10 @@ __all__ = [
     "load_module",
     "module_source",
     "permute_tokens",
+    "plan_routes",
     "ptr",
     "sort_routing",
+    "stage_aligned",
     "stage_inputs",
     "unfinalized_rows",
 ]

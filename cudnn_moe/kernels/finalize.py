@@ -19,9 +19,17 @@ def _hidden_of(g2: torch.Tensor, out: torch.Tensor) -> int:
     return hidden
 
 
-def finalize(g2: torch.Tensor, slot_to_row: torch.Tensor, weights: torch.Tensor, top_k: int, out: torch.Tensor) -> None:
+def finalize(
+    g2: torch.Tensor,
+    slot_to_row: torch.Tensor,
+    weights: torch.Tensor,
+    top_k: int,
+    out: torch.Tensor,
+    accumulate: bool = False,
+) -> None:
     """out bfloat16 [T, H] (T <= B): out[t] = bf16(sum over slots s in order with r = slot_to_row[t*k+s] >= 0
-    of weights[t*k+s] * g2[r]), each product and sum a separate FP32 operation.
+    of weights[t*k+s] * g2[r]), each product and sum a separate FP32 operation. accumulate=True starts
+    each sum from float(out[t]) (out is read, then written once).
 
     g2 bfloat16 [R, H] (expert globals applied); slot_to_row int32 [B*k]; weights float32 [B*k].
     """
@@ -31,7 +39,8 @@ def finalize(g2: torch.Tensor, slot_to_row: torch.Tensor, weights: torch.Tensor,
         raise ValueError(f"finalize: {tokens} tokens x top-{top_k} exceed the float32 routing of the bucket")
     launch(
         SOURCE, "moe_finalize", out.device, tokens, ROW_THREADS,
-        (ptr(g2, 16), ptr(slot_to_row), ptr(weights), np.int32(top_k), np.int32(hidden), ptr(out, 16)),
+        (ptr(g2, 16), ptr(slot_to_row), ptr(weights), np.int32(top_k), np.int32(hidden), np.int32(accumulate),
+         ptr(out, 16)),
     )
 
 

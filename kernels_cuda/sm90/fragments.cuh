@@ -201,6 +201,11 @@ struct Tile {
                 // neither read nor written
 };
 
+// Index into alpha of expert e for a CTA whose features start at feature0: alpha[E + e] past alpha_split.
+__device__ __forceinline__ int expert_alpha(int e, int num_experts, int feature0, int alpha_split) {
+  return feature0 >= alpha_split ? num_experts + e : e;
+}
+
 // Warp-collective (all 32 lanes, same arguments): tile `t` of the concatenation over experts of
 // ceil(len_e / TILE_ROWS) tiles, expert e's segment being rows [offsets[e], offsets[e+1]).
 // Returns false (in every lane) when t is past the last tile. Each lane sums a contiguous range of

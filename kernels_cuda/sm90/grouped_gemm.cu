@@ -4,12 +4,14 @@
 // Arguments of both kernels:
 //   w_tiles      uint8 [E, N*K/2]   fragment tiles of each expert's W_e [N, K] (layout.py)
 //   w_scales     uint8 [E, N*K/16]  E4M3 scale tiles, same tile order
-//   alpha        float32 [E]        per-expert global scale
+//   alpha        float32 [E], or [2E] with alpha_split < n: per-expert global scale; features
+//                f >= alpha_split take alpha[E + e] (e.g. the gate half of GEMM1 with its own scale);
+//                alpha_split is a multiple of the CTA's feature block (the host checks)
 //   x            bf16 [row_capacity, K]  token rows in token-fragment column order
 //   offsets      int32 [E + 1]      segment e = rows [offsets[e], offsets[e+1]) (multiples of 8)
 //   out          bf16 [row_capacity, N]  row-major, natural column order
-// out[r, f] = bf16_rne(float(alpha[e] * 256) * acc), acc = FP32 sum over k of (w s 2^-8) x[r, k] for
-// r in segment e. Rows outside the tile's segment are never written, rows >= its end never read.
+// out[r, f] = bf16_rne(float(a * 256) * acc), a = alpha[e] (alpha[E + e] past alpha_split), acc = FP32 sum
+// over k of (w s 2^-8) x[r, k] for r in segment e. Rows outside the tile's segment are never written, rows >= its end never read.
 // Grid: x = feature blocks (N / features per CTA), y >= number of tiles (tile = TILE_ROWS rows of one
 // segment, segments concatenated); CTAs past the last tile exit. No atomics: deterministic.
 #include "common.cuh"
@@ -95,7 +97,7 @@ __device__ __forceinline__ void decode_step(const DecodeRing& ring, float (&acc)
 extern "C" __global__ void __launch_bounds__(DEC_THREADS)
     sm90_gemm_decode(const u8* __restrict__ w_tiles, const u8* __restrict__ w_scales, const float* __restrict__ alpha,
                      const u16* __restrict__ x, const int* __restrict__ offsets, int num_experts, int n, int k,
-                     int row_capacity, u16* __restrict__ out) {
+                     int row_capacity, int alpha_split, u16* __restrict__ out) {
   __shared__ __align__(16) float red[SM90_WK][DEC_TB][DEC_RED_STRIDE];
   Tile tile;
   if (!find_tile<DEC_TB>(offsets, num_experts, row_capacity, static_cast<int>(blockIdx.y), tile)) return;
@@ -216,7 +218,7 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS)
   __syncthreads();
 
   // Sum over wk in order, scale, round, store 16-byte row pieces of rows inside the segment.
-  const float scale = __ldg(alpha + tile.expert) * 256.0f;
+  const float scale = __ldg(alpha + expert_alpha(tile.expert, num_experts, static_cast<int>(blockIdx.x) * DEC_FB, alpha_split)) * 256.0f;
   constexpr int CHUNKS_PER_ROW = DEC_FB / 8;
   for (int c = threadIdx.x; c < DEC_TB * CHUNKS_PER_ROW; c += DEC_THREADS) {
     const int t = c / CHUNKS_PER_ROW;
@@ -307,7 +309,7 @@ static_assert(PF_SMEM_BYTES <= 227 * 1024, "prefill: shared memory");
 extern "C" __global__ void __launch_bounds__(PF_THREADS, SM90_PF_MIN_BLOCKS)
     sm90_gemm_prefill(const u8* __restrict__ w_tiles, const u8* __restrict__ w_scales, const float* __restrict__ alpha,
                       const u16* __restrict__ x, const int* __restrict__ offsets, int num_experts, int n, int k,
-                      int row_capacity, u16* __restrict__ out) {
+                      int row_capacity, int alpha_split, u16* __restrict__ out) {
   extern __shared__ __align__(128) u8 smem[];
   Tile tile;
   if (!find_tile<PF_TB>(offsets, num_experts, row_capacity, static_cast<int>(blockIdx.y), tile)) return;
@@ -495,7 +497,7 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, SM90_PF_MIN_BLOCKS)
 
   // C tile -> shared [token][feature] BF16 (row stride PF_C_STRIDE) with transposing stmatrix:
   // matrix i of an x4 = (n8 tile nt + i / 2, features 8 (i % 2) .. + 8 of the m16 tile).
-  const float scale = __ldg(alpha + tile.expert) * 256.0f;
+  const float scale = __ldg(alpha + expert_alpha(tile.expert, num_experts, static_cast<int>(blockIdx.x) * PF_FB, alpha_split)) * 256.0f;
 #if SM90_PF_STMATRIX
   {
     const int mi = lane >> 3;

@@ -17,7 +17,7 @@ from ...formats import ScaleLayout, swizzle_128x4, unswizzle_128x4
 from ...formats.scale_layout import SWIZZLE_ROWS
 from ...kernels.codes import ROW_THREADS, TokenLayout
 from ...kernels.loader import launch, ptr
-from ..base import EngineSpec, GemmEngine, GemmOperands, GemmShape, WeightLayout
+from ..base import EngineSpec, GemmEngine, GemmOperands, GemmShape, WeightLayout, alpha_split
 from .grouped_gemm import GroupedGemmKey, graph_for, offsets_len_for, token_scale_bytes
 from .probe import MIN_BACKEND, NATIVE_NVFP4_MOE_BACKEND, backend_version, require_cudnn
 
@@ -106,6 +106,6 @@ class CudnnGemmEngine(GemmEngine):
             "expert_scale.cu", "moe_expert_scale", self.device, rows, ROW_THREADS,
             (
                 ptr(acc, 16), ptr(operands.weights.alpha), ptr(operands.offsets), np.int32(shape.num_experts),
-                np.int32(shape.n), ptr(operands.out, 16),
+                np.int32(shape.n), np.int32(alpha_split(operands.weights, shape.n)), ptr(operands.out, 16),
             ),
         )

@@ -95,4 +95,4 @@ class Sm90GemmEngine(GemmEngine):
     def gemm(self, operands: GemmOperands) -> None:
         w = operands.weights
         grouped_gemm(w.data, w.scales, w.alpha, operands.tokens.data, operands.offsets, operands.out,
-                     self.variant(operands.rows, operands.shape))
+                     self.variant(operands.rows, operands.shape), alpha_split=w.alpha_split)

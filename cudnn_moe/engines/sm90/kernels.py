@@ -180,8 +180,11 @@ def grouped_gemm(
     offsets: torch.Tensor,
     out: torch.Tensor,
     variant: GemmVariant = DECODE,
+    alpha_split: int | None = None,
 ) -> None:
     """out[r, :N] = bf16(float32(alpha[e] * 256) * (x[r] @ W_e^T * 2^-8)) for the rows r of each segment e.
+    With ``alpha_split`` (a multiple of the variant's feature block, below N) alpha is [2E] and
+    features f >= alpha_split use alpha[E + e].
 
     w_tiles uint8 [E, N*K/2] and w_tile_scales uint8 (or float8_e4m3fn) [E, N*K/16]: NVFP4 weights in
     the fragment-tile layout (layout.pack_weight_tiles); alpha float32 [E]; x bfloat16 [R, K] in
@@ -210,7 +213,11 @@ def grouped_gemm(
     _check("out", out, (torch.bfloat16,), (rows, n))
     _check("w_tiles", w_tiles, (torch.uint8,), (experts, n * k // 2))
     _check("w_tile_scales", w_tile_scales, (torch.uint8, torch.float8_e4m3fn), (experts, n * k // 16))
-    _check("alpha", alpha, (torch.float32,), (experts,))
+    split = n if alpha_split is None else alpha_split
+    if alpha_split is not None and not (0 < split < n and split % variant.feature_block == 0):
+        raise ValueError(f"alpha_split must lie in (0, N = {n}) and be a multiple of the variant's "
+                         f"{variant.feature_block}-feature block, got {alpha_split}")
+    _check("alpha", alpha, (torch.float32,), (experts if alpha_split is None else 2 * experts,))
     _check("offsets", offsets, (torch.int32,), (experts + 1,))
     grid = gemm_grid(variant, experts, n, rows)
     if grid[1] > MAX_GRID_Y:
@@ -240,6 +247,7 @@ def grouped_gemm(
             np.int32(n),
             np.int32(k),
             np.int32(rows),
+            np.int32(split),
             ptr(out, 16),
         ),
         shared_mem=variant.shared_mem,
