@@ -12,7 +12,9 @@ import math
 import pytest
 import torch
 
-from cudnn_moe.aligned import align_routing, check_aligned_args, plan_capacity, reference_aligned_moe
+from cudnn_moe.aligned import (
+    align_routing, aligned_moe, check_aligned_args, plan_capacity, prepare_aligned_weights, reference_aligned_moe,
+)
 from cudnn_moe.formats import quantize_nvfp4
 
 GRID = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=torch.float64)
@@ -466,3 +468,62 @@ def test_check_aligned_args_refuses(mutate, exc: type[Exception], text: str) -> 
         check_aligned_args(**args)
     with pytest.raises(exc, match=text):  # the reference checks the same way, before any work
         reference_aligned_moe(**args)
+
+
+# ----------------------------------------------------------------------------- weight preparation, the op on CPU
+@pytest.mark.parametrize("arch,engine", [("sm90", "sm90"), ("sm100", "cudnn"), ("sm90", "cudnn")])
+def test_prepare_aligned_weights_keeps_the_bits(arch: str, engine: str) -> None:
+    layer = Layer(seed=11)
+    raw = (layer.gemm1_weights, layer.gemm1_weights_scale, layer.gemm2_weights, layer.gemm2_weights_scale)
+    before = [t.clone() for t in raw]
+    prepared = prepare_aligned_weights(*raw, arch=arch, engine=engine)
+    assert prepared.layer.spec.engine == engine and prepared.num_experts == E
+    assert prepared.layer.w1_alpha.shape == (2 * E,) and prepared.layer.w1_alpha_split == N // 2
+    back = prepared.canonical()
+    for got, want, name in zip(back, raw, ("w1", "w1 scales", "w2", "w2 scales")):
+        assert got.dtype == want.dtype and torch.equal(got.view(torch.uint8), want.view(torch.uint8)), name
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(raw, before))  # inputs untouched
+    # the pipeline's [up; gate] order: the first half of the packed GEMM1 rows is the caller's up half
+    w1_internal = prepared.layer.canonical()[0]
+    assert torch.equal(w1_internal[:, : N // 2], layer.gemm1_weights[:, N // 2 :])
+
+
+PREPARE_ROWS = [
+    ("codes not uint8", lambda a: a.__setitem__(0, a[0].view(torch.int8)), TypeError, "gemm1_weights"),
+    ("scales not e4m3", lambda a: a.__setitem__(1, a[1].view(torch.uint8)), TypeError, "gemm1_weights_scale"),
+    ("N not a multiple of 256", lambda a: a.__setitem__(0, a[0][:, :128]), ValueError, "N = gemm1_weights"),
+    ("w2 of another K", lambda a: a.__setitem__(2, a[2][:, :128]), ValueError, "gemm2_weights"),
+    ("w2 scales of another N", lambda a: a.__setitem__(3, a[3][..., :4]), ValueError, "gemm2_weights_scale"),
+]
+
+
+@pytest.mark.parametrize("mutate,error,text", [r[1:] for r in PREPARE_ROWS], ids=[r[0] for r in PREPARE_ROWS])
+def test_prepare_aligned_weights_refuses_bad_tensors(mutate, error, text: str) -> None:
+    layer = Layer(seed=12)
+    raw = [layer.gemm1_weights, layer.gemm1_weights_scale, layer.gemm2_weights, layer.gemm2_weights_scale]
+    mutate(raw)
+    with pytest.raises(error, match=text):
+        prepare_aligned_weights(*raw, arch="sm90")
+
+
+def test_prepare_aligned_weights_needs_an_arch_on_the_cpu() -> None:
+    layer = Layer(seed=13)
+    with pytest.raises(ValueError, match="arch is required"):
+        prepare_aligned_weights(layer.gemm1_weights, layer.gemm1_weights_scale, layer.gemm2_weights,
+                                layer.gemm2_weights_scale)
+
+
+def test_aligned_moe_checks_then_refuses_the_cpu() -> None:
+    layer = Layer(seed=14)
+    plan = align_routing(layer.ids, 8, E)
+    args = (layer.hidden_states, layer.hidden_states_scale, layer.gemm1_weights, layer.gemm1_weights_scale,
+            layer.gemm2_weights, layer.gemm2_weights_scale, layer.gate_scale, layer.up_scale, layer.down_scale,
+            *plan, layer.topk_weights)
+    out = layer.out.clone()
+    with pytest.raises(ValueError, match="block_m must be a multiple of 8"):
+        aligned_moe(*args, out, TOP_K, 12)
+    with pytest.raises(ValueError, match="runs on a CUDA device"):
+        aligned_moe(*args, out, TOP_K, 8)
+    with pytest.raises(ValueError, match="w2_scale_prepared must be None"):
+        aligned_moe(*args, out, TOP_K, 8, w2_scale_prepared=torch.zeros(1, dtype=torch.uint8))
+    assert torch.equal(out, layer.out)
