@@ -26,6 +26,7 @@ class Layer:
     """Random NVFP4 tokens and weights of the contract's layouts, on the GPU."""
 
     def __init__(self, m: int, k: int, n: int, e: int, top_k: int, seed: int, engine: str = "auto") -> None:
+        assert top_k <= e, "a token routes to top_k distinct experts"
         gen = torch.Generator(device=DEV).manual_seed(seed)
         self.m, self.k, self.n, self.e, self.top_k = m, k, n, e, top_k
         self.hidden_states, self.hidden_states_scale = quantize_nvfp4(torch.randn(m, k, device=DEV, generator=gen))
@@ -73,7 +74,7 @@ CASES = [
     (17, 7168, 4096, 8, 4, 64, 1.0),
     (300, 768, 256, 32, 3, 16, 0.5),
     (9, 4096, 2048, 40, 7, 128, 1.5),
-    (1500, 256, 256, 4, 5, 8, 1.0),
+    (1500, 256, 256, 8, 5, 8, 1.0),
 ]
 
 
