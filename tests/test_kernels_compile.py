@@ -116,7 +116,7 @@ def test_wrapper_arguments_match_kernel_signatures(monkeypatch: pytest.MonkeyPat
     launches: list[tuple[str, tuple[Any, ...]]] = []
     for stage_name in ("stage", "aligned_stage", "sort", "permute", "activate", "finalize"):
         module = importlib.import_module(f"cudnn_moe.kernels.{stage_name}")
-        monkeypatch.setattr(module, "ptr", lambda tensor, align=1: np.uint64(0))
+        monkeypatch.setattr(module, "ptr", lambda tensor, align=1, row_strided=False: np.uint64(0))
         monkeypatch.setattr(module, "launch", lambda file, name, device, grid, block, args: launches.append((name, args)))
     signatures = _kernel_signatures()
     signatures.pop("moe_expert_scale")  # launched by the cuDNN engine, checked on the GPU

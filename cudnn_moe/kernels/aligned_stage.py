@@ -43,7 +43,7 @@ def stage_aligned(
     launch(
         SOURCE, "moe_stage_aligned", xs.device, bucket, ROW_THREADS,
         (
-            ptr(x, 16), np.int64(x.stride(0)), ptr(x_scales), ptr(topk_weights), np.float32(routed_scaling_factor),
+            ptr(x, 16, row_strided=True), np.int64(x.stride(0)), ptr(x_scales), ptr(topk_weights), np.float32(routed_scaling_factor),
             ptr(up), ptr(gate), ptr(down), np.int32(experts), ptr(xs), ptr(xss), ptr(ids_out), ptr(w_out),
             ptr(alpha1), ptr(alpha2), np.int32(tokens), np.int32(top_k), np.int32(row_bytes),
             np.int32(x_scales.shape[1]),

@@ -289,11 +289,13 @@ def _launch(function: int, gx: int, gy: int, gz: int, block: int, shared_mem: in
     driver.launchKernel(function, gx, gy, gz, block, 1, 1, shared_mem, stream, packed.pointer, 0)
 
 
-def ptr(tensor: torch.Tensor | None, align: int = 1) -> np.uint64:
-    """Device address of a contiguous CUDA tensor (0 for None), checked to be a multiple of ``align`` bytes."""
+def ptr(tensor: torch.Tensor | None, align: int = 1, *, row_strided: bool = False) -> np.uint64:
+    """Device address of a contiguous CUDA tensor (0 for None), checked to be a multiple of ``align`` bytes.
+    row_strided: also accept a 2-D tensor whose rows are contiguous but strided (the kernel takes the stride)."""
     if tensor is None:
         return np.uint64(0)
-    if not tensor.is_cuda or not tensor.is_contiguous():
+    rows_ok = row_strided and tensor.dim() == 2 and tensor.stride(1) == 1
+    if not tensor.is_cuda or not (rows_ok or tensor.is_contiguous()):
         raise ValueError(f"kernel operands must be contiguous CUDA tensors, got {tensor.device} {tuple(tensor.shape)}")
     address = tensor.data_ptr()
     if address % align:
