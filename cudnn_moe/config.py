@@ -10,6 +10,7 @@ from .activations import Activation, SwiGLU, parse_activation
 from .arch import SM90, Arch, arch_name, device_arch, parse_arch
 from .engines import ENGINE_NAMES, EngineSpec, GemmShape, choose_engine, engine_class, supported_archs
 from .formats import NVFP4_MAX, quantize_nvfp4
+from .kernels.codes import SORT_MAX_EXPERTS
 from .validate import require_finite, require_multiple, require_same_device, require_tensor
 
 SIZE_MULTIPLE = 128
@@ -87,6 +88,13 @@ class Nvfp4Weights:
             self.spec.arch, self.w2, self.w2_scales, self.hidden_size, self.intermediate_size
         )
         return w1, w1_scales, w2, w2_scales
+
+
+def require_expert_count(name: str, experts: int) -> None:
+    """One layer (or rank) holds 1 .. SORT_MAX_EXPERTS experts: the sort kernel groups slots by expert in one
+    block's shared memory."""
+    if not 1 <= experts <= SORT_MAX_EXPERTS:
+        raise ValueError(f"{name} holds {experts} experts; a layer (or a rank's shard) holds 1 to {SORT_MAX_EXPERTS}")
 
 
 _CHUNK_ELEMENTS = 1 << 26  # experts are quantized in chunks of about this many values to bound temporaries
@@ -173,6 +181,7 @@ class Nvfp4MoeConfig:
         experts, rows1, hidden = w1.shape
         if w2.shape[0] != experts:
             raise ValueError(f"w1_bf16 has {experts} experts but w2_bf16 has {w2.shape[0]}")
+        require_expert_count("w1_bf16", experts)
         if w2.shape[1] != hidden:
             raise ValueError(f"w2_bf16 must be [E, H, I] with H = {hidden} (from w1_bf16), got {tuple(w2.shape)}")
         intermediate = w2.shape[2]

@@ -492,6 +492,7 @@ PREPARE_ROWS = [
     ("codes not uint8", lambda a: a.__setitem__(0, a[0].view(torch.int8)), TypeError, "gemm1_weights"),
     ("scales not e4m3", lambda a: a.__setitem__(1, a[1].view(torch.uint8)), TypeError, "gemm1_weights_scale"),
     ("N not a multiple of 256", lambda a: a.__setitem__(0, a[0][:, :128]), ValueError, "N = gemm1_weights"),
+    ("no experts", lambda a: a.__setitem__(0, a[0][:0]), ValueError, "holds 0 experts"),
     ("w2 of another K", lambda a: a.__setitem__(2, a[2][:, :128]), ValueError, "gemm2_weights"),
     ("w2 scales of another N", lambda a: a.__setitem__(3, a[3][..., :4]), ValueError, "gemm2_weights_scale"),
 ]

@@ -102,6 +102,8 @@ def test_prepare_weights_non_gated():
         (lambda w1, w2: (w1.to(torch.int32), w2), TypeError, "w1_bf16 must have dtype"),
         (lambda w1, w2: (w1[0], w2), ValueError, "w1_bf16 must have 3 dimensions"),
         (lambda w1, w2: (w1, w2[:2]), ValueError, "experts"),
+        (lambda w1, w2: (w1[:1].expand(513, -1, -1), w2[:1].expand(513, -1, -1)), ValueError, "holds 513 experts"),
+        (lambda w1, w2: (w1[:0], w2[:0]), ValueError, "holds 0 experts"),
         (lambda w1, w2: (w1[:, :, :128], w2), ValueError, "H = 128"),
         (lambda w1, w2: (w1[:, :, :192], w2[:, :192]), ValueError, "hidden size"),
         (lambda w1, w2: (w1[:, :160], w2[:, :, :80]), ValueError, "intermediate size"),

@@ -8,7 +8,7 @@ import torch
 
 from ..activations import SwiGLU
 from ..arch import Arch, device_arch, parse_arch
-from ..config import Nvfp4Weights
+from ..config import Nvfp4Weights, require_expert_count
 from ..engines import GemmShape, choose_engine, engine_class
 from ..formats import NVFP4_BLOCK
 from ..validate import require_same_device, require_shape, require_tensor
@@ -93,8 +93,7 @@ def prepare_aligned_weights(
     w2s = require_tensor("gemm2_weights_scale", gemm2_weights_scale, torch.float8_e4m3fn, rank=3)
     device = require_same_device(gemm1_weights=w1, gemm1_weights_scale=w1s, gemm2_weights=w2, gemm2_weights_scale=w2s)
     experts, n, hidden = w1.shape[0], w1.shape[1], 2 * w1.shape[2]
-    if experts < 1:
-        raise ValueError(f"gemm1_weights must hold at least one expert, got shape {tuple(w1.shape)}")
+    require_expert_count("gemm1_weights", experts)
     if n < K_MULTIPLE or n % K_MULTIPLE:
         raise ValueError(f"N = gemm1_weights.shape[1] must be a positive multiple of {K_MULTIPLE}, got {n}")
     if hidden < K_MULTIPLE or hidden % K_MULTIPLE:
