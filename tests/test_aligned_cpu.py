@@ -528,3 +528,21 @@ def test_aligned_moe_checks_then_refuses_the_cpu() -> None:
     with pytest.raises(ValueError, match="w2_scale_prepared must be None"):
         aligned_moe(*args, out, TOP_K, 8, w2_scale_prepared=torch.zeros(1, dtype=torch.uint8))
     assert torch.equal(out, layer.out)
+
+
+def test_aligned_weights_handle_is_stable_and_dies_with_the_weights() -> None:
+    import gc
+
+    from cudnn_moe.aligned import aligned_weights_handle
+    from cudnn_moe.aligned.torch_op import _registered
+
+    layer = Layer(seed=15)
+    prepared = prepare_aligned_weights(layer.gemm1_weights, layer.gemm1_weights_scale, layer.gemm2_weights,
+                                       layer.gemm2_weights_scale, arch="sm90")
+    handle = aligned_weights_handle(prepared)
+    assert handle > 0 and aligned_weights_handle(prepared) == handle and _registered[handle]() is prepared
+    del prepared
+    gc.collect()
+    assert handle not in _registered
+    with pytest.raises(TypeError, match="prepare_aligned_weights"):
+        aligned_weights_handle(object())  # type: ignore[arg-type]

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from cudnn_moe import align_routing, aligned_moe, prepare_aligned_weights
-from cudnn_moe.aligned import clear_aligned_caches, plan_capacity, reference_aligned_moe
+from cudnn_moe.aligned import aligned_weights_handle, clear_aligned_caches, plan_capacity, reference_aligned_moe
 from cudnn_moe.formats import quantize_nvfp4
 from moe_checks import check_close
 
@@ -249,3 +249,20 @@ def test_bad_inputs_raise_before_any_launch() -> None:
     with pytest.raises(TypeError, match="prepared"):
         aligned_moe(*layer.args(plan, out), 2, 8, prepared=object())
     assert torch.equal(out, layer.out0)
+
+
+def test_custom_op_compiles_and_matches_eager() -> None:
+    layer = Layer(16, 512, 512, 8, 2, seed=10)
+    plan = align_routing(layer.ids, 16, 8)
+    handle = aligned_weights_handle(layer.prepared)
+
+    def model(out: torch.Tensor) -> torch.Tensor:
+        torch.ops.cudnn_moe.aligned_moe_(*layer.args(plan, out), 2, 16, 1.5, handle)
+        return out * 1.0
+
+    eager_out = layer.out0.clone()
+    aligned_moe(*layer.args(plan, eager_out), 2, 16, 1.5, prepared=layer.prepared)
+    compiled = torch.compile(model, fullgraph=True)
+    got = compiled(layer.out0.clone())
+    assert torch.equal(got, eager_out)
+    check_close(got, layer.reference(plan, 16, 1.5))
