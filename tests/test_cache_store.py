@@ -25,7 +25,6 @@ from cudnn_moe.cache import (
     cache_dir,
     current_environment,
     default_cache_dir,
-    lookup_or_build,
 )
 from cudnn_moe.cache import store as store_module
 
@@ -250,8 +249,7 @@ def test_corrupt_entry_is_reported_once_removed_and_rebuilt(tmp_path: Path, case
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert disk.get(key) is None
-    payload, source = lookup_or_build(key, lambda: b"rebuilt", {}, disk)
-    assert (payload, source) == (b"rebuilt", "built")
+    assert disk.put_or_report(key, b"rebuilt")
     assert disk.get(key) == b"rebuilt"
 
 
@@ -359,30 +357,10 @@ def test_entries_verify_and_clear(tmp_path: Path) -> None:
     assert disk.entries() == [] and list(tmp_path.iterdir()) == []
 
 
-# ----------------------------------------------------------------------------- lookup
+# ----------------------------------------------------------------------------- unwritable directory
 
 
-def test_lookup_memory_then_disk_then_build(tmp_path: Path) -> None:
-    disk = DiskCache(tmp_path)
-    builds = []
-
-    def build() -> bytes:
-        builds.append(1)
-        return b"plan"
-
-    memory: dict = {}
-    assert lookup_or_build(make_key(), build, memory, disk) == (b"plan", "built")
-    assert lookup_or_build(make_key(), build, memory, disk) == (b"plan", "memory")
-    assert lookup_or_build(make_key(), build, {}, disk) == (b"plan", "disk")  # a fresh process
-    assert lookup_or_build(make_key(), build, {}) == (b"plan", "built")  # no disk cache
-    assert len(builds) == 2
-    with pytest.raises(TypeError, match="build\\(\\) must return bytes"):
-        lookup_or_build(make_key(name="n"), lambda: "str", {}, disk)
-    with pytest.raises(RuntimeError, match="boom"):
-        lookup_or_build(make_key(name="m"), lambda: (_ for _ in ()).throw(RuntimeError("boom")), {}, disk)
-
-
-def test_lookup_survives_a_read_only_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_put_or_report_survives_a_read_only_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     disk = DiskCache(tmp_path)
 
     def refuse(*args, **kwargs):
@@ -390,7 +368,9 @@ def test_lookup_survives_a_read_only_cache(tmp_path: Path, monkeypatch: pytest.M
 
     monkeypatch.setattr(store_module.tempfile, "mkstemp", refuse)
     with pytest.warns(CacheWarning, match="cannot write entries"):
-        assert lookup_or_build(make_key(), lambda: b"p", {}, disk) == (b"p", "built")
+        assert disk.put_or_report(make_key(), b"p") is False
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # reported once
-        assert lookup_or_build(make_key(name="x"), lambda: b"q", {}, disk) == (b"q", "built")
+        assert disk.put_or_report(make_key(name="x"), b"q") is False
+    with pytest.raises(PermissionError):
+        disk.put(make_key(), b"p")  # put itself raises

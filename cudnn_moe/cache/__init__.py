@@ -6,14 +6,14 @@ cuDNN (current_environment does, when called).
 
     disk = DiskCache()                      # cache_dir(): $CUDNN_MOE_CACHE_DIR or ~/.cache/cudnn_moe
     key = EntryKey(KIND_CUDNN_PLAN, "gemm1 ...", {"experts": 128, ...}, current_environment(device))
-    payload, source = lookup_or_build(key, build_plan_bytes, memory, disk)   # source: memory | disk | built
+    payload = disk.get(key)                 # None: absent or invalid (reported once, removed)
+    disk.put_or_report(key, built_bytes)    # an unwritable directory is reported once, never raised
 
 The GPU paths (cuDNN plans, kernel binaries) use ``active_cache()``: the directory of
 ``set_cache_dir(path)``, else $CUDNN_MOE_CACHE_DIR, else the user's cache home.
 """
 
 from .keys import KIND_CUDNN_PLAN, KIND_KERNEL, EntryKey, Environment, current_environment
-from .lookup import lookup_or_build
 from .paths import ENV_VAR, cache_dir, default_cache_dir
 from .runtime import active_cache, record, reset_stats, set_cache_dir, stats
 from .store import CacheEntry, CacheWarning, CorruptEntry, DiskCache, EntryCheck
@@ -33,7 +33,6 @@ __all__ = [
     "cache_dir",
     "current_environment",
     "default_cache_dir",
-    "lookup_or_build",
     "record",
     "reset_stats",
     "set_cache_dir",

@@ -186,6 +186,16 @@ class DiskCache:
         self._sync_directory()
         return self.path_for(key)
 
+    def put_or_report(self, key: EntryKey, payload: bytes) -> bool:
+        """put(), but a directory that cannot be written is reported once (CacheWarning) instead of
+        raising: the artifact is then rebuilt by the next process. Returns whether it was stored."""
+        try:
+            self.put(key, payload)
+        except OSError as exc:
+            report_once(str(self.root), f"cannot write entries under {self.root} ({exc}); continuing without storing")
+            return False
+        return True
+
     def entries(self) -> list[CacheEntry]:
         """Every entry file, sorted by path, from its header only (no checksum)."""
         found = []

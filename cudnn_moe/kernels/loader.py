@@ -126,10 +126,7 @@ def _load(filename: str, device: int, extra_options: tuple[str, ...]) -> _Module
     with cupy.cuda.Device(device):
         binary = _compile(source, options)
     if disk is not None:
-        try:
-            disk.put(key, binary)
-        except OSError:
-            pass  # an unwritable cache costs a compile next time, nothing else
+        disk.put_or_report(key, binary)  # an unwritable cache costs a compile next time, nothing else
     return _module_from(binary, device, "built")
 
 

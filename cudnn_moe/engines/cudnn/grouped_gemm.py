@@ -22,10 +22,9 @@ from __future__ import annotations
 
 import math
 import threading
-from collections import Counter
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
@@ -309,15 +308,8 @@ def build_grouped_fp4_gemm(key: GroupedGemmKey) -> GroupedFp4Gemm:
     raise RuntimeError(f"cuDNN could not build the {key.describe()} ({hint}): " + "; ".join(failures)) from last
 
 
-class CacheInfo(NamedTuple):
-    size: int
-    hits: int
-    misses: int
-
-
 _cache: dict[GroupedGemmKey, GroupedFp4Gemm] = {}
 _cache_lock = threading.Lock()
-_counts: Counter[str] = Counter()
 
 
 def graph_for(key: GroupedGemmKey) -> GroupedFp4Gemm:
@@ -325,7 +317,6 @@ def graph_for(key: GroupedGemmKey) -> GroupedFp4Gemm:
     (``cudnn_moe.cache.active_cache()``, see plan_cache), else built now and stored (outside the lock)."""
     with _cache_lock:
         gemm = _cache.get(key)
-        _counts["hits" if gemm is not None else "misses"] += 1
     if gemm is not None:
         return gemm
     from ...cache import KIND_CUDNN_PLAN, active_cache, record
@@ -335,14 +326,3 @@ def graph_for(key: GroupedGemmKey) -> GroupedFp4Gemm:
     record(KIND_CUDNN_PLAN, source)
     with _cache_lock:
         return _cache.setdefault(key, gemm)  # a racing thread's plan wins; ours is dropped
-
-
-def cache_info() -> CacheInfo:
-    with _cache_lock:
-        return CacheInfo(len(_cache), _counts["hits"], _counts["misses"])
-
-
-def clear_cache() -> None:
-    with _cache_lock:
-        _cache.clear()
-        _counts.clear()

@@ -130,8 +130,5 @@ def load_or_build(
         report_once(f"serialize {entry.name}",
                     f"the plan {entry.name} cannot be serialized ({type(exc).__name__}: {exc}); it is built in every process")
         return gemm, "built"
-    try:
-        disk.put(entry, data)
-    except OSError as exc:
-        report_once(str(disk.root), f"cannot write entries under {disk.root} ({exc}); continuing without storing")
+    disk.put_or_report(entry, data)
     return gemm, "built"
