@@ -1,44 +1,11 @@
 // Activation of the first GEMM's output, requantized to NVFP4 for the second GEMM.
 #include "common.cuh"
+#include "activation_math.cuh"
 
 using namespace moe;
 
-// Activation codes ACT_* come from cudnn_moe.activations.ActivationKind (through cudnn_moe.kernels.codes).
-
-__device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
-
-// 0.5 x (1 + erf(x / sqrt(2)))
-__device__ __forceinline__ float gelu_erf(float x) { return 0.5f * x * (1.0f + erff(x * 0.70710678118654752f)); }
-
-// 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3)))
-__device__ __forceinline__ float gelu_tanh(float x) {
-  return 0.5f * x * (1.0f + tanhf(0.79788456080286536f * (x + 0.044715f * x * x * x)));
-}
-
-// The scalar function f of an activation: y = f(x) when not gated, y = f(gate) * up when gated.
-__device__ __forceinline__ float act_fn(int act, float x) {
-  switch (act) {
-    case ACT_RELU: return fmaxf(x, 0.0f);
-    case ACT_GELU:
-    case ACT_GEGLU: return gelu_erf(x);
-    case ACT_SILU: return x * sigmoid(x);
-    case ACT_RELU2: {
-      const float r = fmaxf(x, 0.0f);
-      return r * r;
-    }
-    case ACT_GEGLU_TANH: return gelu_tanh(x);
-    default: return x;  // ACT_IDENTITY
-  }
-}
-
-// SwiGLU with clamping: gate = min(gate, limit), up = clamp(up, -limit, limit),
-// y = gate * sigmoid(alpha * gate) * (up + beta). Other gated codes: f(gate) * up.
-__device__ __forceinline__ float act_gated(int act, float up, float gate, float alpha, float beta, float limit) {
-  if (act != ACT_SWIGLU) return act_fn(act, gate) * up;
-  gate = fminf(gate, limit);
-  up = fminf(fmaxf(up, -limit), limit);
-  return gate * sigmoid(alpha * gate) * (up + beta);
-}
+// Activation codes ACT_* come from cudnn_moe.activations.ActivationKind (through cudnn_moe.kernels.codes);
+// the scalar activation math (act_fn, act_gated) lives in activation_math.cuh, shared with the low-latency kernels.
 
 // Activation of the 32 values at column c0 of a GEMM1 row (y, FP32): f(x) when not gated, else
 // f(gate) * up with up at c0 and gate at inter + c0. The activation is ACT when ACT >= 0 (compile-time:

@@ -35,9 +35,30 @@ class TokenLayout(enum.IntEnum):
     BF16_FRAGMENTS = 2
 
 
+class LowLatencyWeightCode(enum.IntEnum):
+    """Weight decoder a low-latency kernel module is compiled for (``LL_WEIGHTS_*``; the module's own
+    choice arrives as ``-DLL_WEIGHTS=<value>``, see cudnn_moe.low_latency.kernels)."""
+
+    BF16 = 0
+    FP16 = 1
+    NVFP4 = 2  # E2M1 codes, E4M3 scales per 16, FP32 global per expert
+    MXFP4 = 3  # E2M1 codes, E8M0 scales per 32
+    MXINT4 = 4  # two's-complement INT4 codes, BF16 scales per 32
+
+
+class LowLatencyInputCode(enum.IntEnum):
+    """Token input of a low-latency kernel module (``LL_INPUT_*``; chosen by ``-DLL_INPUT=<value>``)."""
+
+    BF16 = 0
+    FP16 = 1
+    NVFP4 = 2  # packed E2M1 codes + linear E4M3 scales per 16 (global one), decoded exactly
+
+
 SORT_THREADS = 1024  # threads of the single moe_sort block
 SORT_MAX_EXPERTS = 512  # local experts one moe_sort block handles
 ROW_THREADS = 128  # threads per block of the row-wise glue kernels
+LL_THREADS = 256  # threads per block of the low-latency GEMM kernels (eight warps)
+LL_MAX_SLOTS = 256  # most routed slots (tokens x top_k) one low-latency call holds: 8 x 32
 
 
 def cuda_defines() -> tuple[str, ...]:
@@ -45,5 +66,8 @@ def cuda_defines() -> tuple[str, ...]:
     values = {f"ACT_{kind.name}": int(kind) for kind in ActivationKind}
     values.update({f"ROUTING_{fmt.name}": int(fmt) for fmt in RoutingFormat})
     values.update({f"TOKENS_{layout.name}": int(layout) for layout in TokenLayout})
-    values.update(SORT_THREADS=SORT_THREADS, SORT_MAX_EXPERTS=SORT_MAX_EXPERTS)
+    values.update({f"LL_WEIGHTS_{fmt.name}": int(fmt) for fmt in LowLatencyWeightCode})
+    values.update({f"LL_INPUT_{kind.name}": int(kind) for kind in LowLatencyInputCode})
+    values.update(SORT_THREADS=SORT_THREADS, SORT_MAX_EXPERTS=SORT_MAX_EXPERTS, LL_THREADS=LL_THREADS,
+                  LL_MAX_SLOTS=LL_MAX_SLOTS)
     return tuple(f"-D{name}={value}" for name, value in sorted(values.items()))

@@ -1,9 +1,13 @@
-"""Low-latency MoE (1-8 tokens per call, contract 004): config, weight formats, float64 references.
+"""Low-latency MoE (1-8 tokens per call, contract 004): config, weight formats, float64 references and
+the GPU call.
 
-CPU groundwork only: preparation keeps the caller's payloads bit-exact and the references state
-every rounding point; the GPU kernels and the call come later.
+Preparation keeps the caller's payloads bit-exact (``config``, ``weights``); the references state every
+rounding point (``reference``); ``low_latency_moe`` runs the layer on the GPU with the same rounding
+points (``call``: checks and launches; ``kernels``: launch wrappers of kernels_cuda/low_latency/ll_moe.cu;
+``workspace``: scratch buffers cached per weights).
 """
 
+from .call import low_latency_moe
 from .config import MAX_NUM_TOKENS, MAX_TOP_K, LowLatencyMoeConfig
 from .reference import (
     RawReference,
@@ -41,6 +45,7 @@ __all__ = [
     "RawReference",
     "WeightFormat",
     "combine_ordered_fp32",
+    "low_latency_moe",
     "reference_bf16",
     "reference_fp16",
     "reference_low_latency",

@@ -1,0 +1,194 @@
+"""Launch wrappers of the low-latency kernels (kernels_cuda/low_latency/ll_moe.cu).
+
+One NVRTC module per (weight format, token input) pair, compiled on first use with
+``-DLL_WEIGHTS=<LowLatencyWeightCode> -DLL_INPUT=<LowLatencyInputCode>`` (codes from
+cudnn_moe.kernels.codes, so Python and CUDA share one definition). Three kernels per call:
+
+- ``ll_gemm1``: GEMM1 + activation into the intermediate workspace [S, Ip] (S = T * top_k);
+- ``ll_gemm2``: GEMM2 into expert rows [S, H] (a workspace, or the caller's raw output);
+- ``ll_finalize``: the ordered FP32 combine into out [T, H].
+
+Every wrapper takes tensors whose shapes, dtypes, devices and alignment the caller has checked
+(cudnn_moe.low_latency.call); they only derive the launch geometry and pack the arguments, so they
+allocate nothing, read no device data and never synchronize. Launches go on torch's current stream.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..activations import Activation
+from ..kernels.codes import LL_THREADS
+from ..kernels.codes import LowLatencyInputCode as InputCode
+from ..kernels.codes import LowLatencyWeightCode as WeightCode
+from ..kernels.loader import launch, load_module, ptr
+from .weights import BlockScaledWeights, DenseWeights, LowLatencyWeights, Nvfp4WeightOnlyWeights, WeightFormat
+
+SOURCE = "low_latency/ll_moe.cu"
+WARPS = LL_THREADS // 32
+CHUNK_BYTES = 16  # one weight load per lane
+
+_WEIGHT_CODES = {
+    WeightFormat.BF16: WeightCode.BF16,
+    WeightFormat.FP16: WeightCode.FP16,
+    WeightFormat.NVFP4_WEIGHT_ONLY: WeightCode.NVFP4,
+    WeightFormat.MXFP4_WEIGHT_ONLY: WeightCode.MXFP4,
+    WeightFormat.MXINT4_WEIGHT_ONLY: WeightCode.MXINT4,
+    WeightFormat.NVFP4_W_NVFP4_A: WeightCode.NVFP4,
+}
+_INPUT_CODES = {torch.bfloat16: InputCode.BF16, torch.float16: InputCode.FP16}
+
+# Every (weights, input) module a call can build: 16-bit weights take their own dtype, the 4-bit
+# weight-only formats BF16 or FP16, the NVFP4 pair NVFP4 tokens.
+MODULE_VARIANTS: tuple[tuple[WeightCode, InputCode], ...] = (
+    (WeightCode.BF16, InputCode.BF16),
+    (WeightCode.FP16, InputCode.FP16),
+    *((w, i) for w in (WeightCode.NVFP4, WeightCode.MXFP4, WeightCode.MXINT4)
+      for i in (InputCode.BF16, InputCode.FP16)),
+    (WeightCode.NVFP4, InputCode.NVFP4),
+)
+
+
+def module_options(weights: WeightCode, inputs: InputCode) -> tuple[str, ...]:
+    """The -D options selecting one module of ll_moe.cu."""
+    return (f"-DLL_WEIGHTS={int(weights)}", f"-DLL_INPUT={int(inputs)}")
+
+
+def weight_code(fmt: WeightFormat) -> WeightCode:
+    return _WEIGHT_CODES[fmt]
+
+
+def input_code(fmt: WeightFormat, x_dtype: torch.dtype | None) -> InputCode:
+    """NVFP4 for the NVFP4 pair (x_dtype ignored), else the 16-bit dtype of x."""
+    if fmt is WeightFormat.NVFP4_W_NVFP4_A:
+        return InputCode.NVFP4
+    return _INPUT_CODES[x_dtype]
+
+
+def row_bytes(fmt: WeightFormat, k: int) -> int:
+    """Bytes of one weight row of k values (codes only)."""
+    return 2 * k if fmt in (WeightFormat.BF16, WeightFormat.FP16) else k // 2
+
+
+def lanes_per_row(chunks: int) -> int:
+    """Lanes splitting one weight row of ``chunks`` 16-byte chunks: 32 from 64 chunks, 16 from 32, else 8
+    (short rows leave no lane idle for long; a warp then serves 32 / lanes rows at once)."""
+    return 32 if chunks >= 64 else 16 if chunks >= 32 else 8
+
+
+def load_modules(fmt: WeightFormat, x_dtype: torch.dtype | None, device: int) -> None:
+    """Compile, or load from the cache, the module a call with these weights and inputs launches."""
+    load_module(SOURCE, device, module_options(weight_code(fmt), input_code(fmt, x_dtype)))
+
+
+def _payloads(weights: LowLatencyWeights, second: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """(codes or dense weights, scales, FP32 globals) of GEMM1 (second=False) or GEMM2."""
+    if isinstance(weights, DenseWeights):
+        return (weights.w2 if second else weights.w1), None, None
+    assert isinstance(weights, BlockScaledWeights)
+    codes = weights.w2_codes if second else weights.w1_codes
+    scales = weights.w2_scales if second else weights.w1_scales
+    glob = None
+    if isinstance(weights, Nvfp4WeightOnlyWeights):
+        glob = weights.w2_global if second else weights.w1_global
+    return codes, scales, glob
+
+
+def _routing_args(ids: torch.Tensor, routing_code: int) -> tuple[np.uint64, np.int32, np.int32]:
+    return ptr(ids), np.int32(routing_code), np.int32(ids.element_size())
+
+
+def gemm1(
+    weights: LowLatencyWeights,
+    x: torch.Tensor,
+    x_scales: torch.Tensor | None,
+    ids: torch.Tensor,
+    routing_code: int,
+    num_tokens: int,
+    top_k: int,
+    activation: Activation,
+    inter_out: torch.Tensor,
+) -> None:
+    """GEMM1 + activation: inter_out [>= T k, Ip] (int16 storage of BF16/FP16 bits) for every routed slot.
+
+    x: BF16/FP16 [T, H], or NVFP4 codes uint8 [T, H/2] with x_scales float8_e4m3fn [T, H/16].
+    ids: packed int32 [T, k] (routing_code ROUTING_PACKED) or int32/int64 ids [T, k].
+    """
+    fmt = weights.format
+    w, w_scales, w_global = _payloads(weights, second=False)
+    lpr = lanes_per_row(row_bytes(fmt, weights.hidden_size) // CHUNK_BYTES)
+    features_per_cta = WARPS * (32 // lpr)
+    grid = (-(-weights.padded_intermediate // features_per_cta), num_tokens * top_k)
+    alpha, beta, limit = activation.params()
+    options = module_options(weight_code(fmt), input_code(fmt, x.dtype))
+    launch(
+        SOURCE, "ll_gemm1", x.device, grid, LL_THREADS,
+        (
+            ptr(x, 16), ptr(x_scales), *_routing_args(ids, routing_code), np.int32(num_tokens), np.int32(top_k),
+            np.int32(weights.num_experts), ptr(w, 16), ptr(w_scales), ptr(w_global), np.int32(weights.hidden_size),
+            np.int32(weights.intermediate_size), np.int32(weights.padded_intermediate), np.int32(weights.gated),
+            np.int32(lpr), np.int32(int(activation.kind)), np.float32(alpha), np.float32(beta), np.float32(limit),
+            ptr(inter_out, 16),
+        ),
+        extra_options=options,
+    )
+
+
+def gemm2(
+    weights: LowLatencyWeights,
+    x_dtype: torch.dtype | None,
+    inter: torch.Tensor,
+    ids: torch.Tensor,
+    routing_code: int,
+    num_tokens: int,
+    top_k: int,
+    out_fp16: bool,
+    zero_unrouted: bool,
+    rows: torch.Tensor,
+) -> None:
+    """GEMM2: rows [>= T k, H] (16-bit storage) for every routed slot; zero rows for unrouted slots when
+    ``zero_unrouted`` (the raw output), else those rows are left as they are."""
+    fmt = weights.format
+    w, w_scales, w_global = _payloads(weights, second=True)
+    lpr = lanes_per_row(row_bytes(fmt, weights.padded_intermediate) // CHUNK_BYTES)
+    features_per_cta = 2 * WARPS * (32 // lpr)
+    grid = (-(-weights.hidden_size // features_per_cta), num_tokens * top_k)
+    options = module_options(weight_code(fmt), input_code(fmt, x_dtype))
+    launch(
+        SOURCE, "ll_gemm2", rows.device, grid, LL_THREADS,
+        (
+            ptr(inter, 16), *_routing_args(ids, routing_code), np.int32(num_tokens), np.int32(top_k),
+            np.int32(weights.num_experts), ptr(w, 16), ptr(w_scales), ptr(w_global), np.int32(weights.hidden_size),
+            np.int32(weights.padded_intermediate), np.int32(lpr), np.int32(out_fp16), np.int32(zero_unrouted),
+            ptr(rows, 16),
+        ),
+        extra_options=options,
+    )
+
+
+def finalize(
+    fmt: WeightFormat,
+    x_dtype: torch.dtype | None,
+    rows: torch.Tensor,
+    ids: torch.Tensor,
+    route_weights: torch.Tensor | None,
+    routing_code: int,
+    num_experts: int,
+    top_k: int,
+    hidden: int,
+    out_fp16: bool,
+    out: torch.Tensor,
+) -> None:
+    """out [T, H] = ordered FP32 combine of rows [>= T k, H] over each token's routed slots (H % 8 == 0)."""
+    num_tokens = out.shape[0]
+    grid = (-(-hidden // (8 * LL_THREADS)), num_tokens)
+    options = module_options(weight_code(fmt), input_code(fmt, x_dtype))
+    launch(
+        SOURCE, "ll_finalize", out.device, grid, LL_THREADS,
+        (
+            ptr(rows, 16), ptr(ids), ptr(route_weights), np.int32(routing_code), np.int32(ids.element_size()),
+            np.int32(top_k), np.int32(num_experts), np.int32(hidden), np.int32(out_fp16), ptr(out, 16),
+        ),
+        extra_options=options,
+    )

@@ -1,0 +1,60 @@
+// The ten typed activations in FP32, shared by the NVFP4 pipeline's activation kernel (activation.cu)
+// and the low-latency kernels (low_latency/ll_moe.cu): one device implementation per kind.
+//
+// Codes ACT_* come from cudnn_moe.activations.ActivationKind (through cudnn_moe.kernels.codes), and the
+// scalars (alpha, beta, limit) are Activation.params(): SwiGLU (alpha, beta, limit), SwiGLUStep
+// (0, 0, limit), SiTU (a, b, inf); the other kinds ignore them.
+#pragma once
+
+#include "common.cuh"
+
+namespace moe {
+
+__device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
+
+// 0.5 x (1 + erf(x / sqrt(2)))
+__device__ __forceinline__ float gelu_erf(float x) { return 0.5f * x * (1.0f + erff(x * 0.70710678118654752f)); }
+
+// 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3)))
+__device__ __forceinline__ float gelu_tanh(float x) {
+  return 0.5f * x * (1.0f + tanhf(0.79788456080286536f * (x + 0.044715f * x * x * x)));
+}
+
+// The scalar function f of an activation: y = f(x) when not gated, y = f(gate) * up when gated
+// (GeGLU, GeGLUTanh; SwiGLU, SwiGLUStep and SiTU have their own forms in act_gated).
+__device__ __forceinline__ float act_fn(int act, float x) {
+  switch (act) {
+    case ACT_RELU: return fmaxf(x, 0.0f);
+    case ACT_GELU:
+    case ACT_GEGLU: return gelu_erf(x);
+    case ACT_SILU: return x * sigmoid(x);
+    case ACT_RELU2: {
+      const float r = fmaxf(x, 0.0f);
+      return r * r;
+    }
+    case ACT_GEGLU_TANH: return gelu_tanh(x);
+    default: return x;  // ACT_IDENTITY
+  }
+}
+
+// Gated activations of (up, gate):
+//   SwiGLU:     g = min(gate, limit), u = clamp(up, -limit, limit), y = g * sigmoid(alpha * g) * (u + beta)
+//   SwiGLUStep: y = min(silu(gate), limit) * clamp(up, -limit, limit)
+//   SiTU:       y = (alpha * tanh(gate / alpha) * sigmoid(gate)) * (beta * tanh(up / beta))   (alpha = a, beta = b)
+//   others:     y = act_fn(act, gate) * up
+__device__ __forceinline__ float act_gated(int act, float up, float gate, float alpha, float beta, float limit) {
+  if (act == ACT_SWIGLU_STEP) {
+    const float s = fminf(gate * sigmoid(gate), limit);
+    return s * fminf(fmaxf(up, -limit), limit);
+  }
+  if (act == ACT_SITU) {
+    const float soft_gate = alpha * tanhf(gate / alpha) * sigmoid(gate);
+    return soft_gate * (beta * tanhf(up / beta));
+  }
+  if (act != ACT_SWIGLU) return act_fn(act, gate) * up;
+  gate = fminf(gate, limit);
+  up = fminf(fmaxf(up, -limit), limit);
+  return gate * sigmoid(alpha * gate) * (up + beta);
+}
+
+}  // namespace moe

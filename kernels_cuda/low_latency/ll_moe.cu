@@ -1,0 +1,554 @@
+// Low-latency routed MoE (1..8 tokens per call, contract 004): a pure weight stream on CUDA cores.
+//
+// One module per (weight format, token input) pair, chosen at compile time:
+//   -DLL_WEIGHTS=LL_WEIGHTS_{BF16,FP16,NVFP4,MXFP4,MXINT4}  -DLL_INPUT=LL_INPUT_{BF16,FP16,NVFP4}
+// (values from cudnn_moe.kernels.codes; cudnn_moe.low_latency.kernels picks them). Three kernels:
+//
+//   ll_gemm1     GEMM1 + activation: intermediate[slot, f] for every routed slot and feature f < Ip
+//   ll_gemm2     GEMM2: expert rows[slot, h], rounded to the output dtype (a workspace, or the caller's
+//                raw output, then unrouted slots get zero rows)
+//   ll_finalize  out[t, h] = sum over the token's routed slots, in slot order, of fp32(w * row), each
+//                multiply and add a separate FP32 operation (__fmul_rn / __fadd_rn, no FMA)
+//
+// Work split. Grid (feature blocks, slots): the CTA of slot s first reads the expert ids of all
+// T * top_k slots into shared memory (ids outside [0, E) are unrouted) and carries on only if s is the
+// first slot, in slot order, naming its expert e (no sort kernel); it then serves every distinct token
+// routed to e (at most T: a token naming e twice is computed once and written to each of its slots).
+// So each touched expert's weights are read exactly once per GEMM. A warp holds 32 / LPR feature
+// groups (LPR = lanes per row, 8 / 16 / 32 chosen on the host from the row length); the LPR lanes of
+// a group split K in 16-byte chunks (U chunks per row in flight per lane, ld.global.nc with
+// L1::no_allocate so the weight stream does not evict the token rows), decode them exactly in
+// registers, and FMA them into FP32 accumulators, one per (token, row); a shuffle reduction ends it.
+//
+// Weight decode (exact): 16-bit weights widen to FP32. E2M1 codes become BF16 pairs by bit placement
+// (value x 2^-126) and one bf16x2 FMA by 2^126 (subnormals supported); INT4 codes become 128 + (n ^ 8)
+// in BF16 and one bf16x2 FMA subtracts 136. Block scales (E4M3 per 16, E8M0 per 32, BF16 per 32) are
+// applied in FP32 to the block's partial sums: acc += partial * scale. The NVFP4 per-expert FP32 global
+// multiplies the finished FP32 sum. This is FP32 accumulation of exact products; only the summation
+// order differs from the float64 references (cudnn_moe.low_latency.reference).
+//
+// Rounding points (as the references state):
+//   preactivation  FP32 sum -> input dtype (BF16/FP16; BF16 for NVFP4 inputs), kept FP32 for MXINT4
+//   intermediate   activation in FP32 (activation_math.cuh) -> input dtype (BF16 for NVFP4 inputs)
+//   expert rows    FP32 sum -> output dtype (BF16 or FP16, a run-time argument)
+//   combine        ordered separate FP32 multiply and add, rounded once to the output dtype
+//
+// Layouts (row-major, contiguous, 16-byte aligned rows; see cudnn_moe/low_latency/weights.py):
+//   w1 [E, N1p, H] (16-bit) or codes uint8 [E, N1p, H/2] + scales [E, N1p, H/block]; N1p = 2 Ip gated
+//   ([up rows; gate rows], each half Ip rows) or Ip; w2 [E, H, Ip] or codes [E, H, Ip/2] + scales
+//   [E, H, Ip/block]; global float32 [E] (NVFP4). Tokens x [T, H] (16-bit) or NVFP4 codes [T, H/2] +
+//   E4M3 scales [T, H/16]. Routing: packed int32 [T, k] (id in bits 31..16, BF16 weight in 15..0) or
+//   ids int32/int64 [T, k] + weights float32/bfloat16 [T, k]. Workspaces: intermediate [T k, Ip] of the
+//   intermediate dtype, rows [T k, H] of the output dtype.
+#include "common.cuh"
+#include "activation_math.cuh"
+
+#if !defined(LL_WEIGHTS) || !defined(LL_INPUT) || !defined(LL_THREADS) || !defined(LL_MAX_SLOTS)
+#error "compile with the -D options of cudnn_moe.low_latency.kernels (LL_WEIGHTS, LL_INPUT and the shared codes)"
+#endif
+
+using namespace moe;
+
+namespace ll {
+
+constexpr bool W16 = LL_WEIGHTS == LL_WEIGHTS_BF16 || LL_WEIGHTS == LL_WEIGHTS_FP16;
+constexpr int WORDS = W16 ? 1 : 4;                                   // 8-value words per 16-byte chunk
+constexpr int VALUES = 8 * WORDS;                                    // K values per 16-byte chunk
+constexpr int GROUP_WORDS = LL_WEIGHTS == LL_WEIGHTS_NVFP4 ? 2 : 4;  // words per scale block (4-bit)
+constexpr int GROUPS = W16 ? 1 : WORDS / GROUP_WORDS;                // scale blocks per chunk
+// Chunks per row in flight per lane: 4 for 16-bit weights (8 values a chunk), 2 for 4-bit ones (32 values);
+// one when 8 (4-bit: 4) tokens share the expert, whose accumulators would push the registers past 128.
+template <int NT>
+__host__ __device__ constexpr int chunks_in_flight() { return W16 ? (NT >= 8 ? 1 : 4) : (NT >= 4 ? 1 : 2); }
+constexpr int WARPS = LL_THREADS / 32;
+constexpr int MAX_TOKENS = 8;
+// The intermediate (and the preactivation rounding) is FP16 for FP16 inputs, BF16 otherwise.
+constexpr bool INTER_FP16 = LL_INPUT == LL_INPUT_FP16;
+constexpr int INTER_INPUT = INTER_FP16 ? LL_INPUT_FP16 : LL_INPUT_BF16;
+
+// ------------------------------------------------------------------------------------------ numbers
+__device__ __forceinline__ float half_to_float(u16 h) {
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+  return f;
+}
+
+__device__ __forceinline__ u16 float_to_half(float f) {
+  u16 h;
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+  return h;
+}
+
+// Bits of f rounded (nearest even) to FP16 or BF16.
+__device__ __forceinline__ u16 to_16(float f, bool fp16) { return fp16 ? float_to_half(f) : float_to_bf16(f); }
+
+__device__ __forceinline__ float round_16(float f, bool fp16) {
+  return fp16 ? half_to_float(float_to_half(f)) : bf16_to_float(float_to_bf16(f));
+}
+
+__device__ __forceinline__ u32 bf16x2_fma(u32 a, u32 b, u32 c) {
+  u32 d;
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  return d;
+}
+
+__device__ __forceinline__ u32 word_of(const uint4& v, int i) { return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w; }
+
+// The 8 E2M1 codes of word q (code j = nibble j: element 2i is the low nibble of byte i), exact, in FP32.
+// Pair j holds codes j (low half) and j + 4 (high half) as BF16 of value x 2^-126 (sign at bit 15, the
+// three magnitude bits at 8..6), then times 2^126 in one bf16x2 FMA.
+__device__ __forceinline__ void decode_e2m1_word(u32 q, float v[8]) {
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const u32 p = q << (12 - 4 * j);
+    u32 b = (p & 0x80008000u) | ((p >> 6) & 0x01C001C0u);
+    b = bf16x2_fma(b, 0x7E807E80u, 0x80008000u);  // x 2^126 + (-0)
+    v[j] = __uint_as_float(b << 16);
+    v[j + 4] = __uint_as_float(b & 0xFFFF0000u);
+  }
+}
+
+// The 8 two's-complement INT4 codes of word q, exact, in FP32: BF16 128 + (n ^ 8), minus 136.
+__device__ __forceinline__ void decode_int4_word(u32 q, float v[8]) {
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    u32 b = ((q >> (4 * j)) & 0x000F000Fu) ^ 0x43084308u;
+    b = bf16x2_fma(b, 0x3F803F80u, 0xC308C308u);  // x 1 - 136
+    v[j] = __uint_as_float(b << 16);
+    v[j + 4] = __uint_as_float(b & 0xFFFF0000u);
+  }
+}
+
+// Word i of a weight chunk as 8 FP32 values (unscaled codes for the 4-bit formats).
+__device__ __forceinline__ void decode_weight_word(const uint4& raw, int i, float v[8]) {
+#if LL_WEIGHTS == LL_WEIGHTS_BF16
+  const u32 w[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    v[2 * j] = __uint_as_float(w[j] << 16);
+    v[2 * j + 1] = __uint_as_float(w[j] & 0xFFFF0000u);
+  }
+#elif LL_WEIGHTS == LL_WEIGHTS_FP16
+  const u32 w[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    v[2 * j] = half_to_float(static_cast<u16>(w[j] & 0xFFFFu));
+    v[2 * j + 1] = half_to_float(static_cast<u16>(w[j] >> 16));
+  }
+#elif LL_WEIGHTS == LL_WEIGHTS_MXINT4
+  decode_int4_word(word_of(raw, i), v);
+#else
+  decode_e2m1_word(word_of(raw, i), v);
+#endif
+}
+
+// Scale block g of a chunk (raw: the chunk's scale bits), in FP32, exact.
+__device__ __forceinline__ float scale_value(u32 raw, int g) {
+#if LL_WEIGHTS == LL_WEIGHTS_NVFP4
+  return e4m3_to_float(static_cast<u8>(raw >> (8 * g)));  // two E4M3 bytes per chunk
+#elif LL_WEIGHTS == LL_WEIGHTS_MXFP4
+  // E8M0: 2^(b - 127); b = 0 is 2^-127 (an FP32 subnormal), b = 255 is NaN.
+  return raw == 255u ? __uint_as_float(0x7FC00000u) : (raw == 0u ? __uint_as_float(0x00400000u) : __uint_as_float(raw << 23));
+#elif LL_WEIGHTS == LL_WEIGHTS_MXINT4
+  return __uint_as_float(raw << 16);  // BF16
+#else
+  return 1.0f;
+#endif
+}
+
+// Scale bytes of chunk c of a row: NVFP4 two E4M3 (blocks 2c, 2c + 1), MXFP4 one E8M0, MXINT4 one BF16.
+__device__ __forceinline__ u32 load_scales(const u8* row, int c) {
+#if LL_WEIGHTS == LL_WEIGHTS_NVFP4 || LL_WEIGHTS == LL_WEIGHTS_MXINT4
+  return __ldg(reinterpret_cast<const u16*>(row) + c);
+#elif LL_WEIGHTS == LL_WEIGHTS_MXFP4
+  return __ldg(row + c);
+#else
+  return 0u;
+#endif
+}
+
+// Bytes of one weight row of K values, and of its scale row.
+__device__ __forceinline__ i64 row_bytes(int k) { return W16 ? 2 * static_cast<i64>(k) : static_cast<i64>(k) / 2; }
+__device__ __forceinline__ i64 scale_row_bytes(int k) {
+  return LL_WEIGHTS == LL_WEIGHTS_NVFP4 ? k / 16 : LL_WEIGHTS == LL_WEIGHTS_MXFP4 ? k / 32 : LL_WEIGHTS == LL_WEIGHTS_MXINT4 ? k / 16 : 0;
+}
+
+// Streamed 16-byte weight load: read-only, not kept in L1.
+__device__ __forceinline__ uint4 load_stream(const u8* p) {
+  uint4 v;
+  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+      : "l"(p));
+  return v;
+}
+
+// Token values k .. k + 7 (k a multiple of 8) of a token row in FP32, exact. XK: LL_INPUT_* of the row.
+// The row starts at base + offset; NVFP4 rows (codes [T, H/2]) have their E4M3 scales at scales + offset / 8.
+template <int XK>
+__device__ __forceinline__ void load_x8(const u8* base, const u8* scales, int offset, int k, float v[8]) {
+  const u8* row = base + offset;
+  if (XK == LL_INPUT_NVFP4) {
+    const u32 q = __ldg(reinterpret_cast<const u32*>(row) + k / 8);
+    const float s = e4m3_to_float(__ldg(scales + offset / 8 + k / 16));
+    decode_e2m1_word(q, v);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) v[j] = __fmul_rn(v[j], s);  // exact: at most 6 significant bits
+  } else {
+    const uint4 raw = __ldg(reinterpret_cast<const uint4*>(row) + k / 8);
+    const u32 w[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      if (XK == LL_INPUT_FP16) {
+        v[2 * j] = half_to_float(static_cast<u16>(w[j] & 0xFFFFu));
+        v[2 * j + 1] = half_to_float(static_cast<u16>(w[j] >> 16));
+      } else {
+        v[2 * j] = __uint_as_float(w[j] << 16);
+        v[2 * j + 1] = __uint_as_float(w[j] & 0xFFFF0000u);
+      }
+    }
+  }
+}
+
+// ------------------------------------------------------------------------------------------ routing
+__device__ __forceinline__ int load_expert(const void* ids, int routing, int id_bytes, int slot, int num_experts) {
+  i64 id;
+  if (routing == ROUTING_PACKED) id = static_cast<const int*>(ids)[slot] >> 16;  // arithmetic: keeps the sign
+  else if (id_bytes == 8) id = static_cast<const i64*>(ids)[slot];
+  else id = static_cast<const int*>(ids)[slot];
+  return (id >= 0 && id < num_experts) ? static_cast<int>(id) : -1;
+}
+
+__device__ __forceinline__ float load_route_weight(const void* ids, const void* weights, int routing, int slot) {
+  if (routing == ROUTING_PACKED) return __uint_as_float(static_cast<u32>(static_cast<const int*>(ids)[slot]) << 16);
+  if (routing == ROUTING_BF16) return bf16_to_float(static_cast<const u16*>(weights)[slot]);
+  return static_cast<const float*>(weights)[slot];
+}
+
+struct Plan {
+  int ids[LL_MAX_SLOTS];   // expert of every slot, -1 when unrouted
+  int first[MAX_TOKENS];   // per token: its first slot naming this CTA's expert, -1 for none
+  int list[MAX_TOKENS];    // the distinct tokens' first slots, in token order
+  int count;               // how many
+  int duplicate;           // an earlier slot names the same expert: that slot's CTA does the work
+};
+
+// The expert this CTA (slot blockIdx.y) serves, or -1 (unrouted slot) / -2 (an earlier slot has it).
+// Uniform over the block; every thread must call it.
+__device__ __forceinline__ int plan_expert(Plan& plan, const void* ids, int routing, int id_bytes, int num_tokens,
+                                           int top_k, int num_experts) {
+  const int slot = blockIdx.y, slots = num_tokens * top_k, tid = threadIdx.x;
+  for (int i = tid; i < slots; i += LL_THREADS) plan.ids[i] = load_expert(ids, routing, id_bytes, i, num_experts);
+  if (tid == 0) plan.duplicate = 0;
+  __syncthreads();
+  const int e = plan.ids[slot];
+  if (e < 0) return -1;
+  for (int i = tid; i < slot; i += LL_THREADS)
+    if (plan.ids[i] == e) plan.duplicate = 1;
+  if (tid < num_tokens) {
+    int first = -1;
+    for (int j = 0; j < top_k; ++j) {
+      if (plan.ids[tid * top_k + j] == e) {
+        first = tid * top_k + j;
+        break;
+      }
+    }
+    plan.first[tid] = first;
+  }
+  __syncthreads();
+  if (plan.duplicate) return -2;
+  if (tid == 0) {
+    int n = 0;
+    for (int t = 0; t < num_tokens; ++t)
+      if (plan.first[t] >= 0) plan.list[n++] = plan.first[t];
+    plan.count = n;
+  }
+  __syncthreads();
+  return e;
+}
+
+// ------------------------------------------------------------------------------------------ the dot products
+// acc[t][r] = sum over the row's K of w[r][k] * x[t][k]: this lane's chunks c = sub, sub + lpr, ..., then
+// reduced over the lpr lanes of the group. wrow/srow: weight and scale rows; token t's row is at
+// xbase + xoff[t] (byte offsets; NVFP4 scales at xscales + xoff[t] / 8).
+template <int NT, int R, int XK>
+__device__ __forceinline__ void chunk_dot(const uint4 (&raw)[R], const u32 (&sraw)[R], int c, const u8* xbase,
+                                          const u8* xscales, const int (&xoff)[NT], float (&acc)[NT][R]) {
+#pragma unroll
+  for (int g = 0; g < GROUPS; ++g) {
+    float part[NT][R];
+#pragma unroll
+    for (int t = 0; t < NT; ++t)
+#pragma unroll
+      for (int r = 0; r < R; ++r) part[t][r] = W16 ? acc[t][r] : 0.0f;
+#pragma unroll
+    for (int w = 0; w < (W16 ? 1 : GROUP_WORDS); ++w) {
+      const int wi = g * GROUP_WORDS * (W16 ? 0 : 1) + w;
+      float wv[R][8];
+#pragma unroll
+      for (int r = 0; r < R; ++r) decode_weight_word(raw[r], wi, wv[r]);
+#pragma unroll
+      for (int t = 0; t < NT; ++t) {
+        float xv[8];
+        load_x8<XK>(xbase, xscales, xoff[t], c * VALUES + 8 * wi, xv);
+#pragma unroll
+        for (int r = 0; r < R; ++r)
+#pragma unroll
+          for (int j = 0; j < 8; ++j) part[t][r] = fmaf(wv[r][j], xv[j], part[t][r]);
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const float s = scale_value(sraw[r], g);
+#pragma unroll
+      for (int t = 0; t < NT; ++t) acc[t][r] = W16 ? part[t][r] : fmaf(part[t][r], s, acc[t][r]);
+    }
+  }
+}
+
+template <int NT, int R, int XK>
+__device__ __forceinline__ void dot_rows(const u8* const (&wrow)[R], const u8* const (&srow)[R], int nchunks, int sub,
+                                         int lpr, const u8* xbase, const u8* xscales, const int (&xoff)[NT],
+                                         float (&acc)[NT][R]) {
+#pragma unroll
+  for (int t = 0; t < NT; ++t)
+#pragma unroll
+    for (int r = 0; r < R; ++r) acc[t][r] = 0.0f;
+  constexpr int U = chunks_in_flight<NT>();
+  for (int c0 = sub; c0 < nchunks; c0 += U * lpr) {
+    uint4 raw[U][R];
+    u32 sraw[U][R];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int c = c0 + u * lpr;
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        raw[u][r] = c < nchunks ? load_stream(wrow[r] + 16 * static_cast<i64>(c)) : make_uint4(0u, 0u, 0u, 0u);
+        sraw[u][r] = c < nchunks ? load_scales(srow[r], c) : 0u;
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int c = c0 + u * lpr;
+      if (c < nchunks) chunk_dot<NT, R, XK>(raw[u], sraw[u], c, xbase, xscales, xoff, acc);
+    }
+  }
+  // Butterfly over the lpr lanes of the group: every lane of it ends with the totals.
+#pragma unroll
+  for (int t = 0; t < NT; ++t)
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+      for (int off = lpr >> 1; off > 0; off >>= 1) acc[t][r] += __shfl_xor_sync(0xFFFFFFFFu, acc[t][r], off);
+}
+
+// ------------------------------------------------------------------------------------------ GEMM1 + activation
+struct Gemm1Args {
+  const u8* x;
+  const u8* x_scales;
+  const u8* w;
+  const u8* w_scales;
+  const float* w_global;
+  int hidden, inter, inter_padded, top_k, lanes_per_row, act;
+  float alpha, beta, limit;
+  u16* out;
+};
+
+template <int NT, int R>
+__device__ __forceinline__ void gemm1_body(const Plan& plan, const Gemm1Args& a, int e) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, lpr = a.lanes_per_row;
+  const int sub = lane & (lpr - 1), groups = 32 / lpr;
+  const int f = (blockIdx.x * WARPS + warp) * groups + lane / lpr;
+  const int ntok = plan.count;
+  const int n_rows = R * a.inter_padded;  // rows of w1 per expert: [up; gate] halves of Ip rows, or Ip
+  const u8* wrow[R];
+  const u8* srow[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const i64 row = static_cast<i64>(e) * n_rows + r * a.inter_padded + min(f, a.inter_padded - 1);
+    wrow[r] = a.w + row * row_bytes(a.hidden);
+    srow[r] = a.w_scales + row * scale_row_bytes(a.hidden);
+  }
+  int xoff[NT];  // byte offset of each token's row (tokens past ntok repeat the last; their sums are dropped)
+#pragma unroll
+  for (int t = 0; t < NT; ++t)
+    xoff[t] = plan.list[min(t, ntok - 1)] / a.top_k * (LL_INPUT == LL_INPUT_NVFP4 ? a.hidden / 2 : 2 * a.hidden);
+  // Padding features (I <= f < Ip) have all-zero weights and give exactly zero: not read.
+  const int nchunks = f < a.inter ? static_cast<int>(row_bytes(a.hidden) / 16) : 0;
+  float acc[NT][R];
+  dot_rows<NT, R, LL_INPUT>(wrow, srow, nchunks, sub, lpr, a.x, a.x_scales, xoff, acc);
+  if (f >= a.inter_padded) return;
+  const float global = LL_WEIGHTS == LL_WEIGHTS_NVFP4 ? a.w_global[e] : 1.0f;
+#pragma unroll
+  for (int t = 0; t < NT; ++t) {
+    if (t >= ntok) break;
+    float h[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      h[r] = LL_WEIGHTS == LL_WEIGHTS_NVFP4 ? acc[t][r] * global : acc[t][r];
+      if (LL_WEIGHTS != LL_WEIGHTS_MXINT4) h[r] = round_16(h[r], INTER_FP16);  // preactivation rounding
+    }
+    const float y = R == 2 ? act_gated(a.act, h[0], h[R - 1], a.alpha, a.beta, a.limit) : act_fn(a.act, h[0]);
+    const u16 bits = f < a.inter ? to_16(y, INTER_FP16) : static_cast<u16>(0);
+    const int token = plan.list[t] / a.top_k;
+    for (int j = sub; j < a.top_k; j += lpr) {
+      const int s = token * a.top_k + j;
+      if (plan.ids[s] == e) a.out[static_cast<i64>(s) * a.inter_padded + f] = bits;
+    }
+  }
+}
+
+template <int R>
+__device__ __forceinline__ void gemm1_dispatch(const Plan& plan, const Gemm1Args& a, int e) {
+  const int n = plan.count;
+  if (n <= 1) gemm1_body<1, R>(plan, a, e);
+  else if (n == 2) gemm1_body<2, R>(plan, a, e);
+  else if (n <= 4) gemm1_body<4, R>(plan, a, e);
+  else gemm1_body<8, R>(plan, a, e);
+}
+
+// ------------------------------------------------------------------------------------------ GEMM2
+struct Gemm2Args {
+  const u16* inter;
+  const u8* w;
+  const u8* w_scales;
+  const float* w_global;
+  int hidden, inter_padded, top_k, lanes_per_row, out_fp16;
+  u16* rows;
+};
+
+// Each feature group computes two adjacent output features (2 rows of w2 sharing the token loads).
+template <int NT>
+__device__ __forceinline__ void gemm2_body(const Plan& plan, const Gemm2Args& a, int e) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, lpr = a.lanes_per_row;
+  const int sub = lane & (lpr - 1), groups = 32 / lpr;
+  const int f = 2 * ((blockIdx.x * WARPS + warp) * groups + lane / lpr);
+  const int ntok = plan.count;
+  const u8* wrow[2];
+  const u8* srow[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const i64 row = static_cast<i64>(e) * a.hidden + min(f + r, a.hidden - 1);
+    wrow[r] = a.w + row * row_bytes(a.inter_padded);
+    srow[r] = a.w_scales + row * scale_row_bytes(a.inter_padded);
+  }
+  int xoff[NT];  // byte offset of each token's intermediate row (the first slot of the token naming e)
+#pragma unroll
+  for (int t = 0; t < NT; ++t) xoff[t] = plan.list[min(t, ntok - 1)] * 2 * a.inter_padded;
+  const int nchunks = f < a.hidden ? static_cast<int>(row_bytes(a.inter_padded) / 16) : 0;
+  float acc[NT][2];
+  dot_rows<NT, 2, INTER_INPUT>(wrow, srow, nchunks, sub, lpr, reinterpret_cast<const u8*>(a.inter), nullptr, xoff,
+                               acc);
+  if (f >= a.hidden) return;
+  const float global = LL_WEIGHTS == LL_WEIGHTS_NVFP4 ? a.w_global[e] : 1.0f;
+  const bool fp16 = a.out_fp16 != 0;
+#pragma unroll
+  for (int t = 0; t < NT; ++t) {
+    if (t >= ntok) break;
+    const float v0 = LL_WEIGHTS == LL_WEIGHTS_NVFP4 ? acc[t][0] * global : acc[t][0];
+    const float v1 = LL_WEIGHTS == LL_WEIGHTS_NVFP4 ? acc[t][1] * global : acc[t][1];
+    const u32 bits = static_cast<u32>(to_16(v0, fp16)) | (static_cast<u32>(to_16(v1, fp16)) << 16);
+    const int token = plan.list[t] / a.top_k;
+    for (int j = sub; j < a.top_k; j += lpr) {
+      const int s = token * a.top_k + j;
+      if (plan.ids[s] == e) *reinterpret_cast<u32*>(a.rows + static_cast<i64>(s) * a.hidden + f) = bits;
+    }
+  }
+}
+
+}  // namespace ll
+
+using namespace ll;
+
+// GEMM1 + activation. Grid (ceil(Ip / (WARPS * 32 / lanes_per_row)), T * top_k), LL_THREADS threads.
+//   x, x_scales   BF16/FP16 [T, H] (x_scales unused), or NVFP4 codes uint8 [T, H/2] + E4M3 [T, H/16]
+//   ids           packed int32 [T, k] (routing = ROUTING_PACKED) or ids int32/int64 (id_bytes 4/8)
+//   w, w_scales, w_global   w1 as in the header (w_scales / w_global unused where the format has none)
+//   gated         1: rows [up; gate], y = act_gated(up, gate); 0: y = act_fn(h)
+//   out           intermediate [T k, Ip] (BF16, or FP16 for FP16 inputs): row s is written for every
+//                 routed slot s (features I .. Ip - 1 are zero); unrouted slots' rows are not written.
+extern "C" __global__ void __launch_bounds__(LL_THREADS, 2) ll_gemm1(
+    const u8* __restrict__ x, const u8* __restrict__ x_scales, const void* __restrict__ ids, int routing,
+    int id_bytes, int num_tokens, int top_k, int num_experts, const u8* __restrict__ w,
+    const u8* __restrict__ w_scales, const float* __restrict__ w_global, int hidden, int inter, int inter_padded,
+    int gated, int lanes_per_row, int act, float alpha, float beta, float limit, u16* __restrict__ out) {
+  __shared__ Plan plan;
+  const int e = plan_expert(plan, ids, routing, id_bytes, num_tokens, top_k, num_experts);
+  if (e < 0) return;
+  const Gemm1Args a{x, x_scales, w, w_scales, w_global, hidden, inter, inter_padded, top_k, lanes_per_row, act,
+                    alpha, beta, limit, out};
+  if (gated) gemm1_dispatch<2>(plan, a, e);
+  else gemm1_dispatch<1>(plan, a, e);
+}
+
+// GEMM2. Grid (ceil(H / (2 * WARPS * 32 / lanes_per_row)), T * top_k), LL_THREADS threads.
+//   inter         the intermediate of ll_gemm1 [T k, Ip]
+//   w, w_scales, w_global   w2 as in the header
+//   rows          [T k, H] of the output dtype (out_fp16: FP16, else BF16): row s for every routed slot;
+//                 zero_unrouted: the rows of unrouted slots are written as zeros (the raw output),
+//                 otherwise they are not written. H must be even.
+extern "C" __global__ void __launch_bounds__(LL_THREADS, 2) ll_gemm2(
+    const u16* __restrict__ inter, const void* __restrict__ ids, int routing, int id_bytes, int num_tokens,
+    int top_k, int num_experts, const u8* __restrict__ w, const u8* __restrict__ w_scales,
+    const float* __restrict__ w_global, int hidden, int inter_padded, int lanes_per_row, int out_fp16,
+    int zero_unrouted, u16* __restrict__ rows) {
+  __shared__ Plan plan;
+  const int e = plan_expert(plan, ids, routing, id_bytes, num_tokens, top_k, num_experts);
+  if (e == -1 && zero_unrouted) {
+    const int per_cta = 2 * WARPS * (32 / lanes_per_row);
+    const int begin = blockIdx.x * per_cta, end = min(begin + per_cta, hidden);
+    for (int h = begin + static_cast<int>(threadIdx.x); h < end; h += LL_THREADS)
+      rows[static_cast<i64>(blockIdx.y) * hidden + h] = 0;
+  }
+  if (e < 0) return;
+  const Gemm2Args a{inter, w, w_scales, w_global, hidden, inter_padded, top_k, lanes_per_row, out_fp16, rows};
+  const int n = plan.count;
+  if (n <= 1) gemm2_body<1>(plan, a, e);
+  else if (n == 2) gemm2_body<2>(plan, a, e);
+  else if (n <= 4) gemm2_body<4>(plan, a, e);
+  else gemm2_body<8>(plan, a, e);
+}
+
+// Finalize. Grid (ceil(H / (8 * LL_THREADS)), T), LL_THREADS threads; H % 8 == 0.
+//   rows     [T k, H] of the output dtype (ll_gemm2); rows of unrouted slots are never read
+//   ids, weights, routing, id_bytes   the routing (weights unused when packed: BF16 in the low half)
+//   out      [T, H] of the output dtype: acc = +0; for each slot j in order whose id is in [0, E):
+//            acc = fp32(acc + fp32(w_j * row_j)); out = acc rounded to the output dtype. The weights
+//            of unrouted slots (NaN, Inf, anything) are never read into the sum.
+extern "C" __global__ void __launch_bounds__(LL_THREADS, 2) ll_finalize(
+    const u16* __restrict__ rows, const void* __restrict__ ids, const void* __restrict__ weights, int routing,
+    int id_bytes, int top_k, int num_experts, int hidden, int out_fp16, u16* __restrict__ out) {
+  __shared__ float s_weight[32];
+  __shared__ int s_routed[32];
+  const int t = blockIdx.y, tid = threadIdx.x;
+  if (tid < top_k) {
+    const int slot = t * top_k + tid;
+    s_routed[tid] = load_expert(ids, routing, id_bytes, slot, num_experts) >= 0;
+    s_weight[tid] = load_route_weight(ids, weights, routing, slot);
+  }
+  __syncthreads();
+  const int h = 8 * (blockIdx.x * LL_THREADS + tid);
+  if (h >= hidden) return;
+  const bool fp16 = out_fp16 != 0;
+  float acc[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) acc[i] = 0.0f;
+  for (int j = 0; j < top_k; ++j) {
+    if (!s_routed[j]) continue;
+    const float wj = s_weight[j];
+    const uint4 raw = *reinterpret_cast<const uint4*>(rows + static_cast<i64>(t * top_k + j) * hidden + h);
+    const u32 words[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const u16 lo = static_cast<u16>(words[i] & 0xFFFFu), hi = static_cast<u16>(words[i] >> 16);
+      const float v0 = fp16 ? half_to_float(lo) : bf16_to_float(lo);
+      const float v1 = fp16 ? half_to_float(hi) : bf16_to_float(hi);
+      acc[2 * i] = __fadd_rn(acc[2 * i], __fmul_rn(wj, v0));
+      acc[2 * i + 1] = __fadd_rn(acc[2 * i + 1], __fmul_rn(wj, v1));
+    }
+  }
+  uint4 o;
+  o.x = static_cast<u32>(to_16(acc[0], fp16)) | (static_cast<u32>(to_16(acc[1], fp16)) << 16);
+  o.y = static_cast<u32>(to_16(acc[2], fp16)) | (static_cast<u32>(to_16(acc[3], fp16)) << 16);
+  o.z = static_cast<u32>(to_16(acc[4], fp16)) | (static_cast<u32>(to_16(acc[5], fp16)) << 16);
+  o.w = static_cast<u32>(to_16(acc[6], fp16)) | (static_cast<u32>(to_16(acc[7], fp16)) << 16);
+  *reinterpret_cast<uint4*>(out + static_cast<i64>(t) * hidden + h) = o;
+}
