@@ -62,7 +62,8 @@ def unpad_gemm1_rows(t: torch.Tensor, intermediate: int, padded: int, gated: boo
     """Inverse of pad_gemm1_rows: [E, N1p, X] -> [E, N1, X] (a view when not gated)."""
     if not gated:
         return t[:, :intermediate]
-    return torch.cat((t[:, :intermediate], t[:, padded : padded + intermediate]), dim=1)
+    bits = t.view(_BIT_DTYPES[t.element_size()])  # torch.cat has no CUDA kernel for some 1-byte floats (E8M0)
+    return torch.cat((bits[:, :intermediate], bits[:, padded : padded + intermediate]), dim=1).view(t.dtype)
 
 
 def pad_columns(t: torch.Tensor, columns: int) -> torch.Tensor:
