@@ -1,7 +1,7 @@
 """The low-latency MoE call: ``low_latency_moe`` (1..8 tokens, contract 004) on the GPU.
 
-Three kernel launches on torch's current stream (cudnn_moe.low_latency.kernels): GEMM1 + activation,
-GEMM2, finalize (the raw output skips finalize). The call allocates nothing when ``out`` is given
+Two kernel launches on torch's current stream (cudnn_moe.low_latency.kernels): GEMM1 + activation, then
+GEMM2 with the finalize folded into its last CTA per feature column (the raw output skips the finalize). The call allocates nothing when ``out`` is given
 (workspaces are cached per weights, cudnn_moe.low_latency.workspace), reads no device data and never
 synchronizes, so a caller can record it in its own CUDA graph once one eager call has warmed it up
 (kernels compiled, workspace allocated). Every argument is checked before anything is launched;
@@ -201,9 +201,9 @@ def low_latency_moe(
     out_fp16 = out_dtype is torch.float16
     kernels.gemm1(weights, x, x_scales, ids, routing_code, tokens, top_k, act, workspace.inter)
     if finalize:
-        kernels.gemm2(weights, x_dtype, workspace.inter, ids, routing_code, tokens, top_k, out_fp16, False, workspace.rows)
-        kernels.finalize(fmt, x_dtype, workspace.rows, ids, route_weights, routing_code, weights.num_experts, top_k,
-                         hidden, out_fp16, out)
+        kernels.gemm2(weights, x_dtype, workspace.inter, ids, route_weights, routing_code, tokens, top_k, out_fp16,
+                      workspace.rows, out, workspace.counters)
     else:
-        kernels.gemm2(weights, x_dtype, workspace.inter, ids, routing_code, tokens, top_k, out_fp16, True, out)
+        kernels.gemm2(weights, x_dtype, workspace.inter, ids, route_weights, routing_code, tokens, top_k, out_fp16,
+                      out, None, None)
     return out

@@ -2,11 +2,12 @@
 
 One NVRTC module per (weight format, token input) pair, compiled on first use with
 ``-DLL_WEIGHTS=<LowLatencyWeightCode> -DLL_INPUT=<LowLatencyInputCode>`` (codes from
-cudnn_moe.kernels.codes, so Python and CUDA share one definition). Three kernels per call:
+cudnn_moe.kernels.codes, so Python and CUDA share one definition). Two kernels:
 
 - ``ll_gemm1``: GEMM1 + activation into the intermediate workspace [S, Ip] (S = T * top_k);
-- ``ll_gemm2``: GEMM2 into expert rows [S, H] (a workspace, or the caller's raw output);
-- ``ll_finalize``: the ordered FP32 combine into out [T, H].
+- ``ll_gemm2``: GEMM2 into expert rows [S, H] (a workspace, or the caller's raw output), and for a
+  finalized call the ordered FP32 combine into out [T, H] in the same launch (the last CTA of each
+  feature column does it), so a call is two launches.
 
 Every wrapper takes tensors whose shapes, dtypes, devices and alignment the caller has checked
 (cudnn_moe.low_latency.call); they only derive the launch geometry and pack the arguments, so they
@@ -22,7 +23,7 @@ from ..activations import Activation
 from ..kernels.codes import LL_THREADS
 from ..kernels.codes import LowLatencyInputCode as InputCode
 from ..kernels.codes import LowLatencyWeightCode as WeightCode
-from ..kernels.loader import launch, load_module, ptr
+from ..kernels.loader import kernel_function, launch, ptr
 from .weights import BlockScaledWeights, DenseWeights, LowLatencyWeights, Nvfp4WeightOnlyWeights, WeightFormat
 
 SOURCE = "low_latency/ll_moe.cu"
@@ -77,9 +78,15 @@ def lanes_per_row(chunks: int) -> int:
     return 32 if chunks >= 64 else 16 if chunks >= 32 else 8
 
 
+KERNELS = ("ll_gemm1", "ll_gemm2")
+
+
 def load_modules(fmt: WeightFormat, x_dtype: torch.dtype | None, device: int) -> None:
-    """Compile, or load from the cache, the module a call with these weights and inputs launches."""
-    load_module(SOURCE, device, module_options(weight_code(fmt), input_code(fmt, x_dtype)))
+    """Compile, or load from the cache, the module a call with these weights and inputs launches, and
+    resolve its kernels (so that a later call inside a CUDA-graph capture only launches)."""
+    options = module_options(weight_code(fmt), input_code(fmt, x_dtype))
+    for name in KERNELS:
+        kernel_function(SOURCE, name, device, options)
 
 
 def _payloads(weights: LowLatencyWeights, second: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
@@ -140,55 +147,46 @@ def gemm2(
     x_dtype: torch.dtype | None,
     inter: torch.Tensor,
     ids: torch.Tensor,
+    route_weights: torch.Tensor | None,
     routing_code: int,
     num_tokens: int,
     top_k: int,
     out_fp16: bool,
-    zero_unrouted: bool,
     rows: torch.Tensor,
+    out: torch.Tensor | None,
+    counters: torch.Tensor | None,
 ) -> None:
-    """GEMM2: rows [>= T k, H] (16-bit storage) for every routed slot; zero rows for unrouted slots when
-    ``zero_unrouted`` (the raw output), else those rows are left as they are."""
+    """GEMM2 into rows [>= T k, H] (16-bit storage), then, when ``out`` is given, the finalize in the same launch.
+
+    out None: rows is the raw output [T k, H]; unrouted slots get zero rows.
+    out [T, H]: rows is a workspace; the last CTA of each feature column combines it into out (ordered FP32
+    multiply then add over each token's routed slots) using counters (int32 [>= columns], all zero before the
+    launch and left zero after it).
+    """
     fmt = weights.format
     w, w_scales, w_global = _payloads(weights, second=True)
     lpr = lanes_per_row(row_bytes(fmt, weights.padded_intermediate) // CHUNK_BYTES)
-    features_per_cta = 2 * WARPS * (32 // lpr)
-    grid = (-(-weights.hidden_size // features_per_cta), num_tokens * top_k)
+    grid = (gemm2_columns(weights.hidden_size, lpr), num_tokens * top_k)
+    if counters is not None and counters.numel() < grid[0]:
+        raise ValueError(f"gemm2 needs {grid[0]} column counters, got {counters.numel()}")
     options = module_options(weight_code(fmt), input_code(fmt, x_dtype))
     launch(
         SOURCE, "ll_gemm2", rows.device, grid, LL_THREADS,
         (
-            ptr(inter, 16), *_routing_args(ids, routing_code), np.int32(num_tokens), np.int32(top_k),
-            np.int32(weights.num_experts), ptr(w, 16), ptr(w_scales), ptr(w_global), np.int32(weights.hidden_size),
-            np.int32(weights.padded_intermediate), np.int32(lpr), np.int32(out_fp16), np.int32(zero_unrouted),
-            ptr(rows, 16),
+            ptr(inter, 16), ptr(ids), ptr(route_weights), np.int32(routing_code), np.int32(ids.element_size()),
+            np.int32(num_tokens), np.int32(top_k), np.int32(weights.num_experts), ptr(w, 16), ptr(w_scales),
+            ptr(w_global), np.int32(weights.hidden_size), np.int32(weights.padded_intermediate), np.int32(lpr),
+            np.int32(out_fp16), np.int32(out is not None), ptr(rows, 16), ptr(out, 16), ptr(counters, 4),
         ),
         extra_options=options,
     )
 
 
-def finalize(
-    fmt: WeightFormat,
-    x_dtype: torch.dtype | None,
-    rows: torch.Tensor,
-    ids: torch.Tensor,
-    route_weights: torch.Tensor | None,
-    routing_code: int,
-    num_experts: int,
-    top_k: int,
-    hidden: int,
-    out_fp16: bool,
-    out: torch.Tensor,
-) -> None:
-    """out [T, H] = ordered FP32 combine of rows [>= T k, H] over each token's routed slots (H % 8 == 0)."""
-    num_tokens = out.shape[0]
-    grid = (-(-hidden // (8 * LL_THREADS)), num_tokens)
-    options = module_options(weight_code(fmt), input_code(fmt, x_dtype))
-    launch(
-        SOURCE, "ll_finalize", out.device, grid, LL_THREADS,
-        (
-            ptr(rows, 16), ptr(ids), ptr(route_weights), np.int32(routing_code), np.int32(ids.element_size()),
-            np.int32(top_k), np.int32(num_experts), np.int32(hidden), np.int32(out_fp16), ptr(out, 16),
-        ),
-        extra_options=options,
-    )
+def gemm2_columns(hidden: int, lanes: int) -> int:
+    """Feature columns (CTAs along x) of ll_gemm2: each covers 2 * WARPS * (32 / lanes) output features."""
+    return -(-hidden // (2 * WARPS * (32 // lanes)))
+
+
+def max_gemm2_columns(hidden: int) -> int:
+    """The most columns any lane split gives (32 lanes a row): the size of the counters workspace."""
+    return gemm2_columns(hidden, 32)

@@ -1,12 +1,15 @@
 """Workspaces of the low-latency call, allocated once per (weights, max tokens, top_k) and cached.
 
-A call needs two scratch buffers on the weights' device:
+A call needs three scratch buffers on the weights' device:
 
 - ``inter``: int16 [max_tokens * top_k, Ip], the 16-bit intermediate of every slot (BF16 or FP16 bits);
 - ``rows``: int16 [max_tokens * top_k, H], the expert rows of every slot (output dtype bits) that the
-  finalize kernel combines.
+  finalize combines;
+- ``counters``: int32 [GEMM2 feature columns], zero between calls: the tickets by which the last CTA of
+  each column of the GEMM2 launch knows it may combine that column (it resets the counter).
 
-Both are int16 storage so one pair serves every input and output dtype. They are kept in a weak
+inter and rows are int16 storage so one set serves every input and output dtype. Two calls with the same
+weights must not run concurrently on different streams (they would share this scratch). They are kept in a weak
 dictionary keyed by the prepared weights object (dropped with it), so repeated calls, and calls
 recorded into a CUDA graph, reuse the same memory and allocate nothing. A workspace is created on
 the first call for its key; that call must not be inside a CUDA-graph capture (memory allocated
@@ -22,15 +25,18 @@ from dataclasses import dataclass
 
 import torch
 
+from .kernels import max_gemm2_columns
 from .weights import LowLatencyWeights
 
 
 @dataclass(frozen=True, eq=False)
 class Workspace:
-    """Scratch of one (weights, max_tokens, top_k): inter int16 [S, Ip], rows int16 [S, H], S = max_tokens * top_k."""
+    """Scratch of one (weights, max_tokens, top_k): inter int16 [S, Ip], rows int16 [S, H] (S = max_tokens *
+    top_k), counters int32 [columns] (zeros)."""
 
     inter: torch.Tensor
     rows: torch.Tensor
+    counters: torch.Tensor
     max_tokens: int
     top_k: int
 
@@ -58,6 +64,7 @@ def workspace_for(weights: LowLatencyWeights, max_tokens: int, top_k: int, devic
     workspace = Workspace(
         inter=torch.empty(slots, weights.padded_intermediate, dtype=torch.int16, device=device),
         rows=torch.empty(slots, weights.hidden_size, dtype=torch.int16, device=device),
+        counters=torch.zeros(max_gemm2_columns(weights.hidden_size), dtype=torch.int32, device=device),
         max_tokens=max_tokens,
         top_k=top_k,
     )

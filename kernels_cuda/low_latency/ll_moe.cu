@@ -2,27 +2,31 @@
 //
 // One module per (weight format, token input) pair, chosen at compile time:
 //   -DLL_WEIGHTS=LL_WEIGHTS_{BF16,FP16,NVFP4,MXFP4,MXINT4}  -DLL_INPUT=LL_INPUT_{BF16,FP16,NVFP4}
-// (values from cudnn_moe.kernels.codes; cudnn_moe.low_latency.kernels picks them). Three kernels:
+// (values from cudnn_moe.kernels.codes; cudnn_moe.low_latency.kernels picks them). Two kernels, two
+// launches per call (each launch in a CUDA graph costs microseconds at this size):
 //
 //   ll_gemm1     GEMM1 + activation: intermediate[slot, f] for every routed slot and feature f < Ip
 //   ll_gemm2     GEMM2: expert rows[slot, h], rounded to the output dtype (a workspace, or the caller's
-//                raw output, then unrouted slots get zero rows)
-//   ll_finalize  out[t, h] = sum over the token's routed slots, in slot order, of fp32(w * row), each
-//                multiply and add a separate FP32 operation (__fmul_rn / __fadd_rn, no FMA)
+//                raw output, then unrouted slots get zero rows); finalized calls then combine in the
+//                same launch: the last CTA of each feature column (a ticket counter per column) computes
+//                out[t, h] = sum over the token's routed slots, in slot order, of fp32(w * row), each
+//                multiply and add a separate FP32 operation (__fmul_rn / __fadd_rn, no FMA), and resets
+//                the counter. The combine reads finished rows only, in a fixed order: deterministic.
 //
 // Work split. Grid (feature blocks, slots): the CTA of slot s first reads the expert ids of all
 // T * top_k slots into shared memory (ids outside [0, E) are unrouted) and carries on only if s is the
 // first slot, in slot order, naming its expert e (no sort kernel); it then serves every distinct token
 // routed to e (at most T: a token naming e twice is computed once and written to each of its slots).
-// So each touched expert's weights are read exactly once per GEMM. A warp holds 32 / LPR feature
+// So each touched expert's weights are read from memory once per GEMM (an expert shared by more than 4
+// tokens is served in two passes of up to 4 tokens; the second reads the rows again, from L2). A warp holds 32 / LPR feature
 // groups (LPR = lanes per row, 8 / 16 / 32 chosen on the host from the row length); the LPR lanes of
 // a group split K in 16-byte chunks (U chunks per row in flight per lane, ld.global.nc with
 // L1::no_allocate so the weight stream does not evict the token rows), decode them exactly in
 // registers, and FMA them into FP32 accumulators, one per (token, row); a shuffle reduction ends it.
 //
 // Weight decode (exact): 16-bit weights widen to FP32. E2M1 codes become BF16 pairs by bit placement
-// (value x 2^-126) and one bf16x2 FMA by 2^126 (subnormals supported); INT4 codes become 128 + (n ^ 8)
-// in BF16 and one bf16x2 FMA subtracts 136. Block scales (E4M3 per 16, E8M0 per 32, BF16 per 32) are
+// (value x 2^-126) and one bf16x2 FMA by 2^126 (subnormals supported); an INT4 code n becomes the FP32
+// 2^23 + (n ^ 8) by bit placement and one FADD subtracts 2^23 + 8. Block scales (E4M3 per 16, E8M0 per 32, BF16 per 32) are
 // applied in FP32 to the block's partial sums: acc += partial * scale. The NVFP4 per-expert FP32 global
 // multiplies the finished FP32 sum. This is FP32 accumulation of exact products; only the summation
 // order differs from the float64 references (cudnn_moe.low_latency.reference).
@@ -56,10 +60,11 @@ constexpr int WORDS = W16 ? 1 : 4;                                   // 8-value 
 constexpr int VALUES = 8 * WORDS;                                    // K values per 16-byte chunk
 constexpr int GROUP_WORDS = LL_WEIGHTS == LL_WEIGHTS_NVFP4 ? 2 : 4;  // words per scale block (4-bit)
 constexpr int GROUPS = W16 ? 1 : WORDS / GROUP_WORDS;                // scale blocks per chunk
-// Chunks per row in flight per lane: 4 for 16-bit weights (8 values a chunk), 2 for 4-bit ones (32 values);
-// one when 8 (4-bit: 4) tokens share the expert, whose accumulators would push the registers past 128.
+// Chunks per row in flight per lane: 4 for 16-bit weights (8 values a chunk), 2 for 4-bit ones (32 values),
+// one for 4-bit weights shared by 3 or 4 tokens, whose sums would push the registers past 128 (the budget
+// of two CTAs per SM).
 template <int NT>
-__host__ __device__ constexpr int chunks_in_flight() { return W16 ? (NT >= 8 ? 1 : 4) : (NT >= 4 ? 1 : 2); }
+__host__ __device__ constexpr int chunks_in_flight() { return W16 ? 4 : (NT >= 4 ? 1 : 2); }
 constexpr int WARPS = LL_THREADS / 32;
 constexpr int MAX_TOKENS = 8;
 // The intermediate (and the preactivation rounding) is FP16 for FP16 inputs, BF16 otherwise.
@@ -108,15 +113,11 @@ __device__ __forceinline__ void decode_e2m1_word(u32 q, float v[8]) {
   }
 }
 
-// The 8 two's-complement INT4 codes of word q, exact, in FP32: BF16 128 + (n ^ 8), minus 136.
+// The 8 two's-complement INT4 codes of word q, exact, in FP32: the float with bits 0x4B000000 | (n ^ 8) is
+// 2^23 + n + 8 for the signed code n, so one FADD of -(2^23 + 8) leaves n.
 __device__ __forceinline__ void decode_int4_word(u32 q, float v[8]) {
 #pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    u32 b = ((q >> (4 * j)) & 0x000F000Fu) ^ 0x43084308u;
-    b = bf16x2_fma(b, 0x3F803F80u, 0xC308C308u);  // x 1 - 136
-    v[j] = __uint_as_float(b << 16);
-    v[j + 4] = __uint_as_float(b & 0xFFFF0000u);
-  }
+  for (int j = 0; j < 8; ++j) v[j] = __uint_as_float(0x4B000000u | (((q >> (4 * j)) & 0xFu) ^ 8u)) - 8388616.0f;
 }
 
 // Word i of a weight chunk as 8 FP32 values (unscaled codes for the 4-bit formats).
@@ -179,6 +180,13 @@ __device__ __forceinline__ uint4 load_stream(const u8* p) {
   asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
       : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
       : "l"(p));
+  return v;
+}
+
+// 4 bytes from L2 (ld.global.cg: not from this SM's L1, which may not have seen other CTAs' writes).
+__device__ __forceinline__ u32 load_l2(const void* p) {
+  u32 v;
+  asm volatile("ld.global.cg.u32 %0, [%1];" : "=r"(v) : "l"(p));
   return v;
 }
 
@@ -352,12 +360,12 @@ struct Gemm1Args {
   u16* out;
 };
 
+// Tokens plan.list[first .. first + ntok) (ntok <= NT) of expert e.
 template <int NT, int R>
-__device__ __forceinline__ void gemm1_body(const Plan& plan, const Gemm1Args& a, int e) {
+__device__ __forceinline__ void gemm1_body(const Plan& plan, const Gemm1Args& a, int e, int first, int ntok) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, lpr = a.lanes_per_row;
   const int sub = lane & (lpr - 1), groups = 32 / lpr;
   const int f = (blockIdx.x * WARPS + warp) * groups + lane / lpr;
-  const int ntok = plan.count;
   const int n_rows = R * a.inter_padded;  // rows of w1 per expert: [up; gate] halves of Ip rows, or Ip
   const u8* wrow[R];
   const u8* srow[R];
@@ -370,7 +378,7 @@ __device__ __forceinline__ void gemm1_body(const Plan& plan, const Gemm1Args& a,
   int xoff[NT];  // byte offset of each token's row (tokens past ntok repeat the last; their sums are dropped)
 #pragma unroll
   for (int t = 0; t < NT; ++t)
-    xoff[t] = plan.list[min(t, ntok - 1)] / a.top_k * (LL_INPUT == LL_INPUT_NVFP4 ? a.hidden / 2 : 2 * a.hidden);
+    xoff[t] = plan.list[first + min(t, ntok - 1)] / a.top_k * (LL_INPUT == LL_INPUT_NVFP4 ? a.hidden / 2 : 2 * a.hidden);
   // Padding features (I <= f < Ip) have all-zero weights and give exactly zero: not read.
   const int nchunks = f < a.inter ? static_cast<int>(row_bytes(a.hidden) / 16) : 0;
   float acc[NT][R];
@@ -388,7 +396,7 @@ __device__ __forceinline__ void gemm1_body(const Plan& plan, const Gemm1Args& a,
     }
     const float y = R == 2 ? act_gated(a.act, h[0], h[R - 1], a.alpha, a.beta, a.limit) : act_fn(a.act, h[0]);
     const u16 bits = f < a.inter ? to_16(y, INTER_FP16) : static_cast<u16>(0);
-    const int token = plan.list[t] / a.top_k;
+    const int token = plan.list[first + t] / a.top_k;
     for (int j = sub; j < a.top_k; j += lpr) {
       const int s = token * a.top_k + j;
       if (plan.ids[s] == e) a.out[static_cast<i64>(s) * a.inter_padded + f] = bits;
@@ -396,13 +404,19 @@ __device__ __forceinline__ void gemm1_body(const Plan& plan, const Gemm1Args& a,
   }
 }
 
+// 1, 2 or up to 4 tokens in one pass over the weights; 5..8 tokens in two passes of up to 4 (the second
+// re-reads the rows this warp has just streamed, from L2): registers for 8 tokens' sums would cut the
+// occupancy, and an expert is shared by more than 4 of 8 tokens rarely.
 template <int R>
 __device__ __forceinline__ void gemm1_dispatch(const Plan& plan, const Gemm1Args& a, int e) {
   const int n = plan.count;
-  if (n <= 1) gemm1_body<1, R>(plan, a, e);
-  else if (n == 2) gemm1_body<2, R>(plan, a, e);
-  else if (n <= 4) gemm1_body<4, R>(plan, a, e);
-  else gemm1_body<8, R>(plan, a, e);
+  if (n <= 1) gemm1_body<1, R>(plan, a, e, 0, n);
+  else if (n == 2) gemm1_body<2, R>(plan, a, e, 0, n);
+  else if (n <= 4) gemm1_body<4, R>(plan, a, e, 0, n);
+  else {
+    gemm1_body<4, R>(plan, a, e, 0, 4);
+    gemm1_body<4, R>(plan, a, e, 4, n - 4);
+  }
 }
 
 // ------------------------------------------------------------------------------------------ GEMM2
@@ -417,11 +431,10 @@ struct Gemm2Args {
 
 // Each feature group computes two adjacent output features (2 rows of w2 sharing the token loads).
 template <int NT>
-__device__ __forceinline__ void gemm2_body(const Plan& plan, const Gemm2Args& a, int e) {
+__device__ __forceinline__ void gemm2_body(const Plan& plan, const Gemm2Args& a, int e, int first, int ntok) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, lpr = a.lanes_per_row;
   const int sub = lane & (lpr - 1), groups = 32 / lpr;
   const int f = 2 * ((blockIdx.x * WARPS + warp) * groups + lane / lpr);
-  const int ntok = plan.count;
   const u8* wrow[2];
   const u8* srow[2];
 #pragma unroll
@@ -432,7 +445,7 @@ __device__ __forceinline__ void gemm2_body(const Plan& plan, const Gemm2Args& a,
   }
   int xoff[NT];  // byte offset of each token's intermediate row (the first slot of the token naming e)
 #pragma unroll
-  for (int t = 0; t < NT; ++t) xoff[t] = plan.list[min(t, ntok - 1)] * 2 * a.inter_padded;
+  for (int t = 0; t < NT; ++t) xoff[t] = plan.list[first + min(t, ntok - 1)] * 2 * a.inter_padded;
   const int nchunks = f < a.hidden ? static_cast<int>(row_bytes(a.inter_padded) / 16) : 0;
   float acc[NT][2];
   dot_rows<NT, 2, INTER_INPUT>(wrow, srow, nchunks, sub, lpr, reinterpret_cast<const u8*>(a.inter), nullptr, xoff,
@@ -446,12 +459,55 @@ __device__ __forceinline__ void gemm2_body(const Plan& plan, const Gemm2Args& a,
     const float v0 = LL_WEIGHTS == LL_WEIGHTS_NVFP4 ? acc[t][0] * global : acc[t][0];
     const float v1 = LL_WEIGHTS == LL_WEIGHTS_NVFP4 ? acc[t][1] * global : acc[t][1];
     const u32 bits = static_cast<u32>(to_16(v0, fp16)) | (static_cast<u32>(to_16(v1, fp16)) << 16);
-    const int token = plan.list[t] / a.top_k;
+    const int token = plan.list[first + t] / a.top_k;
     for (int j = sub; j < a.top_k; j += lpr) {
       const int s = token * a.top_k + j;
       if (plan.ids[s] == e) *reinterpret_cast<u32*>(a.rows + static_cast<i64>(s) * a.hidden + f) = bits;
     }
   }
+}
+
+// ------------------------------------------------------------------------------------------ L2 prefetch
+// Before the plan (whose id loads and barriers take a while), every thread of a CTA whose slot names a valid
+// expert asks L2 for its own lanes' share of the CTA's weight rows, one prefetch per 128-byte line (and the
+// scale rows): the stream starts at once, without registers, and the loads of the main loop then hit L2.
+// A duplicate slot's CTA prefetches the same lines as the CTA that does the work (L2 merges them).
+__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
+
+__device__ __forceinline__ void prefetch_rows(const u8* w, const u8* w_scales, i64 first_row, int rows, int k,
+                                              int lpr) {
+  const int lane = threadIdx.x & 31, sub = lane & (lpr - 1);
+  const i64 bytes = row_bytes(k), sbytes = scale_row_bytes(k);
+  for (int r = 0; r < rows; ++r) {
+    const u8* row = w + (first_row + r) * bytes;
+    for (i64 off = 128 * static_cast<i64>(sub); off < bytes; off += 128 * static_cast<i64>(lpr)) prefetch_l2(row + off);
+    if (!W16 && sub == 0) prefetch_l2(w_scales + (first_row + r) * sbytes);
+  }
+}
+
+__device__ __forceinline__ int slot_expert(const void* ids, int routing, int id_bytes, int num_experts) {
+  return load_expert(ids, routing, id_bytes, blockIdx.y, num_experts);
+}
+
+// GEMM1: this thread's group feature f, rows f (and Ip + f when gated) of expert e.
+__device__ __forceinline__ void prefetch_gemm1(const void* ids, int routing, int id_bytes, int num_experts, const u8* w,
+                                               const u8* w_scales, int hidden, int inter, int inter_padded, int gated,
+                                               int lpr) {
+  const int e = slot_expert(ids, routing, id_bytes, num_experts);
+  const int f = (blockIdx.x * WARPS + (threadIdx.x >> 5)) * (32 / lpr) + (threadIdx.x & 31) / lpr;
+  if (e < 0 || f >= inter) return;
+  const int n_rows = (gated ? 2 : 1) * inter_padded;
+  for (int r = 0; r < (gated ? 2 : 1); ++r)
+    prefetch_rows(w, w_scales, static_cast<i64>(e) * n_rows + r * inter_padded + f, 1, hidden, lpr);
+}
+
+// GEMM2: this thread's group features 2g, 2g + 1 (rows of w2) of expert e.
+__device__ __forceinline__ void prefetch_gemm2(const void* ids, int routing, int id_bytes, int num_experts, const u8* w,
+                                               const u8* w_scales, int hidden, int inter_padded, int lpr) {
+  const int e = slot_expert(ids, routing, id_bytes, num_experts);
+  const int f = 2 * ((blockIdx.x * WARPS + (threadIdx.x >> 5)) * (32 / lpr) + (threadIdx.x & 31) / lpr);
+  if (e < 0 || f >= hidden) return;
+  prefetch_rows(w, w_scales, static_cast<i64>(e) * hidden + f, 2, inter_padded, lpr);
 }
 
 }  // namespace ll
@@ -471,6 +527,7 @@ extern "C" __global__ void __launch_bounds__(LL_THREADS, 2) ll_gemm1(
     const u8* __restrict__ w_scales, const float* __restrict__ w_global, int hidden, int inter, int inter_padded,
     int gated, int lanes_per_row, int act, float alpha, float beta, float limit, u16* __restrict__ out) {
   __shared__ Plan plan;
+  prefetch_gemm1(ids, routing, id_bytes, num_experts, w, w_scales, hidden, inter, inter_padded, gated, lanes_per_row);
   const int e = plan_expert(plan, ids, routing, id_bytes, num_tokens, top_k, num_experts);
   if (e < 0) return;
   const Gemm1Args a{x, x_scales, w, w_scales, w_global, hidden, inter, inter_padded, top_k, lanes_per_row, act,
@@ -479,76 +536,79 @@ extern "C" __global__ void __launch_bounds__(LL_THREADS, 2) ll_gemm1(
   else gemm1_dispatch<1>(plan, a, e);
 }
 
-// GEMM2. Grid (ceil(H / (2 * WARPS * 32 / lanes_per_row)), T * top_k), LL_THREADS threads.
+// The ordered combine of features [begin, end) (even bounds) of every token, by the CTA that finished its
+// column last: out[t, h] = +0, then for each slot j of token t in order whose id is in [0, E):
+// acc = fp32(acc + fp32(w_j * row[t k + j, h])), rounded once to the output dtype. Unrouted slots (id -1 in
+// the plan), their weights (NaN, Inf, anything) and their rows are never read. Rows come from L2 (load_l2):
+// other CTAs wrote them.
+__device__ __forceinline__ void combine_columns(const Plan& plan, const u16* rows, const void* ids, const void* weights,
+                                                int routing, int num_tokens, int top_k, int hidden, int begin, int end,
+                                                bool fp16, u16* out) {
+  const int pairs = (end - begin) / 2;
+  for (int item = threadIdx.x; item < num_tokens * pairs; item += LL_THREADS) {
+    const int t = item / pairs, h = begin + 2 * (item - t * pairs);
+    float acc0 = 0.0f, acc1 = 0.0f;
+    for (int j = 0; j < top_k; ++j) {
+      const int s = t * top_k + j;
+      if (plan.ids[s] < 0) continue;
+      const float wj = load_route_weight(ids, weights, routing, s);
+      const u32 v = load_l2(rows + static_cast<i64>(s) * hidden + h);
+      const u16 lo = static_cast<u16>(v & 0xFFFFu), hi = static_cast<u16>(v >> 16);
+      acc0 = __fadd_rn(acc0, __fmul_rn(wj, fp16 ? half_to_float(lo) : bf16_to_float(lo)));
+      acc1 = __fadd_rn(acc1, __fmul_rn(wj, fp16 ? half_to_float(hi) : bf16_to_float(hi)));
+    }
+    *reinterpret_cast<u32*>(out + static_cast<i64>(t) * hidden + h) =
+        static_cast<u32>(to_16(acc0, fp16)) | (static_cast<u32>(to_16(acc1, fp16)) << 16);
+  }
+}
+
+// GEMM2, and the finalize. Grid (ceil(H / (2 * WARPS * 32 / lanes_per_row)), T * top_k), LL_THREADS threads.
 //   inter         the intermediate of ll_gemm1 [T k, Ip]
 //   w, w_scales, w_global   w2 as in the header
-//   rows          [T k, H] of the output dtype (out_fp16: FP16, else BF16): row s for every routed slot;
-//                 zero_unrouted: the rows of unrouted slots are written as zeros (the raw output),
-//                 otherwise they are not written. H must be even.
+//   rows          [T k, H] of the output dtype (out_fp16: FP16, else BF16): row s for every routed slot.
+//   finalize = 0: rows is the raw output; the rows of unrouted slots are written as zeros.
+//   finalize = 1: rows is a workspace (unrouted rows not written); weights: the route weights (unused when
+//                 packed); out [T, H] of the output dtype: every CTA of a column (feature block) takes a
+//                 ticket from counters[blockIdx.x] once its rows are written, and the last one combines
+//                 the column (combine_columns) and resets its counter to zero for the next call.
+//                 counters: int32 [gridDim.x], zero before the launch (and so after it).
+// H must be even. No atomics touch the data: the result is deterministic.
 extern "C" __global__ void __launch_bounds__(LL_THREADS, 2) ll_gemm2(
-    const u16* __restrict__ inter, const void* __restrict__ ids, int routing, int id_bytes, int num_tokens,
-    int top_k, int num_experts, const u8* __restrict__ w, const u8* __restrict__ w_scales,
-    const float* __restrict__ w_global, int hidden, int inter_padded, int lanes_per_row, int out_fp16,
-    int zero_unrouted, u16* __restrict__ rows) {
+    const u16* __restrict__ inter, const void* __restrict__ ids, const void* __restrict__ weights, int routing,
+    int id_bytes, int num_tokens, int top_k, int num_experts, const u8* __restrict__ w,
+    const u8* __restrict__ w_scales, const float* __restrict__ w_global, int hidden, int inter_padded,
+    int lanes_per_row, int out_fp16, int finalize, u16* __restrict__ rows, u16* __restrict__ out,
+    int* __restrict__ counters) {
   __shared__ Plan plan;
+  __shared__ int last;
+  prefetch_gemm2(ids, routing, id_bytes, num_experts, w, w_scales, hidden, inter_padded, lanes_per_row);
   const int e = plan_expert(plan, ids, routing, id_bytes, num_tokens, top_k, num_experts);
-  if (e == -1 && zero_unrouted) {
+  if (e == -1 && !finalize) {
     const int per_cta = 2 * WARPS * (32 / lanes_per_row);
     const int begin = blockIdx.x * per_cta, end = min(begin + per_cta, hidden);
     for (int h = begin + static_cast<int>(threadIdx.x); h < end; h += LL_THREADS)
       rows[static_cast<i64>(blockIdx.y) * hidden + h] = 0;
   }
-  if (e < 0) return;
-  const Gemm2Args a{inter, w, w_scales, w_global, hidden, inter_padded, top_k, lanes_per_row, out_fp16, rows};
-  const int n = plan.count;
-  if (n <= 1) gemm2_body<1>(plan, a, e);
-  else if (n == 2) gemm2_body<2>(plan, a, e);
-  else if (n <= 4) gemm2_body<4>(plan, a, e);
-  else gemm2_body<8>(plan, a, e);
-}
-
-// Finalize. Grid (ceil(H / (8 * LL_THREADS)), T), LL_THREADS threads; H % 8 == 0.
-//   rows     [T k, H] of the output dtype (ll_gemm2); rows of unrouted slots are never read
-//   ids, weights, routing, id_bytes   the routing (weights unused when packed: BF16 in the low half)
-//   out      [T, H] of the output dtype: acc = +0; for each slot j in order whose id is in [0, E):
-//            acc = fp32(acc + fp32(w_j * row_j)); out = acc rounded to the output dtype. The weights
-//            of unrouted slots (NaN, Inf, anything) are never read into the sum.
-extern "C" __global__ void __launch_bounds__(LL_THREADS, 2) ll_finalize(
-    const u16* __restrict__ rows, const void* __restrict__ ids, const void* __restrict__ weights, int routing,
-    int id_bytes, int top_k, int num_experts, int hidden, int out_fp16, u16* __restrict__ out) {
-  __shared__ float s_weight[32];
-  __shared__ int s_routed[32];
-  const int t = blockIdx.y, tid = threadIdx.x;
-  if (tid < top_k) {
-    const int slot = t * top_k + tid;
-    s_routed[tid] = load_expert(ids, routing, id_bytes, slot, num_experts) >= 0;
-    s_weight[tid] = load_route_weight(ids, weights, routing, slot);
-  }
-  __syncthreads();
-  const int h = 8 * (blockIdx.x * LL_THREADS + tid);
-  if (h >= hidden) return;
-  const bool fp16 = out_fp16 != 0;
-  float acc[8];
-#pragma unroll
-  for (int i = 0; i < 8; ++i) acc[i] = 0.0f;
-  for (int j = 0; j < top_k; ++j) {
-    if (!s_routed[j]) continue;
-    const float wj = s_weight[j];
-    const uint4 raw = *reinterpret_cast<const uint4*>(rows + static_cast<i64>(t * top_k + j) * hidden + h);
-    const u32 words[4] = {raw.x, raw.y, raw.z, raw.w};
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const u16 lo = static_cast<u16>(words[i] & 0xFFFFu), hi = static_cast<u16>(words[i] >> 16);
-      const float v0 = fp16 ? half_to_float(lo) : bf16_to_float(lo);
-      const float v1 = fp16 ? half_to_float(hi) : bf16_to_float(hi);
-      acc[2 * i] = __fadd_rn(acc[2 * i], __fmul_rn(wj, v0));
-      acc[2 * i + 1] = __fadd_rn(acc[2 * i + 1], __fmul_rn(wj, v1));
+  if (e >= 0) {
+    const Gemm2Args a{inter, w, w_scales, w_global, hidden, inter_padded, top_k, lanes_per_row, out_fp16, rows};
+    const int n = plan.count;  // as in gemm1_dispatch: more than 4 tokens in two passes
+    if (n <= 1) gemm2_body<1>(plan, a, e, 0, n);
+    else if (n == 2) gemm2_body<2>(plan, a, e, 0, n);
+    else if (n <= 4) gemm2_body<4>(plan, a, e, 0, n);
+    else {
+      gemm2_body<4>(plan, a, e, 0, 4);
+      gemm2_body<4>(plan, a, e, 4, n - 4);
     }
   }
-  uint4 o;
-  o.x = static_cast<u32>(to_16(acc[0], fp16)) | (static_cast<u32>(to_16(acc[1], fp16)) << 16);
-  o.y = static_cast<u32>(to_16(acc[2], fp16)) | (static_cast<u32>(to_16(acc[3], fp16)) << 16);
-  o.z = static_cast<u32>(to_16(acc[4], fp16)) | (static_cast<u32>(to_16(acc[5], fp16)) << 16);
-  o.w = static_cast<u32>(to_16(acc[6], fp16)) | (static_cast<u32>(to_16(acc[7], fp16)) << 16);
-  *reinterpret_cast<uint4*>(out + static_cast<i64>(t) * hidden + h) = o;
+  if (!finalize) return;
+  __threadfence();  // this thread's rows are visible GPU-wide before the ticket below
+  __syncthreads();
+  if (threadIdx.x == 0) last = atomicAdd(counters + blockIdx.x, 1) == static_cast<int>(gridDim.y) - 1;
+  __syncthreads();
+  if (!last) return;
+  __threadfence();  // every other CTA's rows are visible to this one
+  const int per_cta = 2 * WARPS * (32 / lanes_per_row);
+  const int begin = blockIdx.x * per_cta, end = min(begin + per_cta, hidden);
+  combine_columns(plan, rows, ids, weights, routing, num_tokens, top_k, hidden, begin, end, out_fp16 != 0, out);
+  if (threadIdx.x == 0) counters[blockIdx.x] = 0;
 }

@@ -1,0 +1,294 @@
+"""CPU checks of the low-latency kernels (kernels_cuda/low_latency/ll_moe.cu) and of the call's host side:
+
+- every module builds with nvcc for sm_80, sm_90a, sm_100a and sm_120a (every weight decoder on every arch;
+  every (weights, input) module on sm_90a), skipped cleanly without nvcc;
+- the sm_90a SASS streams the weights with 128-bit loads that bypass L1 and uses no local memory (no spills);
+- the launch wrappers pass exactly the argument types of the kernels' C signatures, with the documented grids;
+- the shared activation math (activation_math.cuh), built for the host, matches the float64 activations of
+  cudnn_moe.activations for all ten kinds;
+- the call checks its arguments (types, devices) before anything runs.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import shutil
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from cudnn_moe.activations import (
+    GELU,
+    GeGLU,
+    GeGLUTanh,
+    Identity,
+    ReLU,
+    ReLU2,
+    SiLU,
+    SiTU,
+    SwiGLU,
+    SwiGLUStep,
+)
+from cudnn_moe.kernels import cuda_defines, kernels_dir
+from cudnn_moe.kernels.codes import LL_MAX_SLOTS, LL_THREADS, LowLatencyInputCode, LowLatencyWeightCode
+from cudnn_moe.low_latency import LowLatencyMoeConfig, WeightFormat, low_latency_moe
+from cudnn_moe.low_latency import kernels as ll
+from cudnn_moe.routing import Routing
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+import sass_budget  # noqa: E402
+
+SOURCE = kernels_dir() / ll.SOURCE
+NVCC = shutil.which("nvcc") or shutil.which("nvcc", path="/usr/local/cuda/bin")
+CXX = shutil.which("c++") or shutil.which("g++")
+CUOBJDUMP = sass_budget.find_tool("cuobjdump")
+ARCHS = ("80", "90a", "100a", "120a")
+# One module per weight decoder and token input kind: together they compile every line of ll_moe.cu.
+DECODERS = (
+    (LowLatencyWeightCode.BF16, LowLatencyInputCode.BF16),
+    (LowLatencyWeightCode.FP16, LowLatencyInputCode.FP16),
+    (LowLatencyWeightCode.NVFP4, LowLatencyInputCode.NVFP4),
+    (LowLatencyWeightCode.MXFP4, LowLatencyInputCode.FP16),
+    (LowLatencyWeightCode.MXINT4, LowLatencyInputCode.BF16),
+)
+
+
+def _variant_id(variant: tuple[LowLatencyWeightCode, LowLatencyInputCode]) -> str:
+    return f"{variant[0].name.lower()}-{variant[1].name.lower()}"
+
+
+def _nvcc(arch: str, variant: tuple[LowLatencyWeightCode, LowLatencyInputCode], out: Path) -> subprocess.CompletedProcess:
+    command = [NVCC, "-std=c++17", f"-gencode=arch=compute_{arch},code=sm_{arch}", "-cubin", "-I", str(kernels_dir()),
+               *cuda_defines(), *ll.module_options(*variant), "-Xptxas", "-v", str(SOURCE), "-o", str(out)]
+    return subprocess.run(command, capture_output=True, text=True)
+
+
+def _build_all(arch: str, variants, folder: Path) -> dict[str, tuple[subprocess.CompletedProcess, Path]]:
+    def one(variant):
+        out = folder / f"ll_{arch}_{_variant_id(variant)}.cubin"
+        return _variant_id(variant), (_nvcc(arch, variant, out), out)
+
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        return dict(pool.map(one, variants))
+
+
+@pytest.fixture(scope="module")
+def sm90_builds(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[subprocess.CompletedProcess, Path]]:
+    return _build_all("90a", ll.MODULE_VARIANTS, tmp_path_factory.mktemp("ll_sm90"))
+
+
+def test_module_variants_cover_every_call() -> None:
+    """The modules a call can ask for are the ones built here."""
+    asked = set()
+    for fmt in WeightFormat:
+        dtypes = {WeightFormat.BF16: (torch.bfloat16,), WeightFormat.FP16: (torch.float16,),
+                  WeightFormat.NVFP4_W_NVFP4_A: (None,)}.get(fmt, (torch.bfloat16, torch.float16))
+        asked |= {(ll.weight_code(fmt), ll.input_code(fmt, d)) for d in dtypes}
+    assert asked == set(ll.MODULE_VARIANTS)
+    assert {w for w, _ in DECODERS} == set(LowLatencyWeightCode) and {i for _, i in DECODERS} == set(LowLatencyInputCode)
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found")
+@pytest.mark.parametrize("arch", [a for a in ARCHS if a != "90a"])
+def test_every_decoder_compiles(arch: str, tmp_path: Path) -> None:
+    for name, (result, _) in _build_all(arch, DECODERS, tmp_path).items():
+        assert result.returncode == 0, f"sm_{arch} {name}:\n{result.stderr}"
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found")
+def test_every_module_compiles_for_sm90a_without_spills(sm90_builds) -> None:
+    for name, (result, _) in sm90_builds.items():
+        assert result.returncode == 0, f"sm_90a {name}:\n{result.stderr}"
+        spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", result.stderr)
+        assert spills and all(s == ("0", "0") for s in spills), f"sm_90a {name} spills registers:\n{result.stderr}"
+
+
+@pytest.mark.skipif(NVCC is None or CUOBJDUMP is None, reason="nvcc or cuobjdump not found")
+def test_sm90a_sass_streams_weights_in_128_bit_loads(sm90_builds) -> None:
+    """Both GEMM kernels load the weights with LDG.E.NA.128 (16 bytes a lane, not allocated in L1) and touch no
+    local memory."""
+    for name, (result, cubin) in sm90_builds.items():
+        assert result.returncode == 0, result.stderr
+        functions = sass_budget.disassemble(cubin)
+        for kernel in ("ll_gemm1", "ll_gemm2"):
+            code = [text for _, text in functions[kernel]]
+            wide = [t for t in code if re.search(r"\bLDG\.E\.NA\.128\b", t)]
+            assert wide, f"{name} {kernel}: no 128-bit streaming weight load in the SASS"
+            local = [t for t in code if re.search(r"\b(LDL|STL)\b", t)]
+            assert not local, f"{name} {kernel}: local memory traffic {local[:3]}"
+
+
+# ----------------------------------------------------------------------------- wrappers vs C signatures
+_ENTRY = re.compile(r'extern "C" __global__ void __launch_bounds__\([^)]*\) (\w+)\(([^)]*)\)')
+_ARG_TYPES = {"int": np.int32, "float": np.float32, "pointer": np.uint64}
+
+
+def _signatures() -> dict[str, list[str]]:
+    signatures = {}
+    for kernel, params in _ENTRY.findall(SOURCE.read_text()):
+        signatures[kernel] = ["pointer" if "*" in p else p.split()[0] for p in (q.strip() for q in params.split(","))]
+    return signatures
+
+
+def _cpu_layer(fmt: WeightFormat):
+    config = LowLatencyMoeConfig(8, arch="sm90")
+    e, h, i = 3, 512, 128
+    if fmt is WeightFormat.BF16:
+        return config.prepare_bf16_weights(torch.zeros(e, 2 * i, h, dtype=torch.bfloat16),
+                                           torch.zeros(e, h, i, dtype=torch.bfloat16))
+    if fmt is WeightFormat.NVFP4_W_NVFP4_A:
+        return config.prepare_nvfp4_weights(torch.zeros(e, 2 * i, h), torch.zeros(e, h, i))
+    return config.prepare_mxint4_weight_only(torch.zeros(e, 2 * i, h // 2, dtype=torch.uint8),
+                                            torch.zeros(e, 2 * i, h // 32, dtype=torch.bfloat16),
+                                            torch.zeros(e, h, i // 2, dtype=torch.uint8),
+                                            torch.zeros(e, h, i // 32, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("fmt", [WeightFormat.BF16, WeightFormat.MXINT4_WEIGHT_ONLY, WeightFormat.NVFP4_W_NVFP4_A])
+def test_wrappers_match_kernel_signatures(fmt: WeightFormat, monkeypatch: pytest.MonkeyPatch) -> None:
+    launches: list[tuple[str, Any, int, tuple[Any, ...], tuple[str, ...]]] = []
+    monkeypatch.setattr(ll, "ptr", lambda tensor, align=1: np.uint64(0))
+    monkeypatch.setattr(ll, "launch", lambda file, name, device, grid, block, args, extra_options=():
+                        launches.append((name, grid, block, args, extra_options)))
+    weights = _cpu_layer(fmt)
+    tokens, top_k, h, ip = 5, 4, weights.hidden_size, weights.padded_intermediate
+    if fmt is WeightFormat.NVFP4_W_NVFP4_A:
+        x, x_scales, x_dtype = torch.zeros(tokens, h // 2, dtype=torch.uint8), torch.zeros(tokens, h // 16), None
+    else:
+        x, x_scales, x_dtype = torch.zeros(tokens, h, dtype=torch.bfloat16), None, torch.bfloat16
+    ids = torch.zeros(tokens, top_k, dtype=torch.int64)
+    inter = torch.zeros(tokens * top_k, ip, dtype=torch.int16)
+    rows = torch.zeros(tokens * top_k, h, dtype=torch.int16)
+    ll.gemm1(weights, x, x_scales, ids, 1, tokens, top_k, SwiGLU(alpha=2.0, beta=0.5, limit=7.0), inter)
+    counters = torch.zeros(ll.max_gemm2_columns(h), dtype=torch.int32)
+    out = torch.zeros(tokens, h, dtype=torch.float16)
+    ll.gemm2(weights, x_dtype, inter, ids, torch.zeros(tokens, top_k), 1, tokens, top_k, True, rows, out, counters)
+    ll.gemm2(weights, x_dtype, inter, ids, None, 0, tokens, top_k, False, rows, None, None)
+    signatures = _signatures()
+    assert sorted(signatures) == sorted(ll.KERNELS)
+    assert [name for name, *_ in launches] == ["ll_gemm1", "ll_gemm2", "ll_gemm2"]
+    code_w, code_x = ll.weight_code(fmt), ll.input_code(fmt, x_dtype)
+    for name, grid, block, args, options in launches:
+        assert [type(a) for a in args] == [_ARG_TYPES[k] for k in signatures[name]], name
+        assert block == LL_THREADS and options == ll.module_options(code_w, code_x), name
+    lpr1 = ll.lanes_per_row(ll.row_bytes(fmt, h) // 16)
+    lpr2 = ll.lanes_per_row(ll.row_bytes(fmt, ip) // 16)
+    assert launches[0][1] == (-(-ip // (8 * (32 // lpr1))), tokens * top_k)
+    assert launches[1][1] == launches[2][1] == (-(-h // (16 * (32 // lpr2))), tokens * top_k)
+    assert launches[1][1][0] <= counters.numel()
+    gemm2_args = dict(zip(["inter", "ids", "weights", "routing", "id_bytes", "num_tokens", "top_k", "num_experts", "w",
+                           "w_scales", "w_global", "hidden", "inter_padded", "lanes", "out_fp16", "finalize"],
+                          launches[1][3]))
+    assert (gemm2_args["finalize"], gemm2_args["out_fp16"], gemm2_args["lanes"]) == (1, 1, lpr2)
+    assert launches[2][3][15] == 0 and launches[2][3][3] == 0  # raw rows: no finalize; packed routing code
+    gemm1_args = dict(zip(["x", "x_scales", "ids", "routing", "id_bytes", "num_tokens", "top_k", "num_experts"],
+                          launches[0][3]))
+    assert gemm1_args["id_bytes"] == 8 and gemm1_args["num_tokens"] == tokens and gemm1_args["top_k"] == top_k
+    assert launches[0][3][-5:-1] == (np.int32(SwiGLU.kind), np.float32(2.0), np.float32(0.5), np.float32(7.0))
+    assert tokens * top_k <= LL_MAX_SLOTS
+
+
+def test_lanes_per_row() -> None:
+    assert [ll.lanes_per_row(c) for c in (1, 8, 24, 31, 32, 63, 64, 224, 896)] == [8, 8, 8, 8, 16, 16, 32, 32, 32]
+    # Qwen3-30B-A3B NVFP4 rows: GEMM1 K = 2048 (64 chunks), GEMM2 K = 768 (24 chunks)
+    assert ll.lanes_per_row(ll.row_bytes(WeightFormat.NVFP4_WEIGHT_ONLY, 2048) // 16) == 32
+    assert ll.lanes_per_row(ll.row_bytes(WeightFormat.NVFP4_WEIGHT_ONLY, 768) // 16) == 8
+
+
+# ----------------------------------------------------------------------------- activation math on the host
+_ACT_DRIVER = r"""
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#define __device__
+#define __forceinline__ inline
+struct uint2 { unsigned int x, y; };
+struct uint4 { unsigned int x, y, z, w; };
+static inline unsigned int __float_as_uint(float f) { unsigned int u; std::memcpy(&u, &f, 4); return u; }
+static inline float __uint_as_float(unsigned int u) { float f; std::memcpy(&f, &u, 4); return f; }
+static inline float __fadd_rn(float a, float b) { return a + b; }
+static inline float __fsub_rn(float a, float b) { return a - b; }
+#include "activation_math.cuh"
+using namespace moe;
+
+// stdin: lines "act gated alpha beta limit n" then n pairs "up gate"; stdout: y per pair (%.9g).
+int main() {
+  int act, gated, n;
+  float alpha, beta, limit;
+  while (std::scanf("%d %d %f %f %f %d", &act, &gated, &alpha, &beta, &limit, &n) == 6) {
+    for (int i = 0; i < n; ++i) {
+      float up, gate;
+      if (std::scanf("%f %f", &up, &gate) != 2) return 1;
+      const float y = gated ? act_gated(act, up, gate, alpha, beta, limit) : act_fn(act, up);
+      std::printf("%.9g\n", y);
+    }
+  }
+  return 0;
+}
+"""
+
+HOST_ACTIVATIONS = (Identity(), ReLU(), GELU(), SiLU(), ReLU2(), SwiGLU(), SwiGLU(alpha=1.702, beta=1.0, limit=7.0),
+                    GeGLU(), GeGLUTanh(), SwiGLUStep(), SwiGLUStep(limit=2.0), SiTU(), SiTU(a=2.0, b=3.0))
+
+
+@pytest.mark.skipif(CXX is None, reason="no C++ compiler")
+def test_activation_math_matches_the_reference_activations(tmp_path: Path) -> None:
+    """Every kind's device formula (the one header both pipelines include), built for the host in FP32, against
+    the float64 Activation.apply of cudnn_moe.activations: within FP32 rounding of the formula."""
+    source, program = tmp_path / "act.cpp", tmp_path / "act"
+    source.write_text(_ACT_DRIVER)
+    build = [CXX, "-std=c++17", "-O1", "-I", str(kernels_dir()), *cuda_defines(), str(source), "-o", str(program)]
+    result = subprocess.run(build, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    gen = torch.Generator().manual_seed(0)
+    up = torch.cat([torch.randn(400, generator=gen) * 4, torch.tensor([0.0, -0.0, 10.0, -10.0, 30.0, -30.0, 1e-3])])
+    gate = torch.cat([torch.randn(400, generator=gen) * 4, torch.tensor([0.0, 0.0, -30.0, 30.0, 7.5, 8.0, -1e-3])])
+    up, gate = up.float().double(), gate.float().double()
+    lines = []
+    for act in HOST_ACTIVATIONS:
+        alpha, beta, limit = act.params()
+        lines.append(f"{int(act.kind)} {int(act.gated)} {alpha!r} {beta!r} {limit if math.isfinite(limit) else 'inf'} {up.numel()}")
+        lines += [f"{u!r} {g!r}" for u, g in zip(up.tolist(), gate.tolist())]
+    run = subprocess.run([str(program)], input="\n".join(lines) + "\n", capture_output=True, text=True, check=True)
+    got = torch.tensor([float(v) for v in run.stdout.split()], dtype=torch.float64).view(len(HOST_ACTIVATIONS), -1)
+    for row, act in zip(got, HOST_ACTIVATIONS):
+        want = act.apply(up, gate) if act.gated else act.apply(up)
+        err = (row - want).abs()
+        bound = 1e-5 * want.abs() + 1e-6
+        assert bool((err <= bound).all()), (
+            f"{act}: host FP32 formula differs from the reference by {float((err - bound).max()):.3g} over the bound "
+            f"at up={float(up[int((err - bound).argmax())])}, gate={float(gate[int((err - bound).argmax())])}")
+
+
+# ----------------------------------------------------------------------------- call checks on the CPU
+def test_call_checks_arguments_before_any_launch() -> None:
+    config = LowLatencyMoeConfig(4, arch="sm90")
+    weights = _cpu_layer(WeightFormat.BF16)
+    x = torch.zeros(2, weights.hidden_size, dtype=torch.bfloat16)
+    routing = Routing.unpacked(torch.zeros(2, 2, dtype=torch.int32), torch.ones(2, 2))
+    with pytest.raises(TypeError, match="config"):
+        low_latency_moe(object(), x, weights, routing)
+    with pytest.raises(TypeError, match="weights"):
+        low_latency_moe(config, x, object(), routing)
+    with pytest.raises(TypeError, match="routing"):
+        low_latency_moe(config, x, weights, (routing.ids, routing.weights))
+    with pytest.raises(TypeError, match="hidden_states"):
+        low_latency_moe(config, x.float(), weights, routing)
+    with pytest.raises(ValueError, match="gated"):
+        low_latency_moe(config, x, weights, routing, activation="silu")
+    with pytest.raises(ValueError, match="out_dtype"):
+        low_latency_moe(config, x, weights, routing, out_dtype=torch.float32)
+    with pytest.raises(TypeError, match="finalize"):
+        low_latency_moe(config, x, weights, routing, finalize="yes")
+    with pytest.raises(ValueError, match="max_num_tokens"):
+        low_latency_moe(LowLatencyMoeConfig(1, arch="sm90"), x, weights, routing)
+    with pytest.raises(ValueError, match="CUDA device"):
+        low_latency_moe(config, x, weights, routing)
