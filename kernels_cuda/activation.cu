@@ -1,4 +1,5 @@
-// Activation of the first GEMM's output, requantized to NVFP4 for the second GEMM.
+// Activation of the first GEMM's output, requantized to NVFP4 for the second GEMM (or, with BF16 fragments
+// and requantize == 0, rounded to BF16 for a second GEMM on BF16 tokens).
 #include "common.cuh"
 #include "activation_math.cuh"
 
@@ -87,11 +88,20 @@ __device__ __forceinline__ void store_unit(int layout, u8* out, u8* out_scales, 
   out_scales[scale_offset(r, 2 * u + 1, groups, swizzled)] = s1;
 }
 
+// Unit u of row r without requantization: bf16_rne(y) in the token-fragment order of store_unit.
+__device__ __forceinline__ void store_unit_bf16(u8* out, i64 r, int u, int inter, const float y[32]) {
+  u16* dst = reinterpret_cast<u16*>(out) + r * inter + 64 * (u >> 1) + 8 * (u & 1);
+  auto pair = [&](int j) { return static_cast<u32>(float_to_bf16(y[j])) | (static_cast<u32>(float_to_bf16(y[j + 1])) << 16); };
+#pragma unroll
+  for (int q = 0; q < 4; ++q)
+    *reinterpret_cast<uint4*>(dst + 16 * q) = make_uint4(pair(2 * q), pair(2 * q + 8), pair(16 + 2 * q), pair(24 + 2 * q));
+}
+
 // The units u = first, first + stride, ... < inter / 32 of row r.
 template <int ACT, bool GATED>
 __device__ __forceinline__ void activate_row(const u16* row, bool padding, i64 r, int first, int stride, int inter,
-                                             int act, float alpha, float beta, float limit, int layout, u8* out,
-                                             u8* out_scales) {
+                                             int act, float alpha, float beta, float limit, int layout, bool requantize,
+                                             u8* out, u8* out_scales) {
   for (int u = first; u < inter / 32; u += stride) {
     float v[32];
     u8 s0 = 0, s1 = 0;
@@ -100,6 +110,10 @@ __device__ __forceinline__ void activate_row(const u16* row, bool padding, i64 r
       for (int j = 0; j < 32; ++j) v[j] = 0.0f;
     } else {
       activate_32<ACT, GATED>(row, inter, 32 * u, act, alpha, beta, limit, v);
+      if (!requantize) {
+        store_unit_bf16(out, r, u, inter, v);
+        continue;
+      }
       s0 = requantize_16(v);
       s1 = requantize_16(v + 16);
     }
@@ -118,11 +132,12 @@ __device__ __forceinline__ void activate_row(const u16* row, bool padding, i64 r
 //               + E4M3 scales of the inter / 16 blocks per row, linear or 128x4 swizzled; or BF16
 //               fragments (BF16 [row_capacity, inter], 16-byte aligned, out_scales unused)
 // Per block: y = activation(float(g1)) in FP32, s = e4m3(amax(|y|) / 6), code_i = e2m1(y_i / float(s)),
-// all codes 0 when float(s) == 0. Padding rows (r < total, row_to_slot[r] < 0) are written as zeros;
-// rows >= total are not written. inter must be a multiple of 64.
+// all codes 0 when float(s) == 0; with requantize == 0 (BF16 fragments only) the values are bf16_rne(y)
+// instead. Padding rows (r < total, row_to_slot[r] < 0) are written as zeros; rows >= total are not
+// written. inter must be a multiple of 64.
 extern "C" __global__ void moe_activation(const u16* __restrict__ g1, const int* __restrict__ row_to_slot,
                                           const int* __restrict__ offsets, int num_experts, int act, int gated,
-                                          float alpha, float beta, float limit, int inter, int layout,
+                                          float alpha, float beta, float limit, int inter, int layout, int requantize,
                                           u8* __restrict__ out, u8* __restrict__ out_scales) {
   const int units = inter / 32;
   const int rows_per_block = max(1, static_cast<int>(blockDim.x) / units);
@@ -137,7 +152,8 @@ extern "C" __global__ void moe_activation(const u16* __restrict__ g1, const int*
 // SwiGLU (the gated activation of the common MoE models) is compiled on its own; the other activations
 // share one body that switches on `act` (fewer instantiations, shorter NVRTC builds).
 #define MOE_ACTIVATE_ROW(ACT, GATED) \
-  activate_row<ACT, GATED>(row, padding, r, first, stride, inter, act, alpha, beta, limit, layout, out, out_scales)
+  activate_row<ACT, GATED>(row, padding, r, first, stride, inter, act, alpha, beta, limit, layout, requantize != 0, \
+                           out, out_scales)
   if (act == ACT_SWIGLU && gated) MOE_ACTIVATE_ROW(ACT_SWIGLU, true);
   else if (gated) MOE_ACTIVATE_ROW(-1, true);
   else MOE_ACTIVATE_ROW(-1, false);

@@ -27,20 +27,17 @@ extern "C" __global__ void moe_permute(const u8* __restrict__ xs, const u8* __re
   }
 }
 
-// BF16 token fragments (TokenLayout.BF16_FRAGMENTS, the SM90 engine): the exact decoded values of
-// each routed slot's token, in the token-fragment column order (cudnn_moe/engines/sm90/layout.py).
-// Token-major: a token's 32-column unit is loaded and decoded once and stored to the rows of all its
-// slots.
-// A thread handles units of H / 32 per token; blockDim.x / (H / 32) tokens per block (at least one;
-// launch ceil(ceil(num_slots / top_k) / tokens per block) blocks).
-//   xs          uint8 [B, H/2]       packed E2M1 (element 2i in the low nibble), 16-byte aligned
-//   xss         uint8 [B, H/16]      E4M3 scales, linear
+// BF16 token fragments (TokenLayout.BF16_FRAGMENTS, the SM90 engine): each routed slot's token in the
+// token-fragment column order (cudnn_moe/engines/sm90/layout.py). Token-major: a token's 32-column unit
+// is loaded once (LOAD_UNIT: decoded from NVFP4, or read from BF16) and stored to the rows of all its
+// slots. A thread handles units of H / 32 per token; blockDim.x / (H / 32) tokens per block (at least
+// one; launch ceil(ceil(num_slots / top_k) / tokens per block) blocks).
 //   slot_to_row int32 [num_slots]    destination row of slot i (token i / top_k), -1 when masked
 //   xp          bf16 [rows, H]       16-byte aligned; rows no slot maps to are not written
 // Requires H % 64 == 0.
-extern "C" __global__ void moe_permute_bf16(const u8* __restrict__ xs, const u8* __restrict__ xss,
-                                            const int* __restrict__ slot_to_row, int num_slots, int top_k,
-                                            int hidden, u16* __restrict__ xp) {
+template <typename LoadUnit>
+__device__ __forceinline__ void permute_fragments(const int* __restrict__ slot_to_row, int num_slots, int top_k,
+                                                  int hidden, u16* __restrict__ xp, LoadUnit load_unit) {
   const int units = hidden / 32;
   const int tokens_per_block = max(1, static_cast<int>(blockDim.x) / units);
   const int sub = threadIdx.x / units;  // the block's token of this thread
@@ -52,16 +49,37 @@ extern "C" __global__ void moe_permute_bf16(const u8* __restrict__ xs, const u8*
   const int* rows = slot_to_row + first_slot;
   bool live = false;
   for (int s = 0; s < slots; ++s) live |= rows[s] >= 0;
-  if (!live) return;  // every slot masked (tokens past T): nothing to decode
-  const u8* codes = xs + t * (hidden / 2);
-  const u8* scales = xss + t * (hidden / 16);
+  if (!live) return;  // every slot masked (tokens past T): nothing to load
   const int stride = tokens_per_block == 1 ? static_cast<int>(blockDim.x) : units;
   for (int u = threadIdx.x - sub * units; u < units; u += stride) {
     uint4 piece[4];
-    decode_fragment_unit(codes, scales, u, piece);
+    load_unit(t, u, piece);
     for (int s = 0; s < slots; ++s) {
       const int r = rows[s];
       if (r >= 0) store_fragment_unit(xp + static_cast<i64>(r) * hidden, u, piece);
     }
   }
+}
+
+// NVFP4 tokens, decoded exactly: xs uint8 [B, H/2] packed E2M1 (element 2i in the low nibble), 16-byte
+// aligned; xss uint8 [B, H/16] E4M3 scales, linear.
+extern "C" __global__ void moe_permute_bf16(const u8* __restrict__ xs, const u8* __restrict__ xss,
+                                            const int* __restrict__ slot_to_row, int num_slots, int top_k,
+                                            int hidden, u16* __restrict__ xp) {
+  permute_fragments(slot_to_row, num_slots, top_k, hidden, xp, [&](i64 t, int u, uint4 piece[4]) {
+    decode_fragment_unit(xs + t * (hidden / 2), xss + t * (hidden / 16), u, piece);
+  });
+}
+
+// BF16 tokens as they are: x bf16 [B, H], 16-byte aligned. Piece q of unit u holds the value pairs
+// (2q, 2q+1), (8+2q, 9+2q), (16+2q, 17+2q), (24+2q, 25+2q) of its 32 columns (decode_fragment_unit's order).
+extern "C" __global__ void moe_permute_bf16_tokens(const u16* __restrict__ x, const int* __restrict__ slot_to_row,
+                                                   int num_slots, int top_k, int hidden, u16* __restrict__ xp) {
+  permute_fragments(slot_to_row, num_slots, top_k, hidden, xp, [&](i64 t, int u, uint4 piece[4]) {
+    const uint4* src = reinterpret_cast<const uint4*>(x + t * hidden + 32 * u);
+    const uint4 a = src[0], b = src[1], c = src[2], d = src[3];  // pair words 0..3, 4..7, 8..11, 12..15
+    const u32 words[16] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w, c.x, c.y, c.z, c.w, d.x, d.y, d.z, d.w};
+#pragma unroll
+    for (int q = 0; q < 4; ++q) piece[q] = make_uint4(words[q], words[4 + q], words[8 + q], words[12 + q]);
+  });
 }

@@ -106,6 +106,8 @@ def _wrapper_calls() -> list[tuple[str, Callable[..., None], tuple[Any, ...]]]:
         ("moe_sort_blocks", kernels.sort_routing, sorting_blocks),
         ("moe_permute", kernels.permute_tokens, permute),
         ("moe_permute_bf16", kernels.permute_tokens, permute_bf16),
+        ("moe_permute_bf16_tokens", kernels.permute_bf16_tokens,
+         (z(B, H, dtype=bf16), z(B * k, dtype=i32), B * k, k, z(R, H, dtype=bf16))),
         ("moe_activation", kernels.activate_quantize, activation),
         ("moe_finalize", kernels.finalize, finalize),
         ("moe_unfinalized_rows", kernels.unfinalized_rows, unfinalized),

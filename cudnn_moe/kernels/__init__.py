@@ -14,7 +14,7 @@ from .codes import ROW_THREADS, SORT_MAX_EXPERTS, SORT_THREADS, RoutingFormat, T
 from .finalize import SOURCE as _FINALIZE_SOURCE
 from .finalize import finalize, unfinalized_rows
 from .loader import compile_options, kernels_dir, launch, load_module, module_source, ptr
-from .permute import permute_tokens
+from .permute import permute_bf16_tokens, permute_tokens
 from .sort import sort_routing
 from .stage import SOURCE as _STAGE_SOURCE
 from .stage import stage_inputs
@@ -51,6 +51,7 @@ __all__ = [
     "load_call_kernels",
     "load_module",
     "module_source",
+    "permute_bf16_tokens",
     "permute_tokens",
     "plan_routes",
     "ptr",

@@ -20,8 +20,10 @@ def activate_quantize(
     layout: TokenLayout,
     out: torch.Tensor,
     out_scales: torch.Tensor | None,
+    requantize: bool = True,
 ) -> None:
-    """Activate GEMM1's output and requantize it to NVFP4 with global scale one.
+    """Activate GEMM1's output and requantize it to NVFP4 with global scale one (requantize=False, BF16
+    fragments only: round it to BF16 instead, for a second GEMM on BF16 tokens).
 
     g1 bfloat16 [R, N1], the expert global already applied (N1 = 2I as [up | gate] when gated, else
     I; I % 64 == 0). Per 16-value block of y = activation(float(g1)) (FP32): s = e4m3(amax / 6),
@@ -39,6 +41,8 @@ def activate_quantize(
         raise ValueError(f"activation: g1 {tuple(g1.shape)} does not match an output of {rows} rows x {inter}")
     if g1.dtype != torch.bfloat16 or offsets.dtype != torch.int32:
         raise ValueError("activation: g1 must be bfloat16 and offsets int32 [E + 1]")
+    if not requantize and layout is not TokenLayout.BF16_FRAGMENTS:
+        raise ValueError("activation: requantize=False writes BF16 fragments only")
     if layout is TokenLayout.BF16_FRAGMENTS:
         if out.dtype != torch.bfloat16:
             raise ValueError("activation: BF16 fragments need a bfloat16 output")
@@ -54,6 +58,6 @@ def activate_quantize(
         (
             ptr(g1, 16), ptr(row_to_slot), ptr(offsets), np.int32(offsets.numel() - 1), np.int32(activation.kind),
             np.int32(activation.gated), np.float32(a), np.float32(b), np.float32(limit), np.int32(inter),
-            np.int32(layout), ptr(out, out_align), ptr(out_scales),
+            np.int32(layout), np.int32(requantize), ptr(out, out_align), ptr(out_scales),
         ),
     )

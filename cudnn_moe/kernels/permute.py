@@ -1,5 +1,6 @@
 """Permute: gather each routed slot's token into its expert-sorted row, in the GEMM engine's token
-layout (kernels_cuda/permute.cu: moe_permute for the NVFP4 layouts, moe_permute_bf16 for BF16 fragments)."""
+layout (kernels_cuda/permute.cu: moe_permute for the NVFP4 layouts, moe_permute_bf16 for BF16 fragments of
+NVFP4 tokens, moe_permute_bf16_tokens for BF16 fragments of BF16 tokens)."""
 
 from __future__ import annotations
 
@@ -75,4 +76,24 @@ def permute_tokens(
             ptr(xs), ptr(xss), ptr(slot_to_row), np.int32(top_k), np.int32(hidden // 2), np.int32(scale_cols),
             np.int32(layout is TokenLayout.NVFP4_SWIZZLED_128X4), ptr(xp), ptr(xps),
         ),
+    )
+
+
+def permute_bf16_tokens(x: torch.Tensor, slot_to_row: torch.Tensor, num_slots: int, top_k: int, xp: torch.Tensor) -> None:
+    """Copy BF16 token t = slot // top_k of every routed slot to row r = slot_to_row[slot] >= 0 of xp in the
+    token-fragment column order (TokenLayout.BF16_FRAGMENTS), values unchanged.
+
+    x bfloat16 [B, H] (H % 64 == 0), xp bfloat16 [R, H], both 16-byte aligned; rows no slot maps to are not
+    written (moe_permute_bf16_tokens: each token read once for all its slots).
+    """
+    hidden = x.shape[1]
+    if x.dtype != torch.bfloat16 or xp.dtype != torch.bfloat16 or xp.dim() != 2 or xp.shape[1] != hidden or hidden % 64:
+        raise ValueError(f"permute: BF16 tokens [B, H] and rows [R, H] with H % 64 == 0, got {tuple(x.shape)} {x.dtype} "
+                         f"and {tuple(xp.shape)} {xp.dtype}")
+    if top_k < 1 or num_slots > slot_to_row.numel():
+        raise ValueError(f"permute: top_k={top_k}, {num_slots} slots, slot_to_row of {slot_to_row.numel()}")
+    blocks, threads = unit_grid(-(-num_slots // top_k), hidden // 32)
+    launch(
+        "permute.cu", "moe_permute_bf16_tokens", x.device, blocks, threads,
+        (ptr(x, 16), ptr(slot_to_row), np.int32(num_slots), np.int32(top_k), np.int32(hidden), ptr(xp, 16)),
     )
