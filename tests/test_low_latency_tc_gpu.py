@@ -1,0 +1,54 @@
+"""GPU tests of the tensor-core path of the low-latency call (cudnn_moe.low_latency.tensor_cores): NVFP4
+weight-only layers with BF16 tokens on the SM90 engine, called directly at every T = 1..8 (the call's
+dispatch sends T >= MIN_TOKENS there), against the float64 reference; repeated calls bitwise equal.
+Tolerances: test_low_latency_gpu (the same rounding points; only the FP32 summation order differs)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cudnn_moe.activations import GELU, GeGLU, Identity, ReLU2, SiTU, SwiGLU, SwiGLUStep
+from cudnn_moe.low_latency import WeightFormat, reference_low_latency, tensor_cores
+from test_low_latency_gpu import (
+    E, TOP_K, assert_close_to_reference, make_inputs, make_layer, make_routing, nan_out, random_ids,
+)
+
+pytestmark = pytest.mark.gpu
+FMT = WeightFormat.NVFP4_WEIGHT_ONLY
+CASES = [
+    (1, SwiGLU(), "fp32"), (2, GeGLU(), "packed"), (3, SwiGLUStep(limit=2.0), "bf16"), (4, SiTU(a=2.0, b=3.0), "int64"),
+    (5, SwiGLU(alpha=1.702, beta=1.0, limit=7.0), "fp32"), (6, GELU(), "packed"), (7, ReLU2(), "fp32"),
+    (8, Identity(), "packed"), (8, SwiGLU(), "bf16"),
+]
+
+
+@pytest.mark.parametrize("tokens, act, kind", CASES, ids=[f"T{t}-{type(a).__name__}-{k}" for t, a, k in CASES])
+def test_tensor_cores_match_reference(tokens, act, kind) -> None:
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the tensor-core path is the SM90 engine's")
+    config, weights = make_layer(FMT, act.gated, shape=(512, 160), seed=tokens)
+    x = make_inputs(config, FMT, torch.bfloat16, tokens, weights.hidden_size, seed=tokens + 1)
+    routing = make_routing(random_ids(tokens, TOP_K, E, tokens + 2), kind, tokens + 3)
+    out = nan_out((tokens, weights.hidden_size), torch.bfloat16)
+    tensor_cores.run(x, weights, routing, act, out)
+    want = reference_low_latency(x, weights, routing, act, out_dtype=torch.bfloat16)
+    torch.cuda.synchronize()
+    assert_close_to_reference(out, want, f"tensor cores T={tokens} {type(act).__name__} {kind}")
+    again = nan_out((tokens, weights.hidden_size), torch.bfloat16)
+    for _ in range(3):  # the cached signature, then its full-call graph: bitwise the same
+        again.fill_(float("nan"))
+        tensor_cores.run(x, weights, routing, act, again)
+        assert torch.equal(again, out)
+
+
+def test_dispatch_picks_the_tensor_cores_from_min_tokens() -> None:
+    config, weights = make_layer(FMT, True, shape=(256, 128), seed=9)
+    arch = (9, 0)
+    bf16 = torch.bfloat16
+    assert not tensor_cores.applies(weights, bf16, bf16, True, tensor_cores.MIN_TOKENS - 1, arch)
+    assert tensor_cores.applies(weights, bf16, bf16, True, tensor_cores.MIN_TOKENS, arch)
+    assert not tensor_cores.applies(weights, torch.float16, bf16, True, 8, arch)  # FP16 tokens: CUDA cores
+    assert not tensor_cores.applies(weights, bf16, torch.float16, True, 8, arch)  # FP16 output
+    assert not tensor_cores.applies(weights, bf16, bf16, False, 8, arch)  # raw rows
+    assert not tensor_cores.applies(weights, bf16, bf16, True, 8, (10, 0))
