@@ -21,7 +21,7 @@ __device__ __forceinline__ float gelu_tanh(float x) {
 }
 
 // The scalar function f of an activation: y = f(x) when not gated, y = f(gate) * up when gated
-// (GeGLU, GeGLUTanh; SwiGLU, SwiGLUStep and SiTU have their own forms in act_gated).
+// (GeGLU, GeGLUTanh; SwiGLU, SwiGLUStep and SiTU have their own forms below).
 __device__ __forceinline__ float act_fn(int act, float x) {
   switch (act) {
     case ACT_RELU: return fmaxf(x, 0.0f);
@@ -37,12 +37,22 @@ __device__ __forceinline__ float act_fn(int act, float x) {
   }
 }
 
-// Gated activations of (up, gate):
+// Gated activations of (up, gate) that the NVFP4 pipeline runs (GPU_KERNEL_ACTIVATIONS):
 //   SwiGLU:     g = min(gate, limit), u = clamp(up, -limit, limit), y = g * sigmoid(alpha * g) * (u + beta)
+//   others:     y = act_fn(act, gate) * up   (GeGLU, GeGLUTanh)
+__device__ __forceinline__ float act_gated(int act, float up, float gate, float alpha, float beta, float limit) {
+  if (act != ACT_SWIGLU) return act_fn(act, gate) * up;
+  gate = fminf(gate, limit);
+  up = fminf(fmaxf(up, -limit), limit);
+  return gate * sigmoid(alpha * gate) * (up + beta);
+}
+
+// Every gated activation: act_gated's kinds plus
 //   SwiGLUStep: y = min(silu(gate), limit) * clamp(up, -limit, limit)
 //   SiTU:       y = (alpha * tanh(gate / alpha) * sigmoid(gate)) * (beta * tanh(up / beta))   (alpha = a, beta = b)
-//   others:     y = act_fn(act, gate) * up
-__device__ __forceinline__ float act_gated(int act, float up, float gate, float alpha, float beta, float limit) {
+// (kept apart from act_gated so that the NVFP4 pipeline's kernel compiles to the same code as before these
+// two kinds existed; it can switch to this one when it admits them).
+__device__ __forceinline__ float act_gated_all(int act, float up, float gate, float alpha, float beta, float limit) {
   if (act == ACT_SWIGLU_STEP) {
     const float s = fminf(gate * sigmoid(gate), limit);
     return s * fminf(fmaxf(up, -limit), limit);
@@ -51,10 +61,7 @@ __device__ __forceinline__ float act_gated(int act, float up, float gate, float 
     const float soft_gate = alpha * tanhf(gate / alpha) * sigmoid(gate);
     return soft_gate * (beta * tanhf(up / beta));
   }
-  if (act != ACT_SWIGLU) return act_fn(act, gate) * up;
-  gate = fminf(gate, limit);
-  up = fminf(fmaxf(up, -limit), limit);
-  return gate * sigmoid(alpha * gate) * (up + beta);
+  return act_gated(act, up, gate, alpha, beta, limit);
 }
 
 }  // namespace moe

@@ -181,19 +181,37 @@ def test_wrappers_match_kernel_signatures(fmt: WeightFormat, monkeypatch: pytest
         assert block == LL_THREADS and options == ll.module_options(code_w, code_x), name
     lpr1 = ll.lanes_per_row(ll.row_bytes(fmt, h) // 16)
     lpr2 = ll.lanes_per_row(ll.row_bytes(fmt, ip) // 16)
-    assert launches[0][1] == (-(-ip // (8 * (32 // lpr1))), tokens * top_k)
-    assert launches[1][1] == launches[2][1] == (-(-h // (16 * (32 // lpr2))), tokens * top_k)
+    slots = tokens * top_k
+    columns1, columns2 = -(-ip // (8 * (32 // lpr1))), -(-h // (16 * (32 // lpr2)))
+    rounds1, rounds2 = ll.choose_rounds(columns1, slots, 132), ll.choose_rounds(columns2, slots, 132)
+    assert launches[0][1] == (-(-columns1 // rounds1), slots)
+    assert launches[1][1] == launches[2][1] == (-(-columns2 // rounds2), slots)
     assert launches[1][1][0] <= counters.numel()
-    gemm2_args = dict(zip(["inter", "ids", "weights", "routing", "id_bytes", "num_tokens", "top_k", "num_experts", "w",
-                           "w_scales", "w_global", "hidden", "inter_padded", "lanes", "out_fp16", "finalize"],
-                          launches[1][3]))
-    assert (gemm2_args["finalize"], gemm2_args["out_fp16"], gemm2_args["lanes"]) == (1, 1, lpr2)
-    assert launches[2][3][15] == 0 and launches[2][3][3] == 0  # raw rows: no finalize; packed routing code
-    gemm1_args = dict(zip(["x", "x_scales", "ids", "routing", "id_bytes", "num_tokens", "top_k", "num_experts"],
-                          launches[0][3]))
+    gemm1_names = ["x", "x_scales", "ids", "routing", "id_bytes", "num_tokens", "top_k", "num_experts", "w", "w_scales",
+                   "w_global", "hidden", "inter", "inter_padded", "gated", "lanes", "rounds", "act", "alpha", "beta",
+                   "limit", "out"]
+    gemm1_args = dict(zip(gemm1_names, launches[0][3]))
+    assert len(gemm1_names) == len(launches[0][3])
+    assert (gemm1_args["lanes"], gemm1_args["rounds"], gemm1_args["gated"]) == (lpr1, rounds1, 1)
     assert gemm1_args["id_bytes"] == 8 and gemm1_args["num_tokens"] == tokens and gemm1_args["top_k"] == top_k
-    assert launches[0][3][-5:-1] == (np.int32(SwiGLU.kind), np.float32(2.0), np.float32(0.5), np.float32(7.0))
-    assert tokens * top_k <= LL_MAX_SLOTS
+    assert (gemm1_args["act"], gemm1_args["alpha"], gemm1_args["beta"], gemm1_args["limit"]) == (10, 2.0, 0.5, 7.0)
+    gemm2_names = ["inter", "ids", "weights", "routing", "id_bytes", "num_tokens", "top_k", "num_experts", "w",
+                   "w_scales", "w_global", "hidden", "inter_padded", "lanes", "rounds", "out_fp16", "finalize", "rows",
+                   "out", "counters"]
+    assert len(gemm2_names) == len(launches[1][3])
+    gemm2_args = dict(zip(gemm2_names, launches[1][3]))
+    assert (gemm2_args["finalize"], gemm2_args["out_fp16"], gemm2_args["lanes"], gemm2_args["rounds"]) == (1, 1, lpr2, rounds2)
+    raw_args = dict(zip(gemm2_names, launches[2][3]))
+    assert (raw_args["finalize"], raw_args["routing"], raw_args["out_fp16"]) == (0, 0, 0)
+    assert slots <= LL_MAX_SLOTS
+
+
+def test_choose_rounds() -> None:
+    # Qwen3-30B-A3B GEMM1 (96 blocks of 8 features): T=1 (8 slots) keeps one round, T=8 (64 slots) takes four.
+    assert ll.choose_rounds(96, 8, 132) == 1
+    assert ll.choose_rounds(96, 64, 132) == 4
+    assert ll.choose_rounds(256, 8, 132) == 2  # DeepSeek-V3 GEMM1 at T=1: 1024 CTAs
+    assert ll.choose_rounds(1, 1, 132) == 1
 
 
 def test_lanes_per_row() -> None:
@@ -227,7 +245,7 @@ int main() {
     for (int i = 0; i < n; ++i) {
       float up, gate;
       if (std::scanf("%f %f", &up, &gate) != 2) return 1;
-      const float y = gated ? act_gated(act, up, gate, alpha, beta, limit) : act_fn(act, up);
+      const float y = gated ? act_gated_all(act, up, gate, alpha, beta, limit) : act_fn(act, up);
       std::printf("%.9g\n", y);
     }
   }
@@ -266,6 +284,76 @@ def test_activation_math_matches_the_reference_activations(tmp_path: Path) -> No
         assert bool((err <= bound).all()), (
             f"{act}: host FP32 formula differs from the reference by {float((err - bound).max()):.3g} over the bound "
             f"at up={float(up[int((err - bound).argmax())])}, gate={float(gate[int((err - bound).argmax())])}")
+
+
+# ----------------------------------------------------------------------------- decoders on the host
+_DECODE_DRIVER = r"""
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#define __device__
+#define __forceinline__ inline
+struct uint2 { unsigned int x, y; };
+struct uint4 { unsigned int x, y, z, w; };
+static inline unsigned int __float_as_uint(float f) { unsigned int u; std::memcpy(&u, &f, 4); return u; }
+static inline float __uint_as_float(unsigned int u) { float f; std::memcpy(&f, &u, 4); return f; }
+static inline float __fadd_rn(float a, float b) { return a + b; }
+static inline float __fsub_rn(float a, float b) { return a - b; }
+#include "low_latency/decode.cuh"
+
+// argv[1]: uint32 words; argv[2]: per word 8 E2M1 values then 8 INT4 values (float32); then e8m0 of 0..255.
+int main(int, char** argv) {
+  FILE* in = std::fopen(argv[1], "rb");
+  FILE* out = std::fopen(argv[2], "wb");
+  unsigned int q;
+  while (std::fread(&q, 4, 1, in) == 1) {
+    float v[16];
+    ll::decode_e2m1_word(q, v);
+    ll::decode_int4_word(q, v + 8);
+    std::fwrite(v, 4, 16, out);
+  }
+  for (unsigned int b = 0; b < 256; ++b) {
+    const float s = ll::e8m0_to_float(b);
+    std::fwrite(&s, 4, 1, out);
+  }
+  return std::fclose(out) != 0 || std::fclose(in) != 0;
+}
+"""
+
+
+@pytest.mark.skipif(CXX is None, reason="no C++ compiler")
+def test_decoders_match_the_codecs_for_every_code(tmp_path: Path) -> None:
+    """decode.cuh (the kernels' E2M1, INT4 and E8M0 decoders), built for the host with the bf16x2 FMA emulated:
+    every code in every nibble position gives the value of cudnn_moe.formats (element 2i = low nibble of byte i),
+    bit for bit, and every E8M0 byte the value torch gives (2^-127 for 0, NaN for 255)."""
+    from cudnn_moe.formats import decode_e2m1
+
+    source, program = tmp_path / "decode.cpp", tmp_path / "decode"
+    source.write_text(_DECODE_DRIVER)
+    build = [CXX, "-std=c++17", "-O1", "-I", str(kernels_dir()), *cuda_defines(), str(source), "-o", str(program)]
+    result = subprocess.run(build, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    gen = torch.Generator().manual_seed(0)
+    nibbles = torch.arange(16, dtype=torch.int64)
+    same = (nibbles[:, None] * torch.tensor([0x11111111], dtype=torch.int64)).flatten()  # every code everywhere
+    counting = torch.tensor([0x76543210, 0xFEDCBA98, 0x89ABCDEF, 0x01234567], dtype=torch.int64)
+    randoms = torch.randint(0, 2**32, (4096,), generator=gen, dtype=torch.int64)
+    words = torch.cat([same, counting, randoms]).to(torch.uint32 if hasattr(torch, "uint32") else torch.int64)
+    np.asarray(words.numpy(), dtype=np.uint32).tofile(tmp_path / "in.bin")
+    subprocess.run([str(program), str(tmp_path / "in.bin"), str(tmp_path / "out.bin")], check=True)
+    raw = np.fromfile(tmp_path / "out.bin", dtype=np.float32)
+    n = words.numel()
+    got = torch.from_numpy(raw[: 16 * n].reshape(n, 16).copy())
+    as_bytes = torch.from_numpy(np.asarray(words.numpy(), dtype=np.uint32).view(np.uint8).reshape(n, 4).copy())
+    codes = torch.stack((as_bytes & 0xF, as_bytes >> 4), dim=-1).reshape(n, 8)  # element 2i: low nibble of byte i
+    want_fp4 = decode_e2m1(codes)
+    assert torch.equal(got[:, :8].view(torch.int32), want_fp4.view(torch.int32)), "E2M1 decode differs (bits)"
+    want_int4 = torch.where(codes >= 8, codes.long() - 16, codes.long()).float()
+    assert torch.equal(got[:, 8:], want_int4), "INT4 decode differs"
+    e8m0 = torch.from_numpy(raw[16 * n :].copy())
+    want = torch.arange(256, dtype=torch.uint8).view(torch.float8_e8m0fnu).float()
+    torch.testing.assert_close(e8m0, want, rtol=0, atol=0, equal_nan=True)
+    assert e8m0[0] == 2.0**-127 and e8m0[255].isnan()
 
 
 # ----------------------------------------------------------------------------- call checks on the CPU

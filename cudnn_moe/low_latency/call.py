@@ -1,11 +1,12 @@
 """The low-latency MoE call: ``low_latency_moe`` (1..8 tokens, contract 004) on the GPU.
 
 Two kernel launches on torch's current stream (cudnn_moe.low_latency.kernels): GEMM1 + activation, then
-GEMM2 with the finalize folded into its last CTA per feature column (the raw output skips the finalize). The call allocates nothing when ``out`` is given
-(workspaces are cached per weights, cudnn_moe.low_latency.workspace), reads no device data and never
-synchronizes, so a caller can record it in its own CUDA graph once one eager call has warmed it up
-(kernels compiled, workspace allocated). Every argument is checked before anything is launched;
-errors name the argument (TypeError for a wrong type or dtype, ValueError for a wrong value).
+GEMM2 with the finalize folded into its last CTA per feature column (the raw output skips the finalize).
+The call allocates nothing when ``out`` is given (workspaces are cached per weights,
+cudnn_moe.low_latency.workspace), reads no device data and never synchronizes, so a caller can record
+it in its own CUDA graph once one eager call has warmed it up (kernels compiled, workspace allocated).
+Every argument is checked before anything is launched; errors name the argument (TypeError for a wrong
+type or dtype, ValueError for a wrong value).
 
 Numerics are those of cudnn_moe.low_latency.reference, rounding point for rounding point:
 
@@ -27,6 +28,7 @@ but that result is not part of the contract (the float reference raises ValueErr
 
 from __future__ import annotations
 
+import functools
 import threading
 
 import torch
@@ -91,6 +93,11 @@ def _weight_tensors(weights: LowLatencyWeights) -> tuple[torch.Tensor, ...]:
         return weights.w1, weights.w2
     assert isinstance(weights, BlockScaledWeights)
     return weights.w1_codes, weights.w1_scales, weights.w2_codes, weights.w2_scales
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _ensure_ready(fmt: WeightFormat, x_dtype: torch.dtype | None, device: torch.device) -> None:
@@ -199,11 +206,12 @@ def low_latency_moe(
     if out is None:
         out = torch.empty(shape, dtype=out_dtype, device=device)
     out_fp16 = out_dtype is torch.float16
-    kernels.gemm1(weights, x, x_scales, ids, routing_code, tokens, top_k, act, workspace.inter)
+    sms = _sm_count(device)
+    kernels.gemm1(weights, x, x_scales, ids, routing_code, tokens, top_k, act, workspace.inter, sms)
     if finalize:
         kernels.gemm2(weights, x_dtype, workspace.inter, ids, route_weights, routing_code, tokens, top_k, out_fp16,
-                      workspace.rows, out, workspace.counters)
+                      workspace.rows, out, workspace.counters, sms)
     else:
         kernels.gemm2(weights, x_dtype, workspace.inter, ids, route_weights, routing_code, tokens, top_k, out_fp16,
-                      out, None, None)
+                      out, None, None, sms)
     return out

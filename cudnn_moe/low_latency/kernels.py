@@ -81,6 +81,16 @@ def lanes_per_row(chunks: int) -> int:
 KERNELS = ("ll_gemm1", "ll_gemm2")
 
 
+def choose_rounds(columns: int, slots: int, sms: int) -> int:
+    """Feature blocks per CTA (1, 2 or 4): the most that still leaves at least 4 CTAs per SM over the grid of
+    ``columns`` single-block columns x ``slots`` slots (an upper bound on the touched experts). More rounds
+    spread each CTA's fixed cost (the routing plan) over more weights; fewer keep every SM busy."""
+    for rounds in (4, 2):
+        if -(-columns // rounds) * slots >= 4 * sms:
+            return rounds
+    return 1
+
+
 def load_modules(fmt: WeightFormat, x_dtype: torch.dtype | None, device: int) -> None:
     """Compile, or load from the cache, the module a call with these weights and inputs launches, and
     resolve its kernels (so that a later call inside a CUDA-graph capture only launches)."""
@@ -116,6 +126,7 @@ def gemm1(
     top_k: int,
     activation: Activation,
     inter_out: torch.Tensor,
+    sms: int = 132,
 ) -> None:
     """GEMM1 + activation: inter_out [>= T k, Ip] (int16 storage of BF16/FP16 bits) for every routed slot.
 
@@ -125,8 +136,10 @@ def gemm1(
     fmt = weights.format
     w, w_scales, w_global = _payloads(weights, second=False)
     lpr = lanes_per_row(row_bytes(fmt, weights.hidden_size) // CHUNK_BYTES)
-    features_per_cta = WARPS * (32 // lpr)
-    grid = (-(-weights.padded_intermediate // features_per_cta), num_tokens * top_k)
+    features_per_block = WARPS * (32 // lpr)
+    columns = -(-weights.padded_intermediate // features_per_block)
+    rounds = choose_rounds(columns, num_tokens * top_k, sms)
+    grid = (-(-columns // rounds), num_tokens * top_k)
     alpha, beta, limit = activation.params()
     options = module_options(weight_code(fmt), input_code(fmt, x.dtype))
     launch(
@@ -135,7 +148,8 @@ def gemm1(
             ptr(x, 16), ptr(x_scales), *_routing_args(ids, routing_code), np.int32(num_tokens), np.int32(top_k),
             np.int32(weights.num_experts), ptr(w, 16), ptr(w_scales), ptr(w_global), np.int32(weights.hidden_size),
             np.int32(weights.intermediate_size), np.int32(weights.padded_intermediate), np.int32(weights.gated),
-            np.int32(lpr), np.int32(int(activation.kind)), np.float32(alpha), np.float32(beta), np.float32(limit),
+            np.int32(lpr), np.int32(rounds), np.int32(int(activation.kind)), np.float32(alpha), np.float32(beta),
+            np.float32(limit),
             ptr(inter_out, 16),
         ),
         extra_options=options,
@@ -155,6 +169,7 @@ def gemm2(
     rows: torch.Tensor,
     out: torch.Tensor | None,
     counters: torch.Tensor | None,
+    sms: int = 132,
 ) -> None:
     """GEMM2 into rows [>= T k, H] (16-bit storage), then, when ``out`` is given, the finalize in the same launch.
 
@@ -166,7 +181,9 @@ def gemm2(
     fmt = weights.format
     w, w_scales, w_global = _payloads(weights, second=True)
     lpr = lanes_per_row(row_bytes(fmt, weights.padded_intermediate) // CHUNK_BYTES)
-    grid = (gemm2_columns(weights.hidden_size, lpr), num_tokens * top_k)
+    columns = gemm2_columns(weights.hidden_size, lpr)
+    rounds = choose_rounds(columns, num_tokens * top_k, sms)
+    grid = (-(-columns // rounds), num_tokens * top_k)
     if counters is not None and counters.numel() < grid[0]:
         raise ValueError(f"gemm2 needs {grid[0]} column counters, got {counters.numel()}")
     options = module_options(weight_code(fmt), input_code(fmt, x_dtype))
@@ -176,17 +193,19 @@ def gemm2(
             ptr(inter, 16), ptr(ids), ptr(route_weights), np.int32(routing_code), np.int32(ids.element_size()),
             np.int32(num_tokens), np.int32(top_k), np.int32(weights.num_experts), ptr(w, 16), ptr(w_scales),
             ptr(w_global), np.int32(weights.hidden_size), np.int32(weights.padded_intermediate), np.int32(lpr),
-            np.int32(out_fp16), np.int32(out is not None), ptr(rows, 16), ptr(out, 16), ptr(counters, 4),
+            np.int32(rounds), np.int32(out_fp16), np.int32(out is not None), ptr(rows, 16), ptr(out, 16),
+            ptr(counters, 4),
         ),
         extra_options=options,
     )
 
 
 def gemm2_columns(hidden: int, lanes: int) -> int:
-    """Feature columns (CTAs along x) of ll_gemm2: each covers 2 * WARPS * (32 / lanes) output features."""
+    """Feature blocks of ll_gemm2 (its CTAs along x at one round): each covers 2 * WARPS * (32 / lanes) features."""
     return -(-hidden // (2 * WARPS * (32 // lanes)))
 
 
 def max_gemm2_columns(hidden: int) -> int:
-    """The most columns any lane split gives (32 lanes a row): the size of the counters workspace."""
+    """The most columns any lane split and round count gives (32 lanes a row, one round): the size of the
+    counters workspace."""
     return gemm2_columns(hidden, 32)

@@ -12,8 +12,10 @@ Padding is all-zero bytes in every tensor: a zero code (E2M1 +0, INT4 0) or a ze
 so padded rows and columns contribute exactly nothing (every activation maps 0 to 0, and the padded
 w2 columns are zero anyway); a zero E8M0 scale byte means 2^-127, harmless under zero codes.
 
-No kernel layout yet: the stored tensors are linear (row-major, scales [E, rows, K / block]). A later
-session may repack them for the kernels; ``canonical()`` keeps returning the caller's logical tensors.
+The GPU kernels (kernels_cuda/low_latency/ll_moe.cu) read these linear tensors as they are (row-major,
+scales [E, rows, K / block]): each lane streams 16 contiguous bytes of one row at a time, which is
+already a coalesced 128-bit load, so nothing is repacked and ``canonical()`` returns the caller's
+logical tensors.
 """
 
 from __future__ import annotations

@@ -13,6 +13,12 @@
 //                multiply and add a separate FP32 operation (__fmul_rn / __fadd_rn, no FMA), and resets
 //                the counter. The combine reads finished rows only, in a fixed order: deterministic.
 //
+// Why CUDA cores. At 1..8 tokens the layer is a weight stream: each touched expert serves T * k / E tokens
+// on average (about 1 for Qwen3-30B-A3B and DeepSeek-V3 even at T = 8), so an FP32 FMA per weight and
+// token costs about one instruction per weight next to the ~3 of the exact decode, within the H200's issue
+// budget at full bandwidth (hopper-kernels.md: ~3.5-4 instructions per 4-bit weight and lane). Tensor cores
+// (mma.sync with the weights as A) would pay off only for experts shared by many tokens.
+//
 // Work split. Grid (feature blocks, slots): the CTA of slot s first reads the expert ids of all
 // T * top_k slots into shared memory (ids outside [0, E) are unrouted) and carries on only if s is the
 // first slot, in slot order, naming its expert e (no sort kernel); it then serves every distinct token
@@ -46,6 +52,7 @@
 //   intermediate dtype, rows [T k, H] of the output dtype.
 #include "common.cuh"
 #include "activation_math.cuh"
+#include "low_latency/decode.cuh"
 
 #if !defined(LL_WEIGHTS) || !defined(LL_INPUT) || !defined(LL_THREADS) || !defined(LL_MAX_SLOTS)
 #error "compile with the -D options of cudnn_moe.low_latency.kernels (LL_WEIGHTS, LL_INPUT and the shared codes)"
@@ -91,34 +98,7 @@ __device__ __forceinline__ float round_16(float f, bool fp16) {
   return fp16 ? half_to_float(float_to_half(f)) : bf16_to_float(float_to_bf16(f));
 }
 
-__device__ __forceinline__ u32 bf16x2_fma(u32 a, u32 b, u32 c) {
-  u32 d;
-  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
-  return d;
-}
-
 __device__ __forceinline__ u32 word_of(const uint4& v, int i) { return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w; }
-
-// The 8 E2M1 codes of word q (code j = nibble j: element 2i is the low nibble of byte i), exact, in FP32.
-// Pair j holds codes j (low half) and j + 4 (high half) as BF16 of value x 2^-126 (sign at bit 15, the
-// three magnitude bits at 8..6), then times 2^126 in one bf16x2 FMA.
-__device__ __forceinline__ void decode_e2m1_word(u32 q, float v[8]) {
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const u32 p = q << (12 - 4 * j);
-    u32 b = (p & 0x80008000u) | ((p >> 6) & 0x01C001C0u);
-    b = bf16x2_fma(b, 0x7E807E80u, 0x80008000u);  // x 2^126 + (-0)
-    v[j] = __uint_as_float(b << 16);
-    v[j + 4] = __uint_as_float(b & 0xFFFF0000u);
-  }
-}
-
-// The 8 two's-complement INT4 codes of word q, exact, in FP32: the float with bits 0x4B000000 | (n ^ 8) is
-// 2^23 + n + 8 for the signed code n, so one FADD of -(2^23 + 8) leaves n.
-__device__ __forceinline__ void decode_int4_word(u32 q, float v[8]) {
-#pragma unroll
-  for (int j = 0; j < 8; ++j) v[j] = __uint_as_float(0x4B000000u | (((q >> (4 * j)) & 0xFu) ^ 8u)) - 8388616.0f;
-}
 
 // Word i of a weight chunk as 8 FP32 values (unscaled codes for the 4-bit formats).
 __device__ __forceinline__ void decode_weight_word(const uint4& raw, int i, float v[8]) {
@@ -148,8 +128,7 @@ __device__ __forceinline__ float scale_value(u32 raw, int g) {
 #if LL_WEIGHTS == LL_WEIGHTS_NVFP4
   return e4m3_to_float(static_cast<u8>(raw >> (8 * g)));  // two E4M3 bytes per chunk
 #elif LL_WEIGHTS == LL_WEIGHTS_MXFP4
-  // E8M0: 2^(b - 127); b = 0 is 2^-127 (an FP32 subnormal), b = 255 is NaN.
-  return raw == 255u ? __uint_as_float(0x7FC00000u) : (raw == 0u ? __uint_as_float(0x00400000u) : __uint_as_float(raw << 23));
+  return e8m0_to_float(raw);
 #elif LL_WEIGHTS == LL_WEIGHTS_MXINT4
   return __uint_as_float(raw << 16);  // BF16
 #else
@@ -348,6 +327,53 @@ __device__ __forceinline__ void dot_rows(const u8* const (&wrow)[R], const u8* c
       for (int off = lpr >> 1; off > 0; off >>= 1) acc[t][r] += __shfl_xor_sync(0xFFFFFFFFu, acc[t][r], off);
 }
 
+// ------------------------------------------------------------------------------------------ features
+// A CTA covers `rounds` blocks of WARPS * (32 / lpr) consecutive feature groups, one block per round (more
+// rounds amortize the plan over more weights when there are many CTAs). The group of this thread in round
+// `round`: GEMM1 feature f (rows f and Ip + f), GEMM2 features 2g and 2g + 1.
+__device__ __forceinline__ int feature_group(int round, int rounds, int lpr) {
+  return ((static_cast<int>(blockIdx.x) * rounds + round) * WARPS + (static_cast<int>(threadIdx.x) >> 5)) * (32 / lpr) +
+         (static_cast<int>(threadIdx.x) & 31) / lpr;
+}
+
+// ------------------------------------------------------------------------------------------ L2 prefetch
+// Before the plan (whose id loads and barriers take a while), every thread of a CTA whose slot names a valid
+// expert asks L2 for its lanes' share of the first 4 KB of the CTA's weight rows, one prefetch per 128-byte
+// line (and the scale rows' heads): the stream starts at once, without registers, and the first loads of the
+// main loop hit L2.
+// A duplicate slot's CTA prefetches the same lines as the CTA that does the work (L2 merges them).
+__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
+
+constexpr i64 PREFETCH_ROW_BYTES = 4096;  // the head of each row: 4-bit rows whole up to H = 8192; the
+                                         // resident CTAs' prefetches then stay well inside L2
+
+__device__ __forceinline__ void prefetch_rows(const u8* w, const u8* w_scales, i64 first_row, int rows, int k,
+                                              int lpr) {
+  const int lane = threadIdx.x & 31, sub = lane & (lpr - 1);
+  const i64 stride = row_bytes(k), sbytes = scale_row_bytes(k), head = min(stride, PREFETCH_ROW_BYTES);
+  for (int r = 0; r < rows; ++r) {
+    const u8* row = w + (first_row + r) * stride;
+    for (i64 off = 128 * static_cast<i64>(sub); off < head; off += 128 * static_cast<i64>(lpr)) prefetch_l2(row + off);
+    if (!W16 && sub == 0) prefetch_l2(w_scales + (first_row + r) * sbytes);
+  }
+}
+
+// GEMM1: rows f (and Ip + f when gated) of expert e (nothing for e < 0 or a padding feature).
+__device__ __forceinline__ void prefetch_gemm1(int e, int f, const u8* w, const u8* w_scales, int hidden, int inter,
+                                               int inter_padded, bool gated, int lpr) {
+  if (e < 0 || f >= inter) return;
+  const int n_rows = (gated ? 2 : 1) * inter_padded;
+  for (int r = 0; r < (gated ? 2 : 1); ++r)
+    prefetch_rows(w, w_scales, static_cast<i64>(e) * n_rows + r * inter_padded + f, 1, hidden, lpr);
+}
+
+// GEMM2: rows f, f + 1 of w2 of expert e.
+__device__ __forceinline__ void prefetch_gemm2(int e, int f, const u8* w, const u8* w_scales, int hidden,
+                                               int inter_padded, int lpr) {
+  if (e < 0 || f >= hidden) return;
+  prefetch_rows(w, w_scales, static_cast<i64>(e) * hidden + f, 2, inter_padded, lpr);
+}
+
 // ------------------------------------------------------------------------------------------ GEMM1 + activation
 struct Gemm1Args {
   const u8* x;
@@ -355,17 +381,15 @@ struct Gemm1Args {
   const u8* w;
   const u8* w_scales;
   const float* w_global;
-  int hidden, inter, inter_padded, top_k, lanes_per_row, act;
+  int hidden, inter, inter_padded, top_k, lanes_per_row, rounds, act;
   float alpha, beta, limit;
   u16* out;
 };
 
 // Tokens plan.list[first .. first + ntok) (ntok <= NT) of expert e.
 template <int NT, int R>
-__device__ __forceinline__ void gemm1_body(const Plan& plan, const Gemm1Args& a, int e, int first, int ntok) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, lpr = a.lanes_per_row;
-  const int sub = lane & (lpr - 1), groups = 32 / lpr;
-  const int f = (blockIdx.x * WARPS + warp) * groups + lane / lpr;
+__device__ __forceinline__ void gemm1_body(const Plan& plan, const Gemm1Args& a, int e, int f, int first, int ntok) {
+  const int lpr = a.lanes_per_row, sub = threadIdx.x & (lpr - 1);
   const int n_rows = R * a.inter_padded;  // rows of w1 per expert: [up; gate] halves of Ip rows, or Ip
   const u8* wrow[R];
   const u8* srow[R];
@@ -394,7 +418,7 @@ __device__ __forceinline__ void gemm1_body(const Plan& plan, const Gemm1Args& a,
       h[r] = LL_WEIGHTS == LL_WEIGHTS_NVFP4 ? acc[t][r] * global : acc[t][r];
       if (LL_WEIGHTS != LL_WEIGHTS_MXINT4) h[r] = round_16(h[r], INTER_FP16);  // preactivation rounding
     }
-    const float y = R == 2 ? act_gated(a.act, h[0], h[R - 1], a.alpha, a.beta, a.limit) : act_fn(a.act, h[0]);
+    const float y = R == 2 ? act_gated_all(a.act, h[0], h[R - 1], a.alpha, a.beta, a.limit) : act_fn(a.act, h[0]);
     const u16 bits = f < a.inter ? to_16(y, INTER_FP16) : static_cast<u16>(0);
     const int token = plan.list[first + t] / a.top_k;
     for (int j = sub; j < a.top_k; j += lpr) {
@@ -410,12 +434,18 @@ __device__ __forceinline__ void gemm1_body(const Plan& plan, const Gemm1Args& a,
 template <int R>
 __device__ __forceinline__ void gemm1_dispatch(const Plan& plan, const Gemm1Args& a, int e) {
   const int n = plan.count;
-  if (n <= 1) gemm1_body<1, R>(plan, a, e, 0, n);
-  else if (n == 2) gemm1_body<2, R>(plan, a, e, 0, n);
-  else if (n <= 4) gemm1_body<4, R>(plan, a, e, 0, n);
-  else {
-    gemm1_body<4, R>(plan, a, e, 0, 4);
-    gemm1_body<4, R>(plan, a, e, 4, n - 4);
+  for (int round = 0; round < a.rounds; ++round) {
+    const int f = feature_group(round, a.rounds, a.lanes_per_row);
+    if (round + 1 < a.rounds)  // the next round's rows start streaming into L2 now
+      prefetch_gemm1(e, feature_group(round + 1, a.rounds, a.lanes_per_row), a.w, a.w_scales, a.hidden, a.inter,
+                     a.inter_padded, R == 2, a.lanes_per_row);
+    if (n <= 1) gemm1_body<1, R>(plan, a, e, f, 0, n);
+    else if (n == 2) gemm1_body<2, R>(plan, a, e, f, 0, n);
+    else if (n <= 4) gemm1_body<4, R>(plan, a, e, f, 0, n);
+    else {
+      gemm1_body<4, R>(plan, a, e, f, 0, 4);
+      gemm1_body<4, R>(plan, a, e, f, 4, n - 4);
+    }
   }
 }
 
@@ -425,16 +455,14 @@ struct Gemm2Args {
   const u8* w;
   const u8* w_scales;
   const float* w_global;
-  int hidden, inter_padded, top_k, lanes_per_row, out_fp16;
+  int hidden, inter_padded, top_k, lanes_per_row, rounds, out_fp16;
   u16* rows;
 };
 
 // Each feature group computes two adjacent output features (2 rows of w2 sharing the token loads).
 template <int NT>
-__device__ __forceinline__ void gemm2_body(const Plan& plan, const Gemm2Args& a, int e, int first, int ntok) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, lpr = a.lanes_per_row;
-  const int sub = lane & (lpr - 1), groups = 32 / lpr;
-  const int f = 2 * ((blockIdx.x * WARPS + warp) * groups + lane / lpr);
+__device__ __forceinline__ void gemm2_body(const Plan& plan, const Gemm2Args& a, int e, int f, int first, int ntok) {
+  const int lpr = a.lanes_per_row, sub = threadIdx.x & (lpr - 1);
   const u8* wrow[2];
   const u8* srow[2];
 #pragma unroll
@@ -467,71 +495,29 @@ __device__ __forceinline__ void gemm2_body(const Plan& plan, const Gemm2Args& a,
   }
 }
 
-// ------------------------------------------------------------------------------------------ L2 prefetch
-// Before the plan (whose id loads and barriers take a while), every thread of a CTA whose slot names a valid
-// expert asks L2 for its own lanes' share of the CTA's weight rows, one prefetch per 128-byte line (and the
-// scale rows): the stream starts at once, without registers, and the loads of the main loop then hit L2.
-// A duplicate slot's CTA prefetches the same lines as the CTA that does the work (L2 merges them).
-__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
-
-__device__ __forceinline__ void prefetch_rows(const u8* w, const u8* w_scales, i64 first_row, int rows, int k,
-                                              int lpr) {
-  const int lane = threadIdx.x & 31, sub = lane & (lpr - 1);
-  const i64 bytes = row_bytes(k), sbytes = scale_row_bytes(k);
-  for (int r = 0; r < rows; ++r) {
-    const u8* row = w + (first_row + r) * bytes;
-    for (i64 off = 128 * static_cast<i64>(sub); off < bytes; off += 128 * static_cast<i64>(lpr)) prefetch_l2(row + off);
-    if (!W16 && sub == 0) prefetch_l2(w_scales + (first_row + r) * sbytes);
-  }
-}
-
-__device__ __forceinline__ int slot_expert(const void* ids, int routing, int id_bytes, int num_experts) {
-  return load_expert(ids, routing, id_bytes, blockIdx.y, num_experts);
-}
-
-// GEMM1: this thread's group feature f, rows f (and Ip + f when gated) of expert e.
-__device__ __forceinline__ void prefetch_gemm1(const void* ids, int routing, int id_bytes, int num_experts, const u8* w,
-                                               const u8* w_scales, int hidden, int inter, int inter_padded, int gated,
-                                               int lpr) {
-  const int e = slot_expert(ids, routing, id_bytes, num_experts);
-  const int f = (blockIdx.x * WARPS + (threadIdx.x >> 5)) * (32 / lpr) + (threadIdx.x & 31) / lpr;
-  if (e < 0 || f >= inter) return;
-  const int n_rows = (gated ? 2 : 1) * inter_padded;
-  for (int r = 0; r < (gated ? 2 : 1); ++r)
-    prefetch_rows(w, w_scales, static_cast<i64>(e) * n_rows + r * inter_padded + f, 1, hidden, lpr);
-}
-
-// GEMM2: this thread's group features 2g, 2g + 1 (rows of w2) of expert e.
-__device__ __forceinline__ void prefetch_gemm2(const void* ids, int routing, int id_bytes, int num_experts, const u8* w,
-                                               const u8* w_scales, int hidden, int inter_padded, int lpr) {
-  const int e = slot_expert(ids, routing, id_bytes, num_experts);
-  const int f = 2 * ((blockIdx.x * WARPS + (threadIdx.x >> 5)) * (32 / lpr) + (threadIdx.x & 31) / lpr);
-  if (e < 0 || f >= hidden) return;
-  prefetch_rows(w, w_scales, static_cast<i64>(e) * hidden + f, 2, inter_padded, lpr);
-}
-
 }  // namespace ll
 
 using namespace ll;
 
-// GEMM1 + activation. Grid (ceil(Ip / (WARPS * 32 / lanes_per_row)), T * top_k), LL_THREADS threads.
+// GEMM1 + activation. Grid (ceil(Ip / (rounds * WARPS * 32 / lanes_per_row)), T * top_k), LL_THREADS threads.
 //   x, x_scales   BF16/FP16 [T, H] (x_scales unused), or NVFP4 codes uint8 [T, H/2] + E4M3 [T, H/16]
 //   ids           packed int32 [T, k] (routing = ROUTING_PACKED) or ids int32/int64 (id_bytes 4/8)
 //   w, w_scales, w_global   w1 as in the header (w_scales / w_global unused where the format has none)
-//   gated         1: rows [up; gate], y = act_gated(up, gate); 0: y = act_fn(h)
+//   gated         1: rows [up; gate], y = act_gated_all(up, gate); 0: y = act_fn(h)
 //   out           intermediate [T k, Ip] (BF16, or FP16 for FP16 inputs): row s is written for every
 //                 routed slot s (features I .. Ip - 1 are zero); unrouted slots' rows are not written.
 extern "C" __global__ void __launch_bounds__(LL_THREADS, 2) ll_gemm1(
     const u8* __restrict__ x, const u8* __restrict__ x_scales, const void* __restrict__ ids, int routing,
     int id_bytes, int num_tokens, int top_k, int num_experts, const u8* __restrict__ w,
     const u8* __restrict__ w_scales, const float* __restrict__ w_global, int hidden, int inter, int inter_padded,
-    int gated, int lanes_per_row, int act, float alpha, float beta, float limit, u16* __restrict__ out) {
+    int gated, int lanes_per_row, int rounds, int act, float alpha, float beta, float limit, u16* __restrict__ out) {
   __shared__ Plan plan;
-  prefetch_gemm1(ids, routing, id_bytes, num_experts, w, w_scales, hidden, inter, inter_padded, gated, lanes_per_row);
+  prefetch_gemm1(load_expert(ids, routing, id_bytes, blockIdx.y, num_experts), feature_group(0, rounds, lanes_per_row),
+                 w, w_scales, hidden, inter, inter_padded, gated != 0, lanes_per_row);
   const int e = plan_expert(plan, ids, routing, id_bytes, num_tokens, top_k, num_experts);
   if (e < 0) return;
-  const Gemm1Args a{x, x_scales, w, w_scales, w_global, hidden, inter, inter_padded, top_k, lanes_per_row, act,
-                    alpha, beta, limit, out};
+  const Gemm1Args a{x, x_scales, w, w_scales, w_global, hidden, inter, inter_padded, top_k, lanes_per_row, rounds,
+                    act, alpha, beta, limit, out};
   if (gated) gemm1_dispatch<2>(plan, a, e);
   else gemm1_dispatch<1>(plan, a, e);
 }
@@ -562,7 +548,8 @@ __device__ __forceinline__ void combine_columns(const Plan& plan, const u16* row
   }
 }
 
-// GEMM2, and the finalize. Grid (ceil(H / (2 * WARPS * 32 / lanes_per_row)), T * top_k), LL_THREADS threads.
+// GEMM2, and the finalize. Grid (ceil(H / (rounds * 2 * WARPS * 32 / lanes_per_row)), T * top_k), LL_THREADS
+// threads.
 //   inter         the intermediate of ll_gemm1 [T k, Ip]
 //   w, w_scales, w_global   w2 as in the header
 //   rows          [T k, H] of the output dtype (out_fp16: FP16, else BF16): row s for every routed slot.
@@ -577,27 +564,34 @@ extern "C" __global__ void __launch_bounds__(LL_THREADS, 2) ll_gemm2(
     const u16* __restrict__ inter, const void* __restrict__ ids, const void* __restrict__ weights, int routing,
     int id_bytes, int num_tokens, int top_k, int num_experts, const u8* __restrict__ w,
     const u8* __restrict__ w_scales, const float* __restrict__ w_global, int hidden, int inter_padded,
-    int lanes_per_row, int out_fp16, int finalize, u16* __restrict__ rows, u16* __restrict__ out,
+    int lanes_per_row, int rounds, int out_fp16, int finalize, u16* __restrict__ rows, u16* __restrict__ out,
     int* __restrict__ counters) {
   __shared__ Plan plan;
   __shared__ int last;
-  prefetch_gemm2(ids, routing, id_bytes, num_experts, w, w_scales, hidden, inter_padded, lanes_per_row);
+  prefetch_gemm2(load_expert(ids, routing, id_bytes, blockIdx.y, num_experts), 2 * feature_group(0, rounds, lanes_per_row),
+                 w, w_scales, hidden, inter_padded, lanes_per_row);
   const int e = plan_expert(plan, ids, routing, id_bytes, num_tokens, top_k, num_experts);
   if (e == -1 && !finalize) {
-    const int per_cta = 2 * WARPS * (32 / lanes_per_row);
+    const int per_cta = 2 * WARPS * (32 / lanes_per_row) * rounds;
     const int begin = blockIdx.x * per_cta, end = min(begin + per_cta, hidden);
     for (int h = begin + static_cast<int>(threadIdx.x); h < end; h += LL_THREADS)
       rows[static_cast<i64>(blockIdx.y) * hidden + h] = 0;
   }
   if (e >= 0) {
-    const Gemm2Args a{inter, w, w_scales, w_global, hidden, inter_padded, top_k, lanes_per_row, out_fp16, rows};
+    const Gemm2Args a{inter, w, w_scales, w_global, hidden, inter_padded, top_k, lanes_per_row, rounds, out_fp16, rows};
     const int n = plan.count;  // as in gemm1_dispatch: more than 4 tokens in two passes
-    if (n <= 1) gemm2_body<1>(plan, a, e, 0, n);
-    else if (n == 2) gemm2_body<2>(plan, a, e, 0, n);
-    else if (n <= 4) gemm2_body<4>(plan, a, e, 0, n);
-    else {
-      gemm2_body<4>(plan, a, e, 0, 4);
-      gemm2_body<4>(plan, a, e, 4, n - 4);
+    for (int round = 0; round < rounds; ++round) {
+      const int f = 2 * feature_group(round, rounds, lanes_per_row);
+      if (round + 1 < rounds)
+        prefetch_gemm2(e, 2 * feature_group(round + 1, rounds, lanes_per_row), w, w_scales, hidden, inter_padded,
+                       lanes_per_row);
+      if (n <= 1) gemm2_body<1>(plan, a, e, f, 0, n);
+      else if (n == 2) gemm2_body<2>(plan, a, e, f, 0, n);
+      else if (n <= 4) gemm2_body<4>(plan, a, e, f, 0, n);
+      else {
+        gemm2_body<4>(plan, a, e, f, 0, 4);
+        gemm2_body<4>(plan, a, e, f, 4, n - 4);
+      }
     }
   }
   if (!finalize) return;
@@ -607,7 +601,7 @@ extern "C" __global__ void __launch_bounds__(LL_THREADS, 2) ll_gemm2(
   __syncthreads();
   if (!last) return;
   __threadfence();  // every other CTA's rows are visible to this one
-  const int per_cta = 2 * WARPS * (32 / lanes_per_row);
+  const int per_cta = 2 * WARPS * (32 / lanes_per_row) * rounds;
   const int begin = blockIdx.x * per_cta, end = min(begin + per_cta, hidden);
   combine_columns(plan, rows, ids, weights, routing, num_tokens, top_k, hidden, begin, end, out_fp16 != 0, out);
   if (threadIdx.x == 0) counters[blockIdx.x] = 0;

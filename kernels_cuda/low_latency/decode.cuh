@@ -1,0 +1,58 @@
+// Exact decoders of the low-latency kernels' 4-bit weights (and NVFP4 tokens), kept apart from ll_moe.cu so
+// that a host build (tests/test_low_latency_kernels_cpu.py) can check them against the project's codecs for
+// every code: on the device bf16x2_fma is one fma.rn.bf16x2; on the host it is emulated per half (the FP32
+// fma rounded to BF16, equal to the instruction wherever the FP32 result is exact, as in every use here).
+#pragma once
+
+#include "common.cuh"
+
+namespace ll {
+
+using moe::u16;
+using moe::u32;
+
+// Two BF16 lanes: d = a * b + c, rounded to nearest even, subnormals kept.
+__device__ __forceinline__ u32 bf16x2_fma(u32 a, u32 b, u32 c) {
+#if defined(__CUDA_ARCH__)
+  u32 d;
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  return d;
+#else
+  u32 d = 0;
+  for (int h = 0; h < 2; ++h) {
+    const float fa = moe::bf16_to_float(static_cast<u16>(a >> (16 * h)));
+    const float fb = moe::bf16_to_float(static_cast<u16>(b >> (16 * h)));
+    const float fc = moe::bf16_to_float(static_cast<u16>(c >> (16 * h)));
+    d |= static_cast<u32>(moe::float_to_bf16(fmaf(fa, fb, fc))) << (16 * h);
+  }
+  return d;
+#endif
+}
+
+// The 8 E2M1 codes of word q (code j = nibble j: element 2i is the low nibble of byte i), exact, in FP32.
+// Pair j holds codes j (low half) and j + 4 (high half) as BF16 of value x 2^-126 (sign at bit 15, the
+// three magnitude bits at 8..6; codes 0 and 1 are BF16 subnormals), then times 2^126 in one bf16x2 FMA.
+__device__ __forceinline__ void decode_e2m1_word(u32 q, float v[8]) {
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const u32 p = q << (12 - 4 * j);
+    u32 b = (p & 0x80008000u) | ((p >> 6) & 0x01C001C0u);
+    b = bf16x2_fma(b, 0x7E807E80u, 0x80008000u);  // x 2^126 + (-0)
+    v[j] = __uint_as_float(b << 16);
+    v[j + 4] = __uint_as_float(b & 0xFFFF0000u);
+  }
+}
+
+// The 8 two's-complement INT4 codes of word q, exact, in FP32: the float with bits 0x4B000000 | (n ^ 8) is
+// 2^23 + n + 8 for the signed code n, so one FADD of -(2^23 + 8) leaves n.
+__device__ __forceinline__ void decode_int4_word(u32 q, float v[8]) {
+#pragma unroll
+  for (int j = 0; j < 8; ++j) v[j] = __uint_as_float(0x4B000000u | (((q >> (4 * j)) & 0xFu) ^ 8u)) - 8388616.0f;
+}
+
+// E8M0 scale byte: 2^(b - 127); b = 0 is 2^-127 (an FP32 subnormal), b = 255 is NaN.
+__device__ __forceinline__ float e8m0_to_float(u32 b) {
+  return b == 255u ? __uint_as_float(0x7FC00000u) : (b == 0u ? __uint_as_float(0x00400000u) : __uint_as_float(b << 23));
+}
+
+}  // namespace ll
