@@ -126,6 +126,51 @@ def test_sm90a_sass_streams_weights_in_128_bit_loads(sm90_builds) -> None:
             assert not local, f"{name} {kernel}: local memory traffic {local[:3]}"
 
 
+def _find_nvrtc() -> str | None:
+    """libnvrtc: $LL_NVRTC_LIBRARY, the CUDA toolkit next to nvcc, or an nvidia-* wheel of this Python."""
+    import ctypes.util
+    import os
+
+    candidates = [os.environ.get("LL_NVRTC_LIBRARY", "")]
+    if NVCC:
+        candidates += sorted(str(p) for p in (Path(NVCC).resolve().parent.parent / "lib64").glob("libnvrtc.so*"))
+    try:
+        import nvidia  # type: ignore[import-not-found]
+
+        for base in getattr(nvidia, "__path__", []):
+            candidates += sorted(str(p) for p in Path(base).glob("*/lib/libnvrtc.so*"))
+    except ImportError:
+        pass
+    candidates.append(ctypes.util.find_library("nvrtc") or "")
+    return next((c for c in candidates if c and Path(c).exists()), None)
+
+
+NVRTC = _find_nvrtc()
+
+
+@pytest.mark.skipif(NVRTC is None, reason="libnvrtc not found (set LL_NVRTC_LIBRARY to run this)")
+@pytest.mark.parametrize("variant", DECODERS, ids=_variant_id)
+def test_nvrtc_builds_what_the_loader_builds(variant) -> None:
+    """The GPU builds these modules with NVRTC (no host headers, the loader's options): the same source text and
+    options compile here for sm_90a."""
+    import ctypes
+
+    from cudnn_moe.kernels.loader import compile_options, module_source
+
+    lib = ctypes.CDLL(NVRTC)
+    program = ctypes.c_void_p()
+    source = module_source(ll.SOURCE).encode()
+    assert lib.nvrtcCreateProgram(ctypes.byref(program), source, b"ll_moe.cu", 0, None, None) == 0
+    options = [o.encode() for o in (*compile_options(ll.module_options(*variant)), "--gpu-architecture=sm_90a")]
+    status = lib.nvrtcCompileProgram(program, len(options), (ctypes.c_char_p * len(options))(*options))
+    size = ctypes.c_size_t()
+    lib.nvrtcGetProgramLogSize(program, ctypes.byref(size))
+    log = ctypes.create_string_buffer(size.value)
+    lib.nvrtcGetProgramLog(program, log)
+    lib.nvrtcDestroyProgram(ctypes.byref(program))
+    assert status == 0, log.value.decode(errors="replace")
+
+
 # ----------------------------------------------------------------------------- wrappers vs C signatures
 _ENTRY = re.compile(r'extern "C" __global__ void __launch_bounds__\([^)]*\) (\w+)\(([^)]*)\)')
 _ARG_TYPES = {"int": np.int32, "float": np.float32, "pointer": np.uint64}
@@ -183,7 +228,9 @@ def test_wrappers_match_kernel_signatures(fmt: WeightFormat, monkeypatch: pytest
     lpr2 = ll.lanes_per_row(ll.row_bytes(fmt, ip) // 16)
     slots = tokens * top_k
     columns1, columns2 = -(-ip // (8 * (32 // lpr1))), -(-h // (16 * (32 // lpr2)))
-    rounds1, rounds2 = ll.choose_rounds(columns1, slots, 132), ll.choose_rounds(columns2, slots, 132)
+    n1 = 2 if weights.gated else 1
+    rounds1 = ll.choose_rounds(columns1, slots, 132, 8 * (32 // lpr1) * n1 * ll.row_bytes(fmt, h))
+    rounds2 = ll.choose_rounds(columns2, slots, 132, 16 * (32 // lpr2) * ll.row_bytes(fmt, ip))
     assert launches[0][1] == (-(-columns1 // rounds1), slots)
     assert launches[1][1] == launches[2][1] == (-(-columns2 // rounds2), slots)
     assert launches[1][1][0] <= counters.numel()
@@ -207,18 +254,15 @@ def test_wrappers_match_kernel_signatures(fmt: WeightFormat, monkeypatch: pytest
 
 
 def test_choose_rounds() -> None:
-    # Qwen3-30B-A3B GEMM1 (96 blocks of 8 features): T=1 (8 slots) keeps one round, T=8 (64 slots) takes four.
-    assert ll.choose_rounds(96, 8, 132) == 1
-    assert ll.choose_rounds(96, 64, 132) == 4
-    assert ll.choose_rounds(256, 8, 132) == 2  # DeepSeek-V3 GEMM1 at T=1: 1024 CTAs
-    assert ll.choose_rounds(1, 1, 132) == 1
-
-
-def test_lanes_per_row() -> None:
-    assert [ll.lanes_per_row(c) for c in (1, 8, 24, 31, 32, 63, 64, 224, 896)] == [8, 8, 8, 8, 16, 16, 32, 32, 32]
-    # Qwen3-30B-A3B NVFP4 rows: GEMM1 K = 2048 (64 chunks), GEMM2 K = 768 (24 chunks)
-    assert ll.lanes_per_row(ll.row_bytes(WeightFormat.NVFP4_WEIGHT_ONLY, 2048) // 16) == 32
-    assert ll.lanes_per_row(ll.row_bytes(WeightFormat.NVFP4_WEIGHT_ONLY, 768) // 16) == 8
+    kb = 1 << 10
+    # Qwen3-30B-A3B NVFP4 GEMM1 (96 blocks of 8 features x 2 rows x 1 KB): T=1 (8 slots) keeps one round
+    # (768 CTAs), T=8 (64 slots) takes four (64 KB a CTA).
+    assert ll.choose_rounds(96, 8, 132, 16 * kb) == 1
+    assert ll.choose_rounds(96, 64, 132, 16 * kb) == 4
+    assert ll.choose_rounds(256, 8, 132, 56 * kb) == 2  # DeepSeek-V3 NVFP4 GEMM1 at T=1: 1024 CTAs of 112 KB
+    assert ll.choose_rounds(448, 8, 132, 16 * kb) == 4  # DeepSeek-V3 NVFP4 GEMM2 at T=1
+    assert ll.choose_rounds(256, 64, 132, 229 * kb) == 1  # DeepSeek-V3 BF16 GEMM1: big blocks already
+    assert ll.choose_rounds(1, 1, 132, kb) == 1
 
 
 # ----------------------------------------------------------------------------- activation math on the host

@@ -81,14 +81,20 @@ def lanes_per_row(chunks: int) -> int:
 KERNELS = ("ll_gemm1", "ll_gemm2")
 
 
-def choose_rounds(columns: int, slots: int, sms: int) -> int:
-    """Feature blocks per CTA (1, 2 or 4): the most that still leaves at least 4 CTAs per SM over the grid of
-    ``columns`` single-block columns x ``slots`` slots (an upper bound on the touched experts). More rounds
-    spread each CTA's fixed cost (the routing plan) over more weights; fewer keep every SM busy."""
-    for rounds in (4, 2):
-        if -(-columns // rounds) * slots >= 4 * sms:
-            return rounds
-    return 1
+CTA_BYTES = 64 << 10  # weight bytes a CTA should stream at least, to amortize its routing plan
+
+
+def choose_rounds(columns: int, slots: int, sms: int, block_bytes: int) -> int:
+    """Feature blocks per CTA (1, 2 or 4): the fewest whose weights (``block_bytes`` each) reach CTA_BYTES, as
+    long as the grid of ``columns`` blocks x ``slots`` slots (an upper bound on the touched experts) keeps at
+    least 4 CTAs per SM; else fewer. More rounds spread each CTA's fixed cost (the routing plan) over more
+    weights; fewer keep every SM busy and shorten the tail."""
+    rounds = 1
+    while rounds < 4 and rounds * block_bytes < CTA_BYTES:
+        rounds *= 2
+    while rounds > 1 and -(-columns // rounds) * slots < 4 * sms:
+        rounds //= 2
+    return rounds
 
 
 def load_modules(fmt: WeightFormat, x_dtype: torch.dtype | None, device: int) -> None:
@@ -138,7 +144,8 @@ def gemm1(
     lpr = lanes_per_row(row_bytes(fmt, weights.hidden_size) // CHUNK_BYTES)
     features_per_block = WARPS * (32 // lpr)
     columns = -(-weights.padded_intermediate // features_per_block)
-    rounds = choose_rounds(columns, num_tokens * top_k, sms)
+    block_bytes = features_per_block * (2 if weights.gated else 1) * row_bytes(fmt, weights.hidden_size)
+    rounds = choose_rounds(columns, num_tokens * top_k, sms, block_bytes)
     grid = (-(-columns // rounds), num_tokens * top_k)
     alpha, beta, limit = activation.params()
     options = module_options(weight_code(fmt), input_code(fmt, x.dtype))
@@ -182,7 +189,8 @@ def gemm2(
     w, w_scales, w_global = _payloads(weights, second=True)
     lpr = lanes_per_row(row_bytes(fmt, weights.padded_intermediate) // CHUNK_BYTES)
     columns = gemm2_columns(weights.hidden_size, lpr)
-    rounds = choose_rounds(columns, num_tokens * top_k, sms)
+    block_bytes = 2 * WARPS * (32 // lpr) * row_bytes(fmt, weights.padded_intermediate)
+    rounds = choose_rounds(columns, num_tokens * top_k, sms, block_bytes)
     grid = (-(-columns // rounds), num_tokens * top_k)
     if counters is not None and counters.numel() < grid[0]:
         raise ValueError(f"gemm2 needs {grid[0]} column counters, got {counters.numel()}")

@@ -350,7 +350,7 @@ constexpr i64 PREFETCH_ROW_BYTES = 4096;  // the head of each row: 4-bit rows wh
 __device__ __forceinline__ void prefetch_rows(const u8* w, const u8* w_scales, i64 first_row, int rows, int k,
                                               int lpr) {
   const int lane = threadIdx.x & 31, sub = lane & (lpr - 1);
-  const i64 stride = row_bytes(k), sbytes = scale_row_bytes(k), head = min(stride, PREFETCH_ROW_BYTES);
+  const i64 stride = row_bytes(k), sbytes = scale_row_bytes(k), head = stride < PREFETCH_ROW_BYTES ? stride : PREFETCH_ROW_BYTES;
   for (int r = 0; r < rows; ++r) {
     const u8* row = w + (first_row + r) * stride;
     for (i64 off = 128 * static_cast<i64>(sub); off < head; off += 128 * static_cast<i64>(lpr)) prefetch_l2(row + off);
