@@ -241,19 +241,6 @@ _BY_KIND: dict[ActivationKind, type[Activation]] = {
 }
 ACTIVATION_NAMES: tuple[str, ...] = tuple(kind.name.lower() for kind in _BY_KIND)
 
-# Kinds the CUDA activation kernel implements; the others run in the reference only.
-GPU_KERNEL_ACTIVATIONS: frozenset[ActivationKind] = frozenset(
-    {
-        ActivationKind.IDENTITY,
-        ActivationKind.RELU,
-        ActivationKind.GELU,
-        ActivationKind.SILU,
-        ActivationKind.RELU2,
-        ActivationKind.SWIGLU,
-        ActivationKind.GEGLU,
-        ActivationKind.GEGLU_TANH,
-    }
-)
 
 
 def parse_activation(spec: Activation | ActivationKind | str) -> Activation:

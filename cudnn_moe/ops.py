@@ -10,7 +10,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .activations import GPU_KERNEL_ACTIVATIONS, Activation, SwiGLU, parse_activation
+from .activations import Activation, SwiGLU, parse_activation
 from .arch import arch_name, device_arch
 from .config import Nvfp4Activations, Nvfp4MoeConfig, Nvfp4Weights
 from .engines import engine_for
@@ -92,9 +92,6 @@ def _validate(
             f"{tokens} tokens exceed the config's max_num_tokens={config.max_num_tokens}; "
             "raise it or split the batch"
         )
-    if activation.kind not in GPU_KERNEL_ACTIVATIONS:
-        raise ValueError(f"{type(activation).__name__} has no GPU kernel yet; supported: "
-                         + ", ".join(k.name for k in sorted(GPU_KERNEL_ACTIVATIONS)))
     if activation.gated != weights.gated:
         raise ValueError(
             f"{type(activation).__name__} is {'gated' if activation.gated else 'non-gated'} but the weights "

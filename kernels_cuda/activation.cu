@@ -6,7 +6,7 @@
 using namespace moe;
 
 // Activation codes ACT_* come from cudnn_moe.activations.ActivationKind (through cudnn_moe.kernels.codes);
-// the scalar activation math (act_fn, act_gated) lives in activation_math.cuh, shared with the low-latency kernels.
+// the scalar activation math (act_fn, act_gated_all) lives in activation_math.cuh, shared with the low-latency kernels.
 
 // Activation of the 32 values at column c0 of a GEMM1 row (y, FP32): f(x) when not gated, else
 // f(gate) * up with up at c0 and gate at inter + c0. The activation is ACT when ACT >= 0 (compile-time:
@@ -22,7 +22,7 @@ __device__ __forceinline__ void activate_32(const u16* row, int inter, int c0, i
 #pragma unroll
     for (int i = 0; i < 4; ++i) load_bf16x8(row + inter + c0 + 8 * i, gate + 8 * i);
 #pragma unroll
-    for (int j = 0; j < 32; ++j) y[j] = act_gated(kind, y[j], gate[j], alpha, beta, limit);
+    for (int j = 0; j < 32; ++j) y[j] = act_gated_all(kind, y[j], gate[j], alpha, beta, limit);
   } else {
 #pragma unroll
     for (int j = 0; j < 32; ++j) y[j] = act_fn(kind, y[j]);

@@ -9,7 +9,6 @@ import torch
 
 from cudnn_moe.activations import (
     GELU,
-    GPU_KERNEL_ACTIVATIONS,
     ActivationKind,
     GeGLU,
     GeGLUTanh,
@@ -132,9 +131,6 @@ def test_kind_codes_are_the_kernel_contract() -> None:
         ActivationKind.RELU2: 4, ActivationKind.SWIGLU: 10, ActivationKind.GEGLU: 11,
         ActivationKind.GEGLU_TANH: 12, ActivationKind.SWIGLU_STEP: 13, ActivationKind.SITU: 14,
     }
-    assert ActivationKind.SWIGLU_STEP not in GPU_KERNEL_ACTIVATIONS
-    assert ActivationKind.SITU not in GPU_KERNEL_ACTIVATIONS
-    assert len(GPU_KERNEL_ACTIVATIONS) == 8
 
 
 def test_parse_activation() -> None:

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from cudnn_moe import (
-    GELU, GeGLU, GeGLUTanh, Identity, Nvfp4Activations, Nvfp4MoeConfig, ReLU, ReLU2, Routing, SiLU, SwiGLU,
-    fused_moe, get_executor, pack_routing,
+    GELU, GeGLU, GeGLUTanh, Identity, Nvfp4Activations, Nvfp4MoeConfig, ReLU, ReLU2, Routing, SiLU, SiTU, SwiGLU,
+    SwiGLUStep, fused_moe, get_executor, pack_routing,
 )
 from cudnn_moe.ops import unfinalized_row_count
 from cudnn_moe.reference import reference_for_prepared
@@ -71,6 +71,8 @@ CASES = [
     (8, 256, 256, 2, 64, ReLU2()),
     (8, 256, 256, 2, 64, GeGLUTanh()),
     (8, 256, 256, 2, 64, SwiGLU(alpha=1.702, beta=1.0, limit=7.0)),
+    (8, 256, 256, 2, 64, SwiGLUStep(limit=2.0)),
+    (8, 256, 256, 2, 64, SiTU(a=2.0, b=3.0)),
 ]
 
 
