@@ -1,6 +1,6 @@
 """GPU tests of the tensor-core path of the low-latency call (cudnn_moe.low_latency.tensor_cores): NVFP4
 weight-only layers with BF16 tokens on the SM90 engine, called directly at every T = 1..8 (the call's
-dispatch sends T >= MIN_TOKENS there), against the float64 reference; repeated calls bitwise equal.
+dispatch sends such calls there), against the float64 reference; repeated calls bitwise equal.
 Tolerances: test_low_latency_gpu (the same rounding points; only the FP32 summation order differs)."""
 
 from __future__ import annotations
@@ -42,13 +42,13 @@ def test_tensor_cores_match_reference(tokens, act, kind) -> None:
         assert torch.equal(again, out)
 
 
-def test_dispatch_picks_the_tensor_cores_from_min_tokens() -> None:
+def test_dispatch_sends_nvfp4_weight_only_bf16_to_the_tensor_cores() -> None:
     config, weights = make_layer(FMT, True, shape=(256, 128), seed=9)
-    arch = (9, 0)
-    bf16 = torch.bfloat16
-    assert not tensor_cores.applies(weights, bf16, bf16, True, tensor_cores.MIN_TOKENS - 1, arch)
-    assert tensor_cores.applies(weights, bf16, bf16, True, tensor_cores.MIN_TOKENS, arch)
-    assert not tensor_cores.applies(weights, torch.float16, bf16, True, 8, arch)  # FP16 tokens: CUDA cores
-    assert not tensor_cores.applies(weights, bf16, torch.float16, True, 8, arch)  # FP16 output
-    assert not tensor_cores.applies(weights, bf16, bf16, False, 8, arch)  # raw rows
-    assert not tensor_cores.applies(weights, bf16, bf16, True, 8, (10, 0))
+    arch, bf16 = (9, 0), torch.bfloat16
+    assert tensor_cores.applies(weights, bf16, bf16, True, arch)
+    assert not tensor_cores.applies(weights, torch.float16, bf16, True, arch)  # FP16 tokens: CUDA cores
+    assert not tensor_cores.applies(weights, bf16, torch.float16, True, arch)  # FP16 output
+    assert not tensor_cores.applies(weights, bf16, bf16, False, arch)  # raw rows
+    assert not tensor_cores.applies(weights, bf16, bf16, True, (10, 0))
+    _, mx = make_layer(WeightFormat.MXFP4_WEIGHT_ONLY, True, shape=(256, 128), seed=9)
+    assert not tensor_cores.applies(mx, bf16, bf16, True, arch)

@@ -1,7 +1,9 @@
 """The low-latency MoE call: ``low_latency_moe`` (1..8 tokens, contract 004) on the GPU.
 
-Two kernel launches on torch's current stream (cudnn_moe.low_latency.kernels): GEMM1 + activation, then
-GEMM2 with the finalize folded into its last CTA per feature column (the raw output skips the finalize).
+Two kernel launches on torch's current stream (cudnn_moe.low_latency.kernels, CUDA cores): GEMM1 +
+activation, then GEMM2 with the finalize folded into its last CTA per feature column (the raw output skips
+the finalize). Finalized NVFP4 weight-only calls with BF16 tokens and output on SM90 run on the tensor
+cores instead (cudnn_moe.low_latency.tensor_cores: the SM90 engine's pipeline, same rounding points).
 The call allocates nothing when ``out`` is given (workspaces are cached per weights,
 cudnn_moe.low_latency.workspace), reads no device data and never synchronizes, so a caller can record
 it in its own CUDA graph once one eager call has warmed it up (kernels compiled, workspace allocated).
@@ -38,7 +40,7 @@ from ..arch import arch_name, device_arch
 from ..config import Nvfp4Activations
 from ..routing import Routing
 from ..validate import require_no_overlap, require_tensor
-from . import kernels
+from . import kernels, tensor_cores
 from .config import MAX_TOP_K, LowLatencyMoeConfig
 from .weights import BlockScaledWeights, DenseWeights, LowLatencyWeights, WeightFormat
 from .workspace import workspace_for
@@ -201,10 +203,13 @@ def low_latency_moe(
             require_no_overlap("out", out, name, t)
     if tokens == 0:
         return out if out is not None else torch.empty(shape, dtype=out_dtype, device=device)
-    _ensure_ready(fmt, x_dtype, device)
-    workspace = workspace_for(weights, config.max_num_tokens, top_k, device)
     if out is None:
         out = torch.empty(shape, dtype=out_dtype, device=device)
+    if tensor_cores.applies(weights, x_dtype, out_dtype, finalize, arch):
+        tensor_cores.run(x, weights, routing, act, out)
+        return out
+    _ensure_ready(fmt, x_dtype, device)
+    workspace = workspace_for(weights, config.max_num_tokens, top_k, device)
     out_fp16 = out_dtype is torch.float16
     sms = _sm_count(device)
     kernels.gemm1(weights, x, x_scales, ids, routing_code, tokens, top_k, act, workspace.inter, sms)
