@@ -7,8 +7,9 @@ A call with T tokens runs in the smallest power-of-two bucket B >= T. Per call:
    slots of tokens T..B-1 get expert id -1, so they are masked and never computed.
 2. sort, permute, GEMM1, activation + NVFP4 requantize, GEMM2: captured once per bucket in a
    CUDA graph and replayed (or launched eagerly in debug mode, or recorded straight into the
-   caller's graph when the caller's stream is capturing). With ``bf16_activations`` (the SM90
-   engine only) the tokens are BF16 and the intermediate is rounded to BF16, not requantized.
+   caller's graph when the caller's stream is capturing). Two options need an engine reading BF16
+   token fragments (the SM90 engine): ``bf16_tokens`` (the tokens are BF16, not NVFP4) and
+   ``bf16_intermediate`` (the activation is rounded to BF16 instead of requantized to NVFP4).
 3. finalize, or the unfinalized rows (eager launch): writes the caller's output for the T live tokens.
 
 Full-call graphs: when a finalized call with a caller ``out`` repeats a signature (the same caller
@@ -100,7 +101,7 @@ class Bucket:
             return TokenOperand(empty(*shape, dtype=dtype), empty(scale_bytes) if scale_bytes else None)
 
         self.tokens, self.rows = tokens, rows
-        if executor.bf16_activations:  # BF16 tokens [B, H]; no scales
+        if executor.bf16_tokens:  # BF16 tokens [B, H]; no scales
             self.x, self.x_scales = empty(tokens, hidden, dtype=torch.bfloat16), empty(tokens, 0)
         else:  # NVFP4 tokens: codes [B, H/2], E4M3 scales [B, H/16]
             self.x, self.x_scales = empty(tokens, hidden // 2), empty(tokens, hidden // 16)
@@ -142,7 +143,8 @@ class MoeExecutor:
         activation: Activation,
         local_expert_start: int,
         max_num_tokens: int,
-        bf16_activations: bool = False,
+        bf16_tokens: bool = False,
+        bf16_intermediate: bool = False,
     ) -> None:
         if weights.spec != engine.layout:
             raise ValueError(
@@ -154,9 +156,10 @@ class MoeExecutor:
         self.weights, self.engine = replace(weights, executors={}), engine
         self.top_k, self.activation = top_k, activation
         self.local_expert_start, self.max_num_tokens = local_expert_start, max_num_tokens
-        if bf16_activations and engine.token_layout is not kernels.TokenLayout.BF16_FRAGMENTS:
-            raise ValueError(f"BF16 activations need an engine reading BF16 token fragments, not the {engine.name} engine")
-        self.bf16_activations = bf16_activations
+        if (bf16_tokens or bf16_intermediate) and engine.token_layout is not kernels.TokenLayout.BF16_FRAGMENTS:
+            raise ValueError(f"BF16 tokens or intermediates need an engine reading BF16 token fragments, not the "
+                             f"{engine.name} engine")
+        self.bf16_tokens, self.bf16_intermediate = bf16_tokens, bf16_intermediate
         self._buckets: dict[int, Bucket] = {}
         self._lock = threading.Lock()
 
@@ -325,7 +328,7 @@ class MoeExecutor:
     def _permute(self, b: Bucket) -> None:
         """The bucket's tokens into GEMM1's rows, in the engine's token layout."""
         slots, g1 = b.tokens * self.top_k, b.gemm1
-        if self.bf16_activations:
+        if self.bf16_tokens:
             kernels.permute_bf16_tokens(b.x, b.slot_to_row, slots, self.top_k, g1.tokens.data)
         else:
             kernels.permute_tokens(b.x, b.x_scales, b.slot_to_row, slots, self.top_k, self.engine.token_layout,
@@ -344,7 +347,7 @@ class MoeExecutor:
             ("gemm1", lambda: engine.gemm(g1)),
             ("activation", lambda: kernels.activate_quantize(
                 g1.out, b.row_to_slot, b.offsets, self.activation, layout, g2.tokens.data, g2.tokens.scales,
-                requantize=not self.bf16_activations,
+                requantize=not self.bf16_intermediate,
             )),
             ("gemm2", lambda: engine.gemm(g2)),
         ]

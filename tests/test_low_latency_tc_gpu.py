@@ -31,14 +31,14 @@ def test_tensor_cores_match_reference(tokens, act, kind) -> None:
     x = make_inputs(config, FMT, torch.bfloat16, tokens, weights.hidden_size, seed=tokens + 1)
     routing = make_routing(random_ids(tokens, TOP_K, E, tokens + 2), kind, tokens + 3)
     out = nan_out((tokens, weights.hidden_size), torch.bfloat16)
-    tensor_cores.run(x, weights, routing, act, out)
+    tensor_cores.run(x, None, weights, routing, act, out)
     want = reference_low_latency(x, weights, routing, act, out_dtype=torch.bfloat16)
     torch.cuda.synchronize()
     assert_close_to_reference(out, want, f"tensor cores T={tokens} {type(act).__name__} {kind}")
     again = nan_out((tokens, weights.hidden_size), torch.bfloat16)
     for _ in range(3):  # the cached signature, then its full-call graph: bitwise the same
         again.fill_(float("nan"))
-        tensor_cores.run(x, weights, routing, act, again)
+        tensor_cores.run(x, None, weights, routing, act, again)
         assert torch.equal(again, out)
 
 
@@ -52,3 +52,30 @@ def test_dispatch_sends_nvfp4_weight_only_bf16_to_the_tensor_cores() -> None:
     assert not tensor_cores.applies(weights, bf16, bf16, True, (10, 0))
     _, mx = make_layer(WeightFormat.MXFP4_WEIGHT_ONLY, True, shape=(256, 128), seed=9)
     assert not tensor_cores.applies(mx, bf16, bf16, True, arch)
+    _, pair = make_layer(WeightFormat.NVFP4_W_NVFP4_A, True, shape=(512, 128), seed=9)
+    assert tensor_cores.applies(pair, None, bf16, True, arch)
+    assert not tensor_cores.applies(pair, None, bf16, False, arch)  # raw rows: CUDA cores
+
+
+PAIR_CASES = [(1, SwiGLU(), "packed"), (3, GeGLU(), "fp32"), (8, SiTU(a=2.0, b=3.0), "int64")]
+
+
+@pytest.mark.parametrize("tokens, act, kind", PAIR_CASES, ids=[f"T{t}-{type(a).__name__}-{k}" for t, a, k in PAIR_CASES])
+def test_tensor_cores_nvfp4_pair_with_unrouted_nan_slots(tokens, act, kind) -> None:
+    """The pair's unrouted slots (ids outside [0, E)) carry NaN route weights: skipped, nothing NaN leaks."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the tensor-core path is the SM90 engine's")
+    pair = WeightFormat.NVFP4_W_NVFP4_A
+    config, weights = make_layer(pair, act.gated, shape=(512, 256), seed=tokens)
+    acts = make_inputs(config, pair, torch.bfloat16, tokens, weights.hidden_size, seed=tokens + 1)
+    ids = random_ids(tokens, TOP_K, E, tokens + 2)
+    route_w = torch.rand(ids.shape) + 0.05
+    ids[0, 1] = -1 if kind != "int64" else -(2**40)
+    ids[-1, 2] = E
+    route_w[0, 1] = route_w[-1, 2] = float("nan")
+    routing = make_routing(ids, kind, tokens + 3, route_w)
+    out = nan_out((tokens, weights.hidden_size), torch.bfloat16)
+    tensor_cores.run(acts.packed, acts.scales, weights, routing, act, out)
+    want = reference_low_latency(acts, weights, routing, act, out_dtype=torch.bfloat16)
+    torch.cuda.synchronize()
+    assert_close_to_reference(out, want, f"pair on tensor cores T={tokens} {type(act).__name__} {kind}")

@@ -2,8 +2,9 @@
 
 Two kernel launches on torch's current stream (cudnn_moe.low_latency.kernels, CUDA cores): GEMM1 +
 activation, then GEMM2 with the finalize folded into its last CTA per feature column (the raw output skips
-the finalize). Finalized NVFP4 weight-only calls with BF16 tokens and output on SM90 run on the tensor
-cores instead (cudnn_moe.low_latency.tensor_cores: the SM90 engine's pipeline, same rounding points).
+the finalize). On SM90, finalized calls with NVFP4 weight-only weights and BF16 tokens and output, or with
+the NVFP4 pair, run on the tensor cores instead (cudnn_moe.low_latency.tensor_cores: the SM90 engine's
+pipeline, same rounding points).
 The call allocates nothing when ``out`` is given (workspaces are cached per weights,
 cudnn_moe.low_latency.workspace), reads no device data and never synchronizes, so a caller can record
 it in its own CUDA graph once one eager call has warmed it up (kernels compiled, workspace allocated).
@@ -206,7 +207,7 @@ def low_latency_moe(
     if out is None:
         out = torch.empty(shape, dtype=out_dtype, device=device)
     if tensor_cores.applies(weights, x_dtype, out_dtype, finalize, arch):
-        tensor_cores.run(x, weights, routing, act, out)
+        tensor_cores.run(x, x_scales, weights, routing, act, out)
         return out
     _ensure_ready(fmt, x_dtype, device)
     workspace = workspace_for(weights, config.max_num_tokens, top_k, device)

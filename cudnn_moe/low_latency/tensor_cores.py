@@ -1,17 +1,20 @@
-"""The tensor-core path of the low-latency call: NVFP4 weight-only layers with BF16 tokens and a BF16
-output on Hopper, through the SM90 engine's grouped GEMM (decode kernel: weights decoded exactly in
-registers, tokens on the narrow side of mma.sync, split-K) and the shared pipeline run with
-``bf16_activations`` (cudnn_moe.executor): stage, sort, permute of the BF16 tokens, GEMM1, activation
-rounded to BF16, GEMM2, ordered FP32 combine.
+"""The tensor-core path of the low-latency call on Hopper: the NVFP4 weight formats through the SM90 engine's
+grouped GEMM (decode kernel: weights decoded exactly in registers, tokens on the narrow side of mma.sync,
+split-K) and the shared pipeline (cudnn_moe.executor): stage, sort, permute, GEMM1, activation rounded to
+BF16 (``bf16_intermediate``: never requantized), GEMM2, ordered FP32 combine.
+
+- NVFP4 weight-only with BF16 tokens: the tokens enter as they are (``bf16_tokens``);
+- NVFP4 weights with NVFP4 activations (the pair): the tokens are decoded exactly to BF16 fragments.
 
 Numerics are the format's contract (cudnn_moe.low_latency.reference), the same as the CUDA-core
 kernels': GEMM1 = bf16(global1[e] * FP32 sum of exact products), activation in FP32 rounded to BF16,
 expert rows = bf16(global2[e] * FP32 sum), combine in slot order with separate FP32 multiply and add.
-Only the FP32 summation order differs, so the two paths agree to accumulation-order noise.
+Only the FP32 summation order differs, so the two paths agree to accumulation-order noise. Slots whose
+expert id lies outside [0, E) are skipped with their route weights (the pair's unrouted slots; the
+weight-only format requires ids in range).
 
 The weights are repacked once into the SM90 fragment tiles (kept beside the caller's canonical tensors
-while the prepared weights live). Expert ids must lie in [0, E), as the format requires; others are
-skipped (masked by the stage), never read out of bounds.
+while the prepared weights live).
 """
 
 from __future__ import annotations
@@ -39,12 +42,15 @@ _lock = threading.Lock()
 
 def applies(weights: LowLatencyWeights, x_dtype: torch.dtype | None, out_dtype: torch.dtype, finalize: bool,
             arch: Arch) -> bool:
-    """Whether a call of these properties runs on the tensor-core path: NVFP4 weight-only, BF16 tokens and
-    output, finalized, on SM90. Measured on an H200 (benchmarks/RESULTS.md) it is 1.9-3x faster than the
-    CUDA-core kernels from two tokens on, and at one token as fast on Qwen3-30B-A3B and 1.9x faster on
-    DeepSeek-V3, so it takes every T."""
-    return (weights.format is WeightFormat.NVFP4_WEIGHT_ONLY and arch == SM90 and x_dtype == torch.bfloat16
-            and out_dtype == torch.bfloat16 and finalize)
+    """Whether a call of these properties runs on the tensor-core path: finalized, BF16 output, on SM90, with
+    NVFP4 weight-only weights and BF16 tokens or the NVFP4 pair. Measured on an H200 (benchmarks/RESULTS.md)
+    it is 1.9-3x faster than the CUDA-core kernels from two tokens on, and at one token as fast on
+    Qwen3-30B-A3B and 1.9x faster on DeepSeek-V3, so it takes every T."""
+    if arch != SM90 or not finalize or out_dtype != torch.bfloat16:
+        return False
+    if weights.format is WeightFormat.NVFP4_WEIGHT_ONLY:
+        return x_dtype == torch.bfloat16
+    return weights.format is WeightFormat.NVFP4_W_NVFP4_A
 
 
 def layer_view(weights: Nvfp4WeightOnlyWeights) -> Nvfp4Weights:
@@ -66,30 +72,37 @@ def layer_view(weights: Nvfp4WeightOnlyWeights) -> Nvfp4Weights:
     return view
 
 
-def _executor(view: Nvfp4Weights, top_k: int, activation: Activation) -> MoeExecutor:
-    key = ("low_latency", top_k, activation)
+def _executor(view: Nvfp4Weights, top_k: int, activation: Activation, bf16_tokens: bool) -> MoeExecutor:
+    key = ("low_latency", top_k, activation, bf16_tokens)
     executor = view.executors.get(key)
     if executor is None:
         executor = MoeExecutor(view, engine_for(view.spec, view.device), top_k=top_k, activation=activation,
-                               local_expert_start=0, max_num_tokens=MAX_NUM_TOKENS, bf16_activations=True)
+                               local_expert_start=0, max_num_tokens=MAX_NUM_TOKENS, bf16_tokens=bf16_tokens,
+                               bf16_intermediate=True)
         executor = view.executors.setdefault(key, executor)
     return executor
 
 
-def run(x: torch.Tensor, weights: Nvfp4WeightOnlyWeights, routing: Routing, activation: Activation,
-        out: torch.Tensor) -> None:
-    """out bfloat16 [T, H] = the layer for BF16 tokens x [T, H] (arguments checked by the caller)."""
-    executor = _executor(layer_view(weights), routing.top_k, activation)
+def run(x: torch.Tensor, x_scales: torch.Tensor | None, weights: Nvfp4WeightOnlyWeights, routing: Routing,
+        activation: Activation, out: torch.Tensor) -> None:
+    """out bfloat16 [T, H] = the layer (arguments checked by the caller) for BF16 tokens x [T, H] (x_scales
+    None), or for the pair's NVFP4 tokens: codes x uint8 [T, H/2] with E4M3 scales x_scales [T, H/16]."""
+    bf16_tokens = x_scales is None
+    executor = _executor(layer_view(weights), routing.top_k, activation, bf16_tokens)
     ids, route_weights, routing_format = routing.kernel_operands()
     tokens, top_k = x.shape[0], routing.top_k
 
     def stage(b: Bucket) -> None:
-        kernels.stage_inputs(x.view(torch.uint8), b.x_scales[:tokens], ids, route_weights, routing_format,
-                             b.x.view(torch.uint8), b.x_scales, b.ids, b.route_weights)
+        if bf16_tokens:  # staged as bytes, with an empty scale row
+            kernels.stage_inputs(x.view(torch.uint8), b.x_scales[:tokens], ids, route_weights, routing_format,
+                                 b.x.view(torch.uint8), b.x_scales, b.ids, b.route_weights)
+        else:
+            kernels.stage_inputs(x, x_scales, ids, route_weights, routing_format, b.x, b.x_scales, b.ids,
+                                 b.route_weights)
 
     def finish(b: Bucket) -> None:
         kernels.finalize(b.gemm2.out, b.slot_to_row, b.route_weights, top_k, out)
 
-    signature = (tensor_signature(x), tensor_signature(ids), tensor_signature(route_weights), routing_format,
-                 tensor_signature(out), tokens)
+    signature = (tensor_signature(x), tensor_signature(x_scales), tensor_signature(ids),
+                 tensor_signature(route_weights), routing_format, tensor_signature(out), tokens)
     executor.run_call(tokens, stage, finish, use_cuda_graph=True, signature=signature)
