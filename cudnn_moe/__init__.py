@@ -9,7 +9,7 @@ from .aligned import AlignedWeights, align_routing, aligned_moe, prepare_aligned
 from .config import Nvfp4Activations, Nvfp4MoeConfig, Nvfp4Weights
 from .distributed import ExpertParallelMoe, expert_shard, shard_weights
 from .executor import UnfinalizedOutput
-from .low_latency import LowLatencyMoeConfig, reference_low_latency
+from .low_latency import LowLatencyMoeConfig, low_latency_moe, reference_low_latency
 from .ops import fused_moe, get_executor, unfinalized_row_count
 from .reference import reference_moe
 from .routing import Routing, pack_routing, unpack_routing
@@ -42,6 +42,7 @@ __all__ = [
     "expert_shard",
     "fused_moe",
     "get_executor",
+    "low_latency_moe",
     "pack_routing",
     "prepare_aligned_weights",
     "reference_aligned_moe",
