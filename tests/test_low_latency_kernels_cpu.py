@@ -345,7 +345,8 @@ static inline float __fadd_rn(float a, float b) { return a + b; }
 static inline float __fsub_rn(float a, float b) { return a - b; }
 #include "low_latency/decode.cuh"
 
-// argv[1]: uint32 words; argv[2]: per word 8 E2M1 values then 8 INT4 values (float32); then e8m0 of 0..255.
+// argv[1]: uint32 words; argv[2]: per word 8 E2M1 values then 8 INT4 values (float32); then for b = 0..255
+// the E8M0 and E4M3 values of b.
 int main(int, char** argv) {
   FILE* in = std::fopen(argv[1], "rb");
   FILE* out = std::fopen(argv[2], "wb");
@@ -357,8 +358,8 @@ int main(int, char** argv) {
     std::fwrite(v, 4, 16, out);
   }
   for (unsigned int b = 0; b < 256; ++b) {
-    const float s = ll::e8m0_to_float(b);
-    std::fwrite(&s, 4, 1, out);
+    const float s[2] = {ll::e8m0_to_float(b), ll::e4m3_value(b)};
+    std::fwrite(s, 4, 2, out);
   }
   return std::fclose(out) != 0 || std::fclose(in) != 0;
 }
@@ -367,9 +368,9 @@ int main(int, char** argv) {
 
 @pytest.mark.skipif(CXX is None, reason="no C++ compiler")
 def test_decoders_match_the_codecs_for_every_code(tmp_path: Path) -> None:
-    """decode.cuh (the kernels' E2M1, INT4 and E8M0 decoders), built for the host with the bf16x2 FMA emulated:
-    every code in every nibble position gives the value of cudnn_moe.formats (element 2i = low nibble of byte i),
-    bit for bit, and every E8M0 byte the value torch gives (2^-127 for 0, NaN for 255)."""
+    """decode.cuh (the kernels' E2M1, INT4, E8M0 and E4M3 decoders), built for the host with the bf16x2 FMA
+    emulated: every code in every nibble position gives the value of cudnn_moe.formats (element 2i = low nibble
+    of byte i), bit for bit, and every E8M0 / E4M3 byte the value torch gives (bits; NaN codes NaN)."""
     from cudnn_moe.formats import decode_e2m1
 
     source, program = tmp_path / "decode.cpp", tmp_path / "decode"
@@ -394,10 +395,14 @@ def test_decoders_match_the_codecs_for_every_code(tmp_path: Path) -> None:
     assert torch.equal(got[:, :8].view(torch.int32), want_fp4.view(torch.int32)), "E2M1 decode differs (bits)"
     want_int4 = torch.where(codes >= 8, codes.long() - 16, codes.long()).float()
     assert torch.equal(got[:, 8:], want_int4), "INT4 decode differs"
-    e8m0 = torch.from_numpy(raw[16 * n :].copy())
-    want = torch.arange(256, dtype=torch.uint8).view(torch.float8_e8m0fnu).float()
-    torch.testing.assert_close(e8m0, want, rtol=0, atol=0, equal_nan=True)
-    assert e8m0[0] == 2.0**-127 and e8m0[255].isnan()
+    scales = torch.from_numpy(raw[16 * n :].copy()).view(256, 2)
+    byte = torch.arange(256, dtype=torch.uint8)
+    torch.testing.assert_close(scales[:, 0], byte.view(torch.float8_e8m0fnu).float(), rtol=0, atol=0, equal_nan=True)
+    assert scales[0, 0] == 2.0**-127 and scales[255, 0].isnan()
+    e4m3 = byte.view(torch.float8_e4m3fn).float()
+    finite = e4m3.isfinite()
+    assert torch.equal(scales[finite, 1].view(torch.int32), e4m3[finite].view(torch.int32)), "E4M3 decode differs (bits)"
+    assert bool(scales[~finite, 1].isnan().all()) and int((~finite).sum()) == 2
 
 
 # ----------------------------------------------------------------------------- call checks on the CPU

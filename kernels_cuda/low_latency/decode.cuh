@@ -50,6 +50,14 @@ __device__ __forceinline__ void decode_int4_word(u32 q, float v[8]) {
   for (int j = 0; j < 8; ++j) v[j] = __uint_as_float(0x4B000000u | (((q >> (4 * j)) & 0xFu) ^ 8u)) - 8388616.0f;
 }
 
+// E4M3 byte b (float8_e4m3fn), exact, in FP32, in a few integer operations: with the sign at bit 31 and the
+// 7 other bits at 26..20, the FP32 pattern is the value x 2^-120 (subnormals land on FP32 subnormals), and
+// one FMUL by 2^120 restores it; 0x7F / 0xFF are NaN.
+__device__ __forceinline__ float e4m3_value(u32 b) {
+  const float v = __uint_as_float(((b & 0x80u) << 24) | ((b & 0x7Fu) << 20)) * __uint_as_float(0x7B800000u);
+  return (b & 0x7Fu) == 0x7Fu ? __uint_as_float(0x7FC00000u) : v;
+}
+
 // E8M0 scale byte: 2^(b - 127); b = 0 is 2^-127 (an FP32 subnormal), b = 255 is NaN.
 __device__ __forceinline__ float e8m0_to_float(u32 b) {
   return b == 255u ? __uint_as_float(0x7FC00000u) : (b == 0u ? __uint_as_float(0x00400000u) : __uint_as_float(b << 23));

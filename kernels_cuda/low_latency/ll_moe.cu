@@ -126,7 +126,7 @@ __device__ __forceinline__ void decode_weight_word(const uint4& raw, int i, floa
 // Scale block g of a chunk (raw: the chunk's scale bits), in FP32, exact.
 __device__ __forceinline__ float scale_value(u32 raw, int g) {
 #if LL_WEIGHTS == LL_WEIGHTS_NVFP4
-  return e4m3_to_float(static_cast<u8>(raw >> (8 * g)));  // two E4M3 bytes per chunk
+  return e4m3_value((raw >> (8 * g)) & 0xFFu);  // two E4M3 bytes per chunk
 #elif LL_WEIGHTS == LL_WEIGHTS_MXFP4
   return e8m0_to_float(raw);
 #elif LL_WEIGHTS == LL_WEIGHTS_MXINT4
