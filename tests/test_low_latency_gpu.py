@@ -228,6 +228,19 @@ def test_matches_reference(fmt, x_dtype, act, tokens, kind, out_dtype):
     assert_close_to_reference(got, want, f"{fmt.value} x {x_dtype} {type(act).__name__} T={tokens} {kind} -> {out_dtype}")
 
 
+@pytest.mark.parametrize("fmt", [WeightFormat.NVFP4_WEIGHT_ONLY, WeightFormat.NVFP4_W_NVFP4_A], ids=lambda f: f.value)
+@pytest.mark.parametrize("tokens, act", [(1, SwiGLU()), (3, GeGLU()), (6, SiLU()), (8, SiTU(a=2.0, b=3.0))],
+                         ids=["T1-SwiGLU", "T3-GeGLU", "T6-SiLU", "T8-SiTU"])
+def test_cuda_core_kernels_where_the_tensor_core_path_is_dispatched(fmt, tokens, act, monkeypatch):
+    """On SM90 the call sends finalized BF16 calls of the NVFP4 formats to the tensor-core path; the CUDA-core
+    kernels (the path on every other arch) must still match the reference there."""
+    import cudnn_moe.low_latency.call as call_module
+
+    monkeypatch.setattr(call_module.tensor_cores, "applies", lambda *args, **kwargs: False)
+    got, want = run_and_check(fmt, torch.bfloat16, act, tokens, "packed", torch.bfloat16, seed=tokens + 20)
+    assert_close_to_reference(got, want, f"CUDA-core kernels {fmt.value} {type(act).__name__} T={tokens}")
+
+
 @pytest.mark.parametrize("fmt, x_dtype", FORMAT_CASES, ids=[_case_id(*c) for c in FORMAT_CASES])
 def test_raw_rows(fmt, x_dtype):
     out_dtype = torch.bfloat16 if fmt is WeightFormat.NVFP4_W_NVFP4_A else torch.float16
@@ -249,10 +262,16 @@ def test_duplicate_experts_and_shared_experts(fmt, x_dtype):
         assert_close_to_reference(got, want if finalize else want.rows, f"duplicates {fmt.value} finalize={finalize}")
 
 
+@pytest.mark.parametrize("path", ("dispatched", "cuda_core"))
 @pytest.mark.parametrize("kind", ("packed", "fp32", "int64"))
-def test_nvfp4_pair_unrouted_slots_with_nan_scores(kind):
+def test_nvfp4_pair_unrouted_slots_with_nan_scores(kind, path, monkeypatch):
     """Ids outside [0, E) (negative, E, far beyond; int64 beyond int32) are unrouted: finalize ignores them and
-    their NaN scores, raw rows are zero there."""
+    their NaN scores, raw rows are zero there. path: the call's own choice (on SM90 the tensor-core path for the
+    finalized output), or the CUDA-core kernels forced."""
+    if path == "cuda_core":
+        import cudnn_moe.low_latency.call as call_module
+
+        monkeypatch.setattr(call_module.tensor_cores, "applies", lambda *args, **kwargs: False)
     fmt = WeightFormat.NVFP4_W_NVFP4_A
     config, weights = layer(fmt, True)
     tokens = 4
