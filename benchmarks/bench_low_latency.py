@@ -2,7 +2,8 @@
 
 Per model (top-8 presets) and T in {1, 2, 4, 8}: uniform random distinct routing (common.random_batch), the
 distinct experts it touches, and per weight format the time of ``low_latency_moe`` (SwiGLU, finalized BF16
-output, or FP16 for FP16 weights), the format's floor = touched experts' weight bytes (payload + block scales)
+output, or FP16 for FP16 weights; the path column says whether the call ran on the CUDA-core kernels or,
+on SM90 for the NVFP4 formats, the tensor-core pipeline; --cuda-cores forces the former), the format's floor = touched experts' weight bytes (payload + block scales)
 / HBM bandwidth (4.3 TB/s), and the ratio, with the issue's target where there is one. Then, per (model, T),
 the torch BF16 layer (torch._grouped_mm, captured in one CUDA graph; bench_moe.grouped_mm_layer) and
 ``cudnn_moe.fused_moe`` with the NVFP4 config on the same routing. Every contender is timed the same way
@@ -46,7 +47,9 @@ from common import (  # noqa: E402
 )
 
 from cudnn_moe import Routing, SwiGLU  # noqa: E402
+from cudnn_moe.arch import device_arch  # noqa: E402
 from cudnn_moe.low_latency import LowLatencyMoeConfig, LowLatencyWeights, WeightFormat, low_latency_moe  # noqa: E402
+from cudnn_moe.low_latency import call as ll_call_module  # noqa: E402
 from cudnn_moe.low_latency.weights import Nvfp4PairWeights  # noqa: E402
 
 DEFAULT_TOKENS = (1, 2, 4, 8)
@@ -115,6 +118,12 @@ def prepare_format(
     return config.prepare_mxint4_weight_only(c1, s1, c2, s2)
 
 
+def path_of(weights: LowLatencyWeights, x_dtype: torch.dtype | None, out_dtype: torch.dtype) -> str:
+    """Which kernels a finalized call runs: 'tensor cores' (the SM90 engine's pipeline) or 'CUDA cores'."""
+    tc = ll_call_module.tensor_cores.applies(weights, x_dtype, out_dtype, True, device_arch())
+    return "tensor cores" if tc else "CUDA cores"
+
+
 def ll_call(
     config: LowLatencyMoeConfig, weights: LowLatencyWeights, x: torch.Tensor, ids: torch.Tensor, route_w: torch.Tensor
 ) -> Callable[[], object]:
@@ -161,19 +170,22 @@ class LowLatencyBench:
                 continue
             for tokens, (x, ids, route_w) in batches.items():
                 floor = floor_us(m, touched[tokens], fmt_, args.bandwidth_tbs)
+                x_dtype = None if fmt_ is WeightFormat.NVFP4_W_NVFP4_A else (
+                    torch.float16 if fmt_ is WeightFormat.FP16 else torch.bfloat16)
+                path = path_of(weights, x_dtype, torch.float16 if fmt_ is WeightFormat.FP16 else torch.bfloat16)
                 goal = target(m, tokens, fmt_)
                 try:
                     us = timer.median_us(capture(ll_call(config, weights, x, ids, route_w)).replay)
                 except Exception as exc:  # noqa: BLE001
                     report.note(f"{m.name} {fmt_.value} T={tokens}: {type(exc).__name__}: {exc} ('error' cells)")
-                    report.emit(md_row([m.name, str(tokens), fmt_.value, str(touched[tokens]), "error", fmt(floor), "-",
-                                        goal[0] if goal else "-", "-"]))
+                    report.emit(md_row([m.name, str(tokens), fmt_.value, path, str(touched[tokens]), "error", fmt(floor),
+                                        "-", goal[0] if goal else "-", "-"]))
                     continue
                 if fmt_ in WEIGHT_ONLY_4BIT:
                     key = (m.name, tokens)
                     self.best_4bit[key] = min(us, self.best_4bit.get(key, float("inf")))
                 met = "-" if goal is None else ("yes" if goal[1](us, floor) else "NO")
-                report.emit(md_row([m.name, str(tokens), fmt_.value, str(touched[tokens]), fmt(us), fmt(floor),
+                report.emit(md_row([m.name, str(tokens), fmt_.value, path, str(touched[tokens]), fmt(us), fmt(floor),
                                     f"{us / floor:.2f}", goal[0] if goal else "-", met]))
             del weights
             gc.collect()
@@ -230,6 +242,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--bandwidth-tbs", type=float, default=4.3, help="HBM bandwidth of the floors (TB/s)")
     parser.add_argument("--peers", action=argparse.BooleanOptionalAction, default=True,
                         help="also time the torch BF16 layer and fused_moe (NVFP4) on the same routing")
+    parser.add_argument("--cuda-cores", action="store_true",
+                        help="run every format on the CUDA-core kernels (no tensor-core dispatch on SM90)")
     args = parser.parse_args(argv)
     if max(args.tokens) > 8:
         parser.error(f"--tokens: the low-latency config takes at most 8 tokens, got {max(args.tokens)}")
@@ -247,8 +261,12 @@ def main(argv: list[str] | None = None) -> int:
                 f"CUDA graph, median of {args.iters} replays, 256 MiB L2 flush before each. us = microseconds; ratio = "
                 "time / floor; target: the issue's goal for that cell.")
     report.emit()
+    if args.cuda_cores:
+        ll_call_module.tensor_cores.applies = lambda *a, **k: False  # this process only
+        report.note("--cuda-cores: every format runs on the CUDA-core kernels")
     bench = LowLatencyBench(args, report)
-    report.table(["model", "T", "format", "touched experts", "us", "floor (us)", "ratio", "target", "met"], left=3)
+    report.table(["model", "T", "format", "path", "touched experts", "us", "floor (us)", "ratio", "target", "met"],
+                 left=4)
     run_models(args, bench.model)
     bench.peer_table()
     report.write(args.markdown)

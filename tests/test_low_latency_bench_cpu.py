@@ -46,6 +46,7 @@ def test_arguments() -> None:
     assert args.tokens == [1, 2, 4, 8] and args.engines == ["sm90"] and args.peers
     assert args.formats == [f.value for f in WeightFormat] and args.bandwidth_tbs == 4.3
     assert bench.parse_args(["--formats", "bf16", "--no-peers"]).formats == ["bf16"]
+    assert not args.cuda_cores and bench.parse_args(["--cuda-cores"]).cuda_cores
     with pytest.raises(SystemExit) as exc:
         bench.parse_args(["--tokens", "16"])
     assert exc.value.code == 2
