@@ -59,6 +59,9 @@ def layer_view(weights: Nvfp4WeightOnlyWeights) -> Nvfp4Weights:
     view = _views.get(weights)
     if view is not None:
         return view
+    if torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("low_latency_moe must lay these weights out for the tensor cores first, but the stream is "
+                           "capturing a CUDA graph: make one call with them (of each token count) before capture")
     with _lock:
         view = _views.get(weights)
         if view is None:
