@@ -37,7 +37,7 @@ __device__ __forceinline__ float act_fn(int act, float x) {
   }
 }
 
-// Gated activations of (up, gate) that the NVFP4 pipeline runs (GPU_KERNEL_ACTIVATIONS):
+// Gated activations of (up, gate), the common kinds:
 //   SwiGLU:     g = min(gate, limit), u = clamp(up, -limit, limit), y = g * sigmoid(alpha * g) * (u + beta)
 //   others:     y = act_fn(act, gate) * up   (GeGLU, GeGLUTanh)
 __device__ __forceinline__ float act_gated(int act, float up, float gate, float alpha, float beta, float limit) {
@@ -50,8 +50,8 @@ __device__ __forceinline__ float act_gated(int act, float up, float gate, float 
 // Every gated activation: act_gated's kinds plus
 //   SwiGLUStep: y = min(silu(gate), limit) * clamp(up, -limit, limit)
 //   SiTU:       y = (alpha * tanh(gate / alpha) * sigmoid(gate)) * (beta * tanh(up / beta))   (alpha = a, beta = b)
-// (kept apart from act_gated so that the NVFP4 pipeline's kernel compiles to the same code as before these
-// two kinds existed; it can switch to this one when it admits them).
+// (both pipelines call this one; with a compile-time kind, e.g. the NVFP4 pipeline's SwiGLU instantiation,
+// the two extra tests fold away).
 __device__ __forceinline__ float act_gated_all(int act, float up, float gate, float alpha, float beta, float limit) {
   if (act == ACT_SWIGLU_STEP) {
     const float s = fminf(gate * sigmoid(gate), limit);

@@ -546,3 +546,17 @@ def test_aligned_weights_handle_is_stable_and_dies_with_the_weights() -> None:
     assert handle not in _registered
     with pytest.raises(TypeError, match="prepare_aligned_weights"):
         aligned_weights_handle(object())  # type: ignore[arg-type]
+
+
+def test_prepared_weights_know_their_tensors() -> None:
+    """Identity, not only address: a copy (or new tensors at freed addresses) is not what was prepared;
+    another view of the same tensor is; an in-place write is not."""
+    layer = Layer(seed=16)
+    raw = [layer.gemm1_weights, layer.gemm1_weights_scale, layer.gemm2_weights, layer.gemm2_weights_scale]
+    prepared = prepare_aligned_weights(*raw, arch="sm90")
+    assert prepared.same_tensors(raw)
+    assert prepared.same_tensors([raw[0].view(raw[0].shape), *raw[1:]])
+    assert not prepared.same_tensors([raw[0].clone(), *raw[1:]])
+    raw[2].add_(0)  # an in-place write bumps the version counter
+    assert not prepared.same_tensors(raw)
+

@@ -12,10 +12,12 @@ groups the planned slots by expert again, so the plan's block size does not shap
 from __future__ import annotations
 
 import threading
+import warnings
 import weakref
 from collections import OrderedDict
 from collections.abc import Hashable
 
+import numpy as np
 import torch
 
 from .. import kernels
@@ -23,10 +25,11 @@ from ..engines import engine_for
 from ..executor import Bucket, MoeExecutor
 from ..ops import tensor_signature
 from .checks import AlignedDims, check_aligned_args
-from .weights import GATED, AlignedWeights, raw_signature, prepare_aligned_weights
+from .weights import GATED, AlignedWeights, owner_of, prepare_aligned_weights, raw_signature
 
 BUCKET_LIMIT = 1 << 20  # tokens: warmup's default ceiling only; buckets are allocated on demand
 PREPARED_CACHE_SIZE = 4  # weight sets prepared on the fly (no ``prepared`` argument) kept per process
+_warned_eviction = False
 SIGNATURES_CACHE_SIZE = 64
 
 _prepared: OrderedDict[tuple, AlignedWeights] = OrderedDict()
@@ -40,18 +43,18 @@ def _weights_for(
     raw: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], prepared: AlignedWeights | None
 ) -> AlignedWeights:
     """``prepared`` after checking it was built from these raw tensors, or weights prepared now (and
-    cached by the raw tensors' signatures, version counters included)."""
-    sources = tuple(raw_signature(t) for t in raw)
+    cached by the raw tensors' identity, addresses and version counters)."""
     if prepared is not None:
         if not isinstance(prepared, AlignedWeights):
             raise TypeError(f"prepared must come from prepare_aligned_weights(), got {type(prepared).__name__}")
-        if prepared.sources != sources:
+        if not prepared.same_tensors(raw):
             raise ValueError("prepared was built from other weight tensors (or they were written since): prepare "
                              "them again from gemm1_weights, gemm1_weights_scale, gemm2_weights, gemm2_weights_scale")
         return prepared
+    sources = tuple(raw_signature(t) for t in raw)
     with _lock:
         found = _prepared.get(sources)
-        if found is not None:
+        if found is not None and found.same_tensors(raw):
             _prepared.move_to_end(sources)
             return found
     if torch.cuda.is_current_stream_capturing():
@@ -60,9 +63,18 @@ def _weights_for(
     weights = prepare_aligned_weights(*raw)
     with _lock:
         _prepared[sources] = weights
-        while len(_prepared) > PREPARED_CACHE_SIZE:
+        if len(_prepared) > PREPARED_CACHE_SIZE:
             _prepared.popitem(last=False)
+            if not _warned_eviction:
+                _warn_eviction()
     return weights
+
+
+def _warn_eviction() -> None:
+    global _warned_eviction
+    _warned_eviction = True
+    warnings.warn(f"aligned_moe prepared more than {PREPARED_CACHE_SIZE} weight sets on the fly: each call now lays "
+                  "its weights out again; pass prepared=prepare_aligned_weights(...) per layer", stacklevel=4)
 
 
 def _executor(weights: AlignedWeights, top_k: int) -> MoeExecutor:
@@ -75,6 +87,14 @@ def _executor(weights: AlignedWeights, top_k: int) -> MoeExecutor:
                                local_expert_start=0, max_num_tokens=BUCKET_LIMIT)
         executor = layer.executors.setdefault(key, executor)
     return executor
+
+
+def _float32_bits(value: object) -> object:
+    """The float32 bits the stage bakes in for a number (so 0.0 and -0.0 differ), else the value itself."""
+    try:
+        return np.float32(value).tobytes()
+    except (TypeError, ValueError):
+        return value
 
 
 def _signature(args: tuple, scalars: tuple, prepared: AlignedWeights | None) -> Hashable | None:
@@ -113,14 +133,18 @@ def aligned_moe(
 
     Arguments, layouts and checks: cudnn_moe.aligned.check_aligned_args (the contract's names); the
     plan format: cudnn_moe.align_routing; the rounding points: cudnn_moe.aligned.reference_aligned_moe,
-    which this op matches up to FP32 accumulation order. ``out`` is read and written once per element
-    and nothing else the caller owns is written. Deterministic: the same inputs give the same bits.
+    which this op matches up to FP32 evaluation noise (accumulation order, FP32 SiLU). ``out`` is read
+    and written once per element and nothing else the caller owns is written. Deterministic: the same
+    inputs give the same bits.
 
-    prepared: from prepare_aligned_weights(gemm1_weights, ...), built once before serving. Without it
-    the weights are laid out on the first call and the layout is cached by the raw tensors'
-    addresses, shapes and torch version counters (writes torch does not see, e.g. by a foreign CUDA
-    kernel, need ``prepared`` built again). w1_scale_prepared / w2_scale_prepared: the contract's
-    panels of another library's layout; accepted only as None (pass ``prepared`` instead).
+    prepared: from prepare_aligned_weights(gemm1_weights, ...), built once per layer before serving.
+    Without it the weights are laid out on the first call and the layout is cached (for the last
+    PREPARED_CACHE_SIZE weight sets; more layers than that re-lay their weights on every call, with a
+    warning) by the raw tensors' identity, addresses, shapes and torch version counters: writes torch
+    does not see, e.g. by a foreign CUDA kernel, need ``prepared`` built again. w1_scale_prepared /
+    w2_scale_prepared: the contract's panels of another library's layout; accepted only as None (pass
+    ``prepared`` instead). Calls with one prepared weight set share its workspaces and the scratch of
+    the output scales: order them on one stream.
 
     The plan is read on the device only: blocks past num_tokens_post_padded are skipped there, and a
     CUDA graph of the call follows a new plan on replay. Entries that break the plan (a slot named
@@ -131,10 +155,17 @@ def aligned_moe(
     raw = (gemm1_weights, gemm1_weights_scale, gemm2_weights, gemm2_weights_scale)
     args = (hidden_states, hidden_states_scale, *raw, output1_scale_gate_scalar, output1_scale_scalar,
             output2_scale_scalar, sorted_token_ids, expert_ids, num_tokens_post_padded, topk_weights, out)
-    scalars = (top_k, block_m, routed_scaling_factor, w1_scale_prepared is None, w2_scale_prepared is None)
+    scalars = (top_k, block_m, _float32_bits(routed_scaling_factor), w1_scale_prepared is None,
+               w2_scale_prepared is None)
     key = _signature(args, scalars, prepared)
     found = _checked.get(key) if key is not None else None
     weights, executor = (found[0](), found[1]()) if found is not None else (None, None)
+    if weights is not None and not all(ref() is owner_of(t) for ref, t in zip(weights.owners, raw)):
+        weights = None  # new tensors at the addresses of freed ones: check everything again
+    elif weights is not None:
+        with _lock:
+            if key in _checked:
+                _checked.move_to_end(key)
     dims = None
     if weights is None or executor is None:
         dims = check_aligned_args(*args, top_k, block_m, routed_scaling_factor)

@@ -22,8 +22,10 @@ s = i % top_k). The rounding points, in data-path order, are those of the NVFP4 
    down[t, s]), each product and sum a separate FP32 operation on the GPU (deterministic: no
    atomics, the same inputs give the same bits); this oracle sums in float64 and rounds once.
 
-What remains between the GPU and this oracle is the FP32 accumulation order of the GEMMs and of
-step 7. A slot the plan never names contributes nothing; a slot named twice breaks the plan
+What remains between the GPU and this oracle is FP32 evaluation: the accumulation order of the
+GEMMs and of step 7, the FP32 SiLU (the oracle's float64 one is rounded to FP32 only at the
+requantization), and the GPU's FP32 product of scale and accumulator before each BF16 rounding. Each
+can move a BF16 rounding by one unit and, rarely, an NVFP4 code of the intermediate by one step. A slot the plan never names contributes nothing; a slot named twice breaks the plan
 format (this oracle raises, the GPU op keeps one of the two).
 """
 

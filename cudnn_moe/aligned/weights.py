@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from ..activations import SwiGLU
-from ..arch import Arch, device_arch, parse_arch
+from ..arch import device_arch, parse_arch
 from ..config import Nvfp4Weights, require_expert_count
 from ..engines import GemmShape, choose_engine, engine_class
 from ..formats import NVFP4_BLOCK
@@ -15,13 +17,18 @@ from ..validate import require_same_device, require_shape, require_tensor
 from .checks import K_MULTIPLE
 
 GATED = SwiGLU()  # the op's activation: silu(gate) * up, on the pipeline's [up; gate] rows
-_CHUNK_BYTES = 1 << 28  # experts are repacked in chunks of about this many code bytes
 
 
 def raw_signature(t: torch.Tensor) -> tuple:
     """What identifies a raw weight tensor's contents to the op: address, shape, strides, dtype,
     device and torch's version counter (bumped by every in-place torch write)."""
     return (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device, t._version)
+
+
+def owner_of(t: torch.Tensor) -> torch.Tensor:
+    """The tensor that owns t's memory: t's base for a view (a fresh view of one weight tensor each call
+    is the same weights), else t."""
+    return t._base if t._base is not None else t
 
 
 @dataclass(frozen=True, eq=False)
@@ -33,11 +40,19 @@ class AlignedWeights:
     scales | gate scales] with w1_alpha_split = N/2, and w2_alpha float32 [E]: scratch that each
     call fills from its output scales on the device (they are arguments of every call).
     sources: the raw tensors' signatures (address, shape, strides, dtype, device, version) at
-    preparation; a call checks its raw tensors against them.
+    preparation; owners: weak references to the tensors owning their memory. A call's raw tensors
+    match when both agree (``same_tensors``): new tensors that reuse freed addresses do not.
     """
 
     layer: Nvfp4Weights
     sources: tuple
+    owners: tuple[weakref.ref, ...]
+
+    def same_tensors(self, raw: Sequence[torch.Tensor]) -> bool:
+        """Whether ``raw`` (gemm1_weights, its scales, gemm2_weights, its scales) are the tensors these
+        weights were prepared from, unwritten since."""
+        return (all(ref() is owner_of(t) for ref, t in zip(self.owners, raw))
+                and self.sources == tuple(raw_signature(t) for t in raw))
 
     @property
     def num_experts(self) -> int:
@@ -54,19 +69,6 @@ def _swap_halves(t: torch.Tensor) -> torch.Tensor:
     """[E, N, X]: rows [a; b] -> [b; a] (gate/up order), a new tensor."""
     a, b = t.chunk(2, dim=1)
     return torch.cat((b, a), dim=1)
-
-
-def _pack(engine: type, arch: Arch, codes: torch.Tensor, scales: torch.Tensor, swap: bool) -> tuple:
-    """Pack [E, rows, K/2] codes and [E, rows, K/16] scales for ``engine``, a few experts at a time."""
-    step = max(1, _CHUNK_BYTES // max(1, codes[0].numel()))
-    parts = []
-    for e in range(0, codes.shape[0], step):
-        c, s = codes[e : e + step], scales[e : e + step]
-        if swap:
-            c, s = _swap_halves(c), _swap_halves(s)
-        parts.append(engine.pack_weights(arch, c.contiguous(), s.contiguous()))
-    data, packed_scales = zip(*parts)
-    return torch.cat(data), torch.cat(packed_scales)
 
 
 def prepare_aligned_weights(
@@ -111,11 +113,12 @@ def prepare_aligned_weights(
     shapes = (GemmShape(hidden, n, experts), GemmShape(inter, hidden, experts))
     spec = choose_engine(target, engine, shapes).spec(target)
     cls = engine_class(spec.engine)
-    w1_data, w1_scales = _pack(cls, target, w1, w1s, swap=True)
-    w2_data, w2_scales = _pack(cls, target, w2, w2s, swap=False)
+    w1_data, w1_scales = cls.pack_weights_chunked(target, w1, w1s, rows=_swap_halves)
+    w2_data, w2_scales = cls.pack_weights_chunked(target, w2, w2s)
     alpha1 = torch.ones(2 * experts, dtype=torch.float32, device=device)
     alpha2 = torch.ones(experts, dtype=torch.float32, device=device)
     layer = Nvfp4Weights(
         w1_data, w1_scales, alpha1, w2_data, w2_scales, alpha2, spec, GATED.gated, hidden, inter, w1_alpha_split=inter
     )
-    return AlignedWeights(layer, tuple(raw_signature(t) for t in (w1, w1s, w2, w2s)))
+    raw = (w1, w1s, w2, w2s)
+    return AlignedWeights(layer, tuple(raw_signature(t) for t in raw), tuple(weakref.ref(owner_of(t)) for t in raw))

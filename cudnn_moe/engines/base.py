@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import abc
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar, NamedTuple
 
@@ -26,6 +27,8 @@ import torch
 
 from ..arch import Arch, arch_name
 from ..kernels.codes import TokenLayout
+
+PACK_CHUNK_BYTES = 1 << 28  # code bytes per chunk of GemmEngine.pack_weights_chunked
 
 
 class WeightLayout(enum.Enum):
@@ -146,6 +149,27 @@ class GemmEngine(abc.ABC):
     def pack_weights(cls, arch: Arch, codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Canonical NVFP4 weights (codes uint8 [E, N, K/2], linear E4M3 scales [E, N, K/16]) -> the
         engine's weight layout on ``arch`` (done once, at preparation)."""
+
+    @classmethod
+    def pack_weights_chunked(
+        cls,
+        arch: Arch,
+        codes: torch.Tensor,
+        scales: torch.Tensor,
+        rows: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``pack_weights`` a few experts at a time (about PACK_CHUNK_BYTES of codes each), so the packing's
+        temporaries stay small next to the weights; ``rows`` (e.g. a reorder of the rows) is applied to each
+        chunk's codes and scales first."""
+        step = max(1, PACK_CHUNK_BYTES // max(1, codes[0].numel()))
+        parts = []
+        for e in range(0, codes.shape[0], step):
+            c, s = codes[e : e + step], scales[e : e + step]
+            if rows is not None:
+                c, s = rows(c), rows(s)
+            parts.append(cls.pack_weights(arch, c.contiguous(), s.contiguous()))
+        data, packed_scales = zip(*parts)
+        return torch.cat(data), torch.cat(packed_scales)
 
     @classmethod
     @abc.abstractmethod

@@ -8,7 +8,6 @@ with CUDA are in codes.
 """
 
 from .activate import activate_quantize
-from .aligned_stage import SOURCE as _ALIGNED_STAGE_SOURCE
 from .aligned_stage import plan_routes, stage_aligned
 from .codes import ROW_THREADS, SORT_MAX_EXPERTS, SORT_THREADS, RoutingFormat, TokenLayout, cuda_defines
 from .finalize import SOURCE as _FINALIZE_SOURCE
@@ -21,11 +20,10 @@ from .stage import stage_inputs
 
 
 
-def load_call_kernels(device: int, aligned: bool = False) -> None:
-    """Compile, or load from the persistent cache, the kernels every call launches around the bucket
-    pipeline (stage or the aligned stage, finalize), so that warming up a layer leaves nothing to build
-    on its first call."""
-    for source in (_ALIGNED_STAGE_SOURCE if aligned else _STAGE_SOURCE, _FINALIZE_SOURCE):
+def load_call_kernels(device: int) -> None:
+    """Compile, or load from the persistent cache, the kernels every fused_moe call launches around the
+    bucket pipeline (stage, finalize), so that warming up a layer leaves nothing to build on its first call."""
+    for source in (_STAGE_SOURCE, _FINALIZE_SOURCE):
         load_module(source, device)
 
 

@@ -6,8 +6,11 @@ the finalize). On SM90, finalized calls with NVFP4 weight-only weights and BF16 
 the NVFP4 pair, run on the tensor cores instead (cudnn_moe.low_latency.tensor_cores: the SM90 engine's
 pipeline, same rounding points).
 The call allocates nothing when ``out`` is given (workspaces are cached per weights,
-cudnn_moe.low_latency.workspace), reads no device data and never synchronizes, so a caller can record
-it in its own CUDA graph once one eager call has warmed it up (kernels compiled, workspace allocated).
+cudnn_moe.low_latency.workspace) and reads no device data, so a caller can record it in its own CUDA
+graph once one eager call has warmed it up (kernels compiled, workspace allocated). The CUDA-core path
+never synchronizes; the tensor-core path captures CUDA graphs (a device sync each) on the first call of
+a token count and on the second consecutive call of a new set of tensors, then replays them: reuse the
+input and ``out`` tensors across decode steps.
 Every argument is checked before anything is launched; errors name the argument (TypeError for a wrong
 type or dtype, ValueError for a wrong value).
 

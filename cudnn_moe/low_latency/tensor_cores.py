@@ -31,6 +31,7 @@ from ..config import Nvfp4Weights
 from ..engines import engine_for
 from ..engines.sm90.engine import Sm90GemmEngine
 from ..executor import Bucket, MoeExecutor
+from ..kernels.codes import SORT_MAX_EXPERTS
 from ..ops import tensor_signature
 from ..routing import Routing
 from .config import MAX_NUM_TOKENS
@@ -42,11 +43,12 @@ _lock = threading.Lock()
 
 def applies(weights: LowLatencyWeights, x_dtype: torch.dtype | None, out_dtype: torch.dtype, finalize: bool,
             arch: Arch) -> bool:
-    """Whether a call of these properties runs on the tensor-core path: finalized, BF16 output, on SM90, with
-    NVFP4 weight-only weights and BF16 tokens or the NVFP4 pair. Measured on an H200 (benchmarks/RESULTS.md)
+    """Whether a call of these properties runs on the tensor-core path: finalized, BF16 output, on SM90, at
+    most SORT_MAX_EXPERTS experts (the pipeline's sort), with NVFP4 weight-only weights and BF16 tokens or
+    the NVFP4 pair. Measured on an H200 (benchmarks/RESULTS.md)
     it is 1.9-3x faster than the CUDA-core kernels from two tokens on, and at one token as fast on
     Qwen3-30B-A3B and 1.9x faster on DeepSeek-V3, so it takes every T."""
-    if arch != SM90 or not finalize or out_dtype != torch.bfloat16:
+    if arch != SM90 or not finalize or out_dtype != torch.bfloat16 or weights.num_experts > SORT_MAX_EXPERTS:
         return False
     if weights.format is WeightFormat.NVFP4_WEIGHT_ONLY:
         return x_dtype == torch.bfloat16
@@ -65,8 +67,8 @@ def layer_view(weights: Nvfp4WeightOnlyWeights) -> Nvfp4Weights:
     with _lock:
         view = _views.get(weights)
         if view is None:
-            w1, w1_scales = Sm90GemmEngine.pack_weights(SM90, weights.w1_codes, weights.w1_scales)
-            w2, w2_scales = Sm90GemmEngine.pack_weights(SM90, weights.w2_codes, weights.w2_scales)
+            w1, w1_scales = Sm90GemmEngine.pack_weights_chunked(SM90, weights.w1_codes, weights.w1_scales)
+            w2, w2_scales = Sm90GemmEngine.pack_weights_chunked(SM90, weights.w2_codes, weights.w2_scales)
             view = Nvfp4Weights(
                 w1, w1_scales, weights.w1_global, w2, w2_scales, weights.w2_global, Sm90GemmEngine.spec(SM90),
                 weights.gated, weights.hidden_size, weights.padded_intermediate,
