@@ -46,8 +46,8 @@ def applies(weights: LowLatencyWeights, x_dtype: torch.dtype | None, out_dtype: 
     """Whether a call of these properties runs on the tensor-core path: finalized, BF16 output, on SM90, at
     most SORT_MAX_EXPERTS experts (the pipeline's sort), with NVFP4 weight-only weights and BF16 tokens or
     the NVFP4 pair. Measured on an H200 (benchmarks/RESULTS.md)
-    it is 1.9-3x faster than the CUDA-core kernels from two tokens on, and at one token as fast on
-    Qwen3-30B-A3B and 1.9x faster on DeepSeek-V3, so it takes every T."""
+    it is 1.3-3x faster than the CUDA-core kernels from two tokens on; at one token it is 1.9x faster on
+    DeepSeek-V3 and up to 10% slower on Qwen3-30B-A3B, so it takes every T."""
     if arch != SM90 or not finalize or out_dtype != torch.bfloat16 or weights.num_experts > SORT_MAX_EXPERTS:
         return False
     if weights.format is WeightFormat.NVFP4_WEIGHT_ONLY:
