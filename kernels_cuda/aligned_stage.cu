@@ -22,12 +22,8 @@ extern "C" __global__ void moe_stage_aligned(const u8* __restrict__ x, i64 x_row
                                              float* __restrict__ alpha2, int M, int top_k, int row_bytes,
                                              int scale_bytes) {
   const int t = blockIdx.x;
-  if (t < M) {
-    block_copy_bytes(xs + static_cast<i64>(t) * row_bytes, x + static_cast<i64>(t) * x_row_stride, row_bytes,
-                     threadIdx.x, blockDim.x);
-    block_copy_bytes(xss + static_cast<i64>(t) * scale_bytes, x_scales + static_cast<i64>(t) * scale_bytes,
-                     scale_bytes, threadIdx.x, blockDim.x);
-  }
+  if (t < M) stage_token_row(xs, xss, x, x_row_stride, x_scales, t, row_bytes, scale_bytes, threadIdx.x,
+                             blockDim.x);
   for (int s = threadIdx.x; s < top_k; s += blockDim.x) {
     const i64 i = static_cast<i64>(t) * top_k + s;
     ids_out[i] = -1;

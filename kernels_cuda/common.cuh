@@ -209,6 +209,26 @@ __device__ __forceinline__ void store_fragment_unit(u16* dst, int u, const uint4
 }
 
 // ---------------------------------------------------------------------------
+// Streaming loads (weights read once: not kept in L1)
+// ---------------------------------------------------------------------------
+
+// 16 bytes of read-only data that is used once.
+__device__ __forceinline__ uint4 ldg_stream_v4(const void* p) {
+  uint4 v;
+  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+      : "l"(p));
+  return v;
+}
+
+// 8 bytes of read-only data that is used once.
+__device__ __forceinline__ uint2 ldg_stream_v2(const void* p) {
+  uint2 v;
+  asm("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
+  return v;
+}
+
+// ---------------------------------------------------------------------------
 // Copies
 // ---------------------------------------------------------------------------
 
@@ -225,6 +245,14 @@ __device__ __forceinline__ void block_copy_bytes(u8* dst, const u8* src, i64 n, 
   } else {
     for (i64 i = tid; i < n; i += nthreads) dst[i] = src[i];
   }
+}
+
+// Stage token t: its row_bytes of codes (source rows x_row_stride bytes apart) and scale_bytes of scales
+// into row t of the bucket buffers xs / xss, with the threads of one block (thread `tid` of `nthreads`).
+__device__ __forceinline__ void stage_token_row(u8* xs, u8* xss, const u8* x, i64 x_row_stride, const u8* x_scales,
+                                                i64 t, int row_bytes, int scale_bytes, int tid, int nthreads) {
+  block_copy_bytes(xs + t * row_bytes, x + t * x_row_stride, row_bytes, tid, nthreads);
+  block_copy_bytes(xss + t * scale_bytes, x_scales + t * scale_bytes, scale_bytes, tid, nthreads);
 }
 
 }  // namespace moe

@@ -20,12 +20,7 @@ extern "C" __global__ void moe_stage_inputs(const u8* __restrict__ x, const u8* 
                                             float* __restrict__ w_out, int T, int top_k, int row_bytes,
                                             int scale_bytes) {
   const int t = blockIdx.x;
-  if (t < T) {
-    block_copy_bytes(xs + static_cast<i64>(t) * row_bytes, x + static_cast<i64>(t) * row_bytes, row_bytes,
-                     threadIdx.x, blockDim.x);
-    block_copy_bytes(xss + static_cast<i64>(t) * scale_bytes, x_scales + static_cast<i64>(t) * scale_bytes,
-                     scale_bytes, threadIdx.x, blockDim.x);
-  }
+  if (t < T) stage_token_row(xs, xss, x, row_bytes, x_scales, t, row_bytes, scale_bytes, threadIdx.x, blockDim.x);
   for (int s = threadIdx.x; s < top_k; s += blockDim.x) {
     const i64 i = static_cast<i64>(t) * top_k + s;
     int id = -1;

@@ -153,15 +153,6 @@ __device__ __forceinline__ i64 scale_row_bytes(int k) {
   return LL_WEIGHTS == LL_WEIGHTS_NVFP4 ? k / 16 : LL_WEIGHTS == LL_WEIGHTS_MXFP4 ? k / 32 : LL_WEIGHTS == LL_WEIGHTS_MXINT4 ? k / 16 : 0;
 }
 
-// Streamed 16-byte weight load: read-only, not kept in L1.
-__device__ __forceinline__ uint4 load_stream(const u8* p) {
-  uint4 v;
-  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-      : "l"(p));
-  return v;
-}
-
 // 4 bytes from L2 (ld.global.cg: not from this SM's L1, which may not have seen other CTAs' writes).
 __device__ __forceinline__ u32 load_l2(const void* p) {
   u32 v;
@@ -309,7 +300,7 @@ __device__ __forceinline__ void dot_rows(const u8* const (&wrow)[R], const u8* c
       const int c = c0 + u * lpr;
 #pragma unroll
       for (int r = 0; r < R; ++r) {
-        raw[u][r] = c < nchunks ? load_stream(wrow[r] + 16 * static_cast<i64>(c)) : make_uint4(0u, 0u, 0u, 0u);
+        raw[u][r] = c < nchunks ? ldg_stream_v4(wrow[r] + 16 * static_cast<i64>(c)) : make_uint4(0u, 0u, 0u, 0u);
         sraw[u][r] = c < nchunks ? load_scales(srow[r], c) : 0u;
       }
     }

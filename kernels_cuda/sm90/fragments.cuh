@@ -26,6 +26,8 @@
 namespace sm90 {
 
 using moe::i64;
+using moe::ldg_stream_v2;  // weights and scales: streamed, not kept in L1 (common.cuh)
+using moe::ldg_stream_v4;
 using moe::u16;
 using moe::u32;
 using moe::u64;
@@ -116,22 +118,6 @@ __device__ __forceinline__ void mma_bf16_16816(float (&c)[4], const u32 (&a)[4],
 // ---------------------------------------------------------------------------------------------
 // Global loads
 // ---------------------------------------------------------------------------------------------
-
-// 16 bytes of read-only data that is used once (weights): no L1 allocation.
-__device__ __forceinline__ uint4 ldg_stream_v4(const void* p) {
-  uint4 v;
-  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-      : "l"(p));
-  return v;
-}
-
-// 8 bytes of read-only data used once per warp (scales).
-__device__ __forceinline__ uint2 ldg_stream_v2(const void* p) {
-  uint2 v;
-  asm("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
-  return v;
-}
 
 // 16 bytes of read-only data shared by several warps (token fragments), L1-cached.
 __device__ __forceinline__ uint4 ldg_v4(const void* p) {
