@@ -131,6 +131,15 @@ class Bucket:
 FULL_GRAPHS_PER_BUCKET = 4
 
 
+def cached_executor(weights: Nvfp4Weights, key: Hashable, make: Callable[[], MoeExecutor]) -> MoeExecutor:
+    """The executor cached on ``weights`` under ``key``; ``make()`` builds it on first use (two racing
+    threads may both build one; the first stored wins)."""
+    executor = weights.executors.get(key)
+    if executor is None:
+        executor = weights.executors.setdefault(key, make())
+    return executor
+
+
 class MoeExecutor:
     """Runs the NVFP4 MoE pipeline for one weight view on its device (see the module docstring)."""
 

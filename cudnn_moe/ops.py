@@ -14,7 +14,7 @@ from .activations import Activation, SwiGLU, parse_activation
 from .arch import arch_name, device_arch
 from .config import Nvfp4Activations, Nvfp4MoeConfig, Nvfp4Weights
 from .engines import engine_for
-from .executor import MoeExecutor, UnfinalizedOutput, row_capacity
+from .executor import MoeExecutor, UnfinalizedOutput, cached_executor, row_capacity
 from .routing import Routing, check_distinct_experts
 from .validate import (
     require_contiguous,
@@ -49,18 +49,10 @@ def get_executor(
     require_int_arg("top_k", top_k, 1)
     require_int_arg("local_expert_start", local_expert_start, 0)
     key = (top_k, activation, local_expert_start, config.max_num_tokens)
-    executor = weights.executors.get(key)
-    if executor is None:
-        executor = MoeExecutor(
-            weights,
-            engine_for(weights.spec, weights.device),
-            top_k=top_k,
-            activation=activation,
-            local_expert_start=local_expert_start,
-            max_num_tokens=config.max_num_tokens,
-        )
-        executor = weights.executors.setdefault(key, executor)
-    return executor
+    return cached_executor(weights, key, lambda: MoeExecutor(
+        weights, engine_for(weights.spec, weights.device), top_k=top_k, activation=activation,
+        local_expert_start=local_expert_start, max_num_tokens=config.max_num_tokens,
+    ))
 
 
 def _validate(

@@ -22,7 +22,7 @@ import torch
 
 from .. import kernels
 from ..engines import engine_for
-from ..executor import Bucket, MoeExecutor
+from ..executor import Bucket, MoeExecutor, cached_executor
 from ..ops import tensor_signature
 from .checks import AlignedDims, check_aligned_args
 from .weights import GATED, AlignedWeights, owner_of, prepare_aligned_weights, raw_signature
@@ -80,13 +80,10 @@ def _warn_eviction() -> None:
 def _executor(weights: AlignedWeights, top_k: int) -> MoeExecutor:
     """The pipeline executor cached on ``weights`` for ``top_k``."""
     layer = weights.layer
-    key = ("aligned", top_k)
-    executor = layer.executors.get(key)
-    if executor is None:
-        executor = MoeExecutor(layer, engine_for(layer.spec, layer.device), top_k=top_k, activation=GATED,
-                               local_expert_start=0, max_num_tokens=BUCKET_LIMIT)
-        executor = layer.executors.setdefault(key, executor)
-    return executor
+    return cached_executor(layer, ("aligned", top_k), lambda: MoeExecutor(
+        layer, engine_for(layer.spec, layer.device), top_k=top_k, activation=GATED, local_expert_start=0,
+        max_num_tokens=BUCKET_LIMIT,
+    ))
 
 
 def _float32_bits(value: object) -> object:

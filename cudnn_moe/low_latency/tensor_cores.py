@@ -30,7 +30,7 @@ from ..arch import SM90, Arch
 from ..config import Nvfp4Weights
 from ..engines import engine_for
 from ..engines.sm90.engine import Sm90GemmEngine
-from ..executor import Bucket, MoeExecutor
+from ..executor import Bucket, MoeExecutor, cached_executor
 from ..kernels.codes import SORT_MAX_EXPERTS
 from ..ops import tensor_signature
 from ..routing import Routing
@@ -78,14 +78,10 @@ def layer_view(weights: Nvfp4WeightOnlyWeights) -> Nvfp4Weights:
 
 
 def _executor(view: Nvfp4Weights, top_k: int, activation: Activation, bf16_tokens: bool) -> MoeExecutor:
-    key = ("low_latency", top_k, activation, bf16_tokens)
-    executor = view.executors.get(key)
-    if executor is None:
-        executor = MoeExecutor(view, engine_for(view.spec, view.device), top_k=top_k, activation=activation,
-                               local_expert_start=0, max_num_tokens=MAX_NUM_TOKENS, bf16_tokens=bf16_tokens,
-                               bf16_intermediate=True)
-        executor = view.executors.setdefault(key, executor)
-    return executor
+    return cached_executor(view, ("low_latency", top_k, activation, bf16_tokens), lambda: MoeExecutor(
+        view, engine_for(view.spec, view.device), top_k=top_k, activation=activation, local_expert_start=0,
+        max_num_tokens=MAX_NUM_TOKENS, bf16_tokens=bf16_tokens, bf16_intermediate=True,
+    ))
 
 
 def run(x: torch.Tensor, x_scales: torch.Tensor | None, weights: Nvfp4WeightOnlyWeights, routing: Routing,
