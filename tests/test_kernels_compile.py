@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import importlib
 import math
-import re
 import shutil
 import subprocess
 from collections.abc import Callable
@@ -21,29 +20,12 @@ from cudnn_moe import kernels
 from cudnn_moe.activations import SwiGLU
 from cudnn_moe.formats import decode_e2m1, encode_e2m1
 from cudnn_moe.formats.blocks import to_e4m3
+from kernel_sources import ARG_TYPES, HOST_PRELUDE, kernel_signatures
 
 KERNELS_DIR = kernels.kernels_dir()
 SOURCES = sorted(path.name for path in KERNELS_DIR.glob("*.cu"))
 NVCC = shutil.which("nvcc") or shutil.which("nvcc", path="/usr/local/cuda/bin")
 CXX = shutil.which("c++") or shutil.which("g++")
-
-# C parameter type -> the numpy scalar type a wrapper must pass for it.
-_ARG_TYPES = {"int": np.int32, "i64": np.int64, "float": np.float32, "pointer": np.uint64}
-_ENTRY = re.compile(r'extern "C" __global__ void(?:\s+__launch_bounds__\(\w+\))?\s+(\w+)\(([^)]*)\)')
-
-
-def _kernel_signatures() -> dict[str, list[str]]:
-    """Entry point name -> parameter kinds ("int", "i64", "float" or "pointer"), parsed from the sources."""
-    signatures = {}
-    for name in SOURCES:
-        for kernel, params in _ENTRY.findall((KERNELS_DIR / name).read_text()):
-            kinds = []
-            for param in params.split(","):
-                decl = param.strip()
-                kinds.append("pointer" if "*" in decl else decl.split()[0])
-            signatures[kernel] = kinds
-    return signatures
-
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found")
 @pytest.mark.parametrize("arch", ["sm_90", "sm_100a"])
@@ -120,7 +102,7 @@ def test_wrapper_arguments_match_kernel_signatures(monkeypatch: pytest.MonkeyPat
         module = importlib.import_module(f"cudnn_moe.kernels.{stage_name}")
         monkeypatch.setattr(module, "ptr", lambda tensor, align=1, row_strided=False: np.uint64(0))
         monkeypatch.setattr(module, "launch", lambda file, name, device, grid, block, args: launches.append((name, args)))
-    signatures = _kernel_signatures()
+    signatures = kernel_signatures(KERNELS_DIR / name for name in SOURCES)
     signatures.pop("moe_expert_scale")  # launched by the cuDNN engine, checked on the GPU
     calls = _wrapper_calls()
     assert sorted(signatures) == sorted(name for name, _, _ in calls)
@@ -128,7 +110,7 @@ def test_wrapper_arguments_match_kernel_signatures(monkeypatch: pytest.MonkeyPat
         launches.clear()
         wrapper(*args)
         assert [launched for launched, _ in launches] == [name]
-        expected = [_ARG_TYPES[kind] for kind in signatures[name]]
+        expected = [ARG_TYPES[kind] for kind in signatures[name]]
         assert [type(arg) for arg in launches[0][1]] == expected, name
 
 
@@ -181,18 +163,7 @@ def check_format_helpers(
 
 
 # Host build of common.cuh: stand-ins for the CUDA qualifiers, vector types and bit-cast intrinsics it uses.
-_HOST_DRIVER = r"""
-#include <cmath>
-#include <cstdio>
-#include <cstring>
-#define __device__
-#define __forceinline__ inline
-struct uint2 { unsigned int x, y; };
-struct uint4 { unsigned int x, y, z, w; };
-static inline unsigned int __float_as_uint(float f) { unsigned int u; std::memcpy(&u, &f, 4); return u; }
-static inline float __uint_as_float(unsigned int u) { float f; std::memcpy(&f, &u, 4); return f; }
-static inline float __fadd_rn(float a, float b) { return a + b; }
-static inline float __fsub_rn(float a, float b) { return a - b; }
+_HOST_DRIVER = HOST_PRELUDE + r"""
 #include "common.cuh"
 using namespace moe;
 
@@ -236,18 +207,7 @@ def test_format_helpers_on_host(tmp_path: Path) -> None:
     check_format_helpers(x, encoded[:, 0].contiguous(), encoded[:, 1].contiguous(), bf16, decoded)
 
 
-_ROUND_DRIVER = r"""
-#include <cmath>
-#include <cstdio>
-#include <cstring>
-#define __device__
-#define __forceinline__ inline
-struct uint2 { unsigned int x, y; };
-struct uint4 { unsigned int x, y, z, w; };
-static inline unsigned int __float_as_uint(float f) { unsigned int u; std::memcpy(&u, &f, 4); return u; }
-static inline float __uint_as_float(unsigned int u) { float f; std::memcpy(&f, &u, 4); return f; }
-static inline float __fadd_rn(float a, float b) { return a + b; }
-static inline float __fsub_rn(float a, float b) { return a - b; }
+_ROUND_DRIVER = HOST_PRELUDE + r"""
 #include "common.cuh"
 using namespace moe;
 

@@ -47,6 +47,7 @@ from cudnn_moe.low_latency import (
     reference_low_latency,
 )
 from cudnn_moe.routing import Routing, pack_routing
+from test_low_latency_cpu import FORMAT_CASES  # (format, token dtype) pairs
 
 pytestmark = pytest.mark.gpu
 
@@ -61,17 +62,6 @@ ACTIVATIONS: tuple[Activation, ...] = (
     Identity(), ReLU(), GELU(), SiLU(), ReLU2(),
     SwiGLU(alpha=1.702, beta=1.0, limit=7.0), GeGLU(), GeGLUTanh(), SwiGLUStep(limit=2.0), SiTU(a=2.0, b=3.0),
 )
-FORMAT_CASES = [
-    (WeightFormat.BF16, torch.bfloat16),
-    (WeightFormat.FP16, torch.float16),
-    (WeightFormat.NVFP4_WEIGHT_ONLY, torch.bfloat16),
-    (WeightFormat.NVFP4_WEIGHT_ONLY, torch.float16),
-    (WeightFormat.MXFP4_WEIGHT_ONLY, torch.bfloat16),
-    (WeightFormat.MXFP4_WEIGHT_ONLY, torch.float16),
-    (WeightFormat.MXINT4_WEIGHT_ONLY, torch.bfloat16),
-    (WeightFormat.MXINT4_WEIGHT_ONLY, torch.float16),
-    (WeightFormat.NVFP4_W_NVFP4_A, torch.bfloat16),
-]
 ROUTING_KINDS = ("packed", "fp32", "bf16", "int64")
 ULP = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
 

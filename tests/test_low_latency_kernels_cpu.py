@@ -45,6 +45,7 @@ from cudnn_moe.routing import Routing
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 import sass_budget  # noqa: E402
+from kernel_sources import ARG_TYPES, HOST_PRELUDE, kernel_signatures  # noqa: E402
 
 SOURCE = kernels_dir() / ll.SOURCE
 NVCC = shutil.which("nvcc") or shutil.which("nvcc", path="/usr/local/cuda/bin")
@@ -172,17 +173,6 @@ def test_nvrtc_builds_what_the_loader_builds(variant) -> None:
 
 
 # ----------------------------------------------------------------------------- wrappers vs C signatures
-_ENTRY = re.compile(r'extern "C" __global__ void __launch_bounds__\([^)]*\) (\w+)\(([^)]*)\)')
-_ARG_TYPES = {"int": np.int32, "float": np.float32, "pointer": np.uint64}
-
-
-def _signatures() -> dict[str, list[str]]:
-    signatures = {}
-    for kernel, params in _ENTRY.findall(SOURCE.read_text()):
-        signatures[kernel] = ["pointer" if "*" in p else p.split()[0] for p in (q.strip() for q in params.split(","))]
-    return signatures
-
-
 def _cpu_layer(fmt: WeightFormat):
     config = LowLatencyMoeConfig(8, arch="sm90")
     e, h, i = 3, 512, 128
@@ -217,12 +207,12 @@ def test_wrappers_match_kernel_signatures(fmt: WeightFormat, monkeypatch: pytest
     out = torch.zeros(tokens, h, dtype=torch.float16)
     ll.gemm2(weights, x_dtype, inter, ids, torch.zeros(tokens, top_k), 1, tokens, top_k, True, rows, out, counters)
     ll.gemm2(weights, x_dtype, inter, ids, None, 0, tokens, top_k, False, rows, None, None)
-    signatures = _signatures()
+    signatures = kernel_signatures([SOURCE])
     assert sorted(signatures) == sorted(ll.KERNELS)
     assert [name for name, *_ in launches] == ["ll_gemm1", "ll_gemm2", "ll_gemm2"]
     code_w, code_x = ll.weight_code(fmt), ll.input_code(fmt, x_dtype)
     for name, grid, block, args, options in launches:
-        assert [type(a) for a in args] == [_ARG_TYPES[k] for k in signatures[name]], name
+        assert [type(a) for a in args] == [ARG_TYPES[k] for k in signatures[name]], name
         assert block == LL_THREADS and options == ll.module_options(code_w, code_x), name
     lpr1 = ll.lanes_per_row(ll.row_bytes(fmt, h) // 16)
     lpr2 = ll.lanes_per_row(ll.row_bytes(fmt, ip) // 16)
@@ -266,18 +256,7 @@ def test_choose_rounds() -> None:
 
 
 # ----------------------------------------------------------------------------- activation math on the host
-_ACT_DRIVER = r"""
-#include <cmath>
-#include <cstdio>
-#include <cstring>
-#define __device__
-#define __forceinline__ inline
-struct uint2 { unsigned int x, y; };
-struct uint4 { unsigned int x, y, z, w; };
-static inline unsigned int __float_as_uint(float f) { unsigned int u; std::memcpy(&u, &f, 4); return u; }
-static inline float __uint_as_float(unsigned int u) { float f; std::memcpy(&f, &u, 4); return f; }
-static inline float __fadd_rn(float a, float b) { return a + b; }
-static inline float __fsub_rn(float a, float b) { return a - b; }
+_ACT_DRIVER = HOST_PRELUDE + r"""
 #include "activation_math.cuh"
 using namespace moe;
 
@@ -331,18 +310,7 @@ def test_activation_math_matches_the_reference_activations(tmp_path: Path) -> No
 
 
 # ----------------------------------------------------------------------------- decoders on the host
-_DECODE_DRIVER = r"""
-#include <cmath>
-#include <cstdio>
-#include <cstring>
-#define __device__
-#define __forceinline__ inline
-struct uint2 { unsigned int x, y; };
-struct uint4 { unsigned int x, y, z, w; };
-static inline unsigned int __float_as_uint(float f) { unsigned int u; std::memcpy(&u, &f, 4); return u; }
-static inline float __uint_as_float(unsigned int u) { float f; std::memcpy(&f, &u, 4); return f; }
-static inline float __fadd_rn(float a, float b) { return a + b; }
-static inline float __fsub_rn(float a, float b) { return a - b; }
+_DECODE_DRIVER = HOST_PRELUDE + r"""
 #include "low_latency/decode.cuh"
 
 // argv[1]: uint32 words; argv[2]: per word 8 E2M1 values then 8 INT4 values (float32); then for b = 0..255
