@@ -19,7 +19,9 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from .activations import Activation, parse_activation
-from .cache import ENV_VAR, KIND_CUDNN_PLAN, KIND_KERNEL, DiskCache, EntryKey, cache_dir, set_cache_dir, stats
+from .cache import (
+    ENV_VAR, KIND_CUDNN_PLAN, KIND_KERNEL, DiskCache, EntryKey, NotACacheError, cache_dir, set_cache_dir, stats,
+)
 from .engines.select import ENGINE_NAMES
 
 def _presets_file() -> Path:
@@ -232,6 +234,13 @@ def entry_counts() -> tuple[int, int]:
     return sum(counts.get((k, "built"), 0) for k in kinds), sum(counts.get((k, "disk"), 0) for k in kinds)
 
 
+def parse_cache_dir(text: str) -> Path:
+    """--cache-dir: a non-empty path (an empty one would mean the current directory)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("the cache directory must not be empty (it would mean the current directory)")
+    return Path(text)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The prebuild subcommand's options."""
     what = parser.add_argument_group("what to build")
@@ -246,11 +255,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     what.add_argument("--engine", choices=ENGINE_NAMES, default="auto",
                       help="GEMM engine (default: auto, the first that runs the layer on this GPU)")
     store = parser.add_argument_group("cache")
-    store.add_argument("--cache-dir", type=Path, default=None, metavar="DIR",
+    store.add_argument("--cache-dir", type=parse_cache_dir, default=None, metavar="DIR",
                        help=f"cache directory (default: ${ENV_VAR}, else $XDG_CACHE_HOME/cudnn_moe or ~/.cache/cudnn_moe)")
     store.add_argument("--list", action="store_true", help="list the cached entries: key, size, time")
     store.add_argument("--verify", action="store_true", help="read every entry and check its header, checksum and key")
-    store.add_argument("--clear", action="store_true", help="remove every entry (before building, if shapes are given)")
+    store.add_argument("--clear", action="store_true",
+                       help="remove every entry (before building, if shapes are given); only the cache's own files "
+                            "are removed, and a directory that is not a cudnn_moe cache is refused")
     parser.add_argument("--quiet", action="store_true", help="no progress bar (the summary still prints)")
 
 
@@ -283,7 +294,7 @@ def verify_entries(disk: DiskCache, out: TextIO) -> int:
         out.write(f"{'ok ' if check.ok else 'BAD'}  {check.path.name}{'' if check.ok else '  ' + str(check.problem)}\n")
     out.write(f"{len(checks) - len(bad)} ok, {len(bad)} bad in {disk.root}\n")
     if bad:
-        out.write("bad entries are rebuilt and replaced on their next use; --clear removes everything\n")
+        out.write("bad entries are rebuilt and replaced on their next use; --clear removes every entry\n")
     return 1 if bad else 0
 
 
@@ -406,9 +417,14 @@ def run_prebuild(args: argparse.Namespace, out: TextIO | None = None, err: TextI
     if not shapes and not manage:
         err.write("cudnn-moe prebuild: error: nothing to do: give --preset or --shape to build, or --list/--verify/--clear\n")
         return 2
+    if shapes:  # before anything touches the cache directory
+        problem = _gpu_problem(args.engine)
+        if problem:
+            err.write(f"cudnn-moe prebuild: error: {problem}\n")
+            return 1
     try:
         root = cache_dir(args.cache_dir, create=bool(shapes))
-    except OSError as exc:
+    except (OSError, ValueError) as exc:
         err.write(f"cudnn-moe prebuild: error: --cache-dir: {exc}\n")
         return 2
     if not root.is_dir():  # only managing, and there is no cache yet
@@ -417,7 +433,11 @@ def run_prebuild(args: argparse.Namespace, out: TextIO | None = None, err: TextI
     disk = DiskCache(root)
     status = 0
     if args.clear:
-        out.write(f"removed {disk.clear()} files from {root}\n")
+        try:
+            out.write(f"removed {disk.clear()} files from {root}\n")
+        except NotACacheError as exc:
+            err.write(f"cudnn-moe prebuild: error: --clear: {exc}\n")
+            return 1
     if args.list:
         status |= list_entries(disk, out)
     if args.verify:
@@ -425,10 +445,6 @@ def run_prebuild(args: argparse.Namespace, out: TextIO | None = None, err: TextI
         status |= verify_loads(disk, out)
     if not shapes:
         return status
-    problem = _gpu_problem(args.engine)
-    if problem:
-        err.write(f"cudnn-moe prebuild: error: {problem}\n")
-        return 1
     set_cache_dir(root)  # the engines' plans and kernels go through this directory
     os.environ[ENV_VAR] = str(root)  # and child processes see it too
     progress = Progress(len(shapes) * len(args.buckets), stream=err, enabled=not args.quiet)

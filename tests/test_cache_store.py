@@ -354,7 +354,7 @@ def test_entries_verify_and_clear(tmp_path: Path) -> None:
     assert listed["ffff"].key is None and "truncated header" in listed["ffff"].problem
     (tmp_path / f".{'1' * 64}.x.tmp").write_bytes(b"partial")
     assert disk.clear() == 5
-    assert disk.entries() == [] and list(tmp_path.iterdir()) == []
+    assert disk.entries() == [] and list(tmp_path.iterdir()) == [tmp_path / "CACHEDIR.TAG"]  # the marker stays
 
 
 # ----------------------------------------------------------------------------- unwritable directory

@@ -16,18 +16,20 @@ The GPU paths (cuDNN plans, kernel binaries) use ``active_cache()``: the directo
 from .keys import KIND_CUDNN_PLAN, KIND_KERNEL, EntryKey, Environment, current_environment
 from .paths import ENV_VAR, cache_dir, default_cache_dir
 from .runtime import active_cache, record, reset_stats, set_cache_dir, stats
-from .store import CacheEntry, CacheWarning, CorruptEntry, DiskCache, EntryCheck
+from .store import MARKER, CacheEntry, CacheWarning, CorruptEntry, DiskCache, EntryCheck, NotACacheError
 
 __all__ = [
     "ENV_VAR",
     "KIND_CUDNN_PLAN",
     "KIND_KERNEL",
+    "MARKER",
     "CacheEntry",
     "CacheWarning",
     "CorruptEntry",
     "DiskCache",
     "EntryCheck",
     "EntryKey",
+    "NotACacheError",
     "Environment",
     "active_cache",
     "cache_dir",

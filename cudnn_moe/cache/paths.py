@@ -25,8 +25,11 @@ def cache_dir(path: str | os.PathLike[str] | None = None, *, create: bool = True
 
     create=True makes a missing directory (and its parents) with mode 0700, fixing the mode
     where the umask narrowed it; a directory that already exists is used as it is, its mode
-    untouched. Raises NotADirectoryError when the path names something else.
+    untouched. Raises ValueError for an empty path (it would mean the current directory) and
+    NotADirectoryError when the path names something else.
     """
+    if path is not None and not os.fspath(path).strip():
+        raise ValueError("the cache directory must not be empty (an empty path would mean the current directory)")
     root = (Path(path) if path is not None else default_cache_dir()).expanduser()
     if root.exists() and not root.is_dir():
         raise NotADirectoryError(f"cache directory {root} exists and is not a directory")

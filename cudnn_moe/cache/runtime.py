@@ -27,6 +27,9 @@ _counts: Counter[tuple[str, str]] = Counter()
 def set_cache_dir(path: str | os.PathLike[str] | None) -> None:
     """Use ``path`` as the cache directory for the rest of the process (None: back to the default)."""
     global _explicit
+    if path is not None and not os.fspath(path).strip():
+        raise ValueError("set_cache_dir: the path must not be empty (an empty path would mean the current directory); "
+                         "pass None for the default")
     with _lock:
         _explicit = None if path is None else Path(path).expanduser()
 

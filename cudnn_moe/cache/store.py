@@ -9,6 +9,12 @@ Entry file ``<sha256 of the key JSON>.entry``, little-endian:
     payload sha256             32 bytes
     payload
 
+The directory carries a marker, ``CACHEDIR.TAG`` (the cache-directory tag standard, naming cudnn_moe),
+written when the cache creates the directory or first stores an entry in it. Only files the cache
+itself names are ever listed, checked or removed: regular files called ``<64 hex digits>.entry`` (in an
+unmarked directory also starting with the entry magic) and ``.<64 hex digits>.<random>.tmp``; every
+other file or directory in it is left alone, and ``clear`` refuses a directory that is not a cache.
+
 Writes go to a temporary file in the same directory (``.<digest>.<random>.tmp``), are fsynced
 and renamed over the entry with os.replace, so a reader sees the old entry, the new one or
 none, never a partial file; several processes may write one key at once and the last rename
@@ -21,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import struct
 import tempfile
 import threading
@@ -37,6 +44,14 @@ FORMAT_VERSION = 1
 SUFFIX = ".entry"
 TEMP_SUFFIX = ".tmp"
 STALE_TEMP_SECONDS = 600.0  # a temporary file this old belongs to a writer that died
+MARKER = "CACHEDIR.TAG"
+MARKER_TEXT = (
+    "Signature: 8a477f597d28d172789f06886806bc55\n"
+    "# This file is a cache directory tag created by cudnn_moe (kernel binaries and cuDNN plans).\n"
+    "# For information about cache directory tags see https://bford.info/cachedir/\n"
+)
+_ENTRY_NAME = re.compile(r"[0-9a-f]{64}\.entry")
+_TEMP_NAME = re.compile(r"\.[0-9a-f]{64}\.[A-Za-z0-9_]+\.tmp")
 _HEAD = struct.Struct("<8sHI")  # magic, format version, key length
 _PAYLOAD_HEAD = struct.Struct("<Q32s")  # payload length, payload sha256
 
@@ -47,6 +62,10 @@ class CacheWarning(UserWarning):
 
 class CorruptEntry(ValueError):
     """An entry file that does not parse or whose checksum does not match."""
+
+
+class NotACacheError(ValueError):
+    """A directory that holds files but neither the cache's marker nor any of its entries."""
 
 
 _reported: set[str] = set()
@@ -60,6 +79,14 @@ def report_once(subject: str, message: str) -> None:
             return
         _reported.add(subject)
     warnings.warn(f"cudnn_moe cache: {message}", CacheWarning, stacklevel=3)
+
+
+def _starts_with_magic(path: Path) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return f.read(len(MAGIC)) == MAGIC
+    except OSError:
+        return False
 
 
 def encode_entry(key_json: str, payload: bytes) -> bytes:
@@ -139,7 +166,30 @@ class DiskCache:
     """Entries under one cache directory (see cache_dir for the default and its 0700 mode)."""
 
     def __init__(self, root: str | os.PathLike[str] | None = None) -> None:
+        existed = cache_dir(root, create=False).is_dir()
         self.root = cache_dir(root)
+        self._marked = False
+        if not existed:
+            self._mark()
+
+    def is_marked(self) -> bool:
+        """Whether the directory carries this cache's marker file (CACHEDIR.TAG naming cudnn_moe)."""
+        try:
+            text = (self.root / MARKER).read_text(encoding="ascii", errors="replace")
+        except OSError:
+            return False
+        return text.startswith(MARKER_TEXT.splitlines()[0]) and "cudnn_moe" in text
+
+    def _mark(self) -> None:
+        """Write the marker file once per instance (an existing one, or an unwritable directory, is left as it is)."""
+        if self._marked:
+            return
+        self._marked = True
+        try:
+            with open(self.root / MARKER, "x", encoding="ascii") as f:
+                f.write(MARKER_TEXT)
+        except OSError:
+            pass
 
     def path_for(self, key: EntryKey) -> Path:
         return self.root / f"{key.digest()}{SUFFIX}"
@@ -171,6 +221,7 @@ class DiskCache:
         if not isinstance(payload, (bytes, bytearray, memoryview)):
             raise TypeError(f"payload must be bytes, got {type(payload).__name__}")
         digest = key.digest()
+        self._mark()
         self.clean_temporaries(prefix=f".{digest}.")
         data = encode_entry(key.to_json(), bytes(payload))
         fd, temp = tempfile.mkstemp(prefix=f".{digest}.", suffix=TEMP_SUFFIX, dir=self.root)
@@ -245,7 +296,7 @@ class DiskCache:
         that died mid-write; returns how many. Younger ones may belong to a live writer."""
         removed = 0
         now = time.time()
-        for path in self.root.glob(f"{prefix}*{TEMP_SUFFIX}"):
+        for path in self._temp_paths(prefix):
             try:
                 if now - path.stat().st_mtime >= max_age:
                     path.unlink()
@@ -254,10 +305,27 @@ class DiskCache:
                 continue
         return removed
 
+    def is_cache(self) -> bool:
+        """Whether the directory is this cache's: marked, holding at least one of its entries, or empty."""
+        if self.is_marked() or self._entry_paths():
+            return True
+        try:
+            return next(os.scandir(self.root), None) is None
+        except OSError:
+            return False
+
     def clear(self) -> int:
-        """Remove every entry and temporary file; returns how many files went."""
+        """Remove every entry and temporary file of this cache (see the module docstring for which files
+        those are; nothing else is touched, the marker stays); returns how many files went.
+
+        Raises NotACacheError, removing nothing, when the directory is not a cache (``is_cache``)."""
+        if not self.is_cache():
+            raise NotACacheError(
+                f"{self.root} is not a cudnn_moe cache directory (it holds files but no {MARKER} written by "
+                "cudnn_moe and no cache entries); refusing to remove anything from it"
+            )
         removed = 0
-        for path in [*self._entry_paths(), *self.root.glob(f".*{TEMP_SUFFIX}")]:
+        for path in [*self._entry_paths(), *self._temp_paths(".")]:
             try:
                 path.unlink()
                 removed += 1
@@ -265,8 +333,27 @@ class DiskCache:
                 continue
         return removed
 
+    def _own_files(self, pattern: re.Pattern[str], prefix: str = "") -> list[Path]:
+        """Regular files (not links, not directories) directly in the directory whose whole name matches
+        ``pattern`` and starts with ``prefix``, sorted by name."""
+        try:
+            with os.scandir(self.root) as found:
+                return sorted(
+                    Path(e.path) for e in found
+                    if e.name.startswith(prefix) and pattern.fullmatch(e.name) and e.is_file(follow_symlinks=False)
+                )
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+
     def _entry_paths(self) -> list[Path]:
-        return sorted(self.root.glob(f"*{SUFFIX}")) if self.root.is_dir() else []
+        """The entry files: named as entries and, unless the directory is marked, starting with the magic."""
+        paths = self._own_files(_ENTRY_NAME)
+        if not paths or self.is_marked():
+            return paths
+        return [p for p in paths if _starts_with_magic(p)]
+
+    def _temp_paths(self, prefix: str) -> list[Path]:
+        return self._own_files(_TEMP_NAME, prefix)
 
     def _discard(self, path: Path, seen: os.stat_result, problem: str) -> None:
         """Report ``path`` once and remove it, unless a writer has replaced it since it was read."""
