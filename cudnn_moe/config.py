@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -49,8 +49,8 @@ class Nvfp4Weights:
     w1_alpha / w2_alpha: float32 [E]; dequantized weight = e2m1 * block scale * alpha.
     w1_alpha_split: None, or (the aligned-plan op's weights) I: w1_alpha is then [2E] and GEMM1
     output features f >= I (the gate half) take w1_alpha[E + e].
-    ``executors`` caches the GPU executors built for these weights (see ops.get_executor); they
-    are released with the weights.
+    The GPU executors built for these weights live in cudnn_moe.pipeline.lifetime's cache and are
+    released (outside any CUDA-graph capture) after the weights object is dropped.
     """
 
     w1: torch.Tensor
@@ -64,7 +64,6 @@ class Nvfp4Weights:
     hidden_size: int
     intermediate_size: int
     w1_alpha_split: int | None = None
-    executors: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def num_experts(self) -> int:

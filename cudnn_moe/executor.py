@@ -38,6 +38,7 @@ from . import kernels
 from .activations import Activation
 from .config import Nvfp4Activations, Nvfp4Weights
 from .engines import GemmEngine, GemmOperands, GemmShape, TokenOperand, WeightOperand
+from .pipeline.lifetime import defer, release_deferred
 from .routing import Routing
 
 
@@ -131,15 +132,6 @@ class Bucket:
 FULL_GRAPHS_PER_BUCKET = 4
 
 
-def cached_executor(weights: Nvfp4Weights, key: Hashable, make: Callable[[], MoeExecutor]) -> MoeExecutor:
-    """The executor cached on ``weights`` under ``key``; ``make()`` builds it on first use (two racing
-    threads may both build one; the first stored wins)."""
-    executor = weights.executors.get(key)
-    if executor is None:
-        executor = weights.executors.setdefault(key, make())
-    return executor
-
-
 class MoeExecutor:
     """Runs the NVFP4 MoE pipeline for one weight view on its device (see the module docstring)."""
 
@@ -160,9 +152,9 @@ class MoeExecutor:
                 f"the weights were prepared for the {weights.spec.describe()} but the executor got the "
                 f"{engine.layout.describe()}; prepare them with a config for this GPU"
             )
-        # A view without the executor cache: no reference cycle weights -> executor -> weights, so the
-        # buckets and CUDA graphs are freed by reference counting, never by a GC pass during a capture.
-        self.weights, self.engine = replace(weights, executors={}), engine
+        # A copy of the record (same tensors), never the caller's object: the executor cache
+        # (cudnn_moe.pipeline.lifetime) releases this executor when the caller's weights die.
+        self.weights, self.engine = replace(weights), engine
         self.top_k, self.activation = top_k, activation
         self.local_expert_start, self.max_num_tokens = local_expert_start, max_num_tokens
         if (bf16_tokens or bf16_intermediate) and engine.token_layout is not kernels.TokenLayout.BF16_FRAGMENTS:
@@ -193,6 +185,7 @@ class MoeExecutor:
         """Allocate every bucket up to ``max_tokens``, build its GEMM plans and capture its graph; also
         load the stage and finalize kernels, so the first call builds nothing."""
         limit = self.max_num_tokens if max_tokens is None else max_tokens
+        release_deferred()
         kernels.load_call_kernels(self.weights.device.index)
         size = 1
         while True:
@@ -315,7 +308,7 @@ class MoeExecutor:
                 finish(bucket)
             bucket.full_graphs[signature] = graph
             while len(bucket.full_graphs) > FULL_GRAPHS_PER_BUCKET:
-                bucket.full_graphs.popitem(last=False)
+                defer(bucket.full_graphs.popitem(last=False)[1])  # destroyed outside any capture
         return graph
 
     def _ensure_graph(self, bucket: Bucket) -> torch.cuda.CUDAGraph:

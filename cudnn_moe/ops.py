@@ -14,7 +14,8 @@ from .activations import Activation, SwiGLU, parse_activation
 from .arch import arch_name, device_arch
 from .config import Nvfp4Activations, Nvfp4MoeConfig, Nvfp4Weights
 from .engines import engine_for
-from .executor import MoeExecutor, UnfinalizedOutput, cached_executor, row_capacity
+from .executor import MoeExecutor, UnfinalizedOutput, row_capacity
+from .pipeline import cached_executor, release_deferred
 from .routing import Routing, check_distinct_experts
 from .validate import (
     require_contiguous,
@@ -139,6 +140,7 @@ def fused_moe(
     finalized call with ``out`` that repeats its signature replays one CUDA graph of the whole call
     (see cudnn_moe.executor). Pass ``out`` (reused across calls) for the fastest path.
     """
+    release_deferred()  # GPU objects of dropped weights, destroyed here rather than inside a capture
     key = None if check_routing else signature_key(
         config, activations, routing, weights, activation, local_expert_start, finalize, out, use_cuda_graph
     )

@@ -22,8 +22,9 @@ import torch
 
 from .. import kernels
 from ..engines import engine_for
-from ..executor import Bucket, MoeExecutor, cached_executor
+from ..executor import Bucket, MoeExecutor
 from ..ops import tensor_signature
+from ..pipeline import cached_executor, release_deferred
 from .checks import AlignedDims, check_aligned_args
 from .weights import GATED, AlignedWeights, owner_of, prepare_aligned_weights, raw_signature
 
@@ -149,6 +150,7 @@ def aligned_moe(
     keep one of the two. Launches go on torch's current stream; a first call of each token count
     allocates workspaces, so make one before capturing the op into a CUDA graph.
     """
+    release_deferred()  # GPU objects of dropped weights, destroyed here rather than inside a capture
     raw = (gemm1_weights, gemm1_weights_scale, gemm2_weights, gemm2_weights_scale)
     args = (hidden_states, hidden_states_scale, *raw, output1_scale_gate_scalar, output1_scale_scalar,
             output2_scale_scalar, sorted_token_ids, expert_ids, num_tokens_post_padded, topk_weights, out)

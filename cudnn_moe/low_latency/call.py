@@ -42,6 +42,7 @@ import torch
 from ..activations import Activation, SwiGLU, parse_activation
 from ..arch import arch_name, device_arch
 from ..config import Nvfp4Activations
+from ..pipeline import release_deferred
 from ..routing import Routing
 from ..validate import require_no_overlap, require_tensor
 from . import kernels, tensor_cores
@@ -147,6 +148,7 @@ def low_latency_moe(
 
     Returns ``out`` (or a new tensor). T = 0 returns an empty result and launches nothing.
     """
+    release_deferred()  # GPU objects of dropped weights, destroyed here rather than inside a capture
     if not isinstance(config, LowLatencyMoeConfig):
         raise TypeError(f"config must be a LowLatencyMoeConfig, got {type(config).__name__}")
     if not isinstance(weights, LowLatencyWeights):

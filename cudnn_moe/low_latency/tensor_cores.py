@@ -30,7 +30,8 @@ from ..arch import SM90, Arch
 from ..config import Nvfp4Weights
 from ..engines import engine_for
 from ..engines.sm90.engine import Sm90GemmEngine
-from ..executor import Bucket, MoeExecutor, cached_executor
+from ..executor import Bucket, MoeExecutor
+from ..pipeline import cached_executor
 from ..kernels.codes import SORT_MAX_EXPERTS
 from ..ops import tensor_signature
 from ..routing import Routing
