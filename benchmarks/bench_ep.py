@@ -84,7 +84,7 @@ class EpBench:
         w1, w2 = random_weights(m, torch.Generator(device="cuda").manual_seed(0))
         prep = Nvfp4MoeConfig(max_num_tokens=world * max(args.tokens))
         full = prep.prepare_weights(w1, w2, activation=SwiGLU()) if rank == 0 else None
-        shard = prep.prepare_weights(*shard_weights(w1, w2, rank, world), activation=SwiGLU())
+        shard = prep.prepare_weights(*shard_weights(w1, w2, world_size=world, rank=rank), activation=SwiGLU())
         del w1, w2
         gc.collect()
         torch.cuda.empty_cache()
@@ -137,7 +137,7 @@ class EpBench:
 
 def shard_range(m: ModelShape, rank: int, world: int) -> str:
     """'start..end' of rank's experts."""
-    start, count = expert_shard(m.experts, world, rank)
+    start, count = expert_shard(m.experts, world_size=world, rank=rank)
     return f"{start}..{start + count - 1}"
 
 

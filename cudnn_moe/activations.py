@@ -7,6 +7,9 @@ Every ``apply`` computes in its input's dtype (the reference passes float64).
 
 ``ActivationKind`` codes and the ``params()`` triple ``(a, b, limit)`` are what the CUDA
 activation kernel receives; slots an activation does not use hold 0.0 (a, b) and inf (limit).
+Parameters are checked at construction, as the kernel's float32 receives them: a parameter that is
+not an int or float raises TypeError naming it (``SwiGLU.alpha must be a real number, got str``),
+one that is not finite (or not positive, where a class says so) in float32 raises ValueError.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
+
+from .validate import to_float32
 
 
 class ActivationKind(enum.IntEnum):
@@ -89,10 +94,25 @@ class _Gated(Activation):
         raise NotImplementedError
 
 
-def _check_positive(owner: str, name: str, value: float, allow_inf: bool = False) -> None:
-    if not (value > 0 and (allow_inf or math.isfinite(value))):
+def _check_real(owner: str, name: str, value: object) -> float:
+    """A real number (int or float, not bool; TypeError otherwise) as the kernel's float32 receives it."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{owner}.{name} must be a real number, got {type(value).__name__} {value!r}")
+    return to_float32(float(value))
+
+
+def _check_finite(owner: str, name: str, value: object) -> None:
+    """Finite, also once rounded to float32 (the CUDA kernel's precision): 1e39 is refused."""
+    if not math.isfinite(_check_real(owner, name, value)):
+        raise ValueError(f"{owner}.{name} must be finite (in float32, the kernel's precision), got {value}")
+
+
+def _check_positive(owner: str, name: str, value: object, allow_inf: bool = False) -> None:
+    """Positive (and finite unless allow_inf), also once rounded to float32: 1e-50 (0 there) is refused."""
+    single = _check_real(owner, name, value)
+    if not (single > 0 and (allow_inf or math.isfinite(single))):
         bound = "positive (inf allowed)" if allow_inf else "positive and finite"
-        raise ValueError(f"{owner}.{name} must be {bound}, got {value}")
+        raise ValueError(f"{owner}.{name} must be {bound} in float32 (the kernel's precision), got {value}")
 
 
 @dataclass(frozen=True)
@@ -158,9 +178,8 @@ class SwiGLU(_Gated):
     kind = ActivationKind.SWIGLU
 
     def __post_init__(self) -> None:
-        for name in ("alpha", "beta"):
-            if not math.isfinite(getattr(self, name)):
-                raise ValueError(f"SwiGLU.{name} must be finite, got {getattr(self, name)}")
+        _check_finite("SwiGLU", "alpha", self.alpha)
+        _check_finite("SwiGLU", "beta", self.beta)
         _check_positive("SwiGLU", "limit", self.limit, allow_inf=True)
 
     def params(self) -> tuple[float, float, float]:

@@ -15,20 +15,31 @@ SM103: Arch = (10, 3)
 
 
 def parse_arch(arch: str | int | tuple[int, int]) -> Arch:
-    """Accept (10, 0), 100, "sm100", "sm_100a", "10.0" and return (major, minor)."""
-    if isinstance(arch, tuple) and len(arch) == 2 and all(isinstance(v, int) for v in arch):
-        return arch
-    if isinstance(arch, int) and not isinstance(arch, bool):
+    """Accept (10, 0), 100, "sm100", "sm_100a", "sm_100f", "10.0" and return (major, minor).
+
+    A string must match one of these forms entirely (case and surrounding spaces aside): two or
+    three digits, optionally after "sm" / "sm_" and before the suffix "a" or "f", or "MAJOR.MINOR".
+    Anything else ("sm90x", "sm 90", "") raises ValueError, as do negative numbers; a non-int,
+    non-str, non-pair argument raises TypeError.
+    """
+    if isinstance(arch, tuple):
+        if len(arch) == 2 and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in arch):
+            return arch
+        raise ValueError(f"arch as a tuple must be (major, minor) of two non-negative ints, got {arch!r}")
+    if isinstance(arch, bool) or not isinstance(arch, (int, str)):
+        raise TypeError(f"arch must be a str, an int or a (major, minor) tuple, got {type(arch).__name__}")
+    if isinstance(arch, int):
+        if arch < 0:
+            raise ValueError(f"arch must be a non-negative compute capability such as 90 or 100, got {arch}")
         return divmod(arch, 10)
-    if isinstance(arch, str):
-        text = arch.strip().lower()
-        match = re.fullmatch(r"(?:sm_?)?(\d{2,3})[a-z]?", text)
-        if match:
-            return divmod(int(match.group(1)), 10)
-        match = re.fullmatch(r"(\d+)\.(\d)", text)
-        if match:
-            return int(match.group(1)), int(match.group(2))
-    raise ValueError(f"cannot read a GPU architecture from {arch!r}; use e.g. 'sm90', 'sm100' or (10, 0)")
+    text = arch.strip().lower()
+    match = re.fullmatch(r"(?:sm_?)?(\d{2,3})[af]?", text)
+    if match:
+        return divmod(int(match.group(1)), 10)
+    match = re.fullmatch(r"(\d+)\.(\d)", text)
+    if match:
+        return int(match.group(1)), int(match.group(2))
+    raise ValueError(f"arch {arch!r} is not a GPU architecture; use e.g. 'sm90', 'sm_100a', '10.0', 100 or (10, 0)")
 
 
 def device_arch(device: torch.device | int | None = None) -> Arch:

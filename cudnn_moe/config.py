@@ -14,6 +14,10 @@ from .kernels.codes import SORT_MAX_EXPERTS
 from .validate import require_finite, require_multiple, require_same_device, require_tensor
 
 SIZE_MULTIPLE = 128
+# Largest max_num_tokens: the stage/sort/permute kernels index slots (bucket * top_k) and sorted rows
+# with int32. The biggest bucket of 2^20 tokens keeps slots plus padding rows inside int32 for any
+# top_k up to 2^10 (get_executor checks the exact row count for the call's top_k).
+MAX_NUM_TOKENS = 1 << 20
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -122,7 +126,8 @@ class Nvfp4MoeConfig:
 
     arch: the GPU the prepared weights are for ('sm90', 'sm100', (10, 0), ...); by default the
     current CUDA device, or SM90 when there is none.
-    max_num_tokens: the largest token count one call may pass (token buckets go up to it).
+    max_num_tokens: the largest token count one call may pass (token buckets go up to it), an int in
+    1 .. MAX_NUM_TOKENS (2^20; the kernels' slot and row indices are int32).
     engine: the grouped-GEMM engine: 'auto' (the SM90 kernels on Hopper, cuDNN graphs on
     Blackwell or where the kernels do not fit the shape), 'sm90' or 'cudnn'.
     """
@@ -132,6 +137,9 @@ class Nvfp4MoeConfig:
     ) -> None:
         if not isinstance(max_num_tokens, int) or isinstance(max_num_tokens, bool) or max_num_tokens < 1:
             raise ValueError(f"max_num_tokens must be a positive int, got {max_num_tokens!r}")
+        if max_num_tokens > MAX_NUM_TOKENS:
+            raise ValueError(f"max_num_tokens must be <= MAX_NUM_TOKENS = {MAX_NUM_TOKENS} (the kernels index "
+                             f"slots and rows with int32), got {max_num_tokens}")
         if engine not in ENGINE_NAMES:
             raise ValueError(f"engine must be one of {', '.join(ENGINE_NAMES)}, got {engine!r}")
         self.arch: Arch | None = None if arch is None else parse_arch(arch)

@@ -2,6 +2,8 @@
 
 Sharding (``expert_shard``): E experts over W ranks in contiguous ranges; the first ``E % W``
 ranks hold ``E // W + 1`` experts, the others ``E // W``. Every rank holds at least one expert.
+``expert_shard`` and ``shard_weights`` take ``world_size`` and ``rank`` as keyword-only arguments
+(``expert_shard(E, world_size=W, rank=r)``), so that the two ints cannot be swapped silently.
 
 One ``ExpertParallelMoe`` call (collective: every rank of the group calls it, in the same order):
 
@@ -41,8 +43,9 @@ from .validate import require_int_arg, require_same_device, require_shape, requi
 REDUCE_DTYPES = (torch.float32, torch.bfloat16)
 
 
-def expert_shard(num_experts: int, world_size: int, rank: int) -> tuple[int, int]:
-    """(start, count): the contiguous global expert range ``start .. start + count - 1`` of ``rank``.
+def expert_shard(num_experts: int, *, world_size: int, rank: int) -> tuple[int, int]:
+    """(start, count): the contiguous global expert range ``start .. start + count - 1`` of ``rank``
+    (0 .. world_size - 1; keyword-only, like torch.distributed.init_process_group's world_size and rank).
 
     The first ``num_experts % world_size`` ranks get one expert more than the rest. Raises
     ValueError when there are fewer experts than ranks (a rank would hold none).
@@ -57,10 +60,11 @@ def expert_shard(num_experts: int, world_size: int, rank: int) -> tuple[int, int
 
 
 def shard_weights(
-    w1: torch.Tensor, w2: torch.Tensor, rank: int, world_size: int
+    w1: torch.Tensor, w2: torch.Tensor, *, world_size: int, rank: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Views ``w1[start : start + count]``, ``w2[start : start + count]`` of the [E, ...] weights for
-    ``rank``'s experts (``expert_shard``); feed them to ``Nvfp4MoeConfig.prepare_weights``."""
+    ``rank``'s experts (``expert_shard``; world_size and rank keyword-only); feed them to
+    ``Nvfp4MoeConfig.prepare_weights``."""
     for name, value in (("w1", w1), ("w2", w2)):
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
@@ -68,7 +72,7 @@ def shard_weights(
             raise ValueError(f"{name} must have a leading expert dimension, got a scalar")
     if w1.shape[0] != w2.shape[0]:
         raise ValueError(f"w1 has {w1.shape[0]} experts but w2 has {w2.shape[0]}")
-    start, count = expert_shard(w1.shape[0], world_size, rank)
+    start, count = expert_shard(w1.shape[0], world_size=world_size, rank=rank)
     return w1[start : start + count], w2[start : start + count]
 
 
@@ -92,7 +96,7 @@ class ExpertParallelMoe:
     config: the config ``weights`` were prepared with; its ``max_num_tokens`` must be at least
     ``world_size * max_tokens_per_rank`` (the gathered batch). weights: this rank's shard
     (``shard_weights`` + ``prepare_weights``), on this rank's current CUDA device. group: the process
-    group (None: the default group); the shard is ``expert_shard(num_experts, world_size, rank)``.
+    group (None: the default group); the shard is ``expert_shard(num_experts, world_size=W, rank=r)``.
     reduce_dtype: float32 or bfloat16, the dtype of the cross-rank sum (module docstring).
 
     All arguments are checked here, before any communication; nothing is communicated until the first
@@ -125,7 +129,7 @@ class ExpertParallelMoe:
         self.num_experts = require_int_arg("num_experts", num_experts, 1)
         self.top_k = require_int_arg("top_k", top_k, 1, num_experts)
         self.max_tokens_per_rank = require_int_arg("max_tokens_per_rank", max_tokens_per_rank, 1)
-        self.expert_start, count = expert_shard(num_experts, self.world_size, self.rank)
+        self.expert_start, count = expert_shard(num_experts, world_size=self.world_size, rank=self.rank)
         if weights.num_experts != count:
             raise ValueError(
                 f"rank {self.rank} of {self.world_size} holds experts {self.expert_start}..{self.expert_start + count - 1} "

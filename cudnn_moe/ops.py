@@ -43,12 +43,33 @@ def get_executor(
     weights: Nvfp4Weights,
     *,
     top_k: int,
-    activation: Activation,
+    activation: Activation | str,
     local_expert_start: int,
 ) -> MoeExecutor:
-    """The executor cached on ``weights`` for this (top_k, activation, expert range, max tokens)."""
+    """The executor cached on ``weights`` for this (top_k, activation, expert range, max tokens).
+
+    Checked before anything is built (TypeError / ValueError naming the argument): config an
+    Nvfp4MoeConfig; weights its Nvfp4Weights, on a CUDA device; top_k >= 1, with the slots and rows
+    of config.max_num_tokens' bucket in int32; activation an Activation or a name, gated as the
+    weights are; local_expert_start >= 0, with the weights' last global expert id in int32.
+    """
+    int32_max = (1 << 31) - 1
+    if not isinstance(config, Nvfp4MoeConfig):
+        raise TypeError(f"config must be an Nvfp4MoeConfig, got {type(config).__name__}")
+    if not isinstance(weights, Nvfp4Weights):
+        raise TypeError("weights must be the Nvfp4Weights from config.prepare_weights()")
     require_int_arg("top_k", top_k, 1)
-    require_int_arg("local_expert_start", local_expert_start, 0)
+    require_int_arg("local_expert_start", local_expert_start, 0, int32_max - weights.num_experts + 1)
+    activation = parse_activation(activation)
+    if activation.gated != weights.gated:
+        raise ValueError(f"activation {type(activation).__name__} is {'' if activation.gated else 'non-'}gated but "
+                         f"the weights were prepared for a {'' if weights.gated else 'non-'}gated activation")
+    bucket = 1 << (config.max_num_tokens - 1).bit_length()
+    if row_capacity(bucket, top_k, weights.num_experts, weights.spec.row_alignment) > int32_max:
+        raise ValueError(f"top_k={top_k} is too large for max_num_tokens={config.max_num_tokens}: the "
+                         f"{bucket}-token bucket's slots and rows must fit int32 indices")
+    if weights.device.type != "cuda":
+        raise ValueError(f"weights are on {weights.device}; the executor runs on a CUDA device")
     key = (top_k, activation, local_expert_start, config.max_num_tokens)
     return cached_executor(weights, key, lambda: MoeExecutor(
         weights, engine_for(weights.spec, weights.device), top_k=top_k, activation=activation,

@@ -22,6 +22,7 @@ from .activations import Activation, parse_activation
 from .cache import (
     ENV_VAR, KIND_CUDNN_PLAN, KIND_KERNEL, DiskCache, EntryKey, NotACacheError, cache_dir, set_cache_dir, stats,
 )
+from .config import SIZE_MULTIPLE
 from .engines.select import ENGINE_NAMES
 
 def _presets_file() -> Path:
@@ -117,24 +118,35 @@ def parse_preset(text: str) -> list[LayerShape]:
 
 
 def parse_shape(text: str) -> LayerShape:
-    """--shape E,H,I,TOPK -> LayerShape."""
+    """--shape E,H,I,TOPK -> LayerShape; H and I must be multiples of SIZE_MULTIPLE (128), as
+    Nvfp4MoeConfig.prepare_weights requires."""
     parts = text.split(",")
     try:
         values = [int(p) for p in parts]
         if len(values) != 4:
             raise ValueError(f"expected 4 comma-separated integers E,H,I,TOPK, got {len(values)}")
-        return _shape(f"custom {text}", *values)
+        shape = _shape(f"custom {text}", *values)
+        for field, value in (("hidden size H", shape.hidden), ("intermediate size I", shape.intermediate)):
+            if value % SIZE_MULTIPLE:
+                raise ValueError(f"{field} must be a multiple of {SIZE_MULTIPLE}, got {value}")
+        return shape
     except ValueError as exc:
         raise argparse.ArgumentTypeError(f"bad shape {text!r}: {exc}") from exc
 
 
 def parse_buckets(text: str) -> tuple[int, ...]:
-    """--buckets 1,2,4,... or max=N -> sorted distinct powers of two up to 4096."""
+    """--buckets 1,2,4,... or max=N -> sorted distinct powers of two up to 4096.
+
+    max=N (1 <= N <= 4096) gives every power of two below N and N rounded up to a power of two
+    (max=100 -> 1, 2, ..., 64, 128).
+    """
     try:
         if text.startswith("max="):
             limit = int(text[4:])
             if limit < 1:
                 raise ValueError(f"max must be >= 1, got {limit}")
+            if limit > MAX_BUCKET:
+                raise ValueError(f"max must be <= {MAX_BUCKET} (the largest token bucket), got {limit}")
             buckets = tuple(b for b in DEFAULT_BUCKETS if b < limit) + (1 << (limit - 1).bit_length(),)
         else:
             buckets = tuple(int(p) for p in text.split(","))
@@ -249,7 +261,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     what.add_argument("--shape", action="append", type=parse_shape, default=[], metavar="E,H,I,TOPK",
                       help="a custom layer shape: experts, hidden size, intermediate size, top-k (repeatable)")
     what.add_argument("--buckets", type=parse_buckets, default=DEFAULT_BUCKETS, metavar="LIST|max=N",
-                      help="token buckets, powers of two: e.g. 1,2,4,8 or max=512 (default: 1, 2, 4, ..., 4096)")
+                      help="token buckets, powers of two up to 4096: e.g. 1,2,4,8, or max=N for every power of "
+                           "two below N and N rounded up to one (max=100: 1, ..., 64, 128; default: 1, 2, 4, ..., 4096)")
     what.add_argument("--activation", type=parse_gpu_activation, default=parse_activation("swiglu"),
                       help="the layer's activation (default: swiglu)")
     what.add_argument("--engine", choices=ENGINE_NAMES, default="auto",

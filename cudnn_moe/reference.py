@@ -30,6 +30,7 @@ from .activations import Activation, ActivationKind, parse_activation
 from .config import Nvfp4Activations, Nvfp4Weights
 from .formats import NVFP4_BLOCK, dequantize_nvfp4, quantize_nvfp4
 from .routing import Routing, check_distinct_experts, local_mask
+from .validate import require_finite
 
 
 @dataclass(frozen=True, eq=False)
@@ -142,7 +143,8 @@ def reference_moe(
 
     Returns float64 [T, H] when finalize, else an UnfinalizedReference. Raises ValueError when
     a token names an expert twice or an int64 id lies outside the int32 range (the GPU op
-    masks such ids instead), TypeError / ValueError naming a malformed argument.
+    masks such ids instead), or when w1_alpha / w2_alpha hold NaN or Inf (it would reach every
+    output of that expert's tokens); TypeError / ValueError naming a malformed argument.
     """
     activation = parse_activation(activation)
     if not isinstance(routing, Routing):
@@ -168,6 +170,8 @@ def reference_moe(
     _expect(w2_packed, "w2_packed", u8, (num_experts, hidden, intermediate // 2), device)
     _expect(w2_scales, "w2_scales", e4m3, (num_experts, hidden, intermediate // NVFP4_BLOCK), device)
     _expect(w2_alpha, "w2_alpha", torch.float32, (num_experts,), device)
+    require_finite("w1_alpha", w1_alpha)
+    require_finite("w2_alpha", w2_alpha)
     if routing.num_tokens != num_tokens:
         raise ValueError(f"routing has {routing.num_tokens} tokens, act_packed has {num_tokens}")
     if routing.device != device:

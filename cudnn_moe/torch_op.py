@@ -19,6 +19,9 @@ from .activations import Activation, SwiGLU, parse_activation
 from .config import Nvfp4Activations, Nvfp4MoeConfig, Nvfp4Weights
 from .ops import fused_moe
 from .routing import Routing
+from .validate import require_int_arg
+
+_INT32_MAX = (1 << 31) - 1
 
 
 @dataclass(frozen=True)
@@ -66,6 +69,11 @@ class MoeLayer(torch.nn.Module):
 
     Inside a CUDA-graph capture (yours, or torch.compile's "reduce-overhead"), every token bucket the
     capture uses must have run once before, or call ``warmup()`` first.
+
+    activation: the activation the weights were prepared for (gated or not, as they are).
+    local_expert_start: the global id of the weights' first expert, an int >= 0 with
+    ``local_expert_start + E - 1`` in int32 (the kernels' expert ids). Bad arguments raise
+    TypeError / ValueError naming them, here rather than at the first call.
     """
 
     def __init__(
@@ -81,8 +89,13 @@ class MoeLayer(torch.nn.Module):
             raise TypeError(f"config must be an Nvfp4MoeConfig, got {type(config).__name__}")
         if not isinstance(weights, Nvfp4Weights):
             raise TypeError("weights must be the Nvfp4Weights from config.prepare_weights()")
+        require_int_arg("local_expert_start", local_expert_start, 0, _INT32_MAX - weights.num_experts + 1)
+        act = parse_activation(activation)
+        if act.gated != weights.gated:
+            raise ValueError(f"activation {type(act).__name__} is {'' if act.gated else 'non-'}gated but the weights "
+                             f"were prepared for a {'' if weights.gated else 'non-'}gated activation")
         self.handle = next(_handles)
-        self.layer = _Layer(config, weights, parse_activation(activation), local_expert_start)
+        self.layer = _Layer(config, weights, act, local_expert_start)
         _layers[self.handle] = self.layer
         weakref.finalize(self, _layers.pop, self.handle, None)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import struct
 from collections.abc import Iterable
 
 import torch
@@ -94,10 +95,58 @@ def require_finite_scalar(name: str, value: object, *, positive: bool = False) -
     return value
 
 
-def require_positive_finite(name: str, value: torch.Tensor) -> None:
-    """Check that every element is finite and > 0 (reads the data: a device sync on CUDA)."""
-    if value.numel() and not bool((torch.isfinite(value) & (value > 0)).all()):
-        raise ValueError(f"{name} must be finite and positive everywhere")
+def require_positive_finite(name: str, value: torch.Tensor, *, in_float32: bool = False, reciprocal: bool = False) -> None:
+    """Check that every element is finite and > 0 (reads the data: a device sync on CUDA).
+
+    in_float32=True checks the values rounded to float32, where the computation runs (a float64
+    1e-300 is 0 there, 1e39 is inf); reciprocal=True (implies in_float32) also requires 1 / value to
+    be finite in float32, for a scale the computation divides by.
+    """
+    if not value.numel():
+        return
+    if in_float32 or reciprocal:
+        value = value.float()
+    ok = torch.isfinite(value) & (value > 0)
+    if reciprocal:
+        ok &= torch.isfinite(1.0 / value)
+    if not bool(ok.all()):
+        where = " in float32" if in_float32 or reciprocal else ""
+        also = f", with 1/{name} finite too" if reciprocal else ""
+        raise ValueError(f"{name} must be finite and positive everywhere{where}{also}")
+
+
+FLOAT32_MAX = 3.4028234663852886e38  # torch.finfo(torch.float32).max
+FLOAT32_MIN_RECIPROCAL = 1.0 / FLOAT32_MAX  # about 2.94e-39: the least x whose 1 / x is finite in float32
+
+
+def to_float32(value: float) -> float:
+    """``value`` rounded to the nearest float32 (to +-inf past the float32 range), as a Python float."""
+    try:
+        return struct.unpack("f", struct.pack("f", value))[0]
+    except OverflowError:
+        return math.copysign(math.inf, value)
+
+
+def require_float32_scalar(name: str, value: object, *, positive: bool = False, reciprocal: bool = False) -> float:
+    """Check a number (as require_finite_scalar accepts) that stays finite once rounded to float32,
+    where the computation runs; return it rounded to float32.
+
+    positive=True also refuses values that are <= 0 or round to 0 in float32 (e.g. 1e-300).
+    reciprocal=True (a scale the computation divides by; implies positive) also requires 1 / value to
+    be finite in float32: value >= FLOAT32_MIN_RECIPROCAL (about 2.94e-39).
+    """
+    positive = positive or reciprocal
+    value = require_finite_scalar(name, value, positive=positive)
+    single = to_float32(value)
+    if not math.isfinite(single):
+        raise ValueError(f"{name} must be finite in float32 (|{name}| <= {FLOAT32_MAX:.7g}), got {value}")
+    if positive and single == 0:
+        raise ValueError(f"{name} must be positive in float32, got {value} (it rounds to 0)")
+    if reciprocal and not math.isfinite(to_float32(1.0 / single)):
+        raise ValueError(
+            f"{name} must be at least {FLOAT32_MIN_RECIPROCAL:.7g} so that 1/{name} is finite in float32, got {value}"
+        )
+    return single
 
 
 def require_float_tensor(

@@ -6,6 +6,8 @@ of cudnn_moe.validate get their own unit tests below.
 
 from __future__ import annotations
 
+import argparse
+import functools
 import math
 
 import pytest
@@ -13,7 +15,12 @@ import torch
 
 import cudnn_moe
 
-from cudnn_moe.activations import parse_activation
+from cudnn_moe import prebuild
+from cudnn_moe.activations import SiTU, SwiGLU, SwiGLUStep, parse_activation
+from cudnn_moe.aligned import align_routing, reference_aligned_moe
+from cudnn_moe.arch import parse_arch
+from cudnn_moe.config import MAX_NUM_TOKENS, Nvfp4MoeConfig
+from cudnn_moe.distributed import expert_shard, shard_weights
 from cudnn_moe.formats import (
     decode_e2m1,
     dequantize_fp8_act128,
@@ -33,14 +40,18 @@ from cudnn_moe.formats import (
     quantize_mxint4,
     quantize_nvfp4,
     swizzle_128x4,
+    swizzled_offset,
     swizzled_shape,
     unpack_nibbles,
     unswizzle_128x4,
 )
+from cudnn_moe.low_latency import LowLatencyMoeConfig
 from cudnn_moe.reference import reference_moe
 from cudnn_moe.routing import Routing, pack_routing, unpack_routing
+from cudnn_moe.torch_op import MoeLayer
 from cudnn_moe.validate import (
     require_finite_scalar,
+    require_float32_scalar,
     require_float_tensor,
     require_int_arg,
     require_no_overlap,
@@ -82,6 +93,60 @@ def reference_layer(ids: torch.Tensor) -> tuple:
 
 def ids2(*rows: list[int], dtype: torch.dtype = I32) -> torch.Tensor:
     return torch.tensor(rows, dtype=dtype)
+
+
+def replaced(args: tuple, index: int, value: object) -> tuple:
+    """``args`` with entry ``index`` replaced by ``value``."""
+    return (*args[:index], value, *args[index + 1 :])
+
+
+W1_ALPHA, W2_ALPHA = 4, 7  # their positions in reference_layer's tuple
+
+
+def aligned_args(**changes: object) -> dict[str, object]:
+    """Valid reference_aligned_moe arguments (M = 1 token, K = N = 256, E = 2, top_k = 1), with ``changes``."""
+    hidden_states, hidden_states_scale = quantize_nvfp4(torch.ones(1, 256))
+    gemm1_weights, gemm1_weights_scale = quantize_nvfp4(torch.ones(2, 256, 256))
+    gemm2_weights, gemm2_weights_scale = quantize_nvfp4(torch.ones(2, 256, 128))
+    sorted_token_ids, expert_ids, num_tokens_post_padded = align_routing(torch.zeros(1, 1, dtype=I32), 8, 2)
+    args = dict(
+        hidden_states=hidden_states, hidden_states_scale=hidden_states_scale, gemm1_weights=gemm1_weights,
+        gemm1_weights_scale=gemm1_weights_scale, gemm2_weights=gemm2_weights, gemm2_weights_scale=gemm2_weights_scale,
+        output1_scale_gate_scalar=torch.ones(2), output1_scale_scalar=torch.ones(2), output2_scale_scalar=torch.ones(2),
+        sorted_token_ids=sorted_token_ids, expert_ids=expert_ids, num_tokens_post_padded=num_tokens_post_padded,
+        topk_weights=torch.ones(1, 1), out=torch.zeros(1, 256, dtype=torch.bfloat16), top_k=1, block_m=8,
+        routed_scaling_factor=1.0,
+    )
+    return {**args, **changes}
+
+
+@functools.cache
+def cpu_layer() -> tuple[Nvfp4MoeConfig, cudnn_moe.Nvfp4Weights]:
+    """A 2-expert SwiGLU layer (H = I = 128) prepared for sm90 on the CPU (read-only in the rows)."""
+    gen = torch.Generator().manual_seed(0)
+    config = Nvfp4MoeConfig(arch="sm90")
+    return config, config.prepare_weights(torch.randn(2, 256, 128, generator=gen), torch.randn(2, 128, 128, generator=gen))
+
+
+def executor_for(config: Nvfp4MoeConfig | None = None, weights: object = None, **changes: object):
+    """get_executor on cpu_layer() (top_k 2, swiglu, start 0) with the given arguments changed."""
+    layer_config, layer_weights = cpu_layer()
+    kwargs = {"top_k": 2, "activation": "swiglu", "local_expert_start": 0, **changes}
+    return cudnn_moe.get_executor(config or layer_config, weights or layer_weights, **kwargs)
+
+
+def moe_layer(**kwargs: object) -> MoeLayer:
+    return MoeLayer(*cpu_layer(), **kwargs)
+
+
+def dense_pair(dtype: torch.dtype, bad: str, value: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Low-latency 16-bit weights w1 [1, 16, 8], w2 [1, 8, 8] (SwiGLU, H = I = 8), one value of ``bad`` set."""
+    w1, w2 = torch.ones(1, 16, 8, dtype=dtype), torch.ones(1, 8, 8, dtype=dtype)
+    return (with_value(w1, value), w2) if bad == "w1" else (w1, with_value(w2, value))
+
+
+LL = LowLatencyMoeConfig(arch="sm90")
+E4M3_ONES = torch.ones(4).to(torch.float8_e4m3fn)
 
 
 ROWS = [
@@ -176,7 +241,8 @@ ROWS = [
     ("dequant mxint4 list", lambda: dequantize_mxint4([1], mx_pair("int4")[1]), TypeError, "packed must be a torch.Tensor"),
     # --- FP8
     ("fp8 tensor int", lambda: quantize_fp8_per_tensor(torch.ones(4, dtype=I32)), TypeError, "x must be a floating tensor"),
-    ("fp8 tensor 0-d", lambda: quantize_fp8_per_tensor(torch.tensor(1.0)), ValueError, "x must have at least 1"),
+    ("fp8 tensor empty without a scale", lambda: quantize_fp8_per_tensor(torch.empty(0)), ValueError, "x is empty"),
+    ("fp8 tensor empty 2-D without a scale", lambda: quantize_fp8_per_tensor(torch.empty(3, 0)), ValueError, "x is empty"),
     ("fp8 tensor nan", lambda: quantize_fp8_per_tensor(torch.tensor([NAN, 1.0])), ValueError, "x contains NaN or Inf"),
     ("fp8 tensor scale 0", lambda: quantize_fp8_per_tensor(torch.ones(4), scale=0.0), ValueError, "scale must be positive"),
     ("fp8 tensor scale -2", lambda: quantize_fp8_per_tensor(torch.ones(4), scale=-2.0), ValueError, "scale must be positive"),
@@ -216,6 +282,110 @@ ROWS = [
     ("unswizzle size", lambda: unswizzle_128x4(torch.zeros(500), 128, 4), ValueError, "swizzled scales hold 500"),
     ("swizzled_shape negative", lambda: swizzled_shape(-1, 4), ValueError, "rows must be >= 0"),
     ("swizzled_shape str", lambda: swizzled_shape(4, "4"), TypeError, "cols must be an int"),
+    ("swizzled_offset row -1", lambda: swizzled_offset(-1, 0, 4), ValueError, "row must be >= 0"),
+    ("swizzled_offset col 9 of 4", lambda: swizzled_offset(0, 9, 4), ValueError, "col must be <= 3"),
+    ("swizzled_offset col 4 of 4", lambda: swizzled_offset(0, 4, 4), ValueError, "col must be <= 3"),
+    ("swizzled_offset col -1", lambda: swizzled_offset(0, -1, 4), ValueError, "col must be >= 0"),
+    ("swizzled_offset cols 0", lambda: swizzled_offset(0, 0, 0), ValueError, "cols must be >= 1"),
+    ("swizzled_offset row float", lambda: swizzled_offset(0.0, 0, 4), TypeError, "row must be an int"),
+    # --- scalar scales in float32, where the format math runs (finite in float64 is not enough)
+    ("nvfp4 global 1e-300 (0 in float32)", lambda: quantize_nvfp4(x16(2), 1e-300), ValueError, "global_scale must be positive in float32"),
+    ("nvfp4 global 1e39 (inf in float32)", lambda: quantize_nvfp4(x16(2), 1e39), ValueError, "global_scale must be finite in float32"),
+    ("nvfp4 global 1e-39 (1/g inf in float32)", lambda: quantize_nvfp4(x16(2), 1e-39), ValueError, "so that 1/global_scale is finite in float32"),
+    ("nvfp4 global float64 tensor 1e-300", lambda: quantize_nvfp4(x16(2), torch.tensor([1.0, 1e-300], dtype=torch.float64)), ValueError, "global_scale must be finite and positive everywhere in float32"),
+    ("nvfp4 global float64 tensor 1e39", lambda: quantize_nvfp4(x16(2), torch.tensor([1e39, 1.0], dtype=torch.float64)), ValueError, "global_scale must be finite and positive everywhere in float32"),
+    ("nvfp4 global float32 tensor 1e-39", lambda: quantize_nvfp4(x16(2), torch.tensor([1.0, 1e-39])), ValueError, "with 1/global_scale finite too"),
+    ("dequant nvfp4 global 1e39", lambda: dequantize_nvfp4(*nvfp4_pair(), 1e39), ValueError, "global_scale must be finite in float32"),
+    ("dequant nvfp4 global 1e-300", lambda: dequantize_nvfp4(*nvfp4_pair(), 1e-300), ValueError, "global_scale must be positive in float32"),
+    ("dequant nvfp4 global 1e-39", lambda: dequantize_nvfp4(*nvfp4_pair(), 1e-39), ValueError, "so that 1/global_scale is finite in float32"),
+    ("dequant nvfp4 global 0-d float64 1e39", lambda: dequantize_nvfp4(*nvfp4_pair(), torch.tensor(1e39, dtype=torch.float64)), ValueError, "global_scale must be finite in float32"),
+    ("dequant nvfp4 global tensor 1e-300", lambda: dequantize_nvfp4(*nvfp4_pair(), torch.tensor([1e-300, 1.0], dtype=torch.float64)), ValueError, "global_scale must be finite and positive everywhere in float32"),
+    ("fp8 tensor scale 1e-300", lambda: quantize_fp8_per_tensor(torch.ones(4), scale=1e-300), ValueError, "scale must be positive in float32"),
+    ("fp8 tensor scale 1e39", lambda: quantize_fp8_per_tensor(torch.ones(4), scale=1e39), ValueError, "scale must be finite in float32"),
+    ("fp8 tensor scale 1e-39 (divided by)", lambda: quantize_fp8_per_tensor(torch.ones(4), scale=1e-39), ValueError, "so that 1/scale is finite in float32"),
+    ("fp8 tensor scale float64 tensor 1e-300", lambda: quantize_fp8_per_tensor(torch.ones(4), scale=torch.tensor([1e-300], dtype=torch.float64)), ValueError, "scale must be positive in float32"),
+    ("dequant fp8 tensor scale 1e39", lambda: dequantize_fp8_per_tensor(E4M3_ONES, 1e39), ValueError, "scale must be finite in float32"),
+    ("dequant fp8 tensor scale 1e-300", lambda: dequantize_fp8_per_tensor(E4M3_ONES, 1e-300), ValueError, "scale must be positive in float32"),
+    ("dequant fp8 tensor scale float64 tensor 1e39", lambda: dequantize_fp8_per_tensor(E4M3_ONES, torch.tensor(1e39, dtype=torch.float64)), ValueError, "scale must be finite in float32"),
+    # --- output dtypes that cannot hold the decoded values (float8 would clip 2688 to 448)
+    ("dequant nvfp4 dtype float8_e4m3fn", lambda: dequantize_nvfp4(*nvfp4_pair(), dtype=torch.float8_e4m3fn), TypeError, "dtype must be a floating torch.dtype (float16, bfloat16, float32, float64)"),
+    ("dequant nvfp4 dtype float8_e5m2", lambda: dequantize_nvfp4(*nvfp4_pair(), dtype=torch.float8_e5m2), TypeError, "dtype must be a floating"),
+    ("dequant mxfp4 dtype float8_e4m3fn", lambda: dequantize_mxfp4(*mx_pair("fp4"), dtype=torch.float8_e4m3fn), TypeError, "dtype must be a floating"),
+    ("dequant mxfp8 dtype float8_e4m3fn", lambda: dequantize_mxfp8(*mx_pair("fp8"), dtype=torch.float8_e4m3fn), TypeError, "dtype must be a floating"),
+    ("dequant mxint4 dtype float8_e5m2", lambda: dequantize_mxint4(*mx_pair("int4"), dtype=torch.float8_e5m2), TypeError, "dtype must be a floating"),
+    ("dequant fp8 tensor dtype float8_e4m3fn", lambda: dequantize_fp8_per_tensor(E4M3_ONES, 1.0, dtype=torch.float8_e4m3fn), TypeError, "dtype must be a floating"),
+    ("dequant fp8 tensor dtype complex64", lambda: dequantize_fp8_per_tensor(E4M3_ONES, 1.0, dtype=torch.complex64), TypeError, "dtype must be a floating"),
+    # --- nibble codes past 4 bits
+    ("pack nibbles code 16", lambda: pack_nibbles(torch.tensor([16, 0], dtype=torch.uint8)), ValueError, "codes must lie in 0..15"),
+    ("pack nibbles code 255", lambda: pack_nibbles(torch.tensor([[1, 2], [3, 255]], dtype=torch.uint8)), ValueError, "got a code of 255"),
+    # --- GPU architectures
+    ("config arch sm90x", lambda: Nvfp4MoeConfig(arch="sm90x"), ValueError, "arch 'sm90x' is not a GPU architecture"),
+    ("arch sm_90z", lambda: parse_arch("sm_90z"), ValueError, "arch 'sm_90z' is not a GPU architecture"),
+    ("arch sm 90", lambda: parse_arch("sm 90"), ValueError, "is not a GPU architecture"),
+    ("arch sm_1000", lambda: parse_arch("sm_1000"), ValueError, "is not a GPU architecture"),
+    ("arch empty", lambda: parse_arch(""), ValueError, "is not a GPU architecture"),
+    ("arch -90", lambda: parse_arch(-90), ValueError, "arch must be a non-negative"),
+    ("arch 1-tuple", lambda: parse_arch((9,)), ValueError, "arch as a tuple must be (major, minor)"),
+    ("arch negative tuple", lambda: parse_arch((9, -1)), ValueError, "arch as a tuple must be (major, minor)"),
+    ("arch None", lambda: parse_arch(None), TypeError, "arch must be a str, an int or a (major, minor) tuple"),
+    ("arch float", lambda: parse_arch(9.0), TypeError, "arch must be a str"),
+    ("arch bool", lambda: parse_arch(True), TypeError, "arch must be a str"),
+    # --- Nvfp4MoeConfig.max_num_tokens and get_executor's int32 slot / row indices
+    ("config max_num_tokens 2^40", lambda: Nvfp4MoeConfig(max_num_tokens=2**40), ValueError, f"max_num_tokens must be <= MAX_NUM_TOKENS = {MAX_NUM_TOKENS}"),
+    ("config max_num_tokens 2^20 + 1", lambda: Nvfp4MoeConfig(max_num_tokens=MAX_NUM_TOKENS + 1), ValueError, "max_num_tokens must be <= MAX_NUM_TOKENS"),
+    ("executor top_k too large for int32", lambda: executor_for(Nvfp4MoeConfig(arch="sm90", max_num_tokens=MAX_NUM_TOKENS), top_k=4096), ValueError, "top_k=4096 is too large for max_num_tokens=1048576"),
+    # --- get_executor: checked before anything is built
+    ("executor activation bogus", lambda: executor_for(activation="bogus"), ValueError, "unknown activation 'bogus'"),
+    ("executor activation non-gated", lambda: executor_for(activation="gelu"), ValueError, "activation GELU is non-gated"),
+    ("executor activation int", lambda: executor_for(activation=3), TypeError, "activation must be"),
+    ("executor CPU weights", lambda: executor_for(), ValueError, "weights are on cpu; the executor runs on a CUDA device"),
+    ("executor config str", lambda: executor_for("config"), TypeError, "config must be an Nvfp4MoeConfig"),
+    ("executor weights str", lambda: executor_for(weights="weights"), TypeError, "weights must be the Nvfp4Weights"),
+    ("executor local_expert_start -1", lambda: executor_for(local_expert_start=-1), ValueError, "local_expert_start must be >= 0"),
+    ("executor local_expert_start past int32", lambda: executor_for(local_expert_start=2**31 - 1), ValueError, "local_expert_start must be <= 2147483646"),
+    # --- MoeLayer
+    ("MoeLayer local_expert_start -5", lambda: moe_layer(local_expert_start=-5), ValueError, "local_expert_start must be >= 0"),
+    ("MoeLayer local_expert_start True", lambda: moe_layer(local_expert_start=True), TypeError, "local_expert_start must be an int"),
+    ("MoeLayer local_expert_start 2^31", lambda: moe_layer(local_expert_start=2**31), ValueError, "local_expert_start must be <="),
+    ("MoeLayer activation non-gated", lambda: moe_layer(activation="relu"), ValueError, "activation ReLU is non-gated"),
+    ("MoeLayer activation bogus", lambda: moe_layer(activation="bogus"), ValueError, "unknown activation 'bogus'"),
+    # --- low-latency 16-bit weights
+    ("ll bf16 w1 nan", lambda: LL.prepare_bf16_weights(*dense_pair(torch.bfloat16, "w1", NAN)), ValueError, "w1 contains NaN or Inf"),
+    ("ll bf16 w2 -inf", lambda: LL.prepare_bf16_weights(*dense_pair(torch.bfloat16, "w2", -INF)), ValueError, "w2 contains NaN or Inf"),
+    ("ll fp16 w1 inf", lambda: LL.prepare_fp16_weights(*dense_pair(torch.float16, "w1", INF)), ValueError, "w1 contains NaN or Inf"),
+    ("ll fp16 w2 nan", lambda: LL.prepare_fp16_weights(*dense_pair(torch.float16, "w2", NAN)), ValueError, "w2 contains NaN or Inf"),
+    # --- expert scales of the references
+    ("reference w1_alpha nan", lambda: reference_moe(*replaced(reference_layer(ids2([0, -1])), W1_ALPHA, torch.tensor([NAN]))), ValueError, "w1_alpha contains NaN or Inf"),
+    ("reference w2_alpha inf", lambda: reference_moe(*replaced(reference_layer(ids2([0, -1])), W2_ALPHA, torch.tensor([INF]))), ValueError, "w2_alpha contains NaN or Inf"),
+    ("aligned reference gate scale nan", lambda: reference_aligned_moe(**aligned_args(output1_scale_gate_scalar=torch.tensor([1.0, NAN]))), ValueError, "output1_scale_gate_scalar contains NaN or Inf"),
+    ("aligned reference up scale inf", lambda: reference_aligned_moe(**aligned_args(output1_scale_scalar=torch.tensor([INF, 1.0]))), ValueError, "output1_scale_scalar contains NaN or Inf"),
+    ("aligned reference down scale -inf", lambda: reference_aligned_moe(**aligned_args(output2_scale_scalar=torch.tensor([1.0, -INF]))), ValueError, "output2_scale_scalar contains NaN or Inf"),
+    ("aligned routed_scaling_factor 1e39", lambda: reference_aligned_moe(**aligned_args(routed_scaling_factor=1e39)), ValueError, "routed_scaling_factor must be finite in float32"),
+    # --- align_routing
+    ("align_routing num_experts 2^40", lambda: align_routing(ids2([0]), 8, num_experts=2**40), ValueError, "num_experts must be <= 512"),
+    ("align_routing num_experts 513", lambda: align_routing(ids2([0]), 8, num_experts=513), ValueError, "num_experts must be <= 512"),
+    # --- activation parameters
+    ("SwiGLU alpha str", lambda: SwiGLU(alpha="1"), TypeError, "SwiGLU.alpha must be a real number, got str"),
+    ("SwiGLU beta None", lambda: SwiGLU(beta=None), TypeError, "SwiGLU.beta must be a real number, got NoneType"),
+    ("SwiGLU limit bool", lambda: SwiGLU(limit=True), TypeError, "SwiGLU.limit must be a real number, got bool"),
+    ("SwiGLU limit tensor", lambda: SwiGLU(limit=torch.tensor(7.0)), TypeError, "SwiGLU.limit must be a real number, got Tensor"),
+    ("SiTU a None", lambda: SiTU(a=None), TypeError, "SiTU.a must be a real number, got NoneType"),
+    ("SwiGLUStep limit str", lambda: SwiGLUStep(limit="7"), TypeError, "SwiGLUStep.limit must be a real number, got str"),
+    ("SwiGLU beta nan", lambda: SwiGLU(beta=NAN), ValueError, "SwiGLU.beta must be finite"),
+    ("SwiGLU alpha 1e39 (inf in float32)", lambda: SwiGLU(alpha=1e39), ValueError, "SwiGLU.alpha must be finite"),
+    ("SwiGLU limit 1e-50 (0 in float32)", lambda: SwiGLU(limit=1e-50), ValueError, "SwiGLU.limit must be positive (inf allowed) in float32"),
+    ("SiTU a 1e-50 (0 in float32)", lambda: SiTU(a=1e-50), ValueError, "SiTU.a must be positive and finite in float32"),
+    ("SiTU b nan", lambda: SiTU(b=NAN), ValueError, "SiTU.b must be positive and finite"),
+    ("SiTU b 1e39", lambda: SiTU(b=1e39), ValueError, "SiTU.b must be positive and finite"),
+    # --- prebuild's argument parsing (argparse turns these into "argument --shape: ..." and exit 2)
+    ("prebuild shape H 100", lambda: prebuild.parse_shape("8,100,256,2"), argparse.ArgumentTypeError, "hidden size H must be a multiple of 128, got 100"),
+    ("prebuild shape I 200", lambda: prebuild.parse_shape("8,128,200,2"), argparse.ArgumentTypeError, "intermediate size I must be a multiple of 128, got 200"),
+    ("prebuild buckets max=5000", lambda: prebuild.parse_buckets("max=5000"), argparse.ArgumentTypeError, "max must be <= 4096 (the largest token bucket), got 5000"),
+    # --- expert sharding: world_size and rank are keyword-only (they cannot be swapped silently)
+    ("expert_shard positional", lambda: expert_shard(8, 2, 1), TypeError, "positional"),
+    ("shard_weights positional", lambda: shard_weights(torch.zeros(8, 1), torch.zeros(8, 1), 1, 2), TypeError, "positional"),
+    ("expert_shard rank 2 of 2", lambda: expert_shard(8, world_size=2, rank=2), ValueError, "rank must be <= 1"),
+    ("shard_weights world_size 0", lambda: shard_weights(torch.zeros(8, 1), torch.zeros(8, 1), world_size=0, rank=0), ValueError, "world_size must be >= 1"),
 ]
 
 
@@ -247,6 +417,51 @@ def test_nothing_is_written_when_a_check_fails() -> None:
     with pytest.raises(ValueError):
         quantize_nvfp4(w, torch.tensor([1.0, -1.0]))
     assert torch.equal(w, before)
+
+
+def test_fp8_per_tensor_takes_any_shape_as_documented() -> None:
+    values, scale = quantize_fp8_per_tensor(torch.tensor(-3.0))  # 0-d: its own amax
+    assert values.shape == () and scale.item() == pytest.approx(3.0 / 448)
+    assert dequantize_fp8_per_tensor(values, scale).item() == pytest.approx(-3.0)
+    empty, given = quantize_fp8_per_tensor(torch.empty(2, 0), scale=0.5)  # empty with an explicit scale
+    assert empty.shape == (2, 0) and empty.dtype == torch.float8_e4m3fn and given.item() == 0.5
+    assert dequantize_fp8_per_tensor(E4M3_ONES, torch.ones(1, 1)).shape == (4,)  # a one-element scale keeps the shape
+
+
+def test_scales_at_the_float32_edges_are_accepted() -> None:
+    tiny = 2.0**-126  # the smallest normal float32: 1 / tiny = 2^126 is finite
+    for g in (tiny, 3.0e38):
+        packed, scales = quantize_nvfp4(x16(2), g)
+        assert torch.isfinite(dequantize_nvfp4(packed, scales, g)).all()
+    assert torch.isfinite(dequantize_fp8_per_tensor(E4M3_ONES, 1e-40)).all()  # decoding multiplies: subnormal is fine
+    assert dequantize_nvfp4(*nvfp4_pair(), dtype=torch.float16).dtype == torch.float16
+
+
+def test_pack_nibbles_takes_every_4_bit_code() -> None:
+    codes = torch.arange(16, dtype=torch.uint8)
+    assert torch.equal(unpack_nibbles(pack_nibbles(codes)), codes)
+    assert pack_nibbles(torch.empty(0, dtype=torch.uint8)).shape == (0,)
+
+
+def test_swizzled_offset_edges() -> None:
+    assert swizzled_offset(0, 3, 4) == 3 and swizzled_offset(127, 0, 4) == 31 * 16 + 3 * 4
+    assert swizzled_offset(0, 4, 5) == 512  # the second column tile
+
+
+def test_parse_arch_accepts_the_documented_forms() -> None:
+    for text in ("sm90", "sm_90", "SM_90A", " sm90a ", "90", "9.0", "sm_90f"):
+        assert parse_arch(text) == (9, 0)
+    assert parse_arch("sm_103a") == (10, 3) and parse_arch(100) == (10, 0) and parse_arch((10, 0)) == (10, 0)
+
+
+def test_align_routing_takes_the_most_experts_a_layer_holds() -> None:
+    _, _, post = align_routing(ids2([511]), 8, num_experts=512)
+    assert post.tolist() == [8]
+
+
+def test_prebuild_buckets_max_rounds_up_to_a_power_of_two() -> None:
+    assert prebuild.parse_buckets("max=5") == (1, 2, 4, 8)
+    assert prebuild.parse_shape("8,128,256,2").hidden == 128
 
 
 # ----------------------------------------------------------------------------- cudnn_moe.validate
@@ -297,6 +512,43 @@ def test_require_finite_scalar_accepts() -> None:
     assert require_finite_scalar("s", 2) == 2.0
     assert require_finite_scalar("s", torch.tensor([0.5])) == 0.5
     assert require_finite_scalar("s", -1.5) == -1.5  # sign allowed unless positive=True
+
+
+@pytest.mark.parametrize(
+    ("value", "kwargs", "message"),
+    [
+        (1e39, {}, "s must be finite in float32"),
+        (-1e39, {}, "s must be finite in float32"),
+        (3.4028236e38, {}, "s must be finite in float32"),  # rounds past the largest float32
+        (1e-300, {"positive": True}, "s must be positive in float32, got 1e-300 (it rounds to 0)"),
+        (1e-39, {"reciprocal": True}, "so that 1/s is finite in float32"),
+        (0.0, {"reciprocal": True}, "s must be positive"),
+        (NAN, {}, "s must be finite"),
+    ],
+)
+def test_require_float32_scalar_refuses(value, kwargs, message) -> None:
+    with pytest.raises(ValueError) as raised:
+        require_float32_scalar("s", value, **kwargs)
+    assert message in str(raised.value)
+
+
+def test_require_float32_scalar_accepts() -> None:
+    assert require_float32_scalar("s", 3.4028234663852886e38) == 3.4028234663852886e38
+    assert require_float32_scalar("s", 1e-300) == 0.0  # fine where zero is fine
+    assert require_float32_scalar("s", -2) == -2.0
+    assert require_float32_scalar("s", 0.1) == float(torch.tensor(0.1, dtype=torch.float32))  # the float32 value
+    assert require_float32_scalar("s", 2.0**-126, reciprocal=True) == 2.0**-126
+    assert require_float32_scalar("s", torch.tensor([1e-39]), positive=True) > 0  # a subnormal is positive
+
+
+def test_require_positive_finite_in_float32() -> None:
+    wide = torch.tensor([1.0, 1e-300], dtype=torch.float64)
+    require_positive_finite("g", wide)  # positive in float64
+    with pytest.raises(ValueError, match="g must be finite and positive everywhere in float32"):
+        require_positive_finite("g", wide, in_float32=True)
+    require_positive_finite("g", torch.tensor([1e-39]), in_float32=True)
+    with pytest.raises(ValueError, match="with 1/g finite too"):
+        require_positive_finite("g", torch.tensor([1e-39]), reciprocal=True)
 
 
 def test_require_positive_finite() -> None:

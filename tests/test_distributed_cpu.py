@@ -26,7 +26,7 @@ needs_gloo = pytest.mark.skipif(
 
 @pytest.mark.parametrize("experts, world", [(8, 1), (8, 2), (10, 3), (256, 3), (7, 7), (257, 8), (5, 4)])
 def test_expert_shard_covers_every_expert_once(experts, world):
-    shards = [expert_shard(experts, world, r) for r in range(world)]
+    shards = [expert_shard(experts, world_size=world, rank=r) for r in range(world)]
     base, extra = divmod(experts, world)
     assert [count for _, count in shards] == [base + 1] * extra + [base] * (world - extra)
     start = 0
@@ -37,8 +37,8 @@ def test_expert_shard_covers_every_expert_once(experts, world):
 
 
 def test_expert_shard_examples():
-    assert [expert_shard(10, 3, r) for r in range(3)] == [(0, 4), (4, 3), (7, 3)]
-    assert expert_shard(256, 2, 1) == (128, 128)
+    assert [expert_shard(10, world_size=3, rank=r) for r in range(3)] == [(0, 4), (4, 3), (7, 3)]
+    assert expert_shard(256, world_size=2, rank=1) == (128, 128)
 
 
 @pytest.mark.parametrize("args, error", [
@@ -51,24 +51,36 @@ def test_expert_shard_examples():
     ((8, 2, True), TypeError),
 ])
 def test_expert_shard_rejects(args, error):
+    experts, world, rank = args
     with pytest.raises(error):
-        expert_shard(*args)
+        expert_shard(experts, world_size=world, rank=rank)
+
+
+def test_rank_and_world_size_are_keyword_only():
+    """The two ints cannot be swapped silently: positional calls are refused (they used to take
+    opposite orders in expert_shard and shard_weights)."""
+    w = torch.zeros(8, 1)
+    with pytest.raises(TypeError, match="positional"):
+        expert_shard(8, 2, 1)
+    with pytest.raises(TypeError, match="positional"):
+        shard_weights(w, w, 1, 2)
+    assert shard_weights(w, w, rank=1, world_size=2)[0].shape[0] == expert_shard(8, rank=1, world_size=2)[1] == 4
 
 
 def test_shard_weights_slices_views():
     w1 = torch.arange(10 * 2 * 3).view(10, 2, 3)
     w2 = torch.arange(10 * 3 * 2).view(10, 3, 2) + 1000
     for rank in range(3):
-        start, count = expert_shard(10, 3, rank)
-        s1, s2 = shard_weights(w1, w2, rank, 3)
+        start, count = expert_shard(10, world_size=3, rank=rank)
+        s1, s2 = shard_weights(w1, w2, world_size=3, rank=rank)
         assert torch.equal(s1, w1[start : start + count]) and torch.equal(s2, w2[start : start + count])
         assert s1.data_ptr() == w1[start].data_ptr()  # a view, no copy
     with pytest.raises(ValueError, match="w1 has 10 experts but w2 has 9"):
-        shard_weights(w1, w2[:9], 0, 3)
+        shard_weights(w1, w2[:9], world_size=3, rank=0)
     with pytest.raises(TypeError, match="w2 must be a torch.Tensor"):
-        shard_weights(w1, None, 0, 3)
+        shard_weights(w1, None, world_size=3, rank=0)
     with pytest.raises(ValueError, match="cannot be sharded"):
-        shard_weights(w1[:2], w2[:2], 0, 3)
+        shard_weights(w1[:2], w2[:2], world_size=3, rank=0)
 
 
 # ---- the layer, with an exact fake fused_moe ----
@@ -242,10 +254,10 @@ def _two_rank_worker(rank: int, world: int, store_path: str, experts: int, top_k
     try:
         tmax = 8
         config = Nvfp4MoeConfig(arch="sm90", max_num_tokens=world * tmax)
-        start, count = expert_shard(experts, world, rank)
+        start, count = expert_shard(experts, world_size=world, rank=rank)
         gen = torch.Generator().manual_seed(0)  # every rank draws the full weights from one seed
         w1, w2 = torch.randn(experts, 2 * INTER, HIDDEN, generator=gen), torch.randn(experts, HIDDEN, INTER, generator=gen)
-        weights = config.prepare_weights(*shard_weights(w1, w2, rank, world))
+        weights = config.prepare_weights(*shard_weights(w1, w2, world_size=world, rank=rank))
         layer = ExpertParallelMoe(config, weights, num_experts=experts, top_k=top_k, max_tokens_per_rank=tmax,
                                   reduce_dtype=reduce_dtype)
         assert layer.expert_start == start

@@ -70,9 +70,12 @@ def test_top_level_help_lists_prebuild(capsys: pytest.CaptureFixture[str]) -> No
         (["--shape", "8,4096,x,2"], "argument --shape: bad shape"),
         (["--shape", "8,4096,1024,9"], "top_k (9) cannot exceed experts (8)"),
         (["--shape", "8,0,1024,2"], "hidden must be a positive integer"),
+        (["--shape", "8,100,256,2"], "argument --shape: bad shape '8,100,256,2': hidden size H must be a multiple of 128"),
+        (["--shape", "8,128,200,2"], "argument --shape: bad shape '8,128,200,2': intermediate size I must be a multiple of 128"),
         (["--buckets", "1,3"], "argument --buckets: bad buckets '1,3': 3 is not a power of two"),
         (["--buckets", "8192"], "argument --buckets: bad buckets '8192'"),
         (["--buckets", "max=0"], "argument --buckets: bad buckets 'max=0': max must be >= 1"),
+        (["--buckets", "max=5000"], "argument --buckets: bad buckets 'max=5000': max must be <= 4096"),
         (["--buckets", "a,b"], "argument --buckets: bad buckets 'a,b'"),
         (["--activation", "swish"], "argument --activation: unknown activation 'swish'"),
         (["--engine", "fast"], "argument --engine: invalid choice: 'fast'"),
@@ -101,6 +104,7 @@ def test_bad_preset_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
 def test_parsing_of_good_arguments(tmp_path: Path) -> None:
     assert prebuild.parse_buckets("max=4096") == DEFAULT_BUCKETS
     assert prebuild.parse_buckets("max=100") == (1, 2, 4, 8, 16, 32, 64, 128)
+    assert prebuild.parse_buckets("max=5") == (1, 2, 4, 8)  # N rounded up to a power of two, as --help says
     assert prebuild.parse_buckets("8,1,8,2") == (1, 2, 8)
     assert DEFAULT_BUCKETS[0] == 1 and DEFAULT_BUCKETS[-1] == 4096 and len(DEFAULT_BUCKETS) == 13
     assert prebuild.parse_shape("64,4096,1408,6") == LayerShape("custom 64,4096,1408,6", 64, 4096, 1408, 6)

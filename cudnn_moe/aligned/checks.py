@@ -14,7 +14,7 @@ import torch
 from ..formats import NVFP4_BLOCK
 from ..validate import (
     require_contiguous,
-    require_finite_scalar,
+    require_float32_scalar,
     require_int_arg,
     require_no_overlap,
     require_shape,
@@ -83,7 +83,7 @@ def check_aligned_args(
     expert_ids int32 [ceil(S / block_m)], num_tokens_post_padded int32 [1]; topk_weights float32
     [M, top_k]; out bfloat16 [M, K], 16-byte aligned and sharing no memory with any input.
     All on one device; everything but hidden_states contiguous. top_k >= 1; block_m >= 8 and
-    a multiple of 8; routed_scaling_factor a finite Python number (a tensor would need a sync).
+    a multiple of 8; routed_scaling_factor a Python number finite in float32 (a tensor would need a sync).
     M * top_k must fit in int32 (it is the plan's padding value).
     """
     tensors = {
@@ -110,7 +110,7 @@ def check_aligned_args(
         raise ValueError(f"block_m must be a multiple of 8, got {block_m}")
     if isinstance(routed_scaling_factor, torch.Tensor):
         raise TypeError("routed_scaling_factor must be a Python number, got a torch.Tensor (reading it would sync)")
-    scaling = require_finite_scalar("routed_scaling_factor", routed_scaling_factor)
+    scaling = require_float32_scalar("routed_scaling_factor", routed_scaling_factor)  # the kernels scale in FP32
 
     num_tokens, hidden = hidden_states.shape[0], 2 * hidden_states.shape[1]
     if hidden < K_MULTIPLE or hidden % K_MULTIPLE:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels.codes import SORT_MAX_EXPERTS
 from ..validate import require_int_arg
 
 _INT32_MAX = (1 << 31) - 1
@@ -59,7 +60,8 @@ def align_routing(
     expert_ids int32 [C / block_m], num_tokens_post_padded int32 [1]) on topk_ids' device,
     C = plan_capacity(M * top_k, num_experts, block_m). See the module docstring for the format.
 
-    block_m: an int >= 8 and a multiple of 8; num_experts: an int >= 1. Raises TypeError /
+    block_m: an int >= 8 and a multiple of 8; num_experts: an int in 1 .. SORT_MAX_EXPERTS (512,
+    the most experts a layer holds; the plan's counts are sized by it). Raises TypeError /
     ValueError naming the argument, also when the plan's capacity would not fit in int32.
     No host synchronization: sizes come from shapes only, and ids are never read back to check
     them (ids outside [0, num_experts) are skipped on the device).
@@ -68,7 +70,7 @@ def align_routing(
     require_int_arg("block_m", block_m, minimum=8)
     if block_m % 8:
         raise ValueError(f"block_m must be a multiple of 8, got {block_m}")
-    require_int_arg("num_experts", num_experts, minimum=1)
+    require_int_arg("num_experts", num_experts, minimum=1, maximum=SORT_MAX_EXPERTS)
     num_slots = topk_ids.numel()
     capacity = plan_capacity(num_slots, num_experts, block_m)
     if capacity + num_slots > _INT32_MAX:

@@ -35,6 +35,7 @@ import torch
 
 from ..formats import dequantize_nvfp4
 from ..reference import requantize_nvfp4_rows, round_bf16
+from ..validate import require_finite
 from .checks import check_aligned_args
 
 
@@ -99,7 +100,9 @@ def reference_aligned_moe(
     sorted_token_ids; a last partial block is shorter); entries >= M * top_k are padding.
     Raises TypeError / ValueError naming the argument; also ValueError when the plan breaks the
     contract (extent past the capacity, an expert id outside [0, E), a negative entry or a slot
-    named twice in an active block): this oracle reads the plan, the GPU op will not.
+    named twice in an active block), or when an output scale (output1_scale_gate_scalar,
+    output1_scale_scalar, output2_scale_scalar) holds NaN or Inf: this oracle reads the plan and
+    the scales, the GPU op will not.
     """
     dims = check_aligned_args(
         hidden_states, hidden_states_scale, gemm1_weights, gemm1_weights_scale, gemm2_weights,
@@ -107,6 +110,9 @@ def reference_aligned_moe(
         sorted_token_ids, expert_ids, num_tokens_post_padded, topk_weights, out, top_k, block_m,
         routed_scaling_factor,
     )
+    for name, scale in (("output1_scale_gate_scalar", output1_scale_gate_scalar),
+                        ("output1_scale_scalar", output1_scale_scalar), ("output2_scale_scalar", output2_scale_scalar)):
+        require_finite(name, scale)
     f64, half = torch.float64, dims.n // 2
     num_slots = dims.num_tokens * top_k
     active = _check_plan_values(sorted_token_ids, expert_ids, num_tokens_post_padded, block_m, dims.num_experts,

@@ -12,7 +12,7 @@ import torch
 from ..validate import (
     FLOAT_DTYPES,
     require_finite,
-    require_finite_scalar,
+    require_float32_scalar,
     require_float_tensor,
     require_positive_finite,
     require_tensor,
@@ -49,14 +49,22 @@ def check_scales(name: str, scales: object, dtypes: tuple[torch.dtype, ...], sha
 
 
 def check_out_dtype(dtype: object) -> torch.dtype:
-    """The floating dtype a dequantize function returns."""
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
+    """The dtype a dequantize function returns: float16, bfloat16, float32 or float64.
+
+    Narrower floating dtypes (float8 variants) are refused: they cannot hold the decoded values
+    (an NVFP4 block reaches 2688, an E4M3 value times its scale more than 448) and the cast would
+    clip them silently. float16 holds magnitudes up to 65504; larger decoded values become inf.
+    """
+    if not isinstance(dtype, torch.dtype) or dtype not in FLOAT_DTYPES:
+        names = ", ".join(str(d).replace("torch.", "") for d in FLOAT_DTYPES)
+        raise TypeError(f"dtype must be a floating torch.dtype ({names}), got {dtype!r}")
     return dtype
 
 
 def check_global_scale(name: str, scale: object, x: torch.Tensor) -> None:
-    """A finite positive number, or a floating tensor over x's leading dims, finite and positive.
+    """A positive number, or a floating tensor over x's leading dims, whose values and reciprocals are
+    finite and nonzero in float32 (the NVFP4 math runs in float32 and decodes by dividing by it):
+    about 2.94e-39 <= scale <= 3.4e38, so 1e-300 (0 in float32) and 1e39 (inf) are refused.
 
     A tensor scale is read (a device sync on CUDA). Zero, negative, NaN and Inf are refused.
     """
@@ -68,9 +76,9 @@ def check_global_scale(name: str, scale: object, x: torch.Tensor) -> None:
                 f"{name} of shape {tuple(scale.shape)} must cover leading dims of the values "
                 f"(e.g. {tuple(x.shape[:1])} for shape {tuple(x.shape)})"
             )
-        require_positive_finite(name, scale)
+        require_positive_finite(name, scale, reciprocal=True)
         return
-    require_finite_scalar(name, scale, positive=True)
+    require_float32_scalar(name, scale, reciprocal=True)
 
 
 def split_blocks(x: torch.Tensor, block: int, name: str = "x") -> torch.Tensor:

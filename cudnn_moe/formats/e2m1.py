@@ -49,14 +49,27 @@ def decode_e2m1(codes: torch.Tensor) -> torch.Tensor:
 
 
 def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
-    """uint8 codes [..., K] (K even) -> packed bytes [..., K/2]; element 2i is the low nibble."""
+    """uint8 codes [..., K] (K even, every code in 0..15) -> packed bytes [..., K/2]; element 2i is
+    the low nibble.
+
+    A code above 15 raises ValueError rather than losing its high bits; the check reads the codes
+    (a device sync for CUDA tensors). The quantize_* functions pack the codes they computed
+    themselves (always 4-bit) with ``pack_codes``, which reads nothing.
+    """
     require_tensor("codes", codes, torch.uint8)
     if codes.dim() < 1:
         raise ValueError("codes must have at least 1 dimension, got a 0-d tensor")
     if codes.shape[-1] % 2:
         raise ValueError(f"the last dimension must be even to pack two codes per byte, got {codes.shape[-1]}")
+    if codes.numel() and (largest := int(codes.max())) > 0xF:
+        raise ValueError(f"codes must lie in 0..15 (4 bits each), got a code of {largest}")
+    return pack_codes(codes)
+
+
+def pack_codes(codes: torch.Tensor) -> torch.Tensor:
+    """pack_nibbles for codes known to be 4-bit uint8 [..., K], K even (not checked, not read)."""
     pairs = codes.reshape(*codes.shape[:-1], codes.shape[-1] // 2, 2)
-    return (pairs[..., 0] & 0xF) | ((pairs[..., 1] & 0xF) << 4)
+    return pairs[..., 0] | (pairs[..., 1] << 4)
 
 
 def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:

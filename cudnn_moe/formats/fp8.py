@@ -7,8 +7,11 @@ either way; a positive scale keeps every stored scale a valid divisor).
 
 Arguments are checked before any work (TypeError / ValueError naming them): values to quantize
 must be a finite floating tensor (NaN / Inf raise ValueError; the check reads the data, a
-device sync on CUDA), a given scale a finite positive number or one-element tensor, encoded
-values float8_e4m3fn and block scales floating tensors of the matching shape.
+device sync on CUDA), a given scale a positive number or one-element tensor that is finite and
+nonzero in float32, where the math runs (quantizing divides by it, so its reciprocal must be
+finite there too: 1e-300, 1e39 and scales below about 2.94e-39 are refused), encoded values
+float8_e4m3fn and block scales floating tensors of the matching shape; the output dtype
+float16, bfloat16, float32 or float64.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..validate import FLOAT_DTYPES, require_finite_scalar
+from ..validate import FLOAT_DTYPES, require_float32_scalar
 from .blocks import E4M3_MAX, block_scale_shape, check_codes, check_out_dtype, check_scales, check_values, split_blocks, to_e4m3
 
 FP8_BLOCK = 128
@@ -30,13 +33,18 @@ def _scale_from_amax(amax: torch.Tensor) -> torch.Tensor:
 def quantize_fp8_per_tensor(
     x: torch.Tensor, scale: float | torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """x (any shape, floating) -> (float8_e4m3fn, same shape; float32 0-dim dequantization scale).
+    """x (any shape, 0-d included, floating) -> (float8_e4m3fn, same shape; float32 0-dim
+    dequantization scale).
 
-    scale: the dequantization scale to use (finite, positive); by default amax(|x|) / 448.
+    scale: the dequantization scale to use (positive; it and its reciprocal finite in float32); by
+    default amax(|x|) / 448, which needs at least one value: an empty x without a scale raises
+    ValueError (with one, it gives an empty result).
     """
-    check_values("x", x)
+    check_values("x", x, min_rank=0)
     if scale is not None:
-        require_finite_scalar("scale", scale, positive=True)
+        require_float32_scalar("scale", scale, reciprocal=True)
+    elif x.numel() == 0:
+        raise ValueError("x is empty: its amax (the default scale) is undefined; pass scale")
     x = x.float()
     if scale is None:
         scale = _scale_from_amax(x.abs().amax())
@@ -47,11 +55,13 @@ def quantize_fp8_per_tensor(
 def dequantize_fp8_per_tensor(
     values: torch.Tensor, scale: float | torch.Tensor, dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
-    """E4M3 tensor + scalar dequantization scale (finite, positive) -> values * scale as ``dtype``."""
-    check_codes("values", values, torch.float8_e4m3fn)
-    require_finite_scalar("scale", scale, positive=True)
+    """E4M3 tensor (any shape, 0-d included) + scalar dequantization scale (positive, finite and
+    nonzero in float32) -> values * scale computed in float32, as ``dtype`` (float16, bfloat16,
+    float32 or float64). Products past the float32 (or float16) range become inf."""
+    check_codes("values", values, torch.float8_e4m3fn, min_rank=0)
+    require_float32_scalar("scale", scale, positive=True)
     check_out_dtype(dtype)
-    scale = torch.as_tensor(scale, dtype=torch.float32, device=values.device)
+    scale = torch.as_tensor(scale, dtype=torch.float32, device=values.device).reshape(())
     return (values.float() * scale).to(dtype)
 
 

@@ -8,7 +8,8 @@ element 2i in the low nibble.
 
 Arguments are checked before any work (TypeError / ValueError naming them): values must be a
 finite floating tensor of at least one dim (NaN / Inf raise ValueError; the check reads the
-data, a device sync on CUDA), codes uint8, scales bfloat16 of the matching shape.
+data, a device sync on CUDA), codes uint8, scales bfloat16 of the matching shape, the output
+dtype float16, bfloat16, float32 or float64.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from .blocks import block_scale_shape, check_codes, check_out_dtype, check_scales, check_values, split_blocks
-from .e2m1 import pack_nibbles, unpack_nibbles
+from .e2m1 import pack_codes, unpack_nibbles
 
 MXINT4_BLOCK = 32
 INT4_MIN, INT4_MAX = -8, 7
@@ -35,7 +36,7 @@ def quantize_mxint4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     safe = torch.where(scale_values == 0, torch.ones_like(scale_values), scale_values)
     q = torch.round(blocks / safe).clamp(INT4_MIN, INT4_MAX)
     codes = (q.to(torch.int16) & 0xF).to(torch.uint8)
-    return pack_nibbles(codes.reshape(x.shape)), scales
+    return pack_codes(codes.reshape(x.shape)), scales
 
 
 def dequantize_mxint4(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -15,7 +15,7 @@ rounds up, which is not the floor this rule needs.
 Arguments are checked before any work (TypeError / ValueError naming them): values must be a
 finite floating tensor of at least one dim (NaN / Inf raise ValueError; the check reads the
 data, a device sync on CUDA), codes uint8 / float8_e4m3fn, scales float8_e8m0fnu of the
-matching shape.
+matching shape, the output dtype float16, bfloat16, float32 or float64.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from .blocks import block_scale_shape, check_codes, check_out_dtype, check_scales, check_values, split_blocks, to_e4m3
-from .e2m1 import decode_e2m1, encode_e2m1, pack_nibbles, unpack_nibbles
+from .e2m1 import decode_e2m1, encode_e2m1, pack_codes, unpack_nibbles
 
 MX_BLOCK = 32
 E8M0_BIAS = 127
@@ -52,7 +52,7 @@ def quantize_mxfp4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     blocks = split_blocks(x, MX_BLOCK)
     scales, scale_values = _mx_scales(blocks, _E2M1_EMAX)
     codes = encode_e2m1(blocks / scale_values)
-    return pack_nibbles(codes.reshape(x.shape)), scales
+    return pack_codes(codes.reshape(x.shape)), scales
 
 
 def dequantize_mxfp4(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -7,8 +7,10 @@ an E4M3 scale is exact in BF16.
 
 Arguments are checked before any work (TypeError / ValueError naming them): values must be a
 floating tensor of at least one dim, finite unless ``check_finite=False``; the global scale a
-finite positive number or a positive tensor over the leading dims; packed codes uint8 and
-scales float8_e4m3fn of the matching shape.
+positive number or a positive tensor over the leading dims, finite with a finite reciprocal in
+float32 (the math runs in float32: about 2.94e-39 to 3.4e38; 1e-300 and 1e39 are refused); packed
+codes uint8 and scales float8_e4m3fn of the matching shape; the output dtype float16, bfloat16,
+float32 or float64.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from .blocks import (
     split_blocks,
     to_e4m3,
 )
-from .e2m1 import E2M1_MAX, decode_e2m1, encode_e2m1, pack_nibbles, unpack_nibbles
+from .e2m1 import E2M1_MAX, decode_e2m1, encode_e2m1, pack_codes, unpack_nibbles
 
 NVFP4_BLOCK = 16
 NVFP4_MAX = E2M1_MAX * E4M3_MAX  # 2688: the largest magnitude a block can hold with global scale one
@@ -38,8 +40,9 @@ def quantize_nvfp4(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize x [..., K] (BF16/FP16/FP32/FP64, K % 16 == 0) to NVFP4.
 
-    global_scale: a positive finite float, or a tensor over x's leading dims (e.g. [E] for
-    x [E, N, K]; read to check it). check_finite: refuse NaN / Inf in x with ValueError (reads
+    global_scale: a positive float, or a tensor over x's leading dims (e.g. [E] for x [E, N, K];
+    read to check it), finite and with a finite reciprocal in float32 (so that dequantize_nvfp4,
+    which divides by it, accepts it too). check_finite: refuse NaN / Inf in x with ValueError (reads
     x, a device sync on CUDA). With False, a block holding NaN gets a NaN scale and all-zero
     codes, and a block holding Inf gets scale 448 with the Inf saturated to +-6.
     Returns (packed uint8 [..., K/2], scales float8_e4m3fn [..., K/16]) with linear scales.
@@ -53,7 +56,7 @@ def quantize_nvfp4(
     scale_values = scales.float().unsqueeze(-1)
     safe = torch.where(scale_values == 0, torch.ones_like(scale_values), scale_values)
     codes = encode_e2m1(blocks * g / safe)
-    return pack_nibbles(codes.reshape(x.shape)), scales
+    return pack_codes(codes.reshape(x.shape)), scales
 
 
 def dequantize_nvfp4(
@@ -64,7 +67,10 @@ def dequantize_nvfp4(
 ) -> torch.Tensor:
     """Inverse of quantize_nvfp4: packed [..., K/2] + linear scales [..., K/16] -> [..., K] of ``dtype``.
 
-    A NaN scale (E4M3 code 0x7F) decodes its block to NaN; the data is not read to check.
+    global_scale: as quantize_nvfp4 takes it (decoding divides by it in float32). dtype: float16,
+    bfloat16, float32 or float64 (TypeError otherwise: float8 dtypes would clip the values; with
+    float16, magnitudes above 65504 become inf). A NaN scale (E4M3 code 0x7F) decodes its block to
+    NaN; the data is not read to check.
     """
     check_codes("packed", packed, torch.uint8)
     shape = block_scale_shape(packed.shape, 2 * packed.shape[-1], NVFP4_BLOCK, "packed")

@@ -38,7 +38,14 @@ def swizzled_shape(rows: int, cols: int) -> tuple[int, int]:
 
 
 def swizzled_offset(row: int, col: int, cols: int) -> int:
-    """Byte offset of scale (row, col) in the 128x4 layout of a matrix with ``cols`` columns."""
+    """Byte offset of scale (row, col) in the 128x4 layout of a matrix with ``cols`` columns.
+
+    row >= 0, cols >= 1 and 0 <= col < cols (TypeError / ValueError otherwise: an index past the
+    matrix would name another element's slot or a negative offset).
+    """
+    require_int_arg("row", row, minimum=0)
+    require_int_arg("cols", cols, minimum=1)
+    require_int_arg("col", col, minimum=0, maximum=cols - 1)
     col_tiles = _round_up(cols, SWIZZLE_COLS) // SWIZZLE_COLS
     tile = (row // SWIZZLE_ROWS) * col_tiles + col // SWIZZLE_COLS
     return tile * 512 + (row % 32) * 16 + ((row % SWIZZLE_ROWS) // 32) * 4 + col % SWIZZLE_COLS

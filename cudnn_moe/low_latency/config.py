@@ -154,6 +154,8 @@ class LowLatencyMoeConfig:
         if hidden < 1 or intermediate < 1:
             raise ValueError(f"w2 must have a positive hidden and intermediate size, got {tuple(w2.shape)}")
         _check_gemm1_rows("w1", w1.shape[1], act, intermediate)
+        require_finite("w1", w1)  # reads the weights (a device sync on CUDA): preparation, not the serving path
+        require_finite("w2", w2)
         ip = padded_intermediate(intermediate)
         return DenseWeights(
             format=fmt, hidden_size=hidden, intermediate_size=intermediate, padded_intermediate=ip, gated=act.gated,
@@ -166,14 +168,15 @@ class LowLatencyMoeConfig:
         """BF16 w1 [E, N1, H] (N1 = 2I rows [up; gate] for gated activations, else I) and w2 [E, H, I].
 
         Any positive H and I; I is padded to a multiple of 128 with zero rows (w1) and columns (w2).
-        The values are copied bit for bit.
+        The values are copied bit for bit; they must be finite (NaN / Inf raise ValueError naming
+        w1 or w2; the check reads them).
         """
         return self._prepare_dense(WeightFormat.BF16, torch.bfloat16, w1, w2, activation)
 
     def prepare_fp16_weights(
         self, w1: torch.Tensor, w2: torch.Tensor, *, activation: Activation | str = SwiGLU()
     ) -> DenseWeights:
-        """FP16 twin of ``prepare_bf16_weights``."""
+        """FP16 twin of ``prepare_bf16_weights`` (finite values, checked the same way)."""
         return self._prepare_dense(WeightFormat.FP16, torch.float16, w1, w2, activation)
 
     # ------------------------------------------------------------------ 4-bit weight-only

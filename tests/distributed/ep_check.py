@@ -179,7 +179,7 @@ def run_case(case: Case, rank: int, world: int, nccl_capture_error: str | None) 
     full_config = Nvfp4MoeConfig(max_num_tokens=max(case.tokens[rank], 1))
     full = full_config.prepare_weights(w1, w2, activation=act)
     ep_config = Nvfp4MoeConfig(max_num_tokens=world * case.max_tokens_per_rank)
-    shard = ep_config.prepare_weights(*shard_weights(w1, w2, rank, world), activation=act)
+    shard = ep_config.prepare_weights(*shard_weights(w1, w2, world_size=world, rank=rank), activation=act)
     del w1, w2
     layer = ExpertParallelMoe(ep_config, shard, num_experts=case.experts, top_k=case.top_k,
                               max_tokens_per_rank=case.max_tokens_per_rank, activation=act,
