@@ -8,15 +8,19 @@ For a preset's layer shape (graphs/presets.json) at T tokens (default 1):
 3. Prints both side by side (import / prepare / first call / total), how many cache entries the warm
    process loaded from disk and built, and whether the two outputs are bitwise equal.
 
-Target (issue 7): warm first call <= 100 ms after import.
-Usage: python benchmarks/bench_cache.py --preset qwen3-30b-a3b [--engine cudnn] [--markdown PATH]
+Target: warm first call <= 100 ms after import. ``--profile N`` also prints the N functions with the most
+cumulative time in the warm process's first call (cProfile), to say where its time goes.
+Usage: python benchmarks/bench_cache.py --preset qwen3-30b-a3b [--engine cudnn] [--profile 25] [--markdown PATH]
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
 import os
+import pstats
 import subprocess
 import sys
 import tempfile
@@ -33,6 +37,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--engine", default="auto", help="GEMM engine: auto, sm90 or cudnn (default auto)")
     parser.add_argument("--tokens", type=int, default=1, help="T of the timed call (default 1)")
     parser.add_argument("--markdown", type=Path, default=None, metavar="PATH", help="also write the report here")
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="profile the warm first call and print its N costliest functions (cumulative)")
     parser.add_argument("--child", type=Path, default=None, help=argparse.SUPPRESS)  # internal: run one timed process
     return parser.parse_args(argv)
 
@@ -68,10 +74,20 @@ def child(args: argparse.Namespace) -> int:
     weights = config.prepare_weights(w1, w2)
     acts = config.prepare_activations(x)
     torch.cuda.synchronize()
+    routing = cudnn_moe.Routing.unpacked(ids, route)
+    profiler = cProfile.Profile() if args.profile else None
     prepared = time.perf_counter()
-    out = cudnn_moe.fused_moe(config, acts, cudnn_moe.Routing.unpacked(ids, route), weights)
+    if profiler is not None:
+        profiler.enable()
+    out = cudnn_moe.fused_moe(config, acts, routing, weights)
     torch.cuda.synchronize()
     done = time.perf_counter()
+    profile_text = ""
+    if profiler is not None:
+        profiler.disable()
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(args.profile)
+        profile_text = text.getvalue()
 
     torch.save(out.cpu(), args.child.with_suffix(".pt"))
     counts = stats()
@@ -84,14 +100,15 @@ def child(args: argparse.Namespace) -> int:
         "loaded": sum(v for (_, source), v in counts.items() if source == "disk"),
         "built": sum(v for (_, source), v in counts.items() if source == "built"),
         "by_kind": {f"{kind} {source}": v for (kind, source), v in sorted(counts.items())},
+        "profile": profile_text,
     }
     args.child.write_text(json.dumps(report))
     return 0
 
 
-def _timed_process(args: argparse.Namespace, cache: Path, report: Path) -> dict:
+def _timed_process(args: argparse.Namespace, cache: Path, report: Path, profile: int = 0) -> dict:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", str(report), "--preset", args.preset,
-           "--engine", args.engine, "--tokens", str(args.tokens)]
+           "--engine", args.engine, "--tokens", str(args.tokens), "--profile", str(profile)]
     subprocess.run(cmd, env=_env(cache), check=True)
     return json.loads(report.read_text())
 
@@ -116,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         prebuild_s = time.perf_counter() - start
         cold = _timed_process(args, empty, root / "cold.json")
         warm = _timed_process(args, prebuilt, root / "warm.json")
+        profiled = _timed_process(args, prebuilt, root / "profiled.json", args.profile) if args.profile else None
         a, b = torch.load(root / "cold.pt"), torch.load(root / "warm.pt")
         equal = a.shape == b.shape and torch.equal(a.view(torch.int16), b.view(torch.int16))
     lines = [
@@ -132,6 +150,9 @@ def main(argv: list[str] | None = None) -> int:
         f"target: warm first call <= 100 ms: {'met' if warm['first_call_ms'] <= 100 else 'NOT met'} "
         f"({warm['first_call_ms']:.1f} ms; import to result {warm['total_ms']:.1f} ms)",
     ]
+    if profiled is not None:
+        lines += ["", f"profile of a warm first call ({profiled['first_call_ms']:.1f} ms under cProfile):", "```",
+                  profiled["profile"].strip(), "```"]
     text = "\n".join(lines)
     print(text)
     if args.markdown is not None:
