@@ -325,15 +325,16 @@ def load_entry(key: Any, payload: bytes, device: int) -> str:
         CUDNN_SERIALIZER.deserialize(gemm_key_of(key, device), payload)
         return "ok"
     if key.kind == KIND_KERNEL:
-        import cupy
-        from cupy.cuda import driver
+        import torch
 
+        from .kernels import driver
         from .kernels.loader import _kernel_environment
 
         if key.environment != _kernel_environment(device):
-            return "skipped (made for another GPU or compiler)"
-        with cupy.cuda.Device(device):
-            driver.moduleUnload(driver.moduleLoadData(payload))
+            return "skipped (made for another GPU, compiler or driver)"
+        with torch.cuda.device(device):
+            driver.make_device_current(device)
+            driver.module_unload(driver.module_load_data(payload))
         return "ok"
     return f"skipped (no loader for {key.kind} entries)"
 

@@ -104,24 +104,38 @@ sys.path.insert(0, {tests!r})
 from test_serving_gpu import _layer
 from cudnn_moe import Routing, fused_moe
 from cudnn_moe.cache import stats
-config, weights, acts, ids, route = _layer("cudnn")
+config, weights, acts, ids, route = _layer({engine!r})
 out = fused_moe(config, acts, Routing.unpacked(ids, route), weights)
 torch.cuda.synchronize()
 torch.save(out.cpu(), {path!r})
 print("STATS", sorted(stats().items()))
+print("CUPY IMPORTED", "cupy" in sys.modules)
 """
 
 
-def test_plans_and_kernels_loaded_from_disk_equal_fresh_builds(tmp_path: Path) -> None:
+def _fresh_then_from_disk(tmp_path: Path, engine: str) -> tuple[list[torch.Tensor], list[str]]:
+    """Two child processes on one new cache directory: (outputs, stdout reports)."""
     cache = tmp_path / "cache"
     env = {**os.environ, "CUDNN_MOE_CACHE_DIR": str(cache), "PYTHONPATH": os.pathsep.join([str(REPO), *sys.path])}
     outputs, reports = [], []
     for run in ("fresh", "from-disk"):
         path = tmp_path / f"{run}.pt"
-        code = _CHILD.format(tests=str(REPO / "tests"), path=str(path))
+        code = _CHILD.format(tests=str(REPO / "tests"), path=str(path), engine=engine)
         result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
         reports.append(result.stdout)
         outputs.append(torch.load(path))
+    return outputs, reports
+
+
+def test_kernels_from_disk_load_without_importing_cupy(tmp_path: Path) -> None:
+    outputs, reports = _fresh_then_from_disk(tmp_path, "sm90")
+    assert "('kernel', 'built')" in reports[0] and "CUPY IMPORTED True" in reports[0]  # compiling needs NVRTC
+    assert "('kernel', 'built')" not in reports[1] and "CUPY IMPORTED False" in reports[1], reports[1]
+    assert torch.equal(_bits(outputs[0]), _bits(outputs[1]))
+
+
+def test_plans_and_kernels_loaded_from_disk_equal_fresh_builds(tmp_path: Path) -> None:
+    outputs, reports = _fresh_then_from_disk(tmp_path, "cudnn")
     assert "('cudnn-plan', 'built')" in reports[0] and "('cudnn-plan', 'disk')" not in reports[0]
     assert "('cudnn-plan', 'disk')" in reports[1] and "('cudnn-plan', 'built')" not in reports[1], reports[1]
     assert "('kernel', 'disk')" in reports[1] and "('kernel', 'built')" not in reports[1], reports[1]

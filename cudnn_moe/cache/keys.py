@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import importlib.metadata
 import json
 import math
 from collections.abc import Mapping
@@ -51,7 +52,7 @@ class Environment:
     compute_capability: tuple[int, int] | None = None
     cudnn_backend: int | None = None  # e.g. 91900 for cuDNN 9.19.0
     cudnn_frontend: str | None = None  # nvidia-cudnn-frontend version string
-    compiler: str | None = None  # kernel compiler, e.g. "cupy 13.6.0, nvrtc 12.8"
+    compiler: str | None = None  # kernel compiler and driver, e.g. "cupy 14.2.0, driver 13000"
     package_version: str = field(default_factory=_package_version)
 
     def __post_init__(self) -> None:
@@ -72,16 +73,29 @@ def _cudnn_versions() -> tuple[int | None, str | None]:
     return backend, None if frontend is None else str(frontend)
 
 
+_CUPY_DISTRIBUTIONS = ("cupy-cuda13x", "cupy-cuda12x", "cupy-cuda11x", "cupy")
+
+
 def _compiler_version() -> str | None:
-    try:
-        cupy = importlib.import_module("cupy")
-    except Exception:
+    """The string "cupy <version>, driver <CUDA version>" of the kernels' compiler (CuPy's NVRTC) and the driver that loads
+    them, read without importing CuPy (from its installed distribution) so that cached kernels load fast. The
+    NVRTC version is not part of it: a cubin it built stays valid for the GPU and driver it was loaded on (a
+    binary the driver refuses is rebuilt, see cudnn_moe.kernels.loader); ``prebuild --clear`` drops old ones."""
+    cupy_version = None
+    for name in _CUPY_DISTRIBUTIONS:
+        try:
+            cupy_version = importlib.metadata.version(name)
+            break
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    if cupy_version is None:
         return None
     try:
-        major, minor = cupy.cuda.nvrtc.getVersion()
-        return f"cupy {cupy.__version__}, nvrtc {major}.{minor}"
-    except Exception:  # CuPy without a usable NVRTC
-        return f"cupy {cupy.__version__}"
+        from ..kernels.driver import driver_version
+
+        return f"cupy {cupy_version}, driver {driver_version()}"
+    except Exception:  # no usable driver library: the loader fails on its own, with its reason
+        return f"cupy {cupy_version}"
 
 
 def current_environment(
@@ -90,7 +104,7 @@ def current_environment(
     """The Environment of CUDA ``device`` (the current one by default) in this process.
 
     cudnn: fill in the cuDNN backend / frontend versions (for plan entries). compiler: fill in
-    the CuPy / NVRTC versions (for kernel entries). Modules are imported here, never at import
+    the CuPy and driver versions (for kernel entries). Modules are imported here, never at import
     time; a missing GPU, cuDNN or CuPy leaves its fields None.
     """
     gpu_name = capability = None

@@ -3,11 +3,12 @@
 Compilation: NVRTC, through CuPy's ``compile_using_nvrtc``, gives the module's binary (a cubin for the
 device's architecture); it is loaded with ``cuModuleLoadData`` and kept in the package's persistent
 cache (``cudnn_moe.cache.active_cache()``) under a key of the source digest (the file and every
-header), the options, the GPU and the CuPy / NVRTC versions. A later process loads that binary and
-compiles nothing; fresh and cached modules are loaded the same way.
+header), the options, the GPU, the CuPy version and the driver version. A later process loads that
+binary and compiles nothing; fresh and cached modules are loaded the same way.
 
-Launches go through ``cuLaunchKernel`` (``cupy.cuda.driver.launchKernel``) with an argument buffer
-packed by ``pack_args``, on torch's current stream; no CuPy stream or kernel objects are built per call.
+Loading and launching go through the CUDA driver directly (cudnn_moe.kernels.driver: ``cuModuleLoadData``,
+``cuLaunchKernel`` with an argument buffer packed by ``packed_args``, on torch's current stream), so a
+process whose kernels all come from the cache never imports CuPy.
 """
 
 from __future__ import annotations
@@ -26,13 +27,13 @@ import torch
 
 from ..cache import KIND_KERNEL, EntryKey, Environment, active_cache, current_environment, record
 from ..cache.store import report_once
+from . import driver
 from .codes import cuda_defines
 
 _lock = threading.RLock()
 _modules: dict[tuple[int, str, tuple[str, ...]], _Module] = {}
 _functions: dict[tuple[int, str, str, tuple[str, ...]], int] = {}
 _shared_limits: dict[int, int] = {}  # CUfunction -> dynamic shared memory limit set so far
-_MAX_DYNAMIC_SHARED = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
 
 
 def kernels_dir() -> Path:
@@ -89,9 +90,7 @@ class _Module:
 
     def function(self, name: str) -> int:
         """The CUfunction handle of kernel ``name``."""
-        from cupy.cuda import driver
-
-        return int(driver.moduleGetFunction(self.handle, name))
+        return driver.module_get_function(self.handle, name)
 
 
 def _compile(source: str, options: tuple[str, ...]) -> bytes:
@@ -103,17 +102,12 @@ def _compile(source: str, options: tuple[str, ...]) -> bytes:
 
 
 def _module_from(binary: bytes, device: int, source: str) -> _Module:
-    import cupy
-    from cupy.cuda import driver
-
-    with cupy.cuda.Device(device):
+    with torch.cuda.device(device):
         _bind(device)
-        return _Module(int(driver.moduleLoadData(binary)), source)
+        return _Module(driver.module_load_data(binary), source)
 
 
 def _load(filename: str, device: int, extra_options: tuple[str, ...]) -> _Module:
-    import cupy
-
     source, options = module_source(filename), compile_options(extra_options)
     key = kernel_key(filename, source, options, _kernel_environment(device))
     disk = active_cache()
@@ -123,6 +117,8 @@ def _load(filename: str, device: int, extra_options: tuple[str, ...]) -> _Module
             return _module_from(binary, device, "disk")
         except Exception as exc:  # a binary the driver refuses: rebuilt and replaced, never fatal
             report_once(str(disk.path_for(key)), f"cannot load the cached kernel {key.name} ({exc}); recompiling")
+    import cupy  # only to compile (NVRTC for the device's architecture)
+
     with cupy.cuda.Device(device):
         binary = _compile(source, options)
     if disk is not None:
@@ -150,12 +146,8 @@ def kernel_function(filename: str, name: str, device: int, extra_options: tuple[
         with _lock:
             function = _functions.get(key)
             if function is None:
-                import cupy
-
                 module = load_module(filename, device, extra_options)
-                with cupy.cuda.Device(device):
-                    _bind(device)
-                    function = _functions[key] = module.function(name)
+                function = _functions[key] = module.function(name)  # a module's functions need no current context
     return function
 
 
@@ -231,15 +223,13 @@ _bound = threading.local()
 
 
 def _bind(index: int) -> None:
-    """Make device ``index`` (the current device) bind its primary context on this thread, once per
-    thread and device: driver-API calls need a current context; torch and CuPy share that one."""
+    """Make device ``index`` (torch's current device) bind its primary context on this thread, once per
+    thread and device: driver-API calls need a current context; torch, CuPy and cuDNN share that one."""
     devices = getattr(_bound, "devices", None)
     if devices is None:
         devices = _bound.devices = set()
     if index not in devices and not torch.cuda.is_current_stream_capturing():  # a capturing thread has one
-        import cupy
-
-        cupy.cuda.runtime.setDevice(index)
+        driver.make_device_current(index)
         devices.add(index)
 
 
@@ -277,13 +267,11 @@ def launch(
 
 def _launch(function: int, gx: int, gy: int, gz: int, block: int, shared_mem: int, stream: int,
             packed: PackedArgs, index: int) -> None:
-    from cupy.cuda import driver
-
     _bind(index)
     if shared_mem > 48 * 1024 and _shared_limits.get(function, 0) < shared_mem:
-        driver.funcSetAttribute(function, _MAX_DYNAMIC_SHARED, shared_mem)
+        driver.set_max_dynamic_shared(function, shared_mem)
         _shared_limits[function] = shared_mem
-    driver.launchKernel(function, gx, gy, gz, block, 1, 1, shared_mem, stream, packed.pointer, 0)
+    driver.launch_kernel(function, (gx, gy, gz), block, shared_mem, stream, packed.pointer)
 
 
 def ptr(tensor: torch.Tensor | None, align: int = 1, *, row_strided: bool = False) -> np.uint64:

@@ -1,0 +1,114 @@
+"""The CUDA driver API calls of the kernel loader, through ctypes on the driver library torch already uses.
+
+Loading a cached binary, finding its kernels and launching them are a handful of driver calls; making
+them here keeps CuPy (about 100 ms to import) off the serving path: a process whose kernels all come
+from the persistent cache never imports it (CuPy's NVRTC is used to compile, on a cache miss only).
+Every call raises CudaDriverError naming the call and the driver's error name on failure.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import sys
+import threading
+
+_c_void_p, _c_uint, _c_int = ctypes.c_void_p, ctypes.c_uint, ctypes.c_int
+
+# name: argument types (each returns CUresult, an int)
+_SIGNATURES: dict[str, tuple[type, ...]] = {
+    "cuInit": (_c_uint,),
+    "cuDriverGetVersion": (ctypes.POINTER(_c_int),),
+    "cuDeviceGet": (ctypes.POINTER(_c_int), _c_int),
+    "cuDevicePrimaryCtxRetain": (ctypes.POINTER(_c_void_p), _c_int),
+    "cuCtxSetCurrent": (_c_void_p,),
+    "cuModuleLoadData": (ctypes.POINTER(_c_void_p), ctypes.c_char_p),
+    "cuModuleUnload": (_c_void_p,),
+    "cuModuleGetFunction": (ctypes.POINTER(_c_void_p), _c_void_p, ctypes.c_char_p),
+    "cuFuncSetAttribute": (_c_void_p, _c_int, _c_int),
+    "cuLaunchKernel": (_c_void_p, _c_uint, _c_uint, _c_uint, _c_uint, _c_uint, _c_uint, _c_uint, _c_void_p, _c_void_p,
+                       _c_void_p),
+    "cuGetErrorName": (_c_int, ctypes.POINTER(ctypes.c_char_p)),
+}
+
+CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+
+
+class CudaDriverError(RuntimeError):
+    """A CUDA driver API call returned an error."""
+
+
+@functools.cache
+def _library() -> ctypes.CDLL:
+    name = "nvcuda.dll" if sys.platform == "win32" else "libcuda.so.1"
+    try:
+        lib = ctypes.CDLL(name)
+    except OSError as exc:
+        raise CudaDriverError(f"cannot load the CUDA driver library {name} ({exc}); is an NVIDIA driver installed?") from exc
+    for function, argtypes in _SIGNATURES.items():
+        entry = getattr(lib, function)
+        entry.argtypes, entry.restype = argtypes, _c_int
+    _check(lib.cuInit(0), "cuInit", lib)
+    return lib
+
+
+def _check(status: int, call: str, lib: ctypes.CDLL | None = None) -> None:
+    if status:
+        name = ctypes.c_char_p()
+        known = (lib or _library()).cuGetErrorName(status, ctypes.byref(name)) == 0 and name.value
+        raise CudaDriverError(f"{call} failed: {name.value.decode() if known else 'unknown error'} ({status})")
+
+
+def driver_version() -> int:
+    """The driver's CUDA version, e.g. 13000 for 13.0."""
+    version = _c_int()
+    _check(_library().cuDriverGetVersion(ctypes.byref(version)), "cuDriverGetVersion")
+    return version.value
+
+
+_contexts: dict[int, int] = {}
+_contexts_lock = threading.Lock()
+
+
+def make_device_current(device: int) -> None:
+    """Make ``device``'s primary context (the one torch and the CUDA runtime use) current on this thread."""
+    with _contexts_lock:
+        context = _contexts.get(device)
+        if context is None:
+            lib, handle, ctx = _library(), _c_int(), _c_void_p()
+            _check(lib.cuDeviceGet(ctypes.byref(handle), device), "cuDeviceGet")
+            _check(lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), handle.value), "cuDevicePrimaryCtxRetain")
+            context = _contexts[device] = ctx.value
+    _check(_library().cuCtxSetCurrent(context), "cuCtxSetCurrent")
+
+
+def module_load_data(image: bytes) -> int:
+    """cuModuleLoadData: a loaded module (CUmodule handle) from a cubin / PTX image, in the current context."""
+    module = _c_void_p()
+    _check(_library().cuModuleLoadData(ctypes.byref(module), image), "cuModuleLoadData")
+    return module.value
+
+
+def module_unload(module: int) -> None:
+    _check(_library().cuModuleUnload(module), "cuModuleUnload")
+
+
+def module_get_function(module: int, name: str) -> int:
+    """cuModuleGetFunction: the CUfunction handle of kernel ``name`` of ``module``."""
+    function = _c_void_p()
+    _check(_library().cuModuleGetFunction(ctypes.byref(function), module, name.encode()), f"cuModuleGetFunction({name})")
+    return function.value
+
+
+def set_max_dynamic_shared(function: int, size: int) -> None:
+    """Allow ``function`` up to ``size`` bytes of dynamic shared memory (needed above 48 KB)."""
+    _check(_library().cuFuncSetAttribute(function, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, size),
+           "cuFuncSetAttribute")
+
+
+def launch_kernel(function: int, grid: tuple[int, int, int], block: int, shared_mem: int, stream: int,
+                  params: int) -> None:
+    """cuLaunchKernel of ``function`` on ``stream`` with the ``void*[]`` argument array at address ``params``."""
+    status = _library().cuLaunchKernel(function, *grid, block, 1, 1, shared_mem, stream, params, None)
+    if status:
+        _check(status, "cuLaunchKernel")
