@@ -54,19 +54,23 @@ class LoopReport:
         return self.instructions / max(self.hmma // max(mma_per_k16, 1), 1)
 
 
-def compile_cubin(arch: str, defines: list[str], out: Path, source: Path = SOURCE) -> str:
-    """nvcc -cubin; returns ptxas' -v report."""
+def cubin_command(arch: str, defines: list[str], source: Path = SOURCE) -> list[str]:
+    """The nvcc -cubin command (ptxas -v), without its -o OUT."""
     sys.path.insert(0, str(ROOT))
     from cudnn_moe.kernels import cuda_defines
 
     nvcc = find_tool("nvcc")
     if nvcc is None:
         raise FileNotFoundError("nvcc not found")
-    command = [
+    return [
         nvcc, "-std=c++17", f"-gencode=arch=compute_{arch},code=sm_{arch}", "-I", str(ROOT / "kernels_cuda"),
-        *cuda_defines(), *[f"-D{d}" for d in defines], "-Xptxas", "-v", "-cubin", str(source), "-o", str(out),
+        *cuda_defines(), *[f"-D{d}" for d in defines], "-Xptxas", "-v", "-cubin", str(source),
     ]
-    result = subprocess.run(command, capture_output=True, text=True)
+
+
+def compile_cubin(arch: str, defines: list[str], out: Path, source: Path = SOURCE) -> str:
+    """nvcc -cubin; returns ptxas' -v report."""
+    result = subprocess.run([*cubin_command(arch, defines, source), "-o", str(out)], capture_output=True, text=True)
     if result.returncode:
         raise RuntimeError(result.stderr)
     return result.stderr
@@ -121,18 +125,22 @@ def registers_of(report: str) -> dict[str, int]:
     return out
 
 
+def budget_of(cubin: Path, report: str) -> dict[str, LoopReport]:
+    """kernel name -> its main loop, from a cubin and ptxas' -v report of its build."""
+    registers = registers_of(report)
+    reports = {}
+    for kernel, code in disassemble(cubin).items():
+        loop = main_loop(kernel, code)
+        loop.registers = registers.get(kernel)
+        reports[kernel] = loop
+    return reports
+
+
 def budget(arch: str = "90a", defines: list[str] | None = None) -> dict[str, LoopReport]:
     defines = defines or []
     with tempfile.TemporaryDirectory() as tmp:
         cubin = Path(tmp) / "kernel.cubin"
-        report = compile_cubin(arch, defines, cubin)
-        registers = registers_of(report)
-        reports = {}
-        for kernel, code in disassemble(cubin).items():
-            loop = main_loop(kernel, code)
-            loop.registers = registers.get(kernel)
-            reports[kernel] = loop
-        return reports
+        return budget_of(cubin, compile_cubin(arch, defines, cubin))
 
 
 def main() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -25,3 +26,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def nvcc_builds(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Before the first test: start every nvcc build the selected tests need (their modules' ``nvcc_jobs``), in
+    parallel in the background, each once per session (tests/kernel_sources.py); at the end drop what is left."""
+    import kernel_sources
+
+    kernel_sources.prefetch(request.session.items)
+    yield
+    kernel_sources.shutdown()

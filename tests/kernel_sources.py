@@ -1,11 +1,20 @@
-"""Shared by the CPU tests that read the CUDA sources: the C signatures of their entry points, and the
-stand-ins that let a host C++ compiler build the device headers' number-format and activation helpers."""
+"""Shared by the CPU tests that read the CUDA sources: the C signatures of their entry points, the
+stand-ins that let a host C++ compiler build the device headers' number-format and activation helpers, and
+the session's nvcc builds (each command compiled once, in parallel, started before the first test)."""
 
 from __future__ import annotations
 
+import hashlib
+import os
 import re
+import shutil
+import subprocess
+import tempfile
+import threading
 from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -39,3 +48,99 @@ static inline float __uint_as_float(unsigned int u) { float f; std::memcpy(&f, &
 static inline float __fadd_rn(float a, float b) { return a + b; }
 static inline float __fsub_rn(float a, float b) { return a - b; }
 """
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# nvcc builds shared by the test session: each (command, inputs' content) compiles once, in a pool of background
+# workers, and the conftest's session fixture starts every build the selected tests need before the first test
+# runs (prefetch), so the compilations overlap each other and the tests that need no compiler.
+# ---------------------------------------------------------------------------------------------------------------
+
+NVCC = shutil.which("nvcc") or shutil.which("nvcc", path="/usr/local/cuda/bin")
+# Parallel nvcc processes (default: one per core); CUDNN_MOE_TEST_NVCC_JOBS overrides.
+NVCC_JOBS = int(os.environ.get("CUDNN_MOE_TEST_NVCC_JOBS", "0")) or os.cpu_count() or 1
+
+Build = tuple[subprocess.CompletedProcess, Path]  # nvcc's result (returncode, stderr with ptxas -v) and its output
+Job = tuple[list[str], str]  # an nvcc command without "-o OUT", and the output file's suffix
+
+_lock = threading.Lock()
+_pool: ThreadPoolExecutor | None = None
+_out_dir: Path | None = None
+_builds: dict[tuple[tuple[str, ...], str, str], Future] = {}
+
+
+def _inputs_digest() -> str:
+    """sha256 of every file of kernels_cuda/ (the sources and the headers they include)."""
+    from cudnn_moe.kernels import kernels_dir
+
+    root, digest = kernels_dir(), hashlib.sha256()
+    for path in sorted(root.rglob("*")):
+        if path.is_file():
+            digest.update(path.relative_to(root).as_posix().encode())
+            digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+# The builds run at a lower CPU priority, so that the tests running meanwhile keep their pace and the builds
+# take the idle time (the result is the same: the command is only prefixed).
+_NICE = [nice, "-n", "10"] if (nice := shutil.which("nice")) else []
+
+
+def _run(command: list[str], out: Path) -> Build:
+    result = subprocess.run([*_NICE, *command, "-o", str(out)], capture_output=True, text=True)
+    result.args = [*command, "-o", str(out)]
+    return result, out
+
+
+def submit(command: list[str], suffix: str = ".o") -> Future:
+    """The (future) Build of ``command`` (nvcc, without -o): started now in the pool unless the same command on
+    the same kernels_cuda/ content was already started this session."""
+    global _pool, _out_dir
+    key = (tuple(command), suffix, _inputs_digest())
+    with _lock:
+        future = _builds.get(key)
+        if future is None:
+            if _pool is None:
+                _pool = ThreadPoolExecutor(max_workers=NVCC_JOBS, thread_name_prefix="nvcc")
+                _out_dir = Path(tempfile.mkdtemp(prefix="cudnn-moe-nvcc-"))
+            assert _out_dir is not None
+            future = _builds[key] = _pool.submit(_run, list(command), _out_dir / f"build{len(_builds)}{suffix}")
+        return future
+
+
+def compiled(command: list[str], suffix: str = ".o") -> Build:
+    """nvcc's result and output file for ``command`` (without -o), compiled once per session."""
+    return submit(command, suffix).result()
+
+
+def _skipped(item: Any) -> bool:
+    """An item a skip mark or a true skipif condition will skip (it needs no build)."""
+    if item.get_closest_marker("skip") is not None:
+        return True
+    for mark in item.iter_markers("skipif"):
+        condition = mark.args[0] if mark.args else mark.kwargs.get("condition")
+        if isinstance(condition, bool) and condition:
+            return True
+    return False
+
+
+def prefetch(items: Iterable[Any]) -> int:
+    """Start, in the tests' order, the builds of the items whose module defines ``nvcc_jobs(item) -> [Job]``;
+    returns how many builds were asked for (a build asked for twice starts once)."""
+    jobs = [job for item in items if not _skipped(item)
+            for job in getattr(getattr(item, "module", None), "nvcc_jobs", lambda _: [])(item)]
+    for command, suffix in jobs:
+        submit(command, suffix)
+    return len(jobs)
+
+
+def shutdown() -> None:
+    """End of the session: drop the builds not started, wait for those running, remove the outputs."""
+    global _pool, _out_dir
+    with _lock:
+        pool, out_dir, _pool, _out_dir = _pool, _out_dir, None, None
+        _builds.clear()
+    if pool is not None:
+        pool.shutdown(wait=True, cancel_futures=True)
+    if out_dir is not None:
+        shutil.rmtree(out_dir, ignore_errors=True)

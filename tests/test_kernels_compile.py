@@ -20,20 +20,30 @@ from cudnn_moe import kernels
 from cudnn_moe.activations import SwiGLU
 from cudnn_moe.formats import decode_e2m1, encode_e2m1
 from cudnn_moe.formats.blocks import to_e4m3
-from kernel_sources import ARG_TYPES, HOST_PRELUDE, kernel_signatures
+from kernel_sources import ARG_TYPES, HOST_PRELUDE, NVCC, compiled, kernel_signatures
 
 KERNELS_DIR = kernels.kernels_dir()
 SOURCES = sorted(path.name for path in KERNELS_DIR.glob("*.cu"))
-NVCC = shutil.which("nvcc") or shutil.which("nvcc", path="/usr/local/cuda/bin")
 CXX = shutil.which("c++") or shutil.which("g++")
+
+
+def _nvcc_command(source: str, arch: str) -> list[str]:
+    return [NVCC, "-std=c++17", f"-arch={arch}", "-I", str(KERNELS_DIR), *kernels.cuda_defines(), "-c",
+            str(KERNELS_DIR / source)]
+
+
+def nvcc_jobs(item: pytest.Item) -> list[tuple[list[str], str]]:
+    """The nvcc builds ``item`` needs, started ahead by the session (kernel_sources.prefetch)."""
+    if item.originalname == "test_kernel_compiles":
+        return [(_nvcc_command(item.callspec.params["source"], item.callspec.params["arch"]), ".o")]
+    return []
+
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found")
 @pytest.mark.parametrize("arch", ["sm_90", "sm_100a"])
 @pytest.mark.parametrize("source", SOURCES)
-def test_kernel_compiles(source: str, arch: str, tmp_path: Path) -> None:
-    command = [NVCC, "-std=c++17", f"-arch={arch}", "-I", str(KERNELS_DIR), *kernels.cuda_defines(), "-c",
-               str(KERNELS_DIR / source)]
-    result = subprocess.run([*command, "-o", str(tmp_path / "kernel.o")], capture_output=True, text=True)
+def test_kernel_compiles(source: str, arch: str) -> None:
+    result, _ = compiled(_nvcc_command(source, arch))
     assert result.returncode == 0, result.stderr
 
 

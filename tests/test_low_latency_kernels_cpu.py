@@ -16,7 +16,6 @@ import re
 import shutil
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -45,10 +44,9 @@ from cudnn_moe.routing import Routing
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 import sass_budget  # noqa: E402
-from kernel_sources import ARG_TYPES, HOST_PRELUDE, kernel_signatures  # noqa: E402
+from kernel_sources import ARG_TYPES, HOST_PRELUDE, NVCC, kernel_signatures, submit  # noqa: E402
 
 SOURCE = kernels_dir() / ll.SOURCE
-NVCC = shutil.which("nvcc") or shutil.which("nvcc", path="/usr/local/cuda/bin")
 CXX = shutil.which("c++") or shutil.which("g++")
 CUOBJDUMP = sass_budget.find_tool("cuobjdump")
 ARCHS = ("80", "90a", "100a", "120a")
@@ -66,24 +64,29 @@ def _variant_id(variant: tuple[LowLatencyWeightCode, LowLatencyInputCode]) -> st
     return f"{variant[0].name.lower()}-{variant[1].name.lower()}"
 
 
-def _nvcc(arch: str, variant: tuple[LowLatencyWeightCode, LowLatencyInputCode], out: Path) -> subprocess.CompletedProcess:
-    command = [NVCC, "-std=c++17", f"-gencode=arch=compute_{arch},code=sm_{arch}", "-cubin", "-I", str(kernels_dir()),
-               *cuda_defines(), *ll.module_options(*variant), "-Xptxas", "-v", str(SOURCE), "-o", str(out)]
-    return subprocess.run(command, capture_output=True, text=True)
+def _nvcc_command(arch: str, variant: tuple[LowLatencyWeightCode, LowLatencyInputCode]) -> list[str]:
+    return [NVCC, "-std=c++17", f"-gencode=arch=compute_{arch},code=sm_{arch}", "-cubin", "-I", str(kernels_dir()),
+            *cuda_defines(), *ll.module_options(*variant), "-Xptxas", "-v", str(SOURCE)]
 
 
-def _build_all(arch: str, variants, folder: Path) -> dict[str, tuple[subprocess.CompletedProcess, Path]]:
-    def one(variant):
-        out = folder / f"ll_{arch}_{_variant_id(variant)}.cubin"
-        return _variant_id(variant), (_nvcc(arch, variant, out), out)
+def _build_all(arch: str, variants) -> dict[str, tuple[subprocess.CompletedProcess, Path]]:
+    """Variant id -> (nvcc result, cubin), built in parallel, once per session (kernel_sources.submit)."""
+    futures = {_variant_id(variant): submit(_nvcc_command(arch, variant), ".cubin") for variant in variants}
+    return {name: future.result() for name, future in futures.items()}
 
-    with ThreadPoolExecutor(max_workers=4) as pool:
-        return dict(pool.map(one, variants))
+
+def nvcc_jobs(item: pytest.Item) -> list[tuple[list[str], str]]:
+    """The nvcc builds ``item`` needs, started ahead by the session (kernel_sources.prefetch)."""
+    if item.originalname == "test_every_decoder_compiles":
+        return [(_nvcc_command(item.callspec.params["arch"], variant), ".cubin") for variant in DECODERS]
+    if "sm90_builds" in item.fixturenames:
+        return [(_nvcc_command("90a", variant), ".cubin") for variant in ll.MODULE_VARIANTS]
+    return []
 
 
 @pytest.fixture(scope="module")
-def sm90_builds(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[subprocess.CompletedProcess, Path]]:
-    return _build_all("90a", ll.MODULE_VARIANTS, tmp_path_factory.mktemp("ll_sm90"))
+def sm90_builds() -> dict[str, tuple[subprocess.CompletedProcess, Path]]:
+    return _build_all("90a", ll.MODULE_VARIANTS)
 
 
 def test_module_variants_cover_every_call() -> None:
@@ -99,8 +102,8 @@ def test_module_variants_cover_every_call() -> None:
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found")
 @pytest.mark.parametrize("arch", [a for a in ARCHS if a != "90a"])
-def test_every_decoder_compiles(arch: str, tmp_path: Path) -> None:
-    for name, (result, _) in _build_all(arch, DECODERS, tmp_path).items():
+def test_every_decoder_compiles(arch: str) -> None:
+    for name, (result, _) in _build_all(arch, DECODERS).items():
         assert result.returncode == 0, f"sm_{arch} {name}:\n{result.stderr}"
 
 

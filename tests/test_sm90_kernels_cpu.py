@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -30,16 +29,40 @@ import sass_budget  # noqa: E402
 
 SM90_DIR = kernels_dir() / "sm90"
 SOURCES = sorted(path.name for path in SM90_DIR.glob("*.cu"))
-NVCC = shutil.which("nvcc") or shutil.which("nvcc", path="/usr/local/cuda/bin")
 CUOBJDUMP = sass_budget.find_tool("cuobjdump")
 
+from kernel_sources import NVCC, compiled  # noqa: E402
 from sm90_variants import DECODE_VARIANTS, OTHER_PREFILL_VARIANTS, PREFILL_VARIANTS  # noqa: E402
 
 
-def _nvcc(source: Path, arch: str, out: Path, options: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
-    command = [NVCC, "-std=c++17", f"-gencode=arch=compute_{arch},code=sm_{arch}", "-I", str(kernels_dir()),
-               *cuda_defines(), *options, "-Xptxas", "-v", "-c", str(source), "-o", str(out)]
-    return subprocess.run(command, capture_output=True, text=True)
+def _nvcc_command(source: Path, arch: str, options: tuple[str, ...] = ()) -> list[str]:
+    return [NVCC, "-std=c++17", f"-gencode=arch=compute_{arch},code=sm_{arch}", "-I", str(kernels_dir()),
+            *cuda_defines(), *options, "-Xptxas", "-v", "-c", str(source)]
+
+
+def _nvcc(source: Path, arch: str, options: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    """nvcc -c of ``source`` (ptxas -v report in stderr), compiled once per session (kernel_sources)."""
+    return compiled(_nvcc_command(source, arch, options))[0]
+
+
+def _sass_defines(variant: sm90.DecodeVariant) -> list[str]:
+    return [option[2:] for option in variant.options()]
+
+
+def nvcc_jobs(item: pytest.Item) -> list[tuple[list[str], str]]:
+    """The nvcc builds ``item`` needs, started ahead by the session (kernel_sources.prefetch)."""
+    params = getattr(item, "callspec", None)
+    params = params.params if params is not None else {}
+    gemm = SM90_DIR / "grouped_gemm.cu"
+    if item.originalname == "test_kernel_compiles":
+        return [(_nvcc_command(SM90_DIR / params["source"], params["arch"]), ".o")]
+    if item.originalname == "test_variant_compiles":
+        return [(_nvcc_command(gemm, "90a", params["variant"].options()), ".o")]
+    if item.originalname == "test_prefill_variant_compiles_for_sm100":
+        return [(_nvcc_command(gemm, "100a", params["variant"].options()), ".o")]
+    if item.originalname == "test_decode_sass_budget":
+        return [(sass_budget.cubin_command("90a", _sass_defines(params["variant"])), ".cubin")]
+    return []
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -54,15 +77,15 @@ def test_sources_present() -> None:
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found")
 @pytest.mark.parametrize("arch", ["90a", "100a"])
 @pytest.mark.parametrize("source", SOURCES)
-def test_kernel_compiles(source: str, arch: str, tmp_path: Path) -> None:
-    result = _nvcc(SM90_DIR / source, arch, tmp_path / "kernel.o")
+def test_kernel_compiles(source: str, arch: str) -> None:
+    result = _nvcc(SM90_DIR / source, arch)
     assert result.returncode == 0, result.stderr
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found")
 @pytest.mark.parametrize("variant", [*DECODE_VARIANTS, *PREFILL_VARIANTS[1:]], ids=str)
-def test_variant_compiles(variant: Any, tmp_path: Path) -> None:
-    result = _nvcc(SM90_DIR / "grouped_gemm.cu", "90a", tmp_path / "kernel.o", variant.options())
+def test_variant_compiles(variant: Any) -> None:
+    result = _nvcc(SM90_DIR / "grouped_gemm.cu", "90a", variant.options())
     assert result.returncode == 0, result.stderr
     report = result.stderr.split(f"Compiling entry function '{variant.kernel}'")[1].split("Compiling entry")[0]
     print(variant, report)
@@ -74,8 +97,8 @@ def test_variant_compiles(variant: Any, tmp_path: Path) -> None:
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found")
 @pytest.mark.parametrize("variant", OTHER_PREFILL_VARIANTS, ids=str)
-def test_prefill_variant_compiles_for_sm100(variant: Any, tmp_path: Path) -> None:
-    result = _nvcc(SM90_DIR / "grouped_gemm.cu", "100a", tmp_path / "kernel.o", variant.options())
+def test_prefill_variant_compiles_for_sm100(variant: Any) -> None:
+    result = _nvcc(SM90_DIR / "grouped_gemm.cu", "100a", variant.options())
     assert result.returncode == 0, result.stderr
 
 
@@ -467,8 +490,10 @@ def test_grouped_gemm_rejects_cpu_tensors_and_bad_variants() -> None:
 @pytest.mark.skipif(NVCC is None or CUOBJDUMP is None, reason="nvcc or cuobjdump not found")
 @pytest.mark.parametrize("variant", DECODE_VARIANTS[:3], ids=str)
 def test_decode_sass_budget(variant: sm90.DecodeVariant) -> None:
-    defines = [option[2:] for option in variant.options()]
-    reports = sass_budget.budget("90a", defines)
+    result, cubin = compiled(sass_budget.cubin_command("90a", _sass_defines(variant)), ".cubin")
+    if result.returncode:
+        raise RuntimeError(result.stderr)
+    reports = sass_budget.budget_of(cubin, result.stderr)
     decode = reports["sm90_gemm_decode"]
     assert decode.local_memory == 0
     per_k16 = decode.per_k16(variant.mt * variant.nt)
