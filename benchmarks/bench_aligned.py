@@ -58,7 +58,8 @@ from cudnn_moe import (  # noqa: E402
     fused_moe,
     prepare_aligned_weights,
 )
-from cudnn_moe.engines import ENGINE_NAMES, engine_class  # noqa: E402
+from cudnn_moe.engines.base import OP_ALIGNED  # noqa: E402
+from cudnn_moe.engines.registry import engine_class_of, engine_names  # noqa: E402
 
 TARGET_RATIO = 1.1  # the issue's bound on aligned_moe time / fused_moe time
 UNPACK_CHUNK_WEIGHTS = 1 << 26  # weights per chunk when reading the fused pack back to canonical codes
@@ -93,7 +94,7 @@ def canonical_chunked(
     and linear E4M3 scales [E, n, k/16], a few experts at a time (Nvfp4Weights.canonical() unpacks all
     experts at once, and the SM90 unpack holds int64 temporaries of 8 bytes per weight: about 60 GB
     for DeepSeek-V3's w1); ``swap``: w1's [up; gate] halves -> [gate; up]."""
-    engine = engine_class(weights.spec.engine)
+    engine = engine_class_of(weights.spec)
     step = max(1, UNPACK_CHUNK_WEIGHTS // (n * k))
     codes, block_scales = [], []
     for e in range(0, data.shape[0], step):
@@ -271,7 +272,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="block size of the aligned plan (align_routing; a multiple of 8, default %(default)s). It "
                              "only sets the plan's padding: aligned_moe regroups the slots by expert, so it does not "
                              "shape the GEMMs")
-    parser.add_argument("--engine", default="auto", choices=ENGINE_NAMES,
+    parser.add_argument("--engine", default="auto", choices=engine_names(OP_ALIGNED),
                         help="GEMM engine of both ops (Nvfp4MoeConfig / prepare_aligned_weights; default %(default)s)")
     parser.add_argument("--skip-slow-cudnn", action=argparse.BooleanOptionalAction, default=True,
                         help="skip DeepSeek-V3 above T=64 when the engine is cudnn (100-170 ms per call on SM90)")

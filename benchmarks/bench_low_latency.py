@@ -49,8 +49,9 @@ from common import (  # noqa: E402
 from cudnn_moe import Routing, SwiGLU  # noqa: E402
 from cudnn_moe.arch import device_arch  # noqa: E402
 from cudnn_moe.low_latency import LowLatencyMoeConfig, LowLatencyWeights, WeightFormat, low_latency_moe  # noqa: E402
-from cudnn_moe.low_latency import call as ll_call_module  # noqa: E402
-from cudnn_moe.low_latency.weights import Nvfp4PairWeights  # noqa: E402
+from cudnn_moe.engines.base import OP_LOW_LATENCY, Request  # noqa: E402
+from cudnn_moe.engines.registry import choose  # noqa: E402
+from cudnn_moe.weights.low_latency import Nvfp4PairWeights  # noqa: E402
 
 DEFAULT_TOKENS = (1, 2, 4, 8)
 FORMATS = tuple(f.value for f in WeightFormat)
@@ -118,10 +119,12 @@ def prepare_format(
     return config.prepare_mxint4_weight_only(c1, s1, c2, s2)
 
 
-def path_of(weights: LowLatencyWeights, x_dtype: torch.dtype | None, out_dtype: torch.dtype) -> str:
+def path_of(config: LowLatencyMoeConfig, weights: LowLatencyWeights, x_dtype: torch.dtype | None,
+            out_dtype: torch.dtype) -> str:
     """Which kernels a finalized call runs: 'tensor cores' (the SM90 engine's pipeline) or 'CUDA cores'."""
-    tc = ll_call_module.tensor_cores.applies(weights, x_dtype, out_dtype, True, device_arch())
-    return "tensor cores" if tc else "CUDA cores"
+    request = Request(OP_LOW_LATENCY, device_arch(), weights.format.value, num_experts=weights.num_experts,
+                      token_dtype=x_dtype, out_dtype=out_dtype, finalize=True)
+    return "CUDA cores" if choose(request, config.engine).name == "cuda_cores" else "tensor cores"
 
 
 def ll_call(
@@ -151,7 +154,7 @@ class LowLatencyBench:
     def model(self, m: ModelShape, gen: torch.Generator, timer: Timer) -> None:
         args, report = self.args, self.report
         formats = [WeightFormat(f) for f in args.formats]
-        config = LowLatencyMoeConfig(max(args.tokens))
+        config = LowLatencyMoeConfig(max(args.tokens), engine="cuda_cores" if self.args.cuda_cores else "auto")
         batches = {t: random_batch(m, t, gen) for t in args.tokens}
         touched = {t: int(torch.unique(ids).numel()) for t, (_, ids, _) in batches.items()}
         needs_source = args.peers or any(f in (WeightFormat.BF16, WeightFormat.FP16) for f in formats)
@@ -172,7 +175,7 @@ class LowLatencyBench:
                 floor = floor_us(m, touched[tokens], fmt_, args.bandwidth_tbs)
                 x_dtype = None if fmt_ is WeightFormat.NVFP4_W_NVFP4_A else (
                     torch.float16 if fmt_ is WeightFormat.FP16 else torch.bfloat16)
-                path = path_of(weights, x_dtype, torch.float16 if fmt_ is WeightFormat.FP16 else torch.bfloat16)
+                path = path_of(config, weights, x_dtype, torch.float16 if fmt_ is WeightFormat.FP16 else torch.bfloat16)
                 goal = target(m, tokens, fmt_)
                 try:
                     us = timer.median_us(capture(ll_call(config, weights, x, ids, route_w)).replay)
@@ -262,7 +265,6 @@ def main(argv: list[str] | None = None) -> int:
                 "time / floor; target: the issue's goal for that cell.")
     report.emit()
     if args.cuda_cores:
-        ll_call_module.tensor_cores.applies = lambda *a, **k: False  # this process only
         report.note("--cuda-cores: every format runs on the CUDA-core kernels")
     bench = LowLatencyBench(args, report)
     report.table(["model", "T", "format", "path", "touched experts", "us", "floor (us)", "ratio", "target", "met"],

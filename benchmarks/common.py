@@ -27,8 +27,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from cudnn_moe import Nvfp4MoeConfig, Nvfp4Weights, Routing, SwiGLU, fused_moe, get_executor  # noqa: E402
-from cudnn_moe.engines import ENGINE_NAMES  # noqa: E402
-from cudnn_moe.executor import MoeExecutor  # noqa: E402
+from cudnn_moe.engines.base import OP_FUSED  # noqa: E402
+from cudnn_moe.engines.registry import engine_names  # noqa: E402
+from cudnn_moe.pipeline.executor import MoeExecutor  # noqa: E402
 from cudnn_moe.engines.cudnn.probe import backend_version, format_version  # noqa: E402
 
 PRESETS = ROOT / "graphs" / "presets.json"
@@ -104,7 +105,7 @@ def make_parser(description: str) -> argparse.ArgumentParser:
                         help="presets of graphs/presets.json (default: %(default)s)")
     parser.add_argument("--tokens", nargs="+", type=positive_int, default=list(DEFAULT_TOKENS),
                         help="token counts T (default: %(default)s)")
-    parser.add_argument("--engines", nargs="+", default=list(DEFAULT_ENGINES), choices=ENGINE_NAMES,
+    parser.add_argument("--engines", nargs="+", default=list(DEFAULT_ENGINES), choices=engine_names(OP_FUSED),
                         help="Nvfp4MoeConfig engines, one column each (default: %(default)s)")
     parser.add_argument("--iters", type=positive_int, default=20,
                         help="timed replays per median (default: %(default)s)")

@@ -1,23 +1,25 @@
 """cudnn-moe: fused NVFP4 Mixture-of-Experts inference on NVIDIA GPUs (our SM90 kernels or cuDNN graphs).
 
-Importing the package needs only torch and numpy; CuPy and the cuDNN frontend are loaded on
-the first GPU call.
+Importing the package needs only torch and numpy; CuPy loads only to compile a kernel the persistent
+cache lacks, and the cuDNN frontend on the first call that runs the cuDNN engine.
+
+Three ops, each a package (``fused``, ``aligned``, ``low_latency``), on one pipeline (``pipeline``) and one
+registry of engines (``engines``); see the README's architecture section.
 """
 
 from .activations import GELU, SiLU, SiTU, ReLU, ReLU2, GeGLU, GeGLUTanh, Identity, SwiGLU, SwiGLUStep
 from .aligned import AlignedWeights, align_routing, aligned_moe, prepare_aligned_weights, reference_aligned_moe
-from .config import Nvfp4Activations, Nvfp4MoeConfig, Nvfp4Weights
 from .distributed import ExpertParallelMoe, expert_shard, shard_weights
-from .executor import UnfinalizedOutput
+from .fused import MoeLayer, Nvfp4MoeConfig, fused_moe, get_executor, reference_moe, unfinalized_row_count
 from .low_latency import LowLatencyMoeConfig, low_latency_moe, reference_low_latency
-from .ops import fused_moe, get_executor, unfinalized_row_count
-from .reference import reference_moe
+from .pipeline.executor import UnfinalizedOutput
 from .routing import Routing, pack_routing, unpack_routing
-from .torch_op import MoeLayer
+from .version import __version__
+from .weights.nvfp4 import Nvfp4Activations, Nvfp4Weights
 
-__version__ = "0.1.0"
 
 __all__ = [
+    "__version__",
     "AlignedWeights",
     "ExpertParallelMoe",
     "GELU",

@@ -275,3 +275,13 @@ def parse_activation(spec: Activation | ActivationKind | str) -> Activation:
             raise ValueError(f"unknown activation {spec!r}; valid names: {', '.join(ACTIVATION_NAMES)}")
         return _BY_KIND[ActivationKind[name.upper()]]()
     raise TypeError(f"activation must be an Activation, an ActivationKind or a name, got {type(spec).__name__}")
+
+
+def require_gating(activation: Activation, gated: bool) -> None:
+    """ValueError unless ``activation`` is gated exactly when the weights were prepared ``gated``."""
+    if activation.gated != gated:
+        def kind(g: bool) -> str:
+            return "gated" if g else "non-gated"
+
+        raise ValueError(f"activation {type(activation).__name__} is {kind(activation.gated)} but the weights were "
+                         f"prepared for a {kind(gated)} activation")

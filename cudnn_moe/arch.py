@@ -1,4 +1,5 @@
-"""GPU architectures: parsing compute capabilities (what runs where is the engines' business)."""
+"""GPU architectures: the constants every module uses and parsing compute capabilities (what runs where is
+declared by the engines, cudnn_moe.engines.registry)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,12 @@ import torch
 
 Arch = tuple[int, int]
 
-SM90: Arch = (9, 0)
-SM100: Arch = (10, 0)
+SM80: Arch = (8, 0)  # Ampere
+SM90: Arch = (9, 0)  # Hopper
+SM100: Arch = (10, 0)  # data-center Blackwell
 SM103: Arch = (10, 3)
+SM107: Arch = (10, 7)
+SM120: Arch = (12, 0)  # consumer Blackwell
 
 
 def parse_arch(arch: str | int | tuple[int, int]) -> Arch:
@@ -61,3 +65,10 @@ def is_blackwell(arch: Arch) -> bool:
 def arch_name(arch: Arch) -> str:
     """(10, 0) -> 'sm100'."""
     return f"sm{arch[0]}{arch[1]}"
+
+
+def target_arch(arch: Arch | None) -> Arch:
+    """The architecture to prepare weights for: ``arch``, else the current GPU's, else SM90 (no GPU)."""
+    if arch is not None:
+        return arch
+    return device_arch() if torch.cuda.is_available() else SM90

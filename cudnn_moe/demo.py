@@ -8,9 +8,9 @@ from dataclasses import dataclass
 import torch
 
 from .activations import parse_activation
-from .config import Nvfp4MoeConfig
+from .fused.config import Nvfp4MoeConfig
 from .formats import dequantize_nvfp4
-from .reference import reference_for_prepared
+from .fused.reference import reference_for_prepared
 from .routing import Routing
 
 
@@ -69,7 +69,7 @@ def run_demo(shape: DemoShape = DemoShape()) -> None:
     if not gpu:
         print("no CUDA GPU: the fused GPU op was not run")
         return
-    from .ops import fused_moe
+    from .fused.op import fused_moe
 
     out = fused_moe(config, acts, routing, weights, activation=act)
     torch.cuda.synchronize()

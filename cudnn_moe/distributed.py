@@ -35,10 +35,10 @@ import torch
 import torch.distributed as dist
 
 from .activations import Activation, SwiGLU, parse_activation
-from .config import Nvfp4Activations, Nvfp4MoeConfig, Nvfp4Weights
-from .ops import fused_moe
+from .fused import Nvfp4MoeConfig, fused_moe
 from .routing import Routing, unpack_routing
 from .validate import require_int_arg, require_same_device, require_shape, require_tensor
+from .weights.nvfp4 import Nvfp4Activations, Nvfp4Weights
 
 REDUCE_DTYPES = (torch.float32, torch.bfloat16)
 

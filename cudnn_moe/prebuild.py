@@ -22,8 +22,9 @@ from .activations import Activation, parse_activation
 from .cache import (
     ENV_VAR, KIND_CUDNN_PLAN, KIND_KERNEL, DiskCache, EntryKey, NotACacheError, cache_dir, set_cache_dir, stats,
 )
-from .config import SIZE_MULTIPLE
-from .engines.select import ENGINE_NAMES
+from .engines.base import OP_FUSED
+from .engines.registry import engine_names
+from .fused.config import SIZE_MULTIPLE
 
 def _presets_file() -> Path:
     """graphs/presets.json: cudnn_moe/_graphs in an installed wheel, else the repository's graphs/."""
@@ -211,8 +212,8 @@ def build_layer(
     """
     import torch
 
-    from .config import Nvfp4MoeConfig
-    from .ops import get_executor
+    from .fused.config import Nvfp4MoeConfig
+    from .fused.op import get_executor
 
     config = Nvfp4MoeConfig(max_num_tokens=max(buckets), engine=engine)
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -265,7 +266,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                            "two below N and N rounded up to one (max=100: 1, ..., 64, 128; default: 1, 2, 4, ..., 4096)")
     what.add_argument("--activation", type=parse_gpu_activation, default=parse_activation("swiglu"),
                       help="the layer's activation (default: swiglu)")
-    what.add_argument("--engine", choices=ENGINE_NAMES, default="auto",
+    what.add_argument("--engine", choices=engine_names(OP_FUSED), default="auto",
                       help="GEMM engine (default: auto, the first that runs the layer on this GPU)")
     store = parser.add_argument_group("cache")
     store.add_argument("--cache-dir", type=parse_cache_dir, default=None, metavar="DIR",
@@ -391,32 +392,21 @@ def summary_table(results: list[BuildResult], out: TextIO) -> None:
 
 
 def _gpu_problem(engine: str) -> str | None:
-    """Why this machine cannot build with ``engine`` (no GPU, unsupported GPU, or, where the cuDNN
-    engine runs, missing or old cuDNN), or None."""
+    """Why this machine cannot build with ``engine`` (no GPU, a GPU no engine serves, or a missing or old
+    library the chosen engine needs), or None."""
     import torch
 
     if not torch.cuda.is_available():
         return NO_GPU
-    from .arch import arch_name, device_arch
-    from .config import Nvfp4MoeConfig
-    from .engines import choose_engine
+    from .arch import device_arch
+    from .engines.base import NVFP4, Request
+    from .engines.registry import choose
 
-    arch = device_arch()
-    if not Nvfp4MoeConfig.supported(arch):
-        return f"prebuild needs an sm90, sm100 or sm103 GPU; this one is {arch_name(arch)}"
     try:
-        chosen = choose_engine(arch, engine)
+        chosen = choose(Request(OP_FUSED, device_arch(), NVFP4), engine)
     except ValueError as exc:
-        return str(exc)
-    if chosen.name != "cudnn":
-        return None
-    try:
-        from .engines.cudnn.probe import require_cudnn
-
-        require_cudnn()
-    except (ImportError, RuntimeError) as exc:
-        return f"prebuild cannot use cuDNN: {exc}"
-    return None
+        return f"prebuild: {exc}"
+    return chosen.environment_problem()
 
 
 def run_prebuild(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None = None) -> int:

@@ -19,7 +19,7 @@ from cudnn_moe import prebuild
 from cudnn_moe.activations import SiTU, SwiGLU, SwiGLUStep, parse_activation
 from cudnn_moe.aligned import align_routing, reference_aligned_moe
 from cudnn_moe.arch import parse_arch
-from cudnn_moe.config import MAX_NUM_TOKENS, Nvfp4MoeConfig
+from cudnn_moe.fused.config import MAX_NUM_TOKENS, Nvfp4MoeConfig
 from cudnn_moe.distributed import expert_shard, shard_weights
 from cudnn_moe.formats import (
     decode_e2m1,
@@ -46,9 +46,9 @@ from cudnn_moe.formats import (
     unswizzle_128x4,
 )
 from cudnn_moe.low_latency import LowLatencyMoeConfig
-from cudnn_moe.reference import reference_moe
+from cudnn_moe.fused.reference import reference_moe
 from cudnn_moe.routing import Routing, pack_routing, unpack_routing
-from cudnn_moe.torch_op import MoeLayer
+from cudnn_moe.fused.torch_op import MoeLayer
 from cudnn_moe.validate import (
     require_finite_scalar,
     require_float32_scalar,

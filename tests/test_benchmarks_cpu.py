@@ -17,7 +17,7 @@ import bench_moe  # noqa: E402
 import bench_stages  # noqa: E402
 import common  # noqa: E402
 
-from cudnn_moe.engines import GemmShape  # noqa: E402
+from cudnn_moe.engines.base import GemmShape  # noqa: E402
 from cudnn_moe.engines.sm90.engine import choose_variant  # noqa: E402
 
 QWEN3, DEEPSEEK = common.MODELS["qwen3-30b-a3b"], common.MODELS["deepseek-v3"]

@@ -29,6 +29,7 @@ from cudnn_moe.cache import (
 )
 from cudnn_moe.cache import store as store_module
 from cudnn_moe.kernels import driver as driver_module
+from cudnn_moe.kernels import loader as loader_module
 
 ENV = Environment(
     gpu_name="NVIDIA H200", compute_capability=(9, 0), cudnn_backend=91900, cudnn_frontend="1.32.0",
@@ -102,13 +103,22 @@ def _no_distribution(name: str) -> str:
     raise importlib.metadata.PackageNotFoundError(name)
 
 
+def test_kernel_compiler_version_reads_cupy_and_the_driver_without_importing_cupy(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(importlib.metadata, "version",
+                        lambda name: "13.6.0" if name == "cupy-cuda12x" else _no_distribution(name))
+    monkeypatch.setattr(driver_module, "driver_version", lambda: 12080)
+    monkeypatch.setitem(sys.modules, "cupy", None)  # read from the distribution, never imported
+    assert loader_module.compiler_version() == "cupy 13.6.0, driver 12080"
+    monkeypatch.setattr(importlib.metadata, "version", _no_distribution)
+    assert loader_module.compiler_version() is None
+
+
 def test_current_environment_without_gpu_cudnn_or_cupy(monkeypatch: pytest.MonkeyPatch) -> None:
     import torch
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setitem(sys.modules, "cudnn", None)  # import raises ImportError
-    monkeypatch.setattr(importlib.metadata, "version", _no_distribution)
-    env = current_environment(compiler=True)
+    env = current_environment()
     assert (env.gpu_name, env.compute_capability, env.cudnn_backend, env.cudnn_frontend, env.compiler) == (None,) * 5
     import cudnn_moe
 
@@ -123,13 +133,8 @@ def test_current_environment_reads_torch_cudnn_and_cupy(monkeypatch: pytest.Monk
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda i: f"GPU{i}")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i: (10, i))
     monkeypatch.setitem(sys.modules, "cudnn", types.SimpleNamespace(__version__="1.32.0", backend_version=lambda: 92100))
-    monkeypatch.setattr(importlib.metadata, "version",
-                        lambda name: "13.6.0" if name == "cupy-cuda12x" else _no_distribution(name))
-    monkeypatch.setattr(driver_module, "driver_version", lambda: 12080)
-    monkeypatch.setitem(sys.modules, "cupy", None)  # read from the distribution, never imported
-    env = current_environment(torch.device("cuda", 3), compiler=True)
+    env = current_environment(torch.device("cuda", 3))
     assert (env.gpu_name, env.compute_capability, env.cudnn_backend, env.cudnn_frontend) == ("GPU3", (10, 3), 92100, "1.32.0")
-    assert env.compiler == "cupy 13.6.0, driver 12080"
     assert current_environment(cudnn=False).cudnn_backend is None
     assert current_environment().gpu_name == "GPU1"
 

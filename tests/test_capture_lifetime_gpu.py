@@ -19,7 +19,7 @@ import torch
 from cudnn_moe import LowLatencyMoeConfig, Nvfp4MoeConfig, Routing, SwiGLU, align_routing, aligned_moe, fused_moe
 from cudnn_moe import low_latency_moe, prepare_aligned_weights
 from cudnn_moe.formats import quantize_nvfp4
-from cudnn_moe.pipeline import pending_count
+from cudnn_moe.pipeline.lifetime import pending_count
 
 pytestmark = pytest.mark.gpu
 DEV = torch.device("cuda")

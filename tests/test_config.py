@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from cudnn_moe import GELU, Nvfp4MoeConfig, Routing, fused_moe
-from cudnn_moe.engines import WeightLayout
+from cudnn_moe.engines.base import WeightLayout
 from cudnn_moe.formats import E2M1_GRID, unswizzle_128x4
 
 E, H, I = 3, 256, 128

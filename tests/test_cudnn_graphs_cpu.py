@@ -9,7 +9,7 @@ import types
 
 import pytest
 
-from cudnn_moe.engines import WeightLayout
+from cudnn_moe.engines.base import WeightLayout
 from cudnn_moe.engines.cudnn import (
     CudnnGemmEngine,
     GroupedGemmKey,

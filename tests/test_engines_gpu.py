@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from cudnn_moe.arch import device_arch
-from cudnn_moe.engines import ENGINES, GemmOperands, GemmShape, TokenOperand, WeightOperand, engine_class
+from cudnn_moe.engines.base import NVFP4, OP_FUSED, GemmEngine, GemmOperands, GemmShape, Request, TokenOperand, WeightOperand
+from cudnn_moe.engines.registry import ENGINES, engine_class
 from cudnn_moe.engines.sm90.layout import to_token_fragments
 from cudnn_moe.formats import dequantize_nvfp4, quantize_nvfp4, swizzle_128x4
 from cudnn_moe.kernels import TokenLayout
@@ -16,13 +17,16 @@ pytestmark = pytest.mark.gpu
 
 
 def _engine_names() -> list[str]:
-    return [engine.name for engine in ENGINES]
+    return [engine.name for engine in ENGINES if issubclass(engine, GemmEngine)]
+
+
+def _runs_here(cls) -> object:
+    return cls.supports(Request(OP_FUSED, device_arch(), NVFP4))
 
 
 def _engine(name: str):
     cls = engine_class(name)
-    arch = device_arch()
-    answer = cls.supports(arch)
+    answer = _runs_here(cls)
     if not answer:
         pytest.skip(answer.reason)
     return cls(torch.device("cuda", torch.cuda.current_device()))
@@ -109,7 +113,7 @@ def test_engine_matches_contract(name, shape):
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"E{len(s[0])}-K{s[1]}-N{s[2]}")
 def test_engines_agree(shape):
-    names = [name for name in _engine_names() if engine_class(name).supports(device_arch())]
+    names = [name for name in _engine_names() if _runs_here(engine_class(name))]
     if len(names) < 2:
         pytest.skip("fewer than two engines run on this GPU")
     counts, k, n = shape

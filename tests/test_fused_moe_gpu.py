@@ -9,8 +9,8 @@ from cudnn_moe import (
     GELU, GeGLU, GeGLUTanh, Identity, Nvfp4Activations, Nvfp4MoeConfig, ReLU, ReLU2, Routing, SiLU, SiTU, SwiGLU,
     SwiGLUStep, fused_moe, get_executor, pack_routing,
 )
-from cudnn_moe.ops import unfinalized_row_count
-from cudnn_moe.reference import reference_for_prepared
+from cudnn_moe.fused.checks import unfinalized_row_count
+from cudnn_moe.fused.reference import reference_for_prepared
 from moe_checks import check_close as _check_close
 
 pytestmark = pytest.mark.gpu

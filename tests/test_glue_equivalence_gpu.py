@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from cudnn_moe import kernels
-from cudnn_moe.executor import row_capacity
+from cudnn_moe.pipeline.executor import row_capacity
 from cudnn_moe.kernels import SORT_THREADS, TokenLayout
 from cudnn_moe.kernels.sort import sort_grid
 from test_kernels_gpu import sort_reference

@@ -13,7 +13,7 @@ import torch
 
 from cudnn_moe import kernels
 from cudnn_moe.activations import GELU, Activation, GeGLU, GeGLUTanh, Identity, ReLU, ReLU2, SiLU, SwiGLU
-from cudnn_moe.executor import row_capacity
+from cudnn_moe.pipeline.executor import row_capacity
 from cudnn_moe.engines.sm90.layout import from_token_fragments
 from cudnn_moe.formats import dequantize_nvfp4, encode_e2m1, swizzled_offset, swizzled_shape, unpack_nibbles
 from cudnn_moe.kernels import TokenLayout

@@ -480,15 +480,13 @@ def test_reference_weights_format_mismatch():
 
 
 def test_tensor_core_path_leaves_layers_past_the_sort_limit_to_the_cuda_cores() -> None:
+    from cudnn_moe.engines.base import OP_LOW_LATENCY, Request
+    from cudnn_moe.engines.registry import choose
     from cudnn_moe.kernels.codes import SORT_MAX_EXPERTS
-    from cudnn_moe.low_latency import Nvfp4WeightOnlyWeights, WeightFormat, tensor_cores
 
-    def weights(experts: int) -> Nvfp4WeightOnlyWeights:
-        z = torch.zeros(experts, 1, 1, dtype=torch.uint8)
-        return Nvfp4WeightOnlyWeights(format=WeightFormat.NVFP4_WEIGHT_ONLY, hidden_size=128, intermediate_size=128,
-                                      padded_intermediate=128, gated=True, w1_codes=z, w1_scales=z, w2_codes=z,
-                                      w2_scales=z, w1_global=torch.ones(experts), w2_global=torch.ones(experts))
+    def engine(experts: int) -> str:
+        return choose(Request(OP_LOW_LATENCY, (9, 0), WeightFormat.NVFP4_WEIGHT_ONLY.value, num_experts=experts,
+                              token_dtype=torch.bfloat16, out_dtype=torch.bfloat16, finalize=True)).name
 
-    bf16 = torch.bfloat16
-    assert tensor_cores.applies(weights(SORT_MAX_EXPERTS), bf16, bf16, True, (9, 0))
-    assert not tensor_cores.applies(weights(SORT_MAX_EXPERTS + 1), bf16, bf16, True, (9, 0))
+    assert engine(SORT_MAX_EXPERTS) == "sm90"
+    assert engine(SORT_MAX_EXPERTS + 1) == "cuda_cores"

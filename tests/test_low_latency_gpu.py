@@ -38,7 +38,7 @@ from cudnn_moe.activations import (
     SwiGLU,
     SwiGLUStep,
 )
-from cudnn_moe.config import Nvfp4Activations
+from cudnn_moe.weights.nvfp4 import Nvfp4Activations
 from cudnn_moe.low_latency import (
     LowLatencyMoeConfig,
     RawReference,
@@ -224,9 +224,7 @@ def test_matches_reference(fmt, x_dtype, act, tokens, kind, out_dtype):
 def test_cuda_core_kernels_where_the_tensor_core_path_is_dispatched(fmt, tokens, act, monkeypatch):
     """On SM90 the call sends finalized BF16 calls of the NVFP4 formats to the tensor-core path; the CUDA-core
     kernels (the path on every other arch) must still match the reference there."""
-    import cudnn_moe.low_latency.call as call_module
-
-    monkeypatch.setattr(call_module.tensor_cores, "applies", lambda *args, **kwargs: False)
+    monkeypatch.setattr(layer(fmt, act.gated)[0], "engine", "cuda_cores")  # the config's engine choice
     got, want = run_and_check(fmt, torch.bfloat16, act, tokens, "packed", torch.bfloat16, seed=tokens + 20)
     assert_close_to_reference(got, want, f"CUDA-core kernels {fmt.value} {type(act).__name__} T={tokens}")
 
@@ -258,12 +256,10 @@ def test_nvfp4_pair_unrouted_slots_with_nan_scores(kind, path, monkeypatch):
     """Ids outside [0, E) (negative, E, far beyond; int64 beyond int32) are unrouted: finalize ignores them and
     their NaN scores, raw rows are zero there. path: the call's own choice (on SM90 the tensor-core path for the
     finalized output), or the CUDA-core kernels forced."""
-    if path == "cuda_core":
-        import cudnn_moe.low_latency.call as call_module
-
-        monkeypatch.setattr(call_module.tensor_cores, "applies", lambda *args, **kwargs: False)
     fmt = WeightFormat.NVFP4_W_NVFP4_A
     config, weights = layer(fmt, True)
+    if path == "cuda_core":
+        monkeypatch.setattr(config, "engine", "cuda_cores")
     tokens = 4
     ids = random_ids(tokens, TOP_K, E, 21)
     bad = {"packed": (-1, E, 32767), "fp32": (-1, E, 1000), "int64": (-(2**40), E, 2**40)}[kind]

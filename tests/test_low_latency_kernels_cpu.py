@@ -38,7 +38,7 @@ from cudnn_moe.activations import (
 from cudnn_moe.kernels import cuda_defines, kernels_dir
 from cudnn_moe.kernels.codes import LL_MAX_SLOTS, LL_THREADS, LowLatencyInputCode, LowLatencyWeightCode
 from cudnn_moe.low_latency import LowLatencyMoeConfig, WeightFormat, low_latency_moe
-from cudnn_moe.low_latency import kernels as ll
+from cudnn_moe.engines.cuda_cores import kernels as ll
 from cudnn_moe.routing import Routing
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -1,4 +1,4 @@
-"""GPU tests of the tensor-core path of the low-latency call (cudnn_moe.low_latency.tensor_cores): NVFP4
+"""GPU tests of the tensor-core path of the low-latency call (cudnn_moe.low_latency.grouped): NVFP4
 weight-only layers with BF16 tokens on the SM90 engine, called directly at every T = 1..8 (the call's
 dispatch sends such calls there), against the float64 reference; repeated calls bitwise equal.
 Tolerances: test_low_latency_gpu (the same rounding points; only the FP32 summation order differs)."""
@@ -9,7 +9,10 @@ import pytest
 import torch
 
 from cudnn_moe.activations import GELU, GeGLU, Identity, ReLU2, SiTU, SwiGLU, SwiGLUStep
-from cudnn_moe.low_latency import WeightFormat, reference_low_latency, tensor_cores
+from cudnn_moe.engines.base import OP_LOW_LATENCY, LowLatencyCall, Request
+from cudnn_moe.engines.registry import choose
+from cudnn_moe.engines.sm90.engine import Sm90GemmEngine
+from cudnn_moe.low_latency import WeightFormat, grouped, reference_low_latency
 from cudnn_moe.routing import Routing
 from test_low_latency_gpu import (
     E, TOP_K, assert_close_to_reference, make_inputs, make_layer, make_routing, nan_out, random_ids,
@@ -18,6 +21,17 @@ from test_low_latency_gpu import (
 pytestmark = pytest.mark.gpu
 DEV = torch.device("cuda")
 FMT = WeightFormat.NVFP4_WEIGHT_ONLY
+def run_tensor_cores(x, x_scales, weights, routing, act, out) -> None:
+    """The tensor-core path alone, as the op runs it for a checked call."""
+    grouped.run(Sm90GemmEngine, LowLatencyCall(weights, x, x_scales, routing, act, torch.bfloat16, True, out, 8))
+
+
+def engine_of(weights, x_dtype, out_dtype, finalize, arch) -> str:
+    """The engine the registry picks for a low-latency call of these properties."""
+    return choose(Request(OP_LOW_LATENCY, arch, weights.format.value, num_experts=weights.num_experts,
+                          token_dtype=x_dtype, out_dtype=out_dtype, finalize=finalize)).name
+
+
 CASES = [
     (1, SwiGLU(), "fp32"), (2, GeGLU(), "packed"), (3, SwiGLUStep(limit=2.0), "bf16"), (4, SiTU(a=2.0, b=3.0), "int64"),
     (5, SwiGLU(alpha=1.702, beta=1.0, limit=7.0), "fp32"), (6, GELU(), "packed"), (7, ReLU2(), "fp32"),
@@ -33,30 +47,30 @@ def test_tensor_cores_match_reference(tokens, act, kind) -> None:
     x = make_inputs(config, FMT, torch.bfloat16, tokens, weights.hidden_size, seed=tokens + 1)
     routing = make_routing(random_ids(tokens, TOP_K, E, tokens + 2), kind, tokens + 3)
     out = nan_out((tokens, weights.hidden_size), torch.bfloat16)
-    tensor_cores.run(x, None, weights, routing, act, out)
+    run_tensor_cores(x, None, weights, routing, act, out)
     want = reference_low_latency(x, weights, routing, act, out_dtype=torch.bfloat16)
     torch.cuda.synchronize()
     assert_close_to_reference(out, want, f"tensor cores T={tokens} {type(act).__name__} {kind}")
     again = nan_out((tokens, weights.hidden_size), torch.bfloat16)
     for _ in range(3):  # the cached signature, then its full-call graph: bitwise the same
         again.fill_(float("nan"))
-        tensor_cores.run(x, None, weights, routing, act, again)
+        run_tensor_cores(x, None, weights, routing, act, again)
         assert torch.equal(again, out)
 
 
 def test_dispatch_sends_nvfp4_weight_only_bf16_to_the_tensor_cores() -> None:
     config, weights = make_layer(FMT, True, shape=(256, 128), seed=9)
     arch, bf16 = (9, 0), torch.bfloat16
-    assert tensor_cores.applies(weights, bf16, bf16, True, arch)
-    assert not tensor_cores.applies(weights, torch.float16, bf16, True, arch)  # FP16 tokens: CUDA cores
-    assert not tensor_cores.applies(weights, bf16, torch.float16, True, arch)  # FP16 output
-    assert not tensor_cores.applies(weights, bf16, bf16, False, arch)  # raw rows
-    assert not tensor_cores.applies(weights, bf16, bf16, True, (10, 0))
+    assert engine_of(weights, bf16, bf16, True, arch) == "sm90"
+    assert engine_of(weights, torch.float16, bf16, True, arch) == "cuda_cores"  # FP16 tokens
+    assert engine_of(weights, bf16, torch.float16, True, arch) == "cuda_cores"  # FP16 output
+    assert engine_of(weights, bf16, bf16, False, arch) == "cuda_cores"  # raw rows
+    assert engine_of(weights, bf16, bf16, True, (10, 0)) == "cuda_cores"
     _, mx = make_layer(WeightFormat.MXFP4_WEIGHT_ONLY, True, shape=(256, 128), seed=9)
-    assert not tensor_cores.applies(mx, bf16, bf16, True, arch)
+    assert engine_of(mx, bf16, bf16, True, arch) == "cuda_cores"
     _, pair = make_layer(WeightFormat.NVFP4_W_NVFP4_A, True, shape=(512, 128), seed=9)
-    assert tensor_cores.applies(pair, None, bf16, True, arch)
-    assert not tensor_cores.applies(pair, None, bf16, False, arch)  # raw rows: CUDA cores
+    assert engine_of(pair, None, bf16, True, arch) == "sm90"
+    assert engine_of(pair, None, bf16, False, arch) == "cuda_cores"  # raw rows
 
 
 PAIR_CASES = [(1, SwiGLU(), "packed"), (3, GeGLU(), "fp32"), (8, SiTU(a=2.0, b=3.0), "int64")]
@@ -80,7 +94,7 @@ def test_tensor_cores_nvfp4_pair_with_unrouted_nan_slots(tokens, act, kind) -> N
     else:
         routing = make_routing(ids, kind, tokens + 3, torch.where(unrouted, torch.tensor(float("nan")), route_w))
     out = nan_out((tokens, weights.hidden_size), torch.bfloat16)
-    tensor_cores.run(acts.packed, acts.scales, weights, routing, act, out)
+    run_tensor_cores(acts.packed, acts.scales, weights, routing, act, out)
     want = reference_low_latency(acts, weights, routing, act, out_dtype=torch.bfloat16)
     torch.cuda.synchronize()
     assert_close_to_reference(out, want, f"pair on tensor cores T={tokens} {type(act).__name__} {kind}")

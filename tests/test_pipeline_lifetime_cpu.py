@@ -8,7 +8,7 @@ import gc
 import pytest
 
 from cudnn_moe.pipeline import lifetime
-from cudnn_moe.pipeline.lifetime import cached_executor, defer, executor_count, pending_count, release_deferred
+from cudnn_moe.pipeline.lifetime import cached, defer, cached_count, pending_count, release_deferred
 
 
 class Weights:
@@ -42,15 +42,15 @@ def test_one_executor_per_weights_and_key() -> None:
     w = Weights()
     built = []
     make = lambda: built.append(1) or Tracked("a")  # noqa: E731
-    first = cached_executor(w, "k", make)
-    assert cached_executor(w, "k", make) is first and len(built) == 1
-    assert cached_executor(w, "other", lambda: Tracked("b")) is not first
-    assert executor_count(w) == 2 and executor_count(Weights()) == 0
+    first = cached(w, "k", make)
+    assert cached(w, "k", make) is first and len(built) == 1
+    assert cached(w, "other", lambda: Tracked("b")) is not first
+    assert cached_count(w) == 2 and cached_count(Weights()) == 0
 
 
 def test_executors_go_with_their_weights_after_the_next_release() -> None:
     w = Weights()
-    cached_executor(w, "k", lambda: Tracked("x"))
+    cached(w, "k", lambda: Tracked("x"))
     del w  # reference count: the finalizer only notes the death
     assert Tracked.destroyed == [] and pending_count() == 1
     assert release_deferred() == 1
@@ -60,8 +60,8 @@ def test_executors_go_with_their_weights_after_the_next_release() -> None:
 def test_a_cycle_collected_during_a_capture_destroys_nothing_until_after(monkeypatch: pytest.MonkeyPatch) -> None:
     w = Weights()
     w.cycle = w  # the caller's own reference cycle
-    cached_executor(w, "k", lambda: Tracked("in-cycle"))
-    cached_executor(w, "k2", lambda: Tracked("in-cycle-2"))
+    cached(w, "k", lambda: Tracked("in-cycle"))
+    cached(w, "k2", lambda: Tracked("in-cycle-2"))
     del w
     capturing(monkeypatch, True)
     gc.collect()  # as a GC pass inside the caller's capture would
@@ -75,12 +75,12 @@ def test_a_cycle_collected_during_a_capture_destroys_nothing_until_after(monkeyp
 def test_a_reused_id_never_finds_a_dead_owners_executor(monkeypatch: pytest.MonkeyPatch) -> None:
     capturing(monkeypatch, True)  # nothing is released, so the dead owner's entry is still pending
     w = Weights()
-    old = cached_executor(w, "k", lambda: Tracked("old"))
+    old = cached(w, "k", lambda: Tracked("old"))
     owner = id(w)
     del w
     new_owner = Weights()
     monkeypatch.setattr(lifetime, "id", lambda obj: owner if obj is new_owner else id(obj), raising=False)
-    fresh = cached_executor(new_owner, "k", lambda: Tracked("new"))
+    fresh = cached(new_owner, "k", lambda: Tracked("new"))
     assert fresh is not old and fresh.name == "new"
     del old
     assert "old" not in Tracked.destroyed  # still kept for a release outside the capture

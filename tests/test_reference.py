@@ -16,7 +16,7 @@ import torch
 
 from cudnn_moe.activations import ACTIVATION_NAMES, Activation, parse_activation
 from cudnn_moe.formats import quantize_nvfp4
-from cudnn_moe.reference import UnfinalizedReference, reference_moe, requantize_nvfp4_rows
+from cudnn_moe.fused.reference import UnfinalizedReference, reference_moe, requantize_nvfp4_rows
 from cudnn_moe.routing import Routing, pack_routing
 
 HIDDEN, INTERMEDIATE = 64, 32

@@ -16,13 +16,14 @@ import numpy as np
 import pytest
 import torch
 
-from cudnn_moe import Nvfp4MoeConfig, Routing, SwiGLU, fused_moe, ops
-from cudnn_moe import executor as executor_module
+from cudnn_moe import Nvfp4MoeConfig, Routing, SwiGLU, fused_moe
+from cudnn_moe.fused import op as ops
+from cudnn_moe.pipeline import executor as executor_module
 from cudnn_moe.arch import SM90
 from cudnn_moe.cache import KIND_CUDNN_PLAN, CacheWarning, DiskCache, Environment, active_cache, set_cache_dir
 from cudnn_moe.cache import runtime as cache_runtime
 from cudnn_moe.cache import store as store_module
-from cudnn_moe.config import Nvfp4Activations
+from cudnn_moe.weights.nvfp4 import Nvfp4Activations
 from cudnn_moe.engines.cudnn import GroupedGemmKey, ScaleLayout
 from cudnn_moe.engines.cudnn import plan_cache
 from cudnn_moe.kernels.loader import PackedArgs, kernel_key, packed_args
@@ -72,7 +73,7 @@ def test_remembered_signature_skips_the_checks_and_passes_the_key() -> None:
     config, acts, routing, out = _call_args()
     weights, executor = _Weights(), _Executor()
     key = _key(config, acts, routing, weights, out)
-    ops._remember(key, config, weights, executor)
+    ops._checked.remember(key, config, weights, executor)
     assert fused_moe(config, acts, routing, weights, out=out) == "ran"  # CPU tensors: the checks would refuse them
     assert executor.calls == [dict(finalize=True, out=out, use_cuda_graph=True, signature=key)]
 
@@ -84,7 +85,7 @@ def test_remembered_signature_skips_the_checks_and_passes_the_key() -> None:
 def test_any_changed_field_misses_and_runs_the_checks(change: str) -> None:
     config, acts, routing, out = _call_args()
     weights, executor = _Weights(), _Executor()
-    ops._remember(_key(config, acts, routing, weights, out), config, weights, executor)
+    ops._checked.remember(_key(config, acts, routing, weights, out), config, weights, executor)
     kwargs = dict(out=out)
     if change == "packed_ptr":
         acts = Nvfp4Activations(acts.packed.clone(), acts.scales)
@@ -106,7 +107,7 @@ def test_any_changed_field_misses_and_runs_the_checks(change: str) -> None:
     elif change == "local_start":
         kwargs["local_expert_start"] = 1
     elif change == "local_start_bool":
-        ops._remember(_key(config, acts, routing, weights, out, local_expert_start=1), config, weights, executor)
+        ops._checked.remember(_key(config, acts, routing, weights, out, local_expert_start=1), config, weights, executor)
         kwargs["local_expert_start"] = True
     elif change == "activation":
         kwargs["activation"] = SwiGLU(alpha=1.5)
@@ -120,7 +121,7 @@ def test_any_changed_field_misses_and_runs_the_checks(change: str) -> None:
 def test_a_freed_weights_object_is_never_matched() -> None:
     config, acts, routing, out = _call_args()
     weights, executor = _Weights(), _Executor()
-    ops._remember(_key(config, acts, routing, weights, out), config, weights, executor)
+    ops._checked.remember(_key(config, acts, routing, weights, out), config, weights, executor)
     other = _Weights()
     with pytest.raises(TypeError, match="weights must be the Nvfp4Weights"):
         fused_moe(config, acts, routing, other, out=out)  # another object, maybe at a reused id
@@ -131,9 +132,9 @@ def test_failures_are_not_remembered_and_check_routing_always_checks() -> None:
     config, acts, routing, out = _call_args()
     with pytest.raises(TypeError):
         fused_moe(config, acts, routing, _Weights(), out=out)
-    assert len(ops._checked) == 0
+    assert ops._checked.get(_key(config, acts, routing, _Weights(), out)) is None
     weights, executor = _Weights(), _Executor()
-    ops._remember(_key(config, acts, routing, weights, out), config, weights, executor)
+    ops._checked.remember(_key(config, acts, routing, weights, out), config, weights, executor)
     with pytest.raises(TypeError):
         fused_moe(config, acts, routing, weights, out=out, check_routing=True)
     assert executor.calls == []
@@ -142,11 +143,11 @@ def test_failures_are_not_remembered_and_check_routing_always_checks() -> None:
 def test_signature_cache_is_bounded() -> None:
     config, acts, routing, out = _call_args()
     weights, executor = _Weights(), _Executor()
-    keys = [("k", n) for n in range(ops.MAX_CHECKED_SIGNATURES + 10)]
+    keys = [("k", n) for n in range(ops._checked.size + 10)]
     for key in keys:
-        ops._remember(key, config, weights, executor)
-    assert len(ops._checked) == ops.MAX_CHECKED_SIGNATURES
-    assert keys[0] not in ops._checked and keys[-1] in ops._checked
+        ops._checked.remember(key, config, weights, executor)
+    assert sum(ops._checked.get(key) is not None for key in keys) == ops._checked.size
+    assert ops._checked.get(keys[0]) is None and ops._checked.get(keys[-1]) is not None
 
 
 def test_signature_of_garbage_is_none() -> None:

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from cudnn_moe import Nvfp4MoeConfig, Routing, SwiGLU, fused_moe, ops
+from cudnn_moe import Nvfp4MoeConfig, Routing, SwiGLU, fused_moe
+from cudnn_moe.fused import op as ops
 
 pytestmark = pytest.mark.gpu
 REPO = Path(__file__).resolve().parent.parent
@@ -69,7 +70,7 @@ def test_changed_signature_falls_back_and_is_still_exact() -> None:
     other_out = torch.empty_like(out)
     fused_moe(config, acts, routing, weights, out=other_out)  # new out: usual path
     two = Routing.unpacked(ids[:2], route[:2])
-    from cudnn_moe.config import Nvfp4Activations
+    from cudnn_moe.weights.nvfp4 import Nvfp4Activations
 
     acts2 = Nvfp4Activations(acts.packed[:2], acts.scales[:2])
     first_two = fused_moe(config, acts2, two, weights)  # T=2: another bucket, no out

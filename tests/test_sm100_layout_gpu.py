@@ -16,11 +16,11 @@ from cudnn_moe import Nvfp4MoeConfig, Routing, SwiGLU, GELU
 from dataclasses import replace
 
 from cudnn_moe.arch import SM100
-from cudnn_moe.engines import GemmOperands, TokenOperand, WeightLayout, WeightOperand
+from cudnn_moe.engines.base import GemmOperands, TokenOperand, WeightLayout, WeightOperand
 from cudnn_moe.engines.cudnn import CudnnGemmEngine
-from cudnn_moe.executor import MoeExecutor
+from cudnn_moe.pipeline.executor import MoeExecutor
 from cudnn_moe.formats import swizzled_shape, unswizzle_128x4
-from cudnn_moe.reference import reference_for_prepared
+from cudnn_moe.fused.reference import reference_for_prepared
 from moe_checks import check_close
 
 pytestmark = pytest.mark.gpu

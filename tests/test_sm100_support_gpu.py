@@ -17,7 +17,7 @@ import torch
 
 from cudnn_moe.arch import SM100, device_arch, is_blackwell
 from cudnn_moe.engines.cudnn import CudnnGemmEngine, GroupedGemmKey, ScaleLayout
-from cudnn_moe.executor import row_capacity
+from cudnn_moe.pipeline.executor import row_capacity
 
 pytestmark = pytest.mark.gpu
 

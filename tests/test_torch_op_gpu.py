@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from cudnn_moe import MoeLayer, Nvfp4MoeConfig, Routing, SwiGLU, fused_moe
-from cudnn_moe.reference import reference_for_prepared
+from cudnn_moe.fused.reference import reference_for_prepared
 from moe_checks import check_close
 
 pytestmark = pytest.mark.gpu

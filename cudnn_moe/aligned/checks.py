@@ -20,6 +20,7 @@ from ..validate import (
     require_shape,
     require_tensor,
 )
+from .operands import AlignedOperands
 
 K_MULTIPLE = 256  # K = 2 * hidden_states.shape[1] and N must be positive multiples of this
 ALIGNMENT = 16  # bytes: hidden_states' and out's data pointers, hidden_states' row stride
@@ -74,6 +75,15 @@ def check_aligned_args(
     block_m: int,
     routed_scaling_factor: float,
 ) -> AlignedDims:
+    """``check_operands`` of the arguments under the contract's names."""
+    return check_operands(AlignedOperands(
+        hidden_states, hidden_states_scale, gemm1_weights, gemm1_weights_scale, gemm2_weights, gemm2_weights_scale,
+        output1_scale_gate_scalar, output1_scale_scalar, output2_scale_scalar, sorted_token_ids, expert_ids,
+        num_tokens_post_padded, topk_weights, out, top_k, block_m, routed_scaling_factor,
+    ))
+
+
+def check_operands(operands: AlignedOperands) -> AlignedDims:
     """Check every argument of the aligned op; return the sizes.
 
     hidden_states uint8 [M, K/2] (K >= 256, K % 256 == 0; inner stride 1, rows may be strided),
@@ -86,22 +96,17 @@ def check_aligned_args(
     a multiple of 8; routed_scaling_factor a Python number finite in float32 (a tensor would need a sync).
     M * top_k must fit in int32 (it is the plan's padding value).
     """
-    tensors = {
-        "hidden_states": (hidden_states, _U8, 2),
-        "hidden_states_scale": (hidden_states_scale, _E4M3, 2),
-        "gemm1_weights": (gemm1_weights, _U8, 3),
-        "gemm1_weights_scale": (gemm1_weights_scale, _E4M3, 3),
-        "gemm2_weights": (gemm2_weights, _U8, 3),
-        "gemm2_weights_scale": (gemm2_weights_scale, _E4M3, 3),
-        "output1_scale_gate_scalar": (output1_scale_gate_scalar, _F32, 1),
-        "output1_scale_scalar": (output1_scale_scalar, _F32, 1),
-        "output2_scale_scalar": (output2_scale_scalar, _F32, 1),
-        "sorted_token_ids": (sorted_token_ids, _I32, 1),
-        "expert_ids": (expert_ids, _I32, 1),
-        "num_tokens_post_padded": (num_tokens_post_padded, _I32, 1),
-        "topk_weights": (topk_weights, _F32, 2),
-        "out": (out, torch.bfloat16, 2),
+    (hidden_states, hidden_states_scale, gemm1_weights, gemm1_weights_scale, gemm2_weights, gemm2_weights_scale,
+     _, _, _, sorted_token_ids, expert_ids, num_tokens_post_padded, topk_weights, out, top_k, block_m,
+     routed_scaling_factor) = operands
+    kinds = {
+        "hidden_states": (_U8, 2), "hidden_states_scale": (_E4M3, 2), "gemm1_weights": (_U8, 3),
+        "gemm1_weights_scale": (_E4M3, 3), "gemm2_weights": (_U8, 3), "gemm2_weights_scale": (_E4M3, 3),
+        "output1_scale_gate_scalar": (_F32, 1), "output1_scale_scalar": (_F32, 1), "output2_scale_scalar": (_F32, 1),
+        "sorted_token_ids": (_I32, 1), "expert_ids": (_I32, 1), "num_tokens_post_padded": (_I32, 1),
+        "topk_weights": (_F32, 2), "out": (torch.bfloat16, 2),
     }
+    tensors = {name: (value, *kinds[name]) for name, value in operands.tensors().items()}
     for name, (value, dtype, rank) in tensors.items():
         require_tensor(name, value, dtype, rank)
     top_k = require_int_arg("top_k", top_k, minimum=1)

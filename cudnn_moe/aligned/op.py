@@ -1,9 +1,9 @@
 """The aligned-plan NVFP4 MoE op on the GPU: the caller's plan drives the shared pipeline.
 
-The op reuses the NVFP4 pipeline of ``fused_moe`` (cudnn_moe.executor: sort, permute, GEMM1,
+The op reuses the NVFP4 pipeline of ``fused_moe`` (cudnn_moe.pipeline.executor: sort, permute, GEMM1,
 SwiGLU + NVFP4 requantize, GEMM2) on weights laid out by ``prepare_aligned_weights``; only its two
 ends differ. Its stage copies the caller's NVFP4 tokens, scales the route weights by
-routed_scaling_factor, loads the three output scales and turns the plan into per-slot expert ids on
+routed_scaling_factor, loads the three output scales into the token bucket and turns the plan into per-slot expert ids on
 the device (blocks past num_tokens_post_padded are skipped there); its finish adds each token's
 contributions, in slot order, into the FP32 value of ``out`` and writes ``out`` once. The pipeline
 groups the planned slots by expert again, so the plan's block size does not shape the GEMMs.
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import threading
 import warnings
-import weakref
 from collections import OrderedDict
 from collections.abc import Hashable
 
@@ -21,22 +20,21 @@ import numpy as np
 import torch
 
 from .. import kernels
-from ..engines import engine_for
-from ..executor import Bucket, MoeExecutor
-from ..ops import tensor_signature
-from ..pipeline import cached_executor, release_deferred
-from .checks import AlignedDims, check_aligned_args
+from ..engines.registry import engine_for
+from ..pipeline.call_cache import CheckedCalls, tensor_signature
+from ..capture import refuse_during_capture
+from ..pipeline.executor import Bucket, MoeExecutor
+from ..pipeline.lifetime import cached, release_deferred
+from .checks import check_operands
+from .operands import AlignedOperands
 from .weights import GATED, AlignedWeights, owner_of, prepare_aligned_weights, raw_signature
 
 BUCKET_LIMIT = 1 << 20  # tokens: warmup's default ceiling only; buckets are allocated on demand
 PREPARED_CACHE_SIZE = 4  # weight sets prepared on the fly (no ``prepared`` argument) kept per process
 _warned_eviction = False
-SIGNATURES_CACHE_SIZE = 64
 
 _prepared: OrderedDict[tuple, AlignedWeights] = OrderedDict()
-# Signatures whose checks passed -> weak references to their weights and executor (a dropped
-# ``prepared`` is freed; its signature then goes through the checks again).
-_checked: OrderedDict[Hashable, tuple[weakref.ref, weakref.ref]] = OrderedDict()
+_checked = CheckedCalls()  # signature -> (weights, executor); a dropped ``prepared`` misses
 _lock = threading.Lock()
 
 
@@ -58,9 +56,8 @@ def _weights_for(
         if found is not None and found.same_tensors(raw):
             _prepared.move_to_end(sources)
             return found
-    if torch.cuda.is_current_stream_capturing():
-        raise RuntimeError("aligned_moe must prepare these weights, but the stream is capturing a CUDA graph: "
-                           "pass prepared=prepare_aligned_weights(...) or make one call before capture")
+    refuse_during_capture("aligned_moe must lay these weights out",
+                          "pass prepared=prepare_aligned_weights(...) or make one call before capture")
     weights = prepare_aligned_weights(*raw)
     with _lock:
         _prepared[sources] = weights
@@ -79,9 +76,9 @@ def _warn_eviction() -> None:
 
 
 def _executor(weights: AlignedWeights, top_k: int) -> MoeExecutor:
-    """The pipeline executor cached on ``weights`` for ``top_k``."""
+    """The pipeline executor of ``weights`` for ``top_k`` (kept while the weights live)."""
     layer = weights.layer
-    return cached_executor(layer, ("aligned", top_k), lambda: MoeExecutor(
+    return cached(layer, ("aligned", top_k), lambda: MoeExecutor(
         layer, engine_for(layer.spec, layer.device), top_k=top_k, activation=GATED, local_expert_start=0,
         max_num_tokens=BUCKET_LIMIT,
     ))
@@ -95,9 +92,12 @@ def _float32_bits(value: object) -> object:
         return value
 
 
-def _signature(args: tuple, scalars: tuple, prepared: AlignedWeights | None) -> Hashable | None:
+def _signature(operands: AlignedOperands, panels: tuple, prepared: AlignedWeights | None) -> Hashable | None:
+    """What the checks of a call read: each tensor's signature, the raw weights' version counters, the
+    scalars (the scaling factor by its float32 bits), whether the panels are None, and ``prepared``."""
     try:
-        key = (*(tensor_signature(a) for a in args), *(t._version for t in args[2:6]), *scalars, id(prepared))
+        key = (*(tensor_signature(t) for t in operands[:14]), *(t._version for t in operands.raw_weights),
+               operands.top_k, operands.block_m, _float32_bits(operands.routed_scaling_factor), *panels, id(prepared))
         hash(key)
     except (AttributeError, TypeError):
         return None
@@ -141,8 +141,9 @@ def aligned_moe(
     warning) by the raw tensors' identity, addresses, shapes and torch version counters: writes torch
     does not see, e.g. by a foreign CUDA kernel, need ``prepared`` built again. w1_scale_prepared /
     w2_scale_prepared: the contract's panels of another library's layout; accepted only as None (pass
-    ``prepared`` instead). Calls with one prepared weight set share its workspaces and the scratch of
-    the output scales: order them on one stream.
+    ``prepared`` instead). Calls with one prepared weight set share its workspaces (the output scales
+    are staged into them, never into ``prepared``); calls on different streams (threads) are ordered on
+    the GPU (cudnn_moe.pipeline.order) and give the single-stream results.
 
     The plan is read on the device only: blocks past num_tokens_post_padded are skipped there, and a
     CUDA graph of the call follows a new plan on replay. Entries that break the plan (a slot named
@@ -151,57 +152,61 @@ def aligned_moe(
     allocates workspaces, so make one before capturing the op into a CUDA graph.
     """
     release_deferred()  # GPU objects of dropped weights, destroyed here rather than inside a capture
-    raw = (gemm1_weights, gemm1_weights_scale, gemm2_weights, gemm2_weights_scale)
-    args = (hidden_states, hidden_states_scale, *raw, output1_scale_gate_scalar, output1_scale_scalar,
-            output2_scale_scalar, sorted_token_ids, expert_ids, num_tokens_post_padded, topk_weights, out)
-    scalars = (top_k, block_m, _float32_bits(routed_scaling_factor), w1_scale_prepared is None,
-               w2_scale_prepared is None)
-    key = _signature(args, scalars, prepared)
-    found = _checked.get(key) if key is not None else None
-    weights, executor = (found[0](), found[1]()) if found is not None else (None, None)
-    if weights is not None and not all(ref() is owner_of(t) for ref, t in zip(weights.owners, raw)):
-        weights = None  # new tensors at the addresses of freed ones: check everything again
-    elif weights is not None:
-        with _lock:
-            if key in _checked:
-                _checked.move_to_end(key)
-    dims = None
-    if weights is None or executor is None:
-        dims = check_aligned_args(*args, top_k, block_m, routed_scaling_factor)
-        for name, value in (("w1_scale_prepared", w1_scale_prepared), ("w2_scale_prepared", w2_scale_prepared)):
-            if value is not None:
-                raise ValueError(f"{name} must be None: panels of another library's layout do not apply here; "
-                                 "pass prepared=prepare_aligned_weights(gemm1_weights, ...) instead")
-        if hidden_states.device.type != "cuda":
-            raise ValueError(f"aligned_moe runs on a CUDA device; the inputs are on {hidden_states.device} "
-                             "(cudnn_moe.aligned.reference_aligned_moe computes it on the CPU)")
-        weights = _weights_for(raw, prepared)
-        if weights.layer.device != hidden_states.device:
-            raise ValueError(f"prepared lives on {weights.layer.device} but the inputs are on {hidden_states.device}")
-        executor = _executor(weights, top_k)
-    num_tokens = hidden_states.shape[0]
-    if num_tokens == 0:
-        return
-    if dims is not None and key is not None:
-        with _lock:
-            _checked[key] = (weakref.ref(weights), weakref.ref(executor))
-            while len(_checked) > SIGNATURES_CACHE_SIZE:
-                _checked.popitem(last=False)
-    scaling = float(routed_scaling_factor)
-    num_experts = weights.num_experts
-    layer = executor.weights
+    operands = AlignedOperands(
+        hidden_states, hidden_states_scale, gemm1_weights, gemm1_weights_scale, gemm2_weights, gemm2_weights_scale,
+        output1_scale_gate_scalar, output1_scale_scalar, output2_scale_scalar, sorted_token_ids, expert_ids,
+        num_tokens_post_padded, topk_weights, out, top_k, block_m, routed_scaling_factor,
+    )
+    raw = operands.raw_weights
+    key = _signature(operands, (w1_scale_prepared is None, w2_scale_prepared is None), prepared)
+    found = _checked.get(key)
+    if found is not None and all(ref() is owner_of(t) for ref, t in zip(found[0].owners, raw)):
+        weights, executor = found
+    else:  # never checked, or new tensors at the addresses of freed ones: check everything
+        weights, executor = _check_and_prepare(operands, w1_scale_prepared, w2_scale_prepared, prepared)
+        _checked.remember(key, weights, executor)
+    if operands.hidden_states.shape[0]:
+        _run(executor, operands, key)
+
+
+def _check_and_prepare(
+    operands: AlignedOperands,
+    w1_scale_prepared: torch.Tensor | None,
+    w2_scale_prepared: torch.Tensor | None,
+    prepared: AlignedWeights | None,
+) -> tuple[AlignedWeights, MoeExecutor]:
+    check_operands(operands)
+    for name, value in (("w1_scale_prepared", w1_scale_prepared), ("w2_scale_prepared", w2_scale_prepared)):
+        if value is not None:
+            raise ValueError(f"{name} must be None: panels of another library's layout do not apply here; "
+                             "pass prepared=prepare_aligned_weights(gemm1_weights, ...) instead")
+    device = operands.hidden_states.device
+    if device.type != "cuda":
+        raise ValueError(f"aligned_moe runs on a CUDA device; the inputs are on {device} "
+                         "(cudnn_moe.aligned.reference_aligned_moe computes it on the CPU)")
+    weights = _weights_for(operands.raw_weights, prepared)
+    if weights.layer.device != device:
+        raise ValueError(f"prepared lives on {weights.layer.device} but the inputs are on {device}")
+    return weights, _executor(weights, operands.top_k)
+
+
+def _run(executor: MoeExecutor, o: AlignedOperands, key: Hashable | None) -> None:
+    """Stage (tokens, scaled route weights, the three output scales into the bucket, the plan as per-slot expert
+    ids), the pipeline, and the finish (each token's contributions added into ``out``)."""
+    num_tokens, scaling = o.hidden_states.shape[0], float(o.routed_scaling_factor)
+    num_experts = executor.weights.num_experts
 
     def stage(bucket: Bucket) -> None:
         kernels.stage_aligned(
-            hidden_states, hidden_states_scale, topk_weights, scaling,
-            (output1_scale_scalar, output1_scale_gate_scalar, output2_scale_scalar),
-            bucket.x, bucket.x_scales, bucket.ids, bucket.route_weights, layer.w1_alpha, layer.w2_alpha,
+            o.hidden_states, o.hidden_states_scale, o.topk_weights, scaling,
+            (o.output1_scale_scalar, o.output1_scale_gate_scalar, o.output2_scale_scalar),
+            bucket.x, bucket.x_scales, bucket.ids, bucket.route_weights, bucket.alpha1, bucket.alpha2,
         )
-        kernels.plan_routes(sorted_token_ids, expert_ids, num_tokens_post_padded, block_m, num_tokens * top_k,
-                            num_experts, bucket.ids.view(-1))
+        kernels.plan_routes(o.sorted_token_ids, o.expert_ids, o.num_tokens_post_padded, o.block_m,
+                            num_tokens * o.top_k, num_experts, bucket.ids.view(-1))
 
     def finish(bucket: Bucket) -> None:
-        kernels.finalize(bucket.gemm2.out, bucket.slot_to_row, bucket.route_weights, top_k, out, accumulate=True)
+        kernels.finalize(bucket.gemm2.out, bucket.slot_to_row, bucket.route_weights, o.top_k, o.out, accumulate=True)
 
     executor.run_call(num_tokens, stage, finish, use_cuda_graph=True, signature=key)
 
@@ -210,7 +215,4 @@ def clear_aligned_caches() -> None:
     """Forget the weights prepared on the fly and the remembered call signatures."""
     with _lock:
         _prepared.clear()
-        _checked.clear()
-
-
-__all__ = ["AlignedDims", "aligned_moe", "clear_aligned_caches"]
+    _checked.clear()

@@ -3,7 +3,7 @@
 For every active block j (``j * block_m < num_tokens_post_padded``), with e = expert_ids[j], and
 every entry i of the block that is not padding (``i < M * top_k``; token t = i // top_k, slot
 s = i % top_k). The rounding points, in data-path order, are those of the NVFP4 pipeline
-(cudnn_moe.reference), with the op's two GEMM1 scales:
+(cudnn_moe.fused.reference), with the op's two GEMM1 scales:
 
 1. activations and weights are decoded exactly (E2M1 code times E4M3 block scale; no global
    scale: the per-expert output scales carry it);
@@ -34,9 +34,10 @@ from __future__ import annotations
 import torch
 
 from ..formats import dequantize_nvfp4
-from ..reference import requantize_nvfp4_rows, round_bf16
+from ..formats.rounding import requantize_nvfp4_rows, round_bf16
 from ..validate import require_finite
-from .checks import check_aligned_args
+from .checks import check_operands
+from .operands import AlignedOperands
 
 
 def _check_plan_values(
@@ -104,12 +105,12 @@ def reference_aligned_moe(
     output1_scale_scalar, output2_scale_scalar) holds NaN or Inf: this oracle reads the plan and
     the scales, the GPU op will not.
     """
-    dims = check_aligned_args(
+    dims = check_operands(AlignedOperands(
         hidden_states, hidden_states_scale, gemm1_weights, gemm1_weights_scale, gemm2_weights,
         gemm2_weights_scale, output1_scale_gate_scalar, output1_scale_scalar, output2_scale_scalar,
         sorted_token_ids, expert_ids, num_tokens_post_padded, topk_weights, out, top_k, block_m,
         routed_scaling_factor,
-    )
+    ))
     for name, scale in (("output1_scale_gate_scalar", output1_scale_gate_scalar),
                         ("output1_scale_scalar", output1_scale_scalar), ("output2_scale_scalar", output2_scale_scalar)):
         require_finite(name, scale)

@@ -8,25 +8,13 @@ live) and returns the int the op takes; 0 means none (the op prepares from the r
 
 from __future__ import annotations
 
-import itertools
-import threading
-import weakref
-
 import torch
 
+from ..handles import HandleRegistry
 from .op import aligned_moe
 from .weights import AlignedWeights
 
-_registered: dict[int, weakref.ref] = {}
-_handle_of: dict[int, int] = {}  # id(prepared) -> handle, while it lives
-_handles = itertools.count(1)
-_lock = threading.Lock()
-
-
-def _forget(handle: int, key: int) -> None:
-    with _lock:
-        _registered.pop(handle, None)
-        _handle_of.pop(key, None)
+_registered = HandleRegistry("prepare_aligned_weights() result")
 
 
 def aligned_weights_handle(prepared: AlignedWeights) -> int:
@@ -34,15 +22,7 @@ def aligned_weights_handle(prepared: AlignedWeights) -> int:
     it stops resolving once ``prepared`` is freed)."""
     if not isinstance(prepared, AlignedWeights):
         raise TypeError(f"prepared must come from prepare_aligned_weights(), got {type(prepared).__name__}")
-    with _lock:
-        handle = _handle_of.get(id(prepared))
-        if handle is not None and _registered[handle]() is prepared:
-            return handle
-        handle = next(_handles)
-        _registered[handle] = weakref.ref(prepared)
-        _handle_of[id(prepared)] = handle
-    weakref.finalize(prepared, _forget, handle, id(prepared))
-    return handle
+    return _registered.register(prepared)
 
 
 @torch.library.custom_op("cudnn_moe::aligned_moe_", mutates_args=("out",), device_types="cuda")
@@ -68,12 +48,7 @@ def aligned_moe_op(
 ) -> None:
     """cudnn_moe.aligned_moe with the same arguments; ``prepared`` is a handle from
     aligned_weights_handle(), or 0."""
-    weights = None
-    if prepared:
-        ref = _registered.get(prepared)
-        weights = ref() if ref is not None else None
-        if weights is None:
-            raise ValueError(f"prepared handle {prepared} names no live prepare_aligned_weights() result")
+    weights = _registered.resolve(prepared) if prepared else None
     aligned_moe(
         hidden_states, hidden_states_scale, gemm1_weights, gemm1_weights_scale, gemm2_weights, gemm2_weights_scale,
         output1_scale_gate_scalar, output1_scale_scalar, output2_scale_scalar, sorted_token_ids, expert_ids,

@@ -10,10 +10,11 @@ import torch
 
 from ..activations import SwiGLU
 from ..arch import device_arch, parse_arch
-from ..config import Nvfp4Weights, require_expert_count
-from ..engines import GemmShape, choose_engine, engine_class
+from ..engines.base import NVFP4, OP_ALIGNED, GemmShape, Request
+from ..engines.registry import choose, engine_class_of
 from ..formats import NVFP4_BLOCK
 from ..validate import require_same_device, require_shape, require_tensor
+from ..weights.nvfp4 import Nvfp4Weights, require_expert_count
 from .checks import K_MULTIPLE
 
 GATED = SwiGLU()  # the op's activation: silu(gate) * up, on the pipeline's [up; gate] rows
@@ -36,9 +37,9 @@ class AlignedWeights:
     """The aligned op's weights in the layout of one GEMM engine (``layer.spec``).
 
     layer: the pipeline's Nvfp4Weights view: w1 rows reordered to [up; gate] (the caller's
-    [gate; up] halves swapped) and packed with w2 for the engine; w1_alpha float32 [2E] = [up
-    scales | gate scales] with w1_alpha_split = N/2, and w2_alpha float32 [E]: scratch that each
-    call fills from its output scales on the device (they are arguments of every call).
+    [gate; up] halves swapped) and packed with w2 for the engine, without alphas: each call's stage
+    writes its output scales into the token bucket ([up scales | gate scales] with w1_alpha_split =
+    N/2, and the down scales), so these weights are never written after preparation.
     sources: the raw tensors' signatures (address, shape, strides, dtype, device, version) at
     preparation; owners: weak references to the tensors owning their memory. A call's raw tensors
     match when both agree (``same_tensors``): new tensors that reuse freed addresses do not.
@@ -111,14 +112,12 @@ def prepare_aligned_weights(
         raise ValueError("arch is required for weights on the CPU (e.g. arch='sm90')")
     inter = n // 2
     shapes = (GemmShape(hidden, n, experts), GemmShape(inter, hidden, experts))
-    spec = choose_engine(target, engine, shapes).spec(target)
-    cls = engine_class(spec.engine)
+    spec = choose(Request(OP_ALIGNED, target, NVFP4, shapes, experts), engine).spec(target)
+    cls = engine_class_of(spec)
     w1_data, w1_scales = cls.pack_weights_chunked(target, w1, w1s, rows=_swap_halves)
     w2_data, w2_scales = cls.pack_weights_chunked(target, w2, w2s)
-    alpha1 = torch.ones(2 * experts, dtype=torch.float32, device=device)
-    alpha2 = torch.ones(experts, dtype=torch.float32, device=device)
-    layer = Nvfp4Weights(
-        w1_data, w1_scales, alpha1, w2_data, w2_scales, alpha2, spec, GATED.gated, hidden, inter, w1_alpha_split=inter
+    layer = Nvfp4Weights(  # no alphas: every call brings its output scales, staged into the token bucket
+        w1_data, w1_scales, None, w2_data, w2_scales, None, spec, GATED.gated, hidden, inter, w1_alpha_split=inter
     )
     raw = (w1, w1s, w2, w2s)
     return AlignedWeights(layer, tuple(raw_signature(t) for t in raw), tuple(weakref.ref(owner_of(t)) for t in raw))

@@ -11,26 +11,21 @@ from __future__ import annotations
 
 import hashlib
 import importlib
-import importlib.metadata
 import json
 import math
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any, Union
 
 import torch
+
+from ..version import __version__
 
 KIND_CUDNN_PLAN = "cudnn-plan"  # a serialized cuDNN execution plan
 KIND_KERNEL = "kernel"  # a compiled kernel binary (cubin)
 
 Scalar = Union[str, int, float, bool, None]
 FieldValue = Union[Scalar, tuple["FieldValue", ...]]
-
-
-def _package_version() -> str:
-    from .. import __version__
-
-    return __version__
 
 
 def _freeze(name: str, value: object) -> FieldValue:
@@ -53,7 +48,7 @@ class Environment:
     cudnn_backend: int | None = None  # e.g. 91900 for cuDNN 9.19.0
     cudnn_frontend: str | None = None  # nvidia-cudnn-frontend version string
     compiler: str | None = None  # kernel compiler and driver, e.g. "cupy 14.2.0, driver 13000"
-    package_version: str = field(default_factory=_package_version)
+    package_version: str = __version__
 
     def __post_init__(self) -> None:
         if self.compute_capability is not None:
@@ -73,39 +68,12 @@ def _cudnn_versions() -> tuple[int | None, str | None]:
     return backend, None if frontend is None else str(frontend)
 
 
-_CUPY_DISTRIBUTIONS = ("cupy-cuda13x", "cupy-cuda12x", "cupy-cuda11x", "cupy")
-
-
-def _compiler_version() -> str | None:
-    """The string "cupy <version>, driver <CUDA version>" of the kernels' compiler (CuPy's NVRTC) and the driver that loads
-    them, read without importing CuPy (from its installed distribution) so that cached kernels load fast. The
-    NVRTC version is not part of it: a cubin it built stays valid for the GPU and driver it was loaded on (a
-    binary the driver refuses is rebuilt, see cudnn_moe.kernels.loader); ``prebuild --clear`` drops old ones."""
-    cupy_version = None
-    for name in _CUPY_DISTRIBUTIONS:
-        try:
-            cupy_version = importlib.metadata.version(name)
-            break
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    if cupy_version is None:
-        return None
-    try:
-        from ..kernels.driver import driver_version
-
-        return f"cupy {cupy_version}, driver {driver_version()}"
-    except Exception:  # no usable driver library: the loader fails on its own, with its reason
-        return f"cupy {cupy_version}"
-
-
-def current_environment(
-    device: torch.device | int | None = None, *, cudnn: bool = True, compiler: bool = False
-) -> Environment:
+def current_environment(device: torch.device | int | None = None, *, cudnn: bool = True) -> Environment:
     """The Environment of CUDA ``device`` (the current one by default) in this process.
 
-    cudnn: fill in the cuDNN backend / frontend versions (for plan entries). compiler: fill in
-    the CuPy and driver versions (for kernel entries). Modules are imported here, never at import
-    time; a missing GPU, cuDNN or CuPy leaves its fields None.
+    cudnn: fill in the cuDNN backend / frontend versions (for plan entries); the kernel loader fills in
+    ``compiler`` itself (cudnn_moe.kernels.loader). cuDNN is imported here, never at import time; a
+    missing GPU or cuDNN leaves its fields None.
     """
     gpu_name = capability = None
     if torch.cuda.is_available():
@@ -119,7 +87,6 @@ def current_environment(
         compute_capability=capability,
         cudnn_backend=backend,
         cudnn_frontend=frontend,
-        compiler=_compiler_version() if compiler else None,
     )
 
 

@@ -1,31 +1,4 @@
-"""Grouped-GEMM engines behind one seam (base), the one place that picks one (select), and the
-engines themselves: sm90 (our NVFP4 kernels for Hopper) and cudnn (cuDNN frontend graphs)."""
-
-from .base import (
-    EngineSpec,
-    GemmEngine,
-    GemmOperands,
-    GemmShape,
-    Support,
-    TokenOperand,
-    WeightLayout,
-    WeightOperand,
-)
-from .select import ENGINE_NAMES, ENGINES, choose_engine, engine_class, engine_for, supported_archs
-
-__all__ = [
-    "ENGINES",
-    "ENGINE_NAMES",
-    "EngineSpec",
-    "GemmEngine",
-    "GemmOperands",
-    "GemmShape",
-    "Support",
-    "TokenOperand",
-    "WeightLayout",
-    "WeightOperand",
-    "choose_engine",
-    "engine_class",
-    "engine_for",
-    "supported_archs",
-]
+"""Engines behind one seam (``base``: what an engine declares and does), the one registry and choice
+(``registry``), and the engines: ``sm90`` (our NVFP4 grouped GEMMs for Hopper), ``cudnn`` (cuDNN frontend
+graphs) and ``cuda_cores`` (the low-latency whole-layer kernels). Import from those modules; this package
+imports nothing, so the weight records below the engines can import the registry without a cycle."""

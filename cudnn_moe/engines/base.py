@@ -1,27 +1,34 @@
-"""What every grouped-GEMM engine declares and does; the executor and the configs see engines only
-through this module.
+"""What every engine declares and does; the executor and the ops see engines only through this module
+and the registry (cudnn_moe.engines.registry).
+
+Every engine declares the ``Service``s it offers (an op, weight formats, architectures, a token limit)
+and answers a ``Request`` (what one op needs on one GPU) with ``supports``: a ``Support`` that says
+yes, or why not. Two kinds of engine exist: a ``GemmEngine`` runs the two grouped GEMMs of a layer
+inside the pipeline's executor (which does the glue around them); a ``LayerEngine`` runs a whole
+layer by itself (cudnn_moe.engines.cuda_cores).
 
 A grouped GEMM multiplies R expert-sorted token rows by their expert's NVFP4 weights:
 
     out[r, :] = bf16( alpha[e] * sum_k x[r, k] * W_e[:, k] )   for every row r of expert e's segment
 
 with exact decoded operands, FP32 accumulation, the expert's FP32 global ``alpha`` applied to the
-FP32 accumulator and one rounding to BF16 (the rounding contract in ``cudnn_moe.reference``).
+FP32 accumulator and one rounding to BF16 (the rounding contract in ``cudnn_moe.fused.reference``).
 Segments are given by ``offsets`` int32 [E + 1] (starts, rows used last), each start a multiple of
 the engine's row alignment.
 
 An engine declares, for a GPU architecture (``EngineSpec``): the layout it reads tokens in (so the
 permute and activation kernels write that layout), the layout of its prepared weights, and the row
-alignment of segments. ``supports(arch, shape)`` answers whether it can run a GEMM and why not.
+alignment of segments; and the chain of launches a layer call takes on it (``stages``: the five unfused
+stages by default; an engine may fuse some, the executor launches whatever it declares).
 """
 
 from __future__ import annotations
 
 import abc
 import enum
-from collections.abc import Callable
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass
-from typing import ClassVar, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 
@@ -57,6 +64,54 @@ class EngineSpec:
 
     def describe(self) -> str:
         return f"{self.engine} engine on {arch_name(self.arch)}"
+
+
+OP_FUSED, OP_ALIGNED, OP_LOW_LATENCY = "fused", "aligned", "low_latency"
+NVFP4 = "nvfp4"  # the weight format of the fused and aligned ops
+
+
+class WeightFormat(str, enum.Enum):
+    """The weight (and, for the last, activation) formats of the low-latency op (records:
+    cudnn_moe.weights.low_latency); engines declare them by value."""
+
+    BF16 = "bf16"
+    FP16 = "fp16"
+    NVFP4_WEIGHT_ONLY = "nvfp4_weight_only"
+    MXFP4_WEIGHT_ONLY = "mxfp4_weight_only"
+    MXINT4_WEIGHT_ONLY = "mxint4_weight_only"
+    NVFP4_W_NVFP4_A = "nvfp4_w_nvfp4_a"
+
+
+@dataclass(frozen=True)
+class Service:
+    """One thing an engine offers: ``op``'s weights in ``formats`` on ``archs``, up to ``max_tokens`` per call."""
+
+    op: str
+    formats: frozenset[str]
+    archs: frozenset[Arch]
+    max_tokens: int | None = None
+
+    def covers(self, request: Request) -> bool:
+        return request.op == self.op and request.weight_format in self.formats and request.arch in self.archs
+
+
+@dataclass(frozen=True)
+class Request:
+    """What one op asks of an engine; fields left None are not known yet (e.g. at preparation) and not checked.
+
+    shapes: the layer's two grouped GEMMs. token_dtype: the 16-bit dtype of a low-latency call's tokens
+    (None for NVFP4 tokens). tokens: the most tokens a call passes.
+    """
+
+    op: str
+    arch: Arch
+    weight_format: str = NVFP4
+    shapes: tuple[GemmShape, ...] = ()
+    num_experts: int | None = None
+    token_dtype: torch.dtype | None = None
+    out_dtype: torch.dtype | None = None
+    finalize: bool | None = None
+    tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -121,28 +176,61 @@ class GemmOperands:
     workspace: torch.Tensor | None
 
 
-class GemmEngine(abc.ABC):
-    """A grouped NVFP4 GEMM backend. Subclasses set ``name`` and ``archs`` and implement the rest.
+class Engine(abc.ABC):
+    """What every engine declares: ``name`` and ``services``; class-level answers need no GPU."""
+
+    name: ClassVar[str]
+    services: ClassVar[tuple[Service, ...]]
+
+    @classmethod
+    def supports(cls, request: Request) -> Support:
+        """Whether this engine can run ``request``, and why not: a declared service must cover it, then ``check``."""
+        service = next((s for s in cls.services if s.covers(request)), None)
+        if service is None:
+            return Support(False, cls._uncovered(request))
+        if service.max_tokens is not None and request.tokens is not None and request.tokens > service.max_tokens:
+            return Support(False, f"the {cls.name} engine takes at most {service.max_tokens} tokens per {request.op} "
+                                  f"call, not {request.tokens}")
+        return cls.check(request)
+
+    @classmethod
+    def check(cls, request: Request) -> Support:
+        """The engine's own conditions on a covered request (shapes, dtypes, ...); yes by default."""
+        return Support(True)
+
+    @classmethod
+    def archs(cls, op: str, weight_format: str = NVFP4) -> frozenset[Arch]:
+        """The architectures some service of this engine runs ``op``'s ``weight_format`` weights on."""
+        return frozenset().union(*(s.archs for s in cls.services if s.op == op and weight_format in s.formats))
+
+    @classmethod
+    def environment_problem(cls) -> str | None:
+        """Why this machine's software cannot run the engine (a missing or old library), or None."""
+        return None
+
+    @classmethod
+    def _uncovered(cls, request: Request) -> str:
+        archs = cls.archs(request.op, request.weight_format)
+        if archs:
+            names = ", ".join(sorted(arch_name(a) for a in archs))
+            return f"the {cls.name} engine runs on {names}, not {arch_name(request.arch)} (the {request.op} op)"
+        if any(s.op == request.op for s in cls.services):
+            return f"the {cls.name} engine does not run {request.weight_format} weights for {request.op}"
+        return f"the {cls.name} engine does not serve the {request.op} op"
+
+
+class GemmEngine(Engine):
+    """A grouped NVFP4 GEMM backend run inside the pipeline's executor. Subclasses set ``name`` and
+    ``services`` and implement the rest.
 
     The class-level methods answer on any machine (no GPU needed); an instance is bound to a device
     and runs GEMMs on torch's current stream.
     """
 
-    name: ClassVar[str]
-    archs: ClassVar[frozenset[Arch]]
-
     @classmethod
     @abc.abstractmethod
     def spec(cls, arch: Arch) -> EngineSpec:
-        """Layouts and alignment on ``arch`` (one of ``archs``)."""
-
-    @classmethod
-    def supports(cls, arch: Arch, shape: GemmShape | None = None) -> Support:
-        """Whether this engine can run on ``arch`` (and the GEMM ``shape``, when given), and why not."""
-        if arch not in cls.archs:
-            names = ", ".join(sorted(arch_name(a) for a in cls.archs))
-            return Support(False, f"the {cls.name} engine runs on {names}, not {arch_name(arch)}")
-        return Support(True)
+        """Layouts and alignment on ``arch`` (one this engine serves)."""
 
     @classmethod
     @abc.abstractmethod
@@ -204,3 +292,87 @@ class GemmEngine(abc.ABC):
     @abc.abstractmethod
     def gemm(self, operands: GemmOperands) -> None:
         """Enqueue the grouped GEMM on the device's current torch stream."""
+
+    def stages(self, layer: LayerStages) -> list[Stage]:
+        """The bucket-static launches of one layer call, in order: the five unfused stages by default. An
+        engine that fuses stages (GEMM1 with the activation, GEMM2 with the combine, the whole layer)
+        returns its own launches in their place; the executor launches whatever this returns."""
+        return [layer.sort(), layer.permute(), layer.gemm1(), layer.activation(), layer.gemm2()]
+
+
+class Stage(NamedTuple):
+    """One launch (or a few) of a layer call: a name for benchmarks and tests, and the launch."""
+
+    name: str
+    launch: Callable[[], None]
+
+
+class LayerStages(abc.ABC):
+    """The default stages of one layer call on one token bucket, as the executor builds them."""
+
+    @abc.abstractmethod
+    def sort(self) -> Stage: ...
+
+    @abc.abstractmethod
+    def permute(self) -> Stage: ...
+
+    @abc.abstractmethod
+    def gemm1(self) -> Stage: ...
+
+    @abc.abstractmethod
+    def activation(self) -> Stage: ...
+
+    @abc.abstractmethod
+    def gemm2(self) -> Stage: ...
+
+
+@dataclass(frozen=True)
+class LowLatencyCall:
+    """One checked call of the low-latency op (cudnn_moe.low_latency.checks), as an engine runs it.
+
+    x: BF16/FP16 tokens [T, H], or NVFP4 codes uint8 [T, H/2] with E4M3 ``x_scales`` [T, H/16] (the NVFP4
+    pair). ``out`` receives ``out_dtype`` [T, H] (finalize) or the raw rows [T, top_k, H].
+    max_tokens: the config's limit (workspaces are sized by it).
+    """
+
+    weights: Any  # a cudnn_moe.weights.low_latency.LowLatencyWeights
+    x: torch.Tensor
+    x_scales: torch.Tensor | None
+    routing: Any  # a cudnn_moe.routing.Routing
+    activation: Any  # a cudnn_moe.activations.Activation
+    out_dtype: torch.dtype
+    finalize: bool
+    out: torch.Tensor
+    max_tokens: int
+
+    @property
+    def tokens(self) -> int:
+        return self.x.shape[0]
+
+    @property
+    def top_k(self) -> int:
+        return self.routing.top_k
+
+    @property
+    def x_dtype(self) -> torch.dtype | None:
+        """The 16-bit token dtype, or None for NVFP4 tokens."""
+        return None if self.x_scales is not None else self.x.dtype
+
+
+WorkspaceSpec = dict[str, tuple[tuple[int, ...], torch.dtype]]
+
+
+class LayerEngine(Engine):
+    """An engine that runs a whole layer in its own launches (no executor, buckets or glue kernels). It
+    declares the scratch a call needs (``workspace_spec``); the pipeline allocates it once per weights and
+    key (cudnn_moe.pipeline.workspaces) and passes it to ``run``."""
+
+    @classmethod
+    @abc.abstractmethod
+    def workspace_spec(cls, call: LowLatencyCall) -> tuple[Hashable, WorkspaceSpec]:
+        """(key, {name: (shape, dtype)}): the zero-filled buffers calls of this key share."""
+
+    @classmethod
+    @abc.abstractmethod
+    def run(cls, call: LowLatencyCall, workspace: Mapping[str, torch.Tensor]) -> None:
+        """Enqueue the layer on torch's current stream (nothing allocated, nothing synchronized)."""

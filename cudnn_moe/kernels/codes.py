@@ -37,7 +37,7 @@ class TokenLayout(enum.IntEnum):
 
 class LowLatencyWeightCode(enum.IntEnum):
     """Weight decoder a low-latency kernel module is compiled for (``LL_WEIGHTS_*``; the module's own
-    choice arrives as ``-DLL_WEIGHTS=<value>``, see cudnn_moe.low_latency.kernels)."""
+    choice arrives as ``-DLL_WEIGHTS=<value>``, see cudnn_moe.engines.cuda_cores.kernels)."""
 
     BF16 = 0
     FP16 = 1

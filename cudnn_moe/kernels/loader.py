@@ -14,8 +14,10 @@ process whose kernels all come from the cache never imports CuPy.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import hashlib
+import importlib.metadata
 import struct
 import threading
 from dataclasses import dataclass
@@ -61,9 +63,33 @@ def module_source(filename: str) -> str:
     return f"// headers sha256 {digest.hexdigest()}\n{(root / filename).read_text()}"
 
 
+_CUPY_DISTRIBUTIONS = ("cupy-cuda13x", "cupy-cuda12x", "cupy-cuda11x", "cupy")
+
+
+def compiler_version() -> str | None:
+    """The string "cupy <version>, driver <CUDA version>" of the kernels' compiler (CuPy's NVRTC) and the driver
+    that loads them, read without importing CuPy (from its installed distribution) so that cached kernels load
+    fast; None without CuPy. The NVRTC version is not part of it: a cubin it built stays valid for the GPU and
+    driver it was loaded on (a binary the driver refuses is rebuilt, see ``_load``); ``prebuild --clear``
+    drops old ones."""
+    cupy_version = None
+    for name in _CUPY_DISTRIBUTIONS:
+        try:
+            cupy_version = importlib.metadata.version(name)
+            break
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    if cupy_version is None:
+        return None
+    try:
+        return f"cupy {cupy_version}, driver {driver.driver_version()}"
+    except driver.CudaDriverError:  # no usable driver: loading fails on its own, with its reason
+        return f"cupy {cupy_version}"
+
+
 @functools.cache
 def _kernel_environment(device: int) -> Environment:
-    return current_environment(device, cudnn=False, compiler=True)
+    return dataclasses.replace(current_environment(device, cudnn=False), compiler=compiler_version())
 
 
 def kernel_key(filename: str, source: str, options: tuple[str, ...], environment: Environment) -> EntryKey:

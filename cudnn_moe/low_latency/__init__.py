@@ -1,13 +1,11 @@
-"""Low-latency MoE (1-8 tokens per call, contract 004): config, weight formats, float64 references and
-the GPU call.
-
-Preparation keeps the caller's payloads bit-exact (``config``, ``weights``); the references state every
-rounding point (``reference``); ``low_latency_moe`` runs the layer on the GPU with the same rounding
-points (``call``: checks and launches; ``kernels``: launch wrappers of kernels_cuda/low_latency/ll_moe.cu;
-``workspace``: scratch buffers cached per weights).
+"""The low-latency MoE op (1-8 tokens per call, contract 004): configuration and preparation (``config``;
+the formats' records are cudnn_moe.weights.low_latency), argument checks (``checks``), the GPU op (``op``:
+the registry's engine runs it, the CUDA-core engine or, through ``grouped``, a grouped-GEMM engine on the
+shared pipeline) and the float64 references stating every rounding point (``reference``). Preparation keeps
+the caller's payloads bit-exact.
 """
 
-from .call import low_latency_moe
+from .op import low_latency_moe
 from .config import MAX_NUM_TOKENS, MAX_TOP_K, LowLatencyMoeConfig
 from .reference import (
     RawReference,
@@ -20,7 +18,7 @@ from .reference import (
     reference_nvfp4_pair,
     reference_nvfp4_weight_only,
 )
-from .weights import (
+from ..weights.low_latency import (
     BlockScaledWeights,
     DenseWeights,
     LowLatencyWeights,

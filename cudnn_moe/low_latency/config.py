@@ -2,7 +2,7 @@
 
 Preparation keeps the caller's payloads bit-exact (copies, never requantized or cast) wherever the
 format is given already quantized, and pads I to a multiple of 128 with zero bytes (see
-``cudnn_moe.low_latency.weights``). Only ``prepare_nvfp4_weights`` quantizes, from a float source.
+``cudnn_moe.weights.low_latency``). Only ``prepare_nvfp4_weights`` quantizes, from a float source.
 """
 
 from __future__ import annotations
@@ -10,11 +10,12 @@ from __future__ import annotations
 import torch
 
 from ..activations import Activation, SwiGLU, parse_activation
-from ..arch import SM90, SM100, SM103, Arch, arch_name, device_arch, parse_arch
-from ..config import Nvfp4Activations
-from ..formats import NVFP4_MAX, quantize_nvfp4
+from ..arch import Arch, arch_name, parse_arch, target_arch
+from ..engines.base import OP_LOW_LATENCY
+from ..engines.registry import engine_names, served_archs
+from ..formats import quantize_nvfp4
 from ..validate import require_finite, require_multiple, require_positive_finite, require_same_device, require_tensor
-from .weights import (
+from ..weights.low_latency import (
     DenseWeights,
     LowLatencyWeights,
     Mxfp4WeightOnlyWeights,
@@ -26,6 +27,7 @@ from .weights import (
     pad_gemm1_rows,
     padded_intermediate,
 )
+from ..weights.nvfp4 import Nvfp4Activations, quantize_experts
 
 MAX_NUM_TOKENS = 8
 MAX_TOP_K = 32
@@ -34,22 +36,6 @@ WEIGHT_ONLY_INTERMEDIATE_MULTIPLE = 32
 PAIR_HIDDEN_MULTIPLE = 512
 PAIR_INTERMEDIATE_MULTIPLE = 128
 
-SM80: Arch = (8, 0)
-SM107: Arch = (10, 7)
-SM120: Arch = (12, 0)
-
-_ALL_FORMATS = tuple(WeightFormat)
-# SM80 runs the 16-bit formats only. The contract lists the NVFP4 weight + NVFP4 activation pair
-# without an architecture of its own; it shares the FMA kernels (software E2M1 decode on SM90), so it
-# is offered wherever the 4-bit weight-only formats are.
-_FORMATS_BY_ARCH: dict[Arch, tuple[WeightFormat, ...]] = {
-    SM80: (WeightFormat.BF16, WeightFormat.FP16),
-    SM90: _ALL_FORMATS,
-    SM100: _ALL_FORMATS,
-    SM103: _ALL_FORMATS,
-    SM107: _ALL_FORMATS,
-    SM120: _ALL_FORMATS,
-}
 _FLOAT_SOURCE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -102,9 +88,13 @@ class LowLatencyMoeConfig:
     max_num_tokens: the most tokens one call may pass, 1..8 (default 2).
     arch: the GPU the weights are prepared for ('sm90', (10, 0), ...); by default the current CUDA
     device, or SM90 when there is none. An arch this config does not run on is refused.
+    engine: 'auto' (the registry's first engine that runs a call: on SM90 the tensor cores for the
+    NVFP4 formats' finalized BF16 calls, the CUDA cores otherwise), 'sm90' or 'cuda_cores'.
     """
 
-    def __init__(self, max_num_tokens: int = 2, arch: str | int | tuple[int, int] | None = None) -> None:
+    def __init__(
+        self, max_num_tokens: int = 2, arch: str | int | tuple[int, int] | None = None, engine: str = "auto"
+    ) -> None:
         if isinstance(max_num_tokens, bool) or not isinstance(max_num_tokens, int):
             raise ValueError(f"max_num_tokens must be an int in 1..{MAX_NUM_TOKENS}, got {max_num_tokens!r}")
         if not 1 <= max_num_tokens <= MAX_NUM_TOKENS:
@@ -112,21 +102,26 @@ class LowLatencyMoeConfig:
                 f"max_num_tokens must be in 1..{MAX_NUM_TOKENS} (the low-latency config serves decode steps; "
                 f"use Nvfp4MoeConfig for larger batches), got {max_num_tokens}"
             )
+        if engine not in engine_names(OP_LOW_LATENCY):
+            raise ValueError(f"engine must be one of {', '.join(engine_names(OP_LOW_LATENCY))}, got {engine!r}")
+        self.engine = engine
         self.max_num_tokens = max_num_tokens
         self.arch: Arch | None = None if arch is None else parse_arch(arch)
         if self.arch is not None and not self.supported(self.arch):
             raise ValueError(f"arch {arch!r} ({arch_name(self.arch)}) is not supported; the low-latency config runs on "
-                             + ", ".join(arch_name(a) for a in _FORMATS_BY_ARCH))
+                             + ", ".join(sorted(arch_name(a) for a in _served_archs())))
 
     @staticmethod
     def supported_formats(arch: str | int | tuple[int, int]) -> tuple[WeightFormat, ...]:
-        """The formats that run on ``arch``: SM80 BF16/FP16; SM90, SM100, SM103, SM107, SM120 all; else ()."""
-        return _FORMATS_BY_ARCH.get(parse_arch(arch), ())
+        """The formats some engine runs on ``arch`` (cudnn_moe.engines.registry): SM80 BF16/FP16; SM90, SM100,
+        SM103, SM107, SM120 all; else ()."""
+        parsed = parse_arch(arch)
+        return tuple(fmt for fmt in WeightFormat if parsed in served_archs(OP_LOW_LATENCY, fmt.value))
 
     @staticmethod
     def supported(arch: str | int | tuple[int, int]) -> bool:
-        """True for SM80, SM90, SM100, SM103, SM107 and SM120."""
-        return parse_arch(arch) in _FORMATS_BY_ARCH
+        """True where some engine runs a low-latency format: SM80, SM90, SM100, SM103, SM107 and SM120."""
+        return parse_arch(arch) in _served_archs()
 
     @staticmethod
     def require_format(arch: str | int | tuple[int, int], fmt: WeightFormat) -> None:
@@ -138,9 +133,7 @@ class LowLatencyMoeConfig:
 
     def target_arch(self) -> Arch:
         """``arch``, else the current GPU's, else SM90."""
-        if self.arch is not None:
-            return self.arch
-        return device_arch() if torch.cuda.is_available() else SM90
+        return target_arch(self.arch)
 
     # ------------------------------------------------------------------ 16-bit
     def _prepare_dense(
@@ -300,8 +293,8 @@ class LowLatencyMoeConfig:
         _check_gemm1_rows("w1_bf16", w1_bf16.shape[1], act, intermediate)
         require_finite("w1_bf16", w1_bf16)
         require_finite("w2_bf16", w2_bf16)
-        w1_codes, w1_scales, w1_global = _quantize_per_expert(w1_bf16)
-        w2_codes, w2_scales, w2_global = _quantize_per_expert(w2_bf16)
+        w1_codes, w1_scales, w1_global = quantize_experts("w1_bf16", w1_bf16)
+        w2_codes, w2_scales, w2_global = quantize_experts("w2_bf16", w2_bf16)
         return Nvfp4PairWeights(
             format=WeightFormat.NVFP4_W_NVFP4_A, hidden_size=hidden, intermediate_size=intermediate,
             padded_intermediate=intermediate, gated=act.gated,
@@ -323,9 +316,6 @@ class LowLatencyMoeConfig:
         return Nvfp4Activations(packed, scales)
 
 
-def _quantize_per_expert(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """float [E, rows, K] -> (codes uint8 [E, rows, K/2], scales e4m3 [E, rows, K/16], global float32 [E])."""
-    amax = w.abs().amax(dim=(1, 2)).float()
-    global_scale = torch.where(amax > 0, amax / NVFP4_MAX, torch.ones_like(amax))
-    codes, scales = quantize_nvfp4(w, 1.0 / global_scale)
-    return codes, scales, global_scale
+
+def _served_archs() -> frozenset[Arch]:
+    return frozenset().union(*(served_archs(OP_LOW_LATENCY, fmt.value) for fmt in WeightFormat))

@@ -29,12 +29,10 @@ from dataclasses import dataclass
 import torch
 
 from ..activations import Activation, ActivationKind, parse_activation
-from ..config import Nvfp4Activations
 from ..formats import dequantize_mxfp4, dequantize_mxint4, dequantize_nvfp4
 from ..routing import Routing
 from ..validate import require_tensor
-from .config import MAX_NUM_TOKENS, MAX_TOP_K
-from .weights import (
+from ..weights.low_latency import (
     DenseWeights,
     LowLatencyWeights,
     Mxfp4WeightOnlyWeights,
@@ -43,6 +41,8 @@ from .weights import (
     Nvfp4WeightOnlyWeights,
     WeightFormat,
 )
+from ..weights.nvfp4 import Nvfp4Activations
+from .config import MAX_NUM_TOKENS, MAX_TOP_K
 
 _OUT_DTYPES = (torch.bfloat16, torch.float16)
 _F64 = torch.float64

@@ -1,4 +1,5 @@
-"""Lifetimes of the GPU objects the library owns: the one executor cache, and their capture-safe release.
+"""Lifetimes of the GPU objects the library owns: the one cache of executors and workspaces per prepared
+weights object, and their capture-safe release.
 
 Destroying a CUDA graph while a stream of the process is capturing invalidates that capture (torch
 warns "operation not permitted when stream is capturing" and the next launch fails), and a Python
@@ -6,8 +7,9 @@ object can die at any moment: when the caller drops its last reference, or when 
 collector frees a reference cycle holding it, which may happen in the middle of the caller's
 ``torch.cuda.graph`` capture. So nothing that owns CUDA graphs is destroyed where its owner dies:
 
-- Executors (cudnn_moe.executor.MoeExecutor: workspaces, GEMM plans, CUDA graphs) are cached here per
-  (prepared weights object, key) and live as long as that weights object. The weights hold nothing;
+- Executors (cudnn_moe.pipeline.executor.MoeExecutor: buckets, GEMM plans, CUDA graphs) and workspaces
+  (cudnn_moe.pipeline.workspaces) are cached here per (prepared weights object, key) and live as long as
+  that weights object. The weights hold nothing;
   an executor holds a copy of the weights record (same tensors), never the caller's object, so
   dropping the weights is what releases its executors.
 - When a weights object dies, its finalizer only notes its id (an atomic append, no lock, no
@@ -76,9 +78,10 @@ def release_deferred() -> int:
     return count
 
 
-def cached_executor(weights: object, key: Hashable, make: Callable[[], E]) -> E:
-    """The executor cached for ``weights`` (by identity, while it lives) under ``key``; ``make()`` builds
-    it on first use, outside the lock (two racing threads may both build one; the first stored wins)."""
+def cached(weights: object, key: Hashable, make: Callable[[], E]) -> E:
+    """The object (an executor, a workspace) cached for ``weights`` (by identity, while it lives) under ``key``;
+    ``make()`` builds it on first use, outside the lock (two racing threads may both build one; the first
+    stored wins)."""
     owner = id(weights)
     with _lock:
         _collect_dead_owners()  # an id of a dead owner may be reused by ``weights``
@@ -97,8 +100,8 @@ def cached_executor(weights: object, key: Hashable, make: Callable[[], E]) -> E:
         return per_owner.setdefault(key, built)  # type: ignore[return-value]
 
 
-def executor_count(weights: object) -> int:
-    """How many executors are cached for ``weights`` (for tests and diagnostics)."""
+def cached_count(weights: object) -> int:
+    """How many objects are cached for ``weights`` (for tests and diagnostics)."""
     with _lock:
         _collect_dead_owners()
         return len(_by_owner.get(id(weights), {}))

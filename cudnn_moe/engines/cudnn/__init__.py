@@ -9,7 +9,6 @@ from .grouped_gemm import (
     GroupedGemmKey,
     ScaleLayout,
     build_grouped_fp4_gemm,
-    graph_for,
     offsets_len_for,
     segmented_scale_rows,
     token_scale_bytes,
@@ -17,6 +16,7 @@ from .grouped_gemm import (
 )
 from .engine import CudnnGemmEngine
 from .handles import device_index, handle_for, using_handle
+from .plan_cache import graph_for
 from .probe import MIN_BACKEND, MIN_FRONTEND, NATIVE_NVFP4_MOE_BACKEND, backend_version, require_cudnn
 
 __all__ = [

@@ -17,8 +17,20 @@ from ...formats import ScaleLayout, swizzle_128x4, unswizzle_128x4
 from ...formats.scale_layout import SWIZZLE_ROWS
 from ...kernels.codes import ROW_THREADS, TokenLayout
 from ...kernels.loader import launch, ptr
-from ..base import EngineSpec, GemmEngine, GemmOperands, GemmShape, WeightLayout, alpha_split
-from .grouped_gemm import GroupedGemmKey, graph_for, offsets_len_for, token_scale_bytes
+from ..base import (
+    NVFP4,
+    OP_ALIGNED,
+    OP_FUSED,
+    EngineSpec,
+    GemmEngine,
+    GemmOperands,
+    GemmShape,
+    Service,
+    WeightLayout,
+    alpha_split,
+)
+from .grouped_gemm import GroupedGemmKey, offsets_len_for, token_scale_bytes
+from .plan_cache import graph_for
 from .probe import MIN_BACKEND, NATIVE_NVFP4_MOE_BACKEND, backend_version, require_cudnn
 
 # SM90: the dequantizing engine reads linear scales and has no row tile the offsets must meet; 8 rows
@@ -30,7 +42,19 @@ class CudnnGemmEngine(GemmEngine):
     """Grouped NVFP4 GEMMs as cuDNN graphs (see the module docstring)."""
 
     name = "cudnn"
-    archs = frozenset({SM90, SM100, SM103})
+    services = (
+        Service(OP_FUSED, frozenset({NVFP4}), frozenset({SM90, SM100, SM103})),
+        Service(OP_ALIGNED, frozenset({NVFP4}), frozenset({SM90, SM100, SM103})),
+    )
+
+    @classmethod
+    def environment_problem(cls) -> str | None:
+        """A missing or too old cuDNN (frontend or backend), or None."""
+        try:
+            require_cudnn()
+        except (ImportError, RuntimeError) as exc:
+            return f"the cudnn engine cannot use cuDNN: {exc}"
+        return None
 
     @classmethod
     def spec(cls, arch: Arch) -> EngineSpec:

@@ -21,7 +21,6 @@ Physical buffers (torch, row-major, M = `rows`, the token capacity of a bucket):
 from __future__ import annotations
 
 import math
-import threading
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any
@@ -306,23 +305,3 @@ def build_grouped_fp4_gemm(key: GroupedGemmKey) -> GroupedFp4Gemm:
         else "the linear-scale NVFP4 grouped GEMM needs cuDNN >= 9.18; on SM90 only BF16 dequantize outputs get a plan"
     )
     raise RuntimeError(f"cuDNN could not build the {key.describe()} ({hint}): " + "; ".join(failures)) from last
-
-
-_cache: dict[GroupedGemmKey, GroupedFp4Gemm] = {}
-_cache_lock = threading.Lock()
-
-
-def graph_for(key: GroupedGemmKey) -> GroupedFp4Gemm:
-    """The built graph for ``key``: from the in-process cache, else the persistent cache
-    (``cudnn_moe.cache.active_cache()``, see plan_cache), else built now and stored (outside the lock)."""
-    with _cache_lock:
-        gemm = _cache.get(key)
-    if gemm is not None:
-        return gemm
-    from ...cache import KIND_CUDNN_PLAN, active_cache, record
-    from .plan_cache import load_or_build
-
-    gemm, source = load_or_build(key, build_grouped_fp4_gemm, active_cache())
-    record(KIND_CUDNN_PLAN, source)
-    with _cache_lock:
-        return _cache.setdefault(key, gemm)  # a racing thread's plan wins; ours is dropped

@@ -16,17 +16,16 @@ every process.
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 
-from ...cache import KIND_CUDNN_PLAN, DiskCache, EntryKey, Environment, current_environment
+from ...cache import KIND_CUDNN_PLAN, DiskCache, EntryKey, Environment, active_cache, current_environment, record
 from ...cache.store import report_once
 from ...formats import ScaleLayout
-
-if TYPE_CHECKING:
-    from .grouped_gemm import GroupedFp4Gemm, GroupedGemmKey
+from .grouped_gemm import GroupedFp4Gemm, GroupedGemmKey, build_grouped_fp4_gemm
 
 
 class PlanSerializer(Protocol):
@@ -44,7 +43,6 @@ class CudnnPlanSerializer:
         return bytes(gemm.graph.serialize())
 
     def deserialize(self, key: GroupedGemmKey, payload: bytes) -> GroupedFp4Gemm:
-        from .grouped_gemm import GroupedFp4Gemm
         from .handles import using_handle
         from .probe import MIN_BACKEND, NATIVE_NVFP4_MOE_BACKEND, require_cudnn
 
@@ -89,8 +87,6 @@ def plan_entry_key(key: GroupedGemmKey, environment: Environment) -> EntryKey:
 
 def gemm_key_of(entry: EntryKey, device: int) -> GroupedGemmKey:
     """Inverse of plan_entry_key for a plan entry, bound to CUDA device ``device``."""
-    from .grouped_gemm import GroupedGemmKey
-
     if entry.kind != KIND_CUDNN_PLAN:
         raise ValueError(f"{entry.name!r} is a {entry.kind} entry, not a cuDNN plan")
     f = entry.field_dict()
@@ -132,3 +128,20 @@ def load_or_build(
         return gemm, "built"
     disk.put_or_report(entry, data)
     return gemm, "built"
+
+
+_cache: dict[GroupedGemmKey, GroupedFp4Gemm] = {}
+_cache_lock = threading.Lock()
+
+
+def graph_for(key: GroupedGemmKey) -> GroupedFp4Gemm:
+    """The built graph for ``key``: from the in-process cache, else the persistent cache
+    (``cudnn_moe.cache.active_cache()``, load_or_build), else built now and stored (outside the lock)."""
+    with _cache_lock:
+        gemm = _cache.get(key)
+    if gemm is not None:
+        return gemm
+    gemm, source = load_or_build(key, build_grouped_fp4_gemm, active_cache())
+    record(KIND_CUDNN_PLAN, source)
+    with _cache_lock:
+        return _cache.setdefault(key, gemm)  # a racing thread's plan wins; ours is dropped

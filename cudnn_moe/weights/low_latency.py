@@ -20,25 +20,15 @@ logical tensors.
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 
+from ..engines.base import WeightFormat
+
 PAD_MULTIPLE = 128
 _BIT_DTYPES = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
-
-
-class WeightFormat(str, enum.Enum):
-    """The weight (and, for the last, activation) formats of the low-latency config."""
-
-    BF16 = "bf16"
-    FP16 = "fp16"
-    NVFP4_WEIGHT_ONLY = "nvfp4_weight_only"
-    MXFP4_WEIGHT_ONLY = "mxfp4_weight_only"
-    MXINT4_WEIGHT_ONLY = "mxint4_weight_only"
-    NVFP4_W_NVFP4_A = "nvfp4_w_nvfp4_a"
 
 
 def padded_intermediate(intermediate: int) -> int:

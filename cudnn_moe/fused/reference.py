@@ -26,11 +26,12 @@ from dataclasses import dataclass
 
 import torch
 
-from .activations import Activation, ActivationKind, parse_activation
-from .config import Nvfp4Activations, Nvfp4Weights
-from .formats import NVFP4_BLOCK, dequantize_nvfp4, quantize_nvfp4
-from .routing import Routing, check_distinct_experts, local_mask
-from .validate import require_finite
+from ..activations import Activation, ActivationKind, parse_activation
+from ..formats import NVFP4_BLOCK, dequantize_nvfp4
+from ..formats.rounding import requantize_nvfp4_rows, round_bf16
+from ..routing import Routing, check_distinct_experts, local_mask
+from ..validate import require_finite
+from ..weights.nvfp4 import Nvfp4Activations, Nvfp4Weights
 
 
 @dataclass(frozen=True, eq=False)
@@ -51,19 +52,6 @@ class UnfinalizedReference:
     mask: torch.Tensor
 
 
-def requantize_nvfp4_rows(y: torch.Tensor) -> torch.Tensor:
-    """y [..., K] -> the values the GPU's NVFP4 requantization (global scale one) stores, as float64.
-
-    Per block of 16: s = e4m3(amax / 6) (nearest even, saturating at 448), codes =
-    e2m1(y / s) (nearest even, saturating at 6), zero codes when s == 0. quantize_nvfp4
-    evaluates exactly that in float32, the kernel's precision: y is rounded to float32 first,
-    and its ``y * 1 / s`` equals ``y / s`` (the product by one is exact; it divides by s
-    rather than multiplying by a rounded 1 / s).
-    """
-    packed, scales = quantize_nvfp4(y, check_finite=False)  # the kernel saturates Inf rather than refusing it
-    return dequantize_nvfp4(packed, scales, dtype=torch.float64)
-
-
 def _expect(tensor: object, name: str, dtype: torch.dtype, shape: tuple[int, ...], device: torch.device) -> None:
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
@@ -73,11 +61,6 @@ def _expect(tensor: object, name: str, dtype: torch.dtype, shape: tuple[int, ...
         raise ValueError(f"{name} must have shape {list(shape)}, got {list(tensor.shape)}")
     if tensor.device != device:
         raise ValueError(f"{name} is on {tensor.device}, expected {device} like act_packed")
-
-
-def round_bf16(x: torch.Tensor) -> torch.Tensor:
-    """Round float64 values to BF16 (nearest even), keeping float64 storage: a GEMM's BF16 output."""
-    return x.to(torch.bfloat16).double()
 
 
 def _expert_rows(

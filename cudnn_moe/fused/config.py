@@ -1,17 +1,16 @@
-"""The NVFP4 MoE configuration: prepares weights and activations in the layouts the GPU op reads."""
+"""The fused op's configuration: prepares NVFP4 weights and activations in the layouts its engine reads."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from .activations import Activation, SwiGLU, parse_activation
-from .arch import SM90, Arch, arch_name, device_arch, parse_arch
-from .engines import ENGINE_NAMES, EngineSpec, GemmShape, choose_engine, engine_class, supported_archs
-from .formats import NVFP4_MAX, quantize_nvfp4
-from .kernels.codes import SORT_MAX_EXPERTS
-from .validate import require_finite, require_multiple, require_same_device, require_tensor
+from ..activations import Activation, SwiGLU, parse_activation
+from ..arch import Arch, arch_name, parse_arch, target_arch
+from ..engines.base import NVFP4, OP_FUSED, EngineSpec, GemmShape, Request
+from ..engines.registry import choose, engine_class_of, engine_names, served_archs
+from ..formats import quantize_nvfp4
+from ..validate import require_finite, require_multiple, require_same_device, require_tensor
+from ..weights.nvfp4 import Nvfp4Activations, Nvfp4Weights, quantize_experts, require_expert_count
 
 SIZE_MULTIPLE = 128
 # Largest max_num_tokens: the stage/sort/permute kernels index slots (bucket * top_k) and sorted rows
@@ -19,106 +18,6 @@ SIZE_MULTIPLE = 128
 # top_k up to 2^10 (get_executor checks the exact row count for the call's top_k).
 MAX_NUM_TOKENS = 1 << 20
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
-
-@dataclass(frozen=True, eq=False)
-class Nvfp4Activations:
-    """NVFP4 activation pack with global scale one.
-
-    packed: uint8 [M, H/2], element 2i in the low nibble. scales: float8_e4m3fn [M, H/16], linear
-    (token-major). Dequantized value = e2m1 * scale.
-    """
-
-    packed: torch.Tensor
-    scales: torch.Tensor
-
-    @property
-    def num_tokens(self) -> int:
-        return self.packed.shape[0]
-
-    @property
-    def hidden_size(self) -> int:
-        return self.packed.shape[1] * 2
-
-
-@dataclass(frozen=True, eq=False)
-class Nvfp4Weights:
-    """Per-expert NVFP4 weights of one MoE layer (E experts held by this rank), in the layout of the
-    GEMM engine they were prepared for (``spec``).
-
-    Canonical form (``canonical()``): w1 codes uint8 [E, N1, H/2] with N1 = 2I rows [up; gate] for
-    gated activations, else I; w2 codes uint8 [E, H, I/2]; float8_e4m3fn scales per 16 values along
-    the reduction dim, linear [E, rows, K/16]. ``w1``/``w1_scales``/``w2``/``w2_scales`` hold them in
-    ``spec.weight_layout`` (see ``cudnn_moe.engines.WeightLayout``).
-    w1_alpha / w2_alpha: float32 [E]; dequantized weight = e2m1 * block scale * alpha.
-    w1_alpha_split: None, or (the aligned-plan op's weights) I: w1_alpha is then [2E] and GEMM1
-    output features f >= I (the gate half) take w1_alpha[E + e].
-    The GPU executors built for these weights live in cudnn_moe.pipeline.lifetime's cache and are
-    released (outside any CUDA-graph capture) after the weights object is dropped.
-    """
-
-    w1: torch.Tensor
-    w1_scales: torch.Tensor
-    w1_alpha: torch.Tensor
-    w2: torch.Tensor
-    w2_scales: torch.Tensor
-    w2_alpha: torch.Tensor
-    spec: EngineSpec
-    gated: bool
-    hidden_size: int
-    intermediate_size: int
-    w1_alpha_split: int | None = None
-
-    @property
-    def num_experts(self) -> int:
-        return self.w1.shape[0]
-
-    @property
-    def gemm1_rows(self) -> int:
-        """N1: rows of w1 per expert (2I gated, I otherwise)."""
-        return 2 * self.intermediate_size if self.gated else self.intermediate_size
-
-    @property
-    def device(self) -> torch.device:
-        return self.w1.device
-
-    def canonical(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(w1 codes [E, N1, H/2], w1 scales [E, N1, H/16], w2 codes [E, H, I/2], w2 scales [E, H, I/16]),
-        scales linear float8_e4m3fn (derived from the engine layout; a copy for repacked layouts)."""
-        engine = engine_class(self.spec.engine)
-        w1, w1_scales = engine.unpack_weights(self.spec.arch, self.w1, self.w1_scales, self.gemm1_rows, self.hidden_size)
-        w2, w2_scales = engine.unpack_weights(
-            self.spec.arch, self.w2, self.w2_scales, self.hidden_size, self.intermediate_size
-        )
-        return w1, w1_scales, w2, w2_scales
-
-
-def require_expert_count(name: str, experts: int) -> None:
-    """One layer (or rank) holds 1 .. SORT_MAX_EXPERTS experts: the sort kernel groups slots by expert in one
-    block's shared memory."""
-    if not 1 <= experts <= SORT_MAX_EXPERTS:
-        raise ValueError(f"{name} holds {experts} experts; a layer (or a rank's shard) holds 1 to {SORT_MAX_EXPERTS}")
-
-
-_CHUNK_ELEMENTS = 1 << 26  # experts are quantized in chunks of about this many values to bound temporaries
-
-
-def _quantize_per_expert(w: torch.Tensor, spec: EngineSpec) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """float [E, rows, K] -> (data, scales) in ``spec``'s weight layout and alpha float32 [E].
-
-    Each expert gets global scale 2688 / amax so its largest block uses the full E4M3 range.
-    """
-    engine = engine_class(spec.engine)
-    amax = w.abs().amax(dim=(1, 2)).float()
-    alpha = torch.where(amax > 0, amax / NVFP4_MAX, torch.ones_like(amax))
-    step = max(1, _CHUNK_ELEMENTS // w[0].numel())
-    data, scales = zip(
-        *(
-            engine.pack_weights(spec.arch, *quantize_nvfp4(w[e : e + step], 1.0 / alpha[e : e + step], check_finite=False))
-            for e in range(0, w.shape[0], step)
-        )
-    )
-    return torch.cat(data), torch.cat(scales), alpha
 
 
 class Nvfp4MoeConfig:
@@ -140,32 +39,30 @@ class Nvfp4MoeConfig:
         if max_num_tokens > MAX_NUM_TOKENS:
             raise ValueError(f"max_num_tokens must be <= MAX_NUM_TOKENS = {MAX_NUM_TOKENS} (the kernels index "
                              f"slots and rows with int32), got {max_num_tokens}")
-        if engine not in ENGINE_NAMES:
-            raise ValueError(f"engine must be one of {', '.join(ENGINE_NAMES)}, got {engine!r}")
+        if engine not in engine_names(OP_FUSED):
+            raise ValueError(f"engine must be one of {', '.join(engine_names(OP_FUSED))}, got {engine!r}")
         self.arch: Arch | None = None if arch is None else parse_arch(arch)
         if self.arch is not None and not self.supported(self.arch):
             raise ValueError(f"arch {arch!r} ({arch_name(self.arch)}) is not supported; the NVFP4 config runs on "
-                             + ", ".join(sorted(arch_name(a) for a in supported_archs())))
+                             + ", ".join(sorted(arch_name(a) for a in served_archs(OP_FUSED))))
         self.max_num_tokens = max_num_tokens
         self.engine = engine
 
     @staticmethod
     def supported(arch: str | int | tuple[int, int]) -> bool:
-        """True for the architectures some engine runs this config on: SM90 (Hopper), SM100/SM103 (Blackwell)."""
-        return parse_arch(arch) in supported_archs()
+        """True for the architectures some engine runs this config on (cudnn_moe.engines.registry)."""
+        return parse_arch(arch) in served_archs(OP_FUSED)
 
     def target_arch(self) -> Arch:
         """The architecture weights are prepared for: ``arch``, else the current GPU, else SM90."""
-        if self.arch is not None:
-            return self.arch
-        return device_arch() if torch.cuda.is_available() else SM90
+        return target_arch(self.arch)
 
     def engine_spec(self, hidden: int, intermediate: int, num_experts: int, gated: bool) -> EngineSpec:
         """The engine (and its layouts) this config picks for a layer of that shape on ``target_arch()``."""
         arch = self.target_arch()
         n1 = 2 * intermediate if gated else intermediate
         shapes = (GemmShape(hidden, n1, num_experts), GemmShape(intermediate, hidden, num_experts))
-        return choose_engine(arch, self.engine, shapes).spec(arch)
+        return choose(Request(OP_FUSED, arch, NVFP4, shapes, num_experts), self.engine).spec(arch)
 
     def prepare_weights(
         self,
@@ -204,8 +101,13 @@ class Nvfp4MoeConfig:
         require_finite("w1_bf16", w1)
         require_finite("w2_bf16", w2)
         spec = self.engine_spec(hidden, intermediate, experts, act.gated)
-        w1_data, w1_scales, w1_alpha = _quantize_per_expert(w1, spec)
-        w2_data, w2_scales, w2_alpha = _quantize_per_expert(w2, spec)
+        engine = engine_class_of(spec)
+
+        def pack(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return engine.pack_weights(spec.arch, codes, scales)
+
+        w1_data, w1_scales, w1_alpha = quantize_experts("w1_bf16", w1, pack)
+        w2_data, w2_scales, w2_alpha = quantize_experts("w2_bf16", w2, pack)
         return Nvfp4Weights(
             w1_data, w1_scales, w1_alpha, w2_data, w2_scales, w2_alpha, spec, act.gated, hidden, intermediate
         )

@@ -3,14 +3,17 @@
 One executor serves one prepared weight view with one (top_k, activation, local expert range).
 A call with T tokens runs in the smallest power-of-two bucket B >= T. Per call:
 
-1. stage (eager launch, caller pointers): tokens and routing into the bucket's static buffers;
-   slots of tokens T..B-1 get expert id -1, so they are masked and never computed.
-2. sort, permute, GEMM1, activation + NVFP4 requantize, GEMM2: captured once per bucket in a
-   CUDA graph and replayed (or launched eagerly in debug mode, or recorded straight into the
-   caller's graph when the caller's stream is capturing). Two options need an engine reading BF16
-   token fragments (the SM90 engine): ``bf16_tokens`` (the tokens are BF16, not NVFP4) and
-   ``bf16_intermediate`` (the activation is rounded to BF16 instead of requantized to NVFP4).
-3. finalize, or the unfinalized rows (eager launch): writes the caller's output for the T live tokens.
+1. stage (the op's launch, caller pointers): tokens and routing into the bucket's static buffers;
+   slots of tokens T..B-1 get expert id -1, so they are masked and never computed. Per-call values
+   (the aligned op's output scales) are staged into the bucket too, never into the prepared weights.
+2. the stage chain the engine declares (``GemmEngine.stages``; by default sort, permute, GEMM1,
+   activation + NVFP4 requantize, GEMM2): captured once per bucket in a CUDA graph and replayed (or
+   launched eagerly in debug mode, or recorded straight into the caller's graph when the caller's
+   stream is capturing). Two options need an engine reading BF16 token fragments (the SM90 engine):
+   ``bf16_tokens`` (the tokens are BF16, not NVFP4) and ``bf16_intermediate`` (the activation is
+   rounded to BF16 instead of requantized to NVFP4).
+3. finish (the op's launch): finalize, or the unfinalized rows; writes the caller's output for the T
+   live tokens.
 
 Full-call graphs: when a finalized call with a caller ``out`` repeats a signature (the same caller
 tensors: pointers, shapes, strides, dtypes, and T) on two consecutive calls of a bucket, stage +
@@ -20,7 +23,8 @@ path bitwise). Each bucket keeps the FULL_GRAPHS_PER_BUCKET most recently used o
 captured while the caller's stream is capturing (the launches are recorded into the caller's graph).
 
 Nothing on the call path allocates device memory (outputs aside), syncs, or copies host<->device.
-Calls that share an executor share its workspace: order them on one stream.
+Calls that share an executor share its buckets; calls on different streams (threads) are ordered on the
+GPU by cudnn_moe.pipeline.order, so they give the single-stream results.
 """
 
 from __future__ import annotations
@@ -34,12 +38,14 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from . import kernels
-from .activations import Activation
-from .config import Nvfp4Activations, Nvfp4Weights
-from .engines import GemmEngine, GemmOperands, GemmShape, TokenOperand, WeightOperand
-from .pipeline.lifetime import defer, release_deferred
-from .routing import Routing
+from .. import kernels
+from ..activations import Activation
+from ..engines.base import GemmEngine, GemmOperands, GemmShape, LayerStages, Stage, TokenOperand, WeightOperand
+from ..routing import Routing
+from ..weights.nvfp4 import Nvfp4Activations, Nvfp4Weights
+from ..capture import refuse_during_capture
+from .lifetime import defer, release_deferred
+from .order import StreamOrder
 
 
 def bucket_size(num_tokens: int) -> int:
@@ -116,12 +122,16 @@ class Bucket:
         shape1, shape2 = GemmShape(hidden, n1, experts), GemmShape(inter, hidden, experts)
         workspace_bytes = max(engine.workspace_bytes(rows, shape1), engine.workspace_bytes(rows, shape2))
         workspace = empty(workspace_bytes) if workspace_bytes else None
+        # The expert globals: the weights', or per-call ones the op's stage writes here (weights without alpha).
+        self.alpha1 = w.w1_alpha if w.w1_alpha is not None else empty(2 * experts if w.w1_alpha_split else experts,
+                                                                      dtype=torch.float32)
+        self.alpha2 = w.w2_alpha if w.w2_alpha is not None else empty(experts, dtype=torch.float32)
         self.gemm1 = GemmOperands(
-            rows, shape1, token_operand(hidden), WeightOperand(w.w1, w.w1_scales, w.w1_alpha, w.w1_alpha_split), self.offsets,
-            empty(rows, n1, dtype=torch.bfloat16), workspace,
+            rows, shape1, token_operand(hidden), WeightOperand(w.w1, w.w1_scales, self.alpha1, w.w1_alpha_split),
+            self.offsets, empty(rows, n1, dtype=torch.bfloat16), workspace,
         )
         self.gemm2 = GemmOperands(
-            rows, shape2, token_operand(inter), WeightOperand(w.w2, w.w2_scales, w.w2_alpha), self.offsets,
+            rows, shape2, token_operand(inter), WeightOperand(w.w2, w.w2_scales, self.alpha2), self.offsets,
             empty(rows, hidden, dtype=torch.bfloat16), workspace,
         )
         self.graph: torch.cuda.CUDAGraph | None = None
@@ -163,6 +173,7 @@ class MoeExecutor:
         self.bf16_tokens, self.bf16_intermediate = bf16_tokens, bf16_intermediate
         self._buckets: dict[int, Bucket] = {}
         self._lock = threading.Lock()
+        self.order = StreamOrder(weights.device)
 
     def bucket(self, num_tokens: int) -> Bucket:
         """The bucket for ``num_tokens`` tokens, allocating it on first use."""
@@ -170,11 +181,8 @@ class MoeExecutor:
         found = self._buckets.get(size)
         if found is not None:
             return found
-        if torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(
-                f"no workspace for {num_tokens} tokens yet and the stream is capturing a CUDA graph; "
-                f"call warmup({self.max_num_tokens}) (or run one call of this size) before capture"
-            )
+        refuse_during_capture(f"there is no workspace for {num_tokens} tokens yet",
+                              f"call warmup({self.max_num_tokens}) (or run one call of this size) before capture")
         with self._lock:
             if size not in self._buckets:
                 rows = row_capacity(size, self.top_k, self.weights.num_experts, self.engine.row_alignment)
@@ -188,15 +196,16 @@ class MoeExecutor:
         release_deferred()
         kernels.load_call_kernels(self.weights.device.index)
         size = 1
-        while True:
-            bucket = self.bucket(size)
-            if use_cuda_graph:
-                self._ensure_graph(bucket)
-            else:
-                self._pipeline(bucket)
-            if size >= limit:
-                break
-            size *= 2
+        with self.order.use():
+            while True:
+                bucket = self.bucket(size)
+                if use_cuda_graph:
+                    self._ensure_graph(bucket)
+                else:
+                    self._pipeline(bucket)
+                if size >= limit:
+                    break
+                size *= 2
 
     def run(
         self,
@@ -214,6 +223,20 @@ class MoeExecutor:
         T; given with finalize=True, an ``out`` and use_cuda_graph, repeated calls replay one full-call
         graph (module docstring). None: never.
         """
+        with self.order.use():
+            return self._run(activations, routing, finalize=finalize, out=out, use_cuda_graph=use_cuda_graph,
+                             signature=signature)
+
+    def _run(
+        self,
+        activations: Nvfp4Activations,
+        routing: Routing,
+        *,
+        finalize: bool,
+        out: torch.Tensor | None,
+        use_cuda_graph: bool,
+        signature: Hashable | None,
+    ) -> torch.Tensor | UnfinalizedOutput:
         tokens = activations.num_tokens
         w = self.weights
 
@@ -257,19 +280,20 @@ class MoeExecutor:
         shapes, strides, dtypes, scalars baked into launches) and T; with use_cuda_graph, repeated calls
         replay one full-call graph of stage + pipeline + finish (module docstring). None: never.
         """
-        bucket = self.bucket(tokens)
-        graphed = use_cuda_graph and not torch.cuda.is_current_stream_capturing()
-        if signature is not None and graphed:
-            full = self._full_graph(bucket, signature, stage, finish)
-            if full is not None:
-                full.replay()
-                return
-        stage(bucket)
-        if graphed:
-            self._ensure_graph(bucket).replay()
-        else:
-            self._pipeline(bucket)
-        finish(bucket)
+        with self.order.use():
+            bucket = self.bucket(tokens)
+            graphed = use_cuda_graph and not torch.cuda.is_current_stream_capturing()
+            if signature is not None and graphed:
+                full = self._full_graph(bucket, signature, stage, finish)
+                if full is not None:
+                    full.replay()
+                    return
+            stage(bucket)
+            if graphed:
+                self._ensure_graph(bucket).replay()
+            else:
+                self._pipeline(bucket)
+            finish(bucket)
 
     def _stage(self, bucket: Bucket, activations: Nvfp4Activations, routing: Routing) -> None:
         ids, route_weights, routing_format = routing.kernel_operands()
@@ -327,29 +351,44 @@ class MoeExecutor:
         for _, launch in self.stages(bucket):
             launch()
 
-    def _permute(self, b: Bucket) -> None:
-        """The bucket's tokens into GEMM1's rows, in the engine's token layout."""
-        slots, g1 = b.tokens * self.top_k, b.gemm1
-        if self.bf16_tokens:
-            kernels.permute_bf16_tokens(b.x, b.slot_to_row, slots, self.top_k, g1.tokens.data)
-        else:
-            kernels.permute_tokens(b.x, b.x_scales, b.slot_to_row, slots, self.top_k, self.engine.token_layout,
-                                   g1.tokens.data, g1.tokens.scales)
+    def stages(self, b: Bucket) -> list[Stage]:
+        """The bucket-static launches of a call, in order: the chain the engine declares."""
+        return self.engine.stages(_BucketStages(self, b))
 
-    def stages(self, b: Bucket) -> list[tuple[str, Callable[[], None]]]:
-        """The five bucket-static launches, in order: sort, permute, GEMM1, activation, GEMM2."""
-        k, engine, layout = self.top_k, self.engine, self.engine.token_layout
+
+class _BucketStages(LayerStages):
+    """The five default stages of one executor's call on one bucket (cudnn_moe.engines.base.LayerStages)."""
+
+    def __init__(self, executor: MoeExecutor, bucket: Bucket) -> None:
+        self.x, self.b = executor, bucket
+
+    def sort(self) -> Stage:
+        x, b = self.x, self.b
+        return Stage("sort", lambda: kernels.sort_routing(
+            b.ids.view(-1), x.top_k, x.local_expert_start, x.weights.num_experts, x.engine.row_alignment,
+            b.offsets, b.slot_to_row, b.row_to_slot, b.row_expert, b.expert_counts,
+        ))
+
+    def permute(self) -> Stage:
+        """The bucket's tokens into GEMM1's rows, in the engine's token layout."""
+        x, b = self.x, self.b
+        slots, g1 = b.tokens * x.top_k, b.gemm1
+        if x.bf16_tokens:
+            return Stage("permute", lambda: kernels.permute_bf16_tokens(b.x, b.slot_to_row, slots, x.top_k, g1.tokens.data))
+        return Stage("permute", lambda: kernels.permute_tokens(
+            b.x, b.x_scales, b.slot_to_row, slots, x.top_k, x.engine.token_layout, g1.tokens.data, g1.tokens.scales,
+        ))
+
+    def gemm1(self) -> Stage:
+        return Stage("gemm1", lambda: self.x.engine.gemm(self.b.gemm1))
+
+    def activation(self) -> Stage:
+        x, b = self.x, self.b
         g1, g2 = b.gemm1, b.gemm2
-        return [
-            ("sort", lambda: kernels.sort_routing(
-                b.ids.view(-1), k, self.local_expert_start, self.weights.num_experts, engine.row_alignment,
-                b.offsets, b.slot_to_row, b.row_to_slot, b.row_expert, b.expert_counts,
-            )),
-            ("permute", lambda: self._permute(b)),
-            ("gemm1", lambda: engine.gemm(g1)),
-            ("activation", lambda: kernels.activate_quantize(
-                g1.out, b.row_to_slot, b.offsets, self.activation, layout, g2.tokens.data, g2.tokens.scales,
-                requantize=not self.bf16_intermediate,
-            )),
-            ("gemm2", lambda: engine.gemm(g2)),
-        ]
+        return Stage("activation", lambda: kernels.activate_quantize(
+            g1.out, b.row_to_slot, b.offsets, x.activation, x.engine.token_layout, g2.tokens.data, g2.tokens.scales,
+            requantize=not x.bf16_intermediate,
+        ))
+
+    def gemm2(self) -> Stage:
+        return Stage("gemm2", lambda: self.x.engine.gemm(self.b.gemm2))

@@ -9,19 +9,17 @@ its fake implementation only says that ``out`` is written, so graphs compile wit
 
 from __future__ import annotations
 
-import itertools
-import weakref
 from dataclasses import dataclass
 
 import torch
 
-from .activations import Activation, SwiGLU, parse_activation
-from .config import Nvfp4Activations, Nvfp4MoeConfig, Nvfp4Weights
-from .ops import fused_moe
-from .routing import Routing
-from .validate import require_int_arg
-
-_INT32_MAX = (1 << 31) - 1
+from ..activations import Activation, SwiGLU, parse_activation
+from ..handles import HandleRegistry
+from ..routing import Routing
+from ..weights.nvfp4 import Nvfp4Activations, Nvfp4Weights
+from .checks import check_layer
+from .config import Nvfp4MoeConfig
+from .op import fused_moe, get_executor
 
 
 @dataclass(frozen=True)
@@ -32,8 +30,7 @@ class _Layer:
     local_expert_start: int
 
 
-_layers: dict[int, _Layer] = {}
-_handles = itertools.count(1)
+_layers = HandleRegistry("MoeLayer")
 
 
 @torch.library.custom_op("cudnn_moe::fused_moe_", mutates_args=("out",), device_types="cuda")
@@ -48,9 +45,7 @@ def fused_moe_op(
     """out bfloat16 [T, H] = fused_moe of layer ``layer`` (a MoeLayer handle) on the NVFP4 pack
     (uint8 [T, H/2], float8_e4m3fn [T, H/16]) and the routing: packed int32 [T, k] when
     ``routing_weights`` is None, else ids int32/int64 [T, k] + weights float32/bfloat16 [T, k]."""
-    found = _layers.get(layer)
-    if found is None:
-        raise ValueError(f"no MoeLayer with handle {layer} (it was freed, or the handle is not one)")
+    found = _layers.resolve(layer)
     routing = Routing.packed(routing_ids) if routing_weights is None else Routing.unpacked(routing_ids, routing_weights)
     fused_moe(
         found.config, Nvfp4Activations(act_packed, act_scales), routing, found.weights,
@@ -85,24 +80,13 @@ class MoeLayer(torch.nn.Module):
         local_expert_start: int = 0,
     ) -> None:
         super().__init__()
-        if not isinstance(config, Nvfp4MoeConfig):
-            raise TypeError(f"config must be an Nvfp4MoeConfig, got {type(config).__name__}")
-        if not isinstance(weights, Nvfp4Weights):
-            raise TypeError("weights must be the Nvfp4Weights from config.prepare_weights()")
-        require_int_arg("local_expert_start", local_expert_start, 0, _INT32_MAX - weights.num_experts + 1)
         act = parse_activation(activation)
-        if act.gated != weights.gated:
-            raise ValueError(f"activation {type(act).__name__} is {'' if act.gated else 'non-'}gated but the weights "
-                             f"were prepared for a {'' if weights.gated else 'non-'}gated activation")
-        self.handle = next(_handles)
-        self.layer = _Layer(config, weights, act, local_expert_start)
-        _layers[self.handle] = self.layer
-        weakref.finalize(self, _layers.pop, self.handle, None)
+        check_layer(config, weights, 1, act, local_expert_start)
+        self.layer = _Layer(config, weights, act, local_expert_start)  # held here, by handle in the registry
+        self.handle = _layers.register(self.layer)
 
     def warmup(self, top_k: int, max_tokens: int | None = None) -> None:
         """Build every token bucket up to ``max_tokens`` (default: the config's) for routing of ``top_k``."""
-        from .ops import get_executor
-
         layer = self.layer
         get_executor(layer.config, layer.weights, top_k=top_k, activation=layer.activation,
                      local_expert_start=layer.local_expert_start).warmup(max_tokens)

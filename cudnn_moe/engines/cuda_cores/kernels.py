@@ -10,21 +10,23 @@ cudnn_moe.kernels.codes, so Python and CUDA share one definition). Two kernels:
   feature column does it), so a call is two launches.
 
 Every wrapper takes tensors whose shapes, dtypes, devices and alignment the caller has checked
-(cudnn_moe.low_latency.call); they only derive the launch geometry and pack the arguments, so they
+(cudnn_moe.low_latency.checks); they only derive the launch geometry and pack the arguments, so they
 allocate nothing, read no device data and never synchronize. Launches go on torch's current stream.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 
-from ..activations import Activation
-from ..kernels.codes import LL_THREADS
-from ..kernels.codes import LowLatencyInputCode as InputCode
-from ..kernels.codes import LowLatencyWeightCode as WeightCode
-from ..kernels.loader import kernel_function, launch, ptr
-from .weights import BlockScaledWeights, DenseWeights, LowLatencyWeights, Nvfp4WeightOnlyWeights, WeightFormat
+from ...activations import Activation
+from ...kernels.codes import LL_THREADS
+from ...kernels.codes import LowLatencyInputCode as InputCode
+from ...kernels.codes import LowLatencyWeightCode as WeightCode
+from ...kernels.loader import kernel_function, launch, ptr
+from ..base import WeightFormat
 
 SOURCE = "low_latency/ll_moe.cu"
 WARPS = LL_THREADS // 32
@@ -105,17 +107,13 @@ def load_modules(fmt: WeightFormat, x_dtype: torch.dtype | None, device: int) ->
         kernel_function(SOURCE, name, device, options)
 
 
-def _payloads(weights: LowLatencyWeights, second: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """(codes or dense weights, scales, FP32 globals) of GEMM1 (second=False) or GEMM2."""
-    if isinstance(weights, DenseWeights):
-        return (weights.w2 if second else weights.w1), None, None
-    assert isinstance(weights, BlockScaledWeights)
-    codes = weights.w2_codes if second else weights.w1_codes
-    scales = weights.w2_scales if second else weights.w1_scales
-    glob = None
-    if isinstance(weights, Nvfp4WeightOnlyWeights):
-        glob = weights.w2_global if second else weights.w1_global
-    return codes, scales, glob
+def _payloads(weights: Any, second: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """(codes or dense weights, scales, FP32 globals) of GEMM1 (second=False) or GEMM2 of a low-latency record
+    (cudnn_moe.weights.low_latency: dense formats hold w1/w2, block-scaled ones codes and scales, NVFP4 globals too)."""
+    gemm = "w2" if second else "w1"
+    if weights.format in (WeightFormat.BF16, WeightFormat.FP16):
+        return getattr(weights, gemm), None, None
+    return getattr(weights, f"{gemm}_codes"), getattr(weights, f"{gemm}_scales"), getattr(weights, f"{gemm}_global", None)
 
 
 def _routing_args(ids: torch.Tensor, routing_code: int) -> tuple[np.uint64, np.int32, np.int32]:
@@ -123,7 +121,7 @@ def _routing_args(ids: torch.Tensor, routing_code: int) -> tuple[np.uint64, np.i
 
 
 def gemm1(
-    weights: LowLatencyWeights,
+    weights: Any,
     x: torch.Tensor,
     x_scales: torch.Tensor | None,
     ids: torch.Tensor,
@@ -164,7 +162,7 @@ def gemm1(
 
 
 def gemm2(
-    weights: LowLatencyWeights,
+    weights: Any,
     x_dtype: torch.dtype | None,
     inter: torch.Tensor,
     ids: torch.Tensor,

@@ -1,0 +1,94 @@
+"""The CUDA-core engine: every low-latency weight format on CUDA cores, the whole layer in two launches.
+
+GEMM1 + activation into an intermediate workspace, then GEMM2 with the finalize folded into its last CTA
+per feature column (the raw output skips the finalize): cudnn_moe.engines.cuda_cores.kernels. The kernels
+stream each touched expert's weights once, with exact decoders (kernels_cuda/low_latency/decode.cuh), and
+round at the points of cudnn_moe.low_latency.reference. NVRTC compiles them for the GPU at hand; they run on
+SM80 (16-bit weights only), SM90, SM100, SM103, SM107 and SM120.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Hashable, Mapping
+
+import torch
+
+from ...arch import SM80, SM90, SM100, SM103, SM107, SM120
+from ...capture import refuse_during_capture
+from ..base import OP_LOW_LATENCY, LayerEngine, LowLatencyCall, Request, Service, Support, WeightFormat, WorkspaceSpec
+from . import kernels
+
+MAX_TOKENS = 8
+_FOUR_BIT = frozenset({WeightFormat.NVFP4_WEIGHT_ONLY.value, WeightFormat.MXFP4_WEIGHT_ONLY.value,
+                       WeightFormat.MXINT4_WEIGHT_ONLY.value, WeightFormat.NVFP4_W_NVFP4_A.value})
+# SM80 runs the 16-bit formats only. The contract lists the NVFP4 weight + NVFP4 activation pair without an
+# architecture of its own; it shares the 4-bit kernels (software E2M1 decode), so it runs where they do.
+_MODERN = frozenset({SM90, SM100, SM103, SM107, SM120})
+_ready: set[tuple[WeightFormat, torch.dtype | None, int]] = set()
+_ready_lock = threading.Lock()
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+class CudaCoresEngine(LayerEngine):
+    """The low-latency layer on CUDA cores (see the module docstring)."""
+
+    name = "cuda_cores"
+    services = (
+        Service(OP_LOW_LATENCY, frozenset({WeightFormat.BF16.value, WeightFormat.FP16.value}), _MODERN | {SM80},
+                max_tokens=MAX_TOKENS),
+        Service(OP_LOW_LATENCY, _FOUR_BIT, _MODERN, max_tokens=MAX_TOKENS),
+    )
+
+    @classmethod
+    def check(cls, request: Request) -> Support:
+        for shape in request.shapes:
+            if shape.k % 8:
+                return Support(False, f"the cuda_cores kernels need the hidden size to be a multiple of 8, got {shape.k}")
+        return Support(True)
+
+    @classmethod
+    def workspace_spec(cls, call: LowLatencyCall) -> tuple[Hashable, WorkspaceSpec]:
+        """Per (max tokens, top_k): ``inter`` int16 [S, Ip] (the 16-bit intermediate of every slot, S = max tokens
+        x top_k), ``rows`` int16 [S, H] (the expert rows the finalize combines; int16 storage so one set serves
+        every dtype), ``counters`` int32 [GEMM2 feature columns] (zero between calls: the tickets by which the
+        last CTA of a column knows it may combine it; it resets them)."""
+        w, slots = call.weights, call.max_tokens * call.top_k
+        return (call.max_tokens, call.top_k), {
+            "inter": ((slots, w.padded_intermediate), torch.int16),
+            "rows": ((slots, w.hidden_size), torch.int16),
+            "counters": ((kernels.max_gemm2_columns(w.hidden_size),), torch.int32),
+        }
+
+    @classmethod
+    def run(cls, call: LowLatencyCall, workspace: Mapping[str, torch.Tensor]) -> None:
+        w, device = call.weights, call.x.device
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        _ensure_ready(w.format, call.x_dtype, index)
+        ids, route_weights, routing_code = call.routing.kernel_operands()
+        tokens, top_k, sms = call.tokens, call.top_k, _sm_count(index)
+        out_fp16 = call.out_dtype is torch.float16
+        kernels.gemm1(w, call.x, call.x_scales, ids, routing_code, tokens, top_k, call.activation, workspace["inter"], sms)
+        if call.finalize:
+            kernels.gemm2(w, call.x_dtype, workspace["inter"], ids, route_weights, routing_code, tokens, top_k, out_fp16,
+                          workspace["rows"], call.out, workspace["counters"], sms)
+        else:
+            kernels.gemm2(w, call.x_dtype, workspace["inter"], ids, route_weights, routing_code, tokens, top_k, out_fp16,
+                          call.out, None, None, sms)
+
+
+def _ensure_ready(fmt: WeightFormat, x_dtype: torch.dtype | None, index: int) -> None:
+    """Compile (or load) the module once per process and device; never inside a CUDA-graph capture."""
+    key = (fmt, x_dtype, index)
+    if key in _ready:
+        return
+    refuse_during_capture("the low-latency kernels for these weights and inputs are not loaded yet",
+                          "run one call eagerly before capturing")
+    kernels.load_modules(fmt, x_dtype, index)
+    with _ready_lock:
+        _ready.add(key)

@@ -1,0 +1,117 @@
+"""The low-latency op's argument checks (TypeError for a wrong type or dtype, ValueError for a wrong value,
+shape or device, each naming the argument), run before anything is launched; they read no tensor data."""
+
+from __future__ import annotations
+
+import torch
+
+from ..activations import Activation, require_gating
+from ..routing import Routing
+from ..validate import require_no_overlap, require_tensor
+from ..weights.low_latency import BlockScaledWeights, DenseWeights, LowLatencyWeights, WeightFormat
+from ..weights.nvfp4 import Nvfp4Activations
+from .config import MAX_TOP_K, LowLatencyMoeConfig
+
+OUT_DTYPES = (torch.bfloat16, torch.float16)
+ALIGNMENT = 16  # bytes: the kernels load 16 bytes at a time
+_DENSE_DTYPES = {WeightFormat.BF16: torch.bfloat16, WeightFormat.FP16: torch.float16}
+
+
+def require_aligned(name: str, t: torch.Tensor) -> None:
+    if t.data_ptr() % ALIGNMENT:
+        raise ValueError(f"{name} must start at a {ALIGNMENT}-byte aligned address (the kernels load 16 bytes at a "
+                         f"time); got an offset of {t.data_ptr() % ALIGNMENT} bytes: pass a fresh or .clone()d tensor")
+
+
+def check_inputs(inputs: object, weights: LowLatencyWeights) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(x or NVFP4 codes, NVFP4 scales or None) after the checks on ``inputs``."""
+    fmt, hidden = weights.format, weights.hidden_size
+    if fmt is WeightFormat.NVFP4_W_NVFP4_A:
+        if not isinstance(inputs, Nvfp4Activations):
+            raise TypeError("inputs must be the Nvfp4Activations of config.prepare_nvfp4_activations() for the NVFP4 "
+                            f"weight + NVFP4 activation pair, got {type(inputs).__name__}")
+        packed = require_tensor("inputs.packed", inputs.packed, torch.uint8, rank=2)
+        scales = require_tensor("inputs.scales", inputs.scales, torch.float8_e4m3fn, rank=2)
+        tokens = packed.shape[0]
+        if tuple(packed.shape) != (tokens, hidden // 2) or tuple(scales.shape) != (tokens, hidden // 16):
+            raise ValueError(f"inputs must be packed [T, {hidden // 2}] and scales [T, {hidden // 16}] for H = {hidden}, "
+                             f"got {tuple(packed.shape)} and {tuple(scales.shape)}")
+        for name, t in (("inputs.packed", packed), ("inputs.scales", scales)):
+            if not t.is_contiguous():
+                raise ValueError(f"{name} must be contiguous (row-major)")
+        require_aligned("inputs.packed", packed)
+        return packed, scales
+    if isinstance(inputs, Nvfp4Activations):
+        raise TypeError(f"inputs must be a BF16/FP16 tensor [T, H] for {fmt.value} weights; Nvfp4Activations are "
+                        "for the NVFP4 weight + NVFP4 activation pair")
+    dtypes = (_DENSE_DTYPES[fmt],) if fmt in _DENSE_DTYPES else OUT_DTYPES
+    x = require_tensor("hidden_states", inputs, dtypes, rank=2)
+    if x.shape[1] != hidden:
+        raise ValueError(f"hidden_states must be [T, {hidden}] to match the weights, got {tuple(x.shape)}")
+    if not x.is_contiguous():
+        raise ValueError("hidden_states must be contiguous (row-major); call .contiguous() first")
+    require_aligned("hidden_states", x)
+    return x, None
+
+
+def weight_tensors(weights: LowLatencyWeights) -> tuple[torch.Tensor, ...]:
+    if isinstance(weights, DenseWeights):
+        return weights.w1, weights.w2
+    if not isinstance(weights, BlockScaledWeights):
+        raise TypeError(f"weights of format {weights.format.value} hold no tensors this op knows")
+    return weights.w1_codes, weights.w1_scales, weights.w2_codes, weights.w2_scales
+
+
+def check_call(
+    config: object, weights: object, routing: object, activation: Activation, out_dtype: object, finalize: object
+) -> None:
+    """Everything but the inputs and ``out``: types, gating, the output dtype, ``finalize``."""
+    if not isinstance(config, LowLatencyMoeConfig):
+        raise TypeError(f"config must be a LowLatencyMoeConfig, got {type(config).__name__}")
+    if not isinstance(weights, LowLatencyWeights):
+        raise TypeError(f"weights must be prepared by LowLatencyMoeConfig (a LowLatencyWeights), got {type(weights).__name__}")
+    if not isinstance(routing, Routing):
+        raise TypeError("routing must be a cudnn_moe.Routing (Routing.packed(...) or Routing.unpacked(...)), "
+                        f"got {type(routing).__name__}")
+    require_gating(activation, weights.gated)
+    if not isinstance(out_dtype, torch.dtype) or out_dtype not in OUT_DTYPES:
+        raise ValueError(f"out_dtype must be torch.bfloat16 or torch.float16, got {out_dtype!r}")
+    if weights.format is WeightFormat.NVFP4_W_NVFP4_A and out_dtype is not torch.bfloat16:
+        raise ValueError(f"out_dtype must be torch.bfloat16 for the NVFP4 weight + NVFP4 activation pair, got {out_dtype!r}")
+    if not isinstance(finalize, bool):
+        raise TypeError(f"finalize must be a bool, got {type(finalize).__name__}")
+
+
+def check_sizes(config: LowLatencyMoeConfig, tokens: int, routing_tokens: int, top_k: int) -> None:
+    if tokens > config.max_num_tokens:
+        raise ValueError(f"hidden_states hold {tokens} tokens, more than the config's max_num_tokens={config.max_num_tokens}")
+    if routing_tokens != tokens:
+        raise ValueError(f"routing covers {routing_tokens} tokens but the inputs hold {tokens}")
+    if top_k > MAX_TOP_K:
+        raise ValueError(f"routing has top_k={top_k}; the low-latency config takes top_k <= {MAX_TOP_K}")
+
+
+def check_devices(x: torch.Tensor, ids: torch.Tensor, weights: LowLatencyWeights) -> torch.device:
+    device = x.device
+    if device.type != "cuda":
+        raise ValueError(f"low_latency_moe runs on a CUDA device; the inputs are on {device}")
+    for name, t in (("routing", ids), ("weights", weight_tensors(weights)[0])):
+        if t.device != device:
+            raise ValueError(f"{name} is on {t.device} but the inputs are on {device}; all must share one device")
+    return device
+
+
+def check_out(out: object, shape: tuple[int, ...], out_dtype: torch.dtype, finalize: bool, device: torch.device,
+              others: list[tuple[str, torch.Tensor]]) -> torch.Tensor:
+    """``out``: ``out_dtype`` of ``shape``, contiguous, aligned, on ``device``, sharing no memory with ``others``."""
+    out = require_tensor("out", out, out_dtype, rank=len(shape))
+    if tuple(out.shape) != shape:
+        raise ValueError(f"out must have shape {shape} ({'[T, H]' if finalize else '[T, top_k, H]'}), got {tuple(out.shape)}")
+    if not out.is_contiguous():
+        raise ValueError("out must be contiguous (row-major)")
+    if out.device != device:
+        raise ValueError(f"out is on {out.device} but the inputs are on {device}")
+    require_aligned("out", out)
+    for name, t in others:
+        require_no_overlap("out", out, name, t)
+    return out

@@ -1,0 +1,96 @@
+"""The low-latency op on a grouped-GEMM engine (on SM90 the SM90 engine's decode kernels: weights decoded
+exactly in registers, tokens on the narrow side of mma.sync, split-K) through the shared pipeline
+(cudnn_moe.pipeline.executor): stage, sort, permute, GEMM1, activation rounded to BF16
+(``bf16_intermediate``: never requantized), GEMM2, ordered FP32 combine.
+
+- NVFP4 weight-only with BF16 tokens: the tokens enter as they are (``bf16_tokens``);
+- NVFP4 weights with NVFP4 activations (the pair): the tokens are decoded exactly to BF16 fragments.
+
+Numerics are the format's contract (cudnn_moe.low_latency.reference), the same as the CUDA-core engine's:
+GEMM1 = bf16(global1[e] * FP32 sum of exact products), activation in FP32 rounded to BF16, expert rows =
+bf16(global2[e] * FP32 sum), combine in slot order with separate FP32 multiply and add. Only the FP32
+summation order differs, so the two engines agree to accumulation-order noise. Slots whose expert id lies
+outside [0, E) are skipped with their route weights (the pair's unrouted slots; the weight-only format
+requires ids in range).
+
+The weights are repacked once into the engine's layout, on the first call (kept beside the caller's
+canonical tensors while the prepared weights live: a second copy, see the README's memory table).
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+
+import torch
+
+from .. import kernels
+from ..activations import Activation
+from ..arch import device_arch
+from ..engines.base import GemmEngine, LowLatencyCall
+from ..engines.registry import engine_for
+from ..pipeline.call_cache import tensor_signature
+from ..capture import refuse_during_capture
+from ..pipeline.executor import Bucket, MoeExecutor
+from ..pipeline.lifetime import cached
+from ..weights.low_latency import Nvfp4WeightOnlyWeights
+from ..weights.nvfp4 import Nvfp4Weights
+from .config import MAX_NUM_TOKENS
+
+_views: weakref.WeakKeyDictionary[Nvfp4WeightOnlyWeights, Nvfp4Weights] = weakref.WeakKeyDictionary()
+_lock = threading.Lock()
+
+
+def layer_view(engine: type[GemmEngine], weights: Nvfp4WeightOnlyWeights) -> Nvfp4Weights:
+    """The ``engine`` view of NVFP4 weights (repacked on first use, then kept): w1 [E, N1p, H] in the engine's
+    layout with the w1 global as alpha, w2 [E, H, Ip] likewise; intermediate size Ip."""
+    view = _views.get(weights)
+    if view is not None:
+        return view
+    refuse_during_capture("low_latency_moe must lay these weights out for the tensor cores first",
+                          "make one call with them (of each token count) before capture")
+    with _lock:
+        view = _views.get(weights)
+        if view is None:
+            arch = device_arch(weights.w1_codes.device)
+            w1, w1_scales = engine.pack_weights_chunked(arch, weights.w1_codes, weights.w1_scales)
+            w2, w2_scales = engine.pack_weights_chunked(arch, weights.w2_codes, weights.w2_scales)
+            view = Nvfp4Weights(
+                w1, w1_scales, weights.w1_global, w2, w2_scales, weights.w2_global, engine.spec(arch),
+                weights.gated, weights.hidden_size, weights.padded_intermediate,
+            )
+            _views[weights] = view
+    return view
+
+
+def _executor(engine: type[GemmEngine], view: Nvfp4Weights, top_k: int, activation: Activation,
+              bf16_tokens: bool) -> MoeExecutor:
+    return cached(view, ("low_latency", top_k, activation, bf16_tokens), lambda: MoeExecutor(
+        view, engine_for(view.spec, view.device), top_k=top_k, activation=activation, local_expert_start=0,
+        max_num_tokens=MAX_NUM_TOKENS, bf16_tokens=bf16_tokens, bf16_intermediate=True,
+    ))
+
+
+def run(engine: type[GemmEngine], call: LowLatencyCall) -> None:
+    """call.out bfloat16 [T, H] = the layer (checked by the op) for BF16 tokens x [T, H] (no x_scales), or for the
+    pair's NVFP4 tokens: codes x uint8 [T, H/2] with E4M3 scales x_scales [T, H/16]."""
+    x, x_scales, routing, out = call.x, call.x_scales, call.routing, call.out
+    bf16_tokens = x_scales is None
+    executor = _executor(engine, layer_view(engine, call.weights), routing.top_k, call.activation, bf16_tokens)
+    ids, route_weights, routing_format = routing.kernel_operands()
+    tokens, top_k = x.shape[0], routing.top_k
+
+    def stage(b: Bucket) -> None:
+        if bf16_tokens:  # staged as bytes, with an empty scale row
+            kernels.stage_inputs(x.view(torch.uint8), b.x_scales[:tokens], ids, route_weights, routing_format,
+                                 b.x.view(torch.uint8), b.x_scales, b.ids, b.route_weights)
+        else:
+            kernels.stage_inputs(x, x_scales, ids, route_weights, routing_format, b.x, b.x_scales, b.ids,
+                                 b.route_weights)
+
+    def finish(b: Bucket) -> None:
+        kernels.finalize(b.gemm2.out, b.slot_to_row, b.route_weights, top_k, out)
+
+    signature = (tensor_signature(x), tensor_signature(x_scales), tensor_signature(ids),
+                 tensor_signature(route_weights), routing_format, tensor_signature(out), tokens)
+    executor.run_call(tokens, stage, finish, use_cuda_graph=True, signature=signature)

@@ -1,0 +1,115 @@
+"""The low-latency MoE op: ``low_latency_moe`` (1..8 tokens, contract 004) on the GPU.
+
+The engine registry picks what runs a call (cudnn_moe.engines.registry): on SM90 the SM90 engine takes
+finalized calls with NVFP4 weight-only weights and BF16 tokens and output, and the NVFP4 pair, through the
+shared pipeline (cudnn_moe.low_latency.grouped; tensor cores); everything else runs on the CUDA-core engine
+(cudnn_moe.engines.cuda_cores: two launches, GEMM1 + activation, then GEMM2 with the finalize folded into
+its last CTA per feature column; the raw output skips the finalize). Both round at the same points.
+The call allocates nothing when ``out`` is given (workspaces are kept per weights, cudnn_moe.pipeline) and
+reads no device data, so a caller can record it in its own CUDA graph once one eager call has warmed it up
+(kernels compiled, workspace allocated). The CUDA-core path never synchronizes; the tensor-core path
+captures CUDA graphs (a device sync each) on the first call of a token count and on the second
+consecutive call of a new set of tensors, then replays them: reuse the input and ``out`` tensors across
+decode steps. Calls with the same weights on different streams (threads) are ordered on the GPU
+(cudnn_moe.pipeline.order) and give the single-stream results.
+Every argument is checked before anything is launched (cudnn_moe.low_latency.checks); errors name the
+argument (TypeError for a wrong type or dtype, ValueError for a wrong value).
+
+Numerics are those of cudnn_moe.low_latency.reference, rounding point for rounding point:
+
+- preactivation (GEMM1 in FP32) rounded to the input dtype (BF16 or FP16) for BF16, FP16, NVFP4 and
+  MXFP4 weights; kept in FP32 for MXINT4; rounded to BF16 for the NVFP4 weight + NVFP4 activation pair;
+- activation in FP32, intermediate rounded to the input dtype (BF16 for the pair);
+- expert rows (GEMM2 in FP32) rounded to ``out_dtype``;
+- finalize: per token, in slot order, acc = fp32(acc + fp32(w * row)) (separate multiply and add),
+  rounded once to ``out_dtype``; packed route weights are their BF16 values.
+
+Only the order of the FP32 sums inside the GEMMs differs from the float64 reference.
+
+Expert ids outside [0, E): for the NVFP4 pair they mark unrouted slots (finalize skips them and their
+route weights, so a NaN there never reaches the output; the raw output has zero rows for them). For the
+other formats the contract requires ids in [0, E); checking that would need a device sync, so it is not
+checked: the kernels never read out of bounds for such ids and currently treat them like the pair does,
+but that result is not part of the contract (the float reference raises ValueError for them).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..activations import Activation, SwiGLU, parse_activation
+from ..arch import device_arch
+from ..engines.base import OP_LOW_LATENCY, GemmEngine, GemmShape, LowLatencyCall, Request
+from ..engines.registry import choose
+from ..pipeline.lifetime import release_deferred
+from ..pipeline.workspaces import workspace_for
+from ..routing import Routing
+from ..weights.low_latency import LowLatencyWeights
+from ..weights.nvfp4 import Nvfp4Activations
+from . import grouped
+from .checks import check_call, check_devices, check_inputs, check_out, check_sizes, weight_tensors
+from .config import LowLatencyMoeConfig
+
+
+def low_latency_moe(
+    config: LowLatencyMoeConfig,
+    inputs: torch.Tensor | Nvfp4Activations,
+    weights: LowLatencyWeights,
+    routing: Routing,
+    *,
+    activation: Activation | str = SwiGLU(),
+    out_dtype: torch.dtype = torch.bfloat16,
+    finalize: bool = True,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Run one routed MoE layer of 1..``config.max_num_tokens`` tokens on the GPU.
+
+    inputs: hidden states [T, H], BF16 or FP16 (BF16 for BF16 weights, FP16 for FP16 weights; either
+        for the 4-bit weight-only formats), 16-byte aligned and contiguous; for the NVFP4 pair the
+        Nvfp4Activations of ``config.prepare_nvfp4_activations``.
+    weights: from one of the config's prepare methods (any format of ``weights.format``).
+    routing: ``Routing.packed`` or ``Routing.unpacked`` [T, top_k], top_k <= 32, on the same device.
+    activation: one of the ten typed activations (gated iff the weights were prepared gated).
+    out_dtype: torch.bfloat16 or torch.float16 (the expert rows and the output; BF16 only for the pair).
+    finalize: True returns out_dtype [T, H], the route-weighted sum; False returns the raw per-slot
+        rows out_dtype [T, top_k, H] (row (t, j) is slot j of token t; zero rows for unrouted slots).
+    out: optional destination of that shape and dtype (contiguous, 16-byte aligned, same device,
+        sharing no memory with the inputs); with it the call allocates nothing.
+
+    Returns ``out`` (or a new tensor). T = 0 returns an empty result and launches nothing.
+    """
+    release_deferred()  # GPU objects of dropped weights, destroyed here rather than inside a capture
+    act = parse_activation(activation)
+    check_call(config, weights, routing, act, out_dtype, finalize)
+    x, x_scales = check_inputs(inputs, weights)
+    tokens, top_k, hidden = x.shape[0], routing.top_k, weights.hidden_size
+    check_sizes(config, tokens, routing.num_tokens, top_k)
+    ids, route_weights, _ = routing.kernel_operands()
+    device = check_devices(x, ids, weights)
+    x_dtype = None if x_scales is not None else x.dtype
+    shapes = (GemmShape(hidden, weights.gemm1_rows, weights.num_experts),
+              GemmShape(weights.padded_intermediate, hidden, weights.num_experts))
+    engine = choose(Request(OP_LOW_LATENCY, device_arch(device), weights.format.value, shapes, weights.num_experts,
+                            x_dtype, out_dtype, finalize, tokens), config.engine)
+    shape = (tokens, hidden) if finalize else (tokens, top_k, hidden)
+    if out is not None:
+        others = [("hidden_states", x), ("routing", ids)]
+        if x_scales is not None:
+            others.append(("inputs.scales", x_scales))
+        if route_weights is not None:
+            others.append(("routing weights", route_weights))
+        others += [(f"weights tensor {i}", t) for i, t in enumerate(weight_tensors(weights))]
+        out = check_out(out, shape, out_dtype, finalize, device, others)
+    if tokens == 0:
+        return out if out is not None else torch.empty(shape, dtype=out_dtype, device=device)
+    if out is None:
+        out = torch.empty(shape, dtype=out_dtype, device=device)
+    call = LowLatencyCall(weights, x, x_scales, routing, act, out_dtype, finalize, out, config.max_num_tokens)
+    if issubclass(engine, GemmEngine):
+        grouped.run(engine, call)
+    else:
+        key, spec = engine.workspace_spec(call)
+        workspace = workspace_for(weights, (engine.name, key), spec, device)
+        with workspace.order.use():
+            engine.run(call, workspace.buffers)
+    return out
