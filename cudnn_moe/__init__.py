@@ -13,6 +13,7 @@ from .distributed import ExpertParallelMoe, expert_shard, shard_weights
 from .fused import MoeLayer, Nvfp4MoeConfig, fused_moe, get_executor, reference_moe, unfinalized_row_count
 from .low_latency import LowLatencyMoeConfig, low_latency_moe, reference_low_latency
 from .pipeline.executor import UnfinalizedOutput
+from .pipeline.lifetime import release_deferred
 from .routing import Routing, pack_routing, unpack_routing
 from .version import __version__
 from .weights.nvfp4 import Nvfp4Activations, Nvfp4Weights
@@ -50,6 +51,7 @@ __all__ = [
     "reference_aligned_moe",
     "reference_low_latency",
     "reference_moe",
+    "release_deferred",
     "shard_weights",
     "unfinalized_row_count",
     "unpack_routing",

@@ -136,8 +136,17 @@ def _memory() -> dict:
     gen = torch.Generator(device="cuda").manual_seed(SEED + 3)
     report = {}
 
-    def held(make):  # noqa: ANN001, ANN202
+    def release() -> None:
+        """Free what earlier steps dropped (a tree with deferred release keeps it until the next call)."""
         gc.collect()
+        try:
+            from cudnn_moe.pipeline.lifetime import release_deferred
+        except ImportError:  # a tree that frees at once
+            return
+        release_deferred()
+
+    def held(make):  # noqa: ANN001, ANN202
+        release()
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
         state = make()

@@ -18,8 +18,10 @@ collector frees a reference cycle holding it, which may happen in the middle of 
   not capturing. Every op call, executor build and warm-up calls it.
 - ``defer(obj)`` hands anything else (an evicted CUDA graph) to the same list.
 
-A capture on another thread at the moment of a release is the caller's to avoid, as for any CUDA call
-made concurrently with a global-mode capture.
+So the GPU memory of dropped weights returns at the next op call outside a capture; a caller that wants
+it back at once (to load another model, say) calls ``cudnn_moe.release_deferred()``. A capture on another
+thread at the moment of a release is the caller's to avoid, as for any CUDA call made concurrently with a
+global-mode capture.
 """
 
 from __future__ import annotations
