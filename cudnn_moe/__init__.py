@@ -7,7 +7,7 @@ Three ops, each a package (``fused``, ``aligned``, ``low_latency``), on one pipe
 registry of engines (``engines``); see the README's architecture section.
 """
 
-from .activations import GELU, SiLU, SiTU, ReLU, ReLU2, GeGLU, GeGLUTanh, Identity, SwiGLU, SwiGLUStep
+from .activations import GELU, GeGLU, GeGLUTanh, Identity, ReLU, ReLU2, SiLU, SiTU, SwiGLU, SwiGLUStep
 from .aligned import AlignedWeights, align_routing, aligned_moe, prepare_aligned_weights, reference_aligned_moe
 from .distributed import ExpertParallelMoe, expert_shard, shard_weights
 from .fused import MoeLayer, Nvfp4MoeConfig, fused_moe, get_executor, reference_moe, unfinalized_row_count
@@ -17,7 +17,6 @@ from .pipeline.lifetime import release_deferred
 from .routing import Routing, pack_routing, unpack_routing
 from .version import __version__
 from .weights.nvfp4 import Nvfp4Activations, Nvfp4Weights
-
 
 __all__ = [
     "__version__",

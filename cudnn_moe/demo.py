@@ -8,8 +8,8 @@ from dataclasses import dataclass
 import torch
 
 from .activations import parse_activation
-from .fused.config import Nvfp4MoeConfig
 from .formats import dequantize_nvfp4
+from .fused.config import Nvfp4MoeConfig
 from .fused.reference import reference_for_prepared
 from .routing import Routing
 

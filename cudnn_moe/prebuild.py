@@ -20,11 +20,20 @@ from typing import Any, TextIO
 
 from .activations import Activation, parse_activation
 from .cache import (
-    ENV_VAR, KIND_CUDNN_PLAN, KIND_KERNEL, DiskCache, EntryKey, NotACacheError, cache_dir, set_cache_dir, stats,
+    ENV_VAR,
+    KIND_CUDNN_PLAN,
+    KIND_KERNEL,
+    DiskCache,
+    EntryKey,
+    NotACacheError,
+    cache_dir,
+    set_cache_dir,
+    stats,
 )
 from .engines.base import OP_FUSED
 from .engines.registry import engine_names
 from .fused.config import SIZE_MULTIPLE
+
 
 def _presets_file() -> Path:
     """graphs/presets.json: cudnn_moe/_graphs in an installed wheel, else the repository's graphs/."""

@@ -20,9 +20,9 @@ import numpy as np
 import torch
 
 from .. import kernels
+from ..capture import refuse_during_capture
 from ..engines.registry import engine_for
 from ..pipeline.call_cache import CheckedCalls, tensor_signature
-from ..capture import refuse_during_capture
 from ..pipeline.executor import Bucket, MoeExecutor
 from ..pipeline.lifetime import cached, release_deferred
 from .checks import check_operands

@@ -20,7 +20,16 @@ import torch
 import torch.nn.functional as F
 
 from ..validate import FLOAT_DTYPES, require_float32_scalar
-from .blocks import E4M3_MAX, block_scale_shape, check_codes, check_out_dtype, check_scales, check_values, split_blocks, to_e4m3
+from .blocks import (
+    E4M3_MAX,
+    block_scale_shape,
+    check_codes,
+    check_out_dtype,
+    check_scales,
+    check_values,
+    split_blocks,
+    to_e4m3,
+)
 
 FP8_BLOCK = 128
 

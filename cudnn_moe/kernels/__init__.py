@@ -19,7 +19,6 @@ from .stage import SOURCE as _STAGE_SOURCE
 from .stage import stage_inputs
 
 
-
 def load_call_kernels(device: int) -> None:
     """Compile, or load from the persistent cache, the kernels every fused_moe call launches around the
     bucket pipeline (stage, finalize), so that warming up a layer leaves nothing to build on its first call."""

@@ -11,7 +11,6 @@ from ..formats.scale_layout import swizzled_shape
 from .codes import ROW_THREADS, TokenLayout
 from .loader import launch, ptr
 
-
 UNIT_THREADS = 256  # most threads of a block of the unit-per-thread kernels (moe_permute_bf16, moe_activation)
 
 

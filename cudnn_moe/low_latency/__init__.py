@@ -5,8 +5,18 @@ shared pipeline) and the float64 references stating every rounding point (``refe
 the caller's payloads bit-exact.
 """
 
-from .op import low_latency_moe
+from ..weights.low_latency import (
+    BlockScaledWeights,
+    DenseWeights,
+    LowLatencyWeights,
+    Mxfp4WeightOnlyWeights,
+    Mxint4WeightOnlyWeights,
+    Nvfp4PairWeights,
+    Nvfp4WeightOnlyWeights,
+    WeightFormat,
+)
 from .config import MAX_NUM_TOKENS, MAX_TOP_K, LowLatencyMoeConfig
+from .op import low_latency_moe
 from .reference import (
     RawReference,
     combine_ordered_fp32,
@@ -17,16 +27,6 @@ from .reference import (
     reference_mxint4_weight_only,
     reference_nvfp4_pair,
     reference_nvfp4_weight_only,
-)
-from ..weights.low_latency import (
-    BlockScaledWeights,
-    DenseWeights,
-    LowLatencyWeights,
-    Mxfp4WeightOnlyWeights,
-    Mxint4WeightOnlyWeights,
-    Nvfp4PairWeights,
-    Nvfp4WeightOnlyWeights,
-    WeightFormat,
 )
 
 __all__ = [

@@ -27,10 +27,10 @@ import torch
 from .. import kernels
 from ..activations import Activation
 from ..arch import device_arch
+from ..capture import refuse_during_capture
 from ..engines.base import GemmEngine, LowLatencyCall
 from ..engines.registry import engine_for
 from ..pipeline.call_cache import tensor_signature
-from ..capture import refuse_during_capture
 from ..pipeline.executor import Bucket, MoeExecutor
 from ..pipeline.lifetime import cached
 from ..weights.low_latency import Nvfp4WeightOnlyWeights

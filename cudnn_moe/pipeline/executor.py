@@ -40,10 +40,10 @@ import torch
 
 from .. import kernels
 from ..activations import Activation
+from ..capture import refuse_during_capture
 from ..engines.base import GemmEngine, GemmOperands, GemmShape, LayerStages, Stage, TokenOperand, WeightOperand
 from ..routing import Routing
 from ..weights.nvfp4 import Nvfp4Activations, Nvfp4Weights
-from ..capture import refuse_during_capture
 from .lifetime import defer, release_deferred
 from .order import StreamOrder
 

@@ -3,6 +3,7 @@
 Importing this package does not import `cudnn`; building or running a graph does.
 """
 
+from .engine import CudnnGemmEngine
 from .grouped_gemm import (
     UID,
     GroupedFp4Gemm,
@@ -14,7 +15,6 @@ from .grouped_gemm import (
     token_scale_bytes,
     weight_scale_shape,
 )
-from .engine import CudnnGemmEngine
 from .handles import device_index, handle_for, using_handle
 from .plan_cache import graph_for
 from .probe import MIN_BACKEND, MIN_FRONTEND, NATIVE_NVFP4_MOE_BACKEND, backend_version, require_cudnn

@@ -220,7 +220,7 @@ def _operand(t: torch.Tensor, name: str, key: GroupedGemmKey, dtypes: tuple[torc
     if not t.is_cuda or t.device.index != key.device:
         raise ValueError(f"{name} must be on cuda:{key.device}, got {t.device}")
     if t.dtype not in dtypes:
-        raise ValueError(f"{name} must be one of {dtypes}, got {t.dtype}")
+        raise TypeError(f"{name} must be one of {dtypes}, got {t.dtype}")
     if not t.is_contiguous():
         raise ValueError(f"{name} must be contiguous")
     if t.numel() != math.prod(shape):

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from ...kernels.loader import launch, ptr
+from ...validate import require_contiguous, require_shape, require_tensor
 from .layout import TILE_K
 
 GEMM_SOURCE = "sm90/grouped_gemm.cu"
@@ -132,17 +133,15 @@ PREFILL = PrefillVariant()
 
 def _tensor(name: str, value: object) -> torch.Tensor:
     if not isinstance(value, torch.Tensor):
-        raise ValueError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
     return value
 
 
 def _check(name: str, t: torch.Tensor, dtypes: tuple[torch.dtype, ...], shape: tuple[int, ...]) -> None:
-    if t.dtype not in dtypes:
-        raise ValueError(f"{name} must be {' or '.join(str(d) for d in dtypes)}, got {t.dtype}")
-    if tuple(t.shape) != shape:
-        raise ValueError(f"{name} must have shape {list(shape)}, got {list(t.shape)}")
-    if not t.is_contiguous():
-        raise ValueError(f"{name} must be contiguous")
+    """The validation dialect of cudnn_moe.validate: TypeError for a dtype, ValueError for a shape or layout."""
+    require_tensor(name, t, dtypes)
+    require_shape(name, t, shape)
+    require_contiguous(**{name: t})
 
 
 def _check_device(named: dict[str, torch.Tensor], align: dict[str, int]) -> None:
