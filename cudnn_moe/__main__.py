@@ -5,13 +5,18 @@ from __future__ import annotations
 import argparse
 from dataclasses import fields
 
+from .activations import ACTIVATION_NAMES
 from .demo import DemoShape, run_demo
+from .prebuild import preset_summary
 from .prebuild import add_arguments as add_prebuild_arguments
 from .prebuild import run_prebuild
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="cudnn-moe", description="cudnn-moe: fused NVFP4 MoE layers (SM90 kernels or cuDNN graphs)")
+    parser = argparse.ArgumentParser(
+        prog="cudnn-moe", description="cudnn-moe: fused NVFP4 MoE layers (SM90 kernels or cuDNN graphs)",
+        epilog=f"presets (prebuild --preset): {preset_summary()}. activations: {', '.join(ACTIVATION_NAMES)}.",
+    )
     commands = parser.add_subparsers(dest="command", required=True)
     demo = commands.add_parser(
         "demo",

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
-from .activations import Activation, parse_activation
+from .activations import ACTIVATION_NAMES, Activation, parse_activation
 from .cache import (
     ENV_VAR,
     KIND_CUDNN_PLAN,
@@ -263,18 +263,28 @@ def parse_cache_dir(text: str) -> Path:
     return Path(text)
 
 
+def preset_summary() -> str:
+    """'name (E.. H.. I.. top-k), ...' of the shipped presets, or why they cannot be read."""
+    try:
+        presets = load_presets(PRESETS_FILE)
+    except ValueError as exc:
+        return f"(none readable: {exc})"
+    return ", ".join(f"{key} (E{p.experts} H{p.hidden} I{p.intermediate} top-{p.top_k})" for key, p in presets.items())
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The prebuild subcommand's options."""
     what = parser.add_argument_group("what to build")
     what.add_argument("--preset", action="append", type=parse_preset, default=[], metavar="NAME|PATH",
-                      help="a preset from graphs/presets.json, or a JSON file of the same format (repeatable)")
+                      help="a preset of graphs/presets.json, or a JSON file of the same format (repeatable); "
+                           f"presets: {preset_summary()}")
     what.add_argument("--shape", action="append", type=parse_shape, default=[], metavar="E,H,I,TOPK",
                       help="a custom layer shape: experts, hidden size, intermediate size, top-k (repeatable)")
     what.add_argument("--buckets", type=parse_buckets, default=DEFAULT_BUCKETS, metavar="LIST|max=N",
                       help="token buckets, powers of two up to 4096: e.g. 1,2,4,8, or max=N for every power of "
                            "two below N and N rounded up to one (max=100: 1, ..., 64, 128; default: 1, 2, 4, ..., 4096)")
     what.add_argument("--activation", type=parse_gpu_activation, default=parse_activation("swiglu"),
-                      help="the layer's activation (default: swiglu)")
+                      help=f"the layer's activation: {', '.join(ACTIVATION_NAMES)} (default: swiglu)")
     what.add_argument("--engine", choices=engine_names(OP_FUSED), default="auto",
                       help="GEMM engine (default: auto, the first that runs the layer on this GPU)")
     store = parser.add_argument_group("cache")
