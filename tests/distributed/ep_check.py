@@ -7,7 +7,7 @@ Run with one process per GPU (not collected by pytest):
 Every rank draws the full BF16 weights of a case from one seed on its GPU, prepares them whole (the
 single-GPU baseline) and its own shard (``shard_weights``), draws its own tokens (T differs per rank,
 0 on some), runs the EP layer and compares its rows with ``fused_moe`` on the full weights on the
-same GPU: moe_checks.check_close (no NaN, rows zero in the baseline zero, relative L2 <= 2% per row
+same GPU: tests.support.moe_checks.check_close (no NaN, rows zero in the baseline zero, relative L2 <= 2% per row
 and <= 0.5% overall; EP rounds each rank's partial to BF16 before the FP32 cross-rank sum, so it
 matches to BF16 noise, not bitwise). Then the whole EP call is captured in a torch.cuda.CUDAGraph and
 replayed: bitwise equal to the eager call, also after new inputs are written into the captured
@@ -33,14 +33,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-TESTS = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(TESTS.parent), str(TESTS)]
+REPO = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(REPO)]  # cudnn_moe and the tests package
 
 from cudnn_moe import (  # noqa: E402
     GELU, ExpertParallelMoe, Nvfp4MoeConfig, Routing, SwiGLU, fused_moe, pack_routing, shard_weights,
 )
 from cudnn_moe.activations import Activation  # noqa: E402
-from moe_checks import check_close  # noqa: E402
+from tests.support.moe_checks import check_close  # noqa: E402
 
 
 @dataclass

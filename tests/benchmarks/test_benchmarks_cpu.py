@@ -1,0 +1,228 @@
+"""The benchmark scripts on the CPU: floors, tables, arguments, the BF16 peer layer, and the table
+wiring of both mains with the CUDA calls faked (the GPU numbers themselves need a GPU)."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from tests.support import REPO
+
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import bench_moe  # noqa: E402
+import bench_stages  # noqa: E402
+import common  # noqa: E402
+
+from cudnn_moe.engines.base import GemmShape  # noqa: E402
+from cudnn_moe.engines.sm90.engine import choose_variant  # noqa: E402
+
+QWEN3, DEEPSEEK = common.MODELS["qwen3-30b-a3b"], common.MODELS["deepseek-v3"]
+ROOFLINE = common.Roofline(bandwidth_tbs=4.3, peak_tflops=790.0)
+TINY = common.ModelShape("tiny", "Tiny", experts=8, hidden=256, intermediate=128, top_k=2)
+
+
+def test_presets_load_as_shapes() -> None:
+    assert QWEN3 == common.ModelShape("qwen3-30b-a3b", "Qwen3-30B-A3B", 128, 2048, 768, 8)
+    assert DEEPSEEK.weights_per_expert == 3 * 7168 * 2048
+    assert set(common.DEFAULT_MODELS) <= set(common.MODELS)
+
+
+def test_floors_of_known_shapes() -> None:
+    # Qwen3 T=1, 8 experts touched: memory-bound, 8 * 3*2048*768 weights.
+    weights = 8 * 3 * 2048 * 768
+    assert ROOFLINE.floor_us(QWEN3, 1, 8, common.FP4_BYTES_PER_WEIGHT) == pytest.approx(weights * 0.5625 / 4.3e6)
+    assert ROOFLINE.floor_us(QWEN3, 1, 8, common.FP4_BYTES_PER_WEIGHT) == pytest.approx(4.938, abs=1e-3)
+    assert ROOFLINE.floor_us(QWEN3, 1, 8, common.BF16_BYTES_PER_WEIGHT) == pytest.approx(17.558, abs=1e-3)
+    # DeepSeek-V3 T=4096, all 256 experts: compute-bound for both formats (2 * T * k * 3HI FLOPs at 790 TFLOP/s).
+    compute = 2 * 4096 * 8 * 3 * 7168 * 2048 / 790e6
+    assert ROOFLINE.floor_us(DEEPSEEK, 4096, 256, common.FP4_BYTES_PER_WEIGHT) == pytest.approx(compute)
+    assert ROOFLINE.floor_us(DEEPSEEK, 4096, 256, common.BF16_BYTES_PER_WEIGHT) == pytest.approx(5243.9, abs=0.1)
+    assert compute == pytest.approx(3653.4, abs=0.1)
+
+
+def test_table_formatting(capsys: pytest.CaptureFixture[str]) -> None:
+    report = common.Report()
+    report.table(["model", "T", "us"], left=2)
+    report.emit(common.md_row(["Qwen3", "1", common.fmt(12.345)]))
+    report.note("said once")
+    report.note("said once")
+    assert report.lines == ["| model | T | us |", "| --- | --- | ---: |", "| Qwen3 | 1 | 12.3 |"]
+    assert report.markdown().endswith("| Qwen3 | 1 | 12.3 |\n\n- said once\n")
+    assert capsys.readouterr().out.count("note: said once") == 1
+
+
+def test_report_writes_markdown(tmp_path: Path) -> None:
+    report = common.Report()
+    report.emit("header")
+    report.write(None)
+    report.write(tmp_path / "bench.md")
+    assert (tmp_path / "bench.md").read_text() == "header\n\n"
+
+
+def test_default_arguments() -> None:
+    args = bench_moe.parse_args([])
+    assert args.models == ["qwen3-30b-a3b", "deepseek-v3"]
+    assert args.tokens == [1, 8, 64, 512, 4096]
+    assert args.engines == ["sm90", "cudnn"]
+    assert (args.iters, args.skip_slow_cudnn, args.markdown) == (20, True, None)
+    assert (args.bandwidth_tbs, args.peak_tflops, args.host_calls) == (4.3, 790.0, 300)
+    stages = common.make_parser("x").parse_args(["--no-skip-slow-cudnn", "--engines", "cudnn", "--tokens", "4"])
+    assert (stages.skip_slow_cudnn, stages.engines, stages.tokens) == (False, ["cudnn"], [4])
+
+
+@pytest.mark.parametrize("argv", [["--tokens", "0"], ["--engines", "cublas"], ["--models", "nope"], ["--iters", "-1"]])
+def test_bad_arguments_exit_2(argv: list[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        bench_moe.parse_args(argv)
+    assert exc.value.code == 2
+
+
+@pytest.mark.parametrize("script", [bench_moe, bench_stages])
+def test_help(script: object, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        script.main(["--help"])
+    assert exc.value.code == 0
+    assert "--engines" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without a GPU")
+@pytest.mark.parametrize("script", [bench_moe, bench_stages])
+def test_main_without_gpu_returns_2(script: object, capsys: pytest.CaptureFixture[str]) -> None:
+    assert script.main([]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_slow_cudnn_skip_and_cell_status() -> None:
+    assert common.slow_skip(True, DEEPSEEK, "cudnn", 512)
+    assert not common.slow_skip(True, DEEPSEEK, "cudnn", 64)
+    assert not common.slow_skip(True, DEEPSEEK, "sm90", 4096)
+    assert not common.slow_skip(True, QWEN3, "cudnn", 4096)
+    assert not common.slow_skip(False, DEEPSEEK, "cudnn", 4096)
+    report = common.Report()
+    prepared = {"cudnn": ("config", "weights")}
+
+    def fail(config: object, weights: object) -> float:
+        raise NotImplementedError("no kernel")
+
+    assert common.measure_engine(report, True, DEEPSEEK, 1, "sm90", prepared, lambda c, w: 1.0) == "n/a"
+    assert common.measure_engine(report, True, DEEPSEEK, 512, "cudnn", prepared, lambda c, w: 1.0) == "skipped"
+    measured = common.measure_engine(report, True, DEEPSEEK, 8, "cudnn", prepared, lambda c, w: (c, w))
+    assert measured == ("config", "weights")
+    assert common.measure_engine(report, True, DEEPSEEK, 8, "cudnn", prepared, fail) == "error"
+    assert report.notes == ["DeepSeek-V3 engine cudnn: NotImplementedError: no kernel ('error' cells)"]
+
+
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="torch without _grouped_mm")
+def test_bf16_peer_matches_a_loop() -> None:
+    gen = torch.Generator().manual_seed(0)
+    x, ids, route_w = common.random_batch(TINY, 5, gen)
+    w1, w2 = common.random_weights(TINY, gen)
+    got = bench_moe.grouped_mm_layer(x, ids.long(), route_w, w1.transpose(1, 2), w2.transpose(1, 2), TINY.intermediate)
+    want = torch.zeros(5, TINY.hidden)
+    for t in range(5):
+        for s in range(TINY.top_k):
+            h = w1[ids[t, s]].float() @ x[t].float()
+            up, gate = h[: TINY.intermediate], h[TINY.intermediate :]
+            want[t] += route_w[t, s] * (w2[ids[t, s]].float() @ (torch.nn.functional.silu(gate) * up))
+    assert got.dtype == torch.bfloat16 and got.shape == (5, TINY.hidden)
+    assert torch.linalg.norm(got.float() - want) <= 0.02 * torch.linalg.norm(want)
+
+
+def test_bf16_peer_offsets_are_cumulative_counts() -> None:
+    ids = torch.tensor([[3, 0], [3, 5], [7, 0]])
+    sorted_ids, _ = torch.sort(ids.reshape(-1), stable=True)
+    offs = torch.searchsorted(sorted_ids, torch.arange(8), right=True, out_int32=True)
+    assert offs.tolist() == torch.cumsum(torch.bincount(ids.reshape(-1), minlength=8), 0).tolist()
+
+
+class _FakeGraph:
+    def replay(self) -> None:
+        pass
+
+
+class _FakeTimer:
+    def __init__(self, iters: int) -> None:
+        self.iters = iters
+
+    def median_us(self, fn: object) -> float:
+        for _ in range(self.iters):
+            fn()
+        return 10.0
+
+
+class _FakeExecutor:
+    engine = SimpleNamespace(variant=lambda rows, shape: choose_variant(rows, shape, sm_count=132))
+
+    def bucket(self, tokens: int) -> SimpleNamespace:
+        rows = common.MODELS["tiny"].top_k * tokens + 7 * min(tokens * 2, 8)
+        gemm = [SimpleNamespace(rows=rows, shape=GemmShape(k, n, 8)) for k, n in ((256, 256), (128, 256))]
+        return SimpleNamespace(rows=rows, gemm1=gemm[0], gemm2=gemm[1])
+
+    def stages(self, bucket: SimpleNamespace) -> list[tuple[str, object]]:
+        return [(name, lambda: None) for name in bench_stages.STAGES]
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The benchmarks' CUDA calls replaced by CPU stand-ins, and a tiny preset."""
+    real_generator = torch.Generator
+    monkeypatch.setitem(common.MODELS, "tiny", TINY)
+    monkeypatch.setattr(torch, "Generator", lambda device=None: real_generator())
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", _FakeGraph)
+    monkeypatch.setattr(torch.cuda, "graph", lambda graph: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: None)
+    monkeypatch.setattr(torch.cuda, "set_stream", lambda stream: None)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda: "Fake GPU")
+    monkeypatch.setattr(common, "Timer", _FakeTimer)
+    monkeypatch.setattr(common, "fused_moe", lambda config, acts, routing, weights, out: out.zero_())
+    for script in (bench_moe, bench_stages):
+        monkeypatch.setattr(script, "executor_for", lambda *args: _FakeExecutor())
+        monkeypatch.setattr(script, "gpu_missing", lambda name: False)
+
+
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="torch without _grouped_mm")
+def test_bench_moe_tables_with_fake_cuda(fake_cuda: None, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    md = tmp_path / "bench.md"
+    argv = ["--models", "tiny", "--tokens", "1", "4", "--engines", "sm90", "cudnn", "--iters", "2", "--host-calls", "3"]
+    assert bench_moe.main([*argv, "--markdown", str(md)]) == 0
+    text = md.read_text()
+    assert "| Tiny | 1 |" in capsys.readouterr().out
+    rows = [line for line in text.splitlines() if line.startswith("| Tiny |")]
+    assert len(rows) == 2 + 2 + 2  # two token counts, SM90 variants, the host rows of both engines at T=1
+    cells = rows[0].strip("| ").split(" | ")
+    assert cells[:3] == ["Tiny", "1", "10.0"] and cells[4] == "10.0" and cells[-1] == "1.00x"
+    assert cells[3] == common.fmt(10.0 / ROOFLINE.floor_us(TINY, 1, 2, common.FP4_BYTES_PER_WEIGHT))
+    assert "host us per fused_moe call (T=1)" in text
+    assert rows[-2].startswith("| Tiny | sm90 |") and rows[-1].startswith("| Tiny | cudnn |")
+    assert [row.split(" | ")[1:3] for row in rows[2:4]] == [["1", "sm90"], ["4", "sm90"]]
+    assert "Variant(" in rows[2]
+
+
+def test_bench_stages_table_with_fake_cuda(fake_cuda: None, tmp_path: Path) -> None:
+    md = tmp_path / "stages.md"
+    assert bench_stages.main(["--models", "tiny", "--tokens", "2", "--engines", "cudnn", "--iters", "1",
+                              "--markdown", str(md)]) == 0
+    lines = md.read_text().splitlines()
+    assert lines[4] == ("| model | T | engine | sort | permute | gemm1 | activation | gemm2 | sum of stages | "
+                        "whole call |")
+    assert lines[6] == "| Tiny | 2 | cudnn | 10.0 | 10.0 | 10.0 | 10.0 | 10.0 | 50.0 | 10.0 |"
+
+
+def test_bf16_peer_falls_back_to_eager_and_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_capture(fn: object) -> None:
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(bench_moe, "capture", no_capture)
+    report = common.Report()
+    peer = bench_moe.Bf16Peer(report)
+    calls = []
+    assert peer.time_us(_FakeTimer(2), lambda: calls.append(1)) == (10.0, "10.0 (eager)")
+    assert peer.time_us(_FakeTimer(2), lambda: calls.append(1)) == (10.0, "10.0 (eager)")
+    assert len(calls) == 6 and len(report.notes) == 1 and "timed eagerly" in report.notes[0]

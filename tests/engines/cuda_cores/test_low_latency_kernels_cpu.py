@@ -1,0 +1,403 @@
+"""CPU checks of the low-latency kernels (kernels_cuda/low_latency/ll_moe.cu) and of the call's host side:
+
+- every module builds with nvcc for sm_80, sm_90a, sm_100a and sm_120a (every weight decoder on every arch;
+  every (weights, input) module on sm_90a), skipped cleanly without nvcc;
+- the sm_90a SASS streams the weights with 128-bit loads that bypass L1 and uses no local memory (no spills);
+- the launch wrappers pass exactly the argument types of the kernels' C signatures, with the documented grids;
+- the shared activation math (activation_math.cuh), built for the host, matches the float64 activations of
+  cudnn_moe.activations for all ten kinds;
+- the call checks its arguments (types, devices) before anything runs.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from cudnn_moe.activations import (
+    GELU,
+    GeGLU,
+    GeGLUTanh,
+    Identity,
+    ReLU,
+    ReLU2,
+    SiLU,
+    SiTU,
+    SwiGLU,
+    SwiGLUStep,
+)
+from cudnn_moe.kernels import cuda_defines, kernels_dir
+from cudnn_moe.kernels.codes import LL_MAX_SLOTS, LL_THREADS, LowLatencyInputCode, LowLatencyWeightCode
+from cudnn_moe.low_latency import LowLatencyMoeConfig, WeightFormat, low_latency_moe
+from cudnn_moe.engines.cuda_cores import kernels as ll
+from cudnn_moe.routing import Routing
+
+from tests.support import REPO as ROOT
+
+sys.path.insert(0, str(ROOT / "scripts"))
+import sass_budget  # noqa: E402
+from tests.support.kernel_sources import ARG_TYPES, HOST_PRELUDE, NVCC, kernel_signatures, submit  # noqa: E402
+
+SOURCE = kernels_dir() / ll.SOURCE
+CXX = shutil.which("c++") or shutil.which("g++")
+CUOBJDUMP = sass_budget.find_tool("cuobjdump")
+ARCHS = ("80", "90a", "100a", "120a")
+# One module per weight decoder and token input kind: together they compile every line of ll_moe.cu.
+DECODERS = (
+    (LowLatencyWeightCode.BF16, LowLatencyInputCode.BF16),
+    (LowLatencyWeightCode.FP16, LowLatencyInputCode.FP16),
+    (LowLatencyWeightCode.NVFP4, LowLatencyInputCode.NVFP4),
+    (LowLatencyWeightCode.MXFP4, LowLatencyInputCode.FP16),
+    (LowLatencyWeightCode.MXINT4, LowLatencyInputCode.BF16),
+)
+
+
+def _variant_id(variant: tuple[LowLatencyWeightCode, LowLatencyInputCode]) -> str:
+    return f"{variant[0].name.lower()}-{variant[1].name.lower()}"
+
+
+def _nvcc_command(arch: str, variant: tuple[LowLatencyWeightCode, LowLatencyInputCode]) -> list[str]:
+    return [NVCC, "-std=c++17", f"-gencode=arch=compute_{arch},code=sm_{arch}", "-cubin", "-I", str(kernels_dir()),
+            *cuda_defines(), *ll.module_options(*variant), "-Xptxas", "-v", str(SOURCE)]
+
+
+def _build_all(arch: str, variants) -> dict[str, tuple[subprocess.CompletedProcess, Path]]:
+    """Variant id -> (nvcc result, cubin), built in parallel, once per session (kernel_sources.submit)."""
+    futures = {_variant_id(variant): submit(_nvcc_command(arch, variant), ".cubin") for variant in variants}
+    return {name: future.result() for name, future in futures.items()}
+
+
+def nvcc_jobs(item: pytest.Item) -> list[tuple[list[str], str]]:
+    """The nvcc builds ``item`` needs, started ahead by the session (kernel_sources.prefetch)."""
+    if item.originalname == "test_every_decoder_compiles":
+        return [(_nvcc_command(item.callspec.params["arch"], variant), ".cubin") for variant in DECODERS]
+    if "sm90_builds" in item.fixturenames:
+        return [(_nvcc_command("90a", variant), ".cubin") for variant in ll.MODULE_VARIANTS]
+    return []
+
+
+@pytest.fixture(scope="module")
+def sm90_builds() -> dict[str, tuple[subprocess.CompletedProcess, Path]]:
+    return _build_all("90a", ll.MODULE_VARIANTS)
+
+
+def test_module_variants_cover_every_call() -> None:
+    """The modules a call can ask for are the ones built here."""
+    asked = set()
+    for fmt in WeightFormat:
+        dtypes = {WeightFormat.BF16: (torch.bfloat16,), WeightFormat.FP16: (torch.float16,),
+                  WeightFormat.NVFP4_W_NVFP4_A: (None,)}.get(fmt, (torch.bfloat16, torch.float16))
+        asked |= {(ll.weight_code(fmt), ll.input_code(fmt, d)) for d in dtypes}
+    assert asked == set(ll.MODULE_VARIANTS)
+    assert {w for w, _ in DECODERS} == set(LowLatencyWeightCode) and {i for _, i in DECODERS} == set(LowLatencyInputCode)
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found")
+@pytest.mark.parametrize("arch", [a for a in ARCHS if a != "90a"])
+def test_every_decoder_compiles(arch: str) -> None:
+    for name, (result, _) in _build_all(arch, DECODERS).items():
+        assert result.returncode == 0, f"sm_{arch} {name}:\n{result.stderr}"
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found")
+def test_every_module_compiles_for_sm90a_without_spills(sm90_builds) -> None:
+    for name, (result, _) in sm90_builds.items():
+        assert result.returncode == 0, f"sm_90a {name}:\n{result.stderr}"
+        spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", result.stderr)
+        assert spills and all(s == ("0", "0") for s in spills), f"sm_90a {name} spills registers:\n{result.stderr}"
+
+
+@pytest.mark.skipif(NVCC is None or CUOBJDUMP is None, reason="nvcc or cuobjdump not found")
+def test_sm90a_sass_streams_weights_in_128_bit_loads(sm90_builds) -> None:
+    """Both GEMM kernels load the weights with LDG.E.NA.128 (16 bytes a lane, not allocated in L1) and touch no
+    local memory."""
+    for name, (result, cubin) in sm90_builds.items():
+        assert result.returncode == 0, result.stderr
+        functions = sass_budget.disassemble(cubin)
+        for kernel in ("ll_gemm1", "ll_gemm2"):
+            code = [text for _, text in functions[kernel]]
+            wide = [t for t in code if re.search(r"\bLDG\.E\.NA\.128\b", t)]
+            assert wide, f"{name} {kernel}: no 128-bit streaming weight load in the SASS"
+            local = [t for t in code if re.search(r"\b(LDL|STL)\b", t)]
+            assert not local, f"{name} {kernel}: local memory traffic {local[:3]}"
+
+
+def _find_nvrtc() -> str | None:
+    """libnvrtc: $LL_NVRTC_LIBRARY, the CUDA toolkit next to nvcc, or an nvidia-* wheel of this Python."""
+    import ctypes.util
+    import os
+
+    candidates = [os.environ.get("LL_NVRTC_LIBRARY", "")]
+    if NVCC:
+        candidates += sorted(str(p) for p in (Path(NVCC).resolve().parent.parent / "lib64").glob("libnvrtc.so*"))
+    try:
+        import nvidia  # type: ignore[import-not-found]
+
+        for base in getattr(nvidia, "__path__", []):
+            candidates += sorted(str(p) for p in Path(base).glob("*/lib/libnvrtc.so*"))
+    except ImportError:
+        pass
+    candidates.append(ctypes.util.find_library("nvrtc") or "")
+    return next((c for c in candidates if c and Path(c).exists()), None)
+
+
+NVRTC = _find_nvrtc()
+
+
+@pytest.mark.skipif(NVRTC is None, reason="libnvrtc not found (set LL_NVRTC_LIBRARY to run this)")
+@pytest.mark.parametrize("variant", DECODERS, ids=_variant_id)
+def test_nvrtc_builds_what_the_loader_builds(variant) -> None:
+    """The GPU builds these modules with NVRTC (no host headers, the loader's options): the same source text and
+    options compile here for sm_90a."""
+    import ctypes
+
+    from cudnn_moe.kernels.loader import compile_options, module_source
+
+    lib = ctypes.CDLL(NVRTC)
+    program = ctypes.c_void_p()
+    source = module_source(ll.SOURCE).encode()
+    assert lib.nvrtcCreateProgram(ctypes.byref(program), source, b"ll_moe.cu", 0, None, None) == 0
+    options = [o.encode() for o in (*compile_options(ll.module_options(*variant)), "--gpu-architecture=sm_90a")]
+    status = lib.nvrtcCompileProgram(program, len(options), (ctypes.c_char_p * len(options))(*options))
+    size = ctypes.c_size_t()
+    lib.nvrtcGetProgramLogSize(program, ctypes.byref(size))
+    log = ctypes.create_string_buffer(size.value)
+    lib.nvrtcGetProgramLog(program, log)
+    lib.nvrtcDestroyProgram(ctypes.byref(program))
+    assert status == 0, log.value.decode(errors="replace")
+
+
+# ----------------------------------------------------------------------------- wrappers vs C signatures
+def _cpu_layer(fmt: WeightFormat):
+    config = LowLatencyMoeConfig(8, arch="sm90")
+    e, h, i = 3, 512, 128
+    if fmt is WeightFormat.BF16:
+        return config.prepare_bf16_weights(torch.zeros(e, 2 * i, h, dtype=torch.bfloat16),
+                                           torch.zeros(e, h, i, dtype=torch.bfloat16))
+    if fmt is WeightFormat.NVFP4_W_NVFP4_A:
+        return config.prepare_nvfp4_weights(torch.zeros(e, 2 * i, h), torch.zeros(e, h, i))
+    return config.prepare_mxint4_weight_only(torch.zeros(e, 2 * i, h // 2, dtype=torch.uint8),
+                                            torch.zeros(e, 2 * i, h // 32, dtype=torch.bfloat16),
+                                            torch.zeros(e, h, i // 2, dtype=torch.uint8),
+                                            torch.zeros(e, h, i // 32, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("fmt", [WeightFormat.BF16, WeightFormat.MXINT4_WEIGHT_ONLY, WeightFormat.NVFP4_W_NVFP4_A])
+def test_wrappers_match_kernel_signatures(fmt: WeightFormat, monkeypatch: pytest.MonkeyPatch) -> None:
+    launches: list[tuple[str, Any, int, tuple[Any, ...], tuple[str, ...]]] = []
+    monkeypatch.setattr(ll, "ptr", lambda tensor, align=1: np.uint64(0))
+    monkeypatch.setattr(ll, "launch", lambda file, name, device, grid, block, args, extra_options=():
+                        launches.append((name, grid, block, args, extra_options)))
+    weights = _cpu_layer(fmt)
+    tokens, top_k, h, ip = 5, 4, weights.hidden_size, weights.padded_intermediate
+    if fmt is WeightFormat.NVFP4_W_NVFP4_A:
+        x, x_scales, x_dtype = torch.zeros(tokens, h // 2, dtype=torch.uint8), torch.zeros(tokens, h // 16), None
+    else:
+        x, x_scales, x_dtype = torch.zeros(tokens, h, dtype=torch.bfloat16), None, torch.bfloat16
+    ids = torch.zeros(tokens, top_k, dtype=torch.int64)
+    inter = torch.zeros(tokens * top_k, ip, dtype=torch.int16)
+    rows = torch.zeros(tokens * top_k, h, dtype=torch.int16)
+    ll.gemm1(weights, x, x_scales, ids, 1, tokens, top_k, SwiGLU(alpha=2.0, beta=0.5, limit=7.0), inter)
+    counters = torch.zeros(ll.max_gemm2_columns(h), dtype=torch.int32)
+    out = torch.zeros(tokens, h, dtype=torch.float16)
+    ll.gemm2(weights, x_dtype, inter, ids, torch.zeros(tokens, top_k), 1, tokens, top_k, True, rows, out, counters)
+    ll.gemm2(weights, x_dtype, inter, ids, None, 0, tokens, top_k, False, rows, None, None)
+    signatures = kernel_signatures([SOURCE])
+    assert sorted(signatures) == sorted(ll.KERNELS)
+    assert [name for name, *_ in launches] == ["ll_gemm1", "ll_gemm2", "ll_gemm2"]
+    code_w, code_x = ll.weight_code(fmt), ll.input_code(fmt, x_dtype)
+    for name, grid, block, args, options in launches:
+        assert [type(a) for a in args] == [ARG_TYPES[k] for k in signatures[name]], name
+        assert block == LL_THREADS and options == ll.module_options(code_w, code_x), name
+    lpr1 = ll.lanes_per_row(ll.row_bytes(fmt, h) // 16)
+    lpr2 = ll.lanes_per_row(ll.row_bytes(fmt, ip) // 16)
+    slots = tokens * top_k
+    columns1, columns2 = -(-ip // (8 * (32 // lpr1))), -(-h // (16 * (32 // lpr2)))
+    n1 = 2 if weights.gated else 1
+    rounds1 = ll.choose_rounds(columns1, slots, 132, 8 * (32 // lpr1) * n1 * ll.row_bytes(fmt, h))
+    rounds2 = ll.choose_rounds(columns2, slots, 132, 16 * (32 // lpr2) * ll.row_bytes(fmt, ip))
+    assert launches[0][1] == (-(-columns1 // rounds1), slots)
+    assert launches[1][1] == launches[2][1] == (-(-columns2 // rounds2), slots)
+    assert launches[1][1][0] <= counters.numel()
+    gemm1_names = ["x", "x_scales", "ids", "routing", "id_bytes", "num_tokens", "top_k", "num_experts", "w", "w_scales",
+                   "w_global", "hidden", "inter", "inter_padded", "gated", "lanes", "rounds", "act", "alpha", "beta",
+                   "limit", "out"]
+    gemm1_args = dict(zip(gemm1_names, launches[0][3]))
+    assert len(gemm1_names) == len(launches[0][3])
+    assert (gemm1_args["lanes"], gemm1_args["rounds"], gemm1_args["gated"]) == (lpr1, rounds1, 1)
+    assert gemm1_args["id_bytes"] == 8 and gemm1_args["num_tokens"] == tokens and gemm1_args["top_k"] == top_k
+    assert (gemm1_args["act"], gemm1_args["alpha"], gemm1_args["beta"], gemm1_args["limit"]) == (10, 2.0, 0.5, 7.0)
+    gemm2_names = ["inter", "ids", "weights", "routing", "id_bytes", "num_tokens", "top_k", "num_experts", "w",
+                   "w_scales", "w_global", "hidden", "inter_padded", "lanes", "rounds", "out_fp16", "finalize", "rows",
+                   "out", "counters"]
+    assert len(gemm2_names) == len(launches[1][3])
+    gemm2_args = dict(zip(gemm2_names, launches[1][3]))
+    assert (gemm2_args["finalize"], gemm2_args["out_fp16"], gemm2_args["lanes"], gemm2_args["rounds"]) == (1, 1, lpr2, rounds2)
+    raw_args = dict(zip(gemm2_names, launches[2][3]))
+    assert (raw_args["finalize"], raw_args["routing"], raw_args["out_fp16"]) == (0, 0, 0)
+    assert slots <= LL_MAX_SLOTS
+
+
+def test_choose_rounds() -> None:
+    kb = 1 << 10
+    # Qwen3-30B-A3B NVFP4 GEMM1 (96 blocks of 8 features x 2 rows x 1 KB): T=1 (8 slots) keeps one round
+    # (768 CTAs), T=8 (64 slots) takes four (64 KB a CTA).
+    assert ll.choose_rounds(96, 8, 132, 16 * kb) == 1
+    assert ll.choose_rounds(96, 64, 132, 16 * kb) == 4
+    assert ll.choose_rounds(256, 8, 132, 56 * kb) == 2  # DeepSeek-V3 NVFP4 GEMM1 at T=1: 1024 CTAs of 112 KB
+    assert ll.choose_rounds(448, 8, 132, 16 * kb) == 4  # DeepSeek-V3 NVFP4 GEMM2 at T=1
+    assert ll.choose_rounds(256, 64, 132, 229 * kb) == 1  # DeepSeek-V3 BF16 GEMM1: big blocks already
+    assert ll.choose_rounds(1, 1, 132, kb) == 1
+
+
+# ----------------------------------------------------------------------------- activation math on the host
+_ACT_DRIVER = HOST_PRELUDE + r"""
+#include "activation_math.cuh"
+using namespace moe;
+
+// stdin: lines "act gated alpha beta limit n" then n pairs "up gate"; stdout: y per pair (%.9g).
+int main() {
+  int act, gated, n;
+  float alpha, beta, limit;
+  while (std::scanf("%d %d %f %f %f %d", &act, &gated, &alpha, &beta, &limit, &n) == 6) {
+    for (int i = 0; i < n; ++i) {
+      float up, gate;
+      if (std::scanf("%f %f", &up, &gate) != 2) return 1;
+      const float y = gated ? act_gated_all(act, up, gate, alpha, beta, limit) : act_fn(act, up);
+      std::printf("%.9g\n", y);
+    }
+  }
+  return 0;
+}
+"""
+
+HOST_ACTIVATIONS = (Identity(), ReLU(), GELU(), SiLU(), ReLU2(), SwiGLU(), SwiGLU(alpha=1.702, beta=1.0, limit=7.0),
+                    GeGLU(), GeGLUTanh(), SwiGLUStep(), SwiGLUStep(limit=2.0), SiTU(), SiTU(a=2.0, b=3.0))
+
+
+@pytest.mark.skipif(CXX is None, reason="no C++ compiler")
+def test_activation_math_matches_the_reference_activations(tmp_path: Path) -> None:
+    """Every kind's device formula (the one header both pipelines include), built for the host in FP32, against
+    the float64 Activation.apply of cudnn_moe.activations: within FP32 rounding of the formula."""
+    source, program = tmp_path / "act.cpp", tmp_path / "act"
+    source.write_text(_ACT_DRIVER)
+    build = [CXX, "-std=c++17", "-O1", "-I", str(kernels_dir()), *cuda_defines(), str(source), "-o", str(program)]
+    result = subprocess.run(build, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    gen = torch.Generator().manual_seed(0)
+    up = torch.cat([torch.randn(400, generator=gen) * 4, torch.tensor([0.0, -0.0, 10.0, -10.0, 30.0, -30.0, 1e-3])])
+    gate = torch.cat([torch.randn(400, generator=gen) * 4, torch.tensor([0.0, 0.0, -30.0, 30.0, 7.5, 8.0, -1e-3])])
+    up, gate = up.float().double(), gate.float().double()
+    lines = []
+    for act in HOST_ACTIVATIONS:
+        alpha, beta, limit = act.params()
+        lines.append(f"{int(act.kind)} {int(act.gated)} {alpha!r} {beta!r} {limit if math.isfinite(limit) else 'inf'} {up.numel()}")
+        lines += [f"{u!r} {g!r}" for u, g in zip(up.tolist(), gate.tolist())]
+    run = subprocess.run([str(program)], input="\n".join(lines) + "\n", capture_output=True, text=True, check=True)
+    got = torch.tensor([float(v) for v in run.stdout.split()], dtype=torch.float64).view(len(HOST_ACTIVATIONS), -1)
+    for row, act in zip(got, HOST_ACTIVATIONS):
+        want = act.apply(up, gate) if act.gated else act.apply(up)
+        err = (row - want).abs()
+        bound = 1e-5 * want.abs() + 1e-6
+        assert bool((err <= bound).all()), (
+            f"{act}: host FP32 formula differs from the reference by {float((err - bound).max()):.3g} over the bound "
+            f"at up={float(up[int((err - bound).argmax())])}, gate={float(gate[int((err - bound).argmax())])}")
+
+
+# ----------------------------------------------------------------------------- decoders on the host
+_DECODE_DRIVER = HOST_PRELUDE + r"""
+#include "low_latency/decode.cuh"
+
+// argv[1]: uint32 words; argv[2]: per word 8 E2M1 values then 8 INT4 values (float32); then for b = 0..255
+// the E8M0 and E4M3 values of b.
+int main(int, char** argv) {
+  FILE* in = std::fopen(argv[1], "rb");
+  FILE* out = std::fopen(argv[2], "wb");
+  unsigned int q;
+  while (std::fread(&q, 4, 1, in) == 1) {
+    float v[16];
+    ll::decode_e2m1_word(q, v);
+    ll::decode_int4_word(q, v + 8);
+    std::fwrite(v, 4, 16, out);
+  }
+  for (unsigned int b = 0; b < 256; ++b) {
+    const float s[2] = {ll::e8m0_to_float(b), ll::e4m3_value(b)};
+    std::fwrite(s, 4, 2, out);
+  }
+  return std::fclose(out) != 0 || std::fclose(in) != 0;
+}
+"""
+
+
+@pytest.mark.skipif(CXX is None, reason="no C++ compiler")
+def test_decoders_match_the_codecs_for_every_code(tmp_path: Path) -> None:
+    """decode.cuh (the kernels' E2M1, INT4, E8M0 and E4M3 decoders), built for the host with the bf16x2 FMA
+    emulated: every code in every nibble position gives the value of cudnn_moe.formats (element 2i = low nibble
+    of byte i), bit for bit, and every E8M0 / E4M3 byte the value torch gives (bits; NaN codes NaN)."""
+    from cudnn_moe.formats import decode_e2m1
+
+    source, program = tmp_path / "decode.cpp", tmp_path / "decode"
+    source.write_text(_DECODE_DRIVER)
+    build = [CXX, "-std=c++17", "-O1", "-I", str(kernels_dir()), *cuda_defines(), str(source), "-o", str(program)]
+    result = subprocess.run(build, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    gen = torch.Generator().manual_seed(0)
+    nibbles = torch.arange(16, dtype=torch.int64)
+    same = (nibbles[:, None] * torch.tensor([0x11111111], dtype=torch.int64)).flatten()  # every code everywhere
+    counting = torch.tensor([0x76543210, 0xFEDCBA98, 0x89ABCDEF, 0x01234567], dtype=torch.int64)
+    randoms = torch.randint(0, 2**32, (4096,), generator=gen, dtype=torch.int64)
+    words = torch.cat([same, counting, randoms]).to(torch.uint32 if hasattr(torch, "uint32") else torch.int64)
+    np.asarray(words.numpy(), dtype=np.uint32).tofile(tmp_path / "in.bin")
+    subprocess.run([str(program), str(tmp_path / "in.bin"), str(tmp_path / "out.bin")], check=True)
+    raw = np.fromfile(tmp_path / "out.bin", dtype=np.float32)
+    n = words.numel()
+    got = torch.from_numpy(raw[: 16 * n].reshape(n, 16).copy())
+    as_bytes = torch.from_numpy(np.asarray(words.numpy(), dtype=np.uint32).view(np.uint8).reshape(n, 4).copy())
+    codes = torch.stack((as_bytes & 0xF, as_bytes >> 4), dim=-1).reshape(n, 8)  # element 2i: low nibble of byte i
+    want_fp4 = decode_e2m1(codes)
+    assert torch.equal(got[:, :8].view(torch.int32), want_fp4.view(torch.int32)), "E2M1 decode differs (bits)"
+    want_int4 = torch.where(codes >= 8, codes.long() - 16, codes.long()).float()
+    assert torch.equal(got[:, 8:], want_int4), "INT4 decode differs"
+    scales = torch.from_numpy(raw[16 * n :].copy()).view(256, 2)
+    byte = torch.arange(256, dtype=torch.uint8)
+    torch.testing.assert_close(scales[:, 0], byte.view(torch.float8_e8m0fnu).float(), rtol=0, atol=0, equal_nan=True)
+    assert scales[0, 0] == 2.0**-127 and scales[255, 0].isnan()
+    e4m3 = byte.view(torch.float8_e4m3fn).float()
+    finite = e4m3.isfinite()
+    assert torch.equal(scales[finite, 1].view(torch.int32), e4m3[finite].view(torch.int32)), "E4M3 decode differs (bits)"
+    assert bool(scales[~finite, 1].isnan().all()) and int((~finite).sum()) == 2
+
+
+# ----------------------------------------------------------------------------- call checks on the CPU
+def test_call_checks_arguments_before_any_launch() -> None:
+    config = LowLatencyMoeConfig(4, arch="sm90")
+    weights = _cpu_layer(WeightFormat.BF16)
+    x = torch.zeros(2, weights.hidden_size, dtype=torch.bfloat16)
+    routing = Routing.unpacked(torch.zeros(2, 2, dtype=torch.int32), torch.ones(2, 2))
+    with pytest.raises(TypeError, match="config"):
+        low_latency_moe(object(), x, weights, routing)
+    with pytest.raises(TypeError, match="weights"):
+        low_latency_moe(config, x, object(), routing)
+    with pytest.raises(TypeError, match="routing"):
+        low_latency_moe(config, x, weights, (routing.ids, routing.weights))
+    with pytest.raises(TypeError, match="hidden_states"):
+        low_latency_moe(config, x.float(), weights, routing)
+    with pytest.raises(ValueError, match="gated"):
+        low_latency_moe(config, x, weights, routing, activation="silu")
+    with pytest.raises(ValueError, match="out_dtype"):
+        low_latency_moe(config, x, weights, routing, out_dtype=torch.float32)
+    with pytest.raises(TypeError, match="finalize"):
+        low_latency_moe(config, x, weights, routing, finalize="yes")
+    with pytest.raises(ValueError, match="max_num_tokens"):
+        low_latency_moe(LowLatencyMoeConfig(1, arch="sm90"), x, weights, routing)
+    with pytest.raises(ValueError, match="CUDA device"):
+        low_latency_moe(config, x, weights, routing)

@@ -1,0 +1,814 @@
+"""CPU checks of the SM90 kernels (kernels_cuda/sm90/): every source compiles with nvcc for sm_90a and
+sm_100a; the decode bit operations of fragments.cuh, emulated in Python, give the exact NVFP4 values
+for every E2M1 code and E4M3 scale byte, and read the layouts of layout.py right (weight tiles, scale
+tiles, token fragments, the C fragment and the transposing stmatrix of the prefill epilogue); the
+tile finder finds every tile; the wrappers check their arguments before launching and pass what
+the kernels' C signatures take; the decode kernel's main loop keeps to its issue budget in SASS."""
+
+from __future__ import annotations
+
+import math
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from cudnn_moe.engines.sm90 import kernels as sm90
+from cudnn_moe.engines.sm90.layout import pack_weight_tiles, to_token_fragments
+from cudnn_moe.formats import decode_e2m1, dequantize_nvfp4, quantize_nvfp4
+from cudnn_moe.kernels import cuda_defines, kernels_dir
+
+from tests.support import REPO as ROOT
+
+sys.path.insert(0, str(ROOT / "scripts"))
+import sass_budget  # noqa: E402
+
+SM90_DIR = kernels_dir() / "sm90"
+SOURCES = sorted(path.name for path in SM90_DIR.glob("*.cu"))
+CUOBJDUMP = sass_budget.find_tool("cuobjdump")
+
+from tests.support.kernel_sources import NVCC, compiled  # noqa: E402
+from tests.support.sm90_variants import DECODE_VARIANTS, OTHER_PREFILL_VARIANTS, PREFILL_VARIANTS  # noqa: E402
+
+
+def _nvcc_command(source: Path, arch: str, options: tuple[str, ...] = ()) -> list[str]:
+    return [NVCC, "-std=c++17", f"-gencode=arch=compute_{arch},code=sm_{arch}", "-I", str(kernels_dir()),
+            *cuda_defines(), *options, "-Xptxas", "-v", "-c", str(source)]
+
+
+def _nvcc(source: Path, arch: str, options: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    """nvcc -c of ``source`` (ptxas -v report in stderr), compiled once per session (kernel_sources)."""
+    return compiled(_nvcc_command(source, arch, options))[0]
+
+
+def _sass_defines(variant: sm90.DecodeVariant) -> list[str]:
+    return [option[2:] for option in variant.options()]
+
+
+def nvcc_jobs(item: pytest.Item) -> list[tuple[list[str], str]]:
+    """The nvcc builds ``item`` needs, started ahead by the session (kernel_sources.prefetch)."""
+    params = getattr(item, "callspec", None)
+    params = params.params if params is not None else {}
+    gemm = SM90_DIR / "grouped_gemm.cu"
+    if item.originalname == "test_kernel_compiles":
+        return [(_nvcc_command(SM90_DIR / params["source"], params["arch"]), ".o")]
+    if item.originalname == "test_variant_compiles":
+        return [(_nvcc_command(gemm, "90a", params["variant"].options()), ".o")]
+    if item.originalname == "test_prefill_variant_compiles_for_sm100":
+        return [(_nvcc_command(gemm, "100a", params["variant"].options()), ".o")]
+    if item.originalname == "test_decode_sass_budget":
+        return [(sass_budget.cubin_command("90a", _sass_defines(params["variant"])), ".cubin")]
+    return []
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Compilation
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_sources_present() -> None:
+    assert SOURCES == ["grouped_gemm.cu"]
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found")
+@pytest.mark.parametrize("arch", ["90a", "100a"])
+@pytest.mark.parametrize("source", SOURCES)
+def test_kernel_compiles(source: str, arch: str) -> None:
+    result = _nvcc(SM90_DIR / source, arch)
+    assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found")
+@pytest.mark.parametrize("variant", [*DECODE_VARIANTS, *PREFILL_VARIANTS[1:]], ids=str)
+def test_variant_compiles(variant: Any) -> None:
+    result = _nvcc(SM90_DIR / "grouped_gemm.cu", "90a", variant.options())
+    assert result.returncode == 0, result.stderr
+    report = result.stderr.split(f"Compiling entry function '{variant.kernel}'")[1].split("Compiling entry")[0]
+    print(variant, report)
+    if variant.kernel == "sm90_gemm_decode":  # the decode register ring must never go to local memory
+        assert " 0 bytes spill stores" in report, report
+    else:  # the dynamic shared memory only: PrefillVariant.shared_mem is all the kernel needs
+        assert not re.search(r"\b[1-9]\d* bytes smem", report), report
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found")
+@pytest.mark.parametrize("variant", OTHER_PREFILL_VARIANTS, ids=str)
+def test_prefill_variant_compiles_for_sm100(variant: Any) -> None:
+    result = _nvcc(SM90_DIR / "grouped_gemm.cu", "100a", variant.options())
+    assert result.returncode == 0, result.stderr
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Bit-exact emulation of the decode of fragments.cuh
+# ---------------------------------------------------------------------------------------------------------------
+
+M32 = 0xFFFFFFFF
+CODE_MASK = 0x81C081C0
+POW119 = 0x7B00  # bf16 2^119
+
+
+def _u32(x: np.ndarray) -> np.ndarray:
+    return (x.astype(np.uint64) & M32).astype(np.uint64)
+
+
+def decode_a(w: np.ndarray) -> list[np.ndarray]:
+    """fragments.cuh decode_a: word -> a0..a3 (bf16x2 bits)."""
+    w = w.astype(np.uint64)
+    return [
+        w & CODE_MASK,
+        ((w << 3) & M32) & CODE_MASK,
+        ((w << 6) & M32) & CODE_MASK,
+        (((w << 1) & M32) & 0x80008000) | ((w >> 4) & 0x00C000C0) | ((w >> 5) & 0x01000100),
+    ]
+
+
+def bf16_value(bits: np.ndarray) -> np.ndarray:
+    """16-bit patterns -> float64 values (subnormals included)."""
+    t = torch.from_numpy((bits.astype(np.int64) & 0xFFFF).astype(np.uint16).view(np.int16).copy())
+    return t.view(torch.bfloat16).double().numpy()
+
+
+def bf16_bits(values: np.ndarray) -> np.ndarray:
+    """float64 values that must be exact BF16 -> their 16-bit patterns (asserts exactness)."""
+    t = torch.from_numpy(np.asarray(values, dtype=np.float64))
+    rounded = t.to(torch.float32).to(torch.bfloat16)
+    assert torch.equal(rounded.double(), t), "a product is not exact in BF16"
+    return rounded.view(torch.int16).numpy().astype(np.int64) & 0xFFFF
+
+
+def halves(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    return x & 0xFFFF, (x >> 16) & 0xFFFF
+
+
+def bf16x2_mul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """mul.rn.bf16x2 for exact products (asserted)."""
+    (alo, ahi), (blo, bhi) = halves(a), halves(b)
+    lo = bf16_bits(bf16_value(alo) * bf16_value(blo))
+    hi = bf16_bits(bf16_value(ahi) * bf16_value(bhi))
+    return (lo | (hi << 16)).astype(np.uint64)
+
+
+def decode_scale_word(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """fragments.cuh decode_scale_word -> (row g pair, row g+8 pair) of s x 2^118."""
+    w = w.astype(np.uint64)
+    lo = ((w << 4) & M32) & 0x07F007F0
+    hi = (w >> 4) & 0x07F007F0
+    p = np.full_like(w, POW119 | (POW119 << 16))
+    return bf16x2_mul(bf16x2_mul(lo, p), p), bf16x2_mul(bf16x2_mul(hi, p), p)
+
+
+def broadcast(s: np.ndarray, high: bool) -> np.ndarray:
+    h = (s >> 16) & 0xFFFF if high else s & 0xFFFF
+    return h | (h << 16)
+
+
+def scaled_a(w: np.ndarray, sg: np.ndarray, sg8: np.ndarray, step: int) -> list[np.ndarray]:
+    """fragments.cuh scaled_a<step>: sg / sg8 = the pairs of the scale word of steps (step & ~1, | 1)."""
+    a = decode_a(w)
+    high = bool(step & 1)
+    return [bf16x2_mul(a[0], broadcast(sg, high)), bf16x2_mul(a[1], broadcast(sg8, high)),
+            bf16x2_mul(a[2], broadcast(sg, high)), bf16x2_mul(a[3], broadcast(sg8, high))]
+
+
+def test_weight_decode_every_code_every_scale() -> None:
+    """All 16 codes in every register slot and half, x all 127 finite scale bytes, in every scale
+    byte position: (bits -> bf16) x (scale byte -> bf16 x 2^118) == e2m1 x e4m3 x 2^-8 exactly."""
+    codes = np.arange(16)
+    expected_w = decode_e2m1(torch.arange(16, dtype=torch.uint8)).double().numpy()
+    # A word holding code c in every slot: place bits per layout.CODE_BITS
+    from cudnn_moe.engines.sm90.layout import CODE_BITS
+
+    for r, (sign, *mag) in enumerate(CODE_BITS):
+        for half in range(2):
+            word = np.zeros(16, dtype=np.uint64)
+            for bit, pos in enumerate(mag):
+                word |= (((codes >> bit) & 1).astype(np.uint64) << np.uint64(pos + 16 * half))
+            word |= (((codes >> 3) & 1).astype(np.uint64) << np.uint64(sign + 16 * half))
+            value = bf16_value((decode_a(word)[r] >> (16 * half)) & 0xFFFF)
+            np.testing.assert_array_equal(value, expected_w * 2.0**-126)
+            other = bf16_value((decode_a(word)[r] >> (16 * (1 - half))) & 0xFFFF)
+            assert not other.any(), "a code leaks into the other half"
+            for r2 in range(4):
+                if r2 != r:
+                    assert not decode_a(word)[r2].any(), f"register {r} leaks into register {r2}"
+
+    scale_bytes = np.arange(127, dtype=np.uint64)
+    expected_s = torch.arange(127, dtype=torch.uint8).view(torch.float8_e4m3fn).double().numpy()
+    for pos in range(4):  # byte position in the scale word: (step parity, row half)
+        others = np.uint64(0xA5A5A5A5) & ~np.uint64(0xFF << (8 * pos))  # neighbours must not leak
+        word = (scale_bytes << np.uint64(8 * pos)) | others
+        row_g, row_g8 = decode_scale_word(word)
+        pair = row_g if pos % 2 == 0 else row_g8
+        chosen = broadcast(pair, high=pos >= 2) & 0xFFFF
+        np.testing.assert_array_equal(bf16_value(chosen), expected_s * 2.0**118)
+        # products with every code: exact, equal to w * s * 2^-8, normal or zero
+        w_bits = bf16_bits(expected_w * 2.0**-126)
+        product = bf16_value(w_bits)[:, None] * bf16_value(chosen)[None, :]
+        np.testing.assert_array_equal(bf16_value(bf16_bits(product.ravel())).reshape(product.shape),
+                                      expected_w[:, None] * expected_s[None, :] * 2.0**-8)
+        nonzero = np.abs(product[product != 0])
+        assert nonzero.min() >= 2.0**-126 * 2**8  # far from BF16 subnormals (min |w s| 2^-8 = 2^-18)
+
+
+def _dequantized(packed: torch.Tensor, scales: torch.Tensor) -> np.ndarray:
+    return dequantize_nvfp4(packed, scales, 1.0, torch.float64).numpy()
+
+
+def _random_weights(e: int, n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    packed = torch.randint(0, 256, (e, n, k // 2), dtype=torch.uint8, generator=gen)
+    scales = torch.randint(0, 127, (e, n, k // 16), dtype=torch.uint8, generator=gen).view(torch.float8_e4m3fn)
+    return packed, scales
+
+
+def emulate_a_tile(tiles: np.ndarray, tile_scales: np.ndarray, tile: int) -> np.ndarray:
+    """One m16 x k64 weight tile as the kernels read it: lane L's 16 bytes at tile*512 + 16L, its scale
+    bytes at tile*64 + 8g; A registers per step -> W[16, 64] (values x 2^8)."""
+    lanes = np.arange(32)
+    g, q = lanes // 4, lanes % 4
+    raw = tiles[tile * 512 + 16 * lanes[:, None] + np.arange(16)].astype(np.uint64)  # [32, 16]
+    words = raw[:, 0::4] | (raw[:, 1::4] << 8) | (raw[:, 2::4] << 16) | (raw[:, 3::4] << 24)  # [32, 4]
+    sraw = tile_scales[tile * 64 + 8 * g[:, None] + np.arange(8)].astype(np.uint64)
+    swords = sraw[:, 0::4] | (sraw[:, 1::4] << 8) | (sraw[:, 2::4] << 16) | (sraw[:, 3::4] << 24)  # [32, 2]
+    out = np.full((16, 64), np.nan)
+    for s in range(4):
+        sg, sg8 = decode_scale_word(swords[:, s >> 1])
+        a = scaled_a(words[:, s], sg, sg8, s)
+        for r, (row_off, col_off) in enumerate(((0, 0), (8, 0), (0, 8), (8, 8))):
+            for half in range(2):
+                out[g + row_off, 16 * s + 2 * q + col_off + half] = bf16_value((a[r] >> (16 * half)) & 0xFFFF)
+    assert not np.isnan(out).any()
+    return out * 2.0**8
+
+
+def test_weight_tiles_decode_to_the_canonical_matrix() -> None:
+    e, n, k = 2, 32, 128
+    packed, scales = _random_weights(e, n, k, seed=1)
+    tiles, tile_scales = pack_weight_tiles(packed, scales)
+    want = _dequantized(packed, scales)
+    kt = k // 64
+    for expert in range(e):
+        t, ts = tiles[expert].numpy(), tile_scales[expert].numpy()
+        for i in range(n // 16):
+            for j in range(kt):
+                got = emulate_a_tile(t, ts, i * kt + j)
+                np.testing.assert_array_equal(got, want[expert, 16 * i : 16 * i + 16, 64 * j : 64 * j + 64])
+
+
+def emulate_b(x_frag_bytes: np.ndarray, row_bytes: int, rows: np.ndarray, j: int) -> np.ndarray:
+    """B registers of a k64 block j for token rows[g] (lane g, q): 32 bytes at row*row_bytes + 128j + 32q;
+    b0 / b1 of step s = words 2s / 2s+1 -> X[8, 64] (token g, k)."""
+    lanes = np.arange(32)
+    g, q = lanes // 4, lanes % 4
+    base = rows[g] * row_bytes + 128 * j + 32 * q
+    raw = x_frag_bytes[base[:, None] + np.arange(32)].astype(np.uint64)
+    words = raw[:, 0::4] | (raw[:, 1::4] << 8) | (raw[:, 2::4] << 16) | (raw[:, 3::4] << 24)  # [32, 8]
+    out = np.full((8, 64), np.nan)
+    for s in range(4):
+        for b in range(2):
+            for half in range(2):
+                out[g, 16 * s + 8 * b + 2 * q + half] = bf16_value((words[:, 2 * s + b] >> (16 * half)) & 0xFFFF)
+    return out
+
+
+def test_token_fragments_give_the_b_registers() -> None:
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(8, 192, generator=gen).to(torch.bfloat16)
+    frag = to_token_fragments(x).contiguous().view(torch.uint8).numpy().ravel()
+    for j in range(3):
+        got = emulate_b(frag, 192 * 2, np.arange(8), j)
+        np.testing.assert_array_equal(got, x[:, 64 * j : 64 * j + 64].double().numpy())
+
+
+def test_stmatrix_trans_puts_c_fragments_at_token_feature() -> None:
+    """The prefill epilogue's stmatrix.x4.trans addressing, per the PTX fragment layout: register i of
+    lane l holds (row l/4, cols 2(l%4), +1) of matrix i and lands at row 2(l%4)(+1), col l/4 of it."""
+    stride, staged = 272 // 2, {}
+    for wm in range(4):
+        for wn in range(2):
+            for mt in range(2):
+                for nt in range(0, 8, 2):
+                    # rows addressed by lanes 8i..8i+7 (kernel: token / feature of lane l)
+                    addr = {}
+                    for lane in range(32):
+                        mi, r = lane >> 3, lane & 7
+                        token = wn * 64 + (nt + (mi >> 1)) * 8 + r
+                        feature = wm * 32 + mt * 16 + (mi & 1) * 8
+                        addr[(mi, r)] = token * stride + feature
+                    for lane in range(32):
+                        g, q = lane // 4, lane % 4
+                        # registers: r0 = (c0, c1) of nt, r1 = (c2, c3) of nt, r2 / r3 the same of nt + 1
+                        for i, (ntt, row_off) in enumerate(((nt, 0), (nt, 8), (nt + 1, 0), (nt + 1, 8))):
+                            for half in range(2):
+                                feature = wm * 32 + mt * 16 + g + row_off
+                                token = wn * 64 + ntt * 8 + 2 * q + half
+                                where = addr[(i, 2 * q + half)] + g  # .trans: row 2(l%4)+half, column l/4
+                                assert where not in staged
+                                staged[where] = (token, feature)
+    assert len(staged) == 128 * 128
+    for where, (token, feature) in staged.items():
+        assert where == token * stride + feature
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Tile finder (fragments.cuh find_tile), emulated lane by lane
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def find_tile(offsets: list[int], tile_rows: int, capacity: int, t: int) -> tuple[int, int, int] | None:
+    e_count = len(offsets) - 1
+    per = (e_count + 31) >> 5
+    counts, ranges = [], []
+    for lane in range(32):
+        e0 = min(lane * per, e_count)
+        e1 = min(e0 + per, e_count)
+        ranges.append((e0, e1))
+        counts.append(sum((max(offsets[e + 1] - offsets[e], 0) + tile_rows - 1) // tile_rows for e in range(e0, e1)))
+    inclusive = list(np.cumsum(counts))
+    holders = [lane for lane in range(32) if inclusive[lane] > t]
+    if not holders:
+        return None
+    src = holders[0]
+    before = inclusive[src] - counts[src]
+    e0, e1 = ranges[src]
+    for e in range(e0, e1):
+        n = (max(offsets[e + 1] - offsets[e], 0) + tile_rows - 1) // tile_rows
+        if t - before < n:
+            return e, offsets[e] + (t - before) * tile_rows, min(offsets[e + 1], capacity)
+        before += n
+    raise AssertionError("unreachable")
+
+
+@pytest.mark.parametrize("experts", [1, 3, 31, 32, 33, 64, 100, 512])
+@pytest.mark.parametrize("tile_rows", [8, 16, 32, 128])
+def test_tile_finder_covers_every_row_once(experts: int, tile_rows: int) -> None:
+    gen = torch.Generator().manual_seed(experts * 1000 + tile_rows)
+    lengths = torch.randint(0, 40, (experts,), generator=gen) * 8
+    lengths[torch.rand(experts, generator=gen) < 0.3] = 0
+    offsets = [0, *torch.cumsum(lengths, 0).tolist()]
+    capacity = offsets[-1] + 16
+    grid_y = min(experts, capacity // 8) + -(-capacity // tile_rows)
+    covered = np.zeros(capacity, dtype=int)
+    for t in range(grid_y):
+        found = find_tile(offsets, tile_rows, capacity, t)
+        if found is None:
+            assert t >= sum(-(-n // tile_rows) for n in lengths.tolist())
+            continue
+        e, row0, row_end = found
+        assert offsets[e] <= row0 < row_end == offsets[e + 1]
+        covered[row0 : min(row0 + tile_rows, row_end)] += 1
+    assert (covered[: offsets[-1]] == 1).all() and not covered[offsets[-1] :].any()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Wrappers: argument checks and kernel signatures
+# ---------------------------------------------------------------------------------------------------------------
+
+_ENTRY = re.compile(r'extern "C" __global__ void(?:\s+__launch_bounds__\([^)]*\))?\s+(\w+)\(([^)]*)\)', re.S)
+_ARG_TYPES = {"int": np.int32, "float": np.float32, "pointer": np.uint64}
+
+
+def _signatures() -> dict[str, list[str]]:
+    out = {}
+    for name in SOURCES:
+        for kernel, params in _ENTRY.findall((SM90_DIR / name).read_text()):
+            out[kernel] = ["pointer" if "*" in p else p.split()[0] for p in (x.strip() for x in params.split(","))]
+    return out
+
+
+def _gemm_args(e: int = 3, n: int = 128, k: int = 128, rows: int = 40) -> dict[str, torch.Tensor]:
+    return {
+        "w_tiles": torch.zeros(e, n * k // 2, dtype=torch.uint8),
+        "w_tile_scales": torch.zeros(e, n * k // 16, dtype=torch.uint8),
+        "alpha": torch.ones(e, dtype=torch.float32),
+        "x": torch.zeros(rows, k, dtype=torch.bfloat16),
+        "offsets": torch.zeros(e + 1, dtype=torch.int32),
+        "out": torch.zeros(rows, n, dtype=torch.bfloat16),
+    }
+
+
+@pytest.fixture
+def launches(monkeypatch: pytest.MonkeyPatch) -> list[tuple]:
+    """Record launches instead of running them, with the CUDA-only checks stubbed out."""
+    calls: list[tuple] = []
+    monkeypatch.setattr(sm90, "launch", lambda *args, **kwargs: calls.append((args, kwargs)))
+    monkeypatch.setattr(sm90, "ptr", lambda tensor, align=1: np.uint64(0))
+    monkeypatch.setattr(sm90, "_check_device", lambda named, align: None)
+    return calls
+
+
+def test_wrappers_match_kernel_signatures(launches: list[tuple]) -> None:
+    signatures = _signatures()
+    assert sorted(signatures) == ["sm90_gemm_decode", "sm90_gemm_prefill"]
+    for variant in (sm90.DECODE, *PREFILL_VARIANTS, *DECODE_VARIANTS):
+        launches.clear()
+        sm90.grouped_gemm(**_gemm_args(), variant=variant)
+        (source, name, _device, grid, block, args), kwargs = launches[0]
+        assert (source, name) == ("sm90/grouped_gemm.cu", variant.kernel)
+        assert [type(a) for a in args] == [_ARG_TYPES[kind] for kind in signatures[name]]
+        assert grid == (-(-128 // variant.feature_block), min(3, 40 // 8) + -(-40 // variant.tile_rows))
+        assert block == variant.threads and kwargs["shared_mem"] == variant.shared_mem
+        assert kwargs["extra_options"] == variant.options()
+
+
+def test_variant_macros_match_the_source() -> None:
+    text = (SM90_DIR / "grouped_gemm.cu").read_text()
+    defaults = dict(re.findall(r"#define (SM90_\w+) (\d+)", text))
+    d = sm90.DecodeVariant()
+    p = sm90.PrefillVariant()
+    assert defaults == {"SM90_MT": str(d.mt), "SM90_WM": str(d.wm), "SM90_WK": str(d.wk), "SM90_NT": str(d.nt),
+                        "SM90_PREFETCH": str(d.prefetch), "SM90_PF_STAGES": str(p.stages),
+                        "SM90_PF_MIN_BLOCKS": str(p.min_blocks), "SM90_PF_STMATRIX": str(int(p.stmatrix)),
+                        "SM90_PF_FB": str(p.feature_block), "SM90_PF_TB": str(p.tile_rows),
+                        "SM90_PF_ADEC": str(int(p.adec))}
+    assert "#define PF_STAGE_BYTES (PF_X_OFFSET + PF_TB * PF_X_STRIDE)  // 23040 at 128 x 128" in text
+    assert sm90.PrefillVariant(2).shared_mem == 2 * 23040 >= 128 * 272 and sm90.PrefillVariant(4).shared_mem == 4 * 23040
+    assert p.threads == 256 and p.options()[:3] == ("-DSM90_PF_STAGES=4", "-DSM90_PF_MIN_BLOCKS=2", "-DSM90_PF_STMATRIX=1")
+    assert sm90.PrefillVariant(feature_block=256, tile_rows=64).shared_mem == 4 * (256 * 36 + 64 * 144)
+    assert sm90.PrefillVariant(3, adec=True).shared_mem == 3 * 23040 + 2 * 16384
+
+
+_GEMM_BAD = [
+    ("w_tiles", "w_tiles dtype", lambda a: a["w_tiles"].to(torch.int8), "w_tiles"),
+    ("w_tiles", "w_tiles shape", lambda a: a["w_tiles"][:, :-16].contiguous(), "w_tiles"),
+    ("w_tile_scales", "w_tile_scales shape", lambda a: a["w_tile_scales"][:, :-1].contiguous(), "w_tile_scales"),
+    ("alpha", "alpha dtype", lambda a: a["alpha"].double(), "alpha"),
+    ("alpha", "alpha shape", lambda a: a["alpha"][:2].contiguous(), "alpha"),
+    ("alpha", "alpha not a tensor", lambda a: a["alpha"].tolist(), "alpha"),
+    ("x", "x dtype", lambda a: a["x"].half(), "x"),
+    ("x", "x K", lambda a: torch.zeros(40, 96, dtype=torch.bfloat16), "K"),
+    ("x", "x strided", lambda a: torch.zeros(128, 40, dtype=torch.bfloat16).t(), "x"),
+    ("offsets", "offsets dtype", lambda a: a["offsets"].long(), "offsets"),
+    ("offsets", "offsets shape", lambda a: a["offsets"][:3].contiguous(), "offsets"),
+    ("out", "out N", lambda a: torch.zeros(40, 192, dtype=torch.bfloat16), "N"),
+    ("out", "out rows", lambda a: torch.zeros(48, 128, dtype=torch.bfloat16), "out"),
+    ("out", "out dtype", lambda a: a["out"].float(), "out"),
+]
+
+
+@pytest.mark.parametrize("key,name,mutate,needle", _GEMM_BAD, ids=[b[1] for b in _GEMM_BAD])
+def test_grouped_gemm_rejects_bad_arguments(key: str, name: str, mutate: Any, needle: str,
+                                            launches: list[tuple]) -> None:
+    args = _gemm_args()
+    args[key] = mutate(args)
+    with pytest.raises(ValueError, match=needle):
+        sm90.grouped_gemm(**args)
+    assert not launches
+
+
+def test_grouped_gemm_rejects_cpu_tensors_and_bad_variants() -> None:
+    with pytest.raises(ValueError, match="CUDA"):
+        sm90.grouped_gemm(**_gemm_args())  # valid shapes: fails on the device check, before any launch
+    with pytest.raises(ValueError, match="variant"):
+        sm90.grouped_gemm(**_gemm_args(), variant="decode")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="grid"):
+        sm90.grouped_gemm(**_gemm_args(rows=8 * 70000))
+    with pytest.raises(ValueError):
+        sm90.DecodeVariant(mt=3)
+    with pytest.raises(ValueError):
+        sm90.DecodeVariant(wm=4, wk=16)
+    with pytest.raises(ValueError):
+        sm90.DecodeVariant(mt=2, wm=4, nt=8, wk=4)  # split-K buffer > 48 KB
+    with pytest.raises(ValueError):
+        sm90.PrefillVariant(1)
+    for bad in ({"tile_rows": 256}, {"feature_block": 32}, {"adec": True, "tile_rows": 64}, {"adec": True, "stages": 2},
+                {"min_blocks": 5}, {"min_blocks": 3, "feature_block": 256, "tile_rows": 128},
+                {"stages": 8, "feature_block": 256, "tile_rows": 128, "adec": True}):
+        with pytest.raises(ValueError):
+            sm90.PrefillVariant(**bad)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# SASS budget of the decode main loop
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(NVCC is None or CUOBJDUMP is None, reason="nvcc or cuobjdump not found")
+@pytest.mark.parametrize("variant", DECODE_VARIANTS[:3], ids=str)
+def test_decode_sass_budget(variant: sm90.DecodeVariant) -> None:
+    result, cubin = compiled(sass_budget.cubin_command("90a", _sass_defines(variant)), ".cubin")
+    if result.returncode:
+        raise RuntimeError(result.stderr)
+    reports = sass_budget.budget_of(cubin, result.stderr)
+    decode = reports["sm90_gemm_decode"]
+    assert decode.local_memory == 0
+    per_k16 = decode.per_k16(variant.mt * variant.nt)
+    print(f"{variant}: {decode.registers} registers, {per_k16:.1f} instructions per k16 step per lane")
+    assert decode.hmma == 4 * variant.prefetch * variant.mt * variant.nt  # the steady-state loop: PREFETCH k64 steps
+    if variant == sm90.DECODE:
+        assert per_k16 <= 24, f"decode main loop: {per_k16:.1f} instructions per k16 step (budget 24)"
+    assert not math.isnan(per_k16)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Whole-kernel emulation: the address arithmetic of grouped_gemm.cu, CTA by CTA and lane by lane, with the
+# bit-exact fragment decode above and the PTX fragment layouts of mma.m16n8k16 and stmatrix.trans
+# ---------------------------------------------------------------------------------------------------------------
+
+LANES = np.arange(32)
+G, Q = LANES // 4, LANES % 4
+
+
+def _words(data: np.ndarray, base: np.ndarray, count: int) -> np.ndarray:
+    """[32, count] little-endian 32-bit words at byte offsets base[lane]."""
+    raw = data[base[:, None] + np.arange(4 * count)].astype(np.uint64)
+    return raw[:, 0::4] | (raw[:, 1::4] << 8) | (raw[:, 2::4] << 16) | (raw[:, 3::4] << 24)
+
+
+def _half(x: np.ndarray, h: int) -> np.ndarray:
+    return bf16_value((x >> (16 * h)) & 0xFFFF)
+
+
+def a_matrix(a: list[np.ndarray]) -> np.ndarray:
+    m = np.full((16, 16), np.nan)
+    for r, (row, col) in enumerate(((0, 0), (8, 0), (0, 8), (8, 8))):
+        for h in range(2):
+            m[G + row, 2 * Q + col + h] = _half(a[r], h)
+    return m
+
+
+def b_matrix(b0: np.ndarray, b1: np.ndarray) -> np.ndarray:
+    m = np.full((16, 8), np.nan)
+    for h in range(2):
+        m[2 * Q + h, G] = _half(b0, h)
+        m[2 * Q + 8 + h, G] = _half(b1, h)
+    return m
+
+
+def _to_bf16(v: np.ndarray) -> np.ndarray:
+    return torch.from_numpy(np.asarray(v, dtype=np.float32)).to(torch.bfloat16).double().numpy()
+
+
+def emulate_decode(v: sm90.DecodeVariant, w: np.ndarray, s: np.ndarray, alpha: np.ndarray, xb: np.ndarray,
+                   offsets: list[int], n: int, k: int, rows: int) -> np.ndarray:
+    """sm90_gemm_decode, step by step as in the source."""
+    experts, kt = len(offsets) - 1, k // 64
+    fb, tb = v.feature_block, v.tile_rows
+    grid = sm90.gemm_grid(v, experts, n, rows)
+    out = np.full((rows, n), np.nan)
+    for by in range(grid[1]):
+        tile = find_tile(offsets, tb, rows, by)
+        if tile is None:
+            continue
+        e, row0, row_end = tile
+        for bx in range(grid[0]):
+            red = np.zeros((v.wk, tb, fb))
+            for warp in range(v.wm * v.wk):
+                wm, wk = warp % v.wm, warp // v.wm
+                expert_tiles = (n >> 4) * kt
+                first_tile = (bx * (v.wm * v.mt) + wm * v.mt) * kt + wk
+                wp = (e * expert_tiles + first_tile) * 512 + LANES * 16
+                sp = (e * expert_tiles + first_tile) * 64 + G * 8
+                xp = []
+                for nt in range(v.nt):
+                    row = row0 + nt * 8 + G
+                    xp.append((np.where(row < row_end, row, row0) * k + wk * 64) * 2 + Q * 32)
+                nsteps = (kt - wk + v.wk - 1) // v.wk if wk < kt else 0
+                acc = np.zeros((v.mt, v.nt, 16, 8))
+                for step in range(nsteps):
+                    ww = [_words(w, wp + step * v.wk * 512 + mt * kt * 512, 4) for mt in range(v.mt)]
+                    ss = [_words(s, sp + step * v.wk * 64 + mt * kt * 64, 2) for mt in range(v.mt)]
+                    bb = [_words(xb, xp[nt] + step * v.wk * 128, 8) for nt in range(v.nt)]
+                    for k16 in range(4):
+                        for mt in range(v.mt):
+                            sg, sg8 = decode_scale_word(ss[mt][:, k16 >> 1])
+                            a = a_matrix(scaled_a(ww[mt][:, k16], sg, sg8, k16))
+                            for nt in range(v.nt):
+                                acc[mt, nt] += a @ b_matrix(bb[nt][:, 2 * k16], bb[nt][:, 2 * k16 + 1])
+                for mt in range(v.mt):
+                    for nt in range(v.nt):
+                        f = (wm * v.mt + mt) * 16
+                        red[wk, nt * 8 : nt * 8 + 8, f : f + 16] = acc[mt, nt].T
+            total = red.sum(axis=0)
+            for t in range(tb):
+                if row0 + t < row_end:
+                    out[row0 + t, bx * fb : bx * fb + fb] = _to_bf16(np.float32(alpha[e] * 256.0) * total[t])
+    return out
+
+
+def emulate_prefill(w: np.ndarray, s: np.ndarray, alpha: np.ndarray, xb: np.ndarray, offsets: list[int], n: int,
+                    k: int, rows: int, seed: int = 0, v: sm90.PrefillVariant = sm90.PREFILL) -> np.ndarray:
+    """sm90_gemm_prefill as in the source: cp.async copies into the stage buffer (pre-filled with
+    garbage, so a byte the copies miss shows; weight tiles past N read nothing), with ADEC the decode
+    warps' stores and the mma warps' loads of the decoded A fragments, warp reads, mma,
+    stmatrix.trans staging, guarded stores."""
+    experts, kt = len(offsets) - 1, k // 64
+    fb, tb, threads = v.feature_block, v.tile_rows, v.threads
+    wmc, mtiles = fb // 32, fb // 16
+    w_bytes, x_offset = mtiles * 512, mtiles * 576
+    stage_bytes = v.stage_bytes
+    grid = sm90.gemm_grid(v, experts, n, rows)
+    rng = np.random.default_rng(seed)
+    out = np.full((rows, n), np.nan)
+    tid = np.arange(threads)
+    lane = tid & 31
+    guard = fb > 128
+    for by in range(grid[1]):
+        tile = find_tile(offsets, tb, rows, by)
+        if tile is None:
+            continue
+        e, row0, row_end = tile
+        for bx in range(grid[0]):
+            mtiles_in = (n >> 4) - bx * mtiles
+            expert_tiles = (n >> 4) * kt
+            block_tile0 = e * expert_tiles + bx * mtiles * kt
+            w_copies = []  # (src, dst, bytes) per thread and chunk
+            for u in range(2 * fb // threads):
+                m = (tid + u * threads) >> 5
+                ok = (not guard) | (m < mtiles_in)
+                w_copies.append(((block_tile0 + np.where(ok, m, 0) * kt) * 512 + lane * 16, (tid + u * threads) * 16,
+                                 np.where(ok, 16, 0)))
+            s_tile = (tid >> 2) & (mtiles - 1)
+            s_ok = (not guard) | (s_tile < mtiles_in)
+            s_src = (block_tile0 + np.where(s_ok, s_tile, 0) * kt) * 64 + (tid & 3) * 16
+            s_dst = w_bytes + tid * 16
+            x_first = row0 + (tid >> 3)
+            x_step = threads // 8
+            x_dst = x_offset + (tid >> 3) * 144 + (tid & 7) * 16
+            acc = np.zeros((threads // 32, 2, 8, 16, 8))  # [warp, mt, nt]
+            decoded = [None, None]
+            stages = {}
+
+            def load(j: int) -> None:
+                stage = rng.integers(0, 256, stage_bytes).astype(np.uint8)  # stale bytes of an earlier stage
+                for t in range(threads):
+                    for src, dst, nbytes in w_copies:
+                        stage[dst[t] : dst[t] + 16] = w[src[t] + j * 512 : src[t] + j * 512 + 16] if nbytes[t] else 0
+                    if t < fb // 4:
+                        stage[s_dst[t] : s_dst[t] + 16] = s[s_src[t] + j * 64 : s_src[t] + j * 64 + 16] if s_ok[t] else 0
+                    for u in range(8 * tb // threads):
+                        row = x_first[t] + x_step * u
+                        src = (row0 * k * 2 + (tid[t] & 7) * 16) + (min(row, row_end - 1) - row0) * k * 2 + j * 128
+                        dst = x_dst[t] + u * x_step * 144
+                        stage[dst : dst + 16] = xb[src : src + 16] if row < row_end else 0
+                stages[j] = stage
+
+            def decode(j: int) -> np.ndarray:  # ADEC: warp w decodes m16 tile w -> [lane-major fragments]
+                buf = rng.integers(0, 2**32, (mtiles, 4, 32, 4)).astype(np.uint64)
+                for warp in range(threads // 32):
+                    wq = _words(stages[j], warp * 512 + LANES * 16, 4)
+                    sc = _words(stages[j], w_bytes + warp * 64 + G * 8, 2)
+                    for st in range(4):
+                        sg, sg8 = decode_scale_word(sc[:, st >> 1])
+                        buf[warp, st] = np.stack(scaled_a(wq[:, st], sg, sg8, st), axis=1)
+                return buf
+
+            for j in range(kt):
+                load(j)
+                if v.adec:
+                    decoded[j & 1] = decode(j)
+                stage = stages.pop(j)
+                for warp in range(threads // 32):
+                    wm, wn = warp % wmc, warp // wmc
+                    if not v.adec:
+                        wq = [_words(stage, (wm * 2 + mt) * 512 + LANES * 16, 4) for mt in range(2)]
+                        sc = [_words(stage, w_bytes + (wm * 2 + mt) * 64 + G * 8, 2) for mt in range(2)]
+                    xoff = x_offset + (wn * 64 + G) * 144 + Q * 32
+                    for h in range(2):
+                        a = {}
+                        for mt in range(2):
+                            if v.adec:  # da + mt * 2048 + (2h + s2) * 512 + 16 lane, da at tile 2 wm
+                                for s2 in range(2):
+                                    a[s2, mt] = a_matrix(list(decoded[j & 1][wm * 2 + mt, 2 * h + s2].T))
+                            else:
+                                sg, sg8 = decode_scale_word(sc[mt][:, h])
+                                a[0, mt] = a_matrix(scaled_a(wq[mt][:, 2 * h], sg, sg8, 2 * h))
+                                a[1, mt] = a_matrix(scaled_a(wq[mt][:, 2 * h + 1], sg, sg8, 2 * h + 1))
+                        for nt in range(8):
+                            bq = _words(stage, xoff + nt * 8 * 144 + h * 16, 4)
+                            for mt in range(2):
+                                acc[warp, mt, nt] += a[0, mt] @ b_matrix(bq[:, 0], bq[:, 1])
+                                acc[warp, mt, nt] += a[1, mt] @ b_matrix(bq[:, 2], bq[:, 3])
+            # epilogue: stmatrix.x4.trans into [token][feature] (stride 2 FB + 16 bytes), then stores
+            stride = fb + 8
+            staged = np.full(tb * stride, np.nan)
+            scale = np.float32(alpha[e] * 256.0)
+            for warp in range(threads // 32):
+                wm, wn = warp % wmc, warp // wmc
+                for mt in range(2):
+                    for nt in range(0, 8, 2):
+                        c = [_to_bf16(scale * acc[warp, mt, nt + i // 2]) for i in range(4)]
+                        row_addr = {}
+                        for ln in range(32):
+                            mi, r = ln >> 3, ln & 7
+                            row_addr[mi, r] = (wn * 64 + (nt + (mi >> 1)) * 8 + r) * stride + wm * 32 + mt * 16 + (mi & 1) * 8
+                        for i in range(4):  # register i = matrix i: (c0, c1) or (c2, c3) of its n8 tile
+                            frag = c[i][8 * (i & 1) :][:8]  # rows g (+8) of C
+                            for ln in range(32):
+                                for hh in range(2):
+                                    value = frag[ln // 4, 2 * (ln % 4) + hh]
+                                    staged[row_addr[i, 2 * (ln % 4) + hh] + ln // 4] = value
+            chunks = fb // 8
+            for cidx in range(tb * chunks):
+                row, chunk = cidx // chunks, cidx % chunks
+                if row0 + row < row_end and (not guard or (chunk >> 1) < mtiles_in):
+                    out[row0 + row, bx * fb + chunk * 8 : bx * fb + chunk * 8 + 8] = staged[row * stride + chunk * 8 :][:8]
+    return out
+
+
+def _emulation_problem(experts: int, n: int, k: int, lengths: list[int], spare: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    packed, scales = _random_weights(experts, n, k, seed)
+    tiles, tile_scales = pack_weight_tiles(packed, scales)
+    offsets = [0]
+    for length in lengths:
+        offsets.append(offsets[-1] + -(-length // 8) * 8)
+    rows = offsets[-1] + spare
+    x = dequantize_nvfp4(*quantize_nvfp4(torch.randn(rows, k, generator=gen)), 1.0, torch.bfloat16)
+    x[offsets[-1] :] = math.nan  # rows past the last segment: garbage the kernels must not need
+    alpha = (torch.rand(experts, generator=gen) + 0.5).numpy()
+    xb = to_token_fragments(x).contiguous().view(torch.uint8).numpy().ravel()
+    ref = np.full((rows, n), np.nan)
+    w64 = _dequantized(packed, scales)
+    x64 = x.double().numpy()
+    for e in range(experts):
+        lo, hi = offsets[e], offsets[e + 1]
+        ref[lo:hi] = _to_bf16(alpha[e] * (x64[lo:hi] @ w64[e].T))
+    return tiles.numpy().ravel(), tile_scales.numpy().ravel(), alpha, xb, offsets, rows, ref
+
+
+def _compare(out: np.ndarray, ref: np.ndarray, used: int) -> None:
+    assert not np.isnan(out[:used]).any(), "rows of a segment not written"
+    assert np.isnan(out[used:]).all(), "rows outside the segments written"
+    np.testing.assert_allclose(out[:used], ref[:used], rtol=1e-2, atol=1e-3 * np.abs(ref[:used]).max())
+
+
+@pytest.mark.parametrize("variant", [sm90.DECODE, sm90.DecodeVariant(mt=2, wm=2, wk=2),
+                                     sm90.DecodeVariant(wm=2, wk=4, nt=2), sm90.DecodeVariant(wm=1, wk=8, nt=4)], ids=str)
+def test_decode_kernel_emulation(variant: sm90.DecodeVariant) -> None:
+    w, s, alpha, xb, offsets, rows, ref = _emulation_problem(3, 128, 192, [13, 0, 21], 16, seed=4)
+    out = emulate_decode(variant, w, s, alpha, xb, offsets, 128, 192, rows)
+    _compare(out, ref, offsets[-1])
+
+
+@pytest.mark.parametrize("variant", [sm90.PREFILL, sm90.PrefillVariant(3, adec=True)], ids=str)
+def test_prefill_kernel_emulation(variant: sm90.PrefillVariant) -> None:
+    w, s, alpha, xb, offsets, rows, ref = _emulation_problem(2, 128, 192, [131, 40], 8, seed=5)
+    out = emulate_prefill(w, s, alpha, xb, offsets, 128, 192, rows, v=variant)
+    _compare(out, ref, offsets[-1])
+
+
+@pytest.mark.parametrize("variant", [sm90.PrefillVariant(feature_block=256, tile_rows=64),
+                                     sm90.PrefillVariant(feature_block=64, tile_rows=128, min_blocks=4),
+                                     sm90.PrefillVariant(3, 1, feature_block=256, adec=True)], ids=str)
+def test_prefill_kernel_emulation_other_tiles(variant: sm90.PrefillVariant) -> None:
+    """N = 384: a 256-feature CTA overhangs N by 128 features (skipped); 64-row tiles split segments."""
+    w, s, alpha, xb, offsets, rows, ref = _emulation_problem(2, 384, 64, [75, 16], 8, seed=6)
+    out = emulate_prefill(w, s, alpha, xb, offsets, 384, 64, rows, v=variant)
+    _compare(out, ref, offsets[-1])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# NVRTC (the compiler CuPy uses at run time), when its library is installed
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _nvrtc_library() -> Any:
+    import ctypes
+    import ctypes.util
+
+    candidates = [ctypes.util.find_library("nvrtc")]
+    try:
+        import nvidia  # type: ignore[import-not-found]
+
+        for base in getattr(nvidia, "__path__", []):
+            candidates += [str(p) for p in sorted(Path(base).glob("*/lib/libnvrtc.so*")) if "builtins" not in p.name]
+    except ImportError:
+        pass
+    for candidate in candidates:
+        if candidate:
+            try:
+                return ctypes.CDLL(candidate)
+            except OSError:
+                continue
+    return None
+
+
+NVRTC = _nvrtc_library()
+
+
+@pytest.mark.skipif(NVRTC is None, reason="libnvrtc not found")
+@pytest.mark.parametrize("arch", ["compute_90", "compute_100"])
+@pytest.mark.parametrize("variant", [sm90.DECODE, *PREFILL_VARIANTS, *DECODE_VARIANTS[1:]], ids=str)
+def test_nvrtc_compiles(arch: str, variant: Any) -> None:
+    import ctypes
+
+    from cudnn_moe.kernels import compile_options, module_source
+
+    filename = "sm90/grouped_gemm.cu"
+    options = [*compile_options(variant.options()), f"--gpu-architecture={arch}"]
+    program = ctypes.c_void_p()
+    assert NVRTC.nvrtcCreateProgram(ctypes.byref(program), module_source(filename).encode(), filename.encode(), 0,
+                                    None, None) == 0
+    status = NVRTC.nvrtcCompileProgram(program, len(options), (ctypes.c_char_p * len(options))(*[o.encode() for o in options]))
+    size = ctypes.c_size_t()
+    NVRTC.nvrtcGetProgramLogSize(program, ctypes.byref(size))
+    log = ctypes.create_string_buffer(size.value)
+    NVRTC.nvrtcGetProgramLog(program, log)
+    NVRTC.nvrtcDestroyProgram(ctypes.byref(program))
+    assert status == 0, log.value.decode()

@@ -1,0 +1,227 @@
+"""CPU checks of the CUDA glue kernels: every .cu compiles with nvcc, every Python wrapper passes arguments whose
+count and types match its kernel's C signature, the sort's grid has the documented shape, and the number-format
+helpers of common.cuh, built for the host with a few stand-ins for CUDA built-ins, match torch bit for bit."""
+
+from __future__ import annotations
+
+import importlib
+import math
+import shutil
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from cudnn_moe import kernels
+from cudnn_moe.activations import SwiGLU
+from cudnn_moe.formats import decode_e2m1, encode_e2m1
+from cudnn_moe.kernels import SORT_THREADS
+from cudnn_moe.kernels.sort import sort_grid
+from tests.support.kernel_sources import ARG_TYPES, HOST_PRELUDE, NVCC, compiled, kernel_signatures
+from tests.support.number_formats import check_format_helpers, format_inputs
+
+KERNELS_DIR = kernels.kernels_dir()
+SOURCES = sorted(path.name for path in KERNELS_DIR.glob("*.cu"))
+CXX = shutil.which("c++") or shutil.which("g++")
+
+
+def _nvcc_command(source: str, arch: str) -> list[str]:
+    return [NVCC, "-std=c++17", f"-arch={arch}", "-I", str(KERNELS_DIR), *kernels.cuda_defines(), "-c",
+            str(KERNELS_DIR / source)]
+
+
+def nvcc_jobs(item: pytest.Item) -> list[tuple[list[str], str]]:
+    """The nvcc builds ``item`` needs, started ahead by the session (kernel_sources.prefetch)."""
+    if item.originalname == "test_kernel_compiles":
+        return [(_nvcc_command(item.callspec.params["source"], item.callspec.params["arch"]), ".o")]
+    return []
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found")
+@pytest.mark.parametrize("arch", ["sm_90", "sm_100a"])
+@pytest.mark.parametrize("source", SOURCES)
+def test_kernel_compiles(source: str, arch: str) -> None:
+    result, _ = compiled(_nvcc_command(source, arch))
+    assert result.returncode == 0, result.stderr
+
+
+def test_sources_present() -> None:
+    assert SOURCES == ["activation.cu", "aligned_stage.cu", "expert_scale.cu", "finalize.cu", "permute.cu", "sort.cu",
+                       "stage.cu"]
+
+
+def test_sort_grid_shape() -> None:
+    """One block (moe_sort) up to SORT_THREADS slots, then a grid of at most SORT_MAX_BLOCKS blocks of whole chunks."""
+    assert sort_grid(0) == (1, 0) and sort_grid(SORT_THREADS) == (1, SORT_THREADS)
+    assert sort_grid(SORT_THREADS + 1) == (2, SORT_THREADS)
+    assert sort_grid(32768) == (32, SORT_THREADS)
+    blocks, per_block = sort_grid(1 << 20)
+    assert blocks <= 128 and per_block % SORT_THREADS == 0 and blocks * per_block >= 1 << 20
+
+
+def _wrapper_calls() -> list[tuple[str, Callable[..., None], tuple[Any, ...]]]:
+    """(kernel name, its wrapper, arguments) with CPU tensors of consistent small shapes."""
+    u8, i32, f32, bf16 = torch.uint8, torch.int32, torch.float32, torch.bfloat16
+    T, B, k, H, inter, E, R = 3, 4, 2, 64, 64, 2, 16
+
+    def z(*shape: int, dtype: torch.dtype = u8) -> torch.Tensor:
+        return torch.zeros(*shape, dtype=dtype)
+
+    staged = (
+        z(T, H // 2), z(T, H // 16), z(T, k, dtype=i32), None, kernels.ROUTING_PACKED,
+        z(B, H // 2), z(B, H // 16), z(B, k, dtype=i32), z(B, k, dtype=f32),
+    )
+    sorting = (
+        z(B * k, dtype=i32), k, 0, E, 8, z(E + 1, dtype=i32), z(B * k, dtype=i32), z(R, dtype=i32), z(R, dtype=i32),
+        z(E, dtype=i32),
+    )
+    big = 3 * kernels.SORT_THREADS + 5  # more slots than one block sorts: moe_sort_blocks
+    sorting_blocks = (
+        z(big, dtype=i32), 1, 0, E, 8, z(E + 1, dtype=i32), z(big, dtype=i32), z(2 * big, dtype=i32),
+        z(2 * big, dtype=i32), z(E, dtype=i32),
+    )
+    linear = kernels.TokenLayout.NVFP4_LINEAR
+    permute = (z(B, H // 2), z(B, H // 16), z(B * k, dtype=i32), B * k, k, linear, z(R, H // 2), z(R * H // 16))
+    permute_bf16 = (
+        z(B, H // 2), z(B, H // 16), z(B * k, dtype=i32), B * k, k, kernels.TokenLayout.BF16_FRAGMENTS,
+        z(R, H, dtype=bf16), None,
+    )
+    activation = (
+        z(R, 2 * inter, dtype=bf16), z(R, dtype=i32), z(E + 1, dtype=i32), SwiGLU(), linear, z(R, inter // 2),
+        z(R * inter // 16),
+    )
+    finalize = (z(R, H, dtype=bf16), z(B * k, dtype=i32), z(B, k, dtype=f32), k, z(T, H, dtype=bf16))
+    aligned = (
+        z(T, H // 2), z(T, H // 16), z(T, k, dtype=f32), 2.0, (z(E, dtype=f32), z(E, dtype=f32), z(E, dtype=f32)),
+        z(B, H // 2), z(B, H // 16), z(B, k, dtype=i32), z(B, k, dtype=f32), z(2 * E, dtype=f32), z(E, dtype=f32),
+    )
+    plan = (z(R, dtype=i32), z(R // 8, dtype=i32), z(1, dtype=i32), 8, T * k, E, z(B * k, dtype=i32))
+    unfinalized = (z(R, H, dtype=bf16), z(R, dtype=i32), z(R - 2, H, dtype=bf16))
+    return [
+        ("moe_stage_inputs", kernels.stage_inputs, staged),
+        ("moe_stage_aligned", kernels.stage_aligned, aligned),
+        ("moe_plan_routes", kernels.plan_routes, plan),
+        ("moe_sort", kernels.sort_routing, sorting),
+        ("moe_sort_blocks", kernels.sort_routing, sorting_blocks),
+        ("moe_permute", kernels.permute_tokens, permute),
+        ("moe_permute_bf16", kernels.permute_tokens, permute_bf16),
+        ("moe_permute_bf16_tokens", kernels.permute_bf16_tokens,
+         (z(B, H, dtype=bf16), z(B * k, dtype=i32), B * k, k, z(R, H, dtype=bf16))),
+        ("moe_activation", kernels.activate_quantize, activation),
+        ("moe_finalize", kernels.finalize, finalize),
+        ("moe_unfinalized_rows", kernels.unfinalized_rows, unfinalized),
+    ]
+
+
+def test_wrapper_arguments_match_kernel_signatures(monkeypatch: pytest.MonkeyPatch) -> None:
+    launches: list[tuple[str, tuple[Any, ...]]] = []
+    for stage_name in ("stage", "aligned_stage", "sort", "permute", "activate", "finalize"):
+        module = importlib.import_module(f"cudnn_moe.kernels.{stage_name}")
+        monkeypatch.setattr(module, "ptr", lambda tensor, align=1, row_strided=False: np.uint64(0))
+        monkeypatch.setattr(module, "launch", lambda file, name, device, grid, block, args: launches.append((name, args)))
+    signatures = kernel_signatures(KERNELS_DIR / name for name in SOURCES)
+    signatures.pop("moe_expert_scale")  # launched by the cuDNN engine, checked on the GPU
+    calls = _wrapper_calls()
+    assert sorted(signatures) == sorted(name for name, _, _ in calls)
+    for name, wrapper, args in calls:
+        launches.clear()
+        wrapper(*args)
+        assert [launched for launched, _ in launches] == [name]
+        expected = [ARG_TYPES[kind] for kind in signatures[name]]
+        assert [type(arg) for arg in launches[0][1]] == expected, name
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Number-format helpers (inputs and checks shared with the device test: tests/support/number_formats.py)
+# ---------------------------------------------------------------------------------------------------------------
+
+# Host build of common.cuh: stand-ins for the CUDA qualifiers, vector types and bit-cast intrinsics it uses.
+_HOST_DRIVER = HOST_PRELUDE + r"""
+#include "common.cuh"
+using namespace moe;
+
+// argv[1]: float32 inputs. argv[2]: per input e4m3, e2m1 (1 byte each) and bf16 (2 bytes), then for every
+// 16-bit pattern i the decoded bf16, e4m3 (i & 0xFF) and e2m1 (i & 0xF) as three float32.
+int main(int, char** argv) {
+  FILE* in = std::fopen(argv[1], "rb");
+  FILE* out = std::fopen(argv[2], "wb");
+  float f;
+  while (std::fread(&f, 4, 1, in) == 1) {
+    const u8 codes[2] = {float_to_e4m3(f), float_to_e2m1(f)};
+    const u16 bf16 = float_to_bf16(f);
+    std::fwrite(codes, 1, 2, out);
+    std::fwrite(&bf16, 2, 1, out);
+  }
+  for (int i = 0; i < 65536; ++i) {
+    const float d[3] = {bf16_to_float(static_cast<u16>(i)), e4m3_to_float(static_cast<u8>(i & 0xFF)),
+                        e2m1_to_float(static_cast<u8>(i & 0xF))};
+    std::fwrite(d, 4, 3, out);
+  }
+  return std::fclose(out) != 0 || std::fclose(in) != 0;
+}
+"""
+
+
+@pytest.mark.skipif(CXX is None, reason="no C++ compiler")
+def test_format_helpers_on_host(tmp_path: Path) -> None:
+    source, program = tmp_path / "driver.cpp", tmp_path / "driver"
+    source.write_text(_HOST_DRIVER)
+    build = [CXX, "-std=c++17", "-O2", "-I", str(KERNELS_DIR), *kernels.cuda_defines(), str(source), "-o", str(program)]
+    result = subprocess.run(build, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    x = format_inputs()
+    x.numpy().tofile(tmp_path / "in.bin")
+    subprocess.run([str(program), str(tmp_path / "in.bin"), str(tmp_path / "out.bin")], check=True)
+    raw = np.fromfile(tmp_path / "out.bin", dtype=np.uint8)
+    n = x.numel()
+    encoded = torch.from_numpy(raw[: 4 * n].reshape(n, 4).copy())
+    bf16 = encoded[:, 2:].contiguous().view(torch.int16).reshape(n)
+    decoded = torch.from_numpy(raw[4 * n :].copy().view(np.float32).reshape(65536, 3))
+    check_format_helpers(x, encoded[:, 0].contiguous(), encoded[:, 1].contiguous(), bf16, decoded)
+
+
+_ROUND_DRIVER = HOST_PRELUDE + r"""
+#include "common.cuh"
+using namespace moe;
+
+// argv[1]: float32 inputs; argv[2]: per input round_to_e2m1(x) and e2m1_to_float(float_to_e2m1(x)) as float32.
+int main(int, char** argv) {
+  FILE* in = std::fopen(argv[1], "rb");
+  FILE* out = std::fopen(argv[2], "wb");
+  float f;
+  while (std::fread(&f, 4, 1, in) == 1) {
+    const float d[2] = {round_to_e2m1(f), e2m1_to_float(float_to_e2m1(f))};
+    std::fwrite(d, 4, 2, out);
+  }
+  return std::fclose(out) != 0 || std::fclose(in) != 0;
+}
+"""
+
+
+@pytest.mark.skipif(CXX is None, reason="no C++ compiler")
+def test_round_to_e2m1_is_the_encode_decode_composition(tmp_path: Path) -> None:
+    """round_to_e2m1 (the activation kernel's requantize) equals e2m1_to_float(float_to_e2m1(x)) bit for bit:
+    every tie and its neighbours on both grids, wide-range randoms, specials, NaN, and every float around the
+    seven E2M1 midpoints and saturation at many binades of offset."""
+    source, program = tmp_path / "round.cpp", tmp_path / "round"
+    source.write_text(_ROUND_DRIVER)
+    build = [CXX, "-std=c++17", "-O2", "-I", str(KERNELS_DIR), *kernels.cuda_defines(), str(source), "-o", str(program)]
+    result = subprocess.run(build, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    mids = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.0, 2.5, 3.5, 4.0, 5.0, 6.0, 7.0, 8.0, 2.0**21, 2.0**22, 2.0**23,
+                         2.0**24, 2.0**25, 3.0e38])
+    bits = mids.view(torch.int32).unsqueeze(1) + torch.arange(-64, 65, dtype=torch.int32)
+    around = bits.reshape(-1).view(torch.float32)
+    gen = torch.Generator().manual_seed(1)
+    uniform = torch.rand(200000, generator=gen) * 16 - 8
+    x = torch.cat([format_inputs(), around, -around, uniform, torch.tensor([-0.0, math.inf, -math.inf, -math.nan])])
+    x.numpy().tofile(tmp_path / "in.bin")
+    subprocess.run([str(program), str(tmp_path / "in.bin"), str(tmp_path / "out.bin")], check=True)
+    got = torch.from_numpy(np.fromfile(tmp_path / "out.bin", dtype=np.float32).reshape(-1, 2).copy())
+    assert torch.equal(got[:, 0].view(torch.int32), got[:, 1].view(torch.int32))
+    want = decode_e2m1(encode_e2m1(x.nan_to_num(nan=0.0)))  # the project's codec (NaN: code 0)
+    assert torch.equal(got[:, 0].view(torch.int32), want.view(torch.int32))

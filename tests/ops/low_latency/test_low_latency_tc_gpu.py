@@ -1,0 +1,100 @@
+"""GPU tests of the tensor-core path of the low-latency call (cudnn_moe.low_latency.grouped): NVFP4
+weight-only layers with BF16 tokens on the SM90 engine, called directly at every T = 1..8 (the call's
+dispatch sends such calls there), against the float64 reference; repeated calls bitwise equal.
+Tolerances: tests.support.low_latency (the same rounding points; only the FP32 summation order differs)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cudnn_moe.activations import GELU, GeGLU, Identity, ReLU2, SiTU, SwiGLU, SwiGLUStep
+from cudnn_moe.engines.base import OP_LOW_LATENCY, LowLatencyCall, Request
+from cudnn_moe.engines.registry import choose
+from cudnn_moe.engines.sm90.engine import Sm90GemmEngine
+from cudnn_moe.low_latency import WeightFormat, grouped, reference_low_latency
+from cudnn_moe.routing import Routing
+from tests.support.low_latency import (
+    E, TOP_K, assert_close_to_reference, make_inputs, make_layer, make_routing, nan_out, random_ids,
+)
+
+pytestmark = pytest.mark.gpu
+DEV = torch.device("cuda")
+FMT = WeightFormat.NVFP4_WEIGHT_ONLY
+def run_tensor_cores(x, x_scales, weights, routing, act, out) -> None:
+    """The tensor-core path alone, as the op runs it for a checked call."""
+    grouped.run(Sm90GemmEngine, LowLatencyCall(weights, x, x_scales, routing, act, torch.bfloat16, True, out, 8))
+
+
+def engine_of(weights, x_dtype, out_dtype, finalize, arch) -> str:
+    """The engine the registry picks for a low-latency call of these properties."""
+    return choose(Request(OP_LOW_LATENCY, arch, weights.format.value, num_experts=weights.num_experts,
+                          token_dtype=x_dtype, out_dtype=out_dtype, finalize=finalize)).name
+
+
+CASES = [
+    (1, SwiGLU(), "fp32"), (2, GeGLU(), "packed"), (3, SwiGLUStep(limit=2.0), "bf16"), (4, SiTU(a=2.0, b=3.0), "int64"),
+    (5, SwiGLU(alpha=1.702, beta=1.0, limit=7.0), "fp32"), (6, GELU(), "packed"), (7, ReLU2(), "fp32"),
+    (8, Identity(), "packed"), (8, SwiGLU(), "bf16"),
+]
+
+
+@pytest.mark.parametrize("tokens, act, kind", CASES, ids=[f"T{t}-{type(a).__name__}-{k}" for t, a, k in CASES])
+def test_tensor_cores_match_reference(tokens, act, kind) -> None:
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the tensor-core path is the SM90 engine's")
+    config, weights = make_layer(FMT, act.gated, shape=(512, 160), seed=tokens)
+    x = make_inputs(config, FMT, torch.bfloat16, tokens, weights.hidden_size, seed=tokens + 1)
+    routing = make_routing(random_ids(tokens, TOP_K, E, tokens + 2), kind, tokens + 3)
+    out = nan_out((tokens, weights.hidden_size), torch.bfloat16)
+    run_tensor_cores(x, None, weights, routing, act, out)
+    want = reference_low_latency(x, weights, routing, act, out_dtype=torch.bfloat16)
+    torch.cuda.synchronize()
+    assert_close_to_reference(out, want, f"tensor cores T={tokens} {type(act).__name__} {kind}")
+    again = nan_out((tokens, weights.hidden_size), torch.bfloat16)
+    for _ in range(3):  # the cached signature, then its full-call graph: bitwise the same
+        again.fill_(float("nan"))
+        run_tensor_cores(x, None, weights, routing, act, again)
+        assert torch.equal(again, out)
+
+
+def test_dispatch_sends_nvfp4_weight_only_bf16_to_the_tensor_cores() -> None:
+    config, weights = make_layer(FMT, True, shape=(256, 128), seed=9)
+    arch, bf16 = (9, 0), torch.bfloat16
+    assert engine_of(weights, bf16, bf16, True, arch) == "sm90"
+    assert engine_of(weights, torch.float16, bf16, True, arch) == "cuda_cores"  # FP16 tokens
+    assert engine_of(weights, bf16, torch.float16, True, arch) == "cuda_cores"  # FP16 output
+    assert engine_of(weights, bf16, bf16, False, arch) == "cuda_cores"  # raw rows
+    assert engine_of(weights, bf16, bf16, True, (10, 0)) == "cuda_cores"
+    _, mx = make_layer(WeightFormat.MXFP4_WEIGHT_ONLY, True, shape=(256, 128), seed=9)
+    assert engine_of(mx, bf16, bf16, True, arch) == "cuda_cores"
+    _, pair = make_layer(WeightFormat.NVFP4_W_NVFP4_A, True, shape=(512, 128), seed=9)
+    assert engine_of(pair, None, bf16, True, arch) == "sm90"
+    assert engine_of(pair, None, bf16, False, arch) == "cuda_cores"  # raw rows
+
+
+PAIR_CASES = [(1, SwiGLU(), "packed"), (3, GeGLU(), "fp32"), (8, SiTU(a=2.0, b=3.0), "int64")]
+
+
+@pytest.mark.parametrize("tokens, act, kind", PAIR_CASES, ids=[f"T{t}-{type(a).__name__}-{k}" for t, a, k in PAIR_CASES])
+def test_tensor_cores_nvfp4_pair_with_unrouted_nan_slots(tokens, act, kind) -> None:
+    """The pair's unrouted slots (ids outside [0, E)) carry NaN route weights: skipped, nothing NaN leaks."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the tensor-core path is the SM90 engine's")
+    pair = WeightFormat.NVFP4_W_NVFP4_A
+    config, weights = make_layer(pair, act.gated, shape=(512, 256), seed=tokens)
+    acts = make_inputs(config, pair, torch.bfloat16, tokens, weights.hidden_size, seed=tokens + 1)
+    ids = random_ids(tokens, TOP_K, E, tokens + 2)
+    route_w = torch.rand(ids.shape) + 0.05
+    ids[0, 1], ids[-1, 2] = -1, E  # (ids beyond int32 are covered by test_low_latency_gpu; the reference refuses them)
+    unrouted = (ids < 0) | (ids >= E)
+    if kind == "packed":  # pack_routing refuses NaN scores: BF16 NaN bits placed by hand
+        packed = ids.to(torch.int32) * (1 << 16) + (route_w.to(torch.bfloat16).view(torch.int16).to(torch.int32) & 0xFFFF)
+        routing = Routing.packed(torch.where(unrouted, ids.to(torch.int32) * (1 << 16) + 0x7FC0, packed).to(DEV))
+    else:
+        routing = make_routing(ids, kind, tokens + 3, torch.where(unrouted, torch.tensor(float("nan")), route_w))
+    out = nan_out((tokens, weights.hidden_size), torch.bfloat16)
+    run_tensor_cores(acts.packed, acts.scales, weights, routing, act, out)
+    want = reference_low_latency(acts, weights, routing, act, out_dtype=torch.bfloat16)
+    torch.cuda.synchronize()
+    assert_close_to_reference(out, want, f"pair on tensor cores T={tokens} {type(act).__name__} {kind}")

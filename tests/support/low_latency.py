@@ -1,0 +1,149 @@
+"""The low-latency op's test material, shared by tests/ops/low_latency/ (CPU and GPU modules): the (format, token
+dtype) cases, random layers, tokens and routing on the GPU, NaN-filled outputs, and the comparison with the
+float64 references of cudnn_moe.low_latency.reference.
+
+Tolerances. The kernels round at exactly the reference's points (preactivation, intermediate, expert rows,
+final sum: see the reference's module docstring); inside each GEMM they sum exact products in FP32 in another
+order than the reference's float64 sum rounded to FP32. The two FP32 sums differ by a few FP32 ulps of the
+sum of |terms| (far below a 16-bit ulp), so a rounding to BF16/FP16 can only differ where a value lies that
+close to a rounding boundary: one 16-bit ulp at that point. A flipped intermediate moves a row by about
+2^-8 |w2 y| / sqrt(I) (one of I terms), and a flipped row moves the output by one ulp of the output dtype. So
+each output element must be within 2 ulps of the output dtype of the reference (relative) plus 2^-9 of the
+largest |reference| (absolute, for the flips propagated through GEMM2 and the combine), the relative L2 error
+must stay below 2^-8, and most elements must be bitwise equal (the rounding points are the same).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from cudnn_moe.activations import SiLU, SwiGLU
+from cudnn_moe.low_latency import LowLatencyMoeConfig, WeightFormat
+from cudnn_moe.routing import Routing, pack_routing
+from cudnn_moe.weights.nvfp4 import Nvfp4Activations
+
+FORMAT_CASES = [
+    (WeightFormat.BF16, torch.bfloat16),
+    (WeightFormat.FP16, torch.float16),
+    (WeightFormat.NVFP4_WEIGHT_ONLY, torch.bfloat16),
+    (WeightFormat.NVFP4_WEIGHT_ONLY, torch.float16),
+    (WeightFormat.MXFP4_WEIGHT_ONLY, torch.bfloat16),
+    (WeightFormat.MXFP4_WEIGHT_ONLY, torch.float16),
+    (WeightFormat.MXINT4_WEIGHT_ONLY, torch.bfloat16),
+    (WeightFormat.MXINT4_WEIGHT_ONLY, torch.float16),
+    (WeightFormat.NVFP4_W_NVFP4_A, torch.bfloat16),
+]
+
+DEV = torch.device("cuda")
+E, TOP_K = 8, 4
+SHAPES = {  # (H, I): dense takes any H % 8 == 0 (here 25 chunks of 16 bytes a row), 4-bit H % 128 (pair % 512)
+    "dense": (200, 72),
+    "weight_only": (256, 96),
+    "pair": (512, 128),
+}
+ROUTING_KINDS = ("packed", "fp32", "bf16", "int64")
+ULP = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
+
+
+def _shape(fmt: WeightFormat) -> tuple[int, int]:
+    if fmt in (WeightFormat.BF16, WeightFormat.FP16):
+        return SHAPES["dense"]
+    return SHAPES["pair" if fmt is WeightFormat.NVFP4_W_NVFP4_A else "weight_only"]
+
+
+# ----------------------------------------------------------------------------- layers and inputs
+def _scales(fmt: WeightFormat, gen: torch.Generator, shape: tuple[int, ...]) -> torch.Tensor:
+    if fmt is WeightFormat.NVFP4_WEIGHT_ONLY:
+        s = (torch.rand(shape, generator=gen) * 0.05 + 0.005).to(torch.float8_e4m3fn)
+        sub = torch.rand(shape, generator=gen) < 0.05  # a few E4M3 subnormal scales
+        return torch.where(sub, torch.randint(1, 8, shape, generator=gen, dtype=torch.uint8),
+                           s.view(torch.uint8)).view(torch.float8_e4m3fn)
+    if fmt is WeightFormat.MXFP4_WEIGHT_ONLY:  # 2^-9 .. 2^-4
+        return torch.randint(118, 124, shape, generator=gen, dtype=torch.uint8).view(torch.float8_e8m0fnu)
+    return (torch.rand(shape, generator=gen) * 0.02 + 0.002).to(torch.bfloat16)
+
+
+def make_layer(fmt: WeightFormat, gated: bool, experts: int = E, shape: tuple[int, int] | None = None, seed: int = 0):
+    """(config, prepared weights) of one random layer on the GPU (activation SwiGLU when gated, else SiLU:
+    only gatedness matters to the weights)."""
+    hidden, inter = shape or _shape(fmt)
+    config = LowLatencyMoeConfig(8)
+    act = SwiGLU() if gated else SiLU()
+    gen = torch.Generator().manual_seed(seed)
+    n1 = act.gemm1_columns(inter)
+    if fmt in (WeightFormat.BF16, WeightFormat.FP16, WeightFormat.NVFP4_W_NVFP4_A):
+        dtype = torch.float16 if fmt is WeightFormat.FP16 else torch.bfloat16
+        w1 = (torch.randn(experts, n1, hidden, generator=gen) / hidden**0.5).to(dtype).to(DEV)
+        w2 = (torch.randn(experts, hidden, inter, generator=gen) / inter**0.5).to(dtype).to(DEV)
+        method = {WeightFormat.BF16: config.prepare_bf16_weights, WeightFormat.FP16: config.prepare_fp16_weights,
+                  WeightFormat.NVFP4_W_NVFP4_A: config.prepare_nvfp4_weights}[fmt]
+        return config, method(w1, w2, activation=act)
+    block = 16 if fmt is WeightFormat.NVFP4_WEIGHT_ONLY else 32
+    c1 = torch.randint(0, 256, (experts, n1, hidden // 2), generator=gen, dtype=torch.uint8)
+    s1 = _scales(fmt, gen, (experts, n1, hidden // block))
+    c2 = torch.randint(0, 256, (experts, hidden, inter // 2), generator=gen, dtype=torch.uint8)
+    s2 = _scales(fmt, gen, (experts, hidden, inter // block))
+    c1, s1, c2, s2 = (t.to(DEV) for t in (c1, s1, c2, s2))
+    if fmt is WeightFormat.NVFP4_WEIGHT_ONLY:
+        g1, g2 = ((torch.rand(experts, generator=gen) + 0.5).to(DEV) for _ in range(2))
+        return config, config.prepare_nvfp4_weight_only(c1, s1, g1, c2, s2, g2, activation=act)
+    method = config.prepare_mxfp4_weight_only if fmt is WeightFormat.MXFP4_WEIGHT_ONLY else config.prepare_mxint4_weight_only
+    return config, method(c1, s1, c2, s2, activation=act)
+
+
+def make_inputs(config: LowLatencyMoeConfig, fmt: WeightFormat, x_dtype: torch.dtype, tokens: int, hidden: int,
+                seed: int = 1) -> torch.Tensor | Nvfp4Activations:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, hidden, generator=gen).to(DEV)
+    if fmt is WeightFormat.NVFP4_W_NVFP4_A:
+        return config.prepare_nvfp4_activations(x)
+    return x.to(x_dtype)
+
+
+def random_ids(tokens: int, top_k: int, experts: int, seed: int) -> torch.Tensor:
+    """int64 [T, k]: distinct experts per token."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)]) if tokens else \
+        torch.zeros(0, top_k, dtype=torch.int64)
+
+
+def make_routing(ids: torch.Tensor, kind: str, seed: int = 2, weights: torch.Tensor | None = None) -> Routing:
+    """Routing of ids [T, k] (int64, CPU) with random positive weights (or ``weights``), in one of ROUTING_KINDS."""
+    gen = torch.Generator().manual_seed(seed)
+    w = weights if weights is not None else torch.rand(ids.shape, generator=gen) + 0.05
+    if kind == "packed":
+        return Routing.packed(pack_routing(ids, w).to(DEV))
+    if kind == "int64":
+        return Routing.unpacked(ids.to(DEV), w.float().to(DEV))
+    dtype = torch.float32 if kind == "fp32" else torch.bfloat16
+    return Routing.unpacked(ids.to(torch.int32).to(DEV), w.to(dtype).to(DEV))
+
+
+def nan_out(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    return torch.full(shape, math.nan, dtype=dtype, device=DEV)
+
+
+# ----------------------------------------------------------------------------- comparison
+def assert_close_to_reference(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    """got and want of one 16-bit dtype; the bounds of the module docstring."""
+    assert got.dtype == want.dtype and got.shape == want.shape, f"{what}: got {got.dtype} {tuple(got.shape)}, want {want.dtype} {tuple(want.shape)}"
+    nan = got.isnan()
+    assert not bool(want.isnan().any()), f"{what}: the reference has NaN (test inputs are wrong)"
+    assert not bool(nan.any()), f"{what}: {int(nan.sum())} of {got.numel()} outputs are NaN (not written, or NaN leaked), first at {nan.nonzero()[0].tolist()}"
+    g, w = got.double(), want.double()
+    scale = float(w.abs().max())
+    assert scale > 0, f"{what}: the reference is all zero, the test proves nothing"
+    ulp = ULP[want.dtype]
+    err = (g - w).abs()
+    bound = 2 * ulp * w.abs() + 2.0**-9 * scale
+    worst = int((err - bound).argmax())
+    assert bool((err <= bound).all()), (
+        f"{what}: element {worst} (flat) got {float(g.flatten()[worst])} want {float(w.flatten()[worst])}, "
+        f"|diff| {float(err.flatten()[worst]):.3g} > bound {float(bound.flatten()[worst]):.3g}; "
+        f"{int((err > bound).sum())} of {err.numel()} elements out of bounds; max |ref| {scale:.3g}")
+    rel_l2 = float((g - w).norm() / w.norm())
+    assert rel_l2 <= 2.0**-8, f"{what}: relative L2 error {rel_l2:.3g} > 2^-8"
+    equal = float((got.view(torch.int16) == want.view(torch.int16)).double().mean())
+    assert equal >= 0.5, f"{what}: only {equal:.1%} of elements are bitwise equal to the reference (expected most)"
