@@ -2,7 +2,7 @@
 
 Every kernel module is compiled with ``cuda_defines()`` as ``-D`` options, so the ``.cu`` files use
 these names without defining them (``kernels_cuda/common.cuh`` stops the build when one is
-missing). ``tests/test_kernel_codes.py`` checks that every such name a source uses is defined here.
+missing). ``tests/kernels/test_kernel_codes.py`` checks that every such name a source uses is defined here.
 """
 
 from __future__ import annotations
