@@ -285,3 +285,12 @@ def require_gating(activation: Activation, gated: bool) -> None:
 
         raise ValueError(f"activation {type(activation).__name__} is {kind(activation.gated)} but the weights were "
                          f"prepared for a {kind(gated)} activation")
+
+
+def require_gemm1_rows(name: str, rows: int, activation: Activation, intermediate: int) -> None:
+    """ValueError naming ``name`` unless it has the GEMM1 rows ``activation`` needs (2I gated, I otherwise)."""
+    expected = activation.gemm1_columns(intermediate)
+    if rows != expected:
+        kind = "gated" if activation.gated else "non-gated"
+        raise ValueError(f"{name} must have {expected} rows per expert for the {kind} activation "
+                         f"{type(activation).__name__} (intermediate size {intermediate}), got {rows}")

@@ -48,3 +48,12 @@ def nvcc_builds(request: pytest.FixtureRequest) -> Iterator[None]:
     kernel_sources.prefetch(request.session.items)
     yield
     kernel_sources.shutdown()
+
+
+@pytest.fixture
+def no_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A machine without a GPU, on which prebuild must never reach build_layer (the CLI and cache tests)."""
+    from cudnn_moe import prebuild
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(prebuild, "build_layer", lambda *a, **k: pytest.fail("build_layer reached without a GPU"))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..activations import Activation, SwiGLU, parse_activation
+from ..activations import Activation, SwiGLU, parse_activation, require_gemm1_rows
 from ..arch import Arch, arch_name, parse_arch, target_arch
 from ..engines.base import NVFP4, OP_FUSED, EngineSpec, GemmShape, Request
 from ..engines.registry import choose, engine_class_of, engine_names, served_archs
@@ -91,13 +91,7 @@ class Nvfp4MoeConfig:
         intermediate = w2.shape[2]
         require_multiple("hidden size (w1_bf16.shape[2])", hidden, SIZE_MULTIPLE)
         require_multiple("intermediate size (w2_bf16.shape[2])", intermediate, SIZE_MULTIPLE)
-        expected_rows = act.gemm1_columns(intermediate)
-        if rows1 != expected_rows:
-            kind = "gated" if act.gated else "non-gated"
-            raise ValueError(
-                f"w1_bf16 must have {expected_rows} rows per expert for the {kind} activation "
-                f"{type(act).__name__} (intermediate size {intermediate}), got {rows1}"
-            )
+        require_gemm1_rows("w1_bf16", rows1, act, intermediate)
         require_finite("w1_bf16", w1)
         require_finite("w2_bf16", w2)
         spec = self.engine_spec(hidden, intermediate, experts, act.gated)

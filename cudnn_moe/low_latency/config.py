@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ..activations import Activation, SwiGLU, parse_activation
+from ..activations import Activation, SwiGLU, parse_activation, require_gemm1_rows
 from ..arch import Arch, arch_name, parse_arch, target_arch
 from ..engines.base import OP_LOW_LATENCY
 from ..engines.registry import engine_names, served_archs
@@ -51,16 +51,6 @@ def _check_pair(
     if w1.shape[0] < 1:
         raise ValueError(f"{name1} must hold at least one expert, got shape {tuple(w1.shape)}")
     return w1.shape[0], w2.shape[1], w2.shape[2]
-
-
-def _check_gemm1_rows(name: str, rows: int, act: Activation, intermediate: int) -> None:
-    expected = act.gemm1_columns(intermediate)
-    if rows != expected:
-        kind = "gated" if act.gated else "non-gated"
-        raise ValueError(
-            f"{name} must have {expected} rows per expert for the {kind} activation {type(act).__name__} "
-            f"(intermediate size {intermediate}), got {rows}"
-        )
 
 
 def _check_scales(name: str, scales: object, dtype: torch.dtype, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
@@ -146,7 +136,7 @@ class LowLatencyMoeConfig:
             raise ValueError(f"w1 must be [E, N1, H] with H = {hidden} (from w2 [E, H, I]), got {tuple(w1.shape)}")
         if hidden < 1 or intermediate < 1:
             raise ValueError(f"w2 must have a positive hidden and intermediate size, got {tuple(w2.shape)}")
-        _check_gemm1_rows("w1", w1.shape[1], act, intermediate)
+        require_gemm1_rows("w1", w1.shape[1], act, intermediate)
         require_finite("w1", w1)  # reads the weights (a device sync on CUDA): preparation, not the serving path
         require_finite("w2", w2)
         ip = padded_intermediate(intermediate)
@@ -193,7 +183,7 @@ class LowLatencyMoeConfig:
         require_multiple("intermediate size (2 * w2_codes.shape[2])", intermediate, WEIGHT_ONLY_INTERMEDIATE_MULTIPLE)
         if 2 * w1_codes.shape[2] != hidden:
             raise ValueError(f"w1_codes must be [E, N1, H/2] with H = {hidden} (from w2_codes), got {tuple(w1_codes.shape)}")
-        _check_gemm1_rows("w1_codes", w1_codes.shape[1], act, intermediate)
+        require_gemm1_rows("w1_codes", w1_codes.shape[1], act, intermediate)
         device, block = w1_codes.device, cls.block
         n1 = w1_codes.shape[1]
         w1_scales = _check_scales("w1_scales", w1_scales, scale_dtype, (experts, n1, hidden // block), device)
@@ -290,7 +280,7 @@ class LowLatencyMoeConfig:
             raise ValueError(f"w1_bf16 must be [E, N1, H] with H = {hidden} (from w2_bf16), got {tuple(w1_bf16.shape)}")
         require_multiple("hidden size (w2_bf16.shape[1])", hidden, PAIR_HIDDEN_MULTIPLE)
         require_multiple("intermediate size (w2_bf16.shape[2])", intermediate, PAIR_INTERMEDIATE_MULTIPLE)
-        _check_gemm1_rows("w1_bf16", w1_bf16.shape[1], act, intermediate)
+        require_gemm1_rows("w1_bf16", w1_bf16.shape[1], act, intermediate)
         require_finite("w1_bf16", w1_bf16)
         require_finite("w2_bf16", w2_bf16)
         w1_codes, w1_scales, w1_global = quantize_experts("w1_bf16", w1_bf16)

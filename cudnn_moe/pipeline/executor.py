@@ -224,45 +224,32 @@ class MoeExecutor:
         graph (module docstring). None: never.
         """
         with self.order.use():
-            return self._run(activations, routing, finalize=finalize, out=out, use_cuda_graph=use_cuda_graph,
-                             signature=signature)
+            tokens = activations.num_tokens
+            w = self.weights
 
-    def _run(
-        self,
-        activations: Nvfp4Activations,
-        routing: Routing,
-        *,
-        finalize: bool,
-        out: torch.Tensor | None,
-        use_cuda_graph: bool,
-        signature: Hashable | None,
-    ) -> torch.Tensor | UnfinalizedOutput:
-        tokens = activations.num_tokens
-        w = self.weights
+            def stage(bucket: Bucket) -> None:
+                self._stage(bucket, activations, routing)
 
-        def stage(bucket: Bucket) -> None:
-            self._stage(bucket, activations, routing)
-
-        if finalize:
-            result = out if out is not None else torch.empty(
-                tokens, w.hidden_size, dtype=torch.bfloat16, device=w.device
+            if finalize:
+                result = out if out is not None else torch.empty(
+                    tokens, w.hidden_size, dtype=torch.bfloat16, device=w.device
+                )
+                self.run_call(tokens, stage, lambda bucket: self._finalize(bucket, result),
+                              use_cuda_graph=use_cuda_graph, signature=signature if out is not None else None)
+                return result
+            rows = row_capacity(tokens, self.top_k, w.num_experts, self.engine.row_alignment)
+            rows_out = out if out is not None else torch.empty(
+                rows, w.hidden_size, dtype=torch.bfloat16, device=w.device
             )
-            self.run_call(tokens, stage, lambda bucket: self._finalize(bucket, result),
-                          use_cuda_graph=use_cuda_graph, signature=signature if out is not None else None)
-            return result
-        rows = row_capacity(tokens, self.top_k, w.num_experts, self.engine.row_alignment)
-        rows_out = out if out is not None else torch.empty(
-            rows, w.hidden_size, dtype=torch.bfloat16, device=w.device
-        )
 
-        def unfinalized(bucket: Bucket) -> None:
-            kernels.unfinalized_rows(bucket.gemm2.out, bucket.row_to_slot, rows_out)
+            def unfinalized(bucket: Bucket) -> None:
+                kernels.unfinalized_rows(bucket.gemm2.out, bucket.row_to_slot, rows_out)
 
-        self.run_call(tokens, stage, unfinalized, use_cuda_graph=use_cuda_graph)
-        bucket = self.bucket(tokens)
-        token_to_row = bucket.slot_to_row[: tokens * self.top_k].view(tokens, self.top_k).clone()
-        route_weights = bucket.route_weights[:tokens].clone()  # as decoded by the stage kernel
-        return UnfinalizedOutput(rows_out, route_weights, token_to_row)
+            self.run_call(tokens, stage, unfinalized, use_cuda_graph=use_cuda_graph)
+            bucket = self.bucket(tokens)
+            token_to_row = bucket.slot_to_row[: tokens * self.top_k].view(tokens, self.top_k).clone()
+            route_weights = bucket.route_weights[:tokens].clone()  # as decoded by the stage kernel
+            return UnfinalizedOutput(rows_out, route_weights, token_to_row)
 
     def run_call(
         self,

@@ -6,10 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 
-from cudnn_moe import prebuild
-from cudnn_moe.__main__ import main
+from tests.support.cli import run
 from cudnn_moe.cache import (
     KIND_KERNEL,
     MARKER,
@@ -49,24 +47,9 @@ def assert_foreign_intact(root: Path) -> None:
     assert (root / ("c" * 64 + ".entry")).is_symlink()
 
 
-def run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
-    try:
-        code = main(argv)
-    except SystemExit as exc:
-        code = exc.code
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
-
-
 @pytest.fixture(autouse=True)
 def fresh_reports(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(store_module, "_reported", set())
-
-
-@pytest.fixture
-def no_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(prebuild, "build_layer", lambda *a, **k: pytest.fail("build_layer reached without a GPU"))
 
 
 def test_created_directory_is_marked(tmp_path: Path) -> None:

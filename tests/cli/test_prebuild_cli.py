@@ -10,31 +10,14 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from cudnn_moe import prebuild
-from cudnn_moe.__main__ import main
+from tests.support.cli import run
 from cudnn_moe.cache import KIND_CUDNN_PLAN, KIND_KERNEL, DiskCache, EntryKey, Environment
 from cudnn_moe.cache import runtime as cache_runtime
 from cudnn_moe.prebuild import DEFAULT_BUCKETS, PRESETS_FILE, LayerShape, Progress, load_presets
 
 ENV = Environment(gpu_name="NVIDIA H200", compute_capability=(9, 0), cudnn_backend=91900, cudnn_frontend="1.32.0")
-
-
-def run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
-    """main(argv) -> (exit code, stdout, stderr); argparse's exits become codes."""
-    try:
-        code = main(argv)
-    except SystemExit as exc:
-        code = exc.code
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
-
-
-@pytest.fixture
-def no_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(prebuild, "build_layer", lambda *a, **k: pytest.fail("build_layer reached without a GPU"))
 
 
 @pytest.fixture
