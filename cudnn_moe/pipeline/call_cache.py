@@ -44,9 +44,10 @@ class CheckedCalls:
         objects = tuple(ref() for ref in refs)
         if any(obj is None for obj in objects):
             return None
-        with self._lock:
-            if key in self._entries:
-                self._entries.move_to_end(key)
+        try:  # no lock on the hit path: a concurrent eviction of this key only makes it a miss next time
+            self._entries.move_to_end(key)
+        except KeyError:
+            pass
         return objects
 
     def remember(self, key: Hashable | None, *objects: object) -> None:

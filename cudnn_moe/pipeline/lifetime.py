@@ -32,7 +32,7 @@ from collections import deque
 from collections.abc import Callable, Hashable
 from typing import TypeVar
 
-import torch
+from ..capture import capturing
 
 E = TypeVar("E")
 
@@ -59,14 +59,10 @@ def _collect_dead_owners() -> None:
             _pending.append(executors)
 
 
-def _capturing() -> bool:
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-
-
 def release_deferred() -> int:
     """Destroy what is pending (dead owners' executors, deferred objects) unless the current stream is
     capturing; returns how many pending items went."""
-    if not (_pending or _dead_owners) or _capturing():
+    if not (_pending or _dead_owners) or capturing():
         return 0
     with _lock:
         _collect_dead_owners()

@@ -29,13 +29,13 @@ class Tracked:
 
 @pytest.fixture(autouse=True)
 def clean(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(lifetime, "_capturing", lambda: False)
+    monkeypatch.setattr(lifetime, "capturing", lambda: False)
     release_deferred()
     Tracked.destroyed = []
 
 
 def capturing(monkeypatch: pytest.MonkeyPatch, value: bool) -> None:
-    monkeypatch.setattr(lifetime, "_capturing", lambda: value)
+    monkeypatch.setattr(lifetime, "capturing", lambda: value)
 
 
 def test_one_executor_per_weights_and_key() -> None:
