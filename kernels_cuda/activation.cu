@@ -139,6 +139,7 @@ extern "C" __global__ void moe_activation(const u16* __restrict__ g1, const int*
                                           const int* __restrict__ offsets, int num_experts, int act, int gated,
                                           float alpha, float beta, float limit, int inter, int layout, int requantize,
                                           u8* __restrict__ out, u8* __restrict__ out_scales) {
+  moe::grid_dependency_begin();
   const int units = inter / 32;
   const int rows_per_block = max(1, static_cast<int>(blockDim.x) / units);
   const int sub = threadIdx.x / units;  // the block's row of this thread

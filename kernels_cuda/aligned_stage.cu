@@ -21,6 +21,7 @@ extern "C" __global__ void moe_stage_aligned(const u8* __restrict__ x, i64 x_row
                                              float* __restrict__ w_out, float* __restrict__ alpha1,
                                              float* __restrict__ alpha2, int M, int top_k, int row_bytes,
                                              int scale_bytes) {
+  moe::grid_dependency_begin();
   const int t = blockIdx.x;
   if (t < M) stage_token_row(xs, xss, x, x_row_stride, x_scales, t, row_bytes, scale_bytes, threadIdx.x,
                              blockDim.x);
@@ -49,6 +50,7 @@ extern "C" __global__ void moe_stage_aligned(const u8* __restrict__ x, i64 x_row
 extern "C" __global__ void moe_plan_routes(const int* __restrict__ sorted_token_ids, const int* __restrict__ expert_ids,
                                            const int* __restrict__ num_tokens_post_padded, int capacity, int block_m,
                                            int num_slots, int num_experts, int* __restrict__ ids_out) {
+  moe::grid_dependency_begin();
   const int r = blockIdx.x * blockDim.x + threadIdx.x;
   if (r >= capacity) return;
   const int block = r / block_m;

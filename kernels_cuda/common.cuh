@@ -20,6 +20,24 @@ typedef long long i64;
 typedef unsigned long long u64;
 
 // ---------------------------------------------------------------------------
+// Programmatic Dependent Launch (sm_90 and later)
+// ---------------------------------------------------------------------------
+
+// Every kernel of the project starts with this. The loader launches kernels on SM90+ with the
+// programmatic-stream-serialization attribute (cudnn_moe.kernels.loader), so a kernel may become resident
+// while the previous kernel of its stream still runs: griddepcontrol.wait blocks until that kernel has
+// completed with its writes visible, and nothing before it reads or writes global memory. The trigger
+// right after lets the next kernel of the stream launch (and reach its own wait) while this one works;
+// it is a scheduling hint only, never a visibility point. Both are no-ops when the launch had no
+// attribute, and compile to nothing before sm_90.
+__device__ __forceinline__ void grid_dependency_begin() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// ---------------------------------------------------------------------------
 // BF16 <-> FP32
 // ---------------------------------------------------------------------------
 

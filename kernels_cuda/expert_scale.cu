@@ -24,6 +24,7 @@ __device__ __forceinline__ int segment_of_row(const int* offsets, int num_expert
 extern "C" __global__ void moe_expert_scale(const float* __restrict__ acc, const float* __restrict__ alpha,
                                             const int* __restrict__ offsets, int num_experts, int n,
                                             int alpha_split, u16* __restrict__ out) {
+  moe::grid_dependency_begin();
   const int r = blockIdx.x;
   if (r >= offsets[num_experts]) return;
   const int e = segment_of_row(offsets, num_experts, r);

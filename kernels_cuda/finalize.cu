@@ -26,6 +26,7 @@ __device__ __forceinline__ void accumulate_row(float acc[8], int r, float w, con
 extern "C" __global__ void moe_finalize(const u16* __restrict__ g2, const int* __restrict__ slot_to_row,
                                         const float* __restrict__ weights, int top_k, int hidden,
                                         int accumulate, u16* __restrict__ out) {
+  moe::grid_dependency_begin();
   const i64 t = blockIdx.x;
   const int* rows = slot_to_row + t * top_k;
   const float* w = weights + t * top_k;
@@ -66,6 +67,7 @@ extern "C" __global__ void moe_finalize(const u16* __restrict__ g2, const int* _
 //   rows_out BF16 [R_out, hidden]: g2[r] where row_to_slot[r] >= 0, else 0
 extern "C" __global__ void moe_unfinalized_rows(const u16* __restrict__ g2, const int* __restrict__ row_to_slot,
                                                 int hidden, u16* __restrict__ rows_out) {
+  moe::grid_dependency_begin();
   const i64 r = blockIdx.x;
   const bool used = row_to_slot[r] >= 0;
   for (int h = 8 * threadIdx.x; h < hidden; h += 8 * blockDim.x) {

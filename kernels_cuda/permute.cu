@@ -15,6 +15,7 @@ extern "C" __global__ void moe_permute(const u8* __restrict__ xs, const u8* __re
                                        const int* __restrict__ slot_to_row, int top_k, int row_bytes,
                                        int scale_cols, int swizzled, u8* __restrict__ xp,
                                        u8* __restrict__ xps) {
+  moe::grid_dependency_begin();
   const int r = slot_to_row[blockIdx.x];
   if (r < 0) return;
   const i64 t = blockIdx.x / top_k;
@@ -66,6 +67,7 @@ __device__ __forceinline__ void permute_fragments(const int* __restrict__ slot_t
 extern "C" __global__ void moe_permute_bf16(const u8* __restrict__ xs, const u8* __restrict__ xss,
                                             const int* __restrict__ slot_to_row, int num_slots, int top_k,
                                             int hidden, u16* __restrict__ xp) {
+  moe::grid_dependency_begin();
   permute_fragments(slot_to_row, num_slots, top_k, hidden, xp, [&](i64 t, int u, uint4 piece[4]) {
     decode_fragment_unit(xs + t * (hidden / 2), xss + t * (hidden / 16), u, piece);
   });
@@ -75,6 +77,7 @@ extern "C" __global__ void moe_permute_bf16(const u8* __restrict__ xs, const u8*
 // (2q, 2q+1), (8+2q, 9+2q), (16+2q, 17+2q), (24+2q, 25+2q) of its 32 columns (decode_fragment_unit's order).
 extern "C" __global__ void moe_permute_bf16_tokens(const u16* __restrict__ x, const int* __restrict__ slot_to_row,
                                                    int num_slots, int top_k, int hidden, u16* __restrict__ xp) {
+  moe::grid_dependency_begin();
   permute_fragments(slot_to_row, num_slots, top_k, hidden, xp, [&](i64 t, int u, uint4 piece[4]) {
     const uint4* src = reinterpret_cast<const uint4*>(x + t * hidden + 32 * u);
     const uint4 a = src[0], b = src[1], c = src[2], d = src[3];  // pair words 0..3, 4..7, 8..11, 12..15

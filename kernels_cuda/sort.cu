@@ -200,6 +200,7 @@ extern "C" __global__ void __launch_bounds__(SORT_THREADS)
     moe_sort(const int* __restrict__ ids, int num_slots, int local_start, int num_experts, int align,
              int row_capacity, int* __restrict__ offsets, int* __restrict__ slot_to_row,
              int* __restrict__ row_to_slot, int* __restrict__ row_expert, int* __restrict__ counts) {
+  moe::grid_dependency_begin();
   if (blockDim.x != SORT_THREADS || gridDim.x != 1 || num_experts < 1 || num_experts > SORT_MAX_EXPERTS ||
       align < 1)
     return;
@@ -214,6 +215,7 @@ extern "C" __global__ void __launch_bounds__(SORT_THREADS)
     moe_sort_blocks(const int* __restrict__ ids, int num_slots, int local_start, int num_experts, int align,
                     int row_capacity, int block_slots, int* __restrict__ offsets, int* __restrict__ slot_to_row,
                     int* __restrict__ row_to_slot, int* __restrict__ row_expert, int* __restrict__ counts) {
+  moe::grid_dependency_begin();
   if (blockDim.x != SORT_THREADS || num_experts < 1 || num_experts > SORT_MAX_EXPERTS || align < 1 ||
       block_slots < 1 || block_slots % SORT_THREADS != 0)
     return;

@@ -19,6 +19,7 @@ extern "C" __global__ void moe_stage_inputs(const u8* __restrict__ x, const u8* 
                                             u8* __restrict__ xss, int* __restrict__ ids_out,
                                             float* __restrict__ w_out, int T, int top_k, int row_bytes,
                                             int scale_bytes) {
+  moe::grid_dependency_begin();
   const int t = blockIdx.x;
   if (t < T) stage_token_row(xs, xss, x, row_bytes, x_scales, t, row_bytes, scale_bytes, threadIdx.x, blockDim.x);
   for (int s = threadIdx.x; s < top_k; s += blockDim.x) {

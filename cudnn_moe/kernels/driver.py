@@ -28,10 +28,30 @@ _SIGNATURES: dict[str, tuple[type, ...]] = {
     "cuFuncSetAttribute": (_c_void_p, _c_int, _c_int),
     "cuLaunchKernel": (_c_void_p, _c_uint, _c_uint, _c_uint, _c_uint, _c_uint, _c_uint, _c_uint, _c_void_p, _c_void_p,
                        _c_void_p),
+    "cuLaunchKernelEx": (_c_void_p, _c_void_p, _c_void_p, _c_void_p),
     "cuGetErrorName": (_c_int, ctypes.POINTER(ctypes.c_char_p)),
 }
 
 CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
+
+
+class _LaunchAttribute(ctypes.Structure):
+    """CUlaunchAttribute: the id, padding to 8 bytes, then the 64-byte value union (an int at offset 0 for
+    the attributes used here)."""
+
+    _fields_ = [("id", _c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int), ("rest", ctypes.c_char * 60)]
+
+
+class _LaunchConfig(ctypes.Structure):
+    """CUlaunchConfig of cuda.h (CUDA 12.0 and later)."""
+
+    _fields_ = [("grid_x", _c_uint), ("grid_y", _c_uint), ("grid_z", _c_uint), ("block_x", _c_uint),
+                ("block_y", _c_uint), ("block_z", _c_uint), ("shared_mem", _c_uint), ("stream", _c_void_p),
+                ("attrs", ctypes.POINTER(_LaunchAttribute)), ("num_attrs", _c_uint)]
+
+
+_PROGRAMMATIC = _LaunchAttribute(CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, b"", 1)
 
 
 class CudaDriverError(RuntimeError):
@@ -112,3 +132,14 @@ def launch_kernel(function: int, grid: tuple[int, int, int], block: int, shared_
     status = _library().cuLaunchKernel(function, *grid, block, 1, 1, shared_mem, stream, params, None)
     if status:
         _check(status, "cuLaunchKernel")
+
+
+def launch_kernel_programmatic(function: int, grid: tuple[int, int, int], block: int, shared_mem: int, stream: int,
+                               params: int) -> None:
+    """cuLaunchKernelEx with programmatic stream serialization: the kernel may start while the previous kernel
+    of ``stream`` still runs, and must begin with ``griddepcontrol.wait`` (kernels_cuda/common.cuh
+    grid_dependency_begin). Recorded into a CUDA graph as a programmatic edge when the stream is capturing."""
+    config = _LaunchConfig(*grid, block, 1, 1, shared_mem, stream, ctypes.pointer(_PROGRAMMATIC), 1)
+    status = _library().cuLaunchKernelEx(ctypes.byref(config), function, params, None)
+    if status:
+        _check(status, "cuLaunchKernelEx")

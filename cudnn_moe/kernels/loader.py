@@ -18,6 +18,7 @@ import dataclasses
 import functools
 import hashlib
 import importlib.metadata
+import os
 import struct
 import threading
 from dataclasses import dataclass
@@ -291,13 +292,28 @@ def launch(
             _launch(function, gx, gy, gz, block, shared_mem, stream, packed, index)
 
 
+PDL_ENV_VAR = "CUDNN_MOE_PDL"
+
+
+@functools.cache
+def programmatic_launch(index: int) -> bool:
+    """Whether kernels on device ``index`` launch with Programmatic Dependent Launch: on SM90 and later,
+    unless ``$CUDNN_MOE_PDL`` is ``0`` (read once per process). Every kernel waits for its predecessor
+    before touching memory (kernels_cuda/common.cuh grid_dependency_begin), so the results are the same
+    either way; only the gap between dependent launches shrinks."""
+    return os.environ.get(PDL_ENV_VAR, "1") != "0" and torch.cuda.get_device_capability(index)[0] >= 9
+
+
 def _launch(function: int, gx: int, gy: int, gz: int, block: int, shared_mem: int, stream: int,
             packed: PackedArgs, index: int) -> None:
     _bind(index)
     if shared_mem > 48 * 1024 and _shared_limits.get(function, 0) < shared_mem:
         driver.set_max_dynamic_shared(function, shared_mem)
         _shared_limits[function] = shared_mem
-    driver.launch_kernel(function, (gx, gy, gz), block, shared_mem, stream, packed.pointer)
+    if programmatic_launch(index):
+        driver.launch_kernel_programmatic(function, (gx, gy, gz), block, shared_mem, stream, packed.pointer)
+    else:
+        driver.launch_kernel(function, (gx, gy, gz), block, shared_mem, stream, packed.pointer)
 
 
 def ptr(tensor: torch.Tensor | None, align: int = 1, *, row_strided: bool = False) -> np.uint64:

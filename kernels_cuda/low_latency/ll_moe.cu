@@ -502,6 +502,7 @@ extern "C" __global__ void __launch_bounds__(LL_THREADS, 2) ll_gemm1(
     int id_bytes, int num_tokens, int top_k, int num_experts, const u8* __restrict__ w,
     const u8* __restrict__ w_scales, const float* __restrict__ w_global, int hidden, int inter, int inter_padded,
     int gated, int lanes_per_row, int rounds, int act, float alpha, float beta, float limit, u16* __restrict__ out) {
+  moe::grid_dependency_begin();
   __shared__ Plan plan;
   prefetch_gemm1(load_expert(ids, routing, id_bytes, blockIdx.y, num_experts), feature_group(0, rounds, lanes_per_row),
                  w, w_scales, hidden, inter, inter_padded, gated != 0, lanes_per_row);
@@ -557,6 +558,7 @@ extern "C" __global__ void __launch_bounds__(LL_THREADS, 2) ll_gemm2(
     const u8* __restrict__ w_scales, const float* __restrict__ w_global, int hidden, int inter_padded,
     int lanes_per_row, int rounds, int out_fp16, int finalize, u16* __restrict__ rows, u16* __restrict__ out,
     int* __restrict__ counters) {
+  moe::grid_dependency_begin();
   __shared__ Plan plan;
   __shared__ int last;
   prefetch_gemm2(load_expert(ids, routing, id_bytes, blockIdx.y, num_experts), 2 * feature_group(0, rounds, lanes_per_row),

@@ -98,6 +98,7 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS)
     sm90_gemm_decode(const u8* __restrict__ w_tiles, const u8* __restrict__ w_scales, const float* __restrict__ alpha,
                      const u16* __restrict__ x, const int* __restrict__ offsets, int num_experts, int n, int k,
                      int row_capacity, int alpha_split, u16* __restrict__ out) {
+  moe::grid_dependency_begin();
   __shared__ __align__(16) float red[SM90_WK][DEC_TB][DEC_RED_STRIDE];
   Tile tile;
   if (!find_tile<DEC_TB>(offsets, num_experts, row_capacity, static_cast<int>(blockIdx.y), tile)) return;
@@ -310,6 +311,7 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, SM90_PF_MIN_BLOCKS)
     sm90_gemm_prefill(const u8* __restrict__ w_tiles, const u8* __restrict__ w_scales, const float* __restrict__ alpha,
                       const u16* __restrict__ x, const int* __restrict__ offsets, int num_experts, int n, int k,
                       int row_capacity, int alpha_split, u16* __restrict__ out) {
+  moe::grid_dependency_begin();
   extern __shared__ __align__(128) u8 smem[];
   Tile tile;
   if (!find_tile<PF_TB>(offsets, num_experts, row_capacity, static_cast<int>(blockIdx.y), tile)) return;

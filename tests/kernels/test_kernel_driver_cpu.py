@@ -38,3 +38,68 @@ def test_importing_the_loader_imports_no_cupy() -> None:
     code = ("import sys; import cudnn_moe, cudnn_moe.kernels.loader, cudnn_moe.cache.keys; "
             "sys.exit('cupy' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+_LAYOUT_PROBE = r"""
+#include <cuda.h>
+#include <stddef.h>
+#include <stdio.h>
+int main() {
+  printf("%zu %zu %zu %zu %zu %zu %d\n", sizeof(CUlaunchAttribute), offsetof(CUlaunchAttribute, value),
+         sizeof(CUlaunchConfig), offsetof(CUlaunchConfig, hStream), offsetof(CUlaunchConfig, attrs),
+         offsetof(CUlaunchConfig, numAttrs), (int)CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION);
+  return 0;
+}
+"""
+
+
+def test_launch_structs_match_cuda_h(tmp_path) -> None:
+    """The ctypes CUlaunchConfig / CUlaunchAttribute of the programmatic launch have cuda.h's layout."""
+    from tests.support.kernel_sources import NVCC
+
+    if NVCC is None:
+        pytest.skip("nvcc not found (it brings cuda.h)")
+    source, binary = tmp_path / "probe.cpp", tmp_path / "probe"
+    source.write_text(_LAYOUT_PROBE)
+    subprocess.run([NVCC, str(source), "-o", str(binary)], check=True, capture_output=True)
+    fields = [int(v) for v in subprocess.run([str(binary)], check=True, capture_output=True, text=True).stdout.split()]
+    config = driver._LaunchConfig
+    assert fields == [ctypes.sizeof(driver._LaunchAttribute), driver._LaunchAttribute.value.offset,
+                      ctypes.sizeof(config), config.stream.offset, config.attrs.offset, config.num_attrs.offset,
+                      driver.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION]
+
+
+def test_every_kernel_waits_for_its_predecessor_first() -> None:
+    """Kernels launch with programmatic stream serialization on SM90+, so each must call grid_dependency_begin
+    (griddepcontrol.wait) before anything else touches memory: it is the first statement of every kernel."""
+    import re
+
+    from cudnn_moe.kernels import kernels_dir
+
+    found = 0
+    for path in sorted(kernels_dir().rglob("*.cu")):
+        source = path.read_text()
+        for match in re.finditer(r'extern "C" __global__', source):
+            body = source[source.index("{", match.end()) + 1:]
+            assert body.lstrip().startswith("moe::grid_dependency_begin();"), f"{path.name}: {body[:80]!r}"
+            found += 1
+    assert found >= 15
+
+
+def test_programmatic_launch_can_be_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    from cudnn_moe.kernels import loader
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: (9, 0))
+    for value, expected in (("0", False), ("1", True), (None, True)):
+        loader.programmatic_launch.cache_clear()
+        if value is None:
+            monkeypatch.delenv(loader.PDL_ENV_VAR, raising=False)
+        else:
+            monkeypatch.setenv(loader.PDL_ENV_VAR, value)
+        assert loader.programmatic_launch(0) is expected
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: (8, 0))
+    loader.programmatic_launch.cache_clear()
+    assert loader.programmatic_launch(0) is False
+    loader.programmatic_launch.cache_clear()

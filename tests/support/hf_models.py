@@ -16,7 +16,10 @@ def configs() -> dict:
     DeepSeek-V3 routes without expert groups here (n_group=1): with 2 groups of which 1 is chosen, a
     perturbation of the second layer's input as small as NVFP4's moves all four experts of a token to the
     other group, and whole-model logits then measure routing flips, not the experts (on the H200 with
-    n_group=2: weight-only rel. L2 0.35% for one seed, 12.6% for another; W+A cosine 0.963)."""
+    n_group=2: weight-only rel. L2 0.35% for one seed, 12.6% for another; W+A cosine 0.963). Its routed
+    outputs are scaled by 1.0, not DeepSeek-V3's 2.5: at 2.5 the experts outweigh the residual stream of this
+    random two-layer model and the logits' NVFP4 W+A cosine is the experts' own NVFP4 noise, 0.972-0.977 on the
+    H200 (weight-only rel. L2 0.35-0.39%, 7x Qwen3-MoE's), below the 0.98 bound written for one MoE block."""
     from transformers import DeepseekV3Config, MixtralConfig, Qwen3MoeConfig
 
     return {
@@ -29,7 +32,7 @@ def configs() -> dict:
         "deepseek_v3": DeepseekV3Config(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=1024,
                                         moe_intermediate_size=MOE_INTER, num_hidden_layers=2, num_attention_heads=4,
                                         num_key_value_heads=4, n_routed_experts=16, num_experts_per_tok=4, n_group=1,
-                                        topk_group=1, first_k_dense_replace=0, n_shared_experts=1, kv_lora_rank=64,
+                                        topk_group=1, first_k_dense_replace=0, n_shared_experts=1, routed_scaling_factor=1.0, kv_lora_rank=64,
                                         q_lora_rank=None, qk_rope_head_dim=32, qk_nope_head_dim=64, v_head_dim=64),
     }
 
