@@ -32,8 +32,9 @@ def configs() -> dict:
         "deepseek_v3": DeepseekV3Config(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=1024,
                                         moe_intermediate_size=MOE_INTER, num_hidden_layers=2, num_attention_heads=4,
                                         num_key_value_heads=4, n_routed_experts=16, num_experts_per_tok=4, n_group=1,
-                                        topk_group=1, first_k_dense_replace=0, n_shared_experts=1, routed_scaling_factor=1.0, kv_lora_rank=64,
-                                        q_lora_rank=None, qk_rope_head_dim=32, qk_nope_head_dim=64, v_head_dim=64),
+                                        topk_group=1, first_k_dense_replace=0, n_shared_experts=1,
+                                        routed_scaling_factor=1.0, kv_lora_rank=64, q_lora_rank=None,
+                                        qk_rope_head_dim=32, qk_nope_head_dim=64, v_head_dim=64),
     }
 
 
