@@ -1,8 +1,8 @@
 """Where the GPU time of one fused NVFP4 MoE call goes, per engine: each stage alone and the whole call.
 
 Per model, token count and engine: the GPU time of each bucket-static stage of the executor (sort,
-permute, GEMM1, activation, GEMM2), each captured alone in a CUDA graph, their sum, and the whole
-call (stage + those five + finalize) captured in one graph. Every time is the median of
+permute or the two in one launch, GEMM1, activation, GEMM2), each captured alone in a CUDA graph, their
+sum, the launches of one call, and the whole call (stage + those + finalize) captured in one graph. Every time is the median of
 CUDA-event-timed replays with L2 flushed before each (common.py). Host time per call: bench_moe.py.
 Usage: python benchmarks/bench_stages.py --help
 """
@@ -39,23 +39,26 @@ from common import (  # noqa: E402
 
 from cudnn_moe import Nvfp4MoeConfig, Nvfp4Weights  # noqa: E402
 
-STAGES = ("sort", "permute", "gemm1", "activation", "gemm2")  # executor.stages(), in order
+# Every stage an engine chain may hold (executor.stages()), in order; a chain holds "sort+permute" (one
+# launch, decode buckets of the sm90 engine) or "sort" and "permute".
+STAGES = ("sort", "permute", "sort+permute", "gemm1", "activation", "gemm2")
 
 
 def stage_times(
     m: ModelShape, config: Nvfp4MoeConfig, weights: Nvfp4Weights,
     batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor], timer: Timer,
-) -> list[float]:
-    """GPU us of each stage (captured alone, on the buffers the call staged), their sum, the whole call."""
+) -> list[float | int | None]:
+    """GPU us of each of STAGES (captured alone, on the buffers the call staged; None where the chain lacks it),
+    their sum, the launches of the whole call (its stages plus the op's stage and finish) and its time."""
     call = moe_call(config, weights, *batch)
     whole = timer.median_us(capture(call).replay)
     executor = executor_for(m, config, weights)
     stages = executor.stages(executor.bucket(batch[0].shape[0]))
-    names = tuple(name for name, _ in stages)
-    if names != STAGES:
-        raise RuntimeError(f"the executor's stages are {names}; this script tabulates {STAGES}")
-    times = [timer.median_us(capture(launch).replay) for _, launch in stages]
-    return [*times, sum(times), whole]
+    unknown = [name for name, _ in stages if name not in STAGES]
+    if unknown:
+        raise RuntimeError(f"the executor's stages hold {unknown}; this script tabulates {STAGES}")
+    times = {name: timer.median_us(capture(launch).replay) for name, launch in stages}
+    return [*(times.get(name) for name in STAGES), sum(times.values()), len(stages) + 2, whole]
 
 
 def bench_model(args: argparse.Namespace, report: Report, m: ModelShape, gen: torch.Generator, timer: Timer) -> None:
@@ -69,7 +72,8 @@ def bench_model(args: argparse.Namespace, report: Report, m: ModelShape, gen: to
                 report, args.skip_slow_cudnn, m, tokens, engine, prepared,
                 lambda config, weights: stage_times(m, config, weights, batch, timer),  # noqa: B023
             )
-            cells = [result] * (len(STAGES) + 2) if isinstance(result, str) else [fmt(t) for t in result]
+            cells = [result] * (len(STAGES) + 3) if isinstance(result, str) else [
+                "-" if t is None else str(t) if isinstance(t, int) else fmt(t) for t in result]
             report.emit(md_row([m.name, str(tokens), engine, *cells]))
 
 
@@ -83,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     report.emit(f"GPU us per stage, each captured alone in a CUDA graph, and of the whole call captured in one "
                 f"graph; median of {args.iters} CUDA-event-timed replays, 256 MiB L2 flush before each.")
     report.emit()
-    report.table(["model", "T", "engine", *STAGES, "sum of stages", "whole call"], left=3)
+    report.table(["model", "T", "engine", *STAGES, "sum of stages", "launches", "whole call"], left=3)
     run_models(args, lambda m, gen, timer: bench_model(args, report, m, gen, timer))
     report.write(args.markdown)
     return 0

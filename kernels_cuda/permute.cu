@@ -1,5 +1,7 @@
-// Gather token rows into expert-sorted rows for the first grouped GEMM.
+// Gather token rows into expert-sorted rows for the first grouped GEMM; for decode buckets, the routing sort
+// and the gather in one launch (moe_sort_permute_bf16*).
 #include "common.cuh"
+#include "sort.cuh"
 
 using namespace moe;
 
@@ -73,16 +75,69 @@ extern "C" __global__ void moe_permute_bf16(const u8* __restrict__ xs, const u8*
   });
 }
 
-// BF16 tokens as they are: x bf16 [B, H], 16-byte aligned. Piece q of unit u holds the value pairs
+// Unit u (32 columns) of BF16 token t of x [B, H] in fragment order: piece q holds the value pairs
 // (2q, 2q+1), (8+2q, 9+2q), (16+2q, 17+2q), (24+2q, 25+2q) of its 32 columns (decode_fragment_unit's order).
+__device__ __forceinline__ void load_bf16_unit(const u16* __restrict__ x, int hidden, i64 t, int u, uint4 piece[4]) {
+  const uint4* src = reinterpret_cast<const uint4*>(x + t * hidden + 32 * u);
+  const uint4 a = src[0], b = src[1], c = src[2], d = src[3];  // pair words 0..3, 4..7, 8..11, 12..15
+  const u32 words[16] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w, c.x, c.y, c.z, c.w, d.x, d.y, d.z, d.w};
+#pragma unroll
+  for (int q = 0; q < 4; ++q) piece[q] = make_uint4(words[q], words[4 + q], words[8 + q], words[12 + q]);
+}
+
+// BF16 tokens as they are: x bf16 [B, H], 16-byte aligned.
 extern "C" __global__ void moe_permute_bf16_tokens(const u16* __restrict__ x, const int* __restrict__ slot_to_row,
                                                    int num_slots, int top_k, int hidden, u16* __restrict__ xp) {
   moe::grid_dependency_begin();
-  permute_fragments(slot_to_row, num_slots, top_k, hidden, xp, [&](i64 t, int u, uint4 piece[4]) {
-    const uint4* src = reinterpret_cast<const uint4*>(x + t * hidden + 32 * u);
-    const uint4 a = src[0], b = src[1], c = src[2], d = src[3];  // pair words 0..3, 4..7, 8..11, 12..15
-    const u32 words[16] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w, c.x, c.y, c.z, c.w, d.x, d.y, d.z, d.w};
-#pragma unroll
-    for (int q = 0; q < 4; ++q) piece[q] = make_uint4(words[q], words[4 + q], words[8 + q], words[12 + q]);
-  });
+  permute_fragments(slot_to_row, num_slots, top_k, hidden, xp,
+                    [&](i64 t, int u, uint4 piece[4]) { load_bf16_unit(x, hidden, t, u, piece); });
+}
+
+// Sort + permute in one launch, for buckets of at most SORT_THREADS slots (decode): every block of
+// SORT_THREADS threads runs the whole single-block sort of moe_sort in shared memory (it reads the
+// num_slots ids from L2: the blocks never communicate), block 0 alone writes the sort's outputs for the
+// later stages (offsets, slot_to_row, row_to_slot, row_expert, counts: moe_sort's documentation), and
+// every block then gathers its own tokens as moe_permute_bf16 / moe_permute_bf16_tokens do, reading the
+// slot rows from shared memory. Same outputs, bit for bit, as moe_sort followed by the permute. Launch
+// ceil(ceil(num_slots / top_k) / max(1, SORT_THREADS / (H / 32))) blocks (at least one).
+template <typename LoadUnit>
+__device__ __forceinline__ void sort_permute(const int* __restrict__ ids, int num_slots, int top_k, int local_start,
+                                             int num_experts, int align, int row_capacity, int hidden,
+                                             int* __restrict__ offsets, int* __restrict__ slot_to_row,
+                                             int* __restrict__ row_to_slot, int* __restrict__ row_expert,
+                                             int* __restrict__ counts, u16* __restrict__ xp, LoadUnit load_unit) {
+  __shared__ int slot_rows[SORT_THREADS];
+  if (blockDim.x != SORT_THREADS || num_slots > SORT_THREADS || num_experts < 1 || num_experts > SORT_MAX_EXPERTS ||
+      align < 1 || top_k < 1 || hidden % 64)
+    return;
+  sort_slots(ids, num_slots, local_start, num_experts, align, row_capacity, max(num_slots, 1), 0, 1, blockIdx.x == 0,
+             slot_rows, offsets, slot_to_row, row_to_slot, row_expert, counts);
+  __syncthreads();
+  permute_fragments(slot_rows, num_slots, top_k, hidden, xp, load_unit);
+}
+
+// NVFP4 tokens (xs, xss as for moe_permute_bf16), decoded exactly into BF16 fragments.
+extern "C" __global__ void __launch_bounds__(SORT_THREADS)
+    moe_sort_permute_bf16(const int* __restrict__ ids, int num_slots, int top_k, int local_start, int num_experts,
+                          int align, int row_capacity, int hidden, const u8* __restrict__ xs,
+                          const u8* __restrict__ xss, int* __restrict__ offsets, int* __restrict__ slot_to_row,
+                          int* __restrict__ row_to_slot, int* __restrict__ row_expert, int* __restrict__ counts,
+                          u16* __restrict__ xp) {
+  moe::grid_dependency_begin();
+  sort_permute(ids, num_slots, top_k, local_start, num_experts, align, row_capacity, hidden, offsets, slot_to_row,
+               row_to_slot, row_expert, counts, xp, [&](i64 t, int u, uint4 piece[4]) {
+                 decode_fragment_unit(xs + t * (hidden / 2), xss + t * (hidden / 16), u, piece);
+               });
+}
+
+// BF16 tokens (x as for moe_permute_bf16_tokens), as they are.
+extern "C" __global__ void __launch_bounds__(SORT_THREADS)
+    moe_sort_permute_bf16_tokens(const int* __restrict__ ids, int num_slots, int top_k, int local_start,
+                                 int num_experts, int align, int row_capacity, int hidden, const u16* __restrict__ x,
+                                 int* __restrict__ offsets, int* __restrict__ slot_to_row,
+                                 int* __restrict__ row_to_slot, int* __restrict__ row_expert,
+                                 int* __restrict__ counts, u16* __restrict__ xp) {
+  moe::grid_dependency_begin();
+  sort_permute(ids, num_slots, top_k, local_start, num_experts, align, row_capacity, hidden, offsets, slot_to_row,
+               row_to_slot, row_expert, counts, xp, [&](i64 t, int u, uint4 piece[4]) { load_bf16_unit(x, hidden, t, u, piece); });
 }

@@ -627,3 +627,19 @@ def test_unfinalized_row_count_needs_no_gpu():
     _, weights = _cpu_layer()
     # 6 slots + up to 7 padding rows for each of the 2 experts, rounded up to the 8-row alignment
     assert cudnn_moe.unfinalized_row_count(weights, 3, 2) == 24
+
+
+@pytest.mark.parametrize("shape", [(3, 50, 7), (2, 1000), (1000,), (5, 7, 3, 11)])
+def test_finiteness_is_checked_in_slices(monkeypatch: pytest.MonkeyPatch, shape: tuple[int, ...]) -> None:
+    """require_finite reads large tensors in slices (no full-size temporary) and still finds a NaN or Inf in
+    the first or last element, whatever the slicing."""
+    from cudnn_moe import validate
+
+    monkeypatch.setattr(validate, "_FINITE_CHUNK", 100)
+    value = torch.randn(shape)
+    validate.require_finite("w1", value)
+    for index, bad in ((-1, float("nan")), (0, float("inf"))):
+        broken = value.clone()
+        broken.view(-1)[index] = bad
+        with pytest.raises(ValueError, match="w1 contains NaN or Inf"):
+            validate.require_finite("w1", broken)

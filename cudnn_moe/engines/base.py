@@ -317,6 +317,11 @@ class LayerStages(abc.ABC):
     def permute(self) -> Stage: ...
 
     @abc.abstractmethod
+    def sort_permute(self) -> Stage | None:
+        """sort() and permute() in one launch where this bucket allows it (BF16 token fragments and at most
+        cudnn_moe.kernels.SORT_PERMUTE_MAX_SLOTS slots), else None."""
+
+    @abc.abstractmethod
     def gemm1(self) -> Stage: ...
 
     @abc.abstractmethod

@@ -14,13 +14,20 @@ from .loader import launch, ptr
 UNIT_THREADS = 256  # most threads of a block of the unit-per-thread kernels (moe_permute_bf16, moe_activation)
 
 
-def unit_grid(items: int, units: int) -> tuple[int, int]:
+def unit_grid(items: int, units: int, max_threads: int = UNIT_THREADS) -> tuple[int, int]:
     """(blocks, threads) of a kernel with one thread per unit and ``units`` units per item (token or row): as
-    many whole items per block as UNIT_THREADS threads hold (at least one; the kernel derives the same count
-    as max(1, blockDim.x / units)), the block rounded up to whole warps."""
-    per_block = max(1, UNIT_THREADS // units)
-    threads = min(UNIT_THREADS, -(-per_block * units // 32) * 32)
+    many whole items per block as ``max_threads`` threads hold (at least one; the kernel derives the same
+    count as max(1, blockDim.x / units)), the block rounded up to whole warps."""
+    per_block = max(1, max_threads // units)
+    threads = min(max_threads, -(-per_block * units // 32) * 32)
     return -(-items // per_block), threads
+
+
+def require_fragment_rows(xp: torch.Tensor, hidden: int) -> None:
+    """Check that xp is a bfloat16 [R, hidden] matrix of BF16 token fragments with hidden % 64 == 0."""
+    if xp.dtype != torch.bfloat16 or xp.dim() != 2 or xp.shape[1] != hidden or hidden % 64:
+        raise ValueError(f"permute: BF16 fragments need xp bfloat16 [R, {hidden}] with H % 64 == 0, got "
+                         f"{xp.dtype} {tuple(xp.shape)}")
 
 
 def require_scale_room(scales: torch.Tensor, rows: int, cols: int, layout: TokenLayout) -> None:
@@ -56,8 +63,7 @@ def permute_tokens(
         raise ValueError(f"permute: top_k={top_k}, {num_slots} slots, slot_to_row of {slot_to_row.numel()}, "
                          f"tokens {tuple(xs.shape)} with scales {tuple(xss.shape)}")
     if layout is TokenLayout.BF16_FRAGMENTS:
-        if xp.dtype != torch.bfloat16 or xp.dim() != 2 or xp.shape[1] != hidden or hidden % 64:
-            raise ValueError(f"permute: BF16 fragments need xp bfloat16 [R, {hidden}] with H % 64 == 0, got {tuple(xp.shape)}")
+        require_fragment_rows(xp, hidden)
         blocks, threads = unit_grid(-(-num_slots // top_k), hidden // 32)
         launch(
             "permute.cu", "moe_permute_bf16", xs.device, blocks, threads,

@@ -1,4 +1,5 @@
-"""Sort: group routing slots by local expert into padded row segments (kernels_cuda/sort.cu)."""
+"""Sort: group routing slots by local expert into padded row segments (kernels_cuda/sort.cu), alone or, for
+decode buckets in the BF16 token-fragment layout, in one launch with the permute (kernels_cuda/permute.cu)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import numpy as np
 import torch
 
 from .codes import SORT_MAX_EXPERTS, SORT_THREADS
+from .permute import require_fragment_rows, unit_grid
 from .loader import launch, ptr
 
 # Most blocks of one moe_sort_blocks launch. Every block counts all slot ids, so the grid is capped:
@@ -49,6 +51,21 @@ def sort_routing(
     One launch: up to SORT_THREADS slots one block (moe_sort), beyond that a grid of independent blocks
     (moe_sort_blocks, sort_grid) with the same outputs.
     """
+    _check_operands(ids_flat, top_k, num_local, align, offsets, row_to_slot, row_expert, counts)
+    num_slots, row_capacity = ids_flat.numel(), row_to_slot.numel()
+    head = (ptr(ids_flat), np.int32(num_slots), np.int32(local_start), np.int32(num_local), np.int32(align),
+            np.int32(row_capacity))
+    tail = (ptr(offsets), ptr(slot_to_row), ptr(row_to_slot), ptr(row_expert), ptr(counts))
+    blocks, block_slots = sort_grid(num_slots)
+    if blocks == 1:
+        launch("sort.cu", "moe_sort", ids_flat.device, 1, SORT_THREADS, (*head, *tail))
+    else:
+        launch("sort.cu", "moe_sort_blocks", ids_flat.device, blocks, SORT_THREADS,
+               (*head, np.int32(block_slots), *tail))
+
+
+def _check_operands(ids_flat: torch.Tensor, top_k: int, num_local: int, align: int, offsets: torch.Tensor,
+                    row_to_slot: torch.Tensor, row_expert: torch.Tensor, counts: torch.Tensor) -> None:
     num_slots, row_capacity = ids_flat.numel(), row_to_slot.numel()
     if not 1 <= num_local <= SORT_MAX_EXPERTS or align < 1 or top_k < 1 or num_slots % top_k:
         raise ValueError(
@@ -59,12 +76,50 @@ def sort_routing(
             or counts.numel() != num_local):
         raise ValueError("sort operands: int32 ids, offsets [num_local + 1], counts [num_local], "
                          "row_expert as long as row_to_slot")
-    head = (ptr(ids_flat), np.int32(num_slots), np.int32(local_start), np.int32(num_local), np.int32(align),
-            np.int32(row_capacity))
-    tail = (ptr(offsets), ptr(slot_to_row), ptr(row_to_slot), ptr(row_expert), ptr(counts))
-    blocks, block_slots = sort_grid(num_slots)
-    if blocks == 1:
-        launch("sort.cu", "moe_sort", ids_flat.device, 1, SORT_THREADS, (*head, *tail))
+
+
+SORT_PERMUTE_MAX_SLOTS = SORT_THREADS  # slots of a bucket whose sort and permute run in one launch
+
+
+def sort_permute_fragments(
+    ids_flat: torch.Tensor,
+    top_k: int,
+    local_start: int,
+    num_local: int,
+    align: int,
+    offsets: torch.Tensor,
+    slot_to_row: torch.Tensor,
+    row_to_slot: torch.Tensor,
+    row_expert: torch.Tensor,
+    counts: torch.Tensor,
+    tokens: torch.Tensor,
+    token_scales: torch.Tensor | None,
+    xp: torch.Tensor,
+) -> None:
+    """``sort_routing`` and then the permute into BF16 token fragments (``permute_tokens`` with
+    TokenLayout.BF16_FRAGMENTS, or ``permute_bf16_tokens``) in ONE launch, with the same outputs bit for bit;
+    for at most SORT_PERMUTE_MAX_SLOTS slots. ``tokens``: bfloat16 [B, H] (``token_scales`` None) or NVFP4
+    codes uint8 [B, H/2] with linear E4M3 scales [B, H/16]; xp bfloat16 [R, H] (H % 64 == 0), 16-byte aligned.
+    Each block sorts every slot itself in shared memory and block 0 writes the sort's outputs
+    (kernels_cuda/permute.cu moe_sort_permute_bf16*)."""
+    _check_operands(ids_flat, top_k, num_local, align, offsets, row_to_slot, row_expert, counts)
+    num_slots = ids_flat.numel()
+    if num_slots > SORT_PERMUTE_MAX_SLOTS:
+        raise ValueError(f"sort + permute in one launch takes at most {SORT_PERMUTE_MAX_SLOTS} slots, got {num_slots}")
+    bf16 = token_scales is None
+    hidden = tokens.shape[1] if bf16 else 2 * tokens.shape[1]
+    if bf16 and tokens.dtype != torch.bfloat16 or not bf16 and (tokens.dtype != torch.uint8 or
+                                                                 tuple(token_scales.shape) != (tokens.shape[0], hidden // 16)):
+        raise ValueError(f"sort + permute: BF16 tokens [B, H], or uint8 codes [B, H/2] with scales [B, H/16]; got "
+                         f"{tokens.dtype} {tuple(tokens.shape)}")
+    require_fragment_rows(xp, hidden)
+    blocks = max(1, unit_grid(-(-num_slots // top_k), hidden // 32, SORT_THREADS)[0])
+    head = (ptr(ids_flat), np.int32(num_slots), np.int32(top_k), np.int32(local_start), np.int32(num_local),
+            np.int32(align), np.int32(row_to_slot.numel()), np.int32(hidden))
+    tail = (ptr(offsets), ptr(slot_to_row), ptr(row_to_slot), ptr(row_expert), ptr(counts), ptr(xp, 16))
+    if bf16:
+        launch("permute.cu", "moe_sort_permute_bf16_tokens", tokens.device, blocks, SORT_THREADS,
+               (*head, ptr(tokens, 16), *tail))
     else:
-        launch("sort.cu", "moe_sort_blocks", ids_flat.device, blocks, SORT_THREADS,
-               (*head, np.int32(block_slots), *tail))
+        launch("permute.cu", "moe_sort_permute_bf16", tokens.device, blocks, SORT_THREADS,
+               (*head, ptr(tokens, 16), ptr(token_scales), *tail))

@@ -344,7 +344,7 @@ class MoeExecutor:
 
 
 class _BucketStages(LayerStages):
-    """The five default stages of one executor's call on one bucket (cudnn_moe.engines.base.LayerStages)."""
+    """The stages of one executor's call on one bucket (cudnn_moe.engines.base.LayerStages)."""
 
     def __init__(self, executor: MoeExecutor, bucket: Bucket) -> None:
         self.x, self.b = executor, bucket
@@ -364,6 +364,17 @@ class _BucketStages(LayerStages):
             return Stage("permute", lambda: kernels.permute_bf16_tokens(b.x, b.slot_to_row, slots, x.top_k, g1.tokens.data))
         return Stage("permute", lambda: kernels.permute_tokens(
             b.x, b.x_scales, b.slot_to_row, slots, x.top_k, x.engine.token_layout, g1.tokens.data, g1.tokens.scales,
+        ))
+
+    def sort_permute(self) -> Stage | None:
+        x, b = self.x, self.b
+        slots, g1 = b.tokens * x.top_k, b.gemm1
+        if x.engine.token_layout is not kernels.TokenLayout.BF16_FRAGMENTS or slots > kernels.SORT_PERMUTE_MAX_SLOTS:
+            return None
+        scales = None if x.bf16_tokens else b.x_scales
+        return Stage("sort+permute", lambda: kernels.sort_permute_fragments(
+            b.ids.view(-1), x.top_k, x.local_expert_start, x.weights.num_experts, x.engine.row_alignment,
+            b.offsets, b.slot_to_row, b.row_to_slot, b.row_expert, b.expert_counts, b.x, scales, g1.tokens.data,
         ))
 
     def gemm1(self) -> Stage:

@@ -101,6 +101,8 @@ def _wrapper_calls() -> list[tuple[str, Callable[..., None], tuple[Any, ...]]]:
     )
     plan = (z(R, dtype=i32), z(R // 8, dtype=i32), z(1, dtype=i32), 8, T * k, E, z(B * k, dtype=i32))
     unfinalized = (z(R, H, dtype=bf16), z(R, dtype=i32), z(R - 2, H, dtype=bf16))
+    sort_operands = (z(B * k, dtype=i32), k, 0, E, 8, z(E + 1, dtype=i32), z(B * k, dtype=i32), z(R, dtype=i32),
+                     z(R, dtype=i32), z(E, dtype=i32))
     return [
         ("moe_stage_inputs", kernels.stage_inputs, staged),
         ("moe_stage_aligned", kernels.stage_aligned, aligned),
@@ -111,6 +113,10 @@ def _wrapper_calls() -> list[tuple[str, Callable[..., None], tuple[Any, ...]]]:
         ("moe_permute_bf16", kernels.permute_tokens, permute_bf16),
         ("moe_permute_bf16_tokens", kernels.permute_bf16_tokens,
          (z(B, H, dtype=bf16), z(B * k, dtype=i32), B * k, k, z(R, H, dtype=bf16))),
+        ("moe_sort_permute_bf16", kernels.sort_permute_fragments,
+         (*sort_operands, z(B, H // 2), z(B, H // 16), z(R, H, dtype=bf16))),
+        ("moe_sort_permute_bf16_tokens", kernels.sort_permute_fragments,
+         (*sort_operands, z(B, H, dtype=bf16), None, z(R, H, dtype=bf16))),
         ("moe_activation", kernels.activate_quantize, activation),
         ("moe_finalize", kernels.finalize, finalize),
         ("moe_unfinalized_rows", kernels.unfinalized_rows, unfinalized),

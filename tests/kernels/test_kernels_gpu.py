@@ -607,3 +607,46 @@ def test_unfinalized_rows() -> None:
     used = (t["row_to_slot"][:rows_out] >= 0).unsqueeze(1)
     want = torch.where(used, g2[:rows_out].float(), torch.zeros(())).to(torch.bfloat16)
     assert torch.equal(out.cpu().view(torch.int16), want.view(torch.int16))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# sort + permute in one launch (decode buckets of the sm90 engine)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tokens_kind", ["nvfp4", "bf16"])
+@pytest.mark.parametrize("case", [(1, 8, 2048, 128, 0), (5, 8, 7168, 256, 0), (64, 8, 2048, 128, 32),
+                                  (128, 8, 7168, 64, 100), (37, 3, 64, 1, 0), (200, 5, 8256, 512, 7)],
+                         ids=lambda c: "T{}-k{}-H{}-E{}-start{}".format(*c))
+def test_sort_permute_in_one_launch_equals_the_two_launches(case: tuple[int, int, int, int, int],
+                                                            tokens_kind: str) -> None:
+    """moe_sort_permute_bf16(_tokens): every output of the sort equals the float-free reference sort (and the
+    separate moe_sort), and the rows equal moe_sort followed by the permute, bit for bit, from buffers poisoned
+    first; ids outside the local range (masked slots) and rows no slot takes stay as the two launches leave them."""
+    tokens, top_k, hidden, experts, local_start = case
+    slots, align = tokens * top_k, 8
+    capacity = row_capacity(slots, 1, experts, align)
+    gen = _gen(sum(case))
+    ids = _sort_ids(slots, local_start, experts, seed=sum(case), hot=tokens == 128)
+    if tokens_kind == "bf16":
+        x = torch.randn(tokens, hidden, generator=gen).to(DEV, torch.bfloat16)
+        scales = None
+    else:
+        x = torch.randint(0, 256, (tokens, hidden // 2), generator=gen, dtype=torch.uint8).to(DEV)
+        scales = torch.randint(0, 0x7F, (tokens, hidden // 16), generator=gen, dtype=torch.uint8).to(DEV)
+    want_sort = _launch_sort("moe_sort", 1, ids, local_start, experts, align, capacity)
+    _assert_sort_equal(want_sort, sort_reference_torch(ids.cpu(), local_start, experts, align, capacity), "moe_sort")
+    want_rows = torch.full((capacity, hidden), POISON_INT, dtype=torch.int16, device=DEV).view(torch.bfloat16)
+    if scales is None:
+        kernels.permute_bf16_tokens(x, want_sort["slot_to_row"], slots, top_k, want_rows)
+    else:
+        kernels.permute_tokens(x, scales, want_sort["slot_to_row"], slots, top_k, TokenLayout.BF16_FRAGMENTS,
+                               want_rows, None)
+    got_sort = _sort_buffers(slots, experts, capacity)
+    got_rows = torch.full((capacity, hidden), POISON_INT, dtype=torch.int16, device=DEV).view(torch.bfloat16)
+    kernels.sort_permute_fragments(ids, top_k, local_start, experts, align, *(got_sort[n] for n in SORT_OUTPUTS),
+                                   x, scales, got_rows)
+    torch.cuda.synchronize()
+    _assert_sort_equal(got_sort, {n: t.cpu() for n, t in want_sort.items()}, "moe_sort_permute")
+    assert torch.equal(got_rows.view(torch.int16), want_rows.view(torch.int16))
+    assert (want_sort["slot_to_row"] >= 0).sum() > 0

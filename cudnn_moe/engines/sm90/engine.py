@@ -21,8 +21,10 @@ from ..base import (
     GemmEngine,
     GemmOperands,
     GemmShape,
+    LayerStages,
     Request,
     Service,
+    Stage,
     Support,
     WeightFormat,
     WeightLayout,
@@ -121,6 +123,12 @@ class Sm90GemmEngine(GemmEngine):
     def __init__(self, device: torch.device) -> None:
         super().__init__(device, SM90)
         self.sm_count = torch.cuda.get_device_properties(device).multi_processor_count
+
+    def stages(self, layer: LayerStages) -> list[Stage]:
+        """The default chain, with the sort and the permute in one launch for decode-sized buckets."""
+        routed = layer.sort_permute()
+        head = [routed] if routed is not None else [layer.sort(), layer.permute()]
+        return [*head, layer.gemm1(), layer.activation(), layer.gemm2()]
 
     def variant(self, rows: int, shape: GemmShape) -> GemmVariant:
         """The kernel variant a GEMM of a bucket with ``rows`` rows runs."""
