@@ -40,9 +40,8 @@ from common import (  # noqa: E402
 from cudnn_moe import Nvfp4MoeConfig, Nvfp4Weights  # noqa: E402
 
 # Every stage an engine chain may hold (executor.stages()), in order; a chain holds "sort+permute" (one
-# launch, decode buckets of the sm90 engine) or "sort" and "permute", and "activation+gemm2" (GEMM2 activating
-# its own rows: decode variants of the sm90 engine) or "activation" and "gemm2".
-STAGES = ("sort", "permute", "sort+permute", "gemm1", "activation", "gemm2", "activation+gemm2")
+# launch, decode buckets of the sm90 engine) or "sort" and "permute".
+STAGES = ("sort", "permute", "sort+permute", "gemm1", "activation", "gemm2")
 
 
 def stage_times(

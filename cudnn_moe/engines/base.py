@@ -32,7 +32,6 @@ from typing import Any, ClassVar, NamedTuple
 
 import torch
 
-from ..activations import Activation
 from ..arch import Arch, arch_name
 from ..kernels.codes import TokenLayout
 
@@ -175,20 +174,6 @@ class GemmOperands:
     offsets: torch.Tensor
     out: torch.Tensor
     workspace: torch.Tensor | None
-
-
-@dataclass(frozen=True)
-class ActivatedGemmOperands:
-    """GEMM2 with the activation folded into its token load, for an engine that fuses the two: ``gemm``
-    holds GEMM2's operands (its tokens unused), ``g1`` GEMM1's output bfloat16 [R, N1] (N1 = 2I as [up | gate]
-    when gated, else I), ``row_to_slot`` int32 [R] (-1 for padding rows); the intermediate is the activation
-    requantized to NVFP4 (``requantize``) or rounded to BF16, exactly as the activation stage writes it."""
-
-    gemm: GemmOperands
-    g1: torch.Tensor
-    row_to_slot: torch.Tensor
-    activation: Activation
-    requantize: bool
 
 
 class Engine(abc.ABC):
@@ -344,10 +329,6 @@ class LayerStages(abc.ABC):
 
     @abc.abstractmethod
     def gemm2(self) -> Stage: ...
-
-    @abc.abstractmethod
-    def activated_gemm2(self) -> ActivatedGemmOperands:
-        """The operands of activation() and gemm2() as one launch, for an engine whose stages() fuses them."""
 
 
 @dataclass(frozen=True)

@@ -41,16 +41,7 @@ import torch
 from .. import kernels
 from ..activations import Activation
 from ..capture import refuse_during_capture
-from ..engines.base import (
-    ActivatedGemmOperands,
-    GemmEngine,
-    GemmOperands,
-    GemmShape,
-    LayerStages,
-    Stage,
-    TokenOperand,
-    WeightOperand,
-)
+from ..engines.base import GemmEngine, GemmOperands, GemmShape, LayerStages, Stage, TokenOperand, WeightOperand
 from ..routing import Routing
 from ..weights.nvfp4 import Nvfp4Activations, Nvfp4Weights
 from .lifetime import defer, release_deferred
@@ -399,7 +390,3 @@ class _BucketStages(LayerStages):
 
     def gemm2(self) -> Stage:
         return Stage("gemm2", lambda: self.x.engine.gemm(self.b.gemm2))
-
-    def activated_gemm2(self) -> ActivatedGemmOperands:
-        x, b = self.x, self.b
-        return ActivatedGemmOperands(b.gemm2, b.gemm1.out, b.row_to_slot, x.activation, not x.bf16_intermediate)

@@ -15,13 +15,9 @@
 // Grid: x = feature blocks (N / features per CTA), y >= number of tiles (tile = TILE_ROWS rows of one
 // segment, segments concatenated); CTAs past the last tile exit. No atomics: deterministic.
 #include "common.cuh"
-#include "activation.cuh"
 #include "sm90/fragments.cuh"
 
 using namespace sm90;
-using moe::activate_unit;
-using moe::store_unit;
-using moe::store_unit_bf16;
 
 // =============================================================================================
 // Decode: few tokens per expert. Weights stream global -> registers; split K across warps.
@@ -96,23 +92,18 @@ __device__ __forceinline__ void decode_step(const DecodeRing& ring, float (&acc)
 
 }  // namespace
 
-// Token fragments of the decode kernels: from global memory (read-only path), or from the CTA's own
-// shared-memory rows (sm90_gemm_decode_act).
-template <bool SHARED>
-__device__ __forceinline__ uint4 load_tokens(const u8* p) {
-  if (SHARED) return *reinterpret_cast<const uint4*>(p);
-  return ldg_v4(p);
-}
-
-// The decode GEMM of one tile. Warp (wm, wk) owns feature rows [16 (blockIdx.x * WM * MT + wm * MT), +16 MT)
-// and the k64 steps j = wk, wk + WK, ...; its partial sums meet in shared memory, summed over wk = 0..WK-1 in
-// order. Token row r of the tile's segment is row r - x_row0 of x (x_row0 = 0: x holds every row).
-template <bool SHARED_TOKENS>
-__device__ __forceinline__ void decode_tile(const Tile& tile, const u8* __restrict__ w_tiles,
-                                            const u8* __restrict__ w_scales, const float* __restrict__ alpha,
-                                            const u16* x, int x_row0, int num_experts, int n, int k,
-                                            int alpha_split, u16* __restrict__ out) {
+// Warp (wm, wk) owns feature rows [16 (blockIdx.x * WM * MT + wm * MT), +16 MT) and the k64 steps
+// j = wk, wk + WK, ...; its partial sums meet in shared memory, summed over wk = 0..WK-1 in order.
+extern "C" __global__ void __launch_bounds__(DEC_THREADS)
+    sm90_gemm_decode(const u8* __restrict__ w_tiles, const u8* __restrict__ w_scales, const float* __restrict__ alpha,
+                     const u16* __restrict__ x, const int* __restrict__ offsets, int num_experts, int n, int k,
+                     int row_capacity, int alpha_split, u16* __restrict__ out) {
+  moe::grid_dependency_begin();
   __shared__ __align__(16) float red[SM90_WK][DEC_TB][DEC_RED_STRIDE];
+  Tile tile;
+  if (!find_tile<DEC_TB>(offsets, num_experts, row_capacity, static_cast<int>(blockIdx.y), tile)) return;
+  if (tile.row0 < 0 || tile.row0 >= tile.row_end) return;  // offsets outside [0, row_capacity]: nothing safe to do
+
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
   const int wm = warp % SM90_WM;
@@ -132,8 +123,8 @@ __device__ __forceinline__ void decode_tile(const Tile& tile, const u8* __restri
 #pragma unroll
   for (int nt = 0; nt < SM90_NT; ++nt) {
     const int row = tile.row0 + nt * 8 + g;
-    xp[nt] = reinterpret_cast<const u8*>(x) +
-             (static_cast<i64>((row < tile.row_end ? row : tile.row0) - x_row0) * k + wk * 64) * 2 + q * 32;
+    xp[nt] = reinterpret_cast<const u8*>(x) + (static_cast<i64>(row < tile.row_end ? row : tile.row0) * k + wk * 64) * 2 +
+             q * 32;
   }
   const int nsteps = wk < kt ? (kt - wk + SM90_WK - 1) / SM90_WK : 0;
   constexpr int W_STEP = SM90_WK * 512, S_STEP = SM90_WK * 64, X_STEP = SM90_WK * 128;  // bytes per step
@@ -157,8 +148,8 @@ __device__ __forceinline__ void decode_tile(const Tile& tile, const u8* __restri
       ring.s[P][mt] = ldg_stream_v2(sp + (S) * S_STEP + mt * mt_stride_s);                          \
     }                                                                                               \
     _Pragma("unroll") for (int nt = 0; nt < SM90_NT; ++nt) {                                        \
-      ring.b[P][nt][0] = load_tokens<SHARED_TOKENS>(xp[nt] + (S) * X_STEP);                         \
-      ring.b[P][nt][1] = load_tokens<SHARED_TOKENS>(xp[nt] + (S) * X_STEP + 16);                    \
+      ring.b[P][nt][0] = ldg_v4(xp[nt] + (S) * X_STEP);                                             \
+      ring.b[P][nt][1] = ldg_v4(xp[nt] + (S) * X_STEP + 16);                                        \
     }                                                                                               \
   }
 #pragma unroll
@@ -251,64 +242,6 @@ __device__ __forceinline__ void decode_tile(const Tile& tile, const u8* __restri
     v.w = pack_bf16x2(scale * hi.z, scale * hi.w);
     stg_v4(out + static_cast<i64>(row) * n + blockIdx.x * DEC_FB + f, v);
   }
-}
-
-extern "C" __global__ void __launch_bounds__(DEC_THREADS)
-    sm90_gemm_decode(const u8* __restrict__ w_tiles, const u8* __restrict__ w_scales, const float* __restrict__ alpha,
-                     const u16* __restrict__ x, const int* __restrict__ offsets, int num_experts, int n, int k,
-                     int row_capacity, int alpha_split, u16* __restrict__ out) {
-  moe::grid_dependency_begin();
-  Tile tile;
-  if (!find_tile<DEC_TB>(offsets, num_experts, row_capacity, static_cast<int>(blockIdx.y), tile)) return;
-  if (tile.row0 < 0 || tile.row0 >= tile.row_end) return;  // offsets outside [0, row_capacity]: nothing safe to do
-  decode_tile<false>(tile, w_tiles, w_scales, alpha, x, 0, num_experts, n, k, alpha_split, out);
-}
-
-// The activated token rows of one tile into shared memory (BF16 fragments, DEC_TB rows of k values), as
-// moe_activation writes them: padding rows (row_to_slot < 0) and rows past the segment are zeros.
-template <int ACT, bool GATED>
-__device__ __forceinline__ void activate_tile(const Tile& tile, const u16* __restrict__ g1,
-                                              const int* __restrict__ row_to_slot, int k, int act, float a, float b,
-                                              float limit, bool requantize, u8* xs) {
-  const int units = k / 32;
-  for (int c = threadIdx.x; c < DEC_TB * units; c += DEC_THREADS) {
-    const int t = c / units, u = c - t * units;
-    const int row = tile.row0 + t;
-    const bool padding = row >= tile.row_end || row_to_slot[row] < 0;
-    float v[32];
-    u8 s0, s1;
-    activate_unit<ACT, GATED>(g1 + static_cast<i64>(row) * (GATED ? 2 * k : k), padding, u, k, act, a, b, limit,
-                              requantize, v, s0, s1);
-    if (requantize || padding) store_unit(TOKENS_BF16_FRAGMENTS, xs, nullptr, t, u, k, v, s0, s1);
-    else store_unit_bf16(xs, t, u, k, v);
-  }
-}
-
-// GEMM2 of the decode chain with the activation folded in: each CTA activates (and requantizes, as
-// moe_activation does, bit for bit) the DEC_TB rows of its tile from GEMM1's output into shared memory,
-// then runs sm90_gemm_decode's tile on them. One launch instead of two; the activation of a row is
-// recomputed by every feature block of its tile (from L2).
-//   g1          bf16 [row_capacity, N1]: GEMM1's output, N1 = 2k ([up | gate]) when gated, else k
-//   row_to_slot int32 [row_capacity]   (-1: padding row)
-//   act, gated, a, b, limit: the activation (cudnn_moe.activations); requantize 0: BF16 rounding instead
-// Dynamic shared memory: DEC_TB * k * 2 bytes. Other arguments as sm90_gemm_decode's (no x).
-extern "C" __global__ void __launch_bounds__(DEC_THREADS)
-    sm90_gemm_decode_act(const u8* __restrict__ w_tiles, const u8* __restrict__ w_scales,
-                         const float* __restrict__ alpha, const u16* __restrict__ g1,
-                         const int* __restrict__ row_to_slot, const int* __restrict__ offsets, int num_experts, int n,
-                         int k, int row_capacity, int alpha_split, int act, int gated, float a, float b, float limit,
-                         int requantize, u16* __restrict__ out) {
-  moe::grid_dependency_begin();
-  extern __shared__ __align__(16) u8 xs[];
-  Tile tile;
-  if (!find_tile<DEC_TB>(offsets, num_experts, row_capacity, static_cast<int>(blockIdx.y), tile)) return;
-  if (tile.row0 < 0 || tile.row0 >= tile.row_end) return;
-  if (act == ACT_SWIGLU && gated) activate_tile<ACT_SWIGLU, true>(tile, g1, row_to_slot, k, act, a, b, limit, requantize, xs);
-  else if (gated) activate_tile<-1, true>(tile, g1, row_to_slot, k, act, a, b, limit, requantize, xs);
-  else activate_tile<-1, false>(tile, g1, row_to_slot, k, act, a, b, limit, requantize, xs);
-  __syncthreads();
-  decode_tile<true>(tile, w_tiles, w_scales, alpha, reinterpret_cast<const u16*>(xs), tile.row0, num_experts, n, k,
-                    alpha_split, out);
 }
 
 // =============================================================================================

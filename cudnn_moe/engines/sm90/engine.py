@@ -17,7 +17,6 @@ from ..base import (
     OP_ALIGNED,
     OP_FUSED,
     OP_LOW_LATENCY,
-    ActivatedGemmOperands,
     EngineSpec,
     GemmEngine,
     GemmOperands,
@@ -30,16 +29,7 @@ from ..base import (
     WeightFormat,
     WeightLayout,
 )
-from .kernels import (
-    FEATURE_MULTIPLE,
-    ROW_ALIGNMENT,
-    DecodeVariant,
-    GemmVariant,
-    PrefillVariant,
-    activates_tokens,
-    grouped_gemm,
-    grouped_gemm_activated,
-)
+from .kernels import FEATURE_MULTIPLE, ROW_ALIGNMENT, DecodeVariant, GemmVariant, PrefillVariant, grouped_gemm
 from .layout import TILE_K, pack_weight_tiles, unpack_weight_tiles
 
 # Decode variants picked with benchmarks/tune_sm90.py on an H200 (benchmarks/RESULTS.md). Two m16 row
@@ -135,25 +125,10 @@ class Sm90GemmEngine(GemmEngine):
         self.sm_count = torch.cuda.get_device_properties(device).multi_processor_count
 
     def stages(self, layer: LayerStages) -> list[Stage]:
-        """The default chain, with the sort and the permute in one launch for buckets of at most 1024 slots
-        and the activation folded into GEMM2 where GEMM2 runs a decode variant of 8-row tiles (each CTA
-        activates its own rows): four launches for decode buckets."""
+        """The default chain, with the sort and the permute in one launch for decode-sized buckets."""
         routed = layer.sort_permute()
         head = [routed] if routed is not None else [layer.sort(), layer.permute()]
-        fused = layer.activated_gemm2()
-        variant = self.variant(fused.gemm.rows, fused.gemm.shape)
-        if activates_tokens(variant):
-            tail = [Stage("activation+gemm2", lambda: self.activated_gemm(fused))]
-        else:
-            tail = [layer.activation(), layer.gemm2()]
-        return [*head, layer.gemm1(), *tail]
-
-    def activated_gemm(self, fused: ActivatedGemmOperands) -> None:
-        """GEMM2 with the activation folded in (a decode variant that activates_tokens)."""
-        g, w = fused.gemm, fused.gemm.weights
-        grouped_gemm_activated(w.data, w.scales, w.alpha, fused.g1, fused.row_to_slot, g.offsets, g.out,
-                               fused.activation, fused.requantize, self.variant(g.rows, g.shape),
-                               alpha_split=w.alpha_split)
+        return [*head, layer.gemm1(), layer.activation(), layer.gemm2()]
 
     def variant(self, rows: int, shape: GemmShape) -> GemmVariant:
         """The kernel variant a GEMM of a bucket with ``rows`` rows runs."""

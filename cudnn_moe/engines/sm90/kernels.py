@@ -14,7 +14,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ...activations import Activation
 from ...kernels.loader import launch, ptr
 from ...validate import require_contiguous, require_shape, require_tensor
 from .layout import TILE_K
@@ -192,94 +191,24 @@ def grouped_gemm(
     offsets[e]..offsets[e+1], each a multiple of 8, offsets[E] <= R); out bfloat16 [R, N], rows
     outside every segment untouched. N % 128 == 0, K % 64 == 0.
     """
-    x = _tensor("x", x)
-    if x.dim() != 2:
-        raise ValueError(f"x must be 2-D, got {list(x.shape)}")
-    rows, k = x.shape
-    _check("x", x, (torch.bfloat16,), (rows, k))
-    checked = _check_gemm(w_tiles, w_tile_scales, alpha, offsets, out, rows, k, variant, alpha_split, "x", x)
-    if rows == 0:
-        return
-    launch(GEMM_SOURCE, variant.kernel, out.device, checked.grid, variant.threads,
-           (*checked.weights, ptr(x, 16), *checked.geometry, ptr(out, 16)),
-           shared_mem=variant.shared_mem, extra_options=variant.options())
-
-
-def activates_tokens(variant: GemmVariant) -> bool:
-    """Whether ``variant`` has an activating twin (grouped_gemm_activated): decode variants of 8-row tiles."""
-    return isinstance(variant, DecodeVariant) and variant.nt == 1
-
-
-def grouped_gemm_activated(
-    w_tiles: torch.Tensor,
-    w_tile_scales: torch.Tensor,
-    alpha: torch.Tensor,
-    g1: torch.Tensor,
-    row_to_slot: torch.Tensor,
-    offsets: torch.Tensor,
-    out: torch.Tensor,
-    activation: Activation,
-    requantize: bool,
-    variant: DecodeVariant,
-    alpha_split: int | None = None,
-) -> None:
-    """``cudnn_moe.kernels.activate_quantize`` (BF16 fragments) and then ``grouped_gemm`` on its output, in one
-    launch (sm90_gemm_decode_act), with the same results bit for bit: each CTA activates the 8 rows of its tile
-    from g1 into shared memory (K = I values each) and multiplies them by its feature block.
-
-    g1 bfloat16 [R, N1] GEMM1's output (N1 = 2K as [up | gate] when gated, else K), 16-byte aligned;
-    row_to_slot int32 [R] (-1: padding row, activated as zeros); requantize: the intermediate as NVFP4 grid
-    values (else rounded to BF16); variant: a decode variant with activates_tokens. Other operands as
-    grouped_gemm's (K = the GEMM's reduction size, from w_tiles and out).
-    """
-    if not isinstance(variant, DecodeVariant) or not activates_tokens(variant):
-        raise ValueError(f"variant must be a decode variant of 8-row tiles (NT = 1), got {variant}")
-    g1, row_to_slot = _tensor("g1", g1), _tensor("row_to_slot", row_to_slot)
-    if g1.dim() != 2:
-        raise ValueError(f"g1 must be 2-D, got {list(g1.shape)}")
-    rows = g1.shape[0]
-    k = g1.shape[1] // 2 if activation.gated else g1.shape[1]
-    _check("g1", g1, (torch.bfloat16,), (rows, activation.gemm1_columns(k)))
-    _check("row_to_slot", row_to_slot, (torch.int32,), (rows,))
-    shared_mem = variant.tile_rows * k * 2
-    if shared_mem > _MAX_DYNAMIC_SMEM:
-        raise ValueError(f"g1: K = {k} needs {shared_mem} bytes of shared memory for the activated rows")
-    checked = _check_gemm(w_tiles, w_tile_scales, alpha, offsets, out, rows, k, variant, alpha_split, "g1", g1)
-    if rows == 0:
-        return
-    a, b, limit = activation.params()
-    launch(GEMM_SOURCE, "sm90_gemm_decode_act", out.device, checked.grid, variant.threads,
-           (*checked.weights, ptr(g1, 16), ptr(row_to_slot, 4), *checked.geometry, np.int32(activation.kind),
-            np.int32(activation.gated), np.float32(a), np.float32(b), np.float32(limit), np.int32(requantize),
-            ptr(out, 16)),
-           shared_mem=shared_mem, extra_options=variant.options())
-
-
-@dataclass(frozen=True)
-class _CheckedGemm:
-    grid: tuple[int, int]
-    weights: tuple[np.uint64, np.uint64, np.uint64]  # w_tiles, w_tile_scales, alpha
-    geometry: tuple[np.uint64, np.int32, np.int32, np.int32, np.int32, np.int32]  # offsets, E, N, K, R, split
-
-
-def _check_gemm(w_tiles: object, w_tile_scales: object, alpha: object, offsets: object, out: object, rows: int, k: int,
-                variant: GemmVariant, alpha_split: int | None, tokens_name: str, tokens: torch.Tensor) -> _CheckedGemm:
-    """Every check of a grouped GEMM launch but the tokens' own shape and dtype; the launch's arguments."""
     if not isinstance(variant, (DecodeVariant, PrefillVariant)):
         raise ValueError(f"variant must be a DecodeVariant or PrefillVariant, got {type(variant).__name__}")
     w_tiles = _tensor("w_tiles", w_tiles)
     w_tile_scales = _tensor("w_tile_scales", w_tile_scales)
-    alpha, offsets, out = (_tensor(n, v) for n, v in (("alpha", alpha), ("offsets", offsets), ("out", out)))
-    if out.dim() != 2 or w_tiles.dim() != 2:
-        raise ValueError(f"out and w_tiles must be 2-D, got out {list(out.shape)}, w_tiles {list(w_tiles.shape)}")
+    alpha, x, offsets, out = (_tensor(n, v) for n, v in (("alpha", alpha), ("x", x), ("offsets", offsets), ("out", out)))
+    if x.dim() != 2 or out.dim() != 2 or w_tiles.dim() != 2:
+        raise ValueError(f"x, out and w_tiles must be 2-D, got x {list(x.shape)}, out {list(out.shape)}, "
+                         f"w_tiles {list(w_tiles.shape)}")
+    rows, k = x.shape
     n = out.shape[1]
     experts = w_tiles.shape[0]
     if k <= 0 or k % TILE_K:
-        raise ValueError(f"{tokens_name}: K = {k} must be a positive multiple of {TILE_K}")
+        raise ValueError(f"x: K = {k} must be a positive multiple of {TILE_K}")
     if n <= 0 or n % FEATURE_MULTIPLE:
         raise ValueError(f"out: N = {n} must be a positive multiple of {FEATURE_MULTIPLE}")
     if experts < 1:
         raise ValueError("w_tiles: need at least one expert")
+    _check("x", x, (torch.bfloat16,), (rows, k))
     _check("out", out, (torch.bfloat16,), (rows, n))
     _check("w_tiles", w_tiles, (torch.uint8,), (experts, n * k // 2))
     _check("w_tile_scales", w_tile_scales, (torch.uint8, torch.float8_e4m3fn), (experts, n * k // 16))
@@ -291,14 +220,35 @@ def _check_gemm(w_tiles: object, w_tile_scales: object, alpha: object, offsets: 
     _check("offsets", offsets, (torch.int32,), (experts + 1,))
     grid = gemm_grid(variant, experts, n, rows)
     if grid[1] > MAX_GRID_Y:
-        raise ValueError(f"{tokens_name}: R = {rows} rows need up to {grid[1]} tiles of {variant.tile_rows} rows, more "
-                         f"than the grid's {MAX_GRID_Y}; use a variant with larger tiles")
+        raise ValueError(f"x: R = {rows} rows need up to {grid[1]} tiles of {variant.tile_rows} rows, more than the "
+                         f"grid's {MAX_GRID_Y}; use a variant with larger tiles")
     if variant.shared_mem > _MAX_DYNAMIC_SMEM:
         raise ValueError(f"variant {variant} needs {variant.shared_mem} bytes of shared memory")
-    named = {"w_tiles": w_tiles, "w_tile_scales": w_tile_scales, "alpha": alpha, tokens_name: tokens,
-             "offsets": offsets, "out": out}
-    _check_device(named, {"w_tiles": 16, "w_tile_scales": 16, "alpha": 4, tokens_name: 16, "offsets": 4, "out": 16})
-    if rows and _overlap(tokens, out):
-        raise ValueError(f"out must not overlap {tokens_name}")
-    return _CheckedGemm(grid, (ptr(w_tiles, 16), ptr(w_tile_scales, 16), ptr(alpha, 4)),
-                        (ptr(offsets, 4), np.int32(experts), np.int32(n), np.int32(k), np.int32(rows), np.int32(split)))
+    named = {"w_tiles": w_tiles, "w_tile_scales": w_tile_scales, "alpha": alpha, "x": x, "offsets": offsets, "out": out}
+    _check_device(named, {"w_tiles": 16, "w_tile_scales": 16, "alpha": 4, "x": 16, "offsets": 4, "out": 16})
+    if rows and _overlap(x, out):
+        raise ValueError("out must not overlap x")
+    if rows == 0:
+        return
+    launch(
+        GEMM_SOURCE,
+        variant.kernel,
+        out.device,
+        grid,
+        variant.threads,
+        (
+            ptr(w_tiles, 16),
+            ptr(w_tile_scales, 16),
+            ptr(alpha, 4),
+            ptr(x, 16),
+            ptr(offsets, 4),
+            np.int32(experts),
+            np.int32(n),
+            np.int32(k),
+            np.int32(rows),
+            np.int32(split),
+            ptr(out, 16),
+        ),
+        shared_mem=variant.shared_mem,
+        extra_options=variant.options(),
+    )

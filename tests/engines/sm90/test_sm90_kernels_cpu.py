@@ -18,7 +18,6 @@ import numpy as np
 import pytest
 import torch
 
-from cudnn_moe.activations import Activation, SiLU, SwiGLU
 from cudnn_moe.engines.sm90 import kernels as sm90
 from cudnn_moe.engines.sm90.layout import pack_weight_tiles, to_token_fragments
 from cudnn_moe.formats import decode_e2m1, dequantize_nvfp4, quantize_nvfp4
@@ -405,7 +404,7 @@ def launches(monkeypatch: pytest.MonkeyPatch) -> list[tuple]:
 
 def test_wrappers_match_kernel_signatures(launches: list[tuple]) -> None:
     signatures = _signatures()
-    assert sorted(signatures) == ["sm90_gemm_decode", "sm90_gemm_decode_act", "sm90_gemm_prefill"]
+    assert sorted(signatures) == ["sm90_gemm_decode", "sm90_gemm_prefill"]
     for variant in (sm90.DECODE, *PREFILL_VARIANTS, *DECODE_VARIANTS):
         launches.clear()
         sm90.grouped_gemm(**_gemm_args(), variant=variant)
@@ -415,37 +414,6 @@ def test_wrappers_match_kernel_signatures(launches: list[tuple]) -> None:
         assert grid == (-(-128 // variant.feature_block), min(3, 40 // 8) + -(-40 // variant.tile_rows))
         assert block == variant.threads and kwargs["shared_mem"] == variant.shared_mem
         assert kwargs["extra_options"] == variant.options()
-
-
-@pytest.mark.parametrize("activation", [SwiGLU(), SiLU()], ids=["swiglu", "silu"])
-def test_activating_wrapper_matches_its_kernel_signature(launches: list[tuple], activation: Activation) -> None:
-    """grouped_gemm_activated: the C signature, the grid of grouped_gemm, 8 rows x K BF16 of shared memory; only
-    decode variants of 8-row tiles have the activating twin, and g1 must be GEMM1's [R, N1] output."""
-    signatures = _signatures()
-    args = _gemm_args()
-    x = args.pop("x")
-    g1 = torch.zeros(x.shape[0], activation.gemm1_columns(x.shape[1]), dtype=torch.bfloat16)
-    row_to_slot = torch.zeros(x.shape[0], dtype=torch.int32)
-    variants = [v for v in (sm90.DECODE, *DECODE_VARIANTS) if sm90.activates_tokens(v)]
-    assert variants and not any(sm90.activates_tokens(v) for v in PREFILL_VARIANTS)
-    for variant in variants:
-        launches.clear()
-        sm90.grouped_gemm_activated(**args, g1=g1, row_to_slot=row_to_slot, activation=activation, requantize=True,
-                                    variant=variant)
-        (source, name, _device, grid, block, launched), kwargs = launches[0]
-        assert (source, name) == ("sm90/grouped_gemm.cu", "sm90_gemm_decode_act")
-        assert [type(a) for a in launched] == [_ARG_TYPES[kind] for kind in signatures[name]]
-        assert grid == (-(-128 // variant.feature_block), min(3, 40 // 8) + -(-40 // variant.tile_rows))
-        assert block == variant.threads and kwargs["shared_mem"] == 8 * 128 * 2
-    with pytest.raises(TypeError, match="g1"):
-        sm90.grouped_gemm_activated(**args, g1=g1.float(), row_to_slot=row_to_slot, activation=activation,
-                                    requantize=True, variant=sm90.DECODE)
-    with pytest.raises(ValueError, match="row_to_slot must have shape"):
-        sm90.grouped_gemm_activated(**args, g1=g1, row_to_slot=row_to_slot[1:], activation=activation,
-                                    requantize=True, variant=sm90.DECODE)
-    with pytest.raises(ValueError, match="decode variant of 8-row tiles"):
-        sm90.grouped_gemm_activated(**args, g1=g1, row_to_slot=row_to_slot, activation=activation, requantize=True,
-                                    variant=sm90.DecodeVariant(nt=4, mt=2, wm=2, wk=1))
 
 
 def test_variant_macros_match_the_source() -> None:

@@ -8,7 +8,6 @@ import math
 import pytest
 import torch
 
-from cudnn_moe.activations import GELU, ReLU2, SiLU, SwiGLU
 from cudnn_moe.engines.sm90 import kernels as sm90
 from cudnn_moe.engines.sm90.layout import from_token_fragments, pack_weight_tiles, to_token_fragments
 from cudnn_moe.formats import dequantize_nvfp4, quantize_nvfp4
@@ -229,46 +228,3 @@ def test_permute_to_bf16_fragments_nan_scale_gives_nan() -> None:
     assert not natural[0].isnan().any()
     blocks = natural[1].reshape(hidden // 16, 16).isnan().all(dim=1)
     assert blocks.tolist() == [i in (3, 5) for i in range(hidden // 16)]
-
-
-ACTIVATING_CASES = [
-    # (experts, N, K, max segment length, activation, requantize)
-    (4, 384, 768, 8, SwiGLU(), True),
-    (8, 128, 2048, 20, SwiGLU(), True),
-    (3, 256, 64, 8, GELU(), True),
-    (5, 128, 192, 16, SwiGLU(alpha=1.702, beta=1.0, limit=7.0), True),
-    (4, 256, 256, 8, ReLU2(), True),
-    (4, 384, 768, 12, SwiGLU(), False),
-    (2, 128, 128, 8, SiLU(), False),
-]
-
-
-@pytest.mark.parametrize("variant", [v for v in (sm90.DECODE, *DECODE_VARIANTS) if sm90.activates_tokens(v)], ids=str)
-@pytest.mark.parametrize("case", range(len(ACTIVATING_CASES)))
-def test_activating_gemm2_equals_activation_then_gemm2(variant: sm90.DecodeVariant, case: int) -> None:
-    """sm90_gemm_decode_act (GEMM2 activating its own rows) gives bit for bit what the activation stage followed by
-    sm90_gemm_decode gives, on ragged segments with padding rows, for gated and plain activations, with NVFP4
-    requantization and with BF16 rounding of the intermediate; outputs poisoned with NaN, rows outside every
-    segment untouched, and the two-launch result itself within the float64 reference's bounds (check)."""
-    experts, n, k, max_len, activation, requantize = ACTIVATING_CASES[case]
-    problem = Problem(experts, n, k, _lengths(experts, seed=case, max_len=max_len), spare_rows=8, seed=case + 40)
-    gen = _gen(case + 90)
-    rows = problem.rows
-    g1 = (torch.randn(rows, activation.gemm1_columns(k), generator=gen) * 2).to(DEV, torch.bfloat16)
-    row_to_slot = torch.arange(rows, dtype=torch.int32)
-    row_to_slot[torch.rand(rows, generator=gen) < 0.2] = -1  # padding rows: activated as zeros
-    row_to_slot = row_to_slot.to(DEV)
-    inter = torch.full((rows, k), math.nan, dtype=torch.bfloat16, device=DEV)
-    kernels.activate_quantize(g1, row_to_slot, problem.offsets_dev, activation, TokenLayout.BF16_FRAGMENTS, inter,
-                              None, requantize=requantize)
-    want = torch.full((rows, n), math.nan, dtype=torch.bfloat16, device=DEV)
-    sm90.grouped_gemm(problem.tiles, problem.tile_scales, problem.alpha_dev, inter, problem.offsets_dev, want, variant)
-    got = torch.full_like(want, math.nan)
-    sm90.grouped_gemm_activated(problem.tiles, problem.tile_scales, problem.alpha_dev, g1, row_to_slot,
-                                problem.offsets_dev, got, activation, requantize, variant)
-    torch.cuda.synchronize()
-    used = problem.offsets[-1]
-    assert used > 0 and not got[:used].isnan().any() and got[used:].isnan().all()
-    assert torch.equal(got[:used].view(torch.int16), want[:used].view(torch.int16))
-    problem.x_bf16 = from_token_fragments(inter).cpu()  # the intermediate as GEMM2's tokens, for the reference
-    check(problem, want)
