@@ -107,16 +107,16 @@ def prepare_format(
         s2 = (torch.rand(e, h, i // 16, device=dev, generator=gen) * 0.05 + 0.01).to(torch.float8_e4m3fn)
         g1, g2 = torch.full((e,), 0.5, device=dev), torch.full((e,), 0.5, device=dev)
         if fmt_ is WeightFormat.NVFP4_WEIGHT_ONLY:
-            return config.prepare_nvfp4_weight_only(c1, s1, g1, c2, s2, g2)
+            return config.prepare_nvfp4_weight_only_weights(c1, s1, g1, c2, s2, g2)
         return Nvfp4PairWeights(format=fmt_, hidden_size=h, intermediate_size=i, padded_intermediate=i, gated=True,
                                 w1_codes=c1, w1_scales=s1, w2_codes=c2, w2_scales=s2, w1_global=g1, w2_global=g2)
     if fmt_ is WeightFormat.MXFP4_WEIGHT_ONLY:
         s1 = torch.randint(118, 124, (e, 2 * i, h // 32), dtype=torch.uint8, device=dev, generator=gen)
         s2 = torch.randint(118, 124, (e, h, i // 32), dtype=torch.uint8, device=dev, generator=gen)
-        return config.prepare_mxfp4_weight_only(c1, s1.view(torch.float8_e8m0fnu), c2, s2.view(torch.float8_e8m0fnu))
+        return config.prepare_mxfp4_weight_only_weights(c1, s1.view(torch.float8_e8m0fnu), c2, s2.view(torch.float8_e8m0fnu))
     s1 = (torch.rand(e, 2 * i, h // 32, device=dev, generator=gen) * 0.02 + 0.002).to(torch.bfloat16)
     s2 = (torch.rand(e, h, i // 32, device=dev, generator=gen) * 0.02 + 0.002).to(torch.bfloat16)
-    return config.prepare_mxint4_weight_only(c1, s1, c2, s2)
+    return config.prepare_mxint4_weight_only_weights(c1, s1, c2, s2)
 
 
 def path_of(config: LowLatencyMoeConfig, weights: LowLatencyWeights, x_dtype: torch.dtype | None,

@@ -199,7 +199,7 @@ class LowLatencyMoeConfig:
             **{name: value.clone() for name, value in checked.items()},
         )
 
-    def prepare_nvfp4_weight_only(
+    def prepare_nvfp4_weight_only_weights(
         self,
         w1_codes: torch.Tensor,
         w1_scales: torch.Tensor,
@@ -223,7 +223,7 @@ class LowLatencyMoeConfig:
             w1_codes, w1_scales, w2_codes, w2_scales, activation, w1_global=w1_global, w2_global=w2_global,
         )
 
-    def prepare_mxfp4_weight_only(
+    def prepare_mxfp4_weight_only_weights(
         self,
         w1_codes: torch.Tensor,
         w1_scales: torch.Tensor,
@@ -234,7 +234,7 @@ class LowLatencyMoeConfig:
     ) -> Mxfp4WeightOnlyWeights:
         """MXFP4 weights for BF16/FP16 activations, preserved bit for bit.
 
-        Codes as in ``prepare_nvfp4_weight_only``; scales float8_e8m0fnu [E, N1, H/32] and [E, H, I/32],
+        Codes as in ``prepare_nvfp4_weight_only_weights``; scales float8_e8m0fnu [E, N1, H/32] and [E, H, I/32],
         linear (value = e2m1 * 2^(byte - 127), decoded through FP32). H % 128 == 0, I % 32 == 0, I
         padded to a multiple of 128.
         """
@@ -243,7 +243,7 @@ class LowLatencyMoeConfig:
             w1_codes, w1_scales, w2_codes, w2_scales, activation,
         )
 
-    def prepare_mxint4_weight_only(
+    def prepare_mxint4_weight_only_weights(
         self,
         w1_codes: torch.Tensor,
         w1_scales: torch.Tensor,
@@ -261,6 +261,20 @@ class LowLatencyMoeConfig:
             WeightFormat.MXINT4_WEIGHT_ONLY, Mxint4WeightOnlyWeights, torch.bfloat16,
             w1_codes, w1_scales, w2_codes, w2_scales, activation,
         )
+
+    # Short names of the three methods above, from before the contract's names were adopted: thin aliases,
+    # kept only so that older call sites keep working; new code uses the *_weights names.
+    def prepare_nvfp4_weight_only(self, *args: object, **kwargs: object) -> Nvfp4WeightOnlyWeights:
+        """Alias of ``prepare_nvfp4_weight_only_weights`` (the earlier, shorter name)."""
+        return self.prepare_nvfp4_weight_only_weights(*args, **kwargs)
+
+    def prepare_mxfp4_weight_only(self, *args: object, **kwargs: object) -> Mxfp4WeightOnlyWeights:
+        """Alias of ``prepare_mxfp4_weight_only_weights`` (the earlier, shorter name)."""
+        return self.prepare_mxfp4_weight_only_weights(*args, **kwargs)
+
+    def prepare_mxint4_weight_only(self, *args: object, **kwargs: object) -> Mxint4WeightOnlyWeights:
+        """Alias of ``prepare_mxint4_weight_only_weights`` (the earlier, shorter name)."""
+        return self.prepare_mxint4_weight_only_weights(*args, **kwargs)
 
     # ------------------------------------------------------------------ NVFP4 weights + NVFP4 activations
     def prepare_nvfp4_weights(

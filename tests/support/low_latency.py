@@ -88,8 +88,8 @@ def make_layer(fmt: WeightFormat, gated: bool, experts: int = E, shape: tuple[in
     c1, s1, c2, s2 = (t.to(DEV) for t in (c1, s1, c2, s2))
     if fmt is WeightFormat.NVFP4_WEIGHT_ONLY:
         g1, g2 = ((torch.rand(experts, generator=gen) + 0.5).to(DEV) for _ in range(2))
-        return config, config.prepare_nvfp4_weight_only(c1, s1, g1, c2, s2, g2, activation=act)
-    method = config.prepare_mxfp4_weight_only if fmt is WeightFormat.MXFP4_WEIGHT_ONLY else config.prepare_mxint4_weight_only
+        return config, config.prepare_nvfp4_weight_only_weights(c1, s1, g1, c2, s2, g2, activation=act)
+    method = config.prepare_mxfp4_weight_only_weights if fmt is WeightFormat.MXFP4_WEIGHT_ONLY else config.prepare_mxint4_weight_only_weights
     return config, method(c1, s1, c2, s2, activation=act)
 
 

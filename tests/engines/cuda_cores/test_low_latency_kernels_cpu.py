@@ -185,7 +185,7 @@ def _cpu_layer(fmt: WeightFormat):
                                            torch.zeros(e, h, i, dtype=torch.bfloat16))
     if fmt is WeightFormat.NVFP4_W_NVFP4_A:
         return config.prepare_nvfp4_weights(torch.zeros(e, 2 * i, h), torch.zeros(e, h, i))
-    return config.prepare_mxint4_weight_only(torch.zeros(e, 2 * i, h // 2, dtype=torch.uint8),
+    return config.prepare_mxint4_weight_only_weights(torch.zeros(e, 2 * i, h // 2, dtype=torch.uint8),
                                             torch.zeros(e, 2 * i, h // 32, dtype=torch.bfloat16),
                                             torch.zeros(e, h, i // 2, dtype=torch.uint8),
                                             torch.zeros(e, h, i // 32, dtype=torch.bfloat16))

@@ -78,9 +78,9 @@ def prepare(config: LowLatencyMoeConfig, fmt: WeightFormat, payloads: tuple, act
     method = {
         WeightFormat.BF16: config.prepare_bf16_weights,
         WeightFormat.FP16: config.prepare_fp16_weights,
-        WeightFormat.NVFP4_WEIGHT_ONLY: config.prepare_nvfp4_weight_only,
-        WeightFormat.MXFP4_WEIGHT_ONLY: config.prepare_mxfp4_weight_only,
-        WeightFormat.MXINT4_WEIGHT_ONLY: config.prepare_mxint4_weight_only,
+        WeightFormat.NVFP4_WEIGHT_ONLY: config.prepare_nvfp4_weight_only_weights,
+        WeightFormat.MXFP4_WEIGHT_ONLY: config.prepare_mxfp4_weight_only_weights,
+        WeightFormat.MXINT4_WEIGHT_ONLY: config.prepare_mxint4_weight_only_weights,
         WeightFormat.NVFP4_W_NVFP4_A: config.prepare_nvfp4_weights,
     }[fmt]
     return method(*payloads, activation=activation)
@@ -478,3 +478,14 @@ def test_tensor_core_path_leaves_layers_past_the_sort_limit_to_the_cuda_cores() 
 
     assert engine(SORT_MAX_EXPERTS) == "sm90"
     assert engine(SORT_MAX_EXPERTS + 1) == "cuda_cores"
+
+
+@pytest.mark.parametrize("fmt", WEIGHT_ONLY)
+def test_short_prepare_names_are_aliases_of_the_contract_names(fmt):
+    """prepare_<fmt>_weight_only (the earlier names) give what prepare_<fmt>_weight_only_weights gives."""
+    config = LowLatencyMoeConfig(arch="sm90")
+    payloads = block_payloads(fmt, True)
+    short = getattr(config, f"prepare_{fmt.value}")(*payloads, activation=SwiGLU())
+    full = prepare(config, fmt, payloads)
+    assert type(short) is type(full) and short.format is full.format
+    assert all(same_bits(a, b) for a, b in zip(short.canonical(), full.canonical()))
