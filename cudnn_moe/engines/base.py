@@ -344,6 +344,7 @@ class LowLatencyCall:
     finalize: bool
     out: torch.Tensor
     max_tokens: int
+    scores: torch.Tensor | None = None  # raw calls asked for scores: float32 [T, top_k], every slot's route weight
 
     @property
     def tokens(self) -> int:

@@ -16,7 +16,7 @@ from ..weights.low_latency import (
     WeightFormat,
 )
 from .config import MAX_NUM_TOKENS, MAX_TOP_K, LowLatencyMoeConfig
-from .op import low_latency_moe
+from .op import RawOutput, low_latency_moe
 from .reference import (
     RawReference,
     combine_ordered_fp32,
@@ -40,6 +40,7 @@ __all__ = [
     "Mxint4WeightOnlyWeights",
     "Nvfp4PairWeights",
     "Nvfp4WeightOnlyWeights",
+    "RawOutput",
     "RawReference",
     "WeightFormat",
     "combine_ordered_fp32",

@@ -115,3 +115,30 @@ def check_out(out: object, shape: tuple[int, ...], out_dtype: torch.dtype, final
     for name, t in others:
         require_no_overlap("out", out, name, t)
     return out
+
+
+def check_scores_request(return_scores: object, scores_out: object, finalize: bool) -> None:
+    """``return_scores`` a bool, only with finalize=False; ``scores_out`` only with return_scores."""
+    if not isinstance(return_scores, bool):
+        raise TypeError(f"return_scores must be a bool, got {type(return_scores).__name__}")
+    if return_scores and finalize:
+        raise ValueError("return_scores=True needs finalize=False (the scores come with the raw rows)")
+    if scores_out is not None and not return_scores:
+        raise ValueError("scores_out is given but return_scores is False; pass return_scores=True with finalize=False")
+
+
+def check_scores_out(scores_out: object, shape: tuple[int, int], device: torch.device,
+                     others: list[tuple[str, torch.Tensor]]) -> torch.Tensor:
+    """``scores_out``: float32 [T, top_k], contiguous, on ``device``, sharing no memory with ``others``."""
+    scores_out = require_tensor("scores_out", scores_out, torch.float32, rank=2)
+    if tuple(scores_out.shape) != shape:
+        raise ValueError(f"scores_out must have shape {shape} ([T, top_k]), got {tuple(scores_out.shape)}")
+    if not scores_out.is_contiguous():
+        raise ValueError("scores_out must be contiguous (row-major)")
+    if scores_out.device != device:
+        raise ValueError(f"scores_out is on {scores_out.device} but the inputs are on {device}")
+    if scores_out.data_ptr() % 4:
+        raise ValueError("scores_out must be 4-byte aligned")
+    for name, t in others:
+        require_no_overlap("scores_out", scores_out, name, t)
+    return scores_out

@@ -54,13 +54,19 @@ class RawReference:
     """Per-slot results before the weighted sum (identity route mapping: slot (t, s) is row (t, s)).
 
     rows: [T, k, H] of the output dtype, zero where ``mask`` is False.
-    weights: float32 [T, k], the route weights as given (packed ones BF16-rounded), NaN/Inf kept.
+    weights: float32 [T, k], the route weights as given (packed ones BF16-rounded), NaN/Inf kept: the scores
+        ``low_latency_moe(..., finalize=False, return_scores=True)`` returns (also as ``scores``).
     mask: bool [T, k], False for unrouted slots (NVFP4 pair only; all True otherwise).
     """
 
     rows: torch.Tensor
     weights: torch.Tensor
     mask: torch.Tensor
+
+    @property
+    def scores(self) -> torch.Tensor:
+        """``weights`` under the name of the GPU call's raw output (``RawOutput.scores``): what it must return."""
+        return self.weights
 
 
 def _round(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -550,15 +550,21 @@ __device__ __forceinline__ void combine_columns(const Plan& plan, const u16* row
 //                 ticket from counters[blockIdx.x] once its rows are written, and the last one combines
 //                 the column (combine_columns) and resets its counter to zero for the next call.
 //                 counters: int32 [gridDim.x], zero before the launch (and so after it).
+//   scores        float32 [T k] or null: when given (raw calls), slot s's route weight (packed: the BF16 value
+//                 widened) for every slot, routed or not.
 // H must be even. No atomics touch the data: the result is deterministic.
 extern "C" __global__ void __launch_bounds__(LL_THREADS, 2) ll_gemm2(
     const u16* __restrict__ inter, const void* __restrict__ ids, const void* __restrict__ weights, int routing,
     int id_bytes, int num_tokens, int top_k, int num_experts, const u8* __restrict__ w,
     const u8* __restrict__ w_scales, const float* __restrict__ w_global, int hidden, int inter_padded,
     int lanes_per_row, int rounds, int out_fp16, int finalize, u16* __restrict__ rows, u16* __restrict__ out,
-    int* __restrict__ counters) {
+    int* __restrict__ counters, float* __restrict__ scores) {
   __shared__ Plan plan;
   __shared__ int last;
+  // The raw output's scores: slot blockIdx.y's route weight as the combine would read it (packed: its BF16
+  // value), written for every slot, unrouted ones included (NaN or Inf kept), by one thread of column 0.
+  if (scores != nullptr && blockIdx.x == 0 && threadIdx.x == 0)
+    scores[blockIdx.y] = load_route_weight(ids, weights, routing, static_cast<int>(blockIdx.y));
   prefetch_gemm2(load_expert(ids, routing, id_bytes, blockIdx.y, num_experts), 2 * feature_group(0, rounds, lanes_per_row),
                  w, w_scales, hidden, inter_padded, lanes_per_row);
   const int e = plan_expert(plan, ids, routing, id_bytes, num_tokens, top_k, num_experts);

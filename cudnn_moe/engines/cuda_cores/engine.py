@@ -79,7 +79,7 @@ class CudaCoresEngine(LayerEngine):
                           workspace["rows"], call.out, workspace["counters"], sms)
         else:
             kernels.gemm2(w, call.x_dtype, workspace["inter"], ids, route_weights, routing_code, tokens, top_k, out_fp16,
-                          call.out, None, None, sms)
+                          call.out, None, None, sms, call.scores)
 
 
 def _ensure_ready(fmt: WeightFormat, x_dtype: torch.dtype | None, index: int) -> None:

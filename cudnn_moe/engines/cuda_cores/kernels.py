@@ -175,6 +175,7 @@ def gemm2(
     out: torch.Tensor | None,
     counters: torch.Tensor | None,
     sms: int = 132,
+    scores: torch.Tensor | None = None,
 ) -> None:
     """GEMM2 into rows [>= T k, H] (16-bit storage), then, when ``out`` is given, the finalize in the same launch.
 
@@ -182,6 +183,8 @@ def gemm2(
     out [T, H]: rows is a workspace; the last CTA of each feature column combines it into out (ordered FP32
     multiply then add over each token's routed slots) using counters (int32 [>= columns], all zero before the
     launch and left zero after it).
+    scores: float32 [>= T k] or None; when given, every slot's route weight as the combine reads it (packed:
+    the BF16 value), unrouted slots included (the raw output's scores).
     """
     fmt = weights.format
     w, w_scales, w_global = _payloads(weights, second=True)
@@ -200,7 +203,7 @@ def gemm2(
             np.int32(num_tokens), np.int32(top_k), np.int32(weights.num_experts), ptr(w, 16), ptr(w_scales),
             ptr(w_global), np.int32(weights.hidden_size), np.int32(weights.padded_intermediate), np.int32(lpr),
             np.int32(rounds), np.int32(out_fp16), np.int32(out is not None), ptr(rows, 16), ptr(out, 16),
-            ptr(counters, 4),
+            ptr(counters, 4), ptr(scores, 4),
         ),
         extra_options=options,
     )

@@ -238,7 +238,7 @@ def test_wrappers_match_kernel_signatures(fmt: WeightFormat, monkeypatch: pytest
     assert (gemm1_args["act"], gemm1_args["alpha"], gemm1_args["beta"], gemm1_args["limit"]) == (10, 2.0, 0.5, 7.0)
     gemm2_names = ["inter", "ids", "weights", "routing", "id_bytes", "num_tokens", "top_k", "num_experts", "w",
                    "w_scales", "w_global", "hidden", "inter_padded", "lanes", "rounds", "out_fp16", "finalize", "rows",
-                   "out", "counters"]
+                   "out", "counters", "scores"]
     assert len(gemm2_names) == len(launches[1][3])
     gemm2_args = dict(zip(gemm2_names, launches[1][3]))
     assert (gemm2_args["finalize"], gemm2_args["out_fp16"], gemm2_args["lanes"], gemm2_args["rounds"]) == (1, 1, lpr2, rounds2)
@@ -399,5 +399,13 @@ def test_call_checks_arguments_before_any_launch() -> None:
         low_latency_moe(config, x, weights, routing, finalize="yes")
     with pytest.raises(ValueError, match="max_num_tokens"):
         low_latency_moe(LowLatencyMoeConfig(1, arch="sm90"), x, weights, routing)
+    with pytest.raises(TypeError, match="return_scores"):
+        low_latency_moe(config, x, weights, routing, finalize=False, return_scores=1)
+    with pytest.raises(ValueError, match="return_scores=True needs finalize=False"):
+        low_latency_moe(config, x, weights, routing, return_scores=True)
+    with pytest.raises(ValueError, match="scores_out is given but return_scores is False"):
+        low_latency_moe(config, x, weights, routing, finalize=False, scores_out=torch.zeros(2, 2))
     with pytest.raises(ValueError, match="CUDA device"):
         low_latency_moe(config, x, weights, routing)
+    with pytest.raises(ValueError, match="CUDA device"):
+        low_latency_moe(config, x, weights, routing, finalize=False, return_scores=True)
