@@ -8,7 +8,7 @@ import torch
 from ..activations import Activation, require_gating
 from ..routing import Routing
 from ..validate import require_no_overlap, require_tensor
-from ..weights.low_latency import BlockScaledWeights, DenseWeights, LowLatencyWeights, WeightFormat
+from ..weights.low_latency import BlockScaledWeights, DenseWeights, Fp8WeightOnlyWeights, LowLatencyWeights, WeightFormat
 from ..weights.nvfp4 import Nvfp4Activations
 from .config import MAX_TOP_K, LowLatencyMoeConfig
 
@@ -57,6 +57,8 @@ def check_inputs(inputs: object, weights: LowLatencyWeights) -> tuple[torch.Tens
 def weight_tensors(weights: LowLatencyWeights) -> tuple[torch.Tensor, ...]:
     if isinstance(weights, DenseWeights):
         return weights.w1, weights.w2
+    if isinstance(weights, Fp8WeightOnlyWeights):
+        return weights.w1_codes, weights.w1_scale, weights.w2_codes, weights.w2_scale
     if not isinstance(weights, BlockScaledWeights):
         raise TypeError(f"weights of format {weights.format.value} hold no tensors this op knows")
     return weights.w1_codes, weights.w1_scales, weights.w2_codes, weights.w2_scales

@@ -1,6 +1,6 @@
 """GPU tests of the low-latency MoE call (contract 004): ``low_latency_moe`` against the float64 references of
 cudnn_moe.low_latency.reference for every weight format, the ten activations, T = 1..8, packed and unpacked
-routing, BF16 and FP16 outputs, raw rows, unrouted slots with NaN scores (NVFP4 pair), duplicate experts,
+routing, BF16 and FP16 outputs, raw rows (and their scores), unrouted slots with NaN scores (NVFP4 pair), duplicate experts,
 CUDA-graph capture and replay, and bad inputs.
 
 Every output is pre-filled with NaN before the call, so a missing write never passes; the checks then compare
@@ -233,8 +233,10 @@ def test_model_row_lengths(fmt, shape):
 
 
 # ----------------------------------------------------------------------------- CUDA graphs
-@pytest.mark.parametrize("fmt, x_dtype", [FORMAT_CASES[0], FORMAT_CASES[3], FORMAT_CASES[-1]],
-                         ids=[_case_id(*c) for c in (FORMAT_CASES[0], FORMAT_CASES[3], FORMAT_CASES[-1])])
+GRAPH_CASES = [FORMAT_CASES[0], FORMAT_CASES[3], (WeightFormat.FP8_WEIGHT_ONLY, torch.bfloat16), FORMAT_CASES[-1]]
+
+
+@pytest.mark.parametrize("fmt, x_dtype", GRAPH_CASES, ids=[_case_id(*c) for c in GRAPH_CASES])
 @pytest.mark.parametrize("finalize", (True, False))
 def test_cuda_graph_replay_equals_eager(fmt, x_dtype, finalize):
     """One call captured in a CUDA graph, replayed after the inputs and routing change in place, equals an eager
