@@ -17,8 +17,9 @@ argument (TypeError for a wrong type or dtype, ValueError for a wrong value).
 
 Numerics are those of cudnn_moe.low_latency.reference, rounding point for rounding point:
 
-- preactivation (GEMM1 in FP32) rounded to the input dtype (BF16 or FP16) for BF16, FP16, NVFP4 and
-  MXFP4 weights; kept in FP32 for MXINT4; rounded to BF16 for the NVFP4 weight + NVFP4 activation pair;
+- preactivation (GEMM1 in FP32) rounded to the input dtype (BF16 or FP16) for BF16, FP16, NVFP4, MXFP4
+  and FP8 weight-only weights (FP8: the FP32 sum times the expert's scale); kept in FP32 for MXINT4;
+  rounded to BF16 for the NVFP4 weight + NVFP4 activation pair;
 - activation in FP32, intermediate rounded to the input dtype (BF16 for the pair);
 - expert rows (GEMM2 in FP32) rounded to ``out_dtype``;
 - finalize: per token, in slot order, acc = fp32(acc + fp32(w * row)) (separate multiply and add),
@@ -90,7 +91,7 @@ def low_latency_moe(
     """Run one routed MoE layer of 1..``config.max_num_tokens`` tokens on the GPU.
 
     inputs: hidden states [T, H], BF16 or FP16 (BF16 for BF16 weights, FP16 for FP16 weights; either
-        for the 4-bit weight-only formats), 16-byte aligned and contiguous; for the NVFP4 pair the
+        for the 4-bit and FP8 weight-only formats), 16-byte aligned and contiguous; for the NVFP4 pair the
         Nvfp4Activations of ``config.prepare_nvfp4_activations``.
     weights: from one of the config's prepare methods (any format of ``weights.format``).
     routing: ``Routing.packed`` or ``Routing.unpacked`` [T, top_k], top_k <= 32, on the same device.
