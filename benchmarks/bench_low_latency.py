@@ -63,7 +63,9 @@ BYTES_PER_WEIGHT = {
     WeightFormat.MXFP4_WEIGHT_ONLY: 0.5 + 1 / 32,
     WeightFormat.MXINT4_WEIGHT_ONLY: 0.5 + 2 / 32,
     WeightFormat.NVFP4_W_NVFP4_A: 0.5 + 1 / 16,
+    WeightFormat.FP8_WEIGHT_ONLY: 1.0,  # E4M3 codes; the FP32 scale per expert is negligible
 }
+FP8_FORMATS = (WeightFormat.FP8_WEIGHT_ONLY,)
 WEIGHT_ONLY_4BIT = (WeightFormat.NVFP4_WEIGHT_ONLY, WeightFormat.MXFP4_WEIGHT_ONLY, WeightFormat.MXINT4_WEIGHT_ONLY)
 
 
@@ -81,6 +83,13 @@ def target(m: ModelShape, tokens: int, fmt_: WeightFormat) -> tuple[str, Callabl
             return "<= 1.5x floor", lambda us, floor: us <= 1.5 * floor
         if m.key == "deepseek-v3":
             return "<= 1.6x floor", lambda us, floor: us <= 1.6 * floor
+    if fmt_ in FP8_FORMATS:  # issue 19: every FP8 format
+        if m.key == "qwen3-30b-a3b" and tokens == 1:
+            return "<= 20 us", lambda us, floor: us <= 20.0
+        if m.key == "deepseek-v3" and tokens == 8:
+            return "<= 1.3x floor", lambda us, floor: us <= 1.3 * floor
+        if m.key == "deepseek-v3" and tokens == 1:
+            return "<= 1.6x floor", lambda us, floor: us <= 1.6 * floor
     if fmt_ in (WeightFormat.BF16, WeightFormat.FP16) and m.key == "deepseek-v3":
         return "<= 1.1x floor", lambda us, floor: us <= 1.1 * floor
     return None
@@ -94,29 +103,34 @@ def prepare_format(
     config: LowLatencyMoeConfig, fmt_: WeightFormat, m: ModelShape, w1: torch.Tensor | None, w2: torch.Tensor | None,
     gen: torch.Generator,
 ) -> LowLatencyWeights:
-    """SwiGLU weights of one format: the BF16 source (cast for FP16), or random codes and scales for 4 bits."""
+    """SwiGLU weights of one format: the BF16 source (cast for FP16), or random codes and scales for 4 and 8 bits."""
     dev = gen.device
     e, h, i = m.experts, m.hidden, m.intermediate
     if fmt_ is WeightFormat.BF16:
         return config.prepare_bf16_weights(w1, w2)
     if fmt_ is WeightFormat.FP16:
         return config.prepare_fp16_weights(w1.half(), w2.half())
+    if fmt_ is WeightFormat.FP8_WEIGHT_ONLY:  # random finite E4M3 codes (no 0x7F / 0xFF), scales near 1/(16 sqrt K)
+        f1, f2 = _random_codes((e, 2 * i, h), dev, gen), _random_codes((e, h, i), dev, gen)
+        f1, f2 = (torch.where((f & 0x7F) == 0x7F, f - 1, f).view(torch.float8_e4m3fn) for f in (f1, f2))
+        return config.prepare_fp8_weight_only_weights(f1, torch.full((e,), 1 / (16 * h**0.5), device=dev), f2,
+                                                      torch.full((e,), 1 / (16 * i**0.5), device=dev))
     c1, c2 = _random_codes((e, 2 * i, h // 2), dev, gen), _random_codes((e, h, i // 2), dev, gen)
     if fmt_ in (WeightFormat.NVFP4_WEIGHT_ONLY, WeightFormat.NVFP4_W_NVFP4_A):
         s1 = (torch.rand(e, 2 * i, h // 16, device=dev, generator=gen) * 0.05 + 0.01).to(torch.float8_e4m3fn)
         s2 = (torch.rand(e, h, i // 16, device=dev, generator=gen) * 0.05 + 0.01).to(torch.float8_e4m3fn)
         g1, g2 = torch.full((e,), 0.5, device=dev), torch.full((e,), 0.5, device=dev)
         if fmt_ is WeightFormat.NVFP4_WEIGHT_ONLY:
-            return config.prepare_nvfp4_weight_only(c1, s1, g1, c2, s2, g2)
+            return config.prepare_nvfp4_weight_only_weights(c1, s1, g1, c2, s2, g2)
         return Nvfp4PairWeights(format=fmt_, hidden_size=h, intermediate_size=i, padded_intermediate=i, gated=True,
                                 w1_codes=c1, w1_scales=s1, w2_codes=c2, w2_scales=s2, w1_global=g1, w2_global=g2)
     if fmt_ is WeightFormat.MXFP4_WEIGHT_ONLY:
         s1 = torch.randint(118, 124, (e, 2 * i, h // 32), dtype=torch.uint8, device=dev, generator=gen)
         s2 = torch.randint(118, 124, (e, h, i // 32), dtype=torch.uint8, device=dev, generator=gen)
-        return config.prepare_mxfp4_weight_only(c1, s1.view(torch.float8_e8m0fnu), c2, s2.view(torch.float8_e8m0fnu))
+        return config.prepare_mxfp4_weight_only_weights(c1, s1.view(torch.float8_e8m0fnu), c2, s2.view(torch.float8_e8m0fnu))
     s1 = (torch.rand(e, 2 * i, h // 32, device=dev, generator=gen) * 0.02 + 0.002).to(torch.bfloat16)
     s2 = (torch.rand(e, h, i // 32, device=dev, generator=gen) * 0.02 + 0.002).to(torch.bfloat16)
-    return config.prepare_mxint4_weight_only(c1, s1, c2, s2)
+    return config.prepare_mxint4_weight_only_weights(c1, s1, c2, s2)
 
 
 def path_of(config: LowLatencyMoeConfig, weights: LowLatencyWeights, x_dtype: torch.dtype | None,

@@ -102,10 +102,10 @@ def _low_latency(results: dict) -> None:
     layers = {
         "bf16": (config.prepare_bf16_weights(w1, w2), torch.bfloat16),
         "fp16": (config.prepare_fp16_weights(w1.half(), w2.half()), torch.float16),
-        "nvfp4 weight-only": (config.prepare_nvfp4_weight_only(c1, s1, g1, c2, s2, g2), torch.bfloat16),
-        "nvfp4 weight-only fp16": (config.prepare_nvfp4_weight_only(c1, s1, g1, c2, s2, g2), torch.float16),
-        "mxfp4": (config.prepare_mxfp4_weight_only(m1, ms1, m2, ms2), torch.bfloat16),
-        "mxint4": (config.prepare_mxint4_weight_only(n1, ns1, n2, ns2), torch.bfloat16),
+        "nvfp4 weight-only": (config.prepare_nvfp4_weight_only_weights(c1, s1, g1, c2, s2, g2), torch.bfloat16),
+        "nvfp4 weight-only fp16": (config.prepare_nvfp4_weight_only_weights(c1, s1, g1, c2, s2, g2), torch.float16),
+        "mxfp4": (config.prepare_mxfp4_weight_only_weights(m1, ms1, m2, ms2), torch.bfloat16),
+        "mxint4": (config.prepare_mxint4_weight_only_weights(n1, ns1, n2, ns2), torch.bfloat16),
         "nvfp4 pair": (config.prepare_nvfp4_weights(w1, w2), None),
     }
     for t in (1, 2, 5, 8):
@@ -181,7 +181,7 @@ def _memory() -> dict:
     ll = cm.LowLatencyMoeConfig(max_num_tokens=8)
     c1, s1, c2, s2 = a1, a1s, a2, a2s  # the same canonical NVFP4 payloads
     g1, g2 = torch.ones(e, device="cuda"), torch.ones(e, device="cuda")
-    weights, base, prepared = held(lambda: ll.prepare_nvfp4_weight_only(c1, s1, g1, c2, s2, g2))
+    weights, base, prepared = held(lambda: ll.prepare_nvfp4_weight_only_weights(c1, s1, g1, c2, s2, g2))
     cm.low_latency_moe(ll, x.to(torch.bfloat16), weights, routing)
     torch.cuda.synchronize()
     report["low_latency_moe nvfp4 weight-only"] = (prepared, torch.cuda.memory_allocated() - base)

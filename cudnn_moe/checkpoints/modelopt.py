@@ -178,7 +178,7 @@ class ModelOptExperts:
             raise ValueError(f"expert {differ} has different gate and up weight_scale_2: the low-latency NVFP4 format "
                              "has one GEMM1 global per expert; use fused_weights() or aligned_operands(), which keep both")
         w1, w1_scales = self.gemm1(("up_proj", "gate_proj"))
-        return config.prepare_nvfp4_weight_only(w1, w1_scales, self.globals["up_proj"], self.codes["down_proj"],
+        return config.prepare_nvfp4_weight_only_weights(w1, w1_scales, self.globals["up_proj"], self.codes["down_proj"],
                                                 self.scales["down_proj"], self.globals["down_proj"])
 
 

@@ -80,6 +80,7 @@ class WeightFormat(str, enum.Enum):
     MXFP4_WEIGHT_ONLY = "mxfp4_weight_only"
     MXINT4_WEIGHT_ONLY = "mxint4_weight_only"
     NVFP4_W_NVFP4_A = "nvfp4_w_nvfp4_a"
+    FP8_WEIGHT_ONLY = "fp8_weight_only"
 
 
 @dataclass(frozen=True)
@@ -349,6 +350,7 @@ class LowLatencyCall:
     finalize: bool
     out: torch.Tensor
     max_tokens: int
+    scores: torch.Tensor | None = None  # raw calls asked for scores: float32 [T, top_k], every slot's route weight
 
     @property
     def tokens(self) -> int:

@@ -127,7 +127,7 @@ def _source(module: torch.nn.Module) -> tuple:
 
 def use_prepared(module: torch.nn.Module, *, low_latency: Any = None, fused: Nvfp4Weights | None = None) -> None:
     """Run ``module`` on weights prepared elsewhere (taken as they are, never requantized): ``low_latency`` from
-    LowLatencyMoeConfig(max_num_tokens=8).prepare_nvfp4_weight_only (or a ModelOpt checkpoint's
+    LowLatencyMoeConfig(max_num_tokens=8).prepare_nvfp4_weight_only_weights (or a ModelOpt checkpoint's
     low_latency_weights), ``fused`` from Nvfp4MoeConfig.prepare_weights (or fused_weights). A call that needs a
     path with no weights attached raises ValueError."""
     module._cudnn_moe = _Prepared(None, _activation(module), low_latency, fused)
@@ -157,7 +157,7 @@ def _low_latency_weights(module: torch.nn.Module, state: _Prepared) -> Any:
         refuse_during_capture(f"{_name(module)} must prepare its NVFP4 weights", "run one eager call first")
         c1, s1, g1 = quantize_experts("gate_up_proj", _gemm1_up_gate(module))
         c2, s2, g2 = quantize_experts("down_proj", module.down_proj.detach())
-        state.low_latency = _LOW_LATENCY.prepare_nvfp4_weight_only(c1, s1, g1, c2, s2, g2, activation=state.activation)
+        state.low_latency = _LOW_LATENCY.prepare_nvfp4_weight_only_weights(c1, s1, g1, c2, s2, g2, activation=state.activation)
     return state.low_latency
 
 

@@ -44,6 +44,7 @@ class LowLatencyWeightCode(enum.IntEnum):
     NVFP4 = 2  # E2M1 codes, E4M3 scales per 16, FP32 global per expert
     MXFP4 = 3  # E2M1 codes, E8M0 scales per 32
     MXINT4 = 4  # two's-complement INT4 codes, BF16 scales per 32
+    FP8 = 5  # E4M3 codes, one FP32 scale per expert (as the global)
 
 
 class LowLatencyInputCode(enum.IntEnum):

@@ -8,6 +8,7 @@ the caller's payloads bit-exact.
 from ..weights.low_latency import (
     BlockScaledWeights,
     DenseWeights,
+    Fp8WeightOnlyWeights,
     LowLatencyWeights,
     Mxfp4WeightOnlyWeights,
     Mxint4WeightOnlyWeights,
@@ -16,11 +17,12 @@ from ..weights.low_latency import (
     WeightFormat,
 )
 from .config import MAX_NUM_TOKENS, MAX_TOP_K, LowLatencyMoeConfig
-from .op import low_latency_moe
+from .op import RawOutput, low_latency_moe
 from .reference import (
     RawReference,
     combine_ordered_fp32,
     reference_bf16,
+    reference_fp8_weight_only,
     reference_fp16,
     reference_low_latency,
     reference_mxfp4_weight_only,
@@ -34,17 +36,20 @@ __all__ = [
     "MAX_TOP_K",
     "BlockScaledWeights",
     "DenseWeights",
+    "Fp8WeightOnlyWeights",
     "LowLatencyMoeConfig",
     "LowLatencyWeights",
     "Mxfp4WeightOnlyWeights",
     "Mxint4WeightOnlyWeights",
     "Nvfp4PairWeights",
     "Nvfp4WeightOnlyWeights",
+    "RawOutput",
     "RawReference",
     "WeightFormat",
     "combine_ordered_fp32",
     "low_latency_moe",
     "reference_bf16",
+    "reference_fp8_weight_only",
     "reference_fp16",
     "reference_low_latency",
     "reference_mxfp4_weight_only",

@@ -8,7 +8,7 @@ import torch
 from ..activations import Activation, require_gating
 from ..routing import Routing
 from ..validate import require_no_overlap, require_tensor
-from ..weights.low_latency import BlockScaledWeights, DenseWeights, LowLatencyWeights, WeightFormat
+from ..weights.low_latency import BlockScaledWeights, DenseWeights, Fp8WeightOnlyWeights, LowLatencyWeights, WeightFormat
 from ..weights.nvfp4 import Nvfp4Activations
 from .config import MAX_TOP_K, LowLatencyMoeConfig
 
@@ -57,6 +57,8 @@ def check_inputs(inputs: object, weights: LowLatencyWeights) -> tuple[torch.Tens
 def weight_tensors(weights: LowLatencyWeights) -> tuple[torch.Tensor, ...]:
     if isinstance(weights, DenseWeights):
         return weights.w1, weights.w2
+    if isinstance(weights, Fp8WeightOnlyWeights):
+        return weights.w1_codes, weights.w1_scale, weights.w2_codes, weights.w2_scale
     if not isinstance(weights, BlockScaledWeights):
         raise TypeError(f"weights of format {weights.format.value} hold no tensors this op knows")
     return weights.w1_codes, weights.w1_scales, weights.w2_codes, weights.w2_scales
@@ -115,3 +117,30 @@ def check_out(out: object, shape: tuple[int, ...], out_dtype: torch.dtype, final
     for name, t in others:
         require_no_overlap("out", out, name, t)
     return out
+
+
+def check_scores_request(return_scores: object, scores_out: object, finalize: bool) -> None:
+    """``return_scores`` a bool, only with finalize=False; ``scores_out`` only with return_scores."""
+    if not isinstance(return_scores, bool):
+        raise TypeError(f"return_scores must be a bool, got {type(return_scores).__name__}")
+    if return_scores and finalize:
+        raise ValueError("return_scores=True needs finalize=False (the scores come with the raw rows)")
+    if scores_out is not None and not return_scores:
+        raise ValueError("scores_out is given but return_scores is False; pass return_scores=True with finalize=False")
+
+
+def check_scores_out(scores_out: object, shape: tuple[int, int], device: torch.device,
+                     others: list[tuple[str, torch.Tensor]]) -> torch.Tensor:
+    """``scores_out``: float32 [T, top_k], contiguous, on ``device``, sharing no memory with ``others``."""
+    scores_out = require_tensor("scores_out", scores_out, torch.float32, rank=2)
+    if tuple(scores_out.shape) != shape:
+        raise ValueError(f"scores_out must have shape {shape} ([T, top_k]), got {tuple(scores_out.shape)}")
+    if not scores_out.is_contiguous():
+        raise ValueError("scores_out must be contiguous (row-major)")
+    if scores_out.device != device:
+        raise ValueError(f"scores_out is on {scores_out.device} but the inputs are on {device}")
+    if scores_out.data_ptr() % 4:
+        raise ValueError("scores_out must be 4-byte aligned")
+    for name, t in others:
+        require_no_overlap("scores_out", scores_out, name, t)
+    return scores_out

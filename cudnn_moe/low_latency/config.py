@@ -17,6 +17,7 @@ from ..formats import quantize_nvfp4
 from ..validate import require_finite, require_multiple, require_positive_finite, require_same_device, require_tensor
 from ..weights.low_latency import (
     DenseWeights,
+    Fp8WeightOnlyWeights,
     LowLatencyWeights,
     Mxfp4WeightOnlyWeights,
     Mxint4WeightOnlyWeights,
@@ -60,6 +61,12 @@ def _check_scales(name: str, scales: object, dtype: torch.dtype, shape: tuple[in
     if scales.device != device:
         raise ValueError(f"{name} is on {scales.device} but the codes are on {device}")
     return scales
+
+
+def _require_no_e4m3_nan(name: str, codes: torch.Tensor) -> None:
+    """E4M3 codes 0x7F / 0xFF are NaN: refused (reads the payload; preparation only)."""
+    if bool(((codes.view(torch.uint8) & 0x7F) == 0x7F).any()):
+        raise ValueError(f"{name} holds E4M3 NaN codes (0x7F / 0xFF); weights must be finite")
 
 
 def _check_global(name: str, value: object, experts: int, device: torch.device) -> torch.Tensor:
@@ -199,7 +206,7 @@ class LowLatencyMoeConfig:
             **{name: value.clone() for name, value in checked.items()},
         )
 
-    def prepare_nvfp4_weight_only(
+    def prepare_nvfp4_weight_only_weights(
         self,
         w1_codes: torch.Tensor,
         w1_scales: torch.Tensor,
@@ -223,7 +230,7 @@ class LowLatencyMoeConfig:
             w1_codes, w1_scales, w2_codes, w2_scales, activation, w1_global=w1_global, w2_global=w2_global,
         )
 
-    def prepare_mxfp4_weight_only(
+    def prepare_mxfp4_weight_only_weights(
         self,
         w1_codes: torch.Tensor,
         w1_scales: torch.Tensor,
@@ -234,7 +241,7 @@ class LowLatencyMoeConfig:
     ) -> Mxfp4WeightOnlyWeights:
         """MXFP4 weights for BF16/FP16 activations, preserved bit for bit.
 
-        Codes as in ``prepare_nvfp4_weight_only``; scales float8_e8m0fnu [E, N1, H/32] and [E, H, I/32],
+        Codes as in ``prepare_nvfp4_weight_only_weights``; scales float8_e8m0fnu [E, N1, H/32] and [E, H, I/32],
         linear (value = e2m1 * 2^(byte - 127), decoded through FP32). H % 128 == 0, I % 32 == 0, I
         padded to a multiple of 128.
         """
@@ -243,7 +250,7 @@ class LowLatencyMoeConfig:
             w1_codes, w1_scales, w2_codes, w2_scales, activation,
         )
 
-    def prepare_mxint4_weight_only(
+    def prepare_mxint4_weight_only_weights(
         self,
         w1_codes: torch.Tensor,
         w1_scales: torch.Tensor,
@@ -261,6 +268,58 @@ class LowLatencyMoeConfig:
             WeightFormat.MXINT4_WEIGHT_ONLY, Mxint4WeightOnlyWeights, torch.bfloat16,
             w1_codes, w1_scales, w2_codes, w2_scales, activation,
         )
+
+    # ------------------------------------------------------------------ FP8 weight-only
+    def prepare_fp8_weight_only_weights(
+        self,
+        w1: torch.Tensor,
+        w1_scale: torch.Tensor,
+        w2: torch.Tensor,
+        w2_scale: torch.Tensor,
+        *,
+        activation: Activation | str = SwiGLU(),
+    ) -> Fp8WeightOnlyWeights:
+        """E4M3 weights for BF16/FP16 activations, copied bit for bit (never requantized).
+
+        w1 float8_e4m3fn [E, N1, H] (N1 = 2I rows [up; gate] gated, else I), w1_scale float32 [E];
+        w2 float8_e4m3fn [E, H, I], w2_scale float32 [E]. Weight = e4m3 * scale (scales finite and
+        positive; NaN codes 0x7F / 0xFF are refused, the check reads the codes). H % 128 == 0,
+        I % 32 == 0, I padded to a multiple of 128 with +0 codes.
+        """
+        self.require_format(self.target_arch(), WeightFormat.FP8_WEIGHT_ONLY)
+        act = parse_activation(activation)
+        experts, hidden, intermediate = _check_pair("w1", w1, "w2", w2, torch.float8_e4m3fn)
+        require_multiple("hidden size (w2.shape[1])", hidden, WEIGHT_ONLY_HIDDEN_MULTIPLE)
+        require_multiple("intermediate size (w2.shape[2])", intermediate, WEIGHT_ONLY_INTERMEDIATE_MULTIPLE)
+        if w1.shape[2] != hidden:
+            raise ValueError(f"w1 must be [E, N1, H] with H = {hidden} (from w2 [E, H, I]), got {tuple(w1.shape)}")
+        require_gemm1_rows("w1", w1.shape[1], act, intermediate)
+        device = w1.device
+        w1_scale = _check_global("w1_scale", w1_scale, experts, device)
+        w2_scale = _check_global("w2_scale", w2_scale, experts, device)
+        _require_no_e4m3_nan("w1", w1)
+        _require_no_e4m3_nan("w2", w2)
+        ip = padded_intermediate(intermediate)
+        return Fp8WeightOnlyWeights(
+            format=WeightFormat.FP8_WEIGHT_ONLY, hidden_size=hidden, intermediate_size=intermediate,
+            padded_intermediate=ip, gated=act.gated,
+            w1_codes=pad_gemm1_rows(w1, intermediate, ip, act.gated), w1_scale=w1_scale.clone(),
+            w2_codes=pad_columns(w2, ip), w2_scale=w2_scale.clone(),
+        )
+
+    # Short names of the three methods above, from before the contract's names were adopted: thin aliases,
+    # kept only so that older call sites keep working; new code uses the *_weights names.
+    def prepare_nvfp4_weight_only(self, *args: object, **kwargs: object) -> Nvfp4WeightOnlyWeights:
+        """Alias of ``prepare_nvfp4_weight_only_weights`` (the earlier, shorter name)."""
+        return self.prepare_nvfp4_weight_only_weights(*args, **kwargs)
+
+    def prepare_mxfp4_weight_only(self, *args: object, **kwargs: object) -> Mxfp4WeightOnlyWeights:
+        """Alias of ``prepare_mxfp4_weight_only_weights`` (the earlier, shorter name)."""
+        return self.prepare_mxfp4_weight_only_weights(*args, **kwargs)
+
+    def prepare_mxint4_weight_only(self, *args: object, **kwargs: object) -> Mxint4WeightOnlyWeights:
+        """Alias of ``prepare_mxint4_weight_only_weights`` (the earlier, shorter name)."""
+        return self.prepare_mxint4_weight_only_weights(*args, **kwargs)
 
     # ------------------------------------------------------------------ NVFP4 weights + NVFP4 activations
     def prepare_nvfp4_weights(

@@ -17,14 +17,19 @@ argument (TypeError for a wrong type or dtype, ValueError for a wrong value).
 
 Numerics are those of cudnn_moe.low_latency.reference, rounding point for rounding point:
 
-- preactivation (GEMM1 in FP32) rounded to the input dtype (BF16 or FP16) for BF16, FP16, NVFP4 and
-  MXFP4 weights; kept in FP32 for MXINT4; rounded to BF16 for the NVFP4 weight + NVFP4 activation pair;
+- preactivation (GEMM1 in FP32) rounded to the input dtype (BF16 or FP16) for BF16, FP16, NVFP4, MXFP4
+  and FP8 weight-only weights (FP8: the FP32 sum times the expert's scale); kept in FP32 for MXINT4;
+  rounded to BF16 for the NVFP4 weight + NVFP4 activation pair;
 - activation in FP32, intermediate rounded to the input dtype (BF16 for the pair);
 - expert rows (GEMM2 in FP32) rounded to ``out_dtype``;
 - finalize: per token, in slot order, acc = fp32(acc + fp32(w * row)) (separate multiply and add),
   rounded once to ``out_dtype``; packed route weights are their BF16 values.
 
 Only the order of the FP32 sums inside the GEMMs differs from the float64 reference.
+
+The raw output (finalize=False) keeps the identity route mapping (row (t, j) is slot j of token t); with
+return_scores=True the call also returns each slot's routing score, float32 [T, top_k], as the caller gave
+it (packed scores: their BF16 value), written by the GEMM2 launch, unrouted slots included.
 
 Expert ids outside [0, E): for the NVFP4 pair they mark unrouted slots (finalize skips them and their
 route weights, so a NaN there never reaches the output; the raw output has zero rows for them). For the
@@ -34,6 +39,8 @@ but that result is not part of the contract (the float reference raises ValueErr
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
@@ -47,8 +54,25 @@ from ..routing import Routing
 from ..weights.low_latency import LowLatencyWeights
 from ..weights.nvfp4 import Nvfp4Activations
 from . import grouped
-from .checks import check_call, check_devices, check_inputs, check_out, check_sizes, weight_tensors
+from .checks import (
+    check_call, check_devices, check_inputs, check_out, check_scores_out, check_scores_request, check_sizes,
+    weight_tensors,
+)
 from .config import LowLatencyMoeConfig
+
+
+class RawOutput(NamedTuple):
+    """The raw result of ``low_latency_moe(..., finalize=False, return_scores=True)``.
+
+    rows: [T, top_k, H] of the output dtype; row (t, j) belongs to slot j of token t (the identity route
+        mapping), zero for unrouted slots.
+    scores: float32 [T, top_k], each slot's routing score as the caller gave it; packed routing gives the
+        BF16 value its bits hold (widened exactly), FP32/BF16 scores come back unchanged. Unrouted slots keep
+        whatever score they had (NaN or Inf included): a reducer must skip those slots itself.
+    """
+
+    rows: torch.Tensor
+    scores: torch.Tensor
 
 
 def low_latency_moe(
@@ -61,11 +85,13 @@ def low_latency_moe(
     out_dtype: torch.dtype = torch.bfloat16,
     finalize: bool = True,
     out: torch.Tensor | None = None,
-) -> torch.Tensor:
+    return_scores: bool = False,
+    scores_out: torch.Tensor | None = None,
+) -> torch.Tensor | RawOutput:
     """Run one routed MoE layer of 1..``config.max_num_tokens`` tokens on the GPU.
 
     inputs: hidden states [T, H], BF16 or FP16 (BF16 for BF16 weights, FP16 for FP16 weights; either
-        for the 4-bit weight-only formats), 16-byte aligned and contiguous; for the NVFP4 pair the
+        for the 4-bit and FP8 weight-only formats), 16-byte aligned and contiguous; for the NVFP4 pair the
         Nvfp4Activations of ``config.prepare_nvfp4_activations``.
     weights: from one of the config's prepare methods (any format of ``weights.format``).
     routing: ``Routing.packed`` or ``Routing.unpacked`` [T, top_k], top_k <= 32, on the same device.
@@ -75,12 +101,20 @@ def low_latency_moe(
         rows out_dtype [T, top_k, H] (row (t, j) is slot j of token t; zero rows for unrouted slots).
     out: optional destination of that shape and dtype (contiguous, 16-byte aligned, same device,
         sharing no memory with the inputs); with it the call allocates nothing.
+    return_scores: with finalize=False, return ``RawOutput(rows, scores)``: the raw rows and the routing
+        scores of every slot, float32 [T, top_k] (packed scores as their BF16 values, others unchanged),
+        written by the same launch that writes the rows. Not allowed with finalize=True.
+    scores_out: optional float32 [T, top_k] destination of the scores (return_scores=True only;
+        contiguous, same device, sharing no memory with the other tensors); with it and ``out`` the call
+        allocates nothing.
 
-    Returns ``out`` (or a new tensor). T = 0 returns an empty result and launches nothing.
+    Returns ``out`` (or a new tensor), or a RawOutput when return_scores. T = 0 returns an empty result
+    and launches nothing.
     """
     release_deferred()  # GPU objects of dropped weights, destroyed here rather than inside a capture
     act = parse_activation(activation)
     check_call(config, weights, routing, act, out_dtype, finalize)
+    check_scores_request(return_scores, scores_out, finalize)
     x, x_scales = check_inputs(inputs, weights)
     tokens, top_k, hidden = x.shape[0], routing.top_k, weights.hidden_size
     check_sizes(config, tokens, routing.num_tokens, top_k)
@@ -100,11 +134,19 @@ def low_latency_moe(
             others.append(("routing weights", route_weights))
         others += [(f"weights tensor {i}", t) for i, t in enumerate(weight_tensors(weights))]
         out = check_out(out, shape, out_dtype, finalize, device, others)
-    if tokens == 0:
-        return out if out is not None else torch.empty(shape, dtype=out_dtype, device=device)
+    if scores_out is not None:
+        others = [("hidden_states", x), ("routing", ids), *([("out", out)] if out is not None else [])]
+        if route_weights is not None:
+            others.append(("routing weights", route_weights))
+        scores_out = check_scores_out(scores_out, (tokens, top_k), device, others)
+    if return_scores and scores_out is None:
+        scores_out = torch.empty((tokens, top_k), dtype=torch.float32, device=device)
     if out is None:
         out = torch.empty(shape, dtype=out_dtype, device=device)
-    call = LowLatencyCall(weights, x, x_scales, routing, act, out_dtype, finalize, out, config.max_num_tokens)
+    if tokens == 0:
+        return RawOutput(out, scores_out) if return_scores else out
+    call = LowLatencyCall(weights, x, x_scales, routing, act, out_dtype, finalize, out, config.max_num_tokens,
+                          scores_out)
     if issubclass(engine, GemmEngine):
         grouped.run(engine, call)
     else:
@@ -112,4 +154,4 @@ def low_latency_moe(
         workspace = workspace_for(weights, (engine.name, key), spec, device)
         with workspace.order.use():
             engine.run(call, workspace.buffers)
-    return out
+    return RawOutput(out, scores_out) if return_scores else out

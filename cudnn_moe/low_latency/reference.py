@@ -4,7 +4,8 @@ Weights are decoded exactly (in float64; MXFP4 through FP32 like the kernels, wh
 range) and every GEMM is summed in float64. Then, per routed slot (token t, expert e), in order:
 
 1. preactivation h = x_t @ w1_e^T, rounded through FP32 (the kernels' accumulator) to
-   - the input dtype (BF16 or FP16) for BF16, FP16, NVFP4 and MXFP4 weight-only;
+   - the input dtype (BF16 or FP16) for BF16, FP16, NVFP4, MXFP4 and FP8 weight-only (FP8: weight =
+     e4m3 * the expert's FP32 scale, exact in float64; the GPU multiplies its FP32 sum by the scale);
    - FP32 only (kept as FP32) for MXINT4 weight-only;
    - BF16 for the NVFP4 weight + NVFP4 activation pair (its inputs are NVFP4, decoded exactly);
 2. intermediate y = activation(h) in float64, rounded through FP32 to the input dtype (BF16 for the
@@ -34,6 +35,7 @@ from ..routing import Routing
 from ..validate import require_tensor
 from ..weights.low_latency import (
     DenseWeights,
+    Fp8WeightOnlyWeights,
     LowLatencyWeights,
     Mxfp4WeightOnlyWeights,
     Mxint4WeightOnlyWeights,
@@ -54,13 +56,19 @@ class RawReference:
     """Per-slot results before the weighted sum (identity route mapping: slot (t, s) is row (t, s)).
 
     rows: [T, k, H] of the output dtype, zero where ``mask`` is False.
-    weights: float32 [T, k], the route weights as given (packed ones BF16-rounded), NaN/Inf kept.
+    weights: float32 [T, k], the route weights as given (packed ones BF16-rounded), NaN/Inf kept: the scores
+        ``low_latency_moe(..., finalize=False, return_scores=True)`` returns (also as ``scores``).
     mask: bool [T, k], False for unrouted slots (NVFP4 pair only; all True otherwise).
     """
 
     rows: torch.Tensor
     weights: torch.Tensor
     mask: torch.Tensor
+
+    @property
+    def scores(self) -> torch.Tensor:
+        """``weights`` under the name of the GPU call's raw output (``RawOutput.scores``): what it must return."""
+        return self.weights
 
 
 def _round(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -88,6 +96,9 @@ def _decode(weights: LowLatencyWeights) -> tuple[torch.Tensor, torch.Tensor]:
     if isinstance(weights, DenseWeights):
         w1, w2 = weights.canonical()
         return w1.double(), w2.double()
+    if isinstance(weights, Fp8WeightOnlyWeights):
+        w1, s1, w2, s2 = weights.canonical()
+        return w1.double() * s1.double()[:, None, None], w2.double() * s2.double()[:, None, None]
     if isinstance(weights, Nvfp4WeightOnlyWeights):
         w1c, w1s, w1g, w2c, w2s, w2g = weights.canonical()
         w1 = dequantize_nvfp4(w1c, w1s, dtype=_F64) * w1g.double()[:, None, None]
@@ -229,6 +240,17 @@ def reference_mxint4_weight_only(
                                   activation, out_dtype, finalize)
 
 
+def reference_fp8_weight_only(
+    x: torch.Tensor, weights: Fp8WeightOnlyWeights, routing: Routing, activation: ActivationArg, *,
+    out_dtype: torch.dtype = torch.bfloat16, finalize: bool = True,
+) -> torch.Tensor | RawReference:
+    """FP8 weight-only (weight = e4m3 * per-expert FP32 scale), x BF16 or FP16 [T, H]. Rounding points:
+    preactivation (the FP32 sum times the scale) to x's dtype; activation in float64, intermediate to x's
+    dtype; expert rows to ``out_dtype``; ordered FP32 combine (separate multiply and add)."""
+    return _reference_weight_only(WeightFormat.FP8_WEIGHT_ONLY, Fp8WeightOnlyWeights, x, weights, routing,
+                                  activation, out_dtype, finalize)
+
+
 def reference_nvfp4_pair(
     activations: Nvfp4Activations, weights: Nvfp4PairWeights, routing: Routing, activation: ActivationArg, *,
     out_dtype: torch.dtype = torch.bfloat16, finalize: bool = True,
@@ -273,4 +295,5 @@ _BY_FORMAT = {
     WeightFormat.MXFP4_WEIGHT_ONLY: reference_mxfp4_weight_only,
     WeightFormat.MXINT4_WEIGHT_ONLY: reference_mxint4_weight_only,
     WeightFormat.NVFP4_W_NVFP4_A: reference_nvfp4_pair,
+    WeightFormat.FP8_WEIGHT_ONLY: reference_fp8_weight_only,
 }

@@ -8,7 +8,7 @@ intermediate size I padded up to a multiple of 128:
   split the GEMM1 output at Ip.
 - GEMM2 (w2, [E, H, I] along K = I): columns (and their block scales) beyond I are zero.
 
-Padding is all-zero bytes in every tensor: a zero code (E2M1 +0, INT4 0) or a zero BF16/FP16 value,
+Padding is all-zero bytes in every tensor: a zero code (E2M1 +0, INT4 0, E4M3 +0) or a zero BF16/FP16 value,
 so padded rows and columns contribute exactly nothing (every activation maps 0 to 0, and the padded
 w2 columns are zero anyway); a zero E8M0 scale byte means 2^-127, harmless under zero codes.
 
@@ -179,3 +179,26 @@ class Nvfp4PairWeights(Nvfp4WeightOnlyWeights):
 
     Same tensors as ``Nvfp4WeightOnlyWeights``; H % 512 == 0 and I % 128 == 0, so there is no padding.
     """
+
+
+@dataclass(frozen=True, eq=False)
+class Fp8WeightOnlyWeights(LowLatencyWeights):
+    """FP8 weight-only: E4M3 codes (float8_e4m3fn, one byte a value) and one FP32 scale per expert and GEMM.
+
+    w1_codes [E, N1p, H], w2_codes [E, H, Ip] (layout of DenseWeights); w1_scale, w2_scale float32 [E].
+    Dequantized weight = e4m3 * scale (the kernels multiply the FP32 sum by the scale, as the NVFP4 global).
+    """
+
+    w1_codes: torch.Tensor
+    w1_scale: torch.Tensor
+    w2_codes: torch.Tensor
+    w2_scale: torch.Tensor
+
+    @property
+    def num_experts(self) -> int:
+        return self.w1_codes.shape[0]
+
+    def canonical(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(w1 [E, N1, H], w1_scale [E], w2 [E, H, I], w2_scale [E]): the prepare method's argument order."""
+        w1 = unpad_gemm1_rows(self.w1_codes, self.intermediate_size, self.padded_intermediate, self.gated)
+        return w1, self.w1_scale, self.w2_codes[..., : self.intermediate_size], self.w2_scale

@@ -1,4 +1,4 @@
-// Exact decoders of the low-latency kernels' 4-bit weights (and NVFP4 tokens), kept apart from ll_moe.cu so
+// Exact decoders of the low-latency kernels' 4-bit and FP8 weights (and NVFP4 tokens), kept apart from ll_moe.cu so
 // that a host build (tests/test_low_latency_kernels_cpu.py) can check them against the project's codecs for
 // every code: on the device bf16x2_fma is one fma.rn.bf16x2; on the host it is emulated per half (the FP32
 // fma rounded to BF16, equal to the instruction wherever the FP32 result is exact, as in every use here).
@@ -56,6 +56,31 @@ __device__ __forceinline__ void decode_int4_word(u32 q, float v[8]) {
 __device__ __forceinline__ float e4m3_value(u32 b) {
   const float v = __uint_as_float(((b & 0x80u) << 24) | ((b & 0x7Fu) << 20)) * __uint_as_float(0x7B800000u);
   return (b & 0x7Fu) == 0x7Fu ? __uint_as_float(0x7FC00000u) : v;
+}
+
+// The 8 E4M3 bytes of lo (elements 0..3, element j in byte j) and hi (elements 4..7), exact, in FP32. Where the
+// GPU converts FP8 itself (SM89 and later: cvt.rn.f16x2.e4m3x2, exact since every E4M3 value is an FP16 value)
+// two codes become an FP16 pair in one instruction, then FP32; elsewhere (SM80, the host) e4m3_value per byte.
+// 0x7F / 0xFF (NaN) give NaN either way; the prepare methods refuse them in weights.
+__device__ __forceinline__ void decode_e4m3_word(u32 lo, u32 hi, float v[8]) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  const u32 w[2] = {lo, hi};
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+#pragma unroll
+    for (int p = 0; p < 2; ++p) {
+      const u16 codes = static_cast<u16>(w[i] >> (16 * p));
+      u32 pair;
+      asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(pair) : "h"(codes));
+      const u16 h0 = static_cast<u16>(pair & 0xFFFFu), h1 = static_cast<u16>(pair >> 16);
+      asm("cvt.f32.f16 %0, %1;" : "=f"(v[4 * i + 2 * p]) : "h"(h0));
+      asm("cvt.f32.f16 %0, %1;" : "=f"(v[4 * i + 2 * p + 1]) : "h"(h1));
+    }
+  }
+#else
+#pragma unroll
+  for (int j = 0; j < 8; ++j) v[j] = e4m3_value(((j < 4 ? lo : hi) >> (8 * (j & 3))) & 0xFFu);
+#endif
 }
 
 // E8M0 scale byte: 2^(b - 127); b = 0 is 2^-127 (an FP32 subnormal), b = 255 is NaN.

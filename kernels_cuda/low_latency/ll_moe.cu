@@ -1,7 +1,7 @@
 // Low-latency routed MoE (1..8 tokens per call, contract 004): a pure weight stream on CUDA cores.
 //
 // One module per (weight format, token input) pair, chosen at compile time:
-//   -DLL_WEIGHTS=LL_WEIGHTS_{BF16,FP16,NVFP4,MXFP4,MXINT4}  -DLL_INPUT=LL_INPUT_{BF16,FP16,NVFP4}
+//   -DLL_WEIGHTS=LL_WEIGHTS_{BF16,FP16,NVFP4,MXFP4,MXINT4,FP8}  -DLL_INPUT=LL_INPUT_{BF16,FP16,NVFP4}
 // (values from cudnn_moe.kernels.codes; cudnn_moe.low_latency.kernels picks them). Two kernels, two
 // launches per call (each launch in a CUDA graph costs microseconds at this size):
 //
@@ -32,9 +32,10 @@
 //
 // Weight decode (exact): 16-bit weights widen to FP32. E2M1 codes become BF16 pairs by bit placement
 // (value x 2^-126) and one bf16x2 FMA by 2^126 (subnormals supported); an INT4 code n becomes the FP32
-// 2^23 + (n ^ 8) by bit placement and one FADD subtracts 2^23 + 8. Block scales (E4M3 per 16, E8M0 per 32, BF16 per 32) are
-// applied in FP32 to the block's partial sums: acc += partial * scale. The NVFP4 per-expert FP32 global
-// multiplies the finished FP32 sum. This is FP32 accumulation of exact products; only the summation
+// 2^23 + (n ^ 8) by bit placement and one FADD subtracts 2^23 + 8; E4M3 codes (FP8 weight-only) become FP16
+// pairs in one cvt (SM89 on; bit placement and an FMUL before) and then FP32. Block scales (E4M3 per 16, E8M0 per 32, BF16 per 32) are
+// applied in FP32 to the block's partial sums: acc += partial * scale. The NVFP4 per-expert FP32 global (and
+// the FP8 weight-only per-expert FP32 scale) multiplies the finished FP32 sum. This is FP32 accumulation of exact products; only the summation
 // order differs from the float64 references (cudnn_moe.low_latency.reference).
 //
 // Rounding points (as the references state):
@@ -44,7 +45,8 @@
 //   combine        ordered separate FP32 multiply and add, rounded once to the output dtype
 //
 // Layouts (row-major, contiguous, 16-byte aligned rows; see cudnn_moe/low_latency/weights.py):
-//   w1 [E, N1p, H] (16-bit) or codes uint8 [E, N1p, H/2] + scales [E, N1p, H/block]; N1p = 2 Ip gated
+//   w1 [E, N1p, H] (16-bit, or E4M3 bytes for FP8 with an FP32 scale [E] as the global) or codes uint8
+//   [E, N1p, H/2] + scales [E, N1p, H/block]; N1p = 2 Ip gated
 //   ([up rows; gate rows], each half Ip rows) or Ip; w2 [E, H, Ip] or codes [E, H, Ip/2] + scales
 //   [E, H, Ip/block]; global float32 [E] (NVFP4). Tokens x [T, H] (16-bit) or NVFP4 codes [T, H/2] +
 //   E4M3 scales [T, H/16]. Routing: packed int32 [T, k] (id in bits 31..16, BF16 weight in 15..0) or
@@ -63,15 +65,20 @@ using namespace moe;
 namespace ll {
 
 constexpr bool W16 = LL_WEIGHTS == LL_WEIGHTS_BF16 || LL_WEIGHTS == LL_WEIGHTS_FP16;
-constexpr int WORDS = W16 ? 1 : 4;                                   // 8-value words per 16-byte chunk
+constexpr bool FP8W = LL_WEIGHTS == LL_WEIGHTS_FP8;                  // E4M3 codes, one FP32 scale per expert
+constexpr bool UNSCALED = W16 || FP8W;                               // no block scales along K
+constexpr bool HAS_GLOBAL = LL_WEIGHTS == LL_WEIGHTS_NVFP4 || FP8W;  // an FP32 factor per expert on the sums
+constexpr int WORDS = W16 ? 1 : FP8W ? 2 : 4;                        // 8-value words per 16-byte chunk
 constexpr int VALUES = 8 * WORDS;                                    // K values per 16-byte chunk
-constexpr int GROUP_WORDS = LL_WEIGHTS == LL_WEIGHTS_NVFP4 ? 2 : 4;  // words per scale block (4-bit)
-constexpr int GROUPS = W16 ? 1 : WORDS / GROUP_WORDS;                // scale blocks per chunk
+// Words per scale block (4-bit; the unscaled formats: the whole chunk), and scale blocks per chunk.
+constexpr int GROUP_WORDS = UNSCALED ? WORDS : LL_WEIGHTS == LL_WEIGHTS_NVFP4 ? 2 : 4;
+constexpr int GROUPS = WORDS / GROUP_WORDS;
 // Chunks per row in flight per lane: 4 for 16-bit weights (8 values a chunk), 2 for 4-bit ones (32 values),
 // one for 4-bit weights shared by 3 or 4 tokens, whose sums would push the registers past 128 (the budget
 // of two CTAs per SM).
 template <int NT>
-__host__ __device__ constexpr int chunks_in_flight() { return W16 ? 4 : (NT >= 4 ? 1 : 2); }
+// FP8 (16 values a chunk) keeps 4 chunks in flight, 2 from 4 tokens on.
+__host__ __device__ constexpr int chunks_in_flight() { return W16 ? 4 : FP8W ? (NT >= 4 ? 2 : 4) : (NT >= 4 ? 1 : 2); }
 constexpr int WARPS = LL_THREADS / 32;
 constexpr int MAX_TOKENS = 8;
 // The intermediate (and the preactivation rounding) is FP16 for FP16 inputs, BF16 otherwise.
@@ -118,6 +125,8 @@ __device__ __forceinline__ void decode_weight_word(const uint4& raw, int i, floa
   }
 #elif LL_WEIGHTS == LL_WEIGHTS_MXINT4
   decode_int4_word(word_of(raw, i), v);
+#elif LL_WEIGHTS == LL_WEIGHTS_FP8
+  decode_e4m3_word(word_of(raw, 2 * i), word_of(raw, 2 * i + 1), v);
 #else
   decode_e2m1_word(word_of(raw, i), v);
 #endif
@@ -148,7 +157,9 @@ __device__ __forceinline__ u32 load_scales(const u8* row, int c) {
 }
 
 // Bytes of one weight row of K values, and of its scale row.
-__device__ __forceinline__ i64 row_bytes(int k) { return W16 ? 2 * static_cast<i64>(k) : static_cast<i64>(k) / 2; }
+__device__ __forceinline__ i64 row_bytes(int k) {
+  return W16 ? 2 * static_cast<i64>(k) : FP8W ? static_cast<i64>(k) : static_cast<i64>(k) / 2;
+}
 __device__ __forceinline__ i64 scale_row_bytes(int k) {
   return LL_WEIGHTS == LL_WEIGHTS_NVFP4 ? k / 16 : LL_WEIGHTS == LL_WEIGHTS_MXFP4 ? k / 32 : LL_WEIGHTS == LL_WEIGHTS_MXINT4 ? k / 16 : 0;
 }
@@ -257,10 +268,10 @@ __device__ __forceinline__ void chunk_dot(const uint4 (&raw)[R], const u32 (&sra
 #pragma unroll
     for (int t = 0; t < NT; ++t)
 #pragma unroll
-      for (int r = 0; r < R; ++r) part[t][r] = W16 ? acc[t][r] : 0.0f;
+      for (int r = 0; r < R; ++r) part[t][r] = UNSCALED ? acc[t][r] : 0.0f;
 #pragma unroll
-    for (int w = 0; w < (W16 ? 1 : GROUP_WORDS); ++w) {
-      const int wi = g * GROUP_WORDS * (W16 ? 0 : 1) + w;
+    for (int w = 0; w < GROUP_WORDS; ++w) {
+      const int wi = g * GROUP_WORDS + w;
       float wv[R][8];
 #pragma unroll
       for (int r = 0; r < R; ++r) decode_weight_word(raw[r], wi, wv[r]);
@@ -278,7 +289,7 @@ __device__ __forceinline__ void chunk_dot(const uint4 (&raw)[R], const u32 (&sra
     for (int r = 0; r < R; ++r) {
       const float s = scale_value(sraw[r], g);
 #pragma unroll
-      for (int t = 0; t < NT; ++t) acc[t][r] = W16 ? part[t][r] : fmaf(part[t][r], s, acc[t][r]);
+      for (int t = 0; t < NT; ++t) acc[t][r] = UNSCALED ? part[t][r] : fmaf(part[t][r], s, acc[t][r]);
     }
   }
 }
@@ -345,7 +356,7 @@ __device__ __forceinline__ void prefetch_rows(const u8* w, const u8* w_scales, i
   for (int r = 0; r < rows; ++r) {
     const u8* row = w + (first_row + r) * stride;
     for (i64 off = 128 * static_cast<i64>(sub); off < head; off += 128 * static_cast<i64>(lpr)) prefetch_l2(row + off);
-    if (!W16 && sub == 0) prefetch_l2(w_scales + (first_row + r) * sbytes);
+    if (!UNSCALED && sub == 0) prefetch_l2(w_scales + (first_row + r) * sbytes);
   }
 }
 
@@ -399,14 +410,14 @@ __device__ __forceinline__ void gemm1_body(const Plan& plan, const Gemm1Args& a,
   float acc[NT][R];
   dot_rows<NT, R, LL_INPUT>(wrow, srow, nchunks, sub, lpr, a.x, a.x_scales, xoff, acc);
   if (f >= a.inter_padded) return;
-  const float global = LL_WEIGHTS == LL_WEIGHTS_NVFP4 ? a.w_global[e] : 1.0f;
+  const float global = HAS_GLOBAL ? a.w_global[e] : 1.0f;
 #pragma unroll
   for (int t = 0; t < NT; ++t) {
     if (t >= ntok) break;
     float h[R];
 #pragma unroll
     for (int r = 0; r < R; ++r) {
-      h[r] = LL_WEIGHTS == LL_WEIGHTS_NVFP4 ? acc[t][r] * global : acc[t][r];
+      h[r] = HAS_GLOBAL ? acc[t][r] * global : acc[t][r];
       if (LL_WEIGHTS != LL_WEIGHTS_MXINT4) h[r] = round_16(h[r], INTER_FP16);  // preactivation rounding
     }
     const float y = R == 2 ? act_gated_all(a.act, h[0], h[R - 1], a.alpha, a.beta, a.limit) : act_fn(a.act, h[0]);
@@ -470,13 +481,13 @@ __device__ __forceinline__ void gemm2_body(const Plan& plan, const Gemm2Args& a,
   dot_rows<NT, 2, INTER_INPUT>(wrow, srow, nchunks, sub, lpr, reinterpret_cast<const u8*>(a.inter), nullptr, xoff,
                                acc);
   if (f >= a.hidden) return;
-  const float global = LL_WEIGHTS == LL_WEIGHTS_NVFP4 ? a.w_global[e] : 1.0f;
+  const float global = HAS_GLOBAL ? a.w_global[e] : 1.0f;
   const bool fp16 = a.out_fp16 != 0;
 #pragma unroll
   for (int t = 0; t < NT; ++t) {
     if (t >= ntok) break;
-    const float v0 = LL_WEIGHTS == LL_WEIGHTS_NVFP4 ? acc[t][0] * global : acc[t][0];
-    const float v1 = LL_WEIGHTS == LL_WEIGHTS_NVFP4 ? acc[t][1] * global : acc[t][1];
+    const float v0 = HAS_GLOBAL ? acc[t][0] * global : acc[t][0];
+    const float v1 = HAS_GLOBAL ? acc[t][1] * global : acc[t][1];
     const u32 bits = static_cast<u32>(to_16(v0, fp16)) | (static_cast<u32>(to_16(v1, fp16)) << 16);
     const int token = plan.list[first + t] / a.top_k;
     for (int j = sub; j < a.top_k; j += lpr) {
@@ -551,16 +562,22 @@ __device__ __forceinline__ void combine_columns(const Plan& plan, const u16* row
 //                 ticket from counters[blockIdx.x] once its rows are written, and the last one combines
 //                 the column (combine_columns) and resets its counter to zero for the next call.
 //                 counters: int32 [gridDim.x], zero before the launch (and so after it).
+//   scores        float32 [T k] or null: when given (raw calls), slot s's route weight (packed: the BF16 value
+//                 widened) for every slot, routed or not.
 // H must be even. No atomics touch the data: the result is deterministic.
 extern "C" __global__ void __launch_bounds__(LL_THREADS, 2) ll_gemm2(
     const u16* __restrict__ inter, const void* __restrict__ ids, const void* __restrict__ weights, int routing,
     int id_bytes, int num_tokens, int top_k, int num_experts, const u8* __restrict__ w,
     const u8* __restrict__ w_scales, const float* __restrict__ w_global, int hidden, int inter_padded,
     int lanes_per_row, int rounds, int out_fp16, int finalize, u16* __restrict__ rows, u16* __restrict__ out,
-    int* __restrict__ counters) {
+    int* __restrict__ counters, float* __restrict__ scores) {
   moe::grid_dependency_begin();
   __shared__ Plan plan;
   __shared__ int last;
+  // The raw output's scores: slot blockIdx.y's route weight as the combine would read it (packed: its BF16
+  // value), written for every slot, unrouted ones included (NaN or Inf kept), by one thread of column 0.
+  if (scores != nullptr && blockIdx.x == 0 && threadIdx.x == 0)
+    scores[blockIdx.y] = load_route_weight(ids, weights, routing, static_cast<int>(blockIdx.y));
   prefetch_gemm2(load_expert(ids, routing, id_bytes, blockIdx.y, num_experts), 2 * feature_group(0, rounds, lanes_per_row),
                  w, w_scales, hidden, inter_padded, lanes_per_row);
   const int e = plan_expert(plan, ids, routing, id_bytes, num_tokens, top_k, num_experts);

@@ -27,6 +27,7 @@ def test_floors() -> None:
     assert bench.floor_us(QWEN3, 8, WeightFormat.MXFP4_WEIGHT_ONLY, 4.3) == pytest.approx(weights * 0.53125 / 4.3e6)
     assert bench.floor_us(QWEN3, 8, WeightFormat.MXINT4_WEIGHT_ONLY, 4.3) == pytest.approx(weights * 0.5625 / 4.3e6)
     assert bench.floor_us(DEEPSEEK, 8, WeightFormat.BF16, 4.3) == pytest.approx(8 * 3 * 7168 * 2048 * 2 / 4.3e6)
+    assert bench.floor_us(DEEPSEEK, 8, WeightFormat.FP8_WEIGHT_ONLY, 4.3) == pytest.approx(8 * 3 * 7168 * 2048 / 4.3e6)
     assert set(bench.BYTES_PER_WEIGHT) == set(WeightFormat)
 
 
@@ -40,6 +41,10 @@ def test_targets() -> None:
     assert bench.target(DEEPSEEK, 8, WeightFormat.FP16)[0] == "<= 1.1x floor"
     assert bench.target(QWEN3, 1, WeightFormat.BF16) is None
     assert bench.target(DEEPSEEK, 1, WeightFormat.NVFP4_W_NVFP4_A) is None
+    assert bench.target(DEEPSEEK, 8, WeightFormat.FP8_WEIGHT_ONLY)[0] == "<= 1.3x floor"
+    assert bench.target(DEEPSEEK, 1, WeightFormat.FP8_WEIGHT_ONLY)[0] == "<= 1.6x floor"
+    assert bench.target(QWEN3, 1, WeightFormat.FP8_WEIGHT_ONLY)[0] == "<= 20 us"
+    assert "fp8_weight_only" in bench.parse_args(["--formats", "fp8_weight_only"]).formats
 
 
 def test_arguments() -> None:

@@ -101,7 +101,7 @@ def low_latency_case(seed: int, fmt: str) -> Case:
         c1, s1 = quantize_nvfp4(w1.float())
         c2, s2 = quantize_nvfp4(w2.float())
         g1, g2 = (0.5 + torch.rand(E, device=DEV, generator=gen) for _ in range(2))
-        weights, inputs, routing = config.prepare_nvfp4_weight_only(c1, s1, g1, c2, s2, g2), x, _routing(gen)
+        weights, inputs, routing = config.prepare_nvfp4_weight_only_weights(c1, s1, g1, c2, s2, g2), x, _routing(gen)
 
     def call(out: torch.Tensor) -> None:
         low_latency_moe(config, inputs, weights, routing, activation=SwiGLU(), out=out)

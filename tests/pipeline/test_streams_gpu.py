@@ -68,7 +68,7 @@ def _low_latency(fmt: str) -> Callable[[torch.Generator], Callable[[int], Callab
             weights = config.prepare_bf16_weights(w1, w2)
         else:  # NVFP4 weight-only: the SM90 engine's pipeline on SM90
             (c1, s1), (c2, s2) = quantize_nvfp4(w1.float()), quantize_nvfp4(w2.float())
-            weights = config.prepare_nvfp4_weight_only(c1, s1, torch.ones(E, device=DEV), c2, s2,
+            weights = config.prepare_nvfp4_weight_only_weights(c1, s1, torch.ones(E, device=DEV), c2, s2,
                                                        torch.ones(E, device=DEV))
 
         def batch(tokens: int) -> Callable[[torch.Tensor], None]:

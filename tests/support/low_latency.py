@@ -33,7 +33,9 @@ FORMAT_CASES = [
     (WeightFormat.MXFP4_WEIGHT_ONLY, torch.float16),
     (WeightFormat.MXINT4_WEIGHT_ONLY, torch.bfloat16),
     (WeightFormat.MXINT4_WEIGHT_ONLY, torch.float16),
-    (WeightFormat.NVFP4_W_NVFP4_A, torch.bfloat16),
+    (WeightFormat.FP8_WEIGHT_ONLY, torch.bfloat16),
+    (WeightFormat.FP8_WEIGHT_ONLY, torch.float16),
+    (WeightFormat.NVFP4_W_NVFP4_A, torch.bfloat16),  # the pair stays last (tests index it as FORMAT_CASES[-1])
 ]
 
 DEV = torch.device("cuda")
@@ -54,6 +56,21 @@ def _shape(fmt: WeightFormat) -> tuple[int, int]:
 
 
 # ----------------------------------------------------------------------------- layers and inputs
+def fp8_codes(gen: torch.Generator, shape: tuple[int, ...]) -> torch.Tensor:
+    """float8_e4m3fn codes of N(0, 16^2) values (|code| up to 448: saturated), 3% replaced by random finite bytes
+    (subnormals, the extremes, both zeros): no NaN code (0x7F / 0xFF)."""
+    codes = (torch.randn(shape, generator=gen) * 16).clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8)
+    wild = torch.randint(0, 256, shape, generator=gen, dtype=torch.uint8)
+    wild = torch.where((wild & 0x7F) == 0x7F, wild - 1, wild)
+    pick = torch.rand(shape, generator=gen) < 0.03
+    return torch.where(pick, wild, codes).view(torch.float8_e4m3fn)
+
+
+def fp8_scales(gen: torch.Generator, experts: int, k: int) -> torch.Tensor:
+    """float32 [E] per-expert scales putting the N(0, 16^2) codes' dot products of length k near unit size."""
+    return (torch.rand(experts, generator=gen) * 0.5 + 0.75) / (16 * k**0.5)
+
+
 def _scales(fmt: WeightFormat, gen: torch.Generator, shape: tuple[int, ...]) -> torch.Tensor:
     if fmt is WeightFormat.NVFP4_WEIGHT_ONLY:
         s = (torch.rand(shape, generator=gen) * 0.05 + 0.005).to(torch.float8_e4m3fn)
@@ -80,6 +97,11 @@ def make_layer(fmt: WeightFormat, gated: bool, experts: int = E, shape: tuple[in
         method = {WeightFormat.BF16: config.prepare_bf16_weights, WeightFormat.FP16: config.prepare_fp16_weights,
                   WeightFormat.NVFP4_W_NVFP4_A: config.prepare_nvfp4_weights}[fmt]
         return config, method(w1, w2, activation=act)
+    if fmt is WeightFormat.FP8_WEIGHT_ONLY:
+        w1, w2 = fp8_codes(gen, (experts, n1, hidden)), fp8_codes(gen, (experts, hidden, inter))
+        s1, s2 = fp8_scales(gen, experts, hidden), fp8_scales(gen, experts, inter)
+        return config, config.prepare_fp8_weight_only_weights(w1.to(DEV), s1.to(DEV), w2.to(DEV), s2.to(DEV),
+                                                              activation=act)
     block = 16 if fmt is WeightFormat.NVFP4_WEIGHT_ONLY else 32
     c1 = torch.randint(0, 256, (experts, n1, hidden // 2), generator=gen, dtype=torch.uint8)
     s1 = _scales(fmt, gen, (experts, n1, hidden // block))
@@ -88,8 +110,8 @@ def make_layer(fmt: WeightFormat, gated: bool, experts: int = E, shape: tuple[in
     c1, s1, c2, s2 = (t.to(DEV) for t in (c1, s1, c2, s2))
     if fmt is WeightFormat.NVFP4_WEIGHT_ONLY:
         g1, g2 = ((torch.rand(experts, generator=gen) + 0.5).to(DEV) for _ in range(2))
-        return config, config.prepare_nvfp4_weight_only(c1, s1, g1, c2, s2, g2, activation=act)
-    method = config.prepare_mxfp4_weight_only if fmt is WeightFormat.MXFP4_WEIGHT_ONLY else config.prepare_mxint4_weight_only
+        return config, config.prepare_nvfp4_weight_only_weights(c1, s1, g1, c2, s2, g2, activation=act)
+    method = config.prepare_mxfp4_weight_only_weights if fmt is WeightFormat.MXFP4_WEIGHT_ONLY else config.prepare_mxint4_weight_only_weights
     return config, method(c1, s1, c2, s2, activation=act)
 
 

@@ -39,15 +39,16 @@ _WEIGHT_CODES = {
     WeightFormat.MXFP4_WEIGHT_ONLY: WeightCode.MXFP4,
     WeightFormat.MXINT4_WEIGHT_ONLY: WeightCode.MXINT4,
     WeightFormat.NVFP4_W_NVFP4_A: WeightCode.NVFP4,
+    WeightFormat.FP8_WEIGHT_ONLY: WeightCode.FP8,
 }
 _INPUT_CODES = {torch.bfloat16: InputCode.BF16, torch.float16: InputCode.FP16}
 
-# Every (weights, input) module a call can build: 16-bit weights take their own dtype, the 4-bit
+# Every (weights, input) module a call can build: 16-bit weights take their own dtype, the 4-bit and FP8
 # weight-only formats BF16 or FP16, the NVFP4 pair NVFP4 tokens.
 MODULE_VARIANTS: tuple[tuple[WeightCode, InputCode], ...] = (
     (WeightCode.BF16, InputCode.BF16),
     (WeightCode.FP16, InputCode.FP16),
-    *((w, i) for w in (WeightCode.NVFP4, WeightCode.MXFP4, WeightCode.MXINT4)
+    *((w, i) for w in (WeightCode.NVFP4, WeightCode.MXFP4, WeightCode.MXINT4, WeightCode.FP8)
       for i in (InputCode.BF16, InputCode.FP16)),
     (WeightCode.NVFP4, InputCode.NVFP4),
 )
@@ -71,6 +72,8 @@ def input_code(fmt: WeightFormat, x_dtype: torch.dtype | None) -> InputCode:
 
 def row_bytes(fmt: WeightFormat, k: int) -> int:
     """Bytes of one weight row of k values (codes only)."""
+    if fmt is WeightFormat.FP8_WEIGHT_ONLY:
+        return k
     return 2 * k if fmt in (WeightFormat.BF16, WeightFormat.FP16) else k // 2
 
 
@@ -109,10 +112,13 @@ def load_modules(fmt: WeightFormat, x_dtype: torch.dtype | None, device: int) ->
 
 def _payloads(weights: Any, second: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """(codes or dense weights, scales, FP32 globals) of GEMM1 (second=False) or GEMM2 of a low-latency record
-    (cudnn_moe.weights.low_latency: dense formats hold w1/w2, block-scaled ones codes and scales, NVFP4 globals too)."""
+    (cudnn_moe.weights.low_latency: dense formats hold w1/w2, block-scaled ones codes and scales, NVFP4 globals too,
+    FP8 weight-only E4M3 codes and a per-expert scale)."""
     gemm = "w2" if second else "w1"
     if weights.format in (WeightFormat.BF16, WeightFormat.FP16):
         return getattr(weights, gemm), None, None
+    if weights.format is WeightFormat.FP8_WEIGHT_ONLY:  # the per-expert FP32 scale goes where the global goes
+        return getattr(weights, f"{gemm}_codes"), None, getattr(weights, f"{gemm}_scale")
     return getattr(weights, f"{gemm}_codes"), getattr(weights, f"{gemm}_scales"), getattr(weights, f"{gemm}_global", None)
 
 
@@ -175,6 +181,7 @@ def gemm2(
     out: torch.Tensor | None,
     counters: torch.Tensor | None,
     sms: int = 132,
+    scores: torch.Tensor | None = None,
 ) -> None:
     """GEMM2 into rows [>= T k, H] (16-bit storage), then, when ``out`` is given, the finalize in the same launch.
 
@@ -182,6 +189,8 @@ def gemm2(
     out [T, H]: rows is a workspace; the last CTA of each feature column combines it into out (ordered FP32
     multiply then add over each token's routed slots) using counters (int32 [>= columns], all zero before the
     launch and left zero after it).
+    scores: float32 [>= T k] or None; when given, every slot's route weight as the combine reads it (packed:
+    the BF16 value), unrouted slots included (the raw output's scores).
     """
     fmt = weights.format
     w, w_scales, w_global = _payloads(weights, second=True)
@@ -200,7 +209,7 @@ def gemm2(
             np.int32(num_tokens), np.int32(top_k), np.int32(weights.num_experts), ptr(w, 16), ptr(w_scales),
             ptr(w_global), np.int32(weights.hidden_size), np.int32(weights.padded_intermediate), np.int32(lpr),
             np.int32(rounds), np.int32(out_fp16), np.int32(out is not None), ptr(rows, 16), ptr(out, 16),
-            ptr(counters, 4),
+            ptr(counters, 4), ptr(scores, 4),
         ),
         extra_options=options,
     )

@@ -58,6 +58,7 @@ DECODERS = (
     (LowLatencyWeightCode.NVFP4, LowLatencyInputCode.NVFP4),
     (LowLatencyWeightCode.MXFP4, LowLatencyInputCode.FP16),
     (LowLatencyWeightCode.MXINT4, LowLatencyInputCode.BF16),
+    (LowLatencyWeightCode.FP8, LowLatencyInputCode.FP16),
 )
 
 
@@ -185,7 +186,7 @@ def _cpu_layer(fmt: WeightFormat):
                                            torch.zeros(e, h, i, dtype=torch.bfloat16))
     if fmt is WeightFormat.NVFP4_W_NVFP4_A:
         return config.prepare_nvfp4_weights(torch.zeros(e, 2 * i, h), torch.zeros(e, h, i))
-    return config.prepare_mxint4_weight_only(torch.zeros(e, 2 * i, h // 2, dtype=torch.uint8),
+    return config.prepare_mxint4_weight_only_weights(torch.zeros(e, 2 * i, h // 2, dtype=torch.uint8),
                                             torch.zeros(e, 2 * i, h // 32, dtype=torch.bfloat16),
                                             torch.zeros(e, h, i // 2, dtype=torch.uint8),
                                             torch.zeros(e, h, i // 32, dtype=torch.bfloat16))
@@ -238,7 +239,7 @@ def test_wrappers_match_kernel_signatures(fmt: WeightFormat, monkeypatch: pytest
     assert (gemm1_args["act"], gemm1_args["alpha"], gemm1_args["beta"], gemm1_args["limit"]) == (10, 2.0, 0.5, 7.0)
     gemm2_names = ["inter", "ids", "weights", "routing", "id_bytes", "num_tokens", "top_k", "num_experts", "w",
                    "w_scales", "w_global", "hidden", "inter_padded", "lanes", "rounds", "out_fp16", "finalize", "rows",
-                   "out", "counters"]
+                   "out", "counters", "scores"]
     assert len(gemm2_names) == len(launches[1][3])
     gemm2_args = dict(zip(gemm2_names, launches[1][3]))
     assert (gemm2_args["finalize"], gemm2_args["out_fp16"], gemm2_args["lanes"], gemm2_args["rounds"]) == (1, 1, lpr2, rounds2)
@@ -317,17 +318,18 @@ def test_activation_math_matches_the_reference_activations(tmp_path: Path) -> No
 _DECODE_DRIVER = HOST_PRELUDE + r"""
 #include "low_latency/decode.cuh"
 
-// argv[1]: uint32 words; argv[2]: per word 8 E2M1 values then 8 INT4 values (float32); then for b = 0..255
-// the E8M0 and E4M3 values of b.
+// argv[1]: uint32 words; argv[2]: per word q 8 E2M1 values, 8 INT4 values, then the 8 E4M3 values of the
+// bytes of q and ~q (float32); then for b = 0..255 the E8M0 and E4M3 values of b.
 int main(int, char** argv) {
   FILE* in = std::fopen(argv[1], "rb");
   FILE* out = std::fopen(argv[2], "wb");
   unsigned int q;
   while (std::fread(&q, 4, 1, in) == 1) {
-    float v[16];
+    float v[24];
     ll::decode_e2m1_word(q, v);
     ll::decode_int4_word(q, v + 8);
-    std::fwrite(v, 4, 16, out);
+    ll::decode_e4m3_word(q, ~q, v + 16);
+    std::fwrite(v, 4, 24, out);
   }
   for (unsigned int b = 0; b < 256; ++b) {
     const float s[2] = {ll::e8m0_to_float(b), ll::e4m3_value(b)};
@@ -340,7 +342,8 @@ int main(int, char** argv) {
 
 @pytest.mark.skipif(CXX is None, reason="no C++ compiler")
 def test_decoders_match_the_codecs_for_every_code(tmp_path: Path) -> None:
-    """decode.cuh (the kernels' E2M1, INT4, E8M0 and E4M3 decoders), built for the host with the bf16x2 FMA
+    """decode.cuh (the kernels' E2M1, INT4, E8M0 and E4M3 decoders, the E4M3 word decoder of FP8 weights in
+    its SM80 / host form; SM89 on use the GPU's conversion instruction), built for the host with the bf16x2 FMA
     emulated: every code in every nibble position gives the value of cudnn_moe.formats (element 2i = low nibble
     of byte i), bit for bit, and every E8M0 / E4M3 byte the value torch gives (bits; NaN codes NaN)."""
     from cudnn_moe.formats import decode_e2m1
@@ -360,14 +363,19 @@ def test_decoders_match_the_codecs_for_every_code(tmp_path: Path) -> None:
     subprocess.run([str(program), str(tmp_path / "in.bin"), str(tmp_path / "out.bin")], check=True)
     raw = np.fromfile(tmp_path / "out.bin", dtype=np.float32)
     n = words.numel()
-    got = torch.from_numpy(raw[: 16 * n].reshape(n, 16).copy())
+    got = torch.from_numpy(raw[: 24 * n].reshape(n, 24).copy())
     as_bytes = torch.from_numpy(np.asarray(words.numpy(), dtype=np.uint32).view(np.uint8).reshape(n, 4).copy())
     codes = torch.stack((as_bytes & 0xF, as_bytes >> 4), dim=-1).reshape(n, 8)  # element 2i: low nibble of byte i
     want_fp4 = decode_e2m1(codes)
     assert torch.equal(got[:, :8].view(torch.int32), want_fp4.view(torch.int32)), "E2M1 decode differs (bits)"
     want_int4 = torch.where(codes >= 8, codes.long() - 16, codes.long()).float()
-    assert torch.equal(got[:, 8:], want_int4), "INT4 decode differs"
-    scales = torch.from_numpy(raw[16 * n :].copy()).view(256, 2)
+    assert torch.equal(got[:, 8:16], want_int4), "INT4 decode differs"
+    fp8_bytes = torch.cat((as_bytes, 255 - as_bytes), dim=1)  # the bytes of q, then of ~q: element j = byte j
+    want_fp8 = fp8_bytes.view(torch.float8_e4m3fn).float()
+    fin = want_fp8.isfinite()
+    assert torch.equal(got[:, 16:][fin].view(torch.int32), want_fp8[fin].view(torch.int32)), "E4M3 word decode differs"
+    assert bool(got[:, 16:][~fin].isnan().all())
+    scales = torch.from_numpy(raw[24 * n :].copy()).view(256, 2)
     byte = torch.arange(256, dtype=torch.uint8)
     torch.testing.assert_close(scales[:, 0], byte.view(torch.float8_e8m0fnu).float(), rtol=0, atol=0, equal_nan=True)
     assert scales[0, 0] == 2.0**-127 and scales[255, 0].isnan()
@@ -399,5 +407,13 @@ def test_call_checks_arguments_before_any_launch() -> None:
         low_latency_moe(config, x, weights, routing, finalize="yes")
     with pytest.raises(ValueError, match="max_num_tokens"):
         low_latency_moe(LowLatencyMoeConfig(1, arch="sm90"), x, weights, routing)
+    with pytest.raises(TypeError, match="return_scores"):
+        low_latency_moe(config, x, weights, routing, finalize=False, return_scores=1)
+    with pytest.raises(ValueError, match="return_scores=True needs finalize=False"):
+        low_latency_moe(config, x, weights, routing, return_scores=True)
+    with pytest.raises(ValueError, match="scores_out is given but return_scores is False"):
+        low_latency_moe(config, x, weights, routing, finalize=False, scores_out=torch.zeros(2, 2))
     with pytest.raises(ValueError, match="CUDA device"):
         low_latency_moe(config, x, weights, routing)
+    with pytest.raises(ValueError, match="CUDA device"):
+        low_latency_moe(config, x, weights, routing, finalize=False, return_scores=True)

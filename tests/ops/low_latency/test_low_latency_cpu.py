@@ -23,13 +23,14 @@ from cudnn_moe.low_latency import (
     reference_nvfp4_pair,
 )
 from cudnn_moe.routing import Routing, pack_routing
-from tests.support.low_latency import FORMAT_CASES  # (format, token dtype) pairs
+from tests.support.low_latency import FORMAT_CASES, fp8_codes, fp8_scales  # (format, token dtype) pairs
 
 E, H, I, IP = 3, 128, 96, 128  # I = 96 pads to 128
 PAIR_H, PAIR_I = 512, 128
 GRID = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=torch.float64)
 BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
 WEIGHT_ONLY = (WeightFormat.NVFP4_WEIGHT_ONLY, WeightFormat.MXFP4_WEIGHT_ONLY, WeightFormat.MXINT4_WEIGHT_ONLY)
+FP8_WO = WeightFormat.FP8_WEIGHT_ONLY
 ALL_ARCHS = ("sm90", "sm100", "sm103", "sm107", "sm120")
 
 
@@ -65,6 +66,9 @@ def _scales(fmt: WeightFormat, gen: torch.Generator, *shape: int) -> torch.Tenso
 def block_payloads(fmt: WeightFormat, gated: bool, seed: int = 0) -> tuple[torch.Tensor, ...]:
     """Random caller payloads in the prepare method's argument order."""
     gen = torch.Generator().manual_seed(seed)
+    n1 = (2 if gated else 1) * I
+    if fmt is FP8_WO:
+        return fp8_codes(gen, (E, n1, H)), fp8_scales(gen, E, H), fp8_codes(gen, (E, H, I)), fp8_scales(gen, E, I)
     block = 16 if fmt is WeightFormat.NVFP4_WEIGHT_ONLY else 32
     n1 = (2 if gated else 1) * I
     w1 = (_codes(gen, E, n1, H // 2), _scales(fmt, gen, E, n1, H // block))
@@ -78,10 +82,11 @@ def prepare(config: LowLatencyMoeConfig, fmt: WeightFormat, payloads: tuple, act
     method = {
         WeightFormat.BF16: config.prepare_bf16_weights,
         WeightFormat.FP16: config.prepare_fp16_weights,
-        WeightFormat.NVFP4_WEIGHT_ONLY: config.prepare_nvfp4_weight_only,
-        WeightFormat.MXFP4_WEIGHT_ONLY: config.prepare_mxfp4_weight_only,
-        WeightFormat.MXINT4_WEIGHT_ONLY: config.prepare_mxint4_weight_only,
+        WeightFormat.NVFP4_WEIGHT_ONLY: config.prepare_nvfp4_weight_only_weights,
+        WeightFormat.MXFP4_WEIGHT_ONLY: config.prepare_mxfp4_weight_only_weights,
+        WeightFormat.MXINT4_WEIGHT_ONLY: config.prepare_mxint4_weight_only_weights,
         WeightFormat.NVFP4_W_NVFP4_A: config.prepare_nvfp4_weights,
+        FP8_WO: config.prepare_fp8_weight_only_weights,
     }[fmt]
     return method(*payloads, activation=activation)
 
@@ -98,10 +103,23 @@ def plain_int4(codes: torch.Tensor) -> torch.Tensor:
     return torch.where(nib >= 8, nib - 16, nib).double()
 
 
+def plain_e4m3(codes: torch.Tensor) -> torch.Tensor:
+    """float8_e4m3fn -> float64 from the bit fields (sign 7, exponent 6..3 biased by 7, mantissa 2..0;
+    exponent 0 subnormal), without torch's FP8 conversion; NaN codes are not expected."""
+    b = codes.view(torch.uint8).long()
+    sign = torch.where(b >= 128, -1.0, 1.0).double()
+    exp, man = (b >> 3) & 0xF, (b & 7).double()
+    normal = (1 + man / 8) * torch.pow(2.0, (exp - 7).double())
+    return sign * torch.where(exp == 0, man / 8 * 2.0**-6, normal)
+
+
 def plain_decode(fmt: WeightFormat, payloads: tuple) -> tuple[torch.Tensor, torch.Tensor]:
     """Float64 (w1 [E, N1, H], w2 [E, H, I]) from the caller's payloads."""
     if fmt in (WeightFormat.BF16, WeightFormat.FP16):
         return payloads[0].double(), payloads[1].double()
+    if fmt is FP8_WO:
+        c1, s1, c2, s2 = payloads
+        return plain_e4m3(c1) * s1.double()[:, None, None], plain_e4m3(c2) * s2.double()[:, None, None]
     if fmt in (WeightFormat.NVFP4_WEIGHT_ONLY, WeightFormat.NVFP4_W_NVFP4_A):
         c1, s1, g1, c2, s2, g2 = payloads
         dec = [plain_fp4(c) * s.double().repeat_interleave(16, -1) * g.double()[:, None, None]
@@ -236,6 +254,33 @@ def test_prepare_weight_only_bit_exact_and_padded(fmt, gated):
     assert len(canonical) == len(payloads) and all(same_bits(c, p) for c, p in zip(canonical, payloads))
     again = prepare(LowLatencyMoeConfig(arch="sm90"), fmt, canonical, SwiGLU() if gated else SiLU())
     assert all(same_bits(a, b) for a, b in zip(again.canonical(), canonical))
+
+
+@pytest.mark.parametrize("gated", [True, False])
+def test_prepare_fp8_weight_only_bit_exact_and_padded(gated):
+    w1, s1, w2, s2 = payloads = block_payloads(FP8_WO, gated)
+    wts = prepare(LowLatencyMoeConfig(arch="sm90"), FP8_WO, payloads, SwiGLU() if gated else SiLU())
+    assert (wts.format, wts.hidden_size, wts.intermediate_size, wts.padded_intermediate, wts.gated) == (FP8_WO, H, I, IP, gated)
+    n1p = (2 if gated else 1) * IP
+    assert wts.w1_codes.shape == (E, n1p, H) and wts.w2_codes.shape == (E, H, IP)
+    assert wts.w1_codes.dtype == wts.w2_codes.dtype == torch.float8_e4m3fn
+    halves = w1.chunk(2, dim=1) if gated else (w1,)
+    for index, half in enumerate(halves):
+        assert same_bits(wts.w1_codes[:, index * IP : index * IP + I], half)
+        assert not bits(wts.w1_codes[:, index * IP + I : (index + 1) * IP]).any()  # +0 codes
+    assert same_bits(wts.w2_codes[..., :I], w2) and not bits(wts.w2_codes[..., I:]).any()
+    assert same_bits(wts.w1_scale, s1) and same_bits(wts.w2_scale, s2) and wts.w1_scale.data_ptr() != s1.data_ptr()
+    canonical = wts.canonical()
+    assert len(canonical) == 4 and all(same_bits(c, p) for c, p in zip(canonical, payloads))
+    assert (plain_e4m3(w1).abs() < 2.0**-6).any() and (plain_e4m3(w1).abs() == 448).any()  # subnormals, the max
+
+
+def test_plain_e4m3_decodes_every_finite_code():
+    """The test's own E4M3 table: every finite byte against torch's conversion."""
+    byte = torch.arange(256, dtype=torch.uint8)
+    finite = (byte & 0x7F) != 0x7F
+    codes = byte[finite].view(torch.float8_e4m3fn)
+    assert torch.equal(plain_e4m3(codes), codes.double())
 
 
 def test_prepare_nvfp4_pair_quantizes_per_expert():
@@ -432,6 +477,20 @@ BAD_INPUTS = [
     ("mxint4 scale dtype", _wo_bad(MXINT4, 3, torch.zeros(E, H, I // 32, dtype=torch.float16)), TypeError, "w2_scales must have dtype bfloat16"),
     ("mxint4 misaligned H", _wo_bad(MXINT4, 2, torch.zeros(E, H + 32, I // 2, dtype=torch.uint8)), ValueError, r"hidden size \(w2_codes.shape\[1\]\) must be a positive multiple of 128"),
     ("mxfp4 misaligned I", _wo_bad(MXFP4, 2, torch.zeros(E, H, 40 // 2, dtype=torch.uint8)), ValueError, r"intermediate size \(2 \* w2_codes.shape\[2\]\) must be a positive multiple of 32"),
+    ("fp8 wo w1 dtype", _wo_bad(FP8_WO, 0, torch.zeros(E, 2 * I, H, dtype=torch.uint8)), TypeError, "w1 must have dtype float8_e4m3fn"),
+    ("fp8 wo w2 bf16", _wo_bad(FP8_WO, 2, torch.zeros(E, H, I, dtype=torch.bfloat16)), TypeError, "w2 must have dtype float8_e4m3fn"),
+    ("fp8 wo w1 2-D", _wo_bad(FP8_WO, 0, torch.zeros(2 * I, H).to(torch.float8_e4m3fn)), ValueError, "w1 must have 3 dimensions"),
+    ("fp8 wo w1 rows", _wo_bad(FP8_WO, 0, torch.zeros(E, I, H).to(torch.float8_e4m3fn)), ValueError, "w1 must have 192 rows"),
+    ("fp8 wo w1 H", _wo_bad(FP8_WO, 0, torch.zeros(E, 2 * I, H + 128).to(torch.float8_e4m3fn)), ValueError, "w1 must be"),
+    ("fp8 wo misaligned H", _wo_bad(FP8_WO, 2, torch.zeros(E, H + 16, I).to(torch.float8_e4m3fn)), ValueError, r"hidden size \(w2.shape\[1\]\) must be a positive multiple of 128"),
+    ("fp8 wo misaligned I", _wo_bad(FP8_WO, 2, torch.zeros(E, H, 40).to(torch.float8_e4m3fn)), ValueError, r"intermediate size \(w2.shape\[2\]\) must be a positive multiple of 32"),
+    ("fp8 wo nan code", _wo_bad(FP8_WO, 2, torch.full((E, H, I), 0x7F, dtype=torch.uint8).view(torch.float8_e4m3fn)), ValueError, "w2 holds E4M3 NaN codes"),
+    ("fp8 wo scale dtype", _wo_bad(FP8_WO, 1, torch.ones(E, dtype=torch.float64)), TypeError, "w1_scale must have dtype float32"),
+    ("fp8 wo scale shape", _wo_bad(FP8_WO, 3, torch.ones(E, 1)), ValueError, "w2_scale must have 1 dimension"),
+    ("fp8 wo scale experts", _wo_bad(FP8_WO, 3, torch.ones(E + 1)), ValueError, "w2_scale must have shape"),
+    ("fp8 wo scale inf", _wo_bad(FP8_WO, 1, torch.tensor([1.0, float("inf"), 1.0])), ValueError, "w1_scale must be finite"),
+    ("fp8 wo scale zero", _wo_bad(FP8_WO, 3, torch.tensor([1.0, 0.0, 1.0])), ValueError, "w2_scale must be finite and positive"),
+    ("fp8 wo x fp32", _ref_bad(FP8_WO, x=torch.zeros(2, H)), TypeError, "x must have dtype"),
     ("pair H % 512", _pair_bad(hidden=256), ValueError, r"hidden size \(w2_bf16.shape\[1\]\) must be a positive multiple of 512"),
     ("pair I % 128", _pair_bad(inter=96), ValueError, r"intermediate size \(w2_bf16.shape\[2\]\) must be a positive multiple of 128"),
     ("pair int source", _pair_bad(w1_bf16=torch.zeros(E, 2 * PAIR_I, PAIR_H, dtype=torch.int32)), TypeError, "w1_bf16 must have dtype"),
@@ -478,3 +537,14 @@ def test_tensor_core_path_leaves_layers_past_the_sort_limit_to_the_cuda_cores() 
 
     assert engine(SORT_MAX_EXPERTS) == "sm90"
     assert engine(SORT_MAX_EXPERTS + 1) == "cuda_cores"
+
+
+@pytest.mark.parametrize("fmt", WEIGHT_ONLY)
+def test_short_prepare_names_are_aliases_of_the_contract_names(fmt):
+    """prepare_<fmt>_weight_only (the earlier names) give what prepare_<fmt>_weight_only_weights gives."""
+    config = LowLatencyMoeConfig(arch="sm90")
+    payloads = block_payloads(fmt, True)
+    short = getattr(config, f"prepare_{fmt.value}")(*payloads, activation=SwiGLU())
+    full = prepare(config, fmt, payloads)
+    assert type(short) is type(full) and short.format is full.format
+    assert all(same_bits(a, b) for a, b in zip(short.canonical(), full.canonical()))

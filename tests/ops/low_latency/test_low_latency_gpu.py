@@ -1,6 +1,6 @@
 """GPU tests of the low-latency MoE call (contract 004): ``low_latency_moe`` against the float64 references of
 cudnn_moe.low_latency.reference for every weight format, the ten activations, T = 1..8, packed and unpacked
-routing, BF16 and FP16 outputs, raw rows, unrouted slots with NaN scores (NVFP4 pair), duplicate experts,
+routing, BF16 and FP16 outputs, raw rows (and their scores), unrouted slots with NaN scores (NVFP4 pair), duplicate experts,
 CUDA-graph capture and replay, and bad inputs.
 
 Every output is pre-filled with NaN before the call, so a missing write never passes; the checks then compare
@@ -33,6 +33,7 @@ from cudnn_moe.activations import (
 from cudnn_moe.weights.nvfp4 import Nvfp4Activations
 from cudnn_moe.low_latency import (
     LowLatencyMoeConfig,
+    RawOutput,
     RawReference,
     WeightFormat,
     low_latency_moe,
@@ -123,6 +124,27 @@ def test_raw_rows(fmt, x_dtype):
 
 
 @pytest.mark.parametrize("fmt, x_dtype", FORMAT_CASES, ids=[_case_id(*c) for c in FORMAT_CASES])
+@pytest.mark.parametrize("kind", ROUTING_KINDS)
+def test_raw_rows_with_scores(fmt, x_dtype, kind):
+    """return_scores=True: the rows as above, and every slot's score as given (packed: its BF16 value), bit for
+    bit, written into a NaN-poisoned scores_out by the same call."""
+    config, weights = layer(fmt, True)
+    tokens, hidden = 5, weights.hidden_size
+    inputs = make_inputs(config, fmt, x_dtype, tokens, hidden, seed=8)
+    routing = make_routing(random_ids(tokens, TOP_K, E, 9), kind, 10)
+    out, scores = nan_out((tokens, TOP_K, hidden), torch.bfloat16), nan_out((tokens, TOP_K), torch.float32)
+    result = low_latency_moe(config, inputs, weights, routing, finalize=False, out=out, return_scores=True,
+                             scores_out=scores)
+    assert isinstance(result, RawOutput) and result.rows is out and result.scores is scores
+    want = reference_low_latency(inputs, weights, routing, SwiGLU(), finalize=False)
+    fresh = low_latency_moe(config, inputs, weights, routing, finalize=False, return_scores=True)
+    torch.cuda.synchronize()
+    assert_close_to_reference(out, want.rows, f"raw rows with scores {fmt.value} {kind}")
+    assert torch.equal(scores.cpu().view(torch.int32), want.scores.cpu().view(torch.int32)), f"scores differ ({kind})"
+    assert torch.equal(fresh.rows, out) and torch.equal(fresh.scores, scores)
+
+
+@pytest.mark.parametrize("fmt, x_dtype", FORMAT_CASES, ids=[_case_id(*c) for c in FORMAT_CASES])
 def test_duplicate_experts_and_shared_experts(fmt, x_dtype):
     """A token naming one expert twice, and all tokens naming one expert (8 tokens on one expert: the widest
     token loop), computed slot by slot as the reference does."""
@@ -168,8 +190,10 @@ def test_nvfp4_pair_unrouted_slots_with_nan_scores(kind, path, monkeypatch):
     assert not bool(out.isnan().any()), "a NaN score of an unrouted slot reached the output"
     assert bool((out[1] == 0).all()), "a token without routed slots must give zeros"
     raw = nan_out((tokens, TOP_K, weights.hidden_size), torch.bfloat16)
-    low_latency_moe(config, inputs, weights, routing, finalize=False, out=raw)
+    scores = low_latency_moe(config, inputs, weights, routing, finalize=False, out=raw, return_scores=True).scores
     torch.cuda.synchronize()
+    assert bool(scores[nan_at.to(DEV)].isnan().all()), "unrouted slots' NaN scores must come back unchanged"
+    assert not bool(scores[~nan_at.to(DEV)].isnan().any())
     unrouted = nan_at.to(DEV)
     assert bool((raw[unrouted].view(torch.int16) == 0).all()), "raw rows of unrouted slots must be +0"
     assert not bool(raw.isnan().any()), "raw rows left unwritten"
@@ -209,8 +233,10 @@ def test_model_row_lengths(fmt, shape):
 
 
 # ----------------------------------------------------------------------------- CUDA graphs
-@pytest.mark.parametrize("fmt, x_dtype", [FORMAT_CASES[0], FORMAT_CASES[3], FORMAT_CASES[-1]],
-                         ids=[_case_id(*c) for c in (FORMAT_CASES[0], FORMAT_CASES[3], FORMAT_CASES[-1])])
+GRAPH_CASES = [FORMAT_CASES[0], FORMAT_CASES[3], (WeightFormat.FP8_WEIGHT_ONLY, torch.bfloat16), FORMAT_CASES[-1]]
+
+
+@pytest.mark.parametrize("fmt, x_dtype", GRAPH_CASES, ids=[_case_id(*c) for c in GRAPH_CASES])
 @pytest.mark.parametrize("finalize", (True, False))
 def test_cuda_graph_replay_equals_eager(fmt, x_dtype, finalize):
     """One call captured in a CUDA graph, replayed after the inputs and routing change in place, equals an eager
@@ -222,15 +248,20 @@ def test_cuda_graph_replay_equals_eager(fmt, x_dtype, finalize):
     routing = make_routing(ids, "packed")
     shape = (tokens, hidden) if finalize else (tokens, TOP_K, hidden)
     captured = nan_out(shape, torch.bfloat16)
+    captured_scores, eager_scores = nan_out((tokens, TOP_K), torch.float32), nan_out((tokens, TOP_K), torch.float32)
 
-    def call(out: torch.Tensor) -> None:
-        low_latency_moe(config, inputs, weights, routing, finalize=finalize, out=out)
+    def call(out: torch.Tensor, scores: torch.Tensor) -> None:
+        if finalize:
+            low_latency_moe(config, inputs, weights, routing, out=out)
+        else:  # the raw rows with their scores
+            low_latency_moe(config, inputs, weights, routing, finalize=False, out=out, return_scores=True,
+                            scores_out=scores)
 
-    call(captured)  # warm-up: kernels and workspace
+    call(captured, captured_scores)  # warm-up: kernels and workspace
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        call(captured)
+        call(captured, captured_scores)
     new_inputs = make_inputs(config, fmt, x_dtype, tokens, hidden, seed=2)
     if isinstance(inputs, Nvfp4Activations):
         inputs.packed.copy_(new_inputs.packed)
@@ -239,10 +270,15 @@ def test_cuda_graph_replay_equals_eager(fmt, x_dtype, finalize):
         inputs.copy_(new_inputs)
     routing.packed_tensor.copy_(make_routing(random_ids(tokens, TOP_K, E, 2), "packed").packed_tensor)
     captured.fill_(math.nan)
+    captured_scores.fill_(math.nan)
     graph.replay()
     eager = nan_out(shape, torch.bfloat16)
-    call(eager)
+    call(eager, eager_scores)
     torch.cuda.synchronize()
+    if not finalize:
+        want_scores = reference_low_latency(inputs, weights, routing, SwiGLU(), finalize=False).scores
+        assert torch.equal(captured_scores.view(torch.int32), eager_scores.view(torch.int32))
+        assert torch.equal(captured_scores.view(torch.int32), want_scores.view(torch.int32)), "replayed scores"
     assert not bool(captured.isnan().any()), "the replay left outputs unwritten"
     same = captured.view(torch.int16) == eager.view(torch.int16)
     assert bool(same.all()), f"replay differs from eager at {int((~same).sum())} of {same.numel()} elements"
