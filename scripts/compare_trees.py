@@ -81,6 +81,11 @@ def _aligned(results: dict) -> None:
             results[f"aligned {label} M{m}"] = _bits(out)
 
 
+def _prepare(config: object, fmt: str):
+    """config's weight-only prepare of ``fmt``: the contract's name, or the earlier short one (older trees)."""
+    return getattr(config, f"prepare_{fmt}_weight_only_weights", None) or getattr(config, f"prepare_{fmt}_weight_only")
+
+
 def _low_latency(results: dict) -> None:
     import torch
 
@@ -102,10 +107,10 @@ def _low_latency(results: dict) -> None:
     layers = {
         "bf16": (config.prepare_bf16_weights(w1, w2), torch.bfloat16),
         "fp16": (config.prepare_fp16_weights(w1.half(), w2.half()), torch.float16),
-        "nvfp4 weight-only": (config.prepare_nvfp4_weight_only_weights(c1, s1, g1, c2, s2, g2), torch.bfloat16),
-        "nvfp4 weight-only fp16": (config.prepare_nvfp4_weight_only_weights(c1, s1, g1, c2, s2, g2), torch.float16),
-        "mxfp4": (config.prepare_mxfp4_weight_only_weights(m1, ms1, m2, ms2), torch.bfloat16),
-        "mxint4": (config.prepare_mxint4_weight_only_weights(n1, ns1, n2, ns2), torch.bfloat16),
+        "nvfp4 weight-only": (_prepare(config, "nvfp4")(c1, s1, g1, c2, s2, g2), torch.bfloat16),
+        "nvfp4 weight-only fp16": (_prepare(config, "nvfp4")(c1, s1, g1, c2, s2, g2), torch.float16),
+        "mxfp4": (_prepare(config, "mxfp4")(m1, ms1, m2, ms2), torch.bfloat16),
+        "mxint4": (_prepare(config, "mxint4")(n1, ns1, n2, ns2), torch.bfloat16),
         "nvfp4 pair": (config.prepare_nvfp4_weights(w1, w2), None),
     }
     for t in (1, 2, 5, 8):
@@ -181,7 +186,7 @@ def _memory() -> dict:
     ll = cm.LowLatencyMoeConfig(max_num_tokens=8)
     c1, s1, c2, s2 = a1, a1s, a2, a2s  # the same canonical NVFP4 payloads
     g1, g2 = torch.ones(e, device="cuda"), torch.ones(e, device="cuda")
-    weights, base, prepared = held(lambda: ll.prepare_nvfp4_weight_only_weights(c1, s1, g1, c2, s2, g2))
+    weights, base, prepared = held(lambda: _prepare(ll, "nvfp4")(c1, s1, g1, c2, s2, g2))
     cm.low_latency_moe(ll, x.to(torch.bfloat16), weights, routing)
     torch.cuda.synchronize()
     report["low_latency_moe nvfp4 weight-only"] = (prepared, torch.cuda.memory_allocated() - base)
