@@ -129,15 +129,6 @@ def fake_op(monkeypatch):
     return fake_fused_moe
 
 
-@pytest.fixture
-def group(tmp_path):
-    if not (dist.is_available() and dist.is_gloo_available()):
-        pytest.skip("torch.distributed with gloo is not available")
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
-    yield dist.group.WORLD
-    dist.destroy_process_group()
-
-
 @pytest.mark.parametrize("reduce_dtype", [torch.float32, torch.bfloat16])
 def test_single_rank_padding_and_slicing(group, fake_op, reduce_dtype):
     experts, top_k, tmax = 8, 2, 16
