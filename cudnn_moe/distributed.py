@@ -33,6 +33,7 @@ all_to_all (each token travels only to the ranks that hold at least one of its e
 4. a second ``all_to_all_single`` sends the partial rows back to the ranks they came from, in the
    same places; the source gathers, for each token and each rank, the row it sent there (a token that
    was not sent to a rank reads a zero row: padding rows are never read), sums them and writes [T, H].
+   The source keeps each token's send rows from step 1, so no token index travels with the rows.
 
 Rounding: each rank's partial is ``fused_moe``'s finalize of its own slots of a token (FP32 sum in
 slot order, rounded once to BF16). all_gather: the cross-rank sum runs in ``reduce_dtype``: float32
