@@ -90,6 +90,15 @@ def require_int_arg(name: str, value: object, minimum: int | None = None, maximu
     return value
 
 
+def require_choice(name: str, value: object, choices: tuple[str, ...]) -> str:
+    """Check that ``value`` is one of the str ``choices`` (TypeError for a non-str, ValueError otherwise)."""
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be a str, one of {', '.join(map(repr, choices))}; got {type(value).__name__}")
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}, got {value!r}")
+    return value
+
+
 def require_finite_scalar(name: str, value: object, *, positive: bool = False) -> float:
     """Check a finite number (int, float, or a one-element floating tensor; not bool); return it as float.
 

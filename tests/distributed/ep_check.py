@@ -1,18 +1,23 @@
-"""Expert parallelism on several GPUs: ExpertParallelMoe against single-GPU fused_moe on the full weights.
+"""Expert parallelism on several GPUs: ExpertParallelMoe (both dispatches) against single-GPU fused_moe on the
+full weights.
 
-Run with one process per GPU (not collected by pytest):
+Run with one process per GPU (tests/distributed/test_ep_gpu.py runs it under pytest where two GPUs are present):
 
     torchrun --nproc-per-node 2 tests/distributed/ep_check.py [--random-cases 10] [--seed 0]
+        [--dispatch all_gather all_to_all]
 
 Every rank draws the full BF16 weights of a case from one seed on its GPU, prepares them whole (the
 single-GPU baseline) and its own shard (``shard_weights``), draws its own tokens (T differs per rank,
-0 on some), runs the EP layer and compares its rows with ``fused_moe`` on the full weights on the
-same GPU: tests.support.moe_checks.check_close (no NaN, rows zero in the baseline zero, relative L2 <= 2% per row
+0 on some), runs the EP layer of each dispatch and compares its rows with ``fused_moe`` on the full
+weights on the same GPU: tests.support.moe_checks.check_close (no NaN, rows zero in the baseline zero, relative L2 <= 2% per row
 and <= 0.5% overall; EP rounds each rank's partial to BF16 before the FP32 cross-rank sum, so it
-matches to BF16 noise, not bitwise). Then the whole EP call is captured in a torch.cuda.CUDAGraph and
+matches to BF16 noise, not bitwise); an all-to-all layer's per-peer counts (``sent_counts``) must match
+the counts of this rank's routing. Then the whole EP call is captured in a torch.cuda.CUDAGraph and
 replayed: bitwise equal to the eager call, also after new inputs are written into the captured
-tensors. A bare NCCL all-gather + reduce-scatter capture is probed first: if NCCL itself cannot be
-captured here, the graph checks are reported XFAIL with its error, otherwise a capture failure fails.
+tensors. A bare NCCL all-gather + reduce-scatter + all-to-all capture is probed first: if NCCL itself
+cannot be captured here, the graph checks are reported XFAIL with its error, otherwise a capture
+failure fails. The all-to-all layer combines in FP32 whatever the case's reduce_dtype (that is an
+all-gather option).
 
 Rank 0 prints one line per case (results of all ranks) and "N passed, M failed"; the exit code is 1
 on any failure. Keep NCCL_NVLS_ENABLE=0 where the machine asks for it (set here if unset).
@@ -23,6 +28,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
+import itertools
 import os
 import sys
 import traceback
@@ -37,9 +43,10 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(REPO)]  # cudnn_moe and the tests package
 
 from cudnn_moe import (  # noqa: E402
-    GELU, ExpertParallelMoe, Nvfp4MoeConfig, Routing, SwiGLU, fused_moe, pack_routing, shard_weights,
+    GELU, ExpertParallelMoe, Nvfp4MoeConfig, Routing, SwiGLU, expert_shard, fused_moe, pack_routing, shard_weights,
 )
 from cudnn_moe.activations import Activation  # noqa: E402
+from cudnn_moe.distributed import DISPATCHES  # noqa: E402
 from tests.support.moe_checks import check_close  # noqa: E402
 
 
@@ -124,28 +131,33 @@ def errors(got: torch.Tensor, ref: torch.Tensor) -> str:
 
 
 def probe_nccl_capture(group: dist.ProcessGroup | None) -> str | None:
-    """None when a bare all-gather + reduce-scatter captures in a CUDA graph and replays correctly, else why not."""
+    """None when a bare all-gather + reduce-scatter + all-to-all captures in a CUDA graph and replays correctly,
+    else why not."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     src = torch.full((4,), float(rank + 1), device="cuda")
     gathered, reduced = torch.zeros(4 * world, device="cuda"), torch.zeros(4, device="cuda")
+    exchanged = torch.zeros(4 * world, device="cuda")
     dist.all_gather_into_tensor(gathered, src, group=group)  # the communicator exists before capture
     torch.cuda.synchronize()
 
     def collectives() -> None:
         dist.all_gather_into_tensor(gathered, src, group=group)
         dist.reduce_scatter_tensor(reduced, gathered, group=group)
+        dist.all_to_all_single(exchanged, gathered, group=group)  # rank r gets every rank's copy of its own value
 
     try:
         graph = capture(collectives)
-        gathered.zero_()
-        reduced.zero_()
+        for t in (gathered, reduced, exchanged):
+            t.zero_()
         graph.replay()
         torch.cuda.synchronize()
     except Exception as exc:  # noqa: BLE001 - reported as the reason the graph checks are XFAIL
         return f"{type(exc).__name__}: {exc}".splitlines()[0]
     want = torch.arange(1, world + 1, device="cuda", dtype=torch.float32).repeat_interleave(4)
-    if not (torch.equal(gathered, want) and torch.equal(reduced, torch.full_like(reduced, world * (rank + 1.0)))):
-        return f"captured collectives replayed wrong values: gathered {gathered.tolist()}, reduced {reduced.tolist()}"
+    if not (torch.equal(gathered, want) and torch.equal(reduced, torch.full_like(reduced, world * (rank + 1.0)))
+            and torch.equal(exchanged, torch.full_like(exchanged, rank + 1.0))):
+        return (f"captured collectives replayed wrong values: gathered {gathered.tolist()}, reduced {reduced.tolist()}, "
+                f"exchanged {exchanged.tolist()}")
     return None
 
 
@@ -167,8 +179,9 @@ def capture(fn: Callable[[], object]) -> torch.cuda.CUDAGraph:
     return graph
 
 
-def run_case(case: Case, rank: int, world: int, nccl_capture_error: str | None) -> tuple[list[str], list[str]]:
-    """(failures, notes) of one case on this rank."""
+def run_case(case: Case, rank: int, world: int, nccl_capture_error: str | None,
+             dispatch: str) -> tuple[list[str], list[str]]:
+    """(failures, notes) of one case on this rank, for one dispatch."""
     failures, notes = [], []
     act = case.activation
     gen = torch.Generator(device="cuda").manual_seed(case.seed)
@@ -183,7 +196,8 @@ def run_case(case: Case, rank: int, world: int, nccl_capture_error: str | None) 
     del w1, w2
     layer = ExpertParallelMoe(ep_config, shard, num_experts=case.experts, top_k=case.top_k,
                               max_tokens_per_rank=case.max_tokens_per_rank, activation=act,
-                              reduce_dtype=case.reduce_dtype)
+                              reduce_dtype=case.reduce_dtype if dispatch == "all_gather" else torch.float32,
+                              dispatch=dispatch)
     layer.warmup()
 
     x, ids, route_weights = tokens_of(case, rank, 0)
@@ -195,6 +209,11 @@ def run_case(case: Case, rank: int, world: int, nccl_capture_error: str | None) 
         notes.append(f"eager {errors(got, ref)}")
     except AssertionError as exc:
         failures.append(f"eager vs 1-GPU: {exc}")
+    if dispatch == "all_to_all":
+        bounds = [expert_shard(case.experts, world_size=world, rank=r)[0] for r in range(world)] + [case.experts]
+        want = [int(((ids >= bounds[p]) & (ids < bounds[p + 1])).any(dim=1).sum()) for p in range(world)]
+        if layer.sent_counts.tolist() != want:
+            failures.append(f"sent_counts {layer.sent_counts.tolist()}, want {want}")
 
     if nccl_capture_error is not None:
         notes.append(f"graph XFAIL (bare NCCL capture fails: {nccl_capture_error})")
@@ -234,6 +253,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--random-cases", type=int, default=10, help="random cases after the fixed ones")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dispatch", nargs="+", choices=DISPATCHES, default=list(DISPATCHES),
+                        help="the dispatches to check (default: both)")
     args = parser.parse_args()
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -248,9 +269,9 @@ def main() -> int:
               f"bare NCCL graph capture: {'works' if nccl_capture_error is None else nccl_capture_error}", flush=True)
     cases = fixed_cases(world) + random_cases(args.random_cases, world, args.seed)
     passed = failed = 0
-    for i, case in enumerate(cases):
+    for i, (case, dispatch) in enumerate(itertools.product(cases, args.dispatch)):
         try:
-            failures, notes = run_case(case, rank, world, nccl_capture_error)
+            failures, notes = run_case(case, rank, world, nccl_capture_error, dispatch)
         except Exception:  # noqa: BLE001 - one broken case is reported, the rest still run
             failures, notes = [traceback.format_exc().strip().splitlines()[-1]], []
             traceback.print_exc()
@@ -260,7 +281,7 @@ def main() -> int:
         passed, failed = passed + ok, failed + (not ok)
         if rank == 0:
             detail = "; ".join(f"rank {r}: " + ", ".join(f or n) for r, (f, n) in enumerate(results))
-            print(f"case {i}: {case.describe()}: {'PASS' if ok else 'FAIL'} ({detail})", flush=True)
+            print(f"case {i}: {dispatch} {case.describe()}: {'PASS' if ok else 'FAIL'} ({detail})", flush=True)
         gc.collect()
         torch.cuda.empty_cache()
     if rank == 0:

@@ -129,15 +129,6 @@ def fake_op(monkeypatch):
     return fake_fused_moe
 
 
-@pytest.fixture
-def group(tmp_path):
-    if not (dist.is_available() and dist.is_gloo_available()):
-        pytest.skip("torch.distributed with gloo is not available")
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
-    yield dist.group.WORLD
-    dist.destroy_process_group()
-
-
 @pytest.mark.parametrize("reduce_dtype", [torch.float32, torch.bfloat16])
 def test_single_rank_padding_and_slicing(group, fake_op, reduce_dtype):
     experts, top_k, tmax = 8, 2, 16
@@ -298,3 +289,17 @@ def test_bench_ep_helpers():
     model = bench_ep.MODELS["deepseek-v3"]
     assert [bench_ep.shard_range(model, r, 2) for r in range(2)] == ["0..127", "128..255"]
     assert bench_ep.rel_errors(torch.ones(2, 4), torch.ones(2, 4)) == "0.0e+00 / 0.0e+00"
+    traffic = bench_ep.parse_args(["--traffic", "--worlds", "2", "8"])
+    assert traffic.traffic and traffic.worlds == [2, 8] and not args.traffic and args.worlds == [2, 4, 8]
+    # W=8, T=64: 7 x 64 records of 4096 B out in both; back 7 x 64 rows of 7168 x 4 B (FP32 reduce) or x 2 B (BF16).
+    row = bench_ep.traffic_table(model, [8], [64])[2].split(" | ")
+    assert row[2:5] == [f"{7 * 64 * (4096 + 7168 * 4) / 1e6:,.3f}", f"{7 * 64 * (4096 + 7168 * 2) / 1e6:,.3f}", "0.56"]
+
+
+def test_readme_traffic_table_is_the_model():
+    """The README's bytes-moved table is what benchmarks/bench_ep.py --traffic prints for its defaults."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import bench_ep
+
+    readme = (REPO / "README.md").read_text()
+    assert "\n".join(bench_ep.traffic_table(bench_ep.MODELS["deepseek-v3"], [2, 4, 8], [1, 64, 4096])) in readme
