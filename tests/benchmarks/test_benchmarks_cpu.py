@@ -165,7 +165,7 @@ class _FakeExecutor:
         return SimpleNamespace(rows=rows, gemm1=gemm[0], gemm2=gemm[1])
 
     def stages(self, bucket: SimpleNamespace) -> list[tuple[str, object]]:
-        return [(name, lambda: None) for name in bench_stages.STAGES]
+        return [(name, lambda: None) for name in ("sort+permute", "gemm1", "activation", "gemm2")]  # a decode chain
 
 
 @pytest.fixture
@@ -210,9 +210,10 @@ def test_bench_stages_table_with_fake_cuda(fake_cuda: None, tmp_path: Path) -> N
     assert bench_stages.main(["--models", "tiny", "--tokens", "2", "--engines", "cudnn", "--iters", "1",
                               "--markdown", str(md)]) == 0
     lines = md.read_text().splitlines()
-    assert lines[4] == ("| model | T | engine | sort | permute | gemm1 | activation | gemm2 | sum of stages | "
-                        "whole call |")
-    assert lines[6] == "| Tiny | 2 | cudnn | 10.0 | 10.0 | 10.0 | 10.0 | 10.0 | 50.0 | 10.0 |"
+    assert lines[4] == ("| model | T | engine | sort | permute | sort+permute | gemm1 | activation | gemm2 | "
+                        "sum of stages | launches | whole call |")
+    # stages the chain lacks are "-"; launches = the chain's 4 + the op's stage and finalize
+    assert lines[6] == "| Tiny | 2 | cudnn | - | - | 10.0 | 10.0 | 10.0 | 10.0 | 40.0 | 6 | 10.0 |"
 
 
 def test_bf16_peer_falls_back_to_eager_and_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
