@@ -2,7 +2,8 @@
 
 Per model, token count and engine: the GPU time of each bucket-static stage of the executor (sort,
 permute or the two in one launch, GEMM1, activation, GEMM2), each captured alone in a CUDA graph, their
-sum, the launches of one call, and the whole call (stage + those + finalize) captured in one graph. Every time is the median of
+sum, the launches of one call, the whole call (stage + those + finalize) captured in one graph, and the GB/s
+each GEMM streams (NVFP4 bytes of the touched experts / its time). Every time is the median of
 CUDA-event-timed replays with L2 flushed before each (common.py). Host time per call: bench_moe.py.
 Usage: python benchmarks/bench_stages.py --help
 """
@@ -18,6 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import (  # noqa: E402
+    FP4_BYTES_PER_WEIGHT,
     ModelShape,
     Report,
     Timer,
@@ -49,7 +51,8 @@ def stage_times(
     batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor], timer: Timer,
 ) -> list[float | int | None]:
     """GPU us of each of STAGES (captured alone, on the buffers the call staged; None where the chain lacks it),
-    their sum, the launches of the whole call (its stages plus the op's stage and finish) and its time."""
+    their sum, the launches of the whole call (its stages plus the op's stage and finish), its time, and the GB/s
+    each GEMM streams (NVFP4 bytes of the experts the batch touches / its time)."""
     call = moe_call(config, weights, *batch)
     whole = timer.median_us(capture(call).replay)
     executor = executor_for(m, config, weights)
@@ -58,7 +61,10 @@ def stage_times(
     if unknown:
         raise RuntimeError(f"the executor's stages hold {unknown}; this script tabulates {STAGES}")
     times = {name: timer.median_us(capture(launch).replay) for name, launch in stages}
-    return [*(times.get(name) for name in STAGES), sum(times.values()), len(stages) + 2, whole]
+    touched = int(torch.unique(batch[1]).numel())
+    gemm1_bytes = touched * 2 * m.intermediate * m.hidden * FP4_BYTES_PER_WEIGHT
+    rates = [gemm1_bytes / 2 / times["gemm2"] / 1e3, gemm1_bytes / times["gemm1"] / 1e3]  # bytes / us / 1e3 = GB/s
+    return [*(times.get(name) for name in STAGES), sum(times.values()), len(stages) + 2, whole, rates[1], rates[0]]
 
 
 def bench_model(args: argparse.Namespace, report: Report, m: ModelShape, gen: torch.Generator, timer: Timer) -> None:
@@ -72,7 +78,7 @@ def bench_model(args: argparse.Namespace, report: Report, m: ModelShape, gen: to
                 report, args.skip_slow_cudnn, m, tokens, engine, prepared,
                 lambda config, weights: stage_times(m, config, weights, batch, timer),  # noqa: B023
             )
-            cells = [result] * (len(STAGES) + 3) if isinstance(result, str) else [
+            cells = [result] * (len(STAGES) + 5) if isinstance(result, str) else [
                 "-" if t is None else str(t) if isinstance(t, int) else fmt(t) for t in result]
             report.emit(md_row([m.name, str(tokens), engine, *cells]))
 
@@ -87,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     report.emit(f"GPU us per stage, each captured alone in a CUDA graph, and of the whole call captured in one "
                 f"graph; median of {args.iters} CUDA-event-timed replays, 256 MiB L2 flush before each.")
     report.emit()
-    report.table(["model", "T", "engine", *STAGES, "sum of stages", "launches", "whole call"], left=3)
+    report.table(["model", "T", "engine", *STAGES, "sum of stages", "launches", "whole call", "GEMM1 GB/s",
+                  "GEMM2 GB/s"], left=3)
     run_models(args, lambda m, gen, timer: bench_model(args, report, m, gen, timer))
     report.write(args.markdown)
     return 0

@@ -211,9 +211,13 @@ def test_bench_stages_table_with_fake_cuda(fake_cuda: None, tmp_path: Path) -> N
                               "--markdown", str(md)]) == 0
     lines = md.read_text().splitlines()
     assert lines[4] == ("| model | T | engine | sort | permute | sort+permute | gemm1 | activation | gemm2 | "
-                        "sum of stages | launches | whole call |")
-    # stages the chain lacks are "-"; launches = the chain's 4 + the op's stage and finalize
-    assert lines[6] == "| Tiny | 2 | cudnn | - | - | 10.0 | 10.0 | 10.0 | 10.0 | 40.0 | 6 | 10.0 |"
+                        "sum of stages | launches | whole call | GEMM1 GB/s | GEMM2 GB/s |")
+    # stages the chain lacks are "-"; launches = the chain's 4 + the op's stage and finalize; GB/s = the touched
+    # experts' NVFP4 bytes of each GEMM over its 10 us
+    cells = lines[6].strip("| ").split(" | ")
+    assert cells[:12] == ["Tiny", "2", "cudnn", "-", "-", "10.0", "10.0", "10.0", "10.0", "40.0", "6", "10.0"]
+    per_expert = TINY.hidden * TINY.intermediate * common.FP4_BYTES_PER_WEIGHT / 10 / 1e3  # GEMM2, one expert
+    assert (cells[12], cells[13]) in [(common.fmt(2 * t * per_expert), common.fmt(t * per_expert)) for t in (2, 3, 4)]
 
 
 def test_bf16_peer_falls_back_to_eager_and_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
