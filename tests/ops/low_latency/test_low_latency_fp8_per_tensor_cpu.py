@@ -33,9 +33,8 @@ from cudnn_moe.low_latency import (
     reference_low_latency,
 )
 from cudnn_moe.routing import Routing, pack_routing
-from tests.support.kernel_sources import HOST_PRELUDE
-
 from tests.ops.low_latency.test_low_latency_cpu import plain_e4m3
+from tests.support.kernel_sources import HOST_PRELUDE
 
 CXX = shutil.which("c++") or shutil.which("g++")
 
@@ -115,7 +114,7 @@ def test_prepare_layout_and_bit_exact_quantization(gated):
     dec = plain_e4m3(wts.canonical()[0]) * wts.w1_scale.double()[:, None, None]
     assert float((dec - w1.double()).norm() / w1.double().norm()) < 0.05
     # calibration scales, multipliers and factors: FP32 operations on the FP32 values
-    f32 = lambda v: torch.tensor(v, dtype=torch.float32)  # noqa: E731
+    f32 = lambda v: torch.tensor(v, dtype=torch.float32)
     assert wts.input_scale == float(f32(IN_SCALE)) and wts.intermediate_scale == float(f32(MID_SCALE))
     assert wts.input_multiplier == float(f32(1.0) / f32(IN_SCALE))
     assert wts.inter_multiplier.dtype == torch.float32 and wts.inter_multiplier.shape == (1,)
@@ -149,7 +148,7 @@ def plain_moe(x_codes, wts_payload, ids, route_w, act):
     """Per token and slot, from the codes, the test's own E4M3 decode and rounding, and FP32 factors made here."""
     w1c, s1, w2c, s2, in_scale, mid_scale = wts_payload
     act = parse_activation(act)
-    f32 = lambda v: torch.tensor(v, dtype=torch.float32)  # noqa: E731
+    f32 = lambda v: torch.tensor(v, dtype=torch.float32)
     f1 = (s1 * f32(in_scale)).double()
     f2 = (s2 * f32(mid_scale)).double()
     mult = (f32(1.0) / f32(mid_scale))
