@@ -289,23 +289,11 @@ def reference_nvfp4_pair(
                 out_dtype=out_dtype, finalize=finalize, unrouted_ok=True)
 
 
-def reference_fp8_per_tensor(
-    activations: Fp8PerTensorActivations, weights: Fp8PerTensorWeights, routing: Routing, activation: ActivationArg,
-    *, out_dtype: torch.dtype = torch.bfloat16, finalize: bool = True,
-) -> torch.Tensor | RawReference:
-    """Per-tensor FP8: E4M3 token codes (``prepare_fp8_per_tensor_activations``) and E4M3 weights with static
-    scales (``prepare_fp8_per_tensor_weights``). Rounding points, per routed slot (token t, expert e):
-
-    1. preactivation: the exact sum of token code x weight code products, times fc1_factor[e] (the FP32
-       input_scale * w1_scale[e]), rounded through FP32 to BF16;
-    2. activation in float64, rounded to FP32; times the FP32 multiplier fp32(1 / intermediate_scale) in FP32;
-       rounded once to E4M3 (nearest even, saturating at +-448); the unscaled E4M3 value is the intermediate;
-    3. expert row: the exact sum of intermediate x w2 code products, times fc2_factor[e] (the FP32
-       intermediate_scale * w2_scale[e]), rounded through FP32 to BF16;
-    4. finalize: ordered FP32 combine (separate multiply and add), rounded to BF16.
-
-    ``out_dtype`` must be BF16. Returns BF16 [T, H], or a RawReference (rows [T, k, H]).
-    """
+def _fp8_per_tensor(
+    activations: object, weights: object, routing: object, activation: ActivationArg, out_dtype: object,
+    finalize: object, intermediate: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(rows bf16 [T, k, H], route weights, mask, intermediate float64 [T, k, I]) of per-tensor FP8."""
     if not isinstance(activations, Fp8PerTensorActivations):
         raise TypeError(f"activations must be Fp8PerTensorActivations, got {type(activations).__name__}")
     if not isinstance(weights, Fp8PerTensorWeights):
@@ -331,18 +319,58 @@ def reference_fp8_per_tensor(
         raise ValueError(f"the input is on {x.device} but the weights are on {w1.device}")
     f1, f2 = weights.fc1_factor.double(), weights.fc2_factor.double()
     multiplier = weights.inter_multiplier.float().reshape(())
-    tokens_total = x.shape[0]
-    ids, route_weights, mask = _routing(routing, tokens_total, w1.shape[0], w1.device, False)
-    rows = torch.zeros(tokens_total, ids.shape[1], weights.hidden_size, dtype=torch.bfloat16, device=x.device)
+    num_tokens, inter = x.shape[0], weights.intermediate_size
+    ids, route_weights, mask = _routing(routing, num_tokens, w1.shape[0], w1.device, False)
+    if intermediate is not None:
+        intermediate = require_tensor("intermediate", intermediate, (torch.bfloat16, torch.float32, torch.float64), rank=3)
+        if tuple(intermediate.shape[:2]) != tuple(ids.shape) or intermediate.shape[2] < inter:
+            raise ValueError(f"intermediate must be [T, k, >= {inter}], got {tuple(intermediate.shape)}")
+    rows = torch.zeros(num_tokens, ids.shape[1], weights.hidden_size, dtype=torch.bfloat16, device=x.device)
+    quantized = torch.zeros(num_tokens, ids.shape[1], inter, dtype=_F64, device=x.device)
     for expert in range(w1.shape[0]):
         tokens, slots = ((ids == expert) & mask).nonzero(as_tuple=True)
         if tokens.numel():
             h = _round((x[tokens] @ w1[expert].T) * f1[expert], torch.bfloat16)
             q = to_e4m3(act.apply_gemm1(h).float() * multiplier).double()
+            quantized[tokens, slots] = q
+            if intermediate is not None:
+                q = intermediate[tokens, slots, :inter].double()
             rows[tokens, slots] = ((q @ w2[expert].T) * f2[expert]).float().to(torch.bfloat16)
+    return rows, route_weights, mask, quantized
+
+
+def reference_fp8_per_tensor(
+    activations: Fp8PerTensorActivations, weights: Fp8PerTensorWeights, routing: Routing, activation: ActivationArg,
+    *, out_dtype: torch.dtype = torch.bfloat16, finalize: bool = True, intermediate: torch.Tensor | None = None,
+) -> torch.Tensor | RawReference:
+    """Per-tensor FP8: E4M3 token codes (``prepare_fp8_per_tensor_activations``) and E4M3 weights with static
+    scales (``prepare_fp8_per_tensor_weights``). Rounding points, per routed slot (token t, expert e):
+
+    1. preactivation: the exact sum of token code x weight code products, times fc1_factor[e] (the FP32
+       input_scale * w1_scale[e]), rounded through FP32 to BF16;
+    2. activation in float64, rounded to FP32; times the FP32 multiplier fp32(1 / intermediate_scale) in FP32;
+       rounded once to E4M3 (nearest even, saturating at +-448); the unscaled E4M3 value is the intermediate;
+    3. expert row: the exact sum of intermediate x w2 code products, times fc2_factor[e] (the FP32
+       intermediate_scale * w2_scale[e]), rounded through FP32 to BF16;
+    4. finalize: ordered FP32 combine (separate multiply and add), rounded to BF16.
+
+    ``out_dtype`` must be BF16. intermediate: optional [T, k, >= I] values (BF16/FP32/float64) that replace
+    step 2's for every routed slot (row (t, j) for slot j of token t): steps 3-4 on another intermediate, e.g.
+    the GPU's, to check GEMM2 and the combine apart from a rare E4M3 flip of step 2 (see
+    ``fp8_per_tensor_intermediate``). Returns BF16 [T, H], or a RawReference (rows [T, k, H]).
+    """
+    rows, route_weights, mask, _ = _fp8_per_tensor(activations, weights, routing, activation, out_dtype, finalize,
+                                                   intermediate)
     if not finalize:
         return RawReference(rows=rows, weights=route_weights, mask=mask)
     return combine_ordered_fp32(rows, route_weights, mask, torch.bfloat16)
+
+
+def fp8_per_tensor_intermediate(
+    activations: Fp8PerTensorActivations, weights: Fp8PerTensorWeights, routing: Routing, activation: ActivationArg,
+) -> torch.Tensor:
+    """Step 2 of ``reference_fp8_per_tensor``: the unscaled E4M3 intermediate of every slot, float64 [T, k, I]."""
+    return _fp8_per_tensor(activations, weights, routing, activation, torch.bfloat16, True, None)[3]
 
 
 def reference_low_latency(

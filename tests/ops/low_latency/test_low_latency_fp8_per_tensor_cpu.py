@@ -28,6 +28,7 @@ from cudnn_moe.low_latency import (
     LowLatencyMoeConfig,
     RawReference,
     WeightFormat,
+    fp8_per_tensor_intermediate,
     low_latency_moe,
     reference_fp8_per_tensor,
     reference_low_latency,
@@ -191,6 +192,32 @@ def test_reference_matches_plain_loop(gated, tokens, top_k, kind):
     raw = reference_fp8_per_tensor(acts, wts, routing, act, finalize=False)
     assert isinstance(raw, RawReference) and torch.equal(raw.rows, want_rows) and torch.equal(raw.weights, route_w)
     assert float(want.abs().max()) > 0
+
+
+def test_reference_on_a_given_intermediate():
+    """fp8_per_tensor_intermediate is the reference's step 2 (the plain loop's E4M3 values); handing it back as
+    ``intermediate`` changes nothing, and moving one value by one E4M3 step changes only that slot's row (what
+    the GPU tests use to check GEMM2 apart from a rare flip of step 2)."""
+    config, wts = LowLatencyMoeConfig(8, arch="sm90"), prepare(seed=5)
+    gen = torch.Generator().manual_seed(9)
+    acts = config.prepare_fp8_per_tensor_activations(torch.randn(3, H, generator=gen).bfloat16(), wts)
+    ids, weights = torch.tensor([[0, 1], [2, 0], [1, 2]]), torch.rand(3, 2, generator=gen)
+    routing = Routing.unpacked(ids, weights)
+    q = fp8_per_tensor_intermediate(acts, wts, routing, SwiGLU())
+    assert q.shape == (3, 2, I) and q.dtype == torch.float64
+    assert torch.equal(q, q.float().to(torch.float8_e4m3fn).double()) and bool((q != 0).any())
+    base = reference_fp8_per_tensor(acts, wts, routing, SwiGLU(), finalize=False)
+    same = reference_fp8_per_tensor(acts, wts, routing, SwiGLU(), finalize=False, intermediate=q.bfloat16())
+    assert torch.equal(base.rows, same.rows)
+    moved = q.clone()
+    index = int(moved[1, 0].abs().argmax())
+    code = moved[1, 0, index].float().to(torch.float8_e4m3fn).view(torch.uint8)
+    moved[1, 0, index] = (code - 1).view(torch.float8_e4m3fn).double()  # one step towards zero
+    other = reference_fp8_per_tensor(acts, wts, routing, SwiGLU(), finalize=False, intermediate=moved)
+    changed = (other.rows != base.rows).any(dim=-1)
+    assert changed.tolist() == [[False, False], [True, False], [False, False]]
+    with pytest.raises(ValueError, match="intermediate must be"):
+        reference_fp8_per_tensor(acts, wts, routing, SwiGLU(), intermediate=q[:, :1])
 
 
 @pytest.mark.parametrize("name", ACTIVATION_NAMES)
