@@ -10,7 +10,8 @@ the torch BF16 layer (torch._grouped_mm, captured in one CUDA graph; bench_moe.g
 (common.py): one warm-up call, ONE call captured in a CUDA graph, median of --iters replays, each after a
 256 MiB L2 flush. The weights are random (the kernels' speed does not depend on the values); the 4-bit
 formats get random codes and scales directly, the NVFP4 pair is built from random codes too (quantizing a
-DeepSeek-V3 float layer would take minutes and tens of GB).
+DeepSeek-V3 float layer would take minutes and tens of GB), and so is the per-tensor FP8 record (random E4M3
+codes and scales; its tokens are quantized to E4M3 once, outside the timed call, as the NVFP4 pair's are).
 Usage: python benchmarks/bench_low_latency.py --help
 """
 
@@ -51,7 +52,7 @@ from cudnn_moe.arch import device_arch  # noqa: E402
 from cudnn_moe.low_latency import LowLatencyMoeConfig, LowLatencyWeights, WeightFormat, low_latency_moe  # noqa: E402
 from cudnn_moe.engines.base import OP_LOW_LATENCY, Request  # noqa: E402
 from cudnn_moe.engines.registry import choose  # noqa: E402
-from cudnn_moe.weights.low_latency import Nvfp4PairWeights  # noqa: E402
+from cudnn_moe.weights.low_latency import Fp8PerTensorWeights, Nvfp4PairWeights  # noqa: E402
 
 DEFAULT_TOKENS = (1, 2, 4, 8)
 FORMATS = tuple(f.value for f in WeightFormat)
@@ -64,8 +65,9 @@ BYTES_PER_WEIGHT = {
     WeightFormat.MXINT4_WEIGHT_ONLY: 0.5 + 2 / 32,
     WeightFormat.NVFP4_W_NVFP4_A: 0.5 + 1 / 16,
     WeightFormat.FP8_WEIGHT_ONLY: 1.0,  # E4M3 codes; the FP32 scale per expert is negligible
+    WeightFormat.FP8_PER_TENSOR: 1.0,  # E4M3 codes; the per-expert FP32 factors are negligible
 }
-FP8_FORMATS = (WeightFormat.FP8_WEIGHT_ONLY,)
+FP8_FORMATS = (WeightFormat.FP8_WEIGHT_ONLY, WeightFormat.FP8_PER_TENSOR)
 WEIGHT_ONLY_4BIT = (WeightFormat.NVFP4_WEIGHT_ONLY, WeightFormat.MXFP4_WEIGHT_ONLY, WeightFormat.MXINT4_WEIGHT_ONLY)
 
 
@@ -115,6 +117,14 @@ def prepare_format(
         f1, f2 = (torch.where((f & 0x7F) == 0x7F, f - 1, f).view(torch.float8_e4m3fn) for f in (f1, f2))
         return config.prepare_fp8_weight_only_weights(f1, torch.full((e,), 1 / (16 * h**0.5), device=dev), f2,
                                                       torch.full((e,), 1 / (16 * i**0.5), device=dev))
+    if fmt_ is WeightFormat.FP8_PER_TENSOR:  # the record itself, from random finite codes (I % 128 == 0: no padding)
+        f1, f2 = _random_codes((e, 2 * i, h), dev, gen), _random_codes((e, h, i), dev, gen)
+        f1, f2 = (torch.where((f & 0x7F) == 0x7F, f - 1, f).view(torch.float8_e4m3fn) for f in (f1, f2))
+        s1, s2 = torch.full((e,), 1 / (16 * h**0.5), device=dev), torch.full((e,), 1 / (16 * i**0.5), device=dev)
+        return Fp8PerTensorWeights(
+            format=fmt_, hidden_size=h, intermediate_size=i, padded_intermediate=i, gated=True, w1_codes=f1,
+            w1_scale=s1, w2_codes=f2, w2_scale=s2, input_scale=1 / 32, intermediate_scale=1 / 64, input_multiplier=32.0,
+            fc1_factor=s1 / 32, fc2_factor=s2 / 64, inter_multiplier=torch.full((1,), 64.0, device=dev))
     c1, c2 = _random_codes((e, 2 * i, h // 2), dev, gen), _random_codes((e, h, i // 2), dev, gen)
     if fmt_ in (WeightFormat.NVFP4_WEIGHT_ONLY, WeightFormat.NVFP4_W_NVFP4_A):
         s1 = (torch.rand(e, 2 * i, h // 16, device=dev, generator=gen) * 0.05 + 0.01).to(torch.float8_e4m3fn)
@@ -148,6 +158,8 @@ def ll_call(
     fmt_ = weights.format
     if fmt_ is WeightFormat.NVFP4_W_NVFP4_A:
         inputs = config.prepare_nvfp4_activations(x)
+    elif fmt_ is WeightFormat.FP8_PER_TENSOR:
+        inputs = config.prepare_fp8_per_tensor_activations(x, weights)
     else:
         inputs = x.half() if fmt_ is WeightFormat.FP16 else x
     out_dtype = torch.float16 if fmt_ is WeightFormat.FP16 else torch.bfloat16
@@ -188,6 +200,7 @@ class LowLatencyBench:
             for tokens, (x, ids, route_w) in batches.items():
                 floor = floor_us(m, touched[tokens], fmt_, args.bandwidth_tbs)
                 x_dtype = None if fmt_ is WeightFormat.NVFP4_W_NVFP4_A else (
+                    torch.float8_e4m3fn if fmt_ is WeightFormat.FP8_PER_TENSOR else
                     torch.float16 if fmt_ is WeightFormat.FP16 else torch.bfloat16)
                 path = path_of(config, weights, x_dtype, torch.float16 if fmt_ is WeightFormat.FP16 else torch.bfloat16)
                 goal = target(m, tokens, fmt_)

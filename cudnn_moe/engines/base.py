@@ -81,6 +81,7 @@ class WeightFormat(str, enum.Enum):
     MXINT4_WEIGHT_ONLY = "mxint4_weight_only"
     NVFP4_W_NVFP4_A = "nvfp4_w_nvfp4_a"
     FP8_WEIGHT_ONLY = "fp8_weight_only"
+    FP8_PER_TENSOR = "fp8_per_tensor"
 
 
 @dataclass(frozen=True)

@@ -53,6 +53,7 @@ class LowLatencyInputCode(enum.IntEnum):
     BF16 = 0
     FP16 = 1
     NVFP4 = 2  # packed E2M1 codes + linear E4M3 scales per 16 (global one), decoded exactly
+    FP8 = 3  # E4M3 codes [T, H] of the per-tensor FP8 format (its input scale folded into the weights' factor)
 
 
 SORT_THREADS = 1024  # threads of the single moe_sort block

@@ -8,7 +8,15 @@ import torch
 from ..activations import Activation, require_gating
 from ..routing import Routing
 from ..validate import require_no_overlap, require_tensor
-from ..weights.low_latency import BlockScaledWeights, DenseWeights, Fp8WeightOnlyWeights, LowLatencyWeights, WeightFormat
+from ..weights.low_latency import (
+    BlockScaledWeights,
+    DenseWeights,
+    Fp8PerTensorActivations,
+    Fp8PerTensorWeights,
+    Fp8WeightOnlyWeights,
+    LowLatencyWeights,
+    WeightFormat,
+)
 from ..weights.nvfp4 import Nvfp4Activations
 from .config import MAX_TOP_K, LowLatencyMoeConfig
 
@@ -24,8 +32,25 @@ def require_aligned(name: str, t: torch.Tensor) -> None:
 
 
 def check_inputs(inputs: object, weights: LowLatencyWeights) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(x or NVFP4 codes, NVFP4 scales or None) after the checks on ``inputs``."""
+    """(x, NVFP4 codes or E4M3 codes; NVFP4 scales or None) after the checks on ``inputs``."""
     fmt, hidden = weights.format, weights.hidden_size
+    if fmt is WeightFormat.FP8_PER_TENSOR:
+        if not isinstance(inputs, Fp8PerTensorActivations):
+            raise TypeError("inputs must be the Fp8PerTensorActivations of config.prepare_fp8_per_tensor_activations() "
+                            f"for per-tensor FP8 weights, got {type(inputs).__name__}")
+        codes = require_tensor("inputs.codes", inputs.codes, torch.float8_e4m3fn, rank=2)
+        if codes.shape[1] != hidden:
+            raise ValueError(f"inputs.codes must be [T, {hidden}] to match the weights, got {tuple(codes.shape)}")
+        if not codes.is_contiguous():
+            raise ValueError("inputs.codes must be contiguous (row-major)")
+        require_aligned("inputs.codes", codes)
+        if inputs.input_scale != weights.input_scale:
+            raise ValueError(f"inputs were quantized with input_scale={inputs.input_scale!r} but the weights were "
+                             f"calibrated with input_scale={weights.input_scale!r}: quantize them with these weights")
+        return codes, None
+    if isinstance(inputs, Fp8PerTensorActivations):
+        raise TypeError(f"inputs must be a BF16/FP16 tensor [T, H] for {fmt.value} weights; Fp8PerTensorActivations "
+                        "are for per-tensor FP8 weights")
     if fmt is WeightFormat.NVFP4_W_NVFP4_A:
         if not isinstance(inputs, Nvfp4Activations):
             raise TypeError("inputs must be the Nvfp4Activations of config.prepare_nvfp4_activations() for the NVFP4 "
@@ -59,6 +84,9 @@ def weight_tensors(weights: LowLatencyWeights) -> tuple[torch.Tensor, ...]:
         return weights.w1, weights.w2
     if isinstance(weights, Fp8WeightOnlyWeights):
         return weights.w1_codes, weights.w1_scale, weights.w2_codes, weights.w2_scale
+    if isinstance(weights, Fp8PerTensorWeights):
+        return (weights.w1_codes, weights.fc1_factor, weights.w2_codes, weights.fc2_factor, weights.inter_multiplier,
+                weights.w1_scale, weights.w2_scale)
     if not isinstance(weights, BlockScaledWeights):
         raise TypeError(f"weights of format {weights.format.value} hold no tensors this op knows")
     return weights.w1_codes, weights.w1_scales, weights.w2_codes, weights.w2_scales
@@ -80,6 +108,9 @@ def check_call(
         raise ValueError(f"out_dtype must be torch.bfloat16 or torch.float16, got {out_dtype!r}")
     if weights.format is WeightFormat.NVFP4_W_NVFP4_A and out_dtype is not torch.bfloat16:
         raise ValueError(f"out_dtype must be torch.bfloat16 for the NVFP4 weight + NVFP4 activation pair, got {out_dtype!r}")
+    if weights.format is WeightFormat.FP8_PER_TENSOR and out_dtype is not torch.bfloat16:
+        raise ValueError(f"out_dtype must be torch.bfloat16 for per-tensor FP8 (BF16 expert and final outputs), "
+                         f"got {out_dtype!r}")
     if not isinstance(finalize, bool):
         raise TypeError(f"finalize must be a bool, got {type(finalize).__name__}")
 

@@ -2,7 +2,8 @@
 
 Preparation keeps the caller's payloads bit-exact (copies, never requantized or cast) wherever the
 format is given already quantized, and pads I to a multiple of 128 with zero bytes (see
-``cudnn_moe.weights.low_latency``). Only ``prepare_nvfp4_weights`` quantizes, from a float source.
+``cudnn_moe.weights.low_latency``). Only ``prepare_nvfp4_weights`` and ``prepare_fp8_per_tensor_weights``
+quantize, from a float source.
 """
 
 from __future__ import annotations
@@ -14,9 +15,19 @@ from ..arch import Arch, arch_name, parse_arch, target_arch
 from ..engines.base import OP_LOW_LATENCY
 from ..engines.registry import engine_names, served_archs
 from ..formats import quantize_nvfp4
-from ..validate import require_finite, require_multiple, require_positive_finite, require_same_device, require_tensor
+from ..formats.blocks import E4M3_MAX, to_e4m3
+from ..validate import (
+    require_finite,
+    require_float32_scalar,
+    require_multiple,
+    require_positive_finite,
+    require_same_device,
+    require_tensor,
+)
 from ..weights.low_latency import (
     DenseWeights,
+    Fp8PerTensorActivations,
+    Fp8PerTensorWeights,
     Fp8WeightOnlyWeights,
     LowLatencyWeights,
     Mxfp4WeightOnlyWeights,
@@ -67,6 +78,15 @@ def _require_no_e4m3_nan(name: str, codes: torch.Tensor) -> None:
     """E4M3 codes 0x7F / 0xFF are NaN: refused (reads the payload; preparation only)."""
     if bool(((codes.view(torch.uint8) & 0x7F) == 0x7F).any()):
         raise ValueError(f"{name} holds E4M3 NaN codes (0x7F / 0xFF); weights must be finite")
+
+
+def _quantize_fp8_experts(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [E, R, K] float -> (float8_e4m3fn [E, R, K], float32 [E]): per expert scale = fp32(amax / 448) (1.0 for
+    an all-zero expert) and codes e4m3(fp32(w / scale)), as quantize_fp8_per_tensor does for one expert."""
+    w = w.float()
+    amax = w.abs().amax(dim=(1, 2))
+    scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    return to_e4m3(w / scale[:, None, None]), scale
 
 
 def _check_global(name: str, value: object, experts: int, device: torch.device) -> torch.Tensor:
@@ -350,6 +370,94 @@ class LowLatencyMoeConfig:
             w1_codes=w1_codes, w1_scales=w1_scales, w2_codes=w2_codes, w2_scales=w2_scales,
             w1_global=w1_global, w2_global=w2_global,
         )
+
+    # ------------------------------------------------------------------ per-tensor FP8
+    def prepare_fp8_per_tensor_weights(
+        self,
+        w1_bf16: torch.Tensor,
+        w2_bf16: torch.Tensor,
+        input_scale: float | torch.Tensor,
+        intermediate_scale: float | torch.Tensor,
+        *,
+        activation: Activation | str = SwiGLU(),
+    ) -> Fp8PerTensorWeights:
+        """Quantize float weights to E4M3 with one FP32 scale per expert and GEMM, beside two static calibration
+        scales, for E4M3 tokens (``prepare_fp8_per_tensor_activations``).
+
+        w1_bf16 [E, N1, H] (N1 = 2I rows [up; gate] gated, else I), w2_bf16 [E, H, I]: BF16 (FP16 or FP32 also
+        taken), finite (NaN / Inf raise ValueError naming the tensor; the check reads them). H % 128 == 0,
+        I % 32 == 0, I padded to a multiple of 128 with +0 codes.
+        input_scale: the dequantization scale of FC1's tokens (x ~ e4m3 * input_scale); intermediate_scale: that
+        of FC2's input (the activation's output ~ e4m3 * intermediate_scale). Static calibration values: a
+        number or a one-element floating tensor (read once, here), finite and positive in float32 with a
+        finite float32 reciprocal; anything else raises (TypeError for a non-number, ValueError naming the
+        argument for NaN, Inf, zero, negative or out-of-range values).
+
+        Rounding points of the preparation (each FP32 operation rounds to nearest even):
+        1. per expert and GEMM, scale = amax(|w|) / 448 in FP32 (1.0 for an all-zero expert), exactly
+           ``cudnn_moe.formats.quantize_fp8_per_tensor`` of that expert;
+        2. codes = e4m3(fp32(w / scale)): nearest even, saturating at +-448;
+        3. the calibration scales rounded to FP32; the tokens' and intermediate's multipliers
+           fp32(1 / input_scale) and fp32(1 / intermediate_scale); the GEMM factors
+           fc1_factor[e] = fp32(input_scale * w1_scale[e]) and fc2_factor[e] = fp32(intermediate_scale *
+           w2_scale[e]) (each must be finite and nonzero in FP32, else ValueError naming the scale).
+        What the call then does with them: ``reference_fp8_per_tensor`` (the same rounding points).
+        """
+        self.require_format(self.target_arch(), WeightFormat.FP8_PER_TENSOR)
+        act = parse_activation(activation)
+        experts, hidden, intermediate = _check_pair("w1_bf16", w1_bf16, "w2_bf16", w2_bf16, _FLOAT_SOURCE_DTYPES)
+        if w1_bf16.shape[2] != hidden:
+            raise ValueError(f"w1_bf16 must be [E, N1, H] with H = {hidden} (from w2_bf16), got {tuple(w1_bf16.shape)}")
+        require_multiple("hidden size (w2_bf16.shape[1])", hidden, WEIGHT_ONLY_HIDDEN_MULTIPLE)
+        require_multiple("intermediate size (w2_bf16.shape[2])", intermediate, WEIGHT_ONLY_INTERMEDIATE_MULTIPLE)
+        require_gemm1_rows("w1_bf16", w1_bf16.shape[1], act, intermediate)
+        in_scale = require_float32_scalar("input_scale", input_scale, reciprocal=True)
+        mid_scale = require_float32_scalar("intermediate_scale", intermediate_scale, reciprocal=True)
+        require_finite("w1_bf16", w1_bf16)  # reads the weights: preparation, not the serving path
+        require_finite("w2_bf16", w2_bf16)
+        device = w1_bf16.device
+        w1_codes, w1_scale = _quantize_fp8_experts(w1_bf16)
+        w2_codes, w2_scale = _quantize_fp8_experts(w2_bf16)
+        f32 = {"dtype": torch.float32, "device": device}
+        fc1_factor = w1_scale * torch.tensor(in_scale, **f32)
+        fc2_factor = w2_scale * torch.tensor(mid_scale, **f32)
+        for name, factor in (("input_scale", fc1_factor), ("intermediate_scale", fc2_factor)):
+            if not bool((torch.isfinite(factor) & (factor > 0)).all()):
+                raise ValueError(f"{name} times the weights' per-expert scales leaves the float32 range "
+                                 f"(a product is 0 or Inf): {name} is out of range for these weights")
+        one = torch.ones((), dtype=torch.float32)
+        input_multiplier = float(one / torch.tensor(in_scale, dtype=torch.float32))
+        inter_multiplier = (one / torch.tensor(mid_scale, dtype=torch.float32)).reshape(1).to(device)
+        ip = padded_intermediate(intermediate)
+        return Fp8PerTensorWeights(
+            format=WeightFormat.FP8_PER_TENSOR, hidden_size=hidden, intermediate_size=intermediate,
+            padded_intermediate=ip, gated=act.gated,
+            w1_codes=pad_gemm1_rows(w1_codes, intermediate, ip, act.gated), w1_scale=w1_scale,
+            w2_codes=pad_columns(w2_codes, ip), w2_scale=w2_scale,
+            input_scale=in_scale, intermediate_scale=mid_scale, input_multiplier=input_multiplier,
+            fc1_factor=fc1_factor.contiguous(), fc2_factor=fc2_factor.contiguous(), inter_multiplier=inter_multiplier,
+        )
+
+    def prepare_fp8_per_tensor_activations(
+        self, hidden_states: torch.Tensor, weights: Fp8PerTensorWeights
+    ) -> Fp8PerTensorActivations:
+        """Quantize tokens x [T, H] (BF16; FP16 or FP32 also taken; T <= max_num_tokens) with the one calibrated
+        multiplier of ``weights`` (per-tensor FP8): codes = e4m3(fp32(fp32(x) * fp32(1 / input_scale))), nearest
+        even, saturating at +-448 (Inf gives +-448, NaN a NaN code: the data is not read). Returns the codes
+        float8_e4m3fn [T, H] with the input scale they belong to. Torch operations on x's device: capturable in
+        a CUDA graph with the call (they allocate from torch's graph-aware pool)."""
+        if not isinstance(weights, Fp8PerTensorWeights):
+            raise TypeError("weights must be the Fp8PerTensorWeights of prepare_fp8_per_tensor_weights, got "
+                            f"{type(weights).__name__}")
+        x = require_tensor("hidden_states", hidden_states, _FLOAT_SOURCE_DTYPES, rank=2)
+        if x.shape[0] > self.max_num_tokens:
+            raise ValueError(f"hidden_states has {x.shape[0]} tokens, more than max_num_tokens={self.max_num_tokens}")
+        if x.shape[1] != weights.hidden_size:
+            raise ValueError(f"hidden_states must be [T, {weights.hidden_size}] to match the weights, got {tuple(x.shape)}")
+        if x.device != weights.w1_codes.device:
+            raise ValueError(f"hidden_states is on {x.device} but the weights are on {weights.w1_codes.device}")
+        codes = to_e4m3(x.float() * weights.input_multiplier)
+        return Fp8PerTensorActivations(codes, weights.input_scale)
 
     def prepare_nvfp4_activations(self, hidden_states: torch.Tensor) -> Nvfp4Activations:
         """Quantize x [T, H] (BF16/FP16/FP32, T <= max_num_tokens, H % 512 == 0) to NVFP4, global scale one.

@@ -21,6 +21,15 @@ Expert ids: for the NVFP4 pair an id outside [0, E) marks an unrouted slot: fina
 weight (a NaN or Inf weight there never reaches the output) and its raw row is zero. For every other
 format such an id raises ValueError (the GPU call cannot check it without a device sync and requires
 ids in range). A token may name an expert twice; each slot is computed on its own.
+
+Per-tensor FP8 (``reference_fp8_per_tensor``) has its own steps 1-3, in E4M3 code values (every E4M3 value
+and every product of two is exact in FP32 and float64):
+1. h = fp32(sum_k xq[k] * w1q[e, n, k] * fc1_factor[e]) rounded to BF16, where xq are the token codes of
+   ``prepare_fp8_per_tensor_activations``, w1q the weight codes and fc1_factor[e] = fp32(input_scale * w1_scale[e]);
+2. y = activation(h) in float64, rounded to FP32; q = e4m3(fp32(y * fp32(1 / intermediate_scale))) (nearest
+   even, saturating at +-448), kept as its unscaled E4M3 value (what the GPU's intermediate workspace holds);
+3. r = fp32(sum_i q[i] * w2q[e, h, i] * fc2_factor[e]) rounded to BF16, fc2_factor[e] =
+   fp32(intermediate_scale * w2_scale[e]); step 4 as above, BF16 output only.
 """
 
 from __future__ import annotations
@@ -31,10 +40,13 @@ import torch
 
 from ..activations import Activation, ActivationKind, parse_activation
 from ..formats import dequantize_mxfp4, dequantize_mxint4, dequantize_nvfp4
+from ..formats.blocks import to_e4m3
 from ..routing import Routing
 from ..validate import require_tensor
 from ..weights.low_latency import (
     DenseWeights,
+    Fp8PerTensorActivations,
+    Fp8PerTensorWeights,
     Fp8WeightOnlyWeights,
     LowLatencyWeights,
     Mxfp4WeightOnlyWeights,
@@ -277,11 +289,96 @@ def reference_nvfp4_pair(
                 out_dtype=out_dtype, finalize=finalize, unrouted_ok=True)
 
 
+def _fp8_per_tensor(
+    activations: object, weights: object, routing: object, activation: ActivationArg, out_dtype: object,
+    finalize: object, intermediate: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(rows bf16 [T, k, H], route weights, mask, intermediate float64 [T, k, I]) of per-tensor FP8."""
+    if not isinstance(activations, Fp8PerTensorActivations):
+        raise TypeError(f"activations must be Fp8PerTensorActivations, got {type(activations).__name__}")
+    if not isinstance(weights, Fp8PerTensorWeights):
+        raise TypeError(f"weights must be Fp8PerTensorWeights (prepare_fp8_per_tensor_weights), got {type(weights).__name__}")
+    if out_dtype is not torch.bfloat16:
+        raise ValueError(f"out_dtype must be torch.bfloat16 for per-tensor FP8, got {out_dtype!r}")
+    if not isinstance(finalize, bool):
+        raise TypeError(f"finalize must be a bool, got {type(finalize).__name__}")
+    codes = require_tensor("activations.codes", activations.codes, torch.float8_e4m3fn, rank=2)
+    if codes.shape[1] != weights.hidden_size:
+        raise ValueError(f"activations.codes must be [T, {weights.hidden_size}], got {tuple(codes.shape)}")
+    if codes.shape[0] > MAX_NUM_TOKENS:
+        raise ValueError(f"activations hold {codes.shape[0]} tokens; the low-latency config takes at most {MAX_NUM_TOKENS}")
+    if activations.input_scale != weights.input_scale:
+        raise ValueError("activations were quantized with another input_scale than the weights'")
+    act = parse_activation(activation)
+    if act.gated != weights.gated:
+        kind = "gated" if weights.gated else "non-gated"
+        raise ValueError(f"activation {type(act).__name__} does not fit the {kind} weights")
+    w1q, _, w2q, _ = weights.canonical()
+    w1, w2, x = w1q.double(), w2q.double(), codes.double()
+    if x.device != w1.device:
+        raise ValueError(f"the input is on {x.device} but the weights are on {w1.device}")
+    f1, f2 = weights.fc1_factor.double(), weights.fc2_factor.double()
+    multiplier = weights.inter_multiplier.float().reshape(())
+    num_tokens, inter = x.shape[0], weights.intermediate_size
+    ids, route_weights, mask = _routing(routing, num_tokens, w1.shape[0], w1.device, False)
+    if intermediate is not None:
+        intermediate = require_tensor("intermediate", intermediate, (torch.bfloat16, torch.float32, torch.float64), rank=3)
+        if tuple(intermediate.shape[:2]) != tuple(ids.shape) or intermediate.shape[2] < inter:
+            raise ValueError(f"intermediate must be [T, k, >= {inter}], got {tuple(intermediate.shape)}")
+    rows = torch.zeros(num_tokens, ids.shape[1], weights.hidden_size, dtype=torch.bfloat16, device=x.device)
+    quantized = torch.zeros(num_tokens, ids.shape[1], inter, dtype=_F64, device=x.device)
+    for expert in range(w1.shape[0]):
+        tokens, slots = ((ids == expert) & mask).nonzero(as_tuple=True)
+        if tokens.numel():
+            h = _round((x[tokens] @ w1[expert].T) * f1[expert], torch.bfloat16)
+            q = to_e4m3(act.apply_gemm1(h).float() * multiplier).double()
+            quantized[tokens, slots] = q
+            if intermediate is not None:
+                q = intermediate[tokens, slots, :inter].double()
+            rows[tokens, slots] = ((q @ w2[expert].T) * f2[expert]).float().to(torch.bfloat16)
+    return rows, route_weights, mask, quantized
+
+
+def reference_fp8_per_tensor(
+    activations: Fp8PerTensorActivations, weights: Fp8PerTensorWeights, routing: Routing, activation: ActivationArg,
+    *, out_dtype: torch.dtype = torch.bfloat16, finalize: bool = True, intermediate: torch.Tensor | None = None,
+) -> torch.Tensor | RawReference:
+    """Per-tensor FP8: E4M3 token codes (``prepare_fp8_per_tensor_activations``) and E4M3 weights with static
+    scales (``prepare_fp8_per_tensor_weights``). Rounding points, per routed slot (token t, expert e):
+
+    1. preactivation: the exact sum of token code x weight code products, times fc1_factor[e] (the FP32
+       input_scale * w1_scale[e]), rounded through FP32 to BF16;
+    2. activation in float64, rounded to FP32; times the FP32 multiplier fp32(1 / intermediate_scale) in FP32;
+       rounded once to E4M3 (nearest even, saturating at +-448); the unscaled E4M3 value is the intermediate;
+    3. expert row: the exact sum of intermediate x w2 code products, times fc2_factor[e] (the FP32
+       intermediate_scale * w2_scale[e]), rounded through FP32 to BF16;
+    4. finalize: ordered FP32 combine (separate multiply and add), rounded to BF16.
+
+    ``out_dtype`` must be BF16. intermediate: optional [T, k, >= I] values (BF16/FP32/float64) that replace
+    step 2's for every routed slot (row (t, j) for slot j of token t): steps 3-4 on another intermediate, e.g.
+    the GPU's, to check GEMM2 and the combine apart from a rare E4M3 flip of step 2 (see
+    ``fp8_per_tensor_intermediate``). Returns BF16 [T, H], or a RawReference (rows [T, k, H]).
+    """
+    rows, route_weights, mask, _ = _fp8_per_tensor(activations, weights, routing, activation, out_dtype, finalize,
+                                                   intermediate)
+    if not finalize:
+        return RawReference(rows=rows, weights=route_weights, mask=mask)
+    return combine_ordered_fp32(rows, route_weights, mask, torch.bfloat16)
+
+
+def fp8_per_tensor_intermediate(
+    activations: Fp8PerTensorActivations, weights: Fp8PerTensorWeights, routing: Routing, activation: ActivationArg,
+) -> torch.Tensor:
+    """Step 2 of ``reference_fp8_per_tensor``: the unscaled E4M3 intermediate of every slot, float64 [T, k, I]."""
+    return _fp8_per_tensor(activations, weights, routing, activation, torch.bfloat16, True, None)[3]
+
+
 def reference_low_latency(
-    inputs: torch.Tensor | Nvfp4Activations, weights: LowLatencyWeights, routing: Routing, activation: ActivationArg,
+    inputs: torch.Tensor | Nvfp4Activations | Fp8PerTensorActivations, weights: LowLatencyWeights, routing: Routing, activation: ActivationArg,
     *, out_dtype: torch.dtype = torch.bfloat16, finalize: bool = True,
 ) -> torch.Tensor | RawReference:
-    """The reference for ``weights.format``: x [T, H] (or Nvfp4Activations for the NVFP4 pair)."""
+    """The reference for ``weights.format``: x [T, H] (Nvfp4Activations for the NVFP4 pair,
+    Fp8PerTensorActivations for per-tensor FP8)."""
     if not isinstance(weights, LowLatencyWeights):
         raise TypeError(f"weights must be prepared by LowLatencyMoeConfig, got {type(weights).__name__}")
     function = _BY_FORMAT[weights.format]
@@ -296,4 +393,5 @@ _BY_FORMAT = {
     WeightFormat.MXINT4_WEIGHT_ONLY: reference_mxint4_weight_only,
     WeightFormat.NVFP4_W_NVFP4_A: reference_nvfp4_pair,
     WeightFormat.FP8_WEIGHT_ONLY: reference_fp8_weight_only,
+    WeightFormat.FP8_PER_TENSOR: reference_fp8_per_tensor,
 }

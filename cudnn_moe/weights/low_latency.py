@@ -202,3 +202,58 @@ class Fp8WeightOnlyWeights(LowLatencyWeights):
         """(w1 [E, N1, H], w1_scale [E], w2 [E, H, I], w2_scale [E]): the prepare method's argument order."""
         w1 = unpad_gemm1_rows(self.w1_codes, self.intermediate_size, self.padded_intermediate, self.gated)
         return w1, self.w1_scale, self.w2_codes[..., : self.intermediate_size], self.w2_scale
+
+
+@dataclass(frozen=True, eq=False)
+class Fp8PerTensorWeights(LowLatencyWeights):
+    """Per-tensor FP8: E4M3 weights and tokens with static calibration scales (``prepare_fp8_per_tensor_weights``).
+
+    w1_codes [E, N1p, H], w2_codes [E, H, Ip] (float8_e4m3fn, layout of DenseWeights); w1_scale, w2_scale
+    float32 [E]: each expert's dequantization scale per GEMM (weight = e4m3 * scale).
+    input_scale, intermediate_scale: the static calibration scales (float32 values, as Python floats) of FC1's
+    tokens and of FC2's input: x = e4m3 * input_scale, intermediate = e4m3 * intermediate_scale.
+    Device tensors the kernels read at every call (so the scales stay live), all float32, each rounded once
+    from the float32 operands above:
+    - fc1_factor [E] = input_scale * w1_scale[e], the factor on GEMM1's FP32 sum of code products;
+    - fc2_factor [E] = intermediate_scale * w2_scale[e], the factor on GEMM2's sum;
+    - inter_multiplier [1] = 1 / intermediate_scale, the intermediate's quantization multiplier.
+    input_multiplier (a Python float) = float32(1 / input_scale), the tokens' multiplier
+    (``prepare_fp8_per_tensor_activations``).
+    """
+
+    w1_codes: torch.Tensor
+    w1_scale: torch.Tensor
+    w2_codes: torch.Tensor
+    w2_scale: torch.Tensor
+    input_scale: float
+    intermediate_scale: float
+    input_multiplier: float
+    fc1_factor: torch.Tensor
+    fc2_factor: torch.Tensor
+    inter_multiplier: torch.Tensor
+
+    @property
+    def num_experts(self) -> int:
+        return self.w1_codes.shape[0]
+
+    def canonical(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(w1 codes [E, N1, H], w1_scale [E], w2 codes [E, H, I], w2_scale [E]): the quantized weights."""
+        w1 = unpad_gemm1_rows(self.w1_codes, self.intermediate_size, self.padded_intermediate, self.gated)
+        return w1, self.w1_scale, self.w2_codes[..., : self.intermediate_size], self.w2_scale
+
+
+@dataclass(frozen=True, eq=False)
+class Fp8PerTensorActivations:
+    """Tokens of the per-tensor FP8 format: codes float8_e4m3fn [T, H], x = e4m3 * input_scale (the weights'
+    static input scale, kept here so the call can refuse tokens quantized for other weights)."""
+
+    codes: torch.Tensor
+    input_scale: float
+
+    @property
+    def num_tokens(self) -> int:
+        return self.codes.shape[0]
+
+    @property
+    def hidden_size(self) -> int:
+        return self.codes.shape[1]

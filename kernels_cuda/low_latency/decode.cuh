@@ -83,6 +83,25 @@ __device__ __forceinline__ void decode_e4m3_word(u32 lo, u32 hi, float v[8]) {
 #endif
 }
 
+// FP32 f rounded to the nearest E4M3 value (float8_e4m3fn: 3 mantissa bits, normals from 2^-6, subnormal step
+// 2^-9), ties to even, saturating at +-448 (satfinite: larger magnitudes and +-Inf give +-448), NaN kept; the
+// sign of zero is kept. Returns the value itself in FP32 (exact in BF16 and FP16 too), so the caller stores it
+// in a 16-bit workspace or encodes it. Plain FP32 arithmetic, the same on every arch and on the host: the
+// per-tensor FP8 format quantizes its intermediate with it (ll_moe.cu), as torch's to_e4m3 does on the host.
+__device__ __forceinline__ float e4m3_round(float f) {
+  const float a = fabsf(f);
+  if (!(a == a)) return f;  // NaN
+  float r;
+  if (a < 0.015625f) {  // below the smallest normal (2^-6): a multiple of 2^-9, rintf rounds ties to even
+    r = rintf(a * 512.0f) * 0.001953125f;
+  } else {  // keep 3 of FP32's 23 mantissa bits: add half an E4M3 ulp (less one unless the kept LSB is odd)
+    u32 b = __float_as_uint(a);
+    b += 0x7FFFFu + ((b >> 20) & 1u);
+    r = __uint_as_float(b & 0xFFF00000u);
+  }
+  return copysignf(fminf(r, 448.0f), f);
+}
+
 // E8M0 scale byte: 2^(b - 127); b = 0 is 2^-127 (an FP32 subnormal), b = 255 is NaN.
 __device__ __forceinline__ float e8m0_to_float(u32 b) {
   return b == 255u ? __uint_as_float(0x7FC00000u) : (b == 0u ? __uint_as_float(0x00400000u) : __uint_as_float(b << 23));

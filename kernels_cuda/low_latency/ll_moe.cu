@@ -1,7 +1,8 @@
 // Low-latency routed MoE (1..8 tokens per call, contract 004): a pure weight stream on CUDA cores.
 //
 // One module per (weight format, token input) pair, chosen at compile time:
-//   -DLL_WEIGHTS=LL_WEIGHTS_{BF16,FP16,NVFP4,MXFP4,MXINT4,FP8}  -DLL_INPUT=LL_INPUT_{BF16,FP16,NVFP4}
+//   -DLL_WEIGHTS=LL_WEIGHTS_{BF16,FP16,NVFP4,MXFP4,MXINT4,FP8}  -DLL_INPUT=LL_INPUT_{BF16,FP16,NVFP4,FP8}
+// (LL_INPUT_FP8 only with LL_WEIGHTS_FP8: the per-tensor FP8 format, E4M3 tokens and weights)
 // (values from cudnn_moe.kernels.codes; cudnn_moe.low_latency.kernels picks them). Two kernels, two
 // launches per call (each launch in a CUDA graph costs microseconds at this size):
 //
@@ -41,6 +42,11 @@
 // Rounding points (as the references state):
 //   preactivation  FP32 sum -> input dtype (BF16/FP16; BF16 for NVFP4 inputs), kept FP32 for MXINT4
 //   intermediate   activation in FP32 (activation_math.cuh) -> input dtype (BF16 for NVFP4 inputs)
+//   (per-tensor FP8, LL_INPUT_FP8: the FP32 sum of exact E4M3 x E4M3 products times the expert's FP32 factor
+//    input_scale * w1_scale, then BF16; the activation in FP32 times the FP32 multiplier 1 / intermediate_scale
+//    (read from inter_quant), rounded once to E4M3 (nearest even, saturating at +-448: e4m3_round); the
+//    workspace holds that E4M3 value unscaled, exactly, as BF16, and GEMM2 multiplies its FP32 sum by the
+//    factor intermediate_scale * w2_scale before the BF16 rounding of the rows)
 //   expert rows    FP32 sum -> output dtype (BF16 or FP16, a run-time argument)
 //   combine        ordered separate FP32 multiply and add, rounded once to the output dtype
 //
@@ -83,6 +89,9 @@ constexpr int WARPS = LL_THREADS / 32;
 constexpr int MAX_TOKENS = 8;
 // The intermediate (and the preactivation rounding) is FP16 for FP16 inputs, BF16 otherwise.
 constexpr bool INTER_FP16 = LL_INPUT == LL_INPUT_FP16;
+// Per-tensor FP8: E4M3 tokens, and the intermediate quantized to E4M3 with a static multiplier.
+constexpr bool QUANT_INTER = LL_INPUT == LL_INPUT_FP8;
+static_assert(!QUANT_INTER || FP8W, "E4M3 tokens (LL_INPUT_FP8) go with E4M3 weights (LL_WEIGHTS_FP8) only");
 constexpr int INTER_INPUT = INTER_FP16 ? LL_INPUT_FP16 : LL_INPUT_BF16;
 
 // ------------------------------------------------------------------------------------------ numbers
@@ -176,7 +185,10 @@ __device__ __forceinline__ u32 load_l2(const void* p) {
 template <int XK>
 __device__ __forceinline__ void load_x8(const u8* base, const u8* scales, int offset, int k, float v[8]) {
   const u8* row = base + offset;
-  if (XK == LL_INPUT_NVFP4) {
+  if (XK == LL_INPUT_FP8) {  // E4M3 tokens [T, H], one byte a value
+    const uint2 q = __ldg(reinterpret_cast<const uint2*>(row) + k / 8);
+    decode_e4m3_word(q.x, q.y, v);
+  } else if (XK == LL_INPUT_NVFP4) {
     const u32 q = __ldg(reinterpret_cast<const u32*>(row) + k / 8);
     const float s = e4m3_to_float(__ldg(scales + offset / 8 + k / 16));
     decode_e2m1_word(q, v);
@@ -386,6 +398,7 @@ struct Gemm1Args {
   int hidden, inter, inter_padded, top_k, lanes_per_row, rounds, act;
   float alpha, beta, limit;
   u16* out;
+  float inter_mult;  // per-tensor FP8: the intermediate's quantization multiplier (1 / intermediate_scale)
 };
 
 // Tokens plan.list[first .. first + ntok) (ntok <= NT) of expert e.
@@ -404,7 +417,8 @@ __device__ __forceinline__ void gemm1_body(const Plan& plan, const Gemm1Args& a,
   int xoff[NT];  // byte offset of each token's row (tokens past ntok repeat the last; their sums are dropped)
 #pragma unroll
   for (int t = 0; t < NT; ++t)
-    xoff[t] = plan.list[first + min(t, ntok - 1)] / a.top_k * (LL_INPUT == LL_INPUT_NVFP4 ? a.hidden / 2 : 2 * a.hidden);
+    xoff[t] = plan.list[first + min(t, ntok - 1)] / a.top_k *
+              (LL_INPUT == LL_INPUT_NVFP4 ? a.hidden / 2 : LL_INPUT == LL_INPUT_FP8 ? a.hidden : 2 * a.hidden);
   // Padding features (I <= f < Ip) have all-zero weights and give exactly zero: not read.
   const int nchunks = f < a.inter ? static_cast<int>(row_bytes(a.hidden) / 16) : 0;
   float acc[NT][R];
@@ -420,7 +434,8 @@ __device__ __forceinline__ void gemm1_body(const Plan& plan, const Gemm1Args& a,
       h[r] = HAS_GLOBAL ? acc[t][r] * global : acc[t][r];
       if (LL_WEIGHTS != LL_WEIGHTS_MXINT4) h[r] = round_16(h[r], INTER_FP16);  // preactivation rounding
     }
-    const float y = R == 2 ? act_gated_all(a.act, h[0], h[R - 1], a.alpha, a.beta, a.limit) : act_fn(a.act, h[0]);
+    float y = R == 2 ? act_gated_all(a.act, h[0], h[R - 1], a.alpha, a.beta, a.limit) : act_fn(a.act, h[0]);
+    if (QUANT_INTER) y = e4m3_round(__fmul_rn(y, a.inter_mult));  // exact in BF16: to_16 below keeps it
     const u16 bits = f < a.inter ? to_16(y, INTER_FP16) : static_cast<u16>(0);
     const int token = plan.list[first + t] / a.top_k;
     for (int j = sub; j < a.top_k; j += lpr) {
@@ -502,17 +517,22 @@ __device__ __forceinline__ void gemm2_body(const Plan& plan, const Gemm2Args& a,
 using namespace ll;
 
 // GEMM1 + activation. Grid (ceil(Ip / (rounds * WARPS * 32 / lanes_per_row)), T * top_k), LL_THREADS threads.
-//   x, x_scales   BF16/FP16 [T, H] (x_scales unused), or NVFP4 codes uint8 [T, H/2] + E4M3 [T, H/16]
+//   x, x_scales   BF16/FP16 [T, H] (x_scales unused), or NVFP4 codes uint8 [T, H/2] + E4M3 [T, H/16], or
+//                 E4M3 codes [T, H] (per-tensor FP8; x_scales unused, the input scale is in w_global)
 //   ids           packed int32 [T, k] (routing = ROUTING_PACKED) or ids int32/int64 (id_bytes 4/8)
 //   w, w_scales, w_global   w1 as in the header (w_scales / w_global unused where the format has none)
 //   gated         1: rows [up; gate], y = act_gated_all(up, gate); 0: y = act_fn(h)
 //   out           intermediate [T k, Ip] (BF16, or FP16 for FP16 inputs): row s is written for every
 //                 routed slot s (features I .. Ip - 1 are zero); unrouted slots' rows are not written.
+//                 Per-tensor FP8: the E4M3 values of the quantized intermediate, unscaled, as BF16.
+//   inter_quant   per-tensor FP8 (LL_INPUT_FP8): float32 [1], the intermediate's multiplier 1 / intermediate_scale,
+//                 read at every launch (a static scale that stays live in device memory); null otherwise.
 extern "C" __global__ void __launch_bounds__(LL_THREADS, 2) ll_gemm1(
     const u8* __restrict__ x, const u8* __restrict__ x_scales, const void* __restrict__ ids, int routing,
     int id_bytes, int num_tokens, int top_k, int num_experts, const u8* __restrict__ w,
     const u8* __restrict__ w_scales, const float* __restrict__ w_global, int hidden, int inter, int inter_padded,
-    int gated, int lanes_per_row, int rounds, int act, float alpha, float beta, float limit, u16* __restrict__ out) {
+    int gated, int lanes_per_row, int rounds, int act, float alpha, float beta, float limit, u16* __restrict__ out,
+    const float* __restrict__ inter_quant) {
   moe::grid_dependency_begin();
   __shared__ Plan plan;
   prefetch_gemm1(load_expert(ids, routing, id_bytes, blockIdx.y, num_experts), feature_group(0, rounds, lanes_per_row),
@@ -520,7 +540,7 @@ extern "C" __global__ void __launch_bounds__(LL_THREADS, 2) ll_gemm1(
   const int e = plan_expert(plan, ids, routing, id_bytes, num_tokens, top_k, num_experts);
   if (e < 0) return;
   const Gemm1Args a{x, x_scales, w, w_scales, w_global, hidden, inter, inter_padded, top_k, lanes_per_row, rounds,
-                    act, alpha, beta, limit, out};
+                    act, alpha, beta, limit, out, QUANT_INTER ? __ldg(inter_quant) : 1.0f};
   if (gated) gemm1_dispatch<2>(plan, a, e);
   else gemm1_dispatch<1>(plan, a, e);
 }

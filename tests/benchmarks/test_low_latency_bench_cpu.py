@@ -28,6 +28,7 @@ def test_floors() -> None:
     assert bench.floor_us(QWEN3, 8, WeightFormat.MXINT4_WEIGHT_ONLY, 4.3) == pytest.approx(weights * 0.5625 / 4.3e6)
     assert bench.floor_us(DEEPSEEK, 8, WeightFormat.BF16, 4.3) == pytest.approx(8 * 3 * 7168 * 2048 * 2 / 4.3e6)
     assert bench.floor_us(DEEPSEEK, 8, WeightFormat.FP8_WEIGHT_ONLY, 4.3) == pytest.approx(8 * 3 * 7168 * 2048 / 4.3e6)
+    assert bench.floor_us(DEEPSEEK, 8, WeightFormat.FP8_PER_TENSOR, 4.3) == pytest.approx(8 * 3 * 7168 * 2048 / 4.3e6)
     assert set(bench.BYTES_PER_WEIGHT) == set(WeightFormat)
 
 
@@ -45,6 +46,9 @@ def test_targets() -> None:
     assert bench.target(DEEPSEEK, 1, WeightFormat.FP8_WEIGHT_ONLY)[0] == "<= 1.6x floor"
     assert bench.target(QWEN3, 1, WeightFormat.FP8_WEIGHT_ONLY)[0] == "<= 20 us"
     assert "fp8_weight_only" in bench.parse_args(["--formats", "fp8_weight_only"]).formats
+    assert bench.target(DEEPSEEK, 8, WeightFormat.FP8_PER_TENSOR)[0] == "<= 1.3x floor"
+    assert bench.target(QWEN3, 1, WeightFormat.FP8_PER_TENSOR)[0] == "<= 20 us"
+    assert "fp8_per_tensor" in bench.parse_args(["--formats", "fp8_per_tensor"]).formats
 
 
 def test_arguments() -> None:

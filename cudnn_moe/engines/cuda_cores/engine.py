@@ -24,7 +24,7 @@ MAX_TOKENS = 8
 _FOUR_BIT = frozenset({WeightFormat.NVFP4_WEIGHT_ONLY.value, WeightFormat.MXFP4_WEIGHT_ONLY.value,
                        WeightFormat.MXINT4_WEIGHT_ONLY.value, WeightFormat.NVFP4_W_NVFP4_A.value})
 # FP8 weights: SM89 on have the E4M3 conversion (the kernels use it); the contract lists them from SM90 on.
-_FP8 = frozenset({WeightFormat.FP8_WEIGHT_ONLY.value})
+_FP8 = frozenset({WeightFormat.FP8_WEIGHT_ONLY.value, WeightFormat.FP8_PER_TENSOR.value})
 # SM80 runs the 16-bit formats only. The contract lists the NVFP4 weight + NVFP4 activation pair without an
 # architecture of its own; it shares the 4-bit kernels (software E2M1 decode), so it runs where they do.
 _MODERN = frozenset({SM90, SM100, SM103, SM107, SM120})
@@ -53,7 +53,7 @@ class CudaCoresEngine(LayerEngine):
         for shape in request.shapes:
             if shape.k % 8:
                 return Support(False, f"the cuda_cores kernels need the hidden size to be a multiple of 8, got {shape.k}")
-            if request.weight_format == WeightFormat.FP8_WEIGHT_ONLY.value and shape.k % 16:
+            if request.weight_format in _FP8 and shape.k % 16:
                 return Support(False, f"the cuda_cores FP8 kernels need K to be a multiple of 16, got {shape.k}")
         return Support(True)
 

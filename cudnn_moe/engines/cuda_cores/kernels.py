@@ -40,17 +40,19 @@ _WEIGHT_CODES = {
     WeightFormat.MXINT4_WEIGHT_ONLY: WeightCode.MXINT4,
     WeightFormat.NVFP4_W_NVFP4_A: WeightCode.NVFP4,
     WeightFormat.FP8_WEIGHT_ONLY: WeightCode.FP8,
+    WeightFormat.FP8_PER_TENSOR: WeightCode.FP8,
 }
 _INPUT_CODES = {torch.bfloat16: InputCode.BF16, torch.float16: InputCode.FP16}
 
 # Every (weights, input) module a call can build: 16-bit weights take their own dtype, the 4-bit and FP8
-# weight-only formats BF16 or FP16, the NVFP4 pair NVFP4 tokens.
+# weight-only formats BF16 or FP16, the NVFP4 pair NVFP4 tokens, per-tensor FP8 E4M3 tokens.
 MODULE_VARIANTS: tuple[tuple[WeightCode, InputCode], ...] = (
     (WeightCode.BF16, InputCode.BF16),
     (WeightCode.FP16, InputCode.FP16),
     *((w, i) for w in (WeightCode.NVFP4, WeightCode.MXFP4, WeightCode.MXINT4, WeightCode.FP8)
       for i in (InputCode.BF16, InputCode.FP16)),
     (WeightCode.NVFP4, InputCode.NVFP4),
+    (WeightCode.FP8, InputCode.FP8),
 )
 
 
@@ -64,15 +66,17 @@ def weight_code(fmt: WeightFormat) -> WeightCode:
 
 
 def input_code(fmt: WeightFormat, x_dtype: torch.dtype | None) -> InputCode:
-    """NVFP4 for the NVFP4 pair (x_dtype ignored), else the 16-bit dtype of x."""
+    """NVFP4 for the NVFP4 pair, FP8 for per-tensor FP8 (x_dtype ignored), else the 16-bit dtype of x."""
     if fmt is WeightFormat.NVFP4_W_NVFP4_A:
         return InputCode.NVFP4
+    if fmt is WeightFormat.FP8_PER_TENSOR:
+        return InputCode.FP8
     return _INPUT_CODES[x_dtype]
 
 
 def row_bytes(fmt: WeightFormat, k: int) -> int:
     """Bytes of one weight row of k values (codes only)."""
-    if fmt is WeightFormat.FP8_WEIGHT_ONLY:
+    if fmt in (WeightFormat.FP8_WEIGHT_ONLY, WeightFormat.FP8_PER_TENSOR):
         return k
     return 2 * k if fmt in (WeightFormat.BF16, WeightFormat.FP16) else k // 2
 
@@ -113,12 +117,15 @@ def load_modules(fmt: WeightFormat, x_dtype: torch.dtype | None, device: int) ->
 def _payloads(weights: Any, second: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """(codes or dense weights, scales, FP32 globals) of GEMM1 (second=False) or GEMM2 of a low-latency record
     (cudnn_moe.weights.low_latency: dense formats hold w1/w2, block-scaled ones codes and scales, NVFP4 globals too,
-    FP8 weight-only E4M3 codes and a per-expert scale)."""
+    FP8 weight-only E4M3 codes and a per-expert scale, per-tensor FP8 E4M3 codes and the per-expert FP32 factors
+    input_scale * w1_scale and intermediate_scale * w2_scale)."""
     gemm = "w2" if second else "w1"
     if weights.format in (WeightFormat.BF16, WeightFormat.FP16):
         return getattr(weights, gemm), None, None
     if weights.format is WeightFormat.FP8_WEIGHT_ONLY:  # the per-expert FP32 scale goes where the global goes
         return getattr(weights, f"{gemm}_codes"), None, getattr(weights, f"{gemm}_scale")
+    if weights.format is WeightFormat.FP8_PER_TENSOR:
+        return getattr(weights, f"{gemm}_codes"), None, weights.fc2_factor if second else weights.fc1_factor
     return getattr(weights, f"{gemm}_codes"), getattr(weights, f"{gemm}_scales"), getattr(weights, f"{gemm}_global", None)
 
 
@@ -140,7 +147,8 @@ def gemm1(
 ) -> None:
     """GEMM1 + activation: inter_out [>= T k, Ip] (int16 storage of BF16/FP16 bits) for every routed slot.
 
-    x: BF16/FP16 [T, H], or NVFP4 codes uint8 [T, H/2] with x_scales float8_e4m3fn [T, H/16].
+    x: BF16/FP16 [T, H], or NVFP4 codes uint8 [T, H/2] with x_scales float8_e4m3fn [T, H/16], or E4M3 codes
+    [T, H] (per-tensor FP8; the kernel reads the intermediate's multiplier from weights.inter_multiplier).
     ids: packed int32 [T, k] (routing_code ROUTING_PACKED) or int32/int64 ids [T, k].
     """
     fmt = weights.format
@@ -161,7 +169,7 @@ def gemm1(
             np.int32(weights.intermediate_size), np.int32(weights.padded_intermediate), np.int32(weights.gated),
             np.int32(lpr), np.int32(rounds), np.int32(int(activation.kind)), np.float32(alpha), np.float32(beta),
             np.float32(limit),
-            ptr(inter_out, 16),
+            ptr(inter_out, 16), ptr(getattr(weights, "inter_multiplier", None), 4),
         ),
         extra_options=options,
     )

@@ -59,6 +59,7 @@ DECODERS = (
     (LowLatencyWeightCode.MXFP4, LowLatencyInputCode.FP16),
     (LowLatencyWeightCode.MXINT4, LowLatencyInputCode.BF16),
     (LowLatencyWeightCode.FP8, LowLatencyInputCode.FP16),
+    (LowLatencyWeightCode.FP8, LowLatencyInputCode.FP8),
 )
 
 
@@ -96,7 +97,8 @@ def test_module_variants_cover_every_call() -> None:
     asked = set()
     for fmt in WeightFormat:
         dtypes = {WeightFormat.BF16: (torch.bfloat16,), WeightFormat.FP16: (torch.float16,),
-                  WeightFormat.NVFP4_W_NVFP4_A: (None,)}.get(fmt, (torch.bfloat16, torch.float16))
+                  WeightFormat.NVFP4_W_NVFP4_A: (None,),
+                  WeightFormat.FP8_PER_TENSOR: (torch.float8_e4m3fn,)}.get(fmt, (torch.bfloat16, torch.float16))
         asked |= {(ll.weight_code(fmt), ll.input_code(fmt, d)) for d in dtypes}
     assert asked == set(ll.MODULE_VARIANTS)
     assert {w for w, _ in DECODERS} == set(LowLatencyWeightCode) and {i for _, i in DECODERS} == set(LowLatencyInputCode)
@@ -231,7 +233,7 @@ def test_wrappers_match_kernel_signatures(fmt: WeightFormat, monkeypatch: pytest
     assert launches[1][1][0] <= counters.numel()
     gemm1_names = ["x", "x_scales", "ids", "routing", "id_bytes", "num_tokens", "top_k", "num_experts", "w", "w_scales",
                    "w_global", "hidden", "inter", "inter_padded", "gated", "lanes", "rounds", "act", "alpha", "beta",
-                   "limit", "out"]
+                   "limit", "out", "inter_quant"]
     gemm1_args = dict(zip(gemm1_names, launches[0][3]))
     assert len(gemm1_names) == len(launches[0][3])
     assert (gemm1_args["lanes"], gemm1_args["rounds"], gemm1_args["gated"]) == (lpr1, rounds1, 1)

@@ -31,6 +31,7 @@ GRID = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=torch.float6
 BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
 WEIGHT_ONLY = (WeightFormat.NVFP4_WEIGHT_ONLY, WeightFormat.MXFP4_WEIGHT_ONLY, WeightFormat.MXINT4_WEIGHT_ONLY)
 FP8_WO = WeightFormat.FP8_WEIGHT_ONLY
+FP8_PT = WeightFormat.FP8_PER_TENSOR  # its own CPU tests: test_low_latency_fp8_per_tensor_cpu.py
 ALL_ARCHS = ("sm90", "sm100", "sm103", "sm107", "sm120")
 
 
@@ -69,6 +70,8 @@ def block_payloads(fmt: WeightFormat, gated: bool, seed: int = 0) -> tuple[torch
     n1 = (2 if gated else 1) * I
     if fmt is FP8_WO:
         return fp8_codes(gen, (E, n1, H)), fp8_scales(gen, E, H), fp8_codes(gen, (E, H, I)), fp8_scales(gen, E, I)
+    if fmt is FP8_PT:  # BF16 sources and the two calibration scales
+        return (*dense_weights(torch.bfloat16, gated, seed), 0.02, 0.01)
     block = 16 if fmt is WeightFormat.NVFP4_WEIGHT_ONLY else 32
     n1 = (2 if gated else 1) * I
     w1 = (_codes(gen, E, n1, H // 2), _scales(fmt, gen, E, n1, H // block))
@@ -87,6 +90,7 @@ def prepare(config: LowLatencyMoeConfig, fmt: WeightFormat, payloads: tuple, act
         WeightFormat.MXINT4_WEIGHT_ONLY: config.prepare_mxint4_weight_only_weights,
         WeightFormat.NVFP4_W_NVFP4_A: config.prepare_nvfp4_weights,
         FP8_WO: config.prepare_fp8_weight_only_weights,
+        FP8_PT: config.prepare_fp8_per_tensor_weights,
     }[fmt]
     return method(*payloads, activation=activation)
 
