@@ -182,12 +182,10 @@ class Nvfp4PairWeights(Nvfp4WeightOnlyWeights):
 
 
 @dataclass(frozen=True, eq=False)
-class Fp8WeightOnlyWeights(LowLatencyWeights):
-    """FP8 weight-only: E4M3 codes (float8_e4m3fn, one byte a value) and one FP32 scale per expert and GEMM.
-
-    w1_codes [E, N1p, H], w2_codes [E, H, Ip] (layout of DenseWeights); w1_scale, w2_scale float32 [E].
-    Dequantized weight = e4m3 * scale (the kernels multiply the FP32 sum by the scale, as the NVFP4 global).
-    """
+class E4m3Weights(LowLatencyWeights):
+    """E4M3 codes (float8_e4m3fn, one byte a value) and one FP32 scale per expert and GEMM, shared by the FP8
+    formats: w1_codes [E, N1p, H], w2_codes [E, H, Ip] (layout of DenseWeights); w1_scale, w2_scale float32 [E];
+    dequantized weight = e4m3 * scale."""
 
     w1_codes: torch.Tensor
     w1_scale: torch.Tensor
@@ -199,17 +197,23 @@ class Fp8WeightOnlyWeights(LowLatencyWeights):
         return self.w1_codes.shape[0]
 
     def canonical(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(w1 [E, N1, H], w1_scale [E], w2 [E, H, I], w2_scale [E]): the prepare method's argument order."""
+        """(w1 codes [E, N1, H], w1_scale [E], w2 codes [E, H, I], w2_scale [E]): the prepare method's argument
+        order for FP8 weight-only, the quantized weights for per-tensor FP8."""
         w1 = unpad_gemm1_rows(self.w1_codes, self.intermediate_size, self.padded_intermediate, self.gated)
         return w1, self.w1_scale, self.w2_codes[..., : self.intermediate_size], self.w2_scale
 
 
 @dataclass(frozen=True, eq=False)
-class Fp8PerTensorWeights(LowLatencyWeights):
+class Fp8WeightOnlyWeights(E4m3Weights):
+    """FP8 weight-only: the E4M3 codes and per-expert scales of E4m3Weights, nothing else (the kernels multiply
+    the FP32 sum by the scale, as the NVFP4 global)."""
+
+
+@dataclass(frozen=True, eq=False)
+class Fp8PerTensorWeights(E4m3Weights):
     """Per-tensor FP8: E4M3 weights and tokens with static calibration scales (``prepare_fp8_per_tensor_weights``).
 
-    w1_codes [E, N1p, H], w2_codes [E, H, Ip] (float8_e4m3fn, layout of DenseWeights); w1_scale, w2_scale
-    float32 [E]: each expert's dequantization scale per GEMM (weight = e4m3 * scale).
+    The codes and scales of E4m3Weights (each expert's dequantization scale per GEMM, weight = e4m3 * scale).
     input_scale, intermediate_scale: the static calibration scales (float32 values, as Python floats) of FC1's
     tokens and of FC2's input: x = e4m3 * input_scale, intermediate = e4m3 * intermediate_scale.
     Device tensors the kernels read at every call (so the scales stay live), all float32, each rounded once
@@ -221,25 +225,12 @@ class Fp8PerTensorWeights(LowLatencyWeights):
     (``prepare_fp8_per_tensor_activations``).
     """
 
-    w1_codes: torch.Tensor
-    w1_scale: torch.Tensor
-    w2_codes: torch.Tensor
-    w2_scale: torch.Tensor
     input_scale: float
     intermediate_scale: float
     input_multiplier: float
     fc1_factor: torch.Tensor
     fc2_factor: torch.Tensor
     inter_multiplier: torch.Tensor
-
-    @property
-    def num_experts(self) -> int:
-        return self.w1_codes.shape[0]
-
-    def canonical(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(w1 codes [E, N1, H], w1_scale [E], w2 codes [E, H, I], w2_scale [E]): the quantized weights."""
-        w1 = unpad_gemm1_rows(self.w1_codes, self.intermediate_size, self.padded_intermediate, self.gated)
-        return w1, self.w1_scale, self.w2_codes[..., : self.intermediate_size], self.w2_scale
 
 
 @dataclass(frozen=True, eq=False)

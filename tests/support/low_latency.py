@@ -19,10 +19,28 @@ import math
 
 import torch
 
-from cudnn_moe.activations import SiLU, SwiGLU
+from cudnn_moe.activations import (
+    GELU,
+    Activation,
+    GeGLU,
+    GeGLUTanh,
+    Identity,
+    ReLU,
+    ReLU2,
+    SiLU,
+    SiTU,
+    SwiGLU,
+    SwiGLUStep,
+)
 from cudnn_moe.low_latency import LowLatencyMoeConfig, WeightFormat
 from cudnn_moe.routing import Routing, pack_routing
 from cudnn_moe.weights.nvfp4 import Nvfp4Activations
+
+# The ten activations of the contract, with non-default parameters where they have some.
+ACTIVATIONS: tuple[Activation, ...] = (
+    Identity(), ReLU(), GELU(), SiLU(), ReLU2(),
+    SwiGLU(alpha=1.702, beta=1.0, limit=7.0), GeGLU(), GeGLUTanh(), SwiGLUStep(limit=2.0), SiTU(a=2.0, b=3.0),
+)
 
 FORMAT_CASES = [
     (WeightFormat.BF16, torch.bfloat16),

@@ -26,17 +26,10 @@ import pytest
 import torch
 
 from cudnn_moe.activations import (
-    GELU,
     Activation,
     GeGLU,
-    GeGLUTanh,
-    Identity,
-    ReLU,
-    ReLU2,
     SiLU,
-    SiTU,
     SwiGLU,
-    SwiGLUStep,
 )
 from cudnn_moe.low_latency import (
     LowLatencyMoeConfig,
@@ -47,6 +40,7 @@ from cudnn_moe.low_latency import (
 )
 from cudnn_moe.pipeline.workspaces import workspace_for
 from tests.support.low_latency import (
+    ACTIVATIONS,
     DEV,
     ROUTING_KINDS,
     TOP_K,
@@ -59,10 +53,6 @@ from tests.support.low_latency import (
 
 pytestmark = pytest.mark.gpu
 
-ACTIVATIONS: tuple[Activation, ...] = (
-    Identity(), ReLU(), GELU(), SiLU(), ReLU2(),
-    SwiGLU(alpha=1.702, beta=1.0, limit=7.0), GeGLU(), GeGLUTanh(), SwiGLUStep(limit=2.0), SiTU(a=2.0, b=3.0),
-)
 HIDDEN, INTER = 256, 96  # I = 96 pads to 128
 INPUT_SCALE = 4.0 / 448  # N(0, 1) tokens: |x| up to about 4
 INTERMEDIATE_SCALE = 8.0 / 448

@@ -18,17 +18,11 @@ import pytest
 import torch
 
 from cudnn_moe.activations import (
-    GELU,
     Activation,
     GeGLU,
-    GeGLUTanh,
-    Identity,
-    ReLU,
-    ReLU2,
     SiLU,
     SiTU,
     SwiGLU,
-    SwiGLUStep,
 )
 from cudnn_moe.weights.nvfp4 import Nvfp4Activations
 from cudnn_moe.low_latency import (
@@ -39,18 +33,14 @@ from cudnn_moe.low_latency import (
     low_latency_moe,
     reference_low_latency,
 )
-from cudnn_moe.routing import Routing, pack_routing
+from cudnn_moe.routing import Routing
 from tests.support.low_latency import (
-    DEV, E, FORMAT_CASES, ROUTING_KINDS, SHAPES, TOP_K, assert_close_to_reference, make_inputs, make_layer,
+    ACTIVATIONS, DEV, E, FORMAT_CASES, ROUTING_KINDS, SHAPES, TOP_K, assert_close_to_reference, make_inputs, make_layer,
     make_routing, nan_out, random_ids,
 )
 
 pytestmark = pytest.mark.gpu
 
-ACTIVATIONS: tuple[Activation, ...] = (
-    Identity(), ReLU(), GELU(), SiLU(), ReLU2(),
-    SwiGLU(alpha=1.702, beta=1.0, limit=7.0), GeGLU(), GeGLUTanh(), SwiGLUStep(limit=2.0), SiTU(a=2.0, b=3.0),
-)
 
 
 def _case_id(fmt: WeightFormat, x_dtype: torch.dtype) -> str:
