@@ -1,4 +1,6 @@
-"""The CUDA-core engine: every low-latency weight format on CUDA cores, the whole layer in two launches.
+"""The CUDA-core engine: every low-latency weight format on CUDA cores, the whole layer in two launches
+(DeepSeek FP8: three or four, its per-128 quantizations of the tokens and the intermediate being launches of
+their own, see ``_run_deepseek_fp8``).
 
 GEMM1 + activation into an intermediate workspace, then GEMM2 with the finalize folded into its last CTA
 per feature column (the raw output skips the finalize): cudnn_moe.engines.cuda_cores.kernels. The kernels

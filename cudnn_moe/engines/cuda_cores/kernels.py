@@ -2,12 +2,14 @@
 
 One NVRTC module per (weight format, token input) pair, compiled on first use with
 ``-DLL_WEIGHTS=<LowLatencyWeightCode> -DLL_INPUT=<LowLatencyInputCode>`` (codes from
-cudnn_moe.kernels.codes, so Python and CUDA share one definition). Two kernels:
+cudnn_moe.kernels.codes, so Python and CUDA share one definition). Two kernels (a third in DeepSeek FP8's module):
 
 - ``ll_gemm1``: GEMM1 + activation into the intermediate workspace [S, Ip] (S = T * top_k);
 - ``ll_gemm2``: GEMM2 into expert rows [S, H] (a workspace, or the caller's raw output), and for a
   finalized call the ordered FP32 combine into out [T, H] in the same launch (the last CTA of each
-  feature column does it), so a call is two launches.
+  feature column does it), so a call is two launches;
+- ``ll_quant128`` (DeepSeek FP8's module only): E4M3 codes and FP32 scales per 128 values of BF16 tokens or of
+  GEMM1's FP32 activation, launched before GEMM1 (BF16 tokens) and between the GEMMs.
 
 Every wrapper takes tensors whose shapes, dtypes, devices and alignment the caller has checked
 (cudnn_moe.low_latency.checks); they only derive the launch geometry and pack the arguments, so they

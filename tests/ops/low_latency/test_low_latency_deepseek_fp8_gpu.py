@@ -41,7 +41,6 @@ from cudnn_moe.activations import (
 )
 from cudnn_moe.formats.fp8 import quantize_fp8_act128
 from cudnn_moe.low_latency import (
-    DeepSeekFp8Activations,
     LowLatencyMoeConfig,
     RawOutput,
     deepseek_fp8_intermediate,
