@@ -11,7 +11,9 @@ the torch BF16 layer (torch._grouped_mm, captured in one CUDA graph; bench_moe.g
 256 MiB L2 flush. The weights are random (the kernels' speed does not depend on the values); the 4-bit
 formats get random codes and scales directly, the NVFP4 pair is built from random codes too (quantizing a
 DeepSeek-V3 float layer would take minutes and tens of GB), and so is the per-tensor FP8 record (random E4M3
-codes and scales; its tokens are quantized to E4M3 once, outside the timed call, as the NVFP4 pair's are).
+codes and scales; its tokens are quantized to E4M3 once, outside the timed call, as the NVFP4 pair's are) and
+the DeepSeek FP8 record (random E4M3 codes, FP32 block scales; its BF16 tokens are quantized per 128 values
+inside the timed call, which is part of that format's call).
 Usage: python benchmarks/bench_low_latency.py --help
 """
 
@@ -52,7 +54,7 @@ from cudnn_moe.arch import device_arch  # noqa: E402
 from cudnn_moe.low_latency import LowLatencyMoeConfig, LowLatencyWeights, WeightFormat, low_latency_moe  # noqa: E402
 from cudnn_moe.engines.base import OP_LOW_LATENCY, Request  # noqa: E402
 from cudnn_moe.engines.registry import choose  # noqa: E402
-from cudnn_moe.weights.low_latency import Fp8PerTensorWeights, Nvfp4PairWeights  # noqa: E402
+from cudnn_moe.weights.low_latency import DeepSeekFp8Weights, Fp8PerTensorWeights, Nvfp4PairWeights  # noqa: E402
 
 DEFAULT_TOKENS = (1, 2, 4, 8)
 FORMATS = tuple(f.value for f in WeightFormat)
@@ -66,8 +68,9 @@ BYTES_PER_WEIGHT = {
     WeightFormat.NVFP4_W_NVFP4_A: 0.5 + 1 / 16,
     WeightFormat.FP8_WEIGHT_ONLY: 1.0,  # E4M3 codes; the FP32 scale per expert is negligible
     WeightFormat.FP8_PER_TENSOR: 1.0,  # E4M3 codes; the per-expert FP32 factors are negligible
+    WeightFormat.DEEPSEEK_FP8: 1.0 + 4 / (128 * 128),  # E4M3 codes + one FP32 scale per 128 x 128 block
 }
-FP8_FORMATS = (WeightFormat.FP8_WEIGHT_ONLY, WeightFormat.FP8_PER_TENSOR)
+FP8_FORMATS = (WeightFormat.FP8_WEIGHT_ONLY, WeightFormat.FP8_PER_TENSOR, WeightFormat.DEEPSEEK_FP8)
 WEIGHT_ONLY_4BIT = (WeightFormat.NVFP4_WEIGHT_ONLY, WeightFormat.MXFP4_WEIGHT_ONLY, WeightFormat.MXINT4_WEIGHT_ONLY)
 
 
@@ -125,6 +128,13 @@ def prepare_format(
             format=fmt_, hidden_size=h, intermediate_size=i, padded_intermediate=i, gated=True, w1_codes=f1,
             w1_scale=s1, w2_codes=f2, w2_scale=s2, input_scale=1 / 32, intermediate_scale=1 / 64, input_multiplier=32.0,
             fc1_factor=s1 / 32, fc2_factor=s2 / 64, inter_multiplier=torch.full((1,), 64.0, device=dev))
+    if fmt_ is WeightFormat.DEEPSEEK_FP8:  # the record itself (no copy of a DeepSeek-V3 layer), random finite codes
+        f1, f2 = _random_codes((e, 2 * i, h), dev, gen), _random_codes((e, h, i), dev, gen)
+        f1, f2 = (torch.where((f & 0x7F) == 0x7F, f - 1, f).view(torch.float8_e4m3fn) for f in (f1, f2))
+        s1 = torch.full((e, 2 * i // 128, h // 128), 1 / (16 * h**0.5), device=dev)
+        s2 = torch.full((e, h // 128, i // 128), 1 / (16 * i**0.5), device=dev)
+        return DeepSeekFp8Weights(format=fmt_, hidden_size=h, intermediate_size=i, padded_intermediate=i, gated=True,
+                                  w1_codes=f1, w1_scales=s1, w2_codes=f2, w2_scales=s2)
     c1, c2 = _random_codes((e, 2 * i, h // 2), dev, gen), _random_codes((e, h, i // 2), dev, gen)
     if fmt_ in (WeightFormat.NVFP4_WEIGHT_ONLY, WeightFormat.NVFP4_W_NVFP4_A):
         s1 = (torch.rand(e, 2 * i, h // 16, device=dev, generator=gen) * 0.05 + 0.01).to(torch.float8_e4m3fn)

@@ -82,6 +82,7 @@ class WeightFormat(str, enum.Enum):
     NVFP4_W_NVFP4_A = "nvfp4_w_nvfp4_a"
     FP8_WEIGHT_ONLY = "fp8_weight_only"
     FP8_PER_TENSOR = "fp8_per_tensor"
+    DEEPSEEK_FP8 = "deepseek_fp8"
 
 
 @dataclass(frozen=True)

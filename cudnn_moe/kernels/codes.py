@@ -45,6 +45,7 @@ class LowLatencyWeightCode(enum.IntEnum):
     MXFP4 = 3  # E2M1 codes, E8M0 scales per 32
     MXINT4 = 4  # two's-complement INT4 codes, BF16 scales per 32
     FP8 = 5  # E4M3 codes, one FP32 scale per expert (as the global)
+    FP8_BLOCK = 6  # E4M3 codes, FP32 scales per 128 x 128 block (DeepSeek FP8)
 
 
 class LowLatencyInputCode(enum.IntEnum):
@@ -54,6 +55,7 @@ class LowLatencyInputCode(enum.IntEnum):
     FP16 = 1
     NVFP4 = 2  # packed E2M1 codes + linear E4M3 scales per 16 (global one), decoded exactly
     FP8 = 3  # E4M3 codes [T, H] of the per-tensor FP8 format (its input scale folded into the weights' factor)
+    FP8_BLOCK = 4  # E4M3 codes [T, H] with FP32 scales [T, H/128], one per 128 values (DeepSeek FP8)
 
 
 SORT_THREADS = 1024  # threads of the single moe_sort block

@@ -7,6 +7,8 @@ the caller's payloads bit-exact.
 
 from ..weights.low_latency import (
     BlockScaledWeights,
+    DeepSeekFp8Activations,
+    DeepSeekFp8Weights,
     DenseWeights,
     Fp8PerTensorActivations,
     Fp8PerTensorWeights,
@@ -21,9 +23,12 @@ from ..weights.low_latency import (
 from .config import MAX_NUM_TOKENS, MAX_TOP_K, LowLatencyMoeConfig
 from .op import RawOutput, low_latency_moe
 from .reference import (
+    DeepSeekFp8Intermediate,
     RawReference,
     combine_ordered_fp32,
+    deepseek_fp8_intermediate,
     reference_bf16,
+    reference_deepseek_fp8,
     fp8_per_tensor_intermediate,
     reference_fp8_per_tensor,
     reference_fp8_weight_only,
@@ -39,6 +44,9 @@ __all__ = [
     "MAX_NUM_TOKENS",
     "MAX_TOP_K",
     "BlockScaledWeights",
+    "DeepSeekFp8Activations",
+    "DeepSeekFp8Intermediate",
+    "DeepSeekFp8Weights",
     "DenseWeights",
     "Fp8PerTensorActivations",
     "Fp8PerTensorWeights",
@@ -53,8 +61,10 @@ __all__ = [
     "RawReference",
     "WeightFormat",
     "combine_ordered_fp32",
+    "deepseek_fp8_intermediate",
     "low_latency_moe",
     "reference_bf16",
+    "reference_deepseek_fp8",
     "fp8_per_tensor_intermediate",
     "reference_fp8_per_tensor",
     "reference_fp8_weight_only",

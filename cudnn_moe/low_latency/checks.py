@@ -10,6 +10,8 @@ from ..routing import Routing
 from ..validate import require_no_overlap, require_tensor
 from ..weights.low_latency import (
     BlockScaledWeights,
+    DeepSeekFp8Activations,
+    DeepSeekFp8Weights,
     DenseWeights,
     Fp8PerTensorActivations,
     Fp8PerTensorWeights,
@@ -32,8 +34,12 @@ def require_aligned(name: str, t: torch.Tensor) -> None:
 
 
 def check_inputs(inputs: object, weights: LowLatencyWeights) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(x, NVFP4 codes or E4M3 codes; NVFP4 scales or None) after the checks on ``inputs``."""
+    """(x, NVFP4 codes or E4M3 codes; NVFP4 or DeepSeek FP8 token scales, or None) after the checks on ``inputs``."""
     fmt, hidden = weights.format, weights.hidden_size
+    if fmt is WeightFormat.DEEPSEEK_FP8:
+        return _check_deepseek_inputs(inputs, hidden)
+    if isinstance(inputs, DeepSeekFp8Activations):
+        raise TypeError(f"inputs must fit {fmt.value} weights; DeepSeekFp8Activations are for DeepSeek FP8 weights")
     if fmt is WeightFormat.FP8_PER_TENSOR:
         if not isinstance(inputs, Fp8PerTensorActivations):
             raise TypeError("inputs must be the Fp8PerTensorActivations of config.prepare_fp8_per_tensor_activations() "
@@ -79,6 +85,39 @@ def check_inputs(inputs: object, weights: LowLatencyWeights) -> tuple[torch.Tens
     return x, None
 
 
+def _check_deepseek_inputs(inputs: object, hidden: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """DeepSeek FP8 tokens: BF16 [T, H] (the call quantizes them per 128 values), or the DeepSeekFp8Activations of
+    ``prepare_deepseek_fp8_activations`` (codes [T, H], FP32 scales [T, H/128]; their values are not read here)."""
+    if isinstance(inputs, DeepSeekFp8Activations):
+        codes = require_tensor("inputs.codes", inputs.codes, torch.float8_e4m3fn, rank=2)
+        scales = require_tensor("inputs.scales", inputs.scales, torch.float32, rank=2)
+        if codes.shape[1] != hidden:
+            raise ValueError(f"inputs.codes must be [T, {hidden}] to match the weights, got {tuple(codes.shape)}")
+        if tuple(scales.shape) != (codes.shape[0], hidden // 128):
+            raise ValueError(f"inputs.scales must be [{codes.shape[0]}, {hidden // 128}] (one per 128 values), "
+                             f"got {tuple(scales.shape)}")
+        if scales.device != codes.device:
+            raise ValueError(f"inputs.scales is on {scales.device} but inputs.codes is on {codes.device}")
+        for name, t in (("inputs.codes", codes), ("inputs.scales", scales)):
+            if not t.is_contiguous():
+                raise ValueError(f"{name} must be contiguous (row-major)")
+        require_aligned("inputs.codes", codes)
+        return codes, scales
+    if isinstance(inputs, torch.Tensor) and inputs.dtype is not torch.bfloat16:
+        raise TypeError(f"hidden_states must be torch.bfloat16 [T, H] (or DeepSeekFp8Activations) for DeepSeek FP8 "
+                        f"weights, got {inputs.dtype}")
+    if not isinstance(inputs, torch.Tensor):
+        raise TypeError("inputs must be a BF16 tensor [T, H] or the DeepSeekFp8Activations of "
+                        f"config.prepare_deepseek_fp8_activations() for DeepSeek FP8 weights, got {type(inputs).__name__}")
+    x = require_tensor("hidden_states", inputs, torch.bfloat16, rank=2)
+    if x.shape[1] != hidden:
+        raise ValueError(f"hidden_states must be [T, {hidden}] to match the weights, got {tuple(x.shape)}")
+    if not x.is_contiguous():
+        raise ValueError("hidden_states must be contiguous (row-major); call .contiguous() first")
+    require_aligned("hidden_states", x)
+    return x, None
+
+
 def weight_tensors(weights: LowLatencyWeights) -> tuple[torch.Tensor, ...]:
     if isinstance(weights, DenseWeights):
         return weights.w1, weights.w2
@@ -87,6 +126,8 @@ def weight_tensors(weights: LowLatencyWeights) -> tuple[torch.Tensor, ...]:
     if isinstance(weights, Fp8PerTensorWeights):
         return (weights.w1_codes, weights.fc1_factor, weights.w2_codes, weights.fc2_factor, weights.inter_multiplier,
                 weights.w1_scale, weights.w2_scale)
+    if isinstance(weights, DeepSeekFp8Weights):
+        return weights.w1_codes, weights.w1_scales, weights.w2_codes, weights.w2_scales
     if not isinstance(weights, BlockScaledWeights):
         raise TypeError(f"weights of format {weights.format.value} hold no tensors this op knows")
     return weights.w1_codes, weights.w1_scales, weights.w2_codes, weights.w2_scales
@@ -110,6 +151,9 @@ def check_call(
         raise ValueError(f"out_dtype must be torch.bfloat16 for the NVFP4 weight + NVFP4 activation pair, got {out_dtype!r}")
     if weights.format is WeightFormat.FP8_PER_TENSOR and out_dtype is not torch.bfloat16:
         raise ValueError(f"out_dtype must be torch.bfloat16 for per-tensor FP8 (BF16 expert and final outputs), "
+                         f"got {out_dtype!r}")
+    if weights.format is WeightFormat.DEEPSEEK_FP8 and out_dtype is not torch.bfloat16:
+        raise ValueError(f"out_dtype must be torch.bfloat16 for DeepSeek FP8 (BF16 expert and final outputs), "
                          f"got {out_dtype!r}")
     if not isinstance(finalize, bool):
         raise TypeError(f"finalize must be a bool, got {type(finalize).__name__}")

@@ -3,7 +3,7 @@
 Preparation keeps the caller's payloads bit-exact (copies, never requantized or cast) wherever the
 format is given already quantized, and pads I to a multiple of 128 with zero bytes (see
 ``cudnn_moe.weights.low_latency``). Only ``prepare_nvfp4_weights`` and ``prepare_fp8_per_tensor_weights``
-quantize, from a float source.
+quantize, from a float source; ``prepare_deepseek_fp8_weights`` keeps its E4M3 payloads and FP32 block scales.
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ from ..validate import (
     require_tensor,
 )
 from ..weights.low_latency import (
+    DeepSeekFp8Activations,
+    DeepSeekFp8Weights,
     DenseWeights,
     Fp8PerTensorActivations,
     Fp8PerTensorWeights,
@@ -47,6 +49,7 @@ WEIGHT_ONLY_HIDDEN_MULTIPLE = 128
 WEIGHT_ONLY_INTERMEDIATE_MULTIPLE = 32
 PAIR_HIDDEN_MULTIPLE = 512
 PAIR_INTERMEDIATE_MULTIPLE = 128
+DEEPSEEK_BLOCK = 128  # DeepSeek FP8: weight scales per 128 x 128 block, token and intermediate scales per 128
 
 _FLOAT_SOURCE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -437,6 +440,97 @@ class LowLatencyMoeConfig:
             input_scale=in_scale, intermediate_scale=mid_scale, input_multiplier=input_multiplier,
             fc1_factor=fc1_factor.contiguous(), fc2_factor=fc2_factor.contiguous(), inter_multiplier=inter_multiplier,
         )
+
+    # ------------------------------------------------------------------ DeepSeek FP8
+    def prepare_deepseek_fp8_weights(
+        self,
+        w1: torch.Tensor,
+        w1_scale: torch.Tensor,
+        w2: torch.Tensor,
+        w2_scale: torch.Tensor,
+        *,
+        activation: Activation | str = SwiGLU(),
+    ) -> DeepSeekFp8Weights:
+        """Keep DeepSeek-style FP8 weights as given: E4M3 codes and their FP32 scales per 128 x 128 block, copied
+        bit for bit (never requantized, rescaled or cast).
+
+        w1 float8_e4m3fn [E, N1, H] (N1 = 2I rows [up; gate] gated, else I), w1_scale float32 [E, ceil(N1/128),
+        ceil(H/128)]; w2 float8_e4m3fn [E, H, I], w2_scale float32 [E, ceil(H/128), ceil(I/128)]. Weight
+        [e, n, k] = e4m3 * scale[e, n // 128, k // 128]. H and I must be multiples of 128 (so the ceilings are
+        exact and nothing is padded). Scales must be finite and positive; E4M3 NaN codes (0x7F / 0xFF) are
+        refused (both checks read the data: preparation, not the serving path). Errors name the argument:
+        TypeError for a non-tensor or a wrong dtype, ValueError for a wrong shape, size, device or value.
+
+        The call's numerics (``reference_deepseek_fp8`` states them step by step): tokens quantized per 128
+        values (or given so, ``prepare_deepseek_fp8_activations``), FC1 as FP32 sums of exact code products
+        scaled per 128-K block by the product of the two block scales, FP32 preactivation and activation, the
+        intermediate quantized per 128 values to E4M3 before FC2, FC2 likewise, BF16 expert rows, ordered FP32
+        combine rounded to BF16 (BF16 output only).
+        """
+        self.require_format(self.target_arch(), WeightFormat.DEEPSEEK_FP8)
+        act = parse_activation(activation)
+        experts, hidden, intermediate = _check_pair("w1", w1, "w2", w2, torch.float8_e4m3fn)
+        require_multiple("hidden size (w2.shape[1])", hidden, DEEPSEEK_BLOCK)
+        require_multiple("intermediate size (w2.shape[2])", intermediate, DEEPSEEK_BLOCK)
+        if w1.shape[2] != hidden:
+            raise ValueError(f"w1 must be [E, N1, H] with H = {hidden} (from w2 [E, H, I]), got {tuple(w1.shape)}")
+        require_gemm1_rows("w1", w1.shape[1], act, intermediate)
+        device = w1.device
+        blocks = lambda n: -(-n // DEEPSEEK_BLOCK)  # noqa: E731
+        w1_scale = _check_scales("w1_scale", w1_scale, torch.float32,
+                                 (experts, blocks(w1.shape[1]), blocks(hidden)), device)
+        w2_scale = _check_scales("w2_scale", w2_scale, torch.float32, (experts, blocks(hidden), blocks(intermediate)),
+                                 device)
+        require_positive_finite("w1_scale", w1_scale)
+        require_positive_finite("w2_scale", w2_scale)
+        _require_no_e4m3_nan("w1", w1)
+        _require_no_e4m3_nan("w2", w2)
+        copy = {"memory_format": torch.contiguous_format}
+        return DeepSeekFp8Weights(
+            format=WeightFormat.DEEPSEEK_FP8, hidden_size=hidden, intermediate_size=intermediate,
+            padded_intermediate=intermediate, gated=act.gated,
+            w1_codes=w1.clone(**copy), w1_scales=w1_scale.clone(**copy),
+            w2_codes=w2.clone(**copy), w2_scales=w2_scale.clone(**copy),
+        )
+
+    def prepare_deepseek_fp8_activations(
+        self, codes: torch.Tensor, scales: torch.Tensor, weights: DeepSeekFp8Weights | None = None
+    ) -> DeepSeekFp8Activations:
+        """Prequantized DeepSeek FP8 tokens, kept as given (the same tensors, not copied, so a captured call reads
+        whatever they hold at replay): codes float8_e4m3fn [T, H], scales float32 [T, H/128], x[t, k] = e4m3 *
+        scales[t, k // 128]; T <= max_num_tokens, H a multiple of 128, both contiguous on one device, codes
+        16-byte aligned. The scales must be finite and positive and the codes free of NaN (0x7F / 0xFF): this
+        reads them (a device sync), so check once here; the call itself reads no data and re-checks only
+        types, shapes and layout. weights: optional, to check H and the device against them.
+
+        BF16 tokens need no preparation: pass them to the call as they are, and it quantizes them per 128
+        values on the GPU (``cudnn_moe.formats.quantize_fp8_act128`` numerics)."""
+        codes = require_tensor("codes", codes, torch.float8_e4m3fn, rank=2)
+        scales = require_tensor("scales", scales, torch.float32, rank=2)
+        tokens, hidden = codes.shape
+        require_multiple("hidden size (codes.shape[1])", hidden, DEEPSEEK_BLOCK)
+        if tokens > self.max_num_tokens:
+            raise ValueError(f"codes hold {tokens} tokens, more than max_num_tokens={self.max_num_tokens}")
+        if tuple(scales.shape) != (tokens, hidden // DEEPSEEK_BLOCK):
+            raise ValueError(f"scales must be [{tokens}, {hidden // DEEPSEEK_BLOCK}] (one per 128 values of codes), "
+                             f"got {tuple(scales.shape)}")
+        if scales.device != codes.device:
+            raise ValueError(f"scales is on {scales.device} but codes is on {codes.device}")
+        if weights is not None:
+            if not isinstance(weights, DeepSeekFp8Weights):
+                raise TypeError(f"weights must be DeepSeekFp8Weights, got {type(weights).__name__}")
+            if hidden != weights.hidden_size:
+                raise ValueError(f"codes must be [T, {weights.hidden_size}] to match the weights, got {tuple(codes.shape)}")
+            if codes.device != weights.w1_codes.device:
+                raise ValueError(f"codes is on {codes.device} but the weights are on {weights.w1_codes.device}")
+        for name, t in (("codes", codes), ("scales", scales)):
+            if not t.is_contiguous():
+                raise ValueError(f"{name} must be contiguous (row-major)")
+        if codes.data_ptr() % 16:
+            raise ValueError("codes must start at a 16-byte aligned address: pass a fresh or .clone()d tensor")
+        require_positive_finite("scales", scales)
+        _require_no_e4m3_nan("codes", codes)
+        return DeepSeekFp8Activations(codes, scales)
 
     def prepare_fp8_per_tensor_activations(
         self, hidden_states: torch.Tensor, weights: Fp8PerTensorWeights

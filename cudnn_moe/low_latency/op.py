@@ -26,6 +26,12 @@ Numerics are those of cudnn_moe.low_latency.reference, rounding point for roundi
   multiplier 1 / intermediate_scale, rounded once to E4M3 (nearest even, saturating at +-448) inside the
   GEMM1 kernel (the intermediate workspace holds those E4M3 values, unscaled, exactly as BF16); GEMM2's FP32
   sum times intermediate_scale * w2_scale, rounded to BF16 (BF16 output only);
+- DeepSeek FP8 (E4M3 weights with FP32 128 x 128 block scales): BF16 tokens quantized per 128 values on the
+  GPU (scale fp32(amax / 448), codes e4m3(fp32(x / scale)); or prequantized codes and scales used as given);
+  GEMM1's FP32 sums of exact code products scaled per 128-K block by fp32(token scale * weight scale), kept in
+  FP32 (no preactivation rounding); the activation in FP32, kept unrounded; the intermediate quantized per 128
+  values the same way (a launch of its own between the GEMMs: four launches for BF16 tokens, three for
+  prequantized ones); GEMM2 likewise, rows rounded to BF16 (BF16 output only);
 - expert rows (GEMM2 in FP32) rounded to ``out_dtype``;
 - finalize: per token, in slot order, acc = fp32(acc + fp32(w * row)) (separate multiply and add),
   rounded once to ``out_dtype``; packed route weights are their BF16 values.
@@ -56,7 +62,7 @@ from ..engines.registry import choose
 from ..pipeline.lifetime import release_deferred
 from ..pipeline.workspaces import workspace_for
 from ..routing import Routing
-from ..weights.low_latency import Fp8PerTensorActivations, LowLatencyWeights
+from ..weights.low_latency import DeepSeekFp8Activations, Fp8PerTensorActivations, LowLatencyWeights
 from ..weights.nvfp4 import Nvfp4Activations
 from . import grouped
 from .checks import (
@@ -82,7 +88,7 @@ class RawOutput(NamedTuple):
 
 def low_latency_moe(
     config: LowLatencyMoeConfig,
-    inputs: torch.Tensor | Nvfp4Activations | Fp8PerTensorActivations,
+    inputs: torch.Tensor | Nvfp4Activations | Fp8PerTensorActivations | DeepSeekFp8Activations,
     weights: LowLatencyWeights,
     routing: Routing,
     *,
@@ -98,12 +104,14 @@ def low_latency_moe(
     inputs: hidden states [T, H], BF16 or FP16 (BF16 for BF16 weights, FP16 for FP16 weights; either
         for the 4-bit and FP8 weight-only formats), 16-byte aligned and contiguous; for the NVFP4 pair the
         Nvfp4Activations of ``config.prepare_nvfp4_activations``; for per-tensor FP8 weights the
-        Fp8PerTensorActivations of ``config.prepare_fp8_per_tensor_activations`` (quantized with those weights).
+        Fp8PerTensorActivations of ``config.prepare_fp8_per_tensor_activations`` (quantized with those weights);
+        for DeepSeek FP8 weights BF16 [T, H] (quantized per 128 values inside the call) or the
+        DeepSeekFp8Activations of ``config.prepare_deepseek_fp8_activations`` (E4M3 codes and FP32 scales).
     weights: from one of the config's prepare methods (any format of ``weights.format``).
     routing: ``Routing.packed`` or ``Routing.unpacked`` [T, top_k], top_k <= 32, on the same device.
     activation: one of the ten typed activations (gated iff the weights were prepared gated).
-    out_dtype: torch.bfloat16 or torch.float16 (the expert rows and the output; BF16 only for the pair and for
-        per-tensor FP8).
+    out_dtype: torch.bfloat16 or torch.float16 (the expert rows and the output; BF16 only for the pair, for
+        per-tensor FP8 and for DeepSeek FP8).
     finalize: True returns out_dtype [T, H], the route-weighted sum; False returns the raw per-slot
         rows out_dtype [T, top_k, H] (row (t, j) is slot j of token t; zero rows for unrouted slots).
     out: optional destination of that shape and dtype (contiguous, 16-byte aligned, same device,

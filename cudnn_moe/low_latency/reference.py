@@ -30,6 +30,15 @@ and every product of two is exact in FP32 and float64):
    even, saturating at +-448), kept as its unscaled E4M3 value (what the GPU's intermediate workspace holds);
 3. r = fp32(sum_i q[i] * w2q[e, h, i] * fc2_factor[e]) rounded to BF16, fc2_factor[e] =
    fp32(intermediate_scale * w2_scale[e]); step 4 as above, BF16 output only.
+
+DeepSeek FP8 (``reference_deepseek_fp8``) likewise, with scales per 128 values (block b = k // 128):
+0. tokens: BF16 x quantized per 128 values, s_x[t, b] = fp32(amax / 448) (1.0 for an all-zero block) and
+   xq = e4m3(fp32(x / s_x)) (``cudnn_moe.formats.quantize_fp8_act128``), or prequantized codes and scales as given;
+1. h[n] = fp32(sum_b P1[b] * fp32(s_x[t, b] * s_w1[e, n // 128, b])), P1[b] the exact sum of the block's code
+   products; h stays FP32 (no preactivation rounding);
+2. y = fp32(activation(h)) (float64 activation); per 128 values of y: s_y = fp32(amax / 448) (1.0 for zero),
+   yq = e4m3(fp32(y / s_y));
+3. r[h] = fp32(sum_b P2[b] * fp32(s_y[b] * s_w2[e, h // 128, b])) rounded to BF16; step 4 as above, BF16 only.
 """
 
 from __future__ import annotations
@@ -40,10 +49,13 @@ import torch
 
 from ..activations import Activation, ActivationKind, parse_activation
 from ..formats import dequantize_mxfp4, dequantize_mxint4, dequantize_nvfp4
+from ..formats.fp8 import quantize_fp8_act128
 from ..formats.blocks import to_e4m3
 from ..routing import Routing
 from ..validate import require_tensor
 from ..weights.low_latency import (
+    DeepSeekFp8Activations,
+    DeepSeekFp8Weights,
     DenseWeights,
     Fp8PerTensorActivations,
     Fp8PerTensorWeights,
@@ -373,6 +385,137 @@ def fp8_per_tensor_intermediate(
     return _fp8_per_tensor(activations, weights, routing, activation, torch.bfloat16, True, None)[3]
 
 
+@dataclass(frozen=True, eq=False)
+class DeepSeekFp8Intermediate:
+    """Step 2 of ``reference_deepseek_fp8`` for every slot (zero for unrouted slots):
+    activation float32 [T, k, I] (y before quantization), codes float8_e4m3fn [T, k, I] and scales float32
+    [T, k, I/128] (y ~ codes * scales)."""
+
+    activation: torch.Tensor
+    codes: torch.Tensor
+    scales: torch.Tensor
+
+
+def _block_sums(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a [m, K], b [n, K] (float64, K % 128 == 0) -> [m, n, K/128]: the exact per-128-block dot products."""
+    m, n, k = a.shape[0], b.shape[0], a.shape[1]
+    return torch.einsum("mbk,nbk->mnb", a.reshape(m, k // 128, 128), b.reshape(n, k // 128, 128))
+
+
+def _scaled_sum(partials: torch.Tensor, x_scales: torch.Tensor, w_scales: torch.Tensor) -> torch.Tensor:
+    """partials [m, n, nb] (float64), x_scales float32 [m, nb], w_scales float32 [n_blocks, nb] (weight row n's in
+    row n // 128) -> float32 [m, n]: fp32(sum_b partial * fp32(x_scale * w_scale))."""
+    rows = w_scales.repeat_interleave(128, dim=0)[: partials.shape[1]]  # [n, nb]
+    factor = (x_scales.float()[:, None, :] * rows.float()[None]).double()  # one FP32 product, as the kernel
+    return (partials * factor).sum(-1).float()
+
+
+def _deepseek_fp8(
+    inputs: object, weights: object, routing: object, activation: ActivationArg, out_dtype: object, finalize: object,
+    intermediate: DeepSeekFp8Intermediate | tuple[torch.Tensor, torch.Tensor] | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, DeepSeekFp8Intermediate]:
+    """(rows bf16 [T, k, H], route weights, mask, step 2) of DeepSeek FP8."""
+    if not isinstance(weights, DeepSeekFp8Weights):
+        raise TypeError(f"weights must be DeepSeekFp8Weights (prepare_deepseek_fp8_weights), got {type(weights).__name__}")
+    if out_dtype is not torch.bfloat16:
+        raise ValueError(f"out_dtype must be torch.bfloat16 for DeepSeek FP8, got {out_dtype!r}")
+    if not isinstance(finalize, bool):
+        raise TypeError(f"finalize must be a bool, got {type(finalize).__name__}")
+    hidden, inter = weights.hidden_size, weights.intermediate_size
+    if isinstance(inputs, DeepSeekFp8Activations):
+        codes = require_tensor("inputs.codes", inputs.codes, torch.float8_e4m3fn, rank=2)
+        x_scales = require_tensor("inputs.scales", inputs.scales, torch.float32, rank=2)
+        if codes.shape[1] != hidden or tuple(x_scales.shape) != (codes.shape[0], hidden // 128):
+            raise ValueError(f"inputs must be codes [T, {hidden}] and scales [T, {hidden // 128}], got "
+                             f"{tuple(codes.shape)} and {tuple(x_scales.shape)}")
+        if not bool((torch.isfinite(x_scales) & (x_scales > 0)).all()):
+            raise ValueError("inputs.scales must be finite and positive")
+    elif isinstance(inputs, torch.Tensor):
+        x = require_tensor("hidden_states", inputs, torch.bfloat16, rank=2)
+        if x.shape[1] != hidden:
+            raise ValueError(f"hidden_states must be [T, {hidden}], got {tuple(x.shape)}")
+        codes, x_scales = quantize_fp8_act128(x)
+    else:
+        raise TypeError(f"inputs must be a BF16 tensor or DeepSeekFp8Activations, got {type(inputs).__name__}")
+    if codes.shape[0] > MAX_NUM_TOKENS:
+        raise ValueError(f"inputs hold {codes.shape[0]} tokens; the low-latency config takes at most {MAX_NUM_TOKENS}")
+    act = parse_activation(activation)
+    if act.gated != weights.gated:
+        kind = "gated" if weights.gated else "non-gated"
+        raise ValueError(f"activation {type(act).__name__} does not fit the {kind} weights")
+    w1q, w1s, w2q, w2s = weights.canonical()
+    w1, w2, xq = w1q.double(), w2q.double(), codes.double()
+    if xq.device != w1.device:
+        raise ValueError(f"the input is on {xq.device} but the weights are on {w1.device}")
+    num_tokens = xq.shape[0]
+    ids, route_weights, mask = _routing(routing, num_tokens, w1.shape[0], w1.device, False)
+    if intermediate is not None:
+        given_codes, given_scales = (intermediate.codes, intermediate.scales) if isinstance(
+            intermediate, DeepSeekFp8Intermediate) else intermediate
+        given_codes = require_tensor("intermediate codes", given_codes, torch.float8_e4m3fn, rank=3)
+        given_scales = require_tensor("intermediate scales", given_scales, torch.float32, rank=3)
+        if tuple(given_codes.shape) != (*ids.shape, inter) or tuple(given_scales.shape) != (*ids.shape, inter // 128):
+            raise ValueError(f"intermediate must be codes [T, k, {inter}] and scales [T, k, {inter // 128}], got "
+                             f"{tuple(given_codes.shape)} and {tuple(given_scales.shape)}")
+    shape = (num_tokens, ids.shape[1])
+    rows = torch.zeros(*shape, hidden, dtype=torch.bfloat16, device=xq.device)
+    y_all = torch.zeros(*shape, inter, dtype=torch.float32, device=xq.device)
+    yq_all = torch.zeros(*shape, inter, dtype=torch.float8_e4m3fn, device=xq.device)
+    ys_all = torch.ones(*shape, inter // 128, dtype=torch.float32, device=xq.device)
+    for expert in range(w1.shape[0]):
+        tokens, slots = ((ids == expert) & mask).nonzero(as_tuple=True)
+        if not tokens.numel():
+            continue
+        h = _scaled_sum(_block_sums(xq[tokens], w1[expert]), x_scales[tokens], w1s[expert])  # FP32 preactivation
+        y = act.apply_gemm1(h.double()).float()
+        yq, ys = quantize_fp8_act128(y)
+        y_all[tokens, slots], yq_all[tokens, slots], ys_all[tokens, slots] = y, yq, ys
+        if intermediate is not None:
+            yq, ys = given_codes[tokens, slots], given_scales[tokens, slots]
+        r = _scaled_sum(_block_sums(yq.double(), w2[expert]), ys, w2s[expert])
+        rows[tokens, slots] = r.to(torch.bfloat16)
+    return rows, route_weights, mask, DeepSeekFp8Intermediate(y_all, yq_all, ys_all)
+
+
+def reference_deepseek_fp8(
+    inputs: torch.Tensor | DeepSeekFp8Activations, weights: DeepSeekFp8Weights, routing: Routing,
+    activation: ActivationArg, *, out_dtype: torch.dtype = torch.bfloat16, finalize: bool = True,
+    intermediate: DeepSeekFp8Intermediate | tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor | RawReference:
+    """DeepSeek FP8: E4M3 weights with FP32 128 x 128 block scales (``prepare_deepseek_fp8_weights``), tokens BF16
+    [T, H] or prequantized (``DeepSeekFp8Activations``). Rounding points, per routed slot (token t, expert e),
+    blocks b of 128 values along K:
+
+    0. BF16 tokens: s_x[t, b] = fp32(amax / 448) (1.0 for an all-zero block), xq = e4m3(fp32(x / s_x)), nearest
+       even, saturating at +-448 (``quantize_fp8_act128``); prequantized tokens: their codes and scales;
+    1. preactivation h[n] = fp32(sum_b P[b] * fp32(s_x[t, b] * s_w1[e, n // 128, b])): P[b] is the exact sum of
+       the block's 128 code products (exact in float64), each block's factor one FP32 product; h is FP32;
+    2. activation of h in float64, rounded to FP32 (y); per 128 values of y: s_y = fp32(amax / 448) (1.0 for an
+       all-zero block), yq = e4m3(fp32(y / s_y));
+    3. expert row r[h] = fp32(sum_b P2[b] * fp32(s_y[b] * s_w2[e, h // 128, b])) rounded to BF16;
+    4. finalize: ordered FP32 combine (separate multiply and add), rounded to BF16.
+
+    The GPU sums in FP32 (each lane's 16 products of a 128-block chunk, then the scaled chunks): only that order
+    differs. ``out_dtype`` must be BF16. intermediate: optional codes [T, k, I] and scales [T, k, I/128] (or a
+    DeepSeekFp8Intermediate) that replace step 2's for every routed slot, e.g. the GPU's, so GEMM2 and the combine
+    can be checked apart from a rare E4M3 flip in step 2 (``deepseek_fp8_intermediate`` gives step 2).
+    Returns BF16 [T, H], or a RawReference (rows [T, k, H]).
+    """
+    rows, route_weights, mask, _ = _deepseek_fp8(inputs, weights, routing, activation, out_dtype, finalize,
+                                                 intermediate)
+    if not finalize:
+        return RawReference(rows=rows, weights=route_weights, mask=mask)
+    return combine_ordered_fp32(rows, route_weights, mask, torch.bfloat16)
+
+
+def deepseek_fp8_intermediate(
+    inputs: torch.Tensor | DeepSeekFp8Activations, weights: DeepSeekFp8Weights, routing: Routing,
+    activation: ActivationArg,
+) -> DeepSeekFp8Intermediate:
+    """Step 2 of ``reference_deepseek_fp8`` for every slot: the FP32 activation and its per-128 E4M3 codes and scales."""
+    return _deepseek_fp8(inputs, weights, routing, activation, torch.bfloat16, True, None)[3]
+
+
 def reference_low_latency(
     inputs: torch.Tensor | Nvfp4Activations | Fp8PerTensorActivations, weights: LowLatencyWeights, routing: Routing, activation: ActivationArg,
     *, out_dtype: torch.dtype = torch.bfloat16, finalize: bool = True,
@@ -394,4 +537,5 @@ _BY_FORMAT = {
     WeightFormat.NVFP4_W_NVFP4_A: reference_nvfp4_pair,
     WeightFormat.FP8_WEIGHT_ONLY: reference_fp8_weight_only,
     WeightFormat.FP8_PER_TENSOR: reference_fp8_per_tensor,
+    WeightFormat.DEEPSEEK_FP8: reference_deepseek_fp8,
 }

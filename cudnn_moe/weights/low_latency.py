@@ -234,6 +234,47 @@ class Fp8PerTensorWeights(E4m3Weights):
 
 
 @dataclass(frozen=True, eq=False)
+class DeepSeekFp8Weights(LowLatencyWeights):
+    """DeepSeek FP8: E4M3 weights with FP32 dequantization scales per 128 x 128 block, copied bit for bit.
+
+    w1_codes float8_e4m3fn [E, N1, H] (N1 = 2I rows [up; gate] gated, else I), w1_scales float32
+    [E, N1 / 128, H / 128]; w2_codes [E, H, I], w2_scales float32 [E, H / 128, I / 128]. Weight [e, n, k] =
+    e4m3 * scales[e, n // 128, k // 128]. H and I are multiples of 128, so nothing is padded (Ip = I) and a
+    128-row block never straddles the up and gate halves.
+    """
+
+    w1_codes: torch.Tensor
+    w1_scales: torch.Tensor
+    w2_codes: torch.Tensor
+    w2_scales: torch.Tensor
+
+    @property
+    def num_experts(self) -> int:
+        return self.w1_codes.shape[0]
+
+    def canonical(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(w1 [E, N1, H], w1_scales, w2 [E, H, I], w2_scales): the prepare method's arguments, as stored."""
+        return self.w1_codes, self.w1_scales, self.w2_codes, self.w2_scales
+
+
+@dataclass(frozen=True, eq=False)
+class DeepSeekFp8Activations:
+    """Prequantized tokens of the DeepSeek FP8 format: codes float8_e4m3fn [T, H] and FP32 scales [T, H / 128]
+    (x[t, k] = e4m3 * scales[t, k // 128]), kept as given (``prepare_deepseek_fp8_activations`` checks them)."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+
+    @property
+    def num_tokens(self) -> int:
+        return self.codes.shape[0]
+
+    @property
+    def hidden_size(self) -> int:
+        return self.codes.shape[1]
+
+
+@dataclass(frozen=True, eq=False)
 class Fp8PerTensorActivations:
     """Tokens of the per-tensor FP8 format: codes float8_e4m3fn [T, H], x = e4m3 * input_scale (the weights'
     static input scale, kept here so the call can refuse tokens quantized for other weights)."""

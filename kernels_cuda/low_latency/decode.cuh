@@ -102,6 +102,16 @@ __device__ __forceinline__ float e4m3_round(float f) {
   return copysignf(fminf(r, 448.0f), f);
 }
 
+// The float8_e4m3fn byte of r, an E4M3 value (e4m3_round's result: +-0, subnormal multiples of 2^-9 below 2^-6,
+// normals with 3 mantissa bits up to 448); NaN gives 0x7F (with r's sign bit). Integer work, any arch and the host.
+__device__ __forceinline__ u32 e4m3_code(float r) {
+  const u32 b = __float_as_uint(r), sign = (b >> 24) & 0x80u;
+  const float a = fabsf(r);
+  if (!(a == a)) return sign | 0x7Fu;
+  if (a < 0.015625f) return sign | static_cast<u32>(a * 512.0f);  // 0..7, exact
+  return sign | ((((b >> 23) & 0xFFu) - 120u) << 3) | ((b >> 20) & 7u);  // E4M3 exponent bias 7 = FP32's 127 - 120
+}
+
 // E8M0 scale byte: 2^(b - 127); b = 0 is 2^-127 (an FP32 subnormal), b = 255 is NaN.
 __device__ __forceinline__ float e8m0_to_float(u32 b) {
   return b == 255u ? __uint_as_float(0x7FC00000u) : (b == 0u ? __uint_as_float(0x00400000u) : __uint_as_float(b << 23));

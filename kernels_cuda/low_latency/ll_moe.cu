@@ -1,8 +1,11 @@
 // Low-latency routed MoE (1..8 tokens per call, contract 004): a pure weight stream on CUDA cores.
 //
 // One module per (weight format, token input) pair, chosen at compile time:
-//   -DLL_WEIGHTS=LL_WEIGHTS_{BF16,FP16,NVFP4,MXFP4,MXINT4,FP8}  -DLL_INPUT=LL_INPUT_{BF16,FP16,NVFP4,FP8}
-// (LL_INPUT_FP8 only with LL_WEIGHTS_FP8: the per-tensor FP8 format, E4M3 tokens and weights)
+//   -DLL_WEIGHTS=LL_WEIGHTS_{BF16,FP16,NVFP4,MXFP4,MXINT4,FP8,FP8_BLOCK}
+//   -DLL_INPUT=LL_INPUT_{BF16,FP16,NVFP4,FP8,FP8_BLOCK}
+// (LL_INPUT_FP8 only with LL_WEIGHTS_FP8: the per-tensor FP8 format, E4M3 tokens and weights; LL_WEIGHTS_FP8_BLOCK
+// only with LL_INPUT_FP8_BLOCK: DeepSeek FP8, E4M3 tokens and intermediate with FP32 scales per 128 values, E4M3
+// weights with FP32 scales per 128 x 128 block; that module has a third kernel, ll_quant128, see below)
 // (values from cudnn_moe.kernels.codes; cudnn_moe.low_latency.kernels picks them). Two kernels, two
 // launches per call (each launch in a CUDA graph costs microseconds at this size):
 //
@@ -47,6 +50,12 @@
 //    (read from inter_quant), rounded once to E4M3 (nearest even, saturating at +-448: e4m3_round); the
 //    workspace holds that E4M3 value unscaled, exactly, as BF16, and GEMM2 multiplies its FP32 sum by the
 //    factor intermediate_scale * w2_scale before the BF16 rounding of the rows)
+//   (DeepSeek FP8, LL_WEIGHTS_FP8_BLOCK: tokens arrive as E4M3 codes with an FP32 scale per 128 values, from
+//    ll_quant128 for BF16 tokens; each lane's FP32 sum of the 16 exact code products of a chunk (inside one
+//    128-K block) is multiplied by fp32(weight block scale * token block scale) and added in FP32 (one FMA);
+//    the preactivation stays FP32, the activation is FP32 and GEMM1 writes it unrounded to an FP32 workspace;
+//    ll_quant128 then quantizes it per 128 values (scale fp32(amax / 448), 1.0 for an all-zero block; codes
+//    e4m3(fp32(y / scale))) and GEMM2 runs as GEMM1 on those codes and scales, its FP32 sum rounded to BF16)
 //   expert rows    FP32 sum -> output dtype (BF16 or FP16, a run-time argument)
 //   combine        ordered separate FP32 multiply and add, rounded once to the output dtype
 //
@@ -72,19 +81,22 @@ namespace ll {
 
 constexpr bool W16 = LL_WEIGHTS == LL_WEIGHTS_BF16 || LL_WEIGHTS == LL_WEIGHTS_FP16;
 constexpr bool FP8W = LL_WEIGHTS == LL_WEIGHTS_FP8;                  // E4M3 codes, one FP32 scale per expert
+constexpr bool FP8B = LL_WEIGHTS == LL_WEIGHTS_FP8_BLOCK;            // E4M3 codes, FP32 scales per 128 x 128 block
+constexpr bool E4M3W = FP8W || FP8B;                                 // one byte a weight
 constexpr bool UNSCALED = W16 || FP8W;                               // no block scales along K
 constexpr bool HAS_GLOBAL = LL_WEIGHTS == LL_WEIGHTS_NVFP4 || FP8W;  // an FP32 factor per expert on the sums
-constexpr int WORDS = W16 ? 1 : FP8W ? 2 : 4;                        // 8-value words per 16-byte chunk
+constexpr int WORDS = W16 ? 1 : E4M3W ? 2 : 4;                       // 8-value words per 16-byte chunk
 constexpr int VALUES = 8 * WORDS;                                    // K values per 16-byte chunk
 // Words per scale block (4-bit; the unscaled formats: the whole chunk), and scale blocks per chunk.
-constexpr int GROUP_WORDS = UNSCALED ? WORDS : LL_WEIGHTS == LL_WEIGHTS_NVFP4 ? 2 : 4;
+// DeepSeek FP8: a chunk (16 values) lies inside one 128-K block, so its scale covers the whole chunk.
+constexpr int GROUP_WORDS = UNSCALED || FP8B ? WORDS : LL_WEIGHTS == LL_WEIGHTS_NVFP4 ? 2 : 4;
 constexpr int GROUPS = WORDS / GROUP_WORDS;
 // Chunks per row in flight per lane: 4 for 16-bit weights (8 values a chunk), 2 for 4-bit ones (32 values),
 // one for 4-bit weights shared by 3 or 4 tokens, whose sums would push the registers past 128 (the budget
 // of two CTAs per SM).
 template <int NT>
 // FP8 (16 values a chunk) keeps 4 chunks in flight, 2 from 4 tokens on.
-__host__ __device__ constexpr int chunks_in_flight() { return W16 ? 4 : FP8W ? (NT >= 4 ? 2 : 4) : (NT >= 4 ? 1 : 2); }
+__host__ __device__ constexpr int chunks_in_flight() { return W16 ? 4 : E4M3W ? (NT >= 4 ? 2 : 4) : (NT >= 4 ? 1 : 2); }
 constexpr int WARPS = LL_THREADS / 32;
 constexpr int MAX_TOKENS = 8;
 // The intermediate (and the preactivation rounding) is FP16 for FP16 inputs, BF16 otherwise.
@@ -92,7 +104,11 @@ constexpr bool INTER_FP16 = LL_INPUT == LL_INPUT_FP16;
 // Per-tensor FP8: E4M3 tokens, and the intermediate quantized to E4M3 with a static multiplier.
 constexpr bool QUANT_INTER = LL_INPUT == LL_INPUT_FP8;
 static_assert(!QUANT_INTER || FP8W, "E4M3 tokens (LL_INPUT_FP8) go with E4M3 weights (LL_WEIGHTS_FP8) only");
-constexpr int INTER_INPUT = INTER_FP16 ? LL_INPUT_FP16 : LL_INPUT_BF16;
+static_assert(FP8B == (LL_INPUT == LL_INPUT_FP8_BLOCK), "DeepSeek FP8 weights and block-scaled E4M3 tokens go together");
+// GEMM2's input: the 16-bit intermediate, or (DeepSeek FP8) E4M3 codes with FP32 scales per 128 values.
+constexpr int INTER_INPUT = FP8B ? LL_INPUT_FP8_BLOCK : INTER_FP16 ? LL_INPUT_FP16 : LL_INPUT_BF16;
+// Bytes of one token (or intermediate) value in the rows the dot products read.
+__host__ __device__ constexpr int x_bytes_num(int xk) { return xk == LL_INPUT_FP8 || xk == LL_INPUT_FP8_BLOCK ? 1 : 2; }
 
 // ------------------------------------------------------------------------------------------ numbers
 __device__ __forceinline__ float half_to_float(u16 h) {
@@ -134,7 +150,7 @@ __device__ __forceinline__ void decode_weight_word(const uint4& raw, int i, floa
   }
 #elif LL_WEIGHTS == LL_WEIGHTS_MXINT4
   decode_int4_word(word_of(raw, i), v);
-#elif LL_WEIGHTS == LL_WEIGHTS_FP8
+#elif LL_WEIGHTS == LL_WEIGHTS_FP8 || LL_WEIGHTS == LL_WEIGHTS_FP8_BLOCK
   decode_e4m3_word(word_of(raw, 2 * i), word_of(raw, 2 * i + 1), v);
 #else
   decode_e2m1_word(word_of(raw, i), v);
@@ -149,6 +165,8 @@ __device__ __forceinline__ float scale_value(u32 raw, int g) {
   return e8m0_to_float(raw);
 #elif LL_WEIGHTS == LL_WEIGHTS_MXINT4
   return __uint_as_float(raw << 16);  // BF16
+#elif LL_WEIGHTS == LL_WEIGHTS_FP8_BLOCK
+  return __uint_as_float(raw);  // FP32, the 128 x 128 block's
 #else
   return 1.0f;
 #endif
@@ -160,6 +178,8 @@ __device__ __forceinline__ u32 load_scales(const u8* row, int c) {
   return __ldg(reinterpret_cast<const u16*>(row) + c);
 #elif LL_WEIGHTS == LL_WEIGHTS_MXFP4
   return __ldg(row + c);
+#elif LL_WEIGHTS == LL_WEIGHTS_FP8_BLOCK
+  return __ldg(reinterpret_cast<const u32*>(row) + c / 8);  // one FP32 per 128 K values = 8 chunks
 #else
   return 0u;
 #endif
@@ -167,10 +187,15 @@ __device__ __forceinline__ u32 load_scales(const u8* row, int c) {
 
 // Bytes of one weight row of K values, and of its scale row.
 __device__ __forceinline__ i64 row_bytes(int k) {
-  return W16 ? 2 * static_cast<i64>(k) : FP8W ? static_cast<i64>(k) : static_cast<i64>(k) / 2;
+  return W16 ? 2 * static_cast<i64>(k) : E4M3W ? static_cast<i64>(k) : static_cast<i64>(k) / 2;
 }
 __device__ __forceinline__ i64 scale_row_bytes(int k) {
   return LL_WEIGHTS == LL_WEIGHTS_NVFP4 ? k / 16 : LL_WEIGHTS == LL_WEIGHTS_MXFP4 ? k / 32 : LL_WEIGHTS == LL_WEIGHTS_MXINT4 ? k / 16 : 0;
+}
+// The scale row of weight row `row` (of K = k values): its own row for the K-block formats; DeepSeek FP8 keeps
+// one row of k / 128 FP32 scales per 128 weight rows ([E, N / 128, K / 128]; N a multiple of 128 per expert).
+__device__ __forceinline__ const u8* scale_row(const u8* w_scales, i64 row, int k) {
+  return FP8B ? w_scales + (row / 128) * (k / 128) * 4 : w_scales + row * scale_row_bytes(k);
 }
 
 // 4 bytes from L2 (ld.global.cg: not from this SM's L1, which may not have seen other CTAs' writes).
@@ -185,7 +210,7 @@ __device__ __forceinline__ u32 load_l2(const void* p) {
 template <int XK>
 __device__ __forceinline__ void load_x8(const u8* base, const u8* scales, int offset, int k, float v[8]) {
   const u8* row = base + offset;
-  if (XK == LL_INPUT_FP8) {  // E4M3 tokens [T, H], one byte a value
+  if (XK == LL_INPUT_FP8 || XK == LL_INPUT_FP8_BLOCK) {  // E4M3 tokens [T, H], one byte a value (unscaled)
     const uint2 q = __ldg(reinterpret_cast<const uint2*>(row) + k / 8);
     decode_e4m3_word(q.x, q.y, v);
   } else if (XK == LL_INPUT_NVFP4) {
@@ -297,11 +322,17 @@ __device__ __forceinline__ void chunk_dot(const uint4 (&raw)[R], const u32 (&sra
           for (int j = 0; j < 8; ++j) part[t][r] = fmaf(wv[r][j], xv[j], part[t][r]);
       }
     }
+    // DeepSeek FP8: token t's FP32 scale of this chunk's 128-K block (its scale row starts at xoff[t] / 128).
+    float xs[NT];
+#pragma unroll
+    for (int t = 0; t < NT; ++t)
+      xs[t] = XK == LL_INPUT_FP8_BLOCK ? __ldg(reinterpret_cast<const float*>(xscales) + xoff[t] / 128 + c / 8) : 1.0f;
 #pragma unroll
     for (int r = 0; r < R; ++r) {
       const float s = scale_value(sraw[r], g);
 #pragma unroll
-      for (int t = 0; t < NT; ++t) acc[t][r] = UNSCALED ? part[t][r] : fmaf(part[t][r], s, acc[t][r]);
+      for (int t = 0; t < NT; ++t)
+        acc[t][r] = UNSCALED ? part[t][r] : fmaf(part[t][r], FP8B ? __fmul_rn(s, xs[t]) : s, acc[t][r]);
     }
   }
 }
@@ -364,11 +395,11 @@ constexpr i64 PREFETCH_ROW_BYTES = 4096;  // the head of each row: 4-bit rows wh
 __device__ __forceinline__ void prefetch_rows(const u8* w, const u8* w_scales, i64 first_row, int rows, int k,
                                               int lpr) {
   const int lane = threadIdx.x & 31, sub = lane & (lpr - 1);
-  const i64 stride = row_bytes(k), sbytes = scale_row_bytes(k), head = stride < PREFETCH_ROW_BYTES ? stride : PREFETCH_ROW_BYTES;
+  const i64 stride = row_bytes(k), head = stride < PREFETCH_ROW_BYTES ? stride : PREFETCH_ROW_BYTES;
   for (int r = 0; r < rows; ++r) {
     const u8* row = w + (first_row + r) * stride;
     for (i64 off = 128 * static_cast<i64>(sub); off < head; off += 128 * static_cast<i64>(lpr)) prefetch_l2(row + off);
-    if (!UNSCALED && sub == 0) prefetch_l2(w_scales + (first_row + r) * sbytes);
+    if (!UNSCALED && sub == 0) prefetch_l2(scale_row(w_scales, first_row + r, k));
   }
 }
 
@@ -412,13 +443,13 @@ __device__ __forceinline__ void gemm1_body(const Plan& plan, const Gemm1Args& a,
   for (int r = 0; r < R; ++r) {
     const i64 row = static_cast<i64>(e) * n_rows + r * a.inter_padded + min(f, a.inter_padded - 1);
     wrow[r] = a.w + row * row_bytes(a.hidden);
-    srow[r] = a.w_scales + row * scale_row_bytes(a.hidden);
+    srow[r] = scale_row(a.w_scales, row, a.hidden);
   }
   int xoff[NT];  // byte offset of each token's row (tokens past ntok repeat the last; their sums are dropped)
 #pragma unroll
   for (int t = 0; t < NT; ++t)
     xoff[t] = plan.list[first + min(t, ntok - 1)] / a.top_k *
-              (LL_INPUT == LL_INPUT_NVFP4 ? a.hidden / 2 : LL_INPUT == LL_INPUT_FP8 ? a.hidden : 2 * a.hidden);
+              (LL_INPUT == LL_INPUT_NVFP4 ? a.hidden / 2 : x_bytes_num(LL_INPUT) * a.hidden);
   // Padding features (I <= f < Ip) have all-zero weights and give exactly zero: not read.
   const int nchunks = f < a.inter ? static_cast<int>(row_bytes(a.hidden) / 16) : 0;
   float acc[NT][R];
@@ -432,7 +463,7 @@ __device__ __forceinline__ void gemm1_body(const Plan& plan, const Gemm1Args& a,
 #pragma unroll
     for (int r = 0; r < R; ++r) {
       h[r] = HAS_GLOBAL ? acc[t][r] * global : acc[t][r];
-      if (LL_WEIGHTS != LL_WEIGHTS_MXINT4) h[r] = round_16(h[r], INTER_FP16);  // preactivation rounding
+      if (LL_WEIGHTS != LL_WEIGHTS_MXINT4 && !FP8B) h[r] = round_16(h[r], INTER_FP16);  // preactivation rounding
     }
     float y = R == 2 ? act_gated_all(a.act, h[0], h[R - 1], a.alpha, a.beta, a.limit) : act_fn(a.act, h[0]);
     if (QUANT_INTER) y = e4m3_round(__fmul_rn(y, a.inter_mult));  // exact in BF16: to_16 below keeps it
@@ -440,7 +471,11 @@ __device__ __forceinline__ void gemm1_body(const Plan& plan, const Gemm1Args& a,
     const int token = plan.list[first + t] / a.top_k;
     for (int j = sub; j < a.top_k; j += lpr) {
       const int s = token * a.top_k + j;
-      if (plan.ids[s] == e) a.out[static_cast<i64>(s) * a.inter_padded + f] = bits;
+      if (plan.ids[s] != e) continue;
+      if (FP8B)  // DeepSeek FP8: the FP32 activation itself; ll_quant128 quantizes it per 128 values
+        reinterpret_cast<float*>(a.out)[static_cast<i64>(s) * a.inter_padded + f] = f < a.inter ? y : 0.0f;
+      else
+        a.out[static_cast<i64>(s) * a.inter_padded + f] = bits;
     }
   }
 }
@@ -469,6 +504,7 @@ __device__ __forceinline__ void gemm1_dispatch(const Plan& plan, const Gemm1Args
 // ------------------------------------------------------------------------------------------ GEMM2
 struct Gemm2Args {
   const u16* inter;
+  const u8* inter_scales;  // DeepSeek FP8: FP32 [T k, Ip / 128], the intermediate codes' scales; else null
   const u8* w;
   const u8* w_scales;
   const float* w_global;
@@ -486,15 +522,15 @@ __device__ __forceinline__ void gemm2_body(const Plan& plan, const Gemm2Args& a,
   for (int r = 0; r < 2; ++r) {
     const i64 row = static_cast<i64>(e) * a.hidden + min(f + r, a.hidden - 1);
     wrow[r] = a.w + row * row_bytes(a.inter_padded);
-    srow[r] = a.w_scales + row * scale_row_bytes(a.inter_padded);
+    srow[r] = scale_row(a.w_scales, row, a.inter_padded);
   }
   int xoff[NT];  // byte offset of each token's intermediate row (the first slot of the token naming e)
 #pragma unroll
-  for (int t = 0; t < NT; ++t) xoff[t] = plan.list[first + min(t, ntok - 1)] * 2 * a.inter_padded;
+  for (int t = 0; t < NT; ++t) xoff[t] = plan.list[first + min(t, ntok - 1)] * x_bytes_num(INTER_INPUT) * a.inter_padded;
   const int nchunks = f < a.hidden ? static_cast<int>(row_bytes(a.inter_padded) / 16) : 0;
   float acc[NT][2];
-  dot_rows<NT, 2, INTER_INPUT>(wrow, srow, nchunks, sub, lpr, reinterpret_cast<const u8*>(a.inter), nullptr, xoff,
-                               acc);
+  dot_rows<NT, 2, INTER_INPUT>(wrow, srow, nchunks, sub, lpr, reinterpret_cast<const u8*>(a.inter), a.inter_scales,
+                               xoff, acc);
   if (f >= a.hidden) return;
   const float global = HAS_GLOBAL ? a.w_global[e] : 1.0f;
   const bool fp16 = a.out_fp16 != 0;
@@ -524,6 +560,8 @@ using namespace ll;
 //   gated         1: rows [up; gate], y = act_gated_all(up, gate); 0: y = act_fn(h)
 //   out           intermediate [T k, Ip] (BF16, or FP16 for FP16 inputs): row s is written for every
 //                 routed slot s (features I .. Ip - 1 are zero); unrouted slots' rows are not written.
+//                 DeepSeek FP8: FP32 [T k, Ip], the unrounded FP32 activation (x, x_scales: E4M3 codes [T, H]
+//                 and FP32 scales [T, H / 128]; w_scales FP32 [E, N1 / 128, H / 128]).
 //                 Per-tensor FP8: the E4M3 values of the quantized intermediate, unscaled, as BF16.
 //   inter_quant   per-tensor FP8 (LL_INPUT_FP8): float32 [1], the intermediate's multiplier 1 / intermediate_scale,
 //                 read at every launch (a static scale that stays live in device memory); null otherwise.
@@ -573,7 +611,7 @@ __device__ __forceinline__ void combine_columns(const Plan& plan, const u16* row
 
 // GEMM2, and the finalize. Grid (ceil(H / (rounds * 2 * WARPS * 32 / lanes_per_row)), T * top_k), LL_THREADS
 // threads.
-//   inter         the intermediate of ll_gemm1 [T k, Ip]
+//   inter         the intermediate of ll_gemm1 [T k, Ip] (DeepSeek FP8: the E4M3 codes of ll_quant128)
 //   w, w_scales, w_global   w2 as in the header
 //   rows          [T k, H] of the output dtype (out_fp16: FP16, else BF16): row s for every routed slot.
 //   finalize = 0: rows is the raw output; the rows of unrouted slots are written as zeros.
@@ -584,13 +622,14 @@ __device__ __forceinline__ void combine_columns(const Plan& plan, const u16* row
 //                 counters: int32 [gridDim.x], zero before the launch (and so after it).
 //   scores        float32 [T k] or null: when given (raw calls), slot s's route weight (packed: the BF16 value
 //                 widened) for every slot, routed or not.
+//   inter_scales  DeepSeek FP8: FP32 [T k, Ip / 128], the scales of inter's codes (ll_quant128); null otherwise.
 // H must be even. No atomics touch the data: the result is deterministic.
 extern "C" __global__ void __launch_bounds__(LL_THREADS, 2) ll_gemm2(
     const u16* __restrict__ inter, const void* __restrict__ ids, const void* __restrict__ weights, int routing,
     int id_bytes, int num_tokens, int top_k, int num_experts, const u8* __restrict__ w,
     const u8* __restrict__ w_scales, const float* __restrict__ w_global, int hidden, int inter_padded,
     int lanes_per_row, int rounds, int out_fp16, int finalize, u16* __restrict__ rows, u16* __restrict__ out,
-    int* __restrict__ counters, float* __restrict__ scores) {
+    int* __restrict__ counters, float* __restrict__ scores, const float* __restrict__ inter_scales) {
   moe::grid_dependency_begin();
   __shared__ Plan plan;
   __shared__ int last;
@@ -608,7 +647,8 @@ extern "C" __global__ void __launch_bounds__(LL_THREADS, 2) ll_gemm2(
       rows[static_cast<i64>(blockIdx.y) * hidden + h] = 0;
   }
   if (e >= 0) {
-    const Gemm2Args a{inter, w, w_scales, w_global, hidden, inter_padded, top_k, lanes_per_row, rounds, out_fp16, rows};
+    const Gemm2Args a{inter, reinterpret_cast<const u8*>(inter_scales), w, w_scales, w_global, hidden, inter_padded,
+                      top_k, lanes_per_row, rounds, out_fp16, rows};
     const int n = plan.count;  // as in gemm1_dispatch: more than 4 tokens in two passes
     for (int round = 0; round < rounds; ++round) {
       const int f = 2 * feature_group(round, rounds, lanes_per_row);
@@ -636,3 +676,42 @@ extern "C" __global__ void __launch_bounds__(LL_THREADS, 2) ll_gemm2(
   combine_columns(plan, rows, ids, weights, routing, num_tokens, top_k, hidden, begin, end, out_fp16 != 0, out);
   if (threadIdx.x == 0) counters[blockIdx.x] = 0;
 }
+
+#if LL_WEIGHTS == LL_WEIGHTS_FP8_BLOCK
+// DeepSeek FP8's dynamic quantization per 128 values (the BF16 tokens before GEMM1, GEMM1's FP32 activation
+// before GEMM2). Grid ceil(rows * cols / 128 / WARPS), LL_THREADS threads: one warp per block of 128 values
+// (4 per lane), cols a multiple of 128, src rows contiguous (row r, column c at r * cols + c).
+//   src       BF16 (src_fp32 = 0) or FP32 (src_fp32 = 1) [rows, cols]
+//   codes     E4M3 [rows, cols]; scales FP32 [rows, cols / 128]
+// Per block: scale = fp32(amax(|v|) / 448) (1.0 when amax is 0), code = e4m3(fp32(v / scale)) (nearest even,
+// saturating at +-448): cudnn_moe.formats.quantize_fp8_act128 bit for bit for finite values (IEEE divisions,
+// __fdiv_rn). Non-finite values give non-finite or saturated results (amax skips NaN: fmaxf).
+// Rows GEMM1 did not write (unrouted slots) are quantized too; nothing reads their codes.
+extern "C" __global__ void __launch_bounds__(LL_THREADS) ll_quant128(const void* __restrict__ src, int src_fp32,
+                                                                     int rows, int cols, u8* __restrict__ codes,
+                                                                     float* __restrict__ scales) {
+  moe::grid_dependency_begin();
+  const int lane = threadIdx.x & 31;
+  const i64 block = static_cast<i64>(blockIdx.x) * WARPS + (threadIdx.x >> 5);
+  if (block >= static_cast<i64>(rows) * (cols / 128)) return;
+  const i64 first = block * 128 + 4 * lane;  // rows are contiguous, so block b of row r starts at (r * nb + b) * 128
+  float v[4];
+  if (src_fp32) {
+    const float4 q = __ldg(reinterpret_cast<const float4*>(static_cast<const float*>(src) + first));
+    v[0] = q.x, v[1] = q.y, v[2] = q.z, v[3] = q.w;
+  } else {
+    const uint2 q = __ldg(reinterpret_cast<const uint2*>(static_cast<const u16*>(src) + first));
+    v[0] = __uint_as_float(q.x << 16), v[1] = __uint_as_float(q.x & 0xFFFF0000u);
+    v[2] = __uint_as_float(q.y << 16), v[3] = __uint_as_float(q.y & 0xFFFF0000u);
+  }
+  float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, off));
+  const float scale = amax > 0.0f ? __fdiv_rn(amax, 448.0f) : 1.0f;
+  u32 word = 0u;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) word |= e4m3_code(e4m3_round(__fdiv_rn(v[j], scale))) << (8 * j);
+  reinterpret_cast<u32*>(codes)[first / 4] = word;
+  if (lane == 0) scales[block] = scale;
+}
+#endif

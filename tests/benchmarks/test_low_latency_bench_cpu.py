@@ -29,6 +29,8 @@ def test_floors() -> None:
     assert bench.floor_us(DEEPSEEK, 8, WeightFormat.BF16, 4.3) == pytest.approx(8 * 3 * 7168 * 2048 * 2 / 4.3e6)
     assert bench.floor_us(DEEPSEEK, 8, WeightFormat.FP8_WEIGHT_ONLY, 4.3) == pytest.approx(8 * 3 * 7168 * 2048 / 4.3e6)
     assert bench.floor_us(DEEPSEEK, 8, WeightFormat.FP8_PER_TENSOR, 4.3) == pytest.approx(8 * 3 * 7168 * 2048 / 4.3e6)
+    assert bench.floor_us(DEEPSEEK, 8, WeightFormat.DEEPSEEK_FP8, 4.3) == pytest.approx(
+        8 * 3 * 7168 * 2048 * (1 + 4 / 128**2) / 4.3e6)
     assert set(bench.BYTES_PER_WEIGHT) == set(WeightFormat)
 
 
@@ -49,6 +51,10 @@ def test_targets() -> None:
     assert bench.target(DEEPSEEK, 8, WeightFormat.FP8_PER_TENSOR)[0] == "<= 1.3x floor"
     assert bench.target(QWEN3, 1, WeightFormat.FP8_PER_TENSOR)[0] == "<= 20 us"
     assert "fp8_per_tensor" in bench.parse_args(["--formats", "fp8_per_tensor"]).formats
+    assert bench.target(DEEPSEEK, 8, WeightFormat.DEEPSEEK_FP8)[0] == "<= 1.3x floor"
+    assert bench.target(DEEPSEEK, 1, WeightFormat.DEEPSEEK_FP8)[0] == "<= 1.6x floor"
+    assert bench.target(QWEN3, 1, WeightFormat.DEEPSEEK_FP8)[0] == "<= 20 us"
+    assert "deepseek_fp8" in bench.parse_args(["--formats", "deepseek_fp8"]).formats
 
 
 def test_arguments() -> None:

@@ -1,4 +1,6 @@
-"""The CUDA-core engine: every low-latency weight format on CUDA cores, the whole layer in two launches.
+"""The CUDA-core engine: every low-latency weight format on CUDA cores, the whole layer in two launches
+(DeepSeek FP8: three or four, its per-128 quantizations of the tokens and the intermediate being launches of
+their own, see ``_run_deepseek_fp8``).
 
 GEMM1 + activation into an intermediate workspace, then GEMM2 with the finalize folded into its last CTA
 per feature column (the raw output skips the finalize): cudnn_moe.engines.cuda_cores.kernels. The kernels
@@ -24,7 +26,8 @@ MAX_TOKENS = 8
 _FOUR_BIT = frozenset({WeightFormat.NVFP4_WEIGHT_ONLY.value, WeightFormat.MXFP4_WEIGHT_ONLY.value,
                        WeightFormat.MXINT4_WEIGHT_ONLY.value, WeightFormat.NVFP4_W_NVFP4_A.value})
 # FP8 weights: SM89 on have the E4M3 conversion (the kernels use it); the contract lists them from SM90 on.
-_FP8 = frozenset({WeightFormat.FP8_WEIGHT_ONLY.value, WeightFormat.FP8_PER_TENSOR.value})
+_FP8 = frozenset({WeightFormat.FP8_WEIGHT_ONLY.value, WeightFormat.FP8_PER_TENSOR.value,
+                  WeightFormat.DEEPSEEK_FP8.value})
 # SM80 runs the 16-bit formats only. The contract lists the NVFP4 weight + NVFP4 activation pair without an
 # architecture of its own; it shares the 4-bit kernels (software E2M1 decode), so it runs where they do.
 _MODERN = frozenset({SM90, SM100, SM103, SM107, SM120})
@@ -62,13 +65,28 @@ class CudaCoresEngine(LayerEngine):
         """Per (max tokens, top_k): ``inter`` int16 [S, Ip] (the 16-bit intermediate of every slot, S = max tokens
         x top_k), ``rows`` int16 [S, H] (the expert rows the finalize combines; int16 storage so one set serves
         every dtype), ``counters`` int32 [GEMM2 feature columns] (zero between calls: the tickets by which the
-        last CTA of a column knows it may combine it; it resets them)."""
+        last CTA of a column knows it may combine it; it resets them).
+
+        DeepSeek FP8 adds ``inter`` as float32 [S, Ip] (GEMM1's unrounded FP32 activation), ``inter_codes`` uint8
+        [S, Ip] + ``inter_scales`` float32 [S, Ip/128] (that activation quantized per 128 values), and
+        ``x_codes`` uint8 [max tokens, H] + ``x_scales`` float32 [max tokens, H/128] (BF16 tokens quantized per
+        128 values)."""
         w, slots = call.weights, call.max_tokens * call.top_k
-        return (call.max_tokens, call.top_k), {
+        spec = {
             "inter": ((slots, w.padded_intermediate), torch.int16),
             "rows": ((slots, w.hidden_size), torch.int16),
             "counters": ((kernels.max_gemm2_columns(w.hidden_size),), torch.int32),
         }
+        if w.format is WeightFormat.DEEPSEEK_FP8:
+            ip, h = w.padded_intermediate, w.hidden_size
+            spec.update({
+                "inter": ((slots, ip), torch.float32),
+                "inter_codes": ((slots, ip), torch.uint8),
+                "inter_scales": ((slots, ip // 128), torch.float32),
+                "x_codes": ((call.max_tokens, h), torch.uint8),
+                "x_scales": ((call.max_tokens, h // 128), torch.float32),
+            })
+        return (call.max_tokens, call.top_k), spec
 
     @classmethod
     def run(cls, call: LowLatencyCall, workspace: Mapping[str, torch.Tensor]) -> None:
@@ -78,6 +96,9 @@ class CudaCoresEngine(LayerEngine):
         ids, route_weights, routing_code = call.routing.kernel_operands()
         tokens, top_k, sms = call.tokens, call.top_k, _sm_count(index)
         out_fp16 = call.out_dtype is torch.float16
+        if w.format is WeightFormat.DEEPSEEK_FP8:
+            _run_deepseek_fp8(call, workspace, ids, route_weights, routing_code, sms)
+            return
         kernels.gemm1(w, call.x, call.x_scales, ids, routing_code, tokens, top_k, call.activation, workspace["inter"], sms)
         if call.finalize:
             kernels.gemm2(w, call.x_dtype, workspace["inter"], ids, route_weights, routing_code, tokens, top_k, out_fp16,
@@ -85,6 +106,30 @@ class CudaCoresEngine(LayerEngine):
         else:
             kernels.gemm2(w, call.x_dtype, workspace["inter"], ids, route_weights, routing_code, tokens, top_k, out_fp16,
                           call.out, None, None, sms, call.scores)
+
+
+def _run_deepseek_fp8(call: LowLatencyCall, workspace: Mapping[str, torch.Tensor], ids: torch.Tensor,
+                      route_weights: torch.Tensor | None, routing_code: int, sms: int) -> None:
+    """DeepSeek FP8 in four launches (three for prequantized tokens): BF16 tokens quantized per 128 values
+    (ll_quant128), GEMM1 + activation into the FP32 workspace, that activation quantized per 128 values
+    (ll_quant128), GEMM2 on the codes and scales (and the finalize). The quantization of the intermediate is a
+    launch of its own because GEMM1's CTAs each hold a few features of a 128-feature block, so none sees the
+    block's amax; the numbers are the same as a fused quantization would give."""
+    w, fmt, tokens, top_k = call.weights, call.weights.format, call.tokens, call.top_k
+    x, x_scales = call.x, call.x_scales
+    if x_scales is None:  # BF16 tokens
+        x_codes, x_scales = workspace["x_codes"], workspace["x_scales"]
+        kernels.quant128(fmt, x, tokens, x_codes, x_scales)
+        x = x_codes
+    inter = workspace["inter"]
+    kernels.gemm1(w, x, x_scales, ids, routing_code, tokens, top_k, call.activation, inter, sms)
+    kernels.quant128(fmt, inter, tokens * top_k, workspace["inter_codes"], workspace["inter_scales"])
+    if call.finalize:
+        kernels.gemm2(w, None, workspace["inter_codes"], ids, route_weights, routing_code, tokens, top_k, False,
+                      workspace["rows"], call.out, workspace["counters"], sms, inter_scales=workspace["inter_scales"])
+    else:
+        kernels.gemm2(w, None, workspace["inter_codes"], ids, route_weights, routing_code, tokens, top_k, False,
+                      call.out, None, None, sms, call.scores, inter_scales=workspace["inter_scales"])
 
 
 def _ensure_ready(fmt: WeightFormat, x_dtype: torch.dtype | None, index: int) -> None:

@@ -2,12 +2,14 @@
 
 One NVRTC module per (weight format, token input) pair, compiled on first use with
 ``-DLL_WEIGHTS=<LowLatencyWeightCode> -DLL_INPUT=<LowLatencyInputCode>`` (codes from
-cudnn_moe.kernels.codes, so Python and CUDA share one definition). Two kernels:
+cudnn_moe.kernels.codes, so Python and CUDA share one definition). Two kernels (a third in DeepSeek FP8's module):
 
 - ``ll_gemm1``: GEMM1 + activation into the intermediate workspace [S, Ip] (S = T * top_k);
 - ``ll_gemm2``: GEMM2 into expert rows [S, H] (a workspace, or the caller's raw output), and for a
   finalized call the ordered FP32 combine into out [T, H] in the same launch (the last CTA of each
-  feature column does it), so a call is two launches.
+  feature column does it), so a call is two launches;
+- ``ll_quant128`` (DeepSeek FP8's module only): E4M3 codes and FP32 scales per 128 values of BF16 tokens or of
+  GEMM1's FP32 activation, launched before GEMM1 (BF16 tokens) and between the GEMMs.
 
 Every wrapper takes tensors whose shapes, dtypes, devices and alignment the caller has checked
 (cudnn_moe.low_latency.checks); they only derive the launch geometry and pack the arguments, so they
@@ -41,11 +43,13 @@ _WEIGHT_CODES = {
     WeightFormat.NVFP4_W_NVFP4_A: WeightCode.NVFP4,
     WeightFormat.FP8_WEIGHT_ONLY: WeightCode.FP8,
     WeightFormat.FP8_PER_TENSOR: WeightCode.FP8,
+    WeightFormat.DEEPSEEK_FP8: WeightCode.FP8_BLOCK,
 }
 _INPUT_CODES = {torch.bfloat16: InputCode.BF16, torch.float16: InputCode.FP16}
 
 # Every (weights, input) module a call can build: 16-bit weights take their own dtype, the 4-bit and FP8
-# weight-only formats BF16 or FP16, the NVFP4 pair NVFP4 tokens, per-tensor FP8 E4M3 tokens.
+# weight-only formats BF16 or FP16, the NVFP4 pair NVFP4 tokens, per-tensor FP8 E4M3 tokens, DeepSeek FP8 E4M3
+# tokens with scales per 128 (BF16 tokens are quantized to those by ll_quant128 first).
 MODULE_VARIANTS: tuple[tuple[WeightCode, InputCode], ...] = (
     (WeightCode.BF16, InputCode.BF16),
     (WeightCode.FP16, InputCode.FP16),
@@ -53,6 +57,7 @@ MODULE_VARIANTS: tuple[tuple[WeightCode, InputCode], ...] = (
       for i in (InputCode.BF16, InputCode.FP16)),
     (WeightCode.NVFP4, InputCode.NVFP4),
     (WeightCode.FP8, InputCode.FP8),
+    (WeightCode.FP8_BLOCK, InputCode.FP8_BLOCK),
 )
 
 
@@ -66,17 +71,20 @@ def weight_code(fmt: WeightFormat) -> WeightCode:
 
 
 def input_code(fmt: WeightFormat, x_dtype: torch.dtype | None) -> InputCode:
-    """NVFP4 for the NVFP4 pair, FP8 for per-tensor FP8 (x_dtype ignored), else the 16-bit dtype of x."""
+    """NVFP4 for the NVFP4 pair, FP8 for per-tensor FP8, FP8_BLOCK for DeepSeek FP8 (x_dtype ignored), else the
+    16-bit dtype of x."""
     if fmt is WeightFormat.NVFP4_W_NVFP4_A:
         return InputCode.NVFP4
     if fmt is WeightFormat.FP8_PER_TENSOR:
         return InputCode.FP8
+    if fmt is WeightFormat.DEEPSEEK_FP8:
+        return InputCode.FP8_BLOCK
     return _INPUT_CODES[x_dtype]
 
 
 def row_bytes(fmt: WeightFormat, k: int) -> int:
     """Bytes of one weight row of k values (codes only)."""
-    if fmt in (WeightFormat.FP8_WEIGHT_ONLY, WeightFormat.FP8_PER_TENSOR):
+    if fmt in (WeightFormat.FP8_WEIGHT_ONLY, WeightFormat.FP8_PER_TENSOR, WeightFormat.DEEPSEEK_FP8):
         return k
     return 2 * k if fmt in (WeightFormat.BF16, WeightFormat.FP16) else k // 2
 
@@ -88,6 +96,12 @@ def lanes_per_row(chunks: int) -> int:
 
 
 KERNELS = ("ll_gemm1", "ll_gemm2")
+QUANT_KERNEL = "ll_quant128"  # DeepSeek FP8's module only
+
+
+def kernels_of(fmt: WeightFormat) -> tuple[str, ...]:
+    """The kernels of the module ``fmt`` runs: the two GEMMs, and ll_quant128 for DeepSeek FP8."""
+    return (*KERNELS, QUANT_KERNEL) if fmt is WeightFormat.DEEPSEEK_FP8 else KERNELS
 
 
 CTA_BYTES = 64 << 10  # weight bytes a CTA should stream at least, to amortize its routing plan
@@ -110,7 +124,7 @@ def load_modules(fmt: WeightFormat, x_dtype: torch.dtype | None, device: int) ->
     """Compile, or load from the cache, the module a call with these weights and inputs launches, and
     resolve its kernels (so that a later call inside a CUDA-graph capture only launches)."""
     options = module_options(weight_code(fmt), input_code(fmt, x_dtype))
-    for name in KERNELS:
+    for name in kernels_of(fmt):
         kernel_function(SOURCE, name, device, options)
 
 
@@ -126,6 +140,8 @@ def _payloads(weights: Any, second: bool) -> tuple[torch.Tensor, torch.Tensor | 
         return getattr(weights, f"{gemm}_codes"), None, getattr(weights, f"{gemm}_scale")
     if weights.format is WeightFormat.FP8_PER_TENSOR:
         return getattr(weights, f"{gemm}_codes"), None, weights.fc2_factor if second else weights.fc1_factor
+    if weights.format is WeightFormat.DEEPSEEK_FP8:  # FP32 scales [E, N / 128, K / 128], no global
+        return getattr(weights, f"{gemm}_codes"), getattr(weights, f"{gemm}_scales"), None
     return getattr(weights, f"{gemm}_codes"), getattr(weights, f"{gemm}_scales"), getattr(weights, f"{gemm}_global", None)
 
 
@@ -148,7 +164,9 @@ def gemm1(
     """GEMM1 + activation: inter_out [>= T k, Ip] (int16 storage of BF16/FP16 bits) for every routed slot.
 
     x: BF16/FP16 [T, H], or NVFP4 codes uint8 [T, H/2] with x_scales float8_e4m3fn [T, H/16], or E4M3 codes
-    [T, H] (per-tensor FP8; the kernel reads the intermediate's multiplier from weights.inter_multiplier).
+    [T, H] (per-tensor FP8; the kernel reads the intermediate's multiplier from weights.inter_multiplier), or
+    E4M3 codes [T, H] with x_scales float32 [T, H/128] (DeepSeek FP8; inter_out is then float32 [>= T k, Ip], the
+    unrounded FP32 activation).
     ids: packed int32 [T, k] (routing_code ROUTING_PACKED) or int32/int64 ids [T, k].
     """
     fmt = weights.format
@@ -190,6 +208,7 @@ def gemm2(
     counters: torch.Tensor | None,
     sms: int = 132,
     scores: torch.Tensor | None = None,
+    inter_scales: torch.Tensor | None = None,
 ) -> None:
     """GEMM2 into rows [>= T k, H] (16-bit storage), then, when ``out`` is given, the finalize in the same launch.
 
@@ -199,6 +218,8 @@ def gemm2(
     launch and left zero after it).
     scores: float32 [>= T k] or None; when given, every slot's route weight as the combine reads it (packed:
     the BF16 value), unrouted slots included (the raw output's scores).
+    inter_scales: DeepSeek FP8 only: float32 [>= T k, Ip/128], the scales of ``inter`` (E4M3 codes [>= T k, Ip])
+    from ``quant128``; None otherwise.
     """
     fmt = weights.format
     w, w_scales, w_global = _payloads(weights, second=True)
@@ -217,8 +238,24 @@ def gemm2(
             np.int32(num_tokens), np.int32(top_k), np.int32(weights.num_experts), ptr(w, 16), ptr(w_scales),
             ptr(w_global), np.int32(weights.hidden_size), np.int32(weights.padded_intermediate), np.int32(lpr),
             np.int32(rounds), np.int32(out_fp16), np.int32(out is not None), ptr(rows, 16), ptr(out, 16),
-            ptr(counters, 4), ptr(scores, 4),
+            ptr(counters, 4), ptr(scores, 4), ptr(inter_scales, 4),
         ),
+        extra_options=options,
+    )
+
+
+def quant128(fmt: WeightFormat, src: torch.Tensor, rows: int, codes: torch.Tensor, scales: torch.Tensor) -> None:
+    """DeepSeek FP8's quantization per 128 values (ll_quant128): the first ``rows`` rows of src (BF16 tokens
+    [T, H] or GEMM1's FP32 activation [S, Ip], contiguous; columns a multiple of 128) into E4M3 codes (same
+    shape, uint8 or float8_e4m3fn storage) and FP32 scales [rows, columns / 128]: scale = fp32(amax / 448) (1.0
+    for an all-zero block), code = e4m3(fp32(v / scale)), as cudnn_moe.formats.quantize_fp8_act128."""
+    cols = src.shape[-1]
+    blocks = rows * (cols // 128)
+    options = module_options(weight_code(fmt), input_code(fmt, None))
+    launch(
+        SOURCE, QUANT_KERNEL, src.device, (-(-blocks // WARPS), 1), LL_THREADS,
+        (ptr(src, 16), np.int32(src.dtype is torch.float32), np.int32(rows), np.int32(cols), ptr(codes, 16),
+         ptr(scales, 4)),
         extra_options=options,
     )
 

@@ -60,6 +60,7 @@ DECODERS = (
     (LowLatencyWeightCode.MXINT4, LowLatencyInputCode.BF16),
     (LowLatencyWeightCode.FP8, LowLatencyInputCode.FP16),
     (LowLatencyWeightCode.FP8, LowLatencyInputCode.FP8),
+    (LowLatencyWeightCode.FP8_BLOCK, LowLatencyInputCode.FP8_BLOCK),
 )
 
 
@@ -98,7 +99,8 @@ def test_module_variants_cover_every_call() -> None:
     for fmt in WeightFormat:
         dtypes = {WeightFormat.BF16: (torch.bfloat16,), WeightFormat.FP16: (torch.float16,),
                   WeightFormat.NVFP4_W_NVFP4_A: (None,),
-                  WeightFormat.FP8_PER_TENSOR: (torch.float8_e4m3fn,)}.get(fmt, (torch.bfloat16, torch.float16))
+                  WeightFormat.FP8_PER_TENSOR: (torch.float8_e4m3fn,),
+                  WeightFormat.DEEPSEEK_FP8: (torch.bfloat16, None)}.get(fmt, (torch.bfloat16, torch.float16))
         asked |= {(ll.weight_code(fmt), ll.input_code(fmt, d)) for d in dtypes}
     assert asked == set(ll.MODULE_VARIANTS)
     assert {w for w, _ in DECODERS} == set(LowLatencyWeightCode) and {i for _, i in DECODERS} == set(LowLatencyInputCode)
@@ -215,7 +217,7 @@ def test_wrappers_match_kernel_signatures(fmt: WeightFormat, monkeypatch: pytest
     ll.gemm2(weights, x_dtype, inter, ids, torch.zeros(tokens, top_k), 1, tokens, top_k, True, rows, out, counters)
     ll.gemm2(weights, x_dtype, inter, ids, None, 0, tokens, top_k, False, rows, None, None)
     signatures = kernel_signatures([SOURCE])
-    assert sorted(signatures) == sorted(ll.KERNELS)
+    assert sorted(signatures) == sorted((*ll.KERNELS, ll.QUANT_KERNEL))
     assert [name for name, *_ in launches] == ["ll_gemm1", "ll_gemm2", "ll_gemm2"]
     code_w, code_x = ll.weight_code(fmt), ll.input_code(fmt, x_dtype)
     for name, grid, block, args, options in launches:
@@ -241,13 +243,75 @@ def test_wrappers_match_kernel_signatures(fmt: WeightFormat, monkeypatch: pytest
     assert (gemm1_args["act"], gemm1_args["alpha"], gemm1_args["beta"], gemm1_args["limit"]) == (10, 2.0, 0.5, 7.0)
     gemm2_names = ["inter", "ids", "weights", "routing", "id_bytes", "num_tokens", "top_k", "num_experts", "w",
                    "w_scales", "w_global", "hidden", "inter_padded", "lanes", "rounds", "out_fp16", "finalize", "rows",
-                   "out", "counters", "scores"]
+                   "out", "counters", "scores", "inter_scales"]
     assert len(gemm2_names) == len(launches[1][3])
     gemm2_args = dict(zip(gemm2_names, launches[1][3]))
     assert (gemm2_args["finalize"], gemm2_args["out_fp16"], gemm2_args["lanes"], gemm2_args["rounds"]) == (1, 1, lpr2, rounds2)
     raw_args = dict(zip(gemm2_names, launches[2][3]))
     assert (raw_args["finalize"], raw_args["routing"], raw_args["out_fp16"]) == (0, 0, 0)
     assert slots <= LL_MAX_SLOTS
+
+
+@pytest.mark.parametrize("prequantized", [False, True])
+@pytest.mark.parametrize("finalize", [True, False])
+def test_deepseek_fp8_launches_match_kernel_signatures(prequantized: bool, finalize: bool,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """DeepSeek FP8 runs ll_quant128 (BF16 tokens only), ll_gemm1 into the FP32 workspace, ll_quant128 on it, then
+    ll_gemm2 on the codes and scales: argument types of the C signatures, one warp per 128-value block, the
+    module's options, the workspaces each launch reads and writes."""
+    from cudnn_moe.engines.base import LowLatencyCall
+    from cudnn_moe.engines.cuda_cores import engine as cc_engine
+
+    launches: list[tuple[str, Any, int, tuple[Any, ...], tuple[str, ...]]] = []
+    monkeypatch.setattr(ll, "ptr", lambda tensor, align=1: np.uint64(0 if tensor is None else id(tensor)))
+    monkeypatch.setattr(ll, "launch", lambda file, name, device, grid, block, args, extra_options=():
+                        launches.append((name, grid, block, args, extra_options)))
+    config = LowLatencyMoeConfig(8, arch="sm90")
+    e, h, i, tokens, top_k = 3, 512, 256, 5, 4
+    weights = config.prepare_deepseek_fp8_weights(
+        torch.zeros(e, 2 * i, h, dtype=torch.float8_e4m3fn), torch.ones(e, 2 * i // 128, h // 128),
+        torch.zeros(e, h, i, dtype=torch.float8_e4m3fn), torch.ones(e, h // 128, i // 128))
+    call = LowLatencyCall(weights, torch.zeros(tokens, h, dtype=torch.bfloat16), None,
+                          Routing.packed(torch.zeros(tokens, top_k, dtype=torch.int32)), SwiGLU(), torch.bfloat16,
+                          finalize, torch.zeros(tokens, h) if finalize else torch.zeros(tokens, top_k, h), 8,
+                          None if finalize else torch.zeros(tokens, top_k))
+    if prequantized:
+        call = LowLatencyCall(weights, torch.zeros(tokens, h, dtype=torch.float8_e4m3fn), torch.ones(tokens, h // 128),
+                              call.routing, call.activation, call.out_dtype, finalize, call.out, 8, call.scores)
+    _, spec = cc_engine.CudaCoresEngine.workspace_spec(call)
+    workspace = {name: torch.zeros(shape, dtype=dtype) for name, (shape, dtype) in spec.items()}
+    assert spec["inter"] == ((8 * top_k, i), torch.float32) and spec["inter_scales"] == ((8 * top_k, i // 128), torch.float32)
+    assert spec["x_codes"] == ((8, h), torch.uint8) and spec["x_scales"] == ((8, h // 128), torch.float32)
+    ids, route_weights, code = call.routing.kernel_operands()
+    cc_engine._run_deepseek_fp8(call, workspace, ids, route_weights, code, 132)
+    names = [name for name, *_ in launches]
+    expected = ["ll_gemm1", "ll_quant128", "ll_gemm2"]
+    assert names == (expected if prequantized else ["ll_quant128", *expected])
+    signatures = kernel_signatures([SOURCE])
+    options = ll.module_options(LowLatencyWeightCode.FP8_BLOCK, LowLatencyInputCode.FP8_BLOCK)
+    for name, grid, block, args, opts in launches:
+        assert [type(a) for a in args] == [ARG_TYPES[k] for k in signatures[name]], name
+        assert block == LL_THREADS and opts == options, name
+    quants = [launch for launch in launches if launch[0] == "ll_quant128"]
+    warps = LL_THREADS // 32
+    address = lambda t: np.uint64(id(t))  # noqa: E731
+    inter_q = quants[-1]
+    assert inter_q[1] == (-(-tokens * top_k * (i // 128) // warps), 1)
+    assert inter_q[3] == (address(workspace["inter"]), 1, tokens * top_k, i, address(workspace["inter_codes"]),
+                          address(workspace["inter_scales"]))
+    gemm1 = launches[names.index("ll_gemm1")][3]
+    gemm2 = launches[names.index("ll_gemm2")][3]
+    if not prequantized:
+        assert quants[0][1] == (-(-tokens * (h // 128) // warps), 1)
+        assert quants[0][3] == (address(call.x), 0, tokens, h, address(workspace["x_codes"]),
+                                address(workspace["x_scales"]))
+        assert gemm1[:2] == (address(workspace["x_codes"]), address(workspace["x_scales"]))
+    else:
+        assert gemm1[:2] == (address(call.x), address(call.x_scales))
+    assert gemm1[9] == address(weights.w1_scales) and gemm1[10] == 0 and gemm1[21] == address(workspace["inter"])
+    assert gemm2[0] == address(workspace["inter_codes"]) and gemm2[-1] == address(workspace["inter_scales"])
+    assert gemm2[9] == address(weights.w2_scales) and gemm2[10] == 0
+    assert gemm2[16] == int(finalize)
 
 
 def test_choose_rounds() -> None:

@@ -32,6 +32,7 @@ BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
 WEIGHT_ONLY = (WeightFormat.NVFP4_WEIGHT_ONLY, WeightFormat.MXFP4_WEIGHT_ONLY, WeightFormat.MXINT4_WEIGHT_ONLY)
 FP8_WO = WeightFormat.FP8_WEIGHT_ONLY
 FP8_PT = WeightFormat.FP8_PER_TENSOR  # its own CPU tests: test_low_latency_fp8_per_tensor_cpu.py
+DS = WeightFormat.DEEPSEEK_FP8  # its own CPU tests: test_low_latency_deepseek_fp8_cpu.py
 ALL_ARCHS = ("sm90", "sm100", "sm103", "sm107", "sm120")
 
 
@@ -72,6 +73,10 @@ def block_payloads(fmt: WeightFormat, gated: bool, seed: int = 0) -> tuple[torch
         return fp8_codes(gen, (E, n1, H)), fp8_scales(gen, E, H), fp8_codes(gen, (E, H, I)), fp8_scales(gen, E, I)
     if fmt is FP8_PT:  # BF16 sources and the two calibration scales
         return (*dense_weights(torch.bfloat16, gated, seed), 0.02, 0.01)
+    if fmt is DS:  # E4M3 codes with FP32 128 x 128 block scales (I = 128: DeepSeek FP8 needs I % 128 == 0)
+        n1 = (2 if gated else 1) * IP
+        return (fp8_codes(gen, (E, n1, H)), torch.rand(E, n1 // 128, H // 128, generator=gen) / 256 + 1e-3,
+                fp8_codes(gen, (E, H, IP)), torch.rand(E, H // 128, IP // 128, generator=gen) / 256 + 1e-3)
     block = 16 if fmt is WeightFormat.NVFP4_WEIGHT_ONLY else 32
     n1 = (2 if gated else 1) * I
     w1 = (_codes(gen, E, n1, H // 2), _scales(fmt, gen, E, n1, H // block))
@@ -91,6 +96,7 @@ def prepare(config: LowLatencyMoeConfig, fmt: WeightFormat, payloads: tuple, act
         WeightFormat.NVFP4_W_NVFP4_A: config.prepare_nvfp4_weights,
         FP8_WO: config.prepare_fp8_weight_only_weights,
         FP8_PT: config.prepare_fp8_per_tensor_weights,
+        DS: config.prepare_deepseek_fp8_weights,
     }[fmt]
     return method(*payloads, activation=activation)
 
