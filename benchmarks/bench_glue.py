@@ -48,7 +48,7 @@ GLUE = ("stage", "sort", "permute", "activation", "finalize")
 
 def token_bytes(width: int, layout: TokenLayout) -> int:
     """Bytes of one token row of ``width`` values in ``layout``: BF16, or E2M1 codes + E4M3 scales."""
-    return 2 * width if layout is TokenLayout.BF16_FRAGMENTS else width // 2 + width // 16
+    return 2 * width if layout.is_bf16 else width // 2 + width // 16
 
 
 def glue_launches(
@@ -61,7 +61,6 @@ def glue_launches(
     torch.cuda.synchronize()
     executor = executor_for(m, config, weights)
     bucket = executor.bucket(tokens)
-    layout = executor.engine.token_layout
     acts, routing = config.prepare_activations(x), Routing.unpacked(ids, route_w)
     ids_k, weights_k, routing_format = routing.kernel_operands()
     out = torch.empty(tokens, hidden, device=x.device, dtype=torch.bfloat16)
@@ -78,9 +77,9 @@ def glue_launches(
         # ids read; slot_to_row, row_to_slot, row_expert written
         "sort": slots * 4 + slots * 4 + 2 * bucket.rows * 4,
         # each live token read once, each live slot's row written
-        "permute": live_tokens * fp4_row + live_slots * token_bytes(hidden, layout),
+        "permute": live_tokens * fp4_row + live_slots * token_bytes(hidden, bucket.gemm1.tokens.layout),
         # the used GEMM1 rows read ([up | gate]), the second GEMM's token rows written
-        "activation": rows_used * 2 * (2 * inter) + rows_used * token_bytes(inter, layout),
+        "activation": rows_used * 2 * (2 * inter) + rows_used * token_bytes(inter, bucket.gemm2.tokens.layout),
         # each live slot's GEMM2 row and the routing read, the output written
         "finalize": live_slots * 2 * hidden + tokens * k * 8 + tokens * 2 * hidden,
     }

@@ -19,7 +19,7 @@ from common import (  # noqa: E402
 )
 
 from cudnn_moe import Nvfp4MoeConfig, SwiGLU  # noqa: E402
-from cudnn_moe.engines.sm90.kernels import DecodeVariant, PrefillVariant, grouped_gemm  # noqa: E402
+from cudnn_moe.engines.sm90.kernels import DecodeVariant, PrefillVariant, WgmmaVariant, grouped_gemm  # noqa: E402
 
 DECODE = [
     DecodeVariant(mt=1, wm=2, wk=4, nt=1, prefetch=4),
@@ -65,6 +65,12 @@ PREFILL = [PrefillVariant(stages=s, min_blocks=b) for s in (3, 4) for b in (1, 2
     PrefillVariant(3, 1, feature_block=256, adec=True),
 ]
 
+# wgmma (sm_90a): 128 features x 64 or 128 token rows, ring depth, CTAs per SM. Timed on the bucket's
+# fragment-order tokens: the values differ from a natural-order call, the work does not.
+WGMMA = [WgmmaVariant(rows, groups, stages, blocks) for rows, groups, stages, blocks in (
+    (128, 4, 5, 1), (128, 4, 4, 1), (128, 4, 6, 1), (64, 4, 6, 1), (64, 4, 8, 1),
+    (128, 2, 4, 2), (128, 2, 5, 1), (64, 2, 6, 2), (64, 2, 4, 3))]
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = make_parser(__doc__.splitlines()[0])
@@ -75,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     report = Report()
     report.emit(header_line())
     report.emit()
-    report.table(["model", "T", "GEMM", "variant", "us", "chosen by the engine"], left=4)
+    report.table(["model", "T", "GEMM", "variant", "us", "TFLOP/s", "chosen by the engine"], left=4)
 
     def bench_model(m, gen, timer: Timer) -> None:
         config = Nvfp4MoeConfig(max_num_tokens=max(args.tokens), engine="sm90")
@@ -87,15 +93,19 @@ def main(argv: list[str] | None = None) -> int:
             for name, ops in (("gemm1", bucket.gemm1), ("gemm2", bucket.gemm2)):
                 chosen = executor.engine.variant(ops.rows, ops.shape)
                 candidates = PREFILL if tokens >= 1024 else DECODE + (PREFILL if tokens >= 256 else [])
+                candidates = candidates + (WGMMA if tokens >= 256 else [])
+                flops = 2.0 * int(ops.offsets[-1]) * ops.shape.n * ops.shape.k  # rows used, read outside any capture
                 for variant in candidates:
                     w = ops.weights
                     run = lambda v=variant: grouped_gemm(  # noqa: E731
                         w.data, w.scales, w.alpha, ops.tokens.data, ops.offsets, ops.out, v)
                     try:
-                        us = f"{timer.median_us(capture(run).replay):.1f}"
+                        time_us = timer.median_us(capture(run).replay)
+                        us, tflops = f"{time_us:.1f}", f"{flops / time_us / 1e6:.0f}"
                     except Exception as exc:  # noqa: BLE001 - a variant that does not fit is reported, not fatal
-                        us = f"error: {type(exc).__name__}"
-                    report.emit(md_row([m.name, str(tokens), name, repr(variant), us, "yes" if variant == chosen else ""]))
+                        us, tflops = f"error: {type(exc).__name__}", ""
+                    report.emit(md_row([m.name, str(tokens), name, repr(variant), us, tflops,
+                                        "yes" if variant == chosen else ""]))
 
     run_models(args, bench_model)
     report.write(args.markdown)

@@ -56,8 +56,21 @@ __device__ __forceinline__ u32 scaled_bf16x2(float v0, float v1, float sf) {
 // groups are adjacent, so each q is one 16-byte store.
 // NVFP4 layouts: 16 bytes of codes at out + r * inter/2 + 16u (8-byte stores when out is not 16-byte
 // aligned) and the two scale bytes (linear or 128x4).
+// TOKENS_BF16_ROWS: the same 32 values in natural column order (four 16-byte stores at column 32u).
 __device__ __forceinline__ void store_unit(int layout, u8* out, u8* out_scales, i64 r, int u, int inter,
                                            const float v[32], u8 s0, u8 s1) {
+  if (layout == TOKENS_BF16_ROWS) {
+    const float sf0 = e4m3_to_float(s0), sf1 = e4m3_to_float(s1);
+    uint4* dst = reinterpret_cast<uint4*>(reinterpret_cast<u16*>(out) + r * inter + 32 * u);
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const float sf = c < 2 ? sf0 : sf1;
+      const float* w = v + 8 * c;
+      dst[c] = make_uint4(scaled_bf16x2(w[0], w[1], sf), scaled_bf16x2(w[2], w[3], sf), scaled_bf16x2(w[4], w[5], sf),
+                          scaled_bf16x2(w[6], w[7], sf));
+    }
+    return;
+  }
   if (layout == TOKENS_BF16_FRAGMENTS) {
     const float sf0 = e4m3_to_float(s0), sf1 = e4m3_to_float(s1);
     u16* dst = reinterpret_cast<u16*>(out) + r * inter + 64 * (u >> 1) + 8 * (u & 1);
@@ -88,10 +101,16 @@ __device__ __forceinline__ void store_unit(int layout, u8* out, u8* out_scales, 
   out_scales[scale_offset(r, 2 * u + 1, groups, swizzled)] = s1;
 }
 
-// Unit u of row r without requantization: bf16_rne(y) in the token-fragment order of store_unit.
-__device__ __forceinline__ void store_unit_bf16(u8* out, i64 r, int u, int inter, const float y[32]) {
-  u16* dst = reinterpret_cast<u16*>(out) + r * inter + 64 * (u >> 1) + 8 * (u & 1);
+// Unit u of row r without requantization: bf16_rne(y) in the BF16 layout's column order, as store_unit.
+__device__ __forceinline__ void store_unit_bf16(int layout, u8* out, i64 r, int u, int inter, const float y[32]) {
   auto pair = [&](int j) { return static_cast<u32>(float_to_bf16(y[j])) | (static_cast<u32>(float_to_bf16(y[j + 1])) << 16); };
+  if (layout == TOKENS_BF16_ROWS) {
+    uint4* dst = reinterpret_cast<uint4*>(reinterpret_cast<u16*>(out) + r * inter + 32 * u);
+#pragma unroll
+    for (int c = 0; c < 4; ++c) dst[c] = make_uint4(pair(8 * c), pair(8 * c + 2), pair(8 * c + 4), pair(8 * c + 6));
+    return;
+  }
+  u16* dst = reinterpret_cast<u16*>(out) + r * inter + 64 * (u >> 1) + 8 * (u & 1);
 #pragma unroll
   for (int q = 0; q < 4; ++q)
     *reinterpret_cast<uint4*>(dst + 16 * q) = make_uint4(pair(2 * q), pair(2 * q + 8), pair(16 + 2 * q), pair(24 + 2 * q));
@@ -111,7 +130,7 @@ __device__ __forceinline__ void activate_row(const u16* row, bool padding, i64 r
     } else {
       activate_32<ACT, GATED>(row, inter, 32 * u, act, alpha, beta, limit, v);
       if (!requantize) {
-        store_unit_bf16(out, r, u, inter, v);
+        store_unit_bf16(layout, out, r, u, inter, v);
         continue;
       }
       s0 = requantize_16(v);
@@ -130,9 +149,9 @@ __device__ __forceinline__ void activate_row(const u16* row, bool padding, i64 r
 //   row_to_slot int32 [row_capacity]; offsets int32 [num_experts + 1] (rows used = offsets[num_experts])
 //   layout      TOKENS_*: NVFP4 codes (uint8 [row_capacity, inter / 2], element 2i in the low nibble)
 //               + E4M3 scales of the inter / 16 blocks per row, linear or 128x4 swizzled; or BF16
-//               fragments (BF16 [row_capacity, inter], 16-byte aligned, out_scales unused)
+//               fragments / natural rows (BF16 [row_capacity, inter], 16-byte aligned, out_scales unused)
 // Per block: y = activation(float(g1)) in FP32, s = e4m3(amax(|y|) / 6), code_i = e2m1(y_i / float(s)),
-// all codes 0 when float(s) == 0; with requantize == 0 (BF16 fragments only) the values are bf16_rne(y)
+// all codes 0 when float(s) == 0; with requantize == 0 (BF16 layouts only) the values are bf16_rne(y)
 // instead. Padding rows (r < total, row_to_slot[r] < 0) are written as zeros; rows >= total are not
 // written. inter must be a multiple of 64.
 extern "C" __global__ void moe_activation(const u16* __restrict__ g1, const int* __restrict__ row_to_slot,

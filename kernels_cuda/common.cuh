@@ -226,6 +226,25 @@ __device__ __forceinline__ void store_fragment_unit(u16* dst, int u, const uint4
   for (int q = 0; q < 4; ++q) *reinterpret_cast<uint4*>(base + 16 * q) = piece[q];
 }
 
+// The same unit in natural column order (TOKENS_BF16_ROWS): word w of piece q holds columns 32u + 8w + 2q,
+// + 1, so natural 16-byte chunk w (columns 32u + 8w ..) is word w of the four pieces: a 4 x 4 word transpose.
+__device__ __forceinline__ void store_natural_unit(u16* dst, int u, const uint4 piece[4]) {
+  uint4* base = reinterpret_cast<uint4*>(dst + 32 * u);
+  base[0] = make_uint4(piece[0].x, piece[1].x, piece[2].x, piece[3].x);
+  base[1] = make_uint4(piece[0].y, piece[1].y, piece[2].y, piece[3].y);
+  base[2] = make_uint4(piece[0].z, piece[1].z, piece[2].z, piece[3].z);
+  base[3] = make_uint4(piece[0].w, piece[1].w, piece[2].w, piece[3].w);
+}
+
+// Unit u in the BF16 layout `layout` (TOKENS_BF16_FRAGMENTS or TOKENS_BF16_ROWS).
+__device__ __forceinline__ void store_token_unit(int layout, u16* dst, int u, const uint4 piece[4]) {
+  if (layout == TOKENS_BF16_ROWS) {
+    store_natural_unit(dst, u, piece);
+  } else {
+    store_fragment_unit(dst, u, piece);
+  }
+}
+
 // ---------------------------------------------------------------------------
 // Streaming loads (weights read once: not kept in L1)
 // ---------------------------------------------------------------------------

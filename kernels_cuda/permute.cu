@@ -30,17 +30,18 @@ extern "C" __global__ void moe_permute(const u8* __restrict__ xs, const u8* __re
   }
 }
 
-// BF16 token fragments (TokenLayout.BF16_FRAGMENTS, the SM90 engine): each routed slot's token in the
-// token-fragment column order (cudnn_moe/engines/sm90/layout.py). Token-major: a token's 32-column unit
-// is loaded once (LOAD_UNIT: decoded from NVFP4, or read from BF16) and stored to the rows of all its
-// slots. A thread handles units of H / 32 per token; blockDim.x / (H / 32) tokens per block (at least
+// BF16 token rows for the SM90 engine: each routed slot's token in the token-fragment column order
+// (layout TOKENS_BF16_FRAGMENTS, cudnn_moe/engines/sm90/layout.py) or in natural order (TOKENS_BF16_ROWS).
+// Token-major: a token's 32-column unit is loaded once (LOAD_UNIT: decoded from NVFP4, or read from BF16)
+// and stored to the rows of all its slots. A thread handles units of H / 32 per token; blockDim.x / (H / 32) tokens per block (at least
 // one; launch ceil(ceil(num_slots / top_k) / tokens per block) blocks).
 //   slot_to_row int32 [num_slots]    destination row of slot i (token i / top_k), -1 when masked
+//   layout      TOKENS_BF16_FRAGMENTS or TOKENS_BF16_ROWS (the column order of xp)
 //   xp          bf16 [rows, H]       16-byte aligned; rows no slot maps to are not written
 // Requires H % 64 == 0.
 template <typename LoadUnit>
 __device__ __forceinline__ void permute_fragments(const int* __restrict__ slot_to_row, int num_slots, int top_k,
-                                                  int hidden, u16* __restrict__ xp, LoadUnit load_unit) {
+                                                  int hidden, int layout, u16* __restrict__ xp, LoadUnit load_unit) {
   const int units = hidden / 32;
   const int tokens_per_block = max(1, static_cast<int>(blockDim.x) / units);
   const int sub = threadIdx.x / units;  // the block's token of this thread
@@ -59,7 +60,7 @@ __device__ __forceinline__ void permute_fragments(const int* __restrict__ slot_t
     load_unit(t, u, piece);
     for (int s = 0; s < slots; ++s) {
       const int r = rows[s];
-      if (r >= 0) store_fragment_unit(xp + static_cast<i64>(r) * hidden, u, piece);
+      if (r >= 0) store_token_unit(layout, xp + static_cast<i64>(r) * hidden, u, piece);
     }
   }
 }
@@ -68,9 +69,9 @@ __device__ __forceinline__ void permute_fragments(const int* __restrict__ slot_t
 // aligned; xss uint8 [B, H/16] E4M3 scales, linear.
 extern "C" __global__ void moe_permute_bf16(const u8* __restrict__ xs, const u8* __restrict__ xss,
                                             const int* __restrict__ slot_to_row, int num_slots, int top_k,
-                                            int hidden, u16* __restrict__ xp) {
+                                            int hidden, int layout, u16* __restrict__ xp) {
   moe::grid_dependency_begin();
-  permute_fragments(slot_to_row, num_slots, top_k, hidden, xp, [&](i64 t, int u, uint4 piece[4]) {
+  permute_fragments(slot_to_row, num_slots, top_k, hidden, layout, xp, [&](i64 t, int u, uint4 piece[4]) {
     decode_fragment_unit(xs + t * (hidden / 2), xss + t * (hidden / 16), u, piece);
   });
 }
@@ -87,9 +88,10 @@ __device__ __forceinline__ void load_bf16_unit(const u16* __restrict__ x, int hi
 
 // BF16 tokens as they are: x bf16 [B, H], 16-byte aligned.
 extern "C" __global__ void moe_permute_bf16_tokens(const u16* __restrict__ x, const int* __restrict__ slot_to_row,
-                                                   int num_slots, int top_k, int hidden, u16* __restrict__ xp) {
+                                                   int num_slots, int top_k, int hidden, int layout,
+                                                   u16* __restrict__ xp) {
   moe::grid_dependency_begin();
-  permute_fragments(slot_to_row, num_slots, top_k, hidden, xp,
+  permute_fragments(slot_to_row, num_slots, top_k, hidden, layout, xp,
                     [&](i64 t, int u, uint4 piece[4]) { load_bf16_unit(x, hidden, t, u, piece); });
 }
 
@@ -102,7 +104,7 @@ extern "C" __global__ void moe_permute_bf16_tokens(const u16* __restrict__ x, co
 // ceil(ceil(num_slots / top_k) / max(1, SORT_THREADS / (H / 32))) blocks (at least one).
 template <typename LoadUnit>
 __device__ __forceinline__ void sort_permute(const int* __restrict__ ids, int num_slots, int top_k, int local_start,
-                                             int num_experts, int align, int row_capacity, int hidden,
+                                             int num_experts, int align, int row_capacity, int hidden, int layout,
                                              int* __restrict__ offsets, int* __restrict__ slot_to_row,
                                              int* __restrict__ row_to_slot, int* __restrict__ row_expert,
                                              int* __restrict__ counts, u16* __restrict__ xp, LoadUnit load_unit) {
@@ -113,19 +115,19 @@ __device__ __forceinline__ void sort_permute(const int* __restrict__ ids, int nu
   sort_slots(ids, num_slots, local_start, num_experts, align, row_capacity, max(num_slots, 1), 0, 1, blockIdx.x == 0,
              slot_rows, offsets, slot_to_row, row_to_slot, row_expert, counts);
   __syncthreads();
-  permute_fragments(slot_rows, num_slots, top_k, hidden, xp, load_unit);
+  permute_fragments(slot_rows, num_slots, top_k, hidden, layout, xp, load_unit);
 }
 
 // NVFP4 tokens (xs, xss as for moe_permute_bf16), decoded exactly into BF16 fragments.
 extern "C" __global__ void __launch_bounds__(SORT_THREADS)
     moe_sort_permute_bf16(const int* __restrict__ ids, int num_slots, int top_k, int local_start, int num_experts,
-                          int align, int row_capacity, int hidden, const u8* __restrict__ xs,
+                          int align, int row_capacity, int hidden, int layout, const u8* __restrict__ xs,
                           const u8* __restrict__ xss, int* __restrict__ offsets, int* __restrict__ slot_to_row,
                           int* __restrict__ row_to_slot, int* __restrict__ row_expert, int* __restrict__ counts,
                           u16* __restrict__ xp) {
   moe::grid_dependency_begin();
-  sort_permute(ids, num_slots, top_k, local_start, num_experts, align, row_capacity, hidden, offsets, slot_to_row,
-               row_to_slot, row_expert, counts, xp, [&](i64 t, int u, uint4 piece[4]) {
+  sort_permute(ids, num_slots, top_k, local_start, num_experts, align, row_capacity, hidden, layout, offsets,
+               slot_to_row, row_to_slot, row_expert, counts, xp, [&](i64 t, int u, uint4 piece[4]) {
                  decode_fragment_unit(xs + t * (hidden / 2), xss + t * (hidden / 16), u, piece);
                });
 }
@@ -133,11 +135,12 @@ extern "C" __global__ void __launch_bounds__(SORT_THREADS)
 // BF16 tokens (x as for moe_permute_bf16_tokens), as they are.
 extern "C" __global__ void __launch_bounds__(SORT_THREADS)
     moe_sort_permute_bf16_tokens(const int* __restrict__ ids, int num_slots, int top_k, int local_start,
-                                 int num_experts, int align, int row_capacity, int hidden, const u16* __restrict__ x,
+                                 int num_experts, int align, int row_capacity, int hidden, int layout,
+                                 const u16* __restrict__ x,
                                  int* __restrict__ offsets, int* __restrict__ slot_to_row,
                                  int* __restrict__ row_to_slot, int* __restrict__ row_expert,
                                  int* __restrict__ counts, u16* __restrict__ xp) {
   moe::grid_dependency_begin();
-  sort_permute(ids, num_slots, top_k, local_start, num_experts, align, row_capacity, hidden, offsets, slot_to_row,
-               row_to_slot, row_expert, counts, xp, [&](i64 t, int u, uint4 piece[4]) { load_bf16_unit(x, hidden, t, u, piece); });
+  sort_permute(ids, num_slots, top_k, local_start, num_experts, align, row_capacity, hidden, layout, offsets,
+               slot_to_row, row_to_slot, row_expert, counts, xp, [&](i64 t, int u, uint4 piece[4]) { load_bf16_unit(x, hidden, t, u, piece); });
 }

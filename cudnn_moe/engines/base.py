@@ -138,11 +138,12 @@ class Support(NamedTuple):
 
 @dataclass(frozen=True)
 class TokenOperand:
-    """Token rows in the engine's token layout: ``data`` (uint8 codes or bfloat16 values) and, for the
-    NVFP4 layouts, the E4M3 scale bytes."""
+    """Token rows in ``layout`` (the one the engine reads for this GEMM and bucket): ``data`` (uint8 codes or
+    bfloat16 values) and, for the NVFP4 layouts, the E4M3 scale bytes."""
 
     data: torch.Tensor
     scales: torch.Tensor | None
+    layout: TokenLayout
 
 
 @dataclass(frozen=True)
@@ -281,9 +282,14 @@ class GemmEngine(Engine):
     def token_layout(self) -> TokenLayout:
         return self.layout.token_layout
 
+    def token_layout_for(self, rows: int, shape: GemmShape) -> TokenLayout:
+        """The token layout a GEMM of ``shape`` on a bucket of ``rows`` rows reads (the permute or the
+        activation writes it): the engine's own by default; an engine whose kernels differ by size says so."""
+        return self.token_layout
+
     def token_buffers(self, rows: int, k: int, num_experts: int) -> tuple[tuple[int, ...], torch.dtype, int]:
         """(data shape, data dtype, scale bytes) of a token operand of ``rows`` rows of K values."""
-        if self.token_layout is TokenLayout.BF16_FRAGMENTS:
+        if self.token_layout.is_bf16:
             return (rows, k), torch.bfloat16, 0
         return (rows, k // 2), torch.uint8, rows * (k // 16)
 

@@ -14,7 +14,7 @@ from .finalize import SOURCE as _FINALIZE_SOURCE
 from .finalize import finalize, unfinalized_rows
 from .loader import compile_options, kernels_dir, launch, load_module, module_source, ptr
 from .permute import permute_bf16_tokens, permute_tokens
-from .sort import SORT_PERMUTE_MAX_SLOTS, sort_permute_fragments, sort_routing
+from .sort import SORT_PERMUTE_MAX_SLOTS, sort_permute_bf16, sort_routing
 from .stage import SOURCE as _STAGE_SOURCE
 from .stage import stage_inputs
 
@@ -53,7 +53,7 @@ __all__ = [
     "permute_tokens",
     "plan_routes",
     "ptr",
-    "sort_permute_fragments",
+    "sort_permute_bf16",
     "sort_routing",
     "stage_aligned",
     "stage_inputs",

@@ -23,34 +23,34 @@ def activate_quantize(
     requantize: bool = True,
 ) -> None:
     """Activate GEMM1's output and requantize it to NVFP4 with global scale one (requantize=False, BF16
-    fragments only: round it to BF16 instead, for a second GEMM on BF16 tokens).
+    layouts only: round it to BF16 instead, for a second GEMM on BF16 tokens).
 
     g1 bfloat16 [R, N1], the expert global already applied (N1 = 2I as [up | gate] when gated, else
     I; I % 64 == 0). Per 16-value block of y = activation(float(g1)) (FP32): s = e4m3(amax / 6),
     codes e2m1(y / s) (zero when s == 0). By ``layout``: NVFP4 codes out uint8 [R, I/2] (element
     2i in the low nibble) with E4M3 scales in out_scales (R x I/16, linear or 128x4); or
-    BF16_FRAGMENTS: out bfloat16 [R, I], the decoded values code * s (exact) in token-fragment order.
-    Rows >= offsets[E] are not written; padding rows (row_to_slot < 0) are written as zeros. g1 16-byte
-    aligned; out 16-byte aligned for BF16_FRAGMENTS, 8 for the NVFP4 codes.
+    BF16_FRAGMENTS / BF16_ROWS: out bfloat16 [R, I], the decoded values code * s (exact) in token-fragment
+    or natural column order. Rows >= offsets[E] are not written; padding rows (row_to_slot < 0) are written
+    as zeros. g1 16-byte aligned; out 16-byte aligned for the BF16 layouts, 8 for the NVFP4 codes.
     """
     rows = out.shape[0]
-    inter = out.shape[1] if layout is TokenLayout.BF16_FRAGMENTS else 2 * out.shape[1]
+    inter = out.shape[1] if layout.is_bf16 else 2 * out.shape[1]
     if inter % 64 or tuple(g1.shape) != (rows, activation.gemm1_columns(inter)) or row_to_slot.numel() < rows:
         raise ValueError(f"activation: g1 {tuple(g1.shape)} does not match an output of {rows} rows x {inter}")
     if g1.dtype != torch.bfloat16 or offsets.dtype != torch.int32:
         raise ValueError("activation: g1 must be bfloat16 and offsets int32 [E + 1]")
-    if not requantize and layout is not TokenLayout.BF16_FRAGMENTS:
-        raise ValueError("activation: requantize=False writes BF16 fragments only")
-    if layout is TokenLayout.BF16_FRAGMENTS:
+    if not requantize and not layout.is_bf16:
+        raise ValueError("activation: requantize=False writes a BF16 layout only")
+    if layout.is_bf16:
         if out.dtype != torch.bfloat16:
-            raise ValueError("activation: BF16 fragments need a bfloat16 output")
+            raise ValueError("activation: a BF16 layout needs a bfloat16 output")
     else:
         if out.dtype != torch.uint8 or out_scales is None:
             raise ValueError("activation: NVFP4 output needs uint8 codes and a scale buffer")
         require_scale_room(out_scales, rows, inter // 16, layout)
     a, b, limit = activation.params()
     blocks, threads = unit_grid(rows, inter // 32)  # a thread per 32 values
-    out_align = 16 if layout is TokenLayout.BF16_FRAGMENTS else 8
+    out_align = 16 if layout.is_bf16 else 8
     launch(
         "activation.cu", "moe_activation", g1.device, blocks, threads,
         (

@@ -27,12 +27,19 @@ class TokenLayout(enum.IntEnum):
     NVFP4_LINEAR: packed E2M1 uint8 [R, K/2] + E4M3 scales [R, K/16] row-major.
     NVFP4_SWIZZLED_128X4: the same codes, scales in 128x4 tiles of the R x K/16 matrix.
     BF16_FRAGMENTS: decoded BF16 [R, K], columns in the SM90 token-fragment order
-    (``cudnn_moe.engines.sm90.layout``).
+    (``cudnn_moe.engines.sm90.layout``; the mma.sync kernels).
+    BF16_ROWS: decoded BF16 [R, K], natural column order (the SM90 wgmma kernel).
     """
 
     NVFP4_LINEAR = 0
     NVFP4_SWIZZLED_128X4 = 1
     BF16_FRAGMENTS = 2
+    BF16_ROWS = 3
+
+    @property
+    def is_bf16(self) -> bool:
+        """Decoded BF16 values [R, K] (either column order), no scales."""
+        return self in (TokenLayout.BF16_FRAGMENTS, TokenLayout.BF16_ROWS)
 
 
 class LowLatencyWeightCode(enum.IntEnum):

@@ -120,12 +120,36 @@ class _Module:
         return driver.module_get_function(self.handle, name)
 
 
+ARCH_SPECIFIC = "-DMOE_ARCH_SPECIFIC=1"  # an option of modules built for the "a" target (sm_90a: wgmma)
+
+
 def _compile(source: str, options: tuple[str, ...]) -> bytes:
-    """The NVRTC binary of ``source`` for the current device (a cubin, or PTX where NVRTC cannot target it)."""
+    """The NVRTC binary of ``source`` for the current device (a cubin, or PTX where NVRTC cannot target it).
+    With ARCH_SPECIFIC among the options, a cubin for the device's architecture-specific target (sm_90a)."""
+    if ARCH_SPECIFIC in options:
+        return _compile_arch_specific(source, options)
     from cupy.cuda import compiler
 
     binary, _ = compiler.compile_using_nvrtc(source, options)
     return binary.encode() if isinstance(binary, str) else bytes(binary)
+
+
+def _compile_arch_specific(source: str, options: tuple[str, ...]) -> bytes:
+    """NVRTC straight (CuPy's wrapper knows no "a" targets): a cubin for sm_<cc>a of the current device."""
+    import cupy
+    from cupy.cuda import nvrtc
+    from cupy.cuda.compiler import CompileException
+
+    arch = f"-arch=sm_{cupy.cuda.Device().compute_capability}a"
+    program = nvrtc.createProgram(source, "kernel.cu", (), ())
+    try:
+        try:
+            nvrtc.compileProgram(program, (*options, arch))
+        except nvrtc.NVRTCError:
+            raise CompileException(nvrtc.getProgramLog(program), source, "kernel.cu", (*options, arch)) from None
+        return bytes(nvrtc.getCUBIN(program))
+    finally:
+        nvrtc.destroyProgram(program)
 
 
 def _module_from(binary: bytes, device: int, source: str) -> _Module:

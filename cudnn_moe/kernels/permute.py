@@ -1,6 +1,6 @@
 """Permute: gather each routed slot's token into its expert-sorted row, in the GEMM engine's token
-layout (kernels_cuda/permute.cu: moe_permute for the NVFP4 layouts, moe_permute_bf16 for BF16 fragments of
-NVFP4 tokens, moe_permute_bf16_tokens for BF16 fragments of BF16 tokens)."""
+layout (kernels_cuda/permute.cu: moe_permute for the NVFP4 layouts, moe_permute_bf16 for the BF16 layouts of
+NVFP4 tokens, moe_permute_bf16_tokens for the BF16 layouts of BF16 tokens)."""
 
 from __future__ import annotations
 
@@ -23,10 +23,12 @@ def unit_grid(items: int, units: int, max_threads: int = UNIT_THREADS) -> tuple[
     return -(-items // per_block), threads
 
 
-def require_fragment_rows(xp: torch.Tensor, hidden: int) -> None:
-    """Check that xp is a bfloat16 [R, hidden] matrix of BF16 token fragments with hidden % 64 == 0."""
+def require_bf16_rows(xp: torch.Tensor, hidden: int, layout: TokenLayout) -> None:
+    """Check that ``layout`` is a BF16 layout and xp a bfloat16 [R, hidden] matrix with hidden % 64 == 0."""
+    if not isinstance(layout, TokenLayout) or not layout.is_bf16:
+        raise ValueError(f"permute: BF16 token rows need a BF16 layout (BF16_FRAGMENTS or BF16_ROWS), got {layout!r}")
     if xp.dtype != torch.bfloat16 or xp.dim() != 2 or xp.shape[1] != hidden or hidden % 64:
-        raise ValueError(f"permute: BF16 fragments need xp bfloat16 [R, {hidden}] with H % 64 == 0, got "
+        raise ValueError(f"permute: BF16 token rows need xp bfloat16 [R, {hidden}] with H % 64 == 0, got "
                          f"{xp.dtype} {tuple(xp.shape)}")
 
 
@@ -53,22 +55,22 @@ def permute_tokens(
     xs uint8 [B, H/2] packed E2M1, xss (1-byte E4M3, linear) [B, H/16]. By ``layout``:
     NVFP4_LINEAR / NVFP4_SWIZZLED_128X4: xp uint8 [R, H/2], xps the scales of an R x H/16 matrix,
     linear or in 128x4 tiles (flat, >= roundup(R, 128) * roundup(H/16, 4) bytes).
-    BF16_FRAGMENTS: xp bfloat16 [R, H], the decoded values (exact) in token-fragment column order;
-    xps unused (moe_permute_bf16: each token decoded once for all its slots). Rows no slot maps to are not
-    written.
+    BF16_FRAGMENTS / BF16_ROWS: xp bfloat16 [R, H], the decoded values (exact) in token-fragment or natural
+    column order; xps unused (moe_permute_bf16: each token decoded once for all its slots). Rows no slot maps
+    to are not written.
     """
     hidden = 2 * xs.shape[1]
     scale_cols = xss.shape[1]
     if top_k < 1 or num_slots > slot_to_row.numel() or hidden != 16 * scale_cols:
         raise ValueError(f"permute: top_k={top_k}, {num_slots} slots, slot_to_row of {slot_to_row.numel()}, "
                          f"tokens {tuple(xs.shape)} with scales {tuple(xss.shape)}")
-    if layout is TokenLayout.BF16_FRAGMENTS:
-        require_fragment_rows(xp, hidden)
+    if layout.is_bf16:
+        require_bf16_rows(xp, hidden, layout)
         blocks, threads = unit_grid(-(-num_slots // top_k), hidden // 32)
         launch(
             "permute.cu", "moe_permute_bf16", xs.device, blocks, threads,
             (ptr(xs, 16), ptr(xss), ptr(slot_to_row), np.int32(num_slots), np.int32(top_k), np.int32(hidden),
-             ptr(xp, 16)),
+             np.int32(layout), ptr(xp, 16)),
         )
         return
     rows = xp.shape[0]
@@ -84,21 +86,23 @@ def permute_tokens(
     )
 
 
-def permute_bf16_tokens(x: torch.Tensor, slot_to_row: torch.Tensor, num_slots: int, top_k: int, xp: torch.Tensor) -> None:
+def permute_bf16_tokens(x: torch.Tensor, slot_to_row: torch.Tensor, num_slots: int, top_k: int, xp: torch.Tensor,
+                        layout: TokenLayout = TokenLayout.BF16_FRAGMENTS) -> None:
     """Copy BF16 token t = slot // top_k of every routed slot to row r = slot_to_row[slot] >= 0 of xp in the
-    token-fragment column order (TokenLayout.BF16_FRAGMENTS), values unchanged.
+    column order of the BF16 ``layout`` (token fragments, or natural rows), values unchanged.
 
     x bfloat16 [B, H] (H % 64 == 0), xp bfloat16 [R, H], both 16-byte aligned; rows no slot maps to are not
     written (moe_permute_bf16_tokens: each token read once for all its slots).
     """
     hidden = x.shape[1]
-    if x.dtype != torch.bfloat16 or xp.dtype != torch.bfloat16 or xp.dim() != 2 or xp.shape[1] != hidden or hidden % 64:
-        raise ValueError(f"permute: BF16 tokens [B, H] and rows [R, H] with H % 64 == 0, got {tuple(x.shape)} {x.dtype} "
-                         f"and {tuple(xp.shape)} {xp.dtype}")
+    if x.dtype != torch.bfloat16 or x.dim() != 2:
+        raise ValueError(f"permute: BF16 tokens [B, H], got {tuple(x.shape)} {x.dtype}")
+    require_bf16_rows(xp, hidden, layout)
     if top_k < 1 or num_slots > slot_to_row.numel():
         raise ValueError(f"permute: top_k={top_k}, {num_slots} slots, slot_to_row of {slot_to_row.numel()}")
     blocks, threads = unit_grid(-(-num_slots // top_k), hidden // 32)
     launch(
         "permute.cu", "moe_permute_bf16_tokens", x.device, blocks, threads,
-        (ptr(x, 16), ptr(slot_to_row), np.int32(num_slots), np.int32(top_k), np.int32(hidden), ptr(xp, 16)),
+        (ptr(x, 16), ptr(slot_to_row), np.int32(num_slots), np.int32(top_k), np.int32(hidden), np.int32(layout),
+         ptr(xp, 16)),
     )

@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .codes import SORT_MAX_EXPERTS, SORT_THREADS
-from .permute import require_fragment_rows, unit_grid
+from .codes import SORT_MAX_EXPERTS, SORT_THREADS, TokenLayout
+from .permute import require_bf16_rows, unit_grid
 from .loader import launch, ptr
 
 # Most blocks of one moe_sort_blocks launch. Every block counts all slot ids, so the grid is capped:
@@ -81,7 +81,7 @@ def _check_operands(ids_flat: torch.Tensor, top_k: int, num_local: int, align: i
 SORT_PERMUTE_MAX_SLOTS = SORT_THREADS  # slots of a bucket whose sort and permute run in one launch
 
 
-def sort_permute_fragments(
+def sort_permute_bf16(
     ids_flat: torch.Tensor,
     top_k: int,
     local_start: int,
@@ -95,9 +95,10 @@ def sort_permute_fragments(
     tokens: torch.Tensor,
     token_scales: torch.Tensor | None,
     xp: torch.Tensor,
+    layout: TokenLayout = TokenLayout.BF16_FRAGMENTS,
 ) -> None:
-    """``sort_routing`` and then the permute into BF16 token fragments (``permute_tokens`` with
-    TokenLayout.BF16_FRAGMENTS, or ``permute_bf16_tokens``) in ONE launch, with the same outputs bit for bit;
+    """``sort_routing`` and then the permute into BF16 token rows of the BF16 ``layout`` (``permute_tokens``,
+    or ``permute_bf16_tokens``) in ONE launch, with the same outputs bit for bit;
     for at most SORT_PERMUTE_MAX_SLOTS slots. ``tokens``: bfloat16 [B, H] (``token_scales`` None) or NVFP4
     codes uint8 [B, H/2] with linear E4M3 scales [B, H/16]; xp bfloat16 [R, H] (H % 64 == 0), 16-byte aligned.
     Each block sorts every slot itself in shared memory and block 0 writes the sort's outputs
@@ -112,10 +113,10 @@ def sort_permute_fragments(
                                                                  tuple(token_scales.shape) != (tokens.shape[0], hidden // 16)):
         raise ValueError(f"sort + permute: BF16 tokens [B, H], or uint8 codes [B, H/2] with scales [B, H/16]; got "
                          f"{tokens.dtype} {tuple(tokens.shape)}")
-    require_fragment_rows(xp, hidden)
+    require_bf16_rows(xp, hidden, layout)
     blocks = max(1, unit_grid(-(-num_slots // top_k), hidden // 32, SORT_THREADS)[0])
     head = (ptr(ids_flat), np.int32(num_slots), np.int32(top_k), np.int32(local_start), np.int32(num_local),
-            np.int32(align), np.int32(row_to_slot.numel()), np.int32(hidden))
+            np.int32(align), np.int32(row_to_slot.numel()), np.int32(hidden), np.int32(layout))
     tail = (ptr(offsets), ptr(slot_to_row), ptr(row_to_slot), ptr(row_expert), ptr(counts), ptr(xp, 16))
     if bf16:
         launch("permute.cu", "moe_sort_permute_bf16_tokens", tokens.device, blocks, SORT_THREADS,

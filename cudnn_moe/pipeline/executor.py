@@ -103,9 +103,10 @@ class Bucket:
             # Zero-filled so rows the pipeline never writes always hold finite values.
             return torch.zeros(*shape, dtype=dtype, device=dev)
 
-        def token_operand(width: int) -> TokenOperand:
-            shape, dtype, scale_bytes = engine.token_buffers(rows, width, experts)
-            return TokenOperand(empty(*shape, dtype=dtype), empty(scale_bytes) if scale_bytes else None)
+        def token_operand(gemm: GemmShape) -> TokenOperand:
+            shape, dtype, scale_bytes = engine.token_buffers(rows, gemm.k, experts)
+            return TokenOperand(empty(*shape, dtype=dtype), empty(scale_bytes) if scale_bytes else None,
+                                engine.token_layout_for(rows, gemm))
 
         self.tokens, self.rows = tokens, rows
         if executor.bf16_tokens:  # BF16 tokens [B, H]; no scales
@@ -127,11 +128,11 @@ class Bucket:
                                                                       dtype=torch.float32)
         self.alpha2 = w.w2_alpha if w.w2_alpha is not None else empty(experts, dtype=torch.float32)
         self.gemm1 = GemmOperands(
-            rows, shape1, token_operand(hidden), WeightOperand(w.w1, w.w1_scales, self.alpha1, w.w1_alpha_split),
+            rows, shape1, token_operand(shape1), WeightOperand(w.w1, w.w1_scales, self.alpha1, w.w1_alpha_split),
             self.offsets, empty(rows, n1, dtype=torch.bfloat16), workspace,
         )
         self.gemm2 = GemmOperands(
-            rows, shape2, token_operand(inter), WeightOperand(w.w2, w.w2_scales, self.alpha2), self.offsets,
+            rows, shape2, token_operand(shape2), WeightOperand(w.w2, w.w2_scales, self.alpha2), self.offsets,
             empty(rows, hidden, dtype=torch.bfloat16), workspace,
         )
         self.graph: torch.cuda.CUDAGraph | None = None
@@ -167,8 +168,8 @@ class MoeExecutor:
         self.weights, self.engine = replace(weights), engine
         self.top_k, self.activation = top_k, activation
         self.local_expert_start, self.max_num_tokens = local_expert_start, max_num_tokens
-        if (bf16_tokens or bf16_intermediate) and engine.token_layout is not kernels.TokenLayout.BF16_FRAGMENTS:
-            raise ValueError(f"BF16 tokens or intermediates need an engine reading BF16 token fragments, not the "
+        if (bf16_tokens or bf16_intermediate) and not engine.token_layout.is_bf16:
+            raise ValueError(f"BF16 tokens or intermediates need an engine reading BF16 token rows, not the "
                              f"{engine.name} engine")
         self.bf16_tokens, self.bf16_intermediate = bf16_tokens, bf16_intermediate
         self._buckets: dict[int, Bucket] = {}
@@ -361,20 +362,22 @@ class _BucketStages(LayerStages):
         x, b = self.x, self.b
         slots, g1 = b.tokens * x.top_k, b.gemm1
         if x.bf16_tokens:
-            return Stage("permute", lambda: kernels.permute_bf16_tokens(b.x, b.slot_to_row, slots, x.top_k, g1.tokens.data))
+            return Stage("permute", lambda: kernels.permute_bf16_tokens(b.x, b.slot_to_row, slots, x.top_k,
+                                                                        g1.tokens.data, g1.tokens.layout))
         return Stage("permute", lambda: kernels.permute_tokens(
-            b.x, b.x_scales, b.slot_to_row, slots, x.top_k, x.engine.token_layout, g1.tokens.data, g1.tokens.scales,
+            b.x, b.x_scales, b.slot_to_row, slots, x.top_k, g1.tokens.layout, g1.tokens.data, g1.tokens.scales,
         ))
 
     def sort_permute(self) -> Stage | None:
         x, b = self.x, self.b
         slots, g1 = b.tokens * x.top_k, b.gemm1
-        if x.engine.token_layout is not kernels.TokenLayout.BF16_FRAGMENTS or slots > kernels.SORT_PERMUTE_MAX_SLOTS:
+        if not g1.tokens.layout.is_bf16 or slots > kernels.SORT_PERMUTE_MAX_SLOTS:
             return None
         scales = None if x.bf16_tokens else b.x_scales
-        return Stage("sort+permute", lambda: kernels.sort_permute_fragments(
+        return Stage("sort+permute", lambda: kernels.sort_permute_bf16(
             b.ids.view(-1), x.top_k, x.local_expert_start, x.weights.num_experts, x.engine.row_alignment,
             b.offsets, b.slot_to_row, b.row_to_slot, b.row_expert, b.expert_counts, b.x, scales, g1.tokens.data,
+            g1.tokens.layout,
         ))
 
     def gemm1(self) -> Stage:
@@ -384,7 +387,7 @@ class _BucketStages(LayerStages):
         x, b = self.x, self.b
         g1, g2 = b.gemm1, b.gemm2
         return Stage("activation", lambda: kernels.activate_quantize(
-            g1.out, b.row_to_slot, b.offsets, x.activation, x.engine.token_layout, g2.tokens.data, g2.tokens.scales,
+            g1.out, b.row_to_slot, b.offsets, x.activation, g2.tokens.layout, g2.tokens.data, g2.tokens.scales,
             requantize=not x.bf16_intermediate,
         ))
 

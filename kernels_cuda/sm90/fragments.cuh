@@ -85,6 +85,12 @@ __device__ __forceinline__ void decode_scale_word(u32 w, u32& row_g, u32& row_g8
   row_g8 = bf16x2_mul(bf16x2_mul(hi, kBf16x2Pow119), kBf16x2Pow119);
 }
 
+// Word I (0..3) of a lane's 16 bytes: the weight word of k16 step I, or a token-fragment pair.
+template <int I>
+__device__ __forceinline__ u32 word_of(const uint4& v) {
+  return I == 0 ? v.x : I == 1 ? v.y : I == 2 ? v.z : v.w;
+}
+
 // Scaled A registers of k16 step s (0..3) of a tile: words `w` (4 words of a lane), scale pairs
 // sg[2] / sg8[2] from decode_scale_word of the two scale words.
 template <int S>

@@ -54,11 +54,6 @@ static_assert(SM90_WK * DEC_TB * DEC_RED_STRIDE * 4 <= 48 * 1024, "decode: split
 
 namespace {
 
-template <int I>
-__device__ __forceinline__ u32 word_of(const uint4& v) {
-  return I == 0 ? v.x : I == 1 ? v.y : I == 2 ? v.z : v.w;
-}
-
 struct DecodeRing {
   uint4 w[SM90_PREFETCH][SM90_MT];     // weight words: 4 k16 steps
   uint2 s[SM90_PREFETCH][SM90_MT];     // scale bytes

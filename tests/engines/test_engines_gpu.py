@@ -32,15 +32,17 @@ def _engine(name: str):
     return cls(torch.device("cuda", torch.cuda.current_device()))
 
 
-def _tokens(engine, x_packed: torch.Tensor, x_scales: torch.Tensor, rows: int, k: int, experts: int) -> TokenOperand:
-    shape, dtype, scale_bytes = engine.token_buffers(rows, k, experts)
-    if engine.token_layout is TokenLayout.BF16_FRAGMENTS:
+def _tokens(engine, x_packed: torch.Tensor, x_scales: torch.Tensor, rows: int, shape: GemmShape) -> TokenOperand:
+    _, _, scale_bytes = engine.token_buffers(rows, shape.k, shape.num_experts)
+    layout = engine.token_layout_for(rows, shape)
+    if layout.is_bf16:
         values = dequantize_nvfp4(x_packed, x_scales, dtype=torch.bfloat16)
-        return TokenOperand(to_token_fragments(values).contiguous(), None)
+        data = to_token_fragments(values) if layout is TokenLayout.BF16_FRAGMENTS else values
+        return TokenOperand(data.contiguous(), None, layout)
     scales = torch.zeros(scale_bytes, dtype=torch.uint8, device="cuda")
     blob = swizzle_128x4(x_scales) if engine.token_layout is TokenLayout.NVFP4_SWIZZLED_128X4 else x_scales
     scales[: blob.numel()] = blob.reshape(-1).view(torch.uint8)
-    return TokenOperand(x_packed, scales.view(torch.float8_e4m3fn))
+    return TokenOperand(x_packed, scales.view(torch.float8_e4m3fn), layout)
 
 
 def _problem(engine, counts: list[int], k: int, n: int, seed: int = 0):
@@ -72,7 +74,7 @@ def _problem(engine, counts: list[int], k: int, n: int, seed: int = 0):
     operands = GemmOperands(
         rows=capacity,
         shape=shape,
-        tokens=_tokens(engine, x_packed, x_scales, capacity, k, experts),
+        tokens=_tokens(engine, x_packed, x_scales, capacity, shape),
         weights=WeightOperand(data, scales, alpha),
         offsets=torch.tensor(bounds, dtype=torch.int32, device="cuda"),
         out=torch.full((capacity, n), float("nan"), dtype=torch.bfloat16, device="cuda"),

@@ -401,11 +401,24 @@ def _same_values(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
         raise AssertionError(f"{what}: {bad.shape[0]} values differ, first at {bad[0].tolist()}")
 
 
+BF16_LAYOUTS = [TokenLayout.BF16_FRAGMENTS, TokenLayout.BF16_ROWS]
+
+
+def _in_layout(natural: torch.Tensor, layout: TokenLayout) -> torch.Tensor:
+    """Rows [..., K] in natural column order, in the column order of the BF16 ``layout``."""
+    return to_token_fragments(natural) if layout is TokenLayout.BF16_FRAGMENTS else natural
+
+
+def _natural(rows: torch.Tensor, layout: TokenLayout) -> torch.Tensor:
+    return from_token_fragments(rows) if layout is TokenLayout.BF16_FRAGMENTS else rows
+
+
+@pytest.mark.parametrize("layout", BF16_LAYOUTS, ids=lambda l: l.name)
 @pytest.mark.parametrize("hidden", [64, 2048, 7168, 8256])
 @pytest.mark.parametrize("top_k", [1, 3, 8])
-def test_permute_bf16_sizes(hidden: int, top_k: int) -> None:
-    """The BF16 token-fragment permute (moe_permute_bf16) at widths up to 8256 and top_k 1 .. 8: each routed
-    slot's row is its token decoded (formats.dequantize_nvfp4, NaN scale bytes included) in token-fragment order;
+def test_permute_bf16_sizes(hidden: int, top_k: int, layout: TokenLayout) -> None:
+    """The BF16 permute (moe_permute_bf16) at widths up to 8256 and top_k 1 .. 8: each routed slot's row is its
+    token decoded (formats.dequantize_nvfp4, NaN scale bytes included) in the layout's column order;
     masked slots, fully masked tokens and rows no slot maps to are not written, nor are slots >= num_slots."""
     tokens = 37
     slots = tokens * top_k
@@ -417,7 +430,7 @@ def test_permute_bf16_sizes(hidden: int, top_k: int) -> None:
     rows = torch.randperm(capacity, generator=gen)[:slots].to(torch.int32)
     rows[torch.rand(slots, generator=gen) < 0.2] = -1  # masked slots
     rows[2 * top_k : 4 * top_k] = -1  # tokens 2 and 3 fully masked
-    decoded = to_token_fragments(dequantize_nvfp4(xs, xss.view(torch.float8_e4m3fn), 1.0, torch.bfloat16))
+    decoded = _in_layout(dequantize_nvfp4(xs, xss.view(torch.float8_e4m3fn), 1.0, torch.bfloat16), layout)
     blank = torch.full((capacity, hidden), POISON_INT, dtype=torch.int16).view(torch.bfloat16)
     # All slots, then fewer slots than the tokens hold (the last token partly): slots >= num_slots are left alone.
     for num_slots in (slots, slots - 1 if top_k > 1 else slots - 2):
@@ -426,10 +439,15 @@ def test_permute_bf16_sizes(hidden: int, top_k: int) -> None:
             if row >= 0:
                 want[row] = decoded[slot // top_k]
         got = blank.to(DEV)
-        kernels.permute_tokens(xs.to(DEV), xss.to(DEV), rows.to(DEV), num_slots, top_k, TokenLayout.BF16_FRAGMENTS,
-                               got, None)
+        kernels.permute_tokens(xs.to(DEV), xss.to(DEV), rows.to(DEV), num_slots, top_k, layout, got, None)
         torch.cuda.synchronize()
-        _same_values(got, want, f"moe_permute_bf16, {num_slots} of {slots} slots")
+        _same_values(got, want, f"moe_permute_bf16 {layout.name}, {num_slots} of {slots} slots")
+        if hidden == 2048:  # BF16 tokens (moe_permute_bf16_tokens): the same rows from the decoded values
+            got = blank.to(DEV)
+            natural = dequantize_nvfp4(xs, xss.view(torch.float8_e4m3fn), 1.0, torch.bfloat16)
+            kernels.permute_bf16_tokens(natural.to(DEV), rows.to(DEV), num_slots, top_k, got, layout)
+            torch.cuda.synchronize()
+            _same_values(got, want, f"moe_permute_bf16_tokens {layout.name}, {num_slots} of {slots} slots")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -514,9 +532,11 @@ def test_activation_quantize(name: str, swizzled: bool) -> None:
     _check_quantized(y, unpack_nibbles(out[rows]), out_scales[index[rows]])
 
 
+@pytest.mark.parametrize("layout", BF16_LAYOUTS, ids=lambda l: l.name)
 @pytest.mark.parametrize("name", ["swiglu", "gelu"])
-def test_activation_bf16_fragments_decode_the_nvfp4_values(name: str) -> None:
-    """The BF16-fragment output holds exactly the decoded NVFP4 values of the linear output, permuted."""
+def test_activation_bf16_layouts_decode_the_nvfp4_values(name: str, layout: TokenLayout) -> None:
+    """The BF16 outputs hold exactly the decoded NVFP4 values of the linear output, in the layout's column
+    order; without requantization, the BF16-rounded activation in that order."""
     act: Activation = ACTIVATIONS[name]
     routing, capacity, inter, g1, used = _activation_case(act, seed=40)
     total = routing.offsets[-1]
@@ -526,12 +546,18 @@ def test_activation_bf16_fragments_decode_the_nvfp4_values(name: str) -> None:
     scales = torch.zeros(capacity * inter // 16, dtype=torch.uint8, device=DEV)
     kernels.activate_quantize(g1_dev, row_to_slot, offsets, act, TokenLayout.NVFP4_LINEAR, codes, scales)
     frags = _full((capacity, inter), math.nan, torch.bfloat16)
-    kernels.activate_quantize(g1_dev, row_to_slot, offsets, act, TokenLayout.BF16_FRAGMENTS, frags, None)
+    kernels.activate_quantize(g1_dev, row_to_slot, offsets, act, layout, frags, None)
+    rounded = _full((capacity, inter), math.nan, torch.bfloat16)
+    kernels.activate_quantize(g1_dev, row_to_slot, offsets, act, layout, rounded, None, requantize=False)
     torch.cuda.synchronize()
     want = dequantize_nvfp4(codes.cpu(), scales.cpu().view(torch.float8_e4m3fn).view(capacity, -1), dtype=torch.bfloat16)
-    got = from_token_fragments(frags.cpu())
+    got = _natural(frags.cpu(), layout)
     assert torch.equal(got[:total].view(torch.int16), want[:total].view(torch.int16))
     assert bool(got[:total][~used[:total]].eq(0).all()) and bool(got[total:].isnan().all())
+    rows = used.nonzero().squeeze(1)
+    want_y = act.apply_gemm1(g1[rows].float())  # FP32 as the kernel computes (its exp may differ in the last bit)
+    got_y = _natural(rounded.cpu(), layout)[rows].float()
+    assert not got_y.isnan().any() and bool(((got_y - want_y).abs() <= want_y.abs() * 2**-7 + 1e-30).all())
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -614,12 +640,13 @@ def test_unfinalized_rows() -> None:
 # ---------------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("layout", BF16_LAYOUTS, ids=lambda l: l.name)
 @pytest.mark.parametrize("tokens_kind", ["nvfp4", "bf16"])
 @pytest.mark.parametrize("case", [(1, 8, 2048, 128, 0), (5, 8, 7168, 256, 0), (64, 8, 2048, 128, 32),
                                   (128, 8, 7168, 64, 100), (37, 3, 64, 1, 0), (200, 5, 8256, 512, 7)],
                          ids=lambda c: "T{}-k{}-H{}-E{}-start{}".format(*c))
 def test_sort_permute_in_one_launch_equals_the_two_launches(case: tuple[int, int, int, int, int],
-                                                            tokens_kind: str) -> None:
+                                                            tokens_kind: str, layout: TokenLayout) -> None:
     """moe_sort_permute_bf16(_tokens): every output of the sort equals the float-free reference sort (and the
     separate moe_sort), and the rows equal moe_sort followed by the permute, bit for bit, from buffers poisoned
     first; ids outside the local range (masked slots) and rows no slot takes stay as the two launches leave them."""
@@ -638,14 +665,13 @@ def test_sort_permute_in_one_launch_equals_the_two_launches(case: tuple[int, int
     _assert_sort_equal(want_sort, sort_reference_torch(ids.cpu(), local_start, experts, align, capacity), "moe_sort")
     want_rows = torch.full((capacity, hidden), POISON_INT, dtype=torch.int16, device=DEV).view(torch.bfloat16)
     if scales is None:
-        kernels.permute_bf16_tokens(x, want_sort["slot_to_row"], slots, top_k, want_rows)
+        kernels.permute_bf16_tokens(x, want_sort["slot_to_row"], slots, top_k, want_rows, layout)
     else:
-        kernels.permute_tokens(x, scales, want_sort["slot_to_row"], slots, top_k, TokenLayout.BF16_FRAGMENTS,
-                               want_rows, None)
+        kernels.permute_tokens(x, scales, want_sort["slot_to_row"], slots, top_k, layout, want_rows, None)
     got_sort = _sort_buffers(slots, experts, capacity)
     got_rows = torch.full((capacity, hidden), POISON_INT, dtype=torch.int16, device=DEV).view(torch.bfloat16)
-    kernels.sort_permute_fragments(ids, top_k, local_start, experts, align, *(got_sort[n] for n in SORT_OUTPUTS),
-                                   x, scales, got_rows)
+    kernels.sort_permute_bf16(ids, top_k, local_start, experts, align, *(got_sort[n] for n in SORT_OUTPUTS),
+                              x, scales, got_rows, layout)
     torch.cuda.synchronize()
     _assert_sort_equal(got_sort, {n: t.cpu() for n, t in want_sort.items()}, "moe_sort_permute")
     assert torch.equal(got_rows.view(torch.int16), want_rows.view(torch.int16))

@@ -43,6 +43,7 @@ HOST_PRELUDE = r"""
 #define __forceinline__ inline
 struct uint2 { unsigned int x, y; };
 struct uint4 { unsigned int x, y, z, w; };
+static inline uint4 make_uint4(unsigned int x, unsigned int y, unsigned int z, unsigned int w) { return {x, y, z, w}; }
 static inline unsigned int __float_as_uint(float f) { unsigned int u; std::memcpy(&u, &f, 4); return u; }
 static inline float __uint_as_float(unsigned int u) { float f; std::memcpy(&f, &u, 4); return f; }
 static inline float __fadd_rn(float a, float b) { return a + b; }

@@ -26,3 +26,6 @@ OTHER_PREFILL_VARIANTS = [
     sm90.PrefillVariant(3, 1, feature_block=256, adec=True),
 ]
 PREFILL_VARIANTS = BASIC_PREFILL_VARIANTS + OTHER_PREFILL_VARIANTS
+# The wgmma kernel (sm_90a): both token tiles, both CTA widths, shallow and deep rings, two CTAs per SM.
+WGMMA_VARIANTS = [sm90.WgmmaVariant(), sm90.WgmmaVariant(64), sm90.WgmmaVariant(128, 2, 4, 2),
+                  sm90.WgmmaVariant(64, 2, 6, 2), sm90.WgmmaVariant(128, 4, 3)]

@@ -2,8 +2,9 @@
 
 Variant per GEMM, from the rows a bucket can hold: the decode kernel (weights streamed straight into
 registers, split-K across warps when CTAs would be few) with token tiles of 8 or 32 rows while
-segments stay short, the prefill kernel (128 features x 64 token rows per CTA through a cp.async
-pipeline) once they average more than 48 rows.
+segments stay short, the wgmma kernel (256 features x 64 or 128 token rows per CTA, sm_90a) once they
+average more than 48 rows. The wgmma kernel reads natural BF16 token rows, the mma.sync kernels
+token fragments: ``token_layout_for`` tells the permute and activation stages which to write.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from ..base import (
     WeightFormat,
     WeightLayout,
 )
-from .kernels import FEATURE_MULTIPLE, ROW_ALIGNMENT, DecodeVariant, GemmVariant, PrefillVariant, grouped_gemm
+from .kernels import FEATURE_MULTIPLE, ROW_ALIGNMENT, DecodeVariant, GemmVariant, WgmmaVariant, grouped_gemm
 from .layout import TILE_K, pack_weight_tiles, unpack_weight_tiles
 
 # Decode variants picked with benchmarks/tune_sm90.py on an H200 (benchmarks/RESULTS.md). Two m16 row
@@ -41,9 +42,11 @@ _SPLIT = DecodeVariant(mt=2, wm=2, wk=2, nt=1, prefetch=4)
 _MID = DecodeVariant(mt=4, wm=2, wk=1, nt=4, prefetch=2)
 _MID_LONG_K = DecodeVariant(mt=2, wm=2, wk=2, nt=4, prefetch=2)
 _DECODE_MAX_ROWS, _MID_MAX_ROWS, _LONG_K = 8, 48, 4096
-# Longer segments: 128 features x 64 token rows per CTA (less padding than 128-row tiles when
-# segments hold about 128 rows), 4 CTAs per SM, 4-stage cp.async pipeline.
-_PREFILL = PrefillVariant(stages=4, min_blocks=4, feature_block=128, tile_rows=64)
+# Longer segments: wgmma, 256 features per CTA (four warpgroups), 128-row token tiles once segments
+# average 160 rows, else 64 (less padding); measured with benchmarks/tune_sm90.py (benchmarks/RESULTS.md).
+_WGMMA = WgmmaVariant(tile_rows=128, groups=4, stages=5)
+_WGMMA_SHORT = WgmmaVariant(tile_rows=64, groups=4, stages=6)
+_WGMMA_MIN_ROWS = 160
 
 
 def _slots(rows: int, num_experts: int) -> int:
@@ -63,7 +66,7 @@ def choose_variant(rows: int, shape: GemmShape, sm_count: int) -> GemmVariant:
     """The kernel variant for a bucket of ``rows`` rows on a GPU of ``sm_count`` SMs."""
     average = rows_per_expert(rows, shape.num_experts)
     if average > _MID_MAX_ROWS:
-        return _PREFILL
+        return _WGMMA if average >= _WGMMA_MIN_ROWS else _WGMMA_SHORT
     if average > _DECODE_MAX_ROWS:
         return _MID_LONG_K if shape.k >= _LONG_K else _MID
     used = min(shape.num_experts, _slots(rows, shape.num_experts))
@@ -133,6 +136,10 @@ class Sm90GemmEngine(GemmEngine):
     def variant(self, rows: int, shape: GemmShape) -> GemmVariant:
         """The kernel variant a GEMM of a bucket with ``rows`` rows runs."""
         return choose_variant(rows, shape, self.sm_count)
+
+    def token_layout_for(self, rows: int, shape: GemmShape) -> TokenLayout:
+        """Natural BF16 rows for the wgmma kernel, token fragments for the mma.sync kernels."""
+        return self.variant(rows, shape).token_layout
 
     def gemm(self, operands: GemmOperands) -> None:
         w = operands.weights

@@ -1,6 +1,7 @@
 """Launch wrappers of the SM90 kernels (kernels_cuda/sm90/): the grouped NVFP4 x BF16 GEMM over
-ragged expert segments, in a decode and a prefill variant. (The tokens enter in the BF16-fragment
-layout written by the permute and activation stages, cudnn_moe.kernels.)
+ragged expert segments, in a decode and a prefill variant on ``mma.sync`` and a wgmma variant (sm_90a).
+(The tokens enter in the layout the variant names, written by the permute and activation stages,
+cudnn_moe.kernels: BF16 fragments for the mma.sync kernels, natural BF16 rows for wgmma.)
 
 Every argument is checked on the host before anything is launched (ValueError naming it); work is
 derived from device data only (``offsets``), the grid from capacities, so the launches are
@@ -14,11 +15,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ...kernels.loader import launch, ptr
+from ...kernels.codes import TokenLayout
+from ...kernels.loader import ARCH_SPECIFIC, launch, ptr
 from ...validate import require_contiguous, require_shape, require_tensor
 from .layout import TILE_K
 
 GEMM_SOURCE = "sm90/grouped_gemm.cu"
+WGMMA_SOURCE = "sm90/wgmma_gemm.cu"
 FEATURE_MULTIPLE = 128  # N % 128 == 0: every feature block divides it, or (256) overhangs N by 128 that the kernel skips
 ROW_ALIGNMENT = 8  # segment starts (offsets) are multiples of 8
 MAX_GRID_Y = 65535
@@ -39,6 +42,8 @@ class DecodeVariant:
     prefetch: int = 4
 
     kernel = "sm90_gemm_decode"
+    source = GEMM_SOURCE
+    token_layout = TokenLayout.BF16_FRAGMENTS
 
     def __post_init__(self) -> None:
         if self.mt < 1 or self.wm < 1 or 16 * self.mt * self.wm not in (16, 32, 64, 128):
@@ -57,6 +62,11 @@ class DecodeVariant:
     @property
     def feature_block(self) -> int:
         return 16 * self.mt * self.wm
+
+    @property
+    def alpha_block(self) -> int:
+        """alpha_split must be a multiple of this many features (one alpha per CTA)."""
+        return self.feature_block
 
     @property
     def threads(self) -> int:
@@ -91,6 +101,8 @@ class PrefillVariant:
     adec: bool = False
 
     kernel = "sm90_gemm_prefill"
+    source = GEMM_SOURCE
+    token_layout = TokenLayout.BF16_FRAGMENTS
 
     def __post_init__(self) -> None:
         if not 2 <= self.stages <= 8:
@@ -112,6 +124,11 @@ class PrefillVariant:
         return self.feature_block * self.tile_rows // 64
 
     @property
+    def alpha_block(self) -> int:
+        """alpha_split must be a multiple of this many features (one alpha per CTA)."""
+        return self.feature_block
+
+    @property
     def stage_bytes(self) -> int:
         return self.feature_block * 36 + self.tile_rows * 144  # grouped_gemm.cu PF_STAGE_BYTES
 
@@ -126,7 +143,62 @@ class PrefillVariant:
                 f"-DSM90_PF_TB={self.tile_rows}", f"-DSM90_PF_ADEC={int(self.adec)}")
 
 
-GemmVariant = DecodeVariant | PrefillVariant
+@dataclass(frozen=True)
+class WgmmaVariant:
+    """``sm90_gemm_wgmma`` (sm_90a): CTA tile 64 ``groups`` features x ``tile_rows`` token rows; each
+    warpgroup owns 64 features and issues register-sourced ``wgmma.m64n<tile_rows>k16`` on the exactly
+    decoded weights, with the tokens (natural BF16 rows) as the shared-memory B operand; k64 per stage
+    through a ``stages``-deep cp.async ring (loads run stages - 2 ahead), up to four wgmma in flight per
+    warpgroup. For large segments.
+    groups: 2 (128 features, 256 threads) or 4 (256 features, 512 threads: half the token reads per MAC).
+    min_blocks: CTAs per SM the register allocation must allow."""
+
+    tile_rows: int = 128
+    groups: int = 4
+    stages: int = 5
+    min_blocks: int = 1
+
+    kernel = "sm90_gemm_wgmma"
+    source = WGMMA_SOURCE
+    token_layout = TokenLayout.BF16_ROWS
+    alpha_block = 16  # each warp applies its own features' alpha: alpha_split needs a multiple of 16 only
+
+    def __post_init__(self) -> None:
+        if self.tile_rows not in (64, 128):
+            raise ValueError(f"wgmma variant: tile_rows must be 64 or 128, got {self.tile_rows}")
+        if self.groups not in (2, 4):
+            raise ValueError(f"wgmma variant: groups must be 2 or 4, got {self.groups}")
+        if not 3 <= self.stages <= 8:
+            raise ValueError(f"wgmma variant: STAGES must be 3..8, got {self.stages}")
+        if not 1 <= self.min_blocks <= 4 or self.threads * self.min_blocks > 2048:
+            raise ValueError(f"wgmma variant: MIN_BLOCKS must be 1..4 with at most 2048 threads per SM, got "
+                             f"{self.min_blocks} x {self.threads}")
+        if self.shared_mem > _MAX_DYNAMIC_SMEM:
+            raise ValueError(f"wgmma variant {self}: {self.shared_mem} bytes of shared memory exceed the limit")
+
+    @property
+    def feature_block(self) -> int:
+        return 64 * self.groups
+
+    @property
+    def threads(self) -> int:
+        return 128 * self.groups
+
+    @property
+    def stage_bytes(self) -> int:
+        tiles = 4 * self.groups
+        return -(-(self.tile_rows * 128 + tiles * (512 + 64)) // 1024) * 1024  # wgmma_gemm.cu WG_STAGE_BYTES
+
+    @property
+    def shared_mem(self) -> int:
+        return max(self.stages * self.stage_bytes, self.tile_rows * (2 * self.feature_block + 16)) + 1024
+
+    def options(self) -> tuple[str, ...]:
+        return (f"-DSM90_WG_TB={self.tile_rows}", f"-DSM90_WG_GROUPS={self.groups}", f"-DSM90_WG_STAGES={self.stages}",
+                f"-DSM90_WG_MIN_BLOCKS={self.min_blocks}", ARCH_SPECIFIC)
+
+
+GemmVariant = DecodeVariant | PrefillVariant | WgmmaVariant
 DECODE = DecodeVariant()
 PREFILL = PrefillVariant()
 
@@ -182,17 +254,17 @@ def grouped_gemm(
     alpha_split: int | None = None,
 ) -> None:
     """out[r, :N] = bf16(float32(alpha[e] * 256) * (x[r] @ W_e^T * 2^-8)) for the rows r of each segment e.
-    With ``alpha_split`` (a multiple of the variant's feature block, below N) alpha is [2E] and
+    With ``alpha_split`` (a multiple of ``variant.alpha_block``, below N) alpha is [2E] and
     features f >= alpha_split use alpha[E + e].
 
     w_tiles uint8 [E, N*K/2] and w_tile_scales uint8 (or float8_e4m3fn) [E, N*K/16]: NVFP4 weights in
     the fragment-tile layout (layout.pack_weight_tiles); alpha float32 [E]; x bfloat16 [R, K] in
-    token-fragment column order; offsets int32 [E + 1] on the device (segment e = rows
+    ``variant.token_layout`` (token-fragment column order, or natural for the wgmma variant); offsets int32 [E + 1] on the device (segment e = rows
     offsets[e]..offsets[e+1], each a multiple of 8, offsets[E] <= R); out bfloat16 [R, N], rows
     outside every segment untouched. N % 128 == 0, K % 64 == 0.
     """
-    if not isinstance(variant, (DecodeVariant, PrefillVariant)):
-        raise ValueError(f"variant must be a DecodeVariant or PrefillVariant, got {type(variant).__name__}")
+    if not isinstance(variant, (DecodeVariant, PrefillVariant, WgmmaVariant)):
+        raise ValueError(f"variant must be a DecodeVariant, PrefillVariant or WgmmaVariant, got {type(variant).__name__}")
     w_tiles = _tensor("w_tiles", w_tiles)
     w_tile_scales = _tensor("w_tile_scales", w_tile_scales)
     alpha, x, offsets, out = (_tensor(n, v) for n, v in (("alpha", alpha), ("x", x), ("offsets", offsets), ("out", out)))
@@ -213,9 +285,9 @@ def grouped_gemm(
     _check("w_tiles", w_tiles, (torch.uint8,), (experts, n * k // 2))
     _check("w_tile_scales", w_tile_scales, (torch.uint8, torch.float8_e4m3fn), (experts, n * k // 16))
     split = n if alpha_split is None else alpha_split
-    if alpha_split is not None and not (0 < split < n and split % variant.feature_block == 0):
-        raise ValueError(f"alpha_split must lie in (0, N = {n}) and be a multiple of the variant's "
-                         f"{variant.feature_block}-feature block, got {alpha_split}")
+    if alpha_split is not None and not (0 < split < n and split % variant.alpha_block == 0):
+        raise ValueError(f"alpha_split must lie in (0, N = {n}) and be a multiple of {variant.alpha_block} (the "
+                         f"variant applies alpha per {variant.alpha_block} features), got {alpha_split}")
     _check("alpha", alpha, (torch.float32,), (experts if alpha_split is None else 2 * experts,))
     _check("offsets", offsets, (torch.int32,), (experts + 1,))
     grid = gemm_grid(variant, experts, n, rows)
@@ -231,7 +303,7 @@ def grouped_gemm(
     if rows == 0:
         return
     launch(
-        GEMM_SOURCE,
+        variant.source,
         variant.kernel,
         out.device,
         grid,

@@ -20,6 +20,7 @@ from cudnn_moe.engines.base import GemmOperands, TokenOperand, WeightLayout, Wei
 from cudnn_moe.engines.cudnn import CudnnGemmEngine
 from cudnn_moe.pipeline.executor import MoeExecutor
 from cudnn_moe.formats import swizzled_shape, unswizzle_128x4
+from cudnn_moe.kernels import TokenLayout
 from cudnn_moe.fused.reference import reference_for_prepared
 from tests.support.moe_checks import check_close
 
@@ -44,7 +45,7 @@ class SwizzledInputsEngine(CudnnGemmEngine):
         weights = unswizzle_128x4(operands.weights.scales.view(torch.uint8), n, cols)
         super().gemm(replace(
             operands,
-            tokens=TokenOperand(operands.tokens.data, tokens.contiguous().view(torch.float8_e4m3fn)),
+            tokens=TokenOperand(operands.tokens.data, tokens.contiguous().view(torch.float8_e4m3fn), TokenLayout.NVFP4_LINEAR),
             weights=WeightOperand(operands.weights.data, weights.contiguous().view(torch.float8_e4m3fn), operands.weights.alpha),
         ))
 

@@ -21,7 +21,7 @@ import torch
 from cudnn_moe.engines.sm90 import kernels as sm90
 from cudnn_moe.engines.sm90.layout import pack_weight_tiles, to_token_fragments
 from cudnn_moe.formats import decode_e2m1, dequantize_nvfp4, quantize_nvfp4
-from cudnn_moe.kernels import cuda_defines, kernels_dir
+from cudnn_moe.kernels import TokenLayout, cuda_defines, kernels_dir, loader
 
 from tests.support import REPO as ROOT
 
@@ -33,7 +33,9 @@ SOURCES = sorted(path.name for path in SM90_DIR.glob("*.cu"))
 CUOBJDUMP = sass_budget.find_tool("cuobjdump")
 
 from tests.support.kernel_sources import NVCC, compiled  # noqa: E402
-from tests.support.sm90_variants import DECODE_VARIANTS, OTHER_PREFILL_VARIANTS, PREFILL_VARIANTS  # noqa: E402
+from tests.support.sm90_variants import (  # noqa: E402
+    DECODE_VARIANTS, OTHER_PREFILL_VARIANTS, PREFILL_VARIANTS, WGMMA_VARIANTS,
+)
 
 
 def _nvcc_command(source: Path, arch: str, options: tuple[str, ...] = ()) -> list[str]:
@@ -57,6 +59,8 @@ def nvcc_jobs(item: pytest.Item) -> list[tuple[list[str], str]]:
     gemm = SM90_DIR / "grouped_gemm.cu"
     if item.originalname == "test_kernel_compiles":
         return [(_nvcc_command(SM90_DIR / params["source"], params["arch"]), ".o")]
+    if item.originalname == "test_wgmma_variant_compiles":
+        return [(_nvcc_command(SM90_DIR / "wgmma_gemm.cu", "90a", params["variant"].options()), ".o")]
     if item.originalname == "test_variant_compiles":
         return [(_nvcc_command(gemm, "90a", params["variant"].options()), ".o")]
     if item.originalname == "test_prefill_variant_compiles_for_sm100":
@@ -72,15 +76,32 @@ def nvcc_jobs(item: pytest.Item) -> list[tuple[list[str], str]]:
 
 
 def test_sources_present() -> None:
-    assert SOURCES == ["grouped_gemm.cu"]
+    assert SOURCES == ["grouped_gemm.cu", "wgmma_gemm.cu"]
+
+
+# wgmma exists on sm_90a only: the wgmma kernel is built for that target alone (its variant carries
+# loader.ARCH_SPECIFIC); the engine picks it on SM90 only.
+ARCH_SOURCES = [(source, arch) for source in SOURCES for arch in ("90a", "100a")
+                if not (source == "wgmma_gemm.cu" and arch != "90a")]
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found")
-@pytest.mark.parametrize("arch", ["90a", "100a"])
-@pytest.mark.parametrize("source", SOURCES)
+@pytest.mark.parametrize("source,arch", ARCH_SOURCES)
 def test_kernel_compiles(source: str, arch: str) -> None:
     result = _nvcc(SM90_DIR / source, arch)
     assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found")
+@pytest.mark.parametrize("variant", WGMMA_VARIANTS, ids=str)
+def test_wgmma_variant_compiles(variant: Any) -> None:
+    """Every wgmma variant builds for sm_90a without spills or static shared memory, with HGMMA in its loop
+    (the SASS check runs where cuobjdump is found)."""
+    result = _nvcc(SM90_DIR / "wgmma_gemm.cu", "90a", variant.options())
+    assert result.returncode == 0, result.stderr
+    report = result.stderr.split(f"Compiling entry function '{variant.kernel}'")[1].split("Compiling entry")[0]
+    assert " 0 bytes spill stores" in report and not re.search(r"\b[1-9]\d* bytes smem", report), report
+    assert "instructions are serialized" not in result.stderr  # ptxas's warning when wgmma must wait on itself
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found")
@@ -404,12 +425,13 @@ def launches(monkeypatch: pytest.MonkeyPatch) -> list[tuple]:
 
 def test_wrappers_match_kernel_signatures(launches: list[tuple]) -> None:
     signatures = _signatures()
-    assert sorted(signatures) == ["sm90_gemm_decode", "sm90_gemm_prefill"]
-    for variant in (sm90.DECODE, *PREFILL_VARIANTS, *DECODE_VARIANTS):
+    assert sorted(signatures) == ["sm90_gemm_decode", "sm90_gemm_prefill", "sm90_gemm_wgmma"]
+    for variant in (sm90.DECODE, *PREFILL_VARIANTS, *DECODE_VARIANTS, *WGMMA_VARIANTS):
         launches.clear()
         sm90.grouped_gemm(**_gemm_args(), variant=variant)
         (source, name, _device, grid, block, args), kwargs = launches[0]
-        assert (source, name) == ("sm90/grouped_gemm.cu", variant.kernel)
+        assert (source, name) == (variant.source, variant.kernel)
+        assert source == ("sm90/wgmma_gemm.cu" if name == "sm90_gemm_wgmma" else "sm90/grouped_gemm.cu")
         assert [type(a) for a in args] == [_ARG_TYPES[kind] for kind in signatures[name]]
         assert grid == (-(-128 // variant.feature_block), min(3, 40 // 8) + -(-40 // variant.tile_rows))
         assert block == variant.threads and kwargs["shared_mem"] == variant.shared_mem
@@ -431,6 +453,20 @@ def test_variant_macros_match_the_source() -> None:
     assert p.threads == 256 and p.options()[:3] == ("-DSM90_PF_STAGES=4", "-DSM90_PF_MIN_BLOCKS=2", "-DSM90_PF_STMATRIX=1")
     assert sm90.PrefillVariant(feature_block=256, tile_rows=64).shared_mem == 4 * (256 * 36 + 64 * 144)
     assert sm90.PrefillVariant(3, adec=True).shared_mem == 3 * 23040 + 2 * 16384
+
+
+def test_wgmma_variant_macros_match_the_source() -> None:
+    text = (SM90_DIR / "wgmma_gemm.cu").read_text()
+    defaults = dict(re.findall(r"#define (SM90_\w+) (\d+)", text))
+    w = sm90.WgmmaVariant()
+    assert defaults == {"SM90_WG_TB": str(w.tile_rows), "SM90_WG_GROUPS": str(w.groups), "SM90_WG_STAGES": str(w.stages),
+                        "SM90_WG_MIN_BLOCKS": str(w.min_blocks)}
+    # stage = 128 B per token row + 576 B per m16 weight tile (codes + scales), rounded up to 1 KB
+    assert w.stage_bytes == 16384 + 16 * 576  # already a multiple of 1 KB
+    assert sm90.WgmmaVariant(64, 2).stage_bytes == 13312  # 8192 + 8 * 576 = 12800, rounded up and w.threads == 512 and w.feature_block == 256
+    assert w.shared_mem == 5 * w.stage_bytes + 1024  # + the ring's 1 KB alignment slack
+    assert sm90.WgmmaVariant(128, 4, 3).shared_mem == max(3 * w.stage_bytes, 128 * (2 * 256 + 16)) + 1024
+    assert loader.ARCH_SPECIFIC in w.options() and w.token_layout is TokenLayout.BF16_ROWS
 
 
 _GEMM_BAD = [

@@ -13,7 +13,7 @@ from cudnn_moe.engines.sm90.layout import from_token_fragments, pack_weight_tile
 from cudnn_moe.formats import dequantize_nvfp4, quantize_nvfp4
 from cudnn_moe import kernels
 from cudnn_moe.kernels import TokenLayout
-from tests.support.sm90_variants import BASIC_PREFILL_VARIANTS, DECODE_VARIANTS, OTHER_PREFILL_VARIANTS
+from tests.support.sm90_variants import BASIC_PREFILL_VARIANTS, DECODE_VARIANTS, OTHER_PREFILL_VARIANTS, WGMMA_VARIANTS
 
 pytestmark = pytest.mark.gpu
 
@@ -22,7 +22,7 @@ DEV = torch.device("cuda")
 # The CPU tests' variants, plus one more combination of the other tile with the fallback epilogue.
 NEW_PREFILL_VARIANTS = [*OTHER_PREFILL_VARIANTS, sm90.PrefillVariant(3, stmatrix=False, feature_block=256, tile_rows=64)]
 PREFILL_VARIANTS = BASIC_PREFILL_VARIANTS + NEW_PREFILL_VARIANTS
-VARIANTS = DECODE_VARIANTS + PREFILL_VARIANTS
+VARIANTS = DECODE_VARIANTS + PREFILL_VARIANTS + WGMMA_VARIANTS
 
 
 def _gen(seed: int) -> torch.Generator:
@@ -64,6 +64,7 @@ class Problem:
         self.tiles, self.tile_scales = tiles.to(DEV), tile_scales.to(DEV)
         self.alpha_dev = self.alpha.to(DEV)
         self.x = to_token_fragments(self.x_bf16).contiguous().to(DEV)
+        self.x_rows = self.x_bf16.to(DEV)
         self.offsets_dev = torch.tensor(self.offsets, dtype=torch.int32, device=DEV)
 
     def reference(self) -> torch.Tensor:
@@ -79,7 +80,8 @@ class Problem:
 
     def run(self, variant: sm90.GemmVariant) -> torch.Tensor:
         out = torch.full((self.rows, self.n), math.nan, dtype=torch.bfloat16, device=DEV)
-        sm90.grouped_gemm(self.tiles, self.tile_scales, self.alpha_dev, self.x, self.offsets_dev, out, variant)
+        x = self.x_rows if variant.token_layout is TokenLayout.BF16_ROWS else self.x
+        sm90.grouped_gemm(self.tiles, self.tile_scales, self.alpha_dev, x, self.offsets_dev, out, variant)
         torch.cuda.synchronize()
         return out
 
@@ -128,14 +130,14 @@ def test_grouped_gemm_matches_reference(variant: sm90.GemmVariant, case: int) ->
     assert torch.equal(out.view(torch.int16), again.view(torch.int16)), "results differ between runs"
 
 
-@pytest.mark.parametrize("variant", [sm90.DECODE, sm90.PREFILL, *NEW_PREFILL_VARIANTS], ids=str)
+@pytest.mark.parametrize("variant", [sm90.DECODE, sm90.PREFILL, *NEW_PREFILL_VARIANTS, *WGMMA_VARIANTS], ids=str)
 def test_every_scale_byte(variant: sm90.GemmVariant) -> None:
     problem = Problem(3, 384, 704, [40, 0, 135], 8, seed=7, cover_scales=True)
     check(problem, problem.run(variant))
 
 
 @pytest.mark.parametrize("variant", [sm90.DECODE, sm90.DecodeVariant(nt=4, wm=2, wk=4), sm90.PREFILL,
-                                     *NEW_PREFILL_VARIANTS], ids=str)
+                                     *NEW_PREFILL_VARIANTS, *WGMMA_VARIANTS], ids=str)
 def test_segment_edges(variant: sm90.GemmVariant) -> None:
     """Single-row segments, a segment ending exactly at the row capacity, experts beyond the 32 a
     lane of the tile finder holds alone, segments of exactly one tile and one row more."""
@@ -161,6 +163,21 @@ def test_prefill_variants_agree_bitwise() -> None:
     for variant in NEW_PREFILL_VARIANTS:
         got = problem.run(variant)
         assert torch.equal(got.view(torch.int16), want.view(torch.int16)), f"{variant} differs from the default"
+
+
+def test_wgmma_matches_mma_sync() -> None:
+    """The wgmma kernel multiplies the same exactly decoded BF16 operands as the mma.sync prefill kernel, k16
+    step after k16 step into FP32: the tensor cores' accumulation may differ in the last bits, no more."""
+    problem = Problem(6, 768, 1024, [300, 0, 64, 129, 7, 256], 16, seed=17)
+    want = problem.run(sm90.PREFILL)
+    for variant in WGMMA_VARIANTS:
+        got = problem.run(variant)
+        check(problem, got)
+        used = problem.offsets[-1]
+        differ = (got[:used].view(torch.int16) != want[:used].view(torch.int16)).float().mean().item()
+        close = torch.allclose(got[:used].float(), want[:used].float(), rtol=2 ** -7, atol=0)
+        print(f"{variant}: {differ:.2%} of outputs differ from mma.sync")
+        assert close and differ <= 0.01, f"{variant}: {differ:.2%} of outputs differ from the mma.sync kernel's"
 
 
 def test_graph_capture_follows_device_offsets() -> None:

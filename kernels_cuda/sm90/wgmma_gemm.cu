@@ -1,0 +1,212 @@
+// Grouped NVFP4 x BF16 GEMM over ragged expert segments on SM90 tensor cores through wgmma (sm_90a): the
+// prefill engine for long segments. Same arguments, contract and weight layout as sm90_gemm_prefill
+// (grouped_gemm.cu), except that the token rows are in NATURAL column order (TokenLayout.BF16_ROWS).
+//
+//   w_tiles   uint8 [E, N*K/2]   fragment tiles of each expert's W_e [N, K] (layout.py), read in place
+//   w_scales  uint8 [E, N*K/16]  E4M3 scale tiles, same tile order
+//   alpha     float32 [E], or [2E] with alpha_split < n (features f >= alpha_split take alpha[E + e])
+//   x         bf16 [row_capacity, K]  token rows, natural column order, 16-byte aligned
+//   offsets   int32 [E + 1]      segment e = rows [offsets[e], offsets[e+1]) (starts multiples of 8)
+//   out       bf16 [row_capacity, N]
+// out[r, f] = bf16_rne(float(a * 256) * acc), acc = the FP32 sum over k of (w s 2^-8) x[r, k].
+//
+// CTA: 2 warpgroups (256 threads), 128 features x WG_TB token rows of one segment; warpgroup h owns
+// features 64 h .. 64 h + 63 (warp w: the m16 tile w of the CTA). Per k64 stage, all threads copy with
+// cp.async into a WG_STAGES-deep ring: the TB x 64 token tile (128-byte swizzled, the wgmma B operand),
+// the 8 m16 weight tiles (4 KB) and their scales (512 B). Each warp decodes its weight tile exactly into
+// BF16 A registers (scaled_a: the values of the mma.sync kernels bit for bit) and its warpgroup issues
+// four m64nTBk16 wgmma. The C tile goes through shared memory (stmatrix.trans) to 16-byte row stores.
+// Grid: x = N / 128 feature blocks, y >= the number of TB-row tiles (find_tile); CTAs past the last exit.
+#include "common.cuh"
+#include "sm90/fragments.cuh"
+#include "sm90/wgmma.cuh"
+
+using namespace sm90;
+
+#ifndef SM90_WG_TB
+#define SM90_WG_TB 128  // token rows per tile: the wgmma N (64 or 128)
+#endif
+#ifndef SM90_WG_GROUPS
+#define SM90_WG_GROUPS 4  // warpgroups per CTA, 64 features each (2 or 4)
+#endif
+#ifndef SM90_WG_STAGES
+#define SM90_WG_STAGES 5  // k64 stages in the cp.async ring (loads run STAGES - 2 ahead)
+#endif
+#ifndef SM90_WG_MIN_BLOCKS
+#define SM90_WG_MIN_BLOCKS 1  // CTAs per SM the register allocation must allow
+#endif
+
+#define WG_TB SM90_WG_TB
+#define WG_THREADS (SM90_WG_GROUPS * 128)
+#define WG_MTILES (SM90_WG_GROUPS * 4)              // m16 weight tiles per CTA (one per warp)
+#define WG_FB (WG_MTILES * 16)                      // features per CTA
+#define WG_X_BYTES (WG_TB * 128)                    // token tile of one stage
+#define WG_W_OFFSET WG_X_BYTES
+#define WG_S_OFFSET (WG_W_OFFSET + WG_MTILES * 512)
+#define WG_STAGE_BYTES (((WG_S_OFFSET + WG_MTILES * 64) + 1023) / 1024 * 1024)
+#define WG_PIPE_BYTES (SM90_WG_STAGES * WG_STAGE_BYTES)
+#define WG_C_STRIDE (WG_FB * 2 + 16)                // a token's FB BF16 outputs + 16 B pad
+#define WG_C_BYTES (WG_TB * WG_C_STRIDE)
+// Dynamic shared memory: the larger of the two, plus 1 KB to align the ring to 1024 bytes.
+#define WG_SMEM_BYTES ((WG_PIPE_BYTES > WG_C_BYTES ? WG_PIPE_BYTES : WG_C_BYTES) + 1024)
+#define WG_X_PER_THREAD (WG_TB * 8 / WG_THREADS)   // 16-byte token chunks per thread and stage
+#define WG_ACC (WG_TB / 2)                          // accumulators per thread
+#define WG_C_CHUNKS (WG_FB / 8)                     // 16-byte output chunks per token row
+#define WG_C_PER_THREAD (WG_TB * WG_C_CHUNKS / WG_THREADS)
+
+static_assert(WG_TB == 64 || WG_TB == 128, "wgmma gemm: TB must be 64 or 128");
+static_assert(SM90_WG_GROUPS == 2 || SM90_WG_GROUPS == 4, "wgmma gemm: 2 or 4 warpgroups");
+static_assert(SM90_WG_STAGES >= 3 && SM90_WG_STAGES <= 8, "wgmma gemm: 3..8 stages");
+static_assert(WG_X_PER_THREAD * WG_THREADS == WG_TB * 8, "wgmma gemm: token copy split");
+static_assert(WG_SMEM_BYTES <= 227 * 1024, "wgmma gemm: shared memory");
+
+// Per k64 stage j and k16 step s, warp w (its warpgroup's A rows 16 (w % 4) ..): wait until at most 3
+// wgmma groups are pending (so the group of step s of stage j - 1, which read a[s], is done), decode a[s]
+// from stage j's weight tile, fence, issue one wgmma on it, commit it as its own group. Up to four
+// wgmma run behind the decode; a stage slot is refilled two stages after its last read, when every
+// warpgroup's groups of it are complete (the barrier at the top of each stage sees to that).
+extern "C" __global__ void __launch_bounds__(WG_THREADS, SM90_WG_MIN_BLOCKS)
+    sm90_gemm_wgmma(const u8* __restrict__ w_tiles, const u8* __restrict__ w_scales, const float* __restrict__ alpha,
+                    const u16* __restrict__ x, const int* __restrict__ offsets, int num_experts, int n, int k,
+                    int row_capacity, int alpha_split, u16* __restrict__ out) {
+  moe::grid_dependency_begin();
+  extern __shared__ __align__(128) u8 smem_raw[];
+  Tile tile;
+  if (!find_tile<WG_TB>(offsets, num_experts, row_capacity, static_cast<int>(blockIdx.y), tile)) return;
+  if (tile.row0 < 0 || tile.row0 >= tile.row_end) return;  // offsets outside [0, row_capacity]: nothing safe to do
+
+  const int tid = threadIdx.x;
+  const int lane = tid & 31;
+  const int warp = tid >> 5;  // m16 tile of the CTA; warpgroup warp / 4
+  const int g = lane >> 2;
+  const int kt = k >> 6;
+  // N is a multiple of 128 only: with 256 features per CTA the last CTA may hold m16 tiles past N. Their
+  // copies read nothing (zero fill, address clamped to the CTA's first tile); their outputs are not stored.
+  const int mtiles_in = (n >> 4) - static_cast<int>(blockIdx.x) * WG_MTILES;
+  const u32 raw_base = smem_addr(smem_raw);
+  const u32 ring = (raw_base + 1023u) & ~1023u;
+  u8* const smem = smem_raw + (ring - raw_base);
+
+  // Copies; the sources advance by one k64 block per loaded stage. Weights: thread -> tile tid / 32 (the
+  // warp's own), its 16-byte piece tid % 32 (each thread copies WG_MTILES * 32 / WG_THREADS = 1 chunk).
+  // Scales: threads < 4 * MTILES -> tile tid / 4, chunk tid % 4.
+  const i64 expert_tiles = static_cast<i64>(n >> 4) * kt;
+  const i64 block_tile0 = tile.expert * expert_tiles + static_cast<i64>(blockIdx.x * WG_MTILES) * kt;
+  const bool w_ok = warp < mtiles_in;
+  const u8* w_src = w_tiles + (block_tile0 + static_cast<i64>(w_ok ? warp : 0) * kt) * 512 + lane * 16;
+  const u32 w_bytes = w_ok ? 16u : 0u;
+  const int s_tile = (tid >> 2) & (WG_MTILES - 1);
+  const bool s_ok = s_tile < mtiles_in;
+  const u8* s_src = w_scales + (block_tile0 + static_cast<i64>(s_ok ? s_tile : 0) * kt) * 64 + (tid & 3) * 16;
+  const u32 s_bytes = s_ok ? 16u : 0u;
+  // Tokens: thread -> chunk tid % 8 of rows tid / 8 + (THREADS / 8) u; rows past the segment read nothing
+  // (zero fill, address clamped to the segment's last row). Swizzled destination: chunk c of row r at
+  // chunk position c ^ (r % 8) (THREADS / 8 is a multiple of 8, so r % 8 is the same for every u).
+  constexpr int X_ROW_STEP = WG_THREADS / 8;
+  const int chunk = tid & 7;
+  const int x_last = tile.row_end - 1;
+  const u8* x_src = reinterpret_cast<const u8*>(x) + static_cast<i64>(tile.row0) * k * 2 + chunk * 16;
+  u32 x_off[WG_X_PER_THREAD];
+  u32 x_bytes[WG_X_PER_THREAD];
+#pragma unroll
+  for (int u = 0; u < WG_X_PER_THREAD; ++u) {
+    const int row = tile.row0 + (tid >> 3) + X_ROW_STEP * u;
+    x_off[u] = static_cast<u32>(min(row, x_last) - tile.row0) * static_cast<u32>(k) * 2u;
+    x_bytes[u] = row <= x_last ? 16u : 0u;
+  }
+  const u32 x_dst = (tid >> 3) * 128 + ((chunk ^ ((tid >> 3) & 7)) << 4);
+
+  auto load_stage = [&](int slot) {
+    const u32 base = ring + slot * WG_STAGE_BYTES;
+#pragma unroll
+    for (int u = 0; u < WG_X_PER_THREAD; ++u)
+      cp_async_16(base + x_dst + u * X_ROW_STEP * 128, x_src + x_off[u], x_bytes[u]);
+    cp_async_16(base + WG_W_OFFSET + tid * 16, w_src, w_bytes);
+    if (tid < 4 * WG_MTILES) cp_async_16(base + WG_S_OFFSET + tid * 16, s_src, s_bytes);
+    w_src += 512;
+    s_src += 64;
+    x_src += 128;
+  };
+
+  float acc[WG_ACC];
+#pragma unroll
+  for (int i = 0; i < WG_ACC; ++i) acc[i] = 0.0f;
+
+  constexpr int AHEAD = SM90_WG_STAGES - 2;  // stages loaded ahead of the one being multiplied
+#pragma unroll
+  for (int s = 0; s < AHEAD; ++s) {
+    if (s < kt) load_stage(s);
+    cp_async_commit();
+  }
+
+  u32 a[4][4];
+  int read_slot = 0;
+  int write_slot = AHEAD;
+  for (int j = 0; j < kt; ++j) {
+    // Stage j landed for this thread (AHEAD - 1 younger groups may be pending) and is made visible to
+    // wgmma; after the barrier it has landed for every thread, and every warpgroup's wgmma of stage
+    // j - 2 (the slot refilled now) are complete.
+    cp_async_wait<AHEAD - 1>();
+    fence_proxy_async_shared();
+    __syncthreads();
+    if (j + AHEAD < kt) load_stage(write_slot);
+    cp_async_commit();
+
+    const u8* st = smem + read_slot * WG_STAGE_BYTES;
+    const uint4 wq = *reinterpret_cast<const uint4*>(st + WG_W_OFFSET + warp * 512 + lane * 16);
+    const uint2 sc = *reinterpret_cast<const uint2*>(st + WG_S_OFFSET + warp * 64 + g * 8);
+    const u32 xb = ring + read_slot * WG_STAGE_BYTES;
+    u32 sg, sg8;
+#define SM90_WG_STEP(S)                                                                             \
+  wgmma_wait<3>();                                                                                  \
+  if ((S) % 2 == 0) decode_scale_word((S) ? sc.y : sc.x, sg, sg8);                                  \
+  scaled_a<S>(word_of<S>(wq), sg, sg8, a[S]);                                                       \
+  wgmma_fence();                                                                                    \
+  wgmma_rs<WG_TB>(acc, a[S], wgmma_desc_sw128(xb + 32 * (S)));                                      \
+  wgmma_commit();
+    SM90_WG_STEP(0)
+    SM90_WG_STEP(1)
+    SM90_WG_STEP(2)
+    SM90_WG_STEP(3)
+#undef SM90_WG_STEP
+    read_slot = read_slot + 1 == SM90_WG_STAGES ? 0 : read_slot + 1;
+    write_slot = write_slot + 1 == SM90_WG_STAGES ? 0 : write_slot + 1;
+  }
+  wgmma_wait<0>();
+  cp_async_wait<0>();
+  __syncthreads();  // every warp is done with the ring: reuse it for the C tile
+
+  // C tile -> shared [token][feature] BF16 with transposing stmatrix: matrix i of an x4 = (n8 block
+  // nt + i / 2, features 8 (i % 2) .. + 8 of the warp's m16 tile). Each warp scales by its own features'
+  // alpha (alpha_split is a multiple of 16).
+  const float scale =
+      __ldg(alpha + expert_alpha(tile.expert, num_experts, static_cast<int>(blockIdx.x) * WG_FB + warp * 16, alpha_split)) *
+      256.0f;
+  {
+    const int mi = lane >> 3;
+    const int r = lane & 7;
+#pragma unroll
+    for (int nt = 0; nt < WG_TB / 8; nt += 2) {
+      const u32 r0 = pack_bf16x2(scale * acc[4 * nt + 0], scale * acc[4 * nt + 1]);
+      const u32 r1 = pack_bf16x2(scale * acc[4 * nt + 2], scale * acc[4 * nt + 3]);
+      const u32 r2 = pack_bf16x2(scale * acc[4 * nt + 4], scale * acc[4 * nt + 5]);
+      const u32 r3 = pack_bf16x2(scale * acc[4 * nt + 6], scale * acc[4 * nt + 7]);
+      const int token = (nt + (mi >> 1)) * 8 + r;
+      const int feature = warp * 16 + (mi & 1) * 8;
+      stmatrix_x4_trans(ring + token * WG_C_STRIDE + feature * 2, r0, r1, r2, r3);
+    }
+  }
+  __syncthreads();
+  // TB rows x FB / 8 chunks of 16 B; rows past the segment and features past N are not written.
+#pragma unroll
+  for (int u = 0; u < WG_C_PER_THREAD; ++u) {
+    const int c = tid + u * WG_THREADS;
+    const int row = c / WG_C_CHUNKS;
+    const int piece = c % WG_C_CHUNKS;
+    const int grow = tile.row0 + row;
+    if (grow < tile.row_end && (piece >> 1) < mtiles_in) {
+      const uint4 v = *reinterpret_cast<const uint4*>(smem + row * WG_C_STRIDE + piece * 16);
+      stg_v4(out + static_cast<i64>(grow) * n + blockIdx.x * WG_FB + piece * 8, v);
+    }
+  }
+}
