@@ -34,9 +34,11 @@ from .blocks import (
 FP8_BLOCK = 128
 
 
-def _scale_from_amax(amax: torch.Tensor) -> torch.Tensor:
-    """float32 amax -> float32 dequantization scale amax / 448 (1.0 where amax is zero)."""
-    return torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+def scale_from_amax(amax: torch.Tensor) -> torch.Tensor:
+    """float32 amax -> float32 dequantization scale amax / 448 (1.0 where amax is zero), an IEEE division on
+    every device (torch on CUDA turns a division by a Python scalar into a multiply by its rounded reciprocal,
+    one ulp off at times: the divisor is a tensor here)."""
+    return torch.where(amax > 0, amax / torch.full_like(amax, E4M3_MAX), torch.ones_like(amax))
 
 
 def quantize_fp8_per_tensor(
@@ -56,7 +58,7 @@ def quantize_fp8_per_tensor(
         raise ValueError("x is empty: its amax (the default scale) is undefined; pass scale")
     x = x.float()
     if scale is None:
-        scale = _scale_from_amax(x.abs().amax())
+        scale = scale_from_amax(x.abs().amax())
     scale = torch.as_tensor(scale, dtype=torch.float32, device=x.device).reshape(())
     return to_e4m3(x / scale), scale
 
@@ -93,7 +95,7 @@ def quantize_fp8_block128(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     tiles = F.pad(w.abs(), (0, pad_cols, 0, pad_rows)).reshape(
         *lead, (rows + pad_rows) // FP8_BLOCK, FP8_BLOCK, (cols + pad_cols) // FP8_BLOCK, FP8_BLOCK
     )
-    scales = _scale_from_amax(tiles.amax(dim=(-3, -1)))
+    scales = scale_from_amax(tiles.amax(dim=(-3, -1)))
     return to_e4m3(w / _expand_block_scales(scales, rows, cols)), scales
 
 
@@ -115,7 +117,7 @@ def quantize_fp8_act128(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """
     check_values("x", x)
     blocks = split_blocks(x, FP8_BLOCK)
-    scales = _scale_from_amax(blocks.abs().amax(dim=-1))
+    scales = scale_from_amax(blocks.abs().amax(dim=-1))
     return to_e4m3(blocks / scales.unsqueeze(-1)).reshape(x.shape), scales
 
 

@@ -15,7 +15,8 @@ from ..arch import Arch, arch_name, parse_arch, target_arch
 from ..engines.base import OP_LOW_LATENCY
 from ..engines.registry import engine_names, served_archs
 from ..formats import quantize_nvfp4
-from ..formats.blocks import E4M3_MAX, to_e4m3
+from ..formats.blocks import to_e4m3
+from ..formats.fp8 import scale_from_amax
 from ..validate import (
     require_finite,
     require_float32_scalar,
@@ -88,7 +89,7 @@ def _quantize_fp8_experts(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     an all-zero expert) and codes e4m3(fp32(w / scale)), as quantize_fp8_per_tensor does for one expert."""
     w = w.float()
     amax = w.abs().amax(dim=(1, 2))
-    scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    scale = scale_from_amax(amax)
     return to_e4m3(w / scale[:, None, None]), scale
 
 
