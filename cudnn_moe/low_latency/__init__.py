@@ -1,8 +1,8 @@
 """The low-latency MoE op (1-8 tokens per call, contract 004): configuration and preparation (``config``;
-the formats' records are cudnn_moe.weights.low_latency), argument checks (``checks``), the fallback for calls above max_num_tokens (``fallback``), the GPU op (``op``:
-the registry's engine runs it, the CUDA-core engine or, through ``grouped``, a grouped-GEMM engine on the
-shared pipeline) and the float64 references stating every rounding point (``reference``). Preparation keeps
-the caller's payloads bit-exact.
+the formats' records are cudnn_moe.weights.low_latency), argument checks (``checks``), the fallback for calls
+above max_num_tokens (``fallback``), the GPU op (``op``: the registry's engine runs it, the CUDA-core engine
+or, through ``grouped``, a grouped-GEMM engine on the shared pipeline) and the float64 references stating
+every rounding point (``reference``). Preparation keeps the caller's payloads bit-exact.
 """
 
 from ..weights.low_latency import (

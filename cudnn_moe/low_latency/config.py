@@ -16,6 +16,7 @@ from ..engines.base import OP_LOW_LATENCY
 from ..engines.registry import engine_names, served_archs
 from ..formats import quantize_nvfp4
 from ..formats.blocks import E4M3_MAX, to_e4m3
+from ..fused.config import Nvfp4MoeConfig
 from ..validate import (
     require_finite,
     require_float32_scalar,
@@ -41,7 +42,6 @@ from ..weights.low_latency import (
     pad_gemm1_rows,
     padded_intermediate,
 )
-from ..fused.config import Nvfp4MoeConfig
 from ..weights.nvfp4 import Nvfp4Activations, Nvfp4Weights, quantize_experts
 from .fallback import prepare_fallback
 

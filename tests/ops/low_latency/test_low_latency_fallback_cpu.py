@@ -126,7 +126,7 @@ class _Workspace:
 
     buffers = None
 
-    class order:  # noqa: N801
+    class order:
         @staticmethod
         def use() -> contextlib.AbstractContextManager:
             return contextlib.nullcontext()
