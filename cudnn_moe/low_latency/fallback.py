@@ -153,7 +153,7 @@ def fallback_for_call(
     if tokens <= max_num_tokens:
         return None
     over = f"hidden_states hold {tokens} tokens, more than the config's max_num_tokens={max_num_tokens}"
-    fallback = getattr(weights, "fallback", None)
+    fallback = weights.fallback if isinstance(weights, Nvfp4WeightOnlyWeights) else None
     if fallback is None:
         raise ValueError(f"{over}; {no_fallback_reason(weights.format)}")
     if tokens > fallback.config.max_num_tokens:
