@@ -1,8 +1,8 @@
 """The low-latency MoE op (1-8 tokens per call, contract 004): configuration and preparation (``config``;
-the formats' records are cudnn_moe.weights.low_latency), argument checks (``checks``), the GPU op (``op``:
-the registry's engine runs it, the CUDA-core engine or, through ``grouped``, a grouped-GEMM engine on the
-shared pipeline) and the float64 references stating every rounding point (``reference``). Preparation keeps
-the caller's payloads bit-exact.
+the formats' records are cudnn_moe.weights.low_latency), argument checks (``checks``), the fallback for calls
+above max_num_tokens (``fallback``), the GPU op (``op``: the registry's engine runs it, the CUDA-core engine
+or, through ``grouped``, a grouped-GEMM engine on the shared pipeline) and the float64 references stating
+every rounding point (``reference``). Preparation keeps the caller's payloads bit-exact.
 """
 
 from ..weights.low_latency import (
@@ -21,6 +21,7 @@ from ..weights.low_latency import (
     WeightFormat,
 )
 from .config import MAX_NUM_TOKENS, MAX_TOP_K, LowLatencyMoeConfig
+from .fallback import LowLatencyFallback
 from .op import RawOutput, low_latency_moe
 from .reference import (
     DeepSeekFp8Intermediate,
@@ -51,6 +52,7 @@ __all__ = [
     "Fp8PerTensorActivations",
     "Fp8PerTensorWeights",
     "Fp8WeightOnlyWeights",
+    "LowLatencyFallback",
     "LowLatencyMoeConfig",
     "LowLatencyWeights",
     "Mxfp4WeightOnlyWeights",

@@ -159,9 +159,8 @@ def check_call(
         raise TypeError(f"finalize must be a bool, got {type(finalize).__name__}")
 
 
-def check_sizes(config: LowLatencyMoeConfig, tokens: int, routing_tokens: int, top_k: int) -> None:
-    if tokens > config.max_num_tokens:
-        raise ValueError(f"hidden_states hold {tokens} tokens, more than the config's max_num_tokens={config.max_num_tokens}")
+def check_sizes(tokens: int, routing_tokens: int, top_k: int) -> None:
+    """Routing of the inputs' T tokens, top_k <= MAX_TOP_K (T against max_num_tokens: fallback.fallback_for_call)."""
     if routing_tokens != tokens:
         raise ValueError(f"routing covers {routing_tokens} tokens but the inputs hold {tokens}")
     if top_k > MAX_TOP_K:

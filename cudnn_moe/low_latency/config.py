@@ -17,6 +17,7 @@ from ..engines.registry import engine_names, served_archs
 from ..formats import quantize_nvfp4
 from ..formats.blocks import to_e4m3
 from ..formats.fp8 import scale_from_amax
+from ..fused.config import Nvfp4MoeConfig
 from ..validate import (
     require_finite,
     require_float32_scalar,
@@ -42,7 +43,8 @@ from ..weights.low_latency import (
     pad_gemm1_rows,
     padded_intermediate,
 )
-from ..weights.nvfp4 import Nvfp4Activations, quantize_experts
+from ..weights.nvfp4 import Nvfp4Activations, Nvfp4Weights, quantize_experts
+from .fallback import prepare_fallback
 
 MAX_NUM_TOKENS = 8
 MAX_TOP_K = 32
@@ -374,6 +376,22 @@ class LowLatencyMoeConfig:
             w1_codes=w1_codes, w1_scales=w1_scales, w2_codes=w2_codes, w2_scales=w2_scales,
             w1_global=w1_global, w2_global=w2_global,
         )
+
+    # ------------------------------------------------------------------ fallback for larger calls
+    def prepare_fallback(
+        self, weights: Nvfp4WeightOnlyWeights, fused_config: Nvfp4MoeConfig, *, fused_weights: Nvfp4Weights | None = None
+    ) -> Nvfp4WeightOnlyWeights:
+        """NVFP4 weights (weight-only or the pair, from this config) that also run calls of max_num_tokens + 1 ..
+        fused_config.max_num_tokens tokens: a new record with the same tensors and ``fallback`` set (a
+        LowLatencyFallback: these payloads, bit for bit, laid out for fused_config's engine). Such calls run on
+        the shared pipeline with the low-latency rounding points (cudnn_moe.low_latency.fallback): finalized,
+        BF16 tokens (or the pair's NVFP4 tokens: quantize more than max_num_tokens of them with
+        ``fused_config.prepare_activations``, the same quantizer) and BF16 output. fused_config: an Nvfp4MoeConfig
+        of this config's arch whose engine reads BF16 token fragments (the SM90 engine) and with max_num_tokens
+        above this config's; fused_weights: optionally the caller's fused view of the same layer (checked bit
+        for bit, then used instead of a repacked copy). Other formats, and Blackwell, raise ValueError saying why.
+        On SM90 the view is the one calls of up to 8 tokens use too, so it costs no second copy."""
+        return prepare_fallback(self.max_num_tokens, self.target_arch(), weights, fused_config, fused_weights)
 
     # ------------------------------------------------------------------ per-tensor FP8
     def prepare_fp8_per_tensor_weights(

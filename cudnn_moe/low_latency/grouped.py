@@ -14,7 +14,10 @@ outside [0, E) are skipped with their route weights (the pair's unrouted slots; 
 requires ids in range).
 
 The weights are repacked once into the engine's layout, on the first call (kept beside the caller's
-canonical tensors while the prepared weights live: a second copy, see the README's memory table).
+canonical tensors while the prepared weights live: a second copy, see the README's memory table), unless the
+weights hold a prepared fallback in that layout (cudnn_moe.low_latency.fallback), whose view is used instead.
+Calls above the config's max_num_tokens run here too, on the fallback's view with its token buckets
+(``run_on``): the same launches and rounding points, in larger buckets.
 """
 
 from __future__ import annotations
@@ -36,47 +39,50 @@ from ..pipeline.lifetime import cached
 from ..weights.low_latency import Nvfp4WeightOnlyWeights
 from ..weights.nvfp4 import Nvfp4Weights
 from .config import MAX_NUM_TOKENS
+from .fallback import grouped_view
 
 _views: weakref.WeakKeyDictionary[Nvfp4WeightOnlyWeights, Nvfp4Weights] = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
 
 
 def layer_view(engine: type[GemmEngine], weights: Nvfp4WeightOnlyWeights) -> Nvfp4Weights:
-    """The ``engine`` view of NVFP4 weights (repacked on first use, then kept): w1 [E, N1p, H] in the engine's
-    layout with the w1 global as alpha, w2 [E, H, Ip] likewise; intermediate size Ip."""
+    """The ``engine`` view of NVFP4 weights: the prepared fallback's when it is in this engine's layout (the same
+    bytes), else repacked on first use (``grouped_view``), then kept."""
     view = _views.get(weights)
     if view is not None:
         return view
+    arch = device_arch(weights.w1_codes.device)
+    if weights.fallback is not None and weights.fallback.weights.spec == engine.spec(arch):
+        return weights.fallback.weights
     refuse_during_capture("low_latency_moe must lay these weights out for the tensor cores first",
                           "make one call with them (of each token count) before capture")
     with _lock:
         view = _views.get(weights)
         if view is None:
-            arch = device_arch(weights.w1_codes.device)
-            w1, w1_scales = engine.pack_weights_chunked(arch, weights.w1_codes, weights.w1_scales)
-            w2, w2_scales = engine.pack_weights_chunked(arch, weights.w2_codes, weights.w2_scales)
-            view = Nvfp4Weights(
-                w1, w1_scales, weights.w1_global, w2, w2_scales, weights.w2_global, engine.spec(arch),
-                weights.gated, weights.hidden_size, weights.padded_intermediate,
-            )
-            _views[weights] = view
+            view = _views[weights] = grouped_view(engine, arch, weights)
     return view
 
 
-def _executor(engine: type[GemmEngine], view: Nvfp4Weights, top_k: int, activation: Activation,
-              bf16_tokens: bool) -> MoeExecutor:
-    return cached(view, ("low_latency", top_k, activation, bf16_tokens), lambda: MoeExecutor(
+def _executor(view: Nvfp4Weights, top_k: int, activation: Activation, bf16_tokens: bool,
+              max_tokens: int) -> MoeExecutor:
+    return cached(view, ("low_latency", top_k, activation, bf16_tokens, max_tokens), lambda: MoeExecutor(
         view, engine_for(view.spec, view.device), top_k=top_k, activation=activation, local_expert_start=0,
-        max_num_tokens=MAX_NUM_TOKENS, bf16_tokens=bf16_tokens, bf16_intermediate=True,
+        max_num_tokens=max_tokens, bf16_tokens=bf16_tokens, bf16_intermediate=True,
     ))
 
 
 def run(engine: type[GemmEngine], call: LowLatencyCall) -> None:
     """call.out bfloat16 [T, H] = the layer (checked by the op) for BF16 tokens x [T, H] (no x_scales), or for the
-    pair's NVFP4 tokens: codes x uint8 [T, H/2] with E4M3 scales x_scales [T, H/16]."""
+    pair's NVFP4 tokens: codes x uint8 [T, H/2] with E4M3 scales x_scales [T, H/16]; T <= MAX_NUM_TOKENS."""
+    run_on(layer_view(engine, call.weights), call, MAX_NUM_TOKENS)
+
+
+def run_on(view: Nvfp4Weights, call: LowLatencyCall, max_tokens: int) -> None:
+    """``run`` on a given view (the low-latency path's, or the prepared fallback's) with token buckets up to
+    ``max_tokens`` (the call's T <= max_tokens)."""
     x, x_scales, routing, out = call.x, call.x_scales, call.routing, call.out
     bf16_tokens = x_scales is None
-    executor = _executor(engine, layer_view(engine, call.weights), routing.top_k, call.activation, bf16_tokens)
+    executor = _executor(view, routing.top_k, call.activation, bf16_tokens, max_tokens)
     ids, route_weights, routing_format = routing.kernel_operands()
     tokens, top_k = x.shape[0], routing.top_k
 

@@ -15,6 +15,11 @@ decode steps. Calls with the same weights on different streams (threads) are ord
 Every argument is checked before anything is launched (cudnn_moe.low_latency.checks); errors name the
 argument (TypeError for a wrong type or dtype, ValueError for a wrong value).
 
+Calls of more than ``config.max_num_tokens`` tokens run on the weights' prepared fallback
+(``config.prepare_fallback``, NVFP4 formats on SM90: cudnn_moe.low_latency.fallback), the shared pipeline
+with the same rounding points in larger token buckets; without one they raise ValueError saying how to
+prepare it, or why the format has none.
+
 Numerics are those of cudnn_moe.low_latency.reference, rounding point for rounding point:
 
 - preactivation (GEMM1 in FP32) rounded to the input dtype (BF16 or FP16) for BF16, FP16, NVFP4, MXFP4
@@ -70,6 +75,7 @@ from .checks import (
     weight_tensors,
 )
 from .config import LowLatencyMoeConfig
+from .fallback import check_fallback_device, fallback_for_call, fallback_tensors
 
 
 class RawOutput(NamedTuple):
@@ -99,7 +105,8 @@ def low_latency_moe(
     return_scores: bool = False,
     scores_out: torch.Tensor | None = None,
 ) -> torch.Tensor | RawOutput:
-    """Run one routed MoE layer of 1..``config.max_num_tokens`` tokens on the GPU.
+    """Run one routed MoE layer of 1..``config.max_num_tokens`` tokens on the GPU (more with a prepared
+    fallback: finalized BF16 calls up to ``weights.fallback.config.max_num_tokens``, see the module docstring).
 
     inputs: hidden states [T, H], BF16 or FP16 (BF16 for BF16 weights, FP16 for FP16 weights; either
         for the 4-bit and FP8 weight-only formats), 16-byte aligned and contiguous; for the NVFP4 pair the
@@ -132,14 +139,18 @@ def low_latency_moe(
     check_scores_request(return_scores, scores_out, finalize)
     x, x_scales = check_inputs(inputs, weights)
     tokens, top_k, hidden = x.shape[0], routing.top_k, weights.hidden_size
-    check_sizes(config, tokens, routing.num_tokens, top_k)
+    x_dtype = None if x_scales is not None else x.dtype
+    fallback = fallback_for_call(config.max_num_tokens, weights, tokens, x_dtype, out_dtype, finalize)
+    check_sizes(tokens, routing.num_tokens, top_k)
     ids, route_weights, _ = routing.kernel_operands()
     device = check_devices(x, ids, weights)
-    x_dtype = None if x_scales is not None else x.dtype
-    shapes = (GemmShape(hidden, weights.gemm1_rows, weights.num_experts),
-              GemmShape(weights.padded_intermediate, hidden, weights.num_experts))
-    engine = choose(Request(OP_LOW_LATENCY, device_arch(device), weights.format.value, shapes, weights.num_experts,
-                            x_dtype, out_dtype, finalize, tokens), config.engine)
+    if fallback is not None:
+        check_fallback_device(fallback, device_arch(device))
+    else:
+        shapes = (GemmShape(hidden, weights.gemm1_rows, weights.num_experts),
+                  GemmShape(weights.padded_intermediate, hidden, weights.num_experts))
+        engine = choose(Request(OP_LOW_LATENCY, device_arch(device), weights.format.value, shapes,
+                                weights.num_experts, x_dtype, out_dtype, finalize, tokens), config.engine)
     shape = (tokens, hidden) if finalize else (tokens, top_k, hidden)
     if out is not None:
         others = [("hidden_states", x), ("routing", ids)]
@@ -148,6 +159,8 @@ def low_latency_moe(
         if route_weights is not None:
             others.append(("routing weights", route_weights))
         others += [(f"weights tensor {i}", t) for i, t in enumerate(weight_tensors(weights))]
+        if fallback is not None:
+            others += [(f"weights.fallback tensor {i}", t) for i, t in enumerate(fallback_tensors(fallback))]
         out = check_out(out, shape, out_dtype, finalize, device, others)
     if scores_out is not None:
         others = [("hidden_states", x), ("routing", ids), *([("out", out)] if out is not None else [])]
@@ -160,6 +173,11 @@ def low_latency_moe(
         out = torch.empty(shape, dtype=out_dtype, device=device)
     if tokens == 0:
         return RawOutput(out, scores_out) if return_scores else out
+    if fallback is not None:
+        call = LowLatencyCall(weights, x, x_scales, routing, act, out_dtype, finalize, out,
+                              fallback.config.max_num_tokens)
+        grouped.run_on(fallback.weights, call, fallback.config.max_num_tokens)
+        return out
     call = LowLatencyCall(weights, x, x_scales, routing, act, out_dtype, finalize, out, config.max_num_tokens,
                           scores_out)
     if issubclass(engine, GemmEngine):

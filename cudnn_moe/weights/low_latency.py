@@ -21,11 +21,14 @@ logical tensors.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
 from ..engines.base import WeightFormat
+
+if TYPE_CHECKING:
+    from ..low_latency.fallback import LowLatencyFallback
 
 PAD_MULTIPLE = 128
 _BIT_DTYPES = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
@@ -161,11 +164,14 @@ class Nvfp4WeightOnlyWeights(BlockScaledWeights):
 
     Dequantized weight = e2m1 * block scale * global (the global multiplies, like ``w1_alpha`` of
     the NVFP4 config).
+    fallback: None, or the shared pipeline's view of these same payloads that runs calls above the
+    config's max_num_tokens (``LowLatencyMoeConfig.prepare_fallback``; cudnn_moe.low_latency.fallback).
     """
 
     block: ClassVar[int] = 16
     w1_global: torch.Tensor
     w2_global: torch.Tensor
+    fallback: LowLatencyFallback | None = None
 
     def canonical(self) -> tuple[torch.Tensor, ...]:
         """(w1_codes, w1_scales, w1_global, w2_codes, w2_scales, w2_global): the prepare method's argument order."""

@@ -1,0 +1,185 @@
+"""The low-latency op's fallback for calls above its config's max_num_tokens: the shared pipeline's view of the
+same NVFP4 payloads, prepared beside the low-latency weights (``LowLatencyMoeConfig.prepare_fallback``).
+
+What runs a fallback call: the shared pipeline (cudnn_moe.pipeline.executor, the fused op's) on an engine whose
+grouped GEMMs read BF16 token fragments (the SM90 engine), with ``bf16_tokens`` for NVFP4 weight-only (the BF16
+tokens enter as they are) or the pair's NVFP4 tokens decoded exactly, and ``bf16_intermediate`` (the activation
+rounded to BF16, never requantized). That is the path the op takes for T <= 8 on SM90
+(cudnn_moe.low_latency.grouped), in larger token buckets: the low-latency contract's rounding points
+(cudnn_moe.low_latency.reference), only the FP32 summation order inside the GEMMs differs.
+
+Where no fallback is offered (a call above max_num_tokens raises ValueError saying why):
+- ``fused_moe`` as such is never a fallback: it requantizes the intermediate to NVFP4 (cudnn_moe.fused.reference,
+  step 4) where both NVFP4 low-latency formats round it to BF16, and it takes NVFP4 tokens, so the weight-only
+  format's BF16 tokens would be quantized first: another numerical contract;
+- engines reading NVFP4 tokens (cuDNN on Blackwell): the same requantized intermediate, so no view is prepared;
+- every other format (BF16, FP16, MXFP4, MXINT4, the FP8 formats): no grouped engine runs its weights;
+- FP16 tokens or output, and raw rows (finalize=False): the pipeline writes finalized BF16 outputs only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from ..arch import Arch, arch_name
+from ..engines.base import GemmEngine
+from ..engines.registry import engine_class_of
+from ..fused.config import Nvfp4MoeConfig
+from ..kernels.codes import TokenLayout
+from ..weights.low_latency import LowLatencyWeights, Nvfp4WeightOnlyWeights, WeightFormat
+from ..weights.nvfp4 import Nvfp4Weights, require_expert_count
+
+_BITS = {1: torch.uint8, 4: torch.int32}
+
+
+@dataclass(frozen=True, eq=False)
+class LowLatencyFallback:
+    """What runs a low-latency call above the config's max_num_tokens.
+
+    config: the Nvfp4MoeConfig whose max_num_tokens bounds those calls (its arch and engine chose the layout).
+    weights: the low-latency payloads in that engine's layout, bit for bit: w1 [E, N1p, H], w2 [E, H, Ip], the
+        globals as alphas float32 [E], intermediate size Ip (the low-latency zero padding included).
+    """
+
+    config: Nvfp4MoeConfig
+    weights: Nvfp4Weights
+
+
+def grouped_view(engine: type[GemmEngine], arch: Arch, weights: Nvfp4WeightOnlyWeights) -> Nvfp4Weights:
+    """The ``engine`` view on ``arch`` of NVFP4 low-latency weights (a repacked copy): w1 [E, N1p, H] in the
+    engine's layout with the w1 global as alpha, w2 [E, H, Ip] likewise; intermediate size Ip."""
+    w1, w1_scales = engine.pack_weights_chunked(arch, weights.w1_codes, weights.w1_scales)
+    w2, w2_scales = engine.pack_weights_chunked(arch, weights.w2_codes, weights.w2_scales)
+    return Nvfp4Weights(
+        w1, w1_scales, weights.w1_global, w2, w2_scales, weights.w2_global, engine.spec(arch),
+        weights.gated, weights.hidden_size, weights.padded_intermediate,
+    )
+
+
+def no_fallback_reason(fmt: WeightFormat) -> str:
+    """Why ``fmt`` weights have no fallback, or how to prepare one (NVFP4 formats)."""
+    if fmt in (WeightFormat.NVFP4_WEIGHT_ONLY, WeightFormat.NVFP4_W_NVFP4_A):
+        return ("prepare a fallback for larger calls with config.prepare_fallback(weights, "
+                "Nvfp4MoeConfig(max_num_tokens=N)) (SM90), or split the batch")
+    return (f"{fmt.value} weights have no fallback (only the NVFP4 formats have a larger-batch path with the "
+            "low-latency rounding points): split the batch")
+
+
+def prepare_fallback(
+    max_num_tokens: int,
+    arch: Arch,
+    weights: object,
+    fused_config: object,
+    fused_weights: object = None,
+) -> Nvfp4WeightOnlyWeights:
+    """``weights`` (the same tensors) holding a LowLatencyFallback for calls of max_num_tokens + 1 ..
+    fused_config.max_num_tokens tokens; ``arch`` and ``max_num_tokens`` are the low-latency config's.
+
+    fused_weights: optional, the caller's Nvfp4Weights of the same layer in the fused config's layout (e.g. a
+    checkpoint's ``fused_weights``), used instead of a repacked copy once checked bit for bit (this reads them:
+    preparation, not the serving path). Errors name the argument (TypeError for a wrong type, ValueError else).
+    """
+    if not isinstance(weights, LowLatencyWeights):
+        raise TypeError(f"weights must be prepared by LowLatencyMoeConfig (a LowLatencyWeights), got {type(weights).__name__}")
+    if not isinstance(weights, Nvfp4WeightOnlyWeights):
+        raise ValueError(f"weights: {no_fallback_reason(weights.format)}")
+    if not isinstance(fused_config, Nvfp4MoeConfig):
+        raise TypeError(f"fused_config must be an Nvfp4MoeConfig, got {type(fused_config).__name__}")
+    if fused_config.max_num_tokens <= max_num_tokens:
+        raise ValueError(f"fused_config.max_num_tokens={fused_config.max_num_tokens} must exceed the low-latency "
+                         f"config's max_num_tokens={max_num_tokens} (the fallback runs the larger calls)")
+    if fused_config.target_arch() != arch:
+        raise ValueError(f"fused_config prepares for {arch_name(fused_config.target_arch())} but the low-latency "
+                         f"config for {arch_name(arch)}: give both the same arch")
+    require_expert_count("weights", weights.num_experts)
+    spec = fused_config.engine_spec(weights.hidden_size, weights.padded_intermediate, weights.num_experts,
+                                    weights.gated)
+    if spec.token_layout is not TokenLayout.BF16_FRAGMENTS:
+        raise ValueError(f"fused_config picks the {spec.describe()}, whose GEMMs read NVFP4 tokens: the fused "
+                         "pipeline there requantizes the intermediate to NVFP4, not the low-latency contract's BF16 "
+                         "intermediate, so no exact fallback runs on this GPU (split the batch)")
+    if fused_weights is None:
+        view = grouped_view(engine_class_of(spec), spec.arch, weights)
+    else:
+        view = _check_fused_weights(fused_weights, weights, spec)
+    return replace(weights, fallback=LowLatencyFallback(fused_config, view))
+
+
+def _check_fused_weights(fused: object, weights: Nvfp4WeightOnlyWeights, spec: object) -> Nvfp4Weights:
+    """``fused``: Nvfp4Weights in layout ``spec`` holding exactly the payloads and globals of ``weights``."""
+    if not isinstance(fused, Nvfp4Weights):
+        raise TypeError(f"fused_weights must be Nvfp4Weights (Nvfp4MoeConfig.prepare_weights), got {type(fused).__name__}")
+    if fused.spec != spec:
+        raise ValueError(f"fused_weights are laid out for the {fused.spec.describe()} but fused_config picks the "
+                         f"{spec.describe()}: prepare them with fused_config")
+    if fused.num_experts != weights.num_experts:
+        raise ValueError(f"fused_weights hold {fused.num_experts} experts but weights hold {weights.num_experts}")
+    if fused.gated != weights.gated:
+        raise ValueError(f"fused_weights are {'' if fused.gated else 'not '}gated but weights are "
+                         f"{'' if weights.gated else 'not '}gated")
+    if (fused.hidden_size, fused.intermediate_size) != (weights.hidden_size, weights.padded_intermediate):
+        raise ValueError(f"fused_weights are a layer of H={fused.hidden_size}, I={fused.intermediate_size} but weights "
+                         f"have H={weights.hidden_size}, I={weights.padded_intermediate} (padded from "
+                         f"{weights.intermediate_size})")
+    if fused.w1_alpha_split is not None or fused.w1_alpha is None or fused.w2_alpha is None:
+        raise ValueError("fused_weights must hold one global per expert and GEMM (w1_alpha, w2_alpha [E]), as the "
+                         "low-latency NVFP4 format does")
+    if fused.device != weights.w1_codes.device:
+        raise ValueError(f"fused_weights are on {fused.device} but weights are on {weights.w1_codes.device}")
+    w1, w1_scales, w2, w2_scales = fused.canonical()
+    pairs = (("w1", w1, weights.w1_codes), ("w1_scales", w1_scales, weights.w1_scales),
+             ("w1_alpha", fused.w1_alpha, weights.w1_global), ("w2", w2, weights.w2_codes),
+             ("w2_scales", w2_scales, weights.w2_scales), ("w2_alpha", fused.w2_alpha, weights.w2_global))
+    for name, got, want in pairs:
+        if got.dtype != want.dtype or got.shape != want.shape or not torch.equal(
+                got.contiguous().view(_BITS[got.element_size()]), want.contiguous().view(_BITS[want.element_size()])):
+            raise ValueError(f"fused_weights.{name} is not bit for bit the low-latency weights' payload: pass the fused "
+                             "view of the same layer (or leave fused_weights out to repack these)")
+    return fused
+
+
+def fallback_for_call(
+    max_num_tokens: int,
+    weights: LowLatencyWeights,
+    tokens: int,
+    token_dtype: torch.dtype | None,
+    out_dtype: torch.dtype,
+    finalize: bool,
+) -> LowLatencyFallback | None:
+    """None for a call within max_num_tokens; else the weights' fallback, after checking it runs this call
+    (ValueError naming the argument and why, before any launch). token_dtype: None for NVFP4 tokens."""
+    if tokens <= max_num_tokens:
+        return None
+    over = f"hidden_states hold {tokens} tokens, more than the config's max_num_tokens={max_num_tokens}"
+    fallback = weights.fallback if isinstance(weights, Nvfp4WeightOnlyWeights) else None
+    if fallback is None:
+        raise ValueError(f"{over}; {no_fallback_reason(weights.format)}")
+    if tokens > fallback.config.max_num_tokens:
+        raise ValueError(f"hidden_states hold {tokens} tokens, more than the fallback's max_num_tokens="
+                         f"{fallback.config.max_num_tokens} (weights.fallback.config): prepare the fallback with a "
+                         "larger one, or split the batch")
+    if not finalize:
+        raise ValueError(f"{over}: the fallback returns finalized outputs only, so finalize=False takes at most "
+                         f"{max_num_tokens} tokens")
+    if out_dtype != torch.bfloat16:
+        raise ValueError(f"{over}: the fallback writes BF16 outputs only, so out_dtype={out_dtype} takes at most "
+                         f"{max_num_tokens} tokens")
+    if token_dtype is not None and token_dtype != torch.bfloat16:
+        raise ValueError(f"{over}: the fallback takes BF16 tokens only, so hidden_states of {token_dtype} take at most "
+                         f"{max_num_tokens} tokens")
+    return fallback
+
+
+def check_fallback_device(fallback: LowLatencyFallback, arch: Arch) -> None:
+    """The GPU of a fallback call (``arch``) must be the one its view was prepared for."""
+    if fallback.weights.spec.arch != arch:
+        raise ValueError(f"weights.fallback was prepared for the {fallback.weights.spec.describe()} but this GPU is "
+                         f"{arch_name(arch)}; prepare it with configs for this GPU")
+
+
+def fallback_tensors(fallback: LowLatencyFallback) -> tuple[torch.Tensor, ...]:
+    """The device tensors a fallback call reads from its view (an ``out`` may share memory with none)."""
+    w = fallback.weights
+    return w.w1, w.w1_scales, w.w1_alpha, w.w2, w.w2_scales, w.w2_alpha
