@@ -45,9 +45,22 @@ __device__ __forceinline__ void fence_proxy_async_shared() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 
-// d (64 x N, FP32) += A (64 x 16 BF16, registers) * B (16 k x N BF16, descriptor b); N = 64 or 128.
+// d (64 x N, FP32) += A (64 x 16 BF16, registers) * B (16 k x N BF16, descriptor b); N = 32, 64 or 128.
 template <int N>
 __device__ __forceinline__ void wgmma_rs(float (&d)[N / 2], const u32 (&a)[4], u64 b);
+
+template <>
+__device__ __forceinline__ void wgmma_rs<32>(float (&d)[16], const u32 (&a)[4], u64 b) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
+      "{%16, %17, %18, %19}, %20, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b)
+      : "memory");
+}
 
 template <>
 __device__ __forceinline__ void wgmma_rs<64>(float (&d)[32], const u32 (&a)[4], u64 b) {

@@ -10,13 +10,16 @@
 //   out       bf16 [row_capacity, N]
 // out[r, f] = bf16_rne(float(a * 256) * acc), acc = the FP32 sum over k of (w s 2^-8) x[r, k].
 //
-// CTA: 2 warpgroups (256 threads), 128 features x WG_TB token rows of one segment; warpgroup h owns
-// features 64 h .. 64 h + 63 (warp w: the m16 tile w of the CTA). Per k64 stage, all threads copy with
-// cp.async into a WG_STAGES-deep ring: the TB x 64 token tile (128-byte swizzled, the wgmma B operand),
-// the 8 m16 weight tiles (4 KB) and their scales (512 B). Each warp decodes its weight tile exactly into
+// CTA: WG_GROUPS warpgroups (2 or 4: 256 or 512 threads), 64 WG_GROUPS features x WG_TB token rows of one
+// segment; warpgroup h owns features 64 h .. 64 h + 63 (warp w: the m16 tile w of the CTA). Per k64 stage,
+// all threads copy with cp.async into a WG_STAGES-deep ring: the TB x 64 token tile (128-byte swizzled, the
+// wgmma B operand), the CTA's m16 weight tiles (512 B each) and their scales (64 B each). Each warp decodes
+// its weight tile exactly into
 // BF16 A registers (scaled_a: the values of the mma.sync kernels bit for bit) and its warpgroup issues
 // four m64nTBk16 wgmma. The C tile goes through shared memory (stmatrix.trans) to 16-byte row stores.
-// Grid: x = N / 128 feature blocks, y >= the number of TB-row tiles (find_tile); CTAs past the last exit.
+// A tile with at most 32 (64) rows left in its segment runs the same code with N = 32 (64): the last tile
+// of a segment costs about what its rows need.
+// Grid: x = ceil(N / FB) feature blocks, y >= the number of TB-row tiles (find_tile); CTAs past the last exit.
 #include "common.cuh"
 #include "sm90/fragments.cuh"
 #include "sm90/wgmma.cuh"
@@ -49,32 +52,25 @@ using namespace sm90;
 #define WG_C_BYTES (WG_TB * WG_C_STRIDE)
 // Dynamic shared memory: the larger of the two, plus 1 KB to align the ring to 1024 bytes.
 #define WG_SMEM_BYTES ((WG_PIPE_BYTES > WG_C_BYTES ? WG_PIPE_BYTES : WG_C_BYTES) + 1024)
-#define WG_X_PER_THREAD (WG_TB * 8 / WG_THREADS)   // 16-byte token chunks per thread and stage
-#define WG_ACC (WG_TB / 2)                          // accumulators per thread
 #define WG_C_CHUNKS (WG_FB / 8)                     // 16-byte output chunks per token row
-#define WG_C_PER_THREAD (WG_TB * WG_C_CHUNKS / WG_THREADS)
 
 static_assert(WG_TB == 64 || WG_TB == 128, "wgmma gemm: TB must be 64 or 128");
 static_assert(SM90_WG_GROUPS == 2 || SM90_WG_GROUPS == 4, "wgmma gemm: 2 or 4 warpgroups");
 static_assert(SM90_WG_STAGES >= 3 && SM90_WG_STAGES <= 8, "wgmma gemm: 3..8 stages");
-static_assert(WG_X_PER_THREAD * WG_THREADS == WG_TB * 8, "wgmma gemm: token copy split");
 static_assert(WG_SMEM_BYTES <= 227 * 1024, "wgmma gemm: shared memory");
 
-// Per k64 stage j and k16 step s, warp w (its warpgroup's A rows 16 (w % 4) ..): wait until at most 3
-// wgmma groups are pending (so the group of step s of stage j - 1, which read a[s], is done), decode a[s]
-// from stage j's weight tile, fence, issue one wgmma on it, commit it as its own group. Up to four
-// wgmma run behind the decode; a stage slot is refilled two stages after its last read, when every
-// warpgroup's groups of it are complete (the barrier at the top of each stage sees to that).
-extern "C" __global__ void __launch_bounds__(WG_THREADS, SM90_WG_MIN_BLOCKS)
-    sm90_gemm_wgmma(const u8* __restrict__ w_tiles, const u8* __restrict__ w_scales, const float* __restrict__ alpha,
-                    const u16* __restrict__ x, const int* __restrict__ offsets, int num_experts, int n, int k,
-                    int row_capacity, int alpha_split, u16* __restrict__ out) {
-  moe::grid_dependency_begin();
+// One TB-row tile (TB <= WG_TB: rows past the segment's end are zero-filled and not stored).
+template <int TB>
+__device__ __forceinline__ void wgmma_tile(const Tile& tile, const u8* __restrict__ w_tiles,
+                                           const u8* __restrict__ w_scales, const float* __restrict__ alpha,
+                                           const u16* __restrict__ x, int num_experts, int n, int k, int alpha_split,
+                                           u16* __restrict__ out) {
+  constexpr int X_ROW_STEP = WG_THREADS / 8;  // token rows one copy pass covers
+  constexpr int X_PASSES = TB > X_ROW_STEP ? TB / X_ROW_STEP : 1;
+  constexpr int ACC = TB / 2;
+  constexpr int C_PER_THREAD = TB * WG_C_CHUNKS / WG_THREADS;
+  static_assert(TB <= WG_TB && (TB % X_ROW_STEP == 0 || TB < X_ROW_STEP), "wgmma gemm: token copy split");
   extern __shared__ __align__(128) u8 smem_raw[];
-  Tile tile;
-  if (!find_tile<WG_TB>(offsets, num_experts, row_capacity, static_cast<int>(blockIdx.y), tile)) return;
-  if (tile.row0 < 0 || tile.row0 >= tile.row_end) return;  // offsets outside [0, row_capacity]: nothing safe to do
-
   const int tid = threadIdx.x;
   const int lane = tid & 31;
   const int warp = tid >> 5;  // m16 tile of the CTA; warpgroup warp / 4
@@ -102,14 +98,14 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, SM90_WG_MIN_BLOCKS)
   // Tokens: thread -> chunk tid % 8 of rows tid / 8 + (THREADS / 8) u; rows past the segment read nothing
   // (zero fill, address clamped to the segment's last row). Swizzled destination: chunk c of row r at
   // chunk position c ^ (r % 8) (THREADS / 8 is a multiple of 8, so r % 8 is the same for every u).
-  constexpr int X_ROW_STEP = WG_THREADS / 8;
   const int chunk = tid & 7;
   const int x_last = tile.row_end - 1;
   const u8* x_src = reinterpret_cast<const u8*>(x) + static_cast<i64>(tile.row0) * k * 2 + chunk * 16;
-  u32 x_off[WG_X_PER_THREAD];
-  u32 x_bytes[WG_X_PER_THREAD];
+  const bool x_copies = (tid >> 3) < TB;  // TB < X_ROW_STEP: the threads of rows past the tile copy nothing
+  u32 x_off[X_PASSES];
+  u32 x_bytes[X_PASSES];
 #pragma unroll
-  for (int u = 0; u < WG_X_PER_THREAD; ++u) {
+  for (int u = 0; u < X_PASSES; ++u) {
     const int row = tile.row0 + (tid >> 3) + X_ROW_STEP * u;
     x_off[u] = static_cast<u32>(min(row, x_last) - tile.row0) * static_cast<u32>(k) * 2u;
     x_bytes[u] = row <= x_last ? 16u : 0u;
@@ -118,9 +114,11 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, SM90_WG_MIN_BLOCKS)
 
   auto load_stage = [&](int slot) {
     const u32 base = ring + slot * WG_STAGE_BYTES;
+    if (x_copies) {
 #pragma unroll
-    for (int u = 0; u < WG_X_PER_THREAD; ++u)
-      cp_async_16(base + x_dst + u * X_ROW_STEP * 128, x_src + x_off[u], x_bytes[u]);
+      for (int u = 0; u < X_PASSES; ++u)
+        cp_async_16(base + x_dst + u * X_ROW_STEP * 128, x_src + x_off[u], x_bytes[u]);
+    }
     cp_async_16(base + WG_W_OFFSET + tid * 16, w_src, w_bytes);
     if (tid < 4 * WG_MTILES) cp_async_16(base + WG_S_OFFSET + tid * 16, s_src, s_bytes);
     w_src += 512;
@@ -128,9 +126,9 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, SM90_WG_MIN_BLOCKS)
     x_src += 128;
   };
 
-  float acc[WG_ACC];
+  float acc[ACC];
 #pragma unroll
-  for (int i = 0; i < WG_ACC; ++i) acc[i] = 0.0f;
+  for (int i = 0; i < ACC; ++i) acc[i] = 0.0f;
 
   constexpr int AHEAD = SM90_WG_STAGES - 2;  // stages loaded ahead of the one being multiplied
 #pragma unroll
@@ -162,7 +160,7 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, SM90_WG_MIN_BLOCKS)
   if ((S) % 2 == 0) decode_scale_word((S) ? sc.y : sc.x, sg, sg8);                                  \
   scaled_a<S>(word_of<S>(wq), sg, sg8, a[S]);                                                       \
   wgmma_fence();                                                                                    \
-  wgmma_rs<WG_TB>(acc, a[S], wgmma_desc_sw128(xb + 32 * (S)));                                      \
+  wgmma_rs<TB>(acc, a[S], wgmma_desc_sw128(xb + 32 * (S)));                                      \
   wgmma_commit();
     SM90_WG_STEP(0)
     SM90_WG_STEP(1)
@@ -186,7 +184,7 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, SM90_WG_MIN_BLOCKS)
     const int mi = lane >> 3;
     const int r = lane & 7;
 #pragma unroll
-    for (int nt = 0; nt < WG_TB / 8; nt += 2) {
+    for (int nt = 0; nt < TB / 8; nt += 2) {
       const u32 r0 = pack_bf16x2(scale * acc[4 * nt + 0], scale * acc[4 * nt + 1]);
       const u32 r1 = pack_bf16x2(scale * acc[4 * nt + 2], scale * acc[4 * nt + 3]);
       const u32 r2 = pack_bf16x2(scale * acc[4 * nt + 4], scale * acc[4 * nt + 5]);
@@ -199,7 +197,7 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, SM90_WG_MIN_BLOCKS)
   __syncthreads();
   // TB rows x FB / 8 chunks of 16 B; rows past the segment and features past N are not written.
 #pragma unroll
-  for (int u = 0; u < WG_C_PER_THREAD; ++u) {
+  for (int u = 0; u < C_PER_THREAD; ++u) {
     const int c = tid + u * WG_THREADS;
     const int row = c / WG_C_CHUNKS;
     const int piece = c % WG_C_CHUNKS;
@@ -210,3 +208,28 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, SM90_WG_MIN_BLOCKS)
     }
   }
 }
+
+// Per k64 stage j and k16 step s, warp w (its warpgroup's A rows 16 (w % 4) ..): wait until at most 3
+// wgmma groups are pending (so the group of step s of stage j - 1, which read a[s], is done), decode a[s]
+// from stage j's weight tile, fence, issue one wgmma on it, commit it as its own group. Up to four
+// wgmma run behind the decode; a stage slot is refilled two stages after its last read, when every
+// warpgroup's groups of it are complete (the barrier at the top of each stage sees to that).
+extern "C" __global__ void __launch_bounds__(WG_THREADS, SM90_WG_MIN_BLOCKS)
+    sm90_gemm_wgmma(const u8* __restrict__ w_tiles, const u8* __restrict__ w_scales, const float* __restrict__ alpha,
+                    const u16* __restrict__ x, const int* __restrict__ offsets, int num_experts, int n, int k,
+                    int row_capacity, int alpha_split, u16* __restrict__ out) {
+  moe::grid_dependency_begin();
+  Tile tile;
+  if (!find_tile<WG_TB>(offsets, num_experts, row_capacity, static_cast<int>(blockIdx.y), tile)) return;
+  if (tile.row0 < 0 || tile.row0 >= tile.row_end) return;  // offsets outside [0, row_capacity]: nothing safe to do
+  // A segment's last tile often holds few rows: it runs with the smallest wgmma N that covers them.
+  const int rows = tile.row_end - tile.row0;
+  if (WG_TB > 32 && rows <= 32) {
+    wgmma_tile<32>(tile, w_tiles, w_scales, alpha, x, num_experts, n, k, alpha_split, out);
+  } else if (WG_TB > 64 && rows <= 64) {
+    wgmma_tile<64>(tile, w_tiles, w_scales, alpha, x, num_experts, n, k, alpha_split, out);
+  } else {
+    wgmma_tile<WG_TB>(tile, w_tiles, w_scales, alpha, x, num_experts, n, k, alpha_split, out);
+  }
+}
+

@@ -2,8 +2,8 @@
 
 Variant per GEMM, from the rows a bucket can hold: the decode kernel (weights streamed straight into
 registers, split-K across warps when CTAs would be few) with token tiles of 8 or 32 rows while
-segments stay short, the wgmma kernel (256 features x 64 or 128 token rows per CTA, sm_90a) once they
-average more than 48 rows. The wgmma kernel reads natural BF16 token rows, the mma.sync kernels
+segments stay short, the wgmma kernel (256 features x up to 64 or 128 token rows per CTA, sm_90a) once
+they average more than 48 rows. The wgmma kernel reads natural BF16 token rows, the mma.sync kernels
 token fragments: ``token_layout_for`` tells the permute and activation stages which to write.
 """
 
@@ -43,10 +43,11 @@ _MID = DecodeVariant(mt=4, wm=2, wk=1, nt=4, prefetch=2)
 _MID_LONG_K = DecodeVariant(mt=2, wm=2, wk=2, nt=4, prefetch=2)
 _DECODE_MAX_ROWS, _MID_MAX_ROWS, _LONG_K = 8, 48, 4096
 # Longer segments: wgmma, 256 features per CTA (four warpgroups), 128-row token tiles once segments
-# average 160 rows, else 64 (less padding); measured with benchmarks/tune_sm90.py (benchmarks/RESULTS.md).
+# average 96 rows, else 64 (less padding); a segment's last tile runs with the smallest of N = 32, 64, 128
+# that covers its rows. Measured with benchmarks/tune_sm90.py (benchmarks/RESULTS.md).
 _WGMMA = WgmmaVariant(tile_rows=128, groups=4, stages=5)
 _WGMMA_SHORT = WgmmaVariant(tile_rows=64, groups=4, stages=6)
-_WGMMA_MIN_ROWS = 160
+_WGMMA_MIN_ROWS = 96
 
 
 def _slots(rows: int, num_experts: int) -> int:
