@@ -555,9 +555,12 @@ def test_activation_bf16_layouts_decode_the_nvfp4_values(name: str, layout: Toke
     assert torch.equal(got[:total].view(torch.int16), want[:total].view(torch.int16))
     assert bool(got[:total][~used[:total]].eq(0).all()) and bool(got[total:].isnan().all())
     rows = used.nonzero().squeeze(1)
-    want_y = act.apply_gemm1(g1[rows].float())  # FP32 as the kernel computes (its exp may differ in the last bit)
+    # FP32 as the kernel computes: one BF16 rounding apart, plus the last bits of its exp / erf, which the
+    # cancellation in GELU's 1 + erf(x) at negative x turns into an absolute error of about |x| 2^-24.
+    want_y = act.apply_gemm1(g1[rows].float())
     got_y = _natural(rounded.cpu(), layout)[rows].float()
-    assert not got_y.isnan().any() and bool(((got_y - want_y).abs() <= want_y.abs() * 2**-7 + 1e-30).all())
+    atol = g1[rows].float().abs().amax(dim=1, keepdim=True) * 2**-20
+    assert not got_y.isnan().any() and bool(((got_y - want_y).abs() <= want_y.abs() * 2**-7 + atol).all())
 
 
 # ---------------------------------------------------------------------------------------------------------------
