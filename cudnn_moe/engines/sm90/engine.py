@@ -2,8 +2,8 @@
 
 Variant per GEMM, from the rows a bucket can hold: the decode kernel (weights streamed straight into
 registers, split-K across warps when CTAs would be few) with token tiles of 8 or 32 rows while
-segments stay short, the wgmma kernel (256 features x up to 64 or 128 token rows per CTA, sm_90a) once
-they average more than 48 rows. The wgmma kernel reads natural BF16 token rows, the mma.sync kernels
+segments stay short, the wgmma kernel (128 or 256 features x up to 64 or 128 token rows per CTA, sm_90a)
+once they average more than 32 rows. The wgmma kernel reads natural BF16 token rows, the mma.sync kernels
 token fragments: ``token_layout_for`` tells the permute and activation stages which to write.
 """
 
@@ -38,16 +38,18 @@ from .layout import TILE_K, pack_weight_tiles, unpack_weight_tiles
 # still gives every SM two CTAs, else 64 features and two-way split-K for more CTAs.
 _WIDE = DecodeVariant(mt=2, wm=4, wk=1, nt=1, prefetch=4)
 _SPLIT = DecodeVariant(mt=2, wm=2, wk=2, nt=1, prefetch=4)
-# 32-row token tiles for segments of 9-48 rows; long reductions keep the split-K.
+# 32-row token tiles for segments of 9-32 rows; long reductions keep the split-K.
 _MID = DecodeVariant(mt=4, wm=2, wk=1, nt=4, prefetch=2)
 _MID_LONG_K = DecodeVariant(mt=2, wm=2, wk=2, nt=4, prefetch=2)
-_DECODE_MAX_ROWS, _MID_MAX_ROWS, _LONG_K = 8, 48, 4096
-# Longer segments: wgmma, 256 features per CTA (four warpgroups), 128-row token tiles once segments
-# average 96 rows, else 64 (less padding); a segment's last tile runs with the smallest of N = 32, 64, 128
-# that covers its rows. Measured with benchmarks/tune_sm90.py (benchmarks/RESULTS.md).
-_WGMMA = WgmmaVariant(tile_rows=128, groups=4, stages=5)
-_WGMMA_SHORT = WgmmaVariant(tile_rows=64, groups=4, stages=6)
-_WGMMA_MIN_ROWS = 96
+_DECODE_MAX_ROWS, _LONG_K = 8, 4096
+# Longer segments: wgmma (sm_90a). From 32 rows per expert on average: 64-row token tiles, two warpgroups
+# (128 features), three CTAs per SM; from 64 rows: 128-row tiles, with four warpgroups (256 features:
+# half the token reads per MAC) once N reaches 4096. A segment's last tile runs with the smallest of
+# N = 32, 64, 128 that covers its rows. Measured with benchmarks/tune_sm90.py (benchmarks/RESULTS.md).
+_WGMMA_SHORT = WgmmaVariant(tile_rows=64, groups=2, stages=4, min_blocks=3)
+_WGMMA = WgmmaVariant(tile_rows=128, groups=2, stages=5)
+_WGMMA_WIDE = WgmmaVariant(tile_rows=128, groups=4, stages=5)
+_WGMMA_MIN_ROWS, _WGMMA_LONG_ROWS, _WGMMA_WIDE_N = 32, 64, 4096
 
 
 def _slots(rows: int, num_experts: int) -> int:
@@ -66,8 +68,10 @@ def rows_per_expert(rows: int, num_experts: int) -> float:
 def choose_variant(rows: int, shape: GemmShape, sm_count: int) -> GemmVariant:
     """The kernel variant for a bucket of ``rows`` rows on a GPU of ``sm_count`` SMs."""
     average = rows_per_expert(rows, shape.num_experts)
-    if average > _MID_MAX_ROWS:
-        return _WGMMA if average >= _WGMMA_MIN_ROWS else _WGMMA_SHORT
+    if average >= _WGMMA_LONG_ROWS:
+        return _WGMMA_WIDE if shape.n >= _WGMMA_WIDE_N else _WGMMA
+    if average > _WGMMA_MIN_ROWS:
+        return _WGMMA_SHORT
     if average > _DECODE_MAX_ROWS:
         return _MID_LONG_K if shape.k >= _LONG_K else _MID
     used = min(shape.num_experts, _slots(rows, shape.num_experts))
