@@ -141,12 +141,12 @@ def _compile_arch_specific(source: str, options: tuple[str, ...]) -> bytes:
     from cupy.cuda.compiler import CompileException
 
     arch = f"-arch=sm_{cupy.cuda.Device().compute_capability}a"
-    program = nvrtc.createProgram(source, "kernel.cu", (), ())
+    program = nvrtc.createProgram(source, "cudnn_moe_module", (), ())
     try:
         try:
             nvrtc.compileProgram(program, (*options, arch))
         except nvrtc.NVRTCError:
-            raise CompileException(nvrtc.getProgramLog(program), source, "kernel.cu", (*options, arch)) from None
+            raise CompileException(nvrtc.getProgramLog(program), source, "cudnn_moe_module", (*options, arch)) from None
         return bytes(nvrtc.getCUBIN(program))
     finally:
         nvrtc.destroyProgram(program)
