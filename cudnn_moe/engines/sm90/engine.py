@@ -38,7 +38,7 @@ from .layout import TILE_K, pack_weight_tiles, unpack_weight_tiles
 # still gives every SM two CTAs, else 64 features and two-way split-K for more CTAs.
 _WIDE = DecodeVariant(mt=2, wm=4, wk=1, nt=1, prefetch=4)
 _SPLIT = DecodeVariant(mt=2, wm=2, wk=2, nt=1, prefetch=4)
-# 32-row token tiles for segments of 9-32 rows; long reductions keep the split-K.
+# 32-row token tiles for segments of 9-31 rows; long reductions keep the split-K.
 _MID = DecodeVariant(mt=4, wm=2, wk=1, nt=4, prefetch=2)
 _MID_LONG_K = DecodeVariant(mt=2, wm=2, wk=2, nt=4, prefetch=2)
 _DECODE_MAX_ROWS, _LONG_K = 8, 4096
@@ -70,7 +70,7 @@ def choose_variant(rows: int, shape: GemmShape, sm_count: int) -> GemmVariant:
     average = rows_per_expert(rows, shape.num_experts)
     if average >= _WGMMA_LONG_ROWS:
         return _WGMMA_WIDE if shape.n >= _WGMMA_WIDE_N else _WGMMA
-    if average > _WGMMA_MIN_ROWS:
+    if average >= _WGMMA_MIN_ROWS:
         return _WGMMA_SHORT
     if average > _DECODE_MAX_ROWS:
         return _MID_LONG_K if shape.k >= _LONG_K else _MID
