@@ -76,13 +76,18 @@ def check_inputs(inputs: object, weights: LowLatencyWeights) -> tuple[torch.Tens
         raise TypeError(f"inputs must be a BF16/FP16 tensor [T, H] for {fmt.value} weights; Nvfp4Activations are "
                         "for the NVFP4 weight + NVFP4 activation pair")
     dtypes = (_DENSE_DTYPES[fmt],) if fmt in _DENSE_DTYPES else OUT_DTYPES
+    return _check_hidden_states(inputs, dtypes, hidden), None
+
+
+def _check_hidden_states(inputs: object, dtypes: tuple[torch.dtype, ...], hidden: int) -> torch.Tensor:
+    """16-bit tokens [T, hidden] of one of ``dtypes``, contiguous and aligned."""
     x = require_tensor("hidden_states", inputs, dtypes, rank=2)
     if x.shape[1] != hidden:
         raise ValueError(f"hidden_states must be [T, {hidden}] to match the weights, got {tuple(x.shape)}")
     if not x.is_contiguous():
         raise ValueError("hidden_states must be contiguous (row-major); call .contiguous() first")
     require_aligned("hidden_states", x)
-    return x, None
+    return x
 
 
 def _check_deepseek_inputs(inputs: object, hidden: int) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -109,13 +114,7 @@ def _check_deepseek_inputs(inputs: object, hidden: int) -> tuple[torch.Tensor, t
     if not isinstance(inputs, torch.Tensor):
         raise TypeError("inputs must be a BF16 tensor [T, H] or the DeepSeekFp8Activations of "
                         f"config.prepare_deepseek_fp8_activations() for DeepSeek FP8 weights, got {type(inputs).__name__}")
-    x = require_tensor("hidden_states", inputs, torch.bfloat16, rank=2)
-    if x.shape[1] != hidden:
-        raise ValueError(f"hidden_states must be [T, {hidden}] to match the weights, got {tuple(x.shape)}")
-    if not x.is_contiguous():
-        raise ValueError("hidden_states must be contiguous (row-major); call .contiguous() first")
-    require_aligned("hidden_states", x)
-    return x, None
+    return _check_hidden_states(inputs, (torch.bfloat16,), hidden), None
 
 
 def weight_tensors(weights: LowLatencyWeights) -> tuple[torch.Tensor, ...]:

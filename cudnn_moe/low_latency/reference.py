@@ -166,14 +166,10 @@ def _run(
     unrouted_ok: bool,
 ) -> torch.Tensor | RawReference:
     """Shared pipeline; x is float64 [T, H] (exact input values)."""
-    act = parse_activation(activation)
-    if act.gated != weights.gated:
-        kind = "gated" if weights.gated else "non-gated"
-        raise ValueError(f"activation {type(act).__name__} does not fit the {kind} weights")
+    act = _activation_for(activation, weights)
     if out_dtype not in _OUT_DTYPES:
         raise ValueError(f"out_dtype must be torch.bfloat16 or torch.float16, got {out_dtype!r}")
-    if not isinstance(finalize, bool):
-        raise TypeError(f"finalize must be a bool, got {type(finalize).__name__}")
+    _require_bool("finalize", finalize)
     w1, w2 = _decode(weights)
     if x.device != w1.device:
         raise ValueError(f"the input is on {x.device} but the weights are on {w1.device}")
@@ -189,6 +185,20 @@ def _run(
     if not finalize:
         return RawReference(rows=rows, weights=route_weights, mask=mask)
     return combine_ordered_fp32(rows, route_weights, mask, out_dtype)
+
+
+def _activation_for(activation: ActivationArg, weights: LowLatencyWeights) -> Activation:
+    """The parsed activation, refused (ValueError) when its gating does not match the weights'."""
+    act = parse_activation(activation)
+    if act.gated != weights.gated:
+        kind = "gated" if weights.gated else "non-gated"
+        raise ValueError(f"activation {type(act).__name__} does not fit the {kind} weights")
+    return act
+
+
+def _require_bool(name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
 
 
 def _check_input(x: object, weights: object, cls: type, fmt: WeightFormat, dtypes: tuple[torch.dtype, ...]) -> torch.Tensor:
@@ -312,8 +322,7 @@ def _fp8_per_tensor(
         raise TypeError(f"weights must be Fp8PerTensorWeights (prepare_fp8_per_tensor_weights), got {type(weights).__name__}")
     if out_dtype is not torch.bfloat16:
         raise ValueError(f"out_dtype must be torch.bfloat16 for per-tensor FP8, got {out_dtype!r}")
-    if not isinstance(finalize, bool):
-        raise TypeError(f"finalize must be a bool, got {type(finalize).__name__}")
+    _require_bool("finalize", finalize)
     codes = require_tensor("activations.codes", activations.codes, torch.float8_e4m3fn, rank=2)
     if codes.shape[1] != weights.hidden_size:
         raise ValueError(f"activations.codes must be [T, {weights.hidden_size}], got {tuple(codes.shape)}")
@@ -321,10 +330,7 @@ def _fp8_per_tensor(
         raise ValueError(f"activations hold {codes.shape[0]} tokens; the low-latency config takes at most {MAX_NUM_TOKENS}")
     if activations.input_scale != weights.input_scale:
         raise ValueError("activations were quantized with another input_scale than the weights'")
-    act = parse_activation(activation)
-    if act.gated != weights.gated:
-        kind = "gated" if weights.gated else "non-gated"
-        raise ValueError(f"activation {type(act).__name__} does not fit the {kind} weights")
+    act = _activation_for(activation, weights)
     w1q, _, w2q, _ = weights.canonical()
     w1, w2, x = w1q.double(), w2q.double(), codes.double()
     if x.device != w1.device:
@@ -419,8 +425,7 @@ def _deepseek_fp8(
         raise TypeError(f"weights must be DeepSeekFp8Weights (prepare_deepseek_fp8_weights), got {type(weights).__name__}")
     if out_dtype is not torch.bfloat16:
         raise ValueError(f"out_dtype must be torch.bfloat16 for DeepSeek FP8, got {out_dtype!r}")
-    if not isinstance(finalize, bool):
-        raise TypeError(f"finalize must be a bool, got {type(finalize).__name__}")
+    _require_bool("finalize", finalize)
     hidden, inter = weights.hidden_size, weights.intermediate_size
     if isinstance(inputs, DeepSeekFp8Activations):
         codes = require_tensor("inputs.codes", inputs.codes, torch.float8_e4m3fn, rank=2)
@@ -439,10 +444,7 @@ def _deepseek_fp8(
         raise TypeError(f"inputs must be a BF16 tensor or DeepSeekFp8Activations, got {type(inputs).__name__}")
     if codes.shape[0] > MAX_NUM_TOKENS:
         raise ValueError(f"inputs hold {codes.shape[0]} tokens; the low-latency config takes at most {MAX_NUM_TOKENS}")
-    act = parse_activation(activation)
-    if act.gated != weights.gated:
-        kind = "gated" if weights.gated else "non-gated"
-        raise ValueError(f"activation {type(act).__name__} does not fit the {kind} weights")
+    act = _activation_for(activation, weights)
     w1q, w1s, w2q, w2s = weights.canonical()
     w1, w2, xq = w1q.double(), w2q.double(), codes.double()
     if xq.device != w1.device:

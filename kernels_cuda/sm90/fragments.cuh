@@ -182,6 +182,23 @@ __device__ __forceinline__ void stg_v4(void* p, uint4 v) {
                : "memory");
 }
 
+// C fragments of two adjacent n8 token blocks of one m16 feature tile (c0, c1: the blocks' four
+// accumulators each), times `scale`, rounded to BF16 and stored transposed with stmatrix at shared
+// [token][feature] (row stride `stride` bytes from shared address `base`): matrix i of the x4 = (block
+// i / 2, features 8 (i % 2) .. + 8), tokens token0 .. token0 + 15, features feature0 .. feature0 + 15.
+__device__ __forceinline__ void stage_c_pair(u32 base, int stride, int token0, int feature0, float scale,
+                                             const float* c0, const float* c1) {
+  const int lane = threadIdx.x & 31;
+  const int mi = lane >> 3;
+  const u32 r0 = pack_bf16x2(scale * c0[0], scale * c0[1]);
+  const u32 r1 = pack_bf16x2(scale * c0[2], scale * c0[3]);
+  const u32 r2 = pack_bf16x2(scale * c1[0], scale * c1[1]);
+  const u32 r3 = pack_bf16x2(scale * c1[2], scale * c1[3]);
+  const int token = token0 + (mi >> 1) * 8 + (lane & 7);
+  const int feature = feature0 + (mi & 1) * 8;
+  stmatrix_x4_trans(base + token * stride + feature * 2, r0, r1, r2, r3);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Ragged tile scheduling
 // ---------------------------------------------------------------------------------------------
@@ -192,6 +209,27 @@ struct Tile {
   int row_end;  // end of the expert's segment (clamped to the row capacity): rows >= row_end are
                 // neither read nor written
 };
+
+// The staged C tile (ROWS token rows of FB BF16 features, row stride `stride` bytes at `smem`) -> out rows
+// tile.row0 + .. with 16-byte stores by THREADS threads, columns col0 ..; rows at or past tile.row_end and
+// 16-byte chunks at or past `chunks_in` (features past N) are not written.
+template <int ROWS, int FB, int THREADS>
+__device__ __forceinline__ void store_c_tile(const u8* smem, int stride, const Tile& tile, int n, int col0,
+                                             int chunks_in, u16* __restrict__ out) {
+  constexpr int CHUNKS = FB / 8;
+  static_assert(ROWS * CHUNKS % THREADS == 0, "store_c_tile: chunk split");
+#pragma unroll
+  for (int u = 0; u < ROWS * CHUNKS / THREADS; ++u) {
+    const int c = static_cast<int>(threadIdx.x) + u * THREADS;
+    const int row = c / CHUNKS;
+    const int chunk = c % CHUNKS;
+    const int grow = tile.row0 + row;
+    if (grow < tile.row_end && chunk < chunks_in) {
+      const uint4 v = *reinterpret_cast<const uint4*>(smem + row * stride + chunk * 16);
+      stg_v4(out + static_cast<i64>(grow) * n + col0 + chunk * 8, v);
+    }
+  }
+}
 
 // Index into alpha of expert e for a CTA whose features start at feature0: alpha[E + e] past alpha_split.
 __device__ __forceinline__ int expert_alpha(int e, int num_experts, int feature0, int alpha_split) {

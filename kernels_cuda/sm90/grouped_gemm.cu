@@ -288,14 +288,13 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS)
 #define PF_W_PER_THREAD (2 * PF_FB / PF_THREADS)  // 16-byte weight chunks per thread and stage (128 / TB)
 #define PF_X_PER_THREAD (8 * PF_TB / PF_THREADS)  // token chunks (512 / FB)
 #define PF_S_THREADS (PF_FB / 4)                  // threads copying a scale chunk
-#define PF_C_PER_THREAD (PF_TB * PF_FB / 8 / PF_THREADS)  // 16-byte output chunks (8)
 
 static_assert(SM90_PF_STAGES >= 2 && SM90_PF_STAGES <= 8, "prefill: 2..8 stages");
 static_assert(PF_FB == 64 || PF_FB == 128 || PF_FB == 256, "prefill: FB must be 64, 128 or 256");
 static_assert(PF_TB == 64 || PF_TB == 128, "prefill: TB must be 64 or 128");
 static_assert(PF_THREADS <= 512, "prefill: at most 16 warps");
 static_assert(PF_W_PER_THREAD * PF_THREADS == 2 * PF_FB && PF_X_PER_THREAD * PF_THREADS == 8 * PF_TB, "prefill: copy split");
-static_assert(PF_S_THREADS <= PF_THREADS && PF_C_PER_THREAD * PF_THREADS * 8 == PF_TB * PF_FB, "prefill: copy split");
+static_assert(PF_S_THREADS <= PF_THREADS, "prefill: copy split");
 static_assert(PF_STAGE_BYTES % 128 == 0, "prefill: stage alignment");
 static_assert(SM90_PF_ADEC == 0 || (PF_WM * PF_WN == PF_MTILES && SM90_PF_STAGES >= 3),
               "prefill: ADEC needs one warp per m16 tile (TB = 128) and >= 3 stages");
@@ -496,22 +495,11 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, SM90_PF_MIN_BLOCKS)
   // matrix i of an x4 = (n8 tile nt + i / 2, features 8 (i % 2) .. + 8 of the m16 tile).
   const float scale = __ldg(alpha + expert_alpha(tile.expert, num_experts, static_cast<int>(blockIdx.x) * PF_FB, alpha_split)) * 256.0f;
 #if SM90_PF_STMATRIX
-  {
-    const int mi = lane >> 3;
-    const int r = lane & 7;
 #pragma unroll
-    for (int mt = 0; mt < 2; ++mt) {
+  for (int mt = 0; mt < 2; ++mt) {
 #pragma unroll
-      for (int nt = 0; nt < 8; nt += 2) {
-        const u32 r0 = pack_bf16x2(scale * acc[mt][nt][0], scale * acc[mt][nt][1]);
-        const u32 r1 = pack_bf16x2(scale * acc[mt][nt][2], scale * acc[mt][nt][3]);
-        const u32 r2 = pack_bf16x2(scale * acc[mt][nt + 1][0], scale * acc[mt][nt + 1][1]);
-        const u32 r3 = pack_bf16x2(scale * acc[mt][nt + 1][2], scale * acc[mt][nt + 1][3]);
-        const int token = wn * 64 + (nt + (mi >> 1)) * 8 + r;
-        const int feature = wm * 32 + mt * 16 + (mi & 1) * 8;
-        stmatrix_x4_trans(smem_base + token * PF_C_STRIDE + feature * 2, r0, r1, r2, r3);
-      }
-    }
+    for (int nt = 0; nt < 8; nt += 2)
+      stage_c_pair(smem_base, PF_C_STRIDE, wn * 64 + nt * 8, wm * 32 + mt * 16, scale, acc[mt][nt], acc[mt][nt + 1]);
   }
 #else
   // C fragment (feature g (+8), token 2q (+1)) -> 16-bit stores at [token][feature].
@@ -531,16 +519,5 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, SM90_PF_MIN_BLOCKS)
 #endif
   __syncthreads();
   // TB rows x FB / 8 chunks of 16 B; rows past the segment (and, FB > 128, columns past N) are not written.
-  constexpr int CHUNKS_PER_ROW = PF_FB / 8;
-#pragma unroll
-  for (int u = 0; u < PF_C_PER_THREAD; ++u) {
-    const int c = tid + u * PF_THREADS;
-    const int row = c / CHUNKS_PER_ROW;
-    const int chunk = c % CHUNKS_PER_ROW;
-    const int grow = tile.row0 + row;
-    if (grow < tile.row_end && (!kGuard || (chunk >> 1) < mtiles_in)) {
-      const uint4 v = *reinterpret_cast<const uint4*>(smem + row * PF_C_STRIDE + chunk * 16);
-      stg_v4(out + static_cast<i64>(grow) * n + blockIdx.x * PF_FB + chunk * 8, v);
-    }
-  }
+  store_c_tile<PF_TB, PF_FB, PF_THREADS>(smem, PF_C_STRIDE, tile, n, blockIdx.x * PF_FB, 2 * mtiles_in, out);
 }

@@ -52,7 +52,6 @@ using namespace sm90;
 #define WG_C_BYTES (WG_TB * WG_C_STRIDE)
 // Dynamic shared memory: the larger of the two, plus 1 KB to align the ring to 1024 bytes.
 #define WG_SMEM_BYTES ((WG_PIPE_BYTES > WG_C_BYTES ? WG_PIPE_BYTES : WG_C_BYTES) + 1024)
-#define WG_C_CHUNKS (WG_FB / 8)                     // 16-byte output chunks per token row
 
 static_assert(WG_TB == 64 || WG_TB == 128, "wgmma gemm: TB must be 64 or 128");
 static_assert(SM90_WG_GROUPS == 2 || SM90_WG_GROUPS == 4, "wgmma gemm: 2 or 4 warpgroups");
@@ -68,7 +67,6 @@ __device__ __forceinline__ void wgmma_tile(const Tile& tile, const u8* __restric
   constexpr int X_ROW_STEP = WG_THREADS / 8;  // token rows one copy pass covers
   constexpr int X_PASSES = TB > X_ROW_STEP ? TB / X_ROW_STEP : 1;
   constexpr int ACC = TB / 2;
-  constexpr int C_PER_THREAD = TB * WG_C_CHUNKS / WG_THREADS;
   static_assert(TB <= WG_TB && (TB % X_ROW_STEP == 0 || TB < X_ROW_STEP), "wgmma gemm: token copy split");
   extern __shared__ __align__(128) u8 smem_raw[];
   const int tid = threadIdx.x;
@@ -180,33 +178,12 @@ __device__ __forceinline__ void wgmma_tile(const Tile& tile, const u8* __restric
   const float scale =
       __ldg(alpha + expert_alpha(tile.expert, num_experts, static_cast<int>(blockIdx.x) * WG_FB + warp * 16, alpha_split)) *
       256.0f;
-  {
-    const int mi = lane >> 3;
-    const int r = lane & 7;
 #pragma unroll
-    for (int nt = 0; nt < TB / 8; nt += 2) {
-      const u32 r0 = pack_bf16x2(scale * acc[4 * nt + 0], scale * acc[4 * nt + 1]);
-      const u32 r1 = pack_bf16x2(scale * acc[4 * nt + 2], scale * acc[4 * nt + 3]);
-      const u32 r2 = pack_bf16x2(scale * acc[4 * nt + 4], scale * acc[4 * nt + 5]);
-      const u32 r3 = pack_bf16x2(scale * acc[4 * nt + 6], scale * acc[4 * nt + 7]);
-      const int token = (nt + (mi >> 1)) * 8 + r;
-      const int feature = warp * 16 + (mi & 1) * 8;
-      stmatrix_x4_trans(ring + token * WG_C_STRIDE + feature * 2, r0, r1, r2, r3);
-    }
-  }
+  for (int nt = 0; nt < TB / 8; nt += 2)
+    stage_c_pair(ring, WG_C_STRIDE, nt * 8, warp * 16, scale, acc + 4 * nt, acc + 4 * nt + 4);
   __syncthreads();
   // TB rows x FB / 8 chunks of 16 B; rows past the segment and features past N are not written.
-#pragma unroll
-  for (int u = 0; u < C_PER_THREAD; ++u) {
-    const int c = tid + u * WG_THREADS;
-    const int row = c / WG_C_CHUNKS;
-    const int piece = c % WG_C_CHUNKS;
-    const int grow = tile.row0 + row;
-    if (grow < tile.row_end && (piece >> 1) < mtiles_in) {
-      const uint4 v = *reinterpret_cast<const uint4*>(smem + row * WG_C_STRIDE + piece * 16);
-      stg_v4(out + static_cast<i64>(grow) * n + blockIdx.x * WG_FB + piece * 8, v);
-    }
-  }
+  store_c_tile<TB, WG_FB, WG_THREADS>(smem, WG_C_STRIDE, tile, n, blockIdx.x * WG_FB, 2 * mtiles_in, out);
 }
 
 // Per k64 stage j and k16 step s, warp w (its warpgroup's A rows 16 (w % 4) ..): wait until at most 3

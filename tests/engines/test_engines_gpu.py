@@ -9,7 +9,7 @@ import torch
 from cudnn_moe.arch import device_arch
 from cudnn_moe.engines.base import NVFP4, OP_FUSED, GemmEngine, GemmOperands, GemmShape, Request, TokenOperand, WeightOperand
 from cudnn_moe.engines.registry import ENGINES, engine_class
-from cudnn_moe.engines.sm90.layout import to_token_fragments
+from cudnn_moe.engines.sm90.layout import to_token_layout
 from cudnn_moe.formats import dequantize_nvfp4, quantize_nvfp4, swizzle_128x4
 from cudnn_moe.kernels import TokenLayout
 
@@ -37,8 +37,7 @@ def _tokens(engine, x_packed: torch.Tensor, x_scales: torch.Tensor, rows: int, s
     layout = engine.token_layout_for(rows, shape)
     if layout.is_bf16:
         values = dequantize_nvfp4(x_packed, x_scales, dtype=torch.bfloat16)
-        data = to_token_fragments(values) if layout is TokenLayout.BF16_FRAGMENTS else values
-        return TokenOperand(data.contiguous(), None, layout)
+        return TokenOperand(to_token_layout(values, layout).contiguous(), None, layout)
     scales = torch.zeros(scale_bytes, dtype=torch.uint8, device="cuda")
     blob = swizzle_128x4(x_scales) if engine.token_layout is TokenLayout.NVFP4_SWIZZLED_128X4 else x_scales
     scales[: blob.numel()] = blob.reshape(-1).view(torch.uint8)

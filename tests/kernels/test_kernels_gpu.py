@@ -14,7 +14,7 @@ import torch
 from cudnn_moe import kernels
 from cudnn_moe.activations import GELU, Activation, GeGLU, GeGLUTanh, Identity, ReLU, ReLU2, SiLU, SwiGLU
 from cudnn_moe.pipeline.executor import row_capacity
-from cudnn_moe.engines.sm90.layout import from_token_fragments, to_token_fragments
+from cudnn_moe.engines.sm90.layout import from_token_layout, to_token_layout
 from cudnn_moe.formats import dequantize_nvfp4, encode_e2m1, swizzled_offset, swizzled_shape, unpack_nibbles
 from cudnn_moe.kernels import SORT_THREADS, TokenLayout
 from cudnn_moe.kernels.sort import sort_grid
@@ -404,15 +404,6 @@ def _same_values(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
 BF16_LAYOUTS = [TokenLayout.BF16_FRAGMENTS, TokenLayout.BF16_ROWS]
 
 
-def _in_layout(natural: torch.Tensor, layout: TokenLayout) -> torch.Tensor:
-    """Rows [..., K] in natural column order, in the column order of the BF16 ``layout``."""
-    return to_token_fragments(natural) if layout is TokenLayout.BF16_FRAGMENTS else natural
-
-
-def _natural(rows: torch.Tensor, layout: TokenLayout) -> torch.Tensor:
-    return from_token_fragments(rows) if layout is TokenLayout.BF16_FRAGMENTS else rows
-
-
 @pytest.mark.parametrize("layout", BF16_LAYOUTS, ids=lambda l: l.name)
 @pytest.mark.parametrize("hidden", [64, 2048, 7168, 8256])
 @pytest.mark.parametrize("top_k", [1, 3, 8])
@@ -430,7 +421,7 @@ def test_permute_bf16_sizes(hidden: int, top_k: int, layout: TokenLayout) -> Non
     rows = torch.randperm(capacity, generator=gen)[:slots].to(torch.int32)
     rows[torch.rand(slots, generator=gen) < 0.2] = -1  # masked slots
     rows[2 * top_k : 4 * top_k] = -1  # tokens 2 and 3 fully masked
-    decoded = _in_layout(dequantize_nvfp4(xs, xss.view(torch.float8_e4m3fn), 1.0, torch.bfloat16), layout)
+    decoded = to_token_layout(dequantize_nvfp4(xs, xss.view(torch.float8_e4m3fn), 1.0, torch.bfloat16), layout)
     blank = torch.full((capacity, hidden), POISON_INT, dtype=torch.int16).view(torch.bfloat16)
     # All slots, then fewer slots than the tokens hold (the last token partly): slots >= num_slots are left alone.
     for num_slots in (slots, slots - 1 if top_k > 1 else slots - 2):
@@ -551,14 +542,14 @@ def test_activation_bf16_layouts_decode_the_nvfp4_values(name: str, layout: Toke
     kernels.activate_quantize(g1_dev, row_to_slot, offsets, act, layout, rounded, None, requantize=False)
     torch.cuda.synchronize()
     want = dequantize_nvfp4(codes.cpu(), scales.cpu().view(torch.float8_e4m3fn).view(capacity, -1), dtype=torch.bfloat16)
-    got = _natural(frags.cpu(), layout)
+    got = from_token_layout(frags.cpu(), layout)
     assert torch.equal(got[:total].view(torch.int16), want[:total].view(torch.int16))
     assert bool(got[:total][~used[:total]].eq(0).all()) and bool(got[total:].isnan().all())
     rows = used.nonzero().squeeze(1)
     # FP32 as the kernel computes: one BF16 rounding apart, plus the last bits of its exp / erf, which the
     # cancellation in GELU's 1 + erf(x) at negative x turns into an absolute error of about |x| 2^-24.
     want_y = act.apply_gemm1(g1[rows].float())
-    got_y = _natural(rounded.cpu(), layout)[rows].float()
+    got_y = from_token_layout(rounded.cpu(), layout)[rows].float()
     atol = g1[rows].float().abs().amax(dim=1, keepdim=True) * 2**-20
     assert not got_y.isnan().any() and bool(((got_y - want_y).abs() <= want_y.abs() * 2**-7 + atol).all())
 

@@ -149,6 +149,16 @@ def random_ids(tokens: int, top_k: int, experts: int, seed: int) -> torch.Tensor
         torch.zeros(0, top_k, dtype=torch.int64)
 
 
+def shared_expert_ids() -> torch.Tensor:
+    """int64 [8, TOP_K]: every token names expert 5 (8 tokens on one expert: the widest token loop), token 2
+    names an expert twice more, token 4 once more."""
+    ids = random_ids(8, TOP_K, E, 11)
+    ids[:, 0] = 5
+    ids[2, 1] = ids[2, 3] = 5 if ids[2, 2] != 5 else 6
+    ids[4, 2] = ids[4, 3]
+    return ids
+
+
 def make_routing(ids: torch.Tensor, kind: str, seed: int = 2, weights: torch.Tensor | None = None) -> Routing:
     """Routing of ids [T, k] (int64, CPU) with random positive weights (or ``weights``), in one of ROUTING_KINDS."""
     gen = torch.Generator().manual_seed(seed)

@@ -46,6 +46,7 @@ from __future__ import annotations
 import torch
 
 from ...formats import NVFP4_BLOCK, pack_nibbles, unpack_nibbles
+from ...kernels.codes import TokenLayout
 
 TILE_ROWS = 16  # weight rows (output features) per tile: the mma's M
 TILE_K = 64  # reduction values per tile: four k16 steps
@@ -140,3 +141,18 @@ def from_token_fragments(x: torch.Tensor) -> torch.Tensor:
     """Inverse of to_token_fragments."""
     order = token_fragment_order(x.shape[-1]).to(x.device)
     return torch.empty_like(x).index_copy_(x.dim() - 1, order, x)
+
+
+def to_token_layout(x: torch.Tensor, layout: TokenLayout) -> torch.Tensor:
+    """Rows [..., K] in natural column order -> the column order of the BF16 ``layout`` (BF16_FRAGMENTS: the
+    token-fragment order; BF16_ROWS: unchanged)."""
+    if not isinstance(layout, TokenLayout) or not layout.is_bf16:
+        raise ValueError(f"layout must be a BF16 token layout, got {layout!r}")
+    return to_token_fragments(x) if layout is TokenLayout.BF16_FRAGMENTS else x
+
+
+def from_token_layout(x: torch.Tensor, layout: TokenLayout) -> torch.Tensor:
+    """Inverse of to_token_layout."""
+    if not isinstance(layout, TokenLayout) or not layout.is_bf16:
+        raise ValueError(f"layout must be a BF16 token layout, got {layout!r}")
+    return from_token_fragments(x) if layout is TokenLayout.BF16_FRAGMENTS else x

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from cudnn_moe.engines.sm90 import kernels as sm90
-from cudnn_moe.engines.sm90.layout import from_token_fragments, pack_weight_tiles, to_token_fragments
+from cudnn_moe.engines.sm90.layout import from_token_fragments, pack_weight_tiles, to_token_fragments, to_token_layout
 from cudnn_moe.formats import dequantize_nvfp4, quantize_nvfp4
 from cudnn_moe import kernels
 from cudnn_moe.kernels import TokenLayout
@@ -63,8 +63,8 @@ class Problem:
         assert torch.equal(self.x_bf16.float()[: self.offsets[-1]], x_deq[: self.offsets[-1]])
         self.tiles, self.tile_scales = tiles.to(DEV), tile_scales.to(DEV)
         self.alpha_dev = self.alpha.to(DEV)
-        self.x = to_token_fragments(self.x_bf16).contiguous().to(DEV)
-        self.x_rows = self.x_bf16.to(DEV)
+        self.x = {layout: to_token_layout(self.x_bf16, layout).contiguous().to(DEV)
+                  for layout in (TokenLayout.BF16_FRAGMENTS, TokenLayout.BF16_ROWS)}
         self.offsets_dev = torch.tensor(self.offsets, dtype=torch.int32, device=DEV)
 
     def reference(self) -> torch.Tensor:
@@ -80,8 +80,8 @@ class Problem:
 
     def run(self, variant: sm90.GemmVariant) -> torch.Tensor:
         out = torch.full((self.rows, self.n), math.nan, dtype=torch.bfloat16, device=DEV)
-        x = self.x_rows if variant.token_layout is TokenLayout.BF16_ROWS else self.x
-        sm90.grouped_gemm(self.tiles, self.tile_scales, self.alpha_dev, x, self.offsets_dev, out, variant)
+        sm90.grouped_gemm(self.tiles, self.tile_scales, self.alpha_dev, self.x[variant.token_layout], self.offsets_dev,
+                          out, variant)
         torch.cuda.synchronize()
         return out
 
@@ -184,7 +184,7 @@ def test_graph_capture_follows_device_offsets() -> None:
     """A captured launch reads offsets at replay: changing them on the device changes the work."""
     problem = Problem(3, 256, 128, [40, 16, 24], 64, seed=9)
     out = torch.full((problem.rows, problem.n), math.nan, dtype=torch.bfloat16, device=DEV)
-    args = (problem.tiles, problem.tile_scales, problem.alpha_dev, problem.x, problem.offsets_dev, out, sm90.DECODE)
+    args = (problem.tiles, problem.tile_scales, problem.alpha_dev, problem.x[TokenLayout.BF16_FRAGMENTS], problem.offsets_dev, out, sm90.DECODE)
     sm90.grouped_gemm(*args)  # compile outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()

@@ -8,11 +8,14 @@ import torch
 
 from cudnn_moe.engines.sm90.layout import (
     from_token_fragments,
+    from_token_layout,
     pack_weight_tiles,
     to_token_fragments,
+    to_token_layout,
     token_fragment_order,
     unpack_weight_tiles,
 )
+from cudnn_moe.kernels import TokenLayout
 
 
 @pytest.mark.parametrize("experts, n, k", [(1, 16, 64), (3, 48, 192), (2, 128, 2048)])
@@ -61,3 +64,14 @@ def test_token_fragment_order_gives_each_lane_its_registers() -> None:
     assert torch.equal(from_token_fragments(to_token_fragments(x)), x)
     with pytest.raises(ValueError):
         token_fragment_order(100)
+
+
+@pytest.mark.parametrize("layout", [TokenLayout.BF16_FRAGMENTS, TokenLayout.BF16_ROWS], ids=lambda l: l.name)
+def test_token_layouts_round_trip(layout: TokenLayout) -> None:
+    """Natural rows -> a BF16 token layout -> back: fragments permute inside each 64-column block, rows stay."""
+    x = torch.randn(5, 192).to(torch.bfloat16)
+    y = to_token_layout(x, layout)
+    assert torch.equal(from_token_layout(y, layout), x)
+    assert torch.equal(y, to_token_fragments(x) if layout is TokenLayout.BF16_FRAGMENTS else x)
+    with pytest.raises(ValueError, match="BF16 token layout"):
+        to_token_layout(x, TokenLayout.NVFP4_LINEAR)

@@ -26,19 +26,7 @@ import math
 import pytest
 import torch
 
-from cudnn_moe.activations import (
-    GELU,
-    Activation,
-    GeGLU,
-    GeGLUTanh,
-    Identity,
-    ReLU,
-    ReLU2,
-    SiLU,
-    SiTU,
-    SwiGLU,
-    SwiGLUStep,
-)
+from cudnn_moe.activations import Activation, SiLU, SwiGLU
 from cudnn_moe.formats.fp8 import quantize_fp8_act128
 from cudnn_moe.low_latency import (
     LowLatencyMoeConfig,
@@ -49,6 +37,7 @@ from cudnn_moe.low_latency import (
 )
 from cudnn_moe.pipeline.workspaces import workspace_for
 from tests.support.low_latency import (
+    ACTIVATIONS,
     DEV,
     ROUTING_KINDS,
     TOP_K,
@@ -58,14 +47,11 @@ from tests.support.low_latency import (
     make_routing,
     nan_out,
     random_ids,
+    shared_expert_ids,
 )
 
 pytestmark = pytest.mark.gpu
 
-ACTIVATIONS: tuple[Activation, ...] = (
-    Identity(), ReLU(), GELU(), SiLU(), ReLU2(),
-    SwiGLU(alpha=1.702, beta=1.0, limit=7.0), GeGLU(), GeGLUTanh(), SwiGLUStep(limit=2.0), SiTU(a=2.0, b=3.0),
-)
 HIDDEN, INTER = 256, 256  # two 128-blocks along each
 
 
@@ -214,10 +200,7 @@ def test_raw_rows_with_scores(kind):
 
 def test_duplicate_and_shared_experts():
     """Every token names expert 5 (8 tokens on one expert: two passes of 4), one token names an expert twice."""
-    ids = random_ids(8, TOP_K, E, 11)
-    ids[:, 0] = 5
-    ids[2, 1] = ids[2, 3] = 5 if ids[2, 2] != 5 else 6
-    ids[4, 2] = ids[4, 3]
+    ids = shared_expert_ids()
     for finalize in (True, False):
         run(SwiGLU(), 8, "fp32", finalize=finalize, seed=3, ids=ids)
 

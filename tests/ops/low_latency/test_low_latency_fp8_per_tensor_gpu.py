@@ -49,6 +49,7 @@ from tests.support.low_latency import (
     make_routing,
     nan_out,
     random_ids,
+    shared_expert_ids,
 )
 
 pytestmark = pytest.mark.gpu
@@ -156,10 +157,7 @@ def test_raw_rows_with_scores(kind):
 
 def test_duplicate_and_shared_experts():
     """Every token names expert 5 (8 tokens on one expert: two passes of 4), one token names an expert twice."""
-    ids = random_ids(8, TOP_K, E, 11)
-    ids[:, 0] = 5
-    ids[2, 1] = ids[2, 3] = 5 if ids[2, 2] != 5 else 6
-    ids[4, 2] = ids[4, 3]
+    ids = shared_expert_ids()
     for finalize in (True, False):
         run(SwiGLU(), 8, "fp32", finalize=finalize, seed=3, ids=ids)
 

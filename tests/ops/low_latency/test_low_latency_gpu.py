@@ -36,7 +36,7 @@ from cudnn_moe.low_latency import (
 from cudnn_moe.routing import Routing
 from tests.support.low_latency import (
     ACTIVATIONS, DEV, E, FORMAT_CASES, ROUTING_KINDS, SHAPES, TOP_K, assert_close_to_reference, make_inputs, make_layer,
-    make_routing, nan_out, random_ids,
+    make_routing, nan_out, random_ids, shared_expert_ids,
 )
 
 pytestmark = pytest.mark.gpu
@@ -138,10 +138,7 @@ def test_raw_rows_with_scores(fmt, x_dtype, kind):
 def test_duplicate_experts_and_shared_experts(fmt, x_dtype):
     """A token naming one expert twice, and all tokens naming one expert (8 tokens on one expert: the widest
     token loop), computed slot by slot as the reference does."""
-    ids = random_ids(8, TOP_K, E, 11)
-    ids[:, 0] = 5  # every token names expert 5
-    ids[2, 1] = ids[2, 3] = 5 if ids[2, 2] != 5 else 6  # token 2 names an expert twice more
-    ids[4, 2] = ids[4, 3]
+    ids = shared_expert_ids()
     for finalize in (True, False):
         got, want = run_and_check(fmt, x_dtype, SwiGLU(), 8, "fp32", torch.bfloat16, finalize=finalize, seed=3, ids=ids)
         assert_close_to_reference(got, want if finalize else want.rows, f"duplicates {fmt.value} finalize={finalize}")
