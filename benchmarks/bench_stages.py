@@ -1,7 +1,8 @@
 """Where the GPU time of one fused NVFP4 MoE call goes, per engine: each stage alone and the whole call.
 
 Per model, token count and engine: the GPU time of each bucket-static stage of the executor (sort,
-permute or the two in one launch, GEMM1, activation, GEMM2), each captured alone in a CUDA graph, their
+permute or the two in one launch, GEMM1, activation, GEMM2, or the fused stages that replace some), each
+captured alone in a CUDA graph, their
 sum, the launches of one call, the whole call (stage + those + finalize) captured in one graph, and the GB/s
 each GEMM streams (NVFP4 bytes of the touched experts / its time). Every time is the median of
 CUDA-event-timed replays with L2 flushed before each (common.py). Host time per call: bench_moe.py.
@@ -42,8 +43,10 @@ from common import (  # noqa: E402
 from cudnn_moe import Nvfp4MoeConfig, Nvfp4Weights  # noqa: E402
 
 # Every stage an engine chain may hold (executor.stages()), in order; a chain holds "sort+permute" (one
-# launch, decode buckets of the sm90 engine) or "sort" and "permute".
-STAGES = ("sort", "permute", "sort+permute", "gemm1", "activation", "gemm2")
+# launch, decode buckets of the sm90 engine) or "sort" and "permute", and "gemm1" + "activation" or (the
+# sm90 engine's wgmma buckets) "token rows" (NVFP4 tokens decoded to BF16 rows) + "gemm1+activation" (GEMM1
+# gathering its rows through the routing, the activation in its epilogue).
+STAGES = ("sort", "permute", "sort+permute", "token rows", "gemm1", "gemm1+activation", "activation", "gemm2")
 
 
 def stage_times(
@@ -51,8 +54,10 @@ def stage_times(
     batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor], timer: Timer,
 ) -> list[float | int | None]:
     """GPU us of each of STAGES (captured alone, on the buffers the call staged; None where the chain lacks it),
-    their sum, the launches of the whole call (its stages plus the op's stage and finish), its time, and the GB/s
-    each GEMM streams (NVFP4 bytes of the experts the batch touches / its time)."""
+    their sum, the launches of the whole call (its stages plus the op's stage and finish), its time, the GB/s
+    each GEMM streams (NVFP4 bytes of the experts the batch touches / its time) and its TFLOP/s (the routed
+    slots' multiply-adds, GEMM1 2I x H and GEMM2 H x I per slot, / its time; a fused GEMM1's time holds its
+    epilogue)."""
     call = moe_call(config, weights, *batch)
     whole = timer.median_us(capture(call).replay)
     executor = executor_for(m, config, weights)
@@ -63,8 +68,11 @@ def stage_times(
     times = {name: timer.median_us(capture(launch).replay) for name, launch in stages}
     touched = int(torch.unique(batch[1]).numel())
     gemm1_bytes = touched * 2 * m.intermediate * m.hidden * FP4_BYTES_PER_WEIGHT
-    rates = [gemm1_bytes / 2 / times["gemm2"] / 1e3, gemm1_bytes / times["gemm1"] / 1e3]  # bytes / us / 1e3 = GB/s
-    return [*(times.get(name) for name in STAGES), sum(times.values()), len(stages) + 2, whole, rates[1], rates[0]]
+    gemm1 = times["gemm1"] if "gemm1" in times else times["gemm1+activation"]
+    rates = [gemm1_bytes / gemm1 / 1e3, gemm1_bytes / 2 / times["gemm2"] / 1e3]  # bytes / us / 1e3 = GB/s
+    gemm2_flops = 2 * batch[0].shape[0] * m.top_k * m.hidden * m.intermediate
+    tflops = [2 * gemm2_flops / gemm1 / 1e6, gemm2_flops / times["gemm2"] / 1e6]  # FLOP / us / 1e6 = TFLOP/s
+    return [*(times.get(name) for name in STAGES), sum(times.values()), len(stages) + 2, whole, *rates, *tflops]
 
 
 def bench_model(args: argparse.Namespace, report: Report, m: ModelShape, gen: torch.Generator, timer: Timer) -> None:
@@ -78,7 +86,7 @@ def bench_model(args: argparse.Namespace, report: Report, m: ModelShape, gen: to
                 report, args.skip_slow_cudnn, m, tokens, engine, prepared,
                 lambda config, weights: stage_times(m, config, weights, batch, timer),  # noqa: B023
             )
-            cells = [result] * (len(STAGES) + 5) if isinstance(result, str) else [
+            cells = [result] * (len(STAGES) + 7) if isinstance(result, str) else [
                 "-" if t is None else str(t) if isinstance(t, int) else fmt(t) for t in result]
             report.emit(md_row([m.name, str(tokens), engine, *cells]))
 
@@ -94,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"graph; median of {args.iters} CUDA-event-timed replays, 256 MiB L2 flush before each.")
     report.emit()
     report.table(["model", "T", "engine", *STAGES, "sum of stages", "launches", "whole call", "GEMM1 GB/s",
-                  "GEMM2 GB/s"], left=3)
+                  "GEMM2 GB/s", "GEMM1 TFLOP/s", "GEMM2 TFLOP/s"], left=3)
     run_models(args, lambda m, gen, timer: bench_model(args, report, m, gen, timer))
     report.write(args.markdown)
     return 0

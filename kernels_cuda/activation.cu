@@ -1,143 +1,22 @@
 // Activation of the first GEMM's output, requantized to NVFP4 for the second GEMM (or, with BF16 fragments
 // and requantize == 0, rounded to BF16 for a second GEMM on BF16 tokens).
-#include "common.cuh"
-#include "activation_math.cuh"
+#include "activation_unit.cuh"
 
 using namespace moe;
 
 // Activation codes ACT_* come from cudnn_moe.activations.ActivationKind (through cudnn_moe.kernels.codes);
-// the scalar activation math (act_fn, act_gated_all) lives in activation_math.cuh, shared with the low-latency kernels.
-
-// Activation of the 32 values at column c0 of a GEMM1 row (y, FP32): f(x) when not gated, else
-// f(gate) * up with up at c0 and gate at inter + c0. The activation is ACT when ACT >= 0 (compile-time:
-// its switch folds away), else the run-time code `act`.
-template <int ACT, bool GATED>
-__device__ __forceinline__ void activate_32(const u16* row, int inter, int c0, int act, float alpha, float beta,
-                                            float limit, float y[32]) {
-  const int kind = ACT >= 0 ? ACT : act;
-#pragma unroll
-  for (int i = 0; i < 4; ++i) load_bf16x8(row + c0 + 8 * i, y + 8 * i);
-  if (GATED) {
-    float gate[32];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) load_bf16x8(row + inter + c0 + 8 * i, gate + 8 * i);
-#pragma unroll
-    for (int j = 0; j < 32; ++j) y[j] = act_gated_all(kind, y[j], gate[j], alpha, beta, limit);
-  } else {
-#pragma unroll
-    for (int j = 0; j < 32; ++j) y[j] = act_fn(kind, y[j]);
-  }
-}
-
-// Requantize one 16-value block in place: s = e4m3(amax(|y|) / 6) (returned), y_j = the E2M1 grid value of
-// y_j / float(s) (true division; round_to_e2m1 is e2m1_to_float(float_to_e2m1(.))), all +0 when float(s) == 0.
-__device__ __forceinline__ u8 requantize_16(float y[16]) {
-  float amax = 0.0f;
-#pragma unroll
-  for (int j = 0; j < 16; ++j) amax = fmaxf(amax, fabsf(y[j]));
-  const u8 s = float_to_e4m3(amax / 6.0f);
-  const float sf = e4m3_to_float(s);
-#pragma unroll
-  for (int j = 0; j < 16; ++j) y[j] = sf != 0.0f ? round_to_e2m1(y[j] / sf) : 0.0f;
-  return s;
-}
-
-// BF16 bits of grid value v times scale sf, packed in pairs: the product is exact in FP32 and in BF16
-// (2 x 4 significant bits, no NaN), so its top half is the round-to-nearest-even BF16.
-__device__ __forceinline__ u32 scaled_bf16x2(float v0, float v1, float sf) {
-  return __byte_perm(__float_as_uint(__fmul_rn(v0, sf)), __float_as_uint(__fmul_rn(v1, sf)), 0x7632);
-}
-
-// Groups 2u and 2u + 1 (32 values, columns 32u .. 32u + 31) of row r: grid values v (zero for padding
-// rows) and their scale bytes, written in the second GEMM's token layout.
-// TOKENS_BF16_FRAGMENTS: the 32 decoded values (v * scale, exact) into the BF16 row out + r * inter in
-// the SM90 token-fragment column order: group g is k16 step g % 4 of the 64-column block g / 4, and lane
-// group q there holds columns 2q, 2q+1, 2q+8, 2q+9 of the group at position 16q + 4(g % 4); the two
-// groups are adjacent, so each q is one 16-byte store.
-// NVFP4 layouts: 16 bytes of codes at out + r * inter/2 + 16u (8-byte stores when out is not 16-byte
-// aligned) and the two scale bytes (linear or 128x4).
-// TOKENS_BF16_ROWS: the same 32 values in natural column order (four 16-byte stores at column 32u).
-__device__ __forceinline__ void store_unit(int layout, u8* out, u8* out_scales, i64 r, int u, int inter,
-                                           const float v[32], u8 s0, u8 s1) {
-  if (layout == TOKENS_BF16_ROWS) {
-    const float sf0 = e4m3_to_float(s0), sf1 = e4m3_to_float(s1);
-    uint4* dst = reinterpret_cast<uint4*>(reinterpret_cast<u16*>(out) + r * inter + 32 * u);
-#pragma unroll
-    for (int c = 0; c < 4; ++c) {
-      const float sf = c < 2 ? sf0 : sf1;
-      const float* w = v + 8 * c;
-      dst[c] = make_uint4(scaled_bf16x2(w[0], w[1], sf), scaled_bf16x2(w[2], w[3], sf), scaled_bf16x2(w[4], w[5], sf),
-                          scaled_bf16x2(w[6], w[7], sf));
-    }
-    return;
-  }
-  if (layout == TOKENS_BF16_FRAGMENTS) {
-    const float sf0 = e4m3_to_float(s0), sf1 = e4m3_to_float(s1);
-    u16* dst = reinterpret_cast<u16*>(out) + r * inter + 64 * (u >> 1) + 8 * (u & 1);
-#pragma unroll
-    for (int q = 0; q < 4; ++q) {
-      uint4 w;
-      w.x = scaled_bf16x2(v[2 * q], v[2 * q + 1], sf0);
-      w.y = scaled_bf16x2(v[2 * q + 8], v[2 * q + 9], sf0);
-      w.z = scaled_bf16x2(v[16 + 2 * q], v[16 + 2 * q + 1], sf1);
-      w.w = scaled_bf16x2(v[16 + 2 * q + 8], v[16 + 2 * q + 9], sf1);
-      *reinterpret_cast<uint4*>(dst + 16 * q) = w;
-    }
-    return;
-  }
-  u32 packed[4] = {0u, 0u, 0u, 0u};
-#pragma unroll
-  for (int j = 0; j < 32; ++j) packed[j / 8] |= static_cast<u32>(float_to_e2m1(v[j])) << (4 * (j % 8));
-  u8* dst = out + r * (inter / 2) + 16 * u;
-  if ((reinterpret_cast<u64>(dst) & 15u) == 0) {
-    *reinterpret_cast<uint4*>(dst) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
-  } else {
-    reinterpret_cast<uint2*>(dst)[0] = make_uint2(packed[0], packed[1]);
-    reinterpret_cast<uint2*>(dst)[1] = make_uint2(packed[2], packed[3]);
-  }
-  const int groups = inter / 16;
-  const bool swizzled = layout == TOKENS_NVFP4_SWIZZLED_128X4;
-  out_scales[scale_offset(r, 2 * u, groups, swizzled)] = s0;
-  out_scales[scale_offset(r, 2 * u + 1, groups, swizzled)] = s1;
-}
-
-// Unit u of row r without requantization: bf16_rne(y) in the BF16 layout's column order, as store_unit.
-__device__ __forceinline__ void store_unit_bf16(int layout, u8* out, i64 r, int u, int inter, const float y[32]) {
-  auto pair = [&](int j) { return static_cast<u32>(float_to_bf16(y[j])) | (static_cast<u32>(float_to_bf16(y[j + 1])) << 16); };
-  if (layout == TOKENS_BF16_ROWS) {
-    uint4* dst = reinterpret_cast<uint4*>(reinterpret_cast<u16*>(out) + r * inter + 32 * u);
-#pragma unroll
-    for (int c = 0; c < 4; ++c) dst[c] = make_uint4(pair(8 * c), pair(8 * c + 2), pair(8 * c + 4), pair(8 * c + 6));
-    return;
-  }
-  u16* dst = reinterpret_cast<u16*>(out) + r * inter + 64 * (u >> 1) + 8 * (u & 1);
-#pragma unroll
-  for (int q = 0; q < 4; ++q)
-    *reinterpret_cast<uint4*>(dst + 16 * q) = make_uint4(pair(2 * q), pair(2 * q + 8), pair(16 + 2 * q), pair(24 + 2 * q));
-}
+// the scalar activation math (act_fn, act_gated_all) lives in activation_math.cuh, shared with the low-latency
+// kernels, and the per-unit activate + requantize + store in activation_unit.cuh, shared with the wgmma GEMM's
+// activation epilogue.
 
 // The units u = first, first + stride, ... < inter / 32 of row r.
 template <int ACT, bool GATED>
 __device__ __forceinline__ void activate_row(const u16* row, bool padding, i64 r, int first, int stride, int inter,
                                              int act, float alpha, float beta, float limit, int layout, bool requantize,
                                              u8* out, u8* out_scales) {
-  for (int u = first; u < inter / 32; u += stride) {
-    float v[32];
-    u8 s0 = 0, s1 = 0;
-    if (padding) {
-#pragma unroll
-      for (int j = 0; j < 32; ++j) v[j] = 0.0f;
-    } else {
-      activate_32<ACT, GATED>(row, inter, 32 * u, act, alpha, beta, limit, v);
-      if (!requantize) {
-        store_unit_bf16(layout, out, r, u, inter, v);
-        continue;
-      }
-      s0 = requantize_16(v);
-      s1 = requantize_16(v + 16);
-    }
-    store_unit(layout, out, out_scales, r, u, inter, v, s0, s1);
-  }
+  for (int u = first; u < inter / 32; u += stride)
+    activate_store_unit<ACT, GATED>(row + 32 * u, inter, padding, r, u, inter, act, alpha, beta, limit, layout,
+                                    requantize, out, out_scales);
 }
 
 // Rows r < row_capacity; a thread handles units of 32 values (two 16-value quantization blocks):

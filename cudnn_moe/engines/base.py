@@ -164,11 +164,37 @@ def alpha_split(weights: WeightOperand, n: int) -> int:
 
 
 @dataclass(frozen=True)
+class RowGather:
+    """The permute folded into a GEMM's token load: row r of the GEMM's tokens is row
+    ``row_to_slot[r] // top_k`` of ``source`` (bfloat16 [B, K], natural column order, one row per token),
+    zeros where row_to_slot[r] < 0 (padding rows). row_to_slot: int32 [R], the sort's output."""
+
+    source: torch.Tensor
+    row_to_slot: torch.Tensor
+    top_k: int
+
+
+@dataclass(frozen=True)
+class ActivationEpilogue:
+    """The activation stage folded into GEMM1's epilogue: instead of GEMM1's BF16 output, ``out`` (GEMM2's
+    token operand) receives what the activation kernel (cudnn_moe.kernels.activate_quantize) would write
+    from it, bit for bit: the activation in FP32 of the BF16-rounded GEMM1 values, NVFP4-requantized (or
+    with ``requantize`` False rounded to BF16), padding rows (row_to_slot < 0) zero."""
+
+    activation: Any  # a cudnn_moe.activations.Activation
+    row_to_slot: torch.Tensor
+    out: TokenOperand
+    requantize: bool = True
+
+
+@dataclass(frozen=True)
 class GemmOperands:
     """Everything one grouped GEMM launch reads and writes (buffers of one token bucket).
 
     rows: the bucket's row capacity R; tokens: R rows of K; offsets int32 [E + 1];
     out bfloat16 [R, N]; workspace: uint8, ``GemmEngine.workspace_bytes`` bytes, or None.
+    gather / epilogue: the fused forms, for an engine that declares ``LayerStages.gemm1_activation`` in its
+    chain: the tokens read through the routing instead of ``tokens``; the activation written instead of ``out``.
     """
 
     rows: int
@@ -178,6 +204,8 @@ class GemmOperands:
     offsets: torch.Tensor
     out: torch.Tensor
     workspace: torch.Tensor | None
+    gather: RowGather | None = None
+    epilogue: ActivationEpilogue | None = None
 
 
 class Engine(abc.ABC):
@@ -317,7 +345,12 @@ class Stage(NamedTuple):
 
 
 class LayerStages(abc.ABC):
-    """The default stages of one layer call on one token bucket, as the executor builds them."""
+    """The default stages of one layer call on one token bucket, as the executor builds them, and the fused
+    ones an engine may declare instead (``token_rows`` + ``gemm1_activation`` in place of permute, GEMM1 and
+    the activation)."""
+
+    rows: int  # the bucket's row capacity R
+    gemm1_shape: GemmShape
 
     @abc.abstractmethod
     def sort(self) -> Stage: ...
@@ -335,6 +368,17 @@ class LayerStages(abc.ABC):
 
     @abc.abstractmethod
     def activation(self) -> Stage: ...
+
+    @abc.abstractmethod
+    def token_rows(self) -> Stage | None:
+        """The bucket's tokens as natural BF16 rows in token order (the source of gemm1_activation's
+        gather), or None when the bucket's tokens already are BF16 rows."""
+
+    @abc.abstractmethod
+    def gemm1_activation(self) -> Stage:
+        """GEMM1 reading its rows through the routing from the token rows (the permute folded into its
+        token load), with the activation stage in its epilogue (GEMM2's tokens written directly):
+        GemmOperands.gather and .epilogue. Same GEMM2 tokens, bit for bit, as permute, GEMM1, activation."""
 
     @abc.abstractmethod
     def gemm2(self) -> Stage: ...

@@ -12,6 +12,28 @@ from .loader import launch, ptr
 from .permute import require_scale_room, unit_grid
 
 
+def check_activation_output(out: torch.Tensor, out_scales: torch.Tensor | None, layout: TokenLayout, rows: int,
+                            inter: int, requantize: bool) -> None:
+    """Check the activation stage's output (ValueError): ``out`` holds ``rows`` rows of ``inter`` values in
+    ``layout`` (bfloat16 [rows, inter], or NVFP4 codes uint8 [rows, inter / 2] with room for their scales in
+    ``out_scales``); requantize=False only with a BF16 layout."""
+    if not isinstance(layout, TokenLayout):
+        raise ValueError(f"activation: layout must be a TokenLayout, got {layout!r}")
+    if not requantize and not layout.is_bf16:
+        raise ValueError("activation: requantize=False writes a BF16 layout only")
+    columns = inter if layout.is_bf16 else inter // 2
+    if out.dim() != 2 or tuple(out.shape) != (rows, columns):
+        raise ValueError(f"activation: out must be [{rows}, {columns}] for {rows} rows of {inter} values in "
+                         f"{layout.name}, got {tuple(out.shape)}")
+    if layout.is_bf16:
+        if out.dtype != torch.bfloat16:
+            raise ValueError("activation: a BF16 layout needs a bfloat16 output")
+    else:
+        if out.dtype != torch.uint8 or out_scales is None:
+            raise ValueError("activation: NVFP4 output needs uint8 codes and a scale buffer")
+        require_scale_room(out_scales, rows, inter // 16, layout)
+
+
 def activate_quantize(
     g1: torch.Tensor,
     row_to_slot: torch.Tensor,
@@ -39,15 +61,7 @@ def activate_quantize(
         raise ValueError(f"activation: g1 {tuple(g1.shape)} does not match an output of {rows} rows x {inter}")
     if g1.dtype != torch.bfloat16 or offsets.dtype != torch.int32:
         raise ValueError("activation: g1 must be bfloat16 and offsets int32 [E + 1]")
-    if not requantize and not layout.is_bf16:
-        raise ValueError("activation: requantize=False writes a BF16 layout only")
-    if layout.is_bf16:
-        if out.dtype != torch.bfloat16:
-            raise ValueError("activation: a BF16 layout needs a bfloat16 output")
-    else:
-        if out.dtype != torch.uint8 or out_scales is None:
-            raise ValueError("activation: NVFP4 output needs uint8 codes and a scale buffer")
-        require_scale_room(out_scales, rows, inter // 16, layout)
+    check_activation_output(out, out_scales, layout, rows, inter, requantize)
     a, b, limit = activation.params()
     blocks, threads = unit_grid(rows, inter // 32)  # a thread per 32 values
     out_align = 16 if layout.is_bf16 else 8

@@ -41,7 +41,17 @@ import torch
 from .. import kernels
 from ..activations import Activation
 from ..capture import refuse_during_capture
-from ..engines.base import GemmEngine, GemmOperands, GemmShape, LayerStages, Stage, TokenOperand, WeightOperand
+from ..engines.base import (
+    ActivationEpilogue,
+    GemmEngine,
+    GemmOperands,
+    GemmShape,
+    LayerStages,
+    RowGather,
+    Stage,
+    TokenOperand,
+    WeightOperand,
+)
 from ..routing import Routing
 from ..weights.nvfp4 import Nvfp4Activations, Nvfp4Weights
 from .lifetime import defer, release_deferred
@@ -349,6 +359,7 @@ class _BucketStages(LayerStages):
 
     def __init__(self, executor: MoeExecutor, bucket: Bucket) -> None:
         self.x, self.b = executor, bucket
+        self.rows, self.gemm1_shape = bucket.rows, bucket.gemm1.shape
 
     def sort(self) -> Stage:
         x, b = self.x, self.b
@@ -393,3 +404,25 @@ class _BucketStages(LayerStages):
 
     def gemm2(self) -> Stage:
         return Stage("gemm2", lambda: self.x.engine.gemm(self.b.gemm2))
+
+    def _token_rows(self) -> torch.Tensor:
+        """The natural BF16 token rows gemm1_activation gathers from: the bucket's BF16 tokens, or NVFP4 tokens
+        decoded into the first B rows of GEMM1's token buffer (which the gather leaves unused otherwise)."""
+        b = self.b
+        return b.x if self.x.bf16_tokens else b.gemm1.tokens.data[: b.tokens]
+
+    def token_rows(self) -> Stage | None:
+        b = self.b
+        if self.x.bf16_tokens:
+            return None
+        rows = self._token_rows()
+        return Stage("token rows", lambda: kernels.decode_token_rows(b.x, b.x_scales, rows))
+
+    def gemm1_activation(self) -> Stage:
+        x, b = self.x, self.b
+        operands = replace(
+            b.gemm1,
+            gather=RowGather(self._token_rows(), b.row_to_slot, x.top_k),
+            epilogue=ActivationEpilogue(x.activation, b.row_to_slot, b.gemm2.tokens, not x.bf16_intermediate),
+        )
+        return Stage("gemm1+activation", lambda: x.engine.gemm(operands))

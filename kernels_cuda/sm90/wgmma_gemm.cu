@@ -16,11 +16,13 @@
 // wgmma B operand), the CTA's m16 weight tiles (512 B each) and their scales (64 B each). Each warp decodes
 // its weight tile exactly into
 // BF16 A registers (scaled_a: the values of the mma.sync kernels bit for bit) and its warpgroup issues
-// four m64nTBk16 wgmma. The C tile goes through shared memory (stmatrix.trans) to 16-byte row stores.
+// four m64nTBk16 wgmma. The C tile goes through shared memory (stmatrix.trans) to 16-byte row stores (or to
+// the activation epilogue, see the kernel).
 // A tile with at most 32 (64) rows left in its segment runs the same code with N = 32 (64): the last tile
 // of a segment costs about what its rows need.
 // Grid: x = ceil(N / FB) feature blocks, y >= the number of TB-row tiles (find_tile); CTAs past the last exit.
 #include "common.cuh"
+#include "activation_unit.cuh"
 #include "sm90/fragments.cuh"
 #include "sm90/wgmma.cuh"
 
@@ -37,6 +39,17 @@ using namespace sm90;
 #endif
 #ifndef SM90_WG_MIN_BLOCKS
 #define SM90_WG_MIN_BLOCKS 1  // CTAs per SM the register allocation must allow
+#endif
+
+// The activation stage folded into the epilogue (the SM90 prefill chain): SM90_WG_ACT, an ACT_* code, and
+// SM90_WG_GATED (0 or 1) compiled in; without SM90_WG_ACT the kernel writes GEMM1/GEMM2's BF16 output.
+#ifdef SM90_WG_ACT
+#ifndef SM90_WG_GATED
+#error "SM90_WG_ACT needs SM90_WG_GATED"
+#endif
+#define WG_PAIRED (SM90_WG_GATED != 0)
+#else
+#define WG_PAIRED false
 #endif
 
 #define WG_TB SM90_WG_TB
@@ -58,55 +71,92 @@ static_assert(SM90_WG_GROUPS == 2 || SM90_WG_GROUPS == 4, "wgmma gemm: 2 or 4 wa
 static_assert(SM90_WG_STAGES >= 3 && SM90_WG_STAGES <= 8, "wgmma gemm: 3..8 stages");
 static_assert(WG_SMEM_BYTES <= 227 * 1024, "wgmma gemm: shared memory");
 
+// The 1024-byte aligned start of the dynamic shared memory (the ring, later the C tile).
+__device__ __forceinline__ u8* wgmma_smem(u32& ring) {
+  extern __shared__ __align__(128) u8 smem_raw[];
+  const u32 raw_base = smem_addr(smem_raw);
+  ring = (raw_base + 1023u) & ~1023u;
+  return smem_raw + (ring - raw_base);
+}
+
+// The m16 row tile of W (features 16 t ..) that the CTA's tile m computes, or -1 past N. Plain: tile
+// blockIdx.x * MTILES + m. Paired (the activation epilogue of a gated activation, W = [up; gate] of n / 2
+// rows each): the CTA's first MTILES / 2 tiles are up tiles blockIdx.x * MTILES / 2 + m, the others the
+// gate tiles of the same features, n / 32 tiles further.
+__device__ __forceinline__ int cta_weight_tile(int m, int n) {
+  constexpr int HALF = WG_MTILES / 2;
+  if (!WG_PAIRED) {
+    const int t = static_cast<int>(blockIdx.x) * WG_MTILES + m;
+    return t < (n >> 4) ? t : -1;
+  }
+  const int j = static_cast<int>(blockIdx.x) * HALF + m % HALF;
+  if (j >= (n >> 5)) return -1;
+  return m < HALF ? j : (n >> 5) + j;
+}
+
+// Token rows to read: row r of the segment is x[r] (gather_top_k == 0), or with a gather the token
+// row_to_slot[r] / gather_top_k of x's gather_tokens rows, zeros where row_to_slot[r] < 0 (a padding row)
+// or the token is out of range.
+struct RowSource {
+  const int* row_to_slot;
+  int gather_top_k;
+  int gather_tokens;
+};
+
 // One TB-row tile (TB <= WG_TB: rows past the segment's end are zero-filled and not stored).
 template <int TB>
 __device__ __forceinline__ void wgmma_tile(const Tile& tile, const u8* __restrict__ w_tiles,
                                            const u8* __restrict__ w_scales, const float* __restrict__ alpha,
-                                           const u16* __restrict__ x, int num_experts, int n, int k, int alpha_split,
-                                           u16* __restrict__ out) {
+                                           const u16* __restrict__ x, RowSource rows, int num_experts, int n, int k,
+                                           int alpha_split) {
   constexpr int X_ROW_STEP = WG_THREADS / 8;  // token rows one copy pass covers
   constexpr int X_PASSES = TB > X_ROW_STEP ? TB / X_ROW_STEP : 1;
   constexpr int ACC = TB / 2;
   static_assert(TB <= WG_TB && (TB % X_ROW_STEP == 0 || TB < X_ROW_STEP), "wgmma gemm: token copy split");
-  extern __shared__ __align__(128) u8 smem_raw[];
   const int tid = threadIdx.x;
   const int lane = tid & 31;
   const int warp = tid >> 5;  // m16 tile of the CTA; warpgroup warp / 4
   const int g = lane >> 2;
   const int kt = k >> 6;
-  // N is a multiple of 128 only: with 256 features per CTA the last CTA may hold m16 tiles past N. Their
-  // copies read nothing (zero fill, address clamped to the CTA's first tile); their outputs are not stored.
-  const int mtiles_in = (n >> 4) - static_cast<int>(blockIdx.x) * WG_MTILES;
-  const u32 raw_base = smem_addr(smem_raw);
-  const u32 ring = (raw_base + 1023u) & ~1023u;
-  u8* const smem = smem_raw + (ring - raw_base);
+  u32 ring;
+  u8* const smem = wgmma_smem(ring);
 
   // Copies; the sources advance by one k64 block per loaded stage. Weights: thread -> tile tid / 32 (the
   // warp's own), its 16-byte piece tid % 32 (each thread copies WG_MTILES * 32 / WG_THREADS = 1 chunk).
-  // Scales: threads < 4 * MTILES -> tile tid / 4, chunk tid % 4.
-  const i64 expert_tiles = static_cast<i64>(n >> 4) * kt;
-  const i64 block_tile0 = tile.expert * expert_tiles + static_cast<i64>(blockIdx.x * WG_MTILES) * kt;
-  const bool w_ok = warp < mtiles_in;
-  const u8* w_src = w_tiles + (block_tile0 + static_cast<i64>(w_ok ? warp : 0) * kt) * 512 + lane * 16;
-  const u32 w_bytes = w_ok ? 16u : 0u;
-  const int s_tile = (tid >> 2) & (WG_MTILES - 1);
-  const bool s_ok = s_tile < mtiles_in;
-  const u8* s_src = w_scales + (block_tile0 + static_cast<i64>(s_ok ? s_tile : 0) * kt) * 64 + (tid & 3) * 16;
-  const u32 s_bytes = s_ok ? 16u : 0u;
-  // Tokens: thread -> chunk tid % 8 of rows tid / 8 + (THREADS / 8) u; rows past the segment read nothing
-  // (zero fill, address clamped to the segment's last row). Swizzled destination: chunk c of row r at
-  // chunk position c ^ (r % 8) (THREADS / 8 is a multiple of 8, so r % 8 is the same for every u).
+  // Scales: threads < 4 * MTILES -> tile tid / 4, chunk tid % 4. A tile past N (a last CTA of 256 features
+  // over N a multiple of 128 only) reads nothing (zero fill, address clamped to the expert's first tile);
+  // its outputs are not stored.
+  const i64 expert_tile0 = tile.expert * static_cast<i64>(n >> 4) * kt;
+  const int w_tile = cta_weight_tile(warp, n);
+  const u8* w_src = w_tiles + (expert_tile0 + static_cast<i64>(max(w_tile, 0)) * kt) * 512 + lane * 16;
+  const u32 w_bytes = w_tile >= 0 ? 16u : 0u;
+  const int s_tile = cta_weight_tile((tid >> 2) & (WG_MTILES - 1), n);
+  const u8* s_src = w_scales + (expert_tile0 + static_cast<i64>(max(s_tile, 0)) * kt) * 64 + (tid & 3) * 16;
+  const u32 s_bytes = s_tile >= 0 ? 16u : 0u;
+  // Tokens: thread -> chunk tid % 8 of rows tid / 8 + (THREADS / 8) u; rows past the segment (and, with a
+  // gather, padding rows) read nothing (zero fill, address clamped to a row that exists). Swizzled
+  // destination: chunk c of row r at chunk position c ^ (r % 8) (THREADS / 8 is a multiple of 8, so r % 8 is
+  // the same for every u).
   const int chunk = tid & 7;
   const int x_last = tile.row_end - 1;
-  const u8* x_src = reinterpret_cast<const u8*>(x) + static_cast<i64>(tile.row0) * k * 2 + chunk * 16;
+  const bool gather = rows.gather_top_k > 0;
+  const u8* x_src = reinterpret_cast<const u8*>(x) + (gather ? 0 : static_cast<i64>(tile.row0) * k * 2) + chunk * 16;
   const bool x_copies = (tid >> 3) < TB;  // TB < X_ROW_STEP: the threads of rows past the tile copy nothing
   u32 x_off[X_PASSES];
   u32 x_bytes[X_PASSES];
 #pragma unroll
   for (int u = 0; u < X_PASSES; ++u) {
     const int row = tile.row0 + (tid >> 3) + X_ROW_STEP * u;
-    x_off[u] = static_cast<u32>(min(row, x_last) - tile.row0) * static_cast<u32>(k) * 2u;
-    x_bytes[u] = row <= x_last ? 16u : 0u;
+    if (gather) {
+      const int slot = x_copies && row <= x_last ? __ldg(rows.row_to_slot + row) : -1;
+      const int token = slot >= 0 ? slot / rows.gather_top_k : -1;
+      const bool live = token >= 0 && token < rows.gather_tokens;
+      x_off[u] = static_cast<u32>(live ? token : 0) * static_cast<u32>(k) * 2u;
+      x_bytes[u] = live ? 16u : 0u;
+    } else {
+      x_off[u] = static_cast<u32>(min(row, x_last) - tile.row0) * static_cast<u32>(k) * 2u;
+      x_bytes[u] = row <= x_last ? 16u : 0u;
+    }
   }
   const u32 x_dst = (tid >> 3) * 128 + ((chunk ^ ((tid >> 3) & 7)) << 4);
 
@@ -172,18 +222,40 @@ __device__ __forceinline__ void wgmma_tile(const Tile& tile, const u8* __restric
   cp_async_wait<0>();
   __syncthreads();  // every warp is done with the ring: reuse it for the C tile
 
-  // C tile -> shared [token][feature] BF16 with transposing stmatrix: matrix i of an x4 = (n8 block
-  // nt + i / 2, features 8 (i % 2) .. + 8 of the warp's m16 tile). Each warp scales by its own features'
+  // C tile -> shared [token][CTA tile column] BF16 with transposing stmatrix: matrix i of an x4 = (n8 block
+  // nt + i / 2, columns 8 (i % 2) .. + 8 of the warp's m16 tile). Each warp scales by its own features'
   // alpha (alpha_split is a multiple of 16).
-  const float scale =
-      __ldg(alpha + expert_alpha(tile.expert, num_experts, static_cast<int>(blockIdx.x) * WG_FB + warp * 16, alpha_split)) *
-      256.0f;
+  const float scale = __ldg(alpha + expert_alpha(tile.expert, num_experts, 16 * max(w_tile, 0), alpha_split)) * 256.0f;
 #pragma unroll
   for (int nt = 0; nt < TB / 8; nt += 2)
     stage_c_pair(ring, WG_C_STRIDE, nt * 8, warp * 16, scale, acc + 4 * nt, acc + 4 * nt + 4);
   __syncthreads();
-  // TB rows x FB / 8 chunks of 16 B; rows past the segment and features past N are not written.
-  store_c_tile<TB, WG_FB, WG_THREADS>(smem, WG_C_STRIDE, tile, n, blockIdx.x * WG_FB, 2 * mtiles_in, out);
+}
+
+// The activation epilogue: the staged C tile (the tile's rows of FB BF16 GEMM1 outputs, WG_C_STRIDE bytes
+// apart at smem) -> the activation stage's output rows, a unit of 32 outputs per item (activation_unit.cuh:
+// the bits of moe_activation), in GEMM2's token layout. Gated (paired tiles): outputs blockIdx.x * FB / 2 ..
+// + FB / 2 of the inter = n / 2 per row, up from tile columns [0, FB / 2), gate from [FB / 2, FB); else outputs
+// blockIdx.x * FB .. + FB of inter = n. Rows past the segment and outputs past inter are not written;
+// padding rows (row_to_slot < 0) are written as zeros.
+template <int ACT, bool GATED>
+__device__ __forceinline__ void activation_epilogue(const u8* smem, const Tile& tile, const int* __restrict__ row_to_slot,
+                                                    int inter, float alpha, float beta, float limit,
+                                                    int layout, bool requantize, u8* __restrict__ out,
+                                                    u8* __restrict__ out_scales) {
+  constexpr int COLS = GATED ? WG_FB / 2 : WG_FB;
+  constexpr int UNITS = COLS / 32;
+  const int unit0 = static_cast<int>(blockIdx.x) * UNITS;
+  const int units_in = min(UNITS, inter / 32 - unit0);
+  for (int item = threadIdx.x; item < WG_TB * UNITS; item += WG_THREADS) {
+    const int row = item / UNITS;
+    const int unit = item % UNITS;
+    const int r = tile.row0 + row;
+    if (r >= tile.row_end || unit >= units_in) continue;
+    const u16* src = reinterpret_cast<const u16*>(smem + row * WG_C_STRIDE) + 32 * unit;
+    moe::activate_store_unit<ACT, GATED>(src, COLS, __ldg(row_to_slot + r) < 0, r, unit0 + unit, inter, ACT, alpha, beta,
+                                         limit, layout, requantize, out, out_scales);
+  }
 }
 
 // Per k64 stage j and k16 step s, warp w (its warpgroup's A rows 16 (w % 4) ..): wait until at most 3
@@ -191,22 +263,46 @@ __device__ __forceinline__ void wgmma_tile(const Tile& tile, const u8* __restric
 // from stage j's weight tile, fence, issue one wgmma on it, commit it as its own group. Up to four
 // wgmma run behind the decode; a stage slot is refilled two stages after its last read, when every
 // warpgroup's groups of it are complete (the barrier at the top of each stage sees to that).
+//
+// Fused forms (the prefill chain of the SM90 engine):
+//   gather_top_k > 0  the permute folded into the token load: x is bf16 [gather_tokens, K] (natural rows,
+//                     token order) and row r of a segment reads token row_to_slot[r] / gather_top_k, zeros
+//                     where row_to_slot[r] < 0 (padding rows) or the token is past gather_tokens
+//   SM90_WG_ACT       the activation stage folded into the epilogue (act_alpha / _beta / _limit as
+//                     moe_activation takes them): instead of out, act_out (and act_scales for the NVFP4
+//                     layouts) receive moe_activation's output for the tile's rows, bit for bit, in act_layout
+//                     (requantize as there). Gated: W is [up; gate] (n / 2 rows each), the grid's x covers
+//                     ceil(n / FB) blocks of FB / 2 outputs, each CTA's first half of warps computing up and
+//                     its second half the gate rows of those outputs.
+//   row_to_slot       int32 [row_capacity]: read by either (unused by the plain kernel without a gather)
 extern "C" __global__ void __launch_bounds__(WG_THREADS, SM90_WG_MIN_BLOCKS)
     sm90_gemm_wgmma(const u8* __restrict__ w_tiles, const u8* __restrict__ w_scales, const float* __restrict__ alpha,
                     const u16* __restrict__ x, const int* __restrict__ offsets, int num_experts, int n, int k,
-                    int row_capacity, int alpha_split, u16* __restrict__ out) {
+                    int row_capacity, int alpha_split, u16* __restrict__ out, const int* __restrict__ row_to_slot,
+                    int gather_top_k, int gather_tokens, float act_alpha, float act_beta, float act_limit,
+                    int act_layout, int requantize, u8* __restrict__ act_out, u8* __restrict__ act_scales) {
   moe::grid_dependency_begin();
   Tile tile;
   if (!find_tile<WG_TB>(offsets, num_experts, row_capacity, static_cast<int>(blockIdx.y), tile)) return;
   if (tile.row0 < 0 || tile.row0 >= tile.row_end) return;  // offsets outside [0, row_capacity]: nothing safe to do
+  const RowSource rows{row_to_slot, gather_top_k, gather_tokens};
   // A segment's last tile often holds few rows: it runs with the smallest wgmma N that covers them.
-  const int rows = tile.row_end - tile.row0;
-  if (WG_TB > 32 && rows <= 32) {
-    wgmma_tile<32>(tile, w_tiles, w_scales, alpha, x, num_experts, n, k, alpha_split, out);
-  } else if (WG_TB > 64 && rows <= 64) {
-    wgmma_tile<64>(tile, w_tiles, w_scales, alpha, x, num_experts, n, k, alpha_split, out);
+  const int tile_rows = tile.row_end - tile.row0;
+  if (WG_TB > 32 && tile_rows <= 32) {
+    wgmma_tile<32>(tile, w_tiles, w_scales, alpha, x, rows, num_experts, n, k, alpha_split);
+  } else if (WG_TB > 64 && tile_rows <= 64) {
+    wgmma_tile<64>(tile, w_tiles, w_scales, alpha, x, rows, num_experts, n, k, alpha_split);
   } else {
-    wgmma_tile<WG_TB>(tile, w_tiles, w_scales, alpha, x, num_experts, n, k, alpha_split, out);
+    wgmma_tile<WG_TB>(tile, w_tiles, w_scales, alpha, x, rows, num_experts, n, k, alpha_split);
   }
+  u32 ring;
+  const u8* smem = wgmma_smem(ring);
+#ifdef SM90_WG_ACT
+  activation_epilogue<SM90_WG_ACT, WG_PAIRED>(smem, tile, row_to_slot, WG_PAIRED ? n / 2 : n, act_alpha, act_beta,
+                                              act_limit, act_layout, requantize != 0, act_out, act_scales);
+#else
+  // The tile's rows x FB / 8 chunks of 16 B; rows past the segment and features past N are not written.
+  const int mtiles_in = (n >> 4) - static_cast<int>(blockIdx.x) * WG_MTILES;
+  store_c_tile<WG_TB, WG_FB, WG_THREADS>(smem, WG_C_STRIDE, tile, n, blockIdx.x * WG_FB, 2 * mtiles_in, out);
+#endif
 }
-

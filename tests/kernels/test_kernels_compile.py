@@ -111,6 +111,7 @@ def _wrapper_calls() -> list[tuple[str, Callable[..., None], tuple[Any, ...]]]:
         ("moe_sort_blocks", kernels.sort_routing, sorting_blocks),
         ("moe_permute", kernels.permute_tokens, permute),
         ("moe_permute_bf16", kernels.permute_tokens, permute_bf16),
+        ("moe_decode_rows_bf16", kernels.decode_token_rows, (z(B, H // 2), z(B, H // 16), z(R, H, dtype=bf16))),
         ("moe_permute_bf16_tokens", kernels.permute_bf16_tokens,
          (z(B, H, dtype=bf16), z(B * k, dtype=i32), B * k, k, z(R, H, dtype=bf16))),
         ("moe_sort_permute_bf16", kernels.sort_permute_bf16,

@@ -133,7 +133,12 @@ class Sm90GemmEngine(GemmEngine):
         self.sm_count = torch.cuda.get_device_properties(device).multi_processor_count
 
     def stages(self, layer: LayerStages) -> list[Stage]:
-        """The default chain, with the sort and the permute in one launch for decode-sized buckets."""
+        """Buckets on the wgmma kernel: sort, the tokens as BF16 rows (NVFP4 tokens only), GEMM1 gathering
+        its rows through the routing with the activation in its epilogue, GEMM2. Smaller buckets: the default
+        chain, with the sort and the permute in one launch for decode-sized buckets."""
+        if isinstance(self.variant(layer.rows, layer.gemm1_shape), WgmmaVariant):
+            rows = layer.token_rows()
+            return [layer.sort(), *([rows] if rows is not None else []), layer.gemm1_activation(), layer.gemm2()]
         routed = layer.sort_permute()
         head = [routed] if routed is not None else [layer.sort(), layer.permute()]
         return [*head, layer.gemm1(), layer.activation(), layer.gemm2()]
@@ -147,6 +152,7 @@ class Sm90GemmEngine(GemmEngine):
         return self.variant(rows, shape).token_layout
 
     def gemm(self, operands: GemmOperands) -> None:
-        w = operands.weights
-        grouped_gemm(w.data, w.scales, w.alpha, operands.tokens.data, operands.offsets, operands.out,
-                     self.variant(operands.rows, operands.shape), alpha_split=w.alpha_split)
+        w, gather, epilogue = operands.weights, operands.gather, operands.epilogue
+        grouped_gemm(w.data, w.scales, w.alpha, operands.tokens.data if gather is None else None, operands.offsets,
+                     operands.out if epilogue is None else None, self.variant(operands.rows, operands.shape),
+                     alpha_split=w.alpha_split, gather=gather, epilogue=epilogue)

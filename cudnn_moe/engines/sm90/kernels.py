@@ -11,13 +11,16 @@ CUDA-graph safe. Kernels go on torch's current stream.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 
+from ...kernels.activate import check_activation_output
 from ...kernels.codes import TokenLayout
 from ...kernels.loader import ARCH_SPECIFIC, launch, ptr
 from ...validate import require_contiguous, require_shape, require_tensor
+from ..base import ActivationEpilogue, RowGather, TokenOperand
 from .layout import TILE_K
 
 GEMM_SOURCE = "sm90/grouped_gemm.cu"
@@ -247,11 +250,14 @@ def grouped_gemm(
     w_tiles: torch.Tensor,
     w_tile_scales: torch.Tensor,
     alpha: torch.Tensor,
-    x: torch.Tensor,
+    x: torch.Tensor | None,
     offsets: torch.Tensor,
-    out: torch.Tensor,
+    out: torch.Tensor | None,
     variant: GemmVariant = DECODE,
     alpha_split: int | None = None,
+    *,
+    gather: RowGather | None = None,
+    epilogue: ActivationEpilogue | None = None,
 ) -> None:
     """out[r, :N] = bf16(float32(alpha[e] * 256) * (x[r] @ W_e^T * 2^-8)) for the rows r of each segment e.
     With ``alpha_split`` (a multiple of ``variant.alpha_block``, below N) alpha is [2E] and
@@ -262,26 +268,53 @@ def grouped_gemm(
     ``variant.token_layout`` (token-fragment column order, or natural for the wgmma variant); offsets int32 [E + 1] on the device (segment e = rows
     offsets[e]..offsets[e+1], each a multiple of 8, offsets[E] <= R); out bfloat16 [R, N], rows
     outside every segment untouched. N % 128 == 0, K % 64 == 0.
+
+    The fused forms (a WgmmaVariant only):
+    gather: x is None and row r reads row gather.row_to_slot[r] // gather.top_k of gather.source (bfloat16
+    [B, K], natural rows), zeros for padding rows; R = gather.row_to_slot.numel().
+    epilogue: out is None; epilogue.out receives the activation stage's output for the segments' rows
+    (cudnn_moe.kernels.activate_quantize of what out would hold, bit for bit). Gated activations need W's
+    rows as [up; gate] (N / 2 each).
     """
     if not isinstance(variant, (DecodeVariant, PrefillVariant, WgmmaVariant)):
         raise ValueError(f"variant must be a DecodeVariant, PrefillVariant or WgmmaVariant, got {type(variant).__name__}")
+    if (gather is not None or epilogue is not None) and not isinstance(variant, WgmmaVariant):
+        raise ValueError(f"gather and epilogue need a WgmmaVariant, got {variant}")
     w_tiles = _tensor("w_tiles", w_tiles)
     w_tile_scales = _tensor("w_tile_scales", w_tile_scales)
-    alpha, x, offsets, out = (_tensor(n, v) for n, v in (("alpha", alpha), ("x", x), ("offsets", offsets), ("out", out)))
-    if x.dim() != 2 or out.dim() != 2 or w_tiles.dim() != 2:
-        raise ValueError(f"x, out and w_tiles must be 2-D, got x {list(x.shape)}, out {list(out.shape)}, "
-                         f"w_tiles {list(w_tiles.shape)}")
-    rows, k = x.shape
-    n = out.shape[1]
+    alpha, offsets = _tensor("alpha", alpha), _tensor("offsets", offsets)
+    if gather is None:
+        x = _tensor("x", x)
+    elif x is not None:
+        raise ValueError("x must be None with a gather (the rows come from gather.source)")
+    tokens = x if gather is None else _tensor("gather.source", gather.source)
+    if epilogue is None:
+        out = _tensor("out", out)
+    elif out is not None:
+        raise ValueError("out must be None with an epilogue (epilogue.out receives the output)")
+    if tokens.dim() != 2 or w_tiles.dim() != 2 or (out is not None and out.dim() != 2):
+        raise ValueError(f"x (or gather.source), out and w_tiles must be 2-D, got {list(tokens.shape)}, "
+                         f"{None if out is None else list(out.shape)}, {list(w_tiles.shape)}")
+    k = tokens.shape[1]
     experts = w_tiles.shape[0]
     if k <= 0 or k % TILE_K:
         raise ValueError(f"x: K = {k} must be a positive multiple of {TILE_K}")
-    if n <= 0 or n % FEATURE_MULTIPLE:
-        raise ValueError(f"out: N = {n} must be a positive multiple of {FEATURE_MULTIPLE}")
     if experts < 1:
         raise ValueError("w_tiles: need at least one expert")
-    _check("x", x, (torch.bfloat16,), (rows, k))
-    _check("out", out, (torch.bfloat16,), (rows, n))
+    n = _output_columns(out, epilogue)
+    named = {"w_tiles": w_tiles, "w_tile_scales": w_tile_scales, "alpha": alpha, "offsets": offsets}
+    align = {"w_tiles": 16, "w_tile_scales": 16, "alpha": 4, "offsets": 4}
+    if gather is None:
+        rows = tokens.shape[0]
+        _check("x", tokens, (torch.bfloat16,), (rows, k))
+        named["x"], align["x"] = tokens, 16
+    else:
+        rows = _check_gather(gather, k)
+        named.update({"gather.source": tokens, "gather.row_to_slot": gather.row_to_slot})
+        align.update({"gather.source": 16, "gather.row_to_slot": 4})
+    if out is not None:
+        _check("out", out, (torch.bfloat16,), (rows, n))
+        named["out"], align["out"] = out, 16
     _check("w_tiles", w_tiles, (torch.uint8,), (experts, n * k // 2))
     _check("w_tile_scales", w_tile_scales, (torch.uint8, torch.float8_e4m3fn), (experts, n * k // 16))
     split = n if alpha_split is None else alpha_split
@@ -290,37 +323,92 @@ def grouped_gemm(
                          f"variant applies alpha per {variant.alpha_block} features), got {alpha_split}")
     _check("alpha", alpha, (torch.float32,), (experts if alpha_split is None else 2 * experts,))
     _check("offsets", offsets, (torch.int32,), (experts + 1,))
+    if epilogue is not None:
+        outputs = _check_epilogue(epilogue, rows, n)
+        named.update(outputs)
+        align.update({name: 16 if t.dtype == torch.bfloat16 else 8 if name == "epilogue.out" else 1
+                      for name, t in outputs.items()})
     grid = gemm_grid(variant, experts, n, rows)
     if grid[1] > MAX_GRID_Y:
         raise ValueError(f"x: R = {rows} rows need up to {grid[1]} tiles of {variant.tile_rows} rows, more than the "
                          f"grid's {MAX_GRID_Y}; use a variant with larger tiles")
     if variant.shared_mem > _MAX_DYNAMIC_SMEM:
         raise ValueError(f"variant {variant} needs {variant.shared_mem} bytes of shared memory")
-    named = {"w_tiles": w_tiles, "w_tile_scales": w_tile_scales, "alpha": alpha, "x": x, "offsets": offsets, "out": out}
-    _check_device(named, {"w_tiles": 16, "w_tile_scales": 16, "alpha": 4, "x": 16, "offsets": 4, "out": 16})
-    if rows and _overlap(x, out):
-        raise ValueError("out must not overlap x")
+    _check_device(named, align)
+    written = [t for name, t in named.items() if name == "out" or name.startswith("epilogue.out")]
+    for name in ("x", "gather.source"):
+        if name in named and rows and any(_overlap(named[name], t) for t in written):
+            raise ValueError(f"the output must not overlap {name}")
     if rows == 0:
         return
-    launch(
-        variant.source,
-        variant.kernel,
-        out.device,
-        grid,
-        variant.threads,
-        (
-            ptr(w_tiles, 16),
-            ptr(w_tile_scales, 16),
-            ptr(alpha, 4),
-            ptr(x, 16),
-            ptr(offsets, 4),
-            np.int32(experts),
-            np.int32(n),
-            np.int32(k),
-            np.int32(rows),
-            np.int32(split),
-            ptr(out, 16),
-        ),
-        shared_mem=variant.shared_mem,
-        extra_options=variant.options(),
-    )
+    args = (ptr(w_tiles, 16), ptr(w_tile_scales, 16), ptr(alpha, 4), ptr(tokens, 16), ptr(offsets, 4),
+            np.int32(experts), np.int32(n), np.int32(k), np.int32(rows), np.int32(split), ptr(out, 16))
+    options = variant.options()
+    if isinstance(variant, WgmmaVariant):
+        args += _wgmma_fused_args(gather, epilogue, tokens.shape[0])
+        if epilogue is not None:
+            options += epilogue_options(epilogue.activation)
+    launch(variant.source, variant.kernel, tokens.device, grid, variant.threads, args,
+           shared_mem=variant.shared_mem, extra_options=options)
+
+
+def epilogue_options(activation: Any) -> tuple[str, ...]:
+    """The wgmma module options that compile an activation epilogue in (its kind and gating)."""
+    return f"-DSM90_WG_ACT={int(activation.kind)}", f"-DSM90_WG_GATED={int(activation.gated)}"
+
+
+def _output_columns(out: torch.Tensor | None, epilogue: ActivationEpilogue | None) -> int:
+    """N: out's columns, or with an epilogue the GEMM1 columns its output's values per row come from."""
+    if out is not None:
+        n = out.shape[1]
+    else:
+        operand = epilogue.out
+        if not isinstance(operand, TokenOperand) or operand.data.dim() != 2:
+            raise ValueError(f"epilogue.out must be a TokenOperand of 2-D rows, got {operand!r}")
+        inter = operand.data.shape[1] * (1 if operand.layout.is_bf16 else 2)
+        n = epilogue.activation.gemm1_columns(inter)
+    if n <= 0 or n % FEATURE_MULTIPLE:
+        raise ValueError(f"out: N = {n} must be a positive multiple of {FEATURE_MULTIPLE}")
+    return n
+
+
+def _check_gather(gather: RowGather, k: int) -> int:
+    """Check a RowGather against K; returns R (the rows of row_to_slot)."""
+    source, row_to_slot = gather.source, _tensor("gather.row_to_slot", gather.row_to_slot)
+    _check("gather.source", source, (torch.bfloat16,), (source.shape[0], k))
+    _check("gather.row_to_slot", row_to_slot, (torch.int32,), (row_to_slot.numel(),))
+    if not isinstance(gather.top_k, int) or gather.top_k < 1:
+        raise ValueError(f"gather.top_k must be a positive int, got {gather.top_k!r}")
+    if source.numel() * 2 >= 1 << 32:
+        raise ValueError(f"gather.source: {tuple(source.shape)} holds 4 GiB or more (the kernel's 32-bit row offsets)")
+    return row_to_slot.numel()
+
+
+def _check_epilogue(epilogue: ActivationEpilogue, rows: int, n: int) -> dict[str, torch.Tensor]:
+    """Check an ActivationEpilogue for R = rows and GEMM1's N; returns its device tensors by name."""
+    activation, operand = epilogue.activation, epilogue.out
+    inter = n // 2 if activation.gated else n
+    check_activation_output(_tensor("epilogue.out", operand.data), operand.scales, operand.layout, rows, inter,
+                            epilogue.requantize)
+    row_to_slot = _tensor("epilogue.row_to_slot", epilogue.row_to_slot)
+    _check("epilogue.row_to_slot", row_to_slot, (torch.int32,), (rows,))
+    named = {"epilogue.out": operand.data, "epilogue.row_to_slot": row_to_slot}
+    if operand.scales is not None and not operand.layout.is_bf16:
+        named["epilogue.out_scales"] = operand.scales
+    return named
+
+
+def _wgmma_fused_args(gather: RowGather | None, epilogue: ActivationEpilogue | None, source_rows: int) -> tuple:
+    """The wgmma kernel's arguments past out: the gather's, then the epilogue's (zeros / null when absent)."""
+    row_to_slot = gather.row_to_slot if gather is not None else epilogue.row_to_slot if epilogue is not None else None
+    if gather is not None and epilogue is not None and gather.row_to_slot.data_ptr() != epilogue.row_to_slot.data_ptr():
+        raise ValueError("gather.row_to_slot and epilogue.row_to_slot must be one tensor (the sort's)")
+    head = (ptr(row_to_slot, 4), np.int32(gather.top_k if gather is not None else 0),
+            np.int32(source_rows if gather is not None else 0))
+    if epilogue is None:
+        return (*head, np.float32(0), np.float32(0), np.float32(0), np.int32(0), np.int32(0), ptr(None), ptr(None))
+    a, b, limit = epilogue.activation.params()
+    out = epilogue.out
+    scales = out.scales if not out.layout.is_bf16 else None
+    return (*head, np.float32(a), np.float32(b), np.float32(limit), np.int32(out.layout), np.int32(epilogue.requantize),
+            ptr(out.data, 16 if out.layout.is_bf16 else 8), ptr(scales))

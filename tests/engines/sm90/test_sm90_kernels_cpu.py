@@ -18,6 +18,8 @@ import numpy as np
 import pytest
 import torch
 
+from cudnn_moe.activations import GELU, GeGLUTanh, SiTU, SwiGLU
+from cudnn_moe.engines.base import ActivationEpilogue, RowGather, TokenOperand
 from cudnn_moe.engines.sm90 import kernels as sm90
 from cudnn_moe.engines.sm90.layout import pack_weight_tiles, to_token_fragments
 from cudnn_moe.formats import decode_e2m1, dequantize_nvfp4, quantize_nvfp4
@@ -61,6 +63,9 @@ def nvcc_jobs(item: pytest.Item) -> list[tuple[list[str], str]]:
         return [(_nvcc_command(SM90_DIR / params["source"], params["arch"]), ".o")]
     if item.originalname == "test_wgmma_variant_compiles":
         return [(_nvcc_command(SM90_DIR / "wgmma_gemm.cu", "90a", params["variant"].options()), ".o")]
+    if item.originalname == "test_wgmma_epilogue_compiles":
+        options = (*params["variant"].options(), *sm90.epilogue_options(params["activation"]))
+        return [(_nvcc_command(SM90_DIR / "wgmma_gemm.cu", "90a", options), ".o")]
     if item.originalname == "test_variant_compiles":
         return [(_nvcc_command(gemm, "90a", params["variant"].options()), ".o")]
     if item.originalname == "test_prefill_variant_compiles_for_sm100":
@@ -102,6 +107,20 @@ def test_wgmma_variant_compiles(variant: Any) -> None:
     report = result.stderr.split(f"Compiling entry function '{variant.kernel}'")[1].split("Compiling entry")[0]
     assert " 0 bytes spill stores" in report and not re.search(r"\b[1-9]\d* bytes smem", report), report
     assert "instructions are serialized" not in result.stderr  # ptxas's warning when wgmma must wait on itself
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found")
+@pytest.mark.parametrize("variant,activation", [(v, SwiGLU()) for v in WGMMA_VARIANTS] +
+                         [(WGMMA_VARIANTS[0], act) for act in (GELU(), SiTU(1.5, 2.0), GeGLUTanh())], ids=str)
+def test_wgmma_epilogue_compiles(variant: Any, activation: Any) -> None:
+    """The wgmma kernel with an activation epilogue compiled in builds for sm_90a, its main loop still on
+    HGMMA; the SwiGLU epilogue (the models' activation) keeps every variant free of spills."""
+    result = _nvcc(SM90_DIR / "wgmma_gemm.cu", "90a", (*variant.options(), *sm90.epilogue_options(activation)))
+    assert result.returncode == 0, result.stderr
+    report = result.stderr.split(f"Compiling entry function '{variant.kernel}'")[1].split("Compiling entry")[0]
+    if isinstance(activation, SwiGLU):
+        assert " 0 bytes spill stores" in report, report
+    assert "instructions are serialized" not in result.stderr
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found")
@@ -436,6 +455,73 @@ def test_wrappers_match_kernel_signatures(launches: list[tuple]) -> None:
         assert grid == (-(-128 // variant.feature_block), min(3, 40 // 8) + -(-40 // variant.tile_rows))
         assert block == variant.threads and kwargs["shared_mem"] == variant.shared_mem
         assert kwargs["extra_options"] == variant.options()
+
+
+def _fused_args(layout: TokenLayout, activation: Any, e: int = 3, n: int = 256, k: int = 128, rows: int = 40,
+                tokens: int = 7) -> dict[str, Any]:
+    """grouped_gemm's arguments in the fused form: a gather from ``tokens`` rows and an activation epilogue."""
+    args = _gemm_args(e, n, k, rows)
+    row_to_slot = torch.zeros(rows, dtype=torch.int32)
+    inter = n // 2 if activation.gated else n
+    if layout.is_bf16:
+        operand = TokenOperand(torch.zeros(rows, inter, dtype=torch.bfloat16), None, layout)
+    else:
+        operand = TokenOperand(torch.zeros(rows, inter // 2, dtype=torch.uint8),
+                               torch.zeros(128 * inter // 16, dtype=torch.uint8), layout)  # room for 128x4 tiles
+    args.update(x=None, out=None, gather=RowGather(torch.zeros(tokens, k, dtype=torch.bfloat16), row_to_slot, 2),
+                epilogue=ActivationEpilogue(activation, row_to_slot, operand))
+    return args
+
+
+@pytest.mark.parametrize("layout", list(TokenLayout), ids=lambda t: t.name)
+def test_fused_wgmma_call_matches_kernel_signature(layout: TokenLayout, launches: list[tuple]) -> None:
+    """The gather + activation epilogue form passes the kernel's arguments, the epilogue's options and the
+    plain grid (gated: ceil(N / FB) blocks of FB / 2 outputs)."""
+    signature = _signatures()["sm90_gemm_wgmma"]
+    for variant in WGMMA_VARIANTS:
+        for activation in (SwiGLU(), GELU()):
+            launches.clear()
+            sm90.grouped_gemm(**_fused_args(layout, activation), variant=variant)
+            (_source, name, _device, grid, _block, args), kwargs = launches[0]
+            assert name == "sm90_gemm_wgmma" and [type(a) for a in args] == [_ARG_TYPES[t] for t in signature]
+            assert grid == (-(-256 // variant.feature_block), min(3, 40 // 8) + -(-40 // variant.tile_rows))
+            assert kwargs["extra_options"] == (*variant.options(), f"-DSM90_WG_ACT={int(activation.kind)}",
+                                               f"-DSM90_WG_GATED={int(activation.gated)}")
+            assert args[12] == np.int32(2) and args[13] == np.int32(7)  # top_k, the gather's source rows
+            assert args[17] == np.int32(layout) and args[18] == np.int32(1)  # the epilogue's layout, requantize
+
+
+_FUSED_BAD = [
+    ("decode variant", lambda a: a.update(variant=sm90.DECODE), "WgmmaVariant"),
+    ("x with a gather", lambda a: a.update(x=torch.zeros(40, 128, dtype=torch.bfloat16)), "x must be None"),
+    ("out with an epilogue", lambda a: a.update(out=torch.zeros(40, 256, dtype=torch.bfloat16)), "out must be None"),
+    ("source K", lambda a: a.update(gather=RowGather(torch.zeros(7, 64, dtype=torch.bfloat16),
+                                                     a["gather"].row_to_slot, 2)), "w_tiles"),
+    ("source dtype", lambda a: a.update(gather=RowGather(torch.zeros(7, 128, dtype=torch.float16),
+                                                         a["gather"].row_to_slot, 2)), "gather.source"),
+    ("top_k", lambda a: a.update(gather=RowGather(a["gather"].source, a["gather"].row_to_slot, 0)), "top_k"),
+    ("epilogue rows", lambda a: a.update(epilogue=ActivationEpilogue(
+        SwiGLU(), a["gather"].row_to_slot,
+        TokenOperand(torch.zeros(48, 128, dtype=torch.bfloat16), None, TokenLayout.BF16_ROWS))), "out must be"),
+    ("epilogue inter", lambda a: a.update(epilogue=ActivationEpilogue(
+        GELU(), a["gather"].row_to_slot,
+        TokenOperand(torch.zeros(40, 128, dtype=torch.bfloat16), None, TokenLayout.BF16_ROWS))), "w_tiles"),
+    ("epilogue row_to_slot", lambda a: a.update(epilogue=ActivationEpilogue(
+        SwiGLU(), torch.zeros(40, dtype=torch.int32), a["epilogue"].out)), "one tensor"),
+    ("nvfp4 without requantize", lambda a: a.update(epilogue=ActivationEpilogue(
+        SwiGLU(), a["gather"].row_to_slot,
+        TokenOperand(torch.zeros(40, 64, dtype=torch.uint8), torch.zeros(40 * 8, dtype=torch.uint8),
+                     TokenLayout.NVFP4_LINEAR), requantize=False)), "requantize"),
+]
+
+
+@pytest.mark.parametrize("name,mutate,needle", _FUSED_BAD, ids=[b[0] for b in _FUSED_BAD])
+def test_fused_wgmma_call_rejects_bad_arguments(name: str, mutate: Any, needle: str, launches: list[tuple]) -> None:
+    args = {**_fused_args(TokenLayout.BF16_ROWS, SwiGLU()), "variant": WGMMA_VARIANTS[0]}
+    mutate(args)
+    with pytest.raises((ValueError, TypeError), match=needle):
+        sm90.grouped_gemm(**args)
+    assert not launches
 
 
 def test_variant_macros_match_the_source() -> None:

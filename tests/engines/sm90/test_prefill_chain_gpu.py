@@ -1,0 +1,147 @@
+"""GPU tests of the SM90 engine's prefill chain (buckets on the wgmma kernel): sort, token rows, GEMM1 gathering
+its rows through the routing with the activation in its epilogue, GEMM2. Against the unfused chain (sort,
+permute, GEMM1, activation, GEMM2) on the same bucket, bit for bit, and the whole op against the float64
+reference (tolerance: tests/support/moe_checks.py), with outputs and unused buffers NaN-poisoned first."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cudnn_moe import (
+    GELU, GeGLU, GeGLUTanh, Identity, Nvfp4MoeConfig, ReLU, ReLU2, Routing, SiLU, SiTU, SwiGLU, SwiGLUStep,
+    fused_moe,
+)
+from cudnn_moe.engines.registry import engine_for
+from cudnn_moe.engines.sm90.kernels import WgmmaVariant
+from cudnn_moe.fused.reference import reference_for_prepared
+from cudnn_moe.pipeline.executor import MoeExecutor, _BucketStages
+from tests.support.moe_checks import check_close
+
+pytestmark = pytest.mark.gpu
+
+ACTIVATIONS = [SwiGLU(), SwiGLU(alpha=1.702, beta=1.0, limit=7.0), SwiGLUStep(limit=2.0), SiTU(a=2.0, b=3.0), GeGLU(),
+               GeGLUTanh(), GELU(), ReLU(), SiLU(), ReLU2(), Identity()]
+
+
+def _ids(tokens: int, experts: int, top_k: int, gen: torch.Generator, *, hot: bool) -> torch.Tensor:
+    """Distinct random experts per token; with ``hot`` every token's first choice is expert 0 (one long segment)."""
+    if not hot:
+        return torch.rand(tokens, experts, generator=gen).argsort(dim=1)[:, :top_k].to(torch.int32)
+    rest = torch.rand(tokens, experts - 1, generator=gen).argsort(dim=1)[:, : top_k - 1] + 1
+    return torch.cat([torch.zeros(tokens, 1, dtype=rest.dtype), rest], dim=1).to(torch.int32)
+
+
+def _layer(experts: int, hidden: int, inter: int, activation, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    w1 = torch.randn(experts, activation.gemm1_columns(inter), hidden, generator=gen) / hidden**0.5
+    w2 = torch.randn(experts, hidden, inter, generator=gen) / inter**0.5
+    return gen, w1.cuda().bfloat16(), w2.cuda().bfloat16()
+
+
+def _poison(t: torch.Tensor) -> None:
+    if t.dtype == torch.uint8:
+        t.fill_(0xFF)
+    else:
+        t.fill_(float("nan"))
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
+
+
+CHAIN_CASES = [
+    # experts, hidden, inter, top_k, tokens, bf16_tokens, bf16_intermediate, hot, local (start, total)
+    (8, 256, 256, 2, 256, False, False, False, None),
+    (8, 256, 192, 2, 512, False, False, True, None),
+    (16, 512, 256, 4, 300, True, True, False, None),
+    (16, 256, 256, 4, 1000, False, True, False, (16, 64)),
+    (32, 4096, 128, 2, 600, True, False, False, None),
+    (8, 256, 2112, 2, 256, False, False, False, None),  # GEMM1 on 256-feature CTAs, the last one half past I
+    (8, 256, 384, 8, 96, False, False, True, None),
+]
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS, ids=lambda a: repr(a)[:40])
+@pytest.mark.parametrize("case", CHAIN_CASES, ids=lambda c: f"E{c[0]}-H{c[1]}-I{c[2]}-k{c[3]}-T{c[4]}-"
+                         f"{'bf16' if c[5] else 'fp4'}-{'bf16' if c[6] else 'fp4'}{'-hot' if c[7] else ''}"
+                         f"{'-ep' if c[8] else ''}")
+def test_prefill_chain_matches_unfused_chain_bitwise(case, activation) -> None:
+    """GEMM2's tokens and outputs of the fused chain equal the unfused chain's, bit for bit, eager and replayed
+    from the bucket's graph; the fused chain reads neither GEMM1's permuted rows nor its BF16 output."""
+    experts, hidden, inter, top_k, tokens, bf16_tokens, bf16_intermediate, hot, local = case
+    gen, w1, w2 = _layer(experts, hidden, inter, activation, seed=tokens + experts)
+    config = Nvfp4MoeConfig(max_num_tokens=tokens, engine="sm90")
+    weights = config.prepare_weights(w1, w2, activation=activation)
+    start, total = local if local is not None else (0, experts)
+    executor = MoeExecutor(weights, engine_for(weights.spec, weights.device), top_k=top_k, activation=activation,
+                           local_expert_start=start, max_num_tokens=tokens, bf16_tokens=bf16_tokens,
+                           bf16_intermediate=bf16_intermediate)
+    bucket = executor.bucket(tokens)
+    stages = _BucketStages(executor, bucket)
+    assert isinstance(executor.engine.variant(bucket.rows, bucket.gemm1.shape), WgmmaVariant)
+    fused = executor.stages(bucket)
+    assert [name for name, _ in fused] == ["sort", *([] if bf16_tokens else ["token rows"]), "gemm1+activation",
+                                           "gemm2"]
+    x = torch.randn(bucket.tokens, hidden, generator=gen).cuda().bfloat16()
+    if bf16_tokens:
+        bucket.x.copy_(x)
+    else:
+        acts = config.prepare_activations(x)
+        bucket.x.copy_(acts.packed)
+        bucket.x_scales.copy_(acts.scales.view(torch.uint8))
+    ids = _ids(bucket.tokens, total, top_k, gen, hot=hot)
+    ids[tokens:] = -1  # the bucket's tokens past T are masked, as the op's stage writes them
+    bucket.ids.copy_(ids.cuda())
+
+    unfused = [stages.sort(), stages.permute(), stages.gemm1(), stages.activation(), stages.gemm2()]
+    for _, launch in unfused:
+        launch()
+    used = int(bucket.offsets[-1].item())
+    assert used > 0
+    want_tokens = _bits(bucket.gemm2.tokens.data[:used]).clone()
+    want_out = _bits(bucket.gemm2.out[:used]).clone()
+    assert torch.count_nonzero(want_out) > 0 and not torch.isnan(bucket.gemm2.out[:used]).any()
+    for replay in (False, True):
+        for buffer in (bucket.gemm1.tokens.data, bucket.gemm1.out, bucket.gemm2.tokens.data, bucket.gemm2.out):
+            _poison(buffer)
+        if bf16_tokens:
+            bucket.x.copy_(x)
+        if replay:
+            executor._ensure_graph(bucket).replay()
+        else:
+            for _, launch in fused:
+                launch()
+        assert torch.equal(_bits(bucket.gemm2.tokens.data[:used]), want_tokens), f"GEMM2 tokens (replay={replay})"
+        assert torch.equal(_bits(bucket.gemm2.out[:used]), want_out), f"GEMM2 rows (replay={replay})"
+
+
+LAYER_CASES = [
+    # experts, hidden, inter, top_k, tokens, activation, hot, local (start, total)
+    (8, 256, 256, 2, 512, SwiGLU(), False, None),
+    (8, 512, 256, 2, 700, SwiGLU(), True, None),
+    (64, 256, 128, 8, 2048, GeGLU(), False, (32, 128)),
+    (128, 256, 128, 2, 16384, SwiGLU(), True, None),
+    (16, 256, 384, 4, 1024, ReLU2(), False, None),
+]
+
+
+@pytest.mark.parametrize("case", LAYER_CASES, ids=lambda c: f"E{c[0]}-H{c[1]}-I{c[2]}-k{c[3]}-T{c[4]}-"
+                         f"{type(c[5]).__name__}{'-hot' if c[6] else ''}{'-ep' if c[7] else ''}")
+def test_prefill_layers_match_reference(case) -> None:
+    """fused_moe on buckets of the prefill chain (skewed routing with one hot expert, an expert-parallel subset,
+    16384 tokens) against the float64 reference, into a NaN-poisoned output, eager and graph-replayed."""
+    experts, hidden, inter, top_k, tokens, activation, hot, local = case
+    gen, w1, w2 = _layer(experts, hidden, inter, activation, seed=tokens)
+    start, total = local if local is not None else (0, experts)
+    config = Nvfp4MoeConfig(max_num_tokens=tokens, engine="sm90")
+    weights = config.prepare_weights(w1, w2, activation=activation)
+    acts = config.prepare_activations(torch.randn(tokens, hidden, generator=gen).cuda().bfloat16())
+    ids = _ids(tokens, total, top_k, gen, hot=hot)
+    routing = Routing.unpacked(ids.cuda(), (torch.rand(tokens, top_k, generator=gen) + 0.1).cuda())
+    ref = reference_for_prepared(acts, weights, routing, activation, local_expert_start=start)
+    for graph in (False, True):
+        out = torch.full((tokens, hidden), float("nan"), dtype=torch.bfloat16, device="cuda")
+        fused_moe(config, acts, routing, weights, activation=activation, local_expert_start=start, out=out,
+                  use_cuda_graph=graph)
+        check_close(out, ref)
