@@ -3,7 +3,9 @@
 For each model and token count: one fused_moe call fills the bucket (routing, sorted rows, both
 GEMMs' inputs), then each candidate variant runs GEMM1 and GEMM2 on those buffers, captured alone in
 a CUDA graph and timed like the benchmarks (L2 flushed, median). Prints the engine's own choice next
-to the fastest candidate. Usage: python benchmarks/tune_sm90.py --help
+to the fastest candidate; with --forms, each wgmma variant's GEMM1 also in the prefill chain's fused forms
+(rows gathered through the routing, the activation in the epilogue, both). Usage: python
+benchmarks/tune_sm90.py --help
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from common import (  # noqa: E402
 )
 
 from cudnn_moe import Nvfp4MoeConfig, SwiGLU  # noqa: E402
+from cudnn_moe.engines.base import ActivationEpilogue, RowGather  # noqa: E402
 from cudnn_moe.engines.sm90.kernels import DecodeVariant, PrefillVariant, WgmmaVariant, grouped_gemm  # noqa: E402
 
 DECODE = [
@@ -75,6 +78,9 @@ WGMMA = [WgmmaVariant(rows, groups, stages, blocks) for rows, groups, stages, bl
 def main(argv: list[str] | None = None) -> int:
     parser = make_parser(__doc__.splitlines()[0])
     parser.set_defaults(tokens=[1, 8, 64, 512, 4096])
+    parser.add_argument("--forms", action="store_true",
+                        help="also time each wgmma variant's GEMM1 gathering its rows, with the activation epilogue, "
+                             "and with both (the prefill chain's form)")
     args = parser.parse_args(argv)
     if gpu_missing("tune_sm90"):
         return 2
@@ -95,17 +101,25 @@ def main(argv: list[str] | None = None) -> int:
                 candidates = PREFILL if tokens >= 1024 else DECODE + (PREFILL if tokens >= 256 else [])
                 candidates = candidates + (WGMMA if tokens >= 256 else [])
                 flops = 2.0 * int(ops.offsets[-1]) * ops.shape.n * ops.shape.k  # rows used, read outside any capture
+                w = ops.weights
+                gather = RowGather(bucket.gemm1.tokens.data[: bucket.tokens], bucket.row_to_slot, m.top_k)
+                epilogue = ActivationEpilogue(SwiGLU(), bucket.row_to_slot, bucket.gemm2.tokens)
                 for variant in candidates:
-                    w = ops.weights
-                    run = lambda v=variant: grouped_gemm(  # noqa: E731
-                        w.data, w.scales, w.alpha, ops.tokens.data, ops.offsets, ops.out, v)
-                    try:
-                        time_us = timer.median_us(capture(run).replay)
-                        us, tflops = f"{time_us:.1f}", f"{flops / time_us / 1e6:.0f}"
-                    except Exception as exc:  # noqa: BLE001 - a variant that does not fit is reported, not fatal
-                        us, tflops = f"error: {type(exc).__name__}", ""
-                    report.emit(md_row([m.name, str(tokens), name, repr(variant), us, tflops,
-                                        "yes" if variant == chosen else ""]))
+                    forms = [("", {})]
+                    if args.forms and name == "gemm1" and isinstance(variant, WgmmaVariant):
+                        forms += [(" gather", {"gather": gather}), (" epilogue", {"epilogue": epilogue}),
+                                  (" gather+epilogue", {"gather": gather, "epilogue": epilogue})]
+                    for label, fused in forms:
+                        run = lambda v=variant, f=fused: grouped_gemm(  # noqa: E731
+                            w.data, w.scales, w.alpha, None if "gather" in f else ops.tokens.data, ops.offsets,
+                            None if "epilogue" in f else ops.out, v, alpha_split=w.alpha_split, **f)
+                        try:
+                            time_us = timer.median_us(capture(run).replay)
+                            us, tflops = f"{time_us:.1f}", f"{flops / time_us / 1e6:.0f}"
+                        except Exception as exc:  # noqa: BLE001 - a variant that does not fit is reported, not fatal
+                            us, tflops = f"error: {type(exc).__name__}", ""
+                        report.emit(md_row([m.name, str(tokens), name + label, repr(variant), us, tflops,
+                                            "yes" if variant == chosen and not fused else ""]))
 
     run_models(args, bench_model)
     report.write(args.markdown)

@@ -53,11 +53,11 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 CHAIN_CASES = [
     # experts, hidden, inter, top_k, tokens, bf16_tokens, bf16_intermediate, hot, local (start, total)
     (8, 256, 256, 2, 256, False, False, False, None),
-    (8, 256, 192, 2, 512, False, False, True, None),
+    (8, 256, 640, 2, 512, False, False, True, None),
     (16, 512, 256, 4, 300, True, True, False, None),
     (16, 256, 256, 4, 1000, False, True, False, (16, 64)),
     (32, 4096, 128, 2, 600, True, False, False, None),
-    (8, 256, 2112, 2, 256, False, False, False, None),  # GEMM1 on 256-feature CTAs, the last one half past I
+    (8, 256, 2176, 2, 256, False, False, False, None),  # GEMM1 on 256-feature CTAs (N1 >= 4096)
     (8, 256, 384, 8, 96, False, False, True, None),
 ]
 
