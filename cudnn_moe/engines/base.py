@@ -346,11 +346,12 @@ class Stage(NamedTuple):
 
 class LayerStages(abc.ABC):
     """The default stages of one layer call on one token bucket, as the executor builds them, and the fused
-    ones an engine may declare instead (``token_rows`` + ``gemm1_activation`` in place of permute, GEMM1 and
-    the activation)."""
+    ones an engine may declare instead (``gemm1_activation`` in place of GEMM1 and the activation, with
+    ``token_rows`` in place of the permute when it gathers)."""
 
     rows: int  # the bucket's row capacity R
     gemm1_shape: GemmShape
+    activation_function: Any  # the layer's cudnn_moe.activations.Activation
 
     @abc.abstractmethod
     def sort(self) -> Stage: ...
@@ -375,10 +376,11 @@ class LayerStages(abc.ABC):
         gather), or None when the bucket's tokens already are BF16 rows."""
 
     @abc.abstractmethod
-    def gemm1_activation(self) -> Stage:
-        """GEMM1 reading its rows through the routing from the token rows (the permute folded into its
-        token load), with the activation stage in its epilogue (GEMM2's tokens written directly):
-        GemmOperands.gather and .epilogue. Same GEMM2 tokens, bit for bit, as permute, GEMM1, activation."""
+    def gemm1_activation(self, gather: bool) -> Stage:
+        """GEMM1 with the activation stage in its epilogue (GEMM2's tokens written directly: GemmOperands.epilogue);
+        with ``gather``, reading its rows through the routing from token_rows() (the permute folded into its token
+        load: GemmOperands.gather), else from the permuted rows. Same GEMM2 tokens, bit for bit, as the unfused
+        stages."""
 
     @abc.abstractmethod
     def gemm2(self) -> Stage: ...

@@ -359,7 +359,7 @@ class _BucketStages(LayerStages):
 
     def __init__(self, executor: MoeExecutor, bucket: Bucket) -> None:
         self.x, self.b = executor, bucket
-        self.rows, self.gemm1_shape = bucket.rows, bucket.gemm1.shape
+        self.rows, self.gemm1_shape, self.activation_function = bucket.rows, bucket.gemm1.shape, executor.activation
 
     def sort(self) -> Stage:
         x, b = self.x, self.b
@@ -418,11 +418,11 @@ class _BucketStages(LayerStages):
         rows = self._token_rows()
         return Stage("token rows", lambda: kernels.decode_token_rows(b.x, b.x_scales, rows))
 
-    def gemm1_activation(self) -> Stage:
+    def gemm1_activation(self, gather: bool) -> Stage:
         x, b = self.x, self.b
         operands = replace(
             b.gemm1,
-            gather=RowGather(self._token_rows(), b.row_to_slot, x.top_k),
+            gather=RowGather(self._token_rows(), b.row_to_slot, x.top_k) if gather else None,
             epilogue=ActivationEpilogue(x.activation, b.row_to_slot, b.gemm2.tokens, not x.bf16_intermediate),
         )
         return Stage("gemm1+activation", lambda: x.engine.gemm(operands))

@@ -15,9 +15,22 @@
 // Grid: x = feature blocks (N / features per CTA), y >= number of tiles (tile = TILE_ROWS rows of one
 // segment, segments concatenated); CTAs past the last tile exit. No atomics: deterministic.
 #include "common.cuh"
+#include "activation_unit.cuh"
 #include "sm90/fragments.cuh"
 
 using namespace sm90;
+
+// The activation stage folded into the decode kernel's epilogue (the SM90 decode chain): SM90_ACT, an ACT_*
+// code, and SM90_ACT_GATED (0 or 1) compiled in, as in wgmma_gemm.cu; without SM90_ACT the kernels write
+// their BF16 output.
+#ifdef SM90_ACT
+#ifndef SM90_ACT_GATED
+#error "SM90_ACT needs SM90_ACT_GATED"
+#endif
+#define DEC_PAIRED (SM90_ACT_GATED != 0)
+#else
+#define DEC_PAIRED false
+#endif
 
 // =============================================================================================
 // Decode: few tokens per expert. Weights stream global -> registers; split K across warps.
@@ -51,6 +64,14 @@ static_assert(DEC_THREADS >= 32 && DEC_THREADS <= 1024, "decode: 1..32 warps");
 static_assert(DEC_FB == 16 || DEC_FB == 32 || DEC_FB == 64 || DEC_FB == 128, "decode: WM*MT*16 must divide 128");
 static_assert(SM90_NT >= 1 && SM90_NT <= 8 && SM90_PREFETCH >= 1 && SM90_PREFETCH <= 16, "decode: NT / PREFETCH");
 static_assert(SM90_WK * DEC_TB * DEC_RED_STRIDE * 4 <= 48 * 1024, "decode: split-K buffer exceeds 48 KB");
+#ifdef SM90_ACT
+#define DEC_OUT_FB (DEC_PAIRED ? DEC_FB / 2 : DEC_FB)  // activation outputs per CTA
+#define DEC_C_STRIDE (DEC_FB + 8)                      // BF16 per row of the staged C tile (16-byte rows)
+static_assert(!DEC_PAIRED || SM90_WM % 2 == 0, "decode: a gated activation epilogue pairs warps (WM even)");
+static_assert(DEC_OUT_FB % 32 == 0, "decode: the activation epilogue needs units of 32 outputs per CTA");
+static_assert(SM90_WK * DEC_TB * DEC_RED_STRIDE * 4 + DEC_TB * DEC_C_STRIDE * 2 <= 48 * 1024,
+              "decode: split-K buffer and C tile exceed 48 KB");
+#endif
 
 namespace {
 
@@ -87,12 +108,37 @@ __device__ __forceinline__ void decode_step(const DecodeRing& ring, float (&acc)
 
 }  // namespace
 
-// Warp (wm, wk) owns feature rows [16 (blockIdx.x * WM * MT + wm * MT), +16 MT) and the k64 steps
-// j = wk, wk + WK, ...; its partial sums meet in shared memory, summed over wk = 0..WK-1 in order.
+// The m16 row tile of W that the first of warp wm's MT tiles is: blockIdx.x * WM * MT + wm * MT, or paired
+// (a gated activation epilogue, W = [up; gate] of n / 2 rows each) the first WM / 2 warps the up tiles
+// blockIdx.x * WM * MT / 2 + wm * MT and the others the gate tiles of the same features, n / 32 tiles on.
+__device__ __forceinline__ int decode_warp_tile(int wm, int n) {
+  constexpr int HALF_WARPS = SM90_WM / 2;
+  if (!DEC_PAIRED) return static_cast<int>(blockIdx.x) * (SM90_WM * SM90_MT) + wm * SM90_MT;
+  const int first = static_cast<int>(blockIdx.x) * (HALF_WARPS * SM90_MT) + (wm % HALF_WARPS) * SM90_MT;
+  return wm < HALF_WARPS ? first : (n >> 5) + first;
+}
+
+// The feature of W behind column f of the CTA's C tile (decode_warp_tile's order).
+__device__ __forceinline__ int decode_feature(int f, int n) {
+  if (!DEC_PAIRED) return static_cast<int>(blockIdx.x) * DEC_FB + f;
+  const int first = static_cast<int>(blockIdx.x) * (DEC_FB / 2);
+  return f < DEC_FB / 2 ? first + f : (n >> 1) + first + f - DEC_FB / 2;
+}
+
+// Warp (wm, wk) owns feature rows [16 decode_warp_tile(wm), +16 MT) and the k64 steps j = wk, wk + WK, ...;
+// its partial sums meet in shared memory, summed over wk = 0..WK-1 in order.
+// With SM90_ACT (the decode chain): the C tile, rounded to BF16 as out would hold it, goes to the
+// activation epilogue instead of out: act_out (and act_scales) receive moe_activation's output for the
+// tile's rows, bit for bit, in act_layout (requantize as there; act_alpha / _beta / _limit the activation's
+// parameters). Gated: the CTA's first WM / 2 warps compute up and the others the gate rows of DEC_FB / 2
+// outputs (grid x = n / DEC_FB blocks). row_to_slot int32 [row_capacity] marks padding rows (< 0). The
+// gather arguments must be 0 (the decode kernel reads its rows from x).
 extern "C" __global__ void __launch_bounds__(DEC_THREADS)
     sm90_gemm_decode(const u8* __restrict__ w_tiles, const u8* __restrict__ w_scales, const float* __restrict__ alpha,
                      const u16* __restrict__ x, const int* __restrict__ offsets, int num_experts, int n, int k,
-                     int row_capacity, int alpha_split, u16* __restrict__ out) {
+                     int row_capacity, int alpha_split, u16* __restrict__ out, const int* __restrict__ row_to_slot,
+                     int gather_top_k, int gather_tokens, float act_alpha, float act_beta, float act_limit,
+                     int act_layout, int requantize, u8* __restrict__ act_out, u8* __restrict__ act_scales) {
   moe::grid_dependency_begin();
   __shared__ __align__(16) float red[SM90_WK][DEC_TB][DEC_RED_STRIDE];
   Tile tile;
@@ -107,7 +153,7 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS)
   const int q = lane & 3;
   const int kt = k >> 6;  // k64 steps
   const i64 expert_tiles = static_cast<i64>(n >> 4) * kt;
-  const i64 first_tile = static_cast<i64>(blockIdx.x * (SM90_WM * SM90_MT) + wm * SM90_MT) * kt + wk;
+  const i64 first_tile = static_cast<i64>(decode_warp_tile(wm, n)) * kt + wk;
   const i64 mt_stride_w = static_cast<i64>(kt) * 512;  // bytes between the warp's m16 row blocks
   const i64 mt_stride_s = static_cast<i64>(kt) * 64;
   const u8* wp = w_tiles + (tile.expert * expert_tiles + first_tile) * 512 + lane * 16;
@@ -213,14 +259,19 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS)
   }
   __syncthreads();
 
-  // Sum over wk in order, scale, round, store 16-byte row pieces of rows inside the segment.
-  const float scale = __ldg(alpha + expert_alpha(tile.expert, num_experts, static_cast<int>(blockIdx.x) * DEC_FB, alpha_split)) * 256.0f;
+  // Sum over wk in order, scale, round, store 16-byte row pieces of rows inside the segment (to the C tile
+  // for the activation epilogue). Each 8-feature piece takes its own features' alpha.
   constexpr int CHUNKS_PER_ROW = DEC_FB / 8;
+#ifdef SM90_ACT
+  __shared__ __align__(16) u16 c_tile[DEC_TB][DEC_C_STRIDE];
+#endif
   for (int c = threadIdx.x; c < DEC_TB * CHUNKS_PER_ROW; c += DEC_THREADS) {
     const int t = c / CHUNKS_PER_ROW;
     const int f = (c % CHUNKS_PER_ROW) * 8;
     const int row = tile.row0 + t;
     if (row >= tile.row_end) continue;
+    const float scale =
+        __ldg(alpha + expert_alpha(tile.expert, num_experts, decode_feature(f, n), alpha_split)) * 256.0f;
     float4 lo = *reinterpret_cast<const float4*>(&red[0][t][f]);
     float4 hi = *reinterpret_cast<const float4*>(&red[0][t][f + 4]);
 #pragma unroll
@@ -235,8 +286,28 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS)
     v.y = pack_bf16x2(scale * lo.z, scale * lo.w);
     v.z = pack_bf16x2(scale * hi.x, scale * hi.y);
     v.w = pack_bf16x2(scale * hi.z, scale * hi.w);
+#ifdef SM90_ACT
+    *reinterpret_cast<uint4*>(&c_tile[t][f]) = v;
+#else
     stg_v4(out + static_cast<i64>(row) * n + blockIdx.x * DEC_FB + f, v);
+#endif
   }
+#ifdef SM90_ACT
+  __syncthreads();
+  // The activation epilogue: units of 32 outputs (activation_unit.cuh, the bits of moe_activation).
+  constexpr int UNITS = DEC_OUT_FB / 32;
+  const int inter = DEC_PAIRED ? n / 2 : n;
+  for (int item = threadIdx.x; item < DEC_TB * UNITS; item += DEC_THREADS) {
+    const int t = item / UNITS;
+    const int unit = item % UNITS;
+    const int row = tile.row0 + t;
+    if (row >= tile.row_end) continue;
+    moe::activate_store_unit<SM90_ACT, DEC_PAIRED>(&c_tile[t][32 * unit], DEC_FB / 2, __ldg(row_to_slot + row) < 0,
+                                                   row, static_cast<int>(blockIdx.x) * UNITS + unit, inter, SM90_ACT,
+                                                   act_alpha, act_beta, act_limit, act_layout, requantize != 0,
+                                                   act_out, act_scales);
+  }
+#endif
 }
 
 // =============================================================================================

@@ -41,13 +41,13 @@ using namespace sm90;
 #define SM90_WG_MIN_BLOCKS 1  // CTAs per SM the register allocation must allow
 #endif
 
-// The activation stage folded into the epilogue (the SM90 prefill chain): SM90_WG_ACT, an ACT_* code, and
-// SM90_WG_GATED (0 or 1) compiled in; without SM90_WG_ACT the kernel writes GEMM1/GEMM2's BF16 output.
-#ifdef SM90_WG_ACT
-#ifndef SM90_WG_GATED
-#error "SM90_WG_ACT needs SM90_WG_GATED"
+// The activation stage folded into the epilogue (the SM90 prefill chain): SM90_ACT, an ACT_* code, and
+// SM90_ACT_GATED (0 or 1) compiled in; without SM90_ACT the kernel writes GEMM1/GEMM2's BF16 output.
+#ifdef SM90_ACT
+#ifndef SM90_ACT_GATED
+#error "SM90_ACT needs SM90_ACT_GATED"
 #endif
-#define WG_PAIRED (SM90_WG_GATED != 0)
+#define WG_PAIRED (SM90_ACT_GATED != 0)
 #else
 #define WG_PAIRED false
 #endif
@@ -268,7 +268,7 @@ __device__ __forceinline__ void activation_epilogue(const u8* smem, const Tile& 
 //   gather_top_k > 0  the permute folded into the token load: x is bf16 [gather_tokens, K] (natural rows,
 //                     token order) and row r of a segment reads token row_to_slot[r] / gather_top_k, zeros
 //                     where row_to_slot[r] < 0 (padding rows) or the token is past gather_tokens
-//   SM90_WG_ACT       the activation stage folded into the epilogue (act_alpha / _beta / _limit as
+//   SM90_ACT       the activation stage folded into the epilogue (act_alpha / _beta / _limit as
 //                     moe_activation takes them): instead of out, act_out (and act_scales for the NVFP4
 //                     layouts) receive moe_activation's output for the tile's rows, bit for bit, in act_layout
 //                     (requantize as there). Gated: W is [up; gate] (n / 2 rows each), the grid's x covers
@@ -297,8 +297,8 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, SM90_WG_MIN_BLOCKS)
   }
   u32 ring;
   const u8* smem = wgmma_smem(ring);
-#ifdef SM90_WG_ACT
-  activation_epilogue<SM90_WG_ACT, WG_PAIRED>(smem, tile, row_to_slot, WG_PAIRED ? n / 2 : n, act_alpha, act_beta,
+#ifdef SM90_ACT
+  activation_epilogue<SM90_ACT, WG_PAIRED>(smem, tile, row_to_slot, WG_PAIRED ? n / 2 : n, act_alpha, act_beta,
                                               act_limit, act_layout, requantize != 0, act_out, act_scales);
 #else
   // The tile's rows x FB / 8 chunks of 16 B; rows past the segment and features past N are not written.

@@ -133,14 +133,19 @@ class Sm90GemmEngine(GemmEngine):
         self.sm_count = torch.cuda.get_device_properties(device).multi_processor_count
 
     def stages(self, layer: LayerStages) -> list[Stage]:
-        """Buckets on the wgmma kernel: sort, the tokens as BF16 rows (NVFP4 tokens only), GEMM1 gathering
-        its rows through the routing with the activation in its epilogue, GEMM2. Smaller buckets: the default
-        chain, with the sort and the permute in one launch for decode-sized buckets."""
-        if isinstance(self.variant(layer.rows, layer.gemm1_shape), WgmmaVariant):
+        """GEMM1 with the activation in its epilogue, then GEMM2. Buckets on the wgmma kernel: after the sort and
+        the tokens as BF16 rows (NVFP4 tokens only), GEMM1 gathers its rows through the routing. Smaller
+        buckets: after the sort and the permute, in one launch for decode-sized buckets. (The unfused GEMM1 and
+        activation where the variant cannot take the epilogue.)"""
+        variant = self.variant(layer.rows, layer.gemm1_shape)
+        if isinstance(variant, WgmmaVariant):
             rows = layer.token_rows()
-            return [layer.sort(), *([rows] if rows is not None else []), layer.gemm1_activation(), layer.gemm2()]
+            return [layer.sort(), *([rows] if rows is not None else []), layer.gemm1_activation(gather=True),
+                    layer.gemm2()]
         routed = layer.sort_permute()
         head = [routed] if routed is not None else [layer.sort(), layer.permute()]
+        if variant.epilogue_problem(layer.activation_function) is None:
+            return [*head, layer.gemm1_activation(gather=False), layer.gemm2()]
         return [*head, layer.gemm1(), layer.activation(), layer.gemm2()]
 
     def variant(self, rows: int, shape: GemmShape) -> GemmVariant:

@@ -83,6 +83,18 @@ class DecodeVariant:
         return (f"-DSM90_MT={self.mt}", f"-DSM90_WM={self.wm}", f"-DSM90_WK={self.wk}", f"-DSM90_NT={self.nt}",
                 f"-DSM90_PREFETCH={self.prefetch}")
 
+    def epilogue_problem(self, activation: Any) -> str | None:
+        """Why this variant cannot run ``activation``'s epilogue (grouped_gemm.cu's static checks), or None."""
+        outputs = self.feature_block // 2 if activation.gated else self.feature_block
+        if activation.gated and self.wm % 2:
+            return f"a gated activation epilogue pairs warps: WM must be even, got {self.wm}"
+        if outputs % 32:
+            return f"the activation epilogue needs units of 32 outputs per CTA, {self}: {outputs}"
+        split_k = self.wk * self.tile_rows * (self.feature_block + 4) * 4
+        if split_k + self.tile_rows * (self.feature_block + 8) * 2 > 48 * 1024:
+            return f"{self}: the split-K buffer and the C tile exceed 48 KB of shared memory"
+        return None
+
 
 @dataclass(frozen=True)
 class PrefillVariant:
@@ -140,6 +152,10 @@ class PrefillVariant:
         pipeline = self.stages * self.stage_bytes + int(self.adec) * 2 * self.feature_block * 128  # + PF_D_BYTES x 2
         return max(pipeline, self.tile_rows * (2 * self.feature_block + 16))  # PF_C_BYTES
 
+    def epilogue_problem(self, activation: Any) -> str | None:
+        """The mma.sync prefill kernel has no activation epilogue."""
+        return "the mma.sync prefill kernel has no activation epilogue"
+
     def options(self) -> tuple[str, ...]:
         return (f"-DSM90_PF_STAGES={self.stages}", f"-DSM90_PF_MIN_BLOCKS={self.min_blocks}",
                 f"-DSM90_PF_STMATRIX={int(self.stmatrix)}", f"-DSM90_PF_FB={self.feature_block}",
@@ -165,6 +181,10 @@ class WgmmaVariant:
     source = WGMMA_SOURCE
     token_layout = TokenLayout.BF16_ROWS
     alpha_block = 16  # each warp applies its own features' alpha: alpha_split needs a multiple of 16 only
+
+    def epilogue_problem(self, activation: Any) -> str | None:
+        """Every activation epilogue fits (the kernel's C tile is the pipeline's ring)."""
+        return None
 
     def __post_init__(self) -> None:
         if self.tile_rows not in (64, 128):
@@ -269,17 +289,22 @@ def grouped_gemm(
     offsets[e]..offsets[e+1], each a multiple of 8, offsets[E] <= R); out bfloat16 [R, N], rows
     outside every segment untouched. N % 128 == 0, K % 64 == 0.
 
-    The fused forms (a WgmmaVariant only):
-    gather: x is None and row r reads row gather.row_to_slot[r] // gather.top_k of gather.source (bfloat16
-    [B, K], natural rows), zeros for padding rows; R = gather.row_to_slot.numel().
-    epilogue: out is None; epilogue.out receives the activation stage's output for the segments' rows
-    (cudnn_moe.kernels.activate_quantize of what out would hold, bit for bit). Gated activations need W's
-    rows as [up; gate] (N / 2 each).
+    The fused forms:
+    gather (a WgmmaVariant): x is None and row r reads row gather.row_to_slot[r] // gather.top_k of
+    gather.source (bfloat16 [B, K], natural rows), zeros for padding rows; R = gather.row_to_slot.numel().
+    epilogue (a WgmmaVariant, or a DecodeVariant whose ``epilogue_problem`` is None): out is None;
+    epilogue.out receives the activation stage's output for the segments' rows (cudnn_moe.kernels.activate_quantize
+    of what out would hold, bit for bit). Gated activations need W's rows as [up; gate] (N / 2 each).
     """
     if not isinstance(variant, (DecodeVariant, PrefillVariant, WgmmaVariant)):
         raise ValueError(f"variant must be a DecodeVariant, PrefillVariant or WgmmaVariant, got {type(variant).__name__}")
-    if (gather is not None or epilogue is not None) and not isinstance(variant, WgmmaVariant):
-        raise ValueError(f"gather and epilogue need a WgmmaVariant, got {variant}")
+    if gather is not None and not isinstance(variant, WgmmaVariant):
+        raise ValueError(f"a gather needs a WgmmaVariant, got {variant}")
+    if epilogue is not None:
+        problem = variant.epilogue_problem(epilogue.activation)
+        if problem is not None:
+            raise ValueError(f"the activation epilogue needs a WgmmaVariant or a DecodeVariant that fits it, got "
+                             f"{variant}: {problem}")
     w_tiles = _tensor("w_tiles", w_tiles)
     w_tile_scales = _tensor("w_tile_scales", w_tile_scales)
     alpha, offsets = _tensor("alpha", alpha), _tensor("offsets", offsets)
@@ -344,8 +369,8 @@ def grouped_gemm(
     args = (ptr(w_tiles, 16), ptr(w_tile_scales, 16), ptr(alpha, 4), ptr(tokens, 16), ptr(offsets, 4),
             np.int32(experts), np.int32(n), np.int32(k), np.int32(rows), np.int32(split), ptr(out, 16))
     options = variant.options()
-    if isinstance(variant, WgmmaVariant):
-        args += _wgmma_fused_args(gather, epilogue, tokens.shape[0])
+    if not isinstance(variant, PrefillVariant):
+        args += _fused_args(gather, epilogue, tokens.shape[0])
         if epilogue is not None:
             options += epilogue_options(epilogue.activation)
     launch(variant.source, variant.kernel, tokens.device, grid, variant.threads, args,
@@ -353,8 +378,8 @@ def grouped_gemm(
 
 
 def epilogue_options(activation: Any) -> tuple[str, ...]:
-    """The wgmma module options that compile an activation epilogue in (its kind and gating)."""
-    return f"-DSM90_WG_ACT={int(activation.kind)}", f"-DSM90_WG_GATED={int(activation.gated)}"
+    """The decode / wgmma module options that compile an activation epilogue in (its kind and gating)."""
+    return f"-DSM90_ACT={int(activation.kind)}", f"-DSM90_ACT_GATED={int(activation.gated)}"
 
 
 def _output_columns(out: torch.Tensor | None, epilogue: ActivationEpilogue | None) -> int:
@@ -398,8 +423,9 @@ def _check_epilogue(epilogue: ActivationEpilogue, rows: int, n: int) -> dict[str
     return named
 
 
-def _wgmma_fused_args(gather: RowGather | None, epilogue: ActivationEpilogue | None, source_rows: int) -> tuple:
-    """The wgmma kernel's arguments past out: the gather's, then the epilogue's (zeros / null when absent)."""
+def _fused_args(gather: RowGather | None, epilogue: ActivationEpilogue | None, source_rows: int) -> tuple:
+    """The decode and wgmma kernels' arguments past out: the gather's, then the epilogue's (zeros / null when
+    absent)."""
     row_to_slot = gather.row_to_slot if gather is not None else epilogue.row_to_slot if epilogue is not None else None
     if gather is not None and epilogue is not None and gather.row_to_slot.data_ptr() != epilogue.row_to_slot.data_ptr():
         raise ValueError("gather.row_to_slot and epilogue.row_to_slot must be one tensor (the sort's)")

@@ -63,9 +63,10 @@ def nvcc_jobs(item: pytest.Item) -> list[tuple[list[str], str]]:
         return [(_nvcc_command(SM90_DIR / params["source"], params["arch"]), ".o")]
     if item.originalname == "test_wgmma_variant_compiles":
         return [(_nvcc_command(SM90_DIR / "wgmma_gemm.cu", "90a", params["variant"].options()), ".o")]
-    if item.originalname == "test_wgmma_epilogue_compiles":
-        options = (*params["variant"].options(), *sm90.epilogue_options(params["activation"]))
-        return [(_nvcc_command(SM90_DIR / "wgmma_gemm.cu", "90a", options), ".o")]
+    if item.originalname == "test_epilogue_compiles":
+        variant = params["variant"]
+        options = (*variant.options(), *sm90.epilogue_options(params["activation"]))
+        return [(_nvcc_command(kernels_dir() / variant.source, "90a", options), ".o")]
     if item.originalname == "test_variant_compiles":
         return [(_nvcc_command(gemm, "90a", params["variant"].options()), ".o")]
     if item.originalname == "test_prefill_variant_compiles_for_sm100":
@@ -109,13 +110,17 @@ def test_wgmma_variant_compiles(variant: Any) -> None:
     assert "instructions are serialized" not in result.stderr  # ptxas's warning when wgmma must wait on itself
 
 
+EPILOGUE_DECODE_VARIANTS = [v for v in DECODE_VARIANTS if v.epilogue_problem(SwiGLU()) is None]
+
+
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found")
-@pytest.mark.parametrize("variant,activation", [(v, SwiGLU()) for v in WGMMA_VARIANTS] +
-                         [(WGMMA_VARIANTS[0], act) for act in (GELU(), SiTU(1.5, 2.0), GeGLUTanh())], ids=str)
-def test_wgmma_epilogue_compiles(variant: Any, activation: Any) -> None:
-    """The wgmma kernel with an activation epilogue compiled in builds for sm_90a, its main loop still on
-    HGMMA; the SwiGLU epilogue (the models' activation) keeps every variant free of spills."""
-    result = _nvcc(SM90_DIR / "wgmma_gemm.cu", "90a", (*variant.options(), *sm90.epilogue_options(activation)))
+@pytest.mark.parametrize("variant,activation", [(v, SwiGLU()) for v in WGMMA_VARIANTS + EPILOGUE_DECODE_VARIANTS] +
+                         [(v, act) for v in (WGMMA_VARIANTS[0], EPILOGUE_DECODE_VARIANTS[0])
+                          for act in (GELU(), SiTU(1.5, 2.0), GeGLUTanh())], ids=str)
+def test_epilogue_compiles(variant: Any, activation: Any) -> None:
+    """The wgmma and decode kernels with an activation epilogue compiled in build for sm_90a; the SwiGLU
+    epilogue (the models' activation) keeps every variant free of spills."""
+    result = _nvcc(kernels_dir() / variant.source, "90a", (*variant.options(), *sm90.epilogue_options(activation)))
     assert result.returncode == 0, result.stderr
     report = result.stderr.split(f"Compiling entry function '{variant.kernel}'")[1].split("Compiling entry")[0]
     if isinstance(activation, SwiGLU):
@@ -474,25 +479,35 @@ def _fused_args(layout: TokenLayout, activation: Any, e: int = 3, n: int = 256, 
 
 
 @pytest.mark.parametrize("layout", list(TokenLayout), ids=lambda t: t.name)
-def test_fused_wgmma_call_matches_kernel_signature(layout: TokenLayout, launches: list[tuple]) -> None:
-    """The gather + activation epilogue form passes the kernel's arguments, the epilogue's options and the
-    plain grid (gated: ceil(N / FB) blocks of FB / 2 outputs)."""
-    signature = _signatures()["sm90_gemm_wgmma"]
-    for variant in WGMMA_VARIANTS:
+def test_fused_call_matches_kernel_signature(layout: TokenLayout, launches: list[tuple]) -> None:
+    """The gather + activation epilogue form (wgmma), the epilogue form (decode) pass the kernel's arguments, the
+    epilogue's options and the plain grid (gated: ceil(N / FB) blocks of FB / 2 outputs)."""
+    signatures = _signatures()
+    fitting = [v for v in DECODE_VARIANTS if v.epilogue_problem(SwiGLU()) is None]
+    assert fitting
+    for variant in [*WGMMA_VARIANTS, *fitting]:
         for activation in (SwiGLU(), GELU()):
             launches.clear()
-            sm90.grouped_gemm(**_fused_args(layout, activation), variant=variant)
+            args = _fused_args(layout, activation)
+            if isinstance(variant, sm90.DecodeVariant):  # no gather: the rows come from x
+                args.update(gather=None, x=torch.zeros(40, 128, dtype=torch.bfloat16))
+            sm90.grouped_gemm(**args, variant=variant)
             (_source, name, _device, grid, _block, args), kwargs = launches[0]
-            assert name == "sm90_gemm_wgmma" and [type(a) for a in args] == [_ARG_TYPES[t] for t in signature]
+            assert name == variant.kernel and [type(a) for a in args] == [_ARG_TYPES[t] for t in signatures[name]]
             assert grid == (-(-256 // variant.feature_block), min(3, 40 // 8) + -(-40 // variant.tile_rows))
-            assert kwargs["extra_options"] == (*variant.options(), f"-DSM90_WG_ACT={int(activation.kind)}",
-                                               f"-DSM90_WG_GATED={int(activation.gated)}")
-            assert args[12] == np.int32(2) and args[13] == np.int32(7)  # top_k, the gather's source rows
+            assert kwargs["extra_options"] == (*variant.options(), f"-DSM90_ACT={int(activation.kind)}",
+                                               f"-DSM90_ACT_GATED={int(activation.gated)}")
+            gathers = isinstance(variant, sm90.WgmmaVariant)
+            assert (args[12], args[13]) == ((np.int32(2), np.int32(7)) if gathers else (0, 0))  # top_k, source rows
             assert args[17] == np.int32(layout) and args[18] == np.int32(1)  # the epilogue's layout, requantize
 
 
 _FUSED_BAD = [
-    ("decode variant", lambda a: a.update(variant=sm90.DECODE), "WgmmaVariant"),
+    ("gather on decode", lambda a: a.update(variant=sm90.DECODE), "gather needs a WgmmaVariant"),
+    ("epilogue on prefill", lambda a: a.update(variant=sm90.PREFILL, gather=None,
+                                              x=torch.zeros(40, 128, dtype=torch.bfloat16)), "no activation epilogue"),
+    ("epilogue on odd WM", lambda a: a.update(variant=sm90.DecodeVariant(mt=2, wm=1, wk=4), gather=None,
+                                             x=torch.zeros(40, 128, dtype=torch.bfloat16)), "WM must be even"),
     ("x with a gather", lambda a: a.update(x=torch.zeros(40, 128, dtype=torch.bfloat16)), "x must be None"),
     ("out with an epilogue", lambda a: a.update(out=torch.zeros(40, 256, dtype=torch.bfloat16)), "out must be None"),
     ("source K", lambda a: a.update(gather=RowGather(torch.zeros(7, 64, dtype=torch.bfloat16),
@@ -516,7 +531,7 @@ _FUSED_BAD = [
 
 
 @pytest.mark.parametrize("name,mutate,needle", _FUSED_BAD, ids=[b[0] for b in _FUSED_BAD])
-def test_fused_wgmma_call_rejects_bad_arguments(name: str, mutate: Any, needle: str, launches: list[tuple]) -> None:
+def test_fused_call_rejects_bad_arguments(name: str, mutate: Any, needle: str, launches: list[tuple]) -> None:
     args = {**_fused_args(TokenLayout.BF16_ROWS, SwiGLU()), "variant": WGMMA_VARIANTS[0]}
     mutate(args)
     with pytest.raises((ValueError, TypeError), match=needle):

@@ -1,7 +1,8 @@
-"""GPU tests of the SM90 engine's prefill chain (buckets on the wgmma kernel): sort, token rows, GEMM1 gathering
-its rows through the routing with the activation in its epilogue, GEMM2. Against the unfused chain (sort,
-permute, GEMM1, activation, GEMM2) on the same bucket, bit for bit, and the whole op against the float64
-reference (tolerance: tests/support/moe_checks.py), with outputs and unused buffers NaN-poisoned first."""
+"""GPU tests of the SM90 engine's fused chains: GEMM1 with the activation in its epilogue, after sort + permute
+(decode kernel buckets) or after the sort and the token rows with GEMM1 gathering its rows through the routing
+(wgmma buckets: the prefill chain). Against the unfused chain (sort, permute, GEMM1, activation, GEMM2) on the
+same bucket, bit for bit, and the whole op against the float64 reference (tolerance: tests/support/moe_checks.py),
+with outputs and unused buffers NaN-poisoned first."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from cudnn_moe import (
     fused_moe,
 )
 from cudnn_moe.engines.registry import engine_for
-from cudnn_moe.engines.sm90.kernels import WgmmaVariant
+from cudnn_moe.engines.sm90.kernels import DecodeVariant, WgmmaVariant
 from cudnn_moe.fused.reference import reference_for_prepared
 from cudnn_moe.pipeline.executor import MoeExecutor, _BucketStages
 from tests.support.moe_checks import check_close
@@ -59,6 +60,13 @@ CHAIN_CASES = [
     (32, 4096, 128, 2, 600, True, False, False, None),
     (8, 256, 2176, 2, 256, False, False, False, None),  # GEMM1 on 256-feature CTAs (N1 >= 4096)
     (8, 256, 384, 8, 96, False, False, True, None),
+    # decode kernel buckets: sort + permute in one launch, then GEMM1 with the epilogue
+    (8, 256, 256, 2, 1, False, False, False, None),
+    (128, 512, 256, 8, 8, True, True, False, None),
+    (64, 256, 384, 8, 64, False, False, True, (32, 128)),
+    (16, 4096, 128, 4, 24, False, True, False, None),
+    (16, 256, 256, 2, 128, False, False, True, None),  # 32-row token tiles
+    (16, 4096, 128, 2, 128, True, False, False, None),  # 32-row tiles, split K
 ]
 
 
@@ -66,9 +74,10 @@ CHAIN_CASES = [
 @pytest.mark.parametrize("case", CHAIN_CASES, ids=lambda c: f"E{c[0]}-H{c[1]}-I{c[2]}-k{c[3]}-T{c[4]}-"
                          f"{'bf16' if c[5] else 'fp4'}-{'bf16' if c[6] else 'fp4'}{'-hot' if c[7] else ''}"
                          f"{'-ep' if c[8] else ''}")
-def test_prefill_chain_matches_unfused_chain_bitwise(case, activation) -> None:
+def test_fused_chain_matches_unfused_chain_bitwise(case, activation) -> None:
     """GEMM2's tokens and outputs of the fused chain equal the unfused chain's, bit for bit, eager and replayed
-    from the bucket's graph; the fused chain reads neither GEMM1's permuted rows nor its BF16 output."""
+    from the bucket's graph; the fused chain never reads GEMM1's BF16 output (nor, gathering, its permuted
+    rows)."""
     experts, hidden, inter, top_k, tokens, bf16_tokens, bf16_intermediate, hot, local = case
     gen, w1, w2 = _layer(experts, hidden, inter, activation, seed=tokens + experts)
     config = Nvfp4MoeConfig(max_num_tokens=tokens, engine="sm90")
@@ -79,10 +88,15 @@ def test_prefill_chain_matches_unfused_chain_bitwise(case, activation) -> None:
                            bf16_intermediate=bf16_intermediate)
     bucket = executor.bucket(tokens)
     stages = _BucketStages(executor, bucket)
-    assert isinstance(executor.engine.variant(bucket.rows, bucket.gemm1.shape), WgmmaVariant)
+    variant = executor.engine.variant(bucket.rows, bucket.gemm1.shape)
+    gathers = isinstance(variant, WgmmaVariant)
+    assert gathers or isinstance(variant, DecodeVariant)
     fused = executor.stages(bucket)
-    assert [name for name, _ in fused] == ["sort", *([] if bf16_tokens else ["token rows"]), "gemm1+activation",
-                                           "gemm2"]
+    if gathers:
+        head = ["sort", *([] if bf16_tokens else ["token rows"])]
+    else:
+        head = ["sort+permute"] if bucket.tokens * top_k <= 1024 else ["sort", "permute"]
+    assert [name for name, _ in fused] == [*head, "gemm1+activation", "gemm2"]
     x = torch.randn(bucket.tokens, hidden, generator=gen).cuda().bfloat16()
     if bf16_tokens:
         bucket.x.copy_(x)
@@ -104,7 +118,7 @@ def test_prefill_chain_matches_unfused_chain_bitwise(case, activation) -> None:
     assert torch.count_nonzero(want_out) > 0 and not torch.isnan(bucket.gemm2.out[:used]).any()
     for replay in (False, True):
         for buffer in (bucket.gemm1.tokens.data, bucket.gemm1.out, bucket.gemm2.tokens.data, bucket.gemm2.out):
-            _poison(buffer)
+            _poison(buffer)  # padding rows of the permuted tokens stay NaN: they must not reach GEMM2
         if bf16_tokens:
             bucket.x.copy_(x)
         if replay:
