@@ -50,6 +50,10 @@ _WGMMA_SHORT = WgmmaVariant(tile_rows=64, groups=2, stages=4, min_blocks=3)
 _WGMMA = WgmmaVariant(tile_rows=128, groups=2, stages=5)
 _WGMMA_WIDE = WgmmaVariant(tile_rows=128, groups=4, stages=5)
 _WGMMA_MIN_ROWS, _WGMMA_LONG_ROWS, _WGMMA_WIDE_N = 32, 64, 4096
+# The decode kernel's activation epilogue pays off while GEMM1 runs in few waves (it adds its latency to
+# each wave): measured faster at T=1 on both models and at T=8 on Qwen3-30B-A3B (up to ~770 CTAs), slower
+# on DeepSeek-V3 at T=8 (2048 CTAs) and T=512 (benchmarks/RESULTS.md). Fused up to this many CTAs per SM.
+_DECODE_EPILOGUE_CTAS_PER_SM = 6
 
 
 def _slots(rows: int, num_experts: int) -> int:
@@ -76,6 +80,14 @@ def choose_variant(rows: int, shape: GemmShape, sm_count: int) -> GemmVariant:
         return _MID_LONG_K if shape.k >= _LONG_K else _MID
     used = min(shape.num_experts, _slots(rows, shape.num_experts))
     return _WIDE if shape.n // _WIDE.feature_block * used >= 2 * sm_count else _SPLIT
+
+
+def decode_ctas(rows: int, shape: GemmShape, variant: GemmVariant) -> int:
+    """About how many CTAs a decode-kernel GEMM of a bucket with ``rows`` rows launches: used experts x their
+    token tiles x feature blocks."""
+    used = min(shape.num_experts, _slots(rows, shape.num_experts))
+    tiles = -(-int(rows_per_expert(rows, shape.num_experts)) // variant.tile_rows)
+    return used * max(1, tiles) * (shape.n // variant.feature_block)
 
 
 LOW_LATENCY_MAX_TOKENS = 8
@@ -133,10 +145,10 @@ class Sm90GemmEngine(GemmEngine):
         self.sm_count = torch.cuda.get_device_properties(device).multi_processor_count
 
     def stages(self, layer: LayerStages) -> list[Stage]:
-        """GEMM1 with the activation in its epilogue, then GEMM2. Buckets on the wgmma kernel: after the sort and
-        the tokens as BF16 rows (NVFP4 tokens only), GEMM1 gathers its rows through the routing. Smaller
-        buckets: after the sort and the permute, in one launch for decode-sized buckets. (The unfused GEMM1 and
-        activation where the variant cannot take the epilogue.)"""
+        """Buckets on the wgmma kernel: the sort, the tokens as BF16 rows (NVFP4 tokens only), GEMM1 gathering its
+        rows through the routing with the activation in its epilogue, GEMM2. Smaller buckets: the sort and the
+        permute (in one launch for decode-sized buckets), then GEMM1 with the activation epilogue where that
+        pays (fuses_decode_epilogue), else GEMM1 and the activation, then GEMM2."""
         variant = self.variant(layer.rows, layer.gemm1_shape)
         if isinstance(variant, WgmmaVariant):
             rows = layer.token_rows()
@@ -144,9 +156,16 @@ class Sm90GemmEngine(GemmEngine):
                     layer.gemm2()]
         routed = layer.sort_permute()
         head = [routed] if routed is not None else [layer.sort(), layer.permute()]
-        if variant.epilogue_problem(layer.activation_function) is None:
+        if self.fuses_decode_epilogue(layer.rows, layer.gemm1_shape, layer.activation_function):
             return [*head, layer.gemm1_activation(gather=False), layer.gemm2()]
         return [*head, layer.gemm1(), layer.activation(), layer.gemm2()]
+
+    def fuses_decode_epilogue(self, rows: int, shape: GemmShape, activation: object) -> bool:
+        """Whether a decode-kernel GEMM1 of a bucket with ``rows`` rows takes the activation epilogue: the variant
+        fits it and the launch is small enough for it to pay (_DECODE_EPILOGUE_CTAS_PER_SM)."""
+        variant = self.variant(rows, shape)
+        return (isinstance(variant, DecodeVariant) and variant.epilogue_problem(activation) is None
+                and decode_ctas(rows, shape, variant) <= _DECODE_EPILOGUE_CTAS_PER_SM * self.sm_count)
 
     def variant(self, rows: int, shape: GemmShape) -> GemmVariant:
         """The kernel variant a GEMM of a bucket with ``rows`` rows runs."""
