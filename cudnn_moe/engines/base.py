@@ -187,12 +187,23 @@ class ActivationEpilogue:
     requantize: bool = True
 
 
+class Gemm1Fusion(NamedTuple):
+    """How an engine's chain runs GEMM1 on one bucket: with the activation in its epilogue (GEMM1's BF16 output
+    is never written), and gathering its rows through the routing (no permuted token rows). The executor
+    allocates only the buffers the chain uses."""
+
+    epilogue: bool = False
+    gather: bool = False
+
+
 @dataclass(frozen=True)
 class GemmOperands:
     """Everything one grouped GEMM launch reads and writes (buffers of one token bucket).
 
     rows: the bucket's row capacity R; tokens: R rows of K; offsets int32 [E + 1];
-    out bfloat16 [R, N]; workspace: uint8, ``GemmEngine.workspace_bytes`` bytes, or None.
+    out bfloat16 [R, N]; workspace: uint8, ``GemmEngine.workspace_bytes`` bytes, or None. A bucket whose chain
+    fuses GEMM1 (GemmEngine.gemm1_fusion) holds no rows in the buffers that chain never touches: GEMM1's
+    ``out`` with the epilogue, its ``tokens`` with the gather.
     gather / epilogue: the fused forms, for an engine that declares ``LayerStages.gemm1_activation`` in its
     chain: the tokens read through the routing instead of ``tokens``; the activation written instead of ``out``.
     """
@@ -320,6 +331,11 @@ class GemmEngine(Engine):
         if self.token_layout.is_bf16:
             return (rows, k), torch.bfloat16, 0
         return (rows, k // 2), torch.uint8, rows * (k // 16)
+
+    def gemm1_fusion(self, rows: int, shape: GemmShape, activation: Any) -> Gemm1Fusion:
+        """How this engine's chain (``stages``) runs GEMM1 of ``shape`` on a bucket of ``rows`` rows with
+        ``activation``: unfused by default."""
+        return Gemm1Fusion()
 
     def workspace_bytes(self, rows: int, shape: GemmShape) -> int:
         """Workspace a GEMM of ``rows`` rows needs (0 by default); an engine that builds plans per shape

@@ -113,8 +113,8 @@ class Bucket:
             # Zero-filled so rows the pipeline never writes always hold finite values.
             return torch.zeros(*shape, dtype=dtype, device=dev)
 
-        def token_operand(gemm: GemmShape) -> TokenOperand:
-            shape, dtype, scale_bytes = engine.token_buffers(rows, gemm.k, experts)
+        def token_operand(gemm: GemmShape, buffer_rows: int) -> TokenOperand:
+            shape, dtype, scale_bytes = engine.token_buffers(buffer_rows, gemm.k, experts)
             return TokenOperand(empty(*shape, dtype=dtype), empty(scale_bytes) if scale_bytes else None,
                                 engine.token_layout_for(rows, gemm))
 
@@ -131,6 +131,12 @@ class Bucket:
         self.row_to_slot = empty(rows, dtype=torch.int32)
         self.row_expert = empty(rows, dtype=torch.int32)
         shape1, shape2 = GemmShape(hidden, n1, experts), GemmShape(inter, hidden, experts)
+        # Only the buffers the engine's chain uses hold rows (cudnn_moe.engines.base.Gemm1Fusion): a gathering GEMM1
+        # reads no permuted rows (NVFP4 tokens are decoded into x_rows, BF16 tokens read from x), one with the
+        # activation epilogue writes no BF16 output.
+        self.fusion = engine.gemm1_fusion(rows, shape1, executor.activation)
+        decoded = self.fusion.gather and not executor.bf16_tokens
+        self.x_rows = empty(tokens if decoded else 0, hidden, dtype=torch.bfloat16)
         workspace_bytes = max(engine.workspace_bytes(rows, shape1), engine.workspace_bytes(rows, shape2))
         workspace = empty(workspace_bytes) if workspace_bytes else None
         # The expert globals: the weights', or per-call ones the op's stage writes here (weights without alpha).
@@ -138,11 +144,12 @@ class Bucket:
                                                                       dtype=torch.float32)
         self.alpha2 = w.w2_alpha if w.w2_alpha is not None else empty(experts, dtype=torch.float32)
         self.gemm1 = GemmOperands(
-            rows, shape1, token_operand(shape1), WeightOperand(w.w1, w.w1_scales, self.alpha1, w.w1_alpha_split),
-            self.offsets, empty(rows, n1, dtype=torch.bfloat16), workspace,
+            rows, shape1, token_operand(shape1, 0 if self.fusion.gather else rows),
+            WeightOperand(w.w1, w.w1_scales, self.alpha1, w.w1_alpha_split), self.offsets,
+            empty(0 if self.fusion.epilogue else rows, n1, dtype=torch.bfloat16), workspace,
         )
         self.gemm2 = GemmOperands(
-            rows, shape2, token_operand(shape2), WeightOperand(w.w2, w.w2_scales, self.alpha2), self.offsets,
+            rows, shape2, token_operand(shape2, rows), WeightOperand(w.w2, w.w2_scales, self.alpha2), self.offsets,
             empty(rows, hidden, dtype=torch.bfloat16), workspace,
         )
         self.graph: torch.cuda.CUDAGraph | None = None
@@ -406,17 +413,16 @@ class _BucketStages(LayerStages):
         return Stage("gemm2", lambda: self.x.engine.gemm(self.b.gemm2))
 
     def _token_rows(self) -> torch.Tensor:
-        """The natural BF16 token rows gemm1_activation gathers from: the bucket's BF16 tokens, or NVFP4 tokens
-        decoded into the first B rows of GEMM1's token buffer (which the gather leaves unused otherwise)."""
+        """The natural BF16 token rows gemm1_activation gathers from: the bucket's BF16 tokens, or its NVFP4 tokens
+        decoded into x_rows."""
         b = self.b
-        return b.x if self.x.bf16_tokens else b.gemm1.tokens.data[: b.tokens]
+        return b.x if self.x.bf16_tokens else b.x_rows
 
     def token_rows(self) -> Stage | None:
         b = self.b
         if self.x.bf16_tokens:
             return None
-        rows = self._token_rows()
-        return Stage("token rows", lambda: kernels.decode_token_rows(b.x, b.x_scales, rows))
+        return Stage("token rows", lambda: kernels.decode_token_rows(b.x, b.x_scales, b.x_rows))
 
     def gemm1_activation(self, gather: bool) -> Stage:
         x, b = self.x, self.b

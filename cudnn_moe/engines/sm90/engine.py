@@ -19,6 +19,7 @@ from ..base import (
     OP_FUSED,
     OP_LOW_LATENCY,
     EngineSpec,
+    Gemm1Fusion,
     GemmEngine,
     GemmOperands,
     GemmShape,
@@ -144,28 +145,31 @@ class Sm90GemmEngine(GemmEngine):
         super().__init__(device, SM90)
         self.sm_count = torch.cuda.get_device_properties(device).multi_processor_count
 
-    def stages(self, layer: LayerStages) -> list[Stage]:
-        """Buckets on the wgmma kernel: the sort, the tokens as BF16 rows (NVFP4 tokens only), GEMM1 gathering its
-        rows through the routing with the activation in its epilogue, GEMM2. Smaller buckets: the sort and the
-        permute (in one launch for decode-sized buckets), then GEMM1 with the activation epilogue where that
-        pays (fuses_decode_epilogue), else GEMM1 and the activation, then GEMM2."""
-        variant = self.variant(layer.rows, layer.gemm1_shape)
+    def gemm1_fusion(self, rows: int, shape: GemmShape, activation: object) -> Gemm1Fusion:
+        """wgmma buckets: the activation epilogue and the gather; decode buckets: the epilogue where it pays (the
+        variant fits it and the launch stays within _DECODE_EPILOGUE_CTAS_PER_SM CTAs per SM); else neither."""
+        variant = self.variant(rows, shape)
         if isinstance(variant, WgmmaVariant):
+            return Gemm1Fusion(epilogue=True, gather=True)
+        fits = isinstance(variant, DecodeVariant) and variant.epilogue_problem(activation) is None
+        return Gemm1Fusion(epilogue=fits and decode_ctas(rows, shape, variant) <= _DECODE_EPILOGUE_CTAS_PER_SM
+                           * self.sm_count)
+
+    def stages(self, layer: LayerStages) -> list[Stage]:
+        """As gemm1_fusion says. Gathering: the sort, the tokens as BF16 rows (NVFP4 tokens only), GEMM1 gathering
+        its rows through the routing with the activation in its epilogue, GEMM2. Otherwise: the sort and the
+        permute (in one launch for decode-sized buckets), GEMM1 with the activation epilogue or GEMM1 and the
+        activation, GEMM2."""
+        fusion = self.gemm1_fusion(layer.rows, layer.gemm1_shape, layer.activation_function)
+        if fusion.gather:
             rows = layer.token_rows()
             return [layer.sort(), *([rows] if rows is not None else []), layer.gemm1_activation(gather=True),
                     layer.gemm2()]
         routed = layer.sort_permute()
         head = [routed] if routed is not None else [layer.sort(), layer.permute()]
-        if self.fuses_decode_epilogue(layer.rows, layer.gemm1_shape, layer.activation_function):
+        if fusion.epilogue:
             return [*head, layer.gemm1_activation(gather=False), layer.gemm2()]
         return [*head, layer.gemm1(), layer.activation(), layer.gemm2()]
-
-    def fuses_decode_epilogue(self, rows: int, shape: GemmShape, activation: object) -> bool:
-        """Whether a decode-kernel GEMM1 of a bucket with ``rows`` rows takes the activation epilogue: the variant
-        fits it and the launch is small enough for it to pay (_DECODE_EPILOGUE_CTAS_PER_SM)."""
-        variant = self.variant(rows, shape)
-        return (isinstance(variant, DecodeVariant) and variant.epilogue_problem(activation) is None
-                and decode_ctas(rows, shape, variant) <= _DECODE_EPILOGUE_CTAS_PER_SM * self.sm_count)
 
     def variant(self, rows: int, shape: GemmShape) -> GemmVariant:
         """The kernel variant a GEMM of a bucket with ``rows`` rows runs."""

@@ -6,6 +6,8 @@ with outputs and unused buffers NaN-poisoned first."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -13,6 +15,7 @@ from cudnn_moe import (
     GELU, GeGLU, GeGLUTanh, Identity, Nvfp4MoeConfig, ReLU, ReLU2, Routing, SiLU, SiTU, SwiGLU, SwiGLUStep,
     fused_moe,
 )
+from cudnn_moe.engines.base import TokenOperand
 from cudnn_moe.engines.registry import engine_for
 from cudnn_moe.engines.sm90.kernels import DecodeVariant, WgmmaVariant
 from cudnn_moe.fused.reference import reference_for_prepared
@@ -87,6 +90,12 @@ def test_fused_chain_matches_unfused_chain_bitwise(case, activation) -> None:
                            local_expert_start=start, max_num_tokens=tokens, bf16_tokens=bf16_tokens,
                            bf16_intermediate=bf16_intermediate)
     bucket = executor.bucket(tokens)
+    # The bucket holds no rows in what its fused chain never touches; the unfused chain gets full buffers here.
+    g1 = bucket.gemm1
+    assert g1.out.shape[0] == 0 and (g1.tokens.data.shape[0] == 0) == bucket.fusion.gather
+    full_tokens = torch.empty(bucket.rows, hidden, dtype=torch.bfloat16, device="cuda")
+    bucket.gemm1 = replace(g1, out=torch.empty(bucket.rows, g1.shape.n, dtype=torch.bfloat16, device="cuda"),
+                           tokens=TokenOperand(full_tokens, None, g1.tokens.layout))
     stages = _BucketStages(executor, bucket)
     variant = executor.engine.variant(bucket.rows, bucket.gemm1.shape)
     gathers = isinstance(variant, WgmmaVariant)
