@@ -29,16 +29,42 @@ __device__ __forceinline__ void activate_32(const u16* row, int gate_offset, int
   }
 }
 
+// The reciprocal of d as CUDA's IEEE division refines it: the hardware approximation and one Newton step.
+__device__ __forceinline__ float refined_reciprocal(float d) {
+  float r0;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r0) : "f"(d));
+  return fmaf(r0, fmaf(-d, r0, 1.0f), r0);
+}
+
+// y / d rounded to nearest even, given r = refined_reciprocal(d): the fast path of CUDA's IEEE division (the
+// quotient y r corrected once with its exact residual), with the reciprocal shared by a whole block instead of
+// recomputed per value. It equals y / d wherever CUDA's own division takes that path, which holds for every
+// divisor requantize_16 uses (E4M3 scales, 2^-9 .. 448) and every y whose quotient lies in the normal range;
+// nearer zero or infinity both round to the same E2M1 grid value. Infinite or NaN y give y r (±inf, NaN), as
+// the division does (the correction would turn an infinity into NaN).
+__device__ __forceinline__ float divide_rn(float y, float d, float r) {
+  const float q0 = y * r;
+  const float e = fmaf(-q0, d, y);
+  return e == e ? fmaf(r, e, q0) : q0;
+}
+
 // Requantize one 16-value block in place: s = e4m3(amax(|y|) / 6) (returned), y_j = the E2M1 grid value of
-// y_j / float(s) (true division; round_to_e2m1 is e2m1_to_float(float_to_e2m1(.))), all +0 when float(s) == 0.
+// y_j / float(s) (the IEEE quotient, divide_rn; round_to_e2m1 is e2m1_to_float(float_to_e2m1(.))), all +0 when
+// float(s) == 0.
 __device__ __forceinline__ u8 requantize_16(float y[16]) {
   float amax = 0.0f;
 #pragma unroll
   for (int j = 0; j < 16; ++j) amax = fmaxf(amax, fabsf(y[j]));
   const u8 s = float_to_e4m3(amax / 6.0f);
   const float sf = e4m3_to_float(s);
+  if (sf == 0.0f) {
 #pragma unroll
-  for (int j = 0; j < 16; ++j) y[j] = sf != 0.0f ? round_to_e2m1(y[j] / sf) : 0.0f;
+    for (int j = 0; j < 16; ++j) y[j] = 0.0f;
+    return s;
+  }
+  const float r = refined_reciprocal(sf);
+#pragma unroll
+  for (int j = 0; j < 16; ++j) y[j] = round_to_e2m1(divide_rn(y[j], sf, r));
   return s;
 }
 

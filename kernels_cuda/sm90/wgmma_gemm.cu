@@ -144,6 +144,36 @@ __device__ __forceinline__ void wgmma_tile(const Tile& tile, const u8* __restric
   const bool x_copies = (tid >> 3) < TB;  // TB < X_ROW_STEP: the threads of rows past the tile copy nothing
   u32 x_off[X_PASSES];
   u32 x_bytes[X_PASSES];
+  const u32 x_dst = (tid >> 3) * 128 + ((chunk ^ ((tid >> 3) & 7)) << 4);
+
+  auto load_weights = [&](int slot) {
+    const u32 base = ring + slot * WG_STAGE_BYTES;
+    cp_async_16(base + WG_W_OFFSET + tid * 16, w_src, w_bytes);
+    if (tid < 4 * WG_MTILES) cp_async_16(base + WG_S_OFFSET + tid * 16, s_src, s_bytes);
+    w_src += 512;
+    s_src += 64;
+  };
+  auto load_tokens = [&](int slot) {
+    const u32 base = ring + slot * WG_STAGE_BYTES;
+    if (x_copies) {
+#pragma unroll
+      for (int u = 0; u < X_PASSES; ++u)
+        cp_async_16(base + x_dst + u * X_ROW_STEP * 128, x_src + x_off[u], x_bytes[u]);
+    }
+    x_src += 128;
+  };
+
+  float acc[ACC];
+#pragma unroll
+  for (int i = 0; i < ACC; ++i) acc[i] = 0.0f;
+
+  // Prologue: the weights of the first AHEAD stages go first (they need no row index), so the row lookups of
+  // a gather overlap with their copies; then each stage's tokens, one commit group per stage (group 0 also
+  // holds every prologue weight copy, so stage j has landed once groups 0..j have).
+  constexpr int AHEAD = SM90_WG_STAGES - 2;  // stages loaded ahead of the one being multiplied
+#pragma unroll
+  for (int s = 0; s < AHEAD; ++s)
+    if (s < kt) load_weights(s);
 #pragma unroll
   for (int u = 0; u < X_PASSES; ++u) {
     const int row = tile.row0 + (tid >> 3) + X_ROW_STEP * u;
@@ -158,30 +188,9 @@ __device__ __forceinline__ void wgmma_tile(const Tile& tile, const u8* __restric
       x_bytes[u] = row <= x_last ? 16u : 0u;
     }
   }
-  const u32 x_dst = (tid >> 3) * 128 + ((chunk ^ ((tid >> 3) & 7)) << 4);
-
-  auto load_stage = [&](int slot) {
-    const u32 base = ring + slot * WG_STAGE_BYTES;
-    if (x_copies) {
-#pragma unroll
-      for (int u = 0; u < X_PASSES; ++u)
-        cp_async_16(base + x_dst + u * X_ROW_STEP * 128, x_src + x_off[u], x_bytes[u]);
-    }
-    cp_async_16(base + WG_W_OFFSET + tid * 16, w_src, w_bytes);
-    if (tid < 4 * WG_MTILES) cp_async_16(base + WG_S_OFFSET + tid * 16, s_src, s_bytes);
-    w_src += 512;
-    s_src += 64;
-    x_src += 128;
-  };
-
-  float acc[ACC];
-#pragma unroll
-  for (int i = 0; i < ACC; ++i) acc[i] = 0.0f;
-
-  constexpr int AHEAD = SM90_WG_STAGES - 2;  // stages loaded ahead of the one being multiplied
 #pragma unroll
   for (int s = 0; s < AHEAD; ++s) {
-    if (s < kt) load_stage(s);
+    if (s < kt) load_tokens(s);
     cp_async_commit();
   }
 
@@ -195,7 +204,10 @@ __device__ __forceinline__ void wgmma_tile(const Tile& tile, const u8* __restric
     cp_async_wait<AHEAD - 1>();
     fence_proxy_async_shared();
     __syncthreads();
-    if (j + AHEAD < kt) load_stage(write_slot);
+    if (j + AHEAD < kt) {
+      load_tokens(write_slot);
+      load_weights(write_slot);
+    }
     cp_async_commit();
 
     const u8* st = smem + read_slot * WG_STAGE_BYTES;

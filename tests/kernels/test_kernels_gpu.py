@@ -43,7 +43,21 @@ def _full(shape: tuple[int, ...], value: float, dtype: torch.dtype) -> torch.Ten
 
 _HELPERS_SOURCE = r"""
 #include "common.cuh"
+#include "activation_unit.cuh"
 using namespace moe;
+
+// The requantize's division (divide_rn with a block's shared reciprocal) next to IEEE division, and the E2M1
+// grid values of both.
+extern "C" __global__ void divide(const float* y, const float* d, int n, float* out) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  const float fast = divide_rn(y[i], d[i], refined_reciprocal(d[i]));
+  const float ieee = y[i] / d[i];
+  out[4 * i] = fast;
+  out[4 * i + 1] = ieee;
+  out[4 * i + 2] = round_to_e2m1(fast);
+  out[4 * i + 3] = round_to_e2m1(ieee);
+}
 
 extern "C" __global__ void encode(const float* x, int n, u8* e4m3, u8* e2m1, u16* bf16) {
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
@@ -94,6 +108,44 @@ def test_format_helpers_on_device(helpers: Callable[[str, int, tuple], None]) ->
     helpers("encode", n, (_ptr(x_dev), np.int32(n), _ptr(e4m3), _ptr(e2m1), _ptr(bf16)))
     helpers("decode", 65536, (_ptr(decoded),))
     check_format_helpers(x, e4m3.cpu(), e2m1.cpu(), bf16.cpu(), decoded.cpu())
+
+
+def _division_inputs() -> tuple[torch.Tensor, torch.Tensor]:
+    """(y, d) float32: d every positive finite E4M3 value; y quotients log-uniform over [2^-14, 2^4], values a few
+    ulps either side of every E2M1 rounding threshold times d, and zeros, infinities, NaN, subnormals, huge."""
+    gen = _gen(21)
+    scales = torch.arange(1, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    thresholds = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+    ys, ds = [], []
+    for d in scales.tolist():
+        q = torch.exp2(torch.rand(2000, generator=gen) * 18 - 14) * torch.where(torch.rand(2000, generator=gen) < 0.5,
+                                                                                 -1.0, 1.0)
+        ys.append((q * d).float())
+        near = (thresholds * d).float()
+        for steps in range(-4, 5):
+            moved = near.clone()
+            for _ in range(abs(steps)):
+                moved = torch.nextafter(moved, torch.full_like(moved, math.inf if steps > 0 else 0.0))
+            ys += [moved, -moved]
+        ys.append(torch.tensor([0.0, -0.0, math.inf, -math.inf, math.nan, 1e-45, -3e-39, 1e-30, 3e38, -1e30]))
+        ds.append(torch.full((sum(t.numel() for t in ys) - sum(t.numel() for t in ds),), d))
+    return torch.cat(ys), torch.cat(ds)
+
+
+def test_requantize_division_is_ieee(helpers: Callable[[str, int, tuple], None]) -> None:
+    """divide_rn, the requantize's division with one reciprocal per block, gives the IEEE quotient bit for bit
+    wherever it is normal, and the same E2M1 grid value for every y (so the shared reciprocal changes nothing)."""
+    y, d = _division_inputs()
+    n = y.numel()
+    out = _full((n, 4), math.nan, torch.float32)
+    y_dev, d_dev = y.to(DEV), d.to(DEV)
+    helpers("divide", n, (_ptr(y_dev), _ptr(d_dev), np.int32(n), _ptr(out)))
+    fast, ieee, fast_grid, ieee_grid = out.cpu().unbind(1)
+    assert torch.equal(ieee.nan_to_num(), (y / d).nan_to_num())  # the device's y / d is the CPU's IEEE quotient
+    normal = ieee.isfinite() & (ieee.abs() >= 2.0**-126)
+    assert torch.equal(fast[normal].view(torch.int32), ieee[normal].view(torch.int32))
+    assert torch.equal(fast_grid.view(torch.int32), ieee_grid.view(torch.int32))
+    assert bool(normal.float().mean() > 0.95)
 
 
 # ---------------------------------------------------------------------------------------------------------------
