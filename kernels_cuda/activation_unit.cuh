@@ -166,4 +166,35 @@ __device__ __forceinline__ void activate_store_unit(const u16* src, int gate_off
   store_unit(layout, out, out_scales, r, u, inter, v, s0, s1);
 }
 
+// The same unit by the 32 lanes of a warp, lane j computing value j, for the BF16 layouts (a decode epilogue
+// with few rows: a 32x shorter dependency chain per unit). Bit for bit activate_store_unit's stores: the
+// activation of value j, its 16-value block's amax by a butterfly of fmaxf (NaN-blind, as the loop's), the
+// block's scale and quotient, then one 2-byte store at the value's place in the layout's column order
+// (store_unit's TOKENS_BF16_FRAGMENTS pieces, or natural order). All 32 lanes call it with the same unit.
+template <int ACT, bool GATED>
+__device__ __forceinline__ void activate_store_unit_warp(const u16* src, int gate_offset, bool padding, i64 r,
+                                                         int u, int inter, int act, float alpha, float beta,
+                                                         float limit, int layout, bool requantize, u16* out) {
+  const int j = static_cast<int>(threadIdx.x & 31);
+  const int kind = ACT >= 0 ? ACT : act;
+  const float up = bf16_to_float(src[j]);
+  const float y = GATED ? act_gated_all(kind, up, bf16_to_float(src[gate_offset + j]), alpha, beta, limit)
+                        : act_fn(kind, up);
+  float amax = fmaxf(0.0f, fabsf(y));
+#pragma unroll
+  for (int lanes = 1; lanes < 16; lanes <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, lanes));
+  u16 bits = 0;
+  if (!padding && !requantize) {
+    bits = float_to_bf16(y);
+  } else if (!padding) {
+    const float sf = e4m3_to_float(float_to_e4m3(amax / 6.0f));
+    const float v = sf != 0.0f ? round_to_e2m1(divide_rn(y, sf, refined_reciprocal(sf))) : 0.0f;
+    bits = static_cast<u16>(__float_as_uint(__fmul_rn(v, sf)) >> 16);  // exact product: its top half (scaled_bf16x2)
+  }
+  const int column = layout == TOKENS_BF16_ROWS
+                         ? 32 * u + j
+                         : 64 * (u >> 1) + 8 * (u & 1) + 16 * ((j & 7) >> 1) + 2 * (j >> 3) + (j & 1);
+  out[r * inter + column] = bits;
+}
+
 }  // namespace moe

@@ -294,18 +294,32 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS)
   }
 #ifdef SM90_ACT
   __syncthreads();
-  // The activation epilogue: units of 32 outputs (activation_unit.cuh, the bits of moe_activation).
+  // The activation epilogue: units of 32 outputs (activation_unit.cuh, the bits of moe_activation), a warp per
+  // unit for the BF16 layouts (decode tiles hold few live rows: one thread per unit would serialize them),
+  // else a thread per unit.
   constexpr int UNITS = DEC_OUT_FB / 32;
   const int inter = DEC_PAIRED ? n / 2 : n;
+  const int unit0 = static_cast<int>(blockIdx.x) * UNITS;
+  if (act_layout == TOKENS_BF16_ROWS || act_layout == TOKENS_BF16_FRAGMENTS) {
+    for (int item = warp; item < DEC_TB * UNITS; item += DEC_THREADS / 32) {
+      const int t = item / UNITS;
+      const int row = tile.row0 + t;
+      if (row >= tile.row_end) continue;  // warp-uniform
+      moe::activate_store_unit_warp<SM90_ACT, DEC_PAIRED>(
+          &c_tile[t][32 * (item % UNITS)], DEC_FB / 2, __ldg(row_to_slot + row) < 0, row, unit0 + item % UNITS,
+          inter, SM90_ACT, act_alpha, act_beta, act_limit, act_layout, requantize != 0,
+          reinterpret_cast<u16*>(act_out));
+    }
+    return;
+  }
   for (int item = threadIdx.x; item < DEC_TB * UNITS; item += DEC_THREADS) {
     const int t = item / UNITS;
     const int unit = item % UNITS;
     const int row = tile.row0 + t;
     if (row >= tile.row_end) continue;
     moe::activate_store_unit<SM90_ACT, DEC_PAIRED>(&c_tile[t][32 * unit], DEC_FB / 2, __ldg(row_to_slot + row) < 0,
-                                                   row, static_cast<int>(blockIdx.x) * UNITS + unit, inter, SM90_ACT,
-                                                   act_alpha, act_beta, act_limit, act_layout, requantize != 0,
-                                                   act_out, act_scales);
+                                                   row, unit0 + unit, inter, SM90_ACT, act_alpha, act_beta,
+                                                   act_limit, act_layout, requantize != 0, act_out, act_scales);
   }
 #endif
 }
