@@ -40,12 +40,11 @@ __device__ __forceinline__ float refined_reciprocal(float d) {
 // quotient y r corrected once with its exact residual), with the reciprocal shared by a whole block instead of
 // recomputed per value. It equals y / d wherever CUDA's own division takes that path, which holds for every
 // divisor requantize_16 uses (E4M3 scales, 2^-9 .. 448) and every y whose quotient lies in the normal range;
-// nearer zero or infinity both round to the same E2M1 grid value. Infinite or NaN y give y r (±inf, NaN), as
-// the division does (the correction would turn an infinity into NaN).
+// nearer zero or infinity both round to the same E2M1 grid value. Where y r is infinite or NaN (y infinite
+// or NaN, or the quotient overflows) it is the result, as the division's (the correction would make NaN).
 __device__ __forceinline__ float divide_rn(float y, float d, float r) {
   const float q0 = y * r;
-  const float e = fmaf(-q0, d, y);
-  return e == e ? fmaf(r, e, q0) : q0;
+  return fabsf(q0) <= 3.40282347e38f ? fmaf(r, fmaf(-q0, d, y), q0) : q0;
 }
 
 // Requantize one 16-value block in place: s = e4m3(amax(|y|) / 6) (returned), y_j = the E2M1 grid value of
