@@ -1,7 +1,7 @@
 // Grouped NVFP4 x BF16 GEMM over ragged expert segments on SM90 (mma.sync, "swap AB": the weights
 // are the 16-row A operand, the tokens the 8-wide B operand).
 //
-// Arguments of both kernels:
+// Arguments of both kernels (the decode kernel then takes the activation epilogue's, at the kernel):
 //   w_tiles      uint8 [E, N*K/2]   fragment tiles of each expert's W_e [N, K] (layout.py)
 //   w_scales     uint8 [E, N*K/16]  E4M3 scale tiles, same tile order
 //   alpha        float32 [E], or [2E] with alpha_split < n: per-expert global scale; features

@@ -1,6 +1,7 @@
 // Grouped NVFP4 x BF16 GEMM over ragged expert segments on SM90 tensor cores through wgmma (sm_90a): the
-// prefill engine for long segments. Same arguments, contract and weight layout as sm90_gemm_prefill
-// (grouped_gemm.cu), except that the token rows are in NATURAL column order (TokenLayout.BF16_ROWS).
+// prefill engine for long segments. The leading arguments, contract and weight layout of sm90_gemm_prefill
+// (grouped_gemm.cu), except that the token rows are in NATURAL column order (TokenLayout.BF16_ROWS); then the
+// fused forms' arguments (the gather and the activation epilogue, at the kernel).
 //
 //   w_tiles   uint8 [E, N*K/2]   fragment tiles of each expert's W_e [N, K] (layout.py), read in place
 //   w_scales  uint8 [E, N*K/16]  E4M3 scale tiles, same tile order
