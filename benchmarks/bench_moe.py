@@ -140,7 +140,9 @@ class MoeBench:
             executor = executor_for(m, config, weights)
             bucket = executor.bucket(tokens)
             variants = [repr(executor.engine.variant(gemm.rows, gemm.shape)) for gemm in (bucket.gemm1, bucket.gemm2)]
-            self.variant_rows.append([m.name, str(tokens), engine, str(bucket.rows), *variants])
+            chain = [name for name, _ in executor.stages(bucket)]
+            launches = f"{len(chain) + 2}: stage, {', '.join(chain)}, finalize"  # the op's stage and finish around the chain
+            self.variant_rows.append([m.name, str(tokens), engine, str(bucket.rows), *variants, launches])
         return us
 
     def model(self, m: ModelShape, gen: torch.Generator, timer: Timer) -> None:
@@ -186,9 +188,11 @@ class MoeBench:
         if not self.variant_rows:
             return
         report.emit()
-        report.emit("SM90 kernel variant per GEMM (the SM90 engine's choice for the bucket's row capacity)")
+        report.emit("SM90 kernel variant per GEMM (the SM90 engine's choice for the bucket's row capacity) and the launches of "
+                    "one call")
         report.emit()
-        report.table(["model", "T", "engine", "bucket rows", "GEMM1 variant", "GEMM2 variant"], left=3)
+        report.table(["model", "T", "engine", "bucket rows", "GEMM1 variant", "GEMM2 variant", "launches per call"],
+                     left=3)
         for row in self.variant_rows:
             report.emit(md_row(row))
 

@@ -4,8 +4,8 @@ For each model and token count: one fused_moe call fills the bucket (routing, so
 GEMMs' inputs), then each candidate variant runs GEMM1 and GEMM2 on those buffers, captured alone in
 a CUDA graph and timed like the benchmarks (L2 flushed, median). Prints the engine's own choice next
 to the fastest candidate; with --forms, each wgmma variant's GEMM1 also in the prefill chain's fused forms
-(rows gathered through the routing, the activation in the epilogue, both). Usage: python
-benchmarks/tune_sm90.py --help
+(rows gathered through the routing, the activation in the epilogue, both) and each decode variant's with the
+epilogue. Usage: python benchmarks/tune_sm90.py --help
 """
 
 from __future__ import annotations
@@ -81,12 +81,14 @@ WGMMA = [WgmmaVariant(rows, groups, stages, blocks) for rows, groups, stages, bl
 def full_buffers(ops: GemmOperands) -> GemmOperands:
     """``ops`` with R-row token and output buffers where the bucket's fused chain holds none (zero token rows: the
     values differ from a real call's, the work does not)."""
-    if ops.tokens.data.shape[0] == ops.rows and ops.out.shape[0] == ops.rows:
-        return ops
     device = ops.offsets.device
-    tokens = torch.zeros(ops.rows, ops.shape.k, dtype=torch.bfloat16, device=device)
-    out = torch.empty(ops.rows, ops.shape.n, dtype=torch.bfloat16, device=device)
-    return replace(ops, tokens=TokenOperand(tokens, None, ops.tokens.layout), out=out)
+    tokens, out = ops.tokens, ops.out
+    if tokens.data.shape[0] != ops.rows:
+        data = torch.zeros(ops.rows, ops.shape.k, dtype=torch.bfloat16, device=device)
+        tokens = TokenOperand(data, None, tokens.layout)
+    if out.shape[0] != ops.rows:
+        out = torch.empty(ops.rows, ops.shape.n, dtype=torch.bfloat16, device=device)
+    return replace(ops, tokens=tokens, out=out)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -94,7 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.set_defaults(tokens=[1, 8, 64, 512, 4096])
     parser.add_argument("--forms", action="store_true",
                         help="also time each wgmma variant's GEMM1 gathering its rows, with the activation epilogue, "
-                             "and with both (the prefill chain's form)")
+                             "and with both (the prefill chain's form), and each decode variant that fits it with the "
+                             "epilogue")
     args = parser.parse_args(argv)
     if gpu_missing("tune_sm90"):
         return 2
@@ -123,6 +126,9 @@ def main(argv: list[str] | None = None) -> int:
                     if args.forms and name == "gemm1" and isinstance(variant, WgmmaVariant):
                         forms += [(" gather", {"gather": gather}), (" epilogue", {"epilogue": epilogue}),
                                   (" gather+epilogue", {"gather": gather, "epilogue": epilogue})]
+                    elif (args.forms and name == "gemm1" and isinstance(variant, DecodeVariant)
+                          and variant.epilogue_problem(SwiGLU()) is None):
+                        forms.append((" epilogue", {"epilogue": epilogue}))
                     for label, fused in forms:
                         run = lambda v=variant, f=fused: grouped_gemm(  # noqa: E731
                             w.data, w.scales, w.alpha, None if "gather" in f else ops.tokens.data, ops.offsets,
