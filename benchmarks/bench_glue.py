@@ -4,7 +4,8 @@ Per model, token count and engine: a real bucket (random SwiGLU layer, uniform t
 fused_moe call to fill it), then each glue launch of the call captured alone in a CUDA graph and timed
 (median of CUDA-event-timed replays, 256 MiB L2 flush before each, common.py): stage (the caller's
 tokens and routing into the bucket), the glue stages the engine's chain holds (executor.stages(): sort, permute or
-the two in one launch, the token rows of a gathering GEMM1, the activation unless GEMM1 runs it) and finalize. Each
+the two in one launch, or the sort with the token rows of a gathering GEMM1, the activation unless GEMM1 runs it)
+and finalize. Each
 row gives the DRAM bytes the launch has to move at least (what it reads once and writes; the live slot
 and row counts of this routing), the achieved GB/s, the share of --bandwidth and that floor in us.
 Every time includes the graph launch (about 2.5 us on an H200). Uses only the executor's public stages,
@@ -44,7 +45,7 @@ from common import (  # noqa: E402
 from cudnn_moe import Nvfp4MoeConfig, Nvfp4Weights, Routing, kernels  # noqa: E402
 from cudnn_moe.kernels import TokenLayout  # noqa: E402
 
-GLUE = ("stage", "sort", "permute", "sort+permute", "token rows", "activation", "finalize")
+GLUE = ("stage", "sort", "permute", "sort+permute", "sort+token rows", "activation", "finalize")
 
 
 def token_bytes(width: int, layout: TokenLayout) -> int:
@@ -79,8 +80,8 @@ def glue_launches(
         "sort": slots * 4 + slots * 4 + 2 * bucket.rows * 4,
         # each live token read once, each live slot's row written
         "permute": live_tokens * fp4_row + live_slots * token_bytes(hidden, bucket.gemm1.tokens.layout),
-        # each token read once, its BF16 row written
-        "token rows": bucket.tokens * (fp4_row + 2 * hidden),
+        # the sort's, and each token read once and its BF16 row written
+        "sort+token rows": slots * 4 + slots * 4 + 2 * bucket.rows * 4 + bucket.tokens * (fp4_row + 2 * hidden),
         # the used GEMM1 rows read ([up | gate]), the second GEMM's token rows written
         "activation": rows_used * 2 * (2 * inter) + rows_used * token_bytes(inter, bucket.gemm2.tokens.layout),
         # each live slot's GEMM2 row and the routing read, the output written

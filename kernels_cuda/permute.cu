@@ -76,27 +76,6 @@ extern "C" __global__ void moe_permute_bf16(const u8* __restrict__ xs, const u8*
   });
 }
 
-// NVFP4 tokens decoded exactly into natural BF16 rows in token order (the rows the wgmma GEMM gathers from,
-// TOKENS_BF16_ROWS): xs, xss as for moe_permute_bf16; x bf16 [num_tokens, H], 16-byte aligned, row t the
-// values of token t (what moe_permute_bf16 writes to each row of its slots). A thread handles units of
-// H / 32 per token; launch as moe_permute_bf16 with num_tokens tokens. Requires H % 64 == 0.
-extern "C" __global__ void moe_decode_rows_bf16(const u8* __restrict__ xs, const u8* __restrict__ xss, int num_tokens,
-                                                int hidden, u16* __restrict__ x) {
-  moe::grid_dependency_begin();
-  const int units = hidden / 32;
-  const int tokens_per_block = max(1, static_cast<int>(blockDim.x) / units);
-  const int sub = threadIdx.x / units;  // the block's token of this thread
-  if (sub >= tokens_per_block) return;
-  const i64 t = static_cast<i64>(blockIdx.x) * tokens_per_block + sub;
-  if (t >= num_tokens) return;
-  const int stride = tokens_per_block == 1 ? static_cast<int>(blockDim.x) : units;
-  for (int u = threadIdx.x - sub * units; u < units; u += stride) {
-    uint4 piece[4];
-    decode_fragment_unit(xs + t * (hidden / 2), xss + t * (hidden / 16), u, piece);
-    store_natural_unit(x + t * hidden, u, piece);
-  }
-}
-
 // Unit u (32 columns) of BF16 token t of x [B, H] in fragment order: piece q holds the value pairs
 // (2q, 2q+1), (8+2q, 9+2q), (16+2q, 17+2q), (24+2q, 25+2q) of its 32 columns (decode_fragment_unit's order).
 __device__ __forceinline__ void load_bf16_unit(const u16* __restrict__ x, int hidden, i64 t, int u, uint4 piece[4]) {

@@ -363,7 +363,7 @@ class Stage(NamedTuple):
 class LayerStages(abc.ABC):
     """The default stages of one layer call on one token bucket, as the executor builds them, and the fused
     ones an engine may declare instead (``gemm1_activation`` in place of GEMM1 and the activation, with
-    ``token_rows`` in place of the permute when it gathers)."""
+    ``sort_token_rows`` in place of the sort and the permute when it gathers)."""
 
     rows: int  # the bucket's row capacity R
     gemm1_shape: GemmShape
@@ -387,16 +387,16 @@ class LayerStages(abc.ABC):
     def activation(self) -> Stage: ...
 
     @abc.abstractmethod
-    def token_rows(self) -> Stage | None:
-        """The bucket's tokens as natural BF16 rows in token order (the source of gemm1_activation's
-        gather), or None when the bucket's tokens already are BF16 rows."""
+    def sort_token_rows(self) -> Stage | None:
+        """sort() and the bucket's tokens decoded into natural BF16 rows in token order (the source of
+        gemm1_activation's gather) in one launch, or None when the bucket's tokens already are BF16 rows."""
 
     @abc.abstractmethod
     def gemm1_activation(self, gather: bool) -> Stage:
         """GEMM1 with the activation stage in its epilogue (GEMM2's tokens written directly: GemmOperands.epilogue);
-        with ``gather``, reading its rows through the routing from token_rows() (the permute folded into its token
-        load: GemmOperands.gather), else from the permuted rows. Same GEMM2 tokens, bit for bit, as the unfused
-        stages."""
+        with ``gather``, reading its rows through the routing from the token rows (sort_token_rows, or the BF16
+        tokens themselves: the permute folded into its token load, GemmOperands.gather), else from the permuted
+        rows. Same GEMM2 tokens, bit for bit, as the unfused stages."""
 
     @abc.abstractmethod
     def gemm2(self) -> Stage: ...

@@ -1,7 +1,8 @@
 """The CUDA glue kernels of the pipeline, one module per stage, in data-path order:
 
 stage (caller's tokens and routing -> bucket buffers; aligned_stage for the aligned-plan op), sort (slots -> expert segments), permute
-(tokens -> expert-sorted rows in the engine's token layout, or -> natural BF16 rows for an engine that gathers them), [GEMM1: the engine], activate
+(tokens -> expert-sorted rows in the engine's token layout; for an engine that gathers them, natural BF16 rows decoded
+in the sort's launch), [GEMM1: the engine], activate
 (activation + NVFP4 requantize), [GEMM2: the engine], finalize (weighted sum or per-slot rows).
 Sources live in kernels_cuda/ and compile with CuPy (NVRTC) on first use (loader); constants shared
 with CUDA are in codes.
@@ -13,7 +14,7 @@ from .codes import ROW_THREADS, SORT_MAX_EXPERTS, SORT_THREADS, RoutingFormat, T
 from .finalize import SOURCE as _FINALIZE_SOURCE
 from .finalize import finalize, unfinalized_rows
 from .loader import compile_options, kernels_dir, launch, load_module, module_source, ptr
-from .permute import decode_token_rows, permute_bf16_tokens, permute_tokens
+from .permute import permute_bf16_tokens, permute_tokens
 from .sort import SORT_PERMUTE_MAX_SLOTS, sort_permute_bf16, sort_routing
 from .stage import SOURCE as _STAGE_SOURCE
 from .stage import stage_inputs
@@ -43,7 +44,6 @@ __all__ = [
     "activate_quantize",
     "compile_options",
     "cuda_defines",
-    "decode_token_rows",
     "finalize",
     "kernels_dir",
     "launch",

@@ -1,7 +1,6 @@
 """Permute: gather each routed slot's token into its expert-sorted row, in the GEMM engine's token
 layout (kernels_cuda/permute.cu: moe_permute for the NVFP4 layouts, moe_permute_bf16 for the BF16 layouts of
-NVFP4 tokens, moe_permute_bf16_tokens for the BF16 layouts of BF16 tokens); or, for a GEMM that gathers its
-rows itself, the tokens decoded into natural BF16 rows in token order (moe_decode_rows_bf16)."""
+NVFP4 tokens, moe_permute_bf16_tokens for the BF16 layouts of BF16 tokens)."""
 
 from __future__ import annotations
 
@@ -85,25 +84,6 @@ def permute_tokens(
             np.int32(layout is TokenLayout.NVFP4_SWIZZLED_128X4), ptr(xp), ptr(xps),
         ),
     )
-
-
-def decode_token_rows(xs: torch.Tensor, xss: torch.Tensor, x: torch.Tensor) -> None:
-    """Decode NVFP4 tokens exactly into natural BF16 rows: x[t] = the values of token t (bit for bit the
-    rows permute_tokens writes in TokenLayout.BF16_ROWS), for a GEMM that gathers its rows (RowGather).
-
-    xs uint8 [B, H/2] packed E2M1 (element 2i in the low nibble), xss E4M3 (1-byte, linear) [B, H/16];
-    x bfloat16 [>= B, H], rows past B not written; H % 64 == 0; xs and x 16-byte aligned.
-    """
-    tokens, hidden = xs.shape[0], 2 * xs.shape[1]
-    if xss.dim() != 2 or tuple(xss.shape) != (tokens, hidden // 16) or xss.element_size() != 1:
-        raise ValueError(f"decode rows: tokens {tuple(xs.shape)} need 1-byte scales [{tokens}, {hidden // 16}], "
-                         f"got {tuple(xss.shape)}")
-    require_bf16_rows(x, hidden, TokenLayout.BF16_ROWS)
-    if x.shape[0] < tokens:
-        raise ValueError(f"decode rows: x holds {x.shape[0]} rows, fewer than the {tokens} tokens")
-    blocks, threads = unit_grid(tokens, hidden // 32)
-    launch("permute.cu", "moe_decode_rows_bf16", xs.device, blocks, threads,
-           (ptr(xs, 16), ptr(xss), np.int32(tokens), np.int32(hidden), ptr(x, 16)))
 
 
 def permute_bf16_tokens(x: torch.Tensor, slot_to_row: torch.Tensor, num_slots: int, top_k: int, xp: torch.Tensor,

@@ -418,11 +418,15 @@ class _BucketStages(LayerStages):
         b = self.b
         return b.x if self.x.bf16_tokens else b.x_rows
 
-    def token_rows(self) -> Stage | None:
-        b = self.b
-        if self.x.bf16_tokens:
+    def sort_token_rows(self) -> Stage | None:
+        x, b = self.x, self.b
+        if x.bf16_tokens:
             return None
-        return Stage("token rows", lambda: kernels.decode_token_rows(b.x, b.x_scales, b.x_rows))
+        return Stage("sort+token rows", lambda: kernels.sort_routing(
+            b.ids.view(-1), x.top_k, x.local_expert_start, x.weights.num_experts, x.engine.row_alignment,
+            b.offsets, b.slot_to_row, b.row_to_slot, b.row_expert, b.expert_counts,
+            token_rows=(b.x, b.x_scales, b.x_rows),
+        ))
 
     def gemm1_activation(self, gather: bool) -> Stage:
         x, b = self.x, self.b

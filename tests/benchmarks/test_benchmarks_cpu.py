@@ -210,7 +210,7 @@ def test_bench_stages_table_with_fake_cuda(fake_cuda: None, tmp_path: Path) -> N
     assert bench_stages.main(["--models", "tiny", "--tokens", "2", "--engines", "cudnn", "--iters", "1",
                               "--markdown", str(md)]) == 0
     lines = md.read_text().splitlines()
-    assert lines[4] == ("| model | T | engine | sort | permute | sort+permute | token rows | gemm1 | "
+    assert lines[4] == ("| model | T | engine | sort | permute | sort+permute | sort+token rows | gemm1 | "
                         "gemm1+activation | activation | gemm2 | sum of stages | launches | whole call | GEMM1 GB/s | "
                         "GEMM2 GB/s | GEMM1 TFLOP/s | GEMM2 TFLOP/s |")
     # stages the chain lacks are "-"; launches = the chain's 4 + the op's stage and finalize; GB/s = the touched

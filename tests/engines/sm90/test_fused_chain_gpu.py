@@ -1,5 +1,5 @@
 """GPU tests of the SM90 engine's fused chains: GEMM1 with the activation in its epilogue, after sort + permute
-(decode kernel buckets) or after the sort and the token rows with GEMM1 gathering its rows through the routing
+(decode kernel buckets) or after the sort with the token rows (one launch), GEMM1 gathering its rows through the routing
 (wgmma buckets: the prefill chain). Against the unfused chain (sort, permute, GEMM1, activation, GEMM2) on the
 same bucket, bit for bit, and the whole op against the float64 reference (tolerance: tests/support/moe_checks.py),
 with outputs and unused buffers NaN-poisoned first."""
@@ -102,7 +102,7 @@ def test_fused_chain_matches_unfused_chain_bitwise(case, activation) -> None:
     assert gathers or isinstance(variant, DecodeVariant)
     fused = executor.stages(bucket)
     if gathers:
-        head = ["sort", *([] if bf16_tokens else ["token rows"])]
+        head = ["sort" if bf16_tokens else "sort+token rows"]
     else:
         head = ["sort+permute"] if bucket.tokens * top_k <= 1024 else ["sort", "permute"]
     assert [name for name, _ in fused] == [*head, "gemm1+activation", "gemm2"]
