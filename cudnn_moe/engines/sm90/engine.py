@@ -5,6 +5,11 @@ registers, split-K across warps when CTAs would be few) with token tiles of 8 or
 segments stay short, the wgmma kernel (128 or 256 features x up to 64 or 128 token rows per CTA, sm_90a)
 once they average more than 32 rows. The wgmma kernel reads natural BF16 token rows, the mma.sync kernels
 token fragments: ``token_layout_for`` tells the permute and activation stages which to write.
+
+The chain per bucket (``gemm1_fusion``, ``Sm90GemmEngine.stages``): on the wgmma kernel, the sort with the tokens
+decoded into BF16 rows, GEMM1 gathering its rows through the routing with the activation in its epilogue, GEMM2;
+on the decode kernel, sort + permute, then GEMM1 with the activation epilogue while the launch is small enough for
+it to pay, else GEMM1 and the activation, then GEMM2.
 """
 
 from __future__ import annotations
@@ -91,6 +96,17 @@ def decode_ctas(rows: int, shape: GemmShape, variant: GemmVariant) -> int:
     return used * max(1, tiles) * (shape.n // variant.feature_block)
 
 
+def gemm1_fusion(rows: int, shape: GemmShape, activation: object, sm_count: int) -> Gemm1Fusion:
+    """How GEMM1 of ``shape`` runs on a bucket of ``rows`` rows with ``activation`` on a GPU of ``sm_count`` SMs:
+    wgmma buckets with the activation epilogue and the gather; decode buckets with the epilogue where it pays (the
+    variant fits it and the launch stays within _DECODE_EPILOGUE_CTAS_PER_SM CTAs per SM); else neither."""
+    variant = choose_variant(rows, shape, sm_count)
+    if isinstance(variant, WgmmaVariant):
+        return Gemm1Fusion(epilogue=True, gather=True)
+    fits = isinstance(variant, DecodeVariant) and variant.epilogue_problem(activation) is None
+    return Gemm1Fusion(epilogue=fits and decode_ctas(rows, shape, variant) <= _DECODE_EPILOGUE_CTAS_PER_SM * sm_count)
+
+
 LOW_LATENCY_MAX_TOKENS = 8
 
 
@@ -146,14 +162,8 @@ class Sm90GemmEngine(GemmEngine):
         self.sm_count = torch.cuda.get_device_properties(device).multi_processor_count
 
     def gemm1_fusion(self, rows: int, shape: GemmShape, activation: object) -> Gemm1Fusion:
-        """wgmma buckets: the activation epilogue and the gather; decode buckets: the epilogue where it pays (the
-        variant fits it and the launch stays within _DECODE_EPILOGUE_CTAS_PER_SM CTAs per SM); else neither."""
-        variant = self.variant(rows, shape)
-        if isinstance(variant, WgmmaVariant):
-            return Gemm1Fusion(epilogue=True, gather=True)
-        fits = isinstance(variant, DecodeVariant) and variant.epilogue_problem(activation) is None
-        return Gemm1Fusion(epilogue=fits and decode_ctas(rows, shape, variant) <= _DECODE_EPILOGUE_CTAS_PER_SM
-                           * self.sm_count)
+        """The module's gemm1_fusion on this GPU."""
+        return gemm1_fusion(rows, shape, activation, self.sm_count)
 
     def stages(self, layer: LayerStages) -> list[Stage]:
         """As gemm1_fusion says. Gathering: the sort (with NVFP4 tokens decoded into BF16 rows in the same launch),

@@ -1,0 +1,91 @@
+"""The SM90 engine's choices on the CPU: the kernel variant, how GEMM1 is fused, and the chain of stages a bucket
+runs (Sm90GemmEngine.stages against a stand-in for the executor's LayerStages)."""
+
+from __future__ import annotations
+
+import pytest
+
+from cudnn_moe.activations import GELU, SwiGLU
+from cudnn_moe.engines.base import Gemm1Fusion, GemmShape, LayerStages, Stage
+from cudnn_moe.engines.sm90.engine import Sm90GemmEngine, choose_variant, gemm1_fusion
+from cudnn_moe.engines.sm90.kernels import DecodeVariant, WgmmaVariant
+from cudnn_moe.pipeline.executor import bucket_size, row_capacity
+
+SMS = 132
+QWEN3 = (128, 2048, 768)  # experts, hidden, intermediate
+DEEPSEEK_V3 = (256, 7168, 2048)
+
+
+def _bucket(model: tuple[int, int, int], tokens: int, top_k: int = 8) -> tuple[int, GemmShape]:
+    experts, hidden, inter = model
+    return row_capacity(bucket_size(tokens), top_k, experts, 8), GemmShape(hidden, 2 * inter, experts)
+
+
+@pytest.mark.parametrize("model,tokens,kind,fusion", [
+    (QWEN3, 1, DecodeVariant, Gemm1Fusion(epilogue=True)),
+    (QWEN3, 8, DecodeVariant, Gemm1Fusion(epilogue=True)),
+    (QWEN3, 64, DecodeVariant, Gemm1Fusion()),  # many CTAs: the epilogue's latency would hit every wave
+    (QWEN3, 4096, WgmmaVariant, Gemm1Fusion(epilogue=True, gather=True)),
+    (DEEPSEEK_V3, 1, DecodeVariant, Gemm1Fusion(epilogue=True)),
+    (DEEPSEEK_V3, 8, DecodeVariant, Gemm1Fusion()),
+    (DEEPSEEK_V3, 512, DecodeVariant, Gemm1Fusion()),
+    (DEEPSEEK_V3, 1024, WgmmaVariant, Gemm1Fusion(epilogue=True, gather=True)),
+])
+def test_variant_and_gemm1_fusion(model, tokens: int, kind: type, fusion: Gemm1Fusion) -> None:
+    rows, shape = _bucket(model, tokens)
+    assert isinstance(choose_variant(rows, shape, SMS), kind)
+    assert gemm1_fusion(rows, shape, SwiGLU(), SMS) == fusion
+
+
+def test_decode_epilogue_needs_a_variant_that_fits() -> None:
+    """A non-gated activation fits every decode variant the engine picks; the rule only looks at what fits."""
+    rows, shape = _bucket(QWEN3, 1)
+    variant = choose_variant(rows, shape, SMS)
+    assert variant.epilogue_problem(GELU()) is None and variant.epilogue_problem(SwiGLU()) is None
+    assert DecodeVariant(mt=2, wm=1, wk=4).epilogue_problem(SwiGLU()) is not None
+    assert DecodeVariant(mt=1, wm=1, wk=8, nt=4).epilogue_problem(GELU()) is not None  # 16 outputs per CTA
+
+
+class _Layer(LayerStages):
+    """LayerStages whose stages are only names; BF16 tokens have no token rows to decode."""
+
+    def __init__(self, rows: int, shape: GemmShape, bf16_tokens: bool = False) -> None:
+        self.rows, self.gemm1_shape, self.activation_function = rows, shape, SwiGLU()
+        self.bf16_tokens = bf16_tokens
+
+    def sort(self) -> Stage:
+        return Stage("sort", lambda: None)
+
+    def permute(self) -> Stage:
+        return Stage("permute", lambda: None)
+
+    def sort_permute(self) -> Stage | None:
+        return Stage("sort+permute", lambda: None) if self.rows <= 4096 else None
+
+    def gemm1(self) -> Stage:
+        return Stage("gemm1", lambda: None)
+
+    def activation(self) -> Stage:
+        return Stage("activation", lambda: None)
+
+    def sort_token_rows(self) -> Stage | None:
+        return None if self.bf16_tokens else Stage("sort+token rows", lambda: None)
+
+    def gemm1_activation(self, gather: bool) -> Stage:
+        return Stage("gemm1+activation (gather)" if gather else "gemm1+activation", lambda: None)
+
+    def gemm2(self) -> Stage:
+        return Stage("gemm2", lambda: None)
+
+
+@pytest.mark.parametrize("model,tokens,bf16_tokens,chain", [
+    (QWEN3, 1, False, ["sort+permute", "gemm1+activation", "gemm2"]),
+    (DEEPSEEK_V3, 8, False, ["sort+permute", "gemm1", "activation", "gemm2"]),
+    (QWEN3, 4096, False, ["sort+token rows", "gemm1+activation (gather)", "gemm2"]),
+    (QWEN3, 4096, True, ["sort", "gemm1+activation (gather)", "gemm2"]),
+])
+def test_stage_chains(model, tokens: int, bf16_tokens: bool, chain: list[str]) -> None:
+    engine = Sm90GemmEngine.__new__(Sm90GemmEngine)  # no device: only the SM count is read
+    engine.sm_count = SMS
+    rows, shape = _bucket(model, tokens)
+    assert [name for name, _ in engine.stages(_Layer(rows, shape, bf16_tokens))] == chain
