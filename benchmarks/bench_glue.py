@@ -80,14 +80,14 @@ def glue_launches(
         "sort": slots * 4 + slots * 4 + 2 * bucket.rows * 4,
         # each live token read once, each live slot's row written
         "permute": live_tokens * fp4_row + live_slots * token_bytes(hidden, bucket.gemm1.tokens.layout),
-        # the sort's, and each token read once and its BF16 row written
-        "sort+token rows": slots * 4 + slots * 4 + 2 * bucket.rows * 4 + bucket.tokens * (fp4_row + 2 * hidden),
         # the used GEMM1 rows read ([up | gate]), the second GEMM's token rows written
         "activation": rows_used * 2 * (2 * inter) + rows_used * token_bytes(inter, bucket.gemm2.tokens.layout),
         # each live slot's GEMM2 row and the routing read, the output written
         "finalize": live_slots * 2 * hidden + tokens * k * 8 + tokens * 2 * hidden,
     }
     bytes_moved["sort+permute"] = bytes_moved["sort"] + bytes_moved["permute"]
+    # the sort's, and each token read once and its BF16 row written
+    bytes_moved["sort+token rows"] = bytes_moved["sort"] + bucket.tokens * (fp4_row + 2 * hidden)
     stages = dict(executor.stages(bucket))
     launches = {
         "stage": lambda: kernels.stage_inputs(acts.packed, acts.scales, ids_k, weights_k, routing_format,

@@ -365,9 +365,7 @@ class LayerStages(abc.ABC):
     ones an engine may declare instead (``gemm1_activation`` in place of GEMM1 and the activation, with
     ``sort_token_rows`` in place of the sort and the permute when it gathers)."""
 
-    rows: int  # the bucket's row capacity R
-    gemm1_shape: GemmShape
-    activation_function: Any  # the layer's cudnn_moe.activations.Activation
+    gemm1_fusion: Gemm1Fusion  # how the bucket's GEMM1 runs (GemmEngine.gemm1_fusion, asked once per bucket)
 
     @abc.abstractmethod
     def sort(self) -> Stage: ...

@@ -71,6 +71,19 @@ def _check_pair(
     return w1.shape[0], w2.shape[1], w2.shape[2]
 
 
+def _check_fp8_pair(w1: object, w2: object, act: Activation, hidden_multiple: int,
+                    intermediate_multiple: int) -> tuple[int, int, int]:
+    """Check E4M3 weights w1 [E, N1, H] and w2 [E, H, I] (``_check_pair``, H and I multiples of the format's,
+    w1's K = H, N1 the activation's rows for I); return (E, H, I)."""
+    experts, hidden, intermediate = _check_pair("w1", w1, "w2", w2, torch.float8_e4m3fn)
+    require_multiple("hidden size (w2.shape[1])", hidden, hidden_multiple)
+    require_multiple("intermediate size (w2.shape[2])", intermediate, intermediate_multiple)
+    if w1.shape[2] != hidden:
+        raise ValueError(f"w1 must be [E, N1, H] with H = {hidden} (from w2 [E, H, I]), got {tuple(w1.shape)}")
+    require_gemm1_rows("w1", w1.shape[1], act, intermediate)
+    return experts, hidden, intermediate
+
+
 def _check_scales(name: str, scales: object, dtype: torch.dtype, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
     scales = require_tensor(name, scales, dtype, rank=3)
     if tuple(scales.shape) != shape:
@@ -314,12 +327,7 @@ class LowLatencyMoeConfig:
         """
         self.require_format(self.target_arch(), WeightFormat.FP8_WEIGHT_ONLY)
         act = parse_activation(activation)
-        experts, hidden, intermediate = _check_pair("w1", w1, "w2", w2, torch.float8_e4m3fn)
-        require_multiple("hidden size (w2.shape[1])", hidden, WEIGHT_ONLY_HIDDEN_MULTIPLE)
-        require_multiple("intermediate size (w2.shape[2])", intermediate, WEIGHT_ONLY_INTERMEDIATE_MULTIPLE)
-        if w1.shape[2] != hidden:
-            raise ValueError(f"w1 must be [E, N1, H] with H = {hidden} (from w2 [E, H, I]), got {tuple(w1.shape)}")
-        require_gemm1_rows("w1", w1.shape[1], act, intermediate)
+        experts, hidden, intermediate = _check_fp8_pair(w1, w2, act, WEIGHT_ONLY_HIDDEN_MULTIPLE, WEIGHT_ONLY_INTERMEDIATE_MULTIPLE)
         device = w1.device
         w1_scale = _check_global("w1_scale", w1_scale, experts, device)
         w2_scale = _check_global("w2_scale", w2_scale, experts, device)
@@ -488,12 +496,7 @@ class LowLatencyMoeConfig:
         """
         self.require_format(self.target_arch(), WeightFormat.DEEPSEEK_FP8)
         act = parse_activation(activation)
-        experts, hidden, intermediate = _check_pair("w1", w1, "w2", w2, torch.float8_e4m3fn)
-        require_multiple("hidden size (w2.shape[1])", hidden, DEEPSEEK_BLOCK)
-        require_multiple("intermediate size (w2.shape[2])", intermediate, DEEPSEEK_BLOCK)
-        if w1.shape[2] != hidden:
-            raise ValueError(f"w1 must be [E, N1, H] with H = {hidden} (from w2 [E, H, I]), got {tuple(w1.shape)}")
-        require_gemm1_rows("w1", w1.shape[1], act, intermediate)
+        experts, hidden, intermediate = _check_fp8_pair(w1, w2, act, DEEPSEEK_BLOCK, DEEPSEEK_BLOCK)
         device = w1.device
         blocks = lambda n: -(-n // DEEPSEEK_BLOCK)  # noqa: E731
         w1_scale = _check_scales("w1_scale", w1_scale, torch.float32,

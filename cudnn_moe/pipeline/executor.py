@@ -366,7 +366,7 @@ class _BucketStages(LayerStages):
 
     def __init__(self, executor: MoeExecutor, bucket: Bucket) -> None:
         self.x, self.b = executor, bucket
-        self.rows, self.gemm1_shape, self.activation_function = bucket.rows, bucket.gemm1.shape, executor.activation
+        self.gemm1_fusion = bucket.fusion
 
     def sort(self) -> Stage:
         x, b = self.x, self.b

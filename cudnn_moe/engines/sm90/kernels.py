@@ -349,10 +349,8 @@ def grouped_gemm(
     _check("alpha", alpha, (torch.float32,), (experts if alpha_split is None else 2 * experts,))
     _check("offsets", offsets, (torch.int32,), (experts + 1,))
     if epilogue is not None:
-        outputs = _check_epilogue(epilogue, rows, n)
-        named.update(outputs)
-        align.update({name: 16 if t.dtype == torch.bfloat16 else 8 if name == "epilogue.out" else 1
-                      for name, t in outputs.items()})
+        for name, (t, alignment) in _check_epilogue(epilogue, rows, n).items():
+            named[name], align[name] = t, alignment
     grid = gemm_grid(variant, experts, n, rows)
     if grid[1] > MAX_GRID_Y:
         raise ValueError(f"x: R = {rows} rows need up to {grid[1]} tiles of {variant.tile_rows} rows, more than the "
@@ -409,17 +407,19 @@ def _check_gather(gather: RowGather, k: int) -> int:
     return row_to_slot.numel()
 
 
-def _check_epilogue(epilogue: ActivationEpilogue, rows: int, n: int) -> dict[str, torch.Tensor]:
-    """Check an ActivationEpilogue for R = rows and GEMM1's N; returns its device tensors by name."""
+def _check_epilogue(epilogue: ActivationEpilogue, rows: int, n: int) -> dict[str, tuple[torch.Tensor, int]]:
+    """Check an ActivationEpilogue for R = rows and GEMM1's N; returns its device tensors by name, each with the
+    byte alignment the kernel needs."""
     activation, operand = epilogue.activation, epilogue.out
     inter = n // 2 if activation.gated else n
     check_activation_output(_tensor("epilogue.out", operand.data), operand.scales, operand.layout, rows, inter,
                             epilogue.requantize)
     row_to_slot = _tensor("epilogue.row_to_slot", epilogue.row_to_slot)
     _check("epilogue.row_to_slot", row_to_slot, (torch.int32,), (rows,))
-    named = {"epilogue.out": operand.data, "epilogue.row_to_slot": row_to_slot}
+    named = {"epilogue.out": (operand.data, 16 if operand.layout.is_bf16 else 8),
+             "epilogue.row_to_slot": (row_to_slot, 4)}
     if operand.scales is not None and not operand.layout.is_bf16:
-        named["epilogue.out_scales"] = operand.scales
+        named["epilogue.out_scales"] = (operand.scales, 1)
     return named
 
 

@@ -50,8 +50,8 @@ class _Layer(LayerStages):
     """LayerStages whose stages are only names; BF16 tokens have no token rows to decode."""
 
     def __init__(self, rows: int, shape: GemmShape, bf16_tokens: bool = False) -> None:
-        self.rows, self.gemm1_shape, self.activation_function = rows, shape, SwiGLU()
-        self.bf16_tokens = bf16_tokens
+        self.rows, self.bf16_tokens = rows, bf16_tokens
+        self.gemm1_fusion = gemm1_fusion(rows, shape, SwiGLU(), SMS)
 
     def sort(self) -> Stage:
         return Stage("sort", lambda: None)
@@ -85,7 +85,6 @@ class _Layer(LayerStages):
     (QWEN3, 4096, True, ["sort", "gemm1+activation (gather)", "gemm2"]),
 ])
 def test_stage_chains(model, tokens: int, bf16_tokens: bool, chain: list[str]) -> None:
-    engine = Sm90GemmEngine.__new__(Sm90GemmEngine)  # no device: only the SM count is read
-    engine.sm_count = SMS
+    engine = Sm90GemmEngine.__new__(Sm90GemmEngine)  # no device: stages() reads the layer only
     rows, shape = _bucket(model, tokens)
     assert [name for name, _ in engine.stages(_Layer(rows, shape, bf16_tokens))] == chain
