@@ -47,6 +47,13 @@ __device__ __forceinline__ float divide_rn(float y, float d, float r) {
   return fabsf(q0) <= 3.40282347e38f ? fmaf(r, fmaf(-q0, d, y), q0) : q0;
 }
 
+// The E4M3 block scale of a 16-value block with largest magnitude amax: e4m3(amax / 6), the quotient IEEE
+// (divide_rn's fast path, exact for every amax whose quotient is normal; below that it rounds to E4M3 zero
+// either way) without the slow-path branch of the division operator.
+__device__ __forceinline__ u8 block_scale_e4m3(float amax) {
+  return float_to_e4m3(divide_rn(amax, 6.0f, refined_reciprocal(6.0f)));
+}
+
 // Requantize one 16-value block in place: s = e4m3(amax(|y|) / 6) (returned), y_j = the E2M1 grid value of
 // y_j / float(s) (the IEEE quotient, divide_rn; round_to_e2m1 is e2m1_to_float(float_to_e2m1(.))), all +0 when
 // float(s) == 0.
@@ -54,7 +61,7 @@ __device__ __forceinline__ u8 requantize_16(float y[16]) {
   float amax = 0.0f;
 #pragma unroll
   for (int j = 0; j < 16; ++j) amax = fmaxf(amax, fabsf(y[j]));
-  const u8 s = float_to_e4m3(amax / 6.0f);
+  const u8 s = block_scale_e4m3(amax);
   const float sf = e4m3_to_float(s);
   if (sf == 0.0f) {
 #pragma unroll
@@ -186,7 +193,7 @@ __device__ __forceinline__ void activate_store_unit_warp(const u16* src, int gat
   if (!padding && !requantize) {
     bits = float_to_bf16(y);
   } else if (!padding) {
-    const float sf = e4m3_to_float(float_to_e4m3(amax / 6.0f));
+    const float sf = e4m3_to_float(block_scale_e4m3(amax));
     const float v = sf != 0.0f ? round_to_e2m1(divide_rn(y, sf, refined_reciprocal(sf))) : 0.0f;
     bits = static_cast<u16>(__float_as_uint(__fmul_rn(v, sf)) >> 16);  // exact product: its top half (scaled_bf16x2)
   }
