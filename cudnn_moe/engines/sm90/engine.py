@@ -53,13 +53,15 @@ _DECODE_MAX_ROWS, _LONG_K = 8, 4096
 # half the token reads per MAC) once N reaches 4096. A segment's last tile runs with the smallest of
 # N = 32, 64, 128 that covers its rows. Measured with benchmarks/tune_sm90.py (benchmarks/RESULTS.md).
 _WGMMA_SHORT = WgmmaVariant(tile_rows=64, groups=2, stages=4, min_blocks=3)
-_WGMMA = WgmmaVariant(tile_rows=128, groups=2, stages=5)
+_WGMMA = WgmmaVariant(tile_rows=128, groups=2, stages=4, min_blocks=2)  # 2-4% ahead of 5 stages (Qwen3 T=4096)
 _WGMMA_WIDE = WgmmaVariant(tile_rows=128, groups=4, stages=5)
 _WGMMA_MIN_ROWS, _WGMMA_LONG_ROWS, _WGMMA_WIDE_N = 32, 64, 4096
 # The decode kernel's activation epilogue pays off while GEMM1 runs in few waves (it adds its latency to
-# each wave): measured faster at T=1 on both models and at T=8 on Qwen3-30B-A3B (up to ~770 CTAs), slower
-# on DeepSeek-V3 at T=8 (2048 CTAs) and T=512 (benchmarks/RESULTS.md). Fused up to this many CTAs per SM.
-_DECODE_EPILOGUE_CTAS_PER_SM = 6
+# each wave). With the four-instruction sigmoid it cost Qwen3-30B-A3B T=64 (2112 CTAs) 4.9 us and DeepSeek-V3
+# T=8 (2048 CTAs) 6.1 us over the plain GEMM1, about what the activation launch it replaces costs, and
+# DeepSeek-V3 T=64 (16384 CTAs) 20 us (tune_sm90.py --forms, benchmarks/RESULTS.md). Fused up to this many
+# CTAs per SM.
+_DECODE_EPILOGUE_CTAS_PER_SM = 16
 
 
 def _slots(rows: int, num_experts: int) -> int:

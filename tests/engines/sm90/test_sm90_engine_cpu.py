@@ -24,10 +24,11 @@ def _bucket(model: tuple[int, int, int], tokens: int, top_k: int = 8) -> tuple[i
 @pytest.mark.parametrize("model,tokens,kind,fusion", [
     (QWEN3, 1, DecodeVariant, Gemm1Fusion(epilogue=True)),
     (QWEN3, 8, DecodeVariant, Gemm1Fusion(epilogue=True)),
-    (QWEN3, 64, DecodeVariant, Gemm1Fusion()),  # many CTAs: the epilogue's latency would hit every wave
+    (QWEN3, 64, DecodeVariant, Gemm1Fusion(epilogue=True)),  # 2112 CTAs: 16 per SM
     (QWEN3, 4096, WgmmaVariant, Gemm1Fusion(epilogue=True, gather=True)),
     (DEEPSEEK_V3, 1, DecodeVariant, Gemm1Fusion(epilogue=True)),
-    (DEEPSEEK_V3, 8, DecodeVariant, Gemm1Fusion()),
+    (DEEPSEEK_V3, 8, DecodeVariant, Gemm1Fusion(epilogue=True)),
+    (DEEPSEEK_V3, 64, DecodeVariant, Gemm1Fusion()),  # 16384 CTAs: the epilogue's latency would hit every wave
     (DEEPSEEK_V3, 512, DecodeVariant, Gemm1Fusion()),
     (DEEPSEEK_V3, 1024, WgmmaVariant, Gemm1Fusion(epilogue=True, gather=True)),
 ])
@@ -80,7 +81,7 @@ class _Layer(LayerStages):
 
 @pytest.mark.parametrize("model,tokens,bf16_tokens,chain", [
     (QWEN3, 1, False, ["sort+permute", "gemm1+activation", "gemm2"]),
-    (DEEPSEEK_V3, 8, False, ["sort+permute", "gemm1", "activation", "gemm2"]),
+    (DEEPSEEK_V3, 64, False, ["sort+permute", "gemm1", "activation", "gemm2"]),
     (QWEN3, 4096, False, ["sort+token rows", "gemm1+activation (gather)", "gemm2"]),
     (QWEN3, 4096, True, ["sort", "gemm1+activation (gather)", "gemm2"]),
 ])
