@@ -71,8 +71,8 @@ NVFP4 = "nvfp4"  # the weight format of the fused and aligned ops
 
 
 class WeightFormat(str, enum.Enum):
-    """The weight (and, for the last, activation) formats of the low-latency op (records:
-    cudnn_moe.weights.low_latency); engines declare them by value."""
+    """The weight formats of the low-latency op, and for the pairs (``*_W_*_A``) the activation format too
+    (records: cudnn_moe.weights.low_latency); engines declare them by value."""
 
     BF16 = "bf16"
     FP16 = "fp16"
@@ -83,6 +83,8 @@ class WeightFormat(str, enum.Enum):
     FP8_WEIGHT_ONLY = "fp8_weight_only"
     FP8_PER_TENSOR = "fp8_per_tensor"
     DEEPSEEK_FP8 = "deepseek_fp8"
+    MXFP4_W_MXFP8_A = "mxfp4_w_mxfp8_a"
+    MXFP8_W_MXFP8_A = "mxfp8_w_mxfp8_a"
 
 
 @dataclass(frozen=True)
