@@ -407,7 +407,8 @@ class LowLatencyCall:
     """One checked call of the low-latency op (cudnn_moe.low_latency.checks), as an engine runs it.
 
     x: BF16/FP16 tokens [T, H], or NVFP4 codes uint8 [T, H/2] with E4M3 ``x_scales`` [T, H/16] (the NVFP4
-    pair). ``out`` receives ``out_dtype`` [T, H] (finalize) or the raw rows [T, top_k, H].
+    pair), or E4M3 codes [T, H] (per-tensor FP8; with FP32 ``x_scales`` [T, H/128] DeepSeek FP8, with E8M0
+    ``x_scales`` [T, H/32] the MX pairs). ``out`` receives ``out_dtype`` [T, H] (finalize) or the raw rows [T, top_k, H].
     max_tokens: the config's limit (workspaces are sized by it).
     """
 
@@ -432,7 +433,8 @@ class LowLatencyCall:
 
     @property
     def x_dtype(self) -> torch.dtype | None:
-        """The 16-bit token dtype, or None for NVFP4 tokens."""
+        """The 16-bit token dtype (E4M3 for per-tensor FP8), or None for tokens with scales (NVFP4, DeepSeek FP8
+        codes, MXFP8)."""
         return None if self.x_scales is not None else self.x.dtype
 
 
