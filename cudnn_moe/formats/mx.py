@@ -14,8 +14,9 @@ rounds up, which is not the floor this rule needs.
 
 Arguments are checked before any work (TypeError / ValueError naming them): values must be a
 finite floating tensor of at least one dim (NaN / Inf raise ValueError; the check reads the
-data, a device sync on CUDA; ``quantize_mxfp8(x, check_finite=False)`` skips it), codes uint8 / float8_e4m3fn, scales float8_e8m0fnu of the
-matching shape, the output dtype float16, bfloat16, float32 or float64.
+data, a device sync on CUDA; ``quantize_mxfp8(x, check_finite=False)`` skips it), codes
+uint8 / float8_e4m3fn, scales float8_e8m0fnu of the matching shape, the output dtype float16,
+bfloat16, float32 or float64.
 """
 
 from __future__ import annotations

@@ -254,8 +254,9 @@ class LowLatencyMoeConfig:
         device, block = w1_codes.device, cls.block
         n1 = w1_codes.shape[1]
         stored = scale_dtypes if isinstance(scale_dtypes, torch.dtype) else scale_dtypes[0]
-        w1_scales = _check_scales(n1s, w1_scales, scale_dtypes, (experts, n1, hidden // block), device).view(stored)
-        w2_scales = _check_scales(n2s, w2_scales, scale_dtypes, (experts, hidden, intermediate // block), device).view(stored)
+        w1_scales = _check_scales(n1s, w1_scales, scale_dtypes, (experts, n1, hidden // block), device)
+        w2_scales = _check_scales(n2s, w2_scales, scale_dtypes, (experts, hidden, intermediate // block), device)
+        w1_scales, w2_scales = w1_scales.view(stored), w2_scales.view(stored)
         checked = {name: _check_global(name, value, experts, device) for name, value in globals_.items()}
         if refuse_nan:  # reads the payloads: preparation, not the serving path
             if code_dtype is torch.float8_e4m3fn:
