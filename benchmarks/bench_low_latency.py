@@ -13,7 +13,8 @@ formats get random codes and scales directly, the NVFP4 pair is built from rando
 DeepSeek-V3 float layer would take minutes and tens of GB), and so is the per-tensor FP8 record (random E4M3
 codes and scales; its tokens are quantized to E4M3 once, outside the timed call, as the NVFP4 pair's are) and
 the DeepSeek FP8 record (random E4M3 codes, FP32 block scales; its BF16 tokens are quantized per 128 values
-inside the timed call, which is part of that format's call).
+inside the timed call, which is part of that format's call), and the MX pairs' records (random MXFP4 / E4M3 codes,
+E8M0 scales; their tokens are quantized to MXFP8 once, outside the timed call, as the NVFP4 pair's are).
 Usage: python benchmarks/bench_low_latency.py --help
 """
 
@@ -54,7 +55,13 @@ from cudnn_moe.arch import device_arch  # noqa: E402
 from cudnn_moe.low_latency import LowLatencyMoeConfig, LowLatencyWeights, WeightFormat, low_latency_moe  # noqa: E402
 from cudnn_moe.engines.base import OP_LOW_LATENCY, Request  # noqa: E402
 from cudnn_moe.engines.registry import choose  # noqa: E402
-from cudnn_moe.weights.low_latency import DeepSeekFp8Weights, Fp8PerTensorWeights, Nvfp4PairWeights  # noqa: E402
+from cudnn_moe.weights.low_latency import (  # noqa: E402
+    DeepSeekFp8Weights,
+    Fp8PerTensorWeights,
+    Mxfp4PairWeights,
+    Mxfp8PairWeights,
+    Nvfp4PairWeights,
+)
 
 DEFAULT_TOKENS = (1, 2, 4, 8)
 FORMATS = tuple(f.value for f in WeightFormat)
@@ -69,7 +76,11 @@ BYTES_PER_WEIGHT = {
     WeightFormat.FP8_WEIGHT_ONLY: 1.0,  # E4M3 codes; the FP32 scale per expert is negligible
     WeightFormat.FP8_PER_TENSOR: 1.0,  # E4M3 codes; the per-expert FP32 factors are negligible
     WeightFormat.DEEPSEEK_FP8: 1.0 + 4 / (128 * 128),  # E4M3 codes + one FP32 scale per 128 x 128 block
+    WeightFormat.MXFP4_W_MXFP8_A: 0.5 + 1 / 32,  # E2M1 codes + one E8M0 byte per 32
+    WeightFormat.MXFP8_W_MXFP8_A: 1.0 + 1 / 32,  # E4M3 codes + one E8M0 byte per 32
 }
+MX_PAIRS = (WeightFormat.MXFP4_W_MXFP8_A, WeightFormat.MXFP8_W_MXFP8_A)
+QUANTIZED_TOKENS = (WeightFormat.NVFP4_W_NVFP4_A, *MX_PAIRS)  # tokens quantized outside the timed call
 FP8_FORMATS = (WeightFormat.FP8_WEIGHT_ONLY, WeightFormat.FP8_PER_TENSOR, WeightFormat.DEEPSEEK_FP8)
 WEIGHT_ONLY_4BIT = (WeightFormat.NVFP4_WEIGHT_ONLY, WeightFormat.MXFP4_WEIGHT_ONLY, WeightFormat.MXINT4_WEIGHT_ONLY)
 
@@ -135,6 +146,14 @@ def prepare_format(
         s2 = torch.full((e, h // 128, i // 128), 1 / (16 * i**0.5), device=dev)
         return DeepSeekFp8Weights(format=fmt_, hidden_size=h, intermediate_size=i, padded_intermediate=i, gated=True,
                                   w1_codes=f1, w1_scales=s1, w2_codes=f2, w2_scales=s2)
+    if fmt_ is WeightFormat.MXFP8_W_MXFP8_A:  # the record itself, random finite E4M3 codes and E8M0 scales 2^-9 .. 2^-4
+        f1, f2 = _random_codes((e, 2 * i, h), dev, gen), _random_codes((e, h, i), dev, gen)
+        f1, f2 = (torch.where((f & 0x7F) == 0x7F, f - 1, f).view(torch.float8_e4m3fn) for f in (f1, f2))
+        s1 = torch.randint(118, 124, (e, 2 * i, h // 32), dtype=torch.uint8, device=dev, generator=gen)
+        s2 = torch.randint(118, 124, (e, h, i // 32), dtype=torch.uint8, device=dev, generator=gen)
+        return Mxfp8PairWeights(format=fmt_, hidden_size=h, intermediate_size=i, padded_intermediate=i, gated=True,
+                                w1_codes=f1, w1_scales=s1.view(torch.float8_e8m0fnu), w2_codes=f2,
+                                w2_scales=s2.view(torch.float8_e8m0fnu))
     c1, c2 = _random_codes((e, 2 * i, h // 2), dev, gen), _random_codes((e, h, i // 2), dev, gen)
     if fmt_ in (WeightFormat.NVFP4_WEIGHT_ONLY, WeightFormat.NVFP4_W_NVFP4_A):
         s1 = (torch.rand(e, 2 * i, h // 16, device=dev, generator=gen) * 0.05 + 0.01).to(torch.float8_e4m3fn)
@@ -144,10 +163,14 @@ def prepare_format(
             return config.prepare_nvfp4_weight_only_weights(c1, s1, g1, c2, s2, g2)
         return Nvfp4PairWeights(format=fmt_, hidden_size=h, intermediate_size=i, padded_intermediate=i, gated=True,
                                 w1_codes=c1, w1_scales=s1, w2_codes=c2, w2_scales=s2, w1_global=g1, w2_global=g2)
-    if fmt_ is WeightFormat.MXFP4_WEIGHT_ONLY:
+    if fmt_ in (WeightFormat.MXFP4_WEIGHT_ONLY, WeightFormat.MXFP4_W_MXFP8_A):
         s1 = torch.randint(118, 124, (e, 2 * i, h // 32), dtype=torch.uint8, device=dev, generator=gen)
         s2 = torch.randint(118, 124, (e, h, i // 32), dtype=torch.uint8, device=dev, generator=gen)
-        return config.prepare_mxfp4_weight_only_weights(c1, s1.view(torch.float8_e8m0fnu), c2, s2.view(torch.float8_e8m0fnu))
+        s1, s2 = s1.view(torch.float8_e8m0fnu), s2.view(torch.float8_e8m0fnu)
+        if fmt_ is WeightFormat.MXFP4_W_MXFP8_A:  # the record itself (I % 128 == 0: no padding)
+            return Mxfp4PairWeights(format=fmt_, hidden_size=h, intermediate_size=i, padded_intermediate=i, gated=True,
+                                    w1_codes=c1, w1_scales=s1, w2_codes=c2, w2_scales=s2)
+        return config.prepare_mxfp4_weight_only_weights(c1, s1, c2, s2)
     s1 = (torch.rand(e, 2 * i, h // 32, device=dev, generator=gen) * 0.02 + 0.002).to(torch.bfloat16)
     s2 = (torch.rand(e, h, i // 32, device=dev, generator=gen) * 0.02 + 0.002).to(torch.bfloat16)
     return config.prepare_mxint4_weight_only_weights(c1, s1, c2, s2)
@@ -168,6 +191,8 @@ def ll_call(
     fmt_ = weights.format
     if fmt_ is WeightFormat.NVFP4_W_NVFP4_A:
         inputs = config.prepare_nvfp4_activations(x)
+    elif fmt_ in MX_PAIRS:
+        inputs = config.prepare_mxfp8_activations(x)
     elif fmt_ is WeightFormat.FP8_PER_TENSOR:
         inputs = config.prepare_fp8_per_tensor_activations(x, weights)
     else:
@@ -209,7 +234,7 @@ class LowLatencyBench:
                 continue
             for tokens, (x, ids, route_w) in batches.items():
                 floor = floor_us(m, touched[tokens], fmt_, args.bandwidth_tbs)
-                x_dtype = None if fmt_ is WeightFormat.NVFP4_W_NVFP4_A else (
+                x_dtype = None if fmt_ in QUANTIZED_TOKENS else (
                     torch.float8_e4m3fn if fmt_ is WeightFormat.FP8_PER_TENSOR else
                     torch.float16 if fmt_ is WeightFormat.FP16 else torch.bfloat16)
                 path = path_of(config, weights, x_dtype, torch.float16 if fmt_ is WeightFormat.FP16 else torch.bfloat16)

@@ -71,8 +71,8 @@ NVFP4 = "nvfp4"  # the weight format of the fused and aligned ops
 
 
 class WeightFormat(str, enum.Enum):
-    """The weight (and, for the last, activation) formats of the low-latency op (records:
-    cudnn_moe.weights.low_latency); engines declare them by value."""
+    """The weight formats of the low-latency op, and for the pairs (``*_W_*_A``) the activation format too
+    (records: cudnn_moe.weights.low_latency); engines declare them by value."""
 
     BF16 = "bf16"
     FP16 = "fp16"
@@ -83,6 +83,8 @@ class WeightFormat(str, enum.Enum):
     FP8_WEIGHT_ONLY = "fp8_weight_only"
     FP8_PER_TENSOR = "fp8_per_tensor"
     DEEPSEEK_FP8 = "deepseek_fp8"
+    MXFP4_W_MXFP8_A = "mxfp4_w_mxfp8_a"
+    MXFP8_W_MXFP8_A = "mxfp8_w_mxfp8_a"
 
 
 @dataclass(frozen=True)
@@ -427,7 +429,8 @@ class LowLatencyCall:
     """One checked call of the low-latency op (cudnn_moe.low_latency.checks), as an engine runs it.
 
     x: BF16/FP16 tokens [T, H], or NVFP4 codes uint8 [T, H/2] with E4M3 ``x_scales`` [T, H/16] (the NVFP4
-    pair). ``out`` receives ``out_dtype`` [T, H] (finalize) or the raw rows [T, top_k, H].
+    pair), or E4M3 codes [T, H] (per-tensor FP8; with FP32 ``x_scales`` [T, H/128] DeepSeek FP8, with E8M0
+    ``x_scales`` [T, H/32] the MX pairs). ``out`` receives ``out_dtype`` [T, H] (finalize) or the raw rows [T, top_k, H].
     max_tokens: the config's limit (workspaces are sized by it).
     """
 
@@ -452,7 +455,8 @@ class LowLatencyCall:
 
     @property
     def x_dtype(self) -> torch.dtype | None:
-        """The 16-bit token dtype, or None for NVFP4 tokens."""
+        """The 16-bit token dtype (E4M3 for per-tensor FP8), or None for tokens with scales (NVFP4, DeepSeek FP8
+        codes, MXFP8)."""
         return None if self.x_scales is not None else self.x.dtype
 
 

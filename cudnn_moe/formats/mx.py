@@ -14,8 +14,9 @@ rounds up, which is not the floor this rule needs.
 
 Arguments are checked before any work (TypeError / ValueError naming them): values must be a
 finite floating tensor of at least one dim (NaN / Inf raise ValueError; the check reads the
-data, a device sync on CUDA), codes uint8 / float8_e4m3fn, scales float8_e8m0fnu of the
-matching shape, the output dtype float16, bfloat16, float32 or float64.
+data, a device sync on CUDA; ``quantize_mxfp8(x, check_finite=False)`` skips it), codes
+uint8 / float8_e4m3fn, scales float8_e8m0fnu of the matching shape, the output dtype float16,
+bfloat16, float32 or float64.
 """
 
 from __future__ import annotations
@@ -66,12 +67,17 @@ def dequantize_mxfp4(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
     return (blocks * scales.float().unsqueeze(-1)).reshape(codes.shape).to(dtype)
 
 
-def quantize_mxfp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_mxfp8(x: torch.Tensor, *, check_finite: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize x [..., K] (BF16/FP16/FP32, K % 32 == 0) to MXFP8 (E4M3 elements).
 
+    Per block of 32 values (the module's rule with emax 8): amax = max |x| in FP32, scale =
+    2^clamp(floor(log2 amax) - 8, -127, 127) (2^-127 for an all-zero block), elements e4m3(fp32(x / scale)),
+    nearest even, saturating at +-448. check_finite: refuse NaN / Inf with ValueError (reads the data, a
+    device sync on CUDA); with False nothing is read, so the call can be captured in a CUDA graph, and a block
+    holding NaN or Inf gets unspecified elements and scale.
     Returns (elements float8_e4m3fn [..., K], scales float8_e8m0fnu [..., K/32]).
     """
-    check_values("x", x)
+    check_values("x", x, finite=check_finite)
     blocks = split_blocks(x, MX_BLOCK)
     scales, scale_values = _mx_scales(blocks, _E4M3_EMAX)
     return to_e4m3(blocks / scale_values).reshape(x.shape), scales

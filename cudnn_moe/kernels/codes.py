@@ -53,6 +53,7 @@ class LowLatencyWeightCode(enum.IntEnum):
     MXINT4 = 4  # two's-complement INT4 codes, BF16 scales per 32
     FP8 = 5  # E4M3 codes, one FP32 scale per expert (as the global)
     FP8_BLOCK = 6  # E4M3 codes, FP32 scales per 128 x 128 block (DeepSeek FP8)
+    MXFP8 = 7  # E4M3 codes, E8M0 scales per 32 (with MXFP8 tokens only)
 
 
 class LowLatencyInputCode(enum.IntEnum):
@@ -63,6 +64,7 @@ class LowLatencyInputCode(enum.IntEnum):
     NVFP4 = 2  # packed E2M1 codes + linear E4M3 scales per 16 (global one), decoded exactly
     FP8 = 3  # E4M3 codes [T, H] of the per-tensor FP8 format (its input scale folded into the weights' factor)
     FP8_BLOCK = 4  # E4M3 codes [T, H] with FP32 scales [T, H/128], one per 128 values (DeepSeek FP8)
+    MXFP8 = 5  # E4M3 codes [T, H] with E8M0 scales [T, H/32], one per 32 values (the MX pairs; MXFP8 intermediate)
 
 
 SORT_THREADS = 1024  # threads of the single moe_sort block

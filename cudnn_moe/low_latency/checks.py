@@ -17,6 +17,7 @@ from ..weights.low_latency import (
     Fp8PerTensorWeights,
     Fp8WeightOnlyWeights,
     LowLatencyWeights,
+    Mxfp8Activations,
     WeightFormat,
 )
 from ..weights.nvfp4 import Nvfp4Activations
@@ -33,9 +34,18 @@ def require_aligned(name: str, t: torch.Tensor) -> None:
                          f"time); got an offset of {t.data_ptr() % ALIGNMENT} bytes: pass a fresh or .clone()d tensor")
 
 
+MX_PAIRS = (WeightFormat.MXFP4_W_MXFP8_A, WeightFormat.MXFP8_W_MXFP8_A)
+
+
 def check_inputs(inputs: object, weights: LowLatencyWeights) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(x, NVFP4 codes or E4M3 codes; NVFP4 or DeepSeek FP8 token scales, or None) after the checks on ``inputs``."""
+    """(x, NVFP4 codes or E4M3 codes; NVFP4, DeepSeek FP8 or MXFP8 token scales, or None) after the checks on
+    ``inputs``."""
     fmt, hidden = weights.format, weights.hidden_size
+    if fmt in MX_PAIRS:
+        return _check_mxfp8_inputs(inputs, fmt, hidden)
+    if isinstance(inputs, Mxfp8Activations):
+        raise TypeError(f"inputs must fit {fmt.value} weights; Mxfp8Activations are for the MX weight + MXFP8 "
+                        "activation pairs (config.prepare_weights)")
     if fmt is WeightFormat.DEEPSEEK_FP8:
         return _check_deepseek_inputs(inputs, hidden)
     if isinstance(inputs, DeepSeekFp8Activations):
@@ -88,6 +98,28 @@ def _check_hidden_states(inputs: object, dtypes: tuple[torch.dtype, ...], hidden
         raise ValueError("hidden_states must be contiguous (row-major); call .contiguous() first")
     require_aligned("hidden_states", x)
     return x
+
+
+def _check_mxfp8_inputs(inputs: object, fmt: WeightFormat, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """MX pairs: the Mxfp8Activations of ``prepare_mxfp8_activations`` (codes float8_e4m3fn [T, H], E8M0 scales
+    [T, H/32], contiguous, codes aligned; their values are not read)."""
+    if not isinstance(inputs, Mxfp8Activations):
+        raise TypeError(f"inputs must be the Mxfp8Activations of config.prepare_mxfp8_activations() for {fmt.value} "
+                        f"weights (MXFP8 tokens; BF16/FP16 tokens are not taken), got {type(inputs).__name__}")
+    codes = require_tensor("inputs.codes", inputs.codes, torch.float8_e4m3fn, rank=2)
+    scales = require_tensor("inputs.scales", inputs.scales, torch.float8_e8m0fnu, rank=2)
+    if codes.shape[1] != hidden:
+        raise ValueError(f"inputs.codes must be [T, {hidden}] to match the weights, got {tuple(codes.shape)}")
+    if tuple(scales.shape) != (codes.shape[0], hidden // 32):
+        raise ValueError(f"inputs.scales must be [{codes.shape[0]}, {hidden // 32}] (one per 32 values), "
+                         f"got {tuple(scales.shape)}")
+    if scales.device != codes.device:
+        raise ValueError(f"inputs.scales is on {scales.device} but inputs.codes is on {codes.device}")
+    for name, t in (("inputs.codes", codes), ("inputs.scales", scales)):
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous (row-major)")
+    require_aligned("inputs.codes", codes)
+    return codes, scales
 
 
 def _check_deepseek_inputs(inputs: object, hidden: int) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -3,7 +3,8 @@
 Preparation keeps the caller's payloads bit-exact (copies, never requantized or cast) wherever the
 format is given already quantized, and pads I to a multiple of 128 with zero bytes (see
 ``cudnn_moe.weights.low_latency``). Only ``prepare_nvfp4_weights`` and ``prepare_fp8_per_tensor_weights``
-quantize, from a float source; ``prepare_deepseek_fp8_weights`` keeps its E4M3 payloads and FP32 block scales.
+quantize, from a float source; ``prepare_deepseek_fp8_weights`` keeps its E4M3 payloads and FP32 block scales,
+``prepare_weights`` its MXFP4 or MXFP8 payloads and E8M0 scales (for MXFP8 tokens, ``prepare_mxfp8_activations``).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from ..activations import Activation, SwiGLU, parse_activation, require_gemm1_ro
 from ..arch import Arch, arch_name, parse_arch, target_arch
 from ..engines.base import OP_LOW_LATENCY
 from ..engines.registry import engine_names, served_archs
-from ..formats import quantize_nvfp4
+from ..formats import quantize_mxfp8, quantize_nvfp4
 from ..formats.blocks import to_e4m3
 from ..formats.fp8 import scale_from_amax
 from ..fused.config import Nvfp4MoeConfig
@@ -34,7 +35,10 @@ from ..weights.low_latency import (
     Fp8PerTensorWeights,
     Fp8WeightOnlyWeights,
     LowLatencyWeights,
+    Mxfp4PairWeights,
     Mxfp4WeightOnlyWeights,
+    Mxfp8Activations,
+    Mxfp8PairWeights,
     Mxint4WeightOnlyWeights,
     Nvfp4PairWeights,
     Nvfp4WeightOnlyWeights,
@@ -84,7 +88,8 @@ def _check_fp8_pair(w1: object, w2: object, act: Activation, hidden_multiple: in
     return experts, hidden, intermediate
 
 
-def _check_scales(name: str, scales: object, dtype: torch.dtype, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+def _check_scales(name: str, scales: object, dtype: torch.dtype | tuple[torch.dtype, ...], shape: tuple[int, ...],
+                  device: torch.device) -> torch.Tensor:
     scales = require_tensor(name, scales, dtype, rank=3)
     if tuple(scales.shape) != shape:
         raise ValueError(f"{name} must have shape {shape} to match the codes, got {tuple(scales.shape)}")
@@ -97,6 +102,12 @@ def _require_no_e4m3_nan(name: str, codes: torch.Tensor) -> None:
     """E4M3 codes 0x7F / 0xFF are NaN: refused (reads the payload; preparation only)."""
     if bool(((codes.view(torch.uint8) & 0x7F) == 0x7F).any()):
         raise ValueError(f"{name} holds E4M3 NaN codes (0x7F / 0xFF); weights must be finite")
+
+
+def _require_no_e8m0_nan(name: str, scales: torch.Tensor) -> None:
+    """E8M0 scale byte 255 is NaN: refused (reads the scales; preparation only)."""
+    if bool((scales.view(torch.uint8) == 255).any()):
+        raise ValueError(f"{name} holds E8M0 NaN scale bytes (255); scales must be finite")
 
 
 def _quantize_fp8_experts(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -208,39 +219,57 @@ class LowLatencyMoeConfig:
         """FP16 twin of ``prepare_bf16_weights`` (finite values, checked the same way)."""
         return self._prepare_dense(WeightFormat.FP16, torch.float16, w1, w2, activation)
 
-    # ------------------------------------------------------------------ 4-bit weight-only
+    # ------------------------------------------------------------------ block-scaled codes (4-bit weight-only, MX pairs)
     def _prepare_block_scaled(
         self,
         fmt: WeightFormat,
         cls: type,
-        scale_dtype: torch.dtype,
+        scale_dtypes: torch.dtype | tuple[torch.dtype, ...],
         w1_codes: object,
         w1_scales: object,
         w2_codes: object,
         w2_scales: object,
         activation: Activation | str,
+        names: tuple[str, str, str, str] = ("w1_codes", "w1_scales", "w2_codes", "w2_scales"),
+        refuse_nan: bool = False,
         **globals_: object,
     ) -> LowLatencyWeights:
+        """The record ``cls`` of codes (``cls.codes_per_byte``: 2 for uint8 4-bit codes, 1 for E4M3) and block scales
+        of ``scale_dtypes`` (kept as the first; the others are views of the same bytes), checked under the caller's
+        argument ``names``; refuse_nan also reads the data for E4M3 NaN codes and E8M0 NaN scale bytes (255)."""
         self.require_format(self.target_arch(), fmt)
         act = parse_activation(activation)
-        experts, hidden, half_i = _check_pair("w1_codes", w1_codes, "w2_codes", w2_codes, torch.uint8)
-        intermediate = 2 * half_i
-        require_multiple("hidden size (w2_codes.shape[1])", hidden, WEIGHT_ONLY_HIDDEN_MULTIPLE)
-        require_multiple("intermediate size (2 * w2_codes.shape[2])", intermediate, WEIGHT_ONLY_INTERMEDIATE_MULTIPLE)
-        if 2 * w1_codes.shape[2] != hidden:
-            raise ValueError(f"w1_codes must be [E, N1, H/2] with H = {hidden} (from w2_codes), got {tuple(w1_codes.shape)}")
-        require_gemm1_rows("w1_codes", w1_codes.shape[1], act, intermediate)
+        n1c, n1s, n2c, n2s = names
+        per_byte = cls.codes_per_byte
+        code_dtype = torch.uint8 if per_byte == 2 else torch.float8_e4m3fn
+        experts, hidden, columns = _check_pair(n1c, w1_codes, n2c, w2_codes, code_dtype)
+        intermediate = per_byte * columns
+        half = "2 * " if per_byte == 2 else ""
+        require_multiple(f"hidden size ({n2c}.shape[1])", hidden, WEIGHT_ONLY_HIDDEN_MULTIPLE)
+        require_multiple(f"intermediate size ({half}{n2c}.shape[2])", intermediate, WEIGHT_ONLY_INTERMEDIATE_MULTIPLE)
+        if per_byte * w1_codes.shape[2] != hidden:
+            raise ValueError(f"{n1c} must be [E, N1, H{'/2' if per_byte == 2 else ''}] with H = {hidden} (from {n2c}), "
+                             f"got {tuple(w1_codes.shape)}")
+        require_gemm1_rows(n1c, w1_codes.shape[1], act, intermediate)
         device, block = w1_codes.device, cls.block
         n1 = w1_codes.shape[1]
-        w1_scales = _check_scales("w1_scales", w1_scales, scale_dtype, (experts, n1, hidden // block), device)
-        w2_scales = _check_scales("w2_scales", w2_scales, scale_dtype, (experts, hidden, intermediate // block), device)
+        stored = scale_dtypes if isinstance(scale_dtypes, torch.dtype) else scale_dtypes[0]
+        w1_scales = _check_scales(n1s, w1_scales, scale_dtypes, (experts, n1, hidden // block), device)
+        w2_scales = _check_scales(n2s, w2_scales, scale_dtypes, (experts, hidden, intermediate // block), device)
+        w1_scales, w2_scales = w1_scales.view(stored), w2_scales.view(stored)
         checked = {name: _check_global(name, value, experts, device) for name, value in globals_.items()}
+        if refuse_nan:  # reads the payloads: preparation, not the serving path
+            if code_dtype is torch.float8_e4m3fn:
+                _require_no_e4m3_nan(n1c, w1_codes)
+                _require_no_e4m3_nan(n2c, w2_codes)
+            _require_no_e8m0_nan(n1s, w1_scales)
+            _require_no_e8m0_nan(n2s, w2_scales)
         ip = padded_intermediate(intermediate)
         return cls(
             format=fmt, hidden_size=hidden, intermediate_size=intermediate, padded_intermediate=ip, gated=act.gated,
             w1_codes=pad_gemm1_rows(w1_codes, intermediate, ip, act.gated),
             w1_scales=pad_gemm1_rows(w1_scales, intermediate, ip, act.gated),
-            w2_codes=pad_columns(w2_codes, ip // 2),
+            w2_codes=pad_columns(w2_codes, ip // per_byte),
             w2_scales=pad_columns(w2_scales, ip // block),
             **{name: value.clone() for name, value in checked.items()},
         )
@@ -384,6 +413,62 @@ class LowLatencyMoeConfig:
             w1_codes=w1_codes, w1_scales=w1_scales, w2_codes=w2_codes, w2_scales=w2_scales,
             w1_global=w1_global, w2_global=w2_global,
         )
+
+    # ------------------------------------------------------------------ MX weights + MXFP8 activations
+    def prepare_weights(
+        self,
+        w1: torch.Tensor,
+        w1_scale: torch.Tensor,
+        w2: torch.Tensor,
+        w2_scale: torch.Tensor,
+        *,
+        activation: Activation | str = SwiGLU(),
+    ) -> Mxfp4PairWeights | Mxfp8PairWeights:
+        """Keep canonical MX weights, bit for bit (copies, never requantized), for MXFP8 activations
+        (``prepare_mxfp8_activations``). The kind follows from the code dtype, the same for w1 and w2:
+
+        - MXFP4 (``WeightFormat.MXFP4_W_MXFP8_A``, an Mxfp4PairWeights): w1 uint8 [E, N1, H/2], w2 uint8 [E, H, I/2],
+          packed E2M1 codes (element 2i in the low nibble, cudnn_moe.formats.e2m1);
+        - MXFP8 (``WeightFormat.MXFP8_W_MXFP8_A``, an Mxfp8PairWeights): w1 float8_e4m3fn [E, N1, H], w2 [E, H, I].
+
+        N1 = 2I rows [up; gate] for gated activations, I rows for non-gated ones (no gate rows). w1_scale
+        [E, N1, H/32], w2_scale [E, H, I/32]: E8M0 scale bytes, one per 32 K values, as float8_e8m0fnu or as uint8
+        holding those bytes (kept as float8_e8m0fnu either way); weight = code * 2^(byte - 127). H % 128 == 0,
+        I % 32 == 0; I is padded to a multiple of 128 with zero bytes (codes +0, scale bytes 0). E4M3 NaN codes
+        (0x7F / 0xFF) and E8M0 NaN scales (byte 255) are refused; the checks read the data (preparation, not the
+        serving path). Errors name the argument: TypeError for a non-tensor or a wrong dtype (w2 of the other
+        kind included), ValueError for a wrong shape, size, device or value.
+
+        What the call does with them (``reference_mx_pair`` states every rounding point): FC1 as FP32 sums of exact
+        code products scaled per 32-K block by the two E8M0 scales, preactivation rounded to BF16, the activation
+        in FP32 quantized to MXFP8 per 32 values inside the GEMM1 kernel, FC2 likewise, expert rows rounded to the
+        output dtype (BF16 or FP16), ordered FP32 combine; expert ids outside [0, E) mark unrouted slots.
+        """
+        w1 = require_tensor("w1", w1, (torch.uint8, torch.float8_e4m3fn), rank=3)
+        if isinstance(w2, torch.Tensor) and w2.dtype in (torch.uint8, torch.float8_e4m3fn) and w2.dtype != w1.dtype:
+            raise TypeError(f"w2 must have dtype {str(w1.dtype).replace('torch.', '')} like w1 (both MXFP4 or both "
+                            f"MXFP8), got {str(w2.dtype).replace('torch.', '')}")
+        fp4 = w1.dtype is torch.uint8
+        return self._prepare_block_scaled(
+            WeightFormat.MXFP4_W_MXFP8_A if fp4 else WeightFormat.MXFP8_W_MXFP8_A,
+            Mxfp4PairWeights if fp4 else Mxfp8PairWeights, (torch.float8_e8m0fnu, torch.uint8),
+            w1, w1_scale, w2, w2_scale, activation, names=("w1", "w1_scale", "w2", "w2_scale"), refuse_nan=True,
+        )
+
+    def prepare_mxfp8_activations(self, hidden_states: torch.Tensor) -> Mxfp8Activations:
+        """Quantize tokens x [T, H] (BF16; FP16 or FP32 also taken; T <= max_num_tokens, H % 128 == 0) to MXFP8 for
+        the MX pairs (``prepare_weights``): ``cudnn_moe.formats.quantize_mxfp8``, per 32 values amax = max |x| in
+        FP32, scale = 2^clamp(floor(log2 amax) - 8, -127, 127) (2^-127 for an all-zero block), codes
+        e4m3(fp32(x / scale)), nearest even, saturating at +-448 (the division by a power of two is exact
+        unless the quotient is below E4M3's range anyway). Returns an Mxfp8Activations: codes float8_e4m3fn
+        [T, H], scales float8_e8m0fnu [T, H/32]. Torch operations on x's device that read nothing to the host:
+        capturable in a CUDA graph with the call (a block holding NaN or Inf gets unspecified codes and scale)."""
+        x = require_tensor("hidden_states", hidden_states, _FLOAT_SOURCE_DTYPES, rank=2)
+        if x.shape[0] > self.max_num_tokens:
+            raise ValueError(f"hidden_states has {x.shape[0]} tokens, more than max_num_tokens={self.max_num_tokens}")
+        require_multiple("hidden size (hidden_states.shape[1])", x.shape[1], WEIGHT_ONLY_HIDDEN_MULTIPLE)
+        codes, scales = quantize_mxfp8(x, check_finite=False)
+        return Mxfp8Activations(codes, scales)
 
     # ------------------------------------------------------------------ fallback for larger calls
     def prepare_fallback(

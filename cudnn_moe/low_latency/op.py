@@ -37,6 +37,12 @@ Numerics are those of cudnn_moe.low_latency.reference, rounding point for roundi
   FP32 (no preactivation rounding); the activation in FP32, kept unrounded; the intermediate quantized per 128
   values the same way (a launch of its own between the GEMMs: four launches for BF16 tokens, three for
   prequantized ones); GEMM2 likewise, rows rounded to BF16 (BF16 output only);
+- the MX pairs (MXFP4 or MXFP8 weights with E8M0 scales per 32 K values, MXFP8 tokens from
+  ``config.prepare_mxfp8_activations``): GEMM1's FP32 sums of exact code products scaled per 32-K block by
+  fp32(token scale * weight scale), rounded to BF16; the activation in FP32, quantized to MXFP8 per 32 values
+  inside the GEMM1 kernel (scale 2^clamp(floor(log2 amax) - 8, -127, 127), codes e4m3(fp32(y / scale)):
+  ``cudnn_moe.formats.quantize_mxfp8``), so a call is two launches; GEMM2 likewise on those codes and scales,
+  rows rounded to ``out_dtype`` (BF16 or FP16);
 - expert rows (GEMM2 in FP32) rounded to ``out_dtype``;
 - finalize: per token, in slot order, acc = fp32(acc + fp32(w * row)) (separate multiply and add),
   rounded once to ``out_dtype``; packed route weights are their BF16 values.
@@ -47,7 +53,7 @@ The raw output (finalize=False) keeps the identity route mapping (row (t, j) is 
 return_scores=True the call also returns each slot's routing score, float32 [T, top_k], as the caller gave
 it (packed scores: their BF16 value), written by the GEMM2 launch, unrouted slots included.
 
-Expert ids outside [0, E): for the NVFP4 pair they mark unrouted slots (finalize skips them and their
+Expert ids outside [0, E): for the NVFP4 pair and the MX pairs they mark unrouted slots (finalize skips them and their
 route weights, so a NaN there never reaches the output; the raw output has zero rows for them). For the
 other formats the contract requires ids in [0, E); checking that would need a device sync, so it is not
 checked: the kernels never read out of bounds for such ids and currently treat them like the pair does,
@@ -67,7 +73,7 @@ from ..engines.registry import choose
 from ..pipeline.lifetime import release_deferred
 from ..pipeline.workspaces import workspace_for
 from ..routing import Routing
-from ..weights.low_latency import DeepSeekFp8Activations, Fp8PerTensorActivations, LowLatencyWeights
+from ..weights.low_latency import DeepSeekFp8Activations, Fp8PerTensorActivations, LowLatencyWeights, Mxfp8Activations
 from ..weights.nvfp4 import Nvfp4Activations
 from . import grouped
 from .checks import (
@@ -94,7 +100,7 @@ class RawOutput(NamedTuple):
 
 def low_latency_moe(
     config: LowLatencyMoeConfig,
-    inputs: torch.Tensor | Nvfp4Activations | Fp8PerTensorActivations | DeepSeekFp8Activations,
+    inputs: torch.Tensor | Nvfp4Activations | Fp8PerTensorActivations | DeepSeekFp8Activations | Mxfp8Activations,
     weights: LowLatencyWeights,
     routing: Routing,
     *,
@@ -113,12 +119,13 @@ def low_latency_moe(
         Nvfp4Activations of ``config.prepare_nvfp4_activations``; for per-tensor FP8 weights the
         Fp8PerTensorActivations of ``config.prepare_fp8_per_tensor_activations`` (quantized with those weights);
         for DeepSeek FP8 weights BF16 [T, H] (quantized per 128 values inside the call) or the
-        DeepSeekFp8Activations of ``config.prepare_deepseek_fp8_activations`` (E4M3 codes and FP32 scales).
+        DeepSeekFp8Activations of ``config.prepare_deepseek_fp8_activations`` (E4M3 codes and FP32 scales); for
+        the MX pairs (``config.prepare_weights``) the Mxfp8Activations of ``config.prepare_mxfp8_activations``.
     weights: from one of the config's prepare methods (any format of ``weights.format``).
     routing: ``Routing.packed`` or ``Routing.unpacked`` [T, top_k], top_k <= 32, on the same device.
     activation: one of the ten typed activations (gated iff the weights were prepared gated).
-    out_dtype: torch.bfloat16 or torch.float16 (the expert rows and the output; BF16 only for the pair, for
-        per-tensor FP8 and for DeepSeek FP8).
+    out_dtype: torch.bfloat16 or torch.float16 (the expert rows and the output; BF16 only for the NVFP4 pair,
+        for per-tensor FP8 and for DeepSeek FP8; either for the MX pairs).
     finalize: True returns out_dtype [T, H], the route-weighted sum; False returns the raw per-slot
         rows out_dtype [T, top_k, H] (row (t, j) is slot j of token t; zero rows for unrouted slots).
     out: optional destination of that shape and dtype (contiguous, 16-byte aligned, same device,

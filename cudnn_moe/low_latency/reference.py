@@ -17,7 +17,7 @@ range) and every GEMM is summed in float64. Then, per routed slot (token t, expe
    dtype. Packed route weights are the BF16 values of the packing; unpacked FP32/BF16 weights are
    used as FP32.
 
-Expert ids: for the NVFP4 pair an id outside [0, E) marks an unrouted slot: finalize skips it and its
+Expert ids: for the NVFP4 pair and the MX pairs an id outside [0, E) marks an unrouted slot: finalize skips it and its
 weight (a NaN or Inf weight there never reaches the output) and its raw row is zero. For every other
 format such an id raises ValueError (the GPU call cannot check it without a device sync and requires
 ids in range). A token may name an expert twice; each slot is computed on its own.
@@ -39,6 +39,13 @@ DeepSeek FP8 (``reference_deepseek_fp8``) likewise, with scales per 128 values (
 2. y = fp32(activation(h)) (float64 activation); per 128 values of y: s_y = fp32(amax / 448) (1.0 for zero),
    yq = e4m3(fp32(y / s_y));
 3. r[h] = fp32(sum_b P2[b] * fp32(s_y[b] * s_w2[e, h // 128, b])) rounded to BF16; step 4 as above, BF16 only.
+
+The MX pairs (``reference_mx_pair``: MXFP4 or MXFP8 weights, MXFP8 tokens, E8M0 scales per 32 values, b = k // 32):
+1. h[n] = fp32(sum_b P1[b] * fp32(s_x[t, b] * s_w1[e, n, b])) rounded to BF16, P1[b] the exact block code products;
+2. y = fp32(activation(h)); per 32 values of y: s_y = 2^clamp(floor(log2 amax) - 8, -127, 127) (2^-127 for zero),
+   yq = e4m3(fp32(y / s_y)) (``cudnn_moe.formats.quantize_mxfp8``);
+3. r[h] = fp32(sum_b P2[b] * fp32(s_y[b] * s_w2[e, h, b])) rounded to the output dtype (BF16 or FP16); step 4 as
+   above.
 """
 
 from __future__ import annotations
@@ -48,7 +55,15 @@ from dataclasses import dataclass
 import torch
 
 from ..activations import Activation, ActivationKind, parse_activation
-from ..formats import dequantize_mxfp4, dequantize_mxint4, dequantize_nvfp4
+from ..formats import (
+    MX_BLOCK,
+    decode_e2m1,
+    dequantize_mxfp4,
+    dequantize_mxint4,
+    dequantize_nvfp4,
+    quantize_mxfp8,
+    unpack_nibbles,
+)
 from ..formats.fp8 import quantize_fp8_act128
 from ..formats.blocks import to_e4m3
 from ..routing import Routing
@@ -61,7 +76,10 @@ from ..weights.low_latency import (
     Fp8PerTensorWeights,
     Fp8WeightOnlyWeights,
     LowLatencyWeights,
+    Mxfp4PairWeights,
     Mxfp4WeightOnlyWeights,
+    Mxfp8Activations,
+    Mxfp8PairWeights,
     Mxint4WeightOnlyWeights,
     Nvfp4PairWeights,
     Nvfp4WeightOnlyWeights,
@@ -82,7 +100,7 @@ class RawReference:
     rows: [T, k, H] of the output dtype, zero where ``mask`` is False.
     weights: float32 [T, k], the route weights as given (packed ones BF16-rounded), NaN/Inf kept: the scores
         ``low_latency_moe(..., finalize=False, return_scores=True)`` returns (also as ``scores``).
-    mask: bool [T, k], False for unrouted slots (NVFP4 pair only; all True otherwise).
+    mask: bool [T, k], False for unrouted slots (NVFP4 and MX pairs only; all True otherwise).
     """
 
     rows: torch.Tensor
@@ -147,8 +165,8 @@ def _routing(routing: object, num_tokens: int, num_experts: int, device: torch.d
     if not unrouted_ok and not bool(mask.all()):
         bad = ids[~mask][0].item()
         raise ValueError(
-            f"routing names expert {bad}, outside [0, {num_experts}); only the NVFP4 weight + NVFP4 activation "
-            "pair treats such ids as unrouted slots"
+            f"routing names expert {bad}, outside [0, {num_experts}); only the pairs with quantized activations "
+            "(NVFP4 + NVFP4, MXFP4 or MXFP8 + MXFP8) treat such ids as unrouted slots"
         )
     return ids.long(), route_weights, mask
 
@@ -402,18 +420,23 @@ class DeepSeekFp8Intermediate:
     scales: torch.Tensor
 
 
-def _block_sums(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a [m, K], b [n, K] (float64, K % 128 == 0) -> [m, n, K/128]: the exact per-128-block dot products."""
+def _block_sums(a: torch.Tensor, b: torch.Tensor, block: int) -> torch.Tensor:
+    """a [m, K], b [n, K] (float64 code values, K % block == 0) -> [m, n, K/block]: the per-block dot products,
+    exact (every product of two E4M3 or E4M3 and E2M1 codes, and every sum of 128 of them, fits float64)."""
     m, n, k = a.shape[0], b.shape[0], a.shape[1]
-    return torch.einsum("mbk,nbk->mnb", a.reshape(m, k // 128, 128), b.reshape(n, k // 128, 128))
+    return torch.einsum("mbk,nbk->mnb", a.reshape(m, k // block, block), b.reshape(n, k // block, block))
 
 
 def _scaled_sum(partials: torch.Tensor, x_scales: torch.Tensor, w_scales: torch.Tensor) -> torch.Tensor:
-    """partials [m, n, nb] (float64), x_scales float32 [m, nb], w_scales float32 [n_blocks, nb] (weight row n's in
-    row n // 128) -> float32 [m, n]: fp32(sum_b partial * fp32(x_scale * w_scale))."""
-    rows = w_scales.repeat_interleave(128, dim=0)[: partials.shape[1]]  # [n, nb]
-    factor = (x_scales.float()[:, None, :] * rows.float()[None]).double()  # one FP32 product, as the kernel
+    """partials [m, n, nb] (float64), x_scales [m, nb] and w_scales [n, nb] (weight row n's scales; FP32 or E8M0)
+    -> float32 [m, n]: fp32(sum_b partial * fp32(x_scale * w_scale)), the sum exact in float64."""
+    factor = (x_scales.float()[:, None, :] * w_scales.float()[None]).double()  # one FP32 product, as the kernel
     return (partials * factor).sum(-1).float()
+
+
+def _rows_of_blocks(w_scales: torch.Tensor, rows: int) -> torch.Tensor:
+    """DeepSeek FP8 weight scales [ceil(n / 128), nb] -> each weight row's [n, nb] (row n's in row n // 128)."""
+    return w_scales.repeat_interleave(128, dim=0)[:rows]
 
 
 def _deepseek_fp8(
@@ -468,13 +491,14 @@ def _deepseek_fp8(
         tokens, slots = ((ids == expert) & mask).nonzero(as_tuple=True)
         if not tokens.numel():
             continue
-        h = _scaled_sum(_block_sums(xq[tokens], w1[expert]), x_scales[tokens], w1s[expert])  # FP32 preactivation
+        h = _scaled_sum(_block_sums(xq[tokens], w1[expert], 128), x_scales[tokens],
+                        _rows_of_blocks(w1s[expert], w1.shape[1]))  # FP32 preactivation
         y = act.apply_gemm1(h.double()).float()
         yq, ys = quantize_fp8_act128(y)
         y_all[tokens, slots], yq_all[tokens, slots], ys_all[tokens, slots] = y, yq, ys
         if intermediate is not None:
             yq, ys = given_codes[tokens, slots], given_scales[tokens, slots]
-        r = _scaled_sum(_block_sums(yq.double(), w2[expert]), ys, w2s[expert])
+        r = _scaled_sum(_block_sums(yq.double(), w2[expert], 128), ys, _rows_of_blocks(w2s[expert], hidden))
         rows[tokens, slots] = r.to(torch.bfloat16)
     return rows, route_weights, mask, DeepSeekFp8Intermediate(y_all, yq_all, ys_all)
 
@@ -518,12 +542,134 @@ def deepseek_fp8_intermediate(
     return _deepseek_fp8(inputs, weights, routing, activation, torch.bfloat16, True, None)[3]
 
 
+@dataclass(frozen=True, eq=False)
+class MxPairIntermediate:
+    """Step 2 of ``reference_mx_pair`` for every slot (zero for unrouted slots): activation float32 [T, k, I] (y
+    before quantization), codes float8_e4m3fn [T, k, I] and scales float8_e8m0fnu [T, k, I/32]
+    (y ~ codes * 2^(scale byte - 127))."""
+
+    activation: torch.Tensor
+    codes: torch.Tensor
+    scales: torch.Tensor
+
+
+_MX_PAIRS = (WeightFormat.MXFP4_W_MXFP8_A, WeightFormat.MXFP8_W_MXFP8_A)
+
+
+def _mx_codes(weights: Mxfp4PairWeights | Mxfp8PairWeights) -> tuple[torch.Tensor, ...]:
+    """(w1 codes float64 [E, N1, H], w1 scales float32 [E, N1, H/32], w2 codes float64 [E, H, I], w2 scales): the
+    code values, exact (E2M1 from the packed nibbles, E4M3 from its bits), and the E8M0 scales' values (exact)."""
+    w1c, w1s, w2c, w2s = weights.canonical()
+    if weights.format is WeightFormat.MXFP4_W_MXFP8_A:
+        w1c, w2c = decode_e2m1(unpack_nibbles(w1c)), decode_e2m1(unpack_nibbles(w2c))
+    return w1c.double(), w1s.float(), w2c.double(), w2s.float()
+
+
+def _mx_pair(
+    activations: object, weights: object, routing: object, activation: ActivationArg, out_dtype: object,
+    finalize: object, intermediate: MxPairIntermediate | tuple[torch.Tensor, torch.Tensor] | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, MxPairIntermediate]:
+    """(rows [T, k, H] of out_dtype, route weights, mask, step 2) of an MX pair."""
+    if not isinstance(weights, (Mxfp4PairWeights, Mxfp8PairWeights)) or weights.format not in _MX_PAIRS:
+        raise TypeError(f"weights must be the Mxfp4PairWeights or Mxfp8PairWeights of prepare_weights, got "
+                        f"{type(weights).__name__}")
+    if not isinstance(activations, Mxfp8Activations):
+        raise TypeError(f"activations must be the Mxfp8Activations of prepare_mxfp8_activations, got "
+                        f"{type(activations).__name__}")
+    if out_dtype not in _OUT_DTYPES:
+        raise ValueError(f"out_dtype must be torch.bfloat16 or torch.float16, got {out_dtype!r}")
+    _require_bool("finalize", finalize)
+    hidden, inter = weights.hidden_size, weights.intermediate_size
+    codes = require_tensor("activations.codes", activations.codes, torch.float8_e4m3fn, rank=2)
+    x_scales = require_tensor("activations.scales", activations.scales, torch.float8_e8m0fnu, rank=2)
+    if codes.shape[1] != hidden or tuple(x_scales.shape) != (codes.shape[0], hidden // MX_BLOCK):
+        raise ValueError(f"activations must be codes [T, {hidden}] and scales [T, {hidden // MX_BLOCK}], got "
+                         f"{tuple(codes.shape)} and {tuple(x_scales.shape)}")
+    if codes.shape[0] > MAX_NUM_TOKENS:
+        raise ValueError(f"activations hold {codes.shape[0]} tokens; the low-latency config takes at most {MAX_NUM_TOKENS}")
+    act = _activation_for(activation, weights)
+    w1, w1s, w2, w2s = _mx_codes(weights)
+    xq, xs = codes.double(), x_scales.float()
+    if xq.device != w1.device:
+        raise ValueError(f"the input is on {xq.device} but the weights are on {w1.device}")
+    num_tokens = xq.shape[0]
+    ids, route_weights, mask = _routing(routing, num_tokens, w1.shape[0], w1.device, True)
+    shape = (num_tokens, ids.shape[1])
+    if intermediate is not None:
+        given_codes, given_scales = (intermediate.codes, intermediate.scales) if isinstance(
+            intermediate, MxPairIntermediate) else intermediate
+        given_codes = require_tensor("intermediate codes", given_codes, torch.float8_e4m3fn, rank=3)
+        given_scales = require_tensor("intermediate scales", given_scales, torch.float8_e8m0fnu, rank=3)
+        if tuple(given_codes.shape) != (*shape, inter) or tuple(given_scales.shape) != (*shape, inter // MX_BLOCK):
+            raise ValueError(f"intermediate must be codes [T, k, {inter}] and scales [T, k, {inter // MX_BLOCK}], got "
+                             f"{tuple(given_codes.shape)} and {tuple(given_scales.shape)}")
+        given_codes, given_scales = given_codes.double(), given_scales.float()
+    rows = torch.zeros(*shape, hidden, dtype=out_dtype, device=xq.device)
+    y_all = torch.zeros(*shape, inter, dtype=torch.float32, device=xq.device)
+    yq_all = torch.zeros(*shape, inter, dtype=torch.float8_e4m3fn, device=xq.device)
+    ys_all = torch.zeros(*shape, inter // MX_BLOCK, dtype=torch.uint8, device=xq.device)  # E8M0 bytes
+    for expert in range(w1.shape[0]):
+        tokens, slots = ((ids == expert) & mask).nonzero(as_tuple=True)
+        if not tokens.numel():
+            continue
+        h = _scaled_sum(_block_sums(xq[tokens], w1[expert], MX_BLOCK), xs[tokens], w1s[expert])
+        y = act.apply_gemm1(h.bfloat16().double()).float()  # BF16 preactivation, activation rounded to FP32
+        yq, ys = quantize_mxfp8(y, check_finite=False)
+        y_all[tokens, slots], yq_all[tokens, slots], ys_all[tokens, slots] = y, yq, ys.view(torch.uint8)
+        yq, ys = yq.double(), ys.float()
+        if intermediate is not None:
+            yq, ys = given_codes[tokens, slots], given_scales[tokens, slots]
+        r = _scaled_sum(_block_sums(yq, w2[expert], MX_BLOCK), ys, w2s[expert])
+        rows[tokens, slots] = r.to(out_dtype)
+    return rows, route_weights, mask, MxPairIntermediate(y_all, yq_all, ys_all.view(torch.float8_e8m0fnu))
+
+
+def reference_mx_pair(
+    activations: Mxfp8Activations, weights: Mxfp4PairWeights | Mxfp8PairWeights, routing: Routing,
+    activation: ActivationArg, *, out_dtype: torch.dtype = torch.bfloat16, finalize: bool = True,
+    intermediate: MxPairIntermediate | tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor | RawReference:
+    """MXFP4 or MXFP8 weights (``prepare_weights``) with MXFP8 tokens (``prepare_mxfp8_activations``). Rounding
+    points, per routed slot (token t, expert e), blocks b of 32 values along K, s_* the E8M0 scales as powers of two:
+
+    1. preactivation h[n] = bf16(fp32(sum_b P1[b] * fp32(s_x[t, b] * s_w1[e, n, b]))): P1[b] is the exact sum of the
+       block's 32 code products (E4M3 x E2M1 or E4M3 x E4M3, each exact in FP32), each block's factor one FP32
+       product of the two scales (exact unless it leaves the FP32 range);
+    2. activation of h in float64, rounded to FP32 (y); y quantized to MXFP8 per 32 values, ``quantize_mxfp8``:
+       s_y = 2^clamp(floor(log2 amax) - 8, -127, 127) (2^-127 for an all-zero block), yq = e4m3(fp32(y / s_y)),
+       nearest even, saturating at +-448;
+    3. expert row r[h] = fp32(sum_b P2[b] * fp32(s_y[b] * s_w2[e, h, b])) rounded to ``out_dtype`` (BF16 or FP16);
+    4. finalize: ordered FP32 combine (separate multiply and add), rounded to ``out_dtype``.
+
+    Expert ids outside [0, E) are unrouted slots: finalize skips them and their scores (NaN or Inf there never
+    reach the output), their raw rows are zero. The GPU sums each lane's chunk of a block (32 products for MXFP4
+    weights, 16 for MXFP8 ones) in FP32, scales it and adds it in FP32 (one FMA): only that order differs.
+    intermediate: optional codes [T, k, I] and scales [T, k, I/32] (or an MxPairIntermediate) replacing step 2's
+    for every routed slot, e.g. the GPU's, so steps 3-4 can be checked apart from a rare E4M3 flip in step 2
+    (``mx_pair_intermediate`` gives step 2). Returns ``out_dtype`` [T, H], or a RawReference (rows [T, k, H]).
+    """
+    rows, route_weights, mask, _ = _mx_pair(activations, weights, routing, activation, out_dtype, finalize,
+                                            intermediate)
+    if not finalize:
+        return RawReference(rows=rows, weights=route_weights, mask=mask)
+    return combine_ordered_fp32(rows, route_weights, mask, out_dtype)
+
+
+def mx_pair_intermediate(
+    activations: Mxfp8Activations, weights: Mxfp4PairWeights | Mxfp8PairWeights, routing: Routing,
+    activation: ActivationArg,
+) -> MxPairIntermediate:
+    """Step 2 of ``reference_mx_pair`` for every slot: the FP32 activation and its MXFP8 codes and scales."""
+    return _mx_pair(activations, weights, routing, activation, torch.bfloat16, True, None)[3]
+
+
 def reference_low_latency(
-    inputs: torch.Tensor | Nvfp4Activations | Fp8PerTensorActivations, weights: LowLatencyWeights, routing: Routing, activation: ActivationArg,
+    inputs: torch.Tensor | Nvfp4Activations | Fp8PerTensorActivations | DeepSeekFp8Activations | Mxfp8Activations,
+    weights: LowLatencyWeights, routing: Routing, activation: ActivationArg,
     *, out_dtype: torch.dtype = torch.bfloat16, finalize: bool = True,
 ) -> torch.Tensor | RawReference:
     """The reference for ``weights.format``: x [T, H] (Nvfp4Activations for the NVFP4 pair,
-    Fp8PerTensorActivations for per-tensor FP8)."""
+    Fp8PerTensorActivations for per-tensor FP8, Mxfp8Activations for the MX pairs)."""
     if not isinstance(weights, LowLatencyWeights):
         raise TypeError(f"weights must be prepared by LowLatencyMoeConfig, got {type(weights).__name__}")
     function = _BY_FORMAT[weights.format]
@@ -540,4 +686,6 @@ _BY_FORMAT = {
     WeightFormat.FP8_WEIGHT_ONLY: reference_fp8_weight_only,
     WeightFormat.FP8_PER_TENSOR: reference_fp8_per_tensor,
     WeightFormat.DEEPSEEK_FP8: reference_deepseek_fp8,
+    WeightFormat.MXFP4_W_MXFP8_A: reference_mx_pair,
+    WeightFormat.MXFP8_W_MXFP8_A: reference_mx_pair,
 }

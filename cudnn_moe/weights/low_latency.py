@@ -114,13 +114,15 @@ class DenseWeights(LowLatencyWeights):
 
 @dataclass(frozen=True, eq=False)
 class BlockScaledWeights(LowLatencyWeights):
-    """4-bit codes with linear block scales along K, two codes per byte, element 2i in the low nibble.
+    """Codes with linear block scales along K: 4-bit codes two per byte (element 2i in the low nibble), or
+    (``codes_per_byte`` 1) E4M3 codes one per byte.
 
-    w1_codes uint8 [E, N1p, H/2], w1_scales [E, N1p, H/block];
-    w2_codes uint8 [E, H, Ip/2], w2_scales [E, H, Ip/block]. The scale dtype is the format's.
+    4-bit: w1_codes uint8 [E, N1p, H/2], w2_codes uint8 [E, H, Ip/2]; E4M3: float8_e4m3fn [E, N1p, H] and
+    [E, H, Ip]. w1_scales [E, N1p, H/block], w2_scales [E, H, Ip/block] of the format's scale dtype.
     """
 
     block: ClassVar[int]
+    codes_per_byte: ClassVar[int] = 2
     w1_codes: torch.Tensor
     w1_scales: torch.Tensor
     w2_codes: torch.Tensor
@@ -135,12 +137,13 @@ class BlockScaledWeights(LowLatencyWeights):
         return (
             unpad_gemm1_rows(self.w1_codes, i, ip, gated),
             unpad_gemm1_rows(self.w1_scales, i, ip, gated),
-            self.w2_codes[..., : i // 2],
+            self.w2_codes[..., : i // self.codes_per_byte],
             self.w2_scales[..., : i // self.block],
         )
 
     def canonical(self) -> tuple[torch.Tensor, ...]:
-        """(w1_codes [E, N1, H/2], w1_scales [E, N1, H/block], w2_codes [E, H, I/2], w2_scales [E, H, I/block])."""
+        """(w1_codes [E, N1, H/2], w1_scales [E, N1, H/block], w2_codes [E, H, I/2], w2_scales [E, H, I/block]);
+        E4M3 codes [E, N1, H] and [E, H, I]."""
         return self._canonical_payloads()
 
 
@@ -149,6 +152,22 @@ class Mxfp4WeightOnlyWeights(BlockScaledWeights):
     """MXFP4 weight-only: E2M1 codes, float8_e8m0fnu scales per 32 K values (value = e2m1 * 2^(byte - 127))."""
 
     block: ClassVar[int] = 32
+
+
+@dataclass(frozen=True, eq=False)
+class Mxfp4PairWeights(Mxfp4WeightOnlyWeights):
+    """MXFP4 weights for MXFP8 activations (``LowLatencyMoeConfig.prepare_weights``): the tensors of
+    Mxfp4WeightOnlyWeights (E2M1 codes, float8_e8m0fnu scales per 32 K values, I padded to 128)."""
+
+
+@dataclass(frozen=True, eq=False)
+class Mxfp8PairWeights(BlockScaledWeights):
+    """MXFP8 weights for MXFP8 activations (``LowLatencyMoeConfig.prepare_weights``): E4M3 codes one per byte,
+    w1_codes float8_e4m3fn [E, N1p, H], w2_codes [E, H, Ip], and float8_e8m0fnu scales per 32 K values,
+    w1_scales [E, N1p, H/32], w2_scales [E, H, Ip/32]; weight = e4m3 * 2^(byte - 127)."""
+
+    block: ClassVar[int] = 32
+    codes_per_byte: ClassVar[int] = 1
 
 
 @dataclass(frozen=True, eq=False)
@@ -287,6 +306,23 @@ class Fp8PerTensorActivations:
 
     codes: torch.Tensor
     input_scale: float
+
+    @property
+    def num_tokens(self) -> int:
+        return self.codes.shape[0]
+
+    @property
+    def hidden_size(self) -> int:
+        return self.codes.shape[1]
+
+
+@dataclass(frozen=True, eq=False)
+class Mxfp8Activations:
+    """MXFP8 tokens of the MX pairs (``LowLatencyMoeConfig.prepare_mxfp8_activations``): codes float8_e4m3fn
+    [T, H] and scales float8_e8m0fnu [T, H / 32], x[t, k] = e4m3 * 2^(scales[t, k // 32] - 127)."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
 
     @property
     def num_tokens(self) -> int:

@@ -1,4 +1,5 @@
-// Exact decoders of the low-latency kernels' 4-bit and FP8 weights (and NVFP4 tokens), kept apart from ll_moe.cu so
+// Exact decoders of the low-latency kernels' 4-bit and FP8 weights (and NVFP4 tokens), and the E4M3 / MXFP8
+// encoders of their quantized intermediates, kept apart from ll_moe.cu so
 // that a host build (tests/test_low_latency_kernels_cpu.py) can check them against the project's codecs for
 // every code: on the device bf16x2_fma is one fma.rn.bf16x2; on the host it is emulated per half (the FP32
 // fma rounded to BF16, equal to the instruction wherever the FP32 result is exact, as in every use here).
@@ -115,6 +116,23 @@ __device__ __forceinline__ u32 e4m3_code(float r) {
 // E8M0 scale byte: 2^(b - 127); b = 0 is 2^-127 (an FP32 subnormal), b = 255 is NaN.
 __device__ __forceinline__ float e8m0_to_float(u32 b) {
   return b == 255u ? __uint_as_float(0x7FC00000u) : (b == 0u ? __uint_as_float(0x00400000u) : __uint_as_float(b << 23));
+}
+
+// MXFP8 quantization (the MX pairs' intermediate; cudnn_moe.formats.quantize_mxfp8 bit for bit on finite values).
+// The E8M0 scale byte of a block from amax = max |v| (FP32, non-negative): the scale is 2^clamp(floor(log2 amax) - 8,
+// -127, 127) (8: the exponent of E4M3's largest normal, 448 = 1.75 * 2^8), so the byte is amax's biased FP32
+// exponent less 8, at least 0: a zero or subnormal amax (floor(log2) below -126) gives 0 (2^-127). A finite amax
+// gives at most 246, +Inf (or NaN) 247.
+__device__ __forceinline__ u32 mx_e4m3_scale_byte(float amax) {
+  const u32 e = (__float_as_uint(amax) >> 23) & 0xFFu;
+  return e > 8u ? e - 8u : 0u;
+}
+
+// The float8_e4m3fn byte of v in a block of scale byte b (0..247, mx_e4m3_scale_byte): e4m3(fp32(v / 2^(b - 127))),
+// nearest even, saturating at +-448. 2^(127 - b) is a normal FP32 power of two, so the multiply rounds exactly as
+// the division by the scale does (the same real quotient, one rounding).
+__device__ __forceinline__ u32 mx_e4m3_code(float v, u32 b) {
+  return e4m3_code(e4m3_round(v * __uint_as_float((254u - b) << 23)));
 }
 
 }  // namespace ll

@@ -1,11 +1,13 @@
 // Low-latency routed MoE (1..8 tokens per call, contract 004): a pure weight stream on CUDA cores.
 //
 // One module per (weight format, token input) pair, chosen at compile time:
-//   -DLL_WEIGHTS=LL_WEIGHTS_{BF16,FP16,NVFP4,MXFP4,MXINT4,FP8,FP8_BLOCK}
-//   -DLL_INPUT=LL_INPUT_{BF16,FP16,NVFP4,FP8,FP8_BLOCK}
+//   -DLL_WEIGHTS=LL_WEIGHTS_{BF16,FP16,NVFP4,MXFP4,MXINT4,FP8,FP8_BLOCK,MXFP8}
+//   -DLL_INPUT=LL_INPUT_{BF16,FP16,NVFP4,FP8,FP8_BLOCK,MXFP8}
 // (LL_INPUT_FP8 only with LL_WEIGHTS_FP8: the per-tensor FP8 format, E4M3 tokens and weights; LL_WEIGHTS_FP8_BLOCK
 // only with LL_INPUT_FP8_BLOCK: DeepSeek FP8, E4M3 tokens and intermediate with FP32 scales per 128 values, E4M3
-// weights with FP32 scales per 128 x 128 block; that module has a third kernel, ll_quant128, see below)
+// weights with FP32 scales per 128 x 128 block; that module has a third kernel, ll_quant128, see below;
+// LL_INPUT_MXFP8 only with LL_WEIGHTS_MXFP4 or LL_WEIGHTS_MXFP8 (E4M3 codes with E8M0 scales per 32): the MX pairs,
+// E4M3 tokens and intermediate with E8M0 scales per 32 values, the intermediate quantized inside ll_gemm1)
 // (values from cudnn_moe.kernels.codes; cudnn_moe.low_latency.kernels picks them). Two kernels, two
 // launches per call (each launch in a CUDA graph costs microseconds at this size):
 //
@@ -56,6 +58,12 @@
 //    the preactivation stays FP32, the activation is FP32 and GEMM1 writes it unrounded to an FP32 workspace;
 //    ll_quant128 then quantizes it per 128 values (scale fp32(amax / 448), 1.0 for an all-zero block; codes
 //    e4m3(fp32(y / scale))) and GEMM2 runs as GEMM1 on those codes and scales, its FP32 sum rounded to BF16)
+//   (MX pairs, LL_INPUT_MXFP8: tokens arrive as E4M3 codes with an E8M0 scale per 32 values; each lane's FP32 sum of
+//    a chunk's exact code products (32 for MXFP4 weights, 16 for MXFP8 ones, inside one 32-K block) is multiplied
+//    by fp32(weight scale * token scale) and added in FP32 (one FMA); the preactivation is rounded to BF16, the
+//    activation is FP32; each CTA owns 32 consecutive features, so it quantizes them itself (mx_quantize_block):
+//    scale 2^clamp(floor(log2 amax) - 8, -127, 127), codes e4m3(fp32(y / scale)); GEMM2 runs as GEMM1 on those
+//    codes and scales, rows rounded to the output dtype)
 //   expert rows    FP32 sum -> output dtype (BF16 or FP16, a run-time argument)
 //   combine        ordered separate FP32 multiply and add, rounded once to the output dtype
 //
@@ -63,8 +71,9 @@
 //   w1 [E, N1p, H] (16-bit, or E4M3 bytes for FP8 with an FP32 scale [E] as the global) or codes uint8
 //   [E, N1p, H/2] + scales [E, N1p, H/block]; N1p = 2 Ip gated
 //   ([up rows; gate rows], each half Ip rows) or Ip; w2 [E, H, Ip] or codes [E, H, Ip/2] + scales
-//   [E, H, Ip/block]; global float32 [E] (NVFP4). Tokens x [T, H] (16-bit) or NVFP4 codes [T, H/2] +
-//   E4M3 scales [T, H/16]. Routing: packed int32 [T, k] (id in bits 31..16, BF16 weight in 15..0) or
+//   [E, H, Ip/block]; global float32 [E] (NVFP4); MXFP8 weights: E4M3 bytes [E, N1p, H] + E8M0 [E, N1p, H/32],
+//   [E, H, Ip] + [E, H, Ip/32]. Tokens x [T, H] (16-bit) or NVFP4 codes [T, H/2] + E4M3 scales [T, H/16] or
+//   MXFP8 codes [T, H] + E8M0 scales [T, H/32]. Routing: packed int32 [T, k] (id in bits 31..16, BF16 weight in 15..0) or
 //   ids int32/int64 [T, k] + weights float32/bfloat16 [T, k]. Workspaces: intermediate [T k, Ip] of the
 //   intermediate dtype, rows [T k, H] of the output dtype.
 #include "common.cuh"
@@ -82,14 +91,16 @@ namespace ll {
 constexpr bool W16 = LL_WEIGHTS == LL_WEIGHTS_BF16 || LL_WEIGHTS == LL_WEIGHTS_FP16;
 constexpr bool FP8W = LL_WEIGHTS == LL_WEIGHTS_FP8;                  // E4M3 codes, one FP32 scale per expert
 constexpr bool FP8B = LL_WEIGHTS == LL_WEIGHTS_FP8_BLOCK;            // E4M3 codes, FP32 scales per 128 x 128 block
-constexpr bool E4M3W = FP8W || FP8B;                                 // one byte a weight
+constexpr bool MXFP8W = LL_WEIGHTS == LL_WEIGHTS_MXFP8;              // E4M3 codes, E8M0 scales per 32
+constexpr bool E4M3W = FP8W || FP8B || MXFP8W;                       // one byte a weight
 constexpr bool UNSCALED = W16 || FP8W;                               // no block scales along K
 constexpr bool HAS_GLOBAL = LL_WEIGHTS == LL_WEIGHTS_NVFP4 || FP8W;  // an FP32 factor per expert on the sums
 constexpr int WORDS = W16 ? 1 : E4M3W ? 2 : 4;                       // 8-value words per 16-byte chunk
 constexpr int VALUES = 8 * WORDS;                                    // K values per 16-byte chunk
 // Words per scale block (4-bit; the unscaled formats: the whole chunk), and scale blocks per chunk.
-// DeepSeek FP8: a chunk (16 values) lies inside one 128-K block, so its scale covers the whole chunk.
-constexpr int GROUP_WORDS = UNSCALED || FP8B ? WORDS : LL_WEIGHTS == LL_WEIGHTS_NVFP4 ? 2 : 4;
+// Block-scaled E4M3 (DeepSeek FP8, MXFP8): a chunk (16 values) lies inside one 128- or 32-K block, so its scale
+// covers the whole chunk.
+constexpr int GROUP_WORDS = UNSCALED || E4M3W ? WORDS : LL_WEIGHTS == LL_WEIGHTS_NVFP4 ? 2 : 4;
 constexpr int GROUPS = WORDS / GROUP_WORDS;
 // Chunks per row in flight per lane: 4 for 16-bit weights (8 values a chunk), 2 for 4-bit ones (32 values),
 // one for 4-bit weights shared by 3 or 4 tokens, whose sums would push the registers past 128 (the budget
@@ -105,10 +116,18 @@ constexpr bool INTER_FP16 = LL_INPUT == LL_INPUT_FP16;
 constexpr bool QUANT_INTER = LL_INPUT == LL_INPUT_FP8;
 static_assert(!QUANT_INTER || FP8W, "E4M3 tokens (LL_INPUT_FP8) go with E4M3 weights (LL_WEIGHTS_FP8) only");
 static_assert(FP8B == (LL_INPUT == LL_INPUT_FP8_BLOCK), "DeepSeek FP8 weights and block-scaled E4M3 tokens go together");
-// GEMM2's input: the 16-bit intermediate, or (DeepSeek FP8) E4M3 codes with FP32 scales per 128 values.
-constexpr int INTER_INPUT = FP8B ? LL_INPUT_FP8_BLOCK : INTER_FP16 ? LL_INPUT_FP16 : LL_INPUT_BF16;
+// The MX pairs: MXFP8 tokens, and the intermediate quantized to MXFP8 per 32 features inside ll_gemm1.
+constexpr bool MXI = LL_INPUT == LL_INPUT_MXFP8;
+constexpr int MX_BLOCK = 32;
+static_assert(!MXFP8W || MXI, "MXFP8 weights go with MXFP8 tokens (LL_INPUT_MXFP8) only");
+static_assert(!MXI || MXFP8W || LL_WEIGHTS == LL_WEIGHTS_MXFP4, "MXFP8 tokens go with MXFP4 or MXFP8 weights");
+// GEMM2's input: the 16-bit intermediate, or E4M3 codes with FP32 scales per 128 values (DeepSeek FP8) or E8M0
+// scales per 32 (the MX pairs).
+constexpr int INTER_INPUT = FP8B ? LL_INPUT_FP8_BLOCK : MXI ? LL_INPUT_MXFP8 : INTER_FP16 ? LL_INPUT_FP16 : LL_INPUT_BF16;
 // Bytes of one token (or intermediate) value in the rows the dot products read.
-__host__ __device__ constexpr int x_bytes_num(int xk) { return xk == LL_INPUT_FP8 || xk == LL_INPUT_FP8_BLOCK ? 1 : 2; }
+__host__ __device__ constexpr int x_bytes_num(int xk) {
+  return xk == LL_INPUT_FP8 || xk == LL_INPUT_FP8_BLOCK || xk == LL_INPUT_MXFP8 ? 1 : 2;
+}
 
 // ------------------------------------------------------------------------------------------ numbers
 __device__ __forceinline__ float half_to_float(u16 h) {
@@ -150,7 +169,7 @@ __device__ __forceinline__ void decode_weight_word(const uint4& raw, int i, floa
   }
 #elif LL_WEIGHTS == LL_WEIGHTS_MXINT4
   decode_int4_word(word_of(raw, i), v);
-#elif LL_WEIGHTS == LL_WEIGHTS_FP8 || LL_WEIGHTS == LL_WEIGHTS_FP8_BLOCK
+#elif LL_WEIGHTS == LL_WEIGHTS_FP8 || LL_WEIGHTS == LL_WEIGHTS_FP8_BLOCK || LL_WEIGHTS == LL_WEIGHTS_MXFP8
   decode_e4m3_word(word_of(raw, 2 * i), word_of(raw, 2 * i + 1), v);
 #else
   decode_e2m1_word(word_of(raw, i), v);
@@ -161,7 +180,7 @@ __device__ __forceinline__ void decode_weight_word(const uint4& raw, int i, floa
 __device__ __forceinline__ float scale_value(u32 raw, int g) {
 #if LL_WEIGHTS == LL_WEIGHTS_NVFP4
   return e4m3_value((raw >> (8 * g)) & 0xFFu);  // two E4M3 bytes per chunk
-#elif LL_WEIGHTS == LL_WEIGHTS_MXFP4
+#elif LL_WEIGHTS == LL_WEIGHTS_MXFP4 || LL_WEIGHTS == LL_WEIGHTS_MXFP8
   return e8m0_to_float(raw);
 #elif LL_WEIGHTS == LL_WEIGHTS_MXINT4
   return __uint_as_float(raw << 16);  // BF16
@@ -172,12 +191,15 @@ __device__ __forceinline__ float scale_value(u32 raw, int g) {
 #endif
 }
 
-// Scale bytes of chunk c of a row: NVFP4 two E4M3 (blocks 2c, 2c + 1), MXFP4 one E8M0, MXINT4 one BF16.
+// Scale bytes of chunk c of a row: NVFP4 two E4M3 (blocks 2c, 2c + 1), MXFP4 one E8M0, MXINT4 one BF16, MXFP8 one
+// E8M0 (its 32-K block holds chunks 2b and 2b + 1).
 __device__ __forceinline__ u32 load_scales(const u8* row, int c) {
 #if LL_WEIGHTS == LL_WEIGHTS_NVFP4 || LL_WEIGHTS == LL_WEIGHTS_MXINT4
   return __ldg(reinterpret_cast<const u16*>(row) + c);
 #elif LL_WEIGHTS == LL_WEIGHTS_MXFP4
   return __ldg(row + c);
+#elif LL_WEIGHTS == LL_WEIGHTS_MXFP8
+  return __ldg(row + c / 2);
 #elif LL_WEIGHTS == LL_WEIGHTS_FP8_BLOCK
   return __ldg(reinterpret_cast<const u32*>(row) + c / 8);  // one FP32 per 128 K values = 8 chunks
 #else
@@ -190,7 +212,7 @@ __device__ __forceinline__ i64 row_bytes(int k) {
   return W16 ? 2 * static_cast<i64>(k) : E4M3W ? static_cast<i64>(k) : static_cast<i64>(k) / 2;
 }
 __device__ __forceinline__ i64 scale_row_bytes(int k) {
-  return LL_WEIGHTS == LL_WEIGHTS_NVFP4 ? k / 16 : LL_WEIGHTS == LL_WEIGHTS_MXFP4 ? k / 32 : LL_WEIGHTS == LL_WEIGHTS_MXINT4 ? k / 16 : 0;
+  return LL_WEIGHTS == LL_WEIGHTS_NVFP4 ? k / 16 : LL_WEIGHTS == LL_WEIGHTS_MXFP4 || MXFP8W ? k / 32 : LL_WEIGHTS == LL_WEIGHTS_MXINT4 ? k / 16 : 0;
 }
 // The scale row of weight row `row` (of K = k values): its own row for the K-block formats; DeepSeek FP8 keeps
 // one row of k / 128 FP32 scales per 128 weight rows ([E, N / 128, K / 128]; N a multiple of 128 per expert).
@@ -210,7 +232,7 @@ __device__ __forceinline__ u32 load_l2(const void* p) {
 template <int XK>
 __device__ __forceinline__ void load_x8(const u8* base, const u8* scales, int offset, int k, float v[8]) {
   const u8* row = base + offset;
-  if (XK == LL_INPUT_FP8 || XK == LL_INPUT_FP8_BLOCK) {  // E4M3 tokens [T, H], one byte a value (unscaled)
+  if (x_bytes_num(XK) == 1) {  // E4M3 tokens [T, H], one byte a value (unscaled: chunk_dot applies block scales)
     const uint2 q = __ldg(reinterpret_cast<const uint2*>(row) + k / 8);
     decode_e4m3_word(q.x, q.y, v);
   } else if (XK == LL_INPUT_NVFP4) {
@@ -322,17 +344,22 @@ __device__ __forceinline__ void chunk_dot(const uint4 (&raw)[R], const u32 (&sra
           for (int j = 0; j < 8; ++j) part[t][r] = fmaf(wv[r][j], xv[j], part[t][r]);
       }
     }
-    // DeepSeek FP8: token t's FP32 scale of this chunk's 128-K block (its scale row starts at xoff[t] / 128).
+    // Token t's scale of this group's K block: DeepSeek FP8 its FP32 scale per 128 (the scale row starts at
+    // xoff[t] / 128), MXFP8 its E8M0 byte per 32 (the row at xoff[t] / 32).
+    constexpr bool X_SCALED = XK == LL_INPUT_FP8_BLOCK || XK == LL_INPUT_MXFP8;
     float xs[NT];
 #pragma unroll
     for (int t = 0; t < NT; ++t)
-      xs[t] = XK == LL_INPUT_FP8_BLOCK ? __ldg(reinterpret_cast<const float*>(xscales) + xoff[t] / 128 + c / 8) : 1.0f;
+      xs[t] = XK == LL_INPUT_FP8_BLOCK ? __ldg(reinterpret_cast<const float*>(xscales) + xoff[t] / 128 + c / 8)
+              : XK == LL_INPUT_MXFP8   ? e8m0_to_float(__ldg(xscales + xoff[t] / MX_BLOCK +
+                                                             (c * VALUES + 8 * g * GROUP_WORDS) / MX_BLOCK))
+                                       : 1.0f;
 #pragma unroll
     for (int r = 0; r < R; ++r) {
       const float s = scale_value(sraw[r], g);
 #pragma unroll
       for (int t = 0; t < NT; ++t)
-        acc[t][r] = UNSCALED ? part[t][r] : fmaf(part[t][r], FP8B ? __fmul_rn(s, xs[t]) : s, acc[t][r]);
+        acc[t][r] = UNSCALED ? part[t][r] : fmaf(part[t][r], X_SCALED ? __fmul_rn(s, xs[t]) : s, acc[t][r]);
     }
   }
 }
@@ -430,6 +457,7 @@ struct Gemm1Args {
   float alpha, beta, limit;
   u16* out;
   float inter_mult;  // per-tensor FP8: the intermediate's quantization multiplier (1 / intermediate_scale)
+  float* mx_y;       // MX pairs: shared [MAX_TOKENS][MX_BLOCK], the CTA's block of FP32 activations per token
 };
 
 // Tokens plan.list[first .. first + ntok) (ntok <= NT) of expert e.
@@ -466,6 +494,10 @@ __device__ __forceinline__ void gemm1_body(const Plan& plan, const Gemm1Args& a,
       if (LL_WEIGHTS != LL_WEIGHTS_MXINT4 && !FP8B) h[r] = round_16(h[r], INTER_FP16);  // preactivation rounding
     }
     float y = R == 2 ? act_gated_all(a.act, h[0], h[R - 1], a.alpha, a.beta, a.limit) : act_fn(a.act, h[0]);
+    if (MXI) {  // the MX pairs: kept in FP32 for the CTA's quantization of its 32 features (mx_quantize_block)
+      if (sub == 0) a.mx_y[(first + t) * MX_BLOCK + (f & (MX_BLOCK - 1))] = f < a.inter ? y : 0.0f;
+      continue;
+    }
     if (QUANT_INTER) y = e4m3_round(__fmul_rn(y, a.inter_mult));  // exact in BF16: to_16 below keeps it
     const u16 bits = f < a.inter ? to_16(y, INTER_FP16) : static_cast<u16>(0);
     const int token = plan.list[first + t] / a.top_k;
@@ -477,6 +509,31 @@ __device__ __forceinline__ void gemm1_body(const Plan& plan, const Gemm1Args& a,
       else
         a.out[static_cast<i64>(s) * a.inter_padded + f] = bits;
     }
+  }
+}
+
+// The MX pairs' intermediate: this CTA's 32 features (one MXFP8 block; the host sets rounds so that a CTA covers
+// exactly 32) of every token it served, their FP32 activations in a.mx_y, quantized to MXFP8 (mx_e4m3_scale_byte,
+// mx_e4m3_code: cudnn_moe.formats.quantize_mxfp8) and written to every slot of the token that names e: codes into
+// a.out as bytes [T k, Ip], the scale byte into inter_scales [T k, Ip / 32]. One warp per token (at most 8 = WARPS),
+// one lane per feature; the block's amax by a butterfly of fmaxf (which skips NaN).
+__device__ __forceinline__ void mx_quantize_block(const Plan& plan, const Gemm1Args& a, int e, u8* inter_scales) {
+  __syncthreads();  // every round's activations are in a.mx_y
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  if (warp >= plan.count) return;
+  const float v = a.mx_y[warp * MX_BLOCK + lane];
+  float amax = fabsf(v);
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, off));
+  const u32 scale = mx_e4m3_scale_byte(amax);
+  const u8 code = static_cast<u8>(mx_e4m3_code(v, scale));
+  const int token = plan.list[warp] / a.top_k, block = static_cast<int>(blockIdx.x);
+  u8* codes = reinterpret_cast<u8*>(a.out);
+  for (int j = 0; j < a.top_k; ++j) {
+    const int s = token * a.top_k + j;
+    if (plan.ids[s] != e) continue;
+    codes[static_cast<i64>(s) * a.inter_padded + block * MX_BLOCK + lane] = code;
+    if (lane == 0) inter_scales[static_cast<i64>(s) * (a.inter_padded / MX_BLOCK) + block] = static_cast<u8>(scale);
   }
 }
 
@@ -504,7 +561,7 @@ __device__ __forceinline__ void gemm1_dispatch(const Plan& plan, const Gemm1Args
 // ------------------------------------------------------------------------------------------ GEMM2
 struct Gemm2Args {
   const u16* inter;
-  const u8* inter_scales;  // DeepSeek FP8: FP32 [T k, Ip / 128], the intermediate codes' scales; else null
+  const u8* inter_scales;  // FP32 [T k, Ip / 128] (DeepSeek FP8) or E8M0 [T k, Ip / 32] (MX pairs), else null
   const u8* w;
   const u8* w_scales;
   const float* w_global;
@@ -563,24 +620,30 @@ using namespace ll;
 //                 DeepSeek FP8: FP32 [T k, Ip], the unrounded FP32 activation (x, x_scales: E4M3 codes [T, H]
 //                 and FP32 scales [T, H / 128]; w_scales FP32 [E, N1 / 128, H / 128]).
 //                 Per-tensor FP8: the E4M3 values of the quantized intermediate, unscaled, as BF16.
+//                 MX pairs (x: E4M3 codes [T, H], x_scales: E8M0 [T, H/32]; w_scales E8M0 [E, N1p, H/32]): the
+//                 MXFP8 codes of the intermediate, bytes [T k, Ip], with their scales in inter_scales.
 //   inter_quant   per-tensor FP8 (LL_INPUT_FP8): float32 [1], the intermediate's multiplier 1 / intermediate_scale,
 //                 read at every launch (a static scale that stays live in device memory); null otherwise.
+//   inter_scales  MX pairs: E8M0 bytes [T k, Ip / 32], one per 32 features of out; rounds must make a CTA cover
+//                 exactly 32 features (rounds * WARPS * 32 / lanes_per_row == 32). Null otherwise.
 extern "C" __global__ void __launch_bounds__(LL_THREADS, 2) ll_gemm1(
     const u8* __restrict__ x, const u8* __restrict__ x_scales, const void* __restrict__ ids, int routing,
     int id_bytes, int num_tokens, int top_k, int num_experts, const u8* __restrict__ w,
     const u8* __restrict__ w_scales, const float* __restrict__ w_global, int hidden, int inter, int inter_padded,
     int gated, int lanes_per_row, int rounds, int act, float alpha, float beta, float limit, u16* __restrict__ out,
-    const float* __restrict__ inter_quant) {
+    const float* __restrict__ inter_quant, u8* __restrict__ inter_scales) {
   moe::grid_dependency_begin();
   __shared__ Plan plan;
+  __shared__ float mx_y[MXI ? MAX_TOKENS * MX_BLOCK : 1];
   prefetch_gemm1(load_expert(ids, routing, id_bytes, blockIdx.y, num_experts), feature_group(0, rounds, lanes_per_row),
                  w, w_scales, hidden, inter, inter_padded, gated != 0, lanes_per_row);
   const int e = plan_expert(plan, ids, routing, id_bytes, num_tokens, top_k, num_experts);
   if (e < 0) return;
   const Gemm1Args a{x, x_scales, w, w_scales, w_global, hidden, inter, inter_padded, top_k, lanes_per_row, rounds,
-                    act, alpha, beta, limit, out, QUANT_INTER ? __ldg(inter_quant) : 1.0f};
+                    act, alpha, beta, limit, out, QUANT_INTER ? __ldg(inter_quant) : 1.0f, mx_y};
   if (gated) gemm1_dispatch<2>(plan, a, e);
   else gemm1_dispatch<1>(plan, a, e);
+  if (MXI) mx_quantize_block(plan, a, e, inter_scales);
 }
 
 // The ordered combine of features [begin, end) (even bounds) of every token, by the CTA that finished its
@@ -611,7 +674,8 @@ __device__ __forceinline__ void combine_columns(const Plan& plan, const u16* row
 
 // GEMM2, and the finalize. Grid (ceil(H / (rounds * 2 * WARPS * 32 / lanes_per_row)), T * top_k), LL_THREADS
 // threads.
-//   inter         the intermediate of ll_gemm1 [T k, Ip] (DeepSeek FP8: the E4M3 codes of ll_quant128)
+//   inter         the intermediate of ll_gemm1 [T k, Ip] (DeepSeek FP8: the E4M3 codes of ll_quant128; MX pairs:
+//                 ll_gemm1's MXFP8 codes)
 //   w, w_scales, w_global   w2 as in the header
 //   rows          [T k, H] of the output dtype (out_fp16: FP16, else BF16): row s for every routed slot.
 //   finalize = 0: rows is the raw output; the rows of unrouted slots are written as zeros.
@@ -622,7 +686,8 @@ __device__ __forceinline__ void combine_columns(const Plan& plan, const u16* row
 //                 counters: int32 [gridDim.x], zero before the launch (and so after it).
 //   scores        float32 [T k] or null: when given (raw calls), slot s's route weight (packed: the BF16 value
 //                 widened) for every slot, routed or not.
-//   inter_scales  DeepSeek FP8: FP32 [T k, Ip / 128], the scales of inter's codes (ll_quant128); null otherwise.
+//   inter_scales  DeepSeek FP8: FP32 [T k, Ip / 128], the scales of inter's codes (ll_quant128); the MX pairs: E8M0
+//                 bytes [T k, Ip / 32] (ll_gemm1's); null otherwise.
 // H must be even. No atomics touch the data: the result is deterministic.
 extern "C" __global__ void __launch_bounds__(LL_THREADS, 2) ll_gemm2(
     const u16* __restrict__ inter, const void* __restrict__ ids, const void* __restrict__ weights, int routing,

@@ -31,6 +31,8 @@ def test_floors() -> None:
     assert bench.floor_us(DEEPSEEK, 8, WeightFormat.FP8_PER_TENSOR, 4.3) == pytest.approx(8 * 3 * 7168 * 2048 / 4.3e6)
     assert bench.floor_us(DEEPSEEK, 8, WeightFormat.DEEPSEEK_FP8, 4.3) == pytest.approx(
         8 * 3 * 7168 * 2048 * (1 + 4 / 128**2) / 4.3e6)
+    assert bench.floor_us(QWEN3, 8, WeightFormat.MXFP4_W_MXFP8_A, 4.3) == pytest.approx(weights * 0.53125 / 4.3e6)
+    assert bench.floor_us(QWEN3, 8, WeightFormat.MXFP8_W_MXFP8_A, 4.3) == pytest.approx(weights * 1.03125 / 4.3e6)
     assert set(bench.BYTES_PER_WEIGHT) == set(WeightFormat)
 
 

@@ -1,6 +1,6 @@
 """The CUDA-core engine: every low-latency weight format on CUDA cores, the whole layer in two launches
 (DeepSeek FP8: three or four, its per-128 quantizations of the tokens and the intermediate being launches of
-their own, see ``_run_deepseek_fp8``).
+their own, see ``_run_deepseek_fp8``; the MX pairs quantize their intermediate inside GEMM1's launch).
 
 GEMM1 + activation into an intermediate workspace, then GEMM2 with the finalize folded into its last CTA
 per feature column (the raw output skips the finalize): cudnn_moe.engines.cuda_cores.kernels. The kernels
@@ -31,6 +31,8 @@ _FP8 = frozenset({WeightFormat.FP8_WEIGHT_ONLY.value, WeightFormat.FP8_PER_TENSO
 # SM80 runs the 16-bit formats only. The contract lists the NVFP4 weight + NVFP4 activation pair without an
 # architecture of its own; it shares the 4-bit kernels (software E2M1 decode), so it runs where they do.
 _MODERN = frozenset({SM90, SM100, SM103, SM107, SM120})
+# MXFP4 / MXFP8 weights with MXFP8 tokens: E4M3 conversions (SM89 on) like the FP8 formats; the contract's archs.
+_MX_PAIRS = frozenset({WeightFormat.MXFP4_W_MXFP8_A.value, WeightFormat.MXFP8_W_MXFP8_A.value})
 _ready: set[tuple[WeightFormat, torch.dtype | None, int]] = set()
 _ready_lock = threading.Lock()
 
@@ -49,6 +51,7 @@ class CudaCoresEngine(LayerEngine):
                 max_tokens=MAX_TOKENS),
         Service(OP_LOW_LATENCY, _FOUR_BIT, _MODERN, max_tokens=MAX_TOKENS),
         Service(OP_LOW_LATENCY, _FP8, _MODERN, max_tokens=MAX_TOKENS),
+        Service(OP_LOW_LATENCY, _MX_PAIRS, _MODERN, max_tokens=MAX_TOKENS),
     )
 
     @classmethod
@@ -70,7 +73,10 @@ class CudaCoresEngine(LayerEngine):
         DeepSeek FP8 adds ``inter`` as float32 [S, Ip] (GEMM1's unrounded FP32 activation), ``inter_codes`` uint8
         [S, Ip] + ``inter_scales`` float32 [S, Ip/128] (that activation quantized per 128 values), and
         ``x_codes`` uint8 [max tokens, H] + ``x_scales`` float32 [max tokens, H/128] (BF16 tokens quantized per
-        128 values)."""
+        128 values).
+
+        The MX pairs hold no 16-bit ``inter``: ``inter_codes`` uint8 [S, Ip] + ``inter_scales`` uint8 [S, Ip/32] (the
+        MXFP8 intermediate GEMM1 writes: E4M3 codes and E8M0 scale bytes)."""
         w, slots = call.weights, call.max_tokens * call.top_k
         spec = {
             "inter": ((slots, w.padded_intermediate), torch.int16),
@@ -86,6 +92,12 @@ class CudaCoresEngine(LayerEngine):
                 "x_codes": ((call.max_tokens, h), torch.uint8),
                 "x_scales": ((call.max_tokens, h // 128), torch.float32),
             })
+        if w.format.value in _MX_PAIRS:
+            del spec["inter"]
+            spec.update({
+                "inter_codes": ((slots, w.padded_intermediate), torch.uint8),
+                "inter_scales": ((slots, w.padded_intermediate // kernels.MX_BLOCK), torch.uint8),
+            })
         return (call.max_tokens, call.top_k), spec
 
     @classmethod
@@ -99,13 +111,17 @@ class CudaCoresEngine(LayerEngine):
         if w.format is WeightFormat.DEEPSEEK_FP8:
             _run_deepseek_fp8(call, workspace, ids, route_weights, routing_code, sms)
             return
-        kernels.gemm1(w, call.x, call.x_scales, ids, routing_code, tokens, top_k, call.activation, workspace["inter"], sms)
+        mx = w.format.value in _MX_PAIRS  # MXFP8 intermediate: codes and scales
+        inter = workspace["inter_codes" if mx else "inter"]
+        inter_scales = workspace["inter_scales"] if mx else None
+        kernels.gemm1(w, call.x, call.x_scales, ids, routing_code, tokens, top_k, call.activation, inter, sms,
+                      inter_scales=inter_scales)
         if call.finalize:
-            kernels.gemm2(w, call.x_dtype, workspace["inter"], ids, route_weights, routing_code, tokens, top_k, out_fp16,
-                          workspace["rows"], call.out, workspace["counters"], sms)
+            kernels.gemm2(w, call.x_dtype, inter, ids, route_weights, routing_code, tokens, top_k, out_fp16,
+                          workspace["rows"], call.out, workspace["counters"], sms, inter_scales=inter_scales)
         else:
-            kernels.gemm2(w, call.x_dtype, workspace["inter"], ids, route_weights, routing_code, tokens, top_k, out_fp16,
-                          call.out, None, None, sms, call.scores)
+            kernels.gemm2(w, call.x_dtype, inter, ids, route_weights, routing_code, tokens, top_k, out_fp16,
+                          call.out, None, None, sms, call.scores, inter_scales=inter_scales)
 
 
 def _run_deepseek_fp8(call: LowLatencyCall, workspace: Mapping[str, torch.Tensor], ids: torch.Tensor,

@@ -33,6 +33,7 @@ from ..base import WeightFormat
 SOURCE = "low_latency/ll_moe.cu"
 WARPS = LL_THREADS // 32
 CHUNK_BYTES = 16  # one weight load per lane
+MX_BLOCK = 32  # values per E8M0 scale of the MX pairs' tokens, weights and intermediate
 
 _WEIGHT_CODES = {
     WeightFormat.BF16: WeightCode.BF16,
@@ -44,12 +45,15 @@ _WEIGHT_CODES = {
     WeightFormat.FP8_WEIGHT_ONLY: WeightCode.FP8,
     WeightFormat.FP8_PER_TENSOR: WeightCode.FP8,
     WeightFormat.DEEPSEEK_FP8: WeightCode.FP8_BLOCK,
+    WeightFormat.MXFP4_W_MXFP8_A: WeightCode.MXFP4,
+    WeightFormat.MXFP8_W_MXFP8_A: WeightCode.MXFP8,
 }
+MX_PAIRS = (WeightFormat.MXFP4_W_MXFP8_A, WeightFormat.MXFP8_W_MXFP8_A)  # MXFP8 tokens and intermediate
 _INPUT_CODES = {torch.bfloat16: InputCode.BF16, torch.float16: InputCode.FP16}
 
 # Every (weights, input) module a call can build: 16-bit weights take their own dtype, the 4-bit and FP8
 # weight-only formats BF16 or FP16, the NVFP4 pair NVFP4 tokens, per-tensor FP8 E4M3 tokens, DeepSeek FP8 E4M3
-# tokens with scales per 128 (BF16 tokens are quantized to those by ll_quant128 first).
+# tokens with scales per 128 (BF16 tokens are quantized to those by ll_quant128 first), the MX pairs MXFP8 tokens.
 MODULE_VARIANTS: tuple[tuple[WeightCode, InputCode], ...] = (
     (WeightCode.BF16, InputCode.BF16),
     (WeightCode.FP16, InputCode.FP16),
@@ -58,6 +62,8 @@ MODULE_VARIANTS: tuple[tuple[WeightCode, InputCode], ...] = (
     (WeightCode.NVFP4, InputCode.NVFP4),
     (WeightCode.FP8, InputCode.FP8),
     (WeightCode.FP8_BLOCK, InputCode.FP8_BLOCK),
+    (WeightCode.MXFP4, InputCode.MXFP8),
+    (WeightCode.MXFP8, InputCode.MXFP8),
 )
 
 
@@ -71,10 +77,12 @@ def weight_code(fmt: WeightFormat) -> WeightCode:
 
 
 def input_code(fmt: WeightFormat, x_dtype: torch.dtype | None) -> InputCode:
-    """NVFP4 for the NVFP4 pair, FP8 for per-tensor FP8, FP8_BLOCK for DeepSeek FP8 (x_dtype ignored), else the
-    16-bit dtype of x."""
+    """NVFP4 for the NVFP4 pair, FP8 for per-tensor FP8, FP8_BLOCK for DeepSeek FP8, MXFP8 for the MX pairs (x_dtype
+    ignored), else the 16-bit dtype of x."""
     if fmt is WeightFormat.NVFP4_W_NVFP4_A:
         return InputCode.NVFP4
+    if fmt in MX_PAIRS:
+        return InputCode.MXFP8
     if fmt is WeightFormat.FP8_PER_TENSOR:
         return InputCode.FP8
     if fmt is WeightFormat.DEEPSEEK_FP8:
@@ -84,7 +92,8 @@ def input_code(fmt: WeightFormat, x_dtype: torch.dtype | None) -> InputCode:
 
 def row_bytes(fmt: WeightFormat, k: int) -> int:
     """Bytes of one weight row of k values (codes only)."""
-    if fmt in (WeightFormat.FP8_WEIGHT_ONLY, WeightFormat.FP8_PER_TENSOR, WeightFormat.DEEPSEEK_FP8):
+    if fmt in (WeightFormat.FP8_WEIGHT_ONLY, WeightFormat.FP8_PER_TENSOR, WeightFormat.DEEPSEEK_FP8,
+               WeightFormat.MXFP8_W_MXFP8_A):
         return k
     return 2 * k if fmt in (WeightFormat.BF16, WeightFormat.FP16) else k // 2
 
@@ -160,13 +169,17 @@ def gemm1(
     activation: Activation,
     inter_out: torch.Tensor,
     sms: int = 132,
+    inter_scales: torch.Tensor | None = None,
 ) -> None:
     """GEMM1 + activation: inter_out [>= T k, Ip] (int16 storage of BF16/FP16 bits) for every routed slot.
 
     x: BF16/FP16 [T, H], or NVFP4 codes uint8 [T, H/2] with x_scales float8_e4m3fn [T, H/16], or E4M3 codes
     [T, H] (per-tensor FP8; the kernel reads the intermediate's multiplier from weights.inter_multiplier), or
     E4M3 codes [T, H] with x_scales float32 [T, H/128] (DeepSeek FP8; inter_out is then float32 [>= T k, Ip], the
-    unrounded FP32 activation).
+    unrounded FP32 activation), or E4M3 codes [T, H] with x_scales E8M0 [T, H/32] (the MX pairs; inter_out is then
+    uint8 [>= T k, Ip], the MXFP8 codes of the intermediate, and inter_scales uint8 [>= T k, Ip/32] their E8M0
+    scales, quantized in this launch: each CTA covers exactly one block of 32 features, so ``rounds`` is set to
+    32 / features per round instead of choose_rounds').
     ids: packed int32 [T, k] (routing_code ROUTING_PACKED) or int32/int64 ids [T, k].
     """
     fmt = weights.format
@@ -175,7 +188,10 @@ def gemm1(
     features_per_block = WARPS * (32 // lpr)
     columns = -(-weights.padded_intermediate // features_per_block)
     block_bytes = features_per_block * (2 if weights.gated else 1) * row_bytes(fmt, weights.hidden_size)
-    rounds = choose_rounds(columns, num_tokens * top_k, sms, block_bytes)
+    if fmt in MX_PAIRS:
+        rounds = MX_BLOCK // features_per_block
+    else:
+        rounds = choose_rounds(columns, num_tokens * top_k, sms, block_bytes)
     grid = (-(-columns // rounds), num_tokens * top_k)
     alpha, beta, limit = activation.params()
     options = module_options(weight_code(fmt), input_code(fmt, x.dtype))
@@ -187,7 +203,7 @@ def gemm1(
             np.int32(weights.intermediate_size), np.int32(weights.padded_intermediate), np.int32(weights.gated),
             np.int32(lpr), np.int32(rounds), np.int32(int(activation.kind)), np.float32(alpha), np.float32(beta),
             np.float32(limit),
-            ptr(inter_out, 16), ptr(getattr(weights, "inter_multiplier", None), 4),
+            ptr(inter_out, 16), ptr(getattr(weights, "inter_multiplier", None), 4), ptr(inter_scales),
         ),
         extra_options=options,
     )
@@ -218,8 +234,9 @@ def gemm2(
     launch and left zero after it).
     scores: float32 [>= T k] or None; when given, every slot's route weight as the combine reads it (packed:
     the BF16 value), unrouted slots included (the raw output's scores).
-    inter_scales: DeepSeek FP8 only: float32 [>= T k, Ip/128], the scales of ``inter`` (E4M3 codes [>= T k, Ip])
-    from ``quant128``; None otherwise.
+    inter_scales: DeepSeek FP8: float32 [>= T k, Ip/128], the scales of ``inter`` (E4M3 codes [>= T k, Ip]) from
+    ``quant128``; the MX pairs: uint8 [>= T k, Ip/32], the E8M0 scales of ``inter`` (MXFP8 codes) from ``gemm1``;
+    None otherwise.
     """
     fmt = weights.format
     w, w_scales, w_global = _payloads(weights, second=True)

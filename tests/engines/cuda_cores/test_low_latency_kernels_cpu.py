@@ -61,6 +61,8 @@ DECODERS = (
     (LowLatencyWeightCode.FP8, LowLatencyInputCode.FP16),
     (LowLatencyWeightCode.FP8, LowLatencyInputCode.FP8),
     (LowLatencyWeightCode.FP8_BLOCK, LowLatencyInputCode.FP8_BLOCK),
+    (LowLatencyWeightCode.MXFP4, LowLatencyInputCode.MXFP8),
+    (LowLatencyWeightCode.MXFP8, LowLatencyInputCode.MXFP8),
 )
 
 
@@ -100,7 +102,8 @@ def test_module_variants_cover_every_call() -> None:
         dtypes = {WeightFormat.BF16: (torch.bfloat16,), WeightFormat.FP16: (torch.float16,),
                   WeightFormat.NVFP4_W_NVFP4_A: (None,),
                   WeightFormat.FP8_PER_TENSOR: (torch.float8_e4m3fn,),
-                  WeightFormat.DEEPSEEK_FP8: (torch.bfloat16, None)}.get(fmt, (torch.bfloat16, torch.float16))
+                  WeightFormat.DEEPSEEK_FP8: (torch.bfloat16, None), WeightFormat.MXFP4_W_MXFP8_A: (None,),
+                  WeightFormat.MXFP8_W_MXFP8_A: (None,)}.get(fmt, (torch.bfloat16, torch.float16))
         asked |= {(ll.weight_code(fmt), ll.input_code(fmt, d)) for d in dtypes}
     assert asked == set(ll.MODULE_VARIANTS)
     assert {w for w, _ in DECODERS} == set(LowLatencyWeightCode) and {i for _, i in DECODERS} == set(LowLatencyInputCode)
@@ -235,7 +238,7 @@ def test_wrappers_match_kernel_signatures(fmt: WeightFormat, monkeypatch: pytest
     assert launches[1][1][0] <= counters.numel()
     gemm1_names = ["x", "x_scales", "ids", "routing", "id_bytes", "num_tokens", "top_k", "num_experts", "w", "w_scales",
                    "w_global", "hidden", "inter", "inter_padded", "gated", "lanes", "rounds", "act", "alpha", "beta",
-                   "limit", "out", "inter_quant"]
+                   "limit", "out", "inter_quant", "inter_scales"]
     gemm1_args = dict(zip(gemm1_names, launches[0][3]))
     assert len(gemm1_names) == len(launches[0][3])
     assert (gemm1_args["lanes"], gemm1_args["rounds"], gemm1_args["gated"]) == (lpr1, rounds1, 1)
@@ -312,6 +315,64 @@ def test_deepseek_fp8_launches_match_kernel_signatures(prequantized: bool, final
     assert gemm2[0] == address(workspace["inter_codes"]) and gemm2[-1] == address(workspace["inter_scales"])
     assert gemm2[9] == address(weights.w2_scales) and gemm2[10] == 0
     assert gemm2[16] == int(finalize)
+
+
+@pytest.mark.parametrize("finalize", [True, False])
+@pytest.mark.parametrize("hidden", [256, 1024, 2048])
+@pytest.mark.parametrize("fp4", [True, False], ids=["mxfp4", "mxfp8"])
+def test_mx_pair_launches_match_kernel_signatures(fp4: bool, hidden: int, finalize: bool,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """The MX pairs run ll_gemm1 on the MXFP8 tokens (writing the intermediate's MXFP8 codes and E8M0 scales into
+    the workspace) and ll_gemm2 on those: two launches, the argument types of the C signatures, the module's
+    options, GEMM1's rounds set so that each CTA covers exactly one 32-feature block (grid.x = Ip / 32, for 8, 16
+    and 32 lanes a row), and the workspaces each launch reads and writes."""
+    from cudnn_moe.engines.base import LowLatencyCall
+    from cudnn_moe.engines.cuda_cores import engine as cc_engine
+
+    launches: list[tuple[str, Any, int, tuple[Any, ...], tuple[str, ...]]] = []
+    monkeypatch.setattr(ll, "ptr", lambda tensor, align=1: np.uint64(0 if tensor is None else id(tensor)))
+    monkeypatch.setattr(ll, "launch", lambda file, name, device, grid, block, args, extra_options=():
+                        launches.append((name, grid, block, args, extra_options)))
+    monkeypatch.setattr(cc_engine, "_ensure_ready", lambda *args: None)
+    monkeypatch.setattr(cc_engine, "_sm_count", lambda index: 132)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    config = LowLatencyMoeConfig(8, arch="sm90")
+    e, i, tokens, top_k = 3, 96, 5, 4
+    code = torch.uint8 if fp4 else torch.float8_e4m3fn
+    per_byte = 2 if fp4 else 1
+    weights = config.prepare_weights(
+        torch.zeros(e, 2 * i, hidden // per_byte, dtype=code), torch.zeros(e, 2 * i, hidden // 32, dtype=torch.uint8),
+        torch.zeros(e, hidden, i // per_byte, dtype=code), torch.zeros(e, hidden, i // 32, dtype=torch.uint8))
+    ip = weights.padded_intermediate
+    acts = config.prepare_mxfp8_activations(torch.ones(tokens, hidden))
+    call = LowLatencyCall(weights, acts.codes, acts.scales, Routing.packed(torch.zeros(tokens, top_k, dtype=torch.int32)),
+                          SwiGLU(), torch.float16, finalize,
+                          torch.zeros(tokens, hidden) if finalize else torch.zeros(tokens, top_k, hidden), 8,
+                          None if finalize else torch.zeros(tokens, top_k))
+    _, spec = cc_engine.CudaCoresEngine.workspace_spec(call)
+    assert "inter" not in spec
+    assert spec["inter_codes"] == ((8 * top_k, ip), torch.uint8) and spec["inter_scales"] == ((8 * top_k, ip // 32), torch.uint8)
+    workspace = {name: torch.zeros(shape, dtype=dtype) for name, (shape, dtype) in spec.items()}
+    cc_engine.CudaCoresEngine.run(call, workspace)
+    assert [name for name, *_ in launches] == ["ll_gemm1", "ll_gemm2"]
+    signatures = kernel_signatures([SOURCE])
+    weight_code = LowLatencyWeightCode.MXFP4 if fp4 else LowLatencyWeightCode.MXFP8
+    assert ll.weight_code(weights.format) is weight_code
+    for name, grid, block, args, opts in launches:
+        assert [type(a) for a in args] == [ARG_TYPES[k] for k in signatures[name]], name
+        assert block == LL_THREADS and opts == ll.module_options(weight_code, LowLatencyInputCode.MXFP8), name
+    address = lambda t: np.uint64(id(t))  # noqa: E731
+    (_, grid1, _, gemm1, _), (_, _, _, gemm2, _) = launches
+    lanes, rounds = gemm1[15], gemm1[16]
+    assert lanes == ll.lanes_per_row(hidden // per_byte // 16) and rounds * 8 * (32 // lanes) == 32
+    assert grid1 == (ip // 32, tokens * top_k)
+    assert gemm1[:2] == (address(call.x), address(call.x_scales))
+    assert gemm1[9] == address(weights.w1_scales) and gemm1[10] == 0
+    assert gemm1[21] == address(workspace["inter_codes"]) and gemm1[23] == address(workspace["inter_scales"])
+    assert gemm2[0] == address(workspace["inter_codes"]) and gemm2[-1] == address(workspace["inter_scales"])
+    assert gemm2[9] == address(weights.w2_scales) and gemm2[10] == 0
+    assert gemm2[15] == 1 and gemm2[16] == int(finalize)  # FP16 output
+    assert gemm2[17] == address(workspace["rows"] if finalize else call.out)
 
 
 def test_choose_rounds() -> None:

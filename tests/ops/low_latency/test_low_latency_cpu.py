@@ -33,6 +33,7 @@ WEIGHT_ONLY = (WeightFormat.NVFP4_WEIGHT_ONLY, WeightFormat.MXFP4_WEIGHT_ONLY, W
 FP8_WO = WeightFormat.FP8_WEIGHT_ONLY
 FP8_PT = WeightFormat.FP8_PER_TENSOR  # its own CPU tests: test_low_latency_fp8_per_tensor_cpu.py
 DS = WeightFormat.DEEPSEEK_FP8  # its own CPU tests: test_low_latency_deepseek_fp8_cpu.py
+MX4, MX8 = WeightFormat.MXFP4_W_MXFP8_A, WeightFormat.MXFP8_W_MXFP8_A  # theirs: test_low_latency_mx_pair_cpu.py
 ALL_ARCHS = ("sm90", "sm100", "sm103", "sm107", "sm120")
 
 
@@ -60,7 +61,7 @@ def _codes(gen: torch.Generator, *shape: int) -> torch.Tensor:
 def _scales(fmt: WeightFormat, gen: torch.Generator, *shape: int) -> torch.Tensor:
     if fmt is WeightFormat.NVFP4_WEIGHT_ONLY:
         return (torch.rand(shape, generator=gen) * 0.05 + 0.005).to(torch.float8_e4m3fn)
-    if fmt is WeightFormat.MXFP4_WEIGHT_ONLY:  # 2^-9 .. 2^-4
+    if fmt in (WeightFormat.MXFP4_WEIGHT_ONLY, MX4, MX8):  # 2^-9 .. 2^-4
         return torch.randint(118, 124, shape, generator=gen, dtype=torch.uint8).view(torch.float8_e8m0fnu)
     return (torch.rand(shape, generator=gen) * 0.02 + 0.002).to(torch.bfloat16)
 
@@ -77,6 +78,9 @@ def block_payloads(fmt: WeightFormat, gated: bool, seed: int = 0) -> tuple[torch
         n1 = (2 if gated else 1) * IP
         return (fp8_codes(gen, (E, n1, H)), torch.rand(E, n1 // 128, H // 128, generator=gen) / 256 + 1e-3,
                 fp8_codes(gen, (E, H, IP)), torch.rand(E, H // 128, IP // 128, generator=gen) / 256 + 1e-3)
+    if fmt is MX8:  # E4M3 codes with E8M0 scales per 32
+        return (fp8_codes(gen, (E, n1, H)), _scales(fmt, gen, E, n1, H // 32), fp8_codes(gen, (E, H, I)),
+                _scales(fmt, gen, E, H, I // 32))
     block = 16 if fmt is WeightFormat.NVFP4_WEIGHT_ONLY else 32
     n1 = (2 if gated else 1) * I
     w1 = (_codes(gen, E, n1, H // 2), _scales(fmt, gen, E, n1, H // block))
@@ -97,6 +101,8 @@ def prepare(config: LowLatencyMoeConfig, fmt: WeightFormat, payloads: tuple, act
         FP8_WO: config.prepare_fp8_weight_only_weights,
         FP8_PT: config.prepare_fp8_per_tensor_weights,
         DS: config.prepare_deepseek_fp8_weights,
+        MX4: config.prepare_weights,
+        MX8: config.prepare_weights,
     }[fmt]
     return method(*payloads, activation=activation)
 
