@@ -169,8 +169,12 @@ def select(name: str, key: TacticKey) -> type[Engine]:
 def store(key: TacticKey, result: TuningResult, iters: int) -> None:
     """Keep ``result`` (measured over ``iters`` replays) as the tactic of ``key``: in the persistent cache (when
     there is one; an unwritable directory is reported once by the cache) and in this process's table.
-    result.engine must support the call."""
-    engine = next(e for e in supporting(key.request) if e.name == result.engine)
+    ValueError when result.engine does not run the call."""
+    candidates = supporting(key.request)
+    engine = next((e for e in candidates if e.name == result.engine), None)
+    if engine is None:
+        raise ValueError(f"result.engine {result.engine!r} does not run this call; the engines that do: "
+                         f"{', '.join(e.name for e in candidates) or 'none'}")
     disk = active_cache()
     if disk is not None:
         disk.put_or_report(entry_key(key, tactic_environment(key.device)), encode_choice(result, iters))

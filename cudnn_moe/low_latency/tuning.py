@@ -97,6 +97,14 @@ def _inputs(config: LowLatencyMoeConfig, weights: LowLatencyWeights, x_dtype: to
     return x.to(x_dtype)
 
 
+def _cuda_device(weights: LowLatencyWeights) -> torch.device:
+    """The weights' CUDA device; ValueError when they are elsewhere."""
+    device = weight_tensors(weights)[0].device
+    if device.type != "cuda":
+        raise ValueError(f"weights must be on a CUDA device to be tuned, they are on {device}")
+    return device
+
+
 def _routing(tokens: int, top_k: int, experts: int, gen: torch.Generator) -> Routing:
     ids = torch.rand(tokens, experts, device=gen.device, generator=gen).argsort(1)[:, :top_k].to(torch.int32)
     return Routing.unpacked(ids, torch.softmax(torch.randn(tokens, top_k, device=gen.device, generator=gen), 1))
@@ -125,9 +133,7 @@ def tune(
         raise ValueError(f"iters must be a positive int, got {iters!r}")
     if progress is not None and not callable(progress):
         raise TypeError(f"progress must be a callable taking a str, or None, got {type(progress).__name__}")
-    device = weight_tensors(weights)[0].device
-    if device.type != "cuda":
-        raise ValueError(f"weights must be on a CUDA device to be tuned, they are on {device}")
+    device = _cuda_device(weights)
     refuse_during_capture("LowLatencyMoeConfig.tune times the engines in CUDA graphs of its own",
                           "tune before capturing")
     arch, token_dtype = device_arch(device), _token_dtype(weights.format, x_dtype)
