@@ -37,6 +37,7 @@ from .cache import (
 from .engines.base import OP_FUSED, WeightFormat
 from .engines.registry import engine_names
 from .fused.config import SIZE_MULTIPLE
+from .low_latency.tactics import TuningResult
 
 
 def _presets_file() -> Path:
@@ -273,12 +274,12 @@ class TuneResult:
 
     shape: LayerShape
     weight_format: str
-    tactics: dict[int, Any]
-    seconds: float
+    tactics: dict[int, TuningResult]
     error: str | None = None
 
 
-def tune_layer(shape: LayerShape, weight_format: str, activation: Activation, max_tokens: int) -> dict[int, Any]:
+def tune_layer(shape: LayerShape, weight_format: str, activation: Activation,
+               max_tokens: int) -> dict[int, TuningResult]:
     """LowLatencyMoeConfig(max_tokens).tune of one layer shape on the current GPU, on stand-in weights of
     ``weight_format`` (cudnn_moe.low_latency.stand_in), for finalized calls with the format's usual tokens and
     BF16 output (FP16 for FP16 weights), T = 1..max_tokens; the choices go to the active cache."""
@@ -517,12 +518,10 @@ def run_tuning(shapes: list[LayerShape], args: argparse.Namespace, out: TextIO, 
     results: list[TuneResult] = []
     for shape in shapes:
         for fmt in formats:
-            start = time.monotonic()
             try:
-                tactics = tune_layer(shape, fmt, args.activation, args.low_latency_tokens)
-                results.append(TuneResult(shape, fmt, tactics, time.monotonic() - start))
+                results.append(TuneResult(shape, fmt, tune_layer(shape, fmt, args.activation, args.low_latency_tokens)))
             except Exception as exc:  # reported per (shape, format); the table and exit code carry it
-                results.append(TuneResult(shape, fmt, {}, time.monotonic() - start, f"{type(exc).__name__}: {exc}"))
+                results.append(TuneResult(shape, fmt, {}, f"{type(exc).__name__}: {exc}"))
             progress.advance(f"{shape.name} {fmt}")
     tune_table(results, out)
     return 1 if any(r.error for r in results) else 0

@@ -16,9 +16,9 @@ n}``. An entry the cache finds corrupt is reported and removed by the cache (cud
 payload that is not such JSON, or that names an engine which is not a candidate of its key, is reported once
 (CacheWarning) and ignored: the fixed rule runs the call.
 
-The call path (``select``) reads each key once per process into an in-memory table (a dict; the first look
-at a key reads one small file, host-only: no GPU work, no synchronization, so it is safe inside a CUDA-graph
-capture); later calls are a dict lookup. ``store`` (the tuner) writes the cache and that table together.
+The call path (``select``) resolves each key once per process into an in-memory table (a dict: the stored
+tactic, else the fixed rule; the first look at a key reads one small file, host-only: no GPU work, no
+synchronization, so it is safe inside a CUDA-graph capture); later calls are a dict lookup. ``store`` (the tuner) writes the cache and that table together.
 Choices another process stores later are seen by a new process.
 """
 
@@ -40,6 +40,7 @@ from ..weights.low_latency import LowLatencyWeights
 
 TACTIC_SCHEMA = 1  # bumped when the key fields or the payload change meaning
 
+
 class TacticKey(NamedTuple):
     """What one tactic is chosen for: the call's ``request`` (``layer_request``), ``top_k`` slots a token, the
     weights' gatedness, the dtype of the token values it passes, and its CUDA device's index."""
@@ -51,7 +52,7 @@ class TacticKey(NamedTuple):
     device: int | None
 
 
-_table: dict[TacticKey, type[Engine] | None] = {}
+_table: dict[TacticKey, type[Engine]] = {}  # the engine of each key seen: its stored tactic, or the fixed rule
 _lock = threading.Lock()
 
 
@@ -67,9 +68,9 @@ def layer_request(
     weights: LowLatencyWeights, arch: Arch, tokens: int, token_dtype: torch.dtype | None, out_dtype: torch.dtype,
     finalize: bool,
 ) -> Request:
-    """What a call of ``tokens`` tokens with these weights asks of the engines: GEMM1 [H -> N1p], GEMM2 [Ip -> H]
-    over E experts; token_dtype: the 16-bit (or per-tensor FP8) tokens' dtype, None for tokens given as codes
-    with scales (the NVFP4 pair, prequantized DeepSeek FP8)."""
+    """What a call of ``tokens`` tokens with these weights asks of the engines: GEMM1 K = H -> N = N1 (2I gated,
+    else I), GEMM2 K = Ip -> N = H, over E experts; token_dtype: the 16-bit (or per-tensor FP8) tokens' dtype,
+    None for tokens given as codes with scales (the NVFP4 pair, prequantized DeepSeek FP8)."""
     shapes = (GemmShape(weights.hidden_size, weights.gemm1_rows, weights.num_experts),
               GemmShape(weights.padded_intermediate, weights.hidden_size, weights.num_experts))
     return Request(OP_LOW_LATENCY, arch, weights.format.value, shapes, weights.num_experts, token_dtype, out_dtype,
@@ -156,14 +157,14 @@ def select(name: str, key: TacticKey) -> type[Engine]:
     ValueError (registry.choose) when none can."""
     if name != AUTO:
         return choose(key.request, name)
-    try:
-        engine = _table[key]
-    except KeyError:
+    engine = _table.get(key)
+    if engine is None:
         with _lock:
-            if key not in _table:
-                _table[key] = _stored_engine(entry_key(key, tactic_environment(key.device)), key.request)
-            engine = _table[key]
-    return engine if engine is not None else choose(key.request)
+            engine = _table.get(key)
+            if engine is None:
+                stored = _stored_engine(entry_key(key, tactic_environment(key.device)), key.request)
+                engine = _table[key] = stored or choose(key.request)
+    return engine
 
 
 def store(key: TacticKey, result: TuningResult, iters: int) -> None:

@@ -7,8 +7,9 @@ token, softmax route weights), one output buffer; per candidate engine, the call
 captured in its own CUDA graph after one eager call (cudnn_moe.capture.capture_graph), replayed WARMUP_REPLAYS
 times, then timed over ``iters`` replays (the median, cudnn_moe.timing.median_us), each after a write of
 twice the GPU's L2 (so the weights come from HBM, as in a model whose other layers pass through L2 between
-two calls of this one). Every engine computes the layer to the same rounding points, so the choice changes
-the time only. The weights are the caller's; nothing they hold is written.
+two calls of this one). Every engine computes the layer to the same rounding points (only the order of the
+FP32 sums inside the GEMMs differs, as between the engines and the float64 reference), so the choice changes
+the time, not the contract. The weights are the caller's; nothing they hold is written.
 """
 
 from __future__ import annotations
