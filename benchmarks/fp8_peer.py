@@ -113,9 +113,14 @@ def per_expert_layer(x: torch.Tensor, slots: list[ExpertSlots], ops: Fp8Operands
     return out.to(torch.bfloat16)
 
 
+def reason(exc: Exception) -> str:
+    """'<type>: <message>' on one line."""
+    return " ".join(f"{type(exc).__name__}: {exc}".split())
+
+
 def failure_cell(exc: Exception) -> str:
-    """A table cell saying why a peer did not run: 'failed: <type>: <reason>' cut to REASON_CHARS, one line."""
-    text = " ".join(f"{type(exc).__name__}: {exc}".split())
+    """A table cell saying why a peer did not run: 'failed: <type>: <reason>' cut to REASON_CHARS."""
+    text = reason(exc)
     return "failed: " + (text if len(text) <= REASON_CHARS else text[: REASON_CHARS - 3] + "...")
 
 
@@ -132,12 +137,12 @@ class Fp8Peer:
         try:
             return self._timed(timer, "grouped", lambda: grouped_layer(x, ids_long, route_w, ops))
         except Exception as exc:  # noqa: BLE001 - a peer that cannot run here is reported, not fatal
-            self.report.note(f"torch FP8 layer on torch._scaled_grouped_mm: {type(exc).__name__}: {exc}")
+            self.report.note(f"torch FP8 layer on torch._scaled_grouped_mm: {reason(exc)}")
         slots = expert_slots(ids_long, route_w)
         try:
             return self._timed(timer, "per expert", lambda: per_expert_layer(x, slots, ops))
         except Exception as exc:  # noqa: BLE001
-            self.report.note(f"torch FP8 layer on torch._scaled_mm per expert: {type(exc).__name__}: {exc}")
+            self.report.note(f"torch FP8 layer on torch._scaled_mm per expert: {reason(exc)}")
             return failure_cell(exc)
 
     @staticmethod

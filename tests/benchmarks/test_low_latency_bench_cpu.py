@@ -129,3 +129,67 @@ def test_tactic_key_is_the_one_the_rows_call_looks_up(fmt, monkeypatch: pytest.M
 def test_main_without_gpu_returns_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert bench.main([]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+class _FakeTimer:
+    def __init__(self, iters: int = 2) -> None:
+        self.iters = iters
+
+    def median_us(self, fn) -> float:
+        fn()
+        return 10.0
+
+
+def test_tables_with_fake_cuda(monkeypatch: pytest.MonkeyPatch, tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The whole --tune run on the CPU: the GPU steps (capture, timing, the op, the tuner) replaced; the FP8 peer
+    really runs (torch._scaled_mm per expert: _scaled_grouped_mm has no CPU kernel)."""
+    import fp8_peer
+
+    from cudnn_moe.cache import runtime as cache_runtime
+    from cudnn_moe.low_latency import TuningResult, tactics
+
+    tiny = common.ModelShape("tiny", "Tiny", experts=8, hidden=256, intermediate=128, top_k=2)
+    real_generator = torch.Generator
+    monkeypatch.setitem(common.MODELS, "tiny", tiny)
+    monkeypatch.setattr(torch, "Generator", lambda device=None: real_generator())
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Fake GPU")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(common, "Timer", _FakeTimer)
+    monkeypatch.setattr(cache_runtime, "_explicit", tmp_path / "cache")
+    monkeypatch.setattr(tactics, "_table", {})
+    monkeypatch.setattr(bench, "gpu_missing", lambda name: False)
+    monkeypatch.setattr(bench, "device_arch", lambda: (9, 0))
+    graph = lambda fn, keep_graph=False: SimpleNamespace(replay=fn, raw_cuda_graph=lambda: 7)  # noqa: E731
+    monkeypatch.setattr(bench, "capture", graph)
+    monkeypatch.setattr(fp8_peer, "capture", graph)
+    monkeypatch.setattr(bench.driver, "graph_node_types", lambda handle: [0, 0, 2, 0] if handle == 7 else [])
+    monkeypatch.setattr(bench.LowLatencyBench, "peers", lambda self, *args: None)  # the BF16 and fused peers
+    ran = []
+    monkeypatch.setattr(bench, "low_latency_moe", lambda config, inputs, weights, routing, **kw: ran.append(
+        (weights.format.value, config.engine)))
+
+    def fake_tune(config, weights, *, top_k, out_dtype, tokens, iters, progress):
+        for t in tokens:  # the CUDA cores "win" every NVFP4 weight-only count
+            key = bench.tactic_key(weights, t, top_k, (9, 0), 0)
+            tactics.store(key, TuningResult("cuda_cores", {e.name: 1.0 for e in registry.supporting(key.request)}), 2)
+            progress(f"{weights.format.value} T={t}")
+
+    monkeypatch.setattr(LowLatencyMoeConfig, "tune", fake_tune)
+    md = tmp_path / "ll.md"
+    assert bench.main(["--models", "tiny", "--tokens", "1", "2", "--formats", "nvfp4_weight_only", "fp8_weight_only",
+                       "--tune", "--iters", "2", "--markdown", str(md)]) == 0
+    rows = [line.strip("| ").split(" | ") for line in md.read_text().splitlines() if line.startswith("| Tiny |")]
+    assert [r[:5] for r in rows] == [["Tiny", "1", "nvfp4_weight_only", "cuda_cores", "3"],
+                                     ["Tiny", "2", "nvfp4_weight_only", "cuda_cores", "3"],
+                                     ["Tiny", "1", "fp8_weight_only", "cuda_cores", "3"],
+                                     ["Tiny", "2", "fp8_weight_only", "cuda_cores", "3"]]
+    assert all(len(r) == 14 for r in rows)
+    assert [r[12] for r in rows] == ["-", "-", "10.0 (per expert)", "10.0 (per expert)"]
+    assert [r[13] for r in rows] == ["sm90 10.0, cuda_cores 10.0"] * 2 + ["cuda_cores 10.0"] * 2
+    assert rows[0][6] == "10.0" and float(rows[0][9]) == pytest.approx(
+        bench.weight_gbps(tiny, int(rows[0][5]), WeightFormat.NVFP4_WEIGHT_ONLY, 10.0), abs=0.5)
+    # per row (one timed call each here): every engine on its own, then the tuned call
+    assert ran[:3] == [("nvfp4_weight_only", "sm90"), ("nvfp4_weight_only", "cuda_cores"), ("nvfp4_weight_only", "auto")]
+    assert len(ran) == 2 * 3 + 2 * 2
+    assert "tuned nvfp4_weight_only T=2" in capsys.readouterr().err
