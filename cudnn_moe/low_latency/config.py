@@ -192,8 +192,9 @@ class LowLatencyMoeConfig:
     ) -> dict[int, TuningResult]:
         """Measure, on the weights' GPU, which engine runs these weights' calls fastest at each token count, and
         keep the choice (cudnn_moe.low_latency.tactics: the persistent cache and this process): later calls with
-        engine="auto" of that layer, token count, ``top_k``, token and output dtypes and ``finalize`` run on it
-        (a dict lookup per call; calls naming an engine keep theirs). Every engine supporting the call is timed
+        engine="auto" of that layer, token count, ``top_k``, token and output dtypes and ``finalize`` run on it,
+        whatever their activation of the same gatedness (a dict lookup per call; calls naming an engine keep
+        theirs). Every engine supporting the call is timed
         (cudnn_moe.low_latency.tuning: its own CUDA graph, a few warm-up replays, the median of ``iters``
         L2-flushed replays, random tokens and routing); all compute the same numbers (the same rounding points).
         Run it once at warm-up, outside any CUDA-graph capture (it synchronizes the device).

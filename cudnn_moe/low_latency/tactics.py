@@ -11,7 +11,8 @@ capability, package version: ``Environment`` without the cuDNN and compiler fiel
 the engines can run), TACTIC_SCHEMA, the architecture, the weight format, H, I and its padded size Ip, E,
 gated, top_k, the token count, the dtypes of the token values and of the output, finalize, and the names of
 the candidate engines: a new or removed engine, a new package version or another GPU misses instead of
-reusing a choice made without it. Payload: JSON ``{"engine": name, "times_us": {name: median us}, "iters":
+reusing a choice made without it. The activation is not part of it (only its gatedness): the engines apply it
+in their GEMM1 epilogues, where it costs about the same in each. Payload: JSON ``{"engine": name, "times_us": {name: median us}, "iters":
 n}``. An entry the cache finds corrupt is reported and removed by the cache (cudnn_moe.cache.store); a
 payload that is not such JSON, or that names an engine which is not a candidate of its key, is reported once
 (CacheWarning) and ignored: the fixed rule runs the call.
