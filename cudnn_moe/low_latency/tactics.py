@@ -7,20 +7,22 @@ before any tuning). An explicit engine name always wins. Every engine of the reg
 a candidate: nothing here names one.
 
 Key of a choice (an entry of the persistent cache, kind KIND_TACTIC): the environment (GPU name, compute
-capability, package version: ``Environment`` without the cuDNN and compiler fields, which do not change what
-the engines can run), TACTIC_SCHEMA, the architecture, the weight format, H, I and its padded size Ip, E,
+capability, package version: ``Environment`` without the cuDNN and compiler fields, so a new driver keeps
+the choice; tune again, or ``prebuild --clear``, to drop it), TACTIC_SCHEMA, the architecture, the weight format, H, I and its padded size Ip, E,
 gated, top_k, the token count, the dtypes of the token values and of the output, finalize, and the names of
 the candidate engines: a new or removed engine, a new package version or another GPU misses instead of
-reusing a choice made without it. The activation is not part of it (only its gatedness): the engines apply it
-in their GEMM1 epilogues, where it costs about the same in each. Payload: JSON ``{"engine": name, "times_us": {name: median us}, "iters":
-n}``. An entry the cache finds corrupt is reported and removed by the cache (cudnn_moe.cache.store); a
-payload that is not such JSON, or that names an engine which is not a candidate of its key, is reported once
-(CacheWarning) and ignored: the fixed rule runs the call.
+reusing a choice made without it. The activation is not part of it (only its gatedness): in every engine it
+costs little beside streaming the weights, so one choice serves all activations of a layer.
+Payload: JSON ``{"engine": name, "times_us": {name: median us}, "iters": n}``. An entry the cache finds
+corrupt is reported and removed by the cache (cudnn_moe.cache.store); a payload that is not such JSON, or
+that names an engine which is not a candidate of its key, is reported once (CacheWarning) and ignored: the
+fixed rule runs the call.
 
 The call path (``select``) resolves each key once per process into an in-memory table (a dict: the stored
 tactic, else the fixed rule; the first look at a key reads one small file, host-only: no GPU work, no
-synchronization, so it is safe inside a CUDA-graph capture); later calls are a dict lookup. ``store`` (the tuner) writes the cache and that table together.
-Choices another process stores later are seen by a new process.
+synchronization, so it is safe inside a CUDA-graph capture); later calls are a dict lookup. ``store`` (the
+tuner) writes the cache and that table together. Choices another process stores later are seen by a new
+process.
 """
 
 from __future__ import annotations
