@@ -2,19 +2,24 @@
 
 Per model (top-8 presets) and T in {1, 2, 4, 8}: uniform random distinct routing (common.random_batch), the
 distinct experts it touches, and per weight format the time of ``low_latency_moe`` (SwiGLU, finalized BF16
-output, or FP16 for FP16 weights; the path column says whether the call ran on the CUDA-core kernels or,
-on SM90 for the NVFP4 formats, the tensor-core pipeline; --cuda-cores forces the former), the format's floor = touched experts' weight bytes (payload + block scales)
-/ HBM bandwidth (4.3 TB/s), and the ratio, with the issue's target where there is one. Then, per (model, T),
-the torch BF16 layer (torch._grouped_mm, captured in one CUDA graph; bench_moe.grouped_mm_layer) and
+output, or FP16 for FP16 weights) with the engine it ran on (engine="auto": the tuned choice where
+``LowLatencyMoeConfig.tune`` stored one, else the registry's fixed rule; --cuda-cores forces the CUDA-core
+engine), the kernel launches of one call (the kernel nodes of its captured graph), the format's floor =
+touched experts' weight bytes (payload + block scales) / HBM bandwidth (4.3 TB/s), the ratio, the achieved
+weight GB/s, and the issue's target where there is one. With --tune, ``config.tune`` runs first for each
+format (storing its choice in the persistent cache) and every engine that supports the call is also timed on
+its own, beside the tuned call. For the FP8 formats, the torch FP8 layer (fp8_peer.py: torch._scaled_grouped_mm,
+else torch._scaled_mm per touched expert; E4M3 weights with per-expert scales, BF16 output) on the same codes
+and routing. Then, per (model, T), the torch BF16 layer (torch._grouped_mm; bench_moe.grouped_mm_layer) and
 ``cudnn_moe.fused_moe`` with the NVFP4 config on the same routing. Every contender is timed the same way
 (common.py): one warm-up call, ONE call captured in a CUDA graph, median of --iters replays, each after a
-256 MiB L2 flush. The weights are random (the kernels' speed does not depend on the values); the 4-bit
-formats get random codes and scales directly, the NVFP4 pair is built from random codes too (quantizing a
-DeepSeek-V3 float layer would take minutes and tens of GB), and so is the per-tensor FP8 record (random E4M3
-codes and scales; its tokens are quantized to E4M3 once, outside the timed call, as the NVFP4 pair's are) and
-the DeepSeek FP8 record (random E4M3 codes, FP32 block scales; its BF16 tokens are quantized per 128 values
-inside the timed call, which is part of that format's call), and the MX pairs' records (random MXFP4 / E4M3 codes,
-E8M0 scales; their tokens are quantized to MXFP8 once, outside the timed call, as the NVFP4 pair's are).
+256 MiB L2 flush. The weights are random (the kernels' speed does not depend on the values):
+cudnn_moe.low_latency.stand_in gives each format random codes and scales (the NVFP4 pair and per-tensor FP8
+records are built from random codes directly: quantizing a DeepSeek-V3 float layer would take minutes and
+tens of GB); the per-tensor FP8 tokens are quantized to E4M3 once, outside the timed call, as the NVFP4 pair's
+are; the DeepSeek FP8 BF16 tokens are quantized per 128 values inside the timed call (part of that format's
+call); the MX pairs' tokens are quantized to MXFP8 once, outside the timed call. Per-stage times are not split out here (the CUDA-core engine's launches are internal to its run; see
+bench_stages.py for the fused pipeline's stages).
 Usage: python benchmarks/bench_low_latency.py --help
 """
 
@@ -50,18 +55,16 @@ from common import (  # noqa: E402
     run_models,
 )
 
+from fp8_peer import Fp8Peer  # noqa: E402
+
 from cudnn_moe import Routing, SwiGLU  # noqa: E402
-from cudnn_moe.arch import device_arch  # noqa: E402
+from cudnn_moe.arch import Arch, device_arch  # noqa: E402
+from cudnn_moe.engines.registry import supporting  # noqa: E402
+from cudnn_moe.kernels import driver  # noqa: E402
 from cudnn_moe.low_latency import LowLatencyMoeConfig, LowLatencyWeights, WeightFormat, low_latency_moe  # noqa: E402
-from cudnn_moe.engines.base import OP_LOW_LATENCY, Request  # noqa: E402
-from cudnn_moe.engines.registry import choose  # noqa: E402
-from cudnn_moe.weights.low_latency import (  # noqa: E402
-    DeepSeekFp8Weights,
-    Fp8PerTensorWeights,
-    Mxfp4PairWeights,
-    Mxfp8PairWeights,
-    Nvfp4PairWeights,
-)
+from cudnn_moe.low_latency.checks import token_dtypes  # noqa: E402
+from cudnn_moe.low_latency.stand_in import stand_in_weights  # noqa: E402
+from cudnn_moe.low_latency.tactics import TacticKey, layer_request, select  # noqa: E402
 
 DEFAULT_TOKENS = (1, 2, 4, 8)
 FORMATS = tuple(f.value for f in WeightFormat)
@@ -80,7 +83,6 @@ BYTES_PER_WEIGHT = {
     WeightFormat.MXFP8_W_MXFP8_A: 1.0 + 1 / 32,  # E4M3 codes + one E8M0 byte per 32
 }
 MX_PAIRS = (WeightFormat.MXFP4_W_MXFP8_A, WeightFormat.MXFP8_W_MXFP8_A)
-QUANTIZED_TOKENS = (WeightFormat.NVFP4_W_NVFP4_A, *MX_PAIRS)  # tokens quantized outside the timed call
 FP8_FORMATS = (WeightFormat.FP8_WEIGHT_ONLY, WeightFormat.FP8_PER_TENSOR, WeightFormat.DEEPSEEK_FP8)
 WEIGHT_ONLY_4BIT = (WeightFormat.NVFP4_WEIGHT_ONLY, WeightFormat.MXFP4_WEIGHT_ONLY, WeightFormat.MXINT4_WEIGHT_ONLY)
 
@@ -111,77 +113,44 @@ def target(m: ModelShape, tokens: int, fmt_: WeightFormat) -> tuple[str, Callabl
     return None
 
 
-def _random_codes(shape: tuple[int, ...], device: torch.device, gen: torch.Generator) -> torch.Tensor:
-    return torch.randint(0, 256, shape, dtype=torch.uint8, device=device, generator=gen)
-
-
 def prepare_format(
     config: LowLatencyMoeConfig, fmt_: WeightFormat, m: ModelShape, w1: torch.Tensor | None, w2: torch.Tensor | None,
     gen: torch.Generator,
 ) -> LowLatencyWeights:
-    """SwiGLU weights of one format: the BF16 source (cast for FP16), or random codes and scales for 4 and 8 bits."""
-    dev = gen.device
-    e, h, i = m.experts, m.hidden, m.intermediate
+    """SwiGLU weights of one format: the BF16 source (cast for FP16), or random stand-in codes and scales."""
     if fmt_ is WeightFormat.BF16:
         return config.prepare_bf16_weights(w1, w2)
     if fmt_ is WeightFormat.FP16:
         return config.prepare_fp16_weights(w1.half(), w2.half())
-    if fmt_ is WeightFormat.FP8_WEIGHT_ONLY:  # random finite E4M3 codes (no 0x7F / 0xFF), scales near 1/(16 sqrt K)
-        f1, f2 = _random_codes((e, 2 * i, h), dev, gen), _random_codes((e, h, i), dev, gen)
-        f1, f2 = (torch.where((f & 0x7F) == 0x7F, f - 1, f).view(torch.float8_e4m3fn) for f in (f1, f2))
-        return config.prepare_fp8_weight_only_weights(f1, torch.full((e,), 1 / (16 * h**0.5), device=dev), f2,
-                                                      torch.full((e,), 1 / (16 * i**0.5), device=dev))
-    if fmt_ is WeightFormat.FP8_PER_TENSOR:  # the record itself, from random finite codes (I % 128 == 0: no padding)
-        f1, f2 = _random_codes((e, 2 * i, h), dev, gen), _random_codes((e, h, i), dev, gen)
-        f1, f2 = (torch.where((f & 0x7F) == 0x7F, f - 1, f).view(torch.float8_e4m3fn) for f in (f1, f2))
-        s1, s2 = torch.full((e,), 1 / (16 * h**0.5), device=dev), torch.full((e,), 1 / (16 * i**0.5), device=dev)
-        return Fp8PerTensorWeights(
-            format=fmt_, hidden_size=h, intermediate_size=i, padded_intermediate=i, gated=True, w1_codes=f1,
-            w1_scale=s1, w2_codes=f2, w2_scale=s2, input_scale=1 / 32, intermediate_scale=1 / 64, input_multiplier=32.0,
-            fc1_factor=s1 / 32, fc2_factor=s2 / 64, inter_multiplier=torch.full((1,), 64.0, device=dev))
-    if fmt_ is WeightFormat.DEEPSEEK_FP8:  # the record itself (no copy of a DeepSeek-V3 layer), random finite codes
-        f1, f2 = _random_codes((e, 2 * i, h), dev, gen), _random_codes((e, h, i), dev, gen)
-        f1, f2 = (torch.where((f & 0x7F) == 0x7F, f - 1, f).view(torch.float8_e4m3fn) for f in (f1, f2))
-        s1 = torch.full((e, 2 * i // 128, h // 128), 1 / (16 * h**0.5), device=dev)
-        s2 = torch.full((e, h // 128, i // 128), 1 / (16 * i**0.5), device=dev)
-        return DeepSeekFp8Weights(format=fmt_, hidden_size=h, intermediate_size=i, padded_intermediate=i, gated=True,
-                                  w1_codes=f1, w1_scales=s1, w2_codes=f2, w2_scales=s2)
-    if fmt_ is WeightFormat.MXFP8_W_MXFP8_A:  # the record itself, random finite E4M3 codes and E8M0 scales 2^-9 .. 2^-4
-        f1, f2 = _random_codes((e, 2 * i, h), dev, gen), _random_codes((e, h, i), dev, gen)
-        f1, f2 = (torch.where((f & 0x7F) == 0x7F, f - 1, f).view(torch.float8_e4m3fn) for f in (f1, f2))
-        s1 = torch.randint(118, 124, (e, 2 * i, h // 32), dtype=torch.uint8, device=dev, generator=gen)
-        s2 = torch.randint(118, 124, (e, h, i // 32), dtype=torch.uint8, device=dev, generator=gen)
-        return Mxfp8PairWeights(format=fmt_, hidden_size=h, intermediate_size=i, padded_intermediate=i, gated=True,
-                                w1_codes=f1, w1_scales=s1.view(torch.float8_e8m0fnu), w2_codes=f2,
-                                w2_scales=s2.view(torch.float8_e8m0fnu))
-    c1, c2 = _random_codes((e, 2 * i, h // 2), dev, gen), _random_codes((e, h, i // 2), dev, gen)
-    if fmt_ in (WeightFormat.NVFP4_WEIGHT_ONLY, WeightFormat.NVFP4_W_NVFP4_A):
-        s1 = (torch.rand(e, 2 * i, h // 16, device=dev, generator=gen) * 0.05 + 0.01).to(torch.float8_e4m3fn)
-        s2 = (torch.rand(e, h, i // 16, device=dev, generator=gen) * 0.05 + 0.01).to(torch.float8_e4m3fn)
-        g1, g2 = torch.full((e,), 0.5, device=dev), torch.full((e,), 0.5, device=dev)
-        if fmt_ is WeightFormat.NVFP4_WEIGHT_ONLY:
-            return config.prepare_nvfp4_weight_only_weights(c1, s1, g1, c2, s2, g2)
-        return Nvfp4PairWeights(format=fmt_, hidden_size=h, intermediate_size=i, padded_intermediate=i, gated=True,
-                                w1_codes=c1, w1_scales=s1, w2_codes=c2, w2_scales=s2, w1_global=g1, w2_global=g2)
-    if fmt_ in (WeightFormat.MXFP4_WEIGHT_ONLY, WeightFormat.MXFP4_W_MXFP8_A):
-        s1 = torch.randint(118, 124, (e, 2 * i, h // 32), dtype=torch.uint8, device=dev, generator=gen)
-        s2 = torch.randint(118, 124, (e, h, i // 32), dtype=torch.uint8, device=dev, generator=gen)
-        s1, s2 = s1.view(torch.float8_e8m0fnu), s2.view(torch.float8_e8m0fnu)
-        if fmt_ is WeightFormat.MXFP4_W_MXFP8_A:  # the record itself (I % 128 == 0: no padding)
-            return Mxfp4PairWeights(format=fmt_, hidden_size=h, intermediate_size=i, padded_intermediate=i, gated=True,
-                                    w1_codes=c1, w1_scales=s1, w2_codes=c2, w2_scales=s2)
-        return config.prepare_mxfp4_weight_only_weights(c1, s1, c2, s2)
-    s1 = (torch.rand(e, 2 * i, h // 32, device=dev, generator=gen) * 0.02 + 0.002).to(torch.bfloat16)
-    s2 = (torch.rand(e, h, i // 32, device=dev, generator=gen) * 0.02 + 0.002).to(torch.bfloat16)
-    return config.prepare_mxint4_weight_only_weights(c1, s1, c2, s2)
+    return stand_in_weights(config, fmt_, m.experts, m.hidden, m.intermediate, gen)
 
 
-def path_of(config: LowLatencyMoeConfig, weights: LowLatencyWeights, x_dtype: torch.dtype | None,
-            out_dtype: torch.dtype) -> str:
-    """Which kernels a finalized call runs: 'tensor cores' (the SM90 engine's pipeline) or 'CUDA cores'."""
-    request = Request(OP_LOW_LATENCY, device_arch(), weights.format.value, num_experts=weights.num_experts,
-                      token_dtype=x_dtype, out_dtype=out_dtype, finalize=True)
-    return "CUDA cores" if choose(request, config.engine).name == "cuda_cores" else "tensor cores"
+def out_dtype_of(fmt_: WeightFormat) -> torch.dtype:
+    """The output dtype of the format's rows: FP16 for FP16 weights, else BF16."""
+    return torch.float16 if fmt_ is WeightFormat.FP16 else torch.bfloat16
+
+
+def tactic_key(weights: LowLatencyWeights, tokens: int, top_k: int, arch: Arch, device: int | None) -> TacticKey:
+    """What the rows' calls (``ll_call``: the format's usual token values, finalized) ask the tactic table."""
+    x_dtype = token_dtypes(weights.format)[0]
+    token_dtype = None if weights.format is WeightFormat.NVFP4_W_NVFP4_A or weights.format in MX_PAIRS else x_dtype
+    request = layer_request(weights, arch, tokens, token_dtype, out_dtype_of(weights.format), True)
+    return TacticKey(request, top_k, weights.gated, x_dtype, device)
+
+
+def kernel_launches(graph: torch.cuda.CUDAGraph) -> int:
+    """The kernel nodes of a graph captured with keep_graph=True: the launches of the call it holds."""
+    return sum(t == driver.CU_GRAPH_NODE_TYPE_KERNEL for t in driver.graph_node_types(graph.raw_cuda_graph()))
+
+
+def weight_gbps(m: ModelShape, touched: int, fmt_: WeightFormat, us: float) -> float:
+    """The touched experts' weight bytes (as floor_us counts them) per second of ``us``, in GB/s."""
+    return touched * m.weights_per_expert * BYTES_PER_WEIGHT[fmt_] / (us * 1e-6) / 1e9
+
+
+def engine_times_cell(times: dict[str, float | str]) -> str:
+    """'sm90 12.3, cuda_cores 14.1': each engine's own time (or why none), in registry order."""
+    return ", ".join(f"{name} {fmt(us) if isinstance(us, float) else us}" for name, us in times.items())
 
 
 def ll_call(
@@ -197,7 +166,7 @@ def ll_call(
         inputs = config.prepare_fp8_per_tensor_activations(x, weights)
     else:
         inputs = x.half() if fmt_ is WeightFormat.FP16 else x
-    out_dtype = torch.float16 if fmt_ is WeightFormat.FP16 else torch.bfloat16
+    out_dtype = out_dtype_of(fmt_)
     routing = Routing.unpacked(ids, route_w)
     out = torch.empty(x.shape[0], weights.hidden_size, dtype=out_dtype, device=x.device)
     return lambda: low_latency_moe(config, inputs, weights, routing, activation=SwiGLU(), out_dtype=out_dtype, out=out)
@@ -209,6 +178,7 @@ class LowLatencyBench:
     def __init__(self, args: argparse.Namespace, report: Report) -> None:
         self.args, self.report = args, report
         self.peer = Bf16Peer(report)
+        self.fp8_peer = Fp8Peer(report)
         self.peer_rows: list[list[str]] = []
         self.best_4bit: dict[tuple[str, int], float] = {}
 
@@ -232,29 +202,64 @@ class LowLatencyBench:
             except Exception as exc:  # noqa: BLE001 - one format failing must not lose the others
                 report.note(f"{m.name} {fmt_.value}: preparation failed: {type(exc).__name__}: {exc}")
                 continue
+            if args.tune:
+                self.tune(config, weights, m, args.tokens)
             for tokens, (x, ids, route_w) in batches.items():
-                floor = floor_us(m, touched[tokens], fmt_, args.bandwidth_tbs)
-                x_dtype = None if fmt_ in QUANTIZED_TOKENS else (
-                    torch.float8_e4m3fn if fmt_ is WeightFormat.FP8_PER_TENSOR else
-                    torch.float16 if fmt_ is WeightFormat.FP16 else torch.bfloat16)
-                path = path_of(config, weights, x_dtype, torch.float16 if fmt_ is WeightFormat.FP16 else torch.bfloat16)
-                goal = target(m, tokens, fmt_)
-                try:
-                    us = timer.median_us(capture(ll_call(config, weights, x, ids, route_w)).replay)
-                except Exception as exc:  # noqa: BLE001
-                    report.note(f"{m.name} {fmt_.value} T={tokens}: {type(exc).__name__}: {exc} ('error' cells)")
-                    report.emit(md_row([m.name, str(tokens), fmt_.value, path, str(touched[tokens]), "error", fmt(floor),
-                                        "-", goal[0] if goal else "-", "-"]))
-                    continue
-                if fmt_ in WEIGHT_ONLY_4BIT:
-                    key = (m.name, tokens)
-                    self.best_4bit[key] = min(us, self.best_4bit.get(key, float("inf")))
-                met = "-" if goal is None else ("yes" if goal[1](us, floor) else "NO")
-                report.emit(md_row([m.name, str(tokens), fmt_.value, path, str(touched[tokens]), fmt(us), fmt(floor),
-                                    f"{us / floor:.2f}", goal[0] if goal else "-", met]))
+                self.row(m, config, weights, tokens, x, ids, route_w, touched[tokens], timer)
             del weights
             gc.collect()
             torch.cuda.empty_cache()
+
+    def tune(self, config: LowLatencyMoeConfig, weights: LowLatencyWeights, m: ModelShape, tokens: list[int]) -> None:
+        """config.tune for these weights and token counts (stored in the persistent cache; progress on stderr)."""
+        fmt_ = weights.format
+        try:
+            config.tune(weights, top_k=m.top_k, out_dtype=out_dtype_of(fmt_), tokens=tokens, iters=self.args.iters,
+                        progress=lambda line: progress(f"{m.name}: tuned {line}"))
+        except Exception as exc:  # noqa: BLE001 - the rows then run the fixed rule, and say which engine
+            self.report.note(f"{m.name} {fmt_.value}: tuning failed: {type(exc).__name__}: {exc}")
+
+    def row(self, m: ModelShape, config: LowLatencyMoeConfig, weights: LowLatencyWeights, tokens: int,
+            x: torch.Tensor, ids: torch.Tensor, route_w: torch.Tensor, touched: int, timer: Timer) -> None:
+        """One (model, T, format) row: the call (its engine, launches, time, floor, ratio, GB/s, target), the torch
+        FP8 layer for the FP8 formats, and with --tune each supporting engine's own time."""
+        args, report, fmt_ = self.args, self.report, weights.format
+        floor = floor_us(m, touched, fmt_, args.bandwidth_tbs)
+        goal = target(m, tokens, fmt_)
+        key = tactic_key(weights, tokens, m.top_k, device_arch(), torch.cuda.current_device())
+        head = [m.name, str(tokens), fmt_.value, select(config.engine, key).name]
+        fp8_cell = "-"
+        if args.peers and fmt_ in FP8_FORMATS:
+            fp8_cell = self.fp8_peer.cell(timer, weights, x, ids, route_w)
+        each = []
+        if args.tune:
+            times: dict[str, float | str] = {}
+            for engine in supporting(key.request):
+                named = LowLatencyMoeConfig(config.max_num_tokens, engine=engine.name)
+                try:
+                    times[engine.name] = timer.median_us(capture(ll_call(named, weights, x, ids, route_w)).replay)
+                except Exception as exc:  # noqa: BLE001
+                    report.note(f"{m.name} {fmt_.value} T={tokens} engine {engine.name}: {type(exc).__name__}: {exc}")
+                    times[engine.name] = "error"
+            each = [engine_times_cell(times)]
+        try:
+            graph = capture(ll_call(config, weights, x, ids, route_w), keep_graph=True)
+            us = timer.median_us(graph.replay)
+        except Exception as exc:  # noqa: BLE001
+            report.note(f"{m.name} {fmt_.value} T={tokens}: {type(exc).__name__}: {exc} ('error' cells)")
+            report.emit(md_row([*head, "-", str(touched), "error", fmt(floor), "-", "-", goal[0] if goal else "-", "-",
+                                fp8_cell, *each]))
+            return
+        try:
+            launches = str(kernel_launches(graph))
+        except Exception as exc:  # noqa: BLE001 - the count is a side column: its failure costs only that cell
+            report.note(f"launches not counted: {type(exc).__name__}: {exc}")
+            launches = "-"
+        if fmt_ in WEIGHT_ONLY_4BIT:
+            self.best_4bit[(m.name, tokens)] = min(us, self.best_4bit.get((m.name, tokens), float("inf")))
+        met = "-" if goal is None else ("yes" if goal[1](us, floor) else "NO")
+        report.emit(md_row([*head, launches, str(touched), fmt(us), fmt(floor), f"{us / floor:.2f}",
+                            f"{weight_gbps(m, touched, fmt_, us):.0f}", goal[0] if goal else "-", met, fp8_cell, *each]))
 
     def peers(self, m: ModelShape, w1: torch.Tensor, w2: torch.Tensor, batches: dict, timer: Timer) -> None:
         """The torch BF16 layer and fused_moe (NVFP4 config, one column per --engines) on each batch."""
@@ -306,12 +311,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="weight formats, one row each (default: all)")
     parser.add_argument("--bandwidth-tbs", type=float, default=4.3, help="HBM bandwidth of the floors (TB/s)")
     parser.add_argument("--peers", action=argparse.BooleanOptionalAction, default=True,
-                        help="also time the torch BF16 layer and fused_moe (NVFP4) on the same routing")
+                        help="also time the torch BF16 layer and fused_moe (NVFP4) on the same routing, and the torch "
+                             "FP8 layer beside the FP8 formats")
     parser.add_argument("--cuda-cores", action="store_true",
                         help="run every format on the CUDA-core kernels (no tensor-core dispatch on SM90)")
+    parser.add_argument("--tune", action="store_true",
+                        help="run LowLatencyMoeConfig.tune per format first (stored in the persistent cache), and "
+                             "time each supporting engine on its own beside the tuned call")
     args = parser.parse_args(argv)
     if max(args.tokens) > 8:
         parser.error(f"--tokens: the low-latency config takes at most 8 tokens, got {max(args.tokens)}")
+    if args.tune and args.cuda_cores:
+        parser.error("--tune measures which engine runs each call; --cuda-cores names one: give one of them")
     return args
 
 
@@ -324,13 +335,20 @@ def main(argv: list[str] | None = None) -> int:
     report.emit()
     report.emit(f"low_latency_moe, SwiGLU, top-k of the preset, uniform random distinct routing; ONE call captured in a "
                 f"CUDA graph, median of {args.iters} replays, 256 MiB L2 flush before each. us = microseconds; ratio = "
-                "time / floor; target: the issue's goal for that cell.")
+                "time / floor; weights GB/s = touched experts' weight bytes / time; launches = kernel nodes of the "
+                "captured call; engine = what engine=\"auto\" ran (the tuned choice, else the registry's rule); "
+                "torch FP8 layer: fp8_peer.py (grouped: torch._scaled_grouped_mm, per expert: torch._scaled_mm); "
+                "target: the issue's goal for that cell.")
     report.emit()
     if args.cuda_cores:
         report.note("--cuda-cores: every format runs on the CUDA-core kernels")
+    if args.tune:
+        report.note("--tune: engine = the tuned choice (config.tune, stored in the persistent cache); 'each engine' "
+                    "times every engine that supports the call on its own, the same way")
     bench = LowLatencyBench(args, report)
-    report.table(["model", "T", "format", "path", "touched experts", "us", "floor (us)", "ratio", "target", "met"],
-                 left=4)
+    report.table(["model", "T", "format", "engine", "launches", "touched experts", "us", "floor (us)", "ratio",
+                  "weights GB/s", "target", "met", "torch FP8 layer (graph) (us)",
+                  *(["each engine (us)"] if args.tune else [])], left=4)
     run_models(args, bench.model)
     bench.peer_table()
     report.write(args.markdown)

@@ -31,6 +31,8 @@ from cudnn_moe.engines.base import OP_FUSED  # noqa: E402
 from cudnn_moe.engines.registry import engine_names  # noqa: E402
 from cudnn_moe.pipeline.executor import MoeExecutor  # noqa: E402
 from cudnn_moe.engines.cudnn.probe import backend_version, format_version  # noqa: E402
+from cudnn_moe.capture import capture_graph  # noqa: E402
+from cudnn_moe.timing import median_us  # noqa: E402
 
 PRESETS = ROOT / "graphs" / "presets.json"
 DEFAULT_MODELS = ("qwen3-30b-a3b", "deepseek-v3")
@@ -255,24 +257,10 @@ def executor_for(m: ModelShape, config: Nvfp4MoeConfig, weights: Nvfp4Weights) -
     return get_executor(config, weights, top_k=m.top_k, activation=SwiGLU(), local_expert_start=0)
 
 
-def capture(fn: Callable[[], object]) -> torch.cuda.CUDAGraph:
+def capture(fn: Callable[[], object], keep_graph: bool = False) -> torch.cuda.CUDAGraph:
     """fn() once eagerly (warm-up: buckets, plans, kernels), then ONE call captured in a CUDA graph,
-    replayed once (the upload)."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    stream, gc_enabled = torch.cuda.current_stream(), gc.isenabled()
-    gc.disable()  # a collection freeing CUDA memory or graphs mid-capture would break the capture
-    try:
-        with torch.cuda.graph(graph):
-            fn()
-    finally:
-        torch.cuda.set_stream(stream)  # a failed capture_end leaves the capture stream current
-        if gc_enabled:
-            gc.enable()
-    graph.replay()
-    torch.cuda.synchronize()
-    return graph
+    replayed once (the upload): cudnn_moe.capture.capture_graph."""
+    return capture_graph(fn, keep_graph)
 
 
 class Timer:
@@ -283,16 +271,7 @@ class Timer:
         self.flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device="cuda")
 
     def median_us(self, fn: Callable[[], object]) -> float:
-        pairs = []
-        for _ in range(self.iters):
-            self.flush.zero_()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            pairs.append((start, end))
-        torch.cuda.synchronize()
-        return statistics.median(start.elapsed_time(end) for start, end in pairs) * 1e3
+        return median_us(fn, self.iters, flush=self.flush)
 
 
 def host_us_back_to_back(fn: Callable[[], object], calls: int, repeats: int = 3) -> float:

@@ -28,10 +28,12 @@ def main(argv: list[str] | None = None) -> int:
                           default=getattr(defaults, f.name), help=f"default: {getattr(defaults, f.name)}")
     prebuild = commands.add_parser(
         "prebuild",
-        help="build a layer's token buckets into the persistent cache before serving; list, verify or clear it",
+        help="build a layer's token buckets (or tune its low-latency engine choice) into the persistent cache "
+             "before serving; list, verify or clear it",
         description="Build every token bucket of the given layer shapes on this GPU so that serving starts from "
-        "the cache, or manage the cache directory (--list/--verify/--clear need no GPU). Exit status: 0 ok, "
-        "1 a build failed, a cache entry is bad or there is no usable GPU, 2 bad arguments.",
+        "the cache, or with --low-latency FORMAT measure which engine runs their low-latency calls fastest and "
+        "store that, or manage the cache directory (--list/--verify/--clear need no GPU). Exit status: 0 ok, "
+        "1 a build or tuning failed, a cache entry is bad or there is no usable GPU, 2 bad arguments.",
     )
     add_prebuild_arguments(prebuild)
     args = parser.parse_args(argv)

@@ -1,9 +1,12 @@
-"""``cudnn-moe prebuild``: build a layer shape's token buckets ahead of serving, and manage the cache.
+"""``cudnn-moe prebuild``: build a layer shape's token buckets ahead of serving, or measure its low-latency
+tactics, and manage the cache.
 
 Shapes come from presets (graphs/presets.json, or a JSON file of the same format) and
-``--shape E,H,I,TOPK``; each (shape, bucket) is built through build_layer, the one function
-here that touches the GPU (torch, CuPy and cuDNN are imported inside it). ``--list``,
-``--verify`` and ``--clear`` work on the cache directory and need no GPU.
+``--shape E,H,I,TOPK``; each (shape, bucket) is built through build_layer, or with ``--low-latency FORMAT``
+each (shape, format) is tuned through tune_layer (LowLatencyMoeConfig.tune on stand-in weights of that
+format: the choice depends on the shapes, not the values), the two functions here that touch the GPU
+(torch, CuPy and cuDNN are imported inside them). ``--list``, ``--verify`` and ``--clear`` work on the
+cache directory and need no GPU.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from .cache import (
     ENV_VAR,
     KIND_CUDNN_PLAN,
     KIND_KERNEL,
+    KIND_TACTIC,
     DiskCache,
     EntryKey,
     NotACacheError,
@@ -30,9 +34,10 @@ from .cache import (
     set_cache_dir,
     stats,
 )
-from .engines.base import OP_FUSED
+from .engines.base import OP_FUSED, WeightFormat
 from .engines.registry import engine_names
 from .fused.config import SIZE_MULTIPLE
+from .low_latency.tactics import TuningResult
 
 
 def _presets_file() -> Path:
@@ -49,6 +54,8 @@ PRESET_FIELDS = ("name", "experts", "hidden", "intermediate", "top_k")
 MAX_BUCKET = 4096
 DEFAULT_BUCKETS = tuple(1 << i for i in range(13))  # 1, 2, 4, ..., 4096
 NO_GPU = "prebuild needs a CUDA GPU; --list/--verify/--clear work without one"
+LOW_LATENCY_FORMATS = tuple(f.value for f in WeightFormat)
+MAX_LOW_LATENCY_TOKENS = 8
 
 
 @dataclass(frozen=True)
@@ -170,6 +177,17 @@ def parse_buckets(text: str) -> tuple[int, ...]:
     return tuple(sorted(set(buckets)))
 
 
+def parse_low_latency_tokens(text: str) -> int:
+    """--low-latency-tokens N: 1..MAX_LOW_LATENCY_TOKENS."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if not 1 <= value <= MAX_LOW_LATENCY_TOKENS:
+        raise argparse.ArgumentTypeError(f"must be an integer in 1..{MAX_LOW_LATENCY_TOKENS}, got {text!r}")
+    return value
+
+
 def parse_gpu_activation(text: str) -> Activation:
     try:
         act = parse_activation(text)
@@ -249,6 +267,35 @@ def build_layer(
     return results
 
 
+@dataclass(frozen=True)
+class TuneResult:
+    """One (shape, low-latency weight format) tuned: {T: TuningResult} (the chosen engine and every candidate's
+    median us), or the error that stopped it."""
+
+    shape: LayerShape
+    weight_format: str
+    tactics: dict[int, TuningResult]
+    error: str | None = None
+
+
+def tune_layer(shape: LayerShape, weight_format: str, activation: Activation,
+               max_tokens: int) -> dict[int, TuningResult]:
+    """LowLatencyMoeConfig(max_tokens).tune of one layer shape on the current GPU, on stand-in weights of
+    ``weight_format`` (cudnn_moe.low_latency.stand_in), for finalized calls with the format's usual tokens and
+    BF16 output (FP16 for FP16 weights), T = 1..max_tokens; the choices go to the active cache."""
+    import torch
+
+    from .low_latency import LowLatencyMoeConfig
+    from .low_latency.stand_in import stand_in_weights
+
+    fmt = WeightFormat(weight_format)
+    config = LowLatencyMoeConfig(max_tokens)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    weights = stand_in_weights(config, fmt, shape.experts, shape.hidden, shape.intermediate, gen, activation)
+    out_dtype = torch.float16 if fmt is WeightFormat.FP16 else torch.bfloat16
+    return config.tune(weights, top_k=shape.top_k, activation=activation, out_dtype=out_dtype)
+
+
 def entry_counts() -> tuple[int, int]:
     """(persistent entries built, loaded from disk) in this process so far: cuDNN plans and kernels."""
     counts = stats()
@@ -287,6 +334,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help=f"the layer's activation: {', '.join(ACTIVATION_NAMES)} (default: swiglu)")
     what.add_argument("--engine", choices=engine_names(OP_FUSED), default="auto",
                       help="GEMM engine (default: auto, the first that runs the layer on this GPU)")
+    what.add_argument("--low-latency", action="append", choices=LOW_LATENCY_FORMATS, default=[], metavar="FORMAT",
+                      help="instead of the fused op's token buckets, measure which engine runs the low-latency op "
+                           "fastest (LowLatencyMoeConfig.tune) for each shape with weights of FORMAT (repeatable; "
+                           f"{', '.join(LOW_LATENCY_FORMATS)}): finalized calls, the format's usual tokens, BF16 "
+                           "output (FP16 for fp16), the --activation")
+    what.add_argument("--low-latency-tokens", type=parse_low_latency_tokens, default=MAX_LOW_LATENCY_TOKENS,
+                      metavar="N", help=f"with --low-latency: tune T = 1..N (the config's max_num_tokens, at most "
+                                        f"{MAX_LOW_LATENCY_TOKENS}; default {MAX_LOW_LATENCY_TOKENS})")
     store = parser.add_argument_group("cache")
     store.add_argument("--cache-dir", type=parse_cache_dir, default=None, metavar="DIR",
                        help=f"cache directory (default: ${ENV_VAR}, else $XDG_CACHE_HOME/cudnn_moe or ~/.cache/cudnn_moe)")
@@ -343,6 +398,11 @@ def load_entry(key: Any, payload: bytes, device: int) -> str:
         if key.environment != plan_environment(device):
             return "skipped (made for another GPU or cuDNN)"
         CUDNN_SERIALIZER.deserialize(gemm_key_of(key, device), payload)
+        return "ok"
+    if key.kind == KIND_TACTIC:
+        from .low_latency.tactics import decode_choice
+
+        decode_choice(payload)  # ValueError when it is not a tactic
         return "ok"
     if key.kind == KIND_KERNEL:
         import torch
@@ -410,6 +470,21 @@ def summary_table(results: list[BuildResult], out: TextIO) -> None:
         out.write(f"failed: {shape.describe()} bucket{'s' if len(buckets) > 1 else ''} {', '.join(map(str, buckets))}: {error}\n")
 
 
+def tune_table(results: list[TuneResult], out: TextIO) -> None:
+    """Per (layer, format, T): the chosen engine and every candidate's median us; then each failure."""
+    rows = [("layer", "format", "T", "engine", "times (us)")]
+    for r in results:
+        rows += [(r.shape.describe(), r.weight_format, str(t), tactic.engine,
+                  ", ".join(f"{name} {us:.1f}" for name, us in tactic.times_us.items()))
+                 for t, tactic in r.tactics.items()]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        out.write("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() + "\n")
+    for r in results:
+        if r.error:
+            out.write(f"failed: {r.shape.describe()} {r.weight_format}: {r.error}\n")
+
+
 def _gpu_problem(engine: str) -> str | None:
     """Why this machine cannot build with ``engine`` (no GPU, a GPU no engine serves, or a missing or old
     library the chosen engine needs), or None."""
@@ -428,6 +503,30 @@ def _gpu_problem(engine: str) -> str | None:
     return chosen.environment_problem()
 
 
+def _low_latency_gpu_problem() -> str | None:
+    """Why this machine cannot tune low-latency layers (no GPU), or None; a format its GPU does not run fails
+    that (shape, format) alone."""
+    import torch
+
+    return None if torch.cuda.is_available() else NO_GPU
+
+
+def run_tuning(shapes: list[LayerShape], args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    """--low-latency: tune_layer per (shape, format), then the table; 1 if any failed."""
+    formats = list(dict.fromkeys(args.low_latency))
+    progress = Progress(len(shapes) * len(formats), stream=err, enabled=not args.quiet)
+    results: list[TuneResult] = []
+    for shape in shapes:
+        for fmt in formats:
+            try:
+                results.append(TuneResult(shape, fmt, tune_layer(shape, fmt, args.activation, args.low_latency_tokens)))
+            except Exception as exc:  # reported per (shape, format); the table and exit code carry it
+                results.append(TuneResult(shape, fmt, {}, f"{type(exc).__name__}: {exc}"))
+            progress.advance(f"{shape.name} {fmt}")
+    tune_table(results, out)
+    return 1 if any(r.error for r in results) else 0
+
+
 def run_prebuild(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None = None) -> int:
     """The prebuild subcommand; returns the exit code (0 ok, 1 failures or no GPU, 2 usage).
 
@@ -441,7 +540,7 @@ def run_prebuild(args: argparse.Namespace, out: TextIO | None = None, err: TextI
         err.write("cudnn-moe prebuild: error: nothing to do: give --preset or --shape to build, or --list/--verify/--clear\n")
         return 2
     if shapes:  # before anything touches the cache directory
-        problem = _gpu_problem(args.engine)
+        problem = _low_latency_gpu_problem() if args.low_latency else _gpu_problem(args.engine)
         if problem:
             err.write(f"cudnn-moe prebuild: error: {problem}\n")
             return 1
@@ -470,6 +569,8 @@ def run_prebuild(args: argparse.Namespace, out: TextIO | None = None, err: TextI
         return status
     set_cache_dir(root)  # the engines' plans and kernels go through this directory
     os.environ[ENV_VAR] = str(root)  # and child processes see it too
+    if args.low_latency:
+        return status | run_tuning(shapes, args, out, err)
     progress = Progress(len(shapes) * len(args.buckets), stream=err, enabled=not args.quiet)
     results: list[BuildResult] = []
     for shape in shapes:

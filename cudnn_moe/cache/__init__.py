@@ -1,4 +1,5 @@
-"""Persistent cache of built artifacts (serialized cuDNN plans, kernel binaries).
+"""Persistent cache of built artifacts (serialized cuDNN plans, kernel binaries) and measured choices
+(the low-latency op's tactics).
 
 Backend-neutral: entries are bytes under an EntryKey that names what they are and the
 environment they are valid in. Pure Python: importing this package imports neither CuPy nor
@@ -9,11 +10,11 @@ cuDNN (current_environment does, when called).
     payload = disk.get(key)                 # None: absent or invalid (reported once, removed)
     disk.put_or_report(key, built_bytes)    # an unwritable directory is reported once, never raised
 
-The GPU paths (cuDNN plans, kernel binaries) use ``active_cache()``: the directory of
+The GPU paths (cuDNN plans, kernel binaries, tactics) use ``active_cache()``: the directory of
 ``set_cache_dir(path)``, else $CUDNN_MOE_CACHE_DIR, else the user's cache home.
 """
 
-from .keys import KIND_CUDNN_PLAN, KIND_KERNEL, EntryKey, Environment, current_environment
+from .keys import KIND_CUDNN_PLAN, KIND_KERNEL, KIND_TACTIC, EntryKey, Environment, current_environment
 from .paths import ENV_VAR, cache_dir, default_cache_dir
 from .runtime import active_cache, record, reset_stats, set_cache_dir, stats
 from .store import MARKER, CacheEntry, CacheWarning, CorruptEntry, DiskCache, EntryCheck, NotACacheError
@@ -22,6 +23,7 @@ __all__ = [
     "ENV_VAR",
     "KIND_CUDNN_PLAN",
     "KIND_KERNEL",
+    "KIND_TACTIC",
     "MARKER",
     "CacheEntry",
     "CacheWarning",

@@ -23,6 +23,7 @@ from ..version import __version__
 
 KIND_CUDNN_PLAN = "cudnn-plan"  # a serialized cuDNN execution plan
 KIND_KERNEL = "kernel"  # a compiled kernel binary (cubin)
+KIND_TACTIC = "tactic"  # a measured engine choice (cudnn_moe.low_latency.tactics), JSON
 
 Scalar = Union[str, int, float, bool, None]
 FieldValue = Union[Scalar, tuple["FieldValue", ...]]

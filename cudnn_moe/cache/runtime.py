@@ -34,9 +34,10 @@ def set_cache_dir(path: str | os.PathLike[str] | None) -> None:
         _explicit = None if path is None else Path(path).expanduser()
 
 
-def active_cache() -> DiskCache | None:
+def active_cache(create: bool = True) -> DiskCache | None:
     """The DiskCache of the selected directory (created 0700 on first use), or None when it
-    cannot be created (reported once)."""
+    cannot be created (reported once). create=False: None when the directory does not exist yet
+    (for lookups that would find nothing there)."""
     with _lock:
         explicit = _explicit
     try:
@@ -48,6 +49,8 @@ def active_cache() -> DiskCache | None:
         disk = _caches.get(root)
         if disk is not None:
             return disk
+    if not create and not root.is_dir():
+        return None
     try:
         disk = DiskCache(root)
     except OSError as exc:

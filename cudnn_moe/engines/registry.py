@@ -51,6 +51,12 @@ def served_archs(op: str, weight_format: str = NVFP4) -> frozenset[Arch]:
     return frozenset().union(*(e.archs(op, weight_format) for e in ENGINES))
 
 
+def supporting(request: Request) -> tuple[type[Engine], ...]:
+    """Every engine of ENGINES that serves ``request.op`` and supports ``request``, in ENGINES order (the
+    candidates a measured choice picks among; "auto" without one takes the first)."""
+    return tuple(e for e in ENGINES if any(s.op == request.op for s in e.services) and e.supports(request))
+
+
 def choose(request: Request, name: str = AUTO) -> type[Engine]:
     """The engine that runs ``request``: ``name``, or with "auto" the first of ENGINES that supports it.
     Raises ValueError saying why each candidate cannot."""

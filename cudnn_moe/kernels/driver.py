@@ -1,4 +1,5 @@
-"""The CUDA driver API calls of the kernel loader, through ctypes on the driver library torch already uses.
+"""The CUDA driver API calls of the kernel loader (and the node types of a captured CUDA graph, which the
+benchmarks count launches with), through ctypes on the driver library torch already uses.
 
 Loading a cached binary, finding its kernels and launching them are a handful of driver calls; making
 them here keeps CuPy (about 100 ms to import) off the serving path: a process whose kernels all come
@@ -30,9 +31,12 @@ _SIGNATURES: dict[str, tuple[type, ...]] = {
                        _c_void_p),
     "cuLaunchKernelEx": (_c_void_p, _c_void_p, _c_void_p, _c_void_p),
     "cuGetErrorName": (_c_int, ctypes.POINTER(ctypes.c_char_p)),
+    "cuGraphGetNodes": (_c_void_p, ctypes.POINTER(_c_void_p), ctypes.POINTER(ctypes.c_size_t)),
+    "cuGraphNodeGetType": (_c_void_p, ctypes.POINTER(_c_int)),
 }
 
 CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+CU_GRAPH_NODE_TYPE_KERNEL = 0
 CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
 
 
@@ -100,6 +104,21 @@ def make_device_current(device: int) -> None:
             _check(lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), handle.value), "cuDevicePrimaryCtxRetain")
             context = _contexts[device] = ctx.value
     _check(_library().cuCtxSetCurrent(context), "cuCtxSetCurrent")
+
+
+def graph_node_types(graph: int) -> list[int]:
+    """The CUgraphNodeType of every node of the CUDA graph ``graph`` (a cudaGraph_t / CUgraph handle, e.g. of
+    ``torch.cuda.CUDAGraph(keep_graph=True).raw_cuda_graph()``): CU_GRAPH_NODE_TYPE_KERNEL for each launch."""
+    lib, count = _library(), ctypes.c_size_t()
+    _check(lib.cuGraphGetNodes(graph, None, ctypes.byref(count)), "cuGraphGetNodes")
+    nodes = (_c_void_p * count.value)()
+    _check(lib.cuGraphGetNodes(graph, nodes, ctypes.byref(count)), "cuGraphGetNodes")
+    types = []
+    for node in nodes[: count.value]:
+        kind = _c_int()
+        _check(lib.cuGraphNodeGetType(node, ctypes.byref(kind)), "cuGraphNodeGetType")
+        types.append(kind.value)
+    return types
 
 
 def module_load_data(image: bytes) -> int:

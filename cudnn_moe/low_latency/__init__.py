@@ -1,8 +1,9 @@
 """The low-latency MoE op (1-8 tokens per call, contract 004): configuration and preparation (``config``;
 the formats' records are cudnn_moe.weights.low_latency), argument checks (``checks``), the fallback for calls
-above max_num_tokens (``fallback``), the GPU op (``op``: the registry's engine runs it, the CUDA-core engine
-or, through ``grouped``, a grouped-GEMM engine on the shared pipeline) and the float64 references stating
-every rounding point (``reference``). Preparation keeps the caller's payloads bit-exact.
+above max_num_tokens (``fallback``), the GPU op (``op``: an engine of the registry runs it, the CUDA-core
+engine or, through ``grouped``, a grouped-GEMM engine on the shared pipeline), which engine (``tactics``: the
+choice ``LowLatencyMoeConfig.tune`` measures, ``tuning``, kept in the persistent cache) and the float64
+references stating every rounding point (``reference``). Preparation keeps the caller's payloads bit-exact.
 """
 
 from ..weights.low_latency import (
@@ -26,6 +27,7 @@ from ..weights.low_latency import (
 from .config import MAX_NUM_TOKENS, MAX_TOP_K, LowLatencyMoeConfig
 from .fallback import LowLatencyFallback
 from .op import RawOutput, low_latency_moe
+from .tactics import TuningResult
 from .reference import (
     DeepSeekFp8Intermediate,
     MxPairIntermediate,
@@ -71,6 +73,7 @@ __all__ = [
     "Nvfp4WeightOnlyWeights",
     "RawOutput",
     "RawReference",
+    "TuningResult",
     "WeightFormat",
     "combine_ordered_fp32",
     "deepseek_fp8_intermediate",

@@ -85,8 +85,22 @@ def check_inputs(inputs: object, weights: LowLatencyWeights) -> tuple[torch.Tens
     if isinstance(inputs, Nvfp4Activations):
         raise TypeError(f"inputs must be a BF16/FP16 tensor [T, H] for {fmt.value} weights; Nvfp4Activations are "
                         "for the NVFP4 weight + NVFP4 activation pair")
-    dtypes = (_DENSE_DTYPES[fmt],) if fmt in _DENSE_DTYPES else OUT_DTYPES
-    return _check_hidden_states(inputs, dtypes, hidden), None
+    return _check_hidden_states(inputs, token_dtypes(fmt), hidden), None
+
+
+def token_dtypes(fmt: WeightFormat) -> tuple[torch.dtype, ...]:
+    """The dtypes of the token values a call of ``fmt`` weights takes (``hidden_states``, or the codes of its
+    prepared activations: uint8 for the NVFP4 pair, float8_e4m3fn for per-tensor FP8, the MX pairs and
+    prequantized DeepSeek FP8 tokens), the usual one first."""
+    if fmt in _DENSE_DTYPES:
+        return (_DENSE_DTYPES[fmt],)
+    if fmt is WeightFormat.NVFP4_W_NVFP4_A:
+        return (torch.uint8,)
+    if fmt is WeightFormat.FP8_PER_TENSOR or fmt in MX_PAIRS:
+        return (torch.float8_e4m3fn,)
+    if fmt is WeightFormat.DEEPSEEK_FP8:
+        return (torch.bfloat16, torch.float8_e4m3fn)
+    return OUT_DTYPES
 
 
 def _check_hidden_states(inputs: object, dtypes: tuple[torch.dtype, ...], hidden: int) -> torch.Tensor:
@@ -168,13 +182,19 @@ def check_call(
     config: object, weights: object, routing: object, activation: Activation, out_dtype: object, finalize: object
 ) -> None:
     """Everything but the inputs and ``out``: types, gating, the output dtype, ``finalize``."""
+    if not isinstance(routing, Routing):
+        raise TypeError("routing must be a cudnn_moe.Routing (Routing.packed(...) or Routing.unpacked(...)), "
+                        f"got {type(routing).__name__}")
+    check_layer(config, weights, activation, out_dtype, finalize)
+
+
+def check_layer(config: object, weights: object, activation: Activation, out_dtype: object, finalize: object) -> None:
+    """What a call's layer must be, whatever its tokens: the config and weights types, gating, the output dtype,
+    ``finalize`` (checked by every call, and by ``LowLatencyMoeConfig.tune``)."""
     if not isinstance(config, LowLatencyMoeConfig):
         raise TypeError(f"config must be a LowLatencyMoeConfig, got {type(config).__name__}")
     if not isinstance(weights, LowLatencyWeights):
         raise TypeError(f"weights must be prepared by LowLatencyMoeConfig (a LowLatencyWeights), got {type(weights).__name__}")
-    if not isinstance(routing, Routing):
-        raise TypeError("routing must be a cudnn_moe.Routing (Routing.packed(...) or Routing.unpacked(...)), "
-                        f"got {type(routing).__name__}")
     require_gating(activation, weights.gated)
     if not isinstance(out_dtype, torch.dtype) or out_dtype not in OUT_DTYPES:
         raise ValueError(f"out_dtype must be torch.bfloat16 or torch.float16, got {out_dtype!r}")

@@ -9,6 +9,8 @@ quantize, from a float source; ``prepare_deepseek_fp8_weights`` keeps its E4M3 p
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
+
 import torch
 
 from ..activations import Activation, SwiGLU, parse_activation, require_gemm1_rows
@@ -49,6 +51,7 @@ from ..weights.low_latency import (
 )
 from ..weights.nvfp4 import Nvfp4Activations, Nvfp4Weights, quantize_experts
 from .fallback import prepare_fallback
+from .tactics import TuningResult
 
 MAX_NUM_TOKENS = 8
 MAX_TOP_K = 32
@@ -135,8 +138,10 @@ class LowLatencyMoeConfig:
     max_num_tokens: the most tokens one call may pass, 1..8 (default 2).
     arch: the GPU the weights are prepared for ('sm90', (10, 0), ...); by default the current CUDA
     device, or SM90 when there is none. An arch this config does not run on is refused.
-    engine: 'auto' (the registry's first engine that runs a call: on SM90 the tensor cores for the
-    NVFP4 formats' finalized BF16 calls, the CUDA cores otherwise), 'sm90' or 'cuda_cores'.
+    engine: 'auto' (the engine ``tune`` measured fastest for a call's layer and token count, else the
+    registry's first engine that runs it: on SM90 the tensor cores for the NVFP4 formats' finalized BF16
+    calls, the CUDA cores otherwise) or the name of a low-latency engine of the registry ('sm90',
+    'cuda_cores', ...).
     """
 
     def __init__(
@@ -181,6 +186,45 @@ class LowLatencyMoeConfig:
     def target_arch(self) -> Arch:
         """``arch``, else the current GPU's, else SM90."""
         return target_arch(self.arch)
+
+    # ------------------------------------------------------------------ tactics
+    def tune(
+        self,
+        weights: LowLatencyWeights,
+        *,
+        top_k: int,
+        activation: Activation | str = SwiGLU(),
+        out_dtype: torch.dtype = torch.bfloat16,
+        finalize: bool = True,
+        tokens: int | Iterable[int] | None = None,
+        x_dtype: torch.dtype | None = None,
+        iters: int = 20,
+        progress: Callable[[str], None] | None = None,
+    ) -> dict[int, TuningResult]:
+        """Measure, on the weights' GPU, which engine runs these weights' calls fastest at each token count, and
+        keep the choice (cudnn_moe.low_latency.tactics: the persistent cache and this process): later calls with
+        engine="auto" of that layer, token count, ``top_k``, token and output dtypes and ``finalize`` run on it,
+        whatever their activation of the same gatedness (a dict lookup per call; calls naming an engine keep
+        theirs). Every engine supporting the call is timed
+        (cudnn_moe.low_latency.tuning: its own CUDA graph, a few warm-up replays, the median of ``iters``
+        L2-flushed replays, random tokens and routing); all compute the same numbers (the same rounding points).
+        Run it once at warm-up, outside any CUDA-graph capture (it synchronizes the device).
+
+        weights: from this config's prepare methods, on a CUDA device. top_k: slots per token, 1..min(32, E).
+        activation, out_dtype, finalize: as the calls will pass them (gatedness and dtypes as the call checks).
+        tokens: the token counts to measure, 1..max_num_tokens (default: all of them). x_dtype: the dtype of the
+        token values the calls pass (hidden_states, or the codes of prepared activations): BF16 or FP16 where
+        both are taken, torch.float8_e4m3fn for prequantized DeepSeek FP8 tokens; default: the format's usual
+        one (BF16; FP16 for FP16 weights; the codes' dtype for the NVFP4 pair and per-tensor FP8). iters:
+        timed replays per engine. progress: called with one line per token count (e.g. ``print``).
+
+        Returns {T: TuningResult(engine, times_us)}: the chosen engine's name and each candidate's median time
+        in microseconds. Bad arguments raise before anything runs, naming the argument (TypeError for a wrong
+        type, ValueError for a wrong value)."""
+        from .tuning import tune  # the tuner runs the op, which imports this module
+
+        return tune(self, weights, top_k=top_k, activation=activation, out_dtype=out_dtype, finalize=finalize,
+                    tokens=tokens, x_dtype=x_dtype, iters=iters, progress=progress)
 
     # ------------------------------------------------------------------ 16-bit
     def _prepare_dense(

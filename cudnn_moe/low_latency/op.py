@@ -1,10 +1,12 @@
 """The low-latency MoE op: ``low_latency_moe`` (1..8 tokens, contract 004) on the GPU.
 
-The engine registry picks what runs a call (cudnn_moe.engines.registry): on SM90 the SM90 engine takes
-finalized calls with NVFP4 weight-only weights and BF16 tokens and output, and the NVFP4 pair, through the
-shared pipeline (cudnn_moe.low_latency.grouped; tensor cores); everything else runs on the CUDA-core engine
-(cudnn_moe.engines.cuda_cores: two launches, GEMM1 + activation, then GEMM2 with the finalize folded into
-its last CTA per feature column; the raw output skips the finalize). Both round at the same points.
+What runs a call (cudnn_moe.low_latency.tactics): the engine ``config.engine`` names, or with "auto" the one
+``LowLatencyMoeConfig.tune`` measured fastest for this layer and token count (kept in the persistent cache),
+else the engine registry's first that supports the call (cudnn_moe.engines.registry): on SM90 the SM90 engine
+takes finalized calls with NVFP4 weight-only weights and BF16 tokens and output, and the NVFP4 pair, through
+the shared pipeline (cudnn_moe.low_latency.grouped; tensor cores); everything else runs on the CUDA-core
+engine (cudnn_moe.engines.cuda_cores: two launches, GEMM1 + activation, then GEMM2 with the finalize folded
+into its last CTA per feature column; the raw output skips the finalize). All round at the same points.
 The call allocates nothing when ``out`` is given (workspaces are kept per weights, cudnn_moe.pipeline) and
 reads no device data, so a caller can record it in its own CUDA graph once one eager call has warmed it up
 (kernels compiled, workspace allocated). The CUDA-core path never synchronizes; the tensor-core path
@@ -68,8 +70,7 @@ import torch
 
 from ..activations import Activation, SwiGLU, parse_activation
 from ..arch import device_arch
-from ..engines.base import OP_LOW_LATENCY, GemmEngine, GemmShape, LowLatencyCall, Request
-from ..engines.registry import choose
+from ..engines.base import GemmEngine, LowLatencyCall
 from ..pipeline.lifetime import release_deferred
 from ..pipeline.workspaces import workspace_for
 from ..routing import Routing
@@ -82,6 +83,7 @@ from .checks import (
 )
 from .config import LowLatencyMoeConfig
 from .fallback import check_fallback_device, fallback_for_call, fallback_tensors
+from .tactics import TacticKey, layer_request, select
 
 
 class RawOutput(NamedTuple):
@@ -154,10 +156,8 @@ def low_latency_moe(
     if fallback is not None:
         check_fallback_device(fallback, device_arch(device))
     else:
-        shapes = (GemmShape(hidden, weights.gemm1_rows, weights.num_experts),
-                  GemmShape(weights.padded_intermediate, hidden, weights.num_experts))
-        engine = choose(Request(OP_LOW_LATENCY, device_arch(device), weights.format.value, shapes,
-                                weights.num_experts, x_dtype, out_dtype, finalize, tokens), config.engine)
+        request = layer_request(weights, device_arch(device), tokens, x_dtype, out_dtype, finalize)
+        engine = select(config.engine, TacticKey(request, top_k, weights.gated, x.dtype, device.index))
     shape = (tokens, hidden) if finalize else (tokens, top_k, hidden)
     if out is not None:
         others = [("hidden_states", x), ("routing", ids)]

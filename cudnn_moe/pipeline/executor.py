@@ -31,18 +31,16 @@ GPU by cudnn_moe.pipeline.order, so they give the single-stream results.
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, replace
 
 import torch
 
 from .. import kernels
 from ..activations import Activation
-from ..capture import refuse_during_capture
+from ..capture import gc_paused, refuse_during_capture
 from ..engines.base import (
     ActivationEpilogue,
     GemmEngine,
@@ -91,19 +89,6 @@ class UnfinalizedOutput:
     rows: torch.Tensor
     expert_weights: torch.Tensor
     token_to_row: torch.Tensor
-
-
-@contextlib.contextmanager
-def _gc_paused() -> Iterator[None]:
-    """Keep Python's cyclic GC from running inside a capture: freeing another object's CUDA
-    memory or graph there would invalidate the capture."""
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
 
 
 class Bucket:
@@ -352,7 +337,7 @@ class MoeExecutor:
         self._ensure_graph(bucket)  # kernels compiled and GEMM plans built outside the capture
         with self._lock:
             graph = torch.cuda.CUDAGraph()
-            with _gc_paused(), torch.cuda.graph(graph):
+            with gc_paused(), torch.cuda.graph(graph):
                 stage(bucket)
                 self._pipeline(bucket)
                 finish(bucket)
@@ -367,7 +352,7 @@ class MoeExecutor:
                 if bucket.graph is None:
                     self._pipeline(bucket)  # compiles kernels and builds GEMM plans outside capture
                     graph = torch.cuda.CUDAGraph()
-                    with _gc_paused(), torch.cuda.graph(graph):
+                    with gc_paused(), torch.cuda.graph(graph):
                         self._pipeline(bucket)
                     bucket.graph = graph
         return bucket.graph
