@@ -292,8 +292,7 @@ __device__ __forceinline__ void combine_epilogue(u8* smem, const Tile& tile, con
   if (threadIdx.x == 0) count = 0;
   __syncthreads();
   const int column = static_cast<int>(blockIdx.x);
-  const int tile_rows = min(WG_TB, tile.row_end - tile.row0);  // row_end is the segment's end
-  for (int i = threadIdx.x; i < tile_rows; i += WG_THREADS) {
+  for (int i = threadIdx.x; i < tile.row_end - tile.row0; i += WG_THREADS) {
     const int slot = __ldg(row_to_slot + tile.row0 + i);
     if (slot < 0) continue;  // a padding row
     const int token = slot / top_k;
