@@ -87,6 +87,10 @@ class WeightFormat(str, enum.Enum):
     MXFP8_W_MXFP8_A = "mxfp8_w_mxfp8_a"
 
 
+# The MX weight + MXFP8 activation formats (MXFP8 tokens and intermediate, the unrouted-slot rule).
+MX_PAIRS = (WeightFormat.MXFP4_W_MXFP8_A, WeightFormat.MXFP8_W_MXFP8_A)
+
+
 @dataclass(frozen=True)
 class Service:
     """One thing an engine offers: ``op``'s weights in ``formats`` on ``archs``, up to ``max_tokens`` per call."""
