@@ -18,8 +18,9 @@ cudnn_moe.low_latency.stand_in gives each format random codes and scales (the NV
 records are built from random codes directly: quantizing a DeepSeek-V3 float layer would take minutes and
 tens of GB); the per-tensor FP8 tokens are quantized to E4M3 once, outside the timed call, as the NVFP4 pair's
 are; the DeepSeek FP8 BF16 tokens are quantized per 128 values inside the timed call (part of that format's
-call); the MX pairs' tokens are quantized to MXFP8 once, outside the timed call. Per-stage times are not split out here (the CUDA-core engine's launches are internal to its run; see
-bench_stages.py for the fused pipeline's stages).
+call); the MX pairs' tokens are quantized to MXFP8 once, outside the timed call. Per-stage times are not
+split out here (the CUDA-core engine's launches are internal to its run; see bench_stages.py for the fused
+pipeline's stages).
 Usage: python benchmarks/bench_low_latency.py --help
 """
 
@@ -65,6 +66,7 @@ from cudnn_moe.low_latency import LowLatencyMoeConfig, LowLatencyWeights, Weight
 from cudnn_moe.low_latency.checks import token_dtypes  # noqa: E402
 from cudnn_moe.low_latency.stand_in import stand_in_weights  # noqa: E402
 from cudnn_moe.low_latency.tactics import TacticKey, layer_request, select  # noqa: E402
+from cudnn_moe.low_latency.tuning import call_inputs, request_token_dtype  # noqa: E402
 
 DEFAULT_TOKENS = (1, 2, 4, 8)
 FORMATS = tuple(f.value for f in WeightFormat)
@@ -82,7 +84,6 @@ BYTES_PER_WEIGHT = {
     WeightFormat.MXFP4_W_MXFP8_A: 0.5 + 1 / 32,  # E2M1 codes + one E8M0 byte per 32
     WeightFormat.MXFP8_W_MXFP8_A: 1.0 + 1 / 32,  # E4M3 codes + one E8M0 byte per 32
 }
-MX_PAIRS = (WeightFormat.MXFP4_W_MXFP8_A, WeightFormat.MXFP8_W_MXFP8_A)
 FP8_FORMATS = (WeightFormat.FP8_WEIGHT_ONLY, WeightFormat.FP8_PER_TENSOR, WeightFormat.DEEPSEEK_FP8)
 WEIGHT_ONLY_4BIT = (WeightFormat.NVFP4_WEIGHT_ONLY, WeightFormat.MXFP4_WEIGHT_ONLY, WeightFormat.MXINT4_WEIGHT_ONLY)
 
@@ -133,8 +134,8 @@ def out_dtype_of(fmt_: WeightFormat) -> torch.dtype:
 def tactic_key(weights: LowLatencyWeights, tokens: int, top_k: int, arch: Arch, device: int | None) -> TacticKey:
     """What the rows' calls (``ll_call``: the format's usual token values, finalized) ask the tactic table."""
     x_dtype = token_dtypes(weights.format)[0]
-    token_dtype = None if weights.format is WeightFormat.NVFP4_W_NVFP4_A or weights.format in MX_PAIRS else x_dtype
-    request = layer_request(weights, arch, tokens, token_dtype, out_dtype_of(weights.format), True)
+    request = layer_request(weights, arch, tokens, request_token_dtype(weights.format, x_dtype),
+                            out_dtype_of(weights.format), True)
     return TacticKey(request, top_k, weights.gated, x_dtype, device)
 
 
@@ -157,16 +158,8 @@ def ll_call(
     config: LowLatencyMoeConfig, weights: LowLatencyWeights, x: torch.Tensor, ids: torch.Tensor, route_w: torch.Tensor
 ) -> Callable[[], object]:
     """One finalized SwiGLU low_latency_moe call on this batch, inputs prepared and output allocated."""
-    fmt_ = weights.format
-    if fmt_ is WeightFormat.NVFP4_W_NVFP4_A:
-        inputs = config.prepare_nvfp4_activations(x)
-    elif fmt_ in MX_PAIRS:
-        inputs = config.prepare_mxfp8_activations(x)
-    elif fmt_ is WeightFormat.FP8_PER_TENSOR:
-        inputs = config.prepare_fp8_per_tensor_activations(x, weights)
-    else:
-        inputs = x.half() if fmt_ is WeightFormat.FP16 else x
-    out_dtype = out_dtype_of(fmt_)
+    inputs = call_inputs(config, weights, x, token_dtypes(weights.format)[0])
+    out_dtype = out_dtype_of(weights.format)
     routing = Routing.unpacked(ids, route_w)
     out = torch.empty(x.shape[0], weights.hidden_size, dtype=out_dtype, device=x.device)
     return lambda: low_latency_moe(config, inputs, weights, routing, activation=SwiGLU(), out_dtype=out_dtype, out=out)

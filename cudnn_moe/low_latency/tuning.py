@@ -77,7 +77,7 @@ def _check_x_dtype(x_dtype: object, fmt: WeightFormat) -> torch.dtype:
     return x_dtype
 
 
-def _token_dtype(fmt: WeightFormat, x_dtype: torch.dtype) -> torch.dtype | None:
+def request_token_dtype(fmt: WeightFormat, x_dtype: torch.dtype) -> torch.dtype | None:
     """The request's token dtype of calls passing token values of ``x_dtype``: None where they come as codes
     with scales (the NVFP4 pair, the MX pairs, prequantized DeepSeek FP8), as the op sets it."""
     codes_with_scales = fmt is WeightFormat.NVFP4_W_NVFP4_A or fmt in MX_PAIRS or (
@@ -85,10 +85,10 @@ def _token_dtype(fmt: WeightFormat, x_dtype: torch.dtype) -> torch.dtype | None:
     return None if codes_with_scales else x_dtype
 
 
-def _inputs(config: LowLatencyMoeConfig, weights: LowLatencyWeights, x_dtype: torch.dtype, tokens: int,
-            gen: torch.Generator) -> object:
-    """Random inputs of ``tokens`` tokens as a call of these weights takes them (token values of ``x_dtype``)."""
-    x = torch.randn(tokens, weights.hidden_size, device=gen.device, generator=gen)
+def call_inputs(config: LowLatencyMoeConfig, weights: LowLatencyWeights, x: torch.Tensor,
+                x_dtype: torch.dtype) -> object:
+    """Tokens x [T, H] as a call of these weights takes them, with token values of ``x_dtype`` (one of
+    ``checks.token_dtypes(weights.format)``): the format's prepared activations, or x in that dtype."""
     fmt = weights.format
     if fmt is WeightFormat.NVFP4_W_NVFP4_A:
         return config.prepare_nvfp4_activations(x)
@@ -140,7 +140,7 @@ def tune(
     device = _cuda_device(weights)
     refuse_during_capture("LowLatencyMoeConfig.tune times the engines in CUDA graphs of its own",
                           "tune before capturing")
-    arch, token_dtype = device_arch(device), _token_dtype(weights.format, x_dtype)
+    arch, token_dtype = device_arch(device), request_token_dtype(weights.format, x_dtype)
     requests = {t: layer_request(weights, arch, t, token_dtype, out_dtype, finalize) for t in counts}
     candidates = {t: supporting(request) for t, request in requests.items()}
     for t, engines in candidates.items():
@@ -152,7 +152,8 @@ def tune(
         flush = torch.empty(2 * torch.cuda.get_device_properties(device).L2_cache_size, dtype=torch.uint8,
                             device=device)
         for t in counts:
-            inputs = _inputs(config, weights, x_dtype, t, gen)
+            x = torch.randn(t, weights.hidden_size, device=device, generator=gen)
+            inputs = call_inputs(config, weights, x, x_dtype)
             routing = _routing(t, top_k, weights.num_experts, gen)
             out = torch.empty((t, weights.hidden_size) if finalize else (t, top_k, weights.hidden_size),
                               dtype=out_dtype, device=device)

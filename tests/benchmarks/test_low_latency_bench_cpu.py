@@ -3,7 +3,6 @@ tactic key of a row's call, launch counting) (the timings themselves need a GPU)
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import sys
 from types import SimpleNamespace
@@ -22,6 +21,7 @@ from cudnn_moe.engines import registry  # noqa: E402
 from cudnn_moe.engines.base import LayerEngine  # noqa: E402
 from cudnn_moe.low_latency import LowLatencyMoeConfig, WeightFormat, grouped  # noqa: E402
 from cudnn_moe.low_latency.stand_in import stand_in_weights  # noqa: E402
+from tests.support.low_latency import NullWorkspace  # noqa: E402
 
 QWEN3, DEEPSEEK = common.MODELS["qwen3-30b-a3b"], common.MODELS["deepseek-v3"]
 
@@ -96,15 +96,6 @@ def test_kernel_launches_count_the_kernel_nodes(monkeypatch: pytest.MonkeyPatch)
     assert bench.kernel_launches(SimpleNamespace(raw_cuda_graph=lambda: 1234)) == 3
 
 
-class _Workspace:
-    buffers = None
-
-    class order:
-        @staticmethod
-        def use() -> contextlib.AbstractContextManager:
-            return contextlib.nullcontext()
-
-
 @pytest.mark.parametrize("fmt", list(WeightFormat), ids=[f.value for f in WeightFormat])
 def test_tactic_key_is_the_one_the_rows_call_looks_up(fmt, monkeypatch: pytest.MonkeyPatch) -> None:
     """The engine column (select of tactic_key) names the engine ll_call's call runs: the op asks the same key."""
@@ -114,7 +105,7 @@ def test_tactic_key_is_the_one_the_rows_call_looks_up(fmt, monkeypatch: pytest.M
     asked = []
     monkeypatch.setattr(op_module, "check_devices", lambda x, ids, w: x.device)
     monkeypatch.setattr(op_module, "device_arch", lambda device: (9, 0))
-    monkeypatch.setattr(op_module, "workspace_for", lambda *args: _Workspace)
+    monkeypatch.setattr(op_module, "workspace_for", lambda *args: NullWorkspace)
     real_select = op_module.select
     monkeypatch.setattr(op_module, "select", lambda name, key: asked.append(key) or real_select(name, key))
     monkeypatch.setattr(grouped, "run", lambda engine, call: None)

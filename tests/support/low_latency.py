@@ -15,6 +15,7 @@ must stay below 2^-8, and most elements must be bitwise equal (the rounding poin
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -197,3 +198,14 @@ def assert_close_to_reference(got: torch.Tensor, want: torch.Tensor, what: str) 
     assert rel_l2 <= 2.0**-8, f"{what}: relative L2 error {rel_l2:.3g} > 2^-8"
     equal = float((got.view(torch.int16) == want.view(torch.int16)).double().mean())
     assert equal >= 0.5, f"{what}: only {equal:.1%} of elements are bitwise equal to the reference (expected most)"
+
+
+class NullWorkspace:
+    """Stands in for an engine's workspace in CPU tests of the op's call path (no buffers, no stream order)."""
+
+    buffers = None
+
+    class order:
+        @staticmethod
+        def use() -> contextlib.AbstractContextManager:
+            return contextlib.nullcontext()

@@ -6,7 +6,6 @@ test follows a call past them; the GPU runs are test_low_latency_fallback_gpu.py
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 
 import pytest
@@ -22,6 +21,7 @@ from cudnn_moe.routing import Routing
 from tests.ops.low_latency.test_low_latency_cpu import (
     IP, PAIR_H, PAIR_I, block_payloads, dense_weights, prepare, same_bits,
 )
+from tests.support.low_latency import NullWorkspace
 
 op_module = importlib.import_module("cudnn_moe.low_latency.op")
 NVFP4_WO, PAIR = WeightFormat.NVFP4_WEIGHT_ONLY, WeightFormat.NVFP4_W_NVFP4_A
@@ -121,17 +121,6 @@ def _call_args(weights, tokens: int, x_dtype=torch.bfloat16):
     return x, Routing.unpacked(ids, torch.rand(tokens, 2))
 
 
-class _Workspace:
-    """Stands in for the CUDA-core engine's workspace (no buffers, no stream order)."""
-
-    buffers = None
-
-    class order:
-        @staticmethod
-        def use() -> contextlib.AbstractContextManager:
-            return contextlib.nullcontext()
-
-
 class Recorder:
     """Stands in for the GPU steps of a call (device check, GPU arch, launches): records which path ran."""
 
@@ -139,7 +128,7 @@ class Recorder:
         self.runs: list[tuple] = []
         monkeypatch.setattr(op_module, "check_devices", lambda x, ids, weights: x.device)
         monkeypatch.setattr(op_module, "device_arch", lambda device: arch)
-        monkeypatch.setattr(op_module, "workspace_for", lambda *args: _Workspace)
+        monkeypatch.setattr(op_module, "workspace_for", lambda *args: NullWorkspace)
         monkeypatch.setattr(CudaCoresEngine, "run", classmethod(
             lambda cls, call, buffers: self.runs.append(("low_latency", cls.name, call))))
         monkeypatch.setattr(grouped, "run", lambda engine, call: self.runs.append(("low_latency", engine.name, call)))

@@ -9,7 +9,9 @@ import torch
 
 from cudnn_moe.activations import SiLU, SwiGLU
 from cudnn_moe.low_latency import LowLatencyMoeConfig, WeightFormat, reference_low_latency
+from cudnn_moe.low_latency.checks import token_dtypes
 from cudnn_moe.low_latency.stand_in import stand_in_weights
+from cudnn_moe.low_latency.tuning import call_inputs
 from cudnn_moe.routing import Routing
 
 E, H, I = 3, 512, 128
@@ -18,16 +20,6 @@ E, H, I = 3, 512, 128
 def make(fmt: WeightFormat, gated: bool = True, hidden: int = H, intermediate: int = I, seed: int = 0):
     return stand_in_weights(LowLatencyMoeConfig(2, arch="sm90"), fmt, E, hidden, intermediate,
                             torch.Generator().manual_seed(seed), SwiGLU() if gated else SiLU())
-
-
-def _inputs(config: LowLatencyMoeConfig, weights, x: torch.Tensor):
-    if weights.format is WeightFormat.NVFP4_W_NVFP4_A:
-        return config.prepare_nvfp4_activations(x)
-    if weights.format is WeightFormat.FP8_PER_TENSOR:
-        return config.prepare_fp8_per_tensor_activations(x, weights)
-    if weights.format in (WeightFormat.MXFP4_W_MXFP8_A, WeightFormat.MXFP8_W_MXFP8_A):
-        return config.prepare_mxfp8_activations(x)
-    return x.to(torch.float16 if weights.format is WeightFormat.FP16 else torch.bfloat16)
 
 
 @pytest.mark.parametrize("gated", [True, False], ids=["gated", "non-gated"])
@@ -46,7 +38,8 @@ def test_stand_in_is_a_layer_of_the_format_with_unit_size_outputs(fmt, gated) ->
     ids = torch.tensor([[0, 2], [1, 0]])
     routing = Routing.unpacked(ids, torch.tensor([[0.7, 0.3], [0.4, 0.6]]))
     out_dtype = torch.float16 if fmt is WeightFormat.FP16 else torch.bfloat16
-    want = reference_low_latency(_inputs(config, weights, x), weights, routing, SwiGLU() if gated else SiLU(),
+    inputs = call_inputs(config, weights, x, token_dtypes(fmt)[0])
+    want = reference_low_latency(inputs, weights, routing, SwiGLU() if gated else SiLU(),
                                  out_dtype=out_dtype).double()
     assert bool(torch.isfinite(want).all())
     rms = float(want.pow(2).mean().sqrt())

@@ -30,6 +30,7 @@ from cudnn_moe.low_latency.stand_in import stand_in_weights
 from cudnn_moe.low_latency.tactics import TacticKey, entry_key, layer_request, select, store
 from cudnn_moe.routing import Routing
 from cudnn_moe.version import __version__
+from tests.support.low_latency import NullWorkspace
 
 op_module = importlib.import_module("cudnn_moe.low_latency.op")
 NVFP4_WO = WeightFormat.NVFP4_WEIGHT_ONLY
@@ -125,10 +126,10 @@ def test_token_dtypes_of_each_format() -> None:
     assert token_dtypes(WeightFormat.NVFP4_W_NVFP4_A) == (torch.uint8,)
     assert token_dtypes(WeightFormat.FP8_PER_TENSOR) == (torch.float8_e4m3fn,)
     assert token_dtypes(WeightFormat.DEEPSEEK_FP8) == (BF16, torch.float8_e4m3fn)
-    assert tuning._token_dtype(WeightFormat.NVFP4_W_NVFP4_A, torch.uint8) is None
-    assert tuning._token_dtype(WeightFormat.DEEPSEEK_FP8, torch.float8_e4m3fn) is None
-    assert tuning._token_dtype(WeightFormat.DEEPSEEK_FP8, BF16) is BF16
-    assert tuning._token_dtype(WeightFormat.FP8_PER_TENSOR, torch.float8_e4m3fn) is torch.float8_e4m3fn
+    assert tuning.request_token_dtype(WeightFormat.NVFP4_W_NVFP4_A, torch.uint8) is None
+    assert tuning.request_token_dtype(WeightFormat.DEEPSEEK_FP8, torch.float8_e4m3fn) is None
+    assert tuning.request_token_dtype(WeightFormat.DEEPSEEK_FP8, BF16) is BF16
+    assert tuning.request_token_dtype(WeightFormat.FP8_PER_TENSOR, torch.float8_e4m3fn) is torch.float8_e4m3fn
 
 
 # ----------------------------------------------------------------------------- store, load, fall back
@@ -223,22 +224,13 @@ def test_store_refuses_an_engine_that_does_not_run_the_call(weights, cache_dir: 
 
 
 # ----------------------------------------------------------------------------- the op's call path
-class _Workspace:
-    buffers = None
-
-    class order:
-        @staticmethod
-        def use() -> contextlib.AbstractContextManager:
-            return contextlib.nullcontext()
-
-
 @pytest.fixture
 def runs(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """The names of the engines the op's calls ran on: every engine's launches replaced by a recorder."""
     ran: list[str] = []
     monkeypatch.setattr(op_module, "check_devices", lambda x, ids, weights: x.device)
     monkeypatch.setattr(op_module, "device_arch", lambda device: (9, 0))
-    monkeypatch.setattr(op_module, "workspace_for", lambda *args: _Workspace)
+    monkeypatch.setattr(op_module, "workspace_for", lambda *args: NullWorkspace)
     monkeypatch.setattr(grouped, "run", lambda engine, call: ran.append(engine.name))
     for engine in registry.ENGINES:
         if issubclass(engine, LayerEngine):
@@ -354,7 +346,7 @@ def test_tune_times_every_candidate_and_stores_the_fastest(fmt, x_dtype, fake_gp
     lines: list[str] = []
     table = cfg.tune(weights, top_k=TOP_K, tokens=[1, 3], x_dtype=x_dtype, iters=7, progress=lines.append)
     x_dtype = x_dtype or token_dtypes(fmt)[0]
-    token_dtype = tuning._token_dtype(fmt, x_dtype)
+    token_dtype = tuning.request_token_dtype(fmt, x_dtype)
     assert sorted(table) == [1, 3] and len(lines) == 2
     forget(monkeypatch)  # a new process: the choices come from the disk
     for t, result in table.items():
