@@ -125,7 +125,8 @@ class LowLatencyMoeConfig:
     arch: the GPU the weights are prepared for ('sm90', (10, 0), ...); by default the current CUDA
     device, or SM90 when there is none. An arch this config does not run on is refused.
     engine: 'auto' (the registry's first engine that runs a call: on SM90 the tensor cores for the
-    NVFP4 formats' finalized BF16 calls, the CUDA cores otherwise), 'sm90' or 'cuda_cores'.
+    NVFP4 formats' finalized BF16 calls, the CUDA cores otherwise), 'sm90', 'cuda_cores' or 'll_mma' (the FP8
+    formats on tensor cores).
     """
 
     def __init__(

@@ -200,7 +200,7 @@ def _cpu_layer(fmt: WeightFormat):
 def test_wrappers_match_kernel_signatures(fmt: WeightFormat, monkeypatch: pytest.MonkeyPatch) -> None:
     launches: list[tuple[str, Any, int, tuple[Any, ...], tuple[str, ...]]] = []
     monkeypatch.setattr(ll, "ptr", lambda tensor, align=1: np.uint64(0))
-    monkeypatch.setattr(ll, "launch", lambda file, name, device, grid, block, args, extra_options=():
+    monkeypatch.setattr(ll, "launch", lambda file, name, device, grid, block, args, shared_mem=0, extra_options=():
                         launches.append((name, grid, block, args, extra_options)))
     weights = _cpu_layer(fmt)
     tokens, top_k, h, ip = 5, 4, weights.hidden_size, weights.padded_intermediate
@@ -264,7 +264,7 @@ def test_deepseek_fp8_launches_match_kernel_signatures(prequantized: bool, final
 
     launches: list[tuple[str, Any, int, tuple[Any, ...], tuple[str, ...]]] = []
     monkeypatch.setattr(ll, "ptr", lambda tensor, align=1: np.uint64(0 if tensor is None else id(tensor)))
-    monkeypatch.setattr(ll, "launch", lambda file, name, device, grid, block, args, extra_options=():
+    monkeypatch.setattr(ll, "launch", lambda file, name, device, grid, block, args, shared_mem=0, extra_options=():
                         launches.append((name, grid, block, args, extra_options)))
     config = LowLatencyMoeConfig(8, arch="sm90")
     e, h, i, tokens, top_k = 3, 512, 256, 5, 4
