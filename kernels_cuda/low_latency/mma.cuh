@@ -115,6 +115,12 @@ __device__ __forceinline__ void b_fragment(const uint4& q0, const uint4& q1, int
   }
 }
 
+// The lane and register (c0..c3) of the C element (row, col) of an m16n8 FP32 accumulator (the layout above).
+__device__ __forceinline__ void c_slot(int row, int col, int& lane, int& reg) {
+  lane = (row & 7) * 4 + (col >> 1);
+  reg = ((row >> 3) << 1) | (col & 1);
+}
+
 #if defined(__CUDA_ARCH__)
 // c += A B for one m16n8k16 step, FP32 accumulators; BF16 or FP16 operands.
 template <bool BF16>

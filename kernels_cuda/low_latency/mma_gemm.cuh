@@ -200,7 +200,8 @@ __device__ __forceinline__ void mma_prefetch_gemm2(int e, int round, const u8* w
 // The ksplit warps' sums of pair p, tile `tile`, row r (0..15), token column n, in kpart order: the partial sums
 // sit at red[((warp * 2 + tile) * 4 + c) * 32 + lane] for the C element (row, column) of (lane, c).
 __device__ __forceinline__ float mma_pair_sum(const float* red, int p, int ksplit, int tile, int r, int n) {
-  const int lane = (r & 7) * 4 + (n >> 1), c = ((r >> 3) << 1) | (n & 1);
+  int lane, c;
+  c_slot(r, n, lane, c);
   float sum = 0.0f;
   for (int kp = 0; kp < ksplit; ++kp) sum += red[(((p * ksplit + kp) * 2 + tile) * 4 + c) * 32 + lane];
   return sum;
