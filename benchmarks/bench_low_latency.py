@@ -3,7 +3,8 @@
 Per model (top-8 presets) and T in {1, 2, 4, 8}: uniform random distinct routing (common.random_batch), the
 distinct experts it touches, and per weight format the time of ``low_latency_moe`` (SwiGLU, finalized BF16
 output, or FP16 for FP16 weights; the path column says whether the call ran on the CUDA-core kernels or,
-on SM90 for the NVFP4 formats, the tensor-core pipeline; --cuda-cores forces the former), the format's floor = touched experts' weight bytes (payload + block scales)
+on SM90 for the NVFP4 formats, the tensor-core pipeline; --cuda-cores forces the former, --engine names one, e.g.
+ll_mma for the FP8 formats on tensor cores), the format's floor = touched experts' weight bytes (payload + block scales)
 / HBM bandwidth (4.3 TB/s), and the ratio, with the issue's target where there is one. Then, per (model, T),
 the torch BF16 layer (torch._grouped_mm, captured in one CUDA graph; bench_moe.grouped_mm_layer) and
 ``cudnn_moe.fused_moe`` with the NVFP4 config on the same routing. Every contender is timed the same way
@@ -53,7 +54,7 @@ from cudnn_moe import Routing, SwiGLU  # noqa: E402
 from cudnn_moe.arch import device_arch  # noqa: E402
 from cudnn_moe.low_latency import LowLatencyMoeConfig, LowLatencyWeights, WeightFormat, low_latency_moe  # noqa: E402
 from cudnn_moe.engines.base import OP_LOW_LATENCY, Request  # noqa: E402
-from cudnn_moe.engines.registry import choose  # noqa: E402
+from cudnn_moe.engines.registry import choose, engine_names  # noqa: E402
 from cudnn_moe.weights.low_latency import DeepSeekFp8Weights, Fp8PerTensorWeights, Nvfp4PairWeights  # noqa: E402
 
 DEFAULT_TOKENS = (1, 2, 4, 8)
@@ -155,10 +156,15 @@ def prepare_format(
 
 def path_of(config: LowLatencyMoeConfig, weights: LowLatencyWeights, x_dtype: torch.dtype | None,
             out_dtype: torch.dtype) -> str:
-    """Which kernels a finalized call runs: 'tensor cores' (the SM90 engine's pipeline) or 'CUDA cores'."""
+    """Which kernels a finalized call runs: 'tensor cores' (the SM90 engine's pipeline, or ll_mma's) or 'CUDA cores';
+    'none' where the config's engine does not run the format (the timed call then reports the error)."""
     request = Request(OP_LOW_LATENCY, device_arch(), weights.format.value, num_experts=weights.num_experts,
                       token_dtype=x_dtype, out_dtype=out_dtype, finalize=True)
-    return "CUDA cores" if choose(request, config.engine).name == "cuda_cores" else "tensor cores"
+    try:
+        engine = choose(request, config.engine)
+    except ValueError:
+        return "none"
+    return "CUDA cores" if engine.name == "cuda_cores" else "tensor cores"
 
 
 def ll_call(
@@ -190,7 +196,7 @@ class LowLatencyBench:
     def model(self, m: ModelShape, gen: torch.Generator, timer: Timer) -> None:
         args, report = self.args, self.report
         formats = [WeightFormat(f) for f in args.formats]
-        config = LowLatencyMoeConfig(max(args.tokens), engine="cuda_cores" if self.args.cuda_cores else "auto")
+        config = LowLatencyMoeConfig(max(args.tokens), engine=args.engine)
         batches = {t: random_batch(m, t, gen) for t in args.tokens}
         touched = {t: int(torch.unique(ids).numel()) for t, (_, ids, _) in batches.items()}
         needs_source = args.peers or any(f in (WeightFormat.BF16, WeightFormat.FP16) for f in formats)
@@ -283,8 +289,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--peers", action=argparse.BooleanOptionalAction, default=True,
                         help="also time the torch BF16 layer and fused_moe (NVFP4) on the same routing")
     parser.add_argument("--cuda-cores", action="store_true",
-                        help="run every format on the CUDA-core kernels (no tensor-core dispatch on SM90)")
+                        help="run every format on the CUDA-core kernels (no tensor-core dispatch on SM90): --engine cuda_cores")
+    parser.add_argument("--engine", default="auto", choices=engine_names(OP_LOW_LATENCY),
+                        help="the low-latency engine of every call (default: the registry's choice; ll_mma: the FP8 "
+                             "formats on tensor cores, other formats then fail)")
     args = parser.parse_args(argv)
+    if args.cuda_cores:
+        if args.engine not in ("auto", "cuda_cores"):
+            parser.error(f"--cuda-cores and --engine {args.engine} contradict each other")
+        args.engine = "cuda_cores"
     if max(args.tokens) > 8:
         parser.error(f"--tokens: the low-latency config takes at most 8 tokens, got {max(args.tokens)}")
     return args
@@ -301,8 +314,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"CUDA graph, median of {args.iters} replays, 256 MiB L2 flush before each. us = microseconds; ratio = "
                 "time / floor; target: the issue's goal for that cell.")
     report.emit()
-    if args.cuda_cores:
-        report.note("--cuda-cores: every format runs on the CUDA-core kernels")
+    if args.engine != "auto":
+        report.note(f"--engine {args.engine}: every call runs on that engine")
     bench = LowLatencyBench(args, report)
     report.table(["model", "T", "format", "path", "touched experts", "us", "floor (us)", "ratio", "target", "met"],
                  left=4)

@@ -63,6 +63,10 @@ def test_arguments() -> None:
     assert args.formats == [f.value for f in WeightFormat] and args.bandwidth_tbs == 4.3
     assert bench.parse_args(["--formats", "bf16", "--no-peers"]).formats == ["bf16"]
     assert not args.cuda_cores and bench.parse_args(["--cuda-cores"]).cuda_cores
+    assert args.engine == "auto" and bench.parse_args(["--cuda-cores"]).engine == "cuda_cores"
+    assert bench.parse_args(["--engine", "ll_mma", "--formats", "deepseek_fp8"]).engine == "ll_mma"
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--cuda-cores", "--engine", "ll_mma"])
     with pytest.raises(SystemExit) as exc:
         bench.parse_args(["--tokens", "16"])
     assert exc.value.code == 2
