@@ -23,6 +23,12 @@
 // budget at full bandwidth (hopper-kernels.md: ~3.5-4 instructions per 4-bit weight and lane). Tensor cores
 // (mma.sync with the weights as A) would pay off only for experts shared by many tokens.
 //
+// Tensor-core tactic (-DLL_MMA=1, E4M3 weights only; the ll_mma engine): the same plan, kernels, arguments and
+// epilogues (gemm1_store, gemm2_store), with the dot products of low_latency/mma_gemm.cuh (mma.sync.m16n8k16,
+// all the expert's tokens as the B operand, K split over warps, weights streamed through cp.async rings in
+// shared memory); lanes_per_row then means the warps splitting a tile pair's K, and a CTA's feature block is
+// mma_gemm.cuh's (gemm2_cta_features), so the grid is the ll_mma engine's (cudnn_moe.engines.ll_mma.kernels).
+//
 // Work split. Grid (feature blocks, slots): the CTA of slot s first reads the expert ids of all
 // T * top_k slots into shared memory (ids outside [0, E) are unrouted) and carries on only if s is the
 // first slot, in slot order, naming its expert e (no sort kernel); it then serves every distinct token
