@@ -1,7 +1,18 @@
 // Combine the second GEMM's expert rows back into token order.
-#include "combine.cuh"
+#include "common.cuh"
 
 using namespace moe;
+
+// Add w * g2[r, h .. h + 7] to acc (a separate FP32 multiply and add per element) when r >= 0.
+__device__ __forceinline__ void accumulate_row(float acc[8], int r, float w, const uint4& raw) {
+  if (r < 0) return;
+  const u32 words[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    acc[2 * j] = __fadd_rn(acc[2 * j], __fmul_rn(w, __uint_as_float(words[j] << 16)));
+    acc[2 * j + 1] = __fadd_rn(acc[2 * j + 1], __fmul_rn(w, __uint_as_float(words[j] & 0xFFFF0000u)));
+  }
+}
 
 // One block per token t < B; each thread handles 8 consecutive hidden columns.
 //   g2          BF16 [row_capacity, hidden]: the second GEMM's rows, expert global already applied;
@@ -41,12 +52,11 @@ extern "C" __global__ void moe_finalize(const u16* __restrict__ g2, const int* _
                          : make_uint4(0u, 0u, 0u, 0u);
       }
 #pragma unroll
-      for (int i = 0; i < 4; ++i)
-        if (r[i] >= 0) accumulate_row(acc, w[s + i], v[i]);
+      for (int i = 0; i < 4; ++i) accumulate_row(acc, r[i], r[i] >= 0 ? w[s + i] : 0.0f, v[i]);
     }
     for (; s < top_k; ++s) {
       const int r = rows[s];
-      if (r >= 0) accumulate_row(acc, w[s], *reinterpret_cast<const uint4*>(g2 + static_cast<i64>(r) * hidden + h));
+      if (r >= 0) accumulate_row(acc, r, w[s], *reinterpret_cast<const uint4*>(g2 + static_cast<i64>(r) * hidden + h));
     }
     store_bf16x8(out + t * hidden + h, acc);
   }
@@ -64,21 +74,5 @@ extern "C" __global__ void moe_unfinalized_rows(const u16* __restrict__ g2, cons
     uint4 v{0u, 0u, 0u, 0u};
     if (used) v = *reinterpret_cast<const uint4*>(g2 + r * hidden + h);
     *reinterpret_cast<uint4*>(rows_out + r * hidden + h) = v;
-  }
-}
-
-// The finish of a call whose GEMM2 combined its rows (sm90_gemm_wgmma with a combine): one block per token
-// t < T, out[t] = combined[t] for a token with at least one row (slot_to_row >= 0: its expert rows were
-// combined there), zeros for a token without (every expert of it outside this executor's range).
-//   combined bf16 [B, hidden], slot_to_row int32 [B * top_k], out bf16 [T, hidden]; hidden % 8 == 0.
-extern "C" __global__ void moe_combined_rows(const u16* __restrict__ combined, const int* __restrict__ slot_to_row,
-                                             int top_k, int hidden, u16* __restrict__ out) {
-  moe::grid_dependency_begin();
-  const i64 t = blockIdx.x;
-  bool live = false;
-  for (int j = 0; j < top_k; ++j) live |= slot_to_row[t * top_k + j] >= 0;
-  for (int h = 8 * threadIdx.x; h < hidden; h += 8 * blockDim.x) {
-    const uint4 v = live ? *reinterpret_cast<const uint4*>(combined + t * hidden + h) : make_uint4(0u, 0u, 0u, 0u);
-    *reinterpret_cast<uint4*>(out + t * hidden + h) = v;
   }
 }

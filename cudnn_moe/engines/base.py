@@ -87,6 +87,10 @@ class WeightFormat(str, enum.Enum):
     MXFP8_W_MXFP8_A = "mxfp8_w_mxfp8_a"
 
 
+# The MX weight + MXFP8 activation formats (MXFP8 tokens and intermediate, the unrouted-slot rule).
+MX_PAIRS = (WeightFormat.MXFP4_W_MXFP8_A, WeightFormat.MXFP8_W_MXFP8_A)
+
+
 @dataclass(frozen=True)
 class Service:
     """One thing an engine offers: ``op``'s weights in ``formats`` on ``archs``, up to ``max_tokens`` per call."""
@@ -189,21 +193,6 @@ class ActivationEpilogue:
     requantize: bool = True
 
 
-@dataclass(frozen=True)
-class RowCombine:
-    """The finalize folded into GEMM2's epilogue: besides its rows, GEMM2 writes ``out`` bfloat16 [B, N], the
-    finalize's weighted sum of every token that has a row (moe_finalize's arithmetic, bit for bit), through
-    ``tickets`` int32 [B * feature blocks] (zero between launches; the kernel leaves them so). row_to_slot int32
-    [R] and slot_to_row int32 [B * top_k] (the sort's), route_weights float32 [B * top_k] (the stage's)."""
-
-    row_to_slot: torch.Tensor
-    slot_to_row: torch.Tensor
-    route_weights: torch.Tensor
-    top_k: int
-    tickets: torch.Tensor
-    out: torch.Tensor
-
-
 class Gemm1Fusion(NamedTuple):
     """How an engine's chain runs GEMM1 on one bucket: with the activation in its epilogue (GEMM1's BF16 output
     is never written), and gathering its rows through the routing (no permuted token rows). The executor
@@ -223,7 +212,6 @@ class GemmOperands:
     ``out`` with the epilogue, its ``tokens`` with the gather.
     gather / epilogue: the fused forms, for an engine that declares ``LayerStages.gemm1_activation`` in its
     chain: the tokens read through the routing instead of ``tokens``; the activation written instead of ``out``.
-    combine: GEMM2 also writes the finalized rows (an engine whose ``gemm2_combine`` says so for the bucket).
     """
 
     rows: int
@@ -235,7 +223,6 @@ class GemmOperands:
     workspace: torch.Tensor | None
     gather: RowGather | None = None
     epilogue: ActivationEpilogue | None = None
-    combine: RowCombine | None = None
 
 
 class Engine(abc.ABC):
@@ -355,11 +342,6 @@ class GemmEngine(Engine):
         """How this engine's chain (``stages``) runs GEMM1 of ``shape`` on a bucket of ``rows`` rows with
         ``activation``: unfused by default."""
         return Gemm1Fusion()
-
-    def gemm2_combine(self, rows: int, shape: GemmShape) -> bool:
-        """Whether GEMM2 of ``shape`` on a bucket of ``rows`` rows can run the finalize in its epilogue
-        (GemmOperands.combine): no by default."""
-        return False
 
     def workspace_bytes(self, rows: int, shape: GemmShape) -> int:
         """Workspace a GEMM of ``rows`` rows needs (0 by default); an engine that builds plans per shape

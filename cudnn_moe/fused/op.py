@@ -39,7 +39,7 @@ def get_executor(
     key = (top_k, act, local_expert_start, config.max_num_tokens)
     return cached(weights, key, lambda: MoeExecutor(
         weights, engine_for(weights.spec, weights.device), top_k=top_k, activation=act,
-        local_expert_start=local_expert_start, max_num_tokens=config.max_num_tokens, combine_finalize=True,
+        local_expert_start=local_expert_start, max_num_tokens=config.max_num_tokens,
     ))
 
 

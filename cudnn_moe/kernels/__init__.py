@@ -12,7 +12,7 @@ from .activate import activate_quantize
 from .aligned_stage import plan_routes, stage_aligned
 from .codes import ROW_THREADS, SORT_MAX_EXPERTS, SORT_THREADS, RoutingFormat, TokenLayout, cuda_defines
 from .finalize import SOURCE as _FINALIZE_SOURCE
-from .finalize import combined_rows, finalize, unfinalized_rows
+from .finalize import finalize, unfinalized_rows
 from .loader import compile_options, kernels_dir, launch, load_module, module_source, ptr
 from .permute import permute_bf16_tokens, permute_tokens
 from .sort import SORT_PERMUTE_MAX_SLOTS, sort_permute_bf16, sort_routing
@@ -42,7 +42,6 @@ __all__ = [
     "RoutingFormat",
     "TokenLayout",
     "activate_quantize",
-    "combined_rows",
     "compile_options",
     "cuda_defines",
     "finalize",

@@ -54,19 +54,3 @@ def unfinalized_rows(g2: torch.Tensor, row_to_slot: torch.Tensor, out_rows: torc
         SOURCE, "moe_unfinalized_rows", out_rows.device, rows, ROW_THREADS,
         (ptr(g2, 16), ptr(row_to_slot), np.int32(hidden), ptr(out_rows, 16)),
     )
-
-
-def combined_rows(combined: torch.Tensor, slot_to_row: torch.Tensor, top_k: int, out: torch.Tensor) -> None:
-    """The finish of a call whose GEMM2 ran the finalize (cudnn_moe.engines.base.RowCombine): out bfloat16 [T, H]
-    (T <= B) = combined[t] for every token with a row (slot_to_row[t*k .. t*k+k) not all -1), zero for the
-    others, which is what ``finalize`` writes.
-
-    combined bfloat16 [B, H] (GEMM2's RowCombine.out); slot_to_row int32 [B*k]."""
-    hidden = _hidden_of(combined, out)
-    tokens = out.shape[0]
-    if tokens > combined.shape[0] or tokens * top_k > slot_to_row.numel():
-        raise ValueError(f"combined rows: {tokens} tokens x top-{top_k} exceed the bucket's {combined.shape[0]} tokens")
-    launch(
-        SOURCE, "moe_combined_rows", out.device, tokens, ROW_THREADS,
-        (ptr(combined, 16), ptr(slot_to_row), np.int32(top_k), np.int32(hidden), ptr(out, 16)),
-    )

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from ..activations import Activation, require_gating
+from ..engines.base import MX_PAIRS
 from ..routing import Routing
 from ..validate import require_no_overlap, require_tensor
 from ..weights.low_latency import (
@@ -34,7 +35,6 @@ def require_aligned(name: str, t: torch.Tensor) -> None:
                          f"time); got an offset of {t.data_ptr() % ALIGNMENT} bytes: pass a fresh or .clone()d tensor")
 
 
-MX_PAIRS = (WeightFormat.MXFP4_W_MXFP8_A, WeightFormat.MXFP8_W_MXFP8_A)
 
 
 def check_inputs(inputs: object, weights: LowLatencyWeights) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -120,12 +120,19 @@ def _check_mxfp8_inputs(inputs: object, fmt: WeightFormat, hidden: int) -> tuple
     if not isinstance(inputs, Mxfp8Activations):
         raise TypeError(f"inputs must be the Mxfp8Activations of config.prepare_mxfp8_activations() for {fmt.value} "
                         f"weights (MXFP8 tokens; BF16/FP16 tokens are not taken), got {type(inputs).__name__}")
-    codes = require_tensor("inputs.codes", inputs.codes, torch.float8_e4m3fn, rank=2)
-    scales = require_tensor("inputs.scales", inputs.scales, torch.float8_e8m0fnu, rank=2)
+    return _check_coded_tokens(inputs.codes, inputs.scales, torch.float8_e8m0fnu, 32, hidden)
+
+
+def _check_coded_tokens(codes: object, scales: object, scale_dtype: torch.dtype, block: int,
+                        hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """E4M3 token codes [T, hidden] with one scale of ``scale_dtype`` per ``block`` values, [T, hidden / block]:
+    contiguous, on one device, the codes aligned (``inputs.codes`` / ``inputs.scales`` in the errors)."""
+    codes = require_tensor("inputs.codes", codes, torch.float8_e4m3fn, rank=2)
+    scales = require_tensor("inputs.scales", scales, scale_dtype, rank=2)
     if codes.shape[1] != hidden:
         raise ValueError(f"inputs.codes must be [T, {hidden}] to match the weights, got {tuple(codes.shape)}")
-    if tuple(scales.shape) != (codes.shape[0], hidden // 32):
-        raise ValueError(f"inputs.scales must be [{codes.shape[0]}, {hidden // 32}] (one per 32 values), "
+    if tuple(scales.shape) != (codes.shape[0], hidden // block):
+        raise ValueError(f"inputs.scales must be [{codes.shape[0]}, {hidden // block}] (one per {block} values), "
                          f"got {tuple(scales.shape)}")
     if scales.device != codes.device:
         raise ValueError(f"inputs.scales is on {scales.device} but inputs.codes is on {codes.device}")
@@ -140,20 +147,7 @@ def _check_deepseek_inputs(inputs: object, hidden: int) -> tuple[torch.Tensor, t
     """DeepSeek FP8 tokens: BF16 [T, H] (the call quantizes them per 128 values), or the DeepSeekFp8Activations of
     ``prepare_deepseek_fp8_activations`` (codes [T, H], FP32 scales [T, H/128]; their values are not read here)."""
     if isinstance(inputs, DeepSeekFp8Activations):
-        codes = require_tensor("inputs.codes", inputs.codes, torch.float8_e4m3fn, rank=2)
-        scales = require_tensor("inputs.scales", inputs.scales, torch.float32, rank=2)
-        if codes.shape[1] != hidden:
-            raise ValueError(f"inputs.codes must be [T, {hidden}] to match the weights, got {tuple(codes.shape)}")
-        if tuple(scales.shape) != (codes.shape[0], hidden // 128):
-            raise ValueError(f"inputs.scales must be [{codes.shape[0]}, {hidden // 128}] (one per 128 values), "
-                             f"got {tuple(scales.shape)}")
-        if scales.device != codes.device:
-            raise ValueError(f"inputs.scales is on {scales.device} but inputs.codes is on {codes.device}")
-        for name, t in (("inputs.codes", codes), ("inputs.scales", scales)):
-            if not t.is_contiguous():
-                raise ValueError(f"{name} must be contiguous (row-major)")
-        require_aligned("inputs.codes", codes)
-        return codes, scales
+        return _check_coded_tokens(inputs.codes, inputs.scales, torch.float32, 128, hidden)
     if isinstance(inputs, torch.Tensor) and inputs.dtype is not torch.bfloat16:
         raise TypeError(f"hidden_states must be torch.bfloat16 [T, H] (or DeepSeekFp8Activations) for DeepSeek FP8 "
                         f"weights, got {inputs.dtype}")

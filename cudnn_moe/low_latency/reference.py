@@ -64,6 +64,7 @@ from ..formats import (
     quantize_mxfp8,
     unpack_nibbles,
 )
+from ..engines.base import MX_PAIRS
 from ..formats.fp8 import quantize_fp8_act128
 from ..formats.blocks import to_e4m3
 from ..routing import Routing
@@ -553,7 +554,6 @@ class MxPairIntermediate:
     scales: torch.Tensor
 
 
-_MX_PAIRS = (WeightFormat.MXFP4_W_MXFP8_A, WeightFormat.MXFP8_W_MXFP8_A)
 
 
 def _mx_codes(weights: Mxfp4PairWeights | Mxfp8PairWeights) -> tuple[torch.Tensor, ...]:
@@ -570,7 +570,7 @@ def _mx_pair(
     finalize: object, intermediate: MxPairIntermediate | tuple[torch.Tensor, torch.Tensor] | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, MxPairIntermediate]:
     """(rows [T, k, H] of out_dtype, route weights, mask, step 2) of an MX pair."""
-    if not isinstance(weights, (Mxfp4PairWeights, Mxfp8PairWeights)) or weights.format not in _MX_PAIRS:
+    if not isinstance(weights, (Mxfp4PairWeights, Mxfp8PairWeights)) or weights.format not in MX_PAIRS:
         raise TypeError(f"weights must be the Mxfp4PairWeights or Mxfp8PairWeights of prepare_weights, got "
                         f"{type(weights).__name__}")
     if not isinstance(activations, Mxfp8Activations):

@@ -22,12 +22,13 @@ import torch
 from ..activations import Activation, parse_activation
 from ..arch import device_arch
 from ..capture import capture_graph, refuse_during_capture
+from ..engines.base import MX_PAIRS
 from ..engines.registry import choose, supporting
 from ..formats.fp8 import quantize_fp8_act128
 from ..routing import Routing
 from ..timing import median_us
 from ..weights.low_latency import LowLatencyWeights, WeightFormat
-from .checks import MX_PAIRS, check_layer, token_dtypes, weight_tensors
+from .checks import check_layer, token_dtypes, weight_tensors
 from .config import MAX_TOP_K, LowLatencyMoeConfig
 from .op import low_latency_moe
 from .tactics import TacticKey, TuningResult, layer_request, store

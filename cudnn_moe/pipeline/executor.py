@@ -13,9 +13,7 @@ A call with T tokens runs in the smallest power-of-two bucket B >= T. Per call:
    ``bf16_tokens`` (the tokens are BF16, not NVFP4) and ``bf16_intermediate`` (the activation is
    rounded to BF16 instead of requantized to NVFP4).
 3. finish (the op's launch): finalize, or the unfinalized rows; writes the caller's output for the T
-   live tokens. Where the engine runs the finalize in GEMM2's epilogue (``GemmEngine.gemm2_combine``, for an
-   executor built with ``combine_finalize``), the finalized rows are already in the bucket and the finish
-   copies them (zeros for a token without a local expert), bit for bit what the finalize writes.
+   live tokens.
 
 Full-call graphs: when a finalized call with a caller ``out`` repeats a signature (the same caller
 tensors: pointers, shapes, strides, dtypes, and T) on two consecutive calls of a bucket, stage +
@@ -47,7 +45,6 @@ from ..engines.base import (
     GemmOperands,
     GemmShape,
     LayerStages,
-    RowCombine,
     RowGather,
     Stage,
     TokenOperand,
@@ -57,9 +54,6 @@ from ..routing import Routing
 from ..weights.nvfp4 import Nvfp4Activations, Nvfp4Weights
 from .lifetime import defer, release_deferred
 from .order import StreamOrder
-
-
-COMBINE_MIN_FEATURE_BLOCK = 64  # the fewest GEMM2 features a CTA of a combining engine covers: tickets per token
 
 
 def bucket_size(num_tokens: int) -> int:
@@ -139,19 +133,9 @@ class Bucket:
             WeightOperand(w.w1, w.w1_scales, self.alpha1, w.w1_alpha_split), self.offsets,
             empty(0 if self.fusion.epilogue else rows, n1, dtype=torch.bfloat16), workspace,
         )
-        # GEMM2 with the finalize in its epilogue (an engine's gemm2_combine, for an executor that finalizes with
-        # the plain weighted sum): it also writes the finalized rows of the bucket's tokens into `combined`, and
-        # the finish only copies them out (kernels.combined_rows).
-        self.combine = executor.combine_finalize and engine.gemm2_combine(rows, shape2)
-        combine = None
-        if self.combine:
-            self.combined = empty(tokens, hidden, dtype=torch.bfloat16)
-            tickets = empty(tokens * -(-hidden // COMBINE_MIN_FEATURE_BLOCK), dtype=torch.int32)
-            combine = RowCombine(self.row_to_slot, self.slot_to_row, self.route_weights.view(-1), k, tickets,
-                                 self.combined)
         self.gemm2 = GemmOperands(
             rows, shape2, token_operand(shape2, rows), WeightOperand(w.w2, w.w2_scales, self.alpha2), self.offsets,
-            empty(rows, hidden, dtype=torch.bfloat16), workspace, combine=combine,
+            empty(rows, hidden, dtype=torch.bfloat16), workspace,
         )
         self.graph: torch.cuda.CUDAGraph | None = None
         self.full_graphs: OrderedDict[Hashable, torch.cuda.CUDAGraph] = OrderedDict()  # LRU, by signature
@@ -175,7 +159,6 @@ class MoeExecutor:
         max_num_tokens: int,
         bf16_tokens: bool = False,
         bf16_intermediate: bool = False,
-        combine_finalize: bool = False,
     ) -> None:
         if weights.spec != engine.layout:
             raise ValueError(
@@ -191,7 +174,6 @@ class MoeExecutor:
             raise ValueError(f"BF16 tokens or intermediates need an engine reading BF16 token rows, not the "
                              f"{engine.name} engine")
         self.bf16_tokens, self.bf16_intermediate = bf16_tokens, bf16_intermediate
-        self.combine_finalize = combine_finalize
         self._buckets: dict[int, Bucket] = {}
         self._lock = threading.Lock()
         self.order = StreamOrder(weights.device)
@@ -311,10 +293,7 @@ class MoeExecutor:
         )
 
     def _finalize(self, bucket: Bucket, out: torch.Tensor) -> None:
-        if bucket.combine:
-            kernels.combined_rows(bucket.combined, bucket.slot_to_row, self.top_k, out)
-        else:
-            kernels.finalize(bucket.gemm2.out, bucket.slot_to_row, bucket.route_weights, self.top_k, out)
+        kernels.finalize(bucket.gemm2.out, bucket.slot_to_row, bucket.route_weights, self.top_k, out)
 
     def _full_graph(
         self,

@@ -283,51 +283,39 @@ class DeepSeekFp8Weights(LowLatencyWeights):
 
 
 @dataclass(frozen=True, eq=False)
-class DeepSeekFp8Activations:
+class E4m3Tokens:
+    """What the prepared E4M3 token records share: codes float8_e4m3fn [T, H]."""
+
+    codes: torch.Tensor
+
+    @property
+    def num_tokens(self) -> int:
+        return self.codes.shape[0]
+
+    @property
+    def hidden_size(self) -> int:
+        return self.codes.shape[1]
+
+
+@dataclass(frozen=True, eq=False)
+class DeepSeekFp8Activations(E4m3Tokens):
     """Prequantized tokens of the DeepSeek FP8 format: codes float8_e4m3fn [T, H] and FP32 scales [T, H / 128]
     (x[t, k] = e4m3 * scales[t, k // 128]), kept as given (``prepare_deepseek_fp8_activations`` checks them)."""
 
-    codes: torch.Tensor
     scales: torch.Tensor
-
-    @property
-    def num_tokens(self) -> int:
-        return self.codes.shape[0]
-
-    @property
-    def hidden_size(self) -> int:
-        return self.codes.shape[1]
 
 
 @dataclass(frozen=True, eq=False)
-class Fp8PerTensorActivations:
+class Fp8PerTensorActivations(E4m3Tokens):
     """Tokens of the per-tensor FP8 format: codes float8_e4m3fn [T, H], x = e4m3 * input_scale (the weights'
     static input scale, kept here so the call can refuse tokens quantized for other weights)."""
 
-    codes: torch.Tensor
     input_scale: float
-
-    @property
-    def num_tokens(self) -> int:
-        return self.codes.shape[0]
-
-    @property
-    def hidden_size(self) -> int:
-        return self.codes.shape[1]
 
 
 @dataclass(frozen=True, eq=False)
-class Mxfp8Activations:
+class Mxfp8Activations(E4m3Tokens):
     """MXFP8 tokens of the MX pairs (``LowLatencyMoeConfig.prepare_mxfp8_activations``): codes float8_e4m3fn
     [T, H] and scales float8_e8m0fnu [T, H / 32], x[t, k] = e4m3 * 2^(scales[t, k // 32] - 127)."""
 
-    codes: torch.Tensor
     scales: torch.Tensor
-
-    @property
-    def num_tokens(self) -> int:
-        return self.codes.shape[0]
-
-    @property
-    def hidden_size(self) -> int:
-        return self.codes.shape[1]

@@ -24,7 +24,6 @@
 // Grid: x = ceil(N / FB) feature blocks, y >= the number of TB-row tiles (find_tile); CTAs past the last exit.
 #include "common.cuh"
 #include "activation_unit.cuh"
-#include "combine.cuh"
 #include "sm90/fragments.cuh"
 #include "sm90/wgmma.cuh"
 
@@ -272,54 +271,6 @@ __device__ __forceinline__ void activation_epilogue(const u8* smem, const Tile& 
   }
 }
 
-// The finalize folded into GEMM2 (the SM90 prefill chain): once the tile's rows are stored, each of its rows
-// takes a ticket of its token's counter for this CTA's feature block (tickets[token * gridDim.x + blockIdx.x]);
-// the CTA whose ticket completes a token's rows (the token's slots with slot_to_row >= 0: every one of them
-// lies in some tile of this launch) combines that token's FB features: combined[token, h] = bf16 of the sum
-// over its slots j in order, skipping rows < 0, of fp32(route_weights[j] * rows[slot_to_row[j], h]), each
-// multiply and add separate (accumulate_row: moe_finalize's arithmetic, bit for bit), reading the rows from
-// L2; then it resets the counter to zero for the next launch. No atomics touch the data: deterministic.
-// smem: the (free) dynamic shared memory, for the list of tokens whose rows this CTA completed.
-__device__ __forceinline__ void combine_epilogue(u8* smem, const Tile& tile, const int* __restrict__ row_to_slot,
-                                                 const int* __restrict__ slot_to_row,
-                                                 const float* __restrict__ route_weights, int top_k, int n,
-                                                 int* __restrict__ tickets, const u16* rows,
-                                                 u16* __restrict__ combined) {
-  int* const done = reinterpret_cast<int*>(smem);
-  int& count = done[WG_TB];
-  __threadfence();  // this thread's row stores are visible GPU-wide before any ticket below
-  __syncthreads();  // ... and every thread is done reading the C tile there
-  if (threadIdx.x == 0) count = 0;
-  __syncthreads();
-  const int column = static_cast<int>(blockIdx.x);
-  const int tile_rows = min(WG_TB, tile.row_end - tile.row0);  // row_end is the segment's end
-  for (int i = threadIdx.x; i < tile_rows; i += WG_THREADS) {
-    const int slot = __ldg(row_to_slot + tile.row0 + i);
-    if (slot < 0) continue;  // a padding row
-    const int token = slot / top_k;
-    int live = 0;
-    for (int j = 0; j < top_k; ++j) live += __ldg(slot_to_row + token * top_k + j) >= 0;
-    if (atomicAdd(tickets + token * gridDim.x + column, 1) == live - 1) done[atomicAdd(&count, 1)] = token;
-  }
-  __syncthreads();
-  const int listed = count;
-  if (listed == 0) return;
-  __threadfence();  // the other CTAs' rows of these tokens are visible to this one
-  const int f0 = column * WG_FB;
-  const int chunks = max(0, min(WG_FB, n - f0)) / 8;
-  for (int item = threadIdx.x; item < listed * chunks; item += WG_THREADS) {
-    const int token = done[item / chunks];
-    const int h = f0 + 8 * (item % chunks);
-    float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-    for (int j = 0; j < top_k; ++j) {
-      const int r = __ldg(slot_to_row + token * top_k + j);
-      if (r >= 0) moe::accumulate_row(acc, __ldg(route_weights + token * top_k + j), moe::load_l2_v4(rows + static_cast<i64>(r) * n + h));
-    }
-    moe::store_bf16x8(combined + static_cast<i64>(token) * n + h, acc);
-    if (item % chunks == 0) tickets[token * gridDim.x + column] = 0;
-  }
-}
-
 // Per k64 stage j and k16 step s, warp w (its warpgroup's A rows 16 (w % 4) ..): wait until at most 3
 // wgmma groups are pending (so the group of step s of stage j - 1, which read a[s], is done), decode a[s]
 // from stage j's weight tile, fence, issue one wgmma on it, commit it as its own group. Up to four
@@ -336,19 +287,13 @@ __device__ __forceinline__ void combine_epilogue(u8* smem, const Tile& tile, con
 //                     (requantize as there). Gated: W is [up; gate] (n / 2 rows each), the grid's x covers
 //                     ceil(n / FB) blocks of FB / 2 outputs, each CTA's first half of warps computing up and
 //                     its second half the gate rows of those outputs.
-//   combine_top_k > 0 (plain form only: GEMM2) the finalize folded into the epilogue (combine_epilogue):
-//                     slot_to_row int32 [B * top_k] and route_weights float32 [B * top_k] of the sort and the
-//                     stage, tickets int32 [B * gridDim.x] (zero before the launch, and so after it), combined
-//                     bf16 [B, n] (rows of tokens without a row are not written)
-//   row_to_slot       int32 [row_capacity]: read by any of them (unused by the plain kernel without a gather)
+//   row_to_slot       int32 [row_capacity]: read by either (unused by the plain kernel without a gather)
 extern "C" __global__ void __launch_bounds__(WG_THREADS, SM90_WG_MIN_BLOCKS)
     sm90_gemm_wgmma(const u8* __restrict__ w_tiles, const u8* __restrict__ w_scales, const float* __restrict__ alpha,
                     const u16* __restrict__ x, const int* __restrict__ offsets, int num_experts, int n, int k,
                     int row_capacity, int alpha_split, u16* __restrict__ out, const int* __restrict__ row_to_slot,
                     int gather_top_k, int gather_tokens, float act_alpha, float act_beta, float act_limit,
-                    int act_layout, int requantize, u8* __restrict__ act_out, u8* __restrict__ act_scales,
-                    const int* __restrict__ slot_to_row, const float* __restrict__ route_weights, int combine_top_k,
-                    int* __restrict__ tickets, u16* __restrict__ combined) {
+                    int act_layout, int requantize, u8* __restrict__ act_out, u8* __restrict__ act_scales) {
   moe::grid_dependency_begin();
   Tile tile;
   if (!find_tile<WG_TB>(offsets, num_experts, row_capacity, static_cast<int>(blockIdx.y), tile)) return;
@@ -364,7 +309,7 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, SM90_WG_MIN_BLOCKS)
     wgmma_tile<WG_TB>(tile, w_tiles, w_scales, alpha, x, rows, num_experts, n, k, alpha_split);
   }
   u32 ring;
-  u8* const smem = wgmma_smem(ring);
+  const u8* smem = wgmma_smem(ring);
 #ifdef SM90_ACT
   activation_epilogue<SM90_ACT, WG_PAIRED>(smem, tile, row_to_slot, WG_PAIRED ? n / 2 : n, act_alpha, act_beta,
                                               act_limit, act_layout, requantize != 0, act_out, act_scales);
@@ -372,7 +317,5 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, SM90_WG_MIN_BLOCKS)
   // The tile's rows x FB / 8 chunks of 16 B; rows past the segment and features past N are not written.
   const int mtiles_in = (n >> 4) - static_cast<int>(blockIdx.x) * WG_MTILES;
   store_c_tile<WG_TB, WG_FB, WG_THREADS>(smem, WG_C_STRIDE, tile, n, blockIdx.x * WG_FB, 2 * mtiles_in, out);
-  if (combine_top_k > 0)
-    combine_epilogue(smem, tile, row_to_slot, slot_to_row, route_weights, combine_top_k, n, tickets, out, combined);
 #endif
 }

@@ -121,7 +121,6 @@ def _wrapper_calls() -> list[tuple[str, Callable[..., None], tuple[Any, ...]]]:
          (*sort_operands, z(B, H, dtype=bf16), None, z(R, H, dtype=bf16))),
         ("moe_activation", kernels.activate_quantize, activation),
         ("moe_finalize", kernels.finalize, finalize),
-        ("moe_combined_rows", kernels.combined_rows, (z(B, H, dtype=bf16), z(B * k, dtype=i32), k, z(T, H, dtype=bf16))),
         ("moe_unfinalized_rows", kernels.unfinalized_rows, unfinalized),
     ]
 

@@ -19,7 +19,17 @@ import torch
 
 from ...arch import SM80, SM90, SM100, SM103, SM107, SM120
 from ...capture import refuse_during_capture
-from ..base import OP_LOW_LATENCY, LayerEngine, LowLatencyCall, Request, Service, Support, WeightFormat, WorkspaceSpec
+from ..base import (
+    MX_PAIRS,
+    OP_LOW_LATENCY,
+    LayerEngine,
+    LowLatencyCall,
+    Request,
+    Service,
+    Support,
+    WeightFormat,
+    WorkspaceSpec,
+)
 from . import kernels
 
 MAX_TOKENS = 8
@@ -32,7 +42,7 @@ _FP8 = frozenset({WeightFormat.FP8_WEIGHT_ONLY.value, WeightFormat.FP8_PER_TENSO
 # architecture of its own; it shares the 4-bit kernels (software E2M1 decode), so it runs where they do.
 _MODERN = frozenset({SM90, SM100, SM103, SM107, SM120})
 # MXFP4 / MXFP8 weights with MXFP8 tokens: E4M3 conversions (SM89 on) like the FP8 formats; the contract's archs.
-_MX_PAIRS = frozenset({WeightFormat.MXFP4_W_MXFP8_A.value, WeightFormat.MXFP8_W_MXFP8_A.value})
+_MX_PAIRS = frozenset(f.value for f in MX_PAIRS)
 _ready: set[tuple[str, WeightFormat, torch.dtype | None, int]] = set()
 _ready_lock = threading.Lock()
 

@@ -33,7 +33,7 @@ from ...kernels.codes import LL_THREADS
 from ...kernels.codes import LowLatencyInputCode as InputCode
 from ...kernels.codes import LowLatencyWeightCode as WeightCode
 from ...kernels.loader import kernel_function, launch, ptr
-from ..base import WeightFormat
+from ..base import MX_PAIRS, WeightFormat
 
 SOURCE = "low_latency/ll_moe.cu"
 WARPS = LL_THREADS // 32
@@ -53,7 +53,6 @@ _WEIGHT_CODES = {
     WeightFormat.MXFP4_W_MXFP8_A: WeightCode.MXFP4,
     WeightFormat.MXFP8_W_MXFP8_A: WeightCode.MXFP8,
 }
-MX_PAIRS = (WeightFormat.MXFP4_W_MXFP8_A, WeightFormat.MXFP8_W_MXFP8_A)  # MXFP8 tokens and intermediate
 _INPUT_CODES = {torch.bfloat16: InputCode.BF16, torch.float16: InputCode.FP16}
 
 # Every (weights, input) module a call can build: 16-bit weights take their own dtype, the 4-bit and FP8

@@ -167,11 +167,6 @@ class Sm90GemmEngine(GemmEngine):
         """The module's gemm1_fusion on this GPU."""
         return gemm1_fusion(rows, shape, activation, self.sm_count)
 
-    def gemm2_combine(self, rows: int, shape: GemmShape) -> bool:
-        """The wgmma kernel runs the finalize in GEMM2's epilogue (its tickets and L2 reads overlap the other
-        CTAs' main loops); the decode kernels do not."""
-        return isinstance(self.variant(rows, shape), WgmmaVariant)
-
     def stages(self, layer: LayerStages) -> list[Stage]:
         """As the bucket's gemm1_fusion says. Gathering: the sort (with NVFP4 tokens decoded into BF16 rows in the same launch),
         GEMM1 gathering its rows through the routing with the activation in its epilogue, GEMM2. Otherwise: the
@@ -199,4 +194,4 @@ class Sm90GemmEngine(GemmEngine):
         w, gather, epilogue = operands.weights, operands.gather, operands.epilogue
         grouped_gemm(w.data, w.scales, w.alpha, operands.tokens.data if gather is None else None, operands.offsets,
                      operands.out if epilogue is None else None, self.variant(operands.rows, operands.shape),
-                     alpha_split=w.alpha_split, gather=gather, epilogue=epilogue, combine=operands.combine)
+                     alpha_split=w.alpha_split, gather=gather, epilogue=epilogue)

@@ -20,7 +20,7 @@ from ...kernels.activate import check_activation_output
 from ...kernels.codes import TokenLayout
 from ...kernels.loader import ARCH_SPECIFIC, launch, ptr
 from ...validate import require_contiguous, require_shape, require_tensor
-from ..base import ActivationEpilogue, RowCombine, RowGather, TokenOperand
+from ..base import ActivationEpilogue, RowGather, TokenOperand
 from .layout import TILE_K
 
 GEMM_SOURCE = "sm90/grouped_gemm.cu"
@@ -278,7 +278,6 @@ def grouped_gemm(
     *,
     gather: RowGather | None = None,
     epilogue: ActivationEpilogue | None = None,
-    combine: RowCombine | None = None,
 ) -> None:
     """out[r, :N] = bf16(float32(alpha[e] * 256) * (x[r] @ W_e^T * 2^-8)) for the rows r of each segment e.
     With ``alpha_split`` (a multiple of ``variant.alpha_block``, below N) alpha is [2E] and
@@ -296,15 +295,11 @@ def grouped_gemm(
     epilogue (a WgmmaVariant, or a DecodeVariant whose ``epilogue_problem`` is None): out is None;
     epilogue.out receives the activation stage's output for the segments' rows (cudnn_moe.kernels.activate_quantize
     of what out would hold, bit for bit). Gated activations need W's rows as [up; gate] (N / 2 each).
-    combine (a WgmmaVariant, plain form: GEMM2 of the prefill chain): the finalize in the epilogue as well (RowCombine: combine.out [B, N] receives
-    moe_finalize's sum of every token with a row, bit for bit; combine.tickets holds B * ceil(N / 64) zeros).
     """
     if not isinstance(variant, (DecodeVariant, PrefillVariant, WgmmaVariant)):
         raise ValueError(f"variant must be a DecodeVariant, PrefillVariant or WgmmaVariant, got {type(variant).__name__}")
     if gather is not None and not isinstance(variant, WgmmaVariant):
         raise ValueError(f"a gather needs a WgmmaVariant, got {variant}")
-    if combine is not None and (not isinstance(variant, WgmmaVariant) or gather is not None or epilogue is not None):
-        raise ValueError(f"a combine needs the plain form of a WgmmaVariant (no gather or epilogue), got {variant}")
     if epilogue is not None:
         problem = variant.epilogue_problem(epilogue.activation)
         if problem is not None:
@@ -357,16 +352,13 @@ def grouped_gemm(
         for name, (t, alignment) in _check_epilogue(epilogue, rows, n).items():
             named[name], align[name] = t, alignment
     grid = gemm_grid(variant, experts, n, rows)
-    if combine is not None:
-        for name, (t, alignment) in _check_combine(combine, rows, n, grid[0]).items():
-            named[name], align[name] = t, alignment
     if grid[1] > MAX_GRID_Y:
         raise ValueError(f"x: R = {rows} rows need up to {grid[1]} tiles of {variant.tile_rows} rows, more than the "
                          f"grid's {MAX_GRID_Y}; use a variant with larger tiles")
     if variant.shared_mem > _MAX_DYNAMIC_SMEM:
         raise ValueError(f"variant {variant} needs {variant.shared_mem} bytes of shared memory")
     _check_device(named, align)
-    written = [t for name, t in named.items() if name == "out" or name.startswith(("epilogue.out", "combine.out"))]
+    written = [t for name, t in named.items() if name == "out" or name.startswith("epilogue.out")]
     for name in ("x", "gather.source"):
         if name in named and rows and any(_overlap(named[name], t) for t in written):
             raise ValueError(f"the output must not overlap {name}")
@@ -376,9 +368,7 @@ def grouped_gemm(
             np.int32(experts), np.int32(n), np.int32(k), np.int32(rows), np.int32(split), ptr(out, 16))
     options = variant.options()
     if not isinstance(variant, PrefillVariant):
-        args += _fused_args(gather, epilogue, tokens.shape[0], combine)
-        if isinstance(variant, WgmmaVariant):
-            args += _combine_args(combine)
+        args += _fused_args(gather, epilogue, tokens.shape[0])
         if epilogue is not None:
             options += epilogue_options(epilogue.activation)
     launch(variant.source, variant.kernel, tokens.device, grid, variant.threads, args,
@@ -433,12 +423,10 @@ def _check_epilogue(epilogue: ActivationEpilogue, rows: int, n: int) -> dict[str
     return named
 
 
-def _fused_args(gather: RowGather | None, epilogue: ActivationEpilogue | None, source_rows: int,
-                combine: RowCombine | None = None) -> tuple:
+def _fused_args(gather: RowGather | None, epilogue: ActivationEpilogue | None, source_rows: int) -> tuple:
     """The decode and wgmma kernels' arguments past out: the gather's, then the epilogue's (zeros / null when
-    absent); the rows' slots are whichever form's row_to_slot is given (one tensor, the sort's)."""
-    named = [form.row_to_slot for form in (gather, epilogue, combine) if form is not None]
-    row_to_slot = named[0] if named else None
+    absent)."""
+    row_to_slot = gather.row_to_slot if gather is not None else epilogue.row_to_slot if epilogue is not None else None
     if gather is not None and epilogue is not None and gather.row_to_slot.data_ptr() != epilogue.row_to_slot.data_ptr():
         raise ValueError("gather.row_to_slot and epilogue.row_to_slot must be one tensor (the sort's)")
     head = (ptr(row_to_slot, 4), np.int32(gather.top_k if gather is not None else 0),
@@ -450,34 +438,3 @@ def _fused_args(gather: RowGather | None, epilogue: ActivationEpilogue | None, s
     scales = out.scales if not out.layout.is_bf16 else None
     return (*head, np.float32(a), np.float32(b), np.float32(limit), np.int32(out.layout), np.int32(epilogue.requantize),
             ptr(out.data, 16 if out.layout.is_bf16 else 8), ptr(scales))
-
-
-def _check_combine(combine: RowCombine, rows: int, n: int, feature_blocks: int) -> dict[str, tuple[torch.Tensor, int]]:
-    """Check a RowCombine against R rows, N columns and the grid's feature blocks; returns each tensor by name with
-    its alignment."""
-    if not isinstance(combine.top_k, int) or combine.top_k < 1:
-        raise ValueError(f"combine.top_k must be a positive int, got {combine.top_k!r}")
-    out = _tensor("combine.out", combine.out)
-    if out.dim() != 2:
-        raise ValueError(f"combine.out must be [B, N], got {list(out.shape)}")
-    tokens = out.shape[0]
-    slots = tokens * combine.top_k
-    _check("combine.out", out, (torch.bfloat16,), (tokens, n))
-    _check("combine.row_to_slot", _tensor("combine.row_to_slot", combine.row_to_slot), (torch.int32,), (rows,))
-    _check("combine.slot_to_row", _tensor("combine.slot_to_row", combine.slot_to_row), (torch.int32,), (slots,))
-    weights = _tensor("combine.route_weights", combine.route_weights)
-    _check("combine.route_weights", weights.view(-1), (torch.float32,), (slots,))
-    tickets = _tensor("combine.tickets", combine.tickets)
-    if tickets.dtype != torch.int32 or not tickets.is_contiguous() or tickets.numel() < tokens * feature_blocks:
-        raise ValueError(f"combine.tickets must be contiguous int32 with at least {tokens * feature_blocks} "
-                         f"elements (B x feature blocks), got {tickets.dtype} {list(tickets.shape)}")
-    return {"combine.out": (out, 16), "combine.row_to_slot": (combine.row_to_slot, 4), "combine.slot_to_row": (combine.slot_to_row, 4),
-            "combine.route_weights": (weights, 4), "combine.tickets": (tickets, 4)}
-
-
-def _combine_args(combine: RowCombine | None) -> tuple:
-    """The wgmma kernel's arguments past the fused forms': the combine's (null / zero when absent)."""
-    if combine is None:
-        return ptr(None), ptr(None), np.int32(0), ptr(None), ptr(None)
-    return (ptr(combine.slot_to_row, 4), ptr(combine.route_weights, 4), np.int32(combine.top_k),
-            ptr(combine.tickets, 4), ptr(combine.out, 16))

@@ -15,7 +15,6 @@ from cudnn_moe import (
     GELU, GeGLU, GeGLUTanh, Identity, Nvfp4MoeConfig, ReLU, ReLU2, Routing, SiLU, SiTU, SwiGLU, SwiGLUStep,
     fused_moe,
 )
-from cudnn_moe import kernels
 from cudnn_moe.engines.base import TokenOperand
 from cudnn_moe.engines.registry import engine_for
 from cudnn_moe.engines.sm90.kernels import DecodeVariant, WgmmaVariant
@@ -74,10 +73,14 @@ CHAIN_CASES = [
 ]
 
 
-def _staged_bucket(case, activation, *, combine_finalize: bool = False):
-    """An executor of the case's layer and its bucket for T tokens, with random tokens and routing staged (the
-    bucket's tokens past T masked, as the op's stage writes them), and full GEMM1 buffers for the unfused chain.
-    Returns (executor, bucket, stages, x): x the BF16 tokens (re-staged by BF16-token callers after poisoning)."""
+@pytest.mark.parametrize("activation", ACTIVATIONS, ids=lambda a: repr(a)[:40])
+@pytest.mark.parametrize("case", CHAIN_CASES, ids=lambda c: f"E{c[0]}-H{c[1]}-I{c[2]}-k{c[3]}-T{c[4]}-"
+                         f"{'bf16' if c[5] else 'fp4'}-{'bf16' if c[6] else 'fp4'}{'-hot' if c[7] else ''}"
+                         f"{'-ep' if c[8] else ''}")
+def test_fused_chain_matches_unfused_chain_bitwise(case, activation) -> None:
+    """GEMM2's tokens and outputs of the fused chain equal the unfused chain's, bit for bit, eager and replayed
+    from the bucket's graph; the fused chain never reads GEMM1's BF16 output (nor, gathering, its permuted
+    rows)."""
     experts, hidden, inter, top_k, tokens, bf16_tokens, bf16_intermediate, hot, local = case
     gen, w1, w2 = _layer(experts, hidden, inter, activation, seed=tokens + experts)
     config = Nvfp4MoeConfig(max_num_tokens=tokens, engine="sm90")
@@ -85,7 +88,7 @@ def _staged_bucket(case, activation, *, combine_finalize: bool = False):
     start, total = local if local is not None else (0, experts)
     executor = MoeExecutor(weights, engine_for(weights.spec, weights.device), top_k=top_k, activation=activation,
                            local_expert_start=start, max_num_tokens=tokens, bf16_tokens=bf16_tokens,
-                           bf16_intermediate=bf16_intermediate, combine_finalize=combine_finalize)
+                           bf16_intermediate=bf16_intermediate)
     bucket = executor.bucket(tokens)
     # The bucket holds no rows in what its fused chain never touches; the unfused chain gets full buffers here.
     g1 = bucket.gemm1
@@ -93,6 +96,16 @@ def _staged_bucket(case, activation, *, combine_finalize: bool = False):
     full_tokens = torch.empty(bucket.rows, hidden, dtype=torch.bfloat16, device="cuda")
     bucket.gemm1 = replace(g1, out=torch.empty(bucket.rows, g1.shape.n, dtype=torch.bfloat16, device="cuda"),
                            tokens=TokenOperand(full_tokens, None, g1.tokens.layout))
+    stages = _BucketStages(executor, bucket)
+    variant = executor.engine.variant(bucket.rows, bucket.gemm1.shape)
+    gathers = isinstance(variant, WgmmaVariant)
+    assert gathers or isinstance(variant, DecodeVariant)
+    fused = executor.stages(bucket)
+    if gathers:
+        head = ["sort" if bf16_tokens else "sort+token rows"]
+    else:
+        head = ["sort+permute"] if bucket.tokens * top_k <= 1024 else ["sort", "permute"]
+    assert [name for name, _ in fused] == [*head, "gemm1+activation", "gemm2"]
     x = torch.randn(bucket.tokens, hidden, generator=gen).cuda().bfloat16()
     if bf16_tokens:
         bucket.x.copy_(x)
@@ -103,29 +116,6 @@ def _staged_bucket(case, activation, *, combine_finalize: bool = False):
     ids = _ids(bucket.tokens, total, top_k, gen, hot=hot)
     ids[tokens:] = -1  # the bucket's tokens past T are masked, as the op's stage writes them
     bucket.ids.copy_(ids.cuda())
-    bucket.route_weights.copy_((torch.rand(bucket.tokens, top_k, generator=gen) + 0.1).cuda())
-    return executor, bucket, _BucketStages(executor, bucket), x
-
-
-@pytest.mark.parametrize("activation", ACTIVATIONS, ids=lambda a: repr(a)[:40])
-@pytest.mark.parametrize("case", CHAIN_CASES, ids=lambda c: f"E{c[0]}-H{c[1]}-I{c[2]}-k{c[3]}-T{c[4]}-"
-                         f"{'bf16' if c[5] else 'fp4'}-{'bf16' if c[6] else 'fp4'}{'-hot' if c[7] else ''}"
-                         f"{'-ep' if c[8] else ''}")
-def test_fused_chain_matches_unfused_chain_bitwise(case, activation) -> None:
-    """GEMM2's tokens and outputs of the fused chain equal the unfused chain's, bit for bit, eager and replayed
-    from the bucket's graph; the fused chain never reads GEMM1's BF16 output (nor, gathering, its permuted
-    rows)."""
-    top_k, bf16_tokens = case[3], case[5]
-    executor, bucket, stages, x = _staged_bucket(case, activation)
-    variant = executor.engine.variant(bucket.rows, bucket.gemm1.shape)
-    gathers = isinstance(variant, WgmmaVariant)
-    assert gathers or isinstance(variant, DecodeVariant)
-    fused = executor.stages(bucket)
-    if gathers:
-        head = ["sort" if bf16_tokens else "sort+token rows"]
-    else:
-        head = ["sort+permute"] if bucket.tokens * top_k <= 1024 else ["sort", "permute"]
-    assert [name for name, _ in fused] == [*head, "gemm1+activation", "gemm2"]
 
     unfused = [stages.sort(), stages.permute(), stages.gemm1(), stages.activation(), stages.gemm2()]
     for _, launch in unfused:
@@ -178,34 +168,3 @@ def test_prefill_layers_match_reference(case) -> None:
         fused_moe(config, acts, routing, weights, activation=activation, local_expert_start=start, out=out,
                   use_cuda_graph=graph)
         check_close(out, ref)
-
-
-COMBINE_CASES = CHAIN_CASES[:7]  # the wgmma buckets (GEMM2 combines)
-
-
-@pytest.mark.parametrize("case", COMBINE_CASES, ids=lambda c: f"E{c[0]}-H{c[1]}-I{c[2]}-k{c[3]}-T{c[4]}"
-                         f"{'-hot' if c[7] else ''}{'-ep' if c[8] else ''}")
-def test_gemm2_combine_matches_finalize_bitwise(case) -> None:
-    """A fused_moe executor's wgmma GEMM2 runs the finalize in its epilogue: the finish's copy of its combined rows
-    equals the finalize of the same GEMM2 rows, bit for bit (zeros for tokens without a local expert), on two
-    consecutive runs (the tickets return to zero), eager and replayed, into NaN-poisoned outputs."""
-    top_k, tokens = case[3], case[4]
-    executor, bucket, _, x = _staged_bucket(case, SwiGLU(), combine_finalize=True)
-    assert bucket.combine and [name for name, _ in executor.stages(bucket)][-1] == "gemm2"
-    hidden = bucket.combined.shape[1]
-    for replay in (False, True, True):
-        for buffer in (bucket.gemm2.out, bucket.combined):
-            _poison(buffer)
-        if case[5]:
-            bucket.x.copy_(x)
-        if replay:
-            executor._ensure_graph(bucket).replay()
-        else:
-            executor._pipeline(bucket)
-        want = torch.full((tokens, hidden), float("nan"), dtype=torch.bfloat16, device="cuda")
-        kernels.finalize(bucket.gemm2.out, bucket.slot_to_row, bucket.route_weights, top_k, want)
-        got = torch.full_like(want, float("nan"))
-        executor._finalize(bucket, got)
-        assert not torch.isnan(got).any() and torch.count_nonzero(got) > 0
-        assert torch.equal(_bits(got), _bits(want)), f"combined rows differ from the finalize (replay={replay})"
-        assert torch.count_nonzero(bucket.gemm2.combine.tickets) == 0, "tickets not reset"

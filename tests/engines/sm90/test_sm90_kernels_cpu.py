@@ -12,7 +12,6 @@ import re
 import subprocess
 import sys
 from pathlib import Path
-from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -20,7 +19,7 @@ import pytest
 import torch
 
 from cudnn_moe.activations import GELU, GeGLUTanh, SiTU, SwiGLU
-from cudnn_moe.engines.base import ActivationEpilogue, RowCombine, RowGather, TokenOperand
+from cudnn_moe.engines.base import ActivationEpilogue, RowGather, TokenOperand
 from cudnn_moe.engines.sm90 import kernels as sm90
 from cudnn_moe.engines.sm90.layout import pack_weight_tiles, to_token_fragments
 from cudnn_moe.formats import decode_e2m1, dequantize_nvfp4, quantize_nvfp4
@@ -534,62 +533,6 @@ _FUSED_BAD = [
 @pytest.mark.parametrize("name,mutate,needle", _FUSED_BAD, ids=[b[0] for b in _FUSED_BAD])
 def test_fused_call_rejects_bad_arguments(name: str, mutate: Any, needle: str, launches: list[tuple]) -> None:
     args = {**_fused_args(TokenLayout.BF16_ROWS, SwiGLU()), "variant": WGMMA_VARIANTS[0]}
-    mutate(args)
-    with pytest.raises((ValueError, TypeError), match=needle):
-        sm90.grouped_gemm(**args)
-    assert not launches
-
-
-def _combine_args(tokens: int = 5, top_k: int = 2, n: int = 128, rows: int = 40) -> dict[str, Any]:
-    """grouped_gemm's arguments in the combine form (GEMM2 with the finalize in its epilogue)."""
-    args = _gemm_args(n=n, rows=rows)
-    args["combine"] = RowCombine(torch.zeros(rows, dtype=torch.int32), torch.zeros(tokens * top_k, dtype=torch.int32),
-                                 torch.zeros(tokens * top_k, dtype=torch.float32), top_k,
-                                 torch.zeros(tokens * (n // 64), dtype=torch.int32),
-                                 torch.zeros(tokens, n, dtype=torch.bfloat16))
-    return args
-
-
-def test_combine_call_matches_kernel_signature(launches: list[tuple]) -> None:
-    """The combine form passes the wgmma kernel's arguments: the rows' slots where the gather's would be, then
-    slot_to_row, route weights, top_k, tickets and the combined rows; the plain grid and options."""
-    signature = _signatures()["sm90_gemm_wgmma"]
-    for variant in WGMMA_VARIANTS:
-        launches.clear()
-        sm90.grouped_gemm(**_combine_args(), variant=variant)
-        (_source, name, _device, grid, _block, args), kwargs = launches[0]
-        assert name == "sm90_gemm_wgmma" and [type(a) for a in args] == [_ARG_TYPES[t] for t in signature]
-        assert (args[12], args[13]) == (0, 0)  # no gather
-        assert args[-3] == np.int32(2) and kwargs["extra_options"] == variant.options()  # combine_top_k
-
-
-_COMBINE_BAD = [
-    ("decode", lambda a: a.update(variant=sm90.DECODE), "plain form of a WgmmaVariant"),
-    ("with an epilogue", lambda a: a.update(epilogue=ActivationEpilogue(
-        SwiGLU(), a["combine"].row_to_slot,
-        TokenOperand(torch.zeros(40, 64, dtype=torch.bfloat16), None, TokenLayout.BF16_ROWS)), out=None),
-     "plain form"),
-    ("top_k", lambda a: a.update(combine=replace(a["combine"], top_k=0)), "top_k"),
-    ("out width", lambda a: a.update(combine=replace(a["combine"], out=torch.zeros(5, 64, dtype=torch.bfloat16))),
-     "combine.out"),
-    ("out dtype", lambda a: a.update(combine=replace(a["combine"], out=torch.zeros(5, 128, dtype=torch.float32))),
-     "combine.out"),
-    ("row_to_slot rows", lambda a: a.update(combine=replace(a["combine"], row_to_slot=torch.zeros(39, dtype=torch.int32))),
-     "combine.row_to_slot"),
-    ("slot_to_row slots", lambda a: a.update(combine=replace(a["combine"], slot_to_row=torch.zeros(9, dtype=torch.int32))),
-     "combine.slot_to_row"),
-    ("weights dtype", lambda a: a.update(combine=replace(a["combine"], route_weights=torch.zeros(10, dtype=torch.bfloat16))),
-     "combine.route_weights"),
-    ("few tickets", lambda a: a.update(combine=replace(a["combine"], tickets=torch.zeros(4, dtype=torch.int32))),
-     "combine.tickets"),
-    ("out over x", lambda a: a.update(combine=replace(a["combine"], out=a["x"].view(-1)[: 5 * 128].view(5, 128))),
-     "must not overlap"),
-]
-
-
-@pytest.mark.parametrize("name,mutate,needle", _COMBINE_BAD, ids=[b[0] for b in _COMBINE_BAD])
-def test_combine_call_rejects_bad_arguments(name: str, mutate: Any, needle: str, launches: list[tuple]) -> None:
-    args = {**_combine_args(), "variant": WGMMA_VARIANTS[0]}
     mutate(args)
     with pytest.raises((ValueError, TypeError), match=needle):
         sm90.grouped_gemm(**args)
