@@ -3,8 +3,9 @@
 Per model (top-8 presets) and T in {1, 2, 4, 8}: uniform random distinct routing (common.random_batch), the
 distinct experts it touches, and per weight format the time of ``low_latency_moe`` (SwiGLU, finalized BF16
 output, or FP16 for FP16 weights) with the engine it ran on (engine="auto": the tuned choice where
-``LowLatencyMoeConfig.tune`` stored one, else the registry's fixed rule; --cuda-cores forces the CUDA-core
-engine), the kernel launches of one call (the kernel nodes of its captured graph), the format's floor =
+``LowLatencyMoeConfig.tune`` stored one, else the registry's fixed rule; --engine names one for every call,
+e.g. cuda_cores, or ll_mma for the FP8 formats on tensor cores; --cuda-cores is --engine cuda_cores), the kernel
+launches of one call (the kernel nodes of its captured graph), the format's floor =
 touched experts' weight bytes (payload + block scales) / HBM bandwidth (4.3 TB/s), the ratio, the achieved
 weight GB/s, and the issue's target where there is one. With --tune, ``config.tune`` runs first for each
 format (storing its choice in the persistent cache) and every engine that supports the call is also timed on
@@ -60,7 +61,8 @@ from fp8_peer import Fp8Peer  # noqa: E402
 
 from cudnn_moe import Routing, SwiGLU  # noqa: E402
 from cudnn_moe.arch import Arch, device_arch  # noqa: E402
-from cudnn_moe.engines.registry import supporting  # noqa: E402
+from cudnn_moe.engines.base import OP_LOW_LATENCY  # noqa: E402
+from cudnn_moe.engines.registry import engine_names, supporting  # noqa: E402
 from cudnn_moe.kernels import driver  # noqa: E402
 from cudnn_moe.low_latency import LowLatencyMoeConfig, LowLatencyWeights, WeightFormat, low_latency_moe  # noqa: E402
 from cudnn_moe.low_latency.checks import token_dtypes  # noqa: E402
@@ -154,6 +156,15 @@ def engine_times_cell(times: dict[str, float | str]) -> str:
     return ", ".join(f"{name} {fmt(us) if isinstance(us, float) else us}" for name, us in times.items())
 
 
+def engine_cell(config: LowLatencyMoeConfig, key: TacticKey) -> str:
+    """The name of the engine the call of ``key`` runs on, or 'none' where the config's engine does not run it
+    (the timed call then reports the error)."""
+    try:
+        return select(config.engine, key).name
+    except ValueError:
+        return "none"
+
+
 def ll_call(
     config: LowLatencyMoeConfig, weights: LowLatencyWeights, x: torch.Tensor, ids: torch.Tensor, route_w: torch.Tensor
 ) -> Callable[[], object]:
@@ -178,7 +189,7 @@ class LowLatencyBench:
     def model(self, m: ModelShape, gen: torch.Generator, timer: Timer) -> None:
         args, report = self.args, self.report
         formats = [WeightFormat(f) for f in args.formats]
-        config = LowLatencyMoeConfig(max(args.tokens), engine="cuda_cores" if self.args.cuda_cores else "auto")
+        config = LowLatencyMoeConfig(max(args.tokens), engine=args.engine)
         batches = {t: random_batch(m, t, gen) for t in args.tokens}
         touched = {t: int(torch.unique(ids).numel()) for t, (_, ids, _) in batches.items()}
         needs_source = args.peers or any(f in (WeightFormat.BF16, WeightFormat.FP16) for f in formats)
@@ -220,7 +231,7 @@ class LowLatencyBench:
         floor = floor_us(m, touched, fmt_, args.bandwidth_tbs)
         goal = target(m, tokens, fmt_)
         key = tactic_key(weights, tokens, m.top_k, device_arch(), torch.cuda.current_device())
-        head = [m.name, str(tokens), fmt_.value, select(config.engine, key).name]
+        head = [m.name, str(tokens), fmt_.value, engine_cell(config, key)]
         fp8_cell = "-"
         if args.peers and fmt_ in FP8_FORMATS:
             fp8_cell = self.fp8_peer.cell(timer, weights, x, ids, route_w)
@@ -307,15 +318,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="also time the torch BF16 layer and fused_moe (NVFP4) on the same routing, and the torch "
                              "FP8 layer beside the FP8 formats")
     parser.add_argument("--cuda-cores", action="store_true",
-                        help="run every format on the CUDA-core kernels (no tensor-core dispatch on SM90)")
+                        help="run every format on the CUDA-core kernels (no tensor-core dispatch on SM90): "
+                             "--engine cuda_cores")
+    parser.add_argument("--engine", default="auto", choices=engine_names(OP_LOW_LATENCY),
+                        help="the low-latency engine of every call (default: the tuned choice, else the registry's; "
+                             "ll_mma: the FP8 formats on tensor cores, other formats then fail)")
     parser.add_argument("--tune", action="store_true",
                         help="run LowLatencyMoeConfig.tune per format first (stored in the persistent cache), and "
                              "time each supporting engine on its own beside the tuned call")
     args = parser.parse_args(argv)
+    if args.cuda_cores:
+        if args.engine not in ("auto", "cuda_cores"):
+            parser.error(f"--cuda-cores and --engine {args.engine} contradict each other")
+        args.engine = "cuda_cores"
     if max(args.tokens) > 8:
         parser.error(f"--tokens: the low-latency config takes at most 8 tokens, got {max(args.tokens)}")
-    if args.tune and args.cuda_cores:
-        parser.error("--tune measures which engine runs each call; --cuda-cores names one: give one of them")
+    if args.tune and args.engine != "auto":
+        parser.error(f"--tune measures which engine runs each call; --engine {args.engine} names one: give one of them")
     return args
 
 
@@ -333,8 +352,8 @@ def main(argv: list[str] | None = None) -> int:
                 "torch FP8 layer: fp8_peer.py (grouped: torch._scaled_grouped_mm, per expert: torch._scaled_mm); "
                 "target: the issue's goal for that cell.")
     report.emit()
-    if args.cuda_cores:
-        report.note("--cuda-cores: every format runs on the CUDA-core kernels")
+    if args.engine != "auto":
+        report.note(f"--engine {args.engine}: every call runs on that engine")
     if args.tune:
         report.note("--tune: engine = the tuned choice (config.tune, stored in the persistent cache); 'each engine' "
                     "times every engine that supports the call on its own, the same way")

@@ -16,9 +16,12 @@ from ..arch import Arch, arch_name
 from .base import NVFP4, Engine, EngineSpec, GemmEngine, Request
 from .cuda_cores.engine import CudaCoresEngine
 from .cudnn.engine import CudnnGemmEngine
+from .ll_mma.engine import LlMmaEngine
 from .sm90.engine import Sm90GemmEngine
 
-ENGINES: tuple[type[Engine], ...] = (Sm90GemmEngine, CudnnGemmEngine, CudaCoresEngine)  # "auto": the first that fits
+# "auto": the first that fits. ll_mma (tensor cores, FP8 low-latency formats) after cuda_cores: a candidate to
+# name or tune, not the untuned default.
+ENGINES: tuple[type[Engine], ...] = (Sm90GemmEngine, CudnnGemmEngine, CudaCoresEngine, LlMmaEngine)
 AUTO = "auto"
 
 _instances: dict[tuple[str, int], GemmEngine] = {}

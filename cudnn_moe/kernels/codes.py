@@ -72,6 +72,8 @@ SORT_MAX_EXPERTS = 512  # local experts one moe_sort block handles
 ROW_THREADS = 128  # threads per block of the row-wise glue kernels
 LL_THREADS = 256  # threads per block of the low-latency GEMM kernels (eight warps)
 LL_MAX_SLOTS = 256  # most routed slots (tokens x top_k) one low-latency call holds: 8 x 32
+LL_MMA_STAGES = 4  # k64 steps in each warp's shared-memory ring of the tensor-core low-latency kernels
+LL_MMA_WARP_ROWS = 32  # weight rows one warp of those kernels covers (two m16 tiles)
 
 
 def cuda_defines() -> tuple[str, ...]:
@@ -82,5 +84,5 @@ def cuda_defines() -> tuple[str, ...]:
     values.update({f"LL_WEIGHTS_{fmt.name}": int(fmt) for fmt in LowLatencyWeightCode})
     values.update({f"LL_INPUT_{kind.name}": int(kind) for kind in LowLatencyInputCode})
     values.update(SORT_THREADS=SORT_THREADS, SORT_MAX_EXPERTS=SORT_MAX_EXPERTS, LL_THREADS=LL_THREADS,
-                  LL_MAX_SLOTS=LL_MAX_SLOTS)
+                  LL_MAX_SLOTS=LL_MAX_SLOTS, LL_MMA_STAGES=LL_MMA_STAGES, LL_MMA_WARP_ROWS=LL_MMA_WARP_ROWS)
     return tuple(f"-D{name}={value}" for name, value in sorted(values.items()))

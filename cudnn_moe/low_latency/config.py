@@ -141,7 +141,7 @@ class LowLatencyMoeConfig:
     engine: 'auto' (the engine ``tune`` measured fastest for a call's layer and token count, else the
     registry's first engine that runs it: on SM90 the tensor cores for the NVFP4 formats' finalized BF16
     calls, the CUDA cores otherwise) or the name of a low-latency engine of the registry ('sm90',
-    'cuda_cores', ...).
+    'cuda_cores', 'll_mma': the FP8 formats on tensor cores, ...).
     """
 
     def __init__(

@@ -6,10 +6,12 @@ else the engine registry's first that supports the call (cudnn_moe.engines.regis
 takes finalized calls with NVFP4 weight-only weights and BF16 tokens and output, and the NVFP4 pair, through
 the shared pipeline (cudnn_moe.low_latency.grouped; tensor cores); everything else runs on the CUDA-core
 engine (cudnn_moe.engines.cuda_cores: two launches, GEMM1 + activation, then GEMM2 with the finalize folded
-into its last CTA per feature column; the raw output skips the finalize). All round at the same points.
+into its last CTA per feature column; the raw output skips the finalize). For the FP8 formats the ll_mma
+engine (cudnn_moe.engines.ll_mma: named, or chosen by ``tune``) runs the CUDA-core engine's launches with
+tensor-core dot products. All round at the same points.
 The call allocates nothing when ``out`` is given (workspaces are kept per weights, cudnn_moe.pipeline) and
 reads no device data, so a caller can record it in its own CUDA graph once one eager call has warmed it up
-(kernels compiled, workspace allocated). The CUDA-core path never synchronizes; the tensor-core path
+(kernels compiled, workspace allocated). The CUDA-core path (ll_mma too) never synchronizes; the SM90 path
 captures CUDA graphs (a device sync each) on the first call of a token count and on the second
 consecutive call of a new set of tensors, then replays them: reuse the input and ``out`` tensors across
 decode steps. Calls with the same weights on different streams (threads) are ordered on the GPU

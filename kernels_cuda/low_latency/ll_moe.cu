@@ -25,6 +25,12 @@
 // budget at full bandwidth (hopper-kernels.md: ~3.5-4 instructions per 4-bit weight and lane). Tensor cores
 // (mma.sync with the weights as A) would pay off only for experts shared by many tokens.
 //
+// Tensor-core tactic (-DLL_MMA=1, the FP8 formats only, not the MX pairs; the ll_mma engine): the same plan,
+// kernels, arguments and epilogues (gemm1_store, gemm2_store), with the dot products of low_latency/mma_gemm.cuh
+// (mma.sync.m16n8k16, all the expert's tokens as the B operand, K split over warps, weights streamed through
+// cp.async rings in shared memory); lanes_per_row then means the warps splitting a tile pair's K, and a CTA's feature block is
+// mma_gemm.cuh's (gemm2_cta_features), so the grid is the ll_mma engine's (cudnn_moe.engines.ll_mma.kernels).
+//
 // Work split. Grid (feature blocks, slots): the CTA of slot s first reads the expert ids of all
 // T * top_k slots into shared memory (ids outside [0, E) are unrouted) and carries on only if s is the
 // first slot, in slot order, naming its expert e (no sort kernel); it then serves every distinct token
@@ -82,6 +88,9 @@
 
 #if !defined(LL_WEIGHTS) || !defined(LL_INPUT) || !defined(LL_THREADS) || !defined(LL_MAX_SLOTS)
 #error "compile with the -D options of cudnn_moe.low_latency.kernels (LL_WEIGHTS, LL_INPUT and the shared codes)"
+#endif
+#ifndef LL_MMA  // 1: the tensor-core dot products of low_latency/mma_gemm.cuh (the FP8 formats; the ll_mma engine)
+#define LL_MMA 0
 #endif
 
 using namespace moe;
@@ -460,6 +469,38 @@ struct Gemm1Args {
   float* mx_y;       // MX pairs: shared [MAX_TOKENS][MX_BLOCK], the CTA's block of FP32 activations per token
 };
 
+// GEMM1's epilogue for feature f (< Ip) and the distinct token plan.list[index] of expert e: acc holds the FP32 sums
+// of rows f (and Ip + f when gated); the activation goes to every slot of the token naming e, those slots split
+// over the lpr lanes sub, sub + lpr, ... that call this together (lpr = 1: one thread writes them all). The MX
+// pairs instead keep the FP32 activation in a.mx_y (lane sub 0) for mx_quantize_block, after every round.
+template <int R>
+__device__ __forceinline__ void gemm1_store(const Plan& plan, const Gemm1Args& a, int e, int f, int index,
+                                            const float (&acc)[R], int sub, int lpr) {
+  const float global = HAS_GLOBAL ? a.w_global[e] : 1.0f;
+  float h[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    h[r] = HAS_GLOBAL ? acc[r] * global : acc[r];
+    if (LL_WEIGHTS != LL_WEIGHTS_MXINT4 && !FP8B) h[r] = round_16(h[r], INTER_FP16);  // preactivation rounding
+  }
+  float y = R == 2 ? act_gated_all(a.act, h[0], h[R - 1], a.alpha, a.beta, a.limit) : act_fn(a.act, h[0]);
+  if (MXI) {  // the MX pairs: kept in FP32 for the CTA's quantization of its 32 features (mx_quantize_block)
+    if (sub == 0) a.mx_y[index * MX_BLOCK + (f & (MX_BLOCK - 1))] = f < a.inter ? y : 0.0f;
+    return;
+  }
+  if (QUANT_INTER) y = e4m3_round(__fmul_rn(y, a.inter_mult));  // exact in BF16: to_16 below keeps it
+  const u16 bits = f < a.inter ? to_16(y, INTER_FP16) : static_cast<u16>(0);
+  const int token = plan.list[index] / a.top_k;
+  for (int j = sub; j < a.top_k; j += lpr) {
+    const int s = token * a.top_k + j;
+    if (plan.ids[s] != e) continue;
+    if (FP8B)  // DeepSeek FP8: the FP32 activation itself; ll_quant128 quantizes it per 128 values
+      reinterpret_cast<float*>(a.out)[static_cast<i64>(s) * a.inter_padded + f] = f < a.inter ? y : 0.0f;
+    else
+      a.out[static_cast<i64>(s) * a.inter_padded + f] = bits;
+  }
+}
+
 // Tokens plan.list[first .. first + ntok) (ntok <= NT) of expert e.
 template <int NT, int R>
 __device__ __forceinline__ void gemm1_body(const Plan& plan, const Gemm1Args& a, int e, int f, int first, int ntok) {
@@ -483,32 +524,10 @@ __device__ __forceinline__ void gemm1_body(const Plan& plan, const Gemm1Args& a,
   float acc[NT][R];
   dot_rows<NT, R, LL_INPUT>(wrow, srow, nchunks, sub, lpr, a.x, a.x_scales, xoff, acc);
   if (f >= a.inter_padded) return;
-  const float global = HAS_GLOBAL ? a.w_global[e] : 1.0f;
 #pragma unroll
   for (int t = 0; t < NT; ++t) {
     if (t >= ntok) break;
-    float h[R];
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-      h[r] = HAS_GLOBAL ? acc[t][r] * global : acc[t][r];
-      if (LL_WEIGHTS != LL_WEIGHTS_MXINT4 && !FP8B) h[r] = round_16(h[r], INTER_FP16);  // preactivation rounding
-    }
-    float y = R == 2 ? act_gated_all(a.act, h[0], h[R - 1], a.alpha, a.beta, a.limit) : act_fn(a.act, h[0]);
-    if (MXI) {  // the MX pairs: kept in FP32 for the CTA's quantization of its 32 features (mx_quantize_block)
-      if (sub == 0) a.mx_y[(first + t) * MX_BLOCK + (f & (MX_BLOCK - 1))] = f < a.inter ? y : 0.0f;
-      continue;
-    }
-    if (QUANT_INTER) y = e4m3_round(__fmul_rn(y, a.inter_mult));  // exact in BF16: to_16 below keeps it
-    const u16 bits = f < a.inter ? to_16(y, INTER_FP16) : static_cast<u16>(0);
-    const int token = plan.list[first + t] / a.top_k;
-    for (int j = sub; j < a.top_k; j += lpr) {
-      const int s = token * a.top_k + j;
-      if (plan.ids[s] != e) continue;
-      if (FP8B)  // DeepSeek FP8: the FP32 activation itself; ll_quant128 quantizes it per 128 values
-        reinterpret_cast<float*>(a.out)[static_cast<i64>(s) * a.inter_padded + f] = f < a.inter ? y : 0.0f;
-      else
-        a.out[static_cast<i64>(s) * a.inter_padded + f] = bits;
-    }
+    gemm1_store<R>(plan, a, e, f, first + t, acc[t], sub, lpr);
   }
 }
 
@@ -569,6 +588,23 @@ struct Gemm2Args {
   u16* rows;
 };
 
+// GEMM2's epilogue for output features f, f + 1 and the distinct token plan.list[index] of expert e: acc holds
+// their FP32 sums; the rounded pair goes to every slot of the token naming e, those slots split over the lpr
+// lanes sub, sub + lpr, ... that call this together (lpr = 1: one thread writes them all).
+__device__ __forceinline__ void gemm2_store(const Plan& plan, const Gemm2Args& a, int e, int f, int index,
+                                            const float (&acc)[2], int sub, int lpr) {
+  const float global = HAS_GLOBAL ? a.w_global[e] : 1.0f;
+  const bool fp16 = a.out_fp16 != 0;
+  const float v0 = HAS_GLOBAL ? acc[0] * global : acc[0];
+  const float v1 = HAS_GLOBAL ? acc[1] * global : acc[1];
+  const u32 bits = static_cast<u32>(to_16(v0, fp16)) | (static_cast<u32>(to_16(v1, fp16)) << 16);
+  const int token = plan.list[index] / a.top_k;
+  for (int j = sub; j < a.top_k; j += lpr) {
+    const int s = token * a.top_k + j;
+    if (plan.ids[s] == e) *reinterpret_cast<u32*>(a.rows + static_cast<i64>(s) * a.hidden + f) = bits;
+  }
+}
+
 // Each feature group computes two adjacent output features (2 rows of w2 sharing the token loads).
 template <int NT>
 __device__ __forceinline__ void gemm2_body(const Plan& plan, const Gemm2Args& a, int e, int f, int first, int ntok) {
@@ -589,23 +625,42 @@ __device__ __forceinline__ void gemm2_body(const Plan& plan, const Gemm2Args& a,
   dot_rows<NT, 2, INTER_INPUT>(wrow, srow, nchunks, sub, lpr, reinterpret_cast<const u8*>(a.inter), a.inter_scales,
                                xoff, acc);
   if (f >= a.hidden) return;
-  const float global = HAS_GLOBAL ? a.w_global[e] : 1.0f;
-  const bool fp16 = a.out_fp16 != 0;
 #pragma unroll
   for (int t = 0; t < NT; ++t) {
     if (t >= ntok) break;
-    const float v0 = HAS_GLOBAL ? acc[t][0] * global : acc[t][0];
-    const float v1 = HAS_GLOBAL ? acc[t][1] * global : acc[t][1];
-    const u32 bits = static_cast<u32>(to_16(v0, fp16)) | (static_cast<u32>(to_16(v1, fp16)) << 16);
-    const int token = plan.list[first + t] / a.top_k;
-    for (int j = sub; j < a.top_k; j += lpr) {
-      const int s = token * a.top_k + j;
-      if (plan.ids[s] == e) *reinterpret_cast<u32*>(a.rows + static_cast<i64>(s) * a.hidden + f) = bits;
+    gemm2_store(plan, a, e, f, first + t, acc[t], sub, lpr);
+  }
+}
+
+#if !LL_MMA
+// Every round of this CTA; as in gemm1_dispatch, more than 4 tokens in two passes.
+__device__ __forceinline__ void gemm2_dispatch(const Plan& plan, const Gemm2Args& a, int e) {
+  const int n = plan.count;
+  for (int round = 0; round < a.rounds; ++round) {
+    const int f = 2 * feature_group(round, a.rounds, a.lanes_per_row);
+    if (round + 1 < a.rounds)
+      prefetch_gemm2(e, 2 * feature_group(round + 1, a.rounds, a.lanes_per_row), a.w, a.w_scales, a.hidden,
+                     a.inter_padded, a.lanes_per_row);
+    if (n <= 1) gemm2_body<1>(plan, a, e, f, 0, n);
+    else if (n == 2) gemm2_body<2>(plan, a, e, f, 0, n);
+    else if (n <= 4) gemm2_body<4>(plan, a, e, f, 0, n);
+    else {
+      gemm2_body<4>(plan, a, e, f, 0, 4);
+      gemm2_body<4>(plan, a, e, f, 4, n - 4);
     }
   }
 }
 
+// Output features one CTA of ll_gemm2 covers (its column of the finalize).
+__device__ __forceinline__ int gemm2_cta_features(int lpr, int rounds) { return 2 * WARPS * (32 / lpr) * rounds; }
+#endif
+
 }  // namespace ll
+
+#if LL_MMA
+#include "low_latency/mma.cuh"
+#include "low_latency/mma_gemm.cuh"
+#endif
 
 using namespace ll;
 
@@ -635,14 +690,24 @@ extern "C" __global__ void __launch_bounds__(LL_THREADS, 2) ll_gemm1(
   moe::grid_dependency_begin();
   __shared__ Plan plan;
   __shared__ float mx_y[MXI ? MAX_TOKENS * MX_BLOCK : 1];
+#if LL_MMA
+  mma_prefetch_gemm1(load_expert(ids, routing, id_bytes, blockIdx.y, num_experts), 0, w, hidden, inter, inter_padded,
+                     gated != 0, lanes_per_row, rounds);
+#else
   prefetch_gemm1(load_expert(ids, routing, id_bytes, blockIdx.y, num_experts), feature_group(0, rounds, lanes_per_row),
                  w, w_scales, hidden, inter, inter_padded, gated != 0, lanes_per_row);
+#endif
   const int e = plan_expert(plan, ids, routing, id_bytes, num_tokens, top_k, num_experts);
   if (e < 0) return;
   const Gemm1Args a{x, x_scales, w, w_scales, w_global, hidden, inter, inter_padded, top_k, lanes_per_row, rounds,
                     act, alpha, beta, limit, out, QUANT_INTER ? __ldg(inter_quant) : 1.0f, mx_y};
+#if LL_MMA
+  if (gated) mma_gemm1<2>(plan, a, e);
+  else mma_gemm1<1>(plan, a, e);
+#else
   if (gated) gemm1_dispatch<2>(plan, a, e);
   else gemm1_dispatch<1>(plan, a, e);
+#endif
   if (MXI) mx_quantize_block(plan, a, e, inter_scales);
 }
 
@@ -702,11 +767,16 @@ extern "C" __global__ void __launch_bounds__(LL_THREADS, 2) ll_gemm2(
   // value), written for every slot, unrouted ones included (NaN or Inf kept), by one thread of column 0.
   if (scores != nullptr && blockIdx.x == 0 && threadIdx.x == 0)
     scores[blockIdx.y] = load_route_weight(ids, weights, routing, static_cast<int>(blockIdx.y));
+#if LL_MMA
+  mma_prefetch_gemm2(load_expert(ids, routing, id_bytes, blockIdx.y, num_experts), 0, w, hidden, inter_padded,
+                     lanes_per_row, rounds);
+#else
   prefetch_gemm2(load_expert(ids, routing, id_bytes, blockIdx.y, num_experts), 2 * feature_group(0, rounds, lanes_per_row),
                  w, w_scales, hidden, inter_padded, lanes_per_row);
+#endif
   const int e = plan_expert(plan, ids, routing, id_bytes, num_tokens, top_k, num_experts);
   if (e == -1 && !finalize) {
-    const int per_cta = 2 * WARPS * (32 / lanes_per_row) * rounds;
+    const int per_cta = gemm2_cta_features(lanes_per_row, rounds);
     const int begin = blockIdx.x * per_cta, end = min(begin + per_cta, hidden);
     for (int h = begin + static_cast<int>(threadIdx.x); h < end; h += LL_THREADS)
       rows[static_cast<i64>(blockIdx.y) * hidden + h] = 0;
@@ -714,20 +784,11 @@ extern "C" __global__ void __launch_bounds__(LL_THREADS, 2) ll_gemm2(
   if (e >= 0) {
     const Gemm2Args a{inter, reinterpret_cast<const u8*>(inter_scales), w, w_scales, w_global, hidden, inter_padded,
                       top_k, lanes_per_row, rounds, out_fp16, rows};
-    const int n = plan.count;  // as in gemm1_dispatch: more than 4 tokens in two passes
-    for (int round = 0; round < rounds; ++round) {
-      const int f = 2 * feature_group(round, rounds, lanes_per_row);
-      if (round + 1 < rounds)
-        prefetch_gemm2(e, 2 * feature_group(round + 1, rounds, lanes_per_row), w, w_scales, hidden, inter_padded,
-                       lanes_per_row);
-      if (n <= 1) gemm2_body<1>(plan, a, e, f, 0, n);
-      else if (n == 2) gemm2_body<2>(plan, a, e, f, 0, n);
-      else if (n <= 4) gemm2_body<4>(plan, a, e, f, 0, n);
-      else {
-        gemm2_body<4>(plan, a, e, f, 0, 4);
-        gemm2_body<4>(plan, a, e, f, 4, n - 4);
-      }
-    }
+#if LL_MMA
+    mma_gemm2(plan, a, e);
+#else
+    gemm2_dispatch(plan, a, e);
+#endif
   }
   if (!finalize) return;
   __threadfence();  // this thread's rows are visible GPU-wide before the ticket below
@@ -736,7 +797,7 @@ extern "C" __global__ void __launch_bounds__(LL_THREADS, 2) ll_gemm2(
   __syncthreads();
   if (!last) return;
   __threadfence();  // every other CTA's rows are visible to this one
-  const int per_cta = 2 * WARPS * (32 / lanes_per_row) * rounds;
+  const int per_cta = gemm2_cta_features(lanes_per_row, rounds);
   const int begin = blockIdx.x * per_cta, end = min(begin + per_cta, hidden);
   combine_columns(plan, rows, ids, weights, routing, num_tokens, top_k, hidden, begin, end, out_fp16 != 0, out);
   if (threadIdx.x == 0) counters[blockIdx.x] = 0;

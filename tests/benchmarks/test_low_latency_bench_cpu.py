@@ -73,6 +73,12 @@ def test_arguments() -> None:
     assert bench.parse_args(["--formats", "bf16", "--no-peers"]).formats == ["bf16"]
     assert not args.cuda_cores and bench.parse_args(["--cuda-cores"]).cuda_cores
     assert not args.tune and bench.parse_args(["--tune"]).tune
+    assert args.engine == "auto" and bench.parse_args(["--cuda-cores"]).engine == "cuda_cores"
+    assert bench.parse_args(["--engine", "ll_mma", "--formats", "deepseek_fp8"]).engine == "ll_mma"
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--cuda-cores", "--engine", "ll_mma"])
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--tune", "--engine", "ll_mma"])
     with pytest.raises(SystemExit) as exc:
         bench.parse_args(["--tokens", "16"])
     assert exc.value.code == 2
@@ -179,10 +185,15 @@ def test_tables_with_fake_cuda(monkeypatch: pytest.MonkeyPatch, tmp_path, capsys
                                      ["Tiny", "2", "fp8_weight_only", "cuda_cores", "3"]]
     assert all(len(r) == 14 for r in rows)
     assert [r[12] for r in rows] == ["-", "-", "10.0 (per expert)", "10.0 (per expert)"]
-    assert [r[13] for r in rows] == ["sm90 10.0, cuda_cores 10.0"] * 2 + ["cuda_cores 10.0"] * 2
+    assert [r[13] for r in rows] == ["sm90 10.0, cuda_cores 10.0"] * 2 + ["cuda_cores 10.0, ll_mma 10.0"] * 2
     assert rows[0][6] == "10.0" and float(rows[0][9]) == pytest.approx(
         bench.weight_gbps(tiny, int(rows[0][5]), WeightFormat.NVFP4_WEIGHT_ONLY, 10.0), abs=0.5)
     # per row (one timed call each here): every engine on its own, then the tuned call
     assert ran[:3] == [("nvfp4_weight_only", "sm90"), ("nvfp4_weight_only", "cuda_cores"), ("nvfp4_weight_only", "auto")]
-    assert len(ran) == 2 * 3 + 2 * 2
+    assert len(ran) == 2 * 3 + 2 * 3
     assert "tuned nvfp4_weight_only T=2" in capsys.readouterr().err
+    # --engine ll_mma: the FP8 rows name it, the NVFP4 rows (which it does not run) say none
+    assert bench.main(["--models", "tiny", "--tokens", "1", "--formats", "nvfp4_weight_only", "fp8_weight_only",
+                       "--engine", "ll_mma", "--no-peers", "--iters", "2", "--markdown", str(md)]) == 0
+    rows = [line.strip("| ").split(" | ") for line in md.read_text().splitlines() if line.startswith("| Tiny |")]
+    assert [r[2:4] for r in rows] == [["nvfp4_weight_only", "none"], ["fp8_weight_only", "ll_mma"]]

@@ -6,6 +6,8 @@
 - number_formats: the inputs and checks of the number-format helpers of common.cuh (host and device);
 - sm90_variants: the SM90 GEMM kernel variants the CPU tests compile and the GPU tests run;
 - low_latency: the low-latency op's test cases, random layers and inputs, and the comparison bounds;
+- low_latency_fp8: the per-tensor and DeepSeek FP8 layers and tokens, and the checks of their E4M3 intermediates
+  (for every engine that runs them);
 - serving: the small fused layer of the serving tests (also built by their child processes).
 
 Imported as ``tests.support`` with the checkout's root on sys.path (pytest puts it there; a child process or

@@ -109,6 +109,49 @@ def submit(command: list[str], suffix: str = ".o") -> Future:
         return future
 
 
+def find_nvrtc() -> str | None:
+    """libnvrtc: $LL_NVRTC_LIBRARY, the CUDA toolkit next to nvcc, or an nvidia-* wheel of this Python."""
+    import ctypes.util
+
+    candidates = [os.environ.get("LL_NVRTC_LIBRARY", "")]
+    if NVCC:
+        candidates += sorted(str(p) for p in (Path(NVCC).resolve().parent.parent / "lib64").glob("libnvrtc.so*"))
+    try:
+        import nvidia  # type: ignore[import-not-found]
+
+        for base in getattr(nvidia, "__path__", []):
+            candidates += sorted(str(p) for p in Path(base).glob("*/lib/libnvrtc.so*"))
+    except ImportError:
+        pass
+    candidates.append(ctypes.util.find_library("nvrtc") or "")
+    return next((c for c in candidates if c and Path(c).exists()), None)
+
+
+NVRTC = find_nvrtc()
+
+
+def nvrtc_build(filename: str, extra_options: tuple[str, ...], arch: str) -> tuple[int, str]:
+    """(status, log) of NVRTC (libnvrtc at NVRTC) compiling kernels_cuda/``filename`` as the GPU build does (no host
+    headers, the loader's source text and options, cudnn_moe.kernels.loader) for ``arch`` (e.g. "sm_90a")."""
+    import ctypes
+
+    from cudnn_moe.kernels.loader import compile_options, module_source
+
+    assert NVRTC is not None, "no libnvrtc"
+    lib = ctypes.CDLL(NVRTC)
+    program = ctypes.c_void_p()
+    source = module_source(filename).encode()
+    assert lib.nvrtcCreateProgram(ctypes.byref(program), source, Path(filename).name.encode(), 0, None, None) == 0
+    options = [o.encode() for o in (*compile_options(extra_options), f"--gpu-architecture={arch}")]
+    status = lib.nvrtcCompileProgram(program, len(options), (ctypes.c_char_p * len(options))(*options))
+    size = ctypes.c_size_t()
+    lib.nvrtcGetProgramLogSize(program, ctypes.byref(size))
+    log = ctypes.create_string_buffer(size.value)
+    lib.nvrtcGetProgramLog(program, log)
+    lib.nvrtcDestroyProgram(ctypes.byref(program))
+    return status, log.value.decode(errors="replace")
+
+
 def compiled(command: list[str], suffix: str = ".o") -> Build:
     """nvcc's result and output file for ``command`` (without -o), compiled once per session."""
     return submit(command, suffix).result()

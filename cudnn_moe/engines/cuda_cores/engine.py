@@ -43,7 +43,7 @@ _FP8 = frozenset({WeightFormat.FP8_WEIGHT_ONLY.value, WeightFormat.FP8_PER_TENSO
 _MODERN = frozenset({SM90, SM100, SM103, SM107, SM120})
 # MXFP4 / MXFP8 weights with MXFP8 tokens: E4M3 conversions (SM89 on) like the FP8 formats; the contract's archs.
 _MX_PAIRS = frozenset(f.value for f in MX_PAIRS)
-_ready: set[tuple[WeightFormat, torch.dtype | None, int]] = set()
+_ready: set[tuple[str, WeightFormat, torch.dtype | None, int]] = set()
 _ready_lock = threading.Lock()
 
 
@@ -53,9 +53,12 @@ def _sm_count(index: int) -> int:
 
 
 class CudaCoresEngine(LayerEngine):
-    """The low-latency layer on CUDA cores (see the module docstring)."""
+    """The low-latency layer on CUDA cores (see the module docstring). ``tactic``: how its kernels' dot products
+    run (kernels.FMA here; an engine serving the same calls with other dot products, e.g. tensor cores, subclasses
+    this one with its own tactic and services)."""
 
     name = "cuda_cores"
+    tactic: kernels.Tactic = kernels.FMA
     services = (
         Service(OP_LOW_LATENCY, frozenset({WeightFormat.BF16.value, WeightFormat.FP16.value}), _MODERN | {SM80},
                 max_tokens=MAX_TOKENS),
@@ -91,7 +94,7 @@ class CudaCoresEngine(LayerEngine):
         spec = {
             "inter": ((slots, w.padded_intermediate), torch.int16),
             "rows": ((slots, w.hidden_size), torch.int16),
-            "counters": ((kernels.max_gemm2_columns(w.hidden_size),), torch.int32),
+            "counters": ((cls.tactic.max_gemm2_columns(w.hidden_size),), torch.int32),
         }
         if w.format is WeightFormat.DEEPSEEK_FP8:
             ip, h = w.padded_intermediate, w.hidden_size
@@ -114,28 +117,31 @@ class CudaCoresEngine(LayerEngine):
     def run(cls, call: LowLatencyCall, workspace: Mapping[str, torch.Tensor]) -> None:
         w, device = call.weights, call.x.device
         index = device.index if device.index is not None else torch.cuda.current_device()
-        _ensure_ready(w.format, call.x_dtype, index)
+        tactic = cls.tactic
+        _ensure_ready(cls.name, tactic, w.format, call.x_dtype, index)
         ids, route_weights, routing_code = call.routing.kernel_operands()
         tokens, top_k, sms = call.tokens, call.top_k, _sm_count(index)
         out_fp16 = call.out_dtype is torch.float16
         if w.format is WeightFormat.DEEPSEEK_FP8:
-            _run_deepseek_fp8(call, workspace, ids, route_weights, routing_code, sms)
+            _run_deepseek_fp8(call, workspace, ids, route_weights, routing_code, sms, tactic)
             return
         mx = w.format.value in _MX_PAIRS  # MXFP8 intermediate: codes and scales
         inter = workspace["inter_codes" if mx else "inter"]
         inter_scales = workspace["inter_scales"] if mx else None
         kernels.gemm1(w, call.x, call.x_scales, ids, routing_code, tokens, top_k, call.activation, inter, sms,
-                      inter_scales=inter_scales)
+                      inter_scales=inter_scales, tactic=tactic)
         if call.finalize:
             kernels.gemm2(w, call.x_dtype, inter, ids, route_weights, routing_code, tokens, top_k, out_fp16,
-                          workspace["rows"], call.out, workspace["counters"], sms, inter_scales=inter_scales)
+                          workspace["rows"], call.out, workspace["counters"], sms, inter_scales=inter_scales,
+                          tactic=tactic)
         else:
             kernels.gemm2(w, call.x_dtype, inter, ids, route_weights, routing_code, tokens, top_k, out_fp16,
-                          call.out, None, None, sms, call.scores, inter_scales=inter_scales)
+                          call.out, None, None, sms, call.scores, inter_scales=inter_scales, tactic=tactic)
 
 
 def _run_deepseek_fp8(call: LowLatencyCall, workspace: Mapping[str, torch.Tensor], ids: torch.Tensor,
-                      route_weights: torch.Tensor | None, routing_code: int, sms: int) -> None:
+                      route_weights: torch.Tensor | None, routing_code: int, sms: int,
+                      tactic: kernels.Tactic = kernels.FMA) -> None:
     """DeepSeek FP8 in four launches (three for prequantized tokens): BF16 tokens quantized per 128 values
     (ll_quant128), GEMM1 + activation into the FP32 workspace, that activation quantized per 128 values
     (ll_quant128), GEMM2 on the codes and scales (and the finalize). The quantization of the intermediate is a
@@ -145,26 +151,28 @@ def _run_deepseek_fp8(call: LowLatencyCall, workspace: Mapping[str, torch.Tensor
     x, x_scales = call.x, call.x_scales
     if x_scales is None:  # BF16 tokens
         x_codes, x_scales = workspace["x_codes"], workspace["x_scales"]
-        kernels.quant128(fmt, x, tokens, x_codes, x_scales)
+        kernels.quant128(fmt, x, tokens, x_codes, x_scales, tactic)
         x = x_codes
     inter = workspace["inter"]
-    kernels.gemm1(w, x, x_scales, ids, routing_code, tokens, top_k, call.activation, inter, sms)
-    kernels.quant128(fmt, inter, tokens * top_k, workspace["inter_codes"], workspace["inter_scales"])
+    kernels.gemm1(w, x, x_scales, ids, routing_code, tokens, top_k, call.activation, inter, sms, tactic=tactic)
+    kernels.quant128(fmt, inter, tokens * top_k, workspace["inter_codes"], workspace["inter_scales"], tactic)
     if call.finalize:
         kernels.gemm2(w, None, workspace["inter_codes"], ids, route_weights, routing_code, tokens, top_k, False,
-                      workspace["rows"], call.out, workspace["counters"], sms, inter_scales=workspace["inter_scales"])
+                      workspace["rows"], call.out, workspace["counters"], sms, inter_scales=workspace["inter_scales"],
+                      tactic=tactic)
     else:
         kernels.gemm2(w, None, workspace["inter_codes"], ids, route_weights, routing_code, tokens, top_k, False,
-                      call.out, None, None, sms, call.scores, inter_scales=workspace["inter_scales"])
+                      call.out, None, None, sms, call.scores, inter_scales=workspace["inter_scales"], tactic=tactic)
 
 
-def _ensure_ready(fmt: WeightFormat, x_dtype: torch.dtype | None, index: int) -> None:
-    """Compile (or load) the module once per process and device; never inside a CUDA-graph capture."""
-    key = (fmt, x_dtype, index)
+def _ensure_ready(engine: str, tactic: kernels.Tactic, fmt: WeightFormat, x_dtype: torch.dtype | None,
+                  index: int) -> None:
+    """Compile (or load) the module once per process, engine and device; never inside a CUDA-graph capture."""
+    key = (engine, fmt, x_dtype, index)
     if key in _ready:
         return
     refuse_during_capture("the low-latency kernels for these weights and inputs are not loaded yet",
                           "run one call eagerly before capturing")
-    kernels.load_modules(fmt, x_dtype, index)
+    kernels.load_modules(fmt, x_dtype, index, tactic)
     with _ready_lock:
         _ready.add(key)

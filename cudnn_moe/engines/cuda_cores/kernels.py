@@ -14,10 +14,15 @@ cudnn_moe.kernels.codes, so Python and CUDA share one definition). Two kernels (
 Every wrapper takes tensors whose shapes, dtypes, devices and alignment the caller has checked
 (cudnn_moe.low_latency.checks); they only derive the launch geometry and pack the arguments, so they
 allocate nothing, read no device data and never synchronize. Launches go on torch's current stream.
+
+A ``Tactic`` says how the GEMMs' dot products run and how the work is cut into CTAs: ``FMA`` (this module:
+CUDA-core FMAs, lanes splitting each row's K) or the tensor-core tactic of cudnn_moe.engines.ll_mma (the same
+source built with its extra -D option, the same kernels, arguments and epilogues).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -115,6 +120,68 @@ def kernels_of(fmt: WeightFormat) -> tuple[str, ...]:
 CTA_BYTES = 64 << 10  # weight bytes a CTA should stream at least, to amortize its routing plan
 
 
+@dataclass(frozen=True)
+class Geometry:
+    """One GEMM launch's cut: ``grid`` (feature columns, slots), ``split`` (the kernels' lanes_per_row argument:
+    lanes per row with FMA, warps per tile pair with the tensor cores), ``rounds`` (feature blocks per CTA) and
+    ``shared_mem`` (dynamic shared memory bytes)."""
+
+    grid: tuple[int, int]
+    split: int
+    rounds: int
+    shared_mem: int = 0
+
+
+class Tactic:
+    """The CUDA-core tactic (``FMA``): the modules of ll_moe.cu as they are, lanes_per_row lanes splitting each
+    weight row. A subclass changes the build (``options``, extra -D options) and the geometry."""
+
+    options: tuple[str, ...] = ()
+
+    def gemm1_geometry(self, weights: Any, x_kind: InputCode, slots: int, sms: int) -> Geometry:
+        """ll_gemm1's cut for ``slots`` routed slots (T k) of tokens of kind ``x_kind``."""
+        fmt = weights.format
+        lpr = lanes_per_row(row_bytes(fmt, weights.hidden_size) // CHUNK_BYTES)
+        features_per_block = WARPS * (32 // lpr)
+        columns = -(-weights.padded_intermediate // features_per_block)
+        block_bytes = features_per_block * (2 if weights.gated else 1) * row_bytes(fmt, weights.hidden_size)
+        if fmt in MX_PAIRS:  # a CTA covers exactly one block of 32 features (it quantizes them to MXFP8)
+            rounds = MX_BLOCK // features_per_block
+        else:
+            rounds = choose_rounds(columns, slots, sms, block_bytes)
+        return Geometry((-(-columns // rounds), slots), lpr, rounds)
+
+    def gemm2_geometry(self, weights: Any, x_kind: InputCode, slots: int, sms: int) -> Geometry:
+        """ll_gemm2's cut; ``x_kind``: the kind of its input, the intermediate (see ``inter_kind``)."""
+        fmt = weights.format
+        lpr = lanes_per_row(row_bytes(fmt, weights.padded_intermediate) // CHUNK_BYTES)
+        columns = gemm2_columns(weights.hidden_size, lpr)
+        block_bytes = 2 * WARPS * (32 // lpr) * row_bytes(fmt, weights.padded_intermediate)
+        rounds = choose_rounds(columns, slots, sms, block_bytes)
+        return Geometry((-(-columns // rounds), slots), lpr, rounds)
+
+    def max_gemm2_columns(self, hidden: int) -> int:
+        """The most columns any ll_gemm2 cut of H = ``hidden`` gives: the size of the counters workspace."""
+        return max_gemm2_columns(hidden)
+
+    def module_options(self, fmt: WeightFormat, x_dtype: torch.dtype | None) -> tuple[str, ...]:
+        """The -D options of the module a call with these weights and tokens launches."""
+        return (*module_options(weight_code(fmt), input_code(fmt, x_dtype)), *self.options)
+
+
+FMA = Tactic()
+
+
+def inter_kind(fmt: WeightFormat, x_dtype: torch.dtype | None) -> InputCode:
+    """The kind of GEMM2's input (ll_moe.cu's INTER_INPUT): E4M3 codes with scales per 128 for DeepSeek FP8, MXFP8
+    for the MX pairs, FP16 for FP16 tokens, else BF16."""
+    if fmt is WeightFormat.DEEPSEEK_FP8:
+        return InputCode.FP8_BLOCK
+    if fmt in MX_PAIRS:
+        return InputCode.MXFP8
+    return InputCode.FP16 if input_code(fmt, x_dtype) is InputCode.FP16 else InputCode.BF16
+
+
 def choose_rounds(columns: int, slots: int, sms: int, block_bytes: int) -> int:
     """Feature blocks per CTA (1, 2 or 4): the fewest whose weights (``block_bytes`` each) reach CTA_BYTES, as
     long as the grid of ``columns`` blocks x ``slots`` slots (an upper bound on the touched experts) keeps at
@@ -128,10 +195,10 @@ def choose_rounds(columns: int, slots: int, sms: int, block_bytes: int) -> int:
     return rounds
 
 
-def load_modules(fmt: WeightFormat, x_dtype: torch.dtype | None, device: int) -> None:
+def load_modules(fmt: WeightFormat, x_dtype: torch.dtype | None, device: int, tactic: Tactic = FMA) -> None:
     """Compile, or load from the cache, the module a call with these weights and inputs launches, and
     resolve its kernels (so that a later call inside a CUDA-graph capture only launches)."""
-    options = module_options(weight_code(fmt), input_code(fmt, x_dtype))
+    options = tactic.module_options(fmt, x_dtype)
     for name in kernels_of(fmt):
         kernel_function(SOURCE, name, device, options)
 
@@ -169,6 +236,7 @@ def gemm1(
     inter_out: torch.Tensor,
     sms: int = 132,
     inter_scales: torch.Tensor | None = None,
+    tactic: Tactic = FMA,
 ) -> None:
     """GEMM1 + activation: inter_out [>= T k, Ip] (int16 storage of BF16/FP16 bits) for every routed slot.
 
@@ -177,34 +245,26 @@ def gemm1(
     E4M3 codes [T, H] with x_scales float32 [T, H/128] (DeepSeek FP8; inter_out is then float32 [>= T k, Ip], the
     unrounded FP32 activation), or E4M3 codes [T, H] with x_scales E8M0 [T, H/32] (the MX pairs; inter_out is then
     uint8 [>= T k, Ip], the MXFP8 codes of the intermediate, and inter_scales uint8 [>= T k, Ip/32] their E8M0
-    scales, quantized in this launch: each CTA covers exactly one block of 32 features, so ``rounds`` is set to
-    32 / features per round instead of choose_rounds').
+    scales, quantized in this launch: each CTA covers exactly one block of 32 features, so the FMA tactic's
+    ``rounds`` is 32 / features per round instead of choose_rounds'; the tensor-core tactic does not run them).
     ids: packed int32 [T, k] (routing_code ROUTING_PACKED) or int32/int64 ids [T, k].
     """
     fmt = weights.format
     w, w_scales, w_global = _payloads(weights, second=False)
-    lpr = lanes_per_row(row_bytes(fmt, weights.hidden_size) // CHUNK_BYTES)
-    features_per_block = WARPS * (32 // lpr)
-    columns = -(-weights.padded_intermediate // features_per_block)
-    block_bytes = features_per_block * (2 if weights.gated else 1) * row_bytes(fmt, weights.hidden_size)
-    if fmt in MX_PAIRS:
-        rounds = MX_BLOCK // features_per_block
-    else:
-        rounds = choose_rounds(columns, num_tokens * top_k, sms, block_bytes)
-    grid = (-(-columns // rounds), num_tokens * top_k)
+    cut = tactic.gemm1_geometry(weights, input_code(fmt, x.dtype), num_tokens * top_k, sms)
     alpha, beta, limit = activation.params()
-    options = module_options(weight_code(fmt), input_code(fmt, x.dtype))
     launch(
-        SOURCE, "ll_gemm1", x.device, grid, LL_THREADS,
+        SOURCE, "ll_gemm1", x.device, cut.grid, LL_THREADS,
         (
             ptr(x, 16), ptr(x_scales), *_routing_args(ids, routing_code), np.int32(num_tokens), np.int32(top_k),
             np.int32(weights.num_experts), ptr(w, 16), ptr(w_scales), ptr(w_global), np.int32(weights.hidden_size),
             np.int32(weights.intermediate_size), np.int32(weights.padded_intermediate), np.int32(weights.gated),
-            np.int32(lpr), np.int32(rounds), np.int32(int(activation.kind)), np.float32(alpha), np.float32(beta),
-            np.float32(limit),
+            np.int32(cut.split), np.int32(cut.rounds), np.int32(int(activation.kind)), np.float32(alpha),
+            np.float32(beta), np.float32(limit),
             ptr(inter_out, 16), ptr(getattr(weights, "inter_multiplier", None), 4), ptr(inter_scales),
         ),
-        extra_options=options,
+        shared_mem=cut.shared_mem,
+        extra_options=tactic.module_options(fmt, x.dtype),
     )
 
 
@@ -224,6 +284,7 @@ def gemm2(
     sms: int = 132,
     scores: torch.Tensor | None = None,
     inter_scales: torch.Tensor | None = None,
+    tactic: Tactic = FMA,
 ) -> None:
     """GEMM2 into rows [>= T k, H] (16-bit storage), then, when ``out`` is given, the finalize in the same launch.
 
@@ -239,40 +300,36 @@ def gemm2(
     """
     fmt = weights.format
     w, w_scales, w_global = _payloads(weights, second=True)
-    lpr = lanes_per_row(row_bytes(fmt, weights.padded_intermediate) // CHUNK_BYTES)
-    columns = gemm2_columns(weights.hidden_size, lpr)
-    block_bytes = 2 * WARPS * (32 // lpr) * row_bytes(fmt, weights.padded_intermediate)
-    rounds = choose_rounds(columns, num_tokens * top_k, sms, block_bytes)
-    grid = (-(-columns // rounds), num_tokens * top_k)
-    if counters is not None and counters.numel() < grid[0]:
-        raise ValueError(f"gemm2 needs {grid[0]} column counters, got {counters.numel()}")
-    options = module_options(weight_code(fmt), input_code(fmt, x_dtype))
+    cut = tactic.gemm2_geometry(weights, inter_kind(fmt, x_dtype), num_tokens * top_k, sms)
+    if counters is not None and counters.numel() < cut.grid[0]:
+        raise ValueError(f"gemm2 needs {cut.grid[0]} column counters, got {counters.numel()}")
     launch(
-        SOURCE, "ll_gemm2", rows.device, grid, LL_THREADS,
+        SOURCE, "ll_gemm2", rows.device, cut.grid, LL_THREADS,
         (
             ptr(inter, 16), ptr(ids), ptr(route_weights), np.int32(routing_code), np.int32(ids.element_size()),
             np.int32(num_tokens), np.int32(top_k), np.int32(weights.num_experts), ptr(w, 16), ptr(w_scales),
-            ptr(w_global), np.int32(weights.hidden_size), np.int32(weights.padded_intermediate), np.int32(lpr),
-            np.int32(rounds), np.int32(out_fp16), np.int32(out is not None), ptr(rows, 16), ptr(out, 16),
-            ptr(counters, 4), ptr(scores, 4), ptr(inter_scales, 4),
+            ptr(w_global), np.int32(weights.hidden_size), np.int32(weights.padded_intermediate),
+            np.int32(cut.split), np.int32(cut.rounds), np.int32(out_fp16), np.int32(out is not None), ptr(rows, 16),
+            ptr(out, 16), ptr(counters, 4), ptr(scores, 4), ptr(inter_scales, 4),
         ),
-        extra_options=options,
+        shared_mem=cut.shared_mem,
+        extra_options=tactic.module_options(fmt, x_dtype),
     )
 
 
-def quant128(fmt: WeightFormat, src: torch.Tensor, rows: int, codes: torch.Tensor, scales: torch.Tensor) -> None:
+def quant128(fmt: WeightFormat, src: torch.Tensor, rows: int, codes: torch.Tensor, scales: torch.Tensor,
+             tactic: Tactic = FMA) -> None:
     """DeepSeek FP8's quantization per 128 values (ll_quant128): the first ``rows`` rows of src (BF16 tokens
     [T, H] or GEMM1's FP32 activation [S, Ip], contiguous; columns a multiple of 128) into E4M3 codes (same
     shape, uint8 or float8_e4m3fn storage) and FP32 scales [rows, columns / 128]: scale = fp32(amax / 448) (1.0
     for an all-zero block), code = e4m3(fp32(v / scale)), as cudnn_moe.formats.quantize_fp8_act128."""
     cols = src.shape[-1]
     blocks = rows * (cols // 128)
-    options = module_options(weight_code(fmt), input_code(fmt, None))
     launch(
         SOURCE, QUANT_KERNEL, src.device, (-(-blocks // WARPS), 1), LL_THREADS,
         (ptr(src, 16), np.int32(src.dtype is torch.float32), np.int32(rows), np.int32(cols), ptr(codes, 16),
          ptr(scales, 4)),
-        extra_options=options,
+        extra_options=tactic.module_options(fmt, None),
     )
 
 

@@ -45,7 +45,9 @@ from tests.support import REPO as ROOT
 
 sys.path.insert(0, str(ROOT / "scripts"))
 import sass_budget  # noqa: E402
-from tests.support.kernel_sources import ARG_TYPES, HOST_PRELUDE, NVCC, kernel_signatures, submit  # noqa: E402
+from tests.support.kernel_sources import (  # noqa: E402
+    ARG_TYPES, HOST_PRELUDE, NVCC, NVRTC, kernel_signatures, nvrtc_build, submit,
+)
 
 SOURCE = kernels_dir() / ll.SOURCE
 CXX = shutil.which("c++") or shutil.which("g++")
@@ -139,49 +141,13 @@ def test_sm90a_sass_streams_weights_in_128_bit_loads(sm90_builds) -> None:
             assert not local, f"{name} {kernel}: local memory traffic {local[:3]}"
 
 
-def _find_nvrtc() -> str | None:
-    """libnvrtc: $LL_NVRTC_LIBRARY, the CUDA toolkit next to nvcc, or an nvidia-* wheel of this Python."""
-    import ctypes.util
-    import os
-
-    candidates = [os.environ.get("LL_NVRTC_LIBRARY", "")]
-    if NVCC:
-        candidates += sorted(str(p) for p in (Path(NVCC).resolve().parent.parent / "lib64").glob("libnvrtc.so*"))
-    try:
-        import nvidia  # type: ignore[import-not-found]
-
-        for base in getattr(nvidia, "__path__", []):
-            candidates += sorted(str(p) for p in Path(base).glob("*/lib/libnvrtc.so*"))
-    except ImportError:
-        pass
-    candidates.append(ctypes.util.find_library("nvrtc") or "")
-    return next((c for c in candidates if c and Path(c).exists()), None)
-
-
-NVRTC = _find_nvrtc()
-
-
 @pytest.mark.skipif(NVRTC is None, reason="libnvrtc not found (set LL_NVRTC_LIBRARY to run this)")
 @pytest.mark.parametrize("variant", DECODERS, ids=_variant_id)
 def test_nvrtc_builds_what_the_loader_builds(variant) -> None:
     """The GPU builds these modules with NVRTC (no host headers, the loader's options): the same source text and
     options compile here for sm_90a."""
-    import ctypes
-
-    from cudnn_moe.kernels.loader import compile_options, module_source
-
-    lib = ctypes.CDLL(NVRTC)
-    program = ctypes.c_void_p()
-    source = module_source(ll.SOURCE).encode()
-    assert lib.nvrtcCreateProgram(ctypes.byref(program), source, b"ll_moe.cu", 0, None, None) == 0
-    options = [o.encode() for o in (*compile_options(ll.module_options(*variant)), "--gpu-architecture=sm_90a")]
-    status = lib.nvrtcCompileProgram(program, len(options), (ctypes.c_char_p * len(options))(*options))
-    size = ctypes.c_size_t()
-    lib.nvrtcGetProgramLogSize(program, ctypes.byref(size))
-    log = ctypes.create_string_buffer(size.value)
-    lib.nvrtcGetProgramLog(program, log)
-    lib.nvrtcDestroyProgram(ctypes.byref(program))
-    assert status == 0, log.value.decode(errors="replace")
+    status, log = nvrtc_build(ll.SOURCE, ll.module_options(*variant), "sm_90a")
+    assert status == 0, log
 
 
 # ----------------------------------------------------------------------------- wrappers vs C signatures
@@ -203,7 +169,7 @@ def _cpu_layer(fmt: WeightFormat):
 def test_wrappers_match_kernel_signatures(fmt: WeightFormat, monkeypatch: pytest.MonkeyPatch) -> None:
     launches: list[tuple[str, Any, int, tuple[Any, ...], tuple[str, ...]]] = []
     monkeypatch.setattr(ll, "ptr", lambda tensor, align=1: np.uint64(0))
-    monkeypatch.setattr(ll, "launch", lambda file, name, device, grid, block, args, extra_options=():
+    monkeypatch.setattr(ll, "launch", lambda file, name, device, grid, block, args, shared_mem=0, extra_options=():
                         launches.append((name, grid, block, args, extra_options)))
     weights = _cpu_layer(fmt)
     tokens, top_k, h, ip = 5, 4, weights.hidden_size, weights.padded_intermediate
@@ -267,7 +233,7 @@ def test_deepseek_fp8_launches_match_kernel_signatures(prequantized: bool, final
 
     launches: list[tuple[str, Any, int, tuple[Any, ...], tuple[str, ...]]] = []
     monkeypatch.setattr(ll, "ptr", lambda tensor, align=1: np.uint64(0 if tensor is None else id(tensor)))
-    monkeypatch.setattr(ll, "launch", lambda file, name, device, grid, block, args, extra_options=():
+    monkeypatch.setattr(ll, "launch", lambda file, name, device, grid, block, args, shared_mem=0, extra_options=():
                         launches.append((name, grid, block, args, extra_options)))
     config = LowLatencyMoeConfig(8, arch="sm90")
     e, h, i, tokens, top_k = 3, 512, 256, 5, 4
@@ -331,7 +297,7 @@ def test_mx_pair_launches_match_kernel_signatures(fp4: bool, hidden: int, finali
 
     launches: list[tuple[str, Any, int, tuple[Any, ...], tuple[str, ...]]] = []
     monkeypatch.setattr(ll, "ptr", lambda tensor, align=1: np.uint64(0 if tensor is None else id(tensor)))
-    monkeypatch.setattr(ll, "launch", lambda file, name, device, grid, block, args, extra_options=():
+    monkeypatch.setattr(ll, "launch", lambda file, name, device, grid, block, args, shared_mem=0, extra_options=():
                         launches.append((name, grid, block, args, extra_options)))
     monkeypatch.setattr(cc_engine, "_ensure_ready", lambda *args: None)
     monkeypatch.setattr(cc_engine, "_sm_count", lambda index: 132)

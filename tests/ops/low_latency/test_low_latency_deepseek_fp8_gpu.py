@@ -6,8 +6,8 @@ refused, see the CPU tests). Every output is pre-filled with NaN, so a missing w
 
 Written without a GPU in reach: not run yet when committed.
 
-How the results are compared. The call's steps leave their results in the CUDA-core engine's workspace of the
-weights, which the tests read after the call:
+How the results are compared (tests.support.low_latency_fp8.check_deepseek_fp8_call). The call's steps leave their
+results in the CUDA-core engine's workspace of the weights, which the tests read after the call:
 (0) BF16 tokens: the token codes and scales equal ``quantize_fp8_act128`` of the tokens bit for bit;
 (1) the FP32 activation (``inter``) matches the reference's step 2 activation within FP32 summation-order
     error (the kernels sum in FP32 in another order and evaluate the activation in FP32);
@@ -20,104 +20,35 @@ weights, which the tests read after the call:
 
 from __future__ import annotations
 
-import functools
 import math
 
 import pytest
 import torch
 
-from cudnn_moe.activations import Activation, SiLU, SwiGLU
+from cudnn_moe.activations import Activation, SwiGLU
 from cudnn_moe.formats.fp8 import quantize_fp8_act128
-from cudnn_moe.low_latency import (
-    LowLatencyMoeConfig,
-    RawOutput,
-    deepseek_fp8_intermediate,
-    low_latency_moe,
-    reference_deepseek_fp8,
-)
-from cudnn_moe.pipeline.workspaces import workspace_for
+from cudnn_moe.low_latency import RawOutput, low_latency_moe, reference_deepseek_fp8
 from tests.support.low_latency import (
     ACTIVATIONS,
-    DEV,
     ROUTING_KINDS,
     TOP_K,
     E,
-    assert_close_to_reference,
-    fp8_codes,
     make_routing,
     nan_out,
     random_ids,
     shared_expert_ids,
 )
+from tests.support.low_latency_fp8 import (
+    check_deepseek_fp8_call,
+    deepseek_fp8_layer,
+    scaled_tokens_bf16,
+)
 
 pytestmark = pytest.mark.gpu
 
-HIDDEN, INTER = 256, 256  # two 128-blocks along each
-
-
-@functools.cache
-def layer(gated: bool, experts: int = E, shape: tuple[int, int] = (HIDDEN, INTER), seed: int = 0):
-    """(config, DeepSeekFp8Weights) of random E4M3 codes with block scales putting preactivations near unit size."""
-    hidden, inter = shape
-    gen = torch.Generator().manual_seed(seed)
-    n1 = (2 if gated else 1) * inter
-    w1 = fp8_codes(gen, (experts, n1, hidden))
-    w2 = fp8_codes(gen, (experts, hidden, inter))
-    s1 = (torch.rand(experts, n1 // 128, hidden // 128, generator=gen) + 0.5) / (16 * hidden**0.5)
-    s2 = (torch.rand(experts, hidden // 128, inter // 128, generator=gen) + 0.5) / (16 * inter**0.5)
-    config = LowLatencyMoeConfig(8)
-    weights = config.prepare_deepseek_fp8_weights(w1.to(DEV), s1.to(DEV), w2.to(DEV), s2.to(DEV),
-                                                  activation=SwiGLU() if gated else SiLU())
-    return config, weights
-
-
-def tokens_bf16(tokens: int, hidden: int, seed: int) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(seed)
-    scale = torch.rand(tokens, 1, generator=gen) * 3 + 0.25
-    return (torch.randn(tokens, hidden, generator=gen) * scale).bfloat16().to(DEV)
-
-
-def workspace(config: LowLatencyMoeConfig, weights, top_k: int) -> dict[str, torch.Tensor]:
-    return workspace_for(weights, ("cuda_cores", (config.max_num_tokens, top_k)), {}, weights.w1_codes.device).buffers
-
-
-def _e4m3_index(codes: torch.Tensor) -> torch.Tensor:
-    """Signed position of E4M3 codes on the code line (+-0 -> 0, neighbours differ by one)."""
-    c = codes.view(torch.uint8).long()
-    return torch.where(c >= 128, -(c - 128), c)
-
-
-def check_call(config, weights, inputs, routing, act, got: torch.Tensor, finalize: bool, what: str) -> None:
-    """The checks of the module docstring, on a call that has just run (nothing else since on these weights)."""
-    torch.cuda.synchronize()
-    buffers = workspace(config, weights, routing.top_k)
-    top_k, inter = routing.top_k, weights.intermediate_size
-    if isinstance(inputs, torch.Tensor):
-        tokens = inputs.shape[0]
-        codes, scales = quantize_fp8_act128(inputs)
-        assert torch.equal(buffers["x_codes"][:tokens], codes.view(torch.uint8)), f"{what}: token codes"
-        assert torch.equal(buffers["x_scales"][:tokens].view(torch.int32), scales.view(torch.int32)), f"{what}: token scales"
-    else:
-        tokens = inputs.num_tokens
-    slots = tokens * top_k
-    y = buffers["inter"][:slots].reshape(tokens, top_k, inter)
-    q = buffers["inter_codes"][:slots].reshape(tokens, top_k, inter).view(torch.float8_e4m3fn)
-    s = buffers["inter_scales"][:slots].reshape(tokens, top_k, inter // 128)
-    want = deepseek_fp8_intermediate(inputs, weights, routing, act)
-    assert not bool(y.isnan().any()), f"{what}: the FP32 activation holds NaN"
-    bound = 2.0**-14 * want.activation.abs().amax(dim=-1, keepdim=True) + 2.0**-16 * want.activation.abs()
-    err = (y - want.activation).abs()
-    assert bool((err <= bound).all()), f"{what}: FP32 activation off by {float(err.max()):.3g}"
-    own_q, own_s = quantize_fp8_act128(y)
-    assert torch.equal(q.view(torch.uint8), own_q.view(torch.uint8)), f"{what}: ll_quant128 codes differ from quantize_fp8_act128"
-    assert torch.equal(s.view(torch.int32), own_s.view(torch.int32)), f"{what}: ll_quant128 scales differ"
-    flips = q.view(torch.uint8) != want.codes.view(torch.uint8)
-    assert float(flips.double().mean()) <= 0.005, f"{what}: {int(flips.sum())} of {flips.numel()} intermediate codes differ"
-    steps = (_e4m3_index(q) - _e4m3_index(want.codes)).abs()
-    assert bool((steps <= 1).all()), f"{what}: an intermediate code is {int(steps.max())} E4M3 steps from the reference"
-    assert bool(((s / want.scales - 1).abs() <= 2.0**-16).all()), f"{what}: intermediate scales differ"
-    ref = reference_deepseek_fp8(inputs, weights, routing, act, finalize=finalize, intermediate=(q, s))
-    assert_close_to_reference(got, ref if finalize else ref.rows, what)
+layer = deepseek_fp8_layer
+tokens_bf16 = scaled_tokens_bf16
+check_call = check_deepseek_fp8_call  # on the default (CUDA-core) engine's workspace
 
 
 def run(act: Activation, tokens: int, kind: str, *, finalize: bool = True, seed: int = 0, ids=None,

@@ -10,7 +10,7 @@ intermediate, BF16 rows, the ordered FP32 combine); only the order of the FP32 s
 FP32 activation formulas differ. A value within a few FP32 ulps of a rounding boundary may round the other
 way: for a BF16 rounding that is one BF16 ulp (the other formats' tests allow for it), but an E4M3 flip of one
 intermediate value moves it by 2^-3 and its row by about 2^-6, more than any BF16-level bound. So every call is
-checked in two parts: (1) the GPU's intermediate (read from the call's workspace, where it stays after the
+checked in two parts (tests.support.low_latency_fp8.check_fp8_per_tensor_call): (1) the GPU's intermediate (read from the call's workspace, where it stays after the
 call) equals ``fp8_per_tensor_intermediate`` except for at most 0.5% of the values, each of them at most one
 E4M3 step away (the rare flip), and its padding features are +0; (2) the rows and outputs match
 ``reference_fp8_per_tensor`` run on the GPU's own intermediate, within tests.support.low_latency's bounds for
@@ -19,94 +19,33 @@ the other formats (2 BF16 ulps + 2^-9 of max |reference|, relative L2 <= 2^-8, m
 
 from __future__ import annotations
 
-import functools
 import math
 
 import pytest
 import torch
 
-from cudnn_moe.activations import (
-    Activation,
-    GeGLU,
-    SiLU,
-    SwiGLU,
-)
-from cudnn_moe.low_latency import (
-    LowLatencyMoeConfig,
-    RawOutput,
-    fp8_per_tensor_intermediate,
-    low_latency_moe,
-    reference_fp8_per_tensor,
-)
-from cudnn_moe.pipeline.workspaces import workspace_for
+from cudnn_moe.activations import Activation, GeGLU, SwiGLU
+from cudnn_moe.low_latency import RawOutput, low_latency_moe, reference_fp8_per_tensor
 from tests.support.low_latency import (
     ACTIVATIONS,
-    DEV,
     ROUTING_KINDS,
     TOP_K,
     E,
-    assert_close_to_reference,
     make_routing,
     nan_out,
     random_ids,
     shared_expert_ids,
 )
+from tests.support.low_latency_fp8 import (
+    check_fp8_per_tensor_call,
+    fp8_per_tensor_layer,
+    tokens_bf16,
+)
 
 pytestmark = pytest.mark.gpu
 
-HIDDEN, INTER = 256, 96  # I = 96 pads to 128
-INPUT_SCALE = 4.0 / 448  # N(0, 1) tokens: |x| up to about 4
-INTERMEDIATE_SCALE = 8.0 / 448
-
-
-@functools.cache
-def layer(gated: bool, experts: int = E, shape: tuple[int, int] = (HIDDEN, INTER), seed: int = 0):
-    """(config, Fp8PerTensorWeights) quantized from random BF16 weights (preactivations near unit size)."""
-    hidden, inter = shape
-    gen = torch.Generator().manual_seed(seed)
-    w1 = (torch.randn(experts, (2 if gated else 1) * inter, hidden, generator=gen) / hidden**0.5).bfloat16().to(DEV)
-    w2 = (torch.randn(experts, hidden, inter, generator=gen) / inter**0.5).bfloat16().to(DEV)
-    config = LowLatencyMoeConfig(8)
-    weights = config.prepare_fp8_per_tensor_weights(w1, w2, INPUT_SCALE, INTERMEDIATE_SCALE,
-                                                    activation=SwiGLU() if gated else SiLU())
-    return config, weights
-
-
-def tokens_bf16(tokens: int, hidden: int, seed: int) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randn(tokens, hidden, generator=gen).bfloat16().to(DEV)
-
-
-def gpu_intermediate(config: LowLatencyMoeConfig, weights, tokens: int, top_k: int) -> torch.Tensor:
-    """The last call's intermediate, from the CUDA-core engine's workspace of these weights: float64 [T, k, Ip]
-    (BF16 storage of the unscaled E4M3 values)."""
-    workspace = workspace_for(weights, ("cuda_cores", (config.max_num_tokens, top_k)), {}, weights.w1_codes.device)
-    inter = workspace.buffers["inter"][: tokens * top_k].view(torch.bfloat16).double()
-    return inter.reshape(tokens, top_k, -1)
-
-
-def _e4m3_index(v: torch.Tensor) -> torch.Tensor:
-    """Signed position of E4M3 values on the code line (+-0 -> 0, neighbours differ by one)."""
-    codes = v.float().to(torch.float8_e4m3fn).view(torch.uint8).long()
-    return torch.where(codes >= 128, -(codes - 128), codes)
-
-
-def check_call(config, weights, acts, routing, act, got: torch.Tensor, finalize: bool, what: str) -> None:
-    """The two checks of the module docstring, on a call that has just run (nothing else since)."""
-    torch.cuda.synchronize()
-    tokens, top_k, inter = acts.num_tokens, routing.top_k, weights.intermediate_size
-    gpu_q = gpu_intermediate(config, weights, tokens, top_k)
-    want_q = fp8_per_tensor_intermediate(acts, weights, routing, act)
-    assert not bool(gpu_q.isnan().any()), f"{what}: the intermediate holds NaN"
-    assert bool((gpu_q[..., inter:] == 0).all()), f"{what}: padding features of the intermediate are not +0"
-    gpu_q = gpu_q[..., :inter]
-    assert torch.equal(gpu_q, gpu_q.float().to(torch.float8_e4m3fn).double()), f"{what}: intermediate not E4M3-valued"
-    flips = gpu_q != want_q
-    assert float(flips.double().mean()) <= 0.005, f"{what}: {int(flips.sum())} of {flips.numel()} intermediate values differ"
-    steps = (_e4m3_index(gpu_q) - _e4m3_index(want_q)).abs()
-    assert bool((steps <= 1).all()), f"{what}: an intermediate value is {int(steps.max())} E4M3 steps from the reference"
-    want = reference_fp8_per_tensor(acts, weights, routing, act, finalize=finalize, intermediate=gpu_q)
-    assert_close_to_reference(got, want if finalize else want.rows, what)
+layer = fp8_per_tensor_layer
+check_call = check_fp8_per_tensor_call  # on the default (CUDA-core) engine's workspace
 
 
 def run(act: Activation, tokens: int, kind: str, *, finalize: bool = True, seed: int = 0, ids=None) -> None:

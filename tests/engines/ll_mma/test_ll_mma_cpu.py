@@ -1,0 +1,465 @@
+"""CPU checks of the ll_mma engine (tensor-core dot products of the low-latency FP8 formats):
+
+- the fragments of kernels_cuda/low_latency/mma.cuh, built for the host, fed into an emulation of
+  mma.sync.m16n8k16's fragment layout (PTX ISA: which lane and register holds which A, B, C element) compute
+  sum_k w[row][k] x[token][k] for every row and token of a k64 step, for each operand kind (BF16, FP16 and E4M3
+  tokens): the K permutation the lanes load in is the same for A and B;
+- the E4M3 -> BF16 decode (bit placement + one bf16x2 FMA by 2^120, emulated on the host) and the host stand-in
+  of the E4M3 -> FP16 conversion give every one of the 256 codes (NaN codes aside) bit for bit as torch does;
+- the tensor-core modules (-DLL_MMA=1) compile for sm_90a, sm_100a, sm_103a and sm_120a without spills, and the
+  sm_90a main loops hold HMMA and cp.async (LDGSTS) and touch no local memory;
+- what the engine declares (formats, architectures, K), the registry's choices, the launch geometry and the
+  launch arguments against the kernels' C signatures (launches recorded, nothing run).
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from cudnn_moe.activations import SwiGLU
+from cudnn_moe.arch import SM80, SM90, SM100, SM103, SM107, SM120
+from cudnn_moe.engines.base import OP_LOW_LATENCY, GemmShape, LowLatencyCall, Request, WeightFormat
+from cudnn_moe.engines.cuda_cores import engine as cc_engine
+from cudnn_moe.engines.cuda_cores import kernels as cc
+from cudnn_moe.engines.ll_mma import kernels as mk
+from cudnn_moe.engines.ll_mma.engine import LlMmaEngine
+from cudnn_moe.engines.registry import choose, engine_names
+from cudnn_moe.kernels import cuda_defines, kernels_dir
+from cudnn_moe.kernels.codes import LL_THREADS, LowLatencyInputCode, LowLatencyWeightCode
+from cudnn_moe.low_latency import LowLatencyMoeConfig
+from cudnn_moe.routing import Routing
+from tests.support import REPO
+from tests.support.kernel_sources import ARG_TYPES, HOST_PRELUDE, NVCC, NVRTC, kernel_signatures, nvrtc_build, submit
+
+sys.path.insert(0, str(REPO / "scripts"))
+import sass_budget  # noqa: E402
+
+CXX = shutil.which("c++") or shutil.which("g++")
+CUOBJDUMP = sass_budget.find_tool("cuobjdump")
+SOURCE = kernels_dir() / cc.SOURCE
+FP8_FORMATS = (WeightFormat.FP8_WEIGHT_ONLY, WeightFormat.FP8_PER_TENSOR, WeightFormat.DEEPSEEK_FP8)
+# Every tensor-core module a call can build: FP8 weight-only with BF16 / FP16 tokens, per-tensor FP8, DeepSeek FP8.
+MMA_VARIANTS = (
+    (LowLatencyWeightCode.FP8, LowLatencyInputCode.BF16),
+    (LowLatencyWeightCode.FP8, LowLatencyInputCode.FP16),
+    (LowLatencyWeightCode.FP8, LowLatencyInputCode.FP8),
+    (LowLatencyWeightCode.FP8_BLOCK, LowLatencyInputCode.FP8_BLOCK),
+)
+ARCHS = ("90a", "100a", "103a", "120a")
+
+
+def _variant_id(variant) -> str:
+    return f"{variant[0].name.lower()}-{variant[1].name.lower()}"
+
+
+def _nvcc_command(arch: str, variant) -> list[str]:
+    return [NVCC, "-std=c++17", f"-gencode=arch=compute_{arch},code=sm_{arch}", "-cubin", "-I", str(kernels_dir()),
+            *cuda_defines(), *cc.module_options(*variant), mk.OPTION, "-Xptxas", "-v", str(SOURCE)]
+
+
+def nvcc_jobs(item: pytest.Item) -> list[tuple[list[str], str]]:
+    """The nvcc builds ``item`` needs, started ahead by the session (kernel_sources.prefetch)."""
+    if item.originalname == "test_mma_modules_compile_without_spills":
+        return [(_nvcc_command(item.callspec.params["arch"], v), ".cubin") for v in MMA_VARIANTS]
+    if item.originalname == "test_sm90a_main_loops_run_on_tensor_cores":
+        return [(_nvcc_command("90a", v), ".cubin") for v in MMA_VARIANTS]
+    return []
+
+
+# ----------------------------------------------------------------------------- fragments on the host
+_FRAGMENT_DRIVER = HOST_PRELUDE + r"""
+#include <cstdint>
+#include "low_latency/mma.cuh"
+using namespace ll;
+
+static double half_value(unsigned h) {  // FP16 bits -> value (normals, subnormals, zeros)
+  const int e = (h >> 10) & 31, m = h & 1023;
+  const double v = e == 0 ? std::ldexp(m, -24) : std::ldexp(1024 + m, e - 25);
+  return (h & 0x8000u) ? -v : v;
+}
+static double bf16_value(unsigned b) { return __uint_as_float(b << 16); }
+static double half_of(u32 reg, int half, bool bf16) {
+  const unsigned bits = (reg >> (16 * half)) & 0xFFFFu;
+  return bf16 ? bf16_value(bits) : half_value(bits);
+}
+static uint4 chunk(const unsigned char* p) { uint4 v; std::memcpy(&v, p, 16); return v; }
+
+// One k64 step of one m16 tile: mode 0 BF16 tokens, 1 FP16 tokens, 2 E4M3 tokens. W: 16 rows x 64 E4M3 bytes;
+// X: 8 tokens x 64 values (16-bit bits, or E4M3 bytes in the low byte). Every lane builds its fragments as the
+// kernel does (lane 4g + t: 16 bytes of rows g and g + 8 at K offset 16t, token g's 16 values at 16t); then the
+// 4 mma are evaluated from the fragments per the PTX layout, in double, into the accumulator fragments, and
+// C[row][token] is read from those through c_slot.
+template <int XK>
+static void step(const unsigned char* W, const unsigned short* X, double C[16][8]) {
+  constexpr bool BF = XK == LL_INPUT_BF16;
+  u32 A[32][4][4], B[32][4][2];
+  for (int lane = 0; lane < 32; ++lane) {
+    const int g = lane / 4, t = lane % 4;
+    const uint4 lo = chunk(W + g * 64 + 16 * t), hi = chunk(W + (g + 8) * 64 + 16 * t);
+    unsigned char xb[32];
+    for (int i = 0; i < 16; ++i) {
+      const unsigned short v = X[g * 64 + 16 * t + i];
+      if (XK == LL_INPUT_FP8) xb[i] = static_cast<unsigned char>(v);
+      else std::memcpy(xb + 2 * i, &v, 2);
+    }
+    const uint4 q0 = chunk(xb), q1 = chunk(xb + 16);
+    for (int j = 0; j < 4; ++j) {
+      a_fragment<BF>(lo, hi, j, A[lane][j]);
+      b_fragment<XK>(q0, q1, j, B[lane][j]);
+    }
+  }
+  double frag[32][4];  // the accumulator fragments: lane 4g + t, register c holds (row g + 8 (c / 2), col 2t + c % 2)
+  for (int lane = 0; lane < 32; ++lane)
+    for (int c = 0; c < 4; ++c) {
+      const int r = lane / 4 + 8 * (c / 2), n = 2 * (lane % 4) + c % 2;
+      double sum = 0.0;
+      for (int j = 0; j < 4; ++j)
+        for (int kk = 0; kk < 16; ++kk) {
+          const int a_lane = (r % 8) * 4 + (kk % 8) / 2, a_reg = (r >= 8 ? 1 : 0) + (kk >= 8 ? 2 : 0);
+          const int b_lane = n * 4 + (kk % 8) / 2, b_reg = kk >= 8 ? 1 : 0;
+          sum += half_of(A[a_lane][j][a_reg], kk % 2, BF) * half_of(B[b_lane][j][b_reg], kk % 2, BF);
+        }
+      frag[lane][c] = sum;
+    }
+  for (int r = 0; r < 16; ++r)  // read back as the kernels' reduction does (c_slot)
+    for (int n = 0; n < 8; ++n) {
+      int lane, c;
+      c_slot(r, n, lane, c);
+      C[r][n] = frag[lane][c];
+    }
+}
+
+// argv[1]: cases (int32 mode, 16 x 64 uint8 W, 8 x 64 uint16 X); argv[2]: per case C 16 x 8 float64, then for
+// every E4M3 word 0x03020100 + 0x04040404 i (i < 64: each code once) its 4 BF16 and 4 FP16 decodes (uint16).
+int main(int, char** argv) {
+  FILE* in = std::fopen(argv[1], "rb");
+  FILE* out = std::fopen(argv[2], "wb");
+  int mode;
+  unsigned char W[16 * 64];
+  unsigned short X[8 * 64];
+  while (std::fread(&mode, 4, 1, in) == 1 && std::fread(W, 1, sizeof W, in) == sizeof W &&
+         std::fread(X, 2, 8 * 64, in) == 8 * 64) {
+    double C[16][8];
+    if (mode == 0) step<LL_INPUT_BF16>(W, X, C);
+    else if (mode == 1) step<LL_INPUT_FP16>(W, X, C);
+    else step<LL_INPUT_FP8>(W, X, C);
+    std::fwrite(C, 8, 16 * 8, out);
+  }
+  for (u32 i = 0; i < 64; ++i) {
+    const u32 w = 0x03020100u + 0x04040404u * i, even = e4m3_bf16x2_even_pair(w), odd = e4m3_bf16x2_odd_pair(w);
+    const u32 f01 = e4m3x2_to_f16x2(w), f23 = e4m3x2_to_f16x2(w >> 16);
+    const unsigned short v[8] = {
+        static_cast<unsigned short>(even), static_cast<unsigned short>(odd), static_cast<unsigned short>(even >> 16),
+        static_cast<unsigned short>(odd >> 16), static_cast<unsigned short>(f01), static_cast<unsigned short>(f01 >> 16),
+        static_cast<unsigned short>(f23), static_cast<unsigned short>(f23 >> 16)};
+    std::fwrite(v, 2, 8, out);
+  }
+  return std::fclose(out) != 0 || std::fclose(in) != 0;
+}
+"""
+
+
+def _e4m3_bytes(gen: torch.Generator, n: int) -> torch.Tensor:
+    codes = torch.randint(0, 256, (n,), generator=gen, dtype=torch.uint8)
+    return torch.where((codes & 0x7F) == 0x7F, codes - 1, codes)  # no NaN codes
+
+
+@pytest.fixture(scope="module")
+def fragment_program(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    if CXX is None:
+        pytest.skip("no C++ compiler")
+    folder = tmp_path_factory.mktemp("mma")
+    source, program = folder / "mma.cpp", folder / "mma"
+    source.write_text(_FRAGMENT_DRIVER)
+    build = [CXX, "-std=c++17", "-O1", "-I", str(kernels_dir()), *cuda_defines(), str(source), "-o", str(program)]
+    result = subprocess.run(build, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    return program
+
+
+def _run_cases(program: Path, folder: Path, cases: list[tuple[int, torch.Tensor, torch.Tensor]]):
+    """-> (C float64 [cases, 16, 8], decodes uint16 [64, 8])."""
+    with open(folder / "in.bin", "wb") as f:
+        for mode, w, x in cases:
+            f.write(np.int32(mode).tobytes() + w.numpy().astype(np.uint8).tobytes() + x.numpy().astype(np.uint16).tobytes())
+    subprocess.run([str(program), str(folder / "in.bin"), str(folder / "out.bin")], check=True)
+    raw = (folder / "out.bin").read_bytes()
+    c_bytes = len(cases) * 16 * 8 * 8
+    c = torch.from_numpy(np.frombuffer(raw[:c_bytes], dtype=np.float64).reshape(len(cases), 16, 8).copy())
+    decodes = torch.from_numpy(np.frombuffer(raw[c_bytes:], dtype=np.uint16).reshape(64, 8).astype(np.int32))
+    return c, decodes
+
+
+def _token_values(mode: int, x: torch.Tensor) -> torch.Tensor:
+    """x [8, 64] (uint16 bits / E4M3 bytes, as int32) -> float64 values."""
+    if mode == 2:
+        return x.to(torch.uint8).view(torch.float8_e4m3fn).double()
+    bits = x.to(torch.int32).to(torch.int16)  # wrap to the signed 16-bit view
+    return bits.view(torch.bfloat16 if mode == 0 else torch.float16).double()
+
+
+@pytest.mark.parametrize("mode", [0, 1, 2], ids=["bf16-tokens", "fp16-tokens", "e4m3-tokens"])
+def test_fragments_compute_the_dot_products(fragment_program: Path, tmp_path: Path, mode: int) -> None:
+    """Random E4M3 weights (one case holding all 254 finite codes) and tokens; the emulated mma of the lanes'
+    fragments equals sum_k w[row][k] x[token][k] for all 16 rows x 8 tokens of the step (float64, up to its
+    rounding: every product is exact), read back through c_slot (the kernels' reduction). A wrong lane, register,
+    half or K permutation on either side breaks it."""
+    gen = torch.Generator().manual_seed(mode)
+    cases = []
+    for index in range(6):
+        w = _e4m3_bytes(gen, 16 * 64)
+        if index == 0:  # every finite code once, the rest random
+            codes = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F], dtype=torch.uint8)
+            w[: codes.numel()] = codes[torch.randperm(codes.numel(), generator=gen)]
+        if mode == 2:
+            x = _e4m3_bytes(gen, 8 * 64).to(torch.int32)
+        else:
+            dtype = torch.bfloat16 if mode == 0 else torch.float16
+            x = (torch.randn(8 * 64, generator=gen) * 3).to(dtype).view(torch.int16).to(torch.int32) & 0xFFFF
+        cases.append((mode, w.reshape(16, 64), x.reshape(8, 64)))
+    got, _ = _run_cases(fragment_program, tmp_path, cases)
+    for index, (_, w, x) in enumerate(cases):
+        wv = w.contiguous().view(torch.float8_e4m3fn).double()
+        xv = _token_values(mode, x)
+        want = wv @ xv.T
+        scale = wv.abs() @ xv.abs().T
+        err = (got[index] - want).abs()
+        assert bool((err <= 1e-12 * scale + 1e-300).all()), (
+            f"case {index}: max error {float(err.max()):.3g} at {divmod(int(err.argmax()), 8)}")
+
+
+def test_e4m3_decodes_every_code_exactly(fragment_program: Path, tmp_path: Path) -> None:
+    """The BF16 pairs (bytes 0 and 2, then 1 and 3 of a word: bit placement, x 2^120 in one emulated bf16x2 FMA)
+    and the FP16 pairs (bytes 0 and 1, 2 and 3: the host stand-in of cvt.rn.f16x2.e4m3x2) of every E4M3 code are
+    torch's BF16 / FP16 of the code's value, bit for bit (signed zeros, subnormals and +-448 included)."""
+    _, decodes = _run_cases(fragment_program, tmp_path, [])
+    codes = torch.arange(256, dtype=torch.uint8)
+    value = codes.view(torch.float8_e4m3fn).float()
+    finite = value.isfinite()
+    bf16 = value.bfloat16().view(torch.int16).to(torch.int32) & 0xFFFF
+    fp16 = value.half().view(torch.int16).to(torch.int32) & 0xFFFF
+    got_bf16 = decodes[:, :4].reshape(256)  # bytes 0, 1, 2, 3 of word i are codes 4i .. 4i + 3
+    got_fp16 = decodes[:, 4:].reshape(256)
+    assert torch.equal(got_bf16[finite], bf16[finite]), "E4M3 -> BF16 decode differs"
+    assert torch.equal(got_fp16[finite], fp16[finite]), "E4M3 -> FP16 (host stand-in) differs"
+    assert int((~finite).sum()) == 2
+
+
+# ----------------------------------------------------------------------------- builds and SASS
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found")
+@pytest.mark.parametrize("arch", ARCHS)
+def test_mma_modules_compile_without_spills(arch: str) -> None:
+    for variant in MMA_VARIANTS:
+        result, _ = submit(_nvcc_command(arch, variant), ".cubin").result()
+        assert result.returncode == 0, f"sm_{arch} {_variant_id(variant)}:\n{result.stderr}"
+        spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", result.stderr)
+        assert spills and all(s == ("0", "0") for s in spills), f"sm_{arch} {_variant_id(variant)} spills:\n{result.stderr}"
+        registers = [int(r) for r in re.findall(r"Used (\d+) registers", result.stderr)]
+        assert registers and max(registers) <= 65536 // (2 * LL_THREADS), f"two CTAs per SM need <= 128 registers: {registers}"
+
+
+@pytest.mark.skipif(NVRTC is None, reason="libnvrtc not found (set LL_NVRTC_LIBRARY to run this)")
+@pytest.mark.parametrize("variant", MMA_VARIANTS, ids=_variant_id)
+def test_nvrtc_builds_the_mma_modules(variant) -> None:
+    """The GPU builds these modules with NVRTC (no host headers, the loader's options, the tactic's -D option) for
+    the device's generic target (sm_90, as CuPy asks): the same source text and options compile here."""
+    status, log = nvrtc_build(cc.SOURCE, mk.MMA.module_options(*_formats_of(variant)), "sm_90")
+    assert status == 0, log
+
+
+def _formats_of(variant) -> tuple[WeightFormat, torch.dtype | None]:
+    """A (weight format, token dtype) whose module is ``variant``."""
+    weights, tokens = variant
+    if weights is LowLatencyWeightCode.FP8_BLOCK:
+        return WeightFormat.DEEPSEEK_FP8, None
+    if tokens is LowLatencyInputCode.FP8:
+        return WeightFormat.FP8_PER_TENSOR, torch.float8_e4m3fn
+    return WeightFormat.FP8_WEIGHT_ONLY, torch.bfloat16 if tokens is LowLatencyInputCode.BF16 else torch.float16
+
+
+def test_mma_variants_cover_every_call() -> None:
+    """The modules an ll_mma call can ask for are the ones built here."""
+    asked = {(cc.weight_code(f), cc.input_code(f, d)) for f in FP8_FORMATS
+             for d in ((torch.bfloat16, torch.float16) if f is WeightFormat.FP8_WEIGHT_ONLY else (None,))}
+    assert asked == set(MMA_VARIANTS) and {_formats_of(v)[0] for v in MMA_VARIANTS} == set(FP8_FORMATS)
+
+
+def _innermost_hmma_loop(code: list[tuple[int, str]]) -> list[str]:
+    """The smallest loop (a backward branch) of a kernel that holds an HMMA."""
+    best: list[str] | None = None
+    for index, (address, instruction) in enumerate(code):
+        match = sass_budget._BRANCH.search(instruction)
+        if not match or int(match.group(1), 16) >= address:
+            continue
+        body = [ins for addr, ins in code[: index + 1] if addr >= int(match.group(1), 16)]
+        if any("HMMA" in ins for ins in body) and (best is None or len(body) < len(best)):
+            best = body
+    return best or []
+
+
+@pytest.mark.skipif(NVCC is None or CUOBJDUMP is None, reason="nvcc or cuobjdump not found")
+def test_sm90a_main_loops_run_on_tensor_cores() -> None:
+    """Both GEMMs' k64 loop: 8 HMMA (4 k16 steps x 2 tiles) of the operand kind the tokens ask for, the step's
+    cp.async copies (4 weight chunks L1-bypassing, LDGSTS.E.BYPASS.128), no local memory anywhere, and within the
+    issue budget (hopper-kernels.md: the FP8 weights of a k64 step, 2 KB a warp, arrive at 4.3 TB/s in about 110
+    cycles of an SM, 440 warp-instruction slots of its four schedulers: the loop must stay well below)."""
+    for variant in MMA_VARIANTS:
+        result, cubin = submit(_nvcc_command("90a", variant), ".cubin").result()
+        assert result.returncode == 0, result.stderr
+        functions = sass_budget.disassemble(cubin)
+        for kernel in ("ll_gemm1", "ll_gemm2"):
+            name = f"{_variant_id(variant)} {kernel}"
+            assert not [t for _, t in functions[kernel] if re.search(r"\b(LDL|STL)\b", t)], f"{name}: local memory"
+            loop = _innermost_hmma_loop(functions[kernel])
+            hmma = [t for t in loop if "HMMA" in t]
+            assert len(hmma) == 8, f"{name}: {len(hmma)} HMMA in the k64 loop"
+            bf16 = variant[1] is LowLatencyInputCode.BF16 or (kernel == "ll_gemm2" and variant[1] is LowLatencyInputCode.FP8)
+            assert all((".BF16" in t) == bf16 for t in hmma), f"{name}: {hmma[0]}"
+            assert sum(bool(re.search(r"\bLDGSTS\.E\.BYPASS\.128\b", t)) for t in loop) >= 4, f"{name}: weight copies"
+            assert len(loop) <= 300, f"{name}: {len(loop)} instructions per k64 step"
+
+
+# ----------------------------------------------------------------------------- what the engine declares
+def _request(fmt: WeightFormat, arch=SM90, k1: int = 7168, k2: int = 2048) -> Request:
+    return Request(OP_LOW_LATENCY, arch, fmt.value, (GemmShape(k1, 2 * k2, 256), GemmShape(k2, k1, 256)), 256,
+                   torch.bfloat16, torch.bfloat16, True, 8)
+
+
+def test_engine_serves_the_fp8_formats_where_the_ptx_is_valid() -> None:
+    for fmt in FP8_FORMATS:
+        for arch in (SM90, SM100, SM103, SM107, SM120):
+            assert LlMmaEngine.supports(_request(fmt, arch)), (fmt, arch)
+        assert not LlMmaEngine.supports(_request(fmt, SM80))
+    for fmt in set(WeightFormat) - set(FP8_FORMATS):
+        answer = LlMmaEngine.supports(_request(fmt))
+        assert not answer and "does not run" in answer.reason, fmt
+    nine = Request(OP_LOW_LATENCY, SM90, WeightFormat.FP8_WEIGHT_ONLY.value, tokens=9)
+    assert not LlMmaEngine.supports(nine) and "at most 8" in LlMmaEngine.supports(nine).reason
+    odd = LlMmaEngine.supports(_request(WeightFormat.DEEPSEEK_FP8, k1=7168 + 64))
+    assert not odd and "multiple of 128" in odd.reason and "7232" in odd.reason
+
+
+def test_registry_keeps_cuda_cores_as_the_default_and_names_ll_mma() -> None:
+    assert "ll_mma" in engine_names(OP_LOW_LATENCY)
+    for fmt in FP8_FORMATS:
+        assert choose(_request(fmt)).name == "cuda_cores"
+        assert choose(_request(fmt), "ll_mma") is LlMmaEngine
+    with pytest.raises(ValueError, match="ll_mma"):
+        choose(_request(WeightFormat.BF16), "ll_mma")
+    assert LowLatencyMoeConfig(8, arch="sm90", engine="ll_mma").engine == "ll_mma"
+
+
+def test_choose_split() -> None:
+    assert [mk.choose_split(u) for u in (1, 2, 3, 4, 6, 8, 15, 16, 56)] == [1, 1, 1, 2, 2, 4, 4, 8, 8]
+
+
+def _weights(fmt: WeightFormat, hidden: int, padded: int, gated: bool = True) -> Any:
+    return SimpleNamespace(format=fmt, hidden_size=hidden, padded_intermediate=padded, gated=gated)
+
+
+def test_geometry_at_deepseek_v3_shapes() -> None:
+    """H = 7168, I = 2048: GEMM1 8 warps split K (one pair, 16 features, a CTA), 128 columns; GEMM2 likewise, 32 rows
+    a CTA, 224 columns; rounds as choose_rounds gives them; shared memory per the token kind."""
+    bf16, fp8, block = LowLatencyInputCode.BF16, LowLatencyInputCode.FP8, LowLatencyInputCode.FP8_BLOCK
+    w = _weights(WeightFormat.FP8_WEIGHT_ONLY, 7168, 2048)
+    one = mk.MMA.gemm1_geometry(w, bf16, 8, 132)
+    assert (one.split, one.grid, one.rounds, one.shared_mem) == (8, (128, 8), 1, 8 * 4 * 6 * 512)
+    two = mk.MMA.gemm2_geometry(w, bf16, 64, 132)
+    assert (two.split, two.grid, two.rounds) == (8, (224, 64), 1)
+    assert mk.MMA.gemm1_geometry(w, fp8, 8, 132).shared_mem == 8 * 4 * 5 * 512
+    assert mk.MMA.gemm1_geometry(w, block, 8, 132).shared_mem == 8 * 4 * 6 * 512
+    assert mk.MMA.max_gemm2_columns(7168) == 224 >= two.grid[0]
+    small = mk.MMA.gemm2_geometry(_weights(WeightFormat.FP8_WEIGHT_ONLY, 2048, 768), bf16, 8, 132)
+    assert small.split == 2 and small.grid[0] * small.rounds * (8 // 2) * 32 >= 2048
+    non_gated = mk.MMA.gemm1_geometry(_weights(WeightFormat.FP8_WEIGHT_ONLY, 256, 128, gated=False), bf16, 4, 132)
+    assert (non_gated.split, non_gated.grid) == (1, (1, 4))  # 8 pairs of 32 features cover Ip = 128
+
+
+def _launches(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, Any, int, tuple[Any, ...], int, tuple[str, ...]]]:
+    launches: list = []
+    monkeypatch.setattr(cc, "ptr", lambda tensor, align=1: np.uint64(0 if tensor is None else id(tensor)))
+    monkeypatch.setattr(cc, "launch", lambda file, name, device, grid, block, args, shared_mem=0, extra_options=():
+                        launches.append((name, grid, block, args, shared_mem, extra_options)))
+    return launches
+
+
+def _call(weights, x, x_scales, finalize: bool, tokens: int = 5, top_k: int = 4) -> LowLatencyCall:
+    h = weights.hidden_size
+    out = torch.zeros(tokens, h) if finalize else torch.zeros(tokens, top_k, h)
+    return LowLatencyCall(weights, x, x_scales, Routing.packed(torch.zeros(tokens, top_k, dtype=torch.int32)), SwiGLU(),
+                          torch.bfloat16, finalize, out, 8, None if finalize else torch.zeros(tokens, top_k))
+
+
+def _fp8_layers():
+    config = LowLatencyMoeConfig(8, arch="sm90")
+    e, h, i = 3, 512, 256
+    z = lambda *s: torch.zeros(*s, dtype=torch.float8_e4m3fn)  # noqa: E731
+    weight_only = config.prepare_fp8_weight_only_weights(z(e, 2 * i, h), torch.ones(e), z(e, h, i), torch.ones(e))
+    deepseek = config.prepare_deepseek_fp8_weights(z(e, 2 * i, h), torch.ones(e, 2 * i // 128, h // 128), z(e, h, i),
+                                                   torch.ones(e, h // 128, i // 128))
+    return weight_only, deepseek
+
+
+@pytest.mark.parametrize("finalize", [True, False])
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float16])
+def test_fp8_weight_only_launches(x_dtype: torch.dtype, finalize: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """LlMmaEngine.run: ll_gemm1 then ll_gemm2 of the -DLL_MMA=1 module, the C signatures' argument types, the
+    geometry of the tactic (split in the lanes_per_row slot, rounds, grid, dynamic shared memory), the engine's own
+    workspaces (counters: one per GEMM2 column of the finest cut)."""
+    launches = _launches(monkeypatch)
+    ready = []
+    monkeypatch.setattr(cc_engine, "_ensure_ready", lambda *args: ready.append(args))
+    monkeypatch.setattr(cc_engine, "_sm_count", lambda index: 132)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)  # CPU tensors stand for device 0's
+    weights, _ = _fp8_layers()
+    call = _call(weights, torch.zeros(5, weights.hidden_size, dtype=x_dtype), None, finalize)
+    key, spec = LlMmaEngine.workspace_spec(call)
+    assert spec["counters"] == ((mk.MMA.max_gemm2_columns(weights.hidden_size),), torch.int32)
+    workspace = {name: torch.zeros(shape, dtype=dtype) for name, (shape, dtype) in spec.items()}
+    LlMmaEngine.run(call, workspace)
+    assert ready == [("ll_mma", mk.MMA, weights.format, x_dtype, 0)]
+    assert [name for name, *_ in launches] == ["ll_gemm1", "ll_gemm2"]
+    signatures = kernel_signatures([SOURCE])
+    kind = cc.input_code(weights.format, x_dtype)
+    options = (*cc.module_options(LowLatencyWeightCode.FP8, kind), mk.OPTION)
+    geometries = (mk.MMA.gemm1_geometry(weights, kind, 20, 132),
+                  mk.MMA.gemm2_geometry(weights, cc.inter_kind(weights.format, x_dtype), 20, 132))
+    for (name, grid, block, args, shared, opts), cut in zip(launches, geometries):
+        assert [type(a) for a in args] == [ARG_TYPES[k] for k in signatures[name]], name
+        assert block == LL_THREADS and opts == options and grid == cut.grid and shared == cut.shared_mem, name
+    assert launches[0][3][15:17] == (np.int32(geometries[0].split), np.int32(geometries[0].rounds))
+    assert launches[1][3][13:15] == (np.int32(geometries[1].split), np.int32(geometries[1].rounds))
+    assert launches[1][3][16] == int(finalize)
+
+
+@pytest.mark.parametrize("prequantized", [False, True])
+def test_deepseek_fp8_launches(prequantized: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """DeepSeek FP8 through the tensor-core module: ll_quant128 (BF16 tokens), ll_gemm1, ll_quant128, ll_gemm2, every
+    launch from the -DLL_MMA=1 module, the GEMMs with the rings of E4M3 tokens with scales (6 items a lane)."""
+    launches = _launches(monkeypatch)
+    _, weights = _fp8_layers()
+    h = weights.hidden_size
+    x, scales = ((torch.zeros(5, h, dtype=torch.float8_e4m3fn), torch.ones(5, h // 128)) if prequantized
+                 else (torch.zeros(5, h, dtype=torch.bfloat16), None))
+    call = _call(weights, x, scales, True)
+    _, spec = LlMmaEngine.workspace_spec(call)
+    workspace = {name: torch.zeros(shape, dtype=dtype) for name, (shape, dtype) in spec.items()}
+    ids, route_weights, code = call.routing.kernel_operands()
+    cc_engine._run_deepseek_fp8(call, workspace, ids, route_weights, code, 132, mk.MMA)
+    names = [name for name, *_ in launches]
+    assert names == ([] if prequantized else ["ll_quant128"]) + ["ll_gemm1", "ll_quant128", "ll_gemm2"]
+    options = (*cc.module_options(LowLatencyWeightCode.FP8_BLOCK, LowLatencyInputCode.FP8_BLOCK), mk.OPTION)
+    assert all(launch[5] == options for launch in launches)
+    for launch in launches:
+        want = mk.shared_bytes(LowLatencyInputCode.FP8_BLOCK) if launch[0] != "ll_quant128" else 0
+        assert launch[4] == want, launch[0]
