@@ -26,8 +26,7 @@ typedef unsigned long long u64;
 // Every kernel of the project starts with this. The loader launches kernels on SM90+ with the
 // programmatic-stream-serialization attribute (cudnn_moe.kernels.loader), so a kernel may become resident
 // while the previous kernel of its stream still runs: griddepcontrol.wait blocks until that kernel has
-// completed with its writes visible, and nothing before it reads or writes global memory (but L2 prefetch hints
-// of weights, which no kernel of the chain writes: l2_prefetch_bulk). The trigger
+// completed with its writes visible, and nothing before it reads or writes global memory. The trigger
 // right after lets the next kernel of the stream launch (and reach its own wait) while this one works;
 // it is a scheduling hint only, never a visibility point. Both are no-ops when the launch had no
 // attribute, and compile to nothing before sm_90.
@@ -35,20 +34,6 @@ __device__ __forceinline__ void grid_dependency_begin() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
-
-// A hint that `bytes` (a multiple of 16) of global memory at p (16-byte aligned) will be read soon: one bulk
-// request that brings them into L2 (sm_90 on; nothing elsewhere). It reads nothing into the thread and may
-// run before griddepcontrol.wait, for data no kernel of the chain writes (weights).
-__device__ __forceinline__ void l2_prefetch_bulk(const void* p, u32 bytes) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  constexpr u32 CHUNK = 1u << 16;  // requests of at most 64 KB
-  for (u32 done = 0; done < bytes; done += CHUNK) {
-    const u32 size = min(bytes - done, CHUNK);
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(static_cast<const char*>(p) + done), "r"(size)
-                 : "memory");
-  }
 #endif
 }
 

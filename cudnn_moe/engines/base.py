@@ -181,17 +181,6 @@ class RowGather:
 
 
 @dataclass(frozen=True)
-class ExpertHint:
-    """The experts a GEMM launch is about to read, known before its offsets are: the call's routing ids (int32
-    [S], flat; an id outside [first, first + E) names no local expert). It only steers weight prefetches (an
-    engine may start streaming those experts' weights before the launch's dependency wait): a stale or wrong id
-    costs bandwidth, never a result."""
-
-    ids: torch.Tensor
-    first: int
-
-
-@dataclass(frozen=True)
 class ActivationEpilogue:
     """The activation stage folded into GEMM1's epilogue: instead of GEMM1's BF16 output, ``out`` (GEMM2's
     token operand) receives what the activation kernel (cudnn_moe.kernels.activate_quantize) would write
@@ -223,7 +212,6 @@ class GemmOperands:
     ``out`` with the epilogue, its ``tokens`` with the gather.
     gather / epilogue: the fused forms, for an engine that declares ``LayerStages.gemm1_activation`` in its
     chain: the tokens read through the routing instead of ``tokens``; the activation written instead of ``out``.
-    expert_hint: the routing ids behind ``offsets``, for weight prefetches (ExpertHint), or None.
     """
 
     rows: int
@@ -235,7 +223,6 @@ class GemmOperands:
     workspace: torch.Tensor | None
     gather: RowGather | None = None
     epilogue: ActivationEpilogue | None = None
-    expert_hint: ExpertHint | None = None
 
 
 class Engine(abc.ABC):

@@ -41,7 +41,6 @@ from ..activations import Activation
 from ..capture import gc_paused, refuse_during_capture
 from ..engines.base import (
     ActivationEpilogue,
-    ExpertHint,
     GemmEngine,
     GemmOperands,
     GemmShape,
@@ -129,15 +128,14 @@ class Bucket:
         self.alpha1 = w.w1_alpha if w.w1_alpha is not None else empty(2 * experts if w.w1_alpha_split else experts,
                                                                       dtype=torch.float32)
         self.alpha2 = w.w2_alpha if w.w2_alpha is not None else empty(experts, dtype=torch.float32)
-        hint = ExpertHint(self.ids.view(-1), executor.local_expert_start)  # staged before the sort runs
         self.gemm1 = GemmOperands(
             rows, shape1, token_operand(shape1, 0 if self.fusion.gather else rows),
             WeightOperand(w.w1, w.w1_scales, self.alpha1, w.w1_alpha_split), self.offsets,
-            empty(0 if self.fusion.epilogue else rows, n1, dtype=torch.bfloat16), workspace, expert_hint=hint,
+            empty(0 if self.fusion.epilogue else rows, n1, dtype=torch.bfloat16), workspace,
         )
         self.gemm2 = GemmOperands(
             rows, shape2, token_operand(shape2, rows), WeightOperand(w.w2, w.w2_scales, self.alpha2), self.offsets,
-            empty(rows, hidden, dtype=torch.bfloat16), workspace, expert_hint=hint,
+            empty(rows, hidden, dtype=torch.bfloat16), workspace,
         )
         self.graph: torch.cuda.CUDAGraph | None = None
         self.full_graphs: OrderedDict[Hashable, torch.cuda.CUDAGraph] = OrderedDict()  # LRU, by signature

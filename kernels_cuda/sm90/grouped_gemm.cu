@@ -125,35 +125,6 @@ __device__ __forceinline__ int decode_feature(int f, int n) {
   return f < DEC_FB / 2 ? first + f : (n >> 1) + first + f - DEC_FB / 2;
 }
 
-// The weight prefetch of a decode launch, before its dependency wait (the sort that fills `offsets` may still
-// run): the routing ids of the call (int32 [hint_count], ids outside [hint_base, hint_base + E) skipped) name the
-// experts its tiles will read. CTA y takes ids y, y + gridDim.y, ... (each expert once: an id seen earlier in the
-// list is skipped) and brings the first `steps` k64 steps of its warps' m16 row blocks of that expert into L2,
-// weights and scales. A hint only: the ids are read again nowhere, a wrong or stale id costs bandwidth, never a
-// result; the addresses stay inside w_tiles / w_scales.
-__device__ __forceinline__ void prefetch_decode_weights(const u8* __restrict__ w_tiles, const u8* __restrict__ w_scales,
-                                                        int num_experts, int n, int kt, const int* __restrict__ hint_ids,
-                                                        int hint_count, int hint_base, int steps) {
-  const int lane = threadIdx.x & 31;
-  const int warp = threadIdx.x >> 5;
-  if (steps <= 0 || warp >= SM90_WM) return;  // the wk = 0 warps: one per m16 row block group
-  steps = min(steps, kt);
-  const i64 expert_tiles = static_cast<i64>(n >> 4) * kt;
-  for (int h = static_cast<int>(blockIdx.y); h < hint_count; h += static_cast<int>(gridDim.y)) {
-    const int e = hint_ids[h] - hint_base;
-    if (e < 0 || e >= num_experts) continue;  // warp-uniform
-    bool seen = false;
-    for (int j = lane; j < h; j += 32) seen |= hint_ids[j] - hint_base == e;
-    if (__any_sync(0xFFFFFFFFu, seen)) continue;
-    if (lane < 2 * SM90_MT) {
-      const int mt = lane % SM90_MT;
-      const i64 tile = e * expert_tiles + static_cast<i64>(decode_warp_tile(warp, n) + mt) * kt;
-      if (lane < SM90_MT) moe::l2_prefetch_bulk(w_tiles + tile * 512, static_cast<u32>(steps) * 512u);
-      else moe::l2_prefetch_bulk(w_scales + tile * 64, static_cast<u32>(steps) * 64u);
-    }
-  }
-}
-
 // Warp (wm, wk) owns feature rows [16 decode_warp_tile(wm), +16 MT) and the k64 steps j = wk, wk + WK, ...;
 // its partial sums meet in shared memory, summed over wk = 0..WK-1 in order.
 // With SM90_ACT (the decode chain): the C tile, rounded to BF16 as out would hold it, goes to the
@@ -162,15 +133,12 @@ __device__ __forceinline__ void prefetch_decode_weights(const u8* __restrict__ w
 // parameters). Gated: the CTA's first WM / 2 warps compute up and the others the gate rows of DEC_FB / 2
 // outputs (grid x = n / DEC_FB blocks). row_to_slot int32 [row_capacity] marks padding rows (< 0). The
 // gather arguments must be 0 (the decode kernel reads its rows from x).
-// hint_ids, hint_count, hint_base, prefetch_steps: prefetch_decode_weights's (prefetch_steps 0: none).
 extern "C" __global__ void __launch_bounds__(DEC_THREADS)
     sm90_gemm_decode(const u8* __restrict__ w_tiles, const u8* __restrict__ w_scales, const float* __restrict__ alpha,
                      const u16* __restrict__ x, const int* __restrict__ offsets, int num_experts, int n, int k,
                      int row_capacity, int alpha_split, u16* __restrict__ out, const int* __restrict__ row_to_slot,
                      int gather_top_k, int gather_tokens, float act_alpha, float act_beta, float act_limit,
-                     int act_layout, int requantize, u8* __restrict__ act_out, u8* __restrict__ act_scales,
-                     const int* __restrict__ hint_ids, int hint_count, int hint_base, int prefetch_steps) {
-  prefetch_decode_weights(w_tiles, w_scales, num_experts, n, k >> 6, hint_ids, hint_count, hint_base, prefetch_steps);
+                     int act_layout, int requantize, u8* __restrict__ act_out, u8* __restrict__ act_scales) {
   moe::grid_dependency_begin();
   __shared__ __align__(16) float red[SM90_WK][DEC_TB][DEC_RED_STRIDE];
   Tile tile;

@@ -109,22 +109,6 @@ def gemm1_fusion(rows: int, shape: GemmShape, activation: object, sm_count: int)
     return Gemm1Fusion(epilogue=fits and decode_ctas(rows, shape, variant) <= _DECODE_EPILOGUE_CTAS_PER_SM * sm_count)
 
 
-# A decode launch brings the first k64 steps of the experts its routing names into L2 before its dependency wait
-# (grouped_gemm.cu, prefetch_decode_weights): GEMM1 while the sort runs, GEMM2 while GEMM1 runs. The bytes one
-# launch asks for stay under this share of the H200's 50 MB L2, so prefetched lines outlive the streaming
-# loads of the launch before; a launch touching more weights prefetches the same fraction of each row.
-_PREFETCH_L2_BYTES = 24 << 20
-
-
-def prefetch_steps(shape: GemmShape, hinted_slots: int) -> int:
-    """The k64 steps of each weight row a decode launch of ``shape`` prefetches when the routing names
-    ``hinted_slots`` (token, expert) pairs: all K while the touched experts' NVFP4 weights and scales (N K 9/16
-    bytes each) fit in _PREFETCH_L2_BYTES, else that share of K (0: none)."""
-    steps = shape.k // TILE_K
-    touched = min(shape.num_experts, hinted_slots) * (shape.n * shape.k * 9 // 16)
-    return steps if touched <= _PREFETCH_L2_BYTES else steps * _PREFETCH_L2_BYTES // touched
-
-
 LOW_LATENCY_MAX_TOKENS = 8
 
 
@@ -207,11 +191,7 @@ class Sm90GemmEngine(GemmEngine):
         return self.variant(rows, shape).token_layout
 
     def gemm(self, operands: GemmOperands) -> None:
-        """The launch of ``operands``; a decode variant with an expert hint prefetches as ``prefetch_steps`` says."""
-        w, gather, epilogue, hint = operands.weights, operands.gather, operands.epilogue, operands.expert_hint
-        variant = self.variant(operands.rows, operands.shape)
-        steps = prefetch_steps(operands.shape, hint.ids.numel()) if hint is not None and isinstance(
-            variant, DecodeVariant) else 0
+        w, gather, epilogue = operands.weights, operands.gather, operands.epilogue
         grouped_gemm(w.data, w.scales, w.alpha, operands.tokens.data if gather is None else None, operands.offsets,
-                     operands.out if epilogue is None else None, variant, alpha_split=w.alpha_split, gather=gather,
-                     epilogue=epilogue, hint=hint if steps else None, prefetch_steps=steps)
+                     operands.out if epilogue is None else None, self.variant(operands.rows, operands.shape),
+                     alpha_split=w.alpha_split, gather=gather, epilogue=epilogue)

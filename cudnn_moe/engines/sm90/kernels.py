@@ -20,7 +20,7 @@ from ...kernels.activate import check_activation_output
 from ...kernels.codes import TokenLayout
 from ...kernels.loader import ARCH_SPECIFIC, launch, ptr
 from ...validate import require_contiguous, require_shape, require_tensor
-from ..base import ActivationEpilogue, ExpertHint, RowGather, TokenOperand
+from ..base import ActivationEpilogue, RowGather, TokenOperand
 from .layout import TILE_K
 
 GEMM_SOURCE = "sm90/grouped_gemm.cu"
@@ -278,8 +278,6 @@ def grouped_gemm(
     *,
     gather: RowGather | None = None,
     epilogue: ActivationEpilogue | None = None,
-    hint: ExpertHint | None = None,
-    prefetch_steps: int = 0,
 ) -> None:
     """out[r, :N] = bf16(float32(alpha[e] * 256) * (x[r] @ W_e^T * 2^-8)) for the rows r of each segment e.
     With ``alpha_split`` (a multiple of ``variant.alpha_block``, below N) alpha is [2E] and
@@ -297,10 +295,6 @@ def grouped_gemm(
     epilogue (a WgmmaVariant, or a DecodeVariant whose ``epilogue_problem`` is None): out is None;
     epilogue.out receives the activation stage's output for the segments' rows (cudnn_moe.kernels.activate_quantize
     of what out would hold, bit for bit). Gated activations need W's rows as [up; gate] (N / 2 each).
-
-    The weight prefetch (a DecodeVariant): with ``prefetch_steps`` > 0 each CTA brings the first
-    ``prefetch_steps`` k64 steps of its weight rows of the experts ``hint`` names into L2 before the launch's
-    dependency wait (grouped_gemm.cu, prefetch_decode_weights); results never depend on it.
     """
     if not isinstance(variant, (DecodeVariant, PrefillVariant, WgmmaVariant)):
         raise ValueError(f"variant must be a DecodeVariant, PrefillVariant or WgmmaVariant, got {type(variant).__name__}")
@@ -357,18 +351,6 @@ def grouped_gemm(
     if epilogue is not None:
         for name, (t, alignment) in _check_epilogue(epilogue, rows, n).items():
             named[name], align[name] = t, alignment
-    if isinstance(prefetch_steps, bool) or not isinstance(prefetch_steps, int) or prefetch_steps < 0:
-        raise ValueError(f"prefetch_steps must be an int >= 0, got {prefetch_steps!r}")
-    if prefetch_steps and not isinstance(variant, DecodeVariant):
-        raise ValueError(f"a weight prefetch needs a DecodeVariant, got {variant}")
-    if prefetch_steps and hint is None:
-        raise ValueError("prefetch_steps > 0 needs a hint (the ExpertHint naming the experts)")
-    if prefetch_steps:
-        hint_ids = _tensor("hint.ids", hint.ids)
-        _check("hint.ids", hint_ids, (torch.int32,), (hint_ids.numel(),))
-        if not isinstance(hint.first, int) or isinstance(hint.first, bool):
-            raise ValueError(f"hint.first must be an int, got {hint.first!r}")
-        named["hint.ids"], align["hint.ids"] = hint_ids, 4
     grid = gemm_grid(variant, experts, n, rows)
     if grid[1] > MAX_GRID_Y:
         raise ValueError(f"x: R = {rows} rows need up to {grid[1]} tiles of {variant.tile_rows} rows, more than the "
@@ -389,10 +371,6 @@ def grouped_gemm(
         args += _fused_args(gather, epilogue, tokens.shape[0])
         if epilogue is not None:
             options += epilogue_options(epilogue.activation)
-    if isinstance(variant, DecodeVariant):
-        ids = named.get("hint.ids")
-        args += (ptr(ids, 4), np.int32(0 if ids is None else ids.numel()), np.int32(hint.first if ids is not None else 0),
-                 np.int32(prefetch_steps))
     launch(variant.source, variant.kernel, tokens.device, grid, variant.threads, args,
            shared_mem=variant.shared_mem, extra_options=options)
 
