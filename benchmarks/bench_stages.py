@@ -4,8 +4,10 @@ Per model, token count and engine: the GPU time of each bucket-static stage of t
 permute or the two in one launch, GEMM1, activation, GEMM2, or the fused stages that replace some), each
 captured alone in a CUDA graph, their
 sum, the launches of one call, the whole call (stage + those + finalize) captured in one graph, and the GB/s
-each GEMM streams (NVFP4 bytes of the touched experts / its time). Every time is the median of
-CUDA-event-timed replays with L2 flushed before each (common.py). Host time per call: bench_moe.py.
+each GEMM streams (NVFP4 bytes of the touched experts / its time). A second table gives each stage's cost
+inside the chain, where the launches overlap (programmatic dependent launch): the first i stages captured in
+one graph, minus the first i - 1. Every time is the median of CUDA-event-timed replays with L2 flushed before
+each (common.py). Host time per call: bench_moe.py.
 Usage: python benchmarks/bench_stages.py --help
 """
 
@@ -66,17 +68,22 @@ def stage_times(
     if unknown:
         raise RuntimeError(f"the executor's stages hold {unknown}; this script tabulates {STAGES}")
     times = {name: timer.median_us(capture(launch).replay) for name, launch in stages}
+    prefixes = [timer.median_us(capture(lambda n=n: [launch() for _, launch in stages[:n]]).replay)
+                for n in range(1, len(stages) + 1)]
+    chain = [(name, t - (prefixes[i - 1] if i else 0.0)) for i, ((name, _), t) in enumerate(zip(stages, prefixes))]
     touched = int(torch.unique(batch[1]).numel())
     gemm1_bytes = touched * 2 * m.intermediate * m.hidden * FP4_BYTES_PER_WEIGHT
     gemm1 = times["gemm1"] if "gemm1" in times else times["gemm1+activation"]
     rates = [gemm1_bytes / gemm1 / 1e3, gemm1_bytes / 2 / times["gemm2"] / 1e3]  # bytes / us / 1e3 = GB/s
     gemm2_flops = 2 * batch[0].shape[0] * m.top_k * m.hidden * m.intermediate
     tflops = [2 * gemm2_flops / gemm1 / 1e6, gemm2_flops / times["gemm2"] / 1e6]  # FLOP / us / 1e6 = TFLOP/s
-    return [*(times.get(name) for name in STAGES), sum(times.values()), len(stages) + 2, whole, *rates, *tflops]
+    cells = [*(times.get(name) for name in STAGES), sum(times.values()), len(stages) + 2, whole, *rates, *tflops]
+    return cells, chain
 
 
-def bench_model(args: argparse.Namespace, report: Report, m: ModelShape, gen: torch.Generator, timer: Timer) -> None:
-    """One row per token count and engine for model ``m``."""
+def bench_model(args: argparse.Namespace, report: Report, m: ModelShape, gen: torch.Generator, timer: Timer,
+                chains: list[str]) -> None:
+    """One row per token count and engine for model ``m``; the in-chain row of each goes to ``chains``."""
     progress(f"{m.name}: random BF16 weights, NVFP4 weights for {', '.join(args.engines)}")
     prepared = prepare_engines(m, *random_weights(m, gen), args.engines, max(args.tokens), report)
     for tokens in args.tokens:
@@ -86,9 +93,13 @@ def bench_model(args: argparse.Namespace, report: Report, m: ModelShape, gen: to
                 report, args.skip_slow_cudnn, m, tokens, engine, prepared,
                 lambda config, weights: stage_times(m, config, weights, batch, timer),  # noqa: B023
             )
-            cells = [result] * (len(STAGES) + 7) if isinstance(result, str) else [
-                "-" if t is None else str(t) if isinstance(t, int) else fmt(t) for t in result]
+            if isinstance(result, str):
+                cells, chain = [result] * (len(STAGES) + 7), result
+            else:
+                cells = ["-" if t is None else str(t) if isinstance(t, int) else fmt(t) for t in result[0]]
+                chain = ", ".join(f"{name} {fmt(t)}" for name, t in result[1])
             report.emit(md_row([m.name, str(tokens), engine, *cells]))
+            chains.append(md_row([m.name, str(tokens), engine, chain]))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -103,7 +114,15 @@ def main(argv: list[str] | None = None) -> int:
     report.emit()
     report.table(["model", "T", "engine", *STAGES, "sum of stages", "launches", "whole call", "GEMM1 GB/s",
                   "GEMM2 GB/s", "GEMM1 TFLOP/s", "GEMM2 TFLOP/s"], left=3)
-    run_models(args, lambda m, gen, timer: bench_model(args, report, m, gen, timer))
+    chains: list[str] = []
+    run_models(args, lambda m, gen, timer: bench_model(args, report, m, gen, timer, chains))
+    report.emit()
+    report.emit("Each stage's cost inside the chain: the first i stages captured in one graph, minus the first i - 1 "
+                "(us; the first stage's is its time alone in a graph)")
+    report.emit()
+    report.table(["model", "T", "engine", "stage: added us"], left=4)
+    for row in chains:
+        report.emit(row)
     report.write(args.markdown)
     return 0
 

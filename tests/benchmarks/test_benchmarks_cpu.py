@@ -17,6 +17,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 import bench_moe  # noqa: E402
 import bench_stages  # noqa: E402
+import profile_call  # noqa: E402
 import common  # noqa: E402
 
 from cudnn_moe.engines.base import GemmShape  # noqa: E402
@@ -83,7 +84,7 @@ def test_bad_arguments_exit_2(argv: list[str]) -> None:
     assert exc.value.code == 2
 
 
-@pytest.mark.parametrize("script", [bench_moe, bench_stages])
+@pytest.mark.parametrize("script", [bench_moe, bench_stages, profile_call])
 def test_help(script: object, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
         script.main(["--help"])
@@ -92,7 +93,7 @@ def test_help(script: object, capsys: pytest.CaptureFixture[str]) -> None:
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without a GPU")
-@pytest.mark.parametrize("script", [bench_moe, bench_stages])
+@pytest.mark.parametrize("script", [bench_moe, bench_stages, profile_call])
 def test_main_without_gpu_returns_2(script: object, capsys: pytest.CaptureFixture[str]) -> None:
     assert script.main([]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
@@ -222,6 +223,9 @@ def test_bench_stages_table_with_fake_cuda(fake_cuda: None, tmp_path: Path) -> N
     assert (cells[14], cells[15]) in [(common.fmt(2 * t * per_expert), common.fmt(t * per_expert)) for t in (2, 3, 4)]
     gemm2_tflops = 2 * 2 * TINY.top_k * TINY.hidden * TINY.intermediate / 10 / 1e6
     assert cells[16:18] == [common.fmt(2 * gemm2_tflops), common.fmt(gemm2_tflops)]
+    # the in-chain table: every prefix takes the fake timer's 10 us, so the first stage adds 10 and the rest 0
+    chain = [line for line in lines if line.startswith("| Tiny |")][-1]
+    assert chain == "| Tiny | 2 | cudnn | sort+permute 10.0, gemm1 0.0, activation 0.0, gemm2 0.0 |"
 
 
 def test_bf16_peer_falls_back_to_eager_and_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
