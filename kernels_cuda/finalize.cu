@@ -14,23 +14,27 @@ __device__ __forceinline__ void accumulate_row(float acc[8], int r, float w, con
   }
 }
 
-// One block per token t < B; each thread handles 8 consecutive hidden columns.
+// Block (t, y) for token t < B and columns [8 y blockDim.x, 8 (y + 1) blockDim.x) (gridDim.y column groups;
+// a group past H does nothing, H beyond the grid's columns is looped over); each thread handles 8 consecutive
+// hidden columns.
 //   g2          BF16 [row_capacity, hidden]: the second GEMM's rows, expert global already applied;
 //               16-byte aligned, hidden % 8 == 0
 //   slot_to_row int32 [B * top_k]; weights FP32 [B * top_k]
 //   out         BF16 [B, hidden]: out[t, h] = bf16(sum over slots s in order, skipping masked ones,
 //               of w[t, s] * float(g2[r, h])): a separate FP32 multiply and add per slot. With
 //               accumulate != 0 the sum starts from float(out[t, h]) instead of zero.
-// The rows of four slots are loaded together (four 16-byte loads in flight per thread), then added in
+// The rows of up to eight slots are loaded together (eight 16-byte loads in flight per thread), then added in
 // slot order.
 extern "C" __global__ void moe_finalize(const u16* __restrict__ g2, const int* __restrict__ slot_to_row,
                                         const float* __restrict__ weights, int top_k, int hidden,
                                         int accumulate, u16* __restrict__ out) {
   moe::grid_dependency_begin();
+  constexpr int GROUP = 8;  // slots loaded together
   const i64 t = blockIdx.x;
   const int* rows = slot_to_row + t * top_k;
   const float* w = weights + t * top_k;
-  for (int h = 8 * threadIdx.x; h < hidden; h += 8 * blockDim.x) {
+  const int step = 8 * static_cast<int>(blockDim.x * gridDim.y);
+  for (int h = 8 * static_cast<int>(blockIdx.y * blockDim.x + threadIdx.x); h < hidden; h += step) {
     float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
     if (accumulate) {
       const uint4 raw = *reinterpret_cast<const uint4*>(out + t * hidden + h);
@@ -41,22 +45,17 @@ extern "C" __global__ void moe_finalize(const u16* __restrict__ g2, const int* _
         acc[2 * j + 1] = __uint_as_float(words[j] & 0xFFFF0000u);
       }
     }
-    int s = 0;
-    for (; s + 4 <= top_k; s += 4) {
-      int r[4];
-      uint4 v[4];
+    for (int s = 0; s < top_k; s += GROUP) {
+      int r[GROUP];
+      uint4 v[GROUP];
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        r[i] = rows[s + i];
+      for (int i = 0; i < GROUP; ++i) {
+        r[i] = s + i < top_k ? rows[s + i] : -1;
         v[i] = r[i] >= 0 ? *reinterpret_cast<const uint4*>(g2 + static_cast<i64>(r[i]) * hidden + h)
                          : make_uint4(0u, 0u, 0u, 0u);
       }
 #pragma unroll
-      for (int i = 0; i < 4; ++i) accumulate_row(acc, r[i], r[i] >= 0 ? w[s + i] : 0.0f, v[i]);
-    }
-    for (; s < top_k; ++s) {
-      const int r = rows[s];
-      if (r >= 0) accumulate_row(acc, r, w[s], *reinterpret_cast<const uint4*>(g2 + static_cast<i64>(r) * hidden + h));
+      for (int i = 0; i < GROUP; ++i) accumulate_row(acc, r[i], r[i] >= 0 ? w[s + i] : 0.0f, v[i]);
     }
     store_bf16x8(out + t * hidden + h, acc);
   }

@@ -95,13 +95,37 @@ extern "C" __global__ void moe_permute_bf16_tokens(const u16* __restrict__ x, co
                     [&](i64 t, int u, uint4 piece[4]) { load_bf16_unit(x, hidden, t, u, piece); });
 }
 
+// The gather of the sort + permute kernels: block b takes tokens b, b + gridDim.x, ... of the num_slots / top_k
+// (rounded up), and its threads the (slot, 32-column unit) pairs of each, so the rows of a token's slots are
+// written by as many threads at once (a unit is loaded, or decoded, once per slot; the repeats hit L1).
+// slot_rows: the block's sort (shared memory); the stores are those of permute_fragments.
+template <typename LoadUnit>
+__device__ __forceinline__ void permute_token_slots(const int* slot_rows, int num_slots, int top_k, int hidden,
+                                                    int layout, u16* __restrict__ xp, LoadUnit load_unit) {
+  const int units = hidden / 32;
+  const int tokens = (num_slots + top_k - 1) / top_k;
+  for (int t = static_cast<int>(blockIdx.x); t < tokens; t += static_cast<int>(gridDim.x)) {
+    const int first = t * top_k;
+    const int pairs = min(top_k, num_slots - first) * units;
+    for (int i = static_cast<int>(threadIdx.x); i < pairs; i += static_cast<int>(blockDim.x)) {
+      const int s = i / units;
+      const int u = i - s * units;
+      const int r = slot_rows[first + s];
+      if (r < 0) continue;
+      uint4 piece[4];
+      load_unit(t, u, piece);
+      store_token_unit(layout, xp + static_cast<i64>(r) * hidden, u, piece);
+    }
+  }
+}
+
 // Sort + permute in one launch, for buckets of at most SORT_THREADS slots (decode): every block of
 // SORT_THREADS threads runs the whole single-block sort of moe_sort in shared memory (it reads the
 // num_slots ids from L2: the blocks never communicate), block 0 alone writes the sort's outputs for the
 // later stages (offsets, slot_to_row, row_to_slot, row_expert, counts: moe_sort's documentation), and
-// every block then gathers its own tokens as moe_permute_bf16 / moe_permute_bf16_tokens do, reading the
-// slot rows from shared memory. Same outputs, bit for bit, as moe_sort followed by the permute. Launch
-// ceil(ceil(num_slots / top_k) / max(1, SORT_THREADS / (H / 32))) blocks (at least one).
+// every block then gathers its tokens (permute_token_slots), reading the slot rows from shared memory. Same
+// outputs, bit for bit, as moe_sort followed by moe_permute_bf16 / moe_permute_bf16_tokens. Any grid of at
+// least one block (cudnn_moe/kernels/sort.py: a block per token, at most SORT_PERMUTE_MAX_BLOCKS).
 template <typename LoadUnit>
 __device__ __forceinline__ void sort_permute(const int* __restrict__ ids, int num_slots, int top_k, int local_start,
                                              int num_experts, int align, int row_capacity, int hidden, int layout,
@@ -115,7 +139,7 @@ __device__ __forceinline__ void sort_permute(const int* __restrict__ ids, int nu
   sort_slots(ids, num_slots, local_start, num_experts, align, row_capacity, max(num_slots, 1), 0, 1, blockIdx.x == 0,
              slot_rows, offsets, slot_to_row, row_to_slot, row_expert, counts);
   __syncthreads();
-  permute_fragments(slot_rows, num_slots, top_k, hidden, layout, xp, load_unit);
+  permute_token_slots(slot_rows, num_slots, top_k, hidden, layout, xp, load_unit);
 }
 
 // NVFP4 tokens (xs, xss as for moe_permute_bf16), decoded exactly into BF16 fragments.

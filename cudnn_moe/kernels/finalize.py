@@ -37,8 +37,9 @@ def finalize(
     tokens = out.shape[0]
     if tokens * top_k > min(slot_to_row.numel(), weights.numel()) or weights.dtype != torch.float32:
         raise ValueError(f"finalize: {tokens} tokens x top-{top_k} exceed the float32 routing of the bucket")
+    # a block per token and ROW_THREADS x 8 columns: few tokens still spread over several SMs, one pass each
     launch(
-        SOURCE, "moe_finalize", out.device, tokens, ROW_THREADS,
+        SOURCE, "moe_finalize", out.device, (tokens, -(-hidden // (8 * ROW_THREADS))), ROW_THREADS,
         (ptr(g2, 16), ptr(slot_to_row), ptr(weights), np.int32(top_k), np.int32(hidden), np.int32(accumulate),
          ptr(out, 16)),
     )

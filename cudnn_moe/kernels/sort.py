@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from .codes import SORT_MAX_EXPERTS, SORT_THREADS, TokenLayout
-from .permute import require_bf16_rows, unit_grid
+from .permute import require_bf16_rows
 from .loader import launch, ptr
 
 # Most blocks of one moe_sort_blocks launch. Every block counts all slot ids, so the grid is capped:
@@ -105,6 +105,9 @@ def _check_operands(ids_flat: torch.Tensor, top_k: int, num_local: int, align: i
 
 
 SORT_PERMUTE_MAX_SLOTS = SORT_THREADS  # slots of a bucket whose sort and permute run in one launch
+# Blocks of that launch: one per token up to this many (each sorts every slot itself; one wave on an H200's
+# 132 SMs), then tokens strided over them.
+SORT_PERMUTE_MAX_BLOCKS = 128
 
 
 def sort_permute_bf16(
@@ -140,7 +143,7 @@ def sort_permute_bf16(
         raise ValueError(f"sort + permute: BF16 tokens [B, H], or uint8 codes [B, H/2] with scales [B, H/16]; got "
                          f"{tokens.dtype} {tuple(tokens.shape)}")
     require_bf16_rows(xp, hidden, layout)
-    blocks = max(1, unit_grid(-(-num_slots // top_k), hidden // 32, SORT_THREADS)[0])
+    blocks = max(1, min(-(-num_slots // top_k), SORT_PERMUTE_MAX_BLOCKS))
     head = (ptr(ids_flat), np.int32(num_slots), np.int32(top_k), np.int32(local_start), np.int32(num_local),
             np.int32(align), np.int32(row_to_slot.numel()), np.int32(hidden), np.int32(layout))
     tail = (ptr(offsets), ptr(slot_to_row), ptr(row_to_slot), ptr(row_expert), ptr(counts), ptr(xp, 16))
