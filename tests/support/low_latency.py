@@ -17,6 +17,9 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -33,7 +36,7 @@ from cudnn_moe.activations import (
     SwiGLU,
     SwiGLUStep,
 )
-from cudnn_moe.low_latency import LowLatencyMoeConfig, WeightFormat
+from cudnn_moe.low_latency import LowLatencyMoeConfig, WeightFormat, low_latency_moe
 from cudnn_moe.routing import Routing, pack_routing
 from cudnn_moe.weights.nvfp4 import Nvfp4Activations
 
@@ -174,6 +177,55 @@ def make_routing(ids: torch.Tensor, kind: str, seed: int = 2, weights: torch.Ten
 
 def nan_out(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return torch.full(shape, math.nan, dtype=dtype, device=DEV)
+
+
+# ----------------------------------------------------------------------------- calls and CUDA graphs
+def run_low_latency(config: LowLatencyMoeConfig, x: Any, weights: Any, routing: Routing, out: torch.Tensor,
+                    scores: torch.Tensor, finalize: bool, **options: Any) -> None:
+    """One low_latency_moe call: finalized into out [T, H], or the raw rows into out [T, k, H] with their routing
+    scores into scores [T, k]."""
+    if finalize:
+        low_latency_moe(config, x, weights, routing, out=out, **options)
+    else:
+        low_latency_moe(config, x, weights, routing, finalize=False, out=out, return_scores=True, scores_out=scores,
+                        **options)
+
+
+@dataclass
+class ReplayedCall:
+    """What replay_equals_eager saw: the eager call's outputs (equal to the replay's, bit for bit) and the values
+    ``call`` returned inside the capture and in the eager run."""
+
+    out: torch.Tensor
+    scores: torch.Tensor
+    captured: Any
+    eager: Any
+
+
+def replay_equals_eager(call: Callable[[torch.Tensor, torch.Tensor], Any], shape: tuple[int, ...], top_k: int,
+                        out_dtype: torch.dtype, finalize: bool, change_inputs: Callable[[], None]) -> ReplayedCall:
+    """``call(out, scores)`` warmed up, captured in one CUDA graph, then replayed into NaN-poisoned outputs after
+    ``change_inputs()`` rewrote its inputs in place; an eager call on the new inputs into fresh poisoned outputs.
+    Asserts that the replay wrote every output and equals the eager call bit for bit (the raw calls' scores too)."""
+    captured, captured_scores = nan_out(shape, out_dtype), nan_out((shape[0], top_k), torch.float32)
+    call(captured, captured_scores)  # warm-up: kernels and workspace
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        in_graph = call(captured, captured_scores)
+    change_inputs()
+    captured.fill_(math.nan)
+    captured_scores.fill_(math.nan)
+    graph.replay()
+    eager, eager_scores = nan_out(shape, out_dtype), nan_out((shape[0], top_k), torch.float32)
+    result = call(eager, eager_scores)
+    torch.cuda.synchronize()
+    assert not bool(captured.isnan().any()), "the replay left outputs unwritten"
+    same = captured.view(torch.int16) == eager.view(torch.int16)
+    assert bool(same.all()), f"replay differs from eager at {int((~same).sum())} of {same.numel()} elements"
+    if not finalize:
+        assert torch.equal(captured_scores.view(torch.int32), eager_scores.view(torch.int32)), "replayed scores"
+    return ReplayedCall(eager, eager_scores, in_graph, result)
 
 
 # ----------------------------------------------------------------------------- comparison

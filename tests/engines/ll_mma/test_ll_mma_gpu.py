@@ -17,7 +17,6 @@ read the intermediate this engine left in its own workspace.
 from __future__ import annotations
 
 import functools
-import math
 
 import pytest
 import torch
@@ -34,17 +33,8 @@ from cudnn_moe.low_latency import (
     reference_low_latency,
 )
 from tests.support.low_latency import (
-    ACTIVATIONS,
-    ROUTING_KINDS,
-    TOP_K,
-    E,
-    assert_close_to_reference,
-    make_inputs,
-    make_layer,
-    make_routing,
-    nan_out,
-    random_ids,
-    shared_expert_ids,
+    ACTIVATIONS, E, ROUTING_KINDS, TOP_K, assert_close_to_reference, make_inputs, make_layer, make_routing, nan_out,
+    random_ids, replay_equals_eager, run_low_latency, shared_expert_ids,
 )
 from tests.support.low_latency_fp8 import (
     check_deepseek_fp8_call,
@@ -224,36 +214,17 @@ def test_cuda_graph_replay_equals_eager(fmt, finalize):
     inputs = inputs_for(fmt, weights, tokens, 1)
     routing = make_routing(random_ids(tokens, TOP_K, E, 1), "packed")
     shape = (tokens, hidden) if finalize else (tokens, TOP_K, hidden)
-    captured, captured_scores = nan_out(shape, torch.bfloat16), nan_out((tokens, TOP_K), torch.float32)
 
-    def call(out: torch.Tensor, scores: torch.Tensor) -> None:
-        if finalize:
-            low_latency_moe(mma_config(), inputs, weights, routing, out=out)
+    def change_inputs() -> None:
+        fresh = inputs_for(fmt, weights, tokens, 2)
+        if fmt is PT:
+            inputs.codes.copy_(fresh.codes)
         else:
-            low_latency_moe(mma_config(), inputs, weights, routing, finalize=False, out=out, return_scores=True,
-                            scores_out=scores)
+            inputs.copy_(fresh)
+        routing.packed_tensor.copy_(make_routing(random_ids(tokens, TOP_K, E, 2), "packed").packed_tensor)
 
-    call(captured, captured_scores)  # warm-up: kernels and workspace
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        call(captured, captured_scores)
-    fresh = inputs_for(fmt, weights, tokens, 2)
-    if fmt is PT:
-        inputs.codes.copy_(fresh.codes)
-    else:
-        inputs.copy_(fresh)
-    routing.packed_tensor.copy_(make_routing(random_ids(tokens, TOP_K, E, 2), "packed").packed_tensor)
-    captured.fill_(math.nan)
-    captured_scores.fill_(math.nan)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert not bool(captured.isnan().any()), "the replay left outputs unwritten"
-    eager, eager_scores = nan_out(shape, torch.bfloat16), nan_out((tokens, TOP_K), torch.float32)
-    call(eager, eager_scores)
-    torch.cuda.synchronize()
-    same = captured.view(torch.int16) == eager.view(torch.int16)
-    assert bool(same.all()), f"replay differs from eager at {int((~same).sum())} of {same.numel()} elements"
-    if not finalize:
-        assert torch.equal(captured_scores.view(torch.int32), eager_scores.view(torch.int32))
-    check(fmt, weights, inputs, routing, SwiGLU(), eager, finalize, torch.bfloat16, f"eager after the replay {fmt.value}")
+    replayed = replay_equals_eager(
+        lambda out, scores: run_low_latency(mma_config(), inputs, weights, routing, out, scores, finalize),
+        shape, TOP_K, torch.bfloat16, finalize, change_inputs)
+    check(fmt, weights, inputs, routing, SwiGLU(), replayed.out, finalize, torch.bfloat16,
+          f"eager after the replay {fmt.value}")

@@ -29,13 +29,7 @@ from cudnn_moe.activations import Activation, SwiGLU
 from cudnn_moe.formats.fp8 import quantize_fp8_act128
 from cudnn_moe.low_latency import RawOutput, low_latency_moe, reference_deepseek_fp8
 from tests.support.low_latency import (
-    ACTIVATIONS,
-    ROUTING_KINDS,
-    TOP_K,
-    E,
-    make_routing,
-    nan_out,
-    random_ids,
+    ACTIVATIONS, E, ROUTING_KINDS, TOP_K, make_routing, nan_out, random_ids, replay_equals_eager, run_low_latency,
     shared_expert_ids,
 )
 from tests.support.low_latency_fp8 import (
@@ -159,34 +153,14 @@ def test_cuda_graph_replay_equals_eager(finalize):
     x = tokens_bf16(tokens, hidden, 1)
     routing = make_routing(random_ids(tokens, TOP_K, E, 1), "packed")
     shape = (tokens, hidden) if finalize else (tokens, TOP_K, hidden)
-    captured, captured_scores = nan_out(shape, torch.bfloat16), nan_out((tokens, TOP_K), torch.float32)
 
-    def call(out: torch.Tensor, scores: torch.Tensor) -> None:
-        if finalize:
-            low_latency_moe(config, x, weights, routing, out=out)
-        else:
-            low_latency_moe(config, x, weights, routing, finalize=False, out=out, return_scores=True, scores_out=scores)
+    def change_inputs() -> None:
+        x.copy_(tokens_bf16(tokens, hidden, 2))
+        routing.packed_tensor.copy_(make_routing(random_ids(tokens, TOP_K, E, 2), "packed").packed_tensor)
 
-    call(captured, captured_scores)  # warm-up: kernels and workspace
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        call(captured, captured_scores)
-    x.copy_(tokens_bf16(tokens, hidden, 2))
-    routing.packed_tensor.copy_(make_routing(random_ids(tokens, TOP_K, E, 2), "packed").packed_tensor)
-    captured.fill_(math.nan)
-    captured_scores.fill_(math.nan)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert not bool(captured.isnan().any()), "the replay left outputs unwritten"
-    eager, eager_scores = nan_out(shape, torch.bfloat16), nan_out((tokens, TOP_K), torch.float32)
-    call(eager, eager_scores)
-    torch.cuda.synchronize()
-    same = captured.view(torch.int16) == eager.view(torch.int16)
-    assert bool(same.all()), f"replay differs from eager at {int((~same).sum())} of {same.numel()} elements"
-    if not finalize:
-        assert torch.equal(captured_scores.view(torch.int32), eager_scores.view(torch.int32))
-    check_call(config, weights, x, routing, SwiGLU(), eager, finalize, "eager after the replay")
+    replayed = replay_equals_eager(lambda out, scores: run_low_latency(config, x, weights, routing, out, scores, finalize),
+                                   shape, TOP_K, torch.bfloat16, finalize, change_inputs)
+    check_call(config, weights, x, routing, SwiGLU(), replayed.out, finalize, "eager after the replay")
 
 
 def test_cuda_graph_reads_prequantized_tokens_live():

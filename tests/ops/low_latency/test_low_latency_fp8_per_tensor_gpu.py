@@ -19,7 +19,7 @@ the other formats (2 BF16 ulps + 2^-9 of max |reference|, relative L2 <= 2^-8, m
 
 from __future__ import annotations
 
-import math
+from typing import Any
 
 import pytest
 import torch
@@ -27,13 +27,7 @@ import torch
 from cudnn_moe.activations import Activation, GeGLU, SwiGLU
 from cudnn_moe.low_latency import RawOutput, low_latency_moe, reference_fp8_per_tensor
 from tests.support.low_latency import (
-    ACTIVATIONS,
-    ROUTING_KINDS,
-    TOP_K,
-    E,
-    make_routing,
-    nan_out,
-    random_ids,
+    ACTIVATIONS, E, ROUTING_KINDS, TOP_K, make_routing, nan_out, random_ids, replay_equals_eager, run_low_latency,
     shared_expert_ids,
 )
 from tests.support.low_latency_fp8 import (
@@ -122,38 +116,20 @@ def test_cuda_graph_replay_equals_eager(finalize):
     x = tokens_bf16(tokens, hidden, 1)
     routing = make_routing(random_ids(tokens, TOP_K, E, 1), "packed")
     shape = (tokens, hidden) if finalize else (tokens, TOP_K, hidden)
-    captured, captured_scores = nan_out(shape, torch.bfloat16), nan_out((tokens, TOP_K), torch.float32)
-    held = {}
 
-    def call(out: torch.Tensor, scores: torch.Tensor) -> None:
-        held["acts"] = acts = config.prepare_fp8_per_tensor_activations(x, weights)
-        if finalize:
-            low_latency_moe(config, acts, weights, routing, out=out)
-        else:
-            low_latency_moe(config, acts, weights, routing, finalize=False, out=out, return_scores=True,
-                            scores_out=scores)
+    def call(out: torch.Tensor, scores: torch.Tensor) -> Any:
+        acts = config.prepare_fp8_per_tensor_activations(x, weights)
+        run_low_latency(config, acts, weights, routing, out, scores, finalize)
+        return acts
 
-    call(captured, captured_scores)  # warm-up: kernels and workspace
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        call(captured, captured_scores)
-    graph_acts = held["acts"]
-    x.copy_(tokens_bf16(tokens, hidden, 2))
-    routing.packed_tensor.copy_(make_routing(random_ids(tokens, TOP_K, E, 2), "packed").packed_tensor)
-    captured.fill_(math.nan)
-    captured_scores.fill_(math.nan)
-    graph.replay()
-    eager, eager_scores = nan_out(shape, torch.bfloat16), nan_out((tokens, TOP_K), torch.float32)
-    call(eager, eager_scores)
-    torch.cuda.synchronize()
-    assert torch.equal(graph_acts.codes.view(torch.uint8), held["acts"].codes.view(torch.uint8)), "replayed token codes"
-    assert not bool(captured.isnan().any()), "the replay left outputs unwritten"
-    same = captured.view(torch.int16) == eager.view(torch.int16)
-    assert bool(same.all()), f"replay differs from eager at {int((~same).sum())} of {same.numel()} elements"
-    if not finalize:
-        assert torch.equal(captured_scores.view(torch.int32), eager_scores.view(torch.int32))
-    check_call(config, weights, held["acts"], routing, SwiGLU(), eager, finalize, "eager after the replay")
+    def change_inputs() -> None:
+        x.copy_(tokens_bf16(tokens, hidden, 2))
+        routing.packed_tensor.copy_(make_routing(random_ids(tokens, TOP_K, E, 2), "packed").packed_tensor)
+
+    replayed = replay_equals_eager(call, shape, TOP_K, torch.bfloat16, finalize, change_inputs)
+    assert torch.equal(replayed.captured.codes.view(torch.uint8), replayed.eager.codes.view(torch.uint8)), \
+        "replayed token codes"
+    check_call(config, weights, replayed.eager, routing, SwiGLU(), replayed.out, finalize, "eager after the replay")
 
 
 def test_static_scales_stay_live():

@@ -36,7 +36,7 @@ from cudnn_moe.low_latency import (
 from cudnn_moe.routing import Routing
 from tests.support.low_latency import (
     ACTIVATIONS, DEV, E, FORMAT_CASES, ROUTING_KINDS, SHAPES, TOP_K, assert_close_to_reference, make_inputs, make_layer,
-    make_routing, nan_out, random_ids, shared_expert_ids,
+    make_routing, nan_out, random_ids, replay_equals_eager, run_low_latency, shared_expert_ids,
 )
 
 pytestmark = pytest.mark.gpu
@@ -234,43 +234,23 @@ def test_cuda_graph_replay_equals_eager(fmt, x_dtype, finalize):
     ids = random_ids(tokens, TOP_K, E, 1)
     routing = make_routing(ids, "packed")
     shape = (tokens, hidden) if finalize else (tokens, TOP_K, hidden)
-    captured = nan_out(shape, torch.bfloat16)
-    captured_scores, eager_scores = nan_out((tokens, TOP_K), torch.float32), nan_out((tokens, TOP_K), torch.float32)
 
-    def call(out: torch.Tensor, scores: torch.Tensor) -> None:
-        if finalize:
-            low_latency_moe(config, inputs, weights, routing, out=out)
-        else:  # the raw rows with their scores
-            low_latency_moe(config, inputs, weights, routing, finalize=False, out=out, return_scores=True,
-                            scores_out=scores)
+    def change_inputs() -> None:
+        new_inputs = make_inputs(config, fmt, x_dtype, tokens, hidden, seed=2)
+        if isinstance(inputs, Nvfp4Activations):
+            inputs.packed.copy_(new_inputs.packed)
+            inputs.scales.copy_(new_inputs.scales)
+        else:
+            inputs.copy_(new_inputs)
+        routing.packed_tensor.copy_(make_routing(random_ids(tokens, TOP_K, E, 2), "packed").packed_tensor)
 
-    call(captured, captured_scores)  # warm-up: kernels and workspace
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        call(captured, captured_scores)
-    new_inputs = make_inputs(config, fmt, x_dtype, tokens, hidden, seed=2)
-    if isinstance(inputs, Nvfp4Activations):
-        inputs.packed.copy_(new_inputs.packed)
-        inputs.scales.copy_(new_inputs.scales)
-    else:
-        inputs.copy_(new_inputs)
-    routing.packed_tensor.copy_(make_routing(random_ids(tokens, TOP_K, E, 2), "packed").packed_tensor)
-    captured.fill_(math.nan)
-    captured_scores.fill_(math.nan)
-    graph.replay()
-    eager = nan_out(shape, torch.bfloat16)
-    call(eager, eager_scores)
-    torch.cuda.synchronize()
-    if not finalize:
-        want_scores = reference_low_latency(inputs, weights, routing, SwiGLU(), finalize=False).scores
-        assert torch.equal(captured_scores.view(torch.int32), eager_scores.view(torch.int32))
-        assert torch.equal(captured_scores.view(torch.int32), want_scores.view(torch.int32)), "replayed scores"
-    assert not bool(captured.isnan().any()), "the replay left outputs unwritten"
-    same = captured.view(torch.int16) == eager.view(torch.int16)
-    assert bool(same.all()), f"replay differs from eager at {int((~same).sum())} of {same.numel()} elements"
+    replayed = replay_equals_eager(  # the raw rows with their scores when not finalize
+        lambda out, scores: run_low_latency(config, inputs, weights, routing, out, scores, finalize),
+        shape, TOP_K, torch.bfloat16, finalize, change_inputs)
     want = reference_low_latency(inputs, weights, routing, SwiGLU(), finalize=finalize)
-    assert_close_to_reference(captured, want if finalize else want.rows, "graph replay")
+    if not finalize:
+        assert torch.equal(replayed.scores.view(torch.int32), want.scores.view(torch.int32)), "replayed scores"
+    assert_close_to_reference(replayed.out, want if finalize else want.rows, "graph replay")
 
 
 def test_zero_tokens_launch_nothing():

@@ -44,17 +44,8 @@ from cudnn_moe.low_latency import (
 from cudnn_moe.pipeline.workspaces import workspace_for
 from cudnn_moe.routing import Routing
 from tests.support.low_latency import (
-    ACTIVATIONS,
-    DEV,
-    ROUTING_KINDS,
-    TOP_K,
-    E,
-    assert_close_to_reference,
-    fp8_codes,
-    make_routing,
-    nan_out,
-    random_ids,
-    shared_expert_ids,
+    ACTIVATIONS, DEV, E, ROUTING_KINDS, TOP_K, assert_close_to_reference, fp8_codes, make_routing, nan_out, random_ids,
+    replay_equals_eager, run_low_latency, shared_expert_ids,
 )
 
 pytestmark = pytest.mark.gpu
@@ -270,34 +261,16 @@ def test_cuda_graph_replay_equals_eager(kind, finalize):
     x = tokens_bf16(tokens, hidden, 1)
     routing = make_routing(random_ids(tokens, TOP_K, E, 1), "packed")
     shape = (tokens, hidden) if finalize else (tokens, TOP_K, hidden)
-    captured, captured_scores = nan_out(shape, torch.float16), nan_out((tokens, TOP_K), torch.float32)
 
     def call(out: torch.Tensor, scores: torch.Tensor) -> Mxfp8Activations:
         acts = config.prepare_mxfp8_activations(x)
-        if finalize:
-            low_latency_moe(config, acts, weights, routing, out_dtype=torch.float16, out=out)
-        else:
-            low_latency_moe(config, acts, weights, routing, out_dtype=torch.float16, finalize=False, out=out,
-                            return_scores=True, scores_out=scores)
+        run_low_latency(config, acts, weights, routing, out, scores, finalize, out_dtype=torch.float16)
         return acts
 
-    call(captured, captured_scores)  # warm-up: kernels and workspace
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        call(captured, captured_scores)
-    x.copy_(tokens_bf16(tokens, hidden, 2))
-    routing.packed_tensor.copy_(make_routing(random_ids(tokens, TOP_K, E, 2), "packed").packed_tensor)
-    captured.fill_(math.nan)
-    captured_scores.fill_(math.nan)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert not bool(captured.isnan().any()), "the replay left outputs unwritten"
-    eager, eager_scores = nan_out(shape, torch.float16), nan_out((tokens, TOP_K), torch.float32)
-    acts = call(eager, eager_scores)
-    torch.cuda.synchronize()
-    same = captured.view(torch.int16) == eager.view(torch.int16)
-    assert bool(same.all()), f"replay differs from eager at {int((~same).sum())} of {same.numel()} elements"
-    if not finalize:
-        assert torch.equal(captured_scores.view(torch.int32), eager_scores.view(torch.int32))
-    check_call(config, weights, acts, routing, SwiGLU(), eager, torch.float16, finalize, f"{kind} eager after the replay")
+    def change_inputs() -> None:
+        x.copy_(tokens_bf16(tokens, hidden, 2))
+        routing.packed_tensor.copy_(make_routing(random_ids(tokens, TOP_K, E, 2), "packed").packed_tensor)
+
+    replayed = replay_equals_eager(call, shape, TOP_K, torch.float16, finalize, change_inputs)
+    check_call(config, weights, replayed.eager, routing, SwiGLU(), replayed.out, torch.float16, finalize,
+               f"{kind} eager after the replay")
