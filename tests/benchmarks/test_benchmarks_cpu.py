@@ -17,6 +17,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 import bench_moe  # noqa: E402
 import bench_stages  # noqa: E402
+import probe_pdl  # noqa: E402
 import profile_call  # noqa: E402
 import common  # noqa: E402
 
@@ -84,16 +85,17 @@ def test_bad_arguments_exit_2(argv: list[str]) -> None:
     assert exc.value.code == 2
 
 
-@pytest.mark.parametrize("script", [bench_moe, bench_stages, profile_call])
-def test_help(script: object, capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize("script, option", [(bench_moe, "--engines"), (bench_stages, "--engines"),
+                                            (profile_call, "--engines"), (probe_pdl, "--spin-us")])
+def test_help(script: object, option: str, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
         script.main(["--help"])
     assert exc.value.code == 0
-    assert "--engines" in capsys.readouterr().out
+    assert option in capsys.readouterr().out
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without a GPU")
-@pytest.mark.parametrize("script", [bench_moe, bench_stages, profile_call])
+@pytest.mark.parametrize("script", [bench_moe, bench_stages, profile_call, probe_pdl])
 def test_main_without_gpu_returns_2(script: object, capsys: pytest.CaptureFixture[str]) -> None:
     assert script.main([]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
