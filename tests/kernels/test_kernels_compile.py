@@ -63,6 +63,33 @@ def test_sort_grid_shape() -> None:
     assert blocks <= 128 and per_block % SORT_THREADS == 0 and blocks * per_block >= 1 << 20
 
 
+@pytest.mark.parametrize("tokens, hidden", [(1, 2048), (8, 7168), (128, 64), (512, 2048)])
+def test_decode_glue_grids(monkeypatch: pytest.MonkeyPatch, tokens: int, hidden: int) -> None:
+    """The sort + permute launch takes a block per token, at most SORT_PERMUTE_MAX_BLOCKS (tokens then strided over
+    them); the finalize a block per (token, 8 x ROW_THREADS columns)."""
+    from cudnn_moe.kernels.codes import ROW_THREADS
+
+    sort_module = importlib.import_module("cudnn_moe.kernels.sort")
+    finalize_module = importlib.import_module("cudnn_moe.kernels.finalize")
+
+    grids: dict[str, Any] = {}
+    for module in (sort_module, finalize_module):
+        monkeypatch.setattr(module, "ptr", lambda tensor, align=1: np.uint64(0))
+        monkeypatch.setattr(module, "launch", lambda file, name, device, grid, block, args: grids.update({name: grid}))
+    k = 2 if tokens * 2 <= kernels.SORT_PERMUTE_MAX_SLOTS else 1
+    slots, experts, rows = tokens * k, 4, tokens * k + 7 * 4
+    i32 = torch.int32
+    kernels.sort_permute_bf16(
+        torch.zeros(slots, dtype=i32), k, 0, experts, 8, torch.zeros(experts + 1, dtype=i32),
+        torch.zeros(slots, dtype=i32), torch.zeros(rows, dtype=i32), torch.zeros(rows, dtype=i32),
+        torch.zeros(experts, dtype=i32), torch.zeros(tokens, hidden, dtype=torch.bfloat16), None,
+        torch.zeros(rows, hidden, dtype=torch.bfloat16))
+    kernels.finalize(torch.zeros(rows, hidden, dtype=torch.bfloat16), torch.zeros(slots, dtype=i32),
+                     torch.zeros(slots, dtype=torch.float32), k, torch.zeros(tokens, hidden, dtype=torch.bfloat16))
+    assert grids["moe_sort_permute_bf16_tokens"] == min(tokens, sort_module.SORT_PERMUTE_MAX_BLOCKS)
+    assert grids["moe_finalize"] == (tokens, -(-hidden // (8 * ROW_THREADS)))
+
+
 def _wrapper_calls() -> list[tuple[str, Callable[..., None], tuple[Any, ...]]]:
     """(kernel name, its wrapper, arguments) with CPU tensors of consistent small shapes."""
     u8, i32, f32, bf16 = torch.uint8, torch.int32, torch.float32, torch.bfloat16
