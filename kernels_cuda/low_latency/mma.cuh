@@ -164,6 +164,13 @@ __device__ __forceinline__ void mx_chunk_at(bool e2m1, int n, int& q, int& g, in
   }
 }
 
+// The 32-bit word (of the step's ring stage) where lane (g, t)'s values of block b of row kind q start: E2M1, the
+// one word of its 8 codes (word t of chunk b); E4M3 (weights, and the tokens as row kind 0 of their own item),
+// the first of its two words (bytes 8 (t % 2) .. 8 (t % 2) + 7 of chunk 2b + t / 2).
+__device__ __forceinline__ constexpr int mx_word(bool e2m1, int q, int g, int t, int b) {
+  return e2m1 ? 4 * mx_chunk(true, q, g, b) + t : 4 * mx_chunk(false, q, g, 2 * b + (t >> 1)) + 2 * (t & 1);
+}
+
 // Pair j (0..3) of the E2M1 word q (codes j, low half, and j + 4, high half) as an exact FP16 pair: the sign to bit
 // 15 / 31 and the three magnitude bits to 11..9 / 27..25 give the value x 2^-14 (codes 0 and 1 FP16 subnormals),
 // then one mul.rn.f16x2 by 2^14.

@@ -218,17 +218,18 @@ __device__ __forceinline__ void mma_pair_dot_mx(uint4* ring, const MmaPair& p, i
       for (int q = 0; q < 4; ++q) wsw[q] = s[8 * q + g];
       xsw[0] = s[32 + 2 * t], xsw[1] = s[32 + 2 * t + 1];
     }
-    const uint2* x2 = reinterpret_cast<const uint2*>(stage + 32 * WI);
 #pragma unroll
     for (int b = 0; b < 2; ++b) {
-      const int kb = 2 * (i & 1) + b, e4 = 2 * b + (t >> 1);  // block of the unit; E4M3 chunk of the lane's values
+      const int kb = 2 * (i & 1) + b;  // the block of the unit
+      const u32* words = reinterpret_cast<const u32*>(stage);
       uint2 wv[4];
 #pragma unroll
       for (int q = 0; q < 4; ++q) {
-        if (E2M1) wv[q] = make_uint2(reinterpret_cast<const u32*>(stage)[4 * mx_chunk(true, q, g, b) + t], 0u);
-        else wv[q] = reinterpret_cast<const uint2*>(stage)[2 * mx_chunk(false, q, g, e4) + (t & 1)];
+        const int at = mx_word(E2M1, q, g, t, b);
+        wv[q] = E2M1 ? make_uint2(words[at], 0u) : *reinterpret_cast<const uint2*>(words + at);
       }
-      const uint2 xv = x2[2 * mx_chunk(false, 0, g, e4) + (t & 1)];  // garbage past the token count: B is zeroed
+      // garbage past the token count: B is zeroed
+      const uint2 xv = *reinterpret_cast<const uint2*>(words + 128 * WI + mx_word(false, 0, g, t, b));
       float part[2][4] = {};
 #pragma unroll
       for (int m = 0; m < 2; ++m) {
