@@ -715,3 +715,69 @@ def test_deepseek_fp8_launches(prequantized: bool, monkeypatch: pytest.MonkeyPat
     for launch in launches:
         want = mk.shared_bytes(LowLatencyInputCode.FP8_BLOCK, weights.format) if launch[0] != "ll_quant128" else 0
         assert launch[4] == want, launch[0]
+
+
+@pytest.mark.parametrize("fmt", MX_FORMATS, ids=lambda f: f.value)
+def test_mx_gemm1_cut_covers_one_block_of_32_features(fmt: WeightFormat) -> None:
+    """GEMM1 of the MX pairs quantizes its intermediate per CTA, so every cut (gated or not, any H, any slot count)
+    gives a CTA exactly 32 features (rounds x pairs x pair features), one feature block per grid column; GEMM2 keeps
+    the FP8 formats' cut; the rings: E4M3 weights 4 items + token + scales, E2M1 weights 2 + token + scales."""
+    items = 4 if fmt is WeightFormat.MXFP4_W_MXFP8_A else 6
+    assert mk.ring_items(LowLatencyInputCode.MXFP8, fmt) == items
+    for hidden, padded in ((256, 128), (512, 128), (1024, 256), (2048, 768), (7168, 2048)):
+        for gated in (True, False):
+            w = _weights(fmt, hidden, padded, gated)
+            for slots in (1, 64):
+                cut = mk.MMA.gemm1_geometry(w, LowLatencyInputCode.MXFP8, slots, 132)
+                features = cut.rounds * (mk.WARPS // cut.split) * mk.gemm1_features(gated)
+                assert features == 32 and cut.grid == (padded // 32, slots), (hidden, padded, gated, cut)
+                assert cut.shared_mem == mk.WARPS * 4 * items * 512
+    deepseek = mk.MMA.gemm1_geometry(_weights(fmt, 7168, 2048), LowLatencyInputCode.MXFP8, 64, 132)
+    assert (deepseek.split, deepseek.rounds) == (8, 2)
+    assert (mk.mx_gemm1_cut(1, 16), mk.mx_gemm1_cut(2, 32)) == ((4, 1), (8, 1))
+    two = mk.MMA.gemm2_geometry(_weights(fmt, 7168, 2048), LowLatencyInputCode.MXFP8, 64, 132)
+    assert (two.split, two.grid, two.rounds) == (8, (224, 64), 1)
+
+
+def _mx_layer(fmt: WeightFormat):
+    config = LowLatencyMoeConfig(8, arch="sm90")
+    e, h, i = 3, 256, 128
+    gen = torch.Generator().manual_seed(3)
+    if fmt is WeightFormat.MXFP4_W_MXFP8_A:
+        w1 = torch.randint(0, 256, (e, 2 * i, h // 2), generator=gen, dtype=torch.uint8)
+        w2 = torch.randint(0, 256, (e, h, i // 2), generator=gen, dtype=torch.uint8)
+    else:
+        w1 = _e4m3_bytes(gen, e * 2 * i * h).reshape(e, 2 * i, h).view(torch.float8_e4m3fn)
+        w2 = _e4m3_bytes(gen, e * h * i).reshape(e, h, i).view(torch.float8_e4m3fn)
+    s1 = torch.full((e, 2 * i, h // 32), 127, dtype=torch.uint8).view(torch.float8_e8m0fnu)
+    s2 = torch.full((e, h, i // 32), 127, dtype=torch.uint8).view(torch.float8_e8m0fnu)
+    return config, config.prepare_weights(w1, s1, w2, s2)
+
+
+@pytest.mark.parametrize("finalize", [True, False])
+@pytest.mark.parametrize("fmt", MX_FORMATS, ids=lambda f: f.value)
+def test_mx_launches(fmt: WeightFormat, finalize: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """LlMmaEngine.run on MX weights: ll_gemm1 then ll_gemm2 of the -DLL_MMA=1 MX module with the C signatures'
+    argument types, the tactic's cuts (GEMM1 a 32-feature block per CTA), the MXFP8 intermediate's codes and scales
+    (the engine's own workspace) passed to both launches."""
+    launches = _launches(monkeypatch)
+    monkeypatch.setattr(cc_engine, "_ensure_ready", lambda *args: None)
+    monkeypatch.setattr(cc_engine, "_sm_count", lambda index: 132)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    config, weights = _mx_layer(fmt)
+    acts = config.prepare_mxfp8_activations(torch.randn(5, weights.hidden_size, generator=torch.Generator().manual_seed(1)))
+    call = _call(weights, acts.codes, acts.scales, finalize)
+    _, spec = LlMmaEngine.workspace_spec(call)
+    workspace = {name: torch.zeros(shape, dtype=dtype) for name, (shape, dtype) in spec.items()}
+    LlMmaEngine.run(call, workspace)
+    assert [name for name, *_ in launches] == ["ll_gemm1", "ll_gemm2"]
+    signatures = kernel_signatures([SOURCE])
+    options = (*cc.module_options(cc.weight_code(fmt), LowLatencyInputCode.MXFP8), mk.OPTION)
+    cuts = (mk.MMA.gemm1_geometry(weights, LowLatencyInputCode.MXFP8, 20, 132),
+            mk.MMA.gemm2_geometry(weights, LowLatencyInputCode.MXFP8, 20, 132))
+    for (name, grid, block, args, shared, opts), cut in zip(launches, cuts):
+        assert [type(a) for a in args] == [ARG_TYPES[k] for k in signatures[name]], name
+        assert block == LL_THREADS and opts == options and grid == cut.grid and shared == cut.shared_mem, name
+    scales_ptr = np.uint64(id(workspace["inter_scales"]))
+    assert launches[0][3][-1] == scales_ptr and launches[1][3][-1] == scales_ptr
+    assert launches[0][3][-3] == launches[1][3][0] == np.uint64(id(workspace["inter_codes"]))
