@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import gpu_missing, md_row, positive_int  # noqa: E402
 
+from cudnn_moe.capture import capture_graph  # noqa: E402
 from cudnn_moe.kernels import driver  # noqa: E402
 from cudnn_moe.kernels.loader import packed_args  # noqa: E402
 
@@ -128,12 +129,7 @@ def main(argv: list[str] | None = None) -> int:
                 probe.launch(p, s, args.spin_us * 1000)
 
             eager = measure(probe, run, args.repeats)
-            run()  # warm-up before the capture
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                run()
-            replayed = measure(probe, graph.replay, args.repeats)
+            replayed = measure(probe, capture_graph(run).replay, args.repeats)
             for form, (early, waited) in (("eager", eager), ("graph replay", replayed)):
                 print(md_row([form, str(per_sm * sms), str(ctas), f"{early:.1f}", f"{waited:.1f}"]))
     return 0

@@ -88,6 +88,26 @@ def fp8_codes(gen: torch.Generator, shape: tuple[int, ...]) -> torch.Tensor:
     return torch.where(pick, wild, codes).view(torch.float8_e4m3fn)
 
 
+def mx_payloads(kind: str, gated: bool, experts: int, hidden: int, inter: int,
+                seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(w1, w1 scale bytes, w2, w2 scale bytes) of random canonical MX weights on the CPU: "mxfp4" random packed
+    E2M1 bytes uint8 [E, N1, H/2] / [E, H, I/2] with scales 2^-9 .. 2^-4, or "mxfp8" codes of fp8_codes [E, N1, H] /
+    [E, H, I] with scales 2^-12 .. 2^-8 (dot products near unit size); scale bytes uint8 [E, N1, H/32] /
+    [E, H, I/32] (E8M0: 2^(byte - 127)). N1 = 2I gated, else I."""
+    gen = torch.Generator().manual_seed(seed)
+    n1 = (2 if gated else 1) * inter
+    if kind == "mxfp4":
+        w1 = torch.randint(0, 256, (experts, n1, hidden // 2), generator=gen, dtype=torch.uint8)
+        w2 = torch.randint(0, 256, (experts, hidden, inter // 2), generator=gen, dtype=torch.uint8)
+        low, high = 118, 124
+    else:
+        w1, w2 = fp8_codes(gen, (experts, n1, hidden)), fp8_codes(gen, (experts, hidden, inter))
+        low, high = 115, 120
+    s1 = torch.randint(low, high, (experts, n1, hidden // 32), generator=gen, dtype=torch.uint8)
+    s2 = torch.randint(low, high, (experts, hidden, inter // 32), generator=gen, dtype=torch.uint8)
+    return w1, s1, w2, s2
+
+
 def fp8_scales(gen: torch.Generator, experts: int, k: int) -> torch.Tensor:
     """float32 [E] per-expert scales putting the N(0, 16^2) codes' dot products of length k near unit size."""
     return (torch.rand(experts, generator=gen) * 0.5 + 0.75) / (16 * k**0.5)

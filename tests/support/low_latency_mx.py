@@ -12,7 +12,7 @@ import torch
 from cudnn_moe.activations import Activation, SiLU, SwiGLU
 from cudnn_moe.low_latency import LowLatencyMoeConfig, Mxfp8Activations, mx_pair_intermediate, reference_mx_pair
 from cudnn_moe.routing import Routing
-from tests.support.low_latency import DEV, E, assert_close_to_reference, fp8_codes
+from tests.support.low_latency import DEV, E, assert_close_to_reference, mx_payloads
 from tests.support.low_latency_fp8 import engine_workspace
 
 HIDDEN, INTER = 256, 96  # I = 96 pads to 128: GEMM1's last 32-feature block is padding
@@ -22,20 +22,9 @@ OUT_DTYPES = (torch.bfloat16, torch.float16)
 
 @functools.cache
 def layer(kind: str, gated: bool, experts: int = E, shape: tuple[int, int] = (HIDDEN, INTER), seed: int = 0):
-    """(config, prepared weights) of random MX payloads: MXFP4 random code bytes with scales 2^-9 .. 2^-4, or MXFP8
-    codes of N(0, 16^2) values (3% wild bytes) with scales 2^-12 .. 2^-8: dot products near unit size."""
+    """(config, prepared weights) of random MX payloads (tests.support.low_latency.mx_payloads)."""
     hidden, inter = shape
-    gen = torch.Generator().manual_seed(seed)
-    n1 = (2 if gated else 1) * inter
-    if kind == "mxfp4":
-        w1 = torch.randint(0, 256, (experts, n1, hidden // 2), generator=gen, dtype=torch.uint8)
-        w2 = torch.randint(0, 256, (experts, hidden, inter // 2), generator=gen, dtype=torch.uint8)
-        low, high = 118, 124
-    else:
-        w1, w2 = fp8_codes(gen, (experts, n1, hidden)), fp8_codes(gen, (experts, hidden, inter))
-        low, high = 115, 120
-    s1 = torch.randint(low, high, (experts, n1, hidden // 32), generator=gen, dtype=torch.uint8)
-    s2 = torch.randint(low, high, (experts, hidden, inter // 32), generator=gen, dtype=torch.uint8)
+    w1, s1, w2, s2 = mx_payloads(kind, gated, experts, hidden, inter, seed)
     config = LowLatencyMoeConfig(8)
     weights = config.prepare_weights(w1.to(DEV), s1.view(torch.float8_e8m0fnu).to(DEV), w2.to(DEV), s2.to(DEV),
                                      activation=SwiGLU() if gated else SiLU())

@@ -140,8 +140,7 @@ class CudaCoresEngine(LayerEngine):
 
 
 def _run_deepseek_fp8(call: LowLatencyCall, workspace: Mapping[str, torch.Tensor], ids: torch.Tensor,
-                      route_weights: torch.Tensor | None, routing_code: int, sms: int,
-                      tactic: kernels.Tactic = kernels.FMA) -> None:
+                      route_weights: torch.Tensor | None, routing_code: int, sms: int, tactic: kernels.Tactic) -> None:
     """DeepSeek FP8 in four launches (three for prequantized tokens): BF16 tokens quantized per 128 values
     (ll_quant128), GEMM1 + activation into the FP32 workspace, that activation quantized per 128 values
     (ll_quant128), GEMM2 on the codes and scales (and the finalize). The quantization of the intermediate is a

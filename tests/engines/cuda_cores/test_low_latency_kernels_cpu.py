@@ -252,7 +252,7 @@ def test_deepseek_fp8_launches_match_kernel_signatures(prequantized: bool, final
     assert spec["inter"] == ((8 * top_k, i), torch.float32) and spec["inter_scales"] == ((8 * top_k, i // 128), torch.float32)
     assert spec["x_codes"] == ((8, h), torch.uint8) and spec["x_scales"] == ((8, h // 128), torch.float32)
     ids, route_weights, code = call.routing.kernel_operands()
-    cc_engine._run_deepseek_fp8(call, workspace, ids, route_weights, code, 132)
+    cc_engine._run_deepseek_fp8(call, workspace, ids, route_weights, code, 132, ll.FMA)
     names = [name for name, *_ in launches]
     expected = ["ll_gemm1", "ll_quant128", "ll_gemm2"]
     assert names == (expected if prequantized else ["ll_quant128", *expected])

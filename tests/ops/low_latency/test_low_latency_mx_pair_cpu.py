@@ -46,7 +46,7 @@ from cudnn_moe.weights.nvfp4 import Nvfp4Activations
 from tests.ops.low_latency.test_low_latency_cpu import plain_e4m3, plain_fp4
 from tests.ops.low_latency.test_low_latency_fp8_per_tensor_cpu import plain_e4m3_round
 from tests.support.kernel_sources import HOST_PRELUDE
-from tests.support.low_latency import fp8_codes
+from tests.support.low_latency import mx_payloads
 
 CXX = shutil.which("c++") or shutil.which("g++")
 MX4, MX8 = WeightFormat.MXFP4_W_MXFP8_A, WeightFormat.MXFP8_W_MXFP8_A
@@ -64,19 +64,9 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def payloads(kind: str, gated: bool = True, seed: int = 0, scale_dtype: torch.dtype = E8, inter: int = I):
-    """(w1, w1_scale, w2, w2_scale) of the caller: MXFP4 random code bytes with scales 2^-9 .. 2^-4, or MXFP8 codes of
-    N(0, 16^2) values (3% wild bytes, no NaN) with scales 2^-12 .. 2^-8 (dot products near unit size)."""
-    gen = torch.Generator().manual_seed(seed)
-    n1 = (2 if gated else 1) * inter
-    if kind == "mxfp4":
-        w1 = torch.randint(0, 256, (E, n1, H // 2), generator=gen, dtype=torch.uint8)
-        w2 = torch.randint(0, 256, (E, H, inter // 2), generator=gen, dtype=torch.uint8)
-        low, high = 118, 124
-    else:
-        w1, w2 = fp8_codes(gen, (E, n1, H)), fp8_codes(gen, (E, H, inter))
-        low, high = 115, 120
-    s1 = torch.randint(low, high, (E, n1, H // 32), generator=gen, dtype=torch.uint8)
-    s2 = torch.randint(low, high, (E, H, inter // 32), generator=gen, dtype=torch.uint8)
+    """(w1, w1_scale, w2, w2_scale) of the caller (tests.support.low_latency.mx_payloads), the scales as
+    ``scale_dtype``."""
+    w1, s1, w2, s2 = mx_payloads(kind, gated, E, H, inter, seed)
     return w1, s1.view(scale_dtype), w2, s2.view(scale_dtype)
 
 
