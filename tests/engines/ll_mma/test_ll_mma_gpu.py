@@ -346,7 +346,7 @@ def test_mx_agrees_with_the_cuda_core_engine(kind, act, tokens):
     FP32 ulps of a rounding boundary: at most 1%), and where they are equal the outputs agree within the reference
     bounds (the same rounding points, FP32 sums in another order)."""
     got = run_mx(kind, act, tokens, "packed", seed=40 + tokens)
-    _, weights = mx_layer(kind, act.gated)
+    _, weights = mx_layer(kind, act.gated, E, (MX_HIDDEN, MX_INTER))  # run_mx's arguments: the same cached layer
     mine = {k: v.clone() for k, v in engine_workspace(mma_config(), weights, TOP_K, ENGINE).items()}
     acts = mma_config().prepare_mxfp8_activations(mx_tokens(tokens, weights.hidden_size, 41 + tokens))
     routing = make_routing(random_ids(tokens, TOP_K, E, 42 + tokens), "packed", 43 + tokens)
