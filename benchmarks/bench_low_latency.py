@@ -4,8 +4,8 @@ Per model (top-8 presets) and T in {1, 2, 4, 8}: uniform random distinct routing
 distinct experts it touches, and per weight format the time of ``low_latency_moe`` (SwiGLU, finalized BF16
 output, or FP16 for FP16 weights) with the engine it ran on (engine="auto": the tuned choice where
 ``LowLatencyMoeConfig.tune`` stored one, else the registry's fixed rule; --engine names one for every call,
-e.g. cuda_cores, or ll_mma for the FP8 formats on tensor cores; --cuda-cores is --engine cuda_cores), the kernel
-launches of one call (the kernel nodes of its captured graph), the format's floor =
+e.g. cuda_cores, or ll_mma for the FP8 formats and MX pairs on tensor cores; --cuda-cores is --engine
+cuda_cores), the kernel launches of one call (the kernel nodes of its captured graph), the format's floor =
 touched experts' weight bytes (payload + block scales) / HBM bandwidth (4.3 TB/s), the ratio, the achieved
 weight GB/s, and the issue's target where there is one. With --tune, ``config.tune`` runs first for each
 format (storing its choice in the persistent cache) and every engine that supports the call is also timed on

@@ -126,7 +126,8 @@ def _check_mxfp8_inputs(inputs: object, fmt: WeightFormat, hidden: int) -> tuple
 def _check_coded_tokens(codes: object, scales: object, scale_dtype: torch.dtype, block: int,
                         hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
     """E4M3 token codes [T, hidden] with one scale of ``scale_dtype`` per ``block`` values, [T, hidden / block]:
-    contiguous, on one device, the codes aligned (``inputs.codes`` / ``inputs.scales`` in the errors)."""
+    contiguous, on one device, the codes 16-byte and the scales 4-byte aligned (``inputs.codes`` / ``inputs.scales`` in
+    the errors)."""
     codes = require_tensor("inputs.codes", codes, torch.float8_e4m3fn, rank=2)
     scales = require_tensor("inputs.scales", scales, scale_dtype, rank=2)
     if codes.shape[1] != hidden:
@@ -140,6 +141,9 @@ def _check_coded_tokens(codes: object, scales: object, scale_dtype: torch.dtype,
         if not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous (row-major)")
     require_aligned("inputs.codes", codes)
+    if scales.data_ptr() % 4:
+        raise ValueError("inputs.scales must start at a 4-byte aligned address (the tensor-core kernels copy 4 scale "
+                         f"bytes at a time); got an offset of {scales.data_ptr() % 4} bytes: pass a .clone()d tensor")
     return codes, scales
 
 

@@ -25,7 +25,7 @@
 // budget at full bandwidth (hopper-kernels.md: ~3.5-4 instructions per 4-bit weight and lane). Tensor cores
 // (mma.sync with the weights as A) would pay off only for experts shared by many tokens.
 //
-// Tensor-core tactic (-DLL_MMA=1, the FP8 formats only, not the MX pairs; the ll_mma engine): the same plan,
+// Tensor-core tactic (-DLL_MMA=1, the FP8 formats and the MX pairs; the ll_mma engine): the same plan,
 // kernels, arguments and epilogues (gemm1_store, gemm2_store), with the dot products of low_latency/mma_gemm.cuh
 // (mma.sync.m16n8k16, all the expert's tokens as the B operand, K split over warps, weights streamed through
 // cp.async rings in shared memory); lanes_per_row then means the warps splitting a tile pair's K, and a CTA's feature block is
@@ -89,7 +89,7 @@
 #if !defined(LL_WEIGHTS) || !defined(LL_INPUT) || !defined(LL_THREADS) || !defined(LL_MAX_SLOTS)
 #error "compile with the -D options of cudnn_moe.low_latency.kernels (LL_WEIGHTS, LL_INPUT and the shared codes)"
 #endif
-#ifndef LL_MMA  // 1: the tensor-core dot products of low_latency/mma_gemm.cuh (the FP8 formats; the ll_mma engine)
+#ifndef LL_MMA  // 1: the tensor-core dot products of low_latency/mma_gemm.cuh (FP8 formats, MX pairs; the ll_mma engine)
 #define LL_MMA 0
 #endif
 
@@ -680,7 +680,8 @@ using namespace ll;
 //   inter_quant   per-tensor FP8 (LL_INPUT_FP8): float32 [1], the intermediate's multiplier 1 / intermediate_scale,
 //                 read at every launch (a static scale that stays live in device memory); null otherwise.
 //   inter_scales  MX pairs: E8M0 bytes [T k, Ip / 32], one per 32 features of out; rounds must make a CTA cover
-//                 exactly 32 features (rounds * WARPS * 32 / lanes_per_row == 32). Null otherwise.
+//                 exactly 32 features (rounds * WARPS * 32 / lanes_per_row == 32; with LL_MMA, rounds * (WARPS /
+//                 lanes_per_row) * the features of a tile pair == 32). Null otherwise.
 extern "C" __global__ void __launch_bounds__(LL_THREADS, 2) ll_gemm1(
     const u8* __restrict__ x, const u8* __restrict__ x_scales, const void* __restrict__ ids, int routing,
     int id_bytes, int num_tokens, int top_k, int num_experts, const u8* __restrict__ w,

@@ -1,5 +1,5 @@
-// The tensor-core GEMM bodies of ll_moe.cu, compiled in with -DLL_MMA=1 (E4M3 weights only: FP8 weight-only,
-// per-tensor FP8, DeepSeek FP8). Included by ll_moe.cu after its plan, argument structs and epilogues
+// The tensor-core GEMM bodies of ll_moe.cu, compiled in with -DLL_MMA=1 (FP8 weight-only, per-tensor FP8, DeepSeek
+// FP8, and the MX pairs: MXFP4 or MXFP8 weights with MXFP8 tokens). Included by ll_moe.cu after its plan, argument structs and epilogues
 // (gemm1_store, gemm2_store), which this file shares: only the dot products differ from the CUDA-core modules.
 //
 // Work split. A warp owns a tile pair: two m16 tiles of weight rows (GEMM1 gated: the up rows f0 .. f0 + 15 and
@@ -19,24 +19,38 @@
 // Sums. FP8 weight-only and per-tensor: every mma accumulates into the FP32 C fragment; the finished sum goes to
 // the shared epilogue (the per-expert scale or factor multiplies it there, as in the CUDA-core path). DeepSeek
 // FP8: each 128-K unit's 8 mma accumulate into a zeroed fragment, then acc = fma(partial, fp32(weight block scale
-// * token block scale), acc), as the CUDA-core path does per chunk. Tensor-core FP32 accumulation differs from
-// the CUDA-core FMA chains only in the order (and inner rounding) of the FP32 sums.
+// * token block scale), acc), as the CUDA-core path does per chunk. The MX pairs (mma_pair_dot_mx): each 32-K
+// block's two mma accumulate into a zeroed fragment (FP16 operands: the exact codes; the block's k-slots of both
+// operands, mma.cuh), then acc = fma(partial, fp32(weight E8M0 scale * token E8M0 scale), acc), the CUDA-core
+// path's rounding per block (reference_mx_pair step 1 / 3). Tensor-core FP32 accumulation differs from the
+// CUDA-core FMA chains only in the order (and inner rounding) of the FP32 sums.
+//
+// MX streaming (k64 steps as well): the warp copies a step in 16-byte chunks (E4M3 rows: 4 chunks of each of the
+// pair's 32 rows; E2M1 rows: 2; the 8 tokens: 4 each) to the positions of mx_chunk (mma.cuh), and with a unit's
+// first step the E8M0 scale words of the unit (4 bytes = its 4 blocks) of the 32 rows and the tokens; after
+// cp.async.wait_group a __syncwarp makes every lane's copies visible to the warp (a lane reads other lanes'
+// chunks), and also orders the previous step's reads before the copies that overwrite its stage.
 #pragma once
 
 namespace ll {
 
-static_assert((FP8W || FP8B) && !MXI, "the tensor-core path (LL_MMA) serves the FP8 formats only (not the MX pairs)");
+static_assert(FP8W || FP8B || MXI, "the tensor-core path (LL_MMA) serves the FP8 formats and the MX pairs");
 
 constexpr int MMA_STAGES = LL_MMA_STAGES;
 constexpr int MMA_ROWS = LL_MMA_WARP_ROWS;  // weight rows of a tile pair
 constexpr int MMA_UNIT = 128;               // K values per unit (two k64 steps)
 static_assert(MMA_ROWS == 32, "a tile pair is two m16 tiles");
-static_assert(VALUES == 16 && GROUPS == 1, "a lane's 16-byte weight chunk is its 16 K values of a k64 step, unscaled within");
+static_assert(GROUPS == 1 && (VALUES == 16 || (MXI && VALUES == 32)), "E4M3 chunks of 16 values, E2M1 of 32 (MX pairs)");
+constexpr bool MMA_E2M1 = MXI && !MXFP8W;           // MXFP4 weights
+constexpr int MMA_WEIGHT_ITEMS = MMA_E2M1 ? 2 : 4;  // weight chunks per lane and k64 step (32 rows of 64 or 32 bytes)
 
-// 16-byte items per lane and ring stage: 4 weight chunks, the token chunks (16 K values: 16 or 32 bytes), and
-// DeepSeek FP8's 4 scales (the two tiles' weight block scales, the lane's two C columns' token scales).
+// 16-byte items per lane and ring stage: the weight chunks (MMA_WEIGHT_ITEMS), the token chunks (16 K values: 16
+// or 32 bytes), and a scale item: DeepSeek FP8's 4 scales (the two tiles' weight block scales, the lane's two C
+// columns' token scales), the MX pairs' E8M0 words (one per row of the pair, one per token).
 template <int XK>
-__host__ __device__ constexpr int mma_items() { return 4 + x_bytes_num(XK) + (XK == LL_INPUT_FP8_BLOCK ? 1 : 0); }
+__host__ __device__ constexpr int mma_items() {
+  return MMA_WEIGHT_ITEMS + x_bytes_num(XK) + (XK == LL_INPUT_FP8_BLOCK || XK == LL_INPUT_MXFP8 ? 1 : 0);
+}
 // Dynamic shared memory of a CTA: the rings of its warps (the partial sums reuse them once the loop is done).
 template <int XK>
 __host__ __device__ constexpr int mma_smem_bytes() { return WARPS * MMA_STAGES * mma_items<XK>() * 32 * 16; }
@@ -65,24 +79,27 @@ __device__ __forceinline__ void require_mma_smem() {
   if (bytes < static_cast<u32>(mma_smem_bytes<XK>())) __trap();
 }
 
-// What a warp streams for one tile pair. w0, w1: the tiles' first weight rows (E4M3, rows of k bytes);
+// What a warp streams for one tile pair. w0, w1: the tiles' first weight rows (rows of row_bytes(k));
 // x: the row of this lane's token (B column g = lane / 4; null when g >= the expert's token count), XK values;
-// DeepSeek FP8: ws0, ws1 the tiles' weight scale rows and xs0, xs1 the token scale rows of the lane's C columns
-// 2t, 2t + 1 (null past the token count), FP32, one value per unit.
+// ws0, ws1: the tiles' weight scale rows (scale_row). DeepSeek FP8: xs0, xs1 the token scale rows of the lane's C
+// columns 2t, 2t + 1 (null past the token count), FP32, one value per unit. MX pairs: xc the token chunk this lane
+// copies (mx_chunk_at of its lane, at K = 0; null past the token count), xs0 the E8M0 scale row of token `lane`
+// (lanes 0..7; null past the token count).
 struct MmaPair {
   const u8* w0;
   const u8* w1;
   const u8* x;
-  const float* ws0;
-  const float* ws1;
-  const float* xs0;
-  const float* xs1;
+  const u8* xc;
+  const u8* ws0;
+  const u8* ws1;
+  const u8* xs0;
+  const u8* xs1;
 };
 
-// acc[tile][c] (C fragments, FP32) = this warp's share (units kpart, kpart + ksplit, ...) of the pair's sums.
+// The FP8 formats' mma_pair_dot (the file header; K order and decodes: mma.cuh).
 template <int XK>
-__device__ __forceinline__ void mma_pair_dot(uint4* ring, const MmaPair& p, int k, int kpart, int ksplit,
-                                             float (&acc)[2][4]) {
+__device__ __forceinline__ void mma_pair_dot_fp8(uint4* ring, const MmaPair& p, int k, int kpart, int ksplit,
+                                                 float (&acc)[2][4]) {
   constexpr bool BF16 = XK == LL_INPUT_BF16;  // BF16 tokens: BF16 operands; FP16 and E4M3 tokens: FP16 operands
   constexpr int XC = x_bytes_num(XK), ITEMS = mma_items<XK>();
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
@@ -104,10 +121,10 @@ __device__ __forceinline__ void mma_pair_dot(uint4* ring, const MmaPair& p, int 
     }
     if (FP8B && (i & 1)) {  // the unit's scales, read with its second step
       float* s = reinterpret_cast<float*>(slot + 32 * (4 + XC));
-      cp_async4(s, p.ws0 + u);
-      cp_async4(s + 1, p.ws1 + u);
-      if (p.xs0 != nullptr) cp_async4(s + 2, p.xs0 + u);
-      if (p.xs1 != nullptr) cp_async4(s + 3, p.xs1 + u);
+      cp_async4(s, p.ws0 + 4 * u);
+      cp_async4(s + 1, p.ws1 + 4 * u);
+      if (p.xs0 != nullptr) cp_async4(s + 2, p.xs0 + 4 * u);
+      if (p.xs1 != nullptr) cp_async4(s + 3, p.xs1 + 4 * u);
     }
   };
 #pragma unroll
@@ -152,6 +169,102 @@ __device__ __forceinline__ void mma_pair_dot(uint4* ring, const MmaPair& p, int 
   cp_async_wait<0>();
 }
 
+// The MX pairs' mma_pair_dot (XK = LL_INPUT_MXFP8): the warp's copies and the fragments in the block-pure K order
+// of mma.cuh (MX section), each block's partial scaled into acc (the file header).
+__device__ __forceinline__ void mma_pair_dot_mx(uint4* ring, const MmaPair& p, int k, int kpart, int ksplit,
+                                                float (&acc)[2][4]) {
+  constexpr bool E2M1 = MMA_E2M1;
+  constexpr int WI = MMA_WEIGHT_ITEMS, ITEMS = mma_items<LL_INPUT_MXFP8>();
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const i64 wrow = row_bytes(k), srow = k / MX_BLOCK;
+  const u8* wsrc[WI];  // the weight chunks this lane copies (at K = 0)
+#pragma unroll
+  for (int i = 0; i < WI; ++i) {
+    int q, gc, c;
+    mx_chunk_at(E2M1, 32 * i + lane, q, gc, c);
+    wsrc[i] = (q >> 1 ? p.w1 : p.w0) + (gc + 8 * (q & 1)) * wrow + 16 * c;
+  }
+  // The scale word this lane copies: row kind lane / 8, group lane % 8 (index lane of the scale item).
+  const u8* ssrc = ((lane >> 4) ? p.ws1 : p.ws0) + ((lane & 7) + 8 * ((lane >> 3) & 1)) * srow;
+  const int units = k / MMA_UNIT;
+  const int steps = units > kpart ? 2 * ((units - kpart + ksplit - 1) / ksplit) : 0;
+  auto issue = [&](int i) {  // step i into stage i % MMA_STAGES
+    const int u = kpart + ksplit * (i >> 1), k0 = MMA_UNIT * u + 64 * (i & 1);
+    uint4* stage = ring + (i % MMA_STAGES) * ITEMS * 32;
+#pragma unroll
+    for (int w = 0; w < WI; ++w) cp_async16(stage + 32 * w + lane, wsrc[w] + (E2M1 ? k0 / 2 : k0));
+    if (p.xc != nullptr) cp_async16(stage + 32 * WI + lane, p.xc + k0);
+    if (!(i & 1)) {  // the unit's scale words, read with its first step
+      u32* s = reinterpret_cast<u32*>(stage + 32 * (WI + 1));
+      cp_async4(s + lane, ssrc + 4 * u);
+      if (p.xs0 != nullptr) cp_async4(s + 32 + lane, p.xs0 + 4 * u);
+    }
+  };
+#pragma unroll
+  for (int i = 0; i < MMA_STAGES - 1; ++i) {
+    if (i < steps) issue(i);
+    cp_async_commit();
+  }
+  u32 wsw[4] = {}, xsw[2] = {};  // this unit's E8M0 words (byte b: block b of the unit), rows g, g + 8 of both tiles
+  for (int i = 0; i < steps; ++i) {
+    cp_async_wait<MMA_STAGES - 2>();  // this lane's copies of step i have landed
+    __syncwarp();                     // ... and every lane's; every lane is done with step i - 1's stage
+    if (i + MMA_STAGES - 1 < steps) issue(i + MMA_STAGES - 1);
+    cp_async_commit();
+    const uint4* stage = ring + (i % MMA_STAGES) * ITEMS * 32;
+    if (!(i & 1)) {
+      const u32* s = reinterpret_cast<const u32*>(stage + 32 * (WI + 1));
+#pragma unroll
+      for (int q = 0; q < 4; ++q) wsw[q] = s[8 * q + g];
+      xsw[0] = s[32 + 2 * t], xsw[1] = s[32 + 2 * t + 1];
+    }
+#pragma unroll
+    for (int b = 0; b < 2; ++b) {
+      const int kb = 2 * (i & 1) + b;  // the block of the unit
+      const u32* words = reinterpret_cast<const u32*>(stage);
+      uint2 wv[4];
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const int at = mx_word(E2M1, q, g, t, b);
+        wv[q] = E2M1 ? make_uint2(words[at], 0u) : *reinterpret_cast<const uint2*>(words + at);
+      }
+      // garbage past the token count: B is zeroed
+      const uint2 xv = *reinterpret_cast<const uint2*>(words + 128 * WI + mx_word(false, 0, g, t, b));
+      float part[2][4] = {};
+#pragma unroll
+      for (int m = 0; m < 2; ++m) {
+        u32 bf[2];
+        mx_b_fragment<E2M1>(xv, m, bf);
+        if (p.x == nullptr) bf[0] = bf[1] = 0u;
+#pragma unroll
+        for (int tile = 0; tile < 2; ++tile) {
+          u32 af[4];
+          mx_a_fragment<E2M1>(wv[2 * tile], wv[2 * tile + 1], m, af);
+          mma_16816<false>(part[tile], af, bf);
+        }
+      }
+      float ws[2][2], xs[2];
+#pragma unroll
+      for (int r = 0; r < 4; ++r) ws[r >> 1][r & 1] = e8m0_to_float((wsw[r] >> (8 * kb)) & 0xFFu);
+      xs[0] = e8m0_to_float((xsw[0] >> (8 * kb)) & 0xFFu), xs[1] = e8m0_to_float((xsw[1] >> (8 * kb)) & 0xFFu);
+#pragma unroll
+      for (int tile = 0; tile < 2; ++tile)
+#pragma unroll
+        for (int c = 0; c < 4; ++c)
+          acc[tile][c] = fmaf(part[tile][c], __fmul_rn(ws[tile][c >> 1], xs[c & 1]), acc[tile][c]);
+    }
+  }
+  cp_async_wait<0>();
+}
+
+// acc[tile][c] (C fragments, FP32) = this warp's share (units kpart, kpart + ksplit, ...) of the pair's sums.
+template <int XK>
+__device__ __forceinline__ void mma_pair_dot(uint4* ring, const MmaPair& p, int k, int kpart, int ksplit,
+                                             float (&acc)[2][4]) {
+  if constexpr (XK == LL_INPUT_MXFP8) mma_pair_dot_mx(ring, p, k, kpart, ksplit, acc);
+  else mma_pair_dot_fp8<XK>(ring, p, k, kpart, ksplit, acc);
+}
+
 // ------------------------------------------------------------------------------------------ geometry
 // Warp w of a CTA serves tile pair w / ksplit of the CTA's block (WARPS / ksplit pairs) with K share w % ksplit;
 // round r of CTA b serves block b * rounds + r. Its first row (of the pair's features or output rows):
@@ -174,8 +287,8 @@ __device__ __forceinline__ void mma_gemm1_rows(int e, int f0, bool gated, int in
 // lane one row (the pair's 32).
 __device__ __forceinline__ void mma_prefetch_pair(const u8* w0, const u8* w1, int k, int kpart, int ksplit) {
   const int lane = threadIdx.x & 31;
-  const u8* row = (lane < 16 ? w0 : w1) + (lane & 15) * static_cast<i64>(k);
-  for (int u = kpart, n = 0; u < k / MMA_UNIT && n < 2; u += ksplit, ++n) prefetch_l2(row + MMA_UNIT * u);
+  const u8* row = (lane < 16 ? w0 : w1) + (lane & 15) * row_bytes(k);
+  for (int u = kpart, n = 0; u < k / MMA_UNIT && n < 2; u += ksplit, ++n) prefetch_l2(row + row_bytes(MMA_UNIT) * u);
 }
 
 __device__ __forceinline__ void mma_prefetch_gemm1(int e, int round, const u8* w, int hidden, int inter,
@@ -184,15 +297,16 @@ __device__ __forceinline__ void mma_prefetch_gemm1(int e, int round, const u8* w
   if (e < 0 || f0 >= inter) return;
   i64 row[2];
   mma_gemm1_rows(e, f0, gated, inter_padded, row);
-  mma_prefetch_pair(w + row[0] * hidden, w + row[1] * hidden, hidden, (threadIdx.x >> 5) % ksplit, ksplit);
+  mma_prefetch_pair(w + row[0] * row_bytes(hidden), w + row[1] * row_bytes(hidden), hidden, (threadIdx.x >> 5) % ksplit,
+                    ksplit);
 }
 
 __device__ __forceinline__ void mma_prefetch_gemm2(int e, int round, const u8* w, int hidden, int inter_padded,
                                                    int ksplit, int rounds) {
   const int h0 = mma_pair_first(round, rounds, ksplit, MMA_ROWS);
   if (e < 0 || h0 >= hidden) return;
-  const u8* w0 = w + (static_cast<i64>(e) * hidden + h0) * inter_padded;
-  mma_prefetch_pair(w0, w0 + (MMA_ROWS / 2) * static_cast<i64>(inter_padded), inter_padded,
+  const u8* w0 = w + (static_cast<i64>(e) * hidden + h0) * row_bytes(inter_padded);
+  mma_prefetch_pair(w0, w0 + (MMA_ROWS / 2) * row_bytes(inter_padded), inter_padded,
                     (threadIdx.x >> 5) % ksplit, ksplit);
 }
 
@@ -218,16 +332,24 @@ __device__ __forceinline__ void mma_store_partials(float* red, const float (&acc
   __syncthreads();
 }
 
-// The lane's token row (B column g) and, for DeepSeek FP8, the scale rows of its C columns 2t, 2t + 1: token row
-// `row_of(index)` of the plan's distinct tokens, `bytes` per row of values, k / 128 scales per row.
+// The lane's token row (B column g) and its scale rows (MmaPair): token row `row_of(index)` of the plan's distinct
+// tokens, `bytes` per row of values; DeepSeek FP8 k / 128 FP32 scales per row, the MX pairs k / 32 E8M0 bytes.
 template <typename RowOf>
 __device__ __forceinline__ void mma_token_rows(const Plan& plan, const u8* x, const u8* x_scales, i64 bytes, int k,
                                                RowOf row_of, MmaPair& p) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, n = plan.count;
   p.x = g < n ? x + row_of(g) * bytes : nullptr;
-  const float* scales = reinterpret_cast<const float*>(x_scales);
-  p.xs0 = FP8B && 2 * t < n ? scales + row_of(2 * t) * (k / MMA_UNIT) : nullptr;
-  p.xs1 = FP8B && 2 * t + 1 < n ? scales + row_of(2 * t + 1) * (k / MMA_UNIT) : nullptr;
+  if (FP8B) {
+    const i64 scale_bytes = 4 * (k / MMA_UNIT);
+    p.xs0 = 2 * t < n ? x_scales + row_of(2 * t) * scale_bytes : nullptr;
+    p.xs1 = 2 * t + 1 < n ? x_scales + row_of(2 * t + 1) * scale_bytes : nullptr;
+  }
+  if (MXI) {
+    int q, gc, c;
+    mx_chunk_at(false, lane, q, gc, c);
+    p.xc = gc < n ? x + row_of(gc) * bytes + 16 * c : nullptr;
+    p.xs0 = lane < n ? x_scales + row_of(lane) * (k / MX_BLOCK) : nullptr;
+  }
 }
 
 // ------------------------------------------------------------------------------------------ GEMM1 + activation
@@ -253,9 +375,8 @@ __device__ __forceinline__ void mma_gemm1(const Plan& plan, const Gemm1Args& a, 
     if (f0 < a.inter) {  // pairs of padding features (I <= f < Ip: all-zero weights) are not read
       i64 row[2];
       mma_gemm1_rows(e, f0, GATED, a.inter_padded, row);
-      p.w0 = a.w + row[0] * a.hidden, p.w1 = a.w + row[1] * a.hidden;
-      p.ws0 = reinterpret_cast<const float*>(scale_row(a.w_scales, row[0], a.hidden));
-      p.ws1 = reinterpret_cast<const float*>(scale_row(a.w_scales, row[1], a.hidden));
+      p.w0 = a.w + row[0] * row_bytes(a.hidden), p.w1 = a.w + row[1] * row_bytes(a.hidden);
+      p.ws0 = scale_row(a.w_scales, row[0], a.hidden), p.ws1 = scale_row(a.w_scales, row[1], a.hidden);
       mma_pair_dot<LL_INPUT>(ring, p, a.hidden, kpart, ksplit, acc);
     }
     mma_store_partials(red, acc);
@@ -298,9 +419,8 @@ __device__ __forceinline__ void mma_gemm2(const Plan& plan, const Gemm2Args& a, 
     float acc[2][4] = {};
     if (h0 < a.hidden) {
       const i64 row = static_cast<i64>(e) * a.hidden + h0;
-      p.w0 = a.w + row * k, p.w1 = a.w + (row + MMA_ROWS / 2) * k;
-      p.ws0 = reinterpret_cast<const float*>(scale_row(a.w_scales, row, k));
-      p.ws1 = reinterpret_cast<const float*>(scale_row(a.w_scales, row + MMA_ROWS / 2, k));
+      p.w0 = a.w + row * row_bytes(k), p.w1 = a.w + (row + MMA_ROWS / 2) * row_bytes(k);
+      p.ws0 = scale_row(a.w_scales, row, k), p.ws1 = scale_row(a.w_scales, row + MMA_ROWS / 2, k);
       mma_pair_dot<INTER_INPUT>(ring, p, k, kpart, ksplit, acc);
     }
     mma_store_partials(red, acc);

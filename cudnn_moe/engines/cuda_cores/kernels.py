@@ -246,7 +246,7 @@ def gemm1(
     unrounded FP32 activation), or E4M3 codes [T, H] with x_scales E8M0 [T, H/32] (the MX pairs; inter_out is then
     uint8 [>= T k, Ip], the MXFP8 codes of the intermediate, and inter_scales uint8 [>= T k, Ip/32] their E8M0
     scales, quantized in this launch: each CTA covers exactly one block of 32 features, so the FMA tactic's
-    ``rounds`` is 32 / features per round instead of choose_rounds'; the tensor-core tactic does not run them).
+    ``rounds`` is 32 / features per round instead of choose_rounds'; the tensor-core tactic's cut: ll_mma.kernels).
     ids: packed int32 [T, k] (routing_code ROUTING_PACKED) or int32/int64 ids [T, k].
     """
     fmt = weights.format

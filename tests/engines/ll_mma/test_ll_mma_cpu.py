@@ -1,9 +1,15 @@
-"""CPU checks of the ll_mma engine (tensor-core dot products of the low-latency FP8 formats):
+"""CPU checks of the ll_mma engine (tensor-core dot products of the low-latency FP8 formats and MX pairs):
 
 - the fragments of kernels_cuda/low_latency/mma.cuh, built for the host, fed into an emulation of
   mma.sync.m16n8k16's fragment layout (PTX ISA: which lane and register holds which A, B, C element) compute
   sum_k w[row][k] x[token][k] for every row and token of a k64 step, for each operand kind (BF16, FP16 and E4M3
   tokens): the K permutation the lanes load in is the same for A and B;
+- the MX pairs (MXFP4 / MXFP8 weights, MXFP8 tokens): a whole tile pair's dot products over 1-3 units as
+  mma_pair_dot_mx runs them, emulated on the host with the kernel's own helpers (the warp's copies to the
+  mx_chunk_at positions, the lanes' reads at mx_word, mx_a_fragment / mx_b_fragment, the mma per the PTX layout,
+  each 32-K block's partial times its weight x token E8M0 scales) equal the float64 sum over blocks of the block's
+  exact dot product times its two scales, for random codes and per-block scales; the ring positions are a
+  bijection with conflict-free shared-memory reads; the E2M1 -> FP16 decode gives every code exactly;
 - the E4M3 -> BF16 decode (bit placement + one bf16x2 FMA by 2^120, emulated on the host) and the host stand-in
   of the E4M3 -> FP16 conversion give every one of the 256 codes (NaN codes aside) bit for bit as torch does;
 - the tensor-core modules (-DLL_MMA=1) compile for sm_90a, sm_100a, sm_103a and sm_120a without spills, and the
@@ -48,12 +54,17 @@ CXX = shutil.which("c++") or shutil.which("g++")
 CUOBJDUMP = sass_budget.find_tool("cuobjdump")
 SOURCE = kernels_dir() / cc.SOURCE
 FP8_FORMATS = (WeightFormat.FP8_WEIGHT_ONLY, WeightFormat.FP8_PER_TENSOR, WeightFormat.DEEPSEEK_FP8)
-# Every tensor-core module a call can build: FP8 weight-only with BF16 / FP16 tokens, per-tensor FP8, DeepSeek FP8.
+MX_FORMATS = (WeightFormat.MXFP4_W_MXFP8_A, WeightFormat.MXFP8_W_MXFP8_A)
+MMA_FORMATS = FP8_FORMATS + MX_FORMATS
+# Every tensor-core module a call can build: FP8 weight-only with BF16 / FP16 tokens, per-tensor FP8, DeepSeek FP8,
+# the two MX pairs.
 MMA_VARIANTS = (
     (LowLatencyWeightCode.FP8, LowLatencyInputCode.BF16),
     (LowLatencyWeightCode.FP8, LowLatencyInputCode.FP16),
     (LowLatencyWeightCode.FP8, LowLatencyInputCode.FP8),
     (LowLatencyWeightCode.FP8_BLOCK, LowLatencyInputCode.FP8_BLOCK),
+    (LowLatencyWeightCode.MXFP4, LowLatencyInputCode.MXFP8),
+    (LowLatencyWeightCode.MXFP8, LowLatencyInputCode.MXFP8),
 )
 ARCHS = ("90a", "100a", "103a", "120a")
 
@@ -255,6 +266,243 @@ def test_e4m3_decodes_every_code_exactly(fragment_program: Path, tmp_path: Path)
     assert int((~finite).sum()) == 2
 
 
+_MX_DRIVER = HOST_PRELUDE + r"""
+#include <cstdint>
+#include <vector>
+static inline uint2 make_uint2(unsigned int x, unsigned int y) { return {x, y}; }
+#include "low_latency/mma.cuh"
+using namespace ll;
+
+// One tile pair (32 weight rows: tile q / 2, row g + 8 (q % 2) is row 16 (q / 2) + g + 8 (q % 2)) x 8 tokens over
+// K = 128 * units, as mma_pair_dot_mx runs it (one warp, kpart 0, ksplit 1): every k64 step the 32 lanes' copies
+// land at the ring positions mx_chunk_at gives (weight chunks, token chunks, with a unit's first step the E8M0
+// words), every lane reads its values back at mx_word, builds its fragments (mx_a_fragment / mx_b_fragment), the
+// two mma of each block are evaluated from the fragments per the PTX layout in double into zeroed partials, and
+// acc += partial * (weight scale * token scale) per C element; C[row][token] is read back through c_slot.
+// W: 32 rows of K E4M3 bytes (e2m1: K / 2 bytes of codes, element 2i the low nibble), WS: 32 x K / 32 E8M0 bytes,
+// X: 8 x K E4M3 bytes, XS: 8 x K / 32.
+static double f16v(u32 reg, int half) { return f16_bits_value((reg >> (16 * half)) & 0xFFFFu); }
+template <bool E2M1>
+static void pair(int units, const unsigned char* W, const unsigned char* WS, const unsigned char* X,
+                 const unsigned char* XS, double C[32][8]) {
+  const int k = 128 * units, wrow = E2M1 ? k / 2 : k, WI = E2M1 ? 2 : 4, srow = k / 32;
+  std::vector<u32> stage(128 * (WI + 2));
+  double acc[32][2][4] = {};
+  u32 wsw[32][4] = {}, xsw[32][2] = {};
+  for (int step = 0; step < 2 * units; ++step) {
+    const int u = step / 2, k0 = 64 * step;
+    for (int lane = 0; lane < 32; ++lane) {  // the copies
+      for (int i = 0; i < WI; ++i) {
+        int q, g, c;
+        mx_chunk_at(E2M1, 32 * i + lane, q, g, c);
+        const int row = 16 * (q >> 1) + g + 8 * (q & 1);
+        std::memcpy(&stage[4 * (32 * i + lane)], W + row * wrow + (E2M1 ? k0 / 2 : k0) + 16 * c, 16);
+      }
+      int q, g, c;
+      mx_chunk_at(false, lane, q, g, c);
+      std::memcpy(&stage[4 * (32 * WI + lane)], X + g * k + k0 + 16 * c, 16);
+      if (step % 2 == 0) {
+        const int row = 16 * (lane >> 4) + (lane & 7) + 8 * ((lane >> 3) & 1);
+        std::memcpy(&stage[128 * (WI + 1) + lane], WS + row * srow + 4 * u, 4);
+        if (lane < 8) std::memcpy(&stage[128 * (WI + 1) + 32 + lane], XS + lane * srow + 4 * u, 4);
+      }
+    }
+    for (int b = 0; b < 2; ++b) {
+      u32 A[32][2][2][4], B[32][2][2];  // [lane][m][tile][reg], [lane][m][reg]
+      for (int lane = 0; lane < 32; ++lane) {
+        const int g = lane / 4, t = lane % 4;
+        if (step % 2 == 0) {
+          for (int q = 0; q < 4; ++q) wsw[lane][q] = stage[128 * (WI + 1) + 8 * q + g];
+          xsw[lane][0] = stage[128 * (WI + 1) + 32 + 2 * t], xsw[lane][1] = stage[128 * (WI + 1) + 32 + 2 * t + 1];
+        }
+        uint2 wv[4];
+        for (int q = 0; q < 4; ++q) {
+          const int at = mx_word(E2M1, q, g, t, b);
+          wv[q] = make_uint2(stage[at], E2M1 ? 0u : stage[at + 1]);
+        }
+        const int xat = 128 * WI + mx_word(false, 0, g, t, b);
+        const uint2 xv = make_uint2(stage[xat], stage[xat + 1]);
+        for (int m = 0; m < 2; ++m) {
+          mx_b_fragment<E2M1>(xv, m, B[lane][m]);
+          for (int tile = 0; tile < 2; ++tile) mx_a_fragment<E2M1>(wv[2 * tile], wv[2 * tile + 1], m, A[lane][m][tile]);
+        }
+      }
+      const int kb = 2 * (step % 2) + b;
+      for (int lane = 0; lane < 32; ++lane)
+        for (int tile = 0; tile < 2; ++tile)
+          for (int c = 0; c < 4; ++c) {
+            const int r = lane / 4 + 8 * (c / 2), n = 2 * (lane % 4) + c % 2;
+            double part = 0.0;
+            for (int m = 0; m < 2; ++m)
+              for (int kk = 0; kk < 16; ++kk) {
+                const int a_lane = (r % 8) * 4 + (kk % 8) / 2, a_reg = (r >= 8 ? 1 : 0) + (kk >= 8 ? 2 : 0);
+                const int b_lane = n * 4 + (kk % 8) / 2, b_reg = kk >= 8 ? 1 : 0;
+                part += f16v(A[a_lane][m][tile][a_reg], kk % 2) * f16v(B[b_lane][m][b_reg], kk % 2);
+              }
+            const double ws = e8m0_to_float((wsw[lane][2 * tile + c / 2] >> (8 * kb)) & 0xFFu);
+            const double xs = e8m0_to_float((xsw[lane][c % 2] >> (8 * kb)) & 0xFFu);
+            acc[lane][tile][c] += part * (ws * xs);
+          }
+    }
+  }
+  for (int tile = 0; tile < 2; ++tile)
+    for (int r = 0; r < 16; ++r)
+      for (int n = 0; n < 8; ++n) {
+        int lane, c;
+        c_slot(r, n, lane, c);
+        C[16 * tile + r][n] = acc[lane][tile][c];
+      }
+}
+
+// argv[1]: cases (int32 e2m1, int32 units, W, WS, X, XS as above); argv[2]: per case C 32 x 8 float64, then the
+// E2M1 decodes of every word 0x76543210 + 0x88888888 i (i = 0, 1: every code once) as 8 FP16 (pair j: codes j,
+// j + 4), then mx_chunk(e2m1, q, g, c) for e2m1 = 0 (q < 4, g < 8, c < 4) and 1 (c < 2), then mx_chunk_at's (q, g, c)
+// of every n < 128 (e2m1 0) and < 64 (e2m1 1), then mx_word(e2m1, q, g, t, b) for q < 4, g < 8, t < 4, b < 2 (int32).
+int main(int, char** argv) {
+  FILE* in = std::fopen(argv[1], "rb");
+  FILE* out = std::fopen(argv[2], "wb");
+  int head[2];
+  while (std::fread(head, 4, 2, in) == 2) {
+    const int e2m1 = head[0], units = head[1], k = 128 * units;
+    std::vector<unsigned char> W(32 * (e2m1 ? k / 2 : k)), WS(32 * k / 32), X(8 * k), XS(8 * k / 32);
+    if (std::fread(W.data(), 1, W.size(), in) != W.size() || std::fread(WS.data(), 1, WS.size(), in) != WS.size() ||
+        std::fread(X.data(), 1, X.size(), in) != X.size() || std::fread(XS.data(), 1, XS.size(), in) != XS.size())
+      return 2;
+    double C[32][8];
+    if (e2m1) pair<true>(units, W.data(), WS.data(), X.data(), XS.data(), C);
+    else pair<false>(units, W.data(), WS.data(), X.data(), XS.data(), C);
+    std::fwrite(C, 8, 32 * 8, out);
+  }
+  for (u32 i = 0; i < 2; ++i)
+    for (int j = 0; j < 4; ++j) {
+      const u32 d = e2m1x2_to_f16x2(0x76543210u + 0x88888888u * i, j);
+      const unsigned short v[2] = {static_cast<unsigned short>(d), static_cast<unsigned short>(d >> 16)};
+      std::fwrite(v, 2, 2, out);
+    }
+  std::vector<int> ints;
+  for (int e = 0; e < 2; ++e)
+    for (int q = 0; q < 4; ++q)
+      for (int g = 0; g < 8; ++g)
+        for (int c = 0; c < (e ? 2 : 4); ++c) ints.push_back(mx_chunk(e, q, g, c));
+  for (int e = 0; e < 2; ++e)
+    for (int n = 0; n < (e ? 64 : 128); ++n) {
+      int q, g, c;
+      mx_chunk_at(e, n, q, g, c);
+      ints.insert(ints.end(), {q, g, c});
+    }
+  for (int e = 0; e < 2; ++e)
+    for (int q = 0; q < 4; ++q)
+      for (int g = 0; g < 8; ++g)
+        for (int t = 0; t < 4; ++t)
+          for (int b = 0; b < 2; ++b) ints.push_back(mx_word(e, q, g, t, b));
+  std::fwrite(ints.data(), 4, ints.size(), out);
+  return std::fclose(out) != 0 || std::fclose(in) != 0;
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def mx_program(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    if CXX is None:
+        pytest.skip("no C++ compiler")
+    folder = tmp_path_factory.mktemp("mma_mx")
+    source, program = folder / "mx.cpp", folder / "mx"
+    source.write_text(_MX_DRIVER)
+    build = [CXX, "-std=c++17", "-O1", "-I", str(kernels_dir()), *cuda_defines(), str(source), "-o", str(program)]
+    result = subprocess.run(build, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    return program
+
+
+E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=torch.float64)
+
+
+def _e2m1_values(codes: torch.Tensor) -> torch.Tensor:
+    """Packed E2M1 bytes [..., K/2] (element 2i the low nibble) -> float64 [..., K]."""
+    nibbles = torch.stack((codes & 0xF, codes >> 4), dim=-1).flatten(-2).long()
+    return torch.where(nibbles >= 8, -1.0, 1.0).double() * E2M1_VALUES[nibbles & 7]
+
+
+def _run_mx(program: Path, folder: Path, cases: list) -> tuple[torch.Tensor, bytes]:
+    """cases: (e2m1, units, W, WS, X, XS) uint8 tensors -> (C float64 [cases, 32, 8], the trailing tables)."""
+    with open(folder / "in.bin", "wb") as f:
+        for e2m1, units, *arrays in cases:
+            f.write(np.array([e2m1, units], dtype=np.int32).tobytes() + b"".join(a.numpy().tobytes() for a in arrays))
+    subprocess.run([str(program), str(folder / "in.bin"), str(folder / "out.bin")], check=True)
+    raw = (folder / "out.bin").read_bytes()
+    n = len(cases) * 32 * 8 * 8
+    return torch.from_numpy(np.frombuffer(raw[:n], dtype=np.float64).reshape(len(cases), 32, 8).copy()), raw[n:]
+
+
+@pytest.mark.parametrize("e2m1", [True, False], ids=["mxfp4-weights", "mxfp8-weights"])
+def test_mx_fragments_compute_the_block_scaled_dot_products(mx_program: Path, tmp_path: Path, e2m1: bool) -> None:
+    """Random codes (MXFP4: random bytes; MXFP8 weights and the tokens: every finite E4M3 code) and random E8M0 scales
+    per row / token and 32-K block (2^-20 .. 2^20, so a scale applied to the wrong block, row or token shows), over 1,
+    2 and 3 units: the emulated tile pair equals sum_b (W_b . X_b) * 2^(s_w - 127) * 2^(s_x - 127) in float64 (every
+    product and block sum is exact there; only the float64 sum over blocks rounds)."""
+    gen = torch.Generator().manual_seed(7 + e2m1)
+    cases = []
+    for units in (1, 2, 3):
+        k = 128 * units
+        w = (torch.randint(0, 256, (32, k // 2), generator=gen, dtype=torch.uint8) if e2m1
+             else _e4m3_bytes(gen, 32 * k).reshape(32, k))
+        ws = torch.randint(107, 148, (32, k // 32), generator=gen, dtype=torch.uint8)
+        x = _e4m3_bytes(gen, 8 * k).reshape(8, k)
+        xs = torch.randint(107, 148, (8, k // 32), generator=gen, dtype=torch.uint8)
+        cases.append((int(e2m1), units, w, ws, x, xs))
+    got, _ = _run_mx(mx_program, tmp_path, cases)
+    for index, (_, units, w, ws, x, xs) in enumerate(cases):
+        wv = _e2m1_values(w) if e2m1 else w.view(torch.float8_e4m3fn).double()
+        xv = x.view(torch.float8_e4m3fn).double()
+        blocks = 4 * units
+        wb, xb = wv.reshape(32, blocks, 32), xv.reshape(8, blocks, 32)
+        scale = torch.pow(2.0, ws.double()[:, None, :] - 127) * torch.pow(2.0, xs.double()[None, :, :] - 127)
+        terms = torch.einsum("rbk,nbk->rnb", wb, xb) * scale
+        want = terms.sum(-1)
+        bound = 1e-12 * (torch.einsum("rbk,nbk->rnb", wb.abs(), xb.abs()) * scale).sum(-1)
+        err = (got[index] - want).abs()
+        assert bool((want != 0).any()) and bool((err <= bound).all()), (
+            f"{units} units: max error {float(err.max()):.3g} at {divmod(int(err.argmax()), 8)}")
+
+
+def test_mx_ring_positions_and_e2m1_decode(mx_program: Path, tmp_path: Path) -> None:
+    """mx_chunk is a bijection onto the step's ring positions (E4M3 rows: 4 items of 32 chunks, E2M1 rows: 2) and
+    mx_chunk_at its inverse; mx_word points into the right chunk; each read instruction (fixed row kind and block)
+    of the 32 lanes hits 32 distinct banks (E2M1: 4-byte reads) or, per half-warp, 32 distinct banks (E4M3:
+    8-byte reads); the E2M1 -> FP16 pairs (bit placement, x 2^14 in one emulated mul.rn.f16x2) of every code are
+    torch's FP16 of the code's value, bit for bit (-0 included)."""
+    _, raw = _run_mx(mx_program, tmp_path, [])
+    decodes = torch.from_numpy(np.frombuffer(raw[:32], dtype=np.uint16).astype(np.int32)).reshape(2, 4, 2)
+    ints = np.frombuffer(raw[32:], dtype=np.int32)
+    for i in range(2):  # word 0x76543210 + 0x88888888 i: code j is j + 8 i
+        for j in range(4):
+            for half, code in enumerate((j + 8 * i, j + 4 + 8 * i)):
+                value = float(_e2m1_values(torch.tensor([code], dtype=torch.uint8))[0])
+                want = torch.tensor([value]).half().view(torch.int16).to(torch.int32) & 0xFFFF
+                assert int(decodes[i, j, half]) == int(want), f"E2M1 code {code:#x}"
+    chunks = {False: ints[:128], True: ints[128:192]}
+    at = {False: ints[192:576].reshape(128, 3), True: ints[576:768].reshape(64, 3)}
+    words = {False: ints[768:1024].reshape(4, 8, 4, 2), True: ints[1024:1280].reshape(4, 8, 4, 2)}
+    for e2m1, per_row in ((False, 4), (True, 2)):
+        table = chunks[e2m1].reshape(4, 8, per_row)
+        assert sorted(table.flatten().tolist()) == list(range(32 * per_row)), e2m1
+        for n, (q, g, c) in enumerate(at[e2m1]):
+            assert table[q, g, c] == n, (e2m1, n)
+        for q in range(4):
+            for b in range(2):
+                w = words[e2m1][q, :, :, b]  # [g, t]
+                for g in range(8):
+                    for t in range(4):
+                        c = b if e2m1 else 2 * b + t // 2
+                        assert w[g, t] // 4 == table[q, g, c], (e2m1, q, g, t, b)
+                if e2m1:
+                    assert len({int(v) % 32 for v in w.flatten()}) == 32, (q, b)
+                else:
+                    for half in (w[:4], w[4:]):
+                        banks = {int(v + d) % 32 for v in half.flatten() for d in (0, 1)}
+                        assert len(banks) == 32, (q, b)
+
+
 # ----------------------------------------------------------------------------- builds and SASS
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found")
 @pytest.mark.parametrize("arch", ARCHS)
@@ -280,6 +528,8 @@ def test_nvrtc_builds_the_mma_modules(variant) -> None:
 def _formats_of(variant) -> tuple[WeightFormat, torch.dtype | None]:
     """A (weight format, token dtype) whose module is ``variant``."""
     weights, tokens = variant
+    if tokens is LowLatencyInputCode.MXFP8:
+        return (WeightFormat.MXFP4_W_MXFP8_A if weights is LowLatencyWeightCode.MXFP4 else WeightFormat.MXFP8_W_MXFP8_A), None
     if weights is LowLatencyWeightCode.FP8_BLOCK:
         return WeightFormat.DEEPSEEK_FP8, None
     if tokens is LowLatencyInputCode.FP8:
@@ -289,9 +539,9 @@ def _formats_of(variant) -> tuple[WeightFormat, torch.dtype | None]:
 
 def test_mma_variants_cover_every_call() -> None:
     """The modules an ll_mma call can ask for are the ones built here."""
-    asked = {(cc.weight_code(f), cc.input_code(f, d)) for f in FP8_FORMATS
+    asked = {(cc.weight_code(f), cc.input_code(f, d)) for f in MMA_FORMATS
              for d in ((torch.bfloat16, torch.float16) if f is WeightFormat.FP8_WEIGHT_ONLY else (None,))}
-    assert asked == set(MMA_VARIANTS) and {_formats_of(v)[0] for v in MMA_VARIANTS} == set(FP8_FORMATS)
+    assert asked == set(MMA_VARIANTS) and {_formats_of(v)[0] for v in MMA_VARIANTS} == set(MMA_FORMATS)
 
 
 def _innermost_hmma_loop(code: list[tuple[int, str]]) -> list[str]:
@@ -310,7 +560,7 @@ def _innermost_hmma_loop(code: list[tuple[int, str]]) -> list[str]:
 @pytest.mark.skipif(NVCC is None or CUOBJDUMP is None, reason="nvcc or cuobjdump not found")
 def test_sm90a_main_loops_run_on_tensor_cores() -> None:
     """Both GEMMs' k64 loop: 8 HMMA (4 k16 steps x 2 tiles) of the operand kind the tokens ask for, the step's
-    cp.async copies (4 weight chunks L1-bypassing, LDGSTS.E.BYPASS.128), no local memory anywhere, and within the
+    cp.async copies (4 weight chunks, 2 of E2M1 rows, L1-bypassing: LDGSTS.E.BYPASS.128), no local memory anywhere, and within the
     issue budget (hopper-kernels.md: the FP8 weights of a k64 step, 2 KB a warp, arrive at 4.3 TB/s in about 110
     cycles of an SM, 440 warp-instruction slots of its four schedulers: the loop must stay well below)."""
     for variant in MMA_VARIANTS:
@@ -325,7 +575,9 @@ def test_sm90a_main_loops_run_on_tensor_cores() -> None:
             assert len(hmma) == 8, f"{name}: {len(hmma)} HMMA in the k64 loop"
             bf16 = variant[1] is LowLatencyInputCode.BF16 or (kernel == "ll_gemm2" and variant[1] is LowLatencyInputCode.FP8)
             assert all((".BF16" in t) == bf16 for t in hmma), f"{name}: {hmma[0]}"
-            assert sum(bool(re.search(r"\bLDGSTS\.E\.BYPASS\.128\b", t)) for t in loop) >= 4, f"{name}: weight copies"
+            weight_chunks = 2 if variant[0] is LowLatencyWeightCode.MXFP4 else 4
+            copies = sum(bool(re.search(r"\bLDGSTS\.E\.BYPASS\.128\b", t)) for t in loop)
+            assert copies >= weight_chunks, f"{name}: {copies} weight copies"
             assert len(loop) <= 300, f"{name}: {len(loop)} instructions per k64 step"
 
 
@@ -335,12 +587,12 @@ def _request(fmt: WeightFormat, arch=SM90, k1: int = 7168, k2: int = 2048) -> Re
                    torch.bfloat16, torch.bfloat16, True, 8)
 
 
-def test_engine_serves_the_fp8_formats_where_the_ptx_is_valid() -> None:
-    for fmt in FP8_FORMATS:
+def test_engine_serves_the_fp8_formats_and_mx_pairs_where_the_ptx_is_valid() -> None:
+    for fmt in MMA_FORMATS:
         for arch in (SM90, SM100, SM103, SM107, SM120):
             assert LlMmaEngine.supports(_request(fmt, arch)), (fmt, arch)
         assert not LlMmaEngine.supports(_request(fmt, SM80))
-    for fmt in set(WeightFormat) - set(FP8_FORMATS):
+    for fmt in set(WeightFormat) - set(MMA_FORMATS):
         answer = LlMmaEngine.supports(_request(fmt))
         assert not answer and "does not run" in answer.reason, fmt
     nine = Request(OP_LOW_LATENCY, SM90, WeightFormat.FP8_WEIGHT_ONLY.value, tokens=9)
@@ -351,7 +603,7 @@ def test_engine_serves_the_fp8_formats_where_the_ptx_is_valid() -> None:
 
 def test_registry_keeps_cuda_cores_as_the_default_and_names_ll_mma() -> None:
     assert "ll_mma" in engine_names(OP_LOW_LATENCY)
-    for fmt in FP8_FORMATS:
+    for fmt in MMA_FORMATS:
         assert choose(_request(fmt)).name == "cuda_cores"
         assert choose(_request(fmt), "ll_mma") is LlMmaEngine
     with pytest.raises(ValueError, match="ll_mma"):
@@ -461,5 +713,71 @@ def test_deepseek_fp8_launches(prequantized: bool, monkeypatch: pytest.MonkeyPat
     options = (*cc.module_options(LowLatencyWeightCode.FP8_BLOCK, LowLatencyInputCode.FP8_BLOCK), mk.OPTION)
     assert all(launch[5] == options for launch in launches)
     for launch in launches:
-        want = mk.shared_bytes(LowLatencyInputCode.FP8_BLOCK) if launch[0] != "ll_quant128" else 0
+        want = mk.shared_bytes(LowLatencyInputCode.FP8_BLOCK, weights.format) if launch[0] != "ll_quant128" else 0
         assert launch[4] == want, launch[0]
+
+
+@pytest.mark.parametrize("fmt", MX_FORMATS, ids=lambda f: f.value)
+def test_mx_gemm1_cut_covers_one_block_of_32_features(fmt: WeightFormat) -> None:
+    """GEMM1 of the MX pairs quantizes its intermediate per CTA, so every cut (gated or not, any H, any slot count)
+    gives a CTA exactly 32 features (rounds x pairs x pair features), one feature block per grid column; GEMM2 keeps
+    the FP8 formats' cut; the rings: E4M3 weights 4 items + token + scales, E2M1 weights 2 + token + scales."""
+    items = 4 if fmt is WeightFormat.MXFP4_W_MXFP8_A else 6
+    assert mk.ring_items(LowLatencyInputCode.MXFP8, fmt) == items
+    for hidden, padded in ((256, 128), (512, 128), (1024, 256), (2048, 768), (7168, 2048)):
+        for gated in (True, False):
+            w = _weights(fmt, hidden, padded, gated)
+            for slots in (1, 64):
+                cut = mk.MMA.gemm1_geometry(w, LowLatencyInputCode.MXFP8, slots, 132)
+                features = cut.rounds * (mk.WARPS // cut.split) * mk.gemm1_features(gated)
+                assert features == 32 and cut.grid == (padded // 32, slots), (hidden, padded, gated, cut)
+                assert cut.shared_mem == mk.WARPS * 4 * items * 512
+    deepseek = mk.MMA.gemm1_geometry(_weights(fmt, 7168, 2048), LowLatencyInputCode.MXFP8, 64, 132)
+    assert (deepseek.split, deepseek.rounds) == (8, 2)
+    assert (mk.mx_gemm1_cut(1, 16), mk.mx_gemm1_cut(2, 32)) == ((4, 1), (8, 1))
+    two = mk.MMA.gemm2_geometry(_weights(fmt, 7168, 2048), LowLatencyInputCode.MXFP8, 64, 132)
+    assert (two.split, two.grid, two.rounds) == (8, (224, 64), 1)
+
+
+def _mx_layer(fmt: WeightFormat):
+    config = LowLatencyMoeConfig(8, arch="sm90")
+    e, h, i = 3, 256, 128
+    gen = torch.Generator().manual_seed(3)
+    if fmt is WeightFormat.MXFP4_W_MXFP8_A:
+        w1 = torch.randint(0, 256, (e, 2 * i, h // 2), generator=gen, dtype=torch.uint8)
+        w2 = torch.randint(0, 256, (e, h, i // 2), generator=gen, dtype=torch.uint8)
+    else:
+        w1 = _e4m3_bytes(gen, e * 2 * i * h).reshape(e, 2 * i, h).view(torch.float8_e4m3fn)
+        w2 = _e4m3_bytes(gen, e * h * i).reshape(e, h, i).view(torch.float8_e4m3fn)
+    s1 = torch.full((e, 2 * i, h // 32), 127, dtype=torch.uint8).view(torch.float8_e8m0fnu)
+    s2 = torch.full((e, h, i // 32), 127, dtype=torch.uint8).view(torch.float8_e8m0fnu)
+    return config, config.prepare_weights(w1, s1, w2, s2)
+
+
+@pytest.mark.parametrize("finalize", [True, False])
+@pytest.mark.parametrize("fmt", MX_FORMATS, ids=lambda f: f.value)
+def test_mx_launches(fmt: WeightFormat, finalize: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """LlMmaEngine.run on MX weights: ll_gemm1 then ll_gemm2 of the -DLL_MMA=1 MX module with the C signatures'
+    argument types, the tactic's cuts (GEMM1 a 32-feature block per CTA), the MXFP8 intermediate's codes and scales
+    (the engine's own workspace) passed to both launches."""
+    launches = _launches(monkeypatch)
+    monkeypatch.setattr(cc_engine, "_ensure_ready", lambda *args: None)
+    monkeypatch.setattr(cc_engine, "_sm_count", lambda index: 132)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    config, weights = _mx_layer(fmt)
+    acts = config.prepare_mxfp8_activations(torch.randn(5, weights.hidden_size, generator=torch.Generator().manual_seed(1)))
+    call = _call(weights, acts.codes, acts.scales, finalize)
+    _, spec = LlMmaEngine.workspace_spec(call)
+    workspace = {name: torch.zeros(shape, dtype=dtype) for name, (shape, dtype) in spec.items()}
+    LlMmaEngine.run(call, workspace)
+    assert [name for name, *_ in launches] == ["ll_gemm1", "ll_gemm2"]
+    signatures = kernel_signatures([SOURCE])
+    options = (*cc.module_options(cc.weight_code(fmt), LowLatencyInputCode.MXFP8), mk.OPTION)
+    cuts = (mk.MMA.gemm1_geometry(weights, LowLatencyInputCode.MXFP8, 20, 132),
+            mk.MMA.gemm2_geometry(weights, LowLatencyInputCode.MXFP8, 20, 132))
+    for (name, grid, block, args, shared, opts), cut in zip(launches, cuts):
+        assert [type(a) for a in args] == [ARG_TYPES[k] for k in signatures[name]], name
+        assert block == LL_THREADS and opts == options and grid == cut.grid and shared == cut.shared_mem, name
+    scales_ptr = np.uint64(id(workspace["inter_scales"]))
+    assert launches[0][3][-1] == scales_ptr and launches[1][3][-1] == scales_ptr
+    assert launches[0][3][-3] == launches[1][3][0] == np.uint64(id(workspace["inter_codes"]))

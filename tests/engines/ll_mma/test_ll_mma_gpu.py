@@ -1,9 +1,12 @@
-"""GPU tests of the ll_mma engine (tensor-core dot products of the low-latency FP8 formats), called through
+"""GPU tests of the ll_mma engine (tensor-core dot products of the low-latency FP8 formats and MX pairs), called through
 ``low_latency_moe`` with ``LowLatencyMoeConfig(engine="ll_mma")``: FP8 weight-only (BF16 and FP16 tokens, BF16 and
 FP16 outputs), per-tensor FP8 and DeepSeek FP8 (BF16 and prequantized tokens) against the float64 references, for
 the ten activations (gated and non-gated) and default SwiGLU over T = 1..8 and the four routing forms; raw rows
 with their scores; duplicate and shared experts (8 tokens on one expert: all 8 B columns); CUDA-graph capture and
-replay; every K split and round count of the kernels (forced); model-size rows (DeepSeek-V3's expert shape).
+replay; every K split and round count of the kernels (forced); model-size rows (DeepSeek-V3's expert shape). The MX
+pairs (MXFP4 / MXFP8 weights, MXFP8 tokens): three activations x T in {1, 5, 8}, raw rows and scores, unrouted
+slots with NaN scores, agreement with the CUDA-core engine, forced K splits, model rows, graph capture, through
+tests.support.low_latency_mx's checks (the engine's MXFP8 intermediate, then the rows on it).
 
 Written without a GPU in reach: not run yet when committed. Run: pytest -q tests/engines/ll_mma
 
@@ -17,6 +20,7 @@ read the intermediate this engine left in its own workspace.
 from __future__ import annotations
 
 import functools
+import math
 
 import pytest
 import torch
@@ -31,19 +35,28 @@ from cudnn_moe.low_latency import (
     WeightFormat,
     low_latency_moe,
     reference_low_latency,
+    reference_mx_pair,
 )
+from cudnn_moe.routing import Routing
 from tests.support.low_latency import (
-    ACTIVATIONS, E, ROUTING_KINDS, TOP_K, assert_close_to_reference, make_inputs, make_layer, make_routing, nan_out,
+    ACTIVATIONS, DEV, E, ROUTING_KINDS, TOP_K, assert_close_to_reference, make_inputs, make_layer, make_routing, nan_out,
     random_ids, replay_equals_eager, run_low_latency, shared_expert_ids,
 )
 from tests.support.low_latency_fp8 import (
     check_deepseek_fp8_call,
     check_fp8_per_tensor_call,
     deepseek_fp8_layer,
+    engine_workspace,
     fp8_per_tensor_layer,
     scaled_tokens_bf16,
     tokens_bf16,
 )
+from tests.support.low_latency_mx import HIDDEN as MX_HIDDEN
+from tests.support.low_latency_mx import INTER as MX_INTER
+from tests.support.low_latency_mx import KINDS as MX_KINDS
+from tests.support.low_latency_mx import check_call as check_mx_call
+from tests.support.low_latency_mx import layer as mx_layer
+from tests.support.low_latency_mx import tokens_bf16 as mx_tokens
 
 pytestmark = pytest.mark.gpu
 
@@ -228,3 +241,164 @@ def test_cuda_graph_replay_equals_eager(fmt, finalize):
         shape, TOP_K, torch.bfloat16, finalize, change_inputs)
     check(fmt, weights, inputs, routing, SwiGLU(), replayed.out, finalize, torch.bfloat16,
           f"eager after the replay {fmt.value}")
+
+
+# ----------------------------------------------------------------------------- the MX pairs
+# MXFP4 / MXFP8 weights with MXFP8 tokens on tensor cores, through tests.support.low_latency_mx's checks (the MXFP8
+# intermediate this engine left in its workspace against reference_mx_pair's step 2, then the rows or output on
+# that intermediate): the block-pure K order, the warp-shared rings and the per-32 E8M0 scales of mma_gemm.cuh.
+MX_ACTS = (SwiGLU(), GeGLU(), SiLU())
+
+
+def run_mx(kind: str, act: Activation, tokens: int, routing_kind: str, out_dtype: torch.dtype = torch.bfloat16, *,
+           finalize: bool = True, seed: int = 0, ids=None, experts: int = E, shape=(MX_HIDDEN, MX_INTER),
+           top_k: int = TOP_K) -> torch.Tensor:
+    """One ll_mma call of an MX pair into a NaN-filled output, checked; returns the output."""
+    _, weights = mx_layer(kind, act.gated, experts, shape)
+    acts = mma_config().prepare_mxfp8_activations(mx_tokens(tokens, weights.hidden_size, seed + 1))
+    ids = random_ids(tokens, top_k, experts, seed + 2) if ids is None else ids
+    routing = make_routing(ids, routing_kind, seed + 3)
+    out_shape = (tokens, weights.hidden_size) if finalize else (tokens, ids.shape[1], weights.hidden_size)
+    out = nan_out(out_shape, out_dtype)
+    assert low_latency_moe(mma_config(), acts, weights, routing, activation=act, out_dtype=out_dtype,
+                           finalize=finalize, out=out) is out
+    what = f"ll_mma {kind} {type(act).__name__} T={tokens} {routing_kind} {out_dtype} finalize={finalize}"
+    check_mx_call(mma_config(), weights, acts, routing, act, out, out_dtype, finalize, what, engine=ENGINE)
+    return out
+
+
+def _mx_matrix() -> list:
+    cases = []
+    for ki, kind in enumerate(MX_KINDS):
+        for ai, act in enumerate(MX_ACTS):
+            for ti, tokens in enumerate((1, 5, 8)):
+                n = ki + ai + ti
+                routing_kind = ROUTING_KINDS[n % len(ROUTING_KINDS)]
+                out_dtype = torch.float16 if n % 2 else torch.bfloat16
+                finalize = n % 3 != 2
+                cases.append(pytest.param(kind, act, tokens, routing_kind, out_dtype, finalize,
+                                          id=f"{kind}-{type(act).__name__}-T{tokens}-{routing_kind}-"
+                                             f"{str(out_dtype)[6:]}-{'final' if finalize else 'raw'}"))
+    return cases
+
+
+@pytest.mark.parametrize("kind, act, tokens, routing_kind, out_dtype, finalize", _mx_matrix())
+def test_mx_pairs_match_reference(kind, act, tokens, routing_kind, out_dtype, finalize):
+    run_mx(kind, act, tokens, routing_kind, out_dtype, finalize=finalize, seed=tokens)
+
+
+@pytest.mark.parametrize("kind", MX_KINDS)
+def test_mx_raw_rows_with_scores(kind):
+    """Raw rows [T, k, H] (FP16) and every slot's score bit for bit, into NaN-poisoned outputs."""
+    _, weights = mx_layer(kind, True)
+    tokens, hidden = 5, weights.hidden_size
+    acts = mma_config().prepare_mxfp8_activations(mx_tokens(tokens, hidden, 8))
+    routing = make_routing(random_ids(tokens, TOP_K, E, 9), "packed", 10)
+    out, scores = nan_out((tokens, TOP_K, hidden), torch.float16), nan_out((tokens, TOP_K), torch.float32)
+    result = low_latency_moe(mma_config(), acts, weights, routing, out_dtype=torch.float16, finalize=False, out=out,
+                             return_scores=True, scores_out=scores)
+    assert isinstance(result, RawOutput) and result.rows is out and result.scores is scores
+    check_mx_call(mma_config(), weights, acts, routing, SwiGLU(), out, torch.float16, False, f"ll_mma {kind} raw",
+                  engine=ENGINE)
+    want = reference_mx_pair(acts, weights, routing, SwiGLU(), finalize=False)
+    assert torch.equal(scores.cpu().view(torch.int32), want.scores.cpu().view(torch.int32)), "scores differ"
+
+
+@pytest.mark.parametrize("routing_kind", ("packed", "fp32"))
+@pytest.mark.parametrize("kind", MX_KINDS)
+def test_mx_unrouted_slots_with_nan_scores(kind, routing_kind):
+    """Ids outside [0, E) are unrouted: finalize ignores them and their NaN scores, raw rows are +0 there, the scores
+    come back unchanged, a token without routed slots gives zeros."""
+    _, weights = mx_layer(kind, True)
+    tokens = 4
+    ids = random_ids(tokens, TOP_K, E, 21)
+    ids[0, 1], ids[2, 0], ids[3, 3] = -1, E, 1000
+    ids[1, :] = -1
+    nan_at = (ids < 0) | (ids >= E)
+    w = torch.rand(ids.shape) + 0.05
+    if routing_kind == "packed":
+        packed = ids.to(torch.int32) * (1 << 16) + (w.to(torch.bfloat16).view(torch.int16).to(torch.int32) & 0xFFFF)
+        routing = Routing.packed(torch.where(nan_at, ids.to(torch.int32) * (1 << 16) + 0x7FC0, packed).to(DEV))
+    else:
+        routing = make_routing(ids, routing_kind, weights=torch.where(nan_at, torch.tensor(math.nan), w))
+    acts = mma_config().prepare_mxfp8_activations(mx_tokens(tokens, weights.hidden_size, 5))
+    out = nan_out((tokens, weights.hidden_size), torch.bfloat16)
+    low_latency_moe(mma_config(), acts, weights, routing, out=out)
+    torch.cuda.synchronize()
+    assert not bool(out.isnan().any()), "a NaN score of an unrouted slot reached the output"
+    assert bool((out[1] == 0).all()), "a token without routed slots must give zeros"
+    check_mx_call(mma_config(), weights, acts, routing, SwiGLU(), out, torch.bfloat16, True,
+                  f"ll_mma {kind} unrouted ({routing_kind})", engine=ENGINE)
+    raw = nan_out((tokens, TOP_K, weights.hidden_size), torch.bfloat16)
+    scores = low_latency_moe(mma_config(), acts, weights, routing, finalize=False, out=raw, return_scores=True).scores
+    torch.cuda.synchronize()
+    unrouted = nan_at.to(DEV)
+    assert bool(scores[unrouted].isnan().all()) and bool(scores[~unrouted].isfinite().all())
+    assert bool((raw[unrouted].view(torch.int16) == 0).all()), "raw rows of unrouted slots must be +0"
+    check_mx_call(mma_config(), weights, acts, routing, SwiGLU(), raw, torch.bfloat16, False,
+                  f"ll_mma {kind} unrouted raw", engine=ENGINE)
+
+
+@pytest.mark.parametrize("act, tokens", [(SwiGLU(), 1), (SiLU(), 8)], ids=["SwiGLU-T1", "SiLU-T8"])
+@pytest.mark.parametrize("kind", MX_KINDS)
+def test_mx_agrees_with_the_cuda_core_engine(kind, act, tokens):
+    """The same call on the CUDA-core engine: the MXFP8 intermediates agree (a code may flip where a value lies within
+    FP32 ulps of a rounding boundary: at most 1%), and where they are equal the outputs agree within the reference
+    bounds (the same rounding points, FP32 sums in another order)."""
+    got = run_mx(kind, act, tokens, "packed", seed=40 + tokens)
+    _, weights = mx_layer(kind, act.gated, E, (MX_HIDDEN, MX_INTER))  # run_mx's arguments: the same cached layer
+    mine = {k: v.clone() for k, v in engine_workspace(mma_config(), weights, TOP_K, ENGINE).items()}
+    acts = mma_config().prepare_mxfp8_activations(mx_tokens(tokens, weights.hidden_size, 41 + tokens))
+    routing = make_routing(random_ids(tokens, TOP_K, E, 42 + tokens), "packed", 43 + tokens)
+    cc_config = LowLatencyMoeConfig(8, engine="cuda_cores")
+    cuda_cores = low_latency_moe(cc_config, acts, weights, routing, activation=act, out=nan_out(got.shape, got.dtype))
+    torch.cuda.synchronize()
+    theirs = engine_workspace(cc_config, weights, TOP_K, "cuda_cores")
+    slots = tokens * TOP_K
+    flips = mine["inter_codes"][:slots] != theirs["inter_codes"][:slots]
+    assert float(flips.double().mean()) <= 0.01, f"{int(flips.sum())} intermediate codes differ between the engines"
+    if not bool(flips.any()) and torch.equal(mine["inter_scales"][:slots], theirs["inter_scales"][:slots]):
+        assert_close_to_reference(got, cuda_cores, f"ll_mma vs cuda_cores {kind} {type(act).__name__} T={tokens}")
+
+
+@pytest.mark.parametrize("split", (1, 2, 4, 8))
+@pytest.mark.parametrize("kind", MX_KINDS)
+def test_mx_every_k_split(kind, split, monkeypatch):
+    """Forced K splits (GEMM1's raised to keep a CTA at one 32-feature block) on a 5-unit H and Ip = 256 (I = 160)."""
+    monkeypatch.setattr(mma_kernels, "choose_split", lambda units: split)
+    monkeypatch.setattr(cc_engine, "_sm_count", lambda index: 1)
+    for tokens, finalize in ((3, True), (8, False)):
+        run_mx(kind, SwiGLU(alpha=1.702, beta=1.0, limit=7.0), tokens, "packed", finalize=finalize, seed=60 + split,
+               shape=(640, 160))
+
+
+@pytest.mark.parametrize("shape", [(2048, 768), (7168, 256)], ids=["qwen3-rows", "deepseek-h"])
+@pytest.mark.parametrize("kind", MX_KINDS)
+def test_mx_model_row_lengths(kind, shape):
+    """Qwen3-30B-A3B's rows (H = 2048: split 8, two GEMM1 rounds; Ip = 768: GEMM2 split 2) and H = 7168 (56 units)."""
+    run_mx(kind, SwiGLU(), 5, "packed", seed=6, experts=4, shape=shape, top_k=2)
+
+
+@pytest.mark.parametrize("finalize", (True, False))
+@pytest.mark.parametrize("kind", MX_KINDS)
+def test_mx_cuda_graph_replay_equals_eager(kind, finalize):
+    """The token quantization and the ll_mma call captured in one CUDA graph, replayed after the BF16 tokens and the
+    routing change in place, equal an eager call on the new tokens bit for bit (and the reference)."""
+    _, weights = mx_layer(kind, True)
+    hidden, tokens = weights.hidden_size, 6
+    x = mx_tokens(tokens, hidden, 1)
+    routing = make_routing(random_ids(tokens, TOP_K, E, 1), "packed")
+    shape = (tokens, hidden) if finalize else (tokens, TOP_K, hidden)
+
+    def call(out: torch.Tensor, scores: torch.Tensor):
+        acts = mma_config().prepare_mxfp8_activations(x)
+        run_low_latency(mma_config(), acts, weights, routing, out, scores, finalize, out_dtype=torch.float16)
+        return acts
+
+    def change_inputs() -> None:
+        x.copy_(mx_tokens(tokens, hidden, 2))
+        routing.packed_tensor.copy_(make_routing(random_ids(tokens, TOP_K, E, 2), "packed").packed_tensor)
+
+    replayed = replay_equals_eager(call, shape, TOP_K, torch.float16, finalize, change_inputs)
+    check_mx_call(mma_config(), weights, replayed.eager, routing, SwiGLU(), replayed.out, torch.float16, finalize,
+                  f"ll_mma {kind} eager after the replay", engine=ENGINE)
