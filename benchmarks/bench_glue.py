@@ -4,7 +4,7 @@ Per model, token count and engine: a real bucket (random SwiGLU layer, uniform t
 fused_moe call to fill it), then each glue launch of the call captured alone in a CUDA graph and timed
 (median of CUDA-event-timed replays, 256 MiB L2 flush before each, common.py): stage (the caller's
 tokens and routing into the bucket), the glue stages the engine's chain holds (executor.stages(): sort, permute or
-the two in one launch, or the sort with the token rows of a gathering GEMM1, the activation unless GEMM1 runs it)
+the two in one launch, the activation unless GEMM1 runs it)
 and finalize. Each
 row gives the DRAM bytes the launch has to move at least (what it reads once and writes; the live slot
 and row counts of this routing), the achieved GB/s, the share of --bandwidth and that floor in us.
@@ -45,7 +45,7 @@ from common import (  # noqa: E402
 from cudnn_moe import Nvfp4MoeConfig, Nvfp4Weights, Routing, kernels  # noqa: E402
 from cudnn_moe.kernels import TokenLayout  # noqa: E402
 
-GLUE = ("stage", "sort", "permute", "sort+permute", "sort+token rows", "activation", "finalize")
+GLUE = ("stage", "sort", "permute", "sort+permute", "activation", "finalize")
 
 
 def token_bytes(width: int, layout: TokenLayout) -> int:
@@ -74,8 +74,10 @@ def glue_launches(
     fp4_row = hidden // 2 + hidden // 16
     staged_routing = tokens * k * (ids_k.element_size() + (0 if weights_k is None else weights_k.element_size()))
     bytes_moved = {
-        # tokens and routing read once and written once; the bucket's routing tail (-1 / 0) written
-        "stage": 2 * tokens * fp4_row + staged_routing + bucket.tokens * k * 8,
+        # tokens and routing read once and written once (the tokens as BF16 rows where GEMM1 gathers them); the
+        # bucket's routing tail (-1 / 0) written
+        "stage": tokens * (fp4_row + (fp4_row if bucket.x_rows is None else 2 * hidden)) + staged_routing
+                 + bucket.tokens * k * 8,
         # ids read; slot_to_row, row_to_slot, row_expert written
         "sort": slots * 4 + slots * 4 + 2 * bucket.rows * 4,
         # each live token read once, each live slot's row written
@@ -86,12 +88,9 @@ def glue_launches(
         "finalize": live_slots * 2 * hidden + tokens * k * 8 + tokens * 2 * hidden,
     }
     bytes_moved["sort+permute"] = bytes_moved["sort"] + bytes_moved["permute"]
-    # the sort's, and each token read once and its BF16 row written
-    bytes_moved["sort+token rows"] = bytes_moved["sort"] + bucket.tokens * (fp4_row + 2 * hidden)
     stages = dict(executor.stages(bucket))
     launches = {
-        "stage": lambda: kernels.stage_inputs(acts.packed, acts.scales, ids_k, weights_k, routing_format,
-                                              bucket.x, bucket.x_scales, bucket.ids, bucket.route_weights),
+        "stage": lambda: executor.stage(bucket, acts, routing),
         **{name: stages[name] for name in GLUE if name in stages},
         "finalize": lambda: kernels.finalize(bucket.gemm2.out, bucket.slot_to_row, bucket.route_weights, k, out),
     }

@@ -45,10 +45,10 @@ from common import (  # noqa: E402
 from cudnn_moe import Nvfp4MoeConfig, Nvfp4Weights  # noqa: E402
 
 # Every stage an engine chain may hold (executor.stages()), in order; a chain holds "sort+permute" (one
-# launch, decode buckets of the sm90 engine), "sort+token rows" (the sort and NVFP4 tokens decoded to BF16 rows,
-# the sm90 engine's wgmma buckets) or "sort" and "permute"; "gemm1" + "activation" or "gemm1+activation" (GEMM1
+# launch, decode buckets of the sm90 engine), "sort" and "permute", or "sort" alone (the sm90 engine's wgmma buckets,
+# whose GEMM1 gathers the rows the op's stage decoded); "gemm1" + "activation" or "gemm1+activation" (GEMM1
 # with the activation in its epilogue; on wgmma buckets it also gathers its rows through the routing).
-STAGES = ("sort", "permute", "sort+permute", "sort+token rows", "gemm1", "gemm1+activation", "activation", "gemm2")
+STAGES = ("sort", "permute", "sort+permute", "gemm1", "gemm1+activation", "activation", "gemm2")
 
 
 def stage_times(

@@ -9,6 +9,8 @@ using namespace moe;
 //                pointer and stride, checked on the host); x_scales uint8 [M, scale_bytes] E4M3, linear
 //   topk_weights FP32 [M, top_k]; routed_scaling: a finite FP32 factor
 //   xs, xss      [B, row_bytes], [B, scale_bytes]: rows >= M are left untouched
+//   x_rows       bf16 [B, 2 * row_bytes] or null: when given, the tokens are decoded exactly into its rows t < M
+//                instead of copied into xs / xss (stage_token_row)
 //   ids_out      int32 [B, top_k]: -1 everywhere (moe_plan_routes then names the planned slots)
 //   w_out        FP32 [B, top_k]: fp32(topk_weights * routed_scaling) for t < M, else 0
 // Block 0 also copies the per-expert output scales: alpha1 [2E] = [up scales | gate scales] (the
@@ -17,13 +19,14 @@ extern "C" __global__ void moe_stage_aligned(const u8* __restrict__ x, i64 x_row
                                              const float* __restrict__ topk_weights, float routed_scaling,
                                              const float* __restrict__ up_scale, const float* __restrict__ gate_scale,
                                              const float* __restrict__ down_scale, int num_experts,
-                                             u8* __restrict__ xs, u8* __restrict__ xss, int* __restrict__ ids_out,
+                                             u8* __restrict__ xs, u8* __restrict__ xss, u16* __restrict__ x_rows,
+                                             int* __restrict__ ids_out,
                                              float* __restrict__ w_out, float* __restrict__ alpha1,
                                              float* __restrict__ alpha2, int M, int top_k, int row_bytes,
                                              int scale_bytes) {
   moe::grid_dependency_begin();
   const int t = blockIdx.x;
-  if (t < M) stage_token_row(xs, xss, x, x_row_stride, x_scales, t, row_bytes, scale_bytes, threadIdx.x,
+  if (t < M) stage_token_row(xs, xss, x_rows, x, x_row_stride, x_scales, t, row_bytes, scale_bytes, threadIdx.x,
                              blockDim.x);
   for (int s = threadIdx.x; s < top_k; s += blockDim.x) {
     const i64 i = static_cast<i64>(t) * top_k + s;

@@ -195,9 +195,8 @@ __device__ __forceinline__ u32 exact_product_bf16(float p) { return __float_as_u
 // four 16-byte pieces it owns in the token-fragment order: piece q (q = 0..3) is positions 64j + 16q +
 // 8h .. + 7 of the BF16 row, i.e. element 2w + e of piece q is k = 64j + 32h + 16(w / 2) + 8(w % 2) +
 // 2q + e: nibble e of byte q of word w of the 16 bytes at 16u of the packed row, scale byte
-// 2u + w / 2. codes: the packed row (16-byte aligned); scales: its E4M3 scale bytes. Exact values.
-__device__ __forceinline__ void decode_fragment_unit(const u8* codes, const u8* scales, int u, uint4 piece[4]) {
-  const uint4 packed = *reinterpret_cast<const uint4*>(codes + 16 * u);
+// 2u + w / 2. packed: those 16 bytes; scales: the row's E4M3 scale bytes. Exact values.
+__device__ __forceinline__ void decode_fragment_words(uint4 packed, const u8* scales, int u, uint4 piece[4]) {
   const float s0 = e4m3_to_float(scales[2 * u]);
   const float s1 = e4m3_to_float(scales[2 * u + 1]);
   const u32 words[4] = {packed.x, packed.y, packed.z, packed.w};
@@ -217,6 +216,11 @@ __device__ __forceinline__ void decode_fragment_unit(const u8* codes, const u8* 
     piece[q].z = out[2];
     piece[q].w = out[3];
   }
+}
+
+// decode_fragment_words on the 16 bytes at 16u of the packed row `codes` (16-byte aligned).
+__device__ __forceinline__ void decode_fragment_unit(const u8* codes, const u8* scales, int u, uint4 piece[4]) {
+  decode_fragment_words(*reinterpret_cast<const uint4*>(codes + 16 * u), scales, u, piece);
 }
 
 // Store the four pieces of unit u into the BF16 row dst (16-byte aligned): piece q at 64j + 16q + 8h.
@@ -284,12 +288,38 @@ __device__ __forceinline__ void block_copy_bytes(u8* dst, const u8* src, i64 n, 
   }
 }
 
-// Stage token t: its row_bytes of codes (source rows x_row_stride bytes apart) and scale_bytes of scales
-// into row t of the bucket buffers xs / xss, with the threads of one block (thread `tid` of `nthreads`).
-__device__ __forceinline__ void stage_token_row(u8* xs, u8* xss, const u8* x, i64 x_row_stride, const u8* x_scales,
-                                                i64 t, int row_bytes, int scale_bytes, int tid, int nthreads) {
-  block_copy_bytes(xs + t * row_bytes, x + t * x_row_stride, row_bytes, tid, nthreads);
-  block_copy_bytes(xss + t * scale_bytes, x_scales + t * scale_bytes, scale_bytes, tid, nthreads);
+// 16 bytes at p, which need only be byte aligned (one 16-byte load when they are 16-byte aligned).
+__device__ __forceinline__ uint4 load_16_bytes(const u8* p) {
+  if ((reinterpret_cast<u64>(p) & 15u) == 0) return *reinterpret_cast<const uint4*>(p);
+  u32 w[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+    w[i] = p[4 * i] | (static_cast<u32>(p[4 * i + 1]) << 8) | (static_cast<u32>(p[4 * i + 2]) << 16) |
+           (static_cast<u32>(p[4 * i + 3]) << 24);
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+// Stage token t: its row_bytes of packed E2M1 codes (source rows x_row_stride bytes apart, any alignment) and
+// scale_bytes of E4M3 scales into row t of the bucket buffers xs / xss, with the threads of one block (thread
+// `tid` of `nthreads`). When x_rows is not null, the token is instead decoded exactly into the natural BF16 row t
+// of x_rows ([B, 2 * row_bytes], 16-byte aligned; row_bytes % 16 == 0), the rows a gathering GEMM1 reads, and
+// xs / xss are not written.
+__device__ __forceinline__ void stage_token_row(u8* xs, u8* xss, u16* x_rows, const u8* x, i64 x_row_stride,
+                                                const u8* x_scales, i64 t, int row_bytes, int scale_bytes, int tid,
+                                                int nthreads) {
+  const u8* codes = x + t * x_row_stride;
+  const u8* scales = x_scales + t * scale_bytes;
+  if (x_rows != nullptr) {
+    const int hidden = 2 * row_bytes;
+    for (int u = tid; u < hidden / 32; u += nthreads) {
+      uint4 piece[4];
+      decode_fragment_words(load_16_bytes(codes + 16 * u), scales, u, piece);
+      store_natural_unit(x_rows + t * hidden, u, piece);
+    }
+    return;
+  }
+  block_copy_bytes(xs + t * row_bytes, codes, row_bytes, tid, nthreads);
+  block_copy_bytes(xss + t * scale_bytes, scales, scale_bytes, tid, nthreads);
 }
 
 }  // namespace moe

@@ -201,6 +201,7 @@ def _run(executor: MoeExecutor, o: AlignedOperands, key: Hashable | None) -> Non
             o.hidden_states, o.hidden_states_scale, o.topk_weights, scaling,
             (o.output1_scale_scalar, o.output1_scale_gate_scalar, o.output2_scale_scalar),
             bucket.x, bucket.x_scales, bucket.ids, bucket.route_weights, bucket.alpha1, bucket.alpha2,
+            x_rows=bucket.x_rows,
         )
         kernels.plan_routes(o.sorted_token_ids, o.expert_ids, o.num_tokens_post_padded, o.block_m,
                             num_tokens * o.top_k, num_experts, bucket.ids.view(-1))

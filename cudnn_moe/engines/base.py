@@ -368,8 +368,8 @@ class Stage(NamedTuple):
 
 class LayerStages(abc.ABC):
     """The default stages of one layer call on one token bucket, as the executor builds them, and the fused
-    ones an engine may declare instead (``gemm1_activation`` in place of GEMM1 and the activation, with
-    ``sort_token_rows`` in place of the sort and the permute when it gathers)."""
+    ones an engine may declare instead (``gemm1_activation`` in place of GEMM1 and the activation, and of the
+    permute too when it gathers)."""
 
     gemm1_fusion: Gemm1Fusion  # how the bucket's GEMM1 runs (GemmEngine.gemm1_fusion, asked once per bucket)
 
@@ -391,16 +391,11 @@ class LayerStages(abc.ABC):
     def activation(self) -> Stage: ...
 
     @abc.abstractmethod
-    def sort_token_rows(self) -> Stage | None:
-        """sort() and the bucket's tokens decoded into natural BF16 rows in token order (the source of
-        gemm1_activation's gather) in one launch, or None when the bucket's tokens already are BF16 rows."""
-
-    @abc.abstractmethod
     def gemm1_activation(self, gather: bool) -> Stage:
         """GEMM1 with the activation stage in its epilogue (GEMM2's tokens written directly: GemmOperands.epilogue);
-        with ``gather``, reading its rows through the routing from the token rows (sort_token_rows, or the BF16
-        tokens themselves: the permute folded into its token load, GemmOperands.gather), else from the permuted
-        rows. Same GEMM2 tokens, bit for bit, as the unfused stages."""
+        with ``gather``, reading its rows through the routing from the token rows (the NVFP4 tokens the op's stage
+        decoded into BF16 rows, or the BF16 tokens themselves: the permute folded into its token load,
+        GemmOperands.gather), else from the permuted rows. Same GEMM2 tokens, bit for bit, as the unfused stages."""
 
     @abc.abstractmethod
     def gemm2(self) -> Stage: ...

@@ -6,8 +6,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .codes import ROW_THREADS
+from .codes import ROW_THREADS, TokenLayout
 from .loader import launch, ptr
+from .permute import require_bf16_rows
 
 SOURCE = "aligned_stage.cu"
 PLAN_THREADS = 256
@@ -25,6 +26,7 @@ def stage_aligned(
     w_out: torch.Tensor,
     alpha1: torch.Tensor,
     alpha2: torch.Tensor,
+    x_rows: torch.Tensor | None = None,
 ) -> None:
     """Copy M tokens into a bucket of B >= M rows and reset its routing.
 
@@ -32,7 +34,9 @@ def stage_aligned(
     contiguous -> xs [B, K/2], xss [B, K/16] (rows >= M untouched). topk_weights float32 [M, k] ->
     w_out float32 [B, k] = fp32(weight * routed_scaling_factor) (0 for rows >= M); ids_out int32 [B, k]
     = -1 (plan_routes names the planned slots). scales = (up, gate, down) float32 [E] -> alpha1 [2E]
-    = [up | gate], alpha2 [E] = down.
+    = [up | gate], alpha2 [E] = down. x_rows: bfloat16 [>= B, K] (16-byte aligned, K % 64 == 0) or None; when
+    given, the tokens are decoded exactly into its rows t < M (natural BF16 rows: what a gathering GEMM1 reads)
+    instead of copied into xs / xss.
     """
     tokens, row_bytes = x.shape
     bucket, top_k = ids_out.shape
@@ -40,11 +44,15 @@ def stage_aligned(
     experts = up.numel()
     if tokens > bucket or tuple(topk_weights.shape) != (tokens, top_k) or alpha1.numel() != 2 * experts:
         raise ValueError(f"cannot stage {tokens} tokens x top-{top_k} ({experts} experts) into a bucket of {bucket}")
+    if x_rows is not None:
+        require_bf16_rows(x_rows, 2 * row_bytes, TokenLayout.BF16_ROWS)
+        if x_rows.shape[0] < bucket:
+            raise ValueError(f"stage into token rows: {x_rows.shape[0]} rows for a bucket of {bucket}")
     launch(
         SOURCE, "moe_stage_aligned", xs.device, bucket, ROW_THREADS,
         (
             ptr(x, 16, row_strided=True), np.int64(x.stride(0)), ptr(x_scales), ptr(topk_weights), np.float32(routed_scaling_factor),
-            ptr(up), ptr(gate), ptr(down), np.int32(experts), ptr(xs), ptr(xss), ptr(ids_out), ptr(w_out),
+            ptr(up), ptr(gate), ptr(down), np.int32(experts), ptr(xs), ptr(xss), ptr(x_rows, 16), ptr(ids_out), ptr(w_out),
             ptr(alpha1), ptr(alpha2), np.int32(tokens), np.int32(top_k), np.int32(row_bytes),
             np.int32(x_scales.shape[1]),
         ),

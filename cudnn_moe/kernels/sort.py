@@ -1,6 +1,5 @@
-"""Sort: group routing slots by local expert into padded row segments (kernels_cuda/sort.cu), alone; for decode
-buckets in a BF16 token layout in one launch with the permute (kernels_cuda/permute.cu); or, for a GEMM1 that
-gathers its rows, in one launch with the tokens decoded into natural BF16 rows (moe_sort_token_rows)."""
+"""Sort: group routing slots by local expert into padded row segments (kernels_cuda/sort.cu), alone, or for decode
+buckets in a BF16 token layout in one launch with the permute (kernels_cuda/permute.cu)."""
 
 from __future__ import annotations
 
@@ -38,7 +37,6 @@ def sort_routing(
     row_to_slot: torch.Tensor,
     row_expert: torch.Tensor,
     counts: torch.Tensor,
-    token_rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """Group the B*k routing slots by local expert into segments padded to ``align`` rows.
 
@@ -52,11 +50,6 @@ def sort_routing(
     slots past the end of their clamped segment are dropped (slot_to_row -1).
     One launch: up to SORT_THREADS slots one block (moe_sort), beyond that a grid of independent blocks
     (moe_sort_blocks, sort_grid) with the same outputs.
-
-    token_rows = (xs, xss, x_rows): in the same launch (moe_sort_token_rows, more blocks), decode the NVFP4 tokens
-    xs uint8 [B, H/2] (packed E2M1, element 2i in the low nibble), xss 1-byte E4M3 [B, H/16] exactly into
-    x_rows bfloat16 [>= B, H] (row t = token t's values; rows past B not written; H % 64 == 0; xs and x_rows
-    16-byte aligned): the rows a GEMM1 gathers through the routing (cudnn_moe.engines.base.RowGather).
     """
     _check_operands(ids_flat, top_k, num_local, align, offsets, row_to_slot, row_expert, counts)
     num_slots, row_capacity = ids_flat.numel(), row_to_slot.numel()
@@ -64,30 +57,11 @@ def sort_routing(
             np.int32(row_capacity))
     tail = (ptr(offsets), ptr(slot_to_row), ptr(row_to_slot), ptr(row_expert), ptr(counts))
     blocks, block_slots = sort_grid(num_slots)
-    if token_rows is not None:
-        xs, xss, x_rows = token_rows
-        tokens, hidden = _check_token_rows(xs, xss, x_rows)
-        decode_blocks = -(-tokens // max(1, SORT_THREADS // (hidden // 32)))
-        launch("sort.cu", "moe_sort_token_rows", ids_flat.device, blocks + decode_blocks, SORT_THREADS,
-               (*head, np.int32(max(block_slots, 1)), np.int32(blocks), *tail, ptr(xs, 16), ptr(xss),
-                np.int32(tokens), np.int32(hidden), ptr(x_rows, 16)))
-    elif blocks == 1:
+    if blocks == 1:
         launch("sort.cu", "moe_sort", ids_flat.device, 1, SORT_THREADS, (*head, *tail))
     else:
         launch("sort.cu", "moe_sort_blocks", ids_flat.device, blocks, SORT_THREADS,
                (*head, np.int32(block_slots), *tail))
-
-
-def _check_token_rows(xs: torch.Tensor, xss: torch.Tensor, x_rows: torch.Tensor) -> tuple[int, int]:
-    """Check sort_routing's token_rows (ValueError); returns (B, H)."""
-    tokens, hidden = xs.shape[0], 2 * xs.shape[1]
-    if xs.dtype != torch.uint8 or xss.dim() != 2 or tuple(xss.shape) != (tokens, hidden // 16) or xss.element_size() != 1:
-        raise ValueError(f"token rows: NVFP4 tokens uint8 [B, H/2] need 1-byte scales [B, H/16]; got {tuple(xs.shape)} "
-                         f"{xs.dtype} and {tuple(xss.shape)}")
-    require_bf16_rows(x_rows, hidden, TokenLayout.BF16_ROWS)
-    if x_rows.shape[0] < tokens:
-        raise ValueError(f"token rows: x_rows holds {x_rows.shape[0]} rows, fewer than the {tokens} tokens")
-    return tokens, hidden
 
 
 def _check_operands(ids_flat: torch.Tensor, top_k: int, num_local: int, align: int, offsets: torch.Tensor,

@@ -5,8 +5,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .codes import ROW_THREADS, RoutingFormat
+from .codes import ROW_THREADS, RoutingFormat, TokenLayout
 from .loader import launch, ptr
+from .permute import require_bf16_rows
 
 SOURCE = "stage.cu"
 
@@ -21,11 +22,14 @@ def stage_inputs(
     xss: torch.Tensor,
     ids_out: torch.Tensor,
     w_out: torch.Tensor,
+    x_rows: torch.Tensor | None = None,
 ) -> None:
     """Copy T tokens into a bucket of B >= T rows.
 
     x_packed uint8 [T, H/2] -> xs [B, H/2]; x_scales (1-byte E4M3, linear) [T, H/16] -> xss [B, H/16];
-    rows >= T of xs/xss are left as they are. ids: packed int32 [T, k] (RoutingFormat.PACKED, weights None) or
+    rows >= T of xs/xss are left as they are. x_rows: bfloat16 [>= B, H] (16-byte aligned, H % 64 == 0) or None;
+    when given, the NVFP4 tokens are decoded exactly into its rows t < T (natural BF16 rows: what a gathering GEMM1
+    reads) instead, and xs / xss are not written. ids: packed int32 [T, k] (RoutingFormat.PACKED, weights None) or
     int32/int64 [T, k] with weights float32 (RoutingFormat.FP32) / bfloat16 (RoutingFormat.BF16) [T, k].
     ids_out int32 [B, k] and w_out float32 [B, k] get the decoded routing, -1 / 0.0 for rows >= T.
     """
@@ -43,6 +47,12 @@ def stage_inputs(
             raise ValueError(f"routing ids must be int32 or int64, got {ids.dtype}")
     if tokens > bucket or tuple(ids.shape) != (tokens, top_k) or x_scales.element_size() != 1:
         raise ValueError(f"cannot stage {tokens} tokens x top-{top_k} into a bucket of {bucket}")
+    if x_rows is not None:
+        require_bf16_rows(x_rows, 2 * row_bytes, TokenLayout.BF16_ROWS)
+        if x_packed.dtype != torch.uint8 or x_rows.shape[0] < bucket or tuple(x_scales.shape) != (tokens, row_bytes // 8):
+            raise ValueError(f"stage into token rows: NVFP4 codes uint8 [T, H/2] with scales [T, H/16] into "
+                             f"bfloat16 [>= {bucket}, H]; got {x_packed.dtype} {tuple(x_packed.shape)}, scales "
+                             f"{tuple(x_scales.shape)}, rows {tuple(x_rows.shape)}")
     launch(
         SOURCE,
         "moe_stage_inputs",
@@ -58,6 +68,7 @@ def stage_inputs(
             np.int32(ids.dtype == torch.int64),
             ptr(xs),
             ptr(xss),
+            ptr(x_rows, 16),
             ptr(ids_out),
             ptr(w_out),
             np.int32(tokens),

@@ -92,7 +92,7 @@ def run_on(view: Nvfp4Weights, call: LowLatencyCall, max_tokens: int) -> None:
                                  b.x.view(torch.uint8), b.x_scales, b.ids, b.route_weights)
         else:
             kernels.stage_inputs(x, x_scales, ids, route_weights, routing_format, b.x, b.x_scales, b.ids,
-                                 b.route_weights)
+                                 b.route_weights, x_rows=b.x_rows)
 
     def finish(b: Bucket) -> None:
         kernels.finalize(b.gemm2.out, b.slot_to_row, b.route_weights, top_k, out)

@@ -3,8 +3,9 @@
 One executor serves one prepared weight view with one (top_k, activation, local expert range).
 A call with T tokens runs in the smallest power-of-two bucket B >= T. Per call:
 
-1. stage (the op's launch, caller pointers): tokens and routing into the bucket's static buffers;
-   slots of tokens T..B-1 get expert id -1, so they are masked and never computed. Per-call values
+1. stage (the op's launch, caller pointers): tokens and routing into the bucket's static buffers (NVFP4 tokens
+   decoded straight into BF16 rows where GEMM1 gathers them); slots of tokens T..B-1 get expert id -1, so they
+   are masked and never computed. Per-call values
    (the aligned op's output scales) are staged into the bucket too, never into the prepared weights.
 2. the stage chain the engine declares (``GemmEngine.stages``; by default sort, permute, GEMM1,
    activation + NVFP4 requantize, GEMM2): captured once per bucket in a CUDA graph and replayed (or
@@ -104,10 +105,19 @@ class Bucket:
                                 engine.token_layout_for(rows, gemm))
 
         self.tokens, self.rows = tokens, rows
+        shape1, shape2 = GemmShape(hidden, n1, experts), GemmShape(inter, hidden, experts)
+        # Only the buffers the engine's chain uses hold rows (cudnn_moe.engines.base.Gemm1Fusion): a gathering GEMM1
+        # reads no permuted rows (the op's stage decodes NVFP4 tokens straight into x_rows, so x and x_scales hold
+        # none; BF16 tokens are read from x), one with the activation epilogue writes no BF16 output.
+        self.fusion = engine.gemm1_fusion(rows, shape1, executor.activation)
+        decoded = self.fusion.gather and not executor.bf16_tokens
+        staged = 0 if decoded else tokens
         if executor.bf16_tokens:  # BF16 tokens [B, H]; no scales
             self.x, self.x_scales = empty(tokens, hidden, dtype=torch.bfloat16), empty(tokens, 0)
         else:  # NVFP4 tokens: codes [B, H/2], E4M3 scales [B, H/16]
-            self.x, self.x_scales = empty(tokens, hidden // 2), empty(tokens, hidden // 16)
+            self.x, self.x_scales = empty(staged, hidden // 2), empty(staged, hidden // 16)
+        # bfloat16 [B, H]: the NVFP4 tokens decoded by the stage (None: the stage writes x and x_scales)
+        self.x_rows = empty(tokens, hidden, dtype=torch.bfloat16) if decoded else None
         self.ids = empty(tokens, k, dtype=torch.int32)
         self.route_weights = empty(tokens, k, dtype=torch.float32)
         self.offsets = empty(experts + 1, dtype=torch.int32)
@@ -115,13 +125,6 @@ class Bucket:
         self.slot_to_row = empty(tokens * k, dtype=torch.int32)
         self.row_to_slot = empty(rows, dtype=torch.int32)
         self.row_expert = empty(rows, dtype=torch.int32)
-        shape1, shape2 = GemmShape(hidden, n1, experts), GemmShape(inter, hidden, experts)
-        # Only the buffers the engine's chain uses hold rows (cudnn_moe.engines.base.Gemm1Fusion): a gathering GEMM1
-        # reads no permuted rows (NVFP4 tokens are decoded into x_rows, BF16 tokens read from x), one with the
-        # activation epilogue writes no BF16 output.
-        self.fusion = engine.gemm1_fusion(rows, shape1, executor.activation)
-        decoded = self.fusion.gather and not executor.bf16_tokens
-        self.x_rows = empty(tokens if decoded else 0, hidden, dtype=torch.bfloat16)
         workspace_bytes = max(engine.workspace_bytes(rows, shape1), engine.workspace_bytes(rows, shape2))
         workspace = empty(workspace_bytes) if workspace_bytes else None
         # The expert globals: the weights', or per-call ones the op's stage writes here (weights without alpha).
@@ -231,7 +234,7 @@ class MoeExecutor:
             w = self.weights
 
             def stage(bucket: Bucket) -> None:
-                self._stage(bucket, activations, routing)
+                self.stage(bucket, activations, routing)
 
             if finalize:
                 result = out if out is not None else torch.empty(
@@ -285,11 +288,13 @@ class MoeExecutor:
                 self._pipeline(bucket)
             finish(bucket)
 
-    def _stage(self, bucket: Bucket, activations: Nvfp4Activations, routing: Routing) -> None:
+    def stage(self, bucket: Bucket, activations: Nvfp4Activations, routing: Routing) -> None:
+        """The fused op's stage launch: the caller's tokens and routing into ``bucket`` (decoded into its x_rows
+        where its GEMM1 gathers NVFP4 tokens: Bucket.x_rows)."""
         ids, route_weights, routing_format = routing.kernel_operands()
         kernels.stage_inputs(
             activations.packed, activations.scales, ids, route_weights, routing_format,
-            bucket.x, bucket.x_scales, bucket.ids, bucket.route_weights,
+            bucket.x, bucket.x_scales, bucket.ids, bucket.route_weights, x_rows=bucket.x_rows,
         )
 
     def _finalize(self, bucket: Bucket, out: torch.Tensor) -> None:
@@ -398,20 +403,10 @@ class _BucketStages(LayerStages):
         return Stage("gemm2", lambda: self.x.engine.gemm(self.b.gemm2))
 
     def _token_rows(self) -> torch.Tensor:
-        """The natural BF16 token rows gemm1_activation gathers from: the bucket's BF16 tokens, or its NVFP4 tokens
-        decoded into x_rows."""
+        """The natural BF16 token rows gemm1_activation gathers from: the bucket's BF16 tokens, or the x_rows its
+        stage decoded the NVFP4 tokens into."""
         b = self.b
         return b.x if self.x.bf16_tokens else b.x_rows
-
-    def sort_token_rows(self) -> Stage | None:
-        x, b = self.x, self.b
-        if x.bf16_tokens:
-            return None
-        return Stage("sort+token rows", lambda: kernels.sort_routing(
-            b.ids.view(-1), x.top_k, x.local_expert_start, x.weights.num_experts, x.engine.row_alignment,
-            b.offsets, b.slot_to_row, b.row_to_slot, b.row_expert, b.expert_counts,
-            token_rows=(b.x, b.x_scales, b.x_rows),
-        ))
 
     def gemm1_activation(self, gather: bool) -> Stage:
         x, b = self.x, self.b

@@ -136,8 +136,6 @@ def _wrapper_calls() -> list[tuple[str, Callable[..., None], tuple[Any, ...]]]:
         ("moe_plan_routes", kernels.plan_routes, plan),
         ("moe_sort", kernels.sort_routing, sorting),
         ("moe_sort_blocks", kernels.sort_routing, sorting_blocks),
-        ("moe_sort_token_rows", lambda *a: kernels.sort_routing(*a, token_rows=(z(B, H // 2), z(B, H // 16),
-                                                                                 z(B, H, dtype=bf16))), sorting),
         ("moe_permute", kernels.permute_tokens, permute),
         ("moe_permute_bf16", kernels.permute_tokens, permute_bf16),
         ("moe_permute_bf16_tokens", kernels.permute_bf16_tokens,

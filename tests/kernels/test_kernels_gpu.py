@@ -188,6 +188,30 @@ def test_stage_inputs(routing: str) -> None:
     assert torch.equal(w_out[:tokens].cpu(), want_w) and bool((w_out[tokens:] == 0).all())
 
 
+
+@pytest.mark.parametrize("offset", [0, 1, 4], ids=["aligned", "byte-offset", "word-offset"])
+def test_stage_inputs_decodes_token_rows(offset: int) -> None:
+    """With x_rows, each staged token is its exact BF16 row (formats.dequantize_nvfp4, NaN scale bytes included) from
+    codes at any alignment; rows >= T and the code buffers are left as they were."""
+    tokens, bucket, top_k, hidden = 5, 8, 2, 320
+    codes = torch.randint(0, 256, (tokens, hidden // 2), dtype=torch.uint8, generator=_gen(13))
+    x_scales = torch.randint(0, 256, (tokens, hidden // 16), dtype=torch.uint8, generator=_gen(14))
+    x_scales[1, 3] = 0x7F  # a NaN scale: its block decodes to NaN
+    flat = torch.zeros(tokens * hidden // 2 + 16, dtype=torch.uint8, device=DEV)
+    x = flat[offset:offset + codes.numel()].view(tokens, hidden // 2)
+    x.copy_(codes.to(DEV))
+    ids = torch.randint(0, 8, (tokens, top_k), dtype=torch.int32, generator=_gen(15))
+    xs, xss = _full((0, hidden // 2), POISON_BYTE, torch.uint8), _full((0, hidden // 16), POISON_BYTE, torch.uint8)
+    x_rows = _full((bucket, hidden), math.nan, torch.bfloat16)
+    ids_out, w_out = _full((bucket, top_k), POISON_INT, torch.int32), _full((bucket, top_k), math.nan, torch.float32)
+    kernels.stage_inputs(x, x_scales.to(DEV), pack_routing(ids, torch.rand(tokens, top_k)).to(DEV), None,
+                         kernels.ROUTING_PACKED, xs, xss, ids_out, w_out, x_rows=x_rows)
+    torch.cuda.synchronize()
+    want = dequantize_nvfp4(codes, x_scales.view(torch.float8_e4m3fn), 1.0, torch.bfloat16)
+    assert torch.equal(x_rows[:tokens].cpu().view(torch.int16), want.view(torch.int16))
+    assert bool(want.isnan().any()) and bool(x_rows[tokens:].isnan().all())
+    assert torch.equal(ids_out[:tokens].cpu(), ids) and bool((ids_out[tokens:] == -1).all())
+
 # ---------------------------------------------------------------------------------------------------------------
 # sort, and the routing the other tests use
 # ---------------------------------------------------------------------------------------------------------------

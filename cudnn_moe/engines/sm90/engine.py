@@ -168,14 +168,13 @@ class Sm90GemmEngine(GemmEngine):
         return gemm1_fusion(rows, shape, activation, self.sm_count)
 
     def stages(self, layer: LayerStages) -> list[Stage]:
-        """As the bucket's gemm1_fusion says. Gathering: the sort (with NVFP4 tokens decoded into BF16 rows in the same launch),
-        GEMM1 gathering its rows through the routing with the activation in its epilogue, GEMM2. Otherwise: the
+        """As the bucket's gemm1_fusion says. Gathering: the sort, GEMM1 gathering its rows through the routing (from
+        the BF16 rows the op's stage decoded the NVFP4 tokens into) with the activation in its epilogue, GEMM2. Otherwise: the
         sort and the permute (in one launch for decode-sized buckets), GEMM1 with the activation epilogue or GEMM1
         and the activation, GEMM2."""
         fusion = layer.gemm1_fusion
         if fusion.gather:
-            head = layer.sort_token_rows()
-            return [head if head is not None else layer.sort(), layer.gemm1_activation(gather=True), layer.gemm2()]
+            return [layer.sort(), layer.gemm1_activation(gather=True), layer.gemm2()]
         routed = layer.sort_permute()
         head = [routed] if routed is not None else [layer.sort(), layer.permute()]
         if fusion.epilogue:

@@ -1,6 +1,6 @@
 """GPU tests of the SM90 engine's fused chains: GEMM1 with the activation in its epilogue, after sort + permute
-(decode kernel buckets) or after the sort with the token rows (one launch), GEMM1 gathering its rows through the routing
-(wgmma buckets: the prefill chain). Against the unfused chain (sort, permute, GEMM1, activation, GEMM2) on the
+(decode kernel buckets) or after the sort, GEMM1 gathering its rows through the routing from the token rows the op's
+stage decoded (wgmma buckets: the prefill chain). Against the unfused chain (sort, permute, GEMM1, activation, GEMM2) on the
 same bucket, bit for bit, and the whole op against the float64 reference (tolerance: tests/support/moe_checks.py),
 with outputs and unused buffers NaN-poisoned first."""
 
@@ -102,17 +102,27 @@ def test_fused_chain_matches_unfused_chain_bitwise(case, activation) -> None:
     assert gathers or isinstance(variant, DecodeVariant)
     fused = executor.stages(bucket)
     if gathers:
-        head = ["sort" if bf16_tokens else "sort+token rows"]
+        head = ["sort"]
     else:
         head = ["sort+permute"] if bucket.tokens * top_k <= 1024 else ["sort", "permute"]
     assert [name for name, _ in fused] == [*head, "gemm1+activation", "gemm2"]
     x = torch.randn(bucket.tokens, hidden, generator=gen).cuda().bfloat16()
+    decoded = gathers and not bf16_tokens
+    assert (bucket.x_rows is not None) == decoded and (bucket.x.shape[0] == 0) == decoded
     if bf16_tokens:
         bucket.x.copy_(x)
     else:
         acts = config.prepare_activations(x)
-        bucket.x.copy_(acts.packed)
-        bucket.x_scales.copy_(acts.scales.view(torch.uint8))
+        packed, scales = acts.packed, acts.scales.view(torch.uint8)
+        if decoded:  # the fused chain gathers the rows the op's stage decodes; the unfused one permutes these
+            _poison(bucket.x_rows)
+            routing = Routing.unpacked(torch.zeros(bucket.tokens, top_k, dtype=torch.int32, device="cuda"),
+                                       torch.zeros(bucket.tokens, top_k, device="cuda"))
+            executor.stage(bucket, acts, routing)
+            bucket.x, bucket.x_scales = packed, scales
+        else:
+            bucket.x.copy_(packed)
+            bucket.x_scales.copy_(scales)
     ids = _ids(bucket.tokens, total, top_k, gen, hot=hot)
     ids[tokens:] = -1  # the bucket's tokens past T are masked, as the op's stage writes them
     bucket.ids.copy_(ids.cuda())

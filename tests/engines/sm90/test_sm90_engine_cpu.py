@@ -48,10 +48,10 @@ def test_decode_epilogue_needs_a_variant_that_fits() -> None:
 
 
 class _Layer(LayerStages):
-    """LayerStages whose stages are only names; BF16 tokens have no token rows to decode."""
+    """LayerStages whose stages are only names."""
 
-    def __init__(self, rows: int, shape: GemmShape, bf16_tokens: bool = False) -> None:
-        self.rows, self.bf16_tokens = rows, bf16_tokens
+    def __init__(self, rows: int, shape: GemmShape) -> None:
+        self.rows = rows
         self.gemm1_fusion = gemm1_fusion(rows, shape, SwiGLU(), SMS)
 
     def sort(self) -> Stage:
@@ -69,9 +69,6 @@ class _Layer(LayerStages):
     def activation(self) -> Stage:
         return Stage("activation", lambda: None)
 
-    def sort_token_rows(self) -> Stage | None:
-        return None if self.bf16_tokens else Stage("sort+token rows", lambda: None)
-
     def gemm1_activation(self, gather: bool) -> Stage:
         return Stage("gemm1+activation (gather)" if gather else "gemm1+activation", lambda: None)
 
@@ -79,13 +76,12 @@ class _Layer(LayerStages):
         return Stage("gemm2", lambda: None)
 
 
-@pytest.mark.parametrize("model,tokens,bf16_tokens,chain", [
-    (QWEN3, 1, False, ["sort+permute", "gemm1+activation", "gemm2"]),
-    (DEEPSEEK_V3, 64, False, ["sort+permute", "gemm1", "activation", "gemm2"]),
-    (QWEN3, 4096, False, ["sort+token rows", "gemm1+activation (gather)", "gemm2"]),
-    (QWEN3, 4096, True, ["sort", "gemm1+activation (gather)", "gemm2"]),
+@pytest.mark.parametrize("model,tokens,chain", [
+    (QWEN3, 1, ["sort+permute", "gemm1+activation", "gemm2"]),
+    (DEEPSEEK_V3, 64, ["sort+permute", "gemm1", "activation", "gemm2"]),
+    (QWEN3, 4096, ["sort", "gemm1+activation (gather)", "gemm2"]),
 ])
-def test_stage_chains(model, tokens: int, bf16_tokens: bool, chain: list[str]) -> None:
+def test_stage_chains(model, tokens: int, chain: list[str]) -> None:
     engine = Sm90GemmEngine.__new__(Sm90GemmEngine)  # no device: stages() reads the layer only
     rows, shape = _bucket(model, tokens)
-    assert [name for name, _ in engine.stages(_Layer(rows, shape, bf16_tokens))] == chain
+    assert [name for name, _ in engine.stages(_Layer(rows, shape))] == chain
