@@ -195,10 +195,10 @@ __device__ __forceinline__ u32 exact_product_bf16(float p) { return __float_as_u
 // four 16-byte pieces it owns in the token-fragment order: piece q (q = 0..3) is positions 64j + 16q +
 // 8h .. + 7 of the BF16 row, i.e. element 2w + e of piece q is k = 64j + 32h + 16(w / 2) + 8(w % 2) +
 // 2q + e: nibble e of byte q of word w of the 16 bytes at 16u of the packed row, scale byte
-// 2u + w / 2. packed: those 16 bytes; scales: the row's E4M3 scale bytes. Exact values.
-__device__ __forceinline__ void decode_fragment_words(uint4 packed, const u8* scales, int u, uint4 piece[4]) {
-  const float s0 = e4m3_to_float(scales[2 * u]);
-  const float s1 = e4m3_to_float(scales[2 * u + 1]);
+// 2u + w / 2. packed: those 16 bytes; scale0, scale1: the row's E4M3 scale bytes 2u and 2u + 1. Exact values.
+__device__ __forceinline__ void decode_fragment_words(uint4 packed, u8 scale0, u8 scale1, uint4 piece[4]) {
+  const float s0 = e4m3_to_float(scale0);
+  const float s1 = e4m3_to_float(scale1);
   const u32 words[4] = {packed.x, packed.y, packed.z, packed.w};
 #pragma unroll
   for (int q = 0; q < 4; ++q) {
@@ -220,7 +220,7 @@ __device__ __forceinline__ void decode_fragment_words(uint4 packed, const u8* sc
 
 // decode_fragment_words on the 16 bytes at 16u of the packed row `codes` (16-byte aligned).
 __device__ __forceinline__ void decode_fragment_unit(const u8* codes, const u8* scales, int u, uint4 piece[4]) {
-  decode_fragment_words(*reinterpret_cast<const uint4*>(codes + 16 * u), scales, u, piece);
+  decode_fragment_words(*reinterpret_cast<const uint4*>(codes + 16 * u), scales[2 * u], scales[2 * u + 1], piece);
 }
 
 // Store the four pieces of unit u into the BF16 row dst (16-byte aligned): piece q at 64j + 16q + 8h.
@@ -313,7 +313,7 @@ __device__ __forceinline__ void stage_token_row(u8* xs, u8* xss, u16* x_rows, co
     const int hidden = 2 * row_bytes;
     for (int u = tid; u < hidden / 32; u += nthreads) {
       uint4 piece[4];
-      decode_fragment_words(load_16_bytes(codes + 16 * u), scales, u, piece);
+      decode_fragment_words(load_16_bytes(codes + 16 * u), scales[2 * u], scales[2 * u + 1], piece);
       store_natural_unit(x_rows + t * hidden, u, piece);
     }
     return;

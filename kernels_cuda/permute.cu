@@ -76,14 +76,21 @@ extern "C" __global__ void moe_permute_bf16(const u8* __restrict__ xs, const u8*
   });
 }
 
-// Unit u (32 columns) of BF16 token t of x [B, H] in fragment order: piece q holds the value pairs
-// (2q, 2q+1), (8+2q, 9+2q), (16+2q, 17+2q), (24+2q, 25+2q) of its 32 columns (decode_fragment_unit's order).
-__device__ __forceinline__ void load_bf16_unit(const u16* __restrict__ x, int hidden, i64 t, int u, uint4 piece[4]) {
-  const uint4* src = reinterpret_cast<const uint4*>(x + t * hidden + 32 * u);
-  const uint4 a = src[0], b = src[1], c = src[2], d = src[3];  // pair words 0..3, 4..7, 8..11, 12..15
+// The four fragment-order pieces of a BF16 unit given as its four 16-byte chunks in column order: piece q holds the
+// value pairs (2q, 2q+1), (8+2q, 9+2q), (16+2q, 17+2q), (24+2q, 25+2q) of its 32 columns (decode_fragment_unit's
+// order).
+__device__ __forceinline__ void bf16_unit_pieces(const uint4 chunk[4], uint4 piece[4]) {
+  const uint4 a = chunk[0], b = chunk[1], c = chunk[2], d = chunk[3];  // pair words 0..3, 4..7, 8..11, 12..15
   const u32 words[16] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w, c.x, c.y, c.z, c.w, d.x, d.y, d.z, d.w};
 #pragma unroll
   for (int q = 0; q < 4; ++q) piece[q] = make_uint4(words[q], words[4 + q], words[8 + q], words[12 + q]);
+}
+
+// Unit u (32 columns) of BF16 token t of x [B, H] in fragment order (bf16_unit_pieces).
+__device__ __forceinline__ void load_bf16_unit(const u16* __restrict__ x, int hidden, i64 t, int u, uint4 piece[4]) {
+  const uint4* src = reinterpret_cast<const uint4*>(x + t * hidden + 32 * u);
+  const uint4 chunk[4] = {src[0], src[1], src[2], src[3]};
+  bf16_unit_pieces(chunk, piece);
 }
 
 // BF16 tokens as they are: x bf16 [B, H], 16-byte aligned.
@@ -95,52 +102,54 @@ extern "C" __global__ void moe_permute_bf16_tokens(const u16* __restrict__ x, co
                     [&](i64 t, int u, uint4 piece[4]) { load_bf16_unit(x, hidden, t, u, piece); });
 }
 
-// The gather of the sort + permute kernels: block b takes tokens b, b + gridDim.x, ... of the num_slots / top_k
-// (rounded up), and its threads the (slot, 32-column unit) pairs of each, so the rows of a token's slots are
-// written by as many threads at once (a unit is loaded, or decoded, once per slot; the repeats hit L1).
-// slot_rows: the block's sort (shared memory); the stores are those of permute_fragments.
-template <typename LoadUnit>
-__device__ __forceinline__ void permute_token_slots(const int* slot_rows, int num_slots, int top_k, int hidden,
-                                                    int layout, u16* __restrict__ xp, LoadUnit load_unit) {
-  const int units = hidden / 32;
-  const int tokens = (num_slots + top_k - 1) / top_k;
-  for (int t = static_cast<int>(blockIdx.x); t < tokens; t += static_cast<int>(gridDim.x)) {
-    const int first = t * top_k;
-    const int pairs = min(top_k, num_slots - first) * units;
-    for (int i = static_cast<int>(threadIdx.x); i < pairs; i += static_cast<int>(blockDim.x)) {
-      const int s = i / units;
-      const int u = i - s * units;
-      const int r = slot_rows[first + s];
-      if (r < 0) continue;
-      uint4 piece[4];
-      load_unit(t, u, piece);
-      store_token_unit(layout, xp + static_cast<i64>(r) * hidden, u, piece);
-    }
-  }
-}
-
 // Sort + permute in one launch, for buckets of at most SORT_THREADS slots (decode): every block of
 // SORT_THREADS threads runs the whole single-block sort of moe_sort in shared memory (it reads the
 // num_slots ids from L2: the blocks never communicate), block 0 alone writes the sort's outputs for the
-// later stages (offsets, slot_to_row, row_to_slot, row_expert, counts: moe_sort's documentation), and
-// every block then gathers its tokens (permute_token_slots), reading the slot rows from shared memory. Same
-// outputs, bit for bit, as moe_sort followed by moe_permute_bf16 / moe_permute_bf16_tokens. Any grid of at
-// least one block (cudnn_moe/kernels/sort.py: a block per token, at most SORT_PERMUTE_MAX_BLOCKS).
-template <typename LoadUnit>
+// later stages (offsets, slot_to_row, row_to_slot, row_expert, counts: moe_sort's documentation), and the
+// threads of the grid share the (slot, 32-column unit) pairs of the gather, slot-major: thread g of the grid takes
+// pairs g, g + grid threads, ... A unit is fetched once per slot (fetch(t, u): its raw bytes; the repeats of a
+// token's slots hit L1 / L2) and expanded into its four BF16 pieces (expand(raw, u, piece)). The first pair's
+// fetch is issued BEFORE the sort (the tokens need nothing from it), so its latency overlaps the sort's; its row
+// comes from the block's sort (shared memory). Same outputs, bit for bit, as moe_sort followed by
+// moe_permute_bf16 / moe_permute_bf16_tokens. Any grid of at least one block (cudnn_moe/kernels/sort.py: a thread
+// per pair, at most SORT_PERMUTE_MAX_BLOCKS blocks).
+template <typename Fetch, typename Expand>
 __device__ __forceinline__ void sort_permute(const int* __restrict__ ids, int num_slots, int top_k, int local_start,
                                              int num_experts, int align, int row_capacity, int hidden, int layout,
                                              int* __restrict__ offsets, int* __restrict__ slot_to_row,
                                              int* __restrict__ row_to_slot, int* __restrict__ row_expert,
-                                             int* __restrict__ counts, u16* __restrict__ xp, LoadUnit load_unit) {
+                                             int* __restrict__ counts, u16* __restrict__ xp, Fetch fetch,
+                                             Expand expand) {
   __shared__ int slot_rows[SORT_THREADS];
   if (blockDim.x != SORT_THREADS || num_slots > SORT_THREADS || num_experts < 1 || num_experts > SORT_MAX_EXPERTS ||
       align < 1 || top_k < 1 || hidden % 64)
     return;
+  const int units = hidden / 32;
+  const int pairs = num_slots * units;  // <= SORT_THREADS * (H / 32): fits an int for any H below 2^26
+  const int stride = static_cast<int>(gridDim.x) * SORT_THREADS;
+  int p = static_cast<int>(blockIdx.x) * SORT_THREADS + static_cast<int>(threadIdx.x);
+  decltype(fetch(0, 0)) raw{};
+  if (p < pairs) raw = fetch(p / units / top_k, p % units);
   sort_slots(ids, num_slots, local_start, num_experts, align, row_capacity, max(num_slots, 1), 0, 1, blockIdx.x == 0,
              slot_rows, offsets, slot_to_row, row_to_slot, row_expert, counts);
   __syncthreads();
-  permute_token_slots(slot_rows, num_slots, top_k, hidden, layout, xp, load_unit);
+  for (bool first = true; p < pairs; p += stride, first = false) {
+    const int s = p / units;
+    const int u = p - s * units;
+    const int r = slot_rows[s];
+    if (r < 0) continue;
+    if (!first) raw = fetch(s / top_k, u);
+    uint4 piece[4];
+    expand(raw, u, piece);
+    store_token_unit(layout, xp + static_cast<i64>(r) * hidden, u, piece);
+  }
 }
+
+// The 16 code bytes and two scale bytes of an NVFP4 token unit.
+struct Nvfp4Unit {
+  uint4 codes;
+  u8 scale0, scale1;
+};
 
 // NVFP4 tokens (xs, xss as for moe_permute_bf16), decoded exactly into BF16 fragments.
 extern "C" __global__ void __launch_bounds__(SORT_THREADS)
@@ -150,11 +159,22 @@ extern "C" __global__ void __launch_bounds__(SORT_THREADS)
                           int* __restrict__ row_to_slot, int* __restrict__ row_expert, int* __restrict__ counts,
                           u16* __restrict__ xp) {
   moe::grid_dependency_begin();
-  sort_permute(ids, num_slots, top_k, local_start, num_experts, align, row_capacity, hidden, layout, offsets,
-               slot_to_row, row_to_slot, row_expert, counts, xp, [&](i64 t, int u, uint4 piece[4]) {
-                 decode_fragment_unit(xs + t * (hidden / 2), xss + t * (hidden / 16), u, piece);
-               });
+  sort_permute(
+      ids, num_slots, top_k, local_start, num_experts, align, row_capacity, hidden, layout, offsets, slot_to_row,
+      row_to_slot, row_expert, counts, xp,
+      [&](i64 t, int u) {
+        const u8* scales = xss + t * (hidden / 16) + 2 * u;
+        return Nvfp4Unit{*reinterpret_cast<const uint4*>(xs + t * (hidden / 2) + 16 * u), scales[0], scales[1]};
+      },
+      [](const Nvfp4Unit& raw, int, uint4 piece[4]) {
+        decode_fragment_words(raw.codes, raw.scale0, raw.scale1, piece);
+      });
 }
+
+// The 32 BF16 values of a token unit, as four 16-byte chunks in column order.
+struct Bf16Unit {
+  uint4 chunk[4];
+};
 
 // BF16 tokens (x as for moe_permute_bf16_tokens), as they are.
 extern "C" __global__ void __launch_bounds__(SORT_THREADS)
@@ -165,6 +185,12 @@ extern "C" __global__ void __launch_bounds__(SORT_THREADS)
                                  int* __restrict__ row_to_slot, int* __restrict__ row_expert,
                                  int* __restrict__ counts, u16* __restrict__ xp) {
   moe::grid_dependency_begin();
-  sort_permute(ids, num_slots, top_k, local_start, num_experts, align, row_capacity, hidden, layout, offsets,
-               slot_to_row, row_to_slot, row_expert, counts, xp, [&](i64 t, int u, uint4 piece[4]) { load_bf16_unit(x, hidden, t, u, piece); });
+  sort_permute(
+      ids, num_slots, top_k, local_start, num_experts, align, row_capacity, hidden, layout, offsets, slot_to_row,
+      row_to_slot, row_expert, counts, xp,
+      [&](i64 t, int u) {
+        const uint4* src = reinterpret_cast<const uint4*>(x + t * hidden + 32 * u);
+        return Bf16Unit{{src[0], src[1], src[2], src[3]}};
+      },
+      [](const Bf16Unit& raw, int, uint4 piece[4]) { bf16_unit_pieces(raw.chunk, piece); });
 }

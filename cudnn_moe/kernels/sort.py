@@ -79,9 +79,14 @@ def _check_operands(ids_flat: torch.Tensor, top_k: int, num_local: int, align: i
 
 
 SORT_PERMUTE_MAX_SLOTS = SORT_THREADS  # slots of a bucket whose sort and permute run in one launch
-# Blocks of that launch: one per token up to this many (each sorts every slot itself; one wave on an H200's
-# 132 SMs), then tokens strided over them.
+# Most blocks of that launch (each sorts every slot itself; one wave on an H200's 132 SMs): a thread per
+# (slot, 32-column unit) pair up to this many blocks, then pairs strided over them.
 SORT_PERMUTE_MAX_BLOCKS = 128
+
+
+def sort_permute_blocks(num_slots: int, hidden: int) -> int:
+    """Blocks of the sort + permute launch of ``num_slots`` slots of ``hidden`` columns."""
+    return max(1, min(-(-num_slots * (hidden // 32) // SORT_THREADS), SORT_PERMUTE_MAX_BLOCKS))
 
 
 def sort_permute_bf16(
@@ -104,8 +109,9 @@ def sort_permute_bf16(
     or ``permute_bf16_tokens``) in ONE launch, with the same outputs bit for bit;
     for at most SORT_PERMUTE_MAX_SLOTS slots. ``tokens``: bfloat16 [B, H] (``token_scales`` None) or NVFP4
     codes uint8 [B, H/2] with linear E4M3 scales [B, H/16]; xp bfloat16 [R, H] (H % 64 == 0), 16-byte aligned.
-    Each block sorts every slot itself in shared memory and block 0 writes the sort's outputs
-    (kernels_cuda/permute.cu moe_sort_permute_bf16*)."""
+    Each block sorts every slot itself in shared memory and block 0 writes the sort's outputs; the grid's threads
+    share the (slot, unit) pairs of the gather, each loading its first unit before the sort
+    (kernels_cuda/permute.cu moe_sort_permute_bf16*; sort_permute_blocks)."""
     _check_operands(ids_flat, top_k, num_local, align, offsets, row_to_slot, row_expert, counts)
     num_slots = ids_flat.numel()
     if num_slots > SORT_PERMUTE_MAX_SLOTS:
@@ -117,7 +123,7 @@ def sort_permute_bf16(
         raise ValueError(f"sort + permute: BF16 tokens [B, H], or uint8 codes [B, H/2] with scales [B, H/16]; got "
                          f"{tokens.dtype} {tuple(tokens.shape)}")
     require_bf16_rows(xp, hidden, layout)
-    blocks = max(1, min(-(-num_slots // top_k), SORT_PERMUTE_MAX_BLOCKS))
+    blocks = sort_permute_blocks(num_slots, hidden)
     head = (ptr(ids_flat), np.int32(num_slots), np.int32(top_k), np.int32(local_start), np.int32(num_local),
             np.int32(align), np.int32(row_to_slot.numel()), np.int32(hidden), np.int32(layout))
     tail = (ptr(offsets), ptr(slot_to_row), ptr(row_to_slot), ptr(row_expert), ptr(counts), ptr(xp, 16))

@@ -208,8 +208,9 @@ def test_stage_inputs_decodes_token_rows(offset: int) -> None:
                          kernels.ROUTING_PACKED, xs, xss, ids_out, w_out, x_rows=x_rows)
     torch.cuda.synchronize()
     want = dequantize_nvfp4(codes, x_scales.view(torch.float8_e4m3fn), 1.0, torch.bfloat16)
-    assert torch.equal(x_rows[:tokens].cpu().view(torch.int16), want.view(torch.int16))
-    assert bool(want.isnan().any()) and bool(x_rows[tokens:].isnan().all())
+    assert bool(want.isnan().any())
+    _same_values(x_rows[:tokens], want, f"staged token rows, codes {offset} bytes past 16-byte alignment")
+    assert bool(x_rows[tokens:].isnan().all())
     assert torch.equal(ids_out[:tokens].cpu(), ids) and bool((ids_out[tokens:] == -1).all())
 
 # ---------------------------------------------------------------------------------------------------------------
