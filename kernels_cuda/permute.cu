@@ -106,13 +106,13 @@ extern "C" __global__ void moe_permute_bf16_tokens(const u16* __restrict__ x, co
 // SORT_THREADS threads runs the whole single-block sort of moe_sort in shared memory (it reads the
 // num_slots ids from L2: the blocks never communicate), block 0 alone writes the sort's outputs for the
 // later stages (offsets, slot_to_row, row_to_slot, row_expert, counts: moe_sort's documentation), and the
-// threads of the grid share the (slot, 32-column unit) pairs of the gather, slot-major: thread g of the grid takes
-// pairs g, g + grid threads, ... A unit is fetched once per slot (fetch(t, u): its raw bytes; the repeats of a
+// blocks share the (slot, 32-column unit) pairs of the gather, slot-major, min(SORT_THREADS, ceil(pairs / grid))
+// = P per block: thread j of block b takes pairs b P + j, b P + j + grid P, ... A unit is fetched once per slot (fetch(t, u): its raw bytes; the repeats of a
 // token's slots hit L1 / L2) and expanded into its four BF16 pieces (expand(raw, u, piece)). The first pair's
 // fetch is issued BEFORE the sort (the tokens need nothing from it), so its latency overlaps the sort's; its row
 // comes from the block's sort (shared memory). Same outputs, bit for bit, as moe_sort followed by
-// moe_permute_bf16 / moe_permute_bf16_tokens. Any grid of at least one block (cudnn_moe/kernels/sort.py: a thread
-// per pair, at most SORT_PERMUTE_MAX_BLOCKS blocks).
+// moe_permute_bf16 / moe_permute_bf16_tokens. Any grid of at least one block (cudnn_moe/kernels/sort.py:
+// SORT_PERMUTE_BLOCK_PAIRS pairs per block, at most SORT_PERMUTE_MAX_BLOCKS blocks).
 template <typename Fetch, typename Expand>
 __device__ __forceinline__ void sort_permute(const int* __restrict__ ids, int num_slots, int top_k, int local_start,
                                              int num_experts, int align, int row_capacity, int hidden, int layout,
@@ -126,8 +126,10 @@ __device__ __forceinline__ void sort_permute(const int* __restrict__ ids, int nu
     return;
   const int units = hidden / 32;
   const int pairs = num_slots * units;  // <= SORT_THREADS * (H / 32): fits an int for any H below 2^26
-  const int stride = static_cast<int>(gridDim.x) * SORT_THREADS;
-  int p = static_cast<int>(blockIdx.x) * SORT_THREADS + static_cast<int>(threadIdx.x);
+  const int grid = static_cast<int>(gridDim.x);
+  const int per_block = min(SORT_THREADS, (pairs + grid - 1) / grid);  // threads of a block with a pair
+  const int stride = grid * per_block;
+  int p = static_cast<int>(threadIdx.x) < per_block ? static_cast<int>(blockIdx.x) * per_block + threadIdx.x : pairs;
   decltype(fetch(0, 0)) raw{};
   if (p < pairs) raw = fetch(p / units / top_k, p % units);
   sort_slots(ids, num_slots, local_start, num_experts, align, row_capacity, max(num_slots, 1), 0, 1, blockIdx.x == 0,

@@ -79,14 +79,17 @@ def _check_operands(ids_flat: torch.Tensor, top_k: int, num_local: int, align: i
 
 
 SORT_PERMUTE_MAX_SLOTS = SORT_THREADS  # slots of a bucket whose sort and permute run in one launch
-# Most blocks of that launch (each sorts every slot itself; one wave on an H200's 132 SMs): a thread per
-# (slot, 32-column unit) pair up to this many blocks, then pairs strided over them.
+# Blocks of that launch (each sorts every slot itself): one per SORT_PERMUTE_BLOCK_PAIRS (slot, 32-column unit)
+# pairs of the gather, a thread each (the decode of a unit is ALU-bound: spread over SMs, not packed into one), at
+# most SORT_PERMUTE_MAX_BLOCKS (one wave on an H200's 132 SMs; pairs then strided over them).
+SORT_PERMUTE_BLOCK_PAIRS = 256
 SORT_PERMUTE_MAX_BLOCKS = 128
 
 
 def sort_permute_blocks(num_slots: int, hidden: int) -> int:
     """Blocks of the sort + permute launch of ``num_slots`` slots of ``hidden`` columns."""
-    return max(1, min(-(-num_slots * (hidden // 32) // SORT_THREADS), SORT_PERMUTE_MAX_BLOCKS))
+    pairs = num_slots * (hidden // 32)
+    return max(1, min(-(-pairs // SORT_PERMUTE_BLOCK_PAIRS), SORT_PERMUTE_MAX_BLOCKS))
 
 
 def sort_permute_bf16(

@@ -65,8 +65,8 @@ def test_sort_grid_shape() -> None:
 
 @pytest.mark.parametrize("tokens, hidden", [(1, 2048), (8, 7168), (128, 64), (512, 2048), (1024, 8192)])
 def test_decode_glue_grids(monkeypatch: pytest.MonkeyPatch, tokens: int, hidden: int) -> None:
-    """The sort + permute launch takes a thread per (slot, 32-column unit) pair, at most SORT_PERMUTE_MAX_BLOCKS blocks
-    (pairs then strided over them); the finalize a block per (token, 8 x ROW_THREADS columns)."""
+    """The sort + permute launch takes a block per SORT_PERMUTE_BLOCK_PAIRS (slot, 32-column unit) pairs, at most
+    SORT_PERMUTE_MAX_BLOCKS blocks (pairs then strided over them); the finalize a block per (token, 8 x ROW_THREADS columns)."""
     from cudnn_moe.kernels.codes import ROW_THREADS
 
     sort_module = importlib.import_module("cudnn_moe.kernels.sort")
@@ -87,7 +87,8 @@ def test_decode_glue_grids(monkeypatch: pytest.MonkeyPatch, tokens: int, hidden:
     kernels.finalize(torch.zeros(rows, hidden, dtype=torch.bfloat16), torch.zeros(slots, dtype=i32),
                      torch.zeros(slots, dtype=torch.float32), k, torch.zeros(tokens, hidden, dtype=torch.bfloat16))
     pairs = slots * hidden // 32
-    assert grids["moe_sort_permute_bf16_tokens"] == min(-(-pairs // SORT_THREADS), sort_module.SORT_PERMUTE_MAX_BLOCKS)
+    assert grids["moe_sort_permute_bf16_tokens"] == min(-(-pairs // sort_module.SORT_PERMUTE_BLOCK_PAIRS),
+                                                         sort_module.SORT_PERMUTE_MAX_BLOCKS)
     assert grids["moe_finalize"] == (tokens, -(-hidden // (8 * ROW_THREADS)))
 
 
