@@ -185,17 +185,22 @@ def _e4m3_bytes(gen: torch.Generator, n: int) -> torch.Tensor:
     return torch.where((codes & 0x7F) == 0x7F, codes - 1, codes)  # no NaN codes
 
 
-@pytest.fixture(scope="module")
-def fragment_program(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def _host_program(tmp_path_factory: pytest.TempPathFactory, name: str, driver: str) -> Path:
+    """``driver`` (C++ including the kernel headers) built on the host into a program; skips without a compiler."""
     if CXX is None:
         pytest.skip("no C++ compiler")
-    folder = tmp_path_factory.mktemp("mma")
-    source, program = folder / "mma.cpp", folder / "mma"
-    source.write_text(_FRAGMENT_DRIVER)
+    folder = tmp_path_factory.mktemp(name)
+    source, program = folder / f"{name}.cpp", folder / name
+    source.write_text(driver)
     build = [CXX, "-std=c++17", "-O1", "-I", str(kernels_dir()), *cuda_defines(), str(source), "-o", str(program)]
     result = subprocess.run(build, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     return program
+
+
+@pytest.fixture(scope="module")
+def fragment_program(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _host_program(tmp_path_factory, "mma", _FRAGMENT_DRIVER)
 
 
 def _run_cases(program: Path, folder: Path, cases: list[tuple[int, torch.Tensor, torch.Tensor]]):
@@ -403,15 +408,7 @@ int main(int, char** argv) {
 
 @pytest.fixture(scope="module")
 def mx_program(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    if CXX is None:
-        pytest.skip("no C++ compiler")
-    folder = tmp_path_factory.mktemp("mma_mx")
-    source, program = folder / "mx.cpp", folder / "mx"
-    source.write_text(_MX_DRIVER)
-    build = [CXX, "-std=c++17", "-O1", "-I", str(kernels_dir()), *cuda_defines(), str(source), "-o", str(program)]
-    result = subprocess.run(build, capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr
-    return program
+    return _host_program(tmp_path_factory, "mma_mx", _MX_DRIVER)
 
 
 E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=torch.float64)
