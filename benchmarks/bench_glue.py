@@ -8,7 +8,8 @@ the two in one launch, the activation unless GEMM1 runs it)
 and finalize. Each
 row gives the DRAM bytes the launch has to move at least (what it reads once and writes; the live slot
 and row counts of this routing), the achieved GB/s, the share of --bandwidth and that floor in us.
-Every time includes the graph launch (about 2.5 us on an H200). Uses only the executor's public stages,
+The first time includes the graph launch (about 2.5 us on an H200); the second is the kernel's cost inside a
+chain of launches of it. Uses only the executor's public stages,
 so it runs unchanged on older revisions (before/after comparisons).
 Usage: python benchmarks/bench_glue.py --help
 """
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -97,6 +99,25 @@ def glue_launches(
     return [(name, launches[name], bytes_moved[name]) for name in GLUE if name in launches]
 
 
+CHAIN_LAUNCHES = 4  # back-to-back launches of one kernel in the chain column's graph
+
+
+def chained(launch: Callable[[], object], times: int) -> Callable[[], None]:
+    """``times`` back-to-back launches of ``launch`` (the glue launches are idempotent: each rewrites its outputs)."""
+
+    def run() -> None:
+        for _ in range(times):
+            launch()
+
+    return run
+
+
+def per_launch_in_chain(one_us: float, chain_us: float, launches: int = CHAIN_LAUNCHES) -> float:
+    """us one more launch adds to a graph of ``launches`` back-to-back launches of the kernel (``chain_us``) over
+    its graph of one (``one_us``): its cost inside a PDL chain, without the graph's start."""
+    return (chain_us - one_us) / (launches - 1)
+
+
 def bench_model(args: argparse.Namespace, report: Report, m: ModelShape, gen: torch.Generator, timer: Timer) -> None:
     """Rows per token count, engine and glue kernel of model ``m``."""
     progress(f"{m.name}: random BF16 weights, NVFP4 weights for {', '.join(args.engines)}")
@@ -109,10 +130,11 @@ def bench_model(args: argparse.Namespace, report: Report, m: ModelShape, gen: to
             config, weights = prepared[engine]
             for name, launch, moved in glue_launches(m, config, weights, batch):
                 us = timer.median_us(capture(launch).replay)
+                in_chain = per_launch_in_chain(us, timer.median_us(capture(chained(launch, CHAIN_LAUNCHES)).replay))
                 gbs = moved / (us * 1e-6) / 1e9
                 floor = moved / (args.bandwidth * 1e12) * 1e6
-                report.emit(md_row([m.name, str(tokens), engine, name, fmt(us), f"{moved / 1e6:.2f}", f"{gbs:.0f}",
-                                    f"{100 * gbs / (args.bandwidth * 1e3):.0f}%", fmt(floor)]))
+                report.emit(md_row([m.name, str(tokens), engine, name, fmt(us), fmt(in_chain), f"{moved / 1e6:.2f}",
+                                    f"{gbs:.0f}", f"{100 * gbs / (args.bandwidth * 1e3):.0f}%", fmt(floor)]))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -126,10 +148,13 @@ def main(argv: list[str] | None = None) -> int:
     report.emit(header_line())
     report.emit()
     report.emit(f"GPU us per glue launch, each captured alone in a CUDA graph (launch included); median of "
-                f"{args.iters} CUDA-event-timed replays, 256 MiB L2 flush before each. MB: the DRAM bytes it must "
-                f"move; GB/s and % of {args.bandwidth} TB/s achieved; floor: MB at that bandwidth.")
+                f"{args.iters} CUDA-event-timed replays, 256 MiB L2 flush before each. In a chain: what each more "
+                f"launch adds to a graph of {CHAIN_LAUNCHES} back-to-back launches of it (its cost inside the "
+                f"call's PDL chain, without the graph's start). MB: the DRAM bytes it must move; GB/s and % of "
+                f"{args.bandwidth} TB/s achieved (from the first us column); floor: MB at that bandwidth.")
     report.emit()
-    report.table(["model", "T", "engine", "kernel", "us", "MB", "GB/s", "% of HBM", "floor us"], left=4)
+    report.table(["model", "T", "engine", "kernel", "us", "in a chain (us)", "MB", "GB/s", "% of HBM", "floor us"],
+                 left=4)
     run_models(args, lambda m, gen, timer: bench_model(args, report, m, gen, timer))
     report.write(args.markdown)
     return 0

@@ -2,8 +2,9 @@
 # GPU check in one command: install the carried wheels, run the GPU tests, then the benchmarks.
 # Usage: OUT=/path/to/logs bash scripts/gpu_check.sh [pytest args...]
 # Wheels the machine lacks (the cuDNN frontend) are expected in .whl/ (git-ignored; installed with --no-index).
-# BENCH_ARGS passes options to benchmarks/bench_moe.py, STAGES_ARGS to benchmarks/bench_stages.py;
-# SKIP_BENCH=1 / SKIP_ALIGNED=1 / SKIP_LOW_LATENCY=1 / SKIP_STAGES=1 / SKIP_CACHE=1 / SKIP_PROBE=1 / SKIP_TESTS=1 skip a step; ALIGNED_ARGS
+# BENCH_ARGS passes options to benchmarks/bench_moe.py, STAGES_ARGS to benchmarks/bench_stages.py, GLUE_ARGS to
+# benchmarks/bench_glue.py; SKIP_BENCH=1 / SKIP_ALIGNED=1 / SKIP_LOW_LATENCY=1 / SKIP_STAGES=1 / SKIP_GLUE=1 / SKIP_CACHE=1 /
+# SKIP_PROBE=1 / SKIP_TESTS=1 skip a step; ALIGNED_ARGS
 # and LOW_LATENCY_ARGS pass options to bench_aligned.py / bench_low_latency.py. Also runs `python3 -m cudnn_moe demo`.
 # CUDNN_PRELOAD=.cudnn/assemble.sh runs everything on a newer cuDNN backend carried in parts
 # (../shared/gpu/fetch-cudnn.sh says how): the script assembles it and preloads its libraries.
@@ -44,6 +45,7 @@ step demo python3 -m cudnn_moe demo
 [ "${SKIP_ALIGNED:-0}" = 1 ] || step aligned python3 benchmarks/bench_aligned.py ${ALIGNED_ARGS:-} --markdown "$OUT/aligned.md"
 [ "${SKIP_LOW_LATENCY:-0}" = 1 ] || step low_latency python3 benchmarks/bench_low_latency.py ${LOW_LATENCY_ARGS:-} --markdown "$OUT/low_latency.md"
 [ "${SKIP_STAGES:-0}" = 1 ] || step stages python3 benchmarks/bench_stages.py ${STAGES_ARGS:-} --markdown "$OUT/stages.md"
+[ "${SKIP_GLUE:-0}" = 1 ] || step glue python3 benchmarks/bench_glue.py ${GLUE_ARGS:-} --markdown "$OUT/glue.md"
 [ "${SKIP_CACHE:-0}" = 1 ] || step cache python3 benchmarks/bench_cache.py --profile 25 --markdown "$OUT/cache.md"
 [ "${SKIP_PROBE:-0}" = 1 ] || step probe_pdl python3 benchmarks/probe_pdl.py
 exit $status

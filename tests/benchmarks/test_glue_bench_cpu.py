@@ -28,3 +28,12 @@ def test_glue_stages_are_executor_stages() -> None:
 def test_main_without_gpu_says_so(monkeypatch) -> None:
     monkeypatch.setattr(bench_glue, "gpu_missing", lambda script: True)
     assert bench_glue.main(["--models", "qwen3-30b-a3b", "--tokens", "1", "--bandwidth", "3.35"]) == 2
+
+
+def test_cost_in_a_chain() -> None:
+    """The in-chain column: what each launch after the first adds to a graph of back-to-back launches."""
+    calls: list[int] = []
+    bench_glue.chained(lambda: calls.append(1), bench_glue.CHAIN_LAUNCHES)()
+    assert len(calls) == bench_glue.CHAIN_LAUNCHES
+    assert bench_glue.per_launch_in_chain(9.6, 27.6, 4) == 6.0
+    assert bench_glue.per_launch_in_chain(5.0, 5.0, 4) == 0.0
