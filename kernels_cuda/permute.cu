@@ -86,11 +86,20 @@ __device__ __forceinline__ void bf16_unit_pieces(const uint4 chunk[4], uint4 pie
   for (int q = 0; q < 4; ++q) piece[q] = make_uint4(words[q], words[4 + q], words[8 + q], words[12 + q]);
 }
 
-// Unit u (32 columns) of BF16 token t of x [B, H] in fragment order (bf16_unit_pieces).
-__device__ __forceinline__ void load_bf16_unit(const u16* __restrict__ x, int hidden, i64 t, int u, uint4 piece[4]) {
+// The 32 BF16 values of a token unit, as four 16-byte chunks in column order.
+struct Bf16Unit {
+  uint4 chunk[4];
+};
+
+// Unit u (32 columns) of BF16 token t of x [B, H] (16-byte aligned), as it is.
+__device__ __forceinline__ Bf16Unit fetch_bf16_unit(const u16* __restrict__ x, int hidden, i64 t, int u) {
   const uint4* src = reinterpret_cast<const uint4*>(x + t * hidden + 32 * u);
-  const uint4 chunk[4] = {src[0], src[1], src[2], src[3]};
-  bf16_unit_pieces(chunk, piece);
+  return Bf16Unit{{src[0], src[1], src[2], src[3]}};
+}
+
+// Unit u of BF16 token t of x [B, H] in fragment order (bf16_unit_pieces).
+__device__ __forceinline__ void load_bf16_unit(const u16* __restrict__ x, int hidden, i64 t, int u, uint4 piece[4]) {
+  bf16_unit_pieces(fetch_bf16_unit(x, hidden, t, u).chunk, piece);
 }
 
 // BF16 tokens as they are: x bf16 [B, H], 16-byte aligned.
@@ -108,7 +117,7 @@ extern "C" __global__ void moe_permute_bf16_tokens(const u16* __restrict__ x, co
 // later stages (offsets, slot_to_row, row_to_slot, row_expert, counts: moe_sort's documentation), and the
 // blocks share the (slot, 32-column unit) pairs of the gather, slot-major, min(SORT_THREADS, ceil(pairs / grid))
 // = P per block: thread j of block b takes pairs b P + j, b P + j + grid P, ... A unit is fetched once per slot (fetch(t, u): its raw bytes; the repeats of a
-// token's slots hit L1 / L2) and expanded into its four BF16 pieces (expand(raw, u, piece)). The first pair's
+// token's slots hit L1 / L2) and expanded into its four BF16 pieces (expand(raw, piece)). The first pair's
 // fetch is issued BEFORE the sort (the tokens need nothing from it), so its latency overlaps the sort's; its row
 // comes from the block's sort (shared memory). Same outputs, bit for bit, as moe_sort followed by
 // moe_permute_bf16 / moe_permute_bf16_tokens. Any grid of at least one block (cudnn_moe/kernels/sort.py:
@@ -142,7 +151,7 @@ __device__ __forceinline__ void sort_permute(const int* __restrict__ ids, int nu
     if (r < 0) continue;
     if (!first) raw = fetch(s / top_k, u);
     uint4 piece[4];
-    expand(raw, u, piece);
+    expand(raw, piece);
     store_token_unit(layout, xp + static_cast<i64>(r) * hidden, u, piece);
   }
 }
@@ -168,15 +177,10 @@ extern "C" __global__ void __launch_bounds__(SORT_THREADS)
         const u8* scales = xss + t * (hidden / 16) + 2 * u;
         return Nvfp4Unit{*reinterpret_cast<const uint4*>(xs + t * (hidden / 2) + 16 * u), scales[0], scales[1]};
       },
-      [](const Nvfp4Unit& raw, int, uint4 piece[4]) {
+      [](const Nvfp4Unit& raw, uint4 piece[4]) {
         decode_fragment_words(raw.codes, raw.scale0, raw.scale1, piece);
       });
 }
-
-// The 32 BF16 values of a token unit, as four 16-byte chunks in column order.
-struct Bf16Unit {
-  uint4 chunk[4];
-};
 
 // BF16 tokens (x as for moe_permute_bf16_tokens), as they are.
 extern "C" __global__ void __launch_bounds__(SORT_THREADS)
@@ -190,9 +194,6 @@ extern "C" __global__ void __launch_bounds__(SORT_THREADS)
   sort_permute(
       ids, num_slots, top_k, local_start, num_experts, align, row_capacity, hidden, layout, offsets, slot_to_row,
       row_to_slot, row_expert, counts, xp,
-      [&](i64 t, int u) {
-        const uint4* src = reinterpret_cast<const uint4*>(x + t * hidden + 32 * u);
-        return Bf16Unit{{src[0], src[1], src[2], src[3]}};
-      },
-      [](const Bf16Unit& raw, int, uint4 piece[4]) { bf16_unit_pieces(raw.chunk, piece); });
+      [&](i64 t, int u) { return fetch_bf16_unit(x, hidden, t, u); },
+      [](const Bf16Unit& raw, uint4 piece[4]) { bf16_unit_pieces(raw.chunk, piece); });
 }

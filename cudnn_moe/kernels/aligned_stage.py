@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .codes import ROW_THREADS, TokenLayout
+from .codes import ROW_THREADS
 from .loader import launch, ptr
-from .permute import require_bf16_rows
+from .permute import require_token_rows
 
 SOURCE = "aligned_stage.cu"
 PLAN_THREADS = 256
@@ -45,9 +45,7 @@ def stage_aligned(
     if tokens > bucket or tuple(topk_weights.shape) != (tokens, top_k) or alpha1.numel() != 2 * experts:
         raise ValueError(f"cannot stage {tokens} tokens x top-{top_k} ({experts} experts) into a bucket of {bucket}")
     if x_rows is not None:
-        require_bf16_rows(x_rows, 2 * row_bytes, TokenLayout.BF16_ROWS)
-        if x_rows.shape[0] < bucket:
-            raise ValueError(f"stage into token rows: {x_rows.shape[0]} rows for a bucket of {bucket}")
+        require_token_rows(x_rows, 2 * row_bytes, bucket)
     launch(
         SOURCE, "moe_stage_aligned", xs.device, bucket, ROW_THREADS,
         (

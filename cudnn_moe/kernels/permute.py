@@ -32,6 +32,13 @@ def require_bf16_rows(xp: torch.Tensor, hidden: int, layout: TokenLayout) -> Non
                          f"{xp.dtype} {tuple(xp.shape)}")
 
 
+def require_token_rows(x_rows: torch.Tensor, hidden: int, bucket: int) -> None:
+    """Check the stage's decode target: natural BF16 rows [>= bucket, hidden] (require_bf16_rows)."""
+    require_bf16_rows(x_rows, hidden, TokenLayout.BF16_ROWS)
+    if x_rows.shape[0] < bucket:
+        raise ValueError(f"stage into token rows: {x_rows.shape[0]} rows for a bucket of {bucket}")
+
+
 def require_scale_room(scales: torch.Tensor, rows: int, cols: int, layout: TokenLayout) -> None:
     """Check that ``scales`` holds a rows x cols E4M3 matrix, linear or padded to 128 x 4 tiles."""
     swizzled = layout is TokenLayout.NVFP4_SWIZZLED_128X4

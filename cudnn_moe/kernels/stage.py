@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .codes import ROW_THREADS, RoutingFormat, TokenLayout
+from .codes import ROW_THREADS, RoutingFormat
 from .loader import launch, ptr
-from .permute import require_bf16_rows
+from .permute import require_token_rows
 
 SOURCE = "stage.cu"
 
@@ -48,11 +48,10 @@ def stage_inputs(
     if tokens > bucket or tuple(ids.shape) != (tokens, top_k) or x_scales.element_size() != 1:
         raise ValueError(f"cannot stage {tokens} tokens x top-{top_k} into a bucket of {bucket}")
     if x_rows is not None:
-        require_bf16_rows(x_rows, 2 * row_bytes, TokenLayout.BF16_ROWS)
-        if x_packed.dtype != torch.uint8 or x_rows.shape[0] < bucket or tuple(x_scales.shape) != (tokens, row_bytes // 8):
-            raise ValueError(f"stage into token rows: NVFP4 codes uint8 [T, H/2] with scales [T, H/16] into "
-                             f"bfloat16 [>= {bucket}, H]; got {x_packed.dtype} {tuple(x_packed.shape)}, scales "
-                             f"{tuple(x_scales.shape)}, rows {tuple(x_rows.shape)}")
+        require_token_rows(x_rows, 2 * row_bytes, bucket)
+        if x_packed.dtype != torch.uint8 or tuple(x_scales.shape) != (tokens, row_bytes // 8):
+            raise ValueError(f"stage into token rows: NVFP4 codes uint8 [T, H/2] with scales [T, H/16]; got "
+                             f"{x_packed.dtype} {tuple(x_packed.shape)}, scales {tuple(x_scales.shape)}")
     launch(
         SOURCE,
         "moe_stage_inputs",
