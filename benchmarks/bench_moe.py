@@ -3,7 +3,8 @@
 Per model and token count T: each engine's time (SwiGLU, top-k of the preset, uniform random
 distinct routing) and its ratio to the FP4 floor = max(NVFP4 weight bytes incl. E4M3 scales of the
 experts the routing touches / HBM bandwidth, FLOPs / BF16 peak); a BF16 layer on torch._grouped_mm
-over the same routing, its ratio to the BF16 floor (2 bytes per weight), and BF16 / best engine.
+over the same routing, its ratio to the BF16 floor (2 bytes per weight); the Triton BF16 layer of
+FlagGems (vLLM's fused_moe kernels; triton_peer.py) where flag_gems imports; best peer / best engine.
 Every contender is timed the same way (common.py): ONE call captured in a CUDA graph, median of
 CUDA-event-timed replays with L2 flushed before each. Then the SM90 kernel variant per GEMM (where
 the engine exposes its choice) and the host time per fused_moe call at T=1.
@@ -46,6 +47,8 @@ from common import (  # noqa: E402
     random_weights,
     run_models,
 )
+
+from triton_peer import TritonPeer  # noqa: E402
 
 from cudnn_moe import Nvfp4MoeConfig, Nvfp4Weights  # noqa: E402
 
@@ -117,13 +120,14 @@ class MoeBench:
         self.args, self.report = args, report
         self.roofline = Roofline(args.bandwidth_tbs, args.peak_tflops)
         self.peer = Bf16Peer(report)
+        self.triton = TritonPeer(report) if args.triton_peer else None
         self.host_rows: list[list[str]] = []
         self.variant_rows: list[list[str]] = []
 
     def columns(self) -> list[str]:
         engines = [c for e in self.args.engines for c in (f"{e} (us)", f"{e}/FP4 floor")]
         return ["model", "T", *engines, "FP4 floor (us)", "torch BF16 layer (graph) (us)", "BF16 floor (us)",
-                "torch BF16/BF16 floor", "ours vs BF16 (BF16 / best engine)"]
+                "torch BF16/BF16 floor", "Triton BF16 layer (graph) (us)", "best peer / best engine"]
 
     def time_ours(
         self, m: ModelShape, engine: str, config: Nvfp4MoeConfig, weights: Nvfp4Weights,
@@ -179,7 +183,11 @@ class MoeBench:
                 peer_us, peer_cell = None, "error"
             cells += [fmt(fp4_floor), peer_cell, fmt(bf16_floor)]
             cells.append("-" if peer_us is None else fmt(peer_us / bf16_floor))
-            cells.append(f"{peer_us / min(times):.2f}x" if peer_us is not None and times else "-")
+            triton_us, triton_cell = (None, "-") if self.triton is None else self.triton.time_us(
+                timer, x, ids, route_w, w1, w2)
+            cells.append(triton_cell)
+            peers = [us for us in (peer_us, triton_us) if us is not None]
+            cells.append(f"{min(peers) / min(times):.2f}x" if peers and times else "-")
             report.emit(md_row(cells))
 
     def variant_table(self) -> None:
@@ -220,6 +228,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--bandwidth-tbs", type=float, default=4.3, help="HBM bandwidth for the floors (TB/s)")
     parser.add_argument("--peak-tflops", type=float, default=790.0, help="BF16 tensor-core peak for the floors")
     parser.add_argument("--host-calls", type=positive_int, default=300, help="calls per host-time loop at T=1")
+    parser.add_argument("--triton-peer", action=argparse.BooleanOptionalAction, default=True,
+                        help="time FlagGems' Triton BF16 layer where flag_gems imports (default: %(default)s)")
     return parser.parse_args(argv)
 
 
