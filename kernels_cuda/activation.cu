@@ -12,10 +12,10 @@ using namespace moe;
 // The units u = first, first + stride, ... < inter / 32 of row r.
 template <int ACT, bool GATED>
 __device__ __forceinline__ void activate_row(const u16* row, bool padding, i64 r, int first, int stride, int inter,
-                                             int act, float alpha, float beta, float limit, int layout, bool requantize,
+                                             int rows, int act, float alpha, float beta, float limit, int layout, bool requantize,
                                              u8* out, u8* out_scales) {
   for (int u = first; u < inter / 32; u += stride)
-    activate_store_unit<ACT, GATED>(row + 32 * u, inter, padding, r, u, inter, act, alpha, beta, limit, layout,
+    activate_store_unit<ACT, GATED>(row + 32 * u, inter, padding, r, u, inter, rows, act, alpha, beta, limit, layout,
                                     requantize, out, out_scales);
 }
 
@@ -28,7 +28,9 @@ __device__ __forceinline__ void activate_row(const u16* row, bool padding, i64 r
 //   row_to_slot int32 [row_capacity]; offsets int32 [num_experts + 1] (rows used = offsets[num_experts])
 //   layout      TOKENS_*: NVFP4 codes (uint8 [row_capacity, inter / 2], element 2i in the low nibble)
 //               + E4M3 scales of the inter / 16 blocks per row, linear or 128x4 swizzled; or BF16
-//               fragments / natural rows (BF16 [row_capacity, inter], 16-byte aligned, out_scales unused)
+//               fragments / natural rows / tiled planes (BF16 [rows, inter] storage, 16-byte aligned, out_scales
+//               unused; tiled: rows a multiple of 8)
+//   rows        the output's rows R (>= offsets[num_experts]; where the tiled layout's planes start)
 // Per block: y = activation(float(g1)) in FP32, s = e4m3(amax(|y|) / 6), code_i = e2m1(y_i / float(s)),
 // all codes 0 when float(s) == 0; with requantize == 0 (BF16 layouts only) the values are bf16_rne(y)
 // instead. Padding rows (r < total, row_to_slot[r] < 0) are written as zeros; rows >= total are not
@@ -36,7 +38,7 @@ __device__ __forceinline__ void activate_row(const u16* row, bool padding, i64 r
 extern "C" __global__ void moe_activation(const u16* __restrict__ g1, const int* __restrict__ row_to_slot,
                                           const int* __restrict__ offsets, int num_experts, int act, int gated,
                                           float alpha, float beta, float limit, int inter, int layout, int requantize,
-                                          u8* __restrict__ out, u8* __restrict__ out_scales) {
+                                          int rows, u8* __restrict__ out, u8* __restrict__ out_scales) {
   moe::grid_dependency_begin();
   const int units = inter / 32;
   const int rows_per_block = max(1, static_cast<int>(blockDim.x) / units);
@@ -51,7 +53,8 @@ extern "C" __global__ void moe_activation(const u16* __restrict__ g1, const int*
 // SwiGLU (the gated activation of the common MoE models) is compiled on its own; the other activations
 // share one body that switches on `act` (fewer instantiations, shorter NVRTC builds).
 #define MOE_ACTIVATE_ROW(ACT, GATED) \
-  activate_row<ACT, GATED>(row, padding, r, first, stride, inter, act, alpha, beta, limit, layout, requantize != 0, \
+  activate_row<ACT, GATED>(row, padding, r, first, stride, inter, rows, act, alpha, beta, limit, layout, \
+                           requantize != 0, \
                            out, out_scales)
   if (act == ACT_SWIGLU && gated) MOE_ACTIVATE_ROW(ACT_SWIGLU, true);
   else if (gated) MOE_ACTIVATE_ROW(-1, true);

@@ -88,18 +88,20 @@ __device__ __forceinline__ u32 scaled_bf16x2(float v0, float v1, float sf) {
 // groups are adjacent, so each q is one 16-byte store.
 // NVFP4 layouts: 16 bytes of codes at out + r * inter/2 + 16u (8-byte stores when out is not 16-byte
 // aligned) and the two scale bytes (linear or 128x4).
-// TOKENS_BF16_ROWS: the same 32 values in natural column order (four 16-byte stores at column 32u).
-__device__ __forceinline__ void store_unit(int layout, u8* out, u8* out_scales, i64 r, int u, int inter,
+// TOKENS_BF16_ROWS: the same 32 values in natural column order (four 16-byte stores at column 32u);
+// TOKENS_BF16_TILED: those four 16-byte chunks at their tiled places in the `rows` rows (tiled_chunk_offset).
+__device__ __forceinline__ void store_unit(int layout, u8* out, u8* out_scales, i64 r, int u, int inter, int rows,
                                            const float v[32], u8 s0, u8 s1) {
-  if (layout == TOKENS_BF16_ROWS) {
+  if (layout == TOKENS_BF16_ROWS || layout == TOKENS_BF16_TILED) {
     const float sf0 = e4m3_to_float(s0), sf1 = e4m3_to_float(s1);
-    uint4* dst = reinterpret_cast<uint4*>(reinterpret_cast<u16*>(out) + r * inter + 32 * u);
+    u16* const values = reinterpret_cast<u16*>(out);
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
       const float sf = c < 2 ? sf0 : sf1;
       const float* w = v + 8 * c;
-      dst[c] = make_uint4(scaled_bf16x2(w[0], w[1], sf), scaled_bf16x2(w[2], w[3], sf), scaled_bf16x2(w[4], w[5], sf),
-                          scaled_bf16x2(w[6], w[7], sf));
+      const i64 at = layout == TOKENS_BF16_TILED ? tiled_chunk_offset(r, 4 * u + c, rows) : r * inter + 32 * u + 8 * c;
+      *reinterpret_cast<uint4*>(values + at) = make_uint4(scaled_bf16x2(w[0], w[1], sf), scaled_bf16x2(w[2], w[3], sf),
+                                                        scaled_bf16x2(w[4], w[5], sf), scaled_bf16x2(w[6], w[7], sf));
     }
     return;
   }
@@ -133,13 +135,17 @@ __device__ __forceinline__ void store_unit(int layout, u8* out, u8* out_scales, 
   out_scales[scale_offset(r, 2 * u + 1, groups, swizzled)] = s1;
 }
 
-// Unit u of row r without requantization: bf16_rne(y) in the BF16 layout's column order, as store_unit.
-__device__ __forceinline__ void store_unit_bf16(int layout, u8* out, i64 r, int u, int inter, const float y[32]) {
+// Unit u of row r without requantization: bf16_rne(y) at its places in the BF16 layout, as store_unit.
+__device__ __forceinline__ void store_unit_bf16(int layout, u8* out, i64 r, int u, int inter, int rows,
+                                                const float y[32]) {
   auto pair = [&](int j) { return static_cast<u32>(float_to_bf16(y[j])) | (static_cast<u32>(float_to_bf16(y[j + 1])) << 16); };
-  if (layout == TOKENS_BF16_ROWS) {
-    uint4* dst = reinterpret_cast<uint4*>(reinterpret_cast<u16*>(out) + r * inter + 32 * u);
+  if (layout == TOKENS_BF16_ROWS || layout == TOKENS_BF16_TILED) {
+    u16* const values = reinterpret_cast<u16*>(out);
 #pragma unroll
-    for (int c = 0; c < 4; ++c) dst[c] = make_uint4(pair(8 * c), pair(8 * c + 2), pair(8 * c + 4), pair(8 * c + 6));
+    for (int c = 0; c < 4; ++c) {
+      const i64 at = layout == TOKENS_BF16_TILED ? tiled_chunk_offset(r, 4 * u + c, rows) : r * inter + 32 * u + 8 * c;
+      *reinterpret_cast<uint4*>(values + at) = make_uint4(pair(8 * c), pair(8 * c + 2), pair(8 * c + 4), pair(8 * c + 6));
+    }
     return;
   }
   u16* dst = reinterpret_cast<u16*>(out) + r * inter + 64 * (u >> 1) + 8 * (u & 1);
@@ -148,12 +154,13 @@ __device__ __forceinline__ void store_unit_bf16(int layout, u8* out, i64 r, int 
     *reinterpret_cast<uint4*>(dst + 16 * q) = make_uint4(pair(2 * q), pair(2 * q + 8), pair(16 + 2 * q), pair(24 + 2 * q));
 }
 
-// Unit u of output row r (inter values per row) from the 32 BF16 values at src (up; gate at src + gate_offset
-// when gated): activation in FP32, then two requantized 16-value blocks stored by store_unit, or with
-// requantize == false bf16_rne(y) by store_unit_bf16; a padding row is stored as zeros (codes and scales 0).
+// Unit u of output row r (inter values per row, `rows` rows in the output) from the 32 BF16 values at src (up;
+// gate at src + gate_offset when gated): activation in FP32, then two requantized 16-value blocks stored by
+// store_unit, or with requantize == false bf16_rne(y) by store_unit_bf16; a padding row is stored as zeros (codes
+// and scales 0).
 template <int ACT, bool GATED>
 __device__ __forceinline__ void activate_store_unit(const u16* src, int gate_offset, bool padding, i64 r, int u,
-                                                    int inter, int act, float alpha, float beta, float limit,
+                                                    int inter, int rows, int act, float alpha, float beta, float limit,
                                                     int layout, bool requantize, u8* out, u8* out_scales) {
   float v[32];
   u8 s0 = 0, s1 = 0;
@@ -163,23 +170,23 @@ __device__ __forceinline__ void activate_store_unit(const u16* src, int gate_off
   } else {
     activate_32<ACT, GATED>(src, gate_offset, 0, act, alpha, beta, limit, v);
     if (!requantize) {
-      store_unit_bf16(layout, out, r, u, inter, v);
+      store_unit_bf16(layout, out, r, u, inter, rows, v);
       return;
     }
     s0 = requantize_16(v);
     s1 = requantize_16(v + 16);
   }
-  store_unit(layout, out, out_scales, r, u, inter, v, s0, s1);
+  store_unit(layout, out, out_scales, r, u, inter, rows, v, s0, s1);
 }
 
 // The same unit by the 32 lanes of a warp, lane j computing value j, for the BF16 layouts (a decode epilogue
 // with few rows: a 32x shorter dependency chain per unit). Bit for bit activate_store_unit's stores: the
 // activation of value j, its 16-value block's amax by a butterfly of fmaxf (NaN-blind, as the loop's), the
-// block's scale and quotient, then one 2-byte store at the value's place in the layout's column order
-// (store_unit's TOKENS_BF16_FRAGMENTS pieces, or natural order). All 32 lanes call it with the same unit.
+// block's scale and quotient, then one 2-byte store at the value's place in the layout
+// (store_unit's TOKENS_BF16_FRAGMENTS pieces, natural order, or its tiled place). All 32 lanes call it with one unit.
 template <int ACT, bool GATED>
 __device__ __forceinline__ void activate_store_unit_warp(const u16* src, int gate_offset, bool padding, i64 r,
-                                                         int u, int inter, int act, float alpha, float beta,
+                                                         int u, int inter, int rows, int act, float alpha, float beta,
                                                          float limit, int layout, bool requantize, u16* out) {
   const int j = static_cast<int>(threadIdx.x & 31);
   const int kind = ACT >= 0 ? ACT : act;
@@ -196,6 +203,10 @@ __device__ __forceinline__ void activate_store_unit_warp(const u16* src, int gat
     const float sf = e4m3_to_float(block_scale_e4m3(amax));
     const float v = sf != 0.0f ? round_to_e2m1(divide_rn(y, sf, refined_reciprocal(sf))) : 0.0f;
     bits = static_cast<u16>(__float_as_uint(__fmul_rn(v, sf)) >> 16);  // exact product: its top half (scaled_bf16x2)
+  }
+  if (layout == TOKENS_BF16_TILED) {
+    out[tiled_chunk_offset(r, 4 * u + (j >> 3), rows) + (j & 7)] = bits;
+    return;
   }
   const int column = layout == TOKENS_BF16_ROWS
                          ? 32 * u + j

@@ -240,6 +240,19 @@ __device__ __forceinline__ void store_natural_unit(u16* dst, int u, const uint4 
   base[3] = make_uint4(piece[0].w, piece[1].w, piece[2].w, piece[3].w);
 }
 
+// The BF16 token layouts: decoded values in R x `cols` storage (TokenLayout in cudnn_moe/kernels/codes.py).
+__device__ __forceinline__ bool is_bf16_layout(int layout) {
+  return layout == TOKENS_BF16_FRAGMENTS || layout == TOKENS_BF16_ROWS || layout == TOKENS_BF16_TILED;
+}
+
+// TOKENS_BF16_TILED (rows R a multiple of 8): the element offset of natural 16-byte chunk j (columns 8j .. 8j + 7)
+// of row r. Planes of 64 columns, plane j / 8 holding every row's 128 bytes at (j / 8) R 64 + 64 r, the chunk at
+// position (j % 8) ^ (r % 8) in the row: the 128-byte swizzled image of a wgmma B tile, so the rows of one tile
+// and k64 block are one contiguous copy.
+__device__ __forceinline__ i64 tiled_chunk_offset(i64 r, int j, int rows) {
+  return ((j >> 3) * static_cast<i64>(rows) + r) * 64 + (((j & 7) ^ static_cast<int>(r & 7)) << 3);
+}
+
 // Unit u in the BF16 layout `layout` (TOKENS_BF16_FRAGMENTS or TOKENS_BF16_ROWS).
 __device__ __forceinline__ void store_token_unit(int layout, u16* dst, int u, const uint4 piece[4]) {
   if (layout == TOKENS_BF16_ROWS) {

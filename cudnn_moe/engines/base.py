@@ -327,9 +327,10 @@ class GemmEngine(Engine):
     def token_layout(self) -> TokenLayout:
         return self.layout.token_layout
 
-    def token_layout_for(self, rows: int, shape: GemmShape) -> TokenLayout:
-        """The token layout a GEMM of ``shape`` on a bucket of ``rows`` rows reads (the permute or the
-        activation writes it): the engine's own by default; an engine whose kernels differ by size says so."""
+    def token_layout_for(self, rows: int, shape: GemmShape, *, gemm: int) -> TokenLayout:
+        """The token layout GEMM ``gemm`` (1: the permute writes its tokens; 2: the activation does) of ``shape`` on
+        a bucket of ``rows`` rows reads: the engine's own by default; an engine whose kernels differ by size or by
+        GEMM says so."""
         return self.token_layout
 
     def token_buffers(self, rows: int, k: int, num_experts: int) -> tuple[tuple[int, ...], torch.dtype, int]:

@@ -25,6 +25,9 @@ def check_activation_output(out: torch.Tensor, out_scales: torch.Tensor | None, 
     if out.dim() != 2 or tuple(out.shape) != (rows, columns):
         raise ValueError(f"activation: out must be [{rows}, {columns}] for {rows} rows of {inter} values in "
                          f"{layout.name}, got {tuple(out.shape)}")
+    if rows % layout.row_multiple or (layout is TokenLayout.BF16_TILED and inter % 64):
+        raise ValueError(f"activation: {layout.name} needs rows % {layout.row_multiple} == 0 and values per row "
+                         f"% 64 == 0, got [{rows}, {inter}]")
     if layout.is_bf16:
         if out.dtype != torch.bfloat16:
             raise ValueError("activation: a BF16 layout needs a bfloat16 output")
@@ -51,8 +54,8 @@ def activate_quantize(
     I; I % 64 == 0). Per 16-value block of y = activation(float(g1)) (FP32): s = e4m3(amax / 6),
     codes e2m1(y / s) (zero when s == 0). By ``layout``: NVFP4 codes out uint8 [R, I/2] (element
     2i in the low nibble) with E4M3 scales in out_scales (R x I/16, linear or 128x4); or
-    BF16_FRAGMENTS / BF16_ROWS: out bfloat16 [R, I], the decoded values code * s (exact) in token-fragment
-    or natural column order. Rows >= offsets[E] are not written; padding rows (row_to_slot < 0) are written
+    BF16_FRAGMENTS / BF16_ROWS / BF16_TILED: out bfloat16 [R, I] storage, the decoded values code * s (exact) in
+    token-fragment or natural column order, or in the tiled planes (R % 8 == 0). Rows >= offsets[E] are not written; padding rows (row_to_slot < 0) are written
     as zeros. g1 16-byte aligned; out 16-byte aligned for the BF16 layouts, 8 for the NVFP4 codes.
     """
     rows = out.shape[0]
@@ -70,6 +73,6 @@ def activate_quantize(
         (
             ptr(g1, 16), ptr(row_to_slot), ptr(offsets), np.int32(offsets.numel() - 1), np.int32(activation.kind),
             np.int32(activation.gated), np.float32(a), np.float32(b), np.float32(limit), np.int32(inter),
-            np.int32(layout), np.int32(requantize), ptr(out, out_align), ptr(out_scales),
+            np.int32(layout), np.int32(requantize), np.int32(rows), ptr(out, out_align), ptr(out_scales),
         ),
     )

@@ -28,18 +28,28 @@ class TokenLayout(enum.IntEnum):
     NVFP4_SWIZZLED_128X4: the same codes, scales in 128x4 tiles of the R x K/16 matrix.
     BF16_FRAGMENTS: decoded BF16 [R, K], columns in the SM90 token-fragment order
     (``cudnn_moe.engines.sm90.layout``; the mma.sync kernels).
-    BF16_ROWS: decoded BF16 [R, K], natural column order (the SM90 wgmma kernel).
+    BF16_ROWS: decoded BF16 [R, K], natural column order (the SM90 wgmma kernel's gathered token rows).
+    BF16_TILED: decoded BF16 in R x K storage (R % 8 == 0, K % 64 == 0) as K / 64 planes of R rows x 64 columns,
+    row r of plane p at element (p R + r) 64 holding its 16-byte chunk j (columns 64 p + 8 j ..) at position
+    j ^ (r % 8): a wgmma B tile's 128-byte swizzled shared-memory image, so the SM90 wgmma kernel copies a tile's
+    rows of one plane in one bulk copy (``cudnn_moe.engines.sm90.layout.to_tiled_rows``; the second GEMM's tokens).
     """
 
     NVFP4_LINEAR = 0
     NVFP4_SWIZZLED_128X4 = 1
     BF16_FRAGMENTS = 2
     BF16_ROWS = 3
+    BF16_TILED = 4
 
     @property
     def is_bf16(self) -> bool:
-        """Decoded BF16 values [R, K] (either column order), no scales."""
-        return self in (TokenLayout.BF16_FRAGMENTS, TokenLayout.BF16_ROWS)
+        """Decoded BF16 values in R x K storage (any of the three orders), no scales."""
+        return self in (TokenLayout.BF16_FRAGMENTS, TokenLayout.BF16_ROWS, TokenLayout.BF16_TILED)
+
+    @property
+    def row_multiple(self) -> int:
+        """The row count R of a buffer in this layout must be a multiple of this (8 for the tiled blocks)."""
+        return 8 if self is TokenLayout.BF16_TILED else 1
 
 
 class LowLatencyWeightCode(enum.IntEnum):

@@ -24,8 +24,9 @@ def unit_grid(items: int, units: int, max_threads: int = UNIT_THREADS) -> tuple[
 
 
 def require_bf16_rows(xp: torch.Tensor, hidden: int, layout: TokenLayout) -> None:
-    """Check that ``layout`` is a BF16 layout and xp a bfloat16 [R, hidden] matrix with hidden % 64 == 0."""
-    if not isinstance(layout, TokenLayout) or not layout.is_bf16:
+    """Check that ``layout`` is a BF16 layout the permute writes (fragments or natural rows: BF16_TILED is the second
+    GEMM's token operand, which the activation writes) and xp a bfloat16 [R, hidden] matrix with hidden % 64 == 0."""
+    if layout not in (TokenLayout.BF16_FRAGMENTS, TokenLayout.BF16_ROWS):
         raise ValueError(f"permute: BF16 token rows need a BF16 layout (BF16_FRAGMENTS or BF16_ROWS), got {layout!r}")
     if xp.dtype != torch.bfloat16 or xp.dim() != 2 or xp.shape[1] != hidden or hidden % 64:
         raise ValueError(f"permute: BF16 token rows need xp bfloat16 [R, {hidden}] with H % 64 == 0, got "

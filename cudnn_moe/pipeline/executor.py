@@ -99,10 +99,10 @@ class Bucket:
             # Zero-filled so rows the pipeline never writes always hold finite values.
             return torch.zeros(*shape, dtype=dtype, device=dev)
 
-        def token_operand(gemm: GemmShape, buffer_rows: int) -> TokenOperand:
+        def token_operand(gemm: GemmShape, index: int, buffer_rows: int) -> TokenOperand:
             shape, dtype, scale_bytes = engine.token_buffers(buffer_rows, gemm.k, experts)
             return TokenOperand(empty(*shape, dtype=dtype), empty(scale_bytes) if scale_bytes else None,
-                                engine.token_layout_for(rows, gemm))
+                                engine.token_layout_for(rows, gemm, gemm=index))
 
         self.tokens, self.rows = tokens, rows
         shape1, shape2 = GemmShape(hidden, n1, experts), GemmShape(inter, hidden, experts)
@@ -132,12 +132,12 @@ class Bucket:
                                                                       dtype=torch.float32)
         self.alpha2 = w.w2_alpha if w.w2_alpha is not None else empty(experts, dtype=torch.float32)
         self.gemm1 = GemmOperands(
-            rows, shape1, token_operand(shape1, 0 if self.fusion.gather else rows),
+            rows, shape1, token_operand(shape1, 1, 0 if self.fusion.gather else rows),
             WeightOperand(w.w1, w.w1_scales, self.alpha1, w.w1_alpha_split), self.offsets,
             empty(0 if self.fusion.epilogue else rows, n1, dtype=torch.bfloat16), workspace,
         )
         self.gemm2 = GemmOperands(
-            rows, shape2, token_operand(shape2, rows), WeightOperand(w.w2, w.w2_scales, self.alpha2), self.offsets,
+            rows, shape2, token_operand(shape2, 2, rows), WeightOperand(w.w2, w.w2_scales, self.alpha2), self.offsets,
             empty(rows, hidden, dtype=torch.bfloat16), workspace,
         )
         self.graph: torch.cuda.CUDAGraph | None = None

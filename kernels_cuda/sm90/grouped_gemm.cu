@@ -300,14 +300,14 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS)
   constexpr int UNITS = DEC_OUT_FB / 32;
   const int inter = DEC_PAIRED ? n / 2 : n;
   const int unit0 = static_cast<int>(blockIdx.x) * UNITS;
-  if (act_layout == TOKENS_BF16_ROWS || act_layout == TOKENS_BF16_FRAGMENTS) {
+  if (moe::is_bf16_layout(act_layout)) {
     for (int item = warp; item < DEC_TB * UNITS; item += DEC_THREADS / 32) {
       const int t = item / UNITS;
       const int row = tile.row0 + t;
       if (row >= tile.row_end) continue;  // warp-uniform
       moe::activate_store_unit_warp<SM90_ACT, DEC_PAIRED>(
           &c_tile[t][32 * (item % UNITS)], DEC_FB / 2, __ldg(row_to_slot + row) < 0, row, unit0 + item % UNITS,
-          inter, SM90_ACT, act_alpha, act_beta, act_limit, act_layout, requantize != 0,
+          inter, row_capacity, SM90_ACT, act_alpha, act_beta, act_limit, act_layout, requantize != 0,
           reinterpret_cast<u16*>(act_out));
     }
     return;
@@ -318,7 +318,7 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS)
     const int row = tile.row0 + t;
     if (row >= tile.row_end) continue;
     moe::activate_store_unit<SM90_ACT, DEC_PAIRED>(&c_tile[t][32 * unit], DEC_FB / 2, __ldg(row_to_slot + row) < 0,
-                                                   row, unit0 + unit, inter, SM90_ACT, act_alpha, act_beta,
+                                                   row, unit0 + unit, inter, row_capacity, SM90_ACT, act_alpha, act_beta,
                                                    act_limit, act_layout, requantize != 0, act_out, act_scales);
   }
 #endif

@@ -6,7 +6,8 @@
 //   w_tiles   uint8 [E, N*K/2]   fragment tiles of each expert's W_e [N, K] (layout.py), read in place
 //   w_scales  uint8 [E, N*K/16]  E4M3 scale tiles, same tile order
 //   alpha     float32 [E], or [2E] with alpha_split < n (features f >= alpha_split take alpha[E + e])
-//   x         bf16 [row_capacity, K]  token rows, natural column order, 16-byte aligned
+//   x         bf16 [row_capacity, K]  token rows, natural column order, 16-byte aligned; with SM90_WG_TILED_X,
+//                                    the TOKENS_BF16_TILED planes instead (row_capacity a multiple of 8)
 //   offsets   int32 [E + 1]      segment e = rows [offsets[e], offsets[e+1]) (starts multiples of 8)
 //   out       bf16 [row_capacity, N]
 // out[r, f] = bf16_rne(float(a * 256) * acc), acc = the FP32 sum over k of (w s 2^-8) x[r, k].
@@ -14,7 +15,10 @@
 // CTA: WG_GROUPS warpgroups (2 or 4: 256 or 512 threads), 64 WG_GROUPS features x WG_TB token rows of one
 // segment; warpgroup h owns features 64 h .. 64 h + 63 (warp w: the m16 tile w of the CTA). Per k64 stage,
 // all threads copy with cp.async into a WG_STAGES-deep ring: the TB x 64 token tile (128-byte swizzled, the
-// wgmma B operand), the CTA's m16 weight tiles (512 B each) and their scales (64 B each). Each warp decodes
+// wgmma B operand), the CTA's m16 weight tiles (512 B each) and their scales (64 B each); with SM90_WG_TILED_X the
+// token tile is one bulk copy from the TOKENS_BF16_TILED planes (the tile's rows of the stage's 64-column plane,
+// already in their swizzled image), issued by one thread, that completes on the stage's mbarrier: no per-thread
+// token copies or address arithmetic in the main loop. Each warp decodes
 // its weight tile exactly into
 // BF16 A registers (scaled_a: the values of the mma.sync kernels bit for bit) and its warpgroup issues
 // four m64nTBk16 wgmma. The C tile goes through shared memory (stmatrix.trans) to 16-byte row stores (or to
@@ -40,6 +44,9 @@ using namespace sm90;
 #endif
 #ifndef SM90_WG_MIN_BLOCKS
 #define SM90_WG_MIN_BLOCKS 1  // CTAs per SM the register allocation must allow
+#endif
+#ifndef SM90_WG_TILED_X
+#define SM90_WG_TILED_X 0  // 1: tokens in the TOKENS_BF16_TILED planes, bulk-copied (no gather)
 #endif
 
 // The activation stage folded into the epilogue (the SM90 prefill chain): SM90_ACT, an ACT_* code, and
@@ -71,6 +78,15 @@ static_assert(WG_TB == 64 || WG_TB == 128, "wgmma gemm: TB must be 64 or 128");
 static_assert(SM90_WG_GROUPS == 2 || SM90_WG_GROUPS == 4, "wgmma gemm: 2 or 4 warpgroups");
 static_assert(SM90_WG_STAGES >= 3 && SM90_WG_STAGES <= 8, "wgmma gemm: 3..8 stages");
 static_assert(WG_SMEM_BYTES <= 227 * 1024, "wgmma gemm: shared memory");
+#if SM90_WG_TILED_X && defined(SM90_ACT)
+#error "wgmma gemm: the tiled token load is GEMM2's (GEMM1 with the activation gathers natural rows)"
+#endif
+
+// The token tiles' mbarriers (SM90_WG_TILED_X), one per ring stage: the shared address of the first (8 bytes each).
+__device__ __forceinline__ u32 token_barriers() {
+  __shared__ alignas(8) u64 barriers[SM90_WG_STAGES];
+  return smem_addr(barriers);
+}
 
 // The 1024-byte aligned start of the dynamic shared memory (the ring, later the C tile).
 __device__ __forceinline__ u8* wgmma_smem(u32& ring) {
@@ -109,11 +125,13 @@ template <int TB>
 __device__ __forceinline__ void wgmma_tile(const Tile& tile, const u8* __restrict__ w_tiles,
                                            const u8* __restrict__ w_scales, const float* __restrict__ alpha,
                                            const u16* __restrict__ x, RowSource rows, int num_experts, int n, int k,
-                                           int alpha_split) {
+                                           int row_capacity, int alpha_split) {
+  constexpr int ACC = TB / 2;
+#if !SM90_WG_TILED_X
   constexpr int X_ROW_STEP = WG_THREADS / 8;  // token rows one copy pass covers
   constexpr int X_PASSES = TB > X_ROW_STEP ? TB / X_ROW_STEP : 1;
-  constexpr int ACC = TB / 2;
   static_assert(TB <= WG_TB && (TB % X_ROW_STEP == 0 || TB < X_ROW_STEP), "wgmma gemm: token copy split");
+#endif
   const int tid = threadIdx.x;
   const int lane = tid & 31;
   const int warp = tid >> 5;  // m16 tile of the CTA; warpgroup warp / 4
@@ -138,6 +156,20 @@ __device__ __forceinline__ void wgmma_tile(const Tile& tile, const u8* __restric
   // gather, padding rows) read nothing (zero fill, address clamped to a row that exists). Swizzled
   // destination: chunk c of row r at chunk position c ^ (r % 8) (THREADS / 8 is a multiple of 8, so r % 8 is
   // the same for every u).
+#if SM90_WG_TILED_X
+  // Tiled tokens: stage j is the tile's rows of plane j, (j row_capacity + row0) 128 bytes into x, copied whole (in
+  // 8-row groups: rows of the last group past the segment, and the rest of the TB rows, hold other data that only
+  // reaches C columns that are never stored). Thread 0 sets up the ring's barriers and issues every copy.
+  const u32 x_bars = token_barriers();
+  const u32 x_tile_bytes = static_cast<u32>(min((tile.row_end - tile.row0 + 7) >> 3, TB / 8)) * 1024u;
+  const u8* x_src = reinterpret_cast<const u8*>(x) + static_cast<i64>(tile.row0) * 128;
+  const i64 x_plane_bytes = static_cast<i64>(row_capacity) * 128;
+  if (tid == 0) {
+    for (int s = 0; s < SM90_WG_STAGES; ++s) mbarrier_init(x_bars + 8 * s, 1);
+    fence_mbarrier_init();
+  }
+  __syncthreads();
+#else
   const int chunk = tid & 7;
   const int x_last = tile.row_end - 1;
   const bool gather = rows.gather_top_k > 0;
@@ -146,6 +178,7 @@ __device__ __forceinline__ void wgmma_tile(const Tile& tile, const u8* __restric
   u32 x_off[X_PASSES];
   u32 x_bytes[X_PASSES];
   const u32 x_dst = (tid >> 3) * 128 + ((chunk ^ ((tid >> 3) & 7)) << 4);
+#endif
 
   auto load_weights = [&](int slot) {
     const u32 base = ring + slot * WG_STAGE_BYTES;
@@ -156,12 +189,20 @@ __device__ __forceinline__ void wgmma_tile(const Tile& tile, const u8* __restric
   };
   auto load_tokens = [&](int slot) {
     const u32 base = ring + slot * WG_STAGE_BYTES;
+#if SM90_WG_TILED_X
+    if (tid == 0) {
+      mbarrier_arrive_expect_tx(x_bars + 8 * slot, x_tile_bytes);
+      bulk_copy_to_shared(base, x_src, x_tile_bytes, x_bars + 8 * slot);
+    }
+    x_src += x_plane_bytes;
+#else
     if (x_copies) {
 #pragma unroll
       for (int u = 0; u < X_PASSES; ++u)
         cp_async_16(base + x_dst + u * X_ROW_STEP * 128, x_src + x_off[u], x_bytes[u]);
     }
     x_src += 128;
+#endif
   };
 
   float acc[ACC];
@@ -175,6 +216,7 @@ __device__ __forceinline__ void wgmma_tile(const Tile& tile, const u8* __restric
 #pragma unroll
   for (int s = 0; s < AHEAD; ++s)
     if (s < kt) load_weights(s);
+#if !SM90_WG_TILED_X
 #pragma unroll
   for (int u = 0; u < X_PASSES; ++u) {
     const int row = tile.row0 + (tid >> 3) + X_ROW_STEP * u;
@@ -189,6 +231,7 @@ __device__ __forceinline__ void wgmma_tile(const Tile& tile, const u8* __restric
       x_bytes[u] = row <= x_last ? 16u : 0u;
     }
   }
+#endif
 #pragma unroll
   for (int s = 0; s < AHEAD; ++s) {
     if (s < kt) load_tokens(s);
@@ -198,18 +241,24 @@ __device__ __forceinline__ void wgmma_tile(const Tile& tile, const u8* __restric
   u32 a[4][4];
   int read_slot = 0;
   int write_slot = AHEAD;
+  u32 read_phase = 0;  // parity of the token barrier phase of the stage read (SM90_WG_TILED_X)
   for (int j = 0; j < kt; ++j) {
     // Stage j landed for this thread (AHEAD - 1 younger groups may be pending) and is made visible to
     // wgmma; after the barrier it has landed for every thread, and every warpgroup's wgmma of stage
-    // j - 2 (the slot refilled now) are complete.
+    // j - 2 (the slot refilled now) are complete. Bulk-copied tokens: their barrier, before the first wgmma.
     cp_async_wait<AHEAD - 1>();
+#if !SM90_WG_TILED_X
     fence_proxy_async_shared();
+#endif
     __syncthreads();
     if (j + AHEAD < kt) {
       load_tokens(write_slot);
       load_weights(write_slot);
     }
     cp_async_commit();
+#if SM90_WG_TILED_X
+    mbarrier_wait(x_bars + 8 * read_slot, read_phase);
+#endif
 
     const u8* st = smem + read_slot * WG_STAGE_BYTES;
     const uint4 wq = *reinterpret_cast<const uint4*>(st + WG_W_OFFSET + warp * 512 + lane * 16);
@@ -228,6 +277,7 @@ __device__ __forceinline__ void wgmma_tile(const Tile& tile, const u8* __restric
     SM90_WG_STEP(2)
     SM90_WG_STEP(3)
 #undef SM90_WG_STEP
+    read_phase ^= read_slot + 1 == SM90_WG_STAGES ? 1u : 0u;
     read_slot = read_slot + 1 == SM90_WG_STAGES ? 0 : read_slot + 1;
     write_slot = write_slot + 1 == SM90_WG_STAGES ? 0 : write_slot + 1;
   }
@@ -250,10 +300,10 @@ __device__ __forceinline__ void wgmma_tile(const Tile& tile, const u8* __restric
 // the bits of moe_activation), in GEMM2's token layout. Gated (paired tiles): outputs blockIdx.x * FB / 2 ..
 // + FB / 2 of the inter = n / 2 per row, up from tile columns [0, FB / 2), gate from [FB / 2, FB); else outputs
 // blockIdx.x * FB .. + FB of inter = n. Rows past the segment and outputs past inter are not written;
-// padding rows (row_to_slot < 0) are written as zeros.
+// padding rows (row_to_slot < 0) are written as zeros (`rows`: the output's rows, where the tiled planes start).
 template <int ACT, bool GATED>
 __device__ __forceinline__ void activation_epilogue(const u8* smem, const Tile& tile, const int* __restrict__ row_to_slot,
-                                                    int inter, float alpha, float beta, float limit,
+                                                    int inter, int rows, float alpha, float beta, float limit,
                                                     int layout, bool requantize, u8* __restrict__ out,
                                                     u8* __restrict__ out_scales) {
   constexpr int COLS = GATED ? WG_FB / 2 : WG_FB;
@@ -266,7 +316,7 @@ __device__ __forceinline__ void activation_epilogue(const u8* smem, const Tile& 
     const int r = tile.row0 + row;
     if (r >= tile.row_end || unit >= units_in) continue;
     const u16* src = reinterpret_cast<const u16*>(smem + row * WG_C_STRIDE) + 32 * unit;
-    moe::activate_store_unit<ACT, GATED>(src, COLS, __ldg(row_to_slot + r) < 0, r, unit0 + unit, inter, ACT, alpha, beta,
+    moe::activate_store_unit<ACT, GATED>(src, COLS, __ldg(row_to_slot + r) < 0, r, unit0 + unit, inter, rows, ACT, alpha, beta,
                                          limit, layout, requantize, out, out_scales);
   }
 }
@@ -302,16 +352,16 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, SM90_WG_MIN_BLOCKS)
   // A segment's last tile often holds few rows: it runs with the smallest wgmma N that covers them.
   const int tile_rows = tile.row_end - tile.row0;
   if (WG_TB > 32 && tile_rows <= 32) {
-    wgmma_tile<32>(tile, w_tiles, w_scales, alpha, x, rows, num_experts, n, k, alpha_split);
+    wgmma_tile<32>(tile, w_tiles, w_scales, alpha, x, rows, num_experts, n, k, row_capacity, alpha_split);
   } else if (WG_TB > 64 && tile_rows <= 64) {
-    wgmma_tile<64>(tile, w_tiles, w_scales, alpha, x, rows, num_experts, n, k, alpha_split);
+    wgmma_tile<64>(tile, w_tiles, w_scales, alpha, x, rows, num_experts, n, k, row_capacity, alpha_split);
   } else {
-    wgmma_tile<WG_TB>(tile, w_tiles, w_scales, alpha, x, rows, num_experts, n, k, alpha_split);
+    wgmma_tile<WG_TB>(tile, w_tiles, w_scales, alpha, x, rows, num_experts, n, k, row_capacity, alpha_split);
   }
   u32 ring;
   const u8* smem = wgmma_smem(ring);
 #ifdef SM90_ACT
-  activation_epilogue<SM90_ACT, WG_PAIRED>(smem, tile, row_to_slot, WG_PAIRED ? n / 2 : n, act_alpha, act_beta,
+  activation_epilogue<SM90_ACT, WG_PAIRED>(smem, tile, row_to_slot, WG_PAIRED ? n / 2 : n, row_capacity, act_alpha, act_beta,
                                               act_limit, act_layout, requantize != 0, act_out, act_scales);
 #else
   // The tile's rows x FB / 8 chunks of 16 B; rows past the segment and features past N are not written.

@@ -34,7 +34,7 @@ def _engine(name: str):
 
 def _tokens(engine, x_packed: torch.Tensor, x_scales: torch.Tensor, rows: int, shape: GemmShape) -> TokenOperand:
     _, _, scale_bytes = engine.token_buffers(rows, shape.k, shape.num_experts)
-    layout = engine.token_layout_for(rows, shape)
+    layout = engine.token_layout_for(rows, shape, gemm=2)
     if layout.is_bf16:
         values = dequantize_nvfp4(x_packed, x_scales, dtype=torch.bfloat16)
         return TokenOperand(to_token_layout(values, layout).contiguous(), None, layout)

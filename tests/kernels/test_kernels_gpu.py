@@ -480,7 +480,8 @@ def _same_values(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
         raise AssertionError(f"{what}: {bad.shape[0]} values differ, first at {bad[0].tolist()}")
 
 
-BF16_LAYOUTS = [TokenLayout.BF16_FRAGMENTS, TokenLayout.BF16_ROWS]
+BF16_LAYOUTS = [TokenLayout.BF16_FRAGMENTS, TokenLayout.BF16_ROWS]  # what the permute writes
+ACTIVATION_LAYOUTS = [*BF16_LAYOUTS, TokenLayout.BF16_TILED]  # the activation also writes the tiled planes (GEMM2's)
 
 
 @pytest.mark.parametrize("layout", BF16_LAYOUTS, ids=lambda l: l.name)
@@ -602,13 +603,14 @@ def test_activation_quantize(name: str, swizzled: bool) -> None:
     _check_quantized(y, unpack_nibbles(out[rows]), out_scales[index[rows]])
 
 
-@pytest.mark.parametrize("layout", BF16_LAYOUTS, ids=lambda l: l.name)
+@pytest.mark.parametrize("layout", ACTIVATION_LAYOUTS, ids=lambda l: l.name)
 @pytest.mark.parametrize("name", ["swiglu", "gelu"])
 def test_activation_bf16_layouts_decode_the_nvfp4_values(name: str, layout: TokenLayout) -> None:
-    """The BF16 outputs hold exactly the decoded NVFP4 values of the linear output, in the layout's column
-    order; without requantization, the BF16-rounded activation in that order."""
+    """The BF16 outputs hold exactly the decoded NVFP4 values of the linear output, in the layout's order (the
+    tiled planes read back with from_token_layout); without requantization, the BF16-rounded activation."""
     act: Activation = ACTIVATIONS[name]
     routing, capacity, inter, g1, used = _activation_case(act, seed=40)
+    assert capacity % 8 == 0
     total = routing.offsets[-1]
     t = routing.tensors()
     row_to_slot, offsets, g1_dev = t["row_to_slot"].to(DEV), t["offsets"].to(DEV), g1.to(DEV)

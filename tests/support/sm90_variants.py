@@ -26,6 +26,9 @@ OTHER_PREFILL_VARIANTS = [
     sm90.PrefillVariant(3, 1, feature_block=256, adec=True),
 ]
 PREFILL_VARIANTS = BASIC_PREFILL_VARIANTS + OTHER_PREFILL_VARIANTS
-# The wgmma kernel (sm_90a): both token tiles, both CTA widths, shallow and deep rings, two CTAs per SM.
+# The wgmma kernel (sm_90a): both token tiles, both CTA widths, shallow and deep rings, two CTAs per SM; natural
+# rows and the tiled planes (the engine's choices read tiled tokens).
 WGMMA_VARIANTS = [sm90.WgmmaVariant(), sm90.WgmmaVariant(64), sm90.WgmmaVariant(128, 2, 4, 2),
-                  sm90.WgmmaVariant(64, 2, 6, 2), sm90.WgmmaVariant(128, 4, 3)]
+                  sm90.WgmmaVariant(64, 2, 6, 2), sm90.WgmmaVariant(128, 4, 3),
+                  sm90.WgmmaVariant(128, 2, 4, 2, tiled_tokens=True), sm90.WgmmaVariant(64, 2, 6, 2, tiled_tokens=True),
+                  sm90.WgmmaVariant(128, 4, 5, tiled_tokens=True)]

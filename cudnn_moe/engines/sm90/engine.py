@@ -3,8 +3,9 @@
 Variant per GEMM, from the rows a bucket can hold: the decode kernel (weights streamed straight into
 registers, split-K across warps when CTAs would be few) with token tiles of 8 or 32 rows while
 segments stay short, the wgmma kernel (128 or 256 features x up to 64 or 128 token rows per CTA, sm_90a)
-once they average more than 32 rows. The wgmma kernel reads natural BF16 token rows, the mma.sync kernels
-token fragments: ``token_layout_for`` tells the permute and activation stages which to write.
+once they average more than 32 rows. The wgmma kernel reads its token operand in tiled BF16 planes (one bulk
+copy per stage; GEMM1 gathers the stage's natural rows instead), the mma.sync kernels token fragments:
+``token_layout_for`` tells the permute and activation stages which to write.
 
 The chain per bucket (``gemm1_fusion``, ``Sm90GemmEngine.stages``): on the wgmma kernel, the sort with the tokens
 decoded into BF16 rows, GEMM1 gathering its rows through the routing with the activation in its epilogue, GEMM2;
@@ -52,9 +53,11 @@ _DECODE_MAX_ROWS, _LONG_K = 8, 4096
 # (128 features), three CTAs per SM; from 64 rows: 128-row tiles, with four warpgroups (256 features:
 # half the token reads per MAC) once N reaches 4096. A segment's last tile runs with the smallest of
 # N = 32, 64, 128 that covers its rows. Measured with benchmarks/tune_sm90.py (benchmarks/RESULTS.md).
-_WGMMA_SHORT = WgmmaVariant(tile_rows=64, groups=2, stages=4, min_blocks=3)
-_WGMMA = WgmmaVariant(tile_rows=128, groups=2, stages=4, min_blocks=2)  # 2-4% ahead of 5 stages (Qwen3 T=4096)
-_WGMMA_WIDE = WgmmaVariant(tile_rows=128, groups=4, stages=5)
+# A GEMM that reads a token operand (GEMM2: GEMM1 gathers natural rows, WgmmaVariant.gathering) reads it in the
+# tiled planes, one bulk copy per stage.
+_WGMMA_SHORT = WgmmaVariant(tile_rows=64, groups=2, stages=4, min_blocks=3, tiled_tokens=True)
+_WGMMA = WgmmaVariant(tile_rows=128, groups=2, stages=4, min_blocks=2, tiled_tokens=True)  # 2-4% ahead of 5 stages
+_WGMMA_WIDE = WgmmaVariant(tile_rows=128, groups=4, stages=5, tiled_tokens=True)
 _WGMMA_MIN_ROWS, _WGMMA_LONG_ROWS, _WGMMA_WIDE_N = 32, 64, 4096
 # The decode kernel's activation epilogue pays off while GEMM1 runs in few waves (it adds its latency to
 # each wave). With the four-instruction sigmoid it cost Qwen3-30B-A3B T=64 (2112 CTAs) 4.9 us and DeepSeek-V3
@@ -185,12 +188,22 @@ class Sm90GemmEngine(GemmEngine):
         """The kernel variant a GEMM of a bucket with ``rows`` rows runs."""
         return choose_variant(rows, shape, self.sm_count)
 
-    def token_layout_for(self, rows: int, shape: GemmShape) -> TokenLayout:
-        """Natural BF16 rows for the wgmma kernel, token fragments for the mma.sync kernels."""
-        return self.variant(rows, shape).token_layout
+    def token_layout_for(self, rows: int, shape: GemmShape, *, gemm: int) -> TokenLayout:
+        """Token fragments for the mma.sync kernels; for the wgmma kernel, natural BF16 rows for GEMM1 (what its
+        gather reads; the permute writes them where it does not gather) and the tiled planes for GEMM2 (the
+        activation writes them; one bulk copy per stage)."""
+        variant = self.variant(rows, shape)
+        if isinstance(variant, WgmmaVariant) and gemm == 1:
+            return variant.gathering().token_layout
+        return variant.token_layout
 
     def gemm(self, operands: GemmOperands) -> None:
+        """The wgmma kernel reads the token operand's layout: the tiled planes, or natural rows (and a gather)."""
         w, gather, epilogue = operands.weights, operands.gather, operands.epilogue
+        variant = self.variant(operands.rows, operands.shape)
+        if isinstance(variant, WgmmaVariant) and (gather is not None
+                                                  or operands.tokens.layout is not TokenLayout.BF16_TILED):
+            variant = variant.gathering()
         grouped_gemm(w.data, w.scales, w.alpha, operands.tokens.data if gather is None else None, operands.offsets,
-                     operands.out if epilogue is None else None, self.variant(operands.rows, operands.shape),
+                     operands.out if epilogue is None else None, variant,
                      alpha_split=w.alpha_split, gather=gather, epilogue=epilogue)

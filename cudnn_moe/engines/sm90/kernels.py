@@ -10,7 +10,7 @@ CUDA-graph safe. Kernels go on torch's current stream.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -166,20 +166,22 @@ class PrefillVariant:
 class WgmmaVariant:
     """``sm90_gemm_wgmma`` (sm_90a): CTA tile 64 ``groups`` features x ``tile_rows`` token rows; each
     warpgroup owns 64 features and issues register-sourced ``wgmma.m64n<tile_rows>k16`` on the exactly
-    decoded weights, with the tokens (natural BF16 rows) as the shared-memory B operand; k64 per stage
-    through a ``stages``-deep cp.async ring (loads run stages - 2 ahead), up to four wgmma in flight per
-    warpgroup. For large segments.
+    decoded weights, with the tokens as the shared-memory B operand; k64 per stage through a ``stages``-deep
+    ring (loads run stages - 2 ahead), up to four wgmma in flight per warpgroup. For large segments.
     groups: 2 (128 features, 256 threads) or 4 (256 features, 512 threads: half the token reads per MAC).
-    min_blocks: CTAs per SM the register allocation must allow."""
+    min_blocks: CTAs per SM the register allocation must allow.
+    tiled_tokens: the tokens in BF16_TILED planes, one bulk copy per stage issued by one thread (the second GEMM,
+    whose tokens the activation writes); else natural BF16 rows copied by every thread with cp.async (what a
+    gather reads: the first GEMM)."""
 
     tile_rows: int = 128
     groups: int = 4
     stages: int = 5
     min_blocks: int = 1
+    tiled_tokens: bool = False
 
     kernel = "sm90_gemm_wgmma"
     source = WGMMA_SOURCE
-    token_layout = TokenLayout.BF16_ROWS
     alpha_block = 16  # each warp applies its own features' alpha: alpha_split needs a multiple of 16 only
 
     def epilogue_problem(self, activation: Any) -> str | None:
@@ -200,6 +202,14 @@ class WgmmaVariant:
             raise ValueError(f"wgmma variant {self}: {self.shared_mem} bytes of shared memory exceed the limit")
 
     @property
+    def token_layout(self) -> TokenLayout:
+        return TokenLayout.BF16_TILED if self.tiled_tokens else TokenLayout.BF16_ROWS
+
+    def gathering(self) -> WgmmaVariant:
+        """This variant reading natural rows, as a gather needs."""
+        return replace(self, tiled_tokens=False)
+
+    @property
     def feature_block(self) -> int:
         return 64 * self.groups
 
@@ -218,7 +228,7 @@ class WgmmaVariant:
 
     def options(self) -> tuple[str, ...]:
         return (f"-DSM90_WG_TB={self.tile_rows}", f"-DSM90_WG_GROUPS={self.groups}", f"-DSM90_WG_STAGES={self.stages}",
-                f"-DSM90_WG_MIN_BLOCKS={self.min_blocks}", ARCH_SPECIFIC)
+                f"-DSM90_WG_MIN_BLOCKS={self.min_blocks}", f"-DSM90_WG_TILED_X={int(self.tiled_tokens)}", ARCH_SPECIFIC)
 
 
 GemmVariant = DecodeVariant | PrefillVariant | WgmmaVariant
@@ -285,7 +295,7 @@ def grouped_gemm(
 
     w_tiles uint8 [E, N*K/2] and w_tile_scales uint8 (or float8_e4m3fn) [E, N*K/16]: NVFP4 weights in
     the fragment-tile layout (layout.pack_weight_tiles); alpha float32 [E]; x bfloat16 [R, K] in
-    ``variant.token_layout`` (token-fragment column order, or natural for the wgmma variant); offsets int32 [E + 1] on the device (segment e = rows
+    ``variant.token_layout`` (token-fragment column order; natural rows or tiled planes for the wgmma variant); offsets int32 [E + 1] on the device (segment e = rows
     offsets[e]..offsets[e+1], each a multiple of 8, offsets[E] <= R); out bfloat16 [R, N], rows
     outside every segment untouched. N % 128 == 0, K % 64 == 0.
 
@@ -300,8 +310,12 @@ def grouped_gemm(
         raise ValueError(f"variant must be a DecodeVariant, PrefillVariant or WgmmaVariant, got {type(variant).__name__}")
     if gather is not None and not isinstance(variant, WgmmaVariant):
         raise ValueError(f"a gather needs a WgmmaVariant, got {variant}")
+    if gather is not None and variant.token_layout is TokenLayout.BF16_TILED:
+        raise ValueError(f"a gather reads natural rows: use {variant.gathering()}, not {variant}")
     if epilogue is not None:
         problem = variant.epilogue_problem(epilogue.activation)
+        if variant.token_layout is TokenLayout.BF16_TILED:
+            problem = f"the epilogue runs on GEMM1, which reads natural rows ({variant.gathering()})"
         if problem is not None:
             raise ValueError(f"the activation epilogue needs a WgmmaVariant or a DecodeVariant that fits it, got "
                              f"{variant}: {problem}")
@@ -332,6 +346,9 @@ def grouped_gemm(
     if gather is None:
         rows = tokens.shape[0]
         _check("x", tokens, (torch.bfloat16,), (rows, k))
+        if rows % variant.token_layout.row_multiple:
+            raise ValueError(f"x: {variant.token_layout.name} rows come in groups of {variant.token_layout.row_multiple},"
+                             f" got R = {rows}")
         named["x"], align["x"] = tokens, 16
     else:
         rows = _check_gather(gather, k)

@@ -143,11 +143,44 @@ def from_token_fragments(x: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(x).index_copy_(x.dim() - 1, order, x)
 
 
+def _tiled_positions(rows: int, device: torch.device) -> torch.Tensor:
+    """int64 [R, 8]: the position j ^ (r % 8) of natural 16-byte chunk j within row r of a BF16_TILED plane."""
+    r = torch.arange(rows, device=device)[:, None]
+    return torch.arange(8, device=device)[None, :] ^ (r % 8)
+
+
+def _check_tiled(x: torch.Tensor) -> tuple[int, int]:
+    if x.dim() != 2 or x.shape[0] % 8 or x.shape[1] % 64:
+        raise ValueError(f"the BF16_TILED layout needs 2-D rows [R, K] with R % 8 == 0 and K % 64 == 0, got "
+                         f"{tuple(x.shape)}")
+    return x.shape[0], x.shape[1]
+
+
+def to_tiled_rows(x: torch.Tensor) -> torch.Tensor:
+    """Rows [R, K] in natural column order (R % 8 == 0, K % 64 == 0) -> their BF16_TILED storage, [R, K] of the same
+    dtype: K / 64 planes of R rows x 64 values, plane p holding columns 64 p .. 64 p + 63 of every row, each row's
+    16-byte chunk j (8 values) at position j ^ (r % 8) (kernels_cuda/common.cuh tiled_chunk_offset)."""
+    rows, k = _check_tiled(x)
+    chunks = x.reshape(rows, k // 64, 8, 8).permute(1, 0, 2, 3)  # [plane, row, chunk j, 8 values]
+    where = _tiled_positions(rows, x.device)[None, :, :, None].expand_as(chunks)
+    return torch.empty_like(chunks).scatter_(2, where, chunks).reshape(rows, k)
+
+
+def from_tiled_rows(x: torch.Tensor) -> torch.Tensor:
+    """Inverse of to_tiled_rows."""
+    rows, k = _check_tiled(x)
+    planes = x.reshape(k // 64, rows, 8, 8)
+    where = _tiled_positions(rows, x.device)[None, :, :, None].expand_as(planes)
+    return planes.gather(2, where).permute(1, 0, 2, 3).reshape(rows, k)
+
+
 def to_token_layout(x: torch.Tensor, layout: TokenLayout) -> torch.Tensor:
-    """Rows [..., K] in natural column order -> the column order of the BF16 ``layout`` (BF16_FRAGMENTS: the
-    token-fragment order; BF16_ROWS: unchanged)."""
+    """Rows [..., K] in natural column order -> the BF16 ``layout`` (BF16_FRAGMENTS: the token-fragment column order;
+    BF16_ROWS: unchanged; BF16_TILED: to_tiled_rows, 2-D rows only)."""
     if not isinstance(layout, TokenLayout) or not layout.is_bf16:
         raise ValueError(f"layout must be a BF16 token layout, got {layout!r}")
+    if layout is TokenLayout.BF16_TILED:
+        return to_tiled_rows(x)
     return to_token_fragments(x) if layout is TokenLayout.BF16_FRAGMENTS else x
 
 
@@ -155,4 +188,6 @@ def from_token_layout(x: torch.Tensor, layout: TokenLayout) -> torch.Tensor:
     """Inverse of to_token_layout."""
     if not isinstance(layout, TokenLayout) or not layout.is_bf16:
         raise ValueError(f"layout must be a BF16 token layout, got {layout!r}")
+    if layout is TokenLayout.BF16_TILED:
+        return from_tiled_rows(x)
     return from_token_fragments(x) if layout is TokenLayout.BF16_FRAGMENTS else x

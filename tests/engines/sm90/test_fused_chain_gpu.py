@@ -18,6 +18,8 @@ from cudnn_moe import (
 from cudnn_moe.engines.base import TokenOperand
 from cudnn_moe.engines.registry import engine_for
 from cudnn_moe.engines.sm90.kernels import DecodeVariant, WgmmaVariant
+from cudnn_moe.engines.sm90.layout import from_token_layout
+from cudnn_moe.kernels import TokenLayout
 from cudnn_moe.fused.reference import reference_for_prepared
 from cudnn_moe.pipeline.executor import MoeExecutor, _BucketStages
 from tests.support.moe_checks import check_close
@@ -52,6 +54,11 @@ def _poison(t: torch.Tensor) -> None:
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
+
+
+def _token_rows(operand: TokenOperand) -> torch.Tensor:
+    """The operand's data as rows: the tiled planes read back into natural rows, other layouts as stored."""
+    return from_token_layout(operand.data, operand.layout) if operand.layout is TokenLayout.BF16_TILED else operand.data
 
 
 CHAIN_CASES = [
@@ -132,7 +139,7 @@ def test_fused_chain_matches_unfused_chain_bitwise(case, activation) -> None:
         launch()
     used = int(bucket.offsets[-1].item())
     assert used > 0
-    want_tokens = _bits(bucket.gemm2.tokens.data[:used]).clone()
+    want_tokens = _bits(_token_rows(bucket.gemm2.tokens)[:used]).clone()
     want_out = _bits(bucket.gemm2.out[:used]).clone()
     assert torch.count_nonzero(want_out) > 0 and not torch.isnan(bucket.gemm2.out[:used]).any()
     for replay in (False, True):
@@ -145,7 +152,7 @@ def test_fused_chain_matches_unfused_chain_bitwise(case, activation) -> None:
         else:
             for _, launch in fused:
                 launch()
-        assert torch.equal(_bits(bucket.gemm2.tokens.data[:used]), want_tokens), f"GEMM2 tokens (replay={replay})"
+        assert torch.equal(_bits(_token_rows(bucket.gemm2.tokens)[:used]), want_tokens), f"GEMM2 tokens (replay={replay})"
         assert torch.equal(_bits(bucket.gemm2.out[:used]), want_out), f"GEMM2 rows (replay={replay})"
 
 

@@ -101,12 +101,14 @@ def test_kernel_compiles(source: str, arch: str) -> None:
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found")
 @pytest.mark.parametrize("variant", WGMMA_VARIANTS, ids=str)
 def test_wgmma_variant_compiles(variant: Any) -> None:
-    """Every wgmma variant builds for sm_90a without spills or static shared memory, with HGMMA in its loop
-    (the SASS check runs where cuobjdump is found)."""
+    """Every wgmma variant builds for sm_90a without spills or static shared memory (but the tiled token load's
+    mbarriers, 8 bytes a stage), with HGMMA in its loop (the SASS check runs where cuobjdump is found)."""
     result = _nvcc(SM90_DIR / "wgmma_gemm.cu", "90a", variant.options())
     assert result.returncode == 0, result.stderr
     report = result.stderr.split(f"Compiling entry function '{variant.kernel}'")[1].split("Compiling entry")[0]
-    assert " 0 bytes spill stores" in report and not re.search(r"\b[1-9]\d* bytes smem", report), report
+    static = re.search(r"\b(\d+) bytes smem", report)
+    assert " 0 bytes spill stores" in report, report
+    assert (int(static.group(1)) if static else 0) <= (128 if variant.tiled_tokens else 0), report
     assert "instructions are serialized" not in result.stderr  # ptxas's warning when wgmma must wait on itself
 
 
@@ -118,8 +120,9 @@ EPILOGUE_DECODE_VARIANTS = [v for v in DECODE_VARIANTS if v.epilogue_problem(Swi
                          [(v, act) for v in (WGMMA_VARIANTS[0], EPILOGUE_DECODE_VARIANTS[0])
                           for act in (GELU(), SiTU(1.5, 2.0), GeGLUTanh())], ids=str)
 def test_epilogue_compiles(variant: Any, activation: Any) -> None:
-    """The wgmma and decode kernels with an activation epilogue compiled in build for sm_90a; the SwiGLU
-    epilogue (the models' activation) keeps every variant free of spills."""
+    """The wgmma (reading natural rows, as GEMM1 does) and decode kernels with an activation epilogue compiled in
+    build for sm_90a; the SwiGLU epilogue (the models' activation) keeps every variant free of spills."""
+    variant = variant.gathering() if isinstance(variant, sm90.WgmmaVariant) else variant
     result = _nvcc(kernels_dir() / variant.source, "90a", (*variant.options(), *sm90.epilogue_options(activation)))
     assert result.returncode == 0, result.stderr
     report = result.stderr.split(f"Compiling entry function '{variant.kernel}'")[1].split("Compiling entry")[0]
@@ -485,7 +488,7 @@ def test_fused_call_matches_kernel_signature(layout: TokenLayout, launches: list
     signatures = _signatures()
     fitting = [v for v in DECODE_VARIANTS if v.epilogue_problem(SwiGLU()) is None]
     assert fitting
-    for variant in [*WGMMA_VARIANTS, *fitting]:
+    for variant in [*{v.gathering() for v in WGMMA_VARIANTS}, *fitting]:
         for activation in (SwiGLU(), GELU()):
             launches.clear()
             args = _fused_args(layout, activation)
@@ -504,6 +507,9 @@ def test_fused_call_matches_kernel_signature(layout: TokenLayout, launches: list
 
 _FUSED_BAD = [
     ("gather on decode", lambda a: a.update(variant=sm90.DECODE), "gather needs a WgmmaVariant"),
+    ("gather on tiled", lambda a: a.update(variant=sm90.WgmmaVariant(tiled_tokens=True)), "gather reads natural rows"),
+    ("epilogue on tiled", lambda a: a.update(variant=sm90.WgmmaVariant(tiled_tokens=True), gather=None,
+                                            x=torch.zeros(40, 128, dtype=torch.bfloat16)), "epilogue"),
     ("epilogue on prefill", lambda a: a.update(variant=sm90.PREFILL, gather=None,
                                               x=torch.zeros(40, 128, dtype=torch.bfloat16)), "no activation epilogue"),
     ("epilogue on odd WM", lambda a: a.update(variant=sm90.DecodeVariant(mt=2, wm=1, wk=4), gather=None,
@@ -561,13 +567,16 @@ def test_wgmma_variant_macros_match_the_source() -> None:
     defaults = dict(re.findall(r"#define (SM90_\w+) (\d+)", text))
     w = sm90.WgmmaVariant()
     assert defaults == {"SM90_WG_TB": str(w.tile_rows), "SM90_WG_GROUPS": str(w.groups), "SM90_WG_STAGES": str(w.stages),
-                        "SM90_WG_MIN_BLOCKS": str(w.min_blocks)}
+                        "SM90_WG_MIN_BLOCKS": str(w.min_blocks), "SM90_WG_TILED_X": str(int(w.tiled_tokens))}
     # stage = 128 B per token row + 576 B per m16 weight tile (codes + scales), rounded up to 1 KB
     assert w.stage_bytes == 16384 + 16 * 576  # already a multiple of 1 KB
     assert sm90.WgmmaVariant(64, 2).stage_bytes == 13312  # 8192 + 8 * 576 = 12800, rounded up and w.threads == 512 and w.feature_block == 256
     assert w.shared_mem == 5 * w.stage_bytes + 1024  # + the ring's 1 KB alignment slack
     assert sm90.WgmmaVariant(128, 4, 3).shared_mem == max(3 * w.stage_bytes, 128 * (2 * 256 + 16)) + 1024
     assert loader.ARCH_SPECIFIC in w.options() and w.token_layout is TokenLayout.BF16_ROWS
+    tiled = sm90.WgmmaVariant(tiled_tokens=True)
+    assert tiled.token_layout is TokenLayout.BF16_TILED and "-DSM90_WG_TILED_X=1" in tiled.options()
+    assert tiled.gathering() == w and tiled.shared_mem == w.shared_mem
 
 
 _GEMM_BAD = [
@@ -598,6 +607,17 @@ def test_grouped_gemm_rejects_bad_arguments(key: str, name: str, mutate: Any, ne
     with pytest.raises(expected, match=needle):
         sm90.grouped_gemm(**args)
     assert not launches
+
+
+def test_tiled_tokens_need_whole_row_groups(launches: list[tuple]) -> None:
+    """The tiled planes hold rows in groups of 8 (one bulk copy per stage): R = 44 is refused, naming x."""
+    tiled = sm90.WgmmaVariant(128, 2, 4, 2, tiled_tokens=True)
+    args = {**_gemm_args(rows=44), "variant": tiled}
+    with pytest.raises(ValueError, match="x: BF16_TILED rows come in groups of 8"):
+        sm90.grouped_gemm(**args)
+    assert not launches
+    sm90.grouped_gemm(**_gemm_args(rows=48), variant=tiled)
+    assert launches[0][1]["extra_options"] == tiled.options()
 
 
 def test_grouped_gemm_rejects_cpu_tensors_and_bad_variants() -> None:

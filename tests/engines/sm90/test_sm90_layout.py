@@ -66,6 +66,22 @@ def test_token_fragment_order_gives_each_lane_its_registers() -> None:
         token_fragment_order(100)
 
 
+def test_tiled_rows_place_each_chunk_as_documented() -> None:
+    """BF16_TILED against its definition, element by element: value (r, c) at ((c // 64) R + r) 64 +
+    8 ((c % 64 // 8) ^ (r % 8)) + c % 8 of the flat storage; and back."""
+    rows, k = 24, 192
+    x = torch.randn(rows, k).to(torch.bfloat16)
+    flat = to_token_layout(x, TokenLayout.BF16_TILED).reshape(-1)
+    for r in range(rows):
+        for c in range(k):
+            at = ((c // 64) * rows + r) * 64 + 8 * ((c % 64 // 8) ^ (r % 8)) + c % 8
+            assert flat[at] == x[r, c]
+    assert torch.equal(from_token_layout(flat.reshape(rows, k), TokenLayout.BF16_TILED), x)
+    for bad in (torch.zeros(20, 192), torch.zeros(24, 96), torch.zeros(2, 8, 64)):
+        with pytest.raises(ValueError, match="BF16_TILED"):
+            to_token_layout(bad, TokenLayout.BF16_TILED)
+
+
 @pytest.mark.parametrize("layout", [TokenLayout.BF16_FRAGMENTS, TokenLayout.BF16_ROWS], ids=lambda l: l.name)
 def test_token_layouts_round_trip(layout: TokenLayout) -> None:
     """Natural rows -> a BF16 token layout -> back: fragments permute inside each 64-column block, rows stay."""
