@@ -143,7 +143,8 @@ class MoeBench:
         if weights.spec.engine == "sm90":
             executor = executor_for(m, config, weights)
             bucket = executor.bucket(tokens)
-            variants = [repr(executor.engine.variant(gemm.rows, gemm.shape)) for gemm in (bucket.gemm1, bucket.gemm2)]
+            variants = [repr(executor.engine.variant(gemm.rows, gemm.shape, gemm=index))
+                        for index, gemm in ((1, bucket.gemm1), (2, bucket.gemm2))]
             chain = [name for name, _ in executor.stages(bucket)]
             launches = f"{len(chain) + 2}: stage, {', '.join(chain)}, finalize"  # the op's stage and finish around the chain
             self.variant_rows.append([m.name, str(tokens), engine, str(bucket.rows), *variants, launches])

@@ -113,10 +113,12 @@ def main(argv: list[str] | None = None) -> int:
         for tokens in args.tokens:
             moe_call(config, weights, *random_batch(m, tokens, gen))()
             bucket = executor.bucket(tokens)
-            for name, ops in (("gemm1", full_buffers(bucket.gemm1)), ("gemm2", bucket.gemm2)):
-                chosen = executor.engine.variant(ops.rows, ops.shape)
+            for index, name, ops in ((1, "gemm1", full_buffers(bucket.gemm1)), (2, "gemm2", bucket.gemm2)):
+                chosen = executor.engine.variant(ops.rows, ops.shape, gemm=index)
                 candidates = PREFILL if tokens >= 1024 else DECODE + (PREFILL if tokens >= 256 else [])
-                candidates = candidates + (WGMMA if tokens >= 256 else [])
+                # the wgmma kernel reads the bucket's layout: GEMM1 natural rows, GEMM2 the tiled planes
+                wgmma = [replace(v, tiled_tokens=index == 2) for v in WGMMA]
+                candidates = candidates + (wgmma if tokens >= 256 else [])
                 flops = 2.0 * int(ops.offsets[-1]) * ops.shape.n * ops.shape.k  # rows used, read outside any capture
                 w = ops.weights
                 gather = RowGather(ops.tokens.data[: bucket.tokens], bucket.row_to_slot, m.top_k)

@@ -184,26 +184,23 @@ class Sm90GemmEngine(GemmEngine):
             return [*head, layer.gemm1_activation(gather=False), layer.gemm2()]
         return [*head, layer.gemm1(), layer.activation(), layer.gemm2()]
 
-    def variant(self, rows: int, shape: GemmShape) -> GemmVariant:
-        """The kernel variant a GEMM of a bucket with ``rows`` rows runs."""
-        return choose_variant(rows, shape, self.sm_count)
+    def variant(self, rows: int, shape: GemmShape, *, gemm: int) -> GemmVariant:
+        """The kernel variant GEMM ``gemm`` (1 or 2) of a bucket with ``rows`` rows runs: on the wgmma kernel, GEMM1
+        reads natural BF16 rows (what its gather reads; the permute writes them where it does not gather) and GEMM2
+        the tiled planes the activation writes (one bulk copy per stage)."""
+        variant = choose_variant(rows, shape, self.sm_count)
+        return variant.gathering() if isinstance(variant, WgmmaVariant) and gemm == 1 else variant
 
     def token_layout_for(self, rows: int, shape: GemmShape, *, gemm: int) -> TokenLayout:
-        """Token fragments for the mma.sync kernels; for the wgmma kernel, natural BF16 rows for GEMM1 (what its
-        gather reads; the permute writes them where it does not gather) and the tiled planes for GEMM2 (the
-        activation writes them; one bulk copy per stage)."""
-        variant = self.variant(rows, shape)
-        if isinstance(variant, WgmmaVariant) and gemm == 1:
-            return variant.gathering().token_layout
-        return variant.token_layout
+        """Token fragments for the mma.sync kernels; natural rows (GEMM1) or the tiled planes (GEMM2) for wgmma."""
+        return self.variant(rows, shape, gemm=gemm).token_layout
 
     def gemm(self, operands: GemmOperands) -> None:
-        """The wgmma kernel reads the token operand's layout: the tiled planes, or natural rows (and a gather)."""
+        """Which GEMM this is, the token operand's layout says (GEMM2's tiled planes; GEMM1 gathers or reads the
+        natural rows the permute wrote)."""
         w, gather, epilogue = operands.weights, operands.gather, operands.epilogue
-        variant = self.variant(operands.rows, operands.shape)
-        if isinstance(variant, WgmmaVariant) and (gather is not None
-                                                  or operands.tokens.layout is not TokenLayout.BF16_TILED):
-            variant = variant.gathering()
+        second = gather is None and operands.tokens.layout is TokenLayout.BF16_TILED
+        variant = self.variant(operands.rows, operands.shape, gemm=2 if second else 1)
         grouped_gemm(w.data, w.scales, w.alpha, operands.tokens.data if gather is None else None, operands.offsets,
                      operands.out if epilogue is None else None, variant,
                      alpha_split=w.alpha_split, gather=gather, epilogue=epilogue)

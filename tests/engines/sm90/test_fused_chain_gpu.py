@@ -104,7 +104,7 @@ def test_fused_chain_matches_unfused_chain_bitwise(case, activation) -> None:
     bucket.gemm1 = replace(g1, out=torch.empty(bucket.rows, g1.shape.n, dtype=torch.bfloat16, device="cuda"),
                            tokens=TokenOperand(full_tokens, None, g1.tokens.layout))
     stages = _BucketStages(executor, bucket)
-    variant = executor.engine.variant(bucket.rows, bucket.gemm1.shape)
+    variant = executor.engine.variant(bucket.rows, bucket.gemm1.shape, gemm=1)
     gathers = isinstance(variant, WgmmaVariant)
     assert gathers or isinstance(variant, DecodeVariant)
     fused = executor.stages(bucket)
