@@ -12,8 +12,8 @@ using namespace moe;
 // The units u = first, first + stride, ... < inter / 32 of row r.
 template <int ACT, bool GATED>
 __device__ __forceinline__ void activate_row(const u16* row, bool padding, i64 r, int first, int stride, int inter,
-                                             int rows, int act, float alpha, float beta, float limit, int layout, bool requantize,
-                                             u8* out, u8* out_scales) {
+                                             int rows, int act, float alpha, float beta, float limit, int layout,
+                                             bool requantize, u8* out, u8* out_scales) {
   for (int u = first; u < inter / 32; u += stride)
     activate_store_unit<ACT, GATED>(row + 32 * u, inter, padding, r, u, inter, rows, act, alpha, beta, limit, layout,
                                     requantize, out, out_scales);
@@ -54,8 +54,7 @@ extern "C" __global__ void moe_activation(const u16* __restrict__ g1, const int*
 // share one body that switches on `act` (fewer instantiations, shorter NVRTC builds).
 #define MOE_ACTIVATE_ROW(ACT, GATED) \
   activate_row<ACT, GATED>(row, padding, r, first, stride, inter, rows, act, alpha, beta, limit, layout, \
-                           requantize != 0, \
-                           out, out_scales)
+                           requantize != 0, out, out_scales)
   if (act == ACT_SWIGLU && gated) MOE_ACTIVATE_ROW(ACT_SWIGLU, true);
   else if (gated) MOE_ACTIVATE_ROW(-1, true);
   else MOE_ACTIVATE_ROW(-1, false);

@@ -144,7 +144,8 @@ __device__ __forceinline__ void store_unit_bf16(int layout, u8* out, i64 r, int 
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
       const i64 at = layout == TOKENS_BF16_TILED ? tiled_chunk_offset(r, 4 * u + c, rows) : r * inter + 32 * u + 8 * c;
-      *reinterpret_cast<uint4*>(values + at) = make_uint4(pair(8 * c), pair(8 * c + 2), pair(8 * c + 4), pair(8 * c + 6));
+      *reinterpret_cast<uint4*>(values + at) =
+          make_uint4(pair(8 * c), pair(8 * c + 2), pair(8 * c + 4), pair(8 * c + 6));
     }
     return;
   }

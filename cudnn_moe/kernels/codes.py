@@ -48,7 +48,7 @@ class TokenLayout(enum.IntEnum):
 
     @property
     def row_multiple(self) -> int:
-        """The row count R of a buffer in this layout must be a multiple of this (8 for the tiled blocks)."""
+        """The row count R of a buffer in this layout must be a multiple of this (8 for the tiled planes)."""
         return 8 if self is TokenLayout.BF16_TILED else 1
 
 

@@ -316,8 +316,8 @@ __device__ __forceinline__ void activation_epilogue(const u8* smem, const Tile& 
     const int r = tile.row0 + row;
     if (r >= tile.row_end || unit >= units_in) continue;
     const u16* src = reinterpret_cast<const u16*>(smem + row * WG_C_STRIDE) + 32 * unit;
-    moe::activate_store_unit<ACT, GATED>(src, COLS, __ldg(row_to_slot + r) < 0, r, unit0 + unit, inter, rows, ACT, alpha, beta,
-                                         limit, layout, requantize, out, out_scales);
+    moe::activate_store_unit<ACT, GATED>(src, COLS, __ldg(row_to_slot + r) < 0, r, unit0 + unit, inter, rows, ACT,
+                                         alpha, beta, limit, layout, requantize, out, out_scales);
   }
 }
 
@@ -361,8 +361,8 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, SM90_WG_MIN_BLOCKS)
   u32 ring;
   const u8* smem = wgmma_smem(ring);
 #ifdef SM90_ACT
-  activation_epilogue<SM90_ACT, WG_PAIRED>(smem, tile, row_to_slot, WG_PAIRED ? n / 2 : n, row_capacity, act_alpha, act_beta,
-                                              act_limit, act_layout, requantize != 0, act_out, act_scales);
+  activation_epilogue<SM90_ACT, WG_PAIRED>(smem, tile, row_to_slot, WG_PAIRED ? n / 2 : n, row_capacity, act_alpha,
+                                              act_beta, act_limit, act_layout, requantize != 0, act_out, act_scales);
 #else
   // The tile's rows x FB / 8 chunks of 16 B; rows past the segment and features past N are not written.
   const int mtiles_in = (n >> 4) - static_cast<int>(blockIdx.x) * WG_MTILES;

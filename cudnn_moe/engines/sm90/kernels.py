@@ -295,9 +295,9 @@ def grouped_gemm(
 
     w_tiles uint8 [E, N*K/2] and w_tile_scales uint8 (or float8_e4m3fn) [E, N*K/16]: NVFP4 weights in
     the fragment-tile layout (layout.pack_weight_tiles); alpha float32 [E]; x bfloat16 [R, K] in
-    ``variant.token_layout`` (token-fragment column order; natural rows or tiled planes for the wgmma variant); offsets int32 [E + 1] on the device (segment e = rows
-    offsets[e]..offsets[e+1], each a multiple of 8, offsets[E] <= R); out bfloat16 [R, N], rows
-    outside every segment untouched. N % 128 == 0, K % 64 == 0.
+    ``variant.token_layout`` (token-fragment column order; natural rows or tiled planes for the wgmma variant);
+    offsets int32 [E + 1] on the device (segment e = rows offsets[e]..offsets[e+1], each a multiple of 8,
+    offsets[E] <= R); out bfloat16 [R, N], rows outside every segment untouched. N % 128 == 0, K % 64 == 0.
 
     The fused forms:
     gather (a WgmmaVariant): x is None and row r reads row gather.row_to_slot[r] // gather.top_k of
@@ -347,8 +347,8 @@ def grouped_gemm(
         rows = tokens.shape[0]
         _check("x", tokens, (torch.bfloat16,), (rows, k))
         if rows % variant.token_layout.row_multiple:
-            raise ValueError(f"x: {variant.token_layout.name} rows come in groups of {variant.token_layout.row_multiple},"
-                             f" got R = {rows}")
+            layout = variant.token_layout
+            raise ValueError(f"x: {layout.name} rows come in groups of {layout.row_multiple}, got R = {rows}")
         named["x"], align["x"] = tokens, 16
     else:
         rows = _check_gather(gather, k)

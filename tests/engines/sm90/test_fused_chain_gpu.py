@@ -152,7 +152,8 @@ def test_fused_chain_matches_unfused_chain_bitwise(case, activation) -> None:
         else:
             for _, launch in fused:
                 launch()
-        assert torch.equal(_bits(_token_rows(bucket.gemm2.tokens)[:used]), want_tokens), f"GEMM2 tokens (replay={replay})"
+        got_tokens = _bits(_token_rows(bucket.gemm2.tokens)[:used])
+        assert torch.equal(got_tokens, want_tokens), f"GEMM2 tokens (replay={replay})"
         assert torch.equal(_bits(bucket.gemm2.out[:used]), want_out), f"GEMM2 rows (replay={replay})"
 
 
