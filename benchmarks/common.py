@@ -183,6 +183,20 @@ class Report:
             path.write_text(self.markdown())
 
 
+REASON_CHARS = 60  # a peer's failure reason as a table cell (the whole reason goes to the notes)
+
+
+def reason(exc: BaseException) -> str:
+    """'<type>: <message>' on one line."""
+    return " ".join(f"{type(exc).__name__}: {exc}".split())
+
+
+def failure_cell(exc: BaseException) -> str:
+    """A table cell saying why a peer did not run: 'failed: <type>: <reason>' cut to REASON_CHARS."""
+    text = reason(exc)
+    return "failed: " + (text if len(text) <= REASON_CHARS else text[: REASON_CHARS - 3] + "...")
+
+
 def progress(text: str) -> None:
     """A progress line on stderr (kept out of the tables)."""
     print(text, file=sys.stderr, flush=True)

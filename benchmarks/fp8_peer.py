@@ -21,12 +21,11 @@ from typing import NamedTuple
 
 import torch
 
-from common import Report, Timer, capture, fmt
+from common import REASON_CHARS, Report, Timer, capture, failure_cell, fmt, reason  # noqa: F401 (the cell width, re-exported)
 
 from cudnn_moe.weights.low_latency import DeepSeekFp8Weights, E4m3Weights
 
 E4M3_MAX = 448.0
-REASON_CHARS = 60  # a failure's reason as a table cell (the whole reason goes to the notes)
 
 
 class Fp8Operands(NamedTuple):
@@ -111,17 +110,6 @@ def per_expert_layer(x: torch.Tensor, slots: list[ExpertSlots], ops: Fp8Operands
         y = torch._scaled_mm(q, ops.w2[e].t(), scale_a=sa[:, None], scale_b=ops.s2[e : e + 1], out_dtype=torch.bfloat16)
         out.index_add_(0, rows, y.float() * weight[:, None])
     return out.to(torch.bfloat16)
-
-
-def reason(exc: Exception) -> str:
-    """'<type>: <message>' on one line."""
-    return " ".join(f"{type(exc).__name__}: {exc}".split())
-
-
-def failure_cell(exc: Exception) -> str:
-    """A table cell saying why a peer did not run: 'failed: <type>: <reason>' cut to REASON_CHARS."""
-    text = reason(exc)
-    return "failed: " + (text if len(text) <= REASON_CHARS else text[: REASON_CHARS - 3] + "...")
 
 
 class Fp8Peer:

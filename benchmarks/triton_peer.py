@@ -18,14 +18,7 @@ from collections.abc import Callable
 
 import torch
 
-from common import Report, Timer, capture, fmt
-
-REASON_CHARS = 60  # a failure's reason as a table cell (the whole reason goes to the notes)
-
-
-def _reason(exc: BaseException) -> str:
-    """'<type>: <message>' on one line."""
-    return " ".join(f"{type(exc).__name__}: {exc}".split())
+from common import Report, Timer, capture, failure_cell, fmt, reason
 
 
 def load_fused_experts() -> tuple[Callable[..., torch.Tensor] | None, str]:
@@ -34,7 +27,7 @@ def load_fused_experts() -> tuple[Callable[..., torch.Tensor] | None, str]:
         import flag_gems  # type: ignore[import-not-found]
         from flag_gems.fused.fused_moe import fused_experts_impl  # type: ignore[import-not-found]
     except Exception as exc:  # noqa: BLE001 - any import failure only removes the column
-        return None, _reason(exc)
+        return None, reason(exc)
     return fused_experts_impl, str(getattr(flag_gems, "__version__", "?"))
 
 
@@ -70,7 +63,6 @@ class TritonPeer:
             call()  # outside any capture: autotuning and config lookups happen here
             us = timer.median_us(capture(call).replay)
         except Exception as exc:  # noqa: BLE001 - a peer that cannot run a shape is reported, not fatal
-            text = _reason(exc)
-            self.report.note(f"Triton BF16 peer, T={x.shape[0]}, H={x.shape[1]}: {text}")
-            return None, "failed: " + (text if len(text) <= REASON_CHARS else text[: REASON_CHARS - 3] + "...")
+            self.report.note(f"Triton BF16 peer, T={x.shape[0]}, H={x.shape[1]}: {reason(exc)}")
+            return None, failure_cell(exc)
         return us, fmt(us)
