@@ -80,6 +80,37 @@ __device__ __forceinline__ u32 scaled_bf16x2(float v0, float v1, float sf) {
   return __byte_perm(__float_as_uint(__fmul_rn(v0, sf)), __float_as_uint(__fmul_rn(v1, sf)), 0x7632);
 }
 
+// The 32 values of a unit in the BF16 layouts, as four 16-byte chunks in natural column order (chunk c: values
+// 8c .. 8c + 7): the grid values v times their block's scale (s0: values 0-15, s1: 16-31; exact), or, rounded, bf16_rne
+// of the FP32 values y.
+__device__ __forceinline__ void scaled_unit_chunks(const float v[32], u8 s0, u8 s1, uint4 chunk[4]) {
+  const float sf0 = e4m3_to_float(s0), sf1 = e4m3_to_float(s1);
+#pragma unroll
+  for (int c = 0; c < 4; ++c) {
+    const float sf = c < 2 ? sf0 : sf1;
+    const float* w = v + 8 * c;
+    chunk[c] = make_uint4(scaled_bf16x2(w[0], w[1], sf), scaled_bf16x2(w[2], w[3], sf), scaled_bf16x2(w[4], w[5], sf),
+                          scaled_bf16x2(w[6], w[7], sf));
+  }
+}
+
+__device__ __forceinline__ void rounded_unit_chunks(const float y[32], uint4 chunk[4]) {
+  auto pair = [&](int j) { return static_cast<u32>(float_to_bf16(y[j])) | (static_cast<u32>(float_to_bf16(y[j + 1])) << 16); };
+#pragma unroll
+  for (int c = 0; c < 4; ++c) chunk[c] = make_uint4(pair(8 * c), pair(8 * c + 2), pair(8 * c + 4), pair(8 * c + 6));
+}
+
+// The four chunks of unit u of row r at their places: natural column order (TOKENS_BF16_ROWS, 16-byte stores at
+// column 32u) or the tiled planes of `rows` rows (TOKENS_BF16_TILED, tiled_chunk_offset).
+__device__ __forceinline__ void store_unit_chunks(int layout, u16* values, i64 r, int u, int inter, int rows,
+                                                  const uint4 chunk[4]) {
+#pragma unroll
+  for (int c = 0; c < 4; ++c) {
+    const i64 at = layout == TOKENS_BF16_TILED ? tiled_chunk_offset(r, 4 * u + c, rows) : r * inter + 32 * u + 8 * c;
+    *reinterpret_cast<uint4*>(values + at) = chunk[c];
+  }
+}
+
 // Groups 2u and 2u + 1 (32 values, columns 32u .. 32u + 31) of row r: grid values v (zero for padding
 // rows) and their scale bytes, written in the second GEMM's token layout.
 // TOKENS_BF16_FRAGMENTS: the 32 decoded values (v * scale, exact) into the BF16 row out + r * inter in
@@ -88,21 +119,13 @@ __device__ __forceinline__ u32 scaled_bf16x2(float v0, float v1, float sf) {
 // groups are adjacent, so each q is one 16-byte store.
 // NVFP4 layouts: 16 bytes of codes at out + r * inter/2 + 16u (8-byte stores when out is not 16-byte
 // aligned) and the two scale bytes (linear or 128x4).
-// TOKENS_BF16_ROWS: the same 32 values in natural column order (four 16-byte stores at column 32u);
-// TOKENS_BF16_TILED: those four 16-byte chunks at their tiled places in the `rows` rows (tiled_chunk_offset).
+// TOKENS_BF16_ROWS and TOKENS_BF16_TILED: the same values as scaled_unit_chunks, placed by store_unit_chunks.
 __device__ __forceinline__ void store_unit(int layout, u8* out, u8* out_scales, i64 r, int u, int inter, int rows,
                                            const float v[32], u8 s0, u8 s1) {
   if (layout == TOKENS_BF16_ROWS || layout == TOKENS_BF16_TILED) {
-    const float sf0 = e4m3_to_float(s0), sf1 = e4m3_to_float(s1);
-    u16* const values = reinterpret_cast<u16*>(out);
-#pragma unroll
-    for (int c = 0; c < 4; ++c) {
-      const float sf = c < 2 ? sf0 : sf1;
-      const float* w = v + 8 * c;
-      const i64 at = layout == TOKENS_BF16_TILED ? tiled_chunk_offset(r, 4 * u + c, rows) : r * inter + 32 * u + 8 * c;
-      *reinterpret_cast<uint4*>(values + at) = make_uint4(scaled_bf16x2(w[0], w[1], sf), scaled_bf16x2(w[2], w[3], sf),
-                                                        scaled_bf16x2(w[4], w[5], sf), scaled_bf16x2(w[6], w[7], sf));
-    }
+    uint4 chunk[4];
+    scaled_unit_chunks(v, s0, s1, chunk);
+    store_unit_chunks(layout, reinterpret_cast<u16*>(out), r, u, inter, rows, chunk);
     return;
   }
   if (layout == TOKENS_BF16_FRAGMENTS) {
@@ -138,17 +161,13 @@ __device__ __forceinline__ void store_unit(int layout, u8* out, u8* out_scales, 
 // Unit u of row r without requantization: bf16_rne(y) at its places in the BF16 layout, as store_unit.
 __device__ __forceinline__ void store_unit_bf16(int layout, u8* out, i64 r, int u, int inter, int rows,
                                                 const float y[32]) {
-  auto pair = [&](int j) { return static_cast<u32>(float_to_bf16(y[j])) | (static_cast<u32>(float_to_bf16(y[j + 1])) << 16); };
   if (layout == TOKENS_BF16_ROWS || layout == TOKENS_BF16_TILED) {
-    u16* const values = reinterpret_cast<u16*>(out);
-#pragma unroll
-    for (int c = 0; c < 4; ++c) {
-      const i64 at = layout == TOKENS_BF16_TILED ? tiled_chunk_offset(r, 4 * u + c, rows) : r * inter + 32 * u + 8 * c;
-      *reinterpret_cast<uint4*>(values + at) =
-          make_uint4(pair(8 * c), pair(8 * c + 2), pair(8 * c + 4), pair(8 * c + 6));
-    }
+    uint4 chunk[4];
+    rounded_unit_chunks(y, chunk);
+    store_unit_chunks(layout, reinterpret_cast<u16*>(out), r, u, inter, rows, chunk);
     return;
   }
+  auto pair = [&](int j) { return static_cast<u32>(float_to_bf16(y[j])) | (static_cast<u32>(float_to_bf16(y[j + 1])) << 16); };
   u16* dst = reinterpret_cast<u16*>(out) + r * inter + 64 * (u >> 1) + 8 * (u & 1);
 #pragma unroll
   for (int q = 0; q < 4; ++q)
@@ -178,6 +197,27 @@ __device__ __forceinline__ void activate_store_unit(const u16* src, int gate_off
     s1 = requantize_16(v + 16);
   }
   store_unit(layout, out, out_scales, r, u, inter, rows, v, s0, s1);
+}
+
+// The same unit's values in the BF16 layouts as activate_store_unit stores them, as four 16-byte chunks in natural
+// column order (scaled_unit_chunks or rounded_unit_chunks; zeros for a padding row), for a caller that places them.
+template <int ACT, bool GATED>
+__device__ __forceinline__ void activate_unit_chunks(const u16* src, int gate_offset, bool padding, int act, float alpha,
+                                                     float beta, float limit, bool requantize, uint4 chunk[4]) {
+  if (padding) {
+#pragma unroll
+    for (int c = 0; c < 4; ++c) chunk[c] = make_uint4(0u, 0u, 0u, 0u);
+    return;
+  }
+  float v[32];
+  activate_32<ACT, GATED>(src, gate_offset, 0, act, alpha, beta, limit, v);
+  if (!requantize) {
+    rounded_unit_chunks(v, chunk);
+    return;
+  }
+  const u8 s0 = requantize_16(v);
+  const u8 s1 = requantize_16(v + 16);
+  scaled_unit_chunks(v, s0, s1, chunk);
 }
 
 // The same unit by the 32 lanes of a warp, lane j computing value j, for the BF16 layouts (a decode epilogue

@@ -66,6 +66,18 @@ __device__ __forceinline__ void bulk_copy_to_shared(u32 dst, const void* src, u3
                ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
 }
 
+// Bulk copy of `bytes` from shared memory (shared address `src`) to global memory, in this thread's bulk group; dst,
+// src and bytes multiples of 16. The source must stay untouched until bulk_commit_wait_read says it has been read.
+__device__ __forceinline__ void bulk_copy_to_global(void* dst, u32 src, u32 bytes) {
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n" ::"l"(dst), "r"(src), "r"(bytes)
+               : "memory");
+}
+
+// Closes this thread's bulk copies issued so far into a group, then waits until every group has read its source.
+__device__ __forceinline__ void bulk_commit_wait_read() {
+  asm volatile("cp.async.bulk.commit_group;\ncp.async.bulk.wait_group.read 0;\n" ::: "memory");
+}
+
 // Waits until the barrier's phase of parity `parity` has completed (its arrivals and bytes are in).
 __device__ __forceinline__ void mbarrier_wait(u32 bar, u32 parity) {
   asm volatile(

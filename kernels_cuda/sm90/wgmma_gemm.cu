@@ -71,8 +71,13 @@ using namespace sm90;
 #define WG_PIPE_BYTES (SM90_WG_STAGES * WG_STAGE_BYTES)
 #define WG_C_STRIDE (WG_FB * 2 + 16)                // a token's FB BF16 outputs + 16 B pad
 #define WG_C_BYTES (WG_TB * WG_C_STRIDE)
-// Dynamic shared memory: the larger of the two, plus 1 KB to align the ring to 1024 bytes.
-#define WG_SMEM_BYTES ((WG_PIPE_BYTES > WG_C_BYTES ? WG_PIPE_BYTES : WG_C_BYTES) + 1024)
+// The activation epilogue's image of the tile's rows of its tiled output planes, after the C tile: at most FB / 64
+// planes (not gated) of TB rows of 128 bytes.
+#define WG_IMAGE_OFFSET ((WG_C_BYTES + 1023) / 1024 * 1024)
+#define WG_EPILOGUE_BYTES (WG_IMAGE_OFFSET + WG_TB * 128 * (WG_FB / 64))
+// Dynamic shared memory: the larger of the ring and the epilogue's, plus 1 KB to align the ring to 1024 bytes
+// (WgmmaVariant.shared_mem).
+#define WG_SMEM_BYTES ((WG_PIPE_BYTES > WG_EPILOGUE_BYTES ? WG_PIPE_BYTES : WG_EPILOGUE_BYTES) + 1024)
 
 static_assert(WG_TB == 64 || WG_TB == 128, "wgmma gemm: TB must be 64 or 128");
 static_assert(SM90_WG_GROUPS == 2 || SM90_WG_GROUPS == 4, "wgmma gemm: 2 or 4 warpgroups");
@@ -296,13 +301,17 @@ __device__ __forceinline__ void wgmma_tile(const Tile& tile, const u8* __restric
 }
 
 // The activation epilogue: the staged C tile (the tile's rows of FB BF16 GEMM1 outputs, WG_C_STRIDE bytes
-// apart at smem) -> the activation stage's output rows, a unit of 32 outputs per item (activation_unit.cuh:
-// the bits of moe_activation), in GEMM2's token layout. Gated (paired tiles): outputs blockIdx.x * FB / 2 ..
-// + FB / 2 of the inter = n / 2 per row, up from tile columns [0, FB / 2), gate from [FB / 2, FB); else outputs
-// blockIdx.x * FB .. + FB of inter = n. Rows past the segment and outputs past inter are not written;
-// padding rows (row_to_slot < 0) are written as zeros (`rows`: the output's rows, where the tiled planes start).
+// apart at smem, shared address `ring`) -> the activation stage's output rows, a unit of 32 outputs per item
+// (activation_unit.cuh: the bits of moe_activation), in GEMM2's token layout. Gated (paired tiles): outputs
+// blockIdx.x * FB / 2 .. + FB / 2 of the inter = n / 2 per row, up from tile columns [0, FB / 2), gate from
+// [FB / 2, FB); else outputs blockIdx.x * FB .. + FB of inter = n. Rows past the segment and outputs past inter are
+// not written; padding rows (row_to_slot < 0) are written as zeros (`rows`: the output's rows, where the tiled
+// planes start).
+// TOKENS_BF16_TILED: the units go into a shared-memory image of the tile's rows of the CTA's planes (at
+// WG_IMAGE_OFFSET, each row's chunks already in their swizzled places: tile.row0 is a multiple of 8), then one thread
+// writes each plane's rows with one bulk copy (contiguous in the plane) and waits until they have been read.
 template <int ACT, bool GATED>
-__device__ __forceinline__ void activation_epilogue(const u8* smem, const Tile& tile, const int* __restrict__ row_to_slot,
+__device__ __forceinline__ void activation_epilogue(u8* smem, u32 ring, const Tile& tile, const int* __restrict__ row_to_slot,
                                                     int inter, int rows, float alpha, float beta, float limit,
                                                     int layout, bool requantize, u8* __restrict__ out,
                                                     u8* __restrict__ out_scales) {
@@ -310,14 +319,44 @@ __device__ __forceinline__ void activation_epilogue(const u8* smem, const Tile& 
   constexpr int UNITS = COLS / 32;
   const int unit0 = static_cast<int>(blockIdx.x) * UNITS;
   const int units_in = min(UNITS, inter / 32 - unit0);
+  const int tile_rows = min(tile.row_end - tile.row0, WG_TB);
+  if (layout != TOKENS_BF16_TILED) {
+    for (int item = threadIdx.x; item < WG_TB * UNITS; item += WG_THREADS) {
+      const int row = item / UNITS;
+      const int unit = item % UNITS;
+      if (row >= tile_rows || unit >= units_in) continue;
+      const int r = tile.row0 + row;
+      const u16* src = reinterpret_cast<const u16*>(smem + row * WG_C_STRIDE) + 32 * unit;
+      moe::activate_store_unit<ACT, GATED>(src, COLS, __ldg(row_to_slot + r) < 0, r, unit0 + unit, inter, rows, ACT,
+                                           alpha, beta, limit, layout, requantize, out, out_scales);
+    }
+    return;
+  }
+  static_assert(UNITS % 2 == 0 && (COLS / 64) * WG_TB * 128 <= WG_EPILOGUE_BYTES - WG_IMAGE_OFFSET,
+                "wgmma gemm: the tiled image");
+  const int planes_in = units_in >> 1;  // inter % 64 == 0 in the tiled layout
+  u8* const image = smem + WG_IMAGE_OFFSET;
   for (int item = threadIdx.x; item < WG_TB * UNITS; item += WG_THREADS) {
     const int row = item / UNITS;
     const int unit = item % UNITS;
-    const int r = tile.row0 + row;
-    if (r >= tile.row_end || unit >= units_in) continue;
+    if (row >= tile_rows || unit >= 2 * planes_in) continue;
     const u16* src = reinterpret_cast<const u16*>(smem + row * WG_C_STRIDE) + 32 * unit;
-    moe::activate_store_unit<ACT, GATED>(src, COLS, __ldg(row_to_slot + r) < 0, r, unit0 + unit, inter, rows, ACT,
-                                         alpha, beta, limit, layout, requantize, out, out_scales);
+    uint4 chunk[4];
+    moe::activate_unit_chunks<ACT, GATED>(src, COLS, __ldg(row_to_slot + tile.row0 + row) < 0, ACT, alpha, beta, limit,
+                                          requantize, chunk);
+    u8* const line = image + ((unit >> 1) * WG_TB + row) * 128;
+#pragma unroll
+    for (int c = 0; c < 4; ++c)
+      *reinterpret_cast<uint4*>(line + (((4 * (unit & 1) + c) ^ (row & 7)) << 4)) = chunk[c];
+  }
+  fence_proxy_async_shared();  // the image's generic-proxy writes, before the bulk copies read them
+  __syncthreads();
+  if (threadIdx.x == 0 && tile_rows > 0) {
+    for (int p = 0; p < planes_in; ++p) {
+      u8* dst = out + ((static_cast<i64>(unit0 / 2 + p) * rows) + tile.row0) * 128;
+      bulk_copy_to_global(dst, ring + WG_IMAGE_OFFSET + p * WG_TB * 128, static_cast<u32>(tile_rows) * 128u);
+    }
+    bulk_commit_wait_read();  // the CTA's shared memory stays until the copies have read it
   }
 }
 
@@ -359,9 +398,9 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, SM90_WG_MIN_BLOCKS)
     wgmma_tile<WG_TB>(tile, w_tiles, w_scales, alpha, x, rows, num_experts, n, k, row_capacity, alpha_split);
   }
   u32 ring;
-  const u8* smem = wgmma_smem(ring);
+  u8* smem = wgmma_smem(ring);
 #ifdef SM90_ACT
-  activation_epilogue<SM90_ACT, WG_PAIRED>(smem, tile, row_to_slot, WG_PAIRED ? n / 2 : n, row_capacity, act_alpha,
+  activation_epilogue<SM90_ACT, WG_PAIRED>(smem, ring, tile, row_to_slot, WG_PAIRED ? n / 2 : n, row_capacity, act_alpha,
                                               act_beta, act_limit, act_layout, requantize != 0, act_out, act_scales);
 #else
   // The tile's rows x FB / 8 chunks of 16 B; rows past the segment and features past N are not written.

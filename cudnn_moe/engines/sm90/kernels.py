@@ -224,7 +224,11 @@ class WgmmaVariant:
 
     @property
     def shared_mem(self) -> int:
-        return max(self.stages * self.stage_bytes, self.tile_rows * (2 * self.feature_block + 16)) + 1024
+        """wgmma_gemm.cu WG_SMEM_BYTES: the ring, or the epilogue's C tile (1024-byte rounded) and its image of up to
+        feature_block / 64 tiled planes, plus 1024 to align."""
+        c_tile = -(-self.tile_rows * (2 * self.feature_block + 16) // 1024) * 1024
+        epilogue = c_tile + self.tile_rows * 128 * (self.feature_block // 64)
+        return max(self.stages * self.stage_bytes, epilogue) + 1024
 
     def options(self) -> tuple[str, ...]:
         return (f"-DSM90_WG_TB={self.tile_rows}", f"-DSM90_WG_GROUPS={self.groups}", f"-DSM90_WG_STAGES={self.stages}",

@@ -571,8 +571,13 @@ def test_wgmma_variant_macros_match_the_source() -> None:
     # stage = 128 B per token row + 576 B per m16 weight tile (codes + scales), rounded up to 1 KB
     assert w.stage_bytes == 16384 + 16 * 576  # already a multiple of 1 KB
     assert sm90.WgmmaVariant(64, 2).stage_bytes == 13312  # 8192 + 8 * 576 = 12800, rounded up and w.threads == 512 and w.feature_block == 256
-    assert w.shared_mem == 5 * w.stage_bytes + 1024  # + the ring's 1 KB alignment slack
-    assert sm90.WgmmaVariant(128, 4, 3).shared_mem == max(3 * w.stage_bytes, 128 * (2 * 256 + 16)) + 1024
+    # the larger of the ring and the epilogue (the C tile rounded to 1 KB, then an image of up to four tiled planes
+    # of 128 rows), + the ring's 1 KB alignment slack
+    epilogue = 128 * 528 + 4 * 128 * 128  # 128 * 528 = 66 KB exactly
+    assert w.shared_mem == max(5 * w.stage_bytes, epilogue) + 1024 == epilogue + 1024
+    assert sm90.WgmmaVariant(128, 4, 8).shared_mem == 8 * w.stage_bytes + 1024
+    assert sm90.WgmmaVariant(128, 2, 4).shared_mem == 4 * 21504 + 1024  # C and two planes: 67584
+    assert sm90.WgmmaVariant(64, 2, 4).shared_mem == 4 * 13312 + 1024
     assert loader.ARCH_SPECIFIC in w.options() and w.token_layout is TokenLayout.BF16_ROWS
     tiled = sm90.WgmmaVariant(tiled_tokens=True)
     assert tiled.token_layout is TokenLayout.BF16_TILED and "-DSM90_WG_TILED_X=1" in tiled.options()
