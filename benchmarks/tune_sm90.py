@@ -75,7 +75,7 @@ PREFILL = [PrefillVariant(stages=s, min_blocks=b) for s in (3, 4) for b in (1, 2
 # fragment-order tokens: the values differ from a natural-order call, the work does not.
 WGMMA = [WgmmaVariant(rows, groups, stages, blocks) for rows, groups, stages, blocks in (
     (128, 4, 5, 1), (128, 4, 4, 1), (128, 4, 6, 1), (64, 4, 6, 1), (64, 4, 8, 1),
-    (128, 2, 4, 2), (128, 2, 5, 1), (64, 2, 6, 2), (64, 2, 4, 3))]
+    (128, 2, 4, 2), (128, 2, 5, 2), (128, 2, 3, 2), (128, 2, 5, 1), (64, 2, 6, 2), (64, 2, 4, 3))]
 
 
 def full_buffers(ops: GemmOperands) -> GemmOperands:
