@@ -81,8 +81,7 @@ __device__ __forceinline__ u32 scaled_bf16x2(float v0, float v1, float sf) {
 }
 
 // The 32 values of a unit in the BF16 layouts, as four 16-byte chunks in natural column order (chunk c: values
-// 8c .. 8c + 7): the grid values v times their block's scale (s0: values 0-15, s1: 16-31; exact), or, rounded, bf16_rne
-// of the FP32 values y.
+// 8c .. 8c + 7): the grid values v times their block's scale (s0: values 0-15, s1: 16-31; exact).
 __device__ __forceinline__ void scaled_unit_chunks(const float v[32], u8 s0, u8 s1, uint4 chunk[4]) {
   const float sf0 = e4m3_to_float(s0), sf1 = e4m3_to_float(s1);
 #pragma unroll
@@ -94,10 +93,16 @@ __device__ __forceinline__ void scaled_unit_chunks(const float v[32], u8 s0, u8 
   }
 }
 
+// bf16_rne(y[j]) in the low half, bf16_rne(y[j + 1]) in the high half.
+__device__ __forceinline__ u32 bf16_pair(const float* y, int j) {
+  return static_cast<u32>(float_to_bf16(y[j])) | (static_cast<u32>(float_to_bf16(y[j + 1])) << 16);
+}
+
+// The same four chunks of bf16_rne(y) (a unit without requantization).
 __device__ __forceinline__ void rounded_unit_chunks(const float y[32], uint4 chunk[4]) {
-  auto pair = [&](int j) { return static_cast<u32>(float_to_bf16(y[j])) | (static_cast<u32>(float_to_bf16(y[j + 1])) << 16); };
 #pragma unroll
-  for (int c = 0; c < 4; ++c) chunk[c] = make_uint4(pair(8 * c), pair(8 * c + 2), pair(8 * c + 4), pair(8 * c + 6));
+  for (int c = 0; c < 4; ++c)
+    chunk[c] = make_uint4(bf16_pair(y, 8 * c), bf16_pair(y, 8 * c + 2), bf16_pair(y, 8 * c + 4), bf16_pair(y, 8 * c + 6));
 }
 
 // The four chunks of unit u of row r at their places: natural column order (TOKENS_BF16_ROWS, 16-byte stores at
@@ -167,11 +172,11 @@ __device__ __forceinline__ void store_unit_bf16(int layout, u8* out, i64 r, int 
     store_unit_chunks(layout, reinterpret_cast<u16*>(out), r, u, inter, rows, chunk);
     return;
   }
-  auto pair = [&](int j) { return static_cast<u32>(float_to_bf16(y[j])) | (static_cast<u32>(float_to_bf16(y[j + 1])) << 16); };
   u16* dst = reinterpret_cast<u16*>(out) + r * inter + 64 * (u >> 1) + 8 * (u & 1);
 #pragma unroll
   for (int q = 0; q < 4; ++q)
-    *reinterpret_cast<uint4*>(dst + 16 * q) = make_uint4(pair(2 * q), pair(2 * q + 8), pair(16 + 2 * q), pair(24 + 2 * q));
+    *reinterpret_cast<uint4*>(dst + 16 * q) =
+        make_uint4(bf16_pair(y, 2 * q), bf16_pair(y, 2 * q + 8), bf16_pair(y, 16 + 2 * q), bf16_pair(y, 24 + 2 * q));
 }
 
 // Unit u of output row r (inter values per row, `rows` rows in the output) from the 32 BF16 values at src (up;
