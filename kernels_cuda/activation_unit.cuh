@@ -102,7 +102,8 @@ __device__ __forceinline__ u32 bf16_pair(const float* y, int j) {
 __device__ __forceinline__ void rounded_unit_chunks(const float y[32], uint4 chunk[4]) {
 #pragma unroll
   for (int c = 0; c < 4; ++c)
-    chunk[c] = make_uint4(bf16_pair(y, 8 * c), bf16_pair(y, 8 * c + 2), bf16_pair(y, 8 * c + 4), bf16_pair(y, 8 * c + 6));
+    chunk[c] =
+        make_uint4(bf16_pair(y, 8 * c), bf16_pair(y, 8 * c + 2), bf16_pair(y, 8 * c + 4), bf16_pair(y, 8 * c + 6));
 }
 
 // The four chunks of unit u of row r at their places: natural column order (TOKENS_BF16_ROWS, 16-byte stores at
@@ -207,8 +208,9 @@ __device__ __forceinline__ void activate_store_unit(const u16* src, int gate_off
 // The same unit's values in the BF16 layouts as activate_store_unit stores them, as four 16-byte chunks in natural
 // column order (scaled_unit_chunks or rounded_unit_chunks; zeros for a padding row), for a caller that places them.
 template <int ACT, bool GATED>
-__device__ __forceinline__ void activate_unit_chunks(const u16* src, int gate_offset, bool padding, int act, float alpha,
-                                                     float beta, float limit, bool requantize, uint4 chunk[4]) {
+__device__ __forceinline__ void activate_unit_chunks(const u16* src, int gate_offset, bool padding, int act,
+                                                     float alpha, float beta, float limit, bool requantize,
+                                                     uint4 chunk[4]) {
   if (padding) {
 #pragma unroll
     for (int c = 0; c < 4; ++c) chunk[c] = make_uint4(0u, 0u, 0u, 0u);

@@ -247,10 +247,12 @@ __device__ __forceinline__ bool is_bf16_layout(int layout) {
 
 // TOKENS_BF16_TILED (rows R a multiple of 8): the element offset of natural 16-byte chunk j (columns 8j .. 8j + 7)
 // of row r. Planes of 64 columns, plane j / 8 holding every row's 128 bytes at (j / 8) R 64 + 64 r, the chunk at
-// position (j % 8) ^ (r % 8) in the row: the 128-byte swizzled image of a wgmma B tile, so the rows of one tile
-// and k64 block are one contiguous copy.
+// position (j % 8) ^ (r % 8) in the row (tiled_chunk_position): the 128-byte swizzled image of a wgmma B tile, so
+// the rows of one tile and k64 block are one contiguous copy.
+__device__ __forceinline__ int tiled_chunk_position(int j, int r) { return (j & 7) ^ (r & 7); }
+
 __device__ __forceinline__ i64 tiled_chunk_offset(i64 r, int j, int rows) {
-  return ((j >> 3) * static_cast<i64>(rows) + r) * 64 + (((j & 7) ^ static_cast<int>(r & 7)) << 3);
+  return ((j >> 3) * static_cast<i64>(rows) + r) * 64 + (tiled_chunk_position(j, static_cast<int>(r)) << 3);
 }
 
 // Unit u in the BF16 layout `layout` (TOKENS_BF16_FRAGMENTS or TOKENS_BF16_ROWS).

@@ -56,7 +56,8 @@ def activate_quantize(
     2i in the low nibble) with E4M3 scales in out_scales (R x I/16, linear or 128x4); or
     BF16_FRAGMENTS / BF16_ROWS / BF16_TILED: out bfloat16 [R, I] storage, the decoded values code * s (exact) in
     token-fragment or natural column order, or in the tiled planes (R % 8 == 0). Rows >= offsets[E] are not
-    written; padding rows (row_to_slot < 0) are written as zeros. g1 16-byte aligned; out 16-byte aligned for the BF16 layouts, 8 for the NVFP4 codes.
+    written; padding rows (row_to_slot < 0) are written as zeros. g1 16-byte aligned; out 16-byte aligned for the
+    BF16 layouts, 8 for the NVFP4 codes.
     """
     rows = out.shape[0]
     inter = out.shape[1] if layout.is_bf16 else 2 * out.shape[1]

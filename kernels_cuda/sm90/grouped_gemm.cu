@@ -318,8 +318,9 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS)
     const int row = tile.row0 + t;
     if (row >= tile.row_end) continue;
     moe::activate_store_unit<SM90_ACT, DEC_PAIRED>(&c_tile[t][32 * unit], DEC_FB / 2, __ldg(row_to_slot + row) < 0,
-                                                   row, unit0 + unit, inter, row_capacity, SM90_ACT, act_alpha, act_beta,
-                                                   act_limit, act_layout, requantize != 0, act_out, act_scales);
+                                                   row, unit0 + unit, inter, row_capacity, SM90_ACT, act_alpha,
+                                                   act_beta, act_limit, act_layout, requantize != 0, act_out,
+                                                   act_scales);
   }
 #endif
 }

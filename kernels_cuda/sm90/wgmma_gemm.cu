@@ -311,8 +311,8 @@ __device__ __forceinline__ void wgmma_tile(const Tile& tile, const u8* __restric
 // WG_IMAGE_OFFSET, each row's chunks already in their swizzled places: tile.row0 is a multiple of 8), then one thread
 // writes each plane's rows with one bulk copy (contiguous in the plane) and waits until they have been read.
 template <int ACT, bool GATED>
-__device__ __forceinline__ void activation_epilogue(u8* smem, u32 ring, const Tile& tile, const int* __restrict__ row_to_slot,
-                                                    int inter, int rows, float alpha, float beta, float limit,
+__device__ __forceinline__ void activation_epilogue(u8* smem, u32 ring, const Tile& tile,
+                                                    const int* __restrict__ row_to_slot, int inter, int rows, float alpha, float beta, float limit,
                                                     int layout, bool requantize, u8* __restrict__ out,
                                                     u8* __restrict__ out_scales) {
   constexpr int COLS = GATED ? WG_FB / 2 : WG_FB;
@@ -347,7 +347,7 @@ __device__ __forceinline__ void activation_epilogue(u8* smem, u32 ring, const Ti
     u8* const line = image + ((unit >> 1) * WG_TB + row) * 128;
 #pragma unroll
     for (int c = 0; c < 4; ++c)
-      *reinterpret_cast<uint4*>(line + (((4 * (unit & 1) + c) ^ (row & 7)) << 4)) = chunk[c];
+      *reinterpret_cast<uint4*>(line + (moe::tiled_chunk_position(4 * (unit & 1) + c, row) << 4)) = chunk[c];
   }
   fence_proxy_async_shared();  // the image's generic-proxy writes, before the bulk copies read them
   __syncthreads();
@@ -400,8 +400,9 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, SM90_WG_MIN_BLOCKS)
   u32 ring;
   u8* smem = wgmma_smem(ring);
 #ifdef SM90_ACT
-  activation_epilogue<SM90_ACT, WG_PAIRED>(smem, ring, tile, row_to_slot, WG_PAIRED ? n / 2 : n, row_capacity, act_alpha,
-                                              act_beta, act_limit, act_layout, requantize != 0, act_out, act_scales);
+  activation_epilogue<SM90_ACT, WG_PAIRED>(smem, ring, tile, row_to_slot, WG_PAIRED ? n / 2 : n, row_capacity,
+                                              act_alpha, act_beta, act_limit, act_layout, requantize != 0, act_out,
+                                              act_scales);
 #else
   // The tile's rows x FB / 8 chunks of 16 B; rows past the segment and features past N are not written.
   const int mtiles_in = (n >> 4) - static_cast<int>(blockIdx.x) * WG_MTILES;
