@@ -21,7 +21,8 @@ from typing import NamedTuple
 
 import torch
 
-from common import REASON_CHARS, Report, Timer, capture, failure_cell, fmt, reason  # noqa: F401 (the cell width, re-exported)
+from common import REASON_CHARS  # noqa: F401 - the cell width, re-exported
+from common import Report, Timer, capture, failure_cell, fmt, reason
 
 from cudnn_moe.weights.low_latency import DeepSeekFp8Weights, E4m3Weights
 
