@@ -1,7 +1,8 @@
 """Time the SM90 engine's GEMM kernel variants on the operands of real token buckets.
 
 For each model and token count: one fused_moe call fills the bucket (routing, sorted rows, both
-GEMMs' inputs), then each candidate variant runs GEMM1 and GEMM2 on those buffers, captured alone in
+GEMMs' inputs; where the bucket's chain gathers, GEMM1's rows are that call's tokens routed as the permute would
+write them), then each candidate variant runs GEMM1 and GEMM2 on those buffers, captured alone in
 a CUDA graph and timed like the benchmarks (L2 flushed, median). Prints the engine's own choice next
 to the fastest candidate; with --forms, each wgmma variant's GEMM1 also in the prefill chain's fused forms
 (rows gathered through the routing, the activation in the epilogue, both) and each decode variant's with the
@@ -78,17 +79,32 @@ WGMMA = [WgmmaVariant(rows, groups, stages, blocks) for rows, groups, stages, bl
     (128, 2, 4, 2), (128, 2, 5, 2), (128, 2, 3, 2), (128, 2, 5, 1), (64, 2, 6, 2), (64, 2, 4, 3))]
 
 
-def full_buffers(ops: GemmOperands) -> GemmOperands:
-    """``ops`` with R-row token and output buffers where the bucket's fused chain holds none (zero token rows: the
-    values differ from a real call's, the work does not)."""
-    device = ops.offsets.device
+def routed_rows(source: torch.Tensor, row_to_slot: torch.Tensor, top_k: int) -> torch.Tensor:
+    """bfloat16 [R, K] natural rows as the permute would write them: row r holds the token its slot routes,
+    source[row_to_slot[r] // top_k] (source: the bucket's BF16 token rows [B, K]), zeros where row_to_slot[r] < 0."""
+    slots = row_to_slot.long()
+    rows = source[slots.clamp(min=0) // top_k]
+    return rows.masked_fill_((slots < 0).unsqueeze(1), 0)
+
+
+def full_buffers(ops: GemmOperands, source: torch.Tensor, row_to_slot: torch.Tensor, top_k: int) -> GemmOperands:
+    """``ops`` with R-row token and output buffers where the bucket's fused chain holds none: the call's own tokens
+    routed into rows (routed_rows), so the tensor cores see real values (zero tokens draw less power and run
+    faster: 419 against 442 us for Qwen3-30B-A3B T=4096's fused GEMM1, benchmarks/RESULTS.md)."""
     tokens, out = ops.tokens, ops.out
     if tokens.data.shape[0] != ops.rows:
-        data = torch.zeros(ops.rows, ops.shape.k, dtype=torch.bfloat16, device=device)
-        tokens = TokenOperand(data, None, tokens.layout)
+        tokens = TokenOperand(routed_rows(source, row_to_slot, top_k), None, tokens.layout)
     if out.shape[0] != ops.rows:
-        out = torch.empty(ops.rows, ops.shape.n, dtype=torch.bfloat16, device=device)
+        out = torch.empty(ops.rows, ops.shape.n, dtype=torch.bfloat16, device=ops.offsets.device)
     return replace(ops, tokens=tokens, out=out)
+
+
+def token_rows(bucket: object) -> torch.Tensor | None:
+    """The bucket's BF16 token rows [B, K] (the NVFP4 tokens its stage decoded, or its BF16 tokens), or None where
+    the bucket holds permuted rows only (decode buckets)."""
+    if bucket.x_rows is not None:
+        return bucket.x_rows
+    return bucket.x if bucket.x.dtype == torch.bfloat16 else None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -113,7 +129,9 @@ def main(argv: list[str] | None = None) -> int:
         for tokens in args.tokens:
             moe_call(config, weights, *random_batch(m, tokens, gen))()
             bucket = executor.bucket(tokens)
-            for index, name, ops in ((1, "gemm1", full_buffers(bucket.gemm1)), (2, "gemm2", bucket.gemm2)):
+            source = token_rows(bucket)
+            gemm1 = bucket.gemm1 if source is None else full_buffers(bucket.gemm1, source, bucket.row_to_slot, m.top_k)
+            for index, name, ops in ((1, "gemm1", gemm1), (2, "gemm2", bucket.gemm2)):
                 chosen = executor.engine.variant(ops.rows, ops.shape, gemm=index)
                 candidates = PREFILL if tokens >= 1024 else DECODE + (PREFILL if tokens >= 256 else [])
                 # the wgmma kernel reads the bucket's layout: GEMM1 natural rows, GEMM2 the tiled planes
@@ -121,7 +139,10 @@ def main(argv: list[str] | None = None) -> int:
                 candidates = candidates + (wgmma if tokens >= 256 else [])
                 flops = 2.0 * int(ops.offsets[-1]) * ops.shape.n * ops.shape.k  # rows used, read outside any capture
                 w = ops.weights
-                gather = RowGather(ops.tokens.data[: bucket.tokens], bucket.row_to_slot, m.top_k)
+                # the call's token rows; a bucket without them (a decode chain's) lends its permuted rows (fragment
+                # order: other values, the same work)
+                rows_in = source if source is not None else ops.tokens.data[: bucket.tokens]
+                gather = RowGather(rows_in, bucket.row_to_slot, m.top_k)
                 epilogue = ActivationEpilogue(SwiGLU(), bucket.row_to_slot, bucket.gemm2.tokens)
                 for variant in candidates:
                     forms = [("", {})]

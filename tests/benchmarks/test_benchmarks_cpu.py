@@ -19,6 +19,7 @@ import bench_moe  # noqa: E402
 import bench_stages  # noqa: E402
 import probe_pdl  # noqa: E402
 import profile_call  # noqa: E402
+import tune_sm90  # noqa: E402
 import common  # noqa: E402
 
 from cudnn_moe.engines.base import GemmShape  # noqa: E402
@@ -240,3 +241,19 @@ def test_bf16_peer_falls_back_to_eager_and_says_so(monkeypatch: pytest.MonkeyPat
     assert peer.time_us(_FakeTimer(2), lambda: calls.append(1)) == (10.0, "10.0 (eager)")
     assert peer.time_us(_FakeTimer(2), lambda: calls.append(1)) == (10.0, "10.0 (eager)")
     assert len(calls) == 6 and len(report.notes) == 1 and "timed eagerly" in report.notes[0]
+
+
+def test_tune_sm90_routes_the_call_tokens_into_rows() -> None:
+    """The tuner's GEMM1 rows for a gathering bucket are the call's tokens as the permute would place them: row r
+    holds token row_to_slot[r] // top_k, padding rows (-1) are zero."""
+    import tune_sm90
+
+    gen = torch.Generator().manual_seed(3)
+    source = torch.randn(5, 16, generator=gen).bfloat16()
+    row_to_slot = torch.tensor([3, 0, -1, 9, 4, -1, 1, 8], dtype=torch.int32)
+    rows = tune_sm90.routed_rows(source, row_to_slot, top_k=2)
+    assert rows.shape == (8, 16) and rows.dtype == torch.bfloat16
+    for r, slot in enumerate(row_to_slot.tolist()):
+        want = torch.zeros(16, dtype=torch.bfloat16) if slot < 0 else source[slot // 2]
+        assert torch.equal(rows[r], want), r
+    assert torch.count_nonzero(rows[[0, 1, 3]]) > 0
