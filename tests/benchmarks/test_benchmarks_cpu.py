@@ -246,8 +246,6 @@ def test_bf16_peer_falls_back_to_eager_and_says_so(monkeypatch: pytest.MonkeyPat
 def test_tune_sm90_routes_the_call_tokens_into_rows() -> None:
     """The tuner's GEMM1 rows for a gathering bucket are the call's tokens as the permute would place them: row r
     holds token row_to_slot[r] // top_k, padding rows (-1) are zero."""
-    import tune_sm90
-
     gen = torch.Generator().manual_seed(3)
     source = torch.randn(5, 16, generator=gen).bfloat16()
     row_to_slot = torch.tensor([3, 0, -1, 9, 4, -1, 1, 8], dtype=torch.int32)
