@@ -52,13 +52,27 @@ __device__ __forceinline__ float act_fn(int act, float x) {
   }
 }
 
+// clamp(x, lo, hi) as torch.clamp: NaN stays NaN.
+__device__ __forceinline__ float clamp_nan(float x, float lo, float hi) { return min_nan(max_nan(x, lo), hi); }
+
+// SwiGLU with its default parameters (alpha 1, beta 0, no limit): silu(gate) * (up + 0), bit for bit act_gated's
+// SwiGLU with those parameters (its clamps to +-inf and its product with 1 are identities, NaN included; the + 0
+// keeps its sign of a zero up), in five fewer instructions per value.
+__device__ __forceinline__ float swiglu_plain(float up, float gate) { return gate * sigmoid(gate) * (up + 0.0f); }
+
+// Whether SwiGLU's scalars are its defaults, so that swiglu_plain gives its bits.
+__device__ __forceinline__ bool swiglu_is_plain(float alpha, float beta, float limit) {
+  return alpha == 1.0f && beta == 0.0f && limit > 3.40282347e38f;
+}
+
 // Gated activations of (up, gate), the common kinds:
 //   SwiGLU:     g = min(gate, limit), u = clamp(up, -limit, limit), y = g * sigmoid(alpha * g) * (u + beta)
 //   others:     y = act_fn(act, gate) * up   (GeGLU, GeGLUTanh)
+// The clamps propagate NaN, as the reference's torch.clamp does.
 __device__ __forceinline__ float act_gated(int act, float up, float gate, float alpha, float beta, float limit) {
   if (act != ACT_SWIGLU) return act_fn(act, gate) * up;
-  gate = fminf(gate, limit);
-  up = fminf(fmaxf(up, -limit), limit);
+  gate = min_nan(gate, limit);
+  up = clamp_nan(up, -limit, limit);
   return gate * sigmoid(alpha * gate) * (up + beta);
 }
 
@@ -69,8 +83,8 @@ __device__ __forceinline__ float act_gated(int act, float up, float gate, float 
 // the two extra tests fold away).
 __device__ __forceinline__ float act_gated_all(int act, float up, float gate, float alpha, float beta, float limit) {
   if (act == ACT_SWIGLU_STEP) {
-    const float s = fminf(gate * sigmoid(gate), limit);
-    return s * fminf(fmaxf(up, -limit), limit);
+    const float s = min_nan(gate * sigmoid(gate), limit);
+    return s * clamp_nan(up, -limit, limit);
   }
   if (act == ACT_SITU) {
     const float soft_gate = alpha * tanhf(gate / alpha) * sigmoid(gate);

@@ -21,6 +21,11 @@ __device__ __forceinline__ void activate_32(const u16* row, int gate_offset, int
     float gate[32];
 #pragma unroll
     for (int i = 0; i < 4; ++i) load_bf16x8(row + gate_offset + c0 + 8 * i, gate + 8 * i);
+    if (kind == ACT_SWIGLU && swiglu_is_plain(alpha, beta, limit)) {
+#pragma unroll
+      for (int j = 0; j < 32; ++j) y[j] = swiglu_plain(y[j], gate[j]);
+      return;
+    }
 #pragma unroll
     for (int j = 0; j < 32; ++j) y[j] = act_gated_all(kind, y[j], gate[j], alpha, beta, limit);
   } else {
@@ -54,10 +59,33 @@ __device__ __forceinline__ u8 block_scale_e4m3(float amax) {
   return float_to_e4m3(divide_rn(amax, 6.0f, refined_reciprocal(6.0f)));
 }
 
-// Requantize one 16-value block in place: s = e4m3(amax(|y|) / 6) (returned), y_j = the E2M1 grid value of
-// y_j / float(s) (the IEEE quotient, divide_rn; round_to_e2m1 is e2m1_to_float(float_to_e2m1(.))), all +0 when
-// float(s) == 0.
+// Requantize one 16-value block in place: s = e4m3(amax(|y|) / 6) (returned; amax NaN-blind), y_j = the E2M1 grid
+// value of y_j / float(s) (the IEEE quotient, divide_rn; round_to_e2m1 is e2m1_to_float(float_to_e2m1(.))), all +0
+// when float(s) == 0.
+// Two paths, one result. While the NaN-propagating maximum of |y| is below 2^100 (no NaN, no infinity), it is the
+// NaN-blind amax and every quotient is finite and below 2^100 (at most about 9, or 2^100 / 448 where s saturates), so
+// divide_rn's overflow test and round_to_e2m1's NaN test would always pass: that path leaves them out
+// (round_finite_to_e2m1). Otherwise the loop with both.
 __device__ __forceinline__ u8 requantize_16(float y[16]) {
+  float peak = 0.0f;
+#pragma unroll
+  for (int j = 0; j < 16; ++j) peak = max_nan(peak, fabsf(y[j]));
+  if (peak < 0x1p100f) {
+    const u8 s = block_scale_e4m3(peak);
+    const float sf = e4m3_to_float(s);
+    if (sf == 0.0f) {
+#pragma unroll
+      for (int j = 0; j < 16; ++j) y[j] = 0.0f;
+      return s;
+    }
+    const float r = refined_reciprocal(sf);
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      const float q0 = y[j] * r;
+      y[j] = round_finite_to_e2m1(fmaf(r, fmaf(-q0, sf, y[j]), q0));
+    }
+    return s;
+  }
   float amax = 0.0f;
 #pragma unroll
   for (int j = 0; j < 16; ++j) amax = fmaxf(amax, fabsf(y[j]));

@@ -38,6 +38,31 @@ __device__ __forceinline__ void grid_dependency_begin() {
 }
 
 // ---------------------------------------------------------------------------
+// Minimum and maximum that propagate NaN (torch.minimum / torch.clamp semantics; fminf and fmaxf return the other
+// operand instead): min.NaN / max.NaN from sm_80 on, a test before.
+// ---------------------------------------------------------------------------
+
+__device__ __forceinline__ float min_nan(float a, float b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  float r;
+  asm("min.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+#else
+  return (a != a || b != b) ? a + b : fminf(a, b);
+#endif
+}
+
+__device__ __forceinline__ float max_nan(float a, float b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  float r;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+#else
+  return (a != a || b != b) ? a + b : fmaxf(a, b);
+#endif
+}
+
+// ---------------------------------------------------------------------------
 // BF16 <-> FP32
 // ---------------------------------------------------------------------------
 
@@ -132,6 +157,16 @@ __device__ __forceinline__ float round_to_e2m1(float q) {
   const float magic = a < 2.0f ? 6291456.0f : (a < 4.0f ? 12582912.0f : 25165824.0f);
   const float r = fminf(fmaxf(__fsub_rn(__fadd_rn(q, magic), magic), -6.0f), 6.0f);
   return q == q ? r : 0.0f;
+}
+
+// round_to_e2m1(q) for |q| < 2^100 (not NaN), without its NaN test and with the rounding step from q's exponent
+// instead of two comparisons: the magic number is 1.5 * 2^22 * 2^e with 2^e = max(1, q's power of two), as there
+// below 8 (1.5 * 2^22, 2^23, 2^24 below 2, 4, 8); from 8 on a coarser step, whose result is >= 8 and saturates to 6
+// as well (the bound keeps the magic number finite).
+__device__ __forceinline__ float round_finite_to_e2m1(float q) {
+  const float power = fmaxf(__uint_as_float(__float_as_uint(q) & 0x7F800000u), 1.0f);
+  const float magic = __fmul_rn(power, 6291456.0f);
+  return fminf(fmaxf(__fsub_rn(__fadd_rn(q, magic), magic), -6.0f), 6.0f);
 }
 
 // ---------------------------------------------------------------------------

@@ -48,6 +48,7 @@ static inline unsigned int __float_as_uint(float f) { unsigned int u; std::memcp
 static inline float __uint_as_float(unsigned int u) { float f; std::memcpy(&f, &u, 4); return f; }
 static inline float __fadd_rn(float a, float b) { return a + b; }
 static inline float __fsub_rn(float a, float b) { return a - b; }
+static inline float __fmul_rn(float a, float b) { return a * b; }
 """
 
 

@@ -407,6 +407,49 @@ def test_activation_math_matches_the_reference_activations(tmp_path: Path) -> No
             f"at up={float(up[int((err - bound).argmax())])}, gate={float(gate[int((err - bound).argmax())])}")
 
 
+_PLAIN_DRIVER = HOST_PRELUDE + r"""
+#include "activation_math.cuh"
+using namespace moe;
+
+// stdin: pairs "up gate"; stdout per pair: the bits of SwiGLU(1, 0, inf) by act_gated_all, by swiglu_plain, and of
+// SwiGLUStep(limit 2) (hex).
+int main() {
+  float up, gate;
+  while (std::scanf("%f %f", &up, &gate) == 2)
+    std::printf("%08x %08x %08x\n", __float_as_uint(act_gated_all(ACT_SWIGLU, up, gate, 1.0f, 0.0f, INFINITY)),
+                __float_as_uint(swiglu_plain(up, gate)),
+                __float_as_uint(act_gated_all(ACT_SWIGLU_STEP, up, gate, 0.0f, 0.0f, 2.0f)));
+  return 0;
+}
+"""
+
+
+@pytest.mark.skipif(CXX is None, reason="no C++ compiler")
+def test_plain_swiglu_is_the_default_swiglu_and_clamps_keep_nan(tmp_path: Path) -> None:
+    """swiglu_plain (the activation unit's path for SwiGLU's default scalars) gives act_gated_all's SwiGLU(1, 0, inf)
+    bit for bit, zeros of either sign, infinities and NaN included; and the clamps of SwiGLU and SwiGLUStep keep a NaN
+    up or gate NaN, as the reference's torch.clamp does."""
+    source, program = tmp_path / "plain.cpp", tmp_path / "plain"
+    source.write_text(_PLAIN_DRIVER)
+    build = [CXX, "-std=c++17", "-O1", "-I", str(kernels_dir()), *cuda_defines(), str(source), "-o", str(program)]
+    result = subprocess.run(build, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    gen = torch.Generator().manual_seed(3)
+    special = [0.0, -0.0, 1.0, -1.0, 100.0, -100.0, math.inf, -math.inf, math.nan]
+    up = torch.cat([torch.randn(300, generator=gen) * 4, torch.tensor(special).repeat_interleave(len(special))])
+    gate = torch.cat([torch.randn(300, generator=gen) * 4, torch.tensor(special).repeat(len(special))])
+    lines = [f"{u!r} {g!r}" for u, g in zip(up.tolist(), gate.tolist())]
+    run = subprocess.run([str(program)], input="\n".join(lines) + "\n", capture_output=True, text=True, check=True)
+    bits = torch.tensor([[int(v, 16) for v in line.split()] for line in run.stdout.splitlines()], dtype=torch.int64)
+    values = bits.to(torch.int32).view(torch.float32)
+    assert torch.equal(bits[:, 0], bits[:, 1])
+    nan_in = up.isnan() | gate.isnan()
+    assert bool(values[nan_in, 0].isnan().all()) and bool(values[nan_in, 2].isnan().all())
+    want = SwiGLU().apply(up.double(), gate.double())
+    finite = want.isfinite()
+    assert bool(((values[finite, 0].double() - want[finite]).abs() <= 1e-5 * want[finite].abs() + 1e-6).all())
+
+
 # ----------------------------------------------------------------------------- decoders on the host
 _DECODE_DRIVER = HOST_PRELUDE + r"""
 #include "low_latency/decode.cuh"
