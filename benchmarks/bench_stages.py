@@ -3,8 +3,7 @@
 Per model, token count and engine: the GPU time of each bucket-static stage of the executor (sort,
 permute or the two in one launch, GEMM1, activation, GEMM2, or the fused stages that replace some), each
 captured alone in a CUDA graph, their
-sum, the launches of one call, the whole call (stage + those + finalize, unless GEMM2 finalizes) captured in one
-graph, and the GB/s
+sum, the launches of one call, the whole call (stage + those + finalize) captured in one graph, and the GB/s
 each GEMM streams (NVFP4 bytes of the touched experts / its time). A second table gives each stage's cost
 inside the chain, where the launches overlap (programmatic dependent launch): the first i stages captured in
 one graph, minus the first i - 1. Every time is the median of CUDA-event-timed replays with L2 flushed before
@@ -48,10 +47,8 @@ from cudnn_moe import Nvfp4MoeConfig, Nvfp4Weights  # noqa: E402
 # Every stage an engine chain may hold (executor.stages()), in order; a chain holds "sort+permute" (one
 # launch, decode buckets of the sm90 engine), "sort" and "permute", or "sort" alone (the sm90 engine's wgmma buckets,
 # whose GEMM1 gathers the rows the op's stage decoded); "gemm1" + "activation" or "gemm1+activation" (GEMM1
-# with the activation in its epilogue; on wgmma buckets it also gathers its rows through the routing); "gemm2", and
-# "gemm2+finalize" where the call's GEMM2 runs the finalize in its epilogue (the whole call then has no finalize
-# launch; "gemm2" is still timed alone, for its TFLOP/s).
-STAGES = ("sort", "permute", "sort+permute", "gemm1", "gemm1+activation", "activation", "gemm2", "gemm2+finalize")
+# with the activation in its epilogue; on wgmma buckets it also gathers its rows through the routing).
+STAGES = ("sort", "permute", "sort+permute", "gemm1", "gemm1+activation", "activation", "gemm2")
 
 
 def stage_times(
@@ -66,17 +63,11 @@ def stage_times(
     call = moe_call(config, weights, *batch)
     whole = timer.median_us(capture(call).replay)
     executor = executor_for(m, config, weights)
-    bucket = executor.bucket(batch[0].shape[0])
-    out = torch.empty(batch[0].shape[0], m.hidden, dtype=torch.bfloat16, device=batch[0].device)
-    plain = executor.stages(bucket)
-    stages = executor.stages(bucket, executor.combine_into(bucket, out))  # the chain the call runs
+    stages = executor.stages(executor.bucket(batch[0].shape[0]))
     unknown = [name for name, _ in stages if name not in STAGES]
     if unknown:
         raise RuntimeError(f"the executor's stages hold {unknown}; this script tabulates {STAGES}")
     times = {name: timer.median_us(capture(launch).replay) for name, launch in stages}
-    finish = 2 if "gemm2" in times else 1  # the op's stage, and the finalize unless GEMM2 runs it
-    if "gemm2" not in times:
-        times["gemm2"] = timer.median_us(capture(dict(plain)["gemm2"]).replay)
     prefixes = [timer.median_us(capture(lambda n=n: [launch() for _, launch in stages[:n]]).replay)
                 for n in range(1, len(stages) + 1)]
     chain = [(name, t - (prefixes[i - 1] if i else 0.0)) for i, ((name, _), t) in enumerate(zip(stages, prefixes))]
@@ -86,8 +77,7 @@ def stage_times(
     rates = [gemm1_bytes / gemm1 / 1e3, gemm1_bytes / 2 / times["gemm2"] / 1e3]  # bytes / us / 1e3 = GB/s
     gemm2_flops = 2 * batch[0].shape[0] * m.top_k * m.hidden * m.intermediate
     tflops = [2 * gemm2_flops / gemm1 / 1e6, gemm2_flops / times["gemm2"] / 1e6]  # FLOP / us / 1e6 = TFLOP/s
-    chain_sum = sum(times[name] for name, _ in stages)
-    cells = [*(times.get(name) for name in STAGES), chain_sum, len(stages) + finish, whole, *rates, *tflops]
+    cells = [*(times.get(name) for name in STAGES), sum(times.values()), len(stages) + 2, whole, *rates, *tflops]
     return cells, chain
 
 

@@ -193,26 +193,6 @@ class ActivationEpilogue:
     requantize: bool = True
 
 
-@dataclass(frozen=True)
-class RowCombine:
-    """The finalize folded into GEMM2's epilogue: ``out`` (bfloat16 [T, N], the caller's) receives what the finalize
-    kernel (cudnn_moe.kernels.finalize) would write from GEMM2's rows, bit for bit: out[t] = bf16(sum over t's slots
-    s in order whose expert is local of weights[t * top_k + s] * row[slot_to_row[t * top_k + s]]), a separate FP32
-    multiply and add per slot; zero for a token without a local slot. GEMM2 still writes its rows (``out`` of the
-    operands), which the combine reads.
-
-    slot_to_row: int32 [B * top_k] and row_to_slot: int32 [R], the sort's; weights: float32 [B * top_k], the route
-    weights the op's stage decoded; tickets: int32, as many as ``GemmEngine.combine_tickets`` says, zero before the
-    launch and after it (the kernel resets what it counts)."""
-
-    slot_to_row: torch.Tensor
-    row_to_slot: torch.Tensor
-    weights: torch.Tensor
-    top_k: int
-    out: torch.Tensor
-    tickets: torch.Tensor
-
-
 class Gemm1Fusion(NamedTuple):
     """How an engine's chain runs GEMM1 on one bucket: with the activation in its epilogue (GEMM1's BF16 output
     is never written), and gathering its rows through the routing (no permuted token rows). The executor
@@ -232,7 +212,6 @@ class GemmOperands:
     ``out`` with the epilogue, its ``tokens`` with the gather.
     gather / epilogue: the fused forms, for an engine that declares ``LayerStages.gemm1_activation`` in its
     chain: the tokens read through the routing instead of ``tokens``; the activation written instead of ``out``.
-    combine: GEMM2 with the finalize in its epilogue, for an engine whose ``combine_tickets`` is not 0.
     """
 
     rows: int
@@ -244,7 +223,6 @@ class GemmOperands:
     workspace: torch.Tensor | None
     gather: RowGather | None = None
     epilogue: ActivationEpilogue | None = None
-    combine: RowCombine | None = None
 
 
 class Engine(abc.ABC):
@@ -365,11 +343,6 @@ class GemmEngine(Engine):
         """How this engine's chain (``stages``) runs GEMM1 of ``shape`` on a bucket of ``rows`` rows with
         ``activation``: unfused by default."""
         return Gemm1Fusion()
-
-    def combine_tickets(self, tokens: int, rows: int, shape: GemmShape) -> int:
-        """The int32 tickets (RowCombine.tickets) GEMM2 of ``shape`` needs to run the finalize in its epilogue
-        (GemmOperands.combine) on a bucket of ``tokens`` tokens and ``rows`` rows; 0 (the default): it does not."""
-        return 0
 
     def workspace_bytes(self, rows: int, shape: GemmShape) -> int:
         """Workspace a GEMM of ``rows`` rows needs (0 by default); an engine that builds plans per shape

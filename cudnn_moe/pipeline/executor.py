@@ -14,9 +14,7 @@ A call with T tokens runs in the smallest power-of-two bucket B >= T. Per call:
    ``bf16_tokens`` (the tokens are BF16, not NVFP4) and ``bf16_intermediate`` (the activation is
    rounded to BF16 instead of requantized to NVFP4).
 3. finish (the op's launch): finalize, or the unfinalized rows; writes the caller's output for the T
-   live tokens. Where the engine runs the finalize in GEMM2's epilogue (``GemmEngine.combine_tickets``) and the
-   launches know the caller's output (eager calls, calls recorded into the caller's graph, full-call graphs), GEMM2
-   writes it and there is no finish launch; the bucket graph, replayed for any output, keeps the finish.
+   live tokens.
 
 Full-call graphs: when a finalized call with a caller ``out`` repeats a signature (the same caller
 tensors: pointers, shapes, strides, dtypes, and T) on two consecutive calls of a bucket, stage +
@@ -48,7 +46,6 @@ from ..engines.base import (
     GemmOperands,
     GemmShape,
     LayerStages,
-    RowCombine,
     RowGather,
     Stage,
     TokenOperand,
@@ -143,9 +140,6 @@ class Bucket:
             rows, shape2, token_operand(shape2, 2, rows), WeightOperand(w.w2, w.w2_scales, self.alpha2), self.offsets,
             empty(rows, hidden, dtype=torch.bfloat16), workspace,
         )
-        # int32 tickets of GEMM2's combine (RowCombine), zero between calls; None: the engine's GEMM2 does not combine
-        tickets = engine.combine_tickets(tokens, rows, shape2)
-        self.tickets = empty(tickets, dtype=torch.int32) if tickets else None
         self.graph: torch.cuda.CUDAGraph | None = None
         self.full_graphs: OrderedDict[Hashable, torch.cuda.CUDAGraph] = OrderedDict()  # LRU, by signature
         self.last_signature: Hashable | None = None
@@ -247,8 +241,7 @@ class MoeExecutor:
                     tokens, w.hidden_size, dtype=torch.bfloat16, device=w.device
                 )
                 self.run_call(tokens, stage, lambda bucket: self._finalize(bucket, result),
-                              use_cuda_graph=use_cuda_graph, signature=signature if out is not None else None,
-                              finalize_into=result)
+                              use_cuda_graph=use_cuda_graph, signature=signature if out is not None else None)
                 return result
             rows = row_capacity(tokens, self.top_k, w.num_experts, self.engine.row_alignment)
             rows_out = out if out is not None else torch.empty(
@@ -272,7 +265,6 @@ class MoeExecutor:
         *,
         use_cuda_graph: bool,
         signature: Hashable | None = None,
-        finalize_into: torch.Tensor | None = None,
     ) -> None:
         """One call of T = ``tokens`` tokens: ``stage(bucket)`` (caller's inputs -> the bucket's static
         buffers), the bucket pipeline, ``finish(bucket)`` (bucket -> the caller's output).
@@ -280,15 +272,12 @@ class MoeExecutor:
         signature: a hashable identity of everything stage and finish read and write (tensor pointers,
         shapes, strides, dtypes, scalars baked into launches) and T; with use_cuda_graph, repeated calls
         replay one full-call graph of stage + pipeline + finish (module docstring). None: never.
-        finalize_into: when finish is the finalize into this tensor (bfloat16 [T, H]), GEMM2 may write it instead
-        (module docstring): then finish is not launched.
         """
         with self.order.use():
             bucket = self.bucket(tokens)
-            combine = self.combine_into(bucket, finalize_into)
             graphed = use_cuda_graph and not torch.cuda.is_current_stream_capturing()
             if signature is not None and graphed:
-                full = self._full_graph(bucket, signature, stage, finish, combine)
+                full = self._full_graph(bucket, signature, stage, finish)
                 if full is not None:
                     full.replay()
                     return
@@ -296,18 +285,8 @@ class MoeExecutor:
             if graphed:
                 self._ensure_graph(bucket).replay()
             else:
-                self._pipeline(bucket, combine)
-                if combine is not None:
-                    return
+                self._pipeline(bucket)
             finish(bucket)
-
-    def combine_into(self, bucket: Bucket, out: torch.Tensor | None) -> RowCombine | None:
-        """GEMM2's combine into ``out`` where the bucket's engine runs it and ``out`` is what the kernel writes (a
-        contiguous, 16-byte aligned bfloat16 [T, H]); else None (the finish launch finalizes)."""
-        if bucket.tickets is None or out is None or not out.is_contiguous() or out.data_ptr() % 16:
-            return None
-        return RowCombine(bucket.slot_to_row, bucket.row_to_slot, bucket.route_weights.view(-1), self.top_k, out,
-                          bucket.tickets)
 
     def stage(self, bucket: Bucket, activations: Nvfp4Activations, routing: Routing) -> None:
         """The fused op's stage launch: the caller's tokens and routing into ``bucket`` (decoded into its x_rows
@@ -327,10 +306,9 @@ class MoeExecutor:
         signature: Hashable,
         stage: Callable[[Bucket], None],
         finish: Callable[[Bucket], None],
-        combine: RowCombine | None = None,
     ) -> torch.cuda.CUDAGraph | None:
         """The full-call graph of ``signature``: found, captured now (second consecutive call with it),
-        or None (first call: run the usual path). With ``combine`` GEMM2 finalizes and finish is left out."""
+        or None (first call: run the usual path)."""
         graph = bucket.full_graphs.get(signature)
         if graph is not None:
             bucket.full_graphs.move_to_end(signature)
@@ -345,9 +323,8 @@ class MoeExecutor:
             graph = torch.cuda.CUDAGraph()
             with gc_paused(), torch.cuda.graph(graph):
                 stage(bucket)
-                self._pipeline(bucket, combine)
-                if combine is None:
-                    finish(bucket)
+                self._pipeline(bucket)
+                finish(bucket)
             bucket.full_graphs[signature] = graph
             while len(bucket.full_graphs) > FULL_GRAPHS_PER_BUCKET:
                 defer(bucket.full_graphs.popitem(last=False)[1])  # destroyed outside any capture
@@ -358,31 +335,27 @@ class MoeExecutor:
             with self._lock:
                 if bucket.graph is None:
                     self._pipeline(bucket)  # compiles kernels and builds GEMM plans outside capture
-                    if bucket.tickets is not None:  # and GEMM2's combine form, into no tokens
-                        empty = torch.empty(0, self.weights.hidden_size, dtype=torch.bfloat16, device=self.weights.device)
-                        self.engine.gemm(replace(bucket.gemm2, combine=self.combine_into(bucket, empty)))
                     graph = torch.cuda.CUDAGraph()
                     with gc_paused(), torch.cuda.graph(graph):
                         self._pipeline(bucket)
                     bucket.graph = graph
         return bucket.graph
 
-    def _pipeline(self, bucket: Bucket, combine: RowCombine | None = None) -> None:
-        """Launch the bucket-static part of the layer on the current stream (GEMM2 with ``combine``, if given)."""
-        for _, launch in self.stages(bucket, combine):
+    def _pipeline(self, bucket: Bucket) -> None:
+        """Launch the bucket-static part of the layer on the current stream."""
+        for _, launch in self.stages(bucket):
             launch()
 
-    def stages(self, b: Bucket, combine: RowCombine | None = None) -> list[Stage]:
-        """The bucket-static launches of a call, in order: the chain the engine declares, its GEMM2 finalizing
-        through ``combine`` when given (``combine_into``)."""
-        return self.engine.stages(_BucketStages(self, b, combine))
+    def stages(self, b: Bucket) -> list[Stage]:
+        """The bucket-static launches of a call, in order: the chain the engine declares."""
+        return self.engine.stages(_BucketStages(self, b))
 
 
 class _BucketStages(LayerStages):
     """The stages of one executor's call on one bucket (cudnn_moe.engines.base.LayerStages)."""
 
-    def __init__(self, executor: MoeExecutor, bucket: Bucket, combine: RowCombine | None = None) -> None:
-        self.x, self.b, self.combine = executor, bucket, combine
+    def __init__(self, executor: MoeExecutor, bucket: Bucket) -> None:
+        self.x, self.b = executor, bucket
         self.gemm1_fusion = bucket.fusion
 
     def sort(self) -> Stage:
@@ -427,10 +400,7 @@ class _BucketStages(LayerStages):
         ))
 
     def gemm2(self) -> Stage:
-        if self.combine is None:
-            return Stage("gemm2", lambda: self.x.engine.gemm(self.b.gemm2))
-        operands = replace(self.b.gemm2, combine=self.combine)
-        return Stage("gemm2+finalize", lambda: self.x.engine.gemm(operands))
+        return Stage("gemm2", lambda: self.x.engine.gemm(self.b.gemm2))
 
     def _token_rows(self) -> torch.Tensor:
         """The natural BF16 token rows gemm1_activation gathers from: the bucket's BF16 tokens, or the x_rows its

@@ -28,7 +28,6 @@
 // Grid: x = ceil(N / FB) feature blocks, y >= the number of TB-row tiles (find_tile); CTAs past the last exit.
 #include "common.cuh"
 #include "activation_unit.cuh"
-#include "combine.cuh"
 #include "sm90/fragments.cuh"
 #include "sm90/wgmma.cuh"
 
@@ -86,13 +85,6 @@ static_assert(SM90_WG_STAGES >= 3 && SM90_WG_STAGES <= 8, "wgmma gemm: 3..8 stag
 static_assert(WG_SMEM_BYTES <= 227 * 1024, "wgmma gemm: shared memory");
 #if SM90_WG_TILED_X && defined(SM90_ACT)
 #error "wgmma gemm: the tiled token load is GEMM2's (GEMM1 with the activation gathers natural rows)"
-#endif
-// The finalize folded into GEMM2's epilogue (see combine_epilogue): SM90_COMBINE 1.
-#ifndef SM90_COMBINE
-#define SM90_COMBINE 0
-#endif
-#if SM90_COMBINE && defined(SM90_ACT)
-#error "wgmma gemm: the combine is GEMM2's epilogue, the activation GEMM1's"
 #endif
 
 // The token tiles' mbarriers (SM90_WG_TILED_X), one per ring stage: the shared address of the first (8 bytes each).
@@ -368,78 +360,6 @@ __device__ __forceinline__ void activation_epilogue(u8* smem, u32 ring, const Ti
   }
 }
 
-// The combine (the finalize kernel folded into GEMM2): the segments' rows hold the expert outputs of token slots,
-// out[t] = bf16(sum over t's slots s in order of w[t, s] * row[slot_to_row[t, s]]) over the slots whose expert is
-// local (slot_to_row >= 0), bit for bit moe_finalize (add_slot_rows). The CTA has stored its C tile's rows; each
-// of its rows then takes a ticket on (token, feature block) (`tickets`, int32 [B * ticket_blocks], zero between
-// launches): the CTA taking a token's last ticket, whose rows are all stored, sums the token's FB features
-// in slot order (the rows of other CTAs read from L2) and resets the ticket. No atomics on out, no order between
-// CTAs: the sum's order is the slots'.
-struct Combine {
-  const int* slot_to_row;  // int32 [B * top_k]
-  const float* weights;    // float32 [B * top_k], the route weights
-  int top_k;
-  int tokens;              // T: out's rows
-  int ticket_blocks;       // tickets per token (ceil(N / 64): at least the feature blocks of any variant)
-  u16* out;                // bf16 [T, N]
-  int* tickets;
-};
-
-// Tokens below T none of whose slots has a local expert get zero rows (their sum is empty): written by the CTAs of
-// grid row 0 for their feature block (no other CTA writes those rows). One token per thread and pass: T / THREADS
-// passes of top_k loads each, on FB / 64 CTAs of the grid.
-__device__ __forceinline__ void combine_empty_tokens(const Combine& c, int n) {
-  const int col0 = static_cast<int>(blockIdx.x) * WG_FB;
-  const int chunks = min(WG_FB, n - col0) / 8;
-  for (int t = threadIdx.x; t < c.tokens; t += WG_THREADS) {
-    bool empty = true;
-    for (int s = 0; s < c.top_k; ++s) empty &= __ldg(c.slot_to_row + static_cast<i64>(t) * c.top_k + s) < 0;
-    if (!empty) continue;
-    for (int q = 0; q < chunks; ++q)
-      *reinterpret_cast<uint4*>(c.out + static_cast<i64>(t) * n + col0 + 8 * q) = make_uint4(0u, 0u, 0u, 0u);
-  }
-}
-
-__device__ __forceinline__ void combine_epilogue(const Combine& c, const Tile& tile, const int* __restrict__ row_to_slot,
-                                                 const u16* __restrict__ g2, int n) {
-  __shared__ int ready[WG_TB];  // tokens whose last ticket this CTA took
-  __shared__ int ready_count;
-  const int tile_rows = min(tile.row_end - tile.row0, WG_TB);
-  if (threadIdx.x == 0) ready_count = 0;
-  __syncthreads();  // every thread's row stores issued; ready_count cleared
-  if (static_cast<int>(threadIdx.x) < tile_rows) {
-    const int slot = __ldg(row_to_slot + tile.row0 + threadIdx.x);
-    const int t = slot >= 0 ? slot / c.top_k : -1;
-    if (t >= 0 && t < c.tokens) {
-      const int* rows = c.slot_to_row + static_cast<i64>(t) * c.top_k;
-      int local = 0;
-      for (int s = 0; s < c.top_k; ++s) local += __ldg(rows + s) >= 0;
-      int* ticket = c.tickets + static_cast<i64>(t) * c.ticket_blocks + blockIdx.x;
-      __threadfence();  // the CTA's row stores (ordered before this by the barrier) before the ticket
-      if (atomicAdd(ticket, 1) == local - 1) {
-        *ticket = 0;
-        ready[atomicAdd(&ready_count, 1)] = t;
-      }
-    }
-  }
-  __syncthreads();
-  const int count = ready_count;
-  if (count == 0) return;
-  __threadfence();  // the other CTAs' rows, published before their tickets, after ours
-  constexpr int CHUNKS = WG_FB / 8;
-  const int col0 = static_cast<int>(blockIdx.x) * WG_FB;
-  const int chunks = min(WG_FB, n - col0) / 8;
-  for (int item = threadIdx.x; item < count * CHUNKS; item += WG_THREADS) {
-    const int chunk = item % CHUNKS;
-    if (chunk >= chunks) continue;
-    const i64 t = ready[item / CHUNKS];
-    const int h = col0 + 8 * chunk;
-    float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-    moe::add_slot_rows<true>(acc, g2, c.slot_to_row + t * c.top_k, c.weights + t * c.top_k, c.top_k, n, h);
-    moe::store_bf16x8(c.out + t * n + h, acc);
-  }
-}
-
 // Per k64 stage j and k16 step s, warp w (its warpgroup's A rows 16 (w % 4) ..): wait until at most 3
 // wgmma groups are pending (so the group of step s of stage j - 1, which read a[s], is done), decode a[s]
 // from stage j's weight tile, fence, issue one wgmma on it, commit it as its own group. Up to four
@@ -456,25 +376,14 @@ __device__ __forceinline__ void combine_epilogue(const Combine& c, const Tile& t
 //                     (requantize as there). Gated: W is [up; gate] (n / 2 rows each), the grid's x covers
 //                     ceil(n / FB) blocks of FB / 2 outputs, each CTA's first half of warps computing up and
 //                     its second half the gate rows of those outputs.
-//   SM90_COMBINE      the finalize folded into the epilogue (combine_epilogue): out still receives the rows, and
-//                     combine_out (bf16 [combine_tokens, N]) the finalized tokens, from combine_slot_to_row,
-//                     combine_weights (the route weights) and combine_top_k through combine_tickets
-//   row_to_slot       int32 [row_capacity]: read by any of them (unused by the plain kernel)
+//   row_to_slot       int32 [row_capacity]: read by either (unused by the plain kernel without a gather)
 extern "C" __global__ void __launch_bounds__(WG_THREADS, SM90_WG_MIN_BLOCKS)
     sm90_gemm_wgmma(const u8* __restrict__ w_tiles, const u8* __restrict__ w_scales, const float* __restrict__ alpha,
                     const u16* __restrict__ x, const int* __restrict__ offsets, int num_experts, int n, int k,
                     int row_capacity, int alpha_split, u16* __restrict__ out, const int* __restrict__ row_to_slot,
                     int gather_top_k, int gather_tokens, float act_alpha, float act_beta, float act_limit,
-                    int act_layout, int requantize, u8* __restrict__ act_out, u8* __restrict__ act_scales,
-                    const int* __restrict__ combine_slot_to_row, const float* __restrict__ combine_weights,
-                    int combine_top_k, int combine_tokens, int combine_ticket_blocks, u16* __restrict__ combine_out,
-                    int* __restrict__ combine_tickets) {
+                    int act_layout, int requantize, u8* __restrict__ act_out, u8* __restrict__ act_scales) {
   moe::grid_dependency_begin();
-#if SM90_COMBINE
-  const Combine combine{combine_slot_to_row, combine_weights, combine_top_k, combine_tokens, combine_ticket_blocks,
-                        combine_out, combine_tickets};
-  if (blockIdx.y == 0) combine_empty_tokens(combine, n);  // grid row 0 always runs, with or without a tile
-#endif
   Tile tile;
   if (!find_tile<WG_TB>(offsets, num_experts, row_capacity, static_cast<int>(blockIdx.y), tile)) return;
   if (tile.row0 < 0 || tile.row0 >= tile.row_end) return;  // offsets outside [0, row_capacity]: nothing safe to do
@@ -498,8 +407,5 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, SM90_WG_MIN_BLOCKS)
   // The tile's rows x FB / 8 chunks of 16 B; rows past the segment and features past N are not written.
   const int mtiles_in = (n >> 4) - static_cast<int>(blockIdx.x) * WG_MTILES;
   store_c_tile<WG_TB, WG_FB, WG_THREADS>(smem, WG_C_STRIDE, tile, n, blockIdx.x * WG_FB, 2 * mtiles_in, out);
-#if SM90_COMBINE
-  combine_epilogue(combine, tile, row_to_slot, out, n);
-#endif
 #endif
 }

@@ -168,11 +168,8 @@ class _FakeExecutor:
         gemm = [SimpleNamespace(rows=rows, shape=GemmShape(k, n, 8)) for k, n in ((256, 256), (128, 256))]
         return SimpleNamespace(rows=rows, gemm1=gemm[0], gemm2=gemm[1])
 
-    def stages(self, bucket: SimpleNamespace, combine: object = None) -> list[tuple[str, object]]:
+    def stages(self, bucket: SimpleNamespace) -> list[tuple[str, object]]:
         return [(name, lambda: None) for name in ("sort+permute", "gemm1", "activation", "gemm2")]  # a decode chain
-
-    def combine_into(self, bucket: SimpleNamespace, out: torch.Tensor) -> None:
-        return None  # a decode bucket's GEMM2 does not finalize
 
 
 @pytest.fixture
@@ -218,18 +215,16 @@ def test_bench_stages_table_with_fake_cuda(fake_cuda: None, tmp_path: Path) -> N
                               "--markdown", str(md)]) == 0
     lines = md.read_text().splitlines()
     assert lines[4] == ("| model | T | engine | sort | permute | sort+permute | gemm1 | "
-                        "gemm1+activation | activation | gemm2 | gemm2+finalize | sum of stages | launches | whole call | "
-                        "GEMM1 GB/s | "
+                        "gemm1+activation | activation | gemm2 | sum of stages | launches | whole call | GEMM1 GB/s | "
                         "GEMM2 GB/s | GEMM1 TFLOP/s | GEMM2 TFLOP/s |")
     # stages the chain lacks are "-"; launches = the chain's 4 + the op's stage and finalize; GB/s = the touched
     # experts' NVFP4 bytes of each GEMM over its 10 us; TFLOP/s = the 2 x 2 routed slots' FLOPs over 10 us
     cells = lines[6].strip("| ").split(" | ")
-    assert cells[:14] == ["Tiny", "2", "cudnn", "-", "-", "10.0", "10.0", "-", "10.0", "10.0", "-", "40.0", "6",
-                          "10.0"]
+    assert cells[:13] == ["Tiny", "2", "cudnn", "-", "-", "10.0", "10.0", "-", "10.0", "10.0", "40.0", "6", "10.0"]
     per_expert = TINY.hidden * TINY.intermediate * common.FP4_BYTES_PER_WEIGHT / 10 / 1e3  # GEMM2, one expert
-    assert (cells[14], cells[15]) in [(common.fmt(2 * t * per_expert), common.fmt(t * per_expert)) for t in (2, 3, 4)]
+    assert (cells[13], cells[14]) in [(common.fmt(2 * t * per_expert), common.fmt(t * per_expert)) for t in (2, 3, 4)]
     gemm2_tflops = 2 * 2 * TINY.top_k * TINY.hidden * TINY.intermediate / 10 / 1e6
-    assert cells[16:18] == [common.fmt(2 * gemm2_tflops), common.fmt(gemm2_tflops)]
+    assert cells[15:17] == [common.fmt(2 * gemm2_tflops), common.fmt(gemm2_tflops)]
     # the in-chain table: every prefix takes the fake timer's 10 us, so the first stage adds 10 and the rest 0
     chain = [line for line in lines if line.startswith("| Tiny |")][-1]
     assert chain == "| Tiny | 2 | cudnn | sort+permute 10.0, gemm1 0.0, activation 0.0, gemm2 0.0 |"

@@ -165,9 +165,6 @@ class _FakeGraph:
     def __init__(self) -> None:
         _FakeGraph.captured += 1
 
-    def replay(self) -> None:
-        pass
-
 
 @pytest.fixture
 def fake_executor(monkeypatch: pytest.MonkeyPatch):
@@ -178,7 +175,7 @@ def fake_executor(monkeypatch: pytest.MonkeyPatch):
     ex._lock = __import__("threading").Lock()
     launched = []
     ex._ensure_graph = lambda bucket: None
-    ex._pipeline = lambda bucket, combine=None: launched.append("pipeline")
+    ex._pipeline = lambda bucket: launched.append("pipeline")
     bucket = type("B", (), {})()
     bucket.full_graphs, bucket.last_signature = OrderedDict(), None
 
@@ -375,36 +372,3 @@ def test_benchmark_help_runs_on_cpu(script: str, options: tuple[str, ...]) -> No
                          check=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}).stdout
     for option in options:
         assert option in out
-
-
-def test_gemm2_finalizes_where_the_launch_knows_the_output(monkeypatch: pytest.MonkeyPatch, fake_executor) -> None:
-    """With an engine whose GEMM2 combines (the bucket has tickets) and a contiguous 16-byte aligned output, eager
-    calls and full-call graphs run the pipeline with the combine and no finish launch; the bucket graph (replayed for
-    any output) keeps the finish, as does an output the kernel cannot write or an engine that does not combine."""
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    full_graph, bucket, launched = fake_executor
-    ex = object.__new__(executor_module.MoeExecutor)
-    ex._lock, ex.order, ex.top_k = __import__("threading").Lock(), type("O", (), {"use": contextlib.nullcontext})(), 2
-    bucket.tickets = torch.zeros(8, dtype=torch.int32)
-    bucket.slot_to_row, bucket.row_to_slot = torch.zeros(8, dtype=torch.int32), torch.zeros(16, dtype=torch.int32)
-    bucket.route_weights = torch.zeros(4, 2)
-    ex.bucket = lambda tokens: bucket
-    ex._pipeline = lambda b, combine=None: launched.append("pipeline+combine" if combine is not None else "pipeline")
-    ex._ensure_graph = lambda b: type("G", (), {"replay": lambda self: launched.append("bucket graph")})()
-
-    def run(out: torch.Tensor, graph: bool, signature: object = None) -> list[str]:
-        launched.clear()
-        ex.run_call(3, lambda b: launched.append("stage"), lambda b: launched.append("finalize"),
-                    use_cuda_graph=graph, signature=signature, finalize_into=out)
-        return list(launched)
-
-    out = torch.zeros(3, 8, dtype=torch.bfloat16)
-    assert run(out, False) == ["stage", "pipeline+combine"]
-    assert run(out, True) == ["stage", "bucket graph", "finalize"]
-    assert run(out, True, "sig") == ["stage", "bucket graph", "finalize"]  # first call of a signature
-    assert run(out, True, "sig") == ["stage", "pipeline+combine"]  # captured into the full-call graph (and replayed)
-    assert run(torch.zeros(8, 3, dtype=torch.bfloat16).t(), False) == ["stage", "pipeline", "finalize"]
-    combine = ex.combine_into(bucket, out)
-    assert combine.out is out and combine.tickets is bucket.tickets and combine.weights.shape == (8,)
-    bucket.tickets = None
-    assert run(out, False) == ["stage", "pipeline", "finalize"]

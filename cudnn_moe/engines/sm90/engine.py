@@ -37,15 +37,7 @@ from ..base import (
     WeightFormat,
     WeightLayout,
 )
-from .kernels import (
-    FEATURE_MULTIPLE,
-    ROW_ALIGNMENT,
-    TICKET_FEATURES,
-    DecodeVariant,
-    GemmVariant,
-    WgmmaVariant,
-    grouped_gemm,
-)
+from .kernels import FEATURE_MULTIPLE, ROW_ALIGNMENT, DecodeVariant, GemmVariant, WgmmaVariant, grouped_gemm
 from .layout import TILE_K, pack_weight_tiles, unpack_weight_tiles
 
 # Decode variants picked with benchmarks/tune_sm90.py on an H200 (benchmarks/RESULTS.md). Two m16 row
@@ -192,13 +184,6 @@ class Sm90GemmEngine(GemmEngine):
             return [*head, layer.gemm1_activation(gather=False), layer.gemm2()]
         return [*head, layer.gemm1(), layer.activation(), layer.gemm2()]
 
-    def combine_tickets(self, tokens: int, rows: int, shape: GemmShape) -> int:
-        """The wgmma kernel runs the finalize in GEMM2's epilogue (one ticket per token and 64 features); the decode
-        kernels do not."""
-        if not isinstance(self.variant(rows, shape, gemm=2), WgmmaVariant):
-            return 0
-        return tokens * -(-shape.n // TICKET_FEATURES)
-
     def variant(self, rows: int, shape: GemmShape, *, gemm: int) -> GemmVariant:
         """The kernel variant GEMM ``gemm`` (1 or 2) of a bucket with ``rows`` rows runs: on the wgmma kernel, GEMM1
         reads natural BF16 rows (what its gather reads; the permute writes them where it does not gather) and GEMM2
@@ -218,4 +203,4 @@ class Sm90GemmEngine(GemmEngine):
         variant = self.variant(operands.rows, operands.shape, gemm=2 if second else 1)
         grouped_gemm(w.data, w.scales, w.alpha, operands.tokens.data if gather is None else None, operands.offsets,
                      operands.out if epilogue is None else None, variant,
-                     alpha_split=w.alpha_split, gather=gather, epilogue=epilogue, combine=operands.combine)
+                     alpha_split=w.alpha_split, gather=gather, epilogue=epilogue)

@@ -20,14 +20,13 @@ from ...kernels.activate import check_activation_output
 from ...kernels.codes import TokenLayout
 from ...kernels.loader import ARCH_SPECIFIC, launch, ptr
 from ...validate import require_contiguous, require_shape, require_tensor
-from ..base import ActivationEpilogue, RowCombine, RowGather, TokenOperand
+from ..base import ActivationEpilogue, RowGather, TokenOperand
 from .layout import TILE_K
 
 GEMM_SOURCE = "sm90/grouped_gemm.cu"
 WGMMA_SOURCE = "sm90/wgmma_gemm.cu"
 FEATURE_MULTIPLE = 128  # N % 128 == 0: every feature block divides it, or (256) overhangs N by 128 that the kernel skips
 ROW_ALIGNMENT = 8  # segment starts (offsets) are multiples of 8
-TICKET_FEATURES = 64  # the combine's tickets per token: one per 64 features, at least one per feature block of any variant
 MAX_GRID_Y = 65535
 
 _MAX_DYNAMIC_SMEM = 227 * 1024  # per block on SM90
@@ -293,7 +292,6 @@ def grouped_gemm(
     *,
     gather: RowGather | None = None,
     epilogue: ActivationEpilogue | None = None,
-    combine: RowCombine | None = None,
 ) -> None:
     """out[r, :N] = bf16(float32(alpha[e] * 256) * (x[r] @ W_e^T * 2^-8)) for the rows r of each segment e.
     With ``alpha_split`` (a multiple of ``variant.alpha_block``, below N) alpha is [2E] and
@@ -311,8 +309,6 @@ def grouped_gemm(
     epilogue (a WgmmaVariant, or a DecodeVariant whose ``epilogue_problem`` is None): out is None;
     epilogue.out receives the activation stage's output for the segments' rows (cudnn_moe.kernels.activate_quantize
     of what out would hold, bit for bit). Gated activations need W's rows as [up; gate] (N / 2 each).
-    combine (a WgmmaVariant reading tiled tokens, the second GEMM): out is written as always and combine.out
-    receives the finalize of its rows (cudnn_moe.engines.base.RowCombine).
     """
     if not isinstance(variant, (DecodeVariant, PrefillVariant, WgmmaVariant)):
         raise ValueError(f"variant must be a DecodeVariant, PrefillVariant or WgmmaVariant, got {type(variant).__name__}")
@@ -327,10 +323,6 @@ def grouped_gemm(
         if problem is not None:
             raise ValueError(f"the activation epilogue needs a WgmmaVariant or a DecodeVariant that fits it, got "
                              f"{variant}: {problem}")
-    if combine is not None and not (isinstance(variant, WgmmaVariant) and variant.tiled_tokens):
-        raise ValueError(f"the combine runs on the second GEMM's wgmma kernel (tiled tokens), got {variant}")
-    if combine is not None and (gather is not None or epilogue is not None):
-        raise ValueError("the combine is the second GEMM's epilogue: no gather or activation epilogue with it")
     w_tiles = _tensor("w_tiles", w_tiles)
     w_tile_scales = _tensor("w_tile_scales", w_tile_scales)
     alpha, offsets = _tensor("alpha", alpha), _tensor("offsets", offsets)
@@ -380,9 +372,6 @@ def grouped_gemm(
     if epilogue is not None:
         for name, (t, alignment) in _check_epilogue(epilogue, rows, n).items():
             named[name], align[name] = t, alignment
-    if combine is not None:
-        for name, (t, alignment) in _check_combine(combine, rows, n).items():
-            named[name], align[name] = t, alignment
     grid = gemm_grid(variant, experts, n, rows)
     if grid[1] > MAX_GRID_Y:
         raise ValueError(f"x: R = {rows} rows need up to {grid[1]} tiles of {variant.tile_rows} rows, more than the "
@@ -390,26 +379,19 @@ def grouped_gemm(
     if variant.shared_mem > _MAX_DYNAMIC_SMEM:
         raise ValueError(f"variant {variant} needs {variant.shared_mem} bytes of shared memory")
     _check_device(named, align)
-    written = [t for name, t in named.items() if name in ("out", "combine.out") or name.startswith("epilogue.out")]
-    read = ("x", "gather.source", "combine.slot_to_row", "combine.row_to_slot", "combine.weights", "combine.tickets")
-    for name in read:
+    written = [t for name, t in named.items() if name == "out" or name.startswith("epilogue.out")]
+    for name in ("x", "gather.source"):
         if name in named and rows and any(_overlap(named[name], t) for t in written):
             raise ValueError(f"the output must not overlap {name}")
-    if combine is not None and _overlap(combine.out, out):
-        raise ValueError("combine.out must not overlap out (the rows it sums)")
     if rows == 0:
         return
     args = (ptr(w_tiles, 16), ptr(w_tile_scales, 16), ptr(alpha, 4), ptr(tokens, 16), ptr(offsets, 4),
             np.int32(experts), np.int32(n), np.int32(k), np.int32(rows), np.int32(split), ptr(out, 16))
     options = variant.options()
     if not isinstance(variant, PrefillVariant):
-        args += _fused_args(gather, epilogue, combine, tokens.shape[0])
+        args += _fused_args(gather, epilogue, tokens.shape[0])
         if epilogue is not None:
             options += epilogue_options(epilogue.activation)
-    if isinstance(variant, WgmmaVariant):
-        args += _combine_args(combine, n)
-        if combine is not None:
-            options += ("-DSM90_COMBINE=1",)
     launch(variant.source, variant.kernel, tokens.device, grid, variant.threads, args,
            shared_mem=variant.shared_mem, extra_options=options)
 
@@ -462,51 +444,10 @@ def _check_epilogue(epilogue: ActivationEpilogue, rows: int, n: int) -> dict[str
     return named
 
 
-def _check_combine(combine: RowCombine, rows: int, n: int) -> dict[str, tuple[torch.Tensor, int]]:
-    """Check a RowCombine for R = rows and N = n; returns its device tensors by name, each with the byte alignment the
-    kernel needs."""
-    if not isinstance(combine.top_k, int) or combine.top_k < 1:
-        raise ValueError(f"combine.top_k must be a positive int, got {combine.top_k!r}")
-    out = _tensor("combine.out", combine.out)
-    if out.dim() != 2:
-        raise ValueError(f"combine.out must be 2-D [T, N], got {list(out.shape)}")
-    tokens = out.shape[0]
-    _check("combine.out", out, (torch.bfloat16,), (tokens, n))
-    slot_to_row = _tensor("combine.slot_to_row", combine.slot_to_row)
-    weights = _tensor("combine.weights", combine.weights)
-    _check("combine.slot_to_row", slot_to_row, (torch.int32,), (slot_to_row.numel(),))
-    _check("combine.weights", weights, (torch.float32,), (weights.numel(),))
-    if tokens * combine.top_k > min(slot_to_row.numel(), weights.numel()):
-        raise ValueError(f"combine: {tokens} tokens x top-{combine.top_k} exceed slot_to_row "
-                         f"({slot_to_row.numel()}) or weights ({weights.numel()})")
-    row_to_slot = _tensor("combine.row_to_slot", combine.row_to_slot)
-    _check("combine.row_to_slot", row_to_slot, (torch.int32,), (rows,))
-    tickets = _tensor("combine.tickets", combine.tickets)
-    blocks = -(-n // TICKET_FEATURES)
-    buckets = slot_to_row.numel() // combine.top_k
-    _check("combine.tickets", tickets, (torch.int32,), (tickets.numel(),))
-    if tickets.numel() < buckets * blocks:
-        raise ValueError(f"combine.tickets: need {buckets} x {blocks} (B x ceil(N / {TICKET_FEATURES})) int32, got "
-                         f"{tickets.numel()}")
-    return {"combine.out": (out, 16), "combine.slot_to_row": (slot_to_row, 4), "combine.row_to_slot": (row_to_slot, 4),
-            "combine.weights": (weights, 4), "combine.tickets": (tickets, 4)}
-
-
-def _combine_args(combine: RowCombine | None, n: int) -> tuple:
-    """The wgmma kernel's combine arguments (null / zeros without a combine)."""
-    if combine is None:
-        return ptr(None), ptr(None), np.int32(0), np.int32(0), np.int32(0), ptr(None), ptr(None)
-    return (ptr(combine.slot_to_row, 4), ptr(combine.weights, 4), np.int32(combine.top_k),
-            np.int32(combine.out.shape[0]), np.int32(-(-n // TICKET_FEATURES)), ptr(combine.out, 16),
-            ptr(combine.tickets, 4))
-
-
-def _fused_args(gather: RowGather | None, epilogue: ActivationEpilogue | None, combine: RowCombine | None,
-                source_rows: int) -> tuple:
+def _fused_args(gather: RowGather | None, epilogue: ActivationEpilogue | None, source_rows: int) -> tuple:
     """The decode and wgmma kernels' arguments past out: the gather's, then the epilogue's (zeros / null when
-    absent); row_to_slot is the gather's, the epilogue's or the combine's."""
-    fused = gather if gather is not None else epilogue if epilogue is not None else combine
-    row_to_slot = fused.row_to_slot if fused is not None else None
+    absent)."""
+    row_to_slot = gather.row_to_slot if gather is not None else epilogue.row_to_slot if epilogue is not None else None
     if gather is not None and epilogue is not None and gather.row_to_slot.data_ptr() != epilogue.row_to_slot.data_ptr():
         raise ValueError("gather.row_to_slot and epilogue.row_to_slot must be one tensor (the sort's)")
     head = (ptr(row_to_slot, 4), np.int32(gather.top_k if gather is not None else 0),

@@ -20,7 +20,6 @@ from cudnn_moe.engines.registry import engine_for
 from cudnn_moe.engines.sm90.kernels import DecodeVariant, WgmmaVariant
 from cudnn_moe.engines.sm90.layout import from_token_layout
 from cudnn_moe.kernels import TokenLayout
-from cudnn_moe.fused import get_executor
 from cudnn_moe.fused.reference import reference_for_prepared
 from cudnn_moe.pipeline.executor import MoeExecutor, _BucketStages
 from tests.support.moe_checks import check_close
@@ -187,62 +186,3 @@ def test_prefill_layers_match_reference(case) -> None:
         fused_moe(config, acts, routing, weights, activation=activation, local_expert_start=start, out=out,
                   use_cuda_graph=graph)
         check_close(out, ref)
-
-
-COMBINE_CASES = [
-    # experts, hidden, inter, top_k, tokens, activation, hot, local (start, total), unrouted tokens
-    (8, 256, 256, 2, 300, SwiGLU(), False, None, 0),
-    (8, 512, 256, 2, 700, SwiGLU(alpha=1.702, beta=1.0, limit=7.0), True, None, 5),
-    (16, 4096, 128, 4, 600, GeGLU(), False, None, 0),  # GEMM2 on 256-feature CTAs (N >= 4096)
-    (64, 256, 128, 8, 1000, SwiGLU(), False, (32, 128), 3),  # 64-row tiles; tokens with no local expert
-    (16, 384, 256, 6, 2048, ReLU2(), True, None, 0),  # N = 384: the last 256-wide block overhangs it
-]
-
-
-@pytest.mark.parametrize("case", COMBINE_CASES, ids=lambda c: f"E{c[0]}-H{c[1]}-I{c[2]}-k{c[3]}-T{c[4]}-"
-                         f"{type(c[5]).__name__}{'-hot' if c[6] else ''}{'-ep' if c[7] else ''}-u{c[8]}")
-def test_gemm2_combine_matches_the_finalize_bitwise(case) -> None:
-    """On wgmma buckets GEMM2 finalizes in its epilogue wherever the launch knows the caller's output: eager calls,
-    full-call graphs, calls recorded into the caller's graph. Each equals the bucket graph's separate finalize bit for
-    bit (tokens routed to no local expert included: zero rows), into NaN-poisoned outputs, and the float64
-    reference; the tickets are back to zero after every call."""
-    experts, hidden, inter, top_k, tokens, activation, hot, local, unrouted = case
-    gen, w1, w2 = _layer(experts, hidden, inter, activation, seed=tokens + 7)
-    start, total = local if local is not None else (0, experts)
-    config = Nvfp4MoeConfig(max_num_tokens=tokens, engine="sm90")
-    weights = config.prepare_weights(w1, w2, activation=activation)
-    acts = config.prepare_activations(torch.randn(tokens, hidden, generator=gen).cuda().bfloat16())
-    ids = _ids(tokens, total, top_k, gen, hot=hot)
-    ids[:unrouted] = -1  # tokens whose slots name no expert at all
-    routing = Routing.unpacked(ids.cuda(), (torch.rand(tokens, top_k, generator=gen) + 0.1).cuda())
-
-    def call(out: torch.Tensor | None, graph: bool) -> torch.Tensor:
-        return fused_moe(config, acts, routing, weights, activation=activation, local_expert_start=start, out=out,
-                         use_cuda_graph=graph)
-
-    want = call(None, True)  # the bucket graph, then the finalize launch
-    bucket = get_executor(config, weights, top_k=top_k, activation=activation, local_expert_start=start).bucket(tokens)
-    assert bucket.tickets is not None, "this case should run GEMM2 on the wgmma kernel"
-    assert not torch.isnan(want).any() and torch.count_nonzero(want) > 0
-    if unrouted:
-        assert torch.count_nonzero(want[:unrouted]) == 0
-    check_close(want, reference_for_prepared(acts, weights, routing, activation, local_expert_start=start))
-
-    def poisoned() -> torch.Tensor:
-        return torch.full((tokens, hidden), float("nan"), dtype=torch.bfloat16, device="cuda")
-
-    eager = call(poisoned(), False)
-    full = poisoned()
-    for _ in range(3):  # the second call captures the full-call graph, the third replays it
-        full.fill_(float("nan"))
-        call(full, True)
-    captured = poisoned()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        call(captured, True)
-    captured.fill_(float("nan"))
-    graph.replay()
-    torch.cuda.synchronize()
-    for name, got in (("eager", eager), ("full-call graph", full), ("caller's graph", captured)):
-        assert torch.equal(_bits(got), _bits(want)), name
-    assert torch.count_nonzero(bucket.tickets) == 0

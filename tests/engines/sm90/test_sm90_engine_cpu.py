@@ -85,19 +85,3 @@ def test_stage_chains(model, tokens: int, chain: list[str]) -> None:
     engine = Sm90GemmEngine.__new__(Sm90GemmEngine)  # no device: stages() reads the layer only
     rows, shape = _bucket(model, tokens)
     assert [name for name, _ in engine.stages(_Layer(rows, shape))] == chain
-
-
-@pytest.mark.parametrize("model,tokens,combines", [
-    (QWEN3, 1, False), (QWEN3, 64, False), (QWEN3, 4096, True), (DEEPSEEK_V3, 512, False), (DEEPSEEK_V3, 4096, True),
-])
-def test_gemm2_combines_on_the_wgmma_kernel(model, tokens: int, combines: bool) -> None:
-    """GEMM2 finalizes in its epilogue where it runs on the wgmma kernel: one ticket per token and 64 of its N
-    features; the decode kernels do not (0 tickets)."""
-    engine = Sm90GemmEngine.__new__(Sm90GemmEngine)
-    engine.sm_count = SMS
-    experts, hidden, inter = model
-    rows, _ = _bucket(model, tokens)
-    shape2 = GemmShape(inter, hidden, experts)
-    assert isinstance(engine.variant(rows, shape2, gemm=2), WgmmaVariant) == combines
-    tickets = engine.combine_tickets(bucket_size(tokens), rows, shape2)
-    assert tickets == (bucket_size(tokens) * hidden // 64 if combines else 0)

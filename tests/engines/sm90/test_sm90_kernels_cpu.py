@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from cudnn_moe.activations import GELU, GeGLUTanh, SiTU, SwiGLU
-from cudnn_moe.engines.base import ActivationEpilogue, RowCombine, RowGather, TokenOperand
+from cudnn_moe.engines.base import ActivationEpilogue, RowGather, TokenOperand
 from cudnn_moe.engines.sm90 import kernels as sm90
 from cudnn_moe.engines.sm90.layout import pack_weight_tiles, to_token_fragments
 from cudnn_moe.formats import decode_e2m1, dequantize_nvfp4, quantize_nvfp4
@@ -566,10 +566,8 @@ def test_wgmma_variant_macros_match_the_source() -> None:
     text = (SM90_DIR / "wgmma_gemm.cu").read_text()
     defaults = dict(re.findall(r"#define (SM90_\w+) (\d+)", text))
     w = sm90.WgmmaVariant()
-    # SM90_COMBINE: off unless grouped_gemm is given a combine (test_combine_is_the_second_gemms_epilogue)
     assert defaults == {"SM90_WG_TB": str(w.tile_rows), "SM90_WG_GROUPS": str(w.groups), "SM90_WG_STAGES": str(w.stages),
-                        "SM90_WG_MIN_BLOCKS": str(w.min_blocks), "SM90_WG_TILED_X": str(int(w.tiled_tokens)),
-                        "SM90_COMBINE": "0"}
+                        "SM90_WG_MIN_BLOCKS": str(w.min_blocks), "SM90_WG_TILED_X": str(int(w.tiled_tokens))}
     # stage = 128 B per token row + 576 B per m16 weight tile (codes + scales), rounded up to 1 KB
     assert w.stage_bytes == 16384 + 16 * 576  # already a multiple of 1 KB
     assert sm90.WgmmaVariant(64, 2).stage_bytes == 13312  # 8192 + 8 * 576 = 12800, rounded up and w.threads == 512 and w.feature_block == 256
@@ -625,47 +623,6 @@ def test_tiled_tokens_need_whole_row_groups(launches: list[tuple]) -> None:
     assert not launches
     sm90.grouped_gemm(**_gemm_args(rows=48), variant=tiled)
     assert launches[0][1]["extra_options"] == tiled.options()
-
-
-def _combine(tokens: int = 5, top_k: int = 2, rows: int = 48, n: int = 128, **changes: Any) -> RowCombine:
-    fields = {"slot_to_row": torch.full((8 * top_k,), -1, dtype=torch.int32),
-              "row_to_slot": torch.full((rows,), -1, dtype=torch.int32),
-              "weights": torch.ones(8 * top_k, dtype=torch.float32), "top_k": top_k,
-              "out": torch.zeros(tokens, n, dtype=torch.bfloat16),
-              "tickets": torch.zeros(8 * -(-n // sm90.TICKET_FEATURES), dtype=torch.int32)}
-    return RowCombine(**{**fields, **changes})
-
-
-def test_combine_is_the_second_gemms_epilogue(launches: list[tuple]) -> None:
-    """A combine compiles the wgmma kernel's combine epilogue in and passes its operands after the fused ones (the
-    kernel's signature); it runs on the tiled-token (second GEMM) variant only, without a gather or an activation
-    epilogue, and every operand is checked before any launch, naming it."""
-    signatures = _signatures()
-    tiled = sm90.WgmmaVariant(128, 2, 4, 2, tiled_tokens=True)
-    sm90.grouped_gemm(**_gemm_args(rows=48), variant=tiled, combine=_combine())
-    (_source, name, _device, _grid, _block, args), kwargs = launches[0]
-    assert [type(a) for a in args] == [_ARG_TYPES[kind] for kind in signatures[name]]
-    assert kwargs["extra_options"] == (*tiled.options(), "-DSM90_COMBINE=1")
-    assert args[-3] == np.int32(2)  # ticket blocks: ceil(128 / 64)
-    launches.clear()
-    bad = [
-        ({"variant": tiled.gathering()}, ValueError, "second GEMM"),
-        ({"variant": sm90.DECODE}, ValueError, "second GEMM"),
-        ({"combine": _combine(out=torch.zeros(5, 128))}, TypeError, "combine.out"),
-        ({"combine": _combine(out=torch.zeros(5, 256, dtype=torch.bfloat16))}, ValueError, "combine.out"),
-        ({"combine": _combine(tokens=9)}, ValueError, "9 tokens x top-2"),
-        ({"combine": _combine(row_to_slot=torch.zeros(40, dtype=torch.int32))}, ValueError, "combine.row_to_slot"),
-        ({"combine": _combine(weights=torch.ones(16, dtype=torch.float64))}, TypeError, "combine.weights"),
-        ({"combine": _combine(tickets=torch.zeros(15, dtype=torch.int32))}, ValueError, "combine.tickets"),
-        ({"combine": _combine(top_k=0)}, ValueError, "combine.top_k"),
-    ]
-    for change, error, needle in bad:
-        with pytest.raises(error, match=needle):
-            sm90.grouped_gemm(**{**_gemm_args(rows=48), "variant": tiled, "combine": _combine(), **change})
-    args = _gemm_args(rows=48)
-    with pytest.raises(ValueError, match="must not overlap out"):
-        sm90.grouped_gemm(**args, variant=tiled, combine=_combine(out=args["out"][:5]))
-    assert not launches
 
 
 def test_grouped_gemm_rejects_cpu_tensors_and_bad_variants() -> None:
