@@ -11,9 +11,11 @@ namespace moe {
 // Activation of the 32 values at column c0 of a GEMM1 row (y, FP32): f(x) when not gated, else
 // f(gate) * up with up at c0 and gate at gate_offset + c0. The activation is ACT when ACT >= 0 (compile-time:
 // its switch folds away), else the run-time code `act`.
+// zero_sign: whether the sign of a zero y matters (BF16 outputs; a requantize maps both zeros to +0, so plain SwiGLU
+// may drop its + 0 there).
 template <int ACT, bool GATED>
 __device__ __forceinline__ void activate_32(const u16* row, int gate_offset, int c0, int act, float alpha, float beta,
-                                            float limit, float y[32]) {
+                                            float limit, bool zero_sign, float y[32]) {
   const int kind = ACT >= 0 ? ACT : act;
 #pragma unroll
   for (int i = 0; i < 4; ++i) load_bf16x8(row + c0 + 8 * i, y + 8 * i);
@@ -22,8 +24,13 @@ __device__ __forceinline__ void activate_32(const u16* row, int gate_offset, int
 #pragma unroll
     for (int i = 0; i < 4; ++i) load_bf16x8(row + gate_offset + c0 + 8 * i, gate + 8 * i);
     if (kind == ACT_SWIGLU && swiglu_is_plain(alpha, beta, limit)) {
+      if (zero_sign) {
 #pragma unroll
-      for (int j = 0; j < 32; ++j) y[j] = swiglu_plain(y[j], gate[j]);
+        for (int j = 0; j < 32; ++j) y[j] = swiglu_plain(y[j], gate[j]);
+      } else {
+#pragma unroll
+        for (int j = 0; j < 32; ++j) y[j] = gate[j] * sigmoid(gate[j]) * y[j];  // swiglu_plain up to a zero's sign
+      }
       return;
     }
 #pragma unroll
@@ -62,27 +69,23 @@ __device__ __forceinline__ u8 block_scale_e4m3(float amax) {
 // Requantize one 16-value block in place: s = e4m3(amax(|y|) / 6) (returned; amax NaN-blind), y_j = the E2M1 grid
 // value of y_j / float(s) (the IEEE quotient, divide_rn; round_to_e2m1 is e2m1_to_float(float_to_e2m1(.))), all +0
 // when float(s) == 0.
-// Two paths, one result. While the NaN-propagating maximum of |y| is below 2^100 (no NaN, no infinity), it is the
-// NaN-blind amax and every quotient is finite and below 2^100 (at most about 9, or 2^100 / 448 where s saturates), so
-// divide_rn's overflow test and round_to_e2m1's NaN test would always pass: that path leaves them out
-// (round_finite_to_e2m1). Otherwise the loop with both.
+// Two paths, one result. While the NaN-propagating maximum of |y| lies in [6 * 2^-6, 6 * 448) (no NaN, no infinity),
+// it is the NaN-blind amax, amax / 6 is a normal E4M3 value before rounding (e4m3_normal: s without the conversion's
+// special cases), and s is amax / 6 within 1/16, so every quotient is below 6.4 in magnitude: divide_rn's overflow
+// test, round_to_e2m1's NaN test and its saturation to +-6 would always pass, and that path leaves them out
+// (round_below_7_to_e2m1). Otherwise the loop with all of them.
 __device__ __forceinline__ u8 requantize_16(float y[16]) {
   float peak = 0.0f;
 #pragma unroll
   for (int j = 0; j < 16; ++j) peak = max_nan(peak, fabsf(y[j]));
-  if (peak < 0x1p100f) {
-    const u8 s = block_scale_e4m3(peak);
-    const float sf = e4m3_to_float(s);
-    if (sf == 0.0f) {
-#pragma unroll
-      for (int j = 0; j < 16; ++j) y[j] = 0.0f;
-      return s;
-    }
+  if (peak >= 0.09375f && peak < 2688.0f) {
+    float sf;
+    const u8 s = e4m3_normal(divide_rn(peak, 6.0f, refined_reciprocal(6.0f)), sf);
     const float r = refined_reciprocal(sf);
 #pragma unroll
     for (int j = 0; j < 16; ++j) {
       const float q0 = y[j] * r;
-      y[j] = round_finite_to_e2m1(fmaf(r, fmaf(-q0, sf, y[j]), q0));
+      y[j] = round_below_7_to_e2m1(fmaf(r, fmaf(-q0, sf, y[j]), q0));
     }
     return s;
   }
@@ -222,7 +225,7 @@ __device__ __forceinline__ void activate_store_unit(const u16* src, int gate_off
 #pragma unroll
     for (int j = 0; j < 32; ++j) v[j] = 0.0f;
   } else {
-    activate_32<ACT, GATED>(src, gate_offset, 0, act, alpha, beta, limit, v);
+    activate_32<ACT, GATED>(src, gate_offset, 0, act, alpha, beta, limit, !requantize, v);
     if (!requantize) {
       store_unit_bf16(layout, out, r, u, inter, rows, v);
       return;
@@ -245,7 +248,7 @@ __device__ __forceinline__ void activate_unit_chunks(const u16* src, int gate_of
     return;
   }
   float v[32];
-  activate_32<ACT, GATED>(src, gate_offset, 0, act, alpha, beta, limit, v);
+  activate_32<ACT, GATED>(src, gate_offset, 0, act, alpha, beta, limit, !requantize, v);
   if (!requantize) {
     rounded_unit_chunks(v, chunk);
     return;

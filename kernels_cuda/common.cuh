@@ -159,14 +159,22 @@ __device__ __forceinline__ float round_to_e2m1(float q) {
   return q == q ? r : 0.0f;
 }
 
-// round_to_e2m1(q) for |q| < 2^100 (not NaN), without its NaN test and with the rounding step from q's exponent
-// instead of two comparisons: the magic number is 1.5 * 2^22 * 2^e with 2^e = max(1, q's power of two), as there
-// below 8 (1.5 * 2^22, 2^23, 2^24 below 2, 4, 8); from 8 on a coarser step, whose result is >= 8 and saturates to 6
-// as well (the bound keeps the magic number finite).
-__device__ __forceinline__ float round_finite_to_e2m1(float q) {
+// round_to_e2m1(q) for |q| < 7, without its NaN test and its saturation (below 7 the rounding never passes 6), and
+// with the rounding step from q's exponent instead of two comparisons: the magic number is 1.5 * 2^22 * 2^e with
+// 2^e = max(1, q's power of two), 1.5 * 2^22, 2^23, 2^24 below 2, 4, 8, as there.
+__device__ __forceinline__ float round_below_7_to_e2m1(float q) {
   const float power = fmaxf(__uint_as_float(__float_as_uint(q) & 0x7F800000u), 1.0f);
   const float magic = __fmul_rn(power, 6291456.0f);
-  return fminf(fmaxf(__fsub_rn(__fadd_rn(q, magic), magic), -6.0f), 6.0f);
+  return __fsub_rn(__fadd_rn(q, magic), magic);
+}
+
+// float_to_e4m3(d) for d in [2^-6, 448] (normal, no saturation), and its value e4m3_to_float of it in `value`: d
+// rounded to 3 mantissa bits (nearest even; a carry moves into the exponent), without the conversion's special cases.
+__device__ __forceinline__ u8 e4m3_normal(float d, float& value) {
+  const u32 u = __float_as_uint(d);
+  const u32 rounded = (u + 0x7FFFFu + ((u >> 20) & 1u)) & 0xFFF00000u;
+  value = __uint_as_float(rounded);
+  return static_cast<u8>((rounded >> 20) - (120u << 3));
 }
 
 // ---------------------------------------------------------------------------

@@ -223,16 +223,22 @@ _ROUND_DRIVER = HOST_PRELUDE + r"""
 #include "common.cuh"
 using namespace moe;
 
-// argv[1]: float32 inputs; argv[2]: per input round_to_e2m1(x), e2m1_to_float(float_to_e2m1(x)) and, for |x| < 2^100,
-// round_finite_to_e2m1(x) (else the composition again), as float32.
+// argv[1]: float32 inputs; argv[2]: per input round_to_e2m1(x), e2m1_to_float(float_to_e2m1(x)), for |x| < 7
+// round_below_7_to_e2m1(x) (else the composition again), and 1 where x is outside [2^-6, 448] or e4m3_normal(x) gives
+// float_to_e4m3(x) and its value (else 0), as float32.
 int main(int, char** argv) {
   FILE* in = std::fopen(argv[1], "rb");
   FILE* out = std::fopen(argv[2], "wb");
   float f;
   while (std::fread(&f, 4, 1, in) == 1) {
     const float composed = e2m1_to_float(float_to_e2m1(f));
-    const float d[3] = {round_to_e2m1(f), composed, std::fabs(f) < 0x1p100f ? round_finite_to_e2m1(f) : composed};
-    std::fwrite(d, 4, 3, out);
+    float value = 0.0f;
+    const bool normal = f >= 0x1p-6f && f <= 448.0f;
+    const u8 code = normal ? e4m3_normal(f, value) : 0;
+    const bool same = !normal || (code == float_to_e4m3(f) && value == e4m3_to_float(code));
+    const float d[4] = {round_to_e2m1(f), composed, std::fabs(f) < 7.0f ? round_below_7_to_e2m1(f) : composed,
+                        same ? 1.0f : 0.0f};
+    std::fwrite(d, 4, 4, out);
   }
   return std::fclose(out) != 0 || std::fclose(in) != 0;
 }
@@ -241,17 +247,18 @@ int main(int, char** argv) {
 
 @pytest.mark.skipif(CXX is None, reason="no C++ compiler")
 def test_round_to_e2m1_is_the_encode_decode_composition(tmp_path: Path) -> None:
-    """round_to_e2m1 (the activation kernel's requantize), and round_finite_to_e2m1 below 2^100, equal
-    e2m1_to_float(float_to_e2m1(x)) bit for bit: every tie and its neighbours on both grids, wide-range randoms,
-    specials, NaN, and every float around the seven E2M1 midpoints, saturation and the 2^100 bound at many binades
-    of offset."""
+    """round_to_e2m1 (the activation kernel's requantize), and round_below_7_to_e2m1 below 7, equal
+    e2m1_to_float(float_to_e2m1(x)) bit for bit, and e4m3_normal is float_to_e4m3 on [2^-6, 448]: every tie and its
+    neighbours on both grids, wide-range randoms, specials, NaN, and every float around the seven E2M1 midpoints,
+    saturation, 7 and the E4M3 normal range's ends at many binades of offset. (Every float of those ranges was
+    checked once, offline.)"""
     source, program = tmp_path / "round.cpp", tmp_path / "round"
     source.write_text(_ROUND_DRIVER)
     build = [CXX, "-std=c++17", "-O2", "-I", str(KERNELS_DIR), *kernels.cuda_defines(), str(source), "-o", str(program)]
     result = subprocess.run(build, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     mids = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.0, 2.5, 3.5, 4.0, 5.0, 6.0, 7.0, 8.0, 2.0**21, 2.0**22, 2.0**23,
-                         2.0**24, 2.0**25, 2.0**99, 2.0**100, 3.0e38])
+                         2.0**24, 2.0**25, 2.0**-6, 448.0, 464.0, 3.0e38])
     bits = mids.view(torch.int32).unsqueeze(1) + torch.arange(-64, 65, dtype=torch.int32)
     around = bits.reshape(-1).view(torch.float32)
     gen = torch.Generator().manual_seed(1)
@@ -259,8 +266,9 @@ def test_round_to_e2m1_is_the_encode_decode_composition(tmp_path: Path) -> None:
     x = torch.cat([format_inputs(), around, -around, uniform, torch.tensor([-0.0, math.inf, -math.inf, -math.nan])])
     x.numpy().tofile(tmp_path / "in.bin")
     subprocess.run([str(program), str(tmp_path / "in.bin"), str(tmp_path / "out.bin")], check=True)
-    got = torch.from_numpy(np.fromfile(tmp_path / "out.bin", dtype=np.float32).reshape(-1, 3).copy())
+    got = torch.from_numpy(np.fromfile(tmp_path / "out.bin", dtype=np.float32).reshape(-1, 4).copy())
     assert torch.equal(got[:, 0].view(torch.int32), got[:, 1].view(torch.int32))
     assert torch.equal(got[:, 2].view(torch.int32), got[:, 1].view(torch.int32))
+    assert bool((got[:, 3] == 1).all())
     want = decode_e2m1(encode_e2m1(x.nan_to_num(nan=0.0)))  # the project's codec (NaN: code 0)
     assert torch.equal(got[:, 0].view(torch.int32), want.view(torch.int32))
