@@ -75,9 +75,14 @@ __device__ __forceinline__ u8 block_scale_e4m3(float amax) {
 // test, round_to_e2m1's NaN test and its saturation to +-6 would always pass, and that path leaves them out
 // (round_below_7_to_e2m1). Otherwise the loop with all of them.
 __device__ __forceinline__ u8 requantize_16(float y[16]) {
-  float peak = 0.0f;
+  float m[8];  // the NaN-propagating maximum of |y| as a tree, four steps deep instead of a chain of sixteen
 #pragma unroll
-  for (int j = 0; j < 16; ++j) peak = max_nan(peak, fabsf(y[j]));
+  for (int j = 0; j < 8; ++j) m[j] = max_nan(fabsf(y[j]), fabsf(y[j + 8]));
+#pragma unroll
+  for (int w = 4; w > 0; w >>= 1)
+#pragma unroll
+    for (int j = 0; j < w; ++j) m[j] = max_nan(m[j], m[j + w]);
+  const float peak = m[0];
   if (peak >= 0.09375f && peak < 2688.0f) {
     float sf;
     const u8 s = e4m3_normal(divide_rn(peak, 6.0f, refined_reciprocal(6.0f)), sf);
