@@ -56,8 +56,8 @@ __device__ __forceinline__ float act_fn(int act, float x) {
 __device__ __forceinline__ float clamp_nan(float x, float lo, float hi) { return min_nan(max_nan(x, lo), hi); }
 
 // SwiGLU with its default parameters (alpha 1, beta 0, no limit): silu(gate) * (up + 0), bit for bit act_gated's
-// SwiGLU with those parameters (its clamps to +-inf and its product with 1 are identities, NaN included; the + 0
-// keeps its sign of a zero up), in five fewer instructions per value.
+// SwiGLU with those parameters (its clamps to +-inf and its product with 1 are identities, NaN included; the + 0 is
+// its + beta, which turns a -0 up into +0), in five fewer instructions per value.
 __device__ __forceinline__ float swiglu_plain(float up, float gate) { return gate * sigmoid(gate) * (up + 0.0f); }
 
 // Whether SwiGLU's scalars are its defaults, so that swiglu_plain gives its bits.

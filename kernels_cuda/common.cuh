@@ -168,8 +168,9 @@ __device__ __forceinline__ float round_below_7_to_e2m1(float q) {
   return __fsub_rn(__fadd_rn(q, magic), magic);
 }
 
-// float_to_e4m3(d) for d in [2^-6, 448] (normal, no saturation), and its value e4m3_to_float of it in `value`: d
-// rounded to 3 mantissa bits (nearest even; a carry moves into the exponent), without the conversion's special cases.
+// float_to_e4m3(d) for d in [2^-6, 448] (normal, no saturation), with the code's value (e4m3_to_float) in `value`:
+// d rounded to 3 mantissa bits (nearest even; a carry moves into the exponent), without the conversion's special
+// cases.
 __device__ __forceinline__ u8 e4m3_normal(float d, float& value) {
   const u32 u = __float_as_uint(d);
   const u32 rounded = (u + 0x7FFFFu + ((u >> 20) & 1u)) & 0xFFF00000u;
