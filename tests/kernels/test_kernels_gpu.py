@@ -603,6 +603,58 @@ def test_activation_quantize(name: str, swizzled: bool) -> None:
     _check_quantized(y, unpack_nibbles(out[rows]), out_scales[index[rows]])
 
 
+def _requantize_blocks() -> torch.Tensor:
+    """float32 [n, 16] blocks, every value exact in BF16: exact E2M1 ties (and their BF16 neighbours) under normal,
+    subnormal and saturated scales; peaks at and either side of the requantize's fast-path bounds (6 * 2^-6,
+    6 * 448); zeros, tiny and huge values, infinities, NaN."""
+    gen = _gen(77)
+    ties = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 0.5, 1.0, 3.0, 6.0, 0.0, 2.0, 4.0, 1.5, 0.125])
+    blocks = []
+    for sf in (2.0**-6, 0.01953125, 1.125, 3.25, 26.0, 448.0, 2.0**-9, 3 * 2.0**-9):  # E4M3 values, normal and subnormal
+        block = ties * sf  # amax 6 sf: the block's scale is sf itself
+        blocks += [block, -block]
+        up = (block.bfloat16().view(torch.int16) + 1).view(torch.bfloat16).float()  # one BF16 step either side
+        down = (block.bfloat16().view(torch.int16) - 1).view(torch.bfloat16).float()
+        blocks += [torch.where(block > 0, up, block), torch.where(block > 0, down, block)]
+    for peak in (0.09375, 2688.0, 3000.0, 1e30, 1e-30):
+        for step in (-1, 0, 1):
+            p = (torch.tensor([peak]).bfloat16().view(torch.int16) + step).view(torch.bfloat16).float()
+            blocks.append(torch.cat([p, torch.rand(15, generator=gen) * 2 - 1]) * torch.tensor([1.0] + [float(p)] * 15))
+    blocks += [torch.zeros(16), torch.full((16,), 1e-40), torch.tensor([math.inf] + [1.0] * 15),
+               torch.tensor([-math.inf] + [0.5] * 15), torch.tensor([math.nan] + [3.0] * 15),
+               torch.tensor([math.nan] * 16), torch.tensor([math.inf, -math.inf] + [0.0] * 14)]
+    return torch.stack(blocks).bfloat16().float()
+
+
+def test_requantize_is_exact_at_ties_and_at_its_fast_paths_bounds() -> None:
+    """With the identity activation the values are exact, so the NVFP4 requantize must equal the reference bit for
+    bit (no tie tolerance): scale e4m3(amax / 6) of the NaN-blind amax, codes e2m1 of the IEEE quotient (0 where the
+    scale is 0), on exact ties, on both sides of the bounds of requantize_16's normal-scale path, and on specials."""
+    blocks = _requantize_blocks()
+    inter = 64
+    rows = -(-blocks.shape[0] // (inter // 16))
+    fill = torch.randn(rows * inter // 16 - blocks.shape[0], 16, generator=_gen(78))
+    y = torch.cat([blocks, fill.bfloat16().float()]).reshape(rows, inter)
+    capacity = -(-rows // 8) * 8
+    g1 = torch.zeros(capacity, inter, dtype=torch.bfloat16)
+    g1[:rows] = y.bfloat16()
+    row_to_slot = torch.arange(capacity, dtype=torch.int32)
+    offsets = torch.tensor([0, capacity], dtype=torch.int32)
+    codes = _full((capacity, inter // 2), POISON_BYTE, torch.uint8)
+    scales = _full((capacity * inter // 16,), POISON_BYTE, torch.uint8)
+    kernels.activate_quantize(g1.to(DEV), row_to_slot.to(DEV), offsets.to(DEV), Identity(), TokenLayout.NVFP4_LINEAR,
+                              codes, scales)
+    torch.cuda.synchronize()
+    want_blocks = g1.float().reshape(-1, 16)
+    amax = torch.where(want_blocks.isnan(), torch.zeros_like(want_blocks), want_blocks.abs()).amax(dim=1)
+    want_scales = to_e4m3(amax / 6)
+    sf = want_scales.float().unsqueeze(1)
+    want_codes = torch.where(sf == 0, torch.zeros_like(want_blocks, dtype=torch.uint8),
+                             encode_e2m1(want_blocks / torch.where(sf == 0, torch.ones_like(sf), sf)))
+    assert torch.equal(scales.cpu(), want_scales.view(torch.uint8))
+    assert torch.equal(unpack_nibbles(codes.cpu()).reshape(-1, 16), want_codes)
+
+
 @pytest.mark.parametrize("layout", ACTIVATION_LAYOUTS, ids=lambda l: l.name)
 @pytest.mark.parametrize("name", ["swiglu", "gelu"])
 def test_activation_bf16_layouts_decode_the_nvfp4_values(name: str, layout: TokenLayout) -> None:
