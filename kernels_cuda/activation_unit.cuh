@@ -59,12 +59,12 @@ __device__ __forceinline__ float divide_rn(float y, float d, float r) {
   return fabsf(q0) <= 3.40282347e38f ? fmaf(r, fmaf(-q0, d, y), q0) : q0;
 }
 
-// The E4M3 block scale of a 16-value block with largest magnitude amax: e4m3(amax / 6), the quotient IEEE
-// (divide_rn's fast path, exact for every amax whose quotient is normal; below that it rounds to E4M3 zero
-// either way) without the slow-path branch of the division operator.
-__device__ __forceinline__ u8 block_scale_e4m3(float amax) {
-  return float_to_e4m3(divide_rn(amax, 6.0f, refined_reciprocal(6.0f)));
-}
+// amax / 6, the quotient IEEE (divide_rn's fast path, exact for every amax whose quotient is normal; below that it
+// rounds to E4M3 zero either way) without the slow-path branch of the division operator.
+__device__ __forceinline__ float sixth(float amax) { return divide_rn(amax, 6.0f, refined_reciprocal(6.0f)); }
+
+// The E4M3 block scale of a 16-value block with largest magnitude amax: e4m3(amax / 6).
+__device__ __forceinline__ u8 block_scale_e4m3(float amax) { return float_to_e4m3(sixth(amax)); }
 
 // Requantize one 16-value block in place: s = e4m3(amax(|y|) / 6) (returned; amax NaN-blind), y_j = the E2M1 grid
 // value of y_j / float(s) (the IEEE quotient, divide_rn; round_to_e2m1 is e2m1_to_float(float_to_e2m1(.))), all +0
@@ -85,7 +85,7 @@ __device__ __forceinline__ u8 requantize_16(float y[16]) {
   const float peak = m[0];
   if (peak >= 0.09375f && peak < 2688.0f) {
     float sf;
-    const u8 s = e4m3_normal(divide_rn(peak, 6.0f, refined_reciprocal(6.0f)), sf);
+    const u8 s = e4m3_normal(sixth(peak), sf);
     const float r = refined_reciprocal(sf);
 #pragma unroll
     for (int j = 0; j < 16; ++j) {
