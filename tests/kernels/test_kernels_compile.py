@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import importlib
 import math
-import shutil
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
@@ -21,12 +20,11 @@ from cudnn_moe.activations import SwiGLU
 from cudnn_moe.formats import decode_e2m1, encode_e2m1
 from cudnn_moe.kernels import SORT_THREADS
 from cudnn_moe.kernels.sort import sort_grid
-from tests.support.kernel_sources import ARG_TYPES, HOST_PRELUDE, NVCC, compiled, kernel_signatures
+from tests.support.kernel_sources import ARG_TYPES, CXX, HOST_PRELUDE, NVCC, compiled, host_program, kernel_signatures
 from tests.support.number_formats import check_format_helpers, format_inputs
 
 KERNELS_DIR = kernels.kernels_dir()
 SOURCES = sorted(path.name for path in KERNELS_DIR.glob("*.cu"))
-CXX = shutil.which("c++") or shutil.which("g++")
 
 
 def _nvcc_command(source: str, arch: str) -> list[str]:
@@ -203,11 +201,7 @@ int main(int, char** argv) {
 
 @pytest.mark.skipif(CXX is None, reason="no C++ compiler")
 def test_format_helpers_on_host(tmp_path: Path) -> None:
-    source, program = tmp_path / "driver.cpp", tmp_path / "driver"
-    source.write_text(_HOST_DRIVER)
-    build = [CXX, "-std=c++17", "-O2", "-I", str(KERNELS_DIR), *kernels.cuda_defines(), str(source), "-o", str(program)]
-    result = subprocess.run(build, capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr
+    program = host_program(tmp_path, "driver", _HOST_DRIVER, opt="-O2")
     x = format_inputs()
     x.numpy().tofile(tmp_path / "in.bin")
     subprocess.run([str(program), str(tmp_path / "in.bin"), str(tmp_path / "out.bin")], check=True)
@@ -252,11 +246,7 @@ def test_round_to_e2m1_is_the_encode_decode_composition(tmp_path: Path) -> None:
     neighbours on both grids, wide-range randoms, specials, NaN, and every float around the seven E2M1 midpoints,
     saturation, 7 and the E4M3 normal range's ends at many binades of offset. (Every float of those ranges was
     checked once, offline.)"""
-    source, program = tmp_path / "round.cpp", tmp_path / "round"
-    source.write_text(_ROUND_DRIVER)
-    build = [CXX, "-std=c++17", "-O2", "-I", str(KERNELS_DIR), *kernels.cuda_defines(), str(source), "-o", str(program)]
-    result = subprocess.run(build, capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr
+    program = host_program(tmp_path, "round", _ROUND_DRIVER, opt="-O2")
     mids = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.0, 2.5, 3.5, 4.0, 5.0, 6.0, 7.0, 8.0, 2.0**21, 2.0**22, 2.0**23,
                          2.0**24, 2.0**25, 2.0**-6, 448.0, 464.0, 3.0e38])
     bits = mids.view(torch.int32).unsqueeze(1) + torch.arange(-64, 65, dtype=torch.int32)

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 
 # C parameter type -> the numpy scalar type a launch wrapper must pass for it.
 ARG_TYPES = {"int": np.int32, "i64": np.int64, "float": np.float32, "pointer": np.uint64}
@@ -50,6 +51,23 @@ static inline float __fadd_rn(float a, float b) { return a + b; }
 static inline float __fsub_rn(float a, float b) { return a - b; }
 static inline float __fmul_rn(float a, float b) { return a * b; }
 """
+
+CXX = shutil.which("c++") or shutil.which("g++")  # the host compiler of those drivers (None: there is none)
+
+
+def host_program(folder: Path, name: str, driver: str, opt: str = "-O1") -> Path:
+    """``driver`` (HOST_PRELUDE, an #include of a kernels_cuda/ header and a main()) built with CXX at ``opt`` and
+    the kernels' -D codes into folder/name. Skips the test without a compiler; fails it with the compiler's errors."""
+    from cudnn_moe.kernels import cuda_defines, kernels_dir
+
+    if CXX is None:
+        pytest.skip("no C++ compiler")
+    source, program = folder / f"{name}.cpp", folder / name
+    source.write_text(driver)
+    build = [CXX, "-std=c++17", opt, "-I", str(kernels_dir()), *cuda_defines(), str(source), "-o", str(program)]
+    result = subprocess.run(build, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    return program
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import math
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -46,11 +45,10 @@ from tests.support import REPO as ROOT
 sys.path.insert(0, str(ROOT / "scripts"))
 import sass_budget  # noqa: E402
 from tests.support.kernel_sources import (  # noqa: E402
-    ARG_TYPES, HOST_PRELUDE, NVCC, NVRTC, kernel_signatures, nvrtc_build, submit,
+    ARG_TYPES, CXX, HOST_PRELUDE, NVCC, NVRTC, host_program, kernel_signatures, nvrtc_build, submit,
 )
 
 SOURCE = kernels_dir() / ll.SOURCE
-CXX = shutil.which("c++") or shutil.which("g++")
 CUOBJDUMP = sass_budget.find_tool("cuobjdump")
 ARCHS = ("80", "90a", "100a", "120a")
 # One module per weight decoder and token input kind: together they compile every line of ll_moe.cu.
@@ -382,11 +380,7 @@ HOST_ACTIVATIONS = (Identity(), ReLU(), GELU(), SiLU(), ReLU2(), SwiGLU(), SwiGL
 def test_activation_math_matches_the_reference_activations(tmp_path: Path) -> None:
     """Every kind's device formula (the one header both pipelines include), built for the host in FP32, against
     the float64 Activation.apply of cudnn_moe.activations: within FP32 rounding of the formula."""
-    source, program = tmp_path / "act.cpp", tmp_path / "act"
-    source.write_text(_ACT_DRIVER)
-    build = [CXX, "-std=c++17", "-O1", "-I", str(kernels_dir()), *cuda_defines(), str(source), "-o", str(program)]
-    result = subprocess.run(build, capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr
+    program = host_program(tmp_path, "act", _ACT_DRIVER)
     gen = torch.Generator().manual_seed(0)
     up = torch.cat([torch.randn(400, generator=gen) * 4, torch.tensor([0.0, -0.0, 10.0, -10.0, 30.0, -30.0, 1e-3])])
     gate = torch.cat([torch.randn(400, generator=gen) * 4, torch.tensor([0.0, 0.0, -30.0, 30.0, 7.5, 8.0, -1e-3])])
@@ -429,11 +423,7 @@ def test_plain_swiglu_is_the_default_swiglu_and_clamps_keep_nan(tmp_path: Path) 
     """swiglu_plain (the activation unit's path for SwiGLU's default scalars) gives act_gated_all's SwiGLU(1, 0, inf)
     bit for bit, zeros of either sign, infinities and NaN included; and the clamps of SwiGLU and SwiGLUStep keep a NaN
     up or gate NaN, as the reference's torch.clamp does."""
-    source, program = tmp_path / "plain.cpp", tmp_path / "plain"
-    source.write_text(_PLAIN_DRIVER)
-    build = [CXX, "-std=c++17", "-O1", "-I", str(kernels_dir()), *cuda_defines(), str(source), "-o", str(program)]
-    result = subprocess.run(build, capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr
+    program = host_program(tmp_path, "plain", _PLAIN_DRIVER)
     gen = torch.Generator().manual_seed(3)
     special = [0.0, -0.0, 1.0, -1.0, 100.0, -100.0, math.inf, -math.inf, math.nan]
     up = torch.cat([torch.randn(300, generator=gen) * 4, torch.tensor(special).repeat_interleave(len(special))])
@@ -484,11 +474,7 @@ def test_decoders_match_the_codecs_for_every_code(tmp_path: Path) -> None:
     of byte i), bit for bit, and every E8M0 / E4M3 byte the value torch gives (bits; NaN codes NaN)."""
     from cudnn_moe.formats import decode_e2m1
 
-    source, program = tmp_path / "decode.cpp", tmp_path / "decode"
-    source.write_text(_DECODE_DRIVER)
-    build = [CXX, "-std=c++17", "-O1", "-I", str(kernels_dir()), *cuda_defines(), str(source), "-o", str(program)]
-    result = subprocess.run(build, capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr
+    program = host_program(tmp_path, "decode", _DECODE_DRIVER)
     gen = torch.Generator().manual_seed(0)
     nibbles = torch.arange(16, dtype=torch.int64)
     same = (nibbles[:, None] * torch.tensor([0x11111111], dtype=torch.int64)).flatten()  # every code everywhere

@@ -21,7 +21,6 @@
 from __future__ import annotations
 
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -45,12 +44,13 @@ from cudnn_moe.kernels.codes import LL_THREADS, LowLatencyInputCode, LowLatencyW
 from cudnn_moe.low_latency import LowLatencyMoeConfig
 from cudnn_moe.routing import Routing
 from tests.support import REPO
-from tests.support.kernel_sources import ARG_TYPES, HOST_PRELUDE, NVCC, NVRTC, kernel_signatures, nvrtc_build, submit
+from tests.support.kernel_sources import (
+    ARG_TYPES, HOST_PRELUDE, NVCC, NVRTC, host_program, kernel_signatures, nvrtc_build, submit,
+)
 
 sys.path.insert(0, str(REPO / "scripts"))
 import sass_budget  # noqa: E402
 
-CXX = shutil.which("c++") or shutil.which("g++")
 CUOBJDUMP = sass_budget.find_tool("cuobjdump")
 SOURCE = kernels_dir() / cc.SOURCE
 FP8_FORMATS = (WeightFormat.FP8_WEIGHT_ONLY, WeightFormat.FP8_PER_TENSOR, WeightFormat.DEEPSEEK_FP8)
@@ -185,22 +185,9 @@ def _e4m3_bytes(gen: torch.Generator, n: int) -> torch.Tensor:
     return torch.where((codes & 0x7F) == 0x7F, codes - 1, codes)  # no NaN codes
 
 
-def _host_program(tmp_path_factory: pytest.TempPathFactory, name: str, driver: str) -> Path:
-    """``driver`` (C++ including the kernel headers) built on the host into a program; skips without a compiler."""
-    if CXX is None:
-        pytest.skip("no C++ compiler")
-    folder = tmp_path_factory.mktemp(name)
-    source, program = folder / f"{name}.cpp", folder / name
-    source.write_text(driver)
-    build = [CXX, "-std=c++17", "-O1", "-I", str(kernels_dir()), *cuda_defines(), str(source), "-o", str(program)]
-    result = subprocess.run(build, capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr
-    return program
-
-
 @pytest.fixture(scope="module")
 def fragment_program(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return _host_program(tmp_path_factory, "mma", _FRAGMENT_DRIVER)
+    return host_program(tmp_path_factory.mktemp("mma"), "mma", _FRAGMENT_DRIVER)
 
 
 def _run_cases(program: Path, folder: Path, cases: list[tuple[int, torch.Tensor, torch.Tensor]]):
@@ -408,7 +395,7 @@ int main(int, char** argv) {
 
 @pytest.fixture(scope="module")
 def mx_program(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return _host_program(tmp_path_factory, "mma_mx", _MX_DRIVER)
+    return host_program(tmp_path_factory.mktemp("mma_mx"), "mma_mx", _MX_DRIVER)
 
 
 E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=torch.float64)

@@ -13,7 +13,6 @@ ordered FP32 multiply and add.
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 
 import numpy as np
@@ -22,7 +21,6 @@ import torch
 
 from cudnn_moe.activations import ACTIVATION_NAMES, SiLU, SwiGLU, parse_activation
 from cudnn_moe.formats.fp8 import quantize_fp8_act128
-from cudnn_moe.kernels import cuda_defines, kernels_dir
 from cudnn_moe.low_latency import (
     DeepSeekFp8Activations,
     DeepSeekFp8Intermediate,
@@ -42,10 +40,9 @@ from tests.ops.low_latency.test_low_latency_fp8_per_tensor_cpu import (
     _VALUES,
     plain_e4m3_round,
 )
-from tests.support.kernel_sources import HOST_PRELUDE
+from tests.support.kernel_sources import CXX, HOST_PRELUDE, host_program
 from tests.support.low_latency import fp8_codes
 
-CXX = shutil.which("c++") or shutil.which("g++")
 
 FMT = WeightFormat.DEEPSEEK_FP8
 E, H, I = 3, 256, 256  # two 128-blocks along each of H and I
@@ -278,11 +275,7 @@ def test_kernel_e4m3_encoder_matches_torch(tmp_path):
     """ll_quant128's encoder (e4m3_code of e4m3_round, integer work, the same on every arch) built for the host:
     every E4M3 value, midpoints and their neighbours, subnormals, saturation, signed zeros, Inf and random values
     give torch's float8_e4m3fn byte; NaN gives 0x7F."""
-    source, program = tmp_path / "code.cpp", tmp_path / "code"
-    source.write_text(_CODE_DRIVER)
-    build = [CXX, "-std=c++17", "-O1", "-I", str(kernels_dir()), *cuda_defines(), str(source), "-o", str(program)]
-    result = subprocess.run(build, capture_output=True, text=True, check=False)
-    assert result.returncode == 0, result.stderr
+    program = host_program(tmp_path, "code", _CODE_DRIVER)
     gen = torch.Generator().manual_seed(0)
     mid = ((_VALUES[1:] + _VALUES[:-1]) / 2).float()
     up, down = (torch.nextafter(mid, torch.full_like(mid, d)) for d in (1e9, -1e9))

@@ -12,7 +12,6 @@ then an ordered FP32 multiply and add.
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 
 import numpy as np
@@ -21,7 +20,6 @@ import torch
 
 from cudnn_moe.activations import ACTIVATION_NAMES, SiLU, SwiGLU, parse_activation
 from cudnn_moe.formats import quantize_fp8_per_tensor
-from cudnn_moe.kernels import cuda_defines, kernels_dir
 from cudnn_moe.low_latency import (
     Fp8PerTensorActivations,
     Fp8PerTensorWeights,
@@ -35,9 +33,8 @@ from cudnn_moe.low_latency import (
 )
 from cudnn_moe.routing import Routing, pack_routing
 from tests.ops.low_latency.test_low_latency_cpu import plain_e4m3
-from tests.support.kernel_sources import HOST_PRELUDE
+from tests.support.kernel_sources import CXX, HOST_PRELUDE, host_program
 
-CXX = shutil.which("c++") or shutil.which("g++")
 
 FMT = WeightFormat.FP8_PER_TENSOR
 E, H, I, IP = 3, 128, 96, 128  # I = 96 pads to 128
@@ -270,11 +267,7 @@ def test_kernel_e4m3_rounding_matches_torch(tmp_path):
     the host: every E4M3 value, the midpoints between neighbours (ties to even) and their FP32 neighbours,
     subnormals, saturation, +-Inf, signed zeros and random FP32 values give torch's to_e4m3 bit for bit; NaN
     stays NaN."""
-    source, program = tmp_path / "round.cpp", tmp_path / "round"
-    source.write_text(_ROUND_DRIVER)
-    build = [CXX, "-std=c++17", "-O1", "-I", str(kernels_dir()), *cuda_defines(), str(source), "-o", str(program)]
-    result = subprocess.run(build, capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr
+    program = host_program(tmp_path, "round", _ROUND_DRIVER)
     gen = torch.Generator().manual_seed(0)
     mid = ((_VALUES[1:] + _VALUES[:-1]) / 2).float()
     up, down = (torch.nextafter(mid, torch.full_like(mid, d)) for d in (1e9, -1e9))

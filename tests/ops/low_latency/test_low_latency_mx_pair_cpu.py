@@ -16,7 +16,6 @@ the routed slots (ids outside [0, E) skipped).
 from __future__ import annotations
 
 import math
-import shutil
 import subprocess
 
 import numpy as np
@@ -25,7 +24,6 @@ import torch
 
 from cudnn_moe.activations import ACTIVATION_NAMES, GELU, SiLU, SwiGLU, parse_activation
 from cudnn_moe.formats import quantize_mxfp8
-from cudnn_moe.kernels import cuda_defines, kernels_dir
 from cudnn_moe.low_latency import (
     DeepSeekFp8Activations,
     LowLatencyMoeConfig,
@@ -45,10 +43,9 @@ from cudnn_moe.routing import Routing
 from cudnn_moe.weights.nvfp4 import Nvfp4Activations
 from tests.ops.low_latency.test_low_latency_cpu import plain_e4m3, plain_fp4
 from tests.ops.low_latency.test_low_latency_fp8_per_tensor_cpu import plain_e4m3_round
-from tests.support.kernel_sources import HOST_PRELUDE
+from tests.support.kernel_sources import CXX, HOST_PRELUDE, host_program
 from tests.support.low_latency import mx_payloads
 
-CXX = shutil.which("c++") or shutil.which("g++")
 MX4, MX8 = WeightFormat.MXFP4_W_MXFP8_A, WeightFormat.MXFP8_W_MXFP8_A
 KINDS = {"mxfp4": MX4, "mxfp8": MX8}
 E, H, I, IP = 3, 256, 96, 128  # 8 blocks of 32 along H; I = 96 (3 blocks) pads to 128
@@ -361,11 +358,7 @@ def test_kernel_mxfp8_encoder_matches_quantize_mxfp8(tmp_path):
     integer and FP32 work, the same on every arch) built for the host: blocks of every scale exponent (amax 2^-149 ..
     3e38: every scale byte 0 .. 246), amax exactly at and around 448 * 2^k and 2^k, E4M3 midpoints after scaling
     (ties), subnormal values, all-zero blocks and signed zeros give quantize_mxfp8's codes and scale bit for bit."""
-    source, program = tmp_path / "mx.cpp", tmp_path / "mx"
-    source.write_text(_MX_DRIVER)
-    build = [CXX, "-std=c++17", "-O1", "-I", str(kernels_dir()), *cuda_defines(), str(source), "-o", str(program)]
-    result = subprocess.run(build, capture_output=True, text=True, check=False)
-    assert result.returncode == 0, result.stderr
+    program = host_program(tmp_path, "mx", _MX_DRIVER)
     gen = torch.Generator().manual_seed(0)
     blocks = [torch.randn(300, 32, generator=gen) * torch.pow(2.0, torch.randint(-140, 124, (300, 1), generator=gen).float())]
     for k in range(-134, 119):  # amax at 448 * 2^k, just above it, at 2^(k + 8) and just below 2^(k + 9)
