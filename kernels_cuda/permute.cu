@@ -142,7 +142,7 @@ __device__ __forceinline__ void sort_permute(const int* __restrict__ ids, int nu
   decltype(fetch(0, 0)) raw{};
   if (p < pairs) raw = fetch(p / units / top_k, p % units);
   sort_slots(ids, num_slots, local_start, num_experts, align, row_capacity, max(num_slots, 1), 0, 1, blockIdx.x == 0,
-             slot_rows, offsets, slot_to_row, row_to_slot, row_expert, counts);
+             true, slot_rows, offsets, slot_to_row, row_to_slot, row_expert, counts);
   __syncthreads();
   for (bool first = true; p < pairs; p += stride, first = false) {
     const int s = p / units;

@@ -23,7 +23,7 @@ extern "C" __global__ void __launch_bounds__(SORT_THREADS)
       align < 1)
     return;
   sort_slots(ids, num_slots, local_start, num_experts, align, row_capacity, max(num_slots, 1), 0, 1,
-             true, nullptr, offsets,
+             true, true, nullptr, offsets,
              slot_to_row, row_to_slot, row_expert, counts);
 }
 
@@ -39,6 +39,6 @@ extern "C" __global__ void __launch_bounds__(SORT_THREADS)
       block_slots < 1 || block_slots % SORT_THREADS != 0)
     return;
   sort_slots(ids, num_slots, local_start, num_experts, align, row_capacity, block_slots, blockIdx.x,
-             gridDim.x, true, nullptr, offsets, slot_to_row,
+             gridDim.x, true, false, nullptr, offsets, slot_to_row,
              row_to_slot, row_expert, counts);
 }

@@ -2,7 +2,7 @@
 // of the sort kernels of sort.cu and of the fused sort + permute kernels of permute.cu.
 //
 // Two entry points of sort.cu share it: moe_sort, ONE block that sorts every slot (decode and
-// small prefill: one launch, nothing else), and moe_sort_blocks, a grid of independent blocks that
+// small prefill: one launch, nothing else; up to SORT_WARP_SLOTS slots in one warp, sort_slots_warp), and moe_sort_blocks, a grid of independent blocks that
 // each sort a contiguous range of `block_slots` slots. A block of the grid needs two numbers per
 // expert that depend on slots outside its range: the total count (for the segment starts) and the
 // count in the slots before its range (for its first row in each segment). Every block gets them by
@@ -71,15 +71,108 @@ __device__ __forceinline__ void count_id(int id, int i, int begin, int local_sta
   if (e >= 0) atomicAdd((i < begin ? before : after) + e, 1);
 }
 
+// The sort of at most SORT_WARP_SLOTS slots by one warp (sort_slots' outputs, bit for bit, for a single block):
+// lane L holds slots L and L + 32. A slot's rank among the earlier slots of its expert and its expert's count
+// come from match masks inside each half of 32 slots and a 32-step comparison across the halves, so the block
+// needs no barrier. The first slot of each expert stores the count in counts_smem (num_experts ints); a warp scan
+// of the padded counts gives the segment starts (seg, num_experts + 1 ints). Every row below row_capacity is
+// written once: a slot's row by that slot, the padding rows of a segment by its expert's first slot, the rows
+// past the last segment by all lanes.
+#define SORT_WARP_SLOTS 64
+__device__ __forceinline__ void sort_slots_warp(const int* __restrict__ ids, int num_slots, int local_start,
+                                                int num_experts, int align, int row_capacity, bool write,
+                                                int* slot_rows, int* counts_smem, int* seg,
+                                                int* __restrict__ offsets, int* __restrict__ slot_to_row,
+                                                int* __restrict__ row_to_slot, int* __restrict__ row_expert,
+                                                int* __restrict__ counts) {
+  const int lane = threadIdx.x & 31;
+  const int e0 = lane < num_slots ? local_expert(ids[lane], local_start, num_experts) : -1;
+  const int e1 = lane + 32 < num_slots ? local_expert(ids[lane + 32], local_start, num_experts) : -1;
+  for (int e = lane; e < num_experts; e += 32) counts_smem[e] = 0;
+  // Slots of the other half with the same expert: of the first half before slot L + 32, of the second after L.
+  int first_half = 0, second_half = 0;
+  for (int j = 0; j < 32; ++j) {
+    first_half += __shfl_sync(0xFFFFFFFFu, e0, j) == e1;
+    second_half += __shfl_sync(0xFFFFFFFFu, e1, j) == e0;
+  }
+  const u32 lower = (1u << lane) - 1u;
+  const u32 peers0 = __match_any_sync(0xFFFFFFFFu, e0);
+  const u32 peers1 = __match_any_sync(0xFFFFFFFFu, e1);
+  const int rank0 = __popc(peers0 & lower);
+  const int rank1 = first_half + __popc(peers1 & lower);
+  __syncwarp();
+  if (e0 >= 0 && rank0 == 0) counts_smem[e0] = __popc(peers0) + second_half;
+  if (e1 >= 0 && rank1 == 0) counts_smem[e1] = first_half + __popc(peers1);
+  __syncwarp();
+  // Segment starts: lane L scans experts [L * per, + per) after a warp scan of the lanes' padded totals.
+  const int per = (num_experts + 31) >> 5;
+  const int begin = min(lane * per, num_experts);
+  const int end = min(begin + per, num_experts);
+  int sum = 0;
+  for (int e = begin; e < end; ++e) sum += (counts_smem[e] + align - 1) / align * align;
+  int inclusive = sum;
+#pragma unroll
+  for (int d = 1; d < 32; d <<= 1) {
+    const int v = __shfl_up_sync(0xFFFFFFFFu, inclusive, d);
+    if (lane >= d) inclusive += v;
+  }
+  int start = inclusive - sum;
+  for (int e = begin; e < end; ++e) {
+    const int count = counts_smem[e];
+    seg[e] = min(start, row_capacity);
+    if (write) {
+      offsets[e] = seg[e];
+      counts[e] = count;
+    }
+    start += (count + align - 1) / align * align;
+  }
+  if (lane == 31) {
+    seg[num_experts] = min(inclusive, row_capacity);
+    if (write) offsets[num_experts] = seg[num_experts];
+  }
+  __syncwarp();
+  const int rows_used = seg[num_experts];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int i = lane + 32 * h;
+    const int e = h ? e1 : e0;
+    const int rank = h ? rank1 : rank0;
+    if (i >= num_slots) continue;
+    int row = -1;
+    if (e >= 0) {
+      row = seg[e] + rank;
+      if (row >= seg[e + 1]) {
+        row = -1;
+      } else if (write) {
+        row_to_slot[row] = i;
+        row_expert[row] = e;
+      }
+      if (rank == 0 && write) {  // the segment's padding rows
+        for (int r = seg[e] + counts_smem[e]; r < seg[e + 1]; ++r) {
+          row_to_slot[r] = -1;
+          row_expert[r] = e;
+        }
+      }
+    }
+    if (write) slot_to_row[i] = row;
+    if (slot_rows != nullptr) slot_rows[i] = row;
+  }
+  for (int r = rows_used + lane; write && r < row_capacity; r += 32) {
+    row_to_slot[r] = -1;
+    row_expert[r] = -1;
+  }
+}
+
 // The whole sort for logical block `block` of `blocks` (blockIdx.x of gridDim.x for the sort kernels);
 // this block places slots [begin, end) with begin = block * block_slots (a multiple of SORT_THREADS),
 // writes the rows r = block * SORT_THREADS + tid + n * blocks * SORT_THREADS of row_expert and the padding
 // rows among them of row_to_slot; block 0 also writes offsets and counts. Outputs documented at moe_sort
 // (sort.cu); written only when `write` is set. `slot_rows`, when not null (shared memory of num_slots
-// ints), receives the row of every placed slot too, for the block's own use.
+// ints), receives the row of every placed slot too, for the block's own use. `warp_path` (a constant of the
+// caller): a single block of at most SORT_WARP_SLOTS slots sorts in one warp (sort_slots_warp).
 __device__ __forceinline__ void sort_slots(const int* __restrict__ ids, int num_slots, int local_start,
                                            int num_experts, int align, int row_capacity, int block_slots,
-                                           int block, int blocks, bool write, int* slot_rows,
+                                           int block, int blocks, bool write, bool warp_path, int* slot_rows,
                                            int* __restrict__ offsets, int* __restrict__ slot_to_row,
                                            int* __restrict__ row_to_slot, int* __restrict__ row_expert,
                                            int* __restrict__ counts) {
@@ -94,6 +187,13 @@ __device__ __forceinline__ void sort_slots(const int* __restrict__ ids, int num_
   const int warp = tid >> 5;
   const int begin = block * block_slots;
   const int end = min(num_slots, begin + block_slots);
+  if (warp_path && blocks == 1 && num_slots <= SORT_WARP_SLOTS) {  // few slots (decode): one warp, no block barriers
+    if (warp == 0)
+      sort_slots_warp(ids, num_slots, local_start, num_experts, align, row_capacity, write, slot_rows, total, seg,
+                      offsets, slot_to_row, row_to_slot, row_expert, counts);
+    __syncthreads();  // slot_rows for the block
+    return;
+  }
 
   // Pass 1: count every slot, split at `begin`.
   for (int e = tid; e < num_experts; e += SORT_THREADS) before[e] = total[e] = 0;

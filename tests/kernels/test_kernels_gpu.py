@@ -354,7 +354,7 @@ def _assert_sort_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tenso
             raise AssertionError(f"{what} {name}: {bad.shape[0]} entries differ, first at {bad[0].tolist()}")
 
 
-SORT_SIZES = [1, 7, 64, 1023, 1024, 1025, 2051, 4096, 8191, 12288, 32768, 40000]
+SORT_SIZES = [1, 7, 33, 63, 64, 65, 1023, 1024, 1025, 2051, 4096, 8191, 12288, 32768, 40000]
 SORT_EXPERTS = [1, 2, 128, 256, 512]
 
 
