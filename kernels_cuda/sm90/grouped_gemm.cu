@@ -167,6 +167,20 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS)
     xp[nt] = reinterpret_cast<const u8*>(x) + (static_cast<i64>(row < tile.row_end ? row : tile.row0) * k + wk * 64) * 2 +
              q * 32;
   }
+  // The epilogue's operands, fetched into shared memory while the main loop runs (no dependent load at the end):
+  // the alpha of the CTA's first and second half of features (one alpha each: alpha_split is a multiple of the
+  // feature block, and a paired CTA's halves are up and gate features), and (the activation epilogue) the slot of
+  // each row of the tile inside the segment.
+  __shared__ float tile_alpha[2];
+  if (threadIdx.x < 2)
+    cp_async_4(smem_addr(&tile_alpha[threadIdx.x]),
+               alpha + expert_alpha(tile.expert, num_experts, decode_feature(threadIdx.x * (DEC_FB / 2), n), alpha_split));
+#ifdef SM90_ACT
+  __shared__ int tile_slot[DEC_TB];
+  if (threadIdx.x < DEC_TB && tile.row0 + static_cast<int>(threadIdx.x) < tile.row_end)
+    cp_async_4(smem_addr(&tile_slot[threadIdx.x]), row_to_slot + tile.row0 + threadIdx.x);
+#endif
+  cp_async_commit();
   const int nsteps = wk < kt ? (kt - wk + SM90_WK - 1) / SM90_WK : 0;
   constexpr int W_STEP = SM90_WK * 512, S_STEP = SM90_WK * 64, X_STEP = SM90_WK * 128;  // bytes per step
 
@@ -245,6 +259,7 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS)
       for (int nt = 0; nt < SM90_NT; ++nt)
 #pragma unroll
         for (int i = 0; i < 4; ++i) acc[0][mt][nt][i] += acc[set][mt][nt][i];
+  cp_async_wait<0>();  // tile_alpha, tile_slot (visible to the block after the barrier below)
 #pragma unroll
   for (int mt = 0; mt < SM90_MT; ++mt) {
     const int f = (wm * SM90_MT + mt) * 16 + g;
@@ -260,7 +275,7 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS)
   __syncthreads();
 
   // Sum over wk in order, scale, round, store 16-byte row pieces of rows inside the segment (to the C tile
-  // for the activation epilogue). Each 8-feature piece takes its own features' alpha.
+  // for the activation epilogue). Each 8-feature piece takes its half's alpha (tile_alpha).
   constexpr int CHUNKS_PER_ROW = DEC_FB / 8;
 #ifdef SM90_ACT
   __shared__ __align__(16) u16 c_tile[DEC_TB][DEC_C_STRIDE];
@@ -270,8 +285,7 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS)
     const int f = (c % CHUNKS_PER_ROW) * 8;
     const int row = tile.row0 + t;
     if (row >= tile.row_end) continue;
-    const float scale =
-        __ldg(alpha + expert_alpha(tile.expert, num_experts, decode_feature(f, n), alpha_split)) * 256.0f;
+    const float scale = tile_alpha[f < DEC_FB / 2 ? 0 : 1] * 256.0f;
     float4 lo = *reinterpret_cast<const float4*>(&red[0][t][f]);
     float4 hi = *reinterpret_cast<const float4*>(&red[0][t][f + 4]);
 #pragma unroll
@@ -306,7 +320,7 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS)
       const int row = tile.row0 + t;
       if (row >= tile.row_end) continue;  // warp-uniform
       moe::activate_store_unit_warp<SM90_ACT, DEC_PAIRED>(
-          &c_tile[t][32 * (item % UNITS)], DEC_FB / 2, __ldg(row_to_slot + row) < 0, row, unit0 + item % UNITS,
+          &c_tile[t][32 * (item % UNITS)], DEC_FB / 2, tile_slot[t] < 0, row, unit0 + item % UNITS,
           inter, row_capacity, SM90_ACT, act_alpha, act_beta, act_limit, act_layout, requantize != 0,
           reinterpret_cast<u16*>(act_out));
     }
@@ -317,7 +331,7 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS)
     const int unit = item % UNITS;
     const int row = tile.row0 + t;
     if (row >= tile.row_end) continue;
-    moe::activate_store_unit<SM90_ACT, DEC_PAIRED>(&c_tile[t][32 * unit], DEC_FB / 2, __ldg(row_to_slot + row) < 0,
+    moe::activate_store_unit<SM90_ACT, DEC_PAIRED>(&c_tile[t][32 * unit], DEC_FB / 2, tile_slot[t] < 0,
                                                    row, unit0 + unit, inter, row_capacity, SM90_ACT, act_alpha,
                                                    act_beta, act_limit, act_layout, requantize != 0, act_out,
                                                    act_scales);
