@@ -42,9 +42,11 @@ from .layout import TILE_K, pack_weight_tiles, unpack_weight_tiles
 
 # Decode variants picked with benchmarks/tune_sm90.py on an H200 (benchmarks/RESULTS.md). Two m16 row
 # blocks per warp halve the token-fragment loads per weight byte; 128 features per CTA when that
-# still gives every SM two CTAs, else 64 features and two-way split-K for more CTAs.
+# still gives every SM two CTAs, else 64 features and two-way split-K for more CTAs, and four-way (eight warps)
+# where even those would leave SMs with fewer than two CTAs (Qwen3-30B-A3B at one token).
 _WIDE = DecodeVariant(mt=2, wm=4, wk=1, nt=1, prefetch=4)
 _SPLIT = DecodeVariant(mt=2, wm=2, wk=2, nt=1, prefetch=4)
+_SPLIT_DEEP = DecodeVariant(mt=2, wm=2, wk=4, nt=1, prefetch=4)
 # 32-row token tiles for segments of 9-31 rows; long reductions keep the split-K.
 _MID = DecodeVariant(mt=4, wm=2, wk=1, nt=4, prefetch=2)
 _MID_LONG_K = DecodeVariant(mt=2, wm=2, wk=2, nt=4, prefetch=2)
@@ -90,7 +92,9 @@ def choose_variant(rows: int, shape: GemmShape, sm_count: int) -> GemmVariant:
     if average > _DECODE_MAX_ROWS:
         return _MID_LONG_K if shape.k >= _LONG_K else _MID
     used = min(shape.num_experts, _slots(rows, shape.num_experts))
-    return _WIDE if shape.n // _WIDE.feature_block * used >= 2 * sm_count else _SPLIT
+    if shape.n // _WIDE.feature_block * used >= 2 * sm_count:
+        return _WIDE
+    return _SPLIT if shape.n // _SPLIT.feature_block * used >= 2 * sm_count else _SPLIT_DEEP
 
 
 def decode_ctas(rows: int, shape: GemmShape, variant: GemmVariant) -> int:
