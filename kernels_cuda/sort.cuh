@@ -1,15 +1,15 @@
 // Deterministic counting sort of routing slots into padded per-expert row segments: the body (sort_slots)
 // of the sort kernels of sort.cu and of the fused sort + permute kernels of permute.cu.
 //
-// Two entry points of sort.cu share it: moe_sort, ONE block that sorts every slot (decode and
-// small prefill: one launch, nothing else; up to SORT_WARP_SLOTS slots in one warp, sort_slots_warp), and moe_sort_blocks, a grid of independent blocks that
-// each sort a contiguous range of `block_slots` slots. A block of the grid needs two numbers per
-// expert that depend on slots outside its range: the total count (for the segment starts) and the
-// count in the slots before its range (for its first row in each segment). Every block gets them by
-// counting all num_slots ids itself (16-byte loads, shared-memory atomics), so the blocks never
-// communicate: no scratch memory, no second launch, no ordering between blocks, and the result is
-// the single block's, row for row. Redundant counting costs gridDim.x * num_slots id reads (from L2);
-// the wrapper caps the grid (cudnn_moe/kernels/sort.py) so that stays small next to the scatter.
+// Two entry points of sort.cu share it: moe_sort, ONE block that sorts every slot (decode and small prefill: one
+// launch, nothing else; up to SORT_WARP_SLOTS slots in one warp, sort_slots_warp), and moe_sort_blocks, a grid of
+// independent blocks that each sort a contiguous range of `block_slots` slots. A block of the grid needs two numbers
+// per expert that depend on slots outside its range: the total count (for the segment starts) and the count in the
+// slots before its range (for its first row in each segment). Every block gets them by counting all num_slots ids
+// itself (16-byte loads, shared-memory atomics), so the blocks never communicate: no scratch memory, no second
+// launch, no ordering between blocks, and the result is the single block's, row for row. Redundant counting costs
+// gridDim.x * num_slots id reads (from L2); the wrapper caps the grid (cudnn_moe/kernels/sort.py) so that stays
+// small next to the scatter.
 #pragma once
 #include "common.cuh"
 
