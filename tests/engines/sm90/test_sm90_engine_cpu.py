@@ -38,6 +38,22 @@ def test_variant_and_gemm1_fusion(model, tokens: int, kind: type, fusion: Gemm1F
     assert gemm1_fusion(rows, shape, SwiGLU(), SMS) == fusion
 
 
+@pytest.mark.parametrize("model,tokens,split_k", [
+    (QWEN3, 1, 4),  # 192 / 256 CTAs of 64 features: fewer than two per SM, so eight warps with four-way split-K
+    (QWEN3, 2, 2),
+    (QWEN3, 8, 1),  # 128 features per CTA
+    (DEEPSEEK_V3, 1, 2),
+])
+def test_decode_split_k_grows_as_ctas_get_few(model, tokens: int, split_k: int) -> None:
+    """Both GEMMs of a decode bucket: 128-feature CTAs while every SM gets two, else 64-feature ones with two-way
+    split-K, and four-way where even those leave an SM fewer than two (benchmarks/RESULTS.md, twelfth session)."""
+    rows, shape1 = _bucket(model, tokens)
+    shape2 = GemmShape(model[2], model[1], model[0])
+    for shape in (shape1, shape2) if model is QWEN3 else (shape1,):
+        variant = choose_variant(rows, shape, SMS)
+        assert isinstance(variant, DecodeVariant) and variant.wk == split_k
+
+
 def test_decode_epilogue_needs_a_variant_that_fits() -> None:
     """A non-gated activation fits every decode variant the engine picks; the rule only looks at what fits."""
     rows, shape = _bucket(QWEN3, 1)
