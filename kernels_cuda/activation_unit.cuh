@@ -54,9 +54,14 @@ __device__ __forceinline__ float refined_reciprocal(float d) {
 // divisor requantize_16 uses (E4M3 scales, 2^-9 .. 448) and every y whose quotient lies in the normal range;
 // nearer zero or infinity both round to the same E2M1 grid value. Where y r is infinite or NaN (y infinite
 // or NaN, or the quotient overflows) it is the result, as the division's (the correction would make NaN).
+// corrected_quotient is the correction alone, for a caller whose quotients are known to be finite.
+__device__ __forceinline__ float corrected_quotient(float y, float d, float r, float q0) {
+  return fmaf(r, fmaf(-q0, d, y), q0);
+}
+
 __device__ __forceinline__ float divide_rn(float y, float d, float r) {
   const float q0 = y * r;
-  return fabsf(q0) <= 3.40282347e38f ? fmaf(r, fmaf(-q0, d, y), q0) : q0;
+  return fabsf(q0) <= 3.40282347e38f ? corrected_quotient(y, d, r, q0) : q0;
 }
 
 // amax / 6, the quotient IEEE (divide_rn's fast path, exact for every amax whose quotient is normal; below that it
@@ -88,10 +93,7 @@ __device__ __forceinline__ u8 requantize_16(float y[16]) {
     const u8 s = e4m3_normal(sixth(peak), sf);
     const float r = refined_reciprocal(sf);
 #pragma unroll
-    for (int j = 0; j < 16; ++j) {
-      const float q0 = y[j] * r;
-      y[j] = round_below_7_to_e2m1(fmaf(r, fmaf(-q0, sf, y[j]), q0));
-    }
+    for (int j = 0; j < 16; ++j) y[j] = round_below_7_to_e2m1(corrected_quotient(y[j], sf, r, y[j] * r));
     return s;
   }
   float amax = 0.0f;

@@ -64,6 +64,9 @@ __device__ __forceinline__ int segment_of(const int* seg, int num_experts, int r
   return lo;
 }
 
+// A segment's rows: count rounded up to a multiple of align.
+__device__ __forceinline__ int padded_count(int count, int align) { return (count + align - 1) / align * align; }
+
 // Count id into before[e] (slot index below `begin`) or after[e] (the rest).
 __device__ __forceinline__ void count_id(int id, int i, int begin, int local_start, int num_experts, int* before,
                                          int* after) {
@@ -109,7 +112,7 @@ __device__ __forceinline__ void sort_slots_warp(const int* __restrict__ ids, int
   const int begin = min(lane * per, num_experts);
   const int end = min(begin + per, num_experts);
   int sum = 0;
-  for (int e = begin; e < end; ++e) sum += (counts_smem[e] + align - 1) / align * align;
+  for (int e = begin; e < end; ++e) sum += padded_count(counts_smem[e], align);
   int inclusive = sum;
 #pragma unroll
   for (int d = 1; d < 32; d <<= 1) {
@@ -124,7 +127,7 @@ __device__ __forceinline__ void sort_slots_warp(const int* __restrict__ ids, int
       offsets[e] = seg[e];
       counts[e] = count;
     }
-    start += (count + align - 1) / align * align;
+    start += padded_count(count, align);
   }
   if (lane == 31) {
     seg[num_experts] = min(inclusive, row_capacity);
@@ -232,7 +235,7 @@ __device__ __forceinline__ void sort_slots(const int* __restrict__ ids, int num_
 
   // Padded exclusive scan (num_experts <= SORT_THREADS, one expert per thread).
   const int count = tid < num_experts ? before[tid] + total[tid] : 0;
-  const int start = block_exclusive_scan((count + align - 1) / align * align, scratch);
+  const int start = block_exclusive_scan(padded_count(count, align), scratch);
   if (tid < num_experts) {
     total[tid] = count;
     seg[tid] = min(start, row_capacity);
