@@ -46,6 +46,7 @@ from common import (  # noqa: E402
     fmt,
     gpu_missing,
     header_line,
+    kernel_launches,
     make_parser,
     md_row,
     measure_engine,
@@ -63,7 +64,6 @@ from cudnn_moe import Routing, SwiGLU  # noqa: E402
 from cudnn_moe.arch import Arch, device_arch  # noqa: E402
 from cudnn_moe.engines.base import OP_LOW_LATENCY  # noqa: E402
 from cudnn_moe.engines.registry import engine_names, supporting  # noqa: E402
-from cudnn_moe.kernels import driver  # noqa: E402
 from cudnn_moe.low_latency import LowLatencyMoeConfig, LowLatencyWeights, WeightFormat, low_latency_moe  # noqa: E402
 from cudnn_moe.low_latency.checks import token_dtypes  # noqa: E402
 from cudnn_moe.low_latency.stand_in import stand_in_weights  # noqa: E402
@@ -139,11 +139,6 @@ def tactic_key(weights: LowLatencyWeights, tokens: int, top_k: int, arch: Arch, 
     request = layer_request(weights, arch, tokens, request_token_dtype(weights.format, x_dtype),
                             out_dtype_of(weights.format), True)
     return TacticKey(request, top_k, weights.gated, x_dtype, device)
-
-
-def kernel_launches(graph: torch.cuda.CUDAGraph) -> int:
-    """The kernel nodes of a graph captured with keep_graph=True: the launches of the call it holds."""
-    return sum(t == driver.CU_GRAPH_NODE_TYPE_KERNEL for t in driver.graph_node_types(graph.raw_cuda_graph()))
 
 
 def weight_gbps(m: ModelShape, touched: int, fmt_: WeightFormat, us: float) -> float:

@@ -34,6 +34,7 @@ from common import (  # noqa: E402
     fmt,
     gpu_missing,
     header_line,
+    kernel_launches,
     host_us_back_to_back,
     host_us_idle_gpu,
     make_parser,
@@ -136,7 +137,7 @@ class MoeBench:
         """Median us of one captured fused_moe call; at T=1 also its host-time row."""
         tokens = batch[0].shape[0]
         call = moe_call(config, weights, *batch)
-        graph = capture(call)
+        graph = capture(call, keep_graph=True)
         us = timer.median_us(graph.replay)
         if tokens == 1:
             self.host_rows.append([m.name, engine, *host_cells(call, graph, us, self.args.host_calls)])
@@ -146,7 +147,9 @@ class MoeBench:
             variants = [repr(executor.engine.variant(gemm.rows, gemm.shape, gemm=index))
                         for index, gemm in ((1, bucket.gemm1), (2, bucket.gemm2))]
             chain = [name for name, _ in executor.stages(bucket)]
-            launches = f"{len(chain) + 2}: stage, {', '.join(chain)}, finalize"  # the op's stage and finish around the chain
+            launches = kernel_launches(graph)  # the chain, the op's stage (unless the chain's first launch does it), finish
+            stage = "stage, " if launches == len(chain) + 2 else "stage in "
+            launches = f"{launches}: {stage}{', '.join(chain)}, finalize"
             self.variant_rows.append([m.name, str(tokens), engine, str(bucket.rows), *variants, launches])
         return us
 

@@ -3,7 +3,8 @@
 Per model, token count and engine: the GPU time of each bucket-static stage of the executor (sort,
 permute or the two in one launch, GEMM1, activation, GEMM2, or the fused stages that replace some), each
 captured alone in a CUDA graph, their
-sum, the launches of one call, the whole call (stage + those + finalize) captured in one graph, and the GB/s
+sum, the launches of one call, the whole call (the op's stage, which decode buckets of the sm90 engine fold into
+the sort + permute, those stages, the finalize) captured in one graph, and the GB/s
 each GEMM streams (NVFP4 bytes of the touched experts / its time). A second table gives each stage's cost
 inside the chain, where the launches overlap (programmatic dependent launch): the first i stages captured in
 one graph, minus the first i - 1. Every time is the median of CUDA-event-timed replays with L2 flushed before
@@ -31,6 +32,7 @@ from common import (  # noqa: E402
     fmt,
     gpu_missing,
     header_line,
+    kernel_launches,
     make_parser,
     measure_engine,
     md_row,
@@ -56,12 +58,14 @@ def stage_times(
     batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor], timer: Timer,
 ) -> list[float | int | None]:
     """GPU us of each of STAGES (captured alone, on the buffers the call staged; None where the chain lacks it),
-    their sum, the launches of the whole call (its stages plus the op's stage and finish), its time, the GB/s
+    their sum, the launches of the whole call (the kernel nodes of its graph: the chain, the op's stage unless the
+    chain's first launch does it, and the finish), its time, the GB/s
     each GEMM streams (NVFP4 bytes of the experts the batch touches / its time) and its TFLOP/s (the routed
     slots' multiply-adds, GEMM1 2I x H and GEMM2 H x I per slot, / its time; a fused GEMM1's time holds its
     epilogue)."""
     call = moe_call(config, weights, *batch)
-    whole = timer.median_us(capture(call).replay)
+    graph = capture(call, keep_graph=True)
+    whole = timer.median_us(graph.replay)
     executor = executor_for(m, config, weights)
     stages = executor.stages(executor.bucket(batch[0].shape[0]))
     unknown = [name for name, _ in stages if name not in STAGES]
@@ -77,7 +81,7 @@ def stage_times(
     rates = [gemm1_bytes / gemm1 / 1e3, gemm1_bytes / 2 / times["gemm2"] / 1e3]  # bytes / us / 1e3 = GB/s
     gemm2_flops = 2 * batch[0].shape[0] * m.top_k * m.hidden * m.intermediate
     tflops = [2 * gemm2_flops / gemm1 / 1e6, gemm2_flops / times["gemm2"] / 1e6]  # FLOP / us / 1e6 = TFLOP/s
-    cells = [*(times.get(name) for name in STAGES), sum(times.values()), len(stages) + 2, whole, *rates, *tflops]
+    cells = [*(times.get(name) for name in STAGES), sum(times.values()), kernel_launches(graph), whole, *rates, *tflops]
     return cells, chain
 
 

@@ -32,6 +32,7 @@ from cudnn_moe.engines.registry import engine_names  # noqa: E402
 from cudnn_moe.pipeline.executor import MoeExecutor  # noqa: E402
 from cudnn_moe.engines.cudnn.probe import backend_version, format_version  # noqa: E402
 from cudnn_moe.capture import capture_graph  # noqa: E402
+from cudnn_moe.kernels import driver  # noqa: E402
 from cudnn_moe.timing import median_us  # noqa: E402
 
 PRESETS = ROOT / "graphs" / "presets.json"
@@ -275,6 +276,11 @@ def capture(fn: Callable[[], object], keep_graph: bool = False) -> torch.cuda.CU
     """fn() once eagerly (warm-up: buckets, plans, kernels), then ONE call captured in a CUDA graph,
     replayed once (the upload): cudnn_moe.capture.capture_graph."""
     return capture_graph(fn, keep_graph)
+
+
+def kernel_launches(graph: torch.cuda.CUDAGraph) -> int:
+    """The kernel nodes of a graph captured with keep_graph=True: the launches of the call it holds."""
+    return sum(t == driver.CU_GRAPH_NODE_TYPE_KERNEL for t in driver.graph_node_types(graph.raw_cuda_graph()))
 
 
 class Timer:

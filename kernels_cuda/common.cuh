@@ -358,6 +358,30 @@ __device__ __forceinline__ uint4 load_16_bytes(const u8* p) {
   return make_uint4(w[0], w[1], w[2], w[3]);
 }
 
+// Slot i of the caller's routing in format routing_format (ROUTING_PACKED: int32 (id << 16) | bf16 weight; else ids
+// int32, or int64 when ids_int64, with FP32 or BF16 weights): its expert id and route weight. An int64 id outside the
+// int32 range becomes -1 (masked). Slots of tokens past the call's (live false) are read nowhere: id -1, weight 0.
+__device__ __forceinline__ void decode_route(const void* ids, const void* weights, int routing_format, int ids_int64,
+                                             i64 i, bool live, int& id, float& w) {
+  id = -1;
+  w = 0.0f;
+  if (!live) return;
+  if (routing_format == ROUTING_PACKED) {
+    const int p = static_cast<const int*>(ids)[i];
+    id = p >> 16;
+    w = bf16_to_float(static_cast<u16>(p & 0xFFFF));
+    return;
+  }
+  if (ids_int64) {
+    const i64 v = static_cast<const i64*>(ids)[i];
+    id = (v < -2147483647LL - 1 || v > 2147483647LL) ? -1 : static_cast<int>(v);
+  } else {
+    id = static_cast<const int*>(ids)[i];
+  }
+  w = routing_format == ROUTING_FP32 ? static_cast<const float*>(weights)[i]
+                                     : bf16_to_float(static_cast<const u16*>(weights)[i]);
+}
+
 // Stage token t: its row_bytes of packed E2M1 codes (source rows x_row_stride bytes apart, any alignment) and
 // scale_bytes of E4M3 scales into row t of the bucket buffers xs / xss, with the threads of one block (thread
 // `tid` of `nthreads`). When x_rows is not null, the token is instead decoded exactly into the natural BF16 row t

@@ -119,11 +119,12 @@ extern "C" __global__ void moe_permute_bf16_tokens(const u16* __restrict__ x, co
 // = P per block: thread j of block b takes pairs b P + j, b P + j + grid P, ... A unit is fetched once per slot (fetch(t, u): its raw bytes; the repeats of a
 // token's slots hit L1 / L2) and expanded into its four BF16 pieces (expand(raw, piece)). The first pair's
 // fetch is issued BEFORE the sort (the tokens need nothing from it), so its latency overlaps the sort's; its row
-// comes from the block's sort (shared memory). Same outputs, bit for bit, as moe_sort followed by
+// comes from the block's sort (shared memory). The ids come from get_ids(), called by every thread once that first
+// fetch is issued (the num_slots ids, global or shared memory). Same outputs, bit for bit, as moe_sort followed by
 // moe_permute_bf16 / moe_permute_bf16_tokens. Any grid of at least one block (cudnn_moe/kernels/sort.py:
 // SORT_PERMUTE_BLOCK_PAIRS pairs per block, at most SORT_PERMUTE_MAX_BLOCKS blocks).
-template <typename Fetch, typename Expand>
-__device__ __forceinline__ void sort_permute(const int* __restrict__ ids, int num_slots, int top_k, int local_start,
+template <typename GetIds, typename Fetch, typename Expand>
+__device__ __forceinline__ void sort_permute(GetIds get_ids, int num_slots, int top_k, int local_start,
                                              int num_experts, int align, int row_capacity, int hidden, int layout,
                                              int* __restrict__ offsets, int* __restrict__ slot_to_row,
                                              int* __restrict__ row_to_slot, int* __restrict__ row_expert,
@@ -141,6 +142,7 @@ __device__ __forceinline__ void sort_permute(const int* __restrict__ ids, int nu
   int p = static_cast<int>(threadIdx.x) < per_block ? static_cast<int>(blockIdx.x) * per_block + threadIdx.x : pairs;
   decltype(fetch(0, 0)) raw{};
   if (p < pairs) raw = fetch(p / units / top_k, p % units);
+  const int* ids = get_ids();
   sort_slots(ids, num_slots, local_start, num_experts, align, row_capacity, max(num_slots, 1), 0, 1, blockIdx.x == 0,
              true, slot_rows, offsets, slot_to_row, row_to_slot, row_expert, counts);
   __syncthreads();
@@ -162,6 +164,18 @@ struct Nvfp4Unit {
   u8 scale0, scale1;
 };
 
+// Unit u of NVFP4 token t (xs, xss as for moe_permute_bf16), as it is.
+__device__ __forceinline__ Nvfp4Unit fetch_nvfp4_unit(const u8* __restrict__ xs, const u8* __restrict__ xss, int hidden,
+                                                      i64 t, int u) {
+  const u8* scales = xss + t * (hidden / 16) + 2 * u;
+  return Nvfp4Unit{*reinterpret_cast<const uint4*>(xs + t * (hidden / 2) + 16 * u), scales[0], scales[1]};
+}
+
+// A unit's four BF16 fragment-order pieces, decoded exactly.
+__device__ __forceinline__ void expand_nvfp4_unit(const Nvfp4Unit& raw, uint4 piece[4]) {
+  decode_fragment_words(raw.codes, raw.scale0, raw.scale1, piece);
+}
+
 // NVFP4 tokens (xs, xss as for moe_permute_bf16), decoded exactly into BF16 fragments.
 extern "C" __global__ void __launch_bounds__(SORT_THREADS)
     moe_sort_permute_bf16(const int* __restrict__ ids, int num_slots, int top_k, int local_start, int num_experts,
@@ -171,15 +185,47 @@ extern "C" __global__ void __launch_bounds__(SORT_THREADS)
                           u16* __restrict__ xp) {
   moe::grid_dependency_begin();
   sort_permute(
-      ids, num_slots, top_k, local_start, num_experts, align, row_capacity, hidden, layout, offsets, slot_to_row,
-      row_to_slot, row_expert, counts, xp,
-      [&](i64 t, int u) {
-        const u8* scales = xss + t * (hidden / 16) + 2 * u;
-        return Nvfp4Unit{*reinterpret_cast<const uint4*>(xs + t * (hidden / 2) + 16 * u), scales[0], scales[1]};
+      [&] { return ids; }, num_slots, top_k, local_start, num_experts, align, row_capacity, hidden, layout, offsets,
+      slot_to_row, row_to_slot, row_expert, counts, xp, [&](i64 t, int u) { return fetch_nvfp4_unit(xs, xss, hidden, t, u); },
+      expand_nvfp4_unit);
+}
+
+// The stage (moe_stage_inputs' routing half) folded into moe_sort_permute_bf16, for calls whose launches know the
+// caller's tensors: the caller's T NVFP4 tokens (xs [T, H/2], 16-byte aligned; xss [T, H/16]) and routing (ids,
+// weights, routing_format, ids_int64 as moe_stage_inputs reads them) go straight into the sort and the gather of the
+// bucket's num_slots = B * top_k slots (slots of tokens t >= T masked). Every block decodes the routing into shared
+// memory (num_slots * 4 bytes of dynamic shared memory); block 0 also writes it to ids_out [B, top_k] and w_out [B, top_k] (moe_stage_inputs' outputs, which the
+// finalize reads). The bucket's token buffers are not written. Same outputs, bit for bit, as moe_stage_inputs
+// followed by moe_sort_permute_bf16.
+extern "C" __global__ void __launch_bounds__(SORT_THREADS)
+    moe_stage_sort_permute_bf16(const void* __restrict__ ids, const void* __restrict__ weights, int routing_format,
+                                int ids_int64, int num_tokens, int num_slots, int top_k, int local_start,
+                                int num_experts, int align, int row_capacity, int hidden, int layout,
+                                const u8* __restrict__ xs, const u8* __restrict__ xss, int* __restrict__ ids_out,
+                                float* __restrict__ w_out, int* __restrict__ offsets, int* __restrict__ slot_to_row,
+                                int* __restrict__ row_to_slot, int* __restrict__ row_expert, int* __restrict__ counts,
+                                u16* __restrict__ xp) {
+  moe::grid_dependency_begin();
+  extern __shared__ __align__(16) int staged_ids[];  // num_slots ints (dynamic: the sort's static arrays fill 44 KB)
+  sort_permute(
+      [&]() -> const int* {
+        for (int i = threadIdx.x; i < num_slots; i += blockDim.x) {
+          int id;
+          float w;
+          decode_route(ids, weights, routing_format, ids_int64, i, i / top_k < num_tokens, id, w);
+          staged_ids[i] = id;
+          if (blockIdx.x == 0) {
+            ids_out[i] = id;
+            w_out[i] = w;
+          }
+        }
+        __syncthreads();
+        return staged_ids;
       },
-      [](const Nvfp4Unit& raw, uint4 piece[4]) {
-        decode_fragment_words(raw.codes, raw.scale0, raw.scale1, piece);
-      });
+      num_slots, top_k, local_start, num_experts, align, row_capacity, hidden, layout, offsets, slot_to_row,
+      row_to_slot, row_expert, counts, xp,
+      [&](i64 t, int u) { return t < num_tokens ? fetch_nvfp4_unit(xs, xss, hidden, t, u) : Nvfp4Unit{}; },
+      expand_nvfp4_unit);
 }
 
 // BF16 tokens (x as for moe_permute_bf16_tokens), as they are.
@@ -192,8 +238,7 @@ extern "C" __global__ void __launch_bounds__(SORT_THREADS)
                                  int* __restrict__ counts, u16* __restrict__ xp) {
   moe::grid_dependency_begin();
   sort_permute(
-      ids, num_slots, top_k, local_start, num_experts, align, row_capacity, hidden, layout, offsets, slot_to_row,
-      row_to_slot, row_expert, counts, xp,
-      [&](i64 t, int u) { return fetch_bf16_unit(x, hidden, t, u); },
+      [&] { return ids; }, num_slots, top_k, local_start, num_experts, align, row_capacity, hidden, layout, offsets,
+      slot_to_row, row_to_slot, row_expert, counts, xp, [&](i64 t, int u) { return fetch_bf16_unit(x, hidden, t, u); },
       [](const Bf16Unit& raw, uint4 piece[4]) { bf16_unit_pieces(raw.chunk, piece); });
 }

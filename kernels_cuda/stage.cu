@@ -13,8 +13,8 @@ using namespace moe;
 //   xs, xss  [B, row_bytes], [B, scale_bytes]: rows >= T are left untouched
 //   x_rows   bf16 [B, 2 * row_bytes] or null: when given, the tokens are decoded exactly into its rows t < T
 //            (natural BF16 rows, what a gathering GEMM1 reads) instead of copied into xs / xss
-//   ids_out  int32 [B, top_k], w_out FP32 [B, top_k]: rows >= T get id -1, weight 0
-// An int64 id outside the int32 range becomes -1 (masked).
+//   ids_out  int32 [B, top_k], w_out FP32 [B, top_k]: the routing as decode_route (common.cuh) reads it; rows >= T
+//            get id -1, weight 0
 extern "C" __global__ void moe_stage_inputs(const u8* __restrict__ x, const u8* __restrict__ x_scales,
                                             const void* __restrict__ ids, const void* __restrict__ weights,
                                             int routing_format, int ids_int64, u8* __restrict__ xs,
@@ -26,24 +26,9 @@ extern "C" __global__ void moe_stage_inputs(const u8* __restrict__ x, const u8* 
   if (t < T) stage_token_row(xs, xss, x_rows, x, row_bytes, x_scales, t, row_bytes, scale_bytes, threadIdx.x, blockDim.x);
   for (int s = threadIdx.x; s < top_k; s += blockDim.x) {
     const i64 i = static_cast<i64>(t) * top_k + s;
-    int id = -1;
-    float w = 0.0f;
-    if (t < T) {
-      if (routing_format == ROUTING_PACKED) {
-        const int p = static_cast<const int*>(ids)[i];
-        id = p >> 16;
-        w = bf16_to_float(static_cast<u16>(p & 0xFFFF));
-      } else {
-        if (ids_int64) {
-          const i64 v = static_cast<const i64*>(ids)[i];
-          id = (v < -2147483647LL - 1 || v > 2147483647LL) ? -1 : static_cast<int>(v);
-        } else {
-          id = static_cast<const int*>(ids)[i];
-        }
-        w = routing_format == ROUTING_FP32 ? static_cast<const float*>(weights)[i]
-                                           : bf16_to_float(static_cast<const u16*>(weights)[i]);
-      }
-    }
+    int id;
+    float w;
+    decode_route(ids, weights, routing_format, ids_int64, i, t < T, id, w);
     ids_out[i] = id;
     w_out[i] = w;
   }

@@ -13,18 +13,21 @@ from .aligned_stage import plan_routes, stage_aligned
 from .codes import ROW_THREADS, SORT_MAX_EXPERTS, SORT_THREADS, RoutingFormat, TokenLayout, cuda_defines
 from .finalize import SOURCE as _FINALIZE_SOURCE
 from .finalize import finalize, unfinalized_rows
-from .loader import compile_options, kernels_dir, launch, load_module, module_source, ptr
+from .loader import compile_options, kernel_function, kernels_dir, launch, load_module, module_source, ptr
+from .permute import SOURCE as _PERMUTE_SOURCE
 from .permute import permute_bf16_tokens, permute_tokens
-from .sort import SORT_PERMUTE_MAX_SLOTS, sort_permute_bf16, sort_routing
+from .sort import SORT_PERMUTE_MAX_SLOTS, sort_permute_bf16, sort_routing, stage_sort_permute_bf16
 from .stage import SOURCE as _STAGE_SOURCE
 from .stage import stage_inputs
 
 
 def load_call_kernels(device: int) -> None:
     """Compile, or load from the persistent cache, the kernels every fused_moe call launches around the
-    bucket pipeline (stage, finalize), so that warming up a layer leaves nothing to build on its first call."""
+    bucket pipeline (stage, finalize, and the stage folded into the decode chain's sort + permute), so that warming
+    up a layer leaves nothing to build on its first call."""
     for source in (_STAGE_SOURCE, _FINALIZE_SOURCE):
         load_module(source, device)
+    kernel_function(_PERMUTE_SOURCE, "moe_stage_sort_permute_bf16", device)
 
 
 ROUTING_PACKED = RoutingFormat.PACKED
@@ -58,5 +61,6 @@ __all__ = [
     "sort_routing",
     "stage_aligned",
     "stage_inputs",
+    "stage_sort_permute_bf16",
     "unfinalized_rows",
 ]

@@ -298,7 +298,8 @@ def launch(
     """Launch kernel ``name`` of kernels_cuda/``filename`` on torch's current stream of ``device``.
 
     A grid with a zero extent launches nothing. ``shared_mem`` bytes of dynamic shared memory are
-    requested (the kernel's limit is raised on first use when above 48 KB). ``args`` are numpy
+    requested (the kernel's limit is raised to it on first use: with its static shared memory the block may need more
+    than the default 48 KB even below 48 KB of dynamic). ``args`` are numpy
     scalars (``ptr(tensor)`` gives a device address).
     """
     grid = (grid,) if isinstance(grid, int) else grid
@@ -331,7 +332,7 @@ def programmatic_launch(index: int) -> bool:
 def _launch(function: int, gx: int, gy: int, gz: int, block: int, shared_mem: int, stream: int,
             packed: PackedArgs, index: int) -> None:
     _bind(index)
-    if shared_mem > 48 * 1024 and _shared_limits.get(function, 0) < shared_mem:
+    if shared_mem and _shared_limits.get(function, 0) < shared_mem:  # static + dynamic may pass 48 KB below it
         driver.set_max_dynamic_shared(function, shared_mem)
         _shared_limits[function] = shared_mem
     if programmatic_launch(index):

@@ -11,6 +11,7 @@ from ..formats.scale_layout import swizzled_shape
 from .codes import ROW_THREADS, TokenLayout
 from .loader import launch, ptr
 
+SOURCE = "permute.cu"
 UNIT_THREADS = 256  # most threads of a block of the unit-per-thread kernels (moe_permute_bf16, moe_activation)
 
 
@@ -76,7 +77,7 @@ def permute_tokens(
         require_bf16_rows(xp, hidden, layout)
         blocks, threads = unit_grid(-(-num_slots // top_k), hidden // 32)
         launch(
-            "permute.cu", "moe_permute_bf16", xs.device, blocks, threads,
+            SOURCE, "moe_permute_bf16", xs.device, blocks, threads,
             (ptr(xs, 16), ptr(xss), ptr(slot_to_row), np.int32(num_slots), np.int32(top_k), np.int32(hidden),
              np.int32(layout), ptr(xp, 16)),
         )
@@ -86,7 +87,7 @@ def permute_tokens(
         raise ValueError(f"permute: NVFP4 tokens need xp uint8 [R, {hidden // 2}] and a scale buffer")
     require_scale_room(xps, rows, scale_cols, layout)
     launch(
-        "permute.cu", "moe_permute", xs.device, num_slots, ROW_THREADS,
+        SOURCE, "moe_permute", xs.device, num_slots, ROW_THREADS,
         (
             ptr(xs), ptr(xss), ptr(slot_to_row), np.int32(top_k), np.int32(hidden // 2), np.int32(scale_cols),
             np.int32(layout is TokenLayout.NVFP4_SWIZZLED_128X4), ptr(xp), ptr(xps),
@@ -110,7 +111,7 @@ def permute_bf16_tokens(x: torch.Tensor, slot_to_row: torch.Tensor, num_slots: i
         raise ValueError(f"permute: top_k={top_k}, {num_slots} slots, slot_to_row of {slot_to_row.numel()}")
     blocks, threads = unit_grid(-(-num_slots // top_k), hidden // 32)
     launch(
-        "permute.cu", "moe_permute_bf16_tokens", x.device, blocks, threads,
+        SOURCE, "moe_permute_bf16_tokens", x.device, blocks, threads,
         (ptr(x, 16), ptr(slot_to_row), np.int32(num_slots), np.int32(top_k), np.int32(hidden), np.int32(layout),
          ptr(xp, 16)),
     )

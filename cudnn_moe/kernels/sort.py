@@ -7,8 +7,10 @@ import numpy as np
 import torch
 
 from .codes import SORT_MAX_EXPERTS, SORT_THREADS, TokenLayout
-from .permute import require_bf16_rows
 from .loader import launch, ptr
+from .permute import SOURCE as PERMUTE_SOURCE
+from .permute import require_bf16_rows
+from .stage import check_routing, routing_args
 
 # Most blocks of one moe_sort_blocks launch. Every block counts all slot ids, so the grid is capped:
 # up to SORT_MAX_BLOCKS * SORT_THREADS slots each block places one chunk of SORT_THREADS slots, beyond
@@ -131,8 +133,58 @@ def sort_permute_bf16(
             np.int32(align), np.int32(row_to_slot.numel()), np.int32(hidden), np.int32(layout))
     tail = (ptr(offsets), ptr(slot_to_row), ptr(row_to_slot), ptr(row_expert), ptr(counts), ptr(xp, 16))
     if bf16:
-        launch("permute.cu", "moe_sort_permute_bf16_tokens", tokens.device, blocks, SORT_THREADS,
+        launch(PERMUTE_SOURCE, "moe_sort_permute_bf16_tokens", tokens.device, blocks, SORT_THREADS,
                (*head, ptr(tokens, 16), *tail))
     else:
-        launch("permute.cu", "moe_sort_permute_bf16", tokens.device, blocks, SORT_THREADS,
+        launch(PERMUTE_SOURCE, "moe_sort_permute_bf16", tokens.device, blocks, SORT_THREADS,
                (*head, ptr(tokens, 16), ptr(token_scales), *tail))
+
+
+def stage_sort_permute_bf16(
+    x_packed: torch.Tensor,
+    x_scales: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor | None,
+    routing_format: int,
+    ids_out: torch.Tensor,
+    w_out: torch.Tensor,
+    local_start: int,
+    num_local: int,
+    align: int,
+    offsets: torch.Tensor,
+    slot_to_row: torch.Tensor,
+    row_to_slot: torch.Tensor,
+    row_expert: torch.Tensor,
+    counts: torch.Tensor,
+    xp: torch.Tensor,
+    layout: TokenLayout = TokenLayout.BF16_FRAGMENTS,
+) -> None:
+    """``stage_inputs`` (its routing half) and ``sort_permute_bf16`` of a bucket of B tokens in ONE launch, with the
+    same outputs bit for bit, from the caller's tensors: NVFP4 tokens ``x_packed`` uint8 [T, H/2] (16-byte aligned)
+    with linear E4M3 ``x_scales`` [T, H/16], T <= B, and routing ``ids`` / ``weights`` in ``routing_format``
+    (stage_inputs' formats). ``ids_out`` int32 [B, top_k] and ``w_out`` float32 [B, top_k] receive the decoded
+    routing (-1 / 0 past T), the sort's outputs and ``xp`` what sort_permute_bf16 writes for the B * top_k slots; the
+    bucket's token buffers are not needed (kernels_cuda/permute.cu moe_stage_sort_permute_bf16)."""
+    tokens, row_bytes = x_packed.shape
+    bucket, top_k = ids_out.shape
+    hidden = 2 * row_bytes
+    check_routing(ids, weights, routing_format, tokens, top_k, bucket)
+    ids_flat = ids_out.view(-1)
+    _check_operands(ids_flat, top_k, num_local, align, offsets, row_to_slot, row_expert, counts)
+    num_slots = ids_flat.numel()
+    if num_slots > SORT_PERMUTE_MAX_SLOTS:
+        raise ValueError(f"stage + sort + permute in one launch takes at most {SORT_PERMUTE_MAX_SLOTS} slots, "
+                         f"got {num_slots}")
+    if x_packed.dtype != torch.uint8 or x_scales.dtype.itemsize != 1 or tuple(x_scales.shape) != (tokens, hidden // 16):
+        raise ValueError(f"stage + sort + permute: uint8 codes [T, H/2] with 1-byte scales [T, H/16]; got "
+                         f"{x_packed.dtype} {tuple(x_packed.shape)}, scales {x_scales.dtype} {tuple(x_scales.shape)}")
+    if w_out.dtype != torch.float32 or w_out.shape != ids_out.shape:
+        raise ValueError(f"w_out must be float32 {tuple(ids_out.shape)}, got {w_out.dtype} {tuple(w_out.shape)}")
+    require_bf16_rows(xp, hidden, layout)
+    launch(PERMUTE_SOURCE, "moe_stage_sort_permute_bf16", x_packed.device, sort_permute_blocks(num_slots, hidden),
+           SORT_THREADS,
+           (*routing_args(ids, weights, routing_format), np.int32(tokens), np.int32(num_slots), np.int32(top_k),
+            np.int32(local_start), np.int32(num_local), np.int32(align), np.int32(row_to_slot.numel()),
+            np.int32(hidden), np.int32(layout), ptr(x_packed, 16), ptr(x_scales), ptr(ids_out), ptr(w_out),
+            ptr(offsets), ptr(slot_to_row), ptr(row_to_slot), ptr(row_expert), ptr(counts), ptr(xp, 16)),
+           shared_mem=4 * num_slots)

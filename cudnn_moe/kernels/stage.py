@@ -12,6 +12,30 @@ from .permute import require_token_rows
 SOURCE = "stage.cu"
 
 
+def check_routing(ids: torch.Tensor, weights: torch.Tensor | None, routing_format: int, tokens: int, top_k: int,
+                  bucket: int) -> None:
+    """Raise ValueError unless ``ids`` / ``weights`` are routing of ``tokens`` x ``top_k`` slots in ``routing_format``
+    (stage_inputs' formats) that a bucket of ``bucket`` tokens holds."""
+    if routing_format == RoutingFormat.PACKED:
+        if ids.dtype != torch.int32:
+            raise ValueError(f"packed routing must be int32, got {ids.dtype}")
+    else:
+        expected = {RoutingFormat.FP32: torch.float32, RoutingFormat.BF16: torch.bfloat16}.get(routing_format)
+        if expected is None or weights is None or weights.dtype != expected:
+            found = None if weights is None else weights.dtype
+            raise ValueError(f"routing format {routing_format} does not match weights of dtype {found}")
+        if ids.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"routing ids must be int32 or int64, got {ids.dtype}")
+    if tokens > bucket or tuple(ids.shape) != (tokens, top_k):
+        raise ValueError(f"cannot stage routing {tuple(ids.shape)} of {tokens} tokens x top-{top_k} into a bucket of "
+                         f"{bucket}")
+
+
+def routing_args(ids: torch.Tensor, weights: torch.Tensor | None, routing_format: int) -> tuple[np.generic, ...]:
+    """The kernel arguments of checked routing (check_routing): ids, weights, format, whether the ids are int64."""
+    return ptr(ids), ptr(weights), np.int32(routing_format), np.int32(ids.dtype == torch.int64)
+
+
 def stage_inputs(
     x_packed: torch.Tensor,
     x_scales: torch.Tensor,
@@ -35,18 +59,9 @@ def stage_inputs(
     """
     tokens, row_bytes = x_packed.shape
     bucket, top_k = ids_out.shape
-    if routing_format == RoutingFormat.PACKED:
-        if ids.dtype != torch.int32:
-            raise ValueError(f"packed routing must be int32, got {ids.dtype}")
-    else:
-        expected = {RoutingFormat.FP32: torch.float32, RoutingFormat.BF16: torch.bfloat16}.get(routing_format)
-        if expected is None or weights is None or weights.dtype != expected:
-            found = None if weights is None else weights.dtype
-            raise ValueError(f"routing format {routing_format} does not match weights of dtype {found}")
-        if ids.dtype not in (torch.int32, torch.int64):
-            raise ValueError(f"routing ids must be int32 or int64, got {ids.dtype}")
-    if tokens > bucket or tuple(ids.shape) != (tokens, top_k) or x_scales.element_size() != 1:
-        raise ValueError(f"cannot stage {tokens} tokens x top-{top_k} into a bucket of {bucket}")
+    check_routing(ids, weights, routing_format, tokens, top_k, bucket)
+    if x_scales.element_size() != 1:
+        raise ValueError(f"stage: 1-byte E4M3 token scales, got {x_scales.dtype}")
     if x_rows is not None:
         require_token_rows(x_rows, 2 * row_bytes, bucket)
         if x_packed.dtype != torch.uint8 or tuple(x_scales.shape) != (tokens, row_bytes // 8):
@@ -61,10 +76,7 @@ def stage_inputs(
         (
             ptr(x_packed),
             ptr(x_scales),
-            ptr(ids),
-            ptr(weights),
-            np.int32(routing_format),
-            np.int32(ids.dtype == torch.int64),
+            *routing_args(ids, weights, routing_format),
             ptr(xs),
             ptr(xss),
             ptr(x_rows, 16),

@@ -233,6 +233,8 @@ class MoeExecutor:
             tokens = activations.num_tokens
             w = self.weights
 
+            caller = CallerInputs(activations, routing)
+
             def stage(bucket: Bucket) -> None:
                 self.stage(bucket, activations, routing)
 
@@ -241,7 +243,8 @@ class MoeExecutor:
                     tokens, w.hidden_size, dtype=torch.bfloat16, device=w.device
                 )
                 self.run_call(tokens, stage, lambda bucket: self._finalize(bucket, result),
-                              use_cuda_graph=use_cuda_graph, signature=signature if out is not None else None)
+                              use_cuda_graph=use_cuda_graph, signature=signature if out is not None else None,
+                              caller=caller)
                 return result
             rows = row_capacity(tokens, self.top_k, w.num_experts, self.engine.row_alignment)
             rows_out = out if out is not None else torch.empty(
@@ -251,7 +254,7 @@ class MoeExecutor:
             def unfinalized(bucket: Bucket) -> None:
                 kernels.unfinalized_rows(bucket.gemm2.out, bucket.row_to_slot, rows_out)
 
-            self.run_call(tokens, stage, unfinalized, use_cuda_graph=use_cuda_graph)
+            self.run_call(tokens, stage, unfinalized, use_cuda_graph=use_cuda_graph, caller=caller)
             bucket = self.bucket(tokens)
             token_to_row = bucket.slot_to_row[: tokens * self.top_k].view(tokens, self.top_k).clone()
             route_weights = bucket.route_weights[:tokens].clone()  # as decoded by the stage kernel
@@ -265,6 +268,7 @@ class MoeExecutor:
         *,
         use_cuda_graph: bool,
         signature: Hashable | None = None,
+        caller: CallerInputs | None = None,
     ) -> None:
         """One call of T = ``tokens`` tokens: ``stage(bucket)`` (caller's inputs -> the bucket's static
         buffers), the bucket pipeline, ``finish(bucket)`` (bucket -> the caller's output).
@@ -272,21 +276,32 @@ class MoeExecutor:
         signature: a hashable identity of everything stage and finish read and write (tensor pointers,
         shapes, strides, dtypes, scalars baked into launches) and T; with use_cuda_graph, repeated calls
         replay one full-call graph of stage + pipeline + finish (module docstring). None: never.
+        caller: the fused op's inputs, which ``stage`` stages; where the launches are recorded for this call (eager,
+        the caller's graph, a full-call graph) the chain's first launch may stage them itself (_launch_call).
         """
         with self.order.use():
             bucket = self.bucket(tokens)
             graphed = use_cuda_graph and not torch.cuda.is_current_stream_capturing()
             if signature is not None and graphed:
-                full = self._full_graph(bucket, signature, stage, finish)
+                full = self._full_graph(bucket, signature, stage, finish, caller)
                 if full is not None:
                     full.replay()
                     return
-            stage(bucket)
             if graphed:
+                stage(bucket)
                 self._ensure_graph(bucket).replay()
             else:
-                self._pipeline(bucket)
+                self._launch_call(bucket, stage, caller)
             finish(bucket)
+
+    def _launch_call(self, bucket: Bucket, stage: Callable[[Bucket], None], caller: CallerInputs | None) -> None:
+        """``stage(bucket)`` and the bucket's chain, launched now; the stage folded into the chain's first launch
+        where that launch can read the caller's inputs."""
+        chain, staged = self._call_chain(bucket, caller)
+        if not staged:
+            stage(bucket)
+        for _, launch in chain:
+            launch()
 
     def stage(self, bucket: Bucket, activations: Nvfp4Activations, routing: Routing) -> None:
         """The fused op's stage launch: the caller's tokens and routing into ``bucket`` (decoded into its x_rows
@@ -306,6 +321,7 @@ class MoeExecutor:
         signature: Hashable,
         stage: Callable[[Bucket], None],
         finish: Callable[[Bucket], None],
+        caller: CallerInputs | None,
     ) -> torch.cuda.CUDAGraph | None:
         """The full-call graph of ``signature``: found, captured now (second consecutive call with it),
         or None (first call: run the usual path)."""
@@ -322,8 +338,7 @@ class MoeExecutor:
         with self._lock:
             graph = torch.cuda.CUDAGraph()
             with gc_paused(), torch.cuda.graph(graph):
-                stage(bucket)
-                self._pipeline(bucket)
+                self._launch_call(bucket, stage, caller)
                 finish(bucket)
             bucket.full_graphs[signature] = graph
             while len(bucket.full_graphs) > FULL_GRAPHS_PER_BUCKET:
@@ -346,17 +361,34 @@ class MoeExecutor:
         for _, launch in self.stages(bucket):
             launch()
 
-    def stages(self, b: Bucket) -> list[Stage]:
-        """The bucket-static launches of a call, in order: the chain the engine declares."""
-        return self.engine.stages(_BucketStages(self, b))
+    def stages(self, b: Bucket, caller: CallerInputs | None = None) -> list[Stage]:
+        """The launches of a call on bucket ``b``, in order: the chain the engine declares (bucket-static; given the
+        caller's inputs, its first launch may read them and do the op's stage too)."""
+        return self._call_chain(b, caller)[0]
+
+    def _call_chain(self, b: Bucket, caller: CallerInputs | None) -> tuple[list[Stage], bool]:
+        """stages(b, caller), and whether a launch of it stages the caller's inputs."""
+        layer = _BucketStages(self, b, caller)
+        chain = self.engine.stages(layer)
+        return chain, layer.staging is not None and any(s is layer.staging for s in chain)
+
+
+@dataclass(frozen=True)
+class CallerInputs:
+    """The fused op's inputs of one call: NVFP4 tokens and routing, as the caller passed them."""
+
+    activations: Nvfp4Activations
+    routing: Routing
 
 
 class _BucketStages(LayerStages):
-    """The stages of one executor's call on one bucket (cudnn_moe.engines.base.LayerStages)."""
+    """The stages of one executor's call on one bucket (cudnn_moe.engines.base.LayerStages); with the caller's
+    inputs, the decode chain's sort + permute also stages them (one launch less)."""
 
-    def __init__(self, executor: MoeExecutor, bucket: Bucket) -> None:
-        self.x, self.b = executor, bucket
+    def __init__(self, executor: MoeExecutor, bucket: Bucket, caller: CallerInputs | None = None) -> None:
+        self.x, self.b, self.caller = executor, bucket, caller
         self.gemm1_fusion = bucket.fusion
+        self.staging: Stage | None = None  # the stage handed out that also stages the caller's inputs
 
     def sort(self) -> Stage:
         x, b = self.x, self.b
@@ -381,6 +413,15 @@ class _BucketStages(LayerStages):
         slots, g1 = b.tokens * x.top_k, b.gemm1
         if not g1.tokens.layout.is_bf16 or slots > kernels.SORT_PERMUTE_MAX_SLOTS:
             return None
+        tokens = None if self.caller is None or x.bf16_tokens else self.caller.activations
+        if tokens is not None and tokens.packed.data_ptr() % 16 == 0:
+            ids, route_weights, routing_format = self.caller.routing.kernel_operands()
+            self.staging = Stage("stage+sort+permute", lambda: kernels.stage_sort_permute_bf16(
+                tokens.packed, tokens.scales, ids, route_weights, routing_format, b.ids, b.route_weights,
+                x.local_expert_start, x.weights.num_experts, x.engine.row_alignment, b.offsets, b.slot_to_row,
+                b.row_to_slot, b.row_expert, b.expert_counts, g1.tokens.data, g1.tokens.layout,
+            ))
+            return self.staging
         scales = None if x.bf16_tokens else b.x_scales
         return Stage("sort+permute", lambda: kernels.sort_permute_bf16(
             b.ids.view(-1), x.top_k, x.local_expert_start, x.weights.num_experts, x.engine.row_alignment,

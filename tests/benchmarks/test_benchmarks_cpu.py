@@ -146,6 +146,9 @@ def test_bf16_peer_offsets_are_cumulative_counts() -> None:
 
 
 class _FakeGraph:
+    def __init__(self, keep_graph: bool = False) -> None:
+        pass
+
     def replay(self) -> None:
         pass
 
@@ -189,6 +192,7 @@ def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
     for script in (bench_moe, bench_stages):
         monkeypatch.setattr(script, "executor_for", lambda *args: _FakeExecutor())
         monkeypatch.setattr(script, "gpu_missing", lambda name: False)
+        monkeypatch.setattr(script, "kernel_launches", lambda graph: 5)  # a fake graph holds no kernel nodes
 
 
 @pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="torch without _grouped_mm")
@@ -217,10 +221,10 @@ def test_bench_stages_table_with_fake_cuda(fake_cuda: None, tmp_path: Path) -> N
     assert lines[4] == ("| model | T | engine | sort | permute | sort+permute | gemm1 | "
                         "gemm1+activation | activation | gemm2 | sum of stages | launches | whole call | GEMM1 GB/s | "
                         "GEMM2 GB/s | GEMM1 TFLOP/s | GEMM2 TFLOP/s |")
-    # stages the chain lacks are "-"; launches = the chain's 4 + the op's stage and finalize; GB/s = the touched
+    # stages the chain lacks are "-"; launches = the kernel nodes of the call's graph (the fake's 5); GB/s = the touched
     # experts' NVFP4 bytes of each GEMM over its 10 us; TFLOP/s = the 2 x 2 routed slots' FLOPs over 10 us
     cells = lines[6].strip("| ").split(" | ")
-    assert cells[:13] == ["Tiny", "2", "cudnn", "-", "-", "10.0", "10.0", "-", "10.0", "10.0", "40.0", "6", "10.0"]
+    assert cells[:13] == ["Tiny", "2", "cudnn", "-", "-", "10.0", "10.0", "-", "10.0", "10.0", "40.0", "5", "10.0"]
     per_expert = TINY.hidden * TINY.intermediate * common.FP4_BYTES_PER_WEIGHT / 10 / 1e3  # GEMM2, one expert
     assert (cells[13], cells[14]) in [(common.fmt(2 * t * per_expert), common.fmt(t * per_expert)) for t in (2, 3, 4)]
     gemm2_tflops = 2 * 2 * TINY.top_k * TINY.hidden * TINY.intermediate / 10 / 1e6

@@ -98,7 +98,7 @@ def test_weight_gbps_and_engine_cells() -> None:
 
 
 def test_kernel_launches_count_the_kernel_nodes(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(bench.driver, "graph_node_types", lambda graph: [0, 2, 0, 5, 0] if graph == 1234 else [])
+    monkeypatch.setattr(common.driver, "graph_node_types", lambda graph: [0, 2, 0, 5, 0] if graph == 1234 else [])
     assert bench.kernel_launches(SimpleNamespace(raw_cuda_graph=lambda: 1234)) == 3
 
 
@@ -162,7 +162,7 @@ def test_tables_with_fake_cuda(monkeypatch: pytest.MonkeyPatch, tmp_path, capsys
     graph = lambda fn, keep_graph=False: SimpleNamespace(replay=fn, raw_cuda_graph=lambda: 7)  # noqa: E731
     monkeypatch.setattr(bench, "capture", graph)
     monkeypatch.setattr(fp8_peer, "capture", graph)
-    monkeypatch.setattr(bench.driver, "graph_node_types", lambda handle: [0, 0, 2, 0] if handle == 7 else [])
+    monkeypatch.setattr(common.driver, "graph_node_types", lambda handle: [0, 0, 2, 0] if handle == 7 else [])
     monkeypatch.setattr(bench.LowLatencyBench, "peers", lambda self, *args: None)  # the BF16 and fused peers
     ran = []
     monkeypatch.setattr(bench, "low_latency_moe", lambda config, inputs, weights, routing, **kw: ran.append(

@@ -144,6 +144,10 @@ def _wrapper_calls() -> list[tuple[str, Callable[..., None], tuple[Any, ...]]]:
          (*sort_operands, z(B, H // 2), z(B, H // 16), z(R, H, dtype=bf16))),
         ("moe_sort_permute_bf16_tokens", kernels.sort_permute_bf16,
          (*sort_operands, z(B, H, dtype=bf16), None, z(R, H, dtype=bf16))),
+        ("moe_stage_sort_permute_bf16", kernels.stage_sort_permute_bf16,
+         (z(T, H // 2), z(T, H // 16), z(T, k, dtype=torch.int64), z(T, k, dtype=f32), kernels.ROUTING_FP32,
+          z(B, k, dtype=i32), z(B, k, dtype=f32), 0, E, 8, z(E + 1, dtype=i32), z(B * k, dtype=i32), z(R, dtype=i32),
+          z(R, dtype=i32), z(E, dtype=i32), z(R, H, dtype=bf16))),
         ("moe_activation", kernels.activate_quantize, activation),
         ("moe_finalize", kernels.finalize, finalize),
         ("moe_unfinalized_rows", kernels.unfinalized_rows, unfinalized),
@@ -155,7 +159,8 @@ def test_wrapper_arguments_match_kernel_signatures(monkeypatch: pytest.MonkeyPat
     for stage_name in ("stage", "aligned_stage", "sort", "permute", "activate", "finalize"):
         module = importlib.import_module(f"cudnn_moe.kernels.{stage_name}")
         monkeypatch.setattr(module, "ptr", lambda tensor, align=1, row_strided=False: np.uint64(0))
-        monkeypatch.setattr(module, "launch", lambda file, name, device, grid, block, args: launches.append((name, args)))
+        monkeypatch.setattr(module, "launch",
+                            lambda file, name, device, grid, block, args, **_: launches.append((name, args)))
     signatures = kernel_signatures(KERNELS_DIR / name for name in SOURCES)
     signatures.pop("moe_expert_scale")  # launched by the cuDNN engine, checked on the GPU
     calls = _wrapper_calls()

@@ -803,3 +803,52 @@ def test_sort_permute_in_one_launch_equals_the_two_launches(case: tuple[int, int
     _assert_sort_equal(got_sort, {n: t.cpu() for n, t in want_sort.items()}, "moe_sort_permute")
     assert torch.equal(got_rows.view(torch.int16), want_rows.view(torch.int16))
     assert (want_sort["slot_to_row"] >= 0).sum() > 0
+
+
+@pytest.mark.parametrize("routing", ["packed", "fp32", "bf16", "int64"])
+@pytest.mark.parametrize("case", [(1, 1, 8, 2048, 128, 0), (3, 4, 8, 7168, 256, 0), (5, 8, 8, 2048, 64, 32),
+                                  (64, 64, 8, 2048, 128, 0), (100, 128, 8, 4096, 256, 17), (7, 8, 3, 64, 1, 0)],
+                         ids=lambda c: "T{}-B{}-k{}-H{}-E{}-start{}".format(*c))
+def test_stage_sort_permute_in_one_launch_equals_stage_then_sort_permute(case: tuple[int, ...], routing: str) -> None:
+    """moe_stage_sort_permute_bf16 from the caller's T tokens and routing: the bucket's routing copies (ids -1 and
+    weight 0 past T), every sort output and the BF16 fragment rows equal moe_stage_inputs followed by
+    moe_sort_permute_bf16 over the bucket's B * top_k slots, bit for bit, from buffers poisoned first."""
+    tokens, bucket, top_k, hidden, experts, local_start = case
+    slots, align, layout = bucket * top_k, 8, TokenLayout.BF16_FRAGMENTS
+    capacity = row_capacity(slots, 1, experts, align)
+    gen = _gen(sum(case) + len(routing))
+    x = torch.randint(0, 256, (tokens, hidden // 2), generator=gen, dtype=torch.uint8).to(DEV)
+    scales = torch.randint(0, 0x7F, (tokens, hidden // 16), generator=gen, dtype=torch.uint8).to(DEV)
+    ids = _sort_ids(tokens * top_k, local_start, experts, seed=sum(case), hot=False).view(tokens, top_k).cpu()
+    weights = torch.rand(tokens, top_k, generator=gen) * 4 - 2
+    if routing == "packed":
+        ids_in, w_in, fmt = pack_routing(ids, weights), None, kernels.ROUTING_PACKED
+    elif routing == "bf16":
+        ids_in, w_in, fmt = ids, weights.to(torch.bfloat16), kernels.ROUTING_BF16
+    else:
+        ids_in, w_in, fmt = ids, weights, kernels.ROUTING_FP32
+        if routing == "int64":
+            ids_in = ids.to(torch.int64)
+            ids_in[0, 0] = 2**32 + local_start  # outside int32: masked, not wrapped onto a local expert
+    ids_in, w_in = ids_in.to(DEV), None if w_in is None else w_in.to(DEV)
+
+    def bucket_buffers() -> tuple[torch.Tensor, ...]:
+        return (_full((bucket, top_k), POISON_INT, torch.int32), _full((bucket, top_k), math.nan, torch.float32),
+                torch.full((capacity, hidden), POISON_INT, dtype=torch.int16, device=DEV).view(torch.bfloat16))
+
+    want_ids, want_w, want_rows = bucket_buffers()
+    xs, xss = _full((bucket, hidden // 2), POISON_BYTE, torch.uint8), _full((bucket, hidden // 16), 0, torch.uint8)
+    kernels.stage_inputs(x, scales, ids_in, w_in, fmt, xs, xss, want_ids, want_w)
+    want_sort = _sort_buffers(slots, experts, capacity)
+    kernels.sort_permute_bf16(want_ids.view(-1), top_k, local_start, experts, align,
+                              *(want_sort[n] for n in SORT_OUTPUTS), xs, xss, want_rows, layout)
+    got_ids, got_w, got_rows = bucket_buffers()
+    got_sort = _sort_buffers(slots, experts, capacity)
+    kernels.stage_sort_permute_bf16(x, scales, ids_in, w_in, fmt, got_ids, got_w, local_start, experts, align,
+                                    *(got_sort[n] for n in SORT_OUTPUTS), got_rows, layout)
+    torch.cuda.synchronize()
+    assert bool((want_ids[tokens:] == -1).all()) and bool((want_w[tokens:] == 0).all())
+    assert torch.equal(got_ids, want_ids) and torch.equal(got_w.view(torch.int32), want_w.view(torch.int32))
+    _assert_sort_equal(got_sort, {n: t.cpu() for n, t in want_sort.items()}, "moe_stage_sort_permute")
+    assert torch.equal(got_rows.view(torch.int16), want_rows.view(torch.int16))
+    assert (want_sort["slot_to_row"] >= 0).sum() > 0

@@ -26,6 +26,7 @@ from cudnn_moe.cache import store as store_module
 from cudnn_moe.weights.nvfp4 import Nvfp4Activations
 from cudnn_moe.engines.cudnn import GroupedGemmKey, ScaleLayout
 from cudnn_moe.engines.cudnn import plan_cache
+from cudnn_moe.engines.base import Stage
 from cudnn_moe.kernels.loader import PackedArgs, kernel_key, packed_args
 from tests.support import REPO
 
@@ -175,12 +176,14 @@ def fake_executor(monkeypatch: pytest.MonkeyPatch):
     ex._lock = __import__("threading").Lock()
     launched = []
     ex._ensure_graph = lambda bucket: None
-    ex._pipeline = lambda bucket: launched.append("pipeline")
+    # The chain: one launch, which also stages the caller's inputs when given them (the decode chain's sort + permute).
+    ex._call_chain = lambda bucket, caller: ([Stage("chain", lambda: launched.append("chain"))], caller is not None)
     bucket = type("B", (), {})()
     bucket.full_graphs, bucket.last_signature = OrderedDict(), None
 
-    def full_graph(signature):
-        return ex._full_graph(bucket, signature, lambda b: launched.append("stage"), lambda b: launched.append("finalize"))
+    def full_graph(signature, caller=None):
+        return ex._full_graph(bucket, signature, lambda b: launched.append("stage"), lambda b: launched.append("finalize"),
+                              caller)
 
     return full_graph, bucket, launched
 
@@ -189,8 +192,15 @@ def test_full_graph_is_captured_on_the_second_consecutive_call(fake_executor) ->
     full_graph, bucket, launched = fake_executor
     assert full_graph("A") is None  # first call: usual path
     graph = full_graph("A")  # second: captured
-    assert isinstance(graph, _FakeGraph) and launched == ["stage", "pipeline", "finalize"]
+    assert isinstance(graph, _FakeGraph) and launched == ["stage", "chain", "finalize"]
     assert full_graph("A") is graph and _FakeGraph.captured == 1
+
+
+def test_full_graph_launches_no_stage_when_the_chain_stages_the_inputs(fake_executor) -> None:
+    full_graph, bucket, launched = fake_executor
+    caller = object()
+    assert full_graph("A", caller) is None
+    assert isinstance(full_graph("A", caller), _FakeGraph) and launched == ["chain", "finalize"]
 
 
 def test_alternating_fresh_signatures_never_capture(fake_executor) -> None:
