@@ -147,7 +147,7 @@ class MoeBench:
             variants = [repr(executor.engine.variant(gemm.rows, gemm.shape, gemm=index))
                         for index, gemm in ((1, bucket.gemm1), (2, bucket.gemm2))]
             chain = [name for name, _ in executor.stages(bucket)]
-            launches = kernel_launches(graph)  # the chain, the op's stage (unless the chain's first launch does it), finish
+            launches = kernel_launches(graph)  # the chain, the op's stage (unless the chain does it), the finish
             stage = "stage, " if launches == len(chain) + 2 else "stage in "
             launches = f"{launches}: {stage}{', '.join(chain)}, finalize"
             self.variant_rows.append([m.name, str(tokens), engine, str(bucket.rows), *variants, launches])

@@ -186,17 +186,17 @@ extern "C" __global__ void __launch_bounds__(SORT_THREADS)
   moe::grid_dependency_begin();
   sort_permute(
       [&] { return ids; }, num_slots, top_k, local_start, num_experts, align, row_capacity, hidden, layout, offsets,
-      slot_to_row, row_to_slot, row_expert, counts, xp, [&](i64 t, int u) { return fetch_nvfp4_unit(xs, xss, hidden, t, u); },
-      expand_nvfp4_unit);
+      slot_to_row, row_to_slot, row_expert, counts, xp,
+      [&](i64 t, int u) { return fetch_nvfp4_unit(xs, xss, hidden, t, u); }, expand_nvfp4_unit);
 }
 
 // The stage (moe_stage_inputs' routing half) folded into moe_sort_permute_bf16, for calls whose launches know the
 // caller's tensors: the caller's T NVFP4 tokens (xs [T, H/2], 16-byte aligned; xss [T, H/16]) and routing (ids,
 // weights, routing_format, ids_int64 as moe_stage_inputs reads them) go straight into the sort and the gather of the
 // bucket's num_slots = B * top_k slots (slots of tokens t >= T masked). Every block decodes the routing into shared
-// memory (num_slots * 4 bytes of dynamic shared memory); block 0 also writes it to ids_out [B, top_k] and w_out [B, top_k] (moe_stage_inputs' outputs, which the
-// finalize reads). The bucket's token buffers are not written. Same outputs, bit for bit, as moe_stage_inputs
-// followed by moe_sort_permute_bf16.
+// memory (num_slots * 4 bytes of dynamic shared memory); block 0 also writes it to ids_out [B, top_k] and
+// w_out [B, top_k] (moe_stage_inputs' outputs, which the finalize reads). The bucket's token buffers are not
+// written. Same outputs, bit for bit, as moe_stage_inputs followed by moe_sort_permute_bf16.
 extern "C" __global__ void __launch_bounds__(SORT_THREADS)
     moe_stage_sort_permute_bf16(const void* __restrict__ ids, const void* __restrict__ weights, int routing_format,
                                 int ids_int64, int num_tokens, int num_slots, int top_k, int local_start,

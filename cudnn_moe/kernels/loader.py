@@ -297,11 +297,9 @@ def launch(
 ) -> None:
     """Launch kernel ``name`` of kernels_cuda/``filename`` on torch's current stream of ``device``.
 
-    A grid with a zero extent launches nothing. ``shared_mem`` bytes of dynamic shared memory are
-    requested (the kernel's limit is raised to it on first use: with its static shared memory the block may need more
-    than the default 48 KB even below 48 KB of dynamic). ``args`` are numpy
-    scalars (``ptr(tensor)`` gives a device address).
-    """
+    A grid with a zero extent launches nothing. ``shared_mem`` bytes of dynamic shared memory are requested (the
+    kernel's limit is raised to it on first use: with its static shared memory the block may pass the default 48 KB
+    even with less than 48 KB of dynamic). ``args`` are numpy scalars (``ptr(tensor)`` gives a device address)."""
     grid = (grid,) if isinstance(grid, int) else grid
     if min(grid) <= 0:
         return

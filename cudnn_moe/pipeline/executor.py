@@ -10,9 +10,11 @@ A call with T tokens runs in the smallest power-of-two bucket B >= T. Per call:
 2. the stage chain the engine declares (``GemmEngine.stages``; by default sort, permute, GEMM1,
    activation + NVFP4 requantize, GEMM2): captured once per bucket in a CUDA graph and replayed (or
    launched eagerly in debug mode, or recorded straight into the caller's graph when the caller's
-   stream is capturing). Two options need an engine reading BF16 token fragments (the SM90 engine):
-   ``bf16_tokens`` (the tokens are BF16, not NVFP4) and ``bf16_intermediate`` (the activation is
-   rounded to BF16 instead of requantized to NVFP4).
+   stream is capturing). Where the launches are recorded for the call itself (eager, the caller's graph, a
+   full-call graph), a chain whose first launch can read the caller's inputs does step 1 in it (the sm90
+   decode chain's sort + permute: _BucketStages.sort_permute), one launch less. Two options need an engine
+   reading BF16 token fragments (the SM90 engine): ``bf16_tokens`` (the tokens are BF16, not NVFP4) and
+   ``bf16_intermediate`` (the activation is rounded to BF16 instead of requantized to NVFP4).
 3. finish (the op's launch): finalize, or the unfinalized rows; writes the caller's output for the T
    live tokens.
 

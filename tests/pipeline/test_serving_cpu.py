@@ -182,8 +182,8 @@ def fake_executor(monkeypatch: pytest.MonkeyPatch):
     bucket.full_graphs, bucket.last_signature = OrderedDict(), None
 
     def full_graph(signature, caller=None):
-        return ex._full_graph(bucket, signature, lambda b: launched.append("stage"), lambda b: launched.append("finalize"),
-                              caller)
+        stage, finish = lambda b: launched.append("stage"), lambda b: launched.append("finalize")
+        return ex._full_graph(bucket, signature, stage, finish, caller)
 
     return full_graph, bucket, launched
 
