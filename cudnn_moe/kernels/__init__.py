@@ -16,7 +16,7 @@ from .finalize import finalize, unfinalized_rows
 from .loader import compile_options, kernel_function, kernels_dir, launch, load_module, module_source, ptr
 from .permute import SOURCE as _PERMUTE_SOURCE
 from .permute import permute_bf16_tokens, permute_tokens
-from .sort import SORT_PERMUTE_MAX_SLOTS, sort_permute_bf16, sort_routing, stage_sort_permute_bf16
+from .sort import SORT_PERMUTE_MAX_SLOTS, SortBuffers, sort_permute_bf16, sort_routing, stage_sort_permute_bf16
 from .stage import SOURCE as _STAGE_SOURCE
 from .stage import stage_inputs
 
@@ -42,6 +42,7 @@ __all__ = [
     "SORT_MAX_EXPERTS",
     "SORT_PERMUTE_MAX_SLOTS",
     "SORT_THREADS",
+    "SortBuffers",
     "RoutingFormat",
     "TokenLayout",
     "activate_quantize",

@@ -3,6 +3,8 @@ buckets in a BF16 token layout in one launch with the permute (kernels_cuda/perm
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
@@ -28,36 +30,45 @@ def sort_grid(num_slots: int) -> tuple[int, int]:
     return -(-num_slots // per_block), per_block
 
 
-def sort_routing(
-    ids_flat: torch.Tensor,
-    top_k: int,
-    local_start: int,
-    num_local: int,
-    align: int,
-    offsets: torch.Tensor,
-    slot_to_row: torch.Tensor,
-    row_to_slot: torch.Tensor,
-    row_expert: torch.Tensor,
-    counts: torch.Tensor,
-) -> None:
-    """Group the B*k routing slots by local expert into segments padded to ``align`` rows.
+@dataclass(frozen=True)
+class SortBuffers:
+    """What the routing sort writes (int32 CUDA tensors), for B*k slots, E local experts and R rows: offsets
+    [E + 1] segment starts (offsets[E] = rows used), slot_to_row [B*k] (-1 masked), row_to_slot [R] and row_expert
+    [R] (every entry written: -1 for padding rows and rows past the end; row_expert is the segment's expert for
+    padding rows inside a segment), counts [E] slots per local expert before padding. R = row_to_slot.numel()
+    is the row capacity."""
+
+    offsets: torch.Tensor
+    slot_to_row: torch.Tensor
+    row_to_slot: torch.Tensor
+    row_expert: torch.Tensor
+    counts: torch.Tensor
+
+    @property
+    def row_capacity(self) -> int:
+        return self.row_to_slot.numel()
+
+    def pointers(self) -> tuple[np.uint64, ...]:
+        """The kernels' output arguments, in their order."""
+        return ptr(self.offsets), ptr(self.slot_to_row), ptr(self.row_to_slot), ptr(self.row_expert), ptr(self.counts)
+
+
+def sort_routing(ids_flat: torch.Tensor, top_k: int, local_start: int, num_local: int, align: int,
+                 out: SortBuffers) -> None:
+    """Group the B*k routing slots by local expert into segments padded to ``align`` rows, into ``out``.
 
     ids_flat int32 [B*k] (slot t*k+s); a slot is masked unless its id is in [local_start, local_start + num_local).
-    Outputs (int32): offsets [num_local + 1] segment starts (offsets[num_local] = rows used), slot_to_row [B*k]
-    (-1 masked), row_to_slot [R] and row_expert [R] for R = row_capacity = row_to_slot.numel() (every entry
-    written: -1 for padding rows and rows past the end; row_expert is the segment's expert for padding rows
-    inside a segment), counts [num_local] slots per local expert before padding. Rows within a segment
-    follow slot order. R must cover the worst case
+    Rows within a segment follow slot order. The row capacity R must cover the worst case
     roundup(B*k + min(num_local, B*k) * (align - 1), align); when it does not, offsets are clamped to R and
     slots past the end of their clamped segment are dropped (slot_to_row -1).
     One launch: up to SORT_THREADS slots one block (moe_sort), beyond that a grid of independent blocks
     (moe_sort_blocks, sort_grid) with the same outputs.
     """
-    _check_operands(ids_flat, top_k, num_local, align, offsets, row_to_slot, row_expert, counts)
-    num_slots, row_capacity = ids_flat.numel(), row_to_slot.numel()
+    _check_operands(ids_flat, top_k, num_local, align, out)
+    num_slots = ids_flat.numel()
     head = (ptr(ids_flat), np.int32(num_slots), np.int32(local_start), np.int32(num_local), np.int32(align),
-            np.int32(row_capacity))
-    tail = (ptr(offsets), ptr(slot_to_row), ptr(row_to_slot), ptr(row_expert), ptr(counts))
+            np.int32(out.row_capacity))
+    tail = out.pointers()
     blocks, block_slots = sort_grid(num_slots)
     if blocks == 1:
         launch("sort.cu", "moe_sort", ids_flat.device, 1, SORT_THREADS, (*head, *tail))
@@ -66,18 +77,17 @@ def sort_routing(
                (*head, np.int32(block_slots), *tail))
 
 
-def _check_operands(ids_flat: torch.Tensor, top_k: int, num_local: int, align: int, offsets: torch.Tensor,
-                    row_to_slot: torch.Tensor, row_expert: torch.Tensor, counts: torch.Tensor) -> None:
-    num_slots, row_capacity = ids_flat.numel(), row_to_slot.numel()
+def _check_operands(ids_flat: torch.Tensor, top_k: int, num_local: int, align: int, out: SortBuffers) -> None:
+    num_slots, row_capacity = ids_flat.numel(), out.row_capacity
     if not 1 <= num_local <= SORT_MAX_EXPERTS or align < 1 or top_k < 1 or num_slots % top_k:
         raise ValueError(
             f"sort needs 1 <= num_local <= {SORT_MAX_EXPERTS}, align >= 1 and top_k dividing the slot count; "
             f"got num_local={num_local}, align={align}, {num_slots} slots, top_k={top_k}"
         )
-    if (ids_flat.dtype != torch.int32 or offsets.numel() != num_local + 1 or row_expert.numel() != row_capacity
-            or counts.numel() != num_local):
-        raise ValueError("sort operands: int32 ids, offsets [num_local + 1], counts [num_local], "
-                         "row_expert as long as row_to_slot")
+    if (ids_flat.dtype != torch.int32 or out.offsets.numel() != num_local + 1 or out.counts.numel() != num_local
+            or out.row_expert.numel() != row_capacity or out.slot_to_row.numel() != num_slots):
+        raise ValueError("sort operands: int32 ids, offsets [num_local + 1], counts [num_local], slot_to_row as "
+                         "long as the ids, row_expert as long as row_to_slot")
 
 
 SORT_PERMUTE_MAX_SLOTS = SORT_THREADS  # slots of a bucket whose sort and permute run in one launch
@@ -100,11 +110,7 @@ def sort_permute_bf16(
     local_start: int,
     num_local: int,
     align: int,
-    offsets: torch.Tensor,
-    slot_to_row: torch.Tensor,
-    row_to_slot: torch.Tensor,
-    row_expert: torch.Tensor,
-    counts: torch.Tensor,
+    out: SortBuffers,
     tokens: torch.Tensor,
     token_scales: torch.Tensor | None,
     xp: torch.Tensor,
@@ -117,7 +123,7 @@ def sort_permute_bf16(
     Each block sorts every slot itself in shared memory and block 0 writes the sort's outputs; the grid's threads
     share the (slot, unit) pairs of the gather, each loading its first unit before the sort
     (kernels_cuda/permute.cu moe_sort_permute_bf16*; sort_permute_blocks)."""
-    _check_operands(ids_flat, top_k, num_local, align, offsets, row_to_slot, row_expert, counts)
+    _check_operands(ids_flat, top_k, num_local, align, out)
     num_slots = ids_flat.numel()
     if num_slots > SORT_PERMUTE_MAX_SLOTS:
         raise ValueError(f"sort + permute in one launch takes at most {SORT_PERMUTE_MAX_SLOTS} slots, got {num_slots}")
@@ -130,8 +136,8 @@ def sort_permute_bf16(
     require_bf16_rows(xp, hidden, layout)
     blocks = sort_permute_blocks(num_slots, hidden)
     head = (ptr(ids_flat), np.int32(num_slots), np.int32(top_k), np.int32(local_start), np.int32(num_local),
-            np.int32(align), np.int32(row_to_slot.numel()), np.int32(hidden), np.int32(layout))
-    tail = (ptr(offsets), ptr(slot_to_row), ptr(row_to_slot), ptr(row_expert), ptr(counts), ptr(xp, 16))
+            np.int32(align), np.int32(out.row_capacity), np.int32(hidden), np.int32(layout))
+    tail = (*out.pointers(), ptr(xp, 16))
     if bf16:
         launch(PERMUTE_SOURCE, "moe_sort_permute_bf16_tokens", tokens.device, blocks, SORT_THREADS,
                (*head, ptr(tokens, 16), *tail))
@@ -151,11 +157,7 @@ def stage_sort_permute_bf16(
     local_start: int,
     num_local: int,
     align: int,
-    offsets: torch.Tensor,
-    slot_to_row: torch.Tensor,
-    row_to_slot: torch.Tensor,
-    row_expert: torch.Tensor,
-    counts: torch.Tensor,
+    out: SortBuffers,
     xp: torch.Tensor,
     layout: TokenLayout = TokenLayout.BF16_FRAGMENTS,
 ) -> None:
@@ -170,7 +172,7 @@ def stage_sort_permute_bf16(
     hidden = 2 * row_bytes
     check_routing(ids, weights, routing_format, tokens, top_k, bucket)
     ids_flat = ids_out.view(-1)
-    _check_operands(ids_flat, top_k, num_local, align, offsets, row_to_slot, row_expert, counts)
+    _check_operands(ids_flat, top_k, num_local, align, out)
     num_slots = ids_flat.numel()
     if num_slots > SORT_PERMUTE_MAX_SLOTS:
         raise ValueError(f"stage + sort + permute in one launch takes at most {SORT_PERMUTE_MAX_SLOTS} slots, "
@@ -184,7 +186,7 @@ def stage_sort_permute_bf16(
     launch(PERMUTE_SOURCE, "moe_stage_sort_permute_bf16", x_packed.device, sort_permute_blocks(num_slots, hidden),
            SORT_THREADS,
            (*routing_args(ids, weights, routing_format), np.int32(tokens), np.int32(num_slots), np.int32(top_k),
-            np.int32(local_start), np.int32(num_local), np.int32(align), np.int32(row_to_slot.numel()),
+            np.int32(local_start), np.int32(num_local), np.int32(align), np.int32(out.row_capacity),
             np.int32(hidden), np.int32(layout), ptr(x_packed, 16), ptr(x_scales), ptr(ids_out), ptr(w_out),
-            ptr(offsets), ptr(slot_to_row), ptr(row_to_slot), ptr(row_expert), ptr(counts), ptr(xp, 16)),
+            *out.pointers(), ptr(xp, 16)),
            shared_mem=4 * num_slots)

@@ -127,6 +127,8 @@ class Bucket:
         self.slot_to_row = empty(tokens * k, dtype=torch.int32)
         self.row_to_slot = empty(rows, dtype=torch.int32)
         self.row_expert = empty(rows, dtype=torch.int32)
+        self.sorted = kernels.SortBuffers(self.offsets, self.slot_to_row, self.row_to_slot, self.row_expert,
+                                          self.expert_counts)  # the five above, as the sort writes them
         workspace_bytes = max(engine.workspace_bytes(rows, shape1), engine.workspace_bytes(rows, shape2))
         workspace = empty(workspace_bytes) if workspace_bytes else None
         # The expert globals: the weights', or per-call ones the op's stage writes here (weights without alpha).
@@ -395,8 +397,7 @@ class _BucketStages(LayerStages):
     def sort(self) -> Stage:
         x, b = self.x, self.b
         return Stage("sort", lambda: kernels.sort_routing(
-            b.ids.view(-1), x.top_k, x.local_expert_start, x.weights.num_experts, x.engine.row_alignment,
-            b.offsets, b.slot_to_row, b.row_to_slot, b.row_expert, b.expert_counts,
+            b.ids.view(-1), x.top_k, x.local_expert_start, x.weights.num_experts, x.engine.row_alignment, b.sorted,
         ))
 
     def permute(self) -> Stage:
@@ -420,15 +421,14 @@ class _BucketStages(LayerStages):
             ids, route_weights, routing_format = self.caller.routing.kernel_operands()
             self.staging = Stage("stage+sort+permute", lambda: kernels.stage_sort_permute_bf16(
                 tokens.packed, tokens.scales, ids, route_weights, routing_format, b.ids, b.route_weights,
-                x.local_expert_start, x.weights.num_experts, x.engine.row_alignment, b.offsets, b.slot_to_row,
-                b.row_to_slot, b.row_expert, b.expert_counts, g1.tokens.data, g1.tokens.layout,
+                x.local_expert_start, x.weights.num_experts, x.engine.row_alignment, b.sorted, g1.tokens.data,
+                g1.tokens.layout,
             ))
             return self.staging
         scales = None if x.bf16_tokens else b.x_scales
         return Stage("sort+permute", lambda: kernels.sort_permute_bf16(
-            b.ids.view(-1), x.top_k, x.local_expert_start, x.weights.num_experts, x.engine.row_alignment,
-            b.offsets, b.slot_to_row, b.row_to_slot, b.row_expert, b.expert_counts, b.x, scales, g1.tokens.data,
-            g1.tokens.layout,
+            b.ids.view(-1), x.top_k, x.local_expert_start, x.weights.num_experts, x.engine.row_alignment, b.sorted,
+            b.x, scales, g1.tokens.data, g1.tokens.layout,
         ))
 
     def gemm1(self) -> Stage:

@@ -77,11 +77,12 @@ def test_decode_glue_grids(monkeypatch: pytest.MonkeyPatch, tokens: int, hidden:
     k = 2 if tokens * 2 <= kernels.SORT_PERMUTE_MAX_SLOTS else 1
     slots, experts, rows = tokens * k, 4, tokens * k + 7 * 4
     i32 = torch.int32
-    kernels.sort_permute_bf16(
-        torch.zeros(slots, dtype=i32), k, 0, experts, 8, torch.zeros(experts + 1, dtype=i32),
-        torch.zeros(slots, dtype=i32), torch.zeros(rows, dtype=i32), torch.zeros(rows, dtype=i32),
-        torch.zeros(experts, dtype=i32), torch.zeros(tokens, hidden, dtype=torch.bfloat16), None,
-        torch.zeros(rows, hidden, dtype=torch.bfloat16))
+    sorted_ = kernels.SortBuffers(torch.zeros(experts + 1, dtype=i32), torch.zeros(slots, dtype=i32),
+                                  torch.zeros(rows, dtype=i32), torch.zeros(rows, dtype=i32),
+                                  torch.zeros(experts, dtype=i32))
+    kernels.sort_permute_bf16(torch.zeros(slots, dtype=i32), k, 0, experts, 8, sorted_,
+                              torch.zeros(tokens, hidden, dtype=torch.bfloat16), None,
+                              torch.zeros(rows, hidden, dtype=torch.bfloat16))
     kernels.finalize(torch.zeros(rows, hidden, dtype=torch.bfloat16), torch.zeros(slots, dtype=i32),
                      torch.zeros(slots, dtype=torch.float32), k, torch.zeros(tokens, hidden, dtype=torch.bfloat16))
     pairs = slots * hidden // 32
@@ -102,15 +103,13 @@ def _wrapper_calls() -> list[tuple[str, Callable[..., None], tuple[Any, ...]]]:
         z(T, H // 2), z(T, H // 16), z(T, k, dtype=i32), None, kernels.ROUTING_PACKED,
         z(B, H // 2), z(B, H // 16), z(B, k, dtype=i32), z(B, k, dtype=f32),
     )
-    sorting = (
-        z(B * k, dtype=i32), k, 0, E, 8, z(E + 1, dtype=i32), z(B * k, dtype=i32), z(R, dtype=i32), z(R, dtype=i32),
-        z(E, dtype=i32),
-    )
+    def sort_buffers(slots: int, rows: int) -> kernels.SortBuffers:
+        return kernels.SortBuffers(z(E + 1, dtype=i32), z(slots, dtype=i32), z(rows, dtype=i32), z(rows, dtype=i32),
+                                   z(E, dtype=i32))
+
+    sorting = (z(B * k, dtype=i32), k, 0, E, 8, sort_buffers(B * k, R))
     big = 3 * kernels.SORT_THREADS + 5  # more slots than one block sorts: moe_sort_blocks
-    sorting_blocks = (
-        z(big, dtype=i32), 1, 0, E, 8, z(E + 1, dtype=i32), z(big, dtype=i32), z(2 * big, dtype=i32),
-        z(2 * big, dtype=i32), z(E, dtype=i32),
-    )
+    sorting_blocks = (z(big, dtype=i32), 1, 0, E, 8, sort_buffers(big, 2 * big))
     linear = kernels.TokenLayout.NVFP4_LINEAR
     permute = (z(B, H // 2), z(B, H // 16), z(B * k, dtype=i32), B * k, k, linear, z(R, H // 2), z(R * H // 16))
     permute_bf16 = (
@@ -128,8 +127,6 @@ def _wrapper_calls() -> list[tuple[str, Callable[..., None], tuple[Any, ...]]]:
     )
     plan = (z(R, dtype=i32), z(R // 8, dtype=i32), z(1, dtype=i32), 8, T * k, E, z(B * k, dtype=i32))
     unfinalized = (z(R, H, dtype=bf16), z(R, dtype=i32), z(R - 2, H, dtype=bf16))
-    sort_operands = (z(B * k, dtype=i32), k, 0, E, 8, z(E + 1, dtype=i32), z(B * k, dtype=i32), z(R, dtype=i32),
-                     z(R, dtype=i32), z(E, dtype=i32))
     return [
         ("moe_stage_inputs", kernels.stage_inputs, staged),
         ("moe_stage_aligned", kernels.stage_aligned, aligned),
@@ -141,13 +138,12 @@ def _wrapper_calls() -> list[tuple[str, Callable[..., None], tuple[Any, ...]]]:
         ("moe_permute_bf16_tokens", kernels.permute_bf16_tokens,
          (z(B, H, dtype=bf16), z(B * k, dtype=i32), B * k, k, z(R, H, dtype=bf16))),
         ("moe_sort_permute_bf16", kernels.sort_permute_bf16,
-         (*sort_operands, z(B, H // 2), z(B, H // 16), z(R, H, dtype=bf16))),
+         (*sorting, z(B, H // 2), z(B, H // 16), z(R, H, dtype=bf16))),
         ("moe_sort_permute_bf16_tokens", kernels.sort_permute_bf16,
-         (*sort_operands, z(B, H, dtype=bf16), None, z(R, H, dtype=bf16))),
+         (*sorting, z(B, H, dtype=bf16), None, z(R, H, dtype=bf16))),
         ("moe_stage_sort_permute_bf16", kernels.stage_sort_permute_bf16,
          (z(T, H // 2), z(T, H // 16), z(T, k, dtype=torch.int64), z(T, k, dtype=f32), kernels.ROUTING_FP32,
-          z(B, k, dtype=i32), z(B, k, dtype=f32), 0, E, 8, z(E + 1, dtype=i32), z(B * k, dtype=i32), z(R, dtype=i32),
-          z(R, dtype=i32), z(E, dtype=i32), z(R, H, dtype=bf16))),
+          z(B, k, dtype=i32), z(B, k, dtype=f32), 0, E, 8, sort_buffers(B * k, R), z(R, H, dtype=bf16))),
         ("moe_activation", kernels.activate_quantize, activation),
         ("moe_finalize", kernels.finalize, finalize),
         ("moe_unfinalized_rows", kernels.unfinalized_rows, unfinalized),

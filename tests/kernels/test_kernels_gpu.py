@@ -280,7 +280,7 @@ def test_sort_matches_reference(case: str) -> None:
     got = {name: torch.full_like(tensor, POISON_INT, device=DEV) for name, tensor in want.items()}
     ids_dev = torch.tensor(ids, dtype=torch.int32, device=DEV)
     for _ in range(2):  # a second run over the first's outputs gives the same result
-        kernels.sort_routing(ids_dev, top_k, start, num_local, align, *got.values())
+        kernels.sort_routing(ids_dev, top_k, start, num_local, align, kernels.SortBuffers(**got))
         torch.cuda.synchronize()
         for name, tensor in want.items():
             assert torch.equal(got[name].cpu(), tensor), name
@@ -387,7 +387,7 @@ def test_sort_sizes_match_reference(case) -> None:
                            "torch statement vs the Python statement:")
     got = _sort_buffers(slots, experts, capacity)
     for _ in range(2):  # a second run over the first's outputs gives the same result
-        kernels.sort_routing(ids, 1, local_start, experts, align, *got.values())
+        kernels.sort_routing(ids, 1, local_start, experts, align, kernels.SortBuffers(**got))
         torch.cuda.synchronize()
         _assert_sort_equal(got, want, f"{sort_grid(slots)[0]} blocks:")
 
@@ -418,7 +418,7 @@ def test_sort_unaligned_ids() -> None:
     capacity = row_capacity(slots, 1, experts, align)
     want = sort_reference_torch(ids.cpu(), 0, experts, align, capacity)
     got = _sort_buffers(slots, experts, capacity)
-    kernels.sort_routing(ids, 1, 0, experts, align, *got.values())
+    kernels.sort_routing(ids, 1, 0, experts, align, kernels.SortBuffers(**got))
     torch.cuda.synchronize()
     _assert_sort_equal(got, want, "unaligned ids:")
 
@@ -797,8 +797,8 @@ def test_sort_permute_in_one_launch_equals_the_two_launches(case: tuple[int, int
         kernels.permute_tokens(x, scales, want_sort["slot_to_row"], slots, top_k, layout, want_rows, None)
     got_sort = _sort_buffers(slots, experts, capacity)
     got_rows = torch.full((capacity, hidden), POISON_INT, dtype=torch.int16, device=DEV).view(torch.bfloat16)
-    kernels.sort_permute_bf16(ids, top_k, local_start, experts, align, *(got_sort[n] for n in SORT_OUTPUTS),
-                              x, scales, got_rows, layout)
+    kernels.sort_permute_bf16(ids, top_k, local_start, experts, align, kernels.SortBuffers(**got_sort), x, scales,
+                              got_rows, layout)
     torch.cuda.synchronize()
     _assert_sort_equal(got_sort, {n: t.cpu() for n, t in want_sort.items()}, "moe_sort_permute")
     assert torch.equal(got_rows.view(torch.int16), want_rows.view(torch.int16))
@@ -841,11 +841,11 @@ def test_stage_sort_permute_in_one_launch_equals_stage_then_sort_permute(case: t
     kernels.stage_inputs(x, scales, ids_in, w_in, fmt, xs, xss, want_ids, want_w)
     want_sort = _sort_buffers(slots, experts, capacity)
     kernels.sort_permute_bf16(want_ids.view(-1), top_k, local_start, experts, align,
-                              *(want_sort[n] for n in SORT_OUTPUTS), xs, xss, want_rows, layout)
+                              kernels.SortBuffers(**want_sort), xs, xss, want_rows, layout)
     got_ids, got_w, got_rows = bucket_buffers()
     got_sort = _sort_buffers(slots, experts, capacity)
     kernels.stage_sort_permute_bf16(x, scales, ids_in, w_in, fmt, got_ids, got_w, local_start, experts, align,
-                                    *(got_sort[n] for n in SORT_OUTPUTS), got_rows, layout)
+                                    kernels.SortBuffers(**got_sort), got_rows, layout)
     torch.cuda.synchronize()
     assert bool((want_ids[tokens:] == -1).all()) and bool((want_w[tokens:] == 0).all())
     assert torch.equal(got_ids, want_ids) and torch.equal(got_w.view(torch.int32), want_w.view(torch.int32))

@@ -1,0 +1,75 @@
+"""Which launches a decode call's chain starts with, on the CPU: the executor's sort + permute stages the caller's
+inputs itself when it is given them (NVFP4 tokens at a 16-byte aligned address), and otherwise leaves the stage to
+its own launch. The kernel wrappers are replaced by recorders; what the kernels compute is tested on the GPU
+(tests/kernels/test_kernels_gpu.py, tests/ops/fused/test_fused_moe_gpu.py)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from cudnn_moe import Routing, kernels
+from cudnn_moe.kernels import TokenLayout
+from cudnn_moe.pipeline.executor import CallerInputs, _BucketStages
+from cudnn_moe.weights.nvfp4 import Nvfp4Activations
+
+TOKENS, TOP_K, HIDDEN, EXPERTS, ROWS = 2, 4, 64, 8, 64
+
+
+def _executor(bf16_tokens: bool = False) -> SimpleNamespace:
+    return SimpleNamespace(bf16_tokens=bf16_tokens, top_k=TOP_K, local_expert_start=3,
+                           weights=SimpleNamespace(num_experts=EXPERTS), engine=SimpleNamespace(row_alignment=8))
+
+
+def _bucket() -> SimpleNamespace:
+    i32 = torch.int32
+    sorted_ = kernels.SortBuffers(torch.zeros(EXPERTS + 1, dtype=i32), torch.zeros(TOKENS * TOP_K, dtype=i32),
+                                  torch.zeros(ROWS, dtype=i32), torch.zeros(ROWS, dtype=i32),
+                                  torch.zeros(EXPERTS, dtype=i32))
+    tokens = SimpleNamespace(layout=TokenLayout.BF16_FRAGMENTS, data=torch.zeros(ROWS, HIDDEN, dtype=torch.bfloat16))
+    return SimpleNamespace(tokens=TOKENS, fusion=None, gemm1=SimpleNamespace(tokens=tokens), sorted=sorted_,
+                           ids=torch.zeros(TOKENS, TOP_K, dtype=i32), route_weights=torch.zeros(TOKENS, TOP_K),
+                           x=torch.zeros(TOKENS, HIDDEN // 2, dtype=torch.uint8),
+                           x_scales=torch.zeros(TOKENS, HIDDEN // 16, dtype=torch.uint8))
+
+
+def _caller(byte_offset: int = 0) -> CallerInputs:
+    codes = torch.zeros(TOKENS * HIDDEN // 2 + 16, dtype=torch.uint8)[byte_offset:][: TOKENS * HIDDEN // 2]
+    acts = Nvfp4Activations(codes.view(TOKENS, HIDDEN // 2), torch.zeros(TOKENS, HIDDEN // 16, dtype=torch.uint8))
+    return CallerInputs(acts, Routing.unpacked(torch.zeros(TOKENS, TOP_K, dtype=torch.int32), torch.rand(TOKENS, TOP_K)))
+
+
+@pytest.fixture
+def launched(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, tuple]]:
+    calls: list[tuple[str, tuple]] = []
+    for name in ("sort_permute_bf16", "stage_sort_permute_bf16"):
+        monkeypatch.setattr(kernels, name, lambda *args, name=name: calls.append((name, args)))
+    return calls
+
+
+def test_given_the_callers_inputs_the_sort_permute_stages_them(launched: list[tuple[str, tuple]]) -> None:
+    bucket, caller = _bucket(), _caller()
+    layer = _BucketStages(_executor(), bucket, caller)
+    stage = layer.sort_permute()
+    assert stage is not None and stage.name == "stage+sort+permute" and layer.staging is stage
+    stage.launch()
+    (name, args), = launched
+    ids, weights, fmt = caller.routing.kernel_operands()
+    assert name == "stage_sort_permute_bf16"
+    assert args[:5] == (caller.activations.packed, caller.activations.scales, ids, weights, fmt)
+    assert args[5] is bucket.ids and args[6] is bucket.route_weights and args[10] is bucket.sorted
+    assert args[7:10] == (3, EXPERTS, 8) and args[11] is bucket.gemm1.tokens.data
+
+
+@pytest.mark.parametrize("why", ["no caller", "unaligned tokens", "bf16 tokens"])
+def test_otherwise_the_sort_permute_reads_the_bucket(launched: list[tuple[str, tuple]], why: str) -> None:
+    bucket = _bucket()
+    caller = {"no caller": None, "unaligned tokens": _caller(byte_offset=1), "bf16 tokens": _caller()}[why]
+    layer = _BucketStages(_executor(bf16_tokens=why == "bf16 tokens"), bucket, caller)
+    stage = layer.sort_permute()
+    assert stage is not None and stage.name == "sort+permute" and layer.staging is None
+    stage.launch()
+    (name, args), = launched
+    assert name == "sort_permute_bf16" and args[5] is bucket.sorted and args[6] is bucket.x
