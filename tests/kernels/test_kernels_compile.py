@@ -263,3 +263,75 @@ def test_round_to_e2m1_is_the_encode_decode_composition(tmp_path: Path) -> None:
     assert bool((got[:, 3] == 1).all())
     want = decode_e2m1(encode_e2m1(x.nan_to_num(nan=0.0)))  # the project's codec (NaN: code 0)
     assert torch.equal(got[:, 0].view(torch.int32), want.view(torch.int32))
+
+
+_ROUTE_DRIVER = HOST_PRELUDE + r"""
+#include <cstdlib>
+#include <vector>
+#include "common.cuh"
+using namespace moe;
+
+// argv: routing format, ids_int64 (0/1), live slots L (slots i >= L are past the call's tokens), the ids file, the
+// weights file (read when the format is not ROUTING_PACKED), the output file: per slot decode_route's id (int32) and
+// weight (float32).
+static std::vector<unsigned char> slurp(const char* path) {
+  std::vector<unsigned char> bytes;
+  FILE* f = std::fopen(path, "rb");
+  for (int c; f != nullptr && (c = std::fgetc(f)) != EOF;) bytes.push_back(static_cast<unsigned char>(c));
+  if (f != nullptr) std::fclose(f);
+  return bytes;
+}
+
+int main(int, char** argv) {
+  const int format = std::atoi(argv[1]), ids_int64 = std::atoi(argv[2]);
+  const long live = std::atol(argv[3]);
+  const std::vector<unsigned char> ids = slurp(argv[4]), weights = slurp(argv[5]);
+  const long n = static_cast<long>(ids.size()) / (ids_int64 ? 8 : 4);
+  FILE* out = std::fopen(argv[6], "wb");
+  for (long i = 0; i < n; ++i) {
+    int id;
+    float w;
+    decode_route(ids.data(), weights.data(), format, ids_int64, i, i < live, id, w);
+    std::fwrite(&id, 4, 1, out);
+    std::fwrite(&w, 4, 1, out);
+  }
+  return std::fclose(out) != 0;
+}
+"""
+
+
+@pytest.mark.skipif(CXX is None, reason="no C++ compiler")
+@pytest.mark.parametrize("routing", ["packed", "fp32", "bf16", "int64"])
+def test_decode_route_reads_every_routing_format(tmp_path: Path, routing: str) -> None:
+    """decode_route (common.cuh: the stage kernel's and the folded stage + sort + permute's routing decoder), on the
+    host: packed words give (word >> 16, the BF16 low half), plain ids their FP32 or BF16 weight, int64 ids outside the
+    int32 range -1 (their weight kept), and slots past the call's tokens -1 with weight 0."""
+    from cudnn_moe.routing import pack_routing
+
+    program = host_program(tmp_path, "route", _ROUTE_DRIVER, opt="-O1")
+    gen = torch.Generator().manual_seed(len(routing))
+    slots, live = 96, 80
+    ids = torch.randint(-40, 300, (slots, 1), dtype=torch.int32, generator=gen)
+    weights = torch.randn(slots, 1, generator=gen) * 3
+    want_ids, want_w = ids.flatten().clone(), weights.flatten().clone()
+    if routing == "packed":
+        ids_in, w_in, fmt = pack_routing(ids, weights), None, kernels.ROUTING_PACKED
+        want_w = weights.to(torch.bfloat16).float().flatten()
+    elif routing == "bf16":
+        ids_in, w_in, fmt = ids, weights.to(torch.bfloat16), kernels.ROUTING_BF16
+        want_w = w_in.float().flatten()
+    else:
+        ids_in, w_in, fmt = ids, weights, kernels.ROUTING_FP32
+        if routing == "int64":
+            ids_in = ids.to(torch.int64)
+            ids_in[3, 0], ids_in[7, 0], ids_in[9, 0] = 2**31, -(2**31) - 1, -(2**31)  # two outside int32, one at its edge
+            want_ids[3], want_ids[7], want_ids[9] = -1, -1, -(2**31)
+    want_ids[live:], want_w[live:] = -1, 0.0
+    ids_in.numpy().tofile(tmp_path / "ids.bin")
+    (w_in.view(torch.int16) if w_in is not None and w_in.dtype == torch.bfloat16 else
+     (w_in if w_in is not None else torch.zeros(0))).numpy().tofile(tmp_path / "w.bin")
+    subprocess.run([str(program), str(fmt), str(int(routing == "int64")), str(live), str(tmp_path / "ids.bin"),
+                    str(tmp_path / "w.bin"), str(tmp_path / "out.bin")], check=True)
+    got = np.fromfile(tmp_path / "out.bin", dtype=np.int32).reshape(slots, 2)
+    assert torch.equal(torch.from_numpy(got[:, 0].copy()), want_ids)
+    assert torch.equal(torch.from_numpy(got[:, 1].copy()).view(torch.float32), want_w)
