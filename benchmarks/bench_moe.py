@@ -34,9 +34,9 @@ from common import (  # noqa: E402
     fmt,
     gpu_missing,
     header_line,
-    kernel_launches,
     host_us_back_to_back,
     host_us_idle_gpu,
+    kernel_launches,
     make_parser,
     measure_engine,
     md_row,
@@ -147,9 +147,9 @@ class MoeBench:
             variants = [repr(executor.engine.variant(gemm.rows, gemm.shape, gemm=index))
                         for index, gemm in ((1, bucket.gemm1), (2, bucket.gemm2))]
             chain = [name for name, _ in executor.stages(bucket)]
-            launches = kernel_launches(graph)  # the chain, the op's stage (unless the chain does it), the finish
-            stage = "stage, " if launches == len(chain) + 2 else "stage in "
-            launches = f"{launches}: {stage}{', '.join(chain)}, finalize"
+            count = kernel_launches(graph)  # the chain, the op's stage (unless the chain does it), the finish
+            stage = "stage, " if count == len(chain) + 2 else "stage in "
+            launches = f"{count}: {stage}{', '.join(chain)}, finalize"
             self.variant_rows.append([m.name, str(tokens), engine, str(bucket.rows), *variants, launches])
         return us
 

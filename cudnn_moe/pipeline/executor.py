@@ -374,7 +374,7 @@ class MoeExecutor:
         """stages(b, caller), and whether a launch of it stages the caller's inputs."""
         layer = _BucketStages(self, b, caller)
         chain = self.engine.stages(layer)
-        return chain, layer.staging is not None and any(s is layer.staging for s in chain)
+        return chain, any(s is layer.staging for s in chain)
 
 
 @dataclass(frozen=True)
