@@ -50,4 +50,9 @@ __device__ __forceinline__ void mbarrier_wait(u32 bar, u32 parity) {
       "@!done bra WAIT;\n}\n" ::"r"(bar), "r"(parity) : "memory");
 }
 
+// This thread's plain arrival on the barrier (a reader releasing a ring stage).
+__device__ __forceinline__ void mbarrier_arrive(u32 bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+
 }  // namespace sm90
