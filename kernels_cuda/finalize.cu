@@ -1,18 +1,8 @@
 // Combine the second GEMM's expert rows back into token order.
 #include "common.cuh"
+#include "finalize.cuh"
 
 using namespace moe;
-
-// Add w * g2[r, h .. h + 7] to acc (a separate FP32 multiply and add per element) when r >= 0.
-__device__ __forceinline__ void accumulate_row(float acc[8], int r, float w, const uint4& raw) {
-  if (r < 0) return;
-  const u32 words[4] = {raw.x, raw.y, raw.z, raw.w};
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    acc[2 * j] = __fadd_rn(acc[2 * j], __fmul_rn(w, __uint_as_float(words[j] << 16)));
-    acc[2 * j + 1] = __fadd_rn(acc[2 * j + 1], __fmul_rn(w, __uint_as_float(words[j] & 0xFFFF0000u)));
-  }
-}
 
 // Block (t, y) for token t < B and columns [8 y blockDim.x, 8 (y + 1) blockDim.x) (gridDim.y column groups;
 // a group past H does nothing, H beyond the grid's columns is looped over); each thread handles 8 consecutive
@@ -23,42 +13,15 @@ __device__ __forceinline__ void accumulate_row(float acc[8], int r, float w, con
 //   out         BF16 [B, hidden]: out[t, h] = bf16(sum over slots s in order, skipping masked ones,
 //               of w[t, s] * float(g2[r, h])): a separate FP32 multiply and add per slot. With
 //               accumulate != 0 the sum starts from float(out[t, h]) instead of zero.
-// The rows of up to eight slots are loaded together (eight 16-byte loads in flight per thread), then added in
-// slot order.
+// (finalize_columns, finalize.cuh.)
 extern "C" __global__ void moe_finalize(const u16* __restrict__ g2, const int* __restrict__ slot_to_row,
                                         const float* __restrict__ weights, int top_k, int hidden,
                                         int accumulate, u16* __restrict__ out) {
   moe::grid_dependency_begin();
-  constexpr int GROUP = 8;  // slots loaded together
   const i64 t = blockIdx.x;
-  const int* rows = slot_to_row + t * top_k;
-  const float* w = weights + t * top_k;
   const int step = 8 * static_cast<int>(blockDim.x * gridDim.y);
-  for (int h = 8 * static_cast<int>(blockIdx.y * blockDim.x + threadIdx.x); h < hidden; h += step) {
-    float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-    if (accumulate) {
-      const uint4 raw = *reinterpret_cast<const uint4*>(out + t * hidden + h);
-      const u32 words[4] = {raw.x, raw.y, raw.z, raw.w};
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        acc[2 * j] = __uint_as_float(words[j] << 16);
-        acc[2 * j + 1] = __uint_as_float(words[j] & 0xFFFF0000u);
-      }
-    }
-    for (int s = 0; s < top_k; s += GROUP) {
-      int r[GROUP];
-      uint4 v[GROUP];
-#pragma unroll
-      for (int i = 0; i < GROUP; ++i) {
-        r[i] = s + i < top_k ? rows[s + i] : -1;
-        v[i] = r[i] >= 0 ? *reinterpret_cast<const uint4*>(g2 + static_cast<i64>(r[i]) * hidden + h)
-                         : make_uint4(0u, 0u, 0u, 0u);
-      }
-#pragma unroll
-      for (int i = 0; i < GROUP; ++i) accumulate_row(acc, r[i], r[i] >= 0 ? w[s + i] : 0.0f, v[i]);
-    }
-    store_bf16x8(out + t * hidden + h, acc);
-  }
+  for (int h = 8 * static_cast<int>(blockIdx.y * blockDim.x + threadIdx.x); h < hidden; h += step)
+    finalize_columns(g2, slot_to_row + t * top_k, weights + t * top_k, top_k, hidden, t, h, accumulate != 0, out);
 }
 
 // One block per output row r < R_out (R_out <= row_capacity).

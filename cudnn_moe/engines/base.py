@@ -193,6 +193,20 @@ class ActivationEpilogue:
     requantize: bool = True
 
 
+@dataclass(frozen=True)
+class FinalizeEpilogue:
+    """The finalize folded into GEMM2: besides GEMM2's rows, ``out`` (bfloat16 [T, N], the caller's output)
+    receives what the finalize kernel (cudnn_moe.kernels.finalize, accumulate=False) would write from them, bit for
+    bit: out[t] = bf16(sum over token t's slots s in order with r = slot_to_row[t k + s] >= 0 of
+    weights[t k + s] * row r), a separate FP32 multiply and add per slot. slot_to_row int32 and weights float32
+    [>= T top_k]; T = out.shape[0]."""
+
+    slot_to_row: torch.Tensor
+    weights: torch.Tensor
+    top_k: int
+    out: torch.Tensor
+
+
 class Gemm1Fusion(NamedTuple):
     """How an engine's chain runs GEMM1 on one bucket: with the activation in its epilogue (GEMM1's BF16 output
     is never written), and gathering its rows through the routing (no permuted token rows). The executor
@@ -212,6 +226,7 @@ class GemmOperands:
     ``out`` with the epilogue, its ``tokens`` with the gather.
     gather / epilogue: the fused forms, for an engine that declares ``LayerStages.gemm1_activation`` in its
     chain: the tokens read through the routing instead of ``tokens``; the activation written instead of ``out``.
+    finalize: GEMM2 also finalizing its rows into the caller's output (``LayerStages.gemm2_finalize``).
     """
 
     rows: int
@@ -223,6 +238,7 @@ class GemmOperands:
     workspace: torch.Tensor | None
     gather: RowGather | None = None
     epilogue: ActivationEpilogue | None = None
+    finalize: FinalizeEpilogue | None = None
 
 
 class Engine(abc.ABC):
@@ -349,6 +365,11 @@ class GemmEngine(Engine):
         builds them here, before any capture."""
         return 0
 
+    def can_finalize(self, operands: GemmOperands, tokens: int) -> bool:
+        """Whether ``gemm`` runs GEMM2 of these operands with a FinalizeEpilogue of ``tokens`` tokens (never, by
+        default)."""
+        return False
+
     @abc.abstractmethod
     def gemm(self, operands: GemmOperands) -> None:
         """Enqueue the grouped GEMM on the device's current torch stream."""
@@ -400,6 +421,12 @@ class LayerStages(abc.ABC):
 
     @abc.abstractmethod
     def gemm2(self) -> Stage: ...
+
+    @abc.abstractmethod
+    def gemm2_finalize(self) -> Stage | None:
+        """GEMM2 with the finalize in its epilogue (GemmOperands.finalize), writing the caller's output: where the
+        call's launches know that output and the engine can (GemmEngine.can_finalize), else None. The executor then
+        launches no finalize of its own."""
 
 
 @dataclass(frozen=True)

@@ -44,6 +44,7 @@ from ..activations import Activation
 from ..capture import gc_paused, refuse_during_capture
 from ..engines.base import (
     ActivationEpilogue,
+    FinalizeEpilogue,
     GemmEngine,
     GemmOperands,
     GemmShape,
@@ -237,8 +238,6 @@ class MoeExecutor:
             tokens = activations.num_tokens
             w = self.weights
 
-            caller = CallerInputs(activations, routing)
-
             def stage(bucket: Bucket) -> None:
                 self.stage(bucket, activations, routing)
 
@@ -248,8 +247,9 @@ class MoeExecutor:
                 )
                 self.run_call(tokens, stage, lambda bucket: self._finalize(bucket, result),
                               use_cuda_graph=use_cuda_graph, signature=signature if out is not None else None,
-                              caller=caller)
+                              caller=CallerInputs(activations, routing, result))
                 return result
+            caller = CallerInputs(activations, routing)
             rows = row_capacity(tokens, self.top_k, w.num_experts, self.engine.row_alignment)
             rows_out = out if out is not None else torch.empty(
                 rows, w.hidden_size, dtype=torch.bfloat16, device=w.device
@@ -280,8 +280,9 @@ class MoeExecutor:
         signature: a hashable identity of everything stage and finish read and write (tensor pointers,
         shapes, strides, dtypes, scalars baked into launches) and T; with use_cuda_graph, repeated calls
         replay one full-call graph of stage + pipeline + finish (module docstring). None: never.
-        caller: the fused op's inputs, which ``stage`` stages; where the launches are recorded for this call (eager,
-        the caller's graph, a full-call graph) the chain's first launch may stage them itself (_launch_call).
+        caller: the fused op's inputs, which ``stage`` stages, and the output ``finish`` finalizes into; where the
+        launches are recorded for this call (eager, the caller's graph, a full-call graph) the chain's first launch
+        may stage them itself and its last finalize (_launch_call).
         """
         with self.order.use():
             bucket = self.bucket(tokens)
@@ -294,18 +295,22 @@ class MoeExecutor:
             if graphed:
                 stage(bucket)
                 self._ensure_graph(bucket).replay()
+                finish(bucket)
             else:
-                self._launch_call(bucket, stage, caller)
-            finish(bucket)
+                self._launch_call(bucket, stage, finish, caller)
 
-    def _launch_call(self, bucket: Bucket, stage: Callable[[Bucket], None], caller: CallerInputs | None) -> None:
-        """``stage(bucket)`` and the bucket's chain, launched now; the stage folded into the chain's first launch
-        where that launch can read the caller's inputs."""
-        chain, staged = self._call_chain(bucket, caller)
+    def _launch_call(self, bucket: Bucket, stage: Callable[[Bucket], None], finish: Callable[[Bucket], None],
+                     caller: CallerInputs | None) -> None:
+        """``stage(bucket)``, the bucket's chain and ``finish(bucket)``, launched now; the stage folded into the
+        chain's first launch where that launch can read the caller's inputs, the finish (a finalize) into its last
+        where that launch can write the caller's output."""
+        chain, staged, finished = self._call_chain(bucket, caller)
         if not staged:
             stage(bucket)
         for _, launch in chain:
             launch()
+        if not finished:
+            finish(bucket)
 
     def stage(self, bucket: Bucket, activations: Nvfp4Activations, routing: Routing) -> None:
         """The fused op's stage launch: the caller's tokens and routing into ``bucket`` (decoded into its x_rows
@@ -342,8 +347,7 @@ class MoeExecutor:
         with self._lock:
             graph = torch.cuda.CUDAGraph()
             with gc_paused(), torch.cuda.graph(graph):
-                self._launch_call(bucket, stage, caller)
-                finish(bucket)
+                self._launch_call(bucket, stage, finish, caller)
             bucket.full_graphs[signature] = graph
             while len(bucket.full_graphs) > FULL_GRAPHS_PER_BUCKET:
                 defer(bucket.full_graphs.popitem(last=False)[1])  # destroyed outside any capture
@@ -370,29 +374,34 @@ class MoeExecutor:
         caller's inputs, its first launch may read them and do the op's stage too)."""
         return self._call_chain(b, caller)[0]
 
-    def _call_chain(self, b: Bucket, caller: CallerInputs | None) -> tuple[list[Stage], bool]:
-        """stages(b, caller), and whether a launch of it stages the caller's inputs."""
+    def _call_chain(self, b: Bucket, caller: CallerInputs | None) -> tuple[list[Stage], bool, bool]:
+        """stages(b, caller), whether a launch of it stages the caller's inputs, and whether one finalizes into the
+        caller's output."""
         layer = _BucketStages(self, b, caller)
         chain = self.engine.stages(layer)
-        return chain, any(s is layer.staging for s in chain)
+        return chain, any(s is layer.staging for s in chain), any(s is layer.finishing for s in chain)
 
 
 @dataclass(frozen=True)
 class CallerInputs:
-    """The fused op's inputs of one call: NVFP4 tokens and routing, as the caller passed them."""
+    """The fused op's inputs of one call: NVFP4 tokens and routing, as the caller passed them, and the bfloat16
+    [T, H] output a finalized call writes (None: the call returns unfinalized rows)."""
 
     activations: Nvfp4Activations
     routing: Routing
+    out: torch.Tensor | None = None
 
 
 class _BucketStages(LayerStages):
     """The stages of one executor's call on one bucket (cudnn_moe.engines.base.LayerStages); with the caller's
-    inputs, the decode chain's sort + permute also stages them (one launch less)."""
+    inputs, the decode chain's sort + permute also stages them, and with the caller's output its GEMM2 may also
+    finalize (a launch less each)."""
 
     def __init__(self, executor: MoeExecutor, bucket: Bucket, caller: CallerInputs | None = None) -> None:
         self.x, self.b, self.caller = executor, bucket, caller
         self.gemm1_fusion = bucket.fusion
         self.staging: Stage | None = None  # the stage handed out that also stages the caller's inputs
+        self.finishing: Stage | None = None  # the stage handed out that also finalizes into the caller's output
 
     def sort(self) -> Stage:
         x, b = self.x, self.b
@@ -444,6 +453,15 @@ class _BucketStages(LayerStages):
 
     def gemm2(self) -> Stage:
         return Stage("gemm2", lambda: self.x.engine.gemm(self.b.gemm2))
+
+    def gemm2_finalize(self) -> Stage | None:
+        x, b = self.x, self.b
+        out = None if self.caller is None else self.caller.out
+        if out is None or not x.engine.can_finalize(b.gemm2, out.shape[0]):
+            return None
+        operands = replace(b.gemm2, finalize=FinalizeEpilogue(b.slot_to_row, b.route_weights.view(-1), x.top_k, out))
+        self.finishing = Stage("gemm2+finalize", lambda: x.engine.gemm(operands))
+        return self.finishing
 
     def _token_rows(self) -> torch.Tensor:
         """The natural BF16 token rows gemm1_activation gathers from: the bucket's BF16 tokens, or the x_rows its

@@ -244,10 +244,11 @@ __device__ __forceinline__ int expert_alpha(int e, int num_experts, int feature0
 // Warp-collective (all 32 lanes, same arguments): tile `t` of the concatenation over experts of
 // ceil(len_e / TILE_ROWS) tiles, expert e's segment being rows [offsets[e], offsets[e+1]).
 // Returns false (in every lane) when t is past the last tile. Each lane sums a contiguous range of
-// ceil(E / 32) experts, a warp scan finds the lane holding tile t, which walks its range again.
+// ceil(E / 32) experts, a warp scan finds the lane holding tile t, which walks its range again. With `tiles`, the
+// number of tiles in all goes there.
 template <int TILE_ROWS>
 __device__ __forceinline__ bool find_tile(const int* __restrict__ offsets, int num_experts, int row_capacity,
-                                          int t, Tile& tile) {
+                                          int t, Tile& tile, int* tiles = nullptr) {
   const int lane = threadIdx.x & 31;
   const int per = (num_experts + 31) >> 5;
   const int e0 = min(lane * per, num_experts);
@@ -267,6 +268,7 @@ __device__ __forceinline__ bool find_tile(const int* __restrict__ offsets, int n
     const int v = __shfl_up_sync(0xFFFFFFFFu, inclusive, d);
     if (lane >= d) inclusive += v;
   }
+  if (tiles != nullptr) *tiles = __shfl_sync(0xFFFFFFFFu, inclusive, 31);
   const u32 holders = __ballot_sync(0xFFFFFFFFu, inclusive > t);
   if (holders == 0u) return false;
   const int src = __ffs(holders) - 1;

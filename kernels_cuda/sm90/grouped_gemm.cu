@@ -16,6 +16,7 @@
 // segment, segments concatenated); CTAs past the last tile exit. No atomics: deterministic.
 #include "common.cuh"
 #include "activation_unit.cuh"
+#include "finalize.cuh"
 #include "sm90/bulk.cuh"
 #include "sm90/fragments.cuh"
 
@@ -31,6 +32,10 @@ using namespace sm90;
 #define DEC_PAIRED (SM90_ACT_GATED != 0)
 #else
 #define DEC_PAIRED false
+#endif
+// The finalize folded into the decode kernel (GEMM2 of the SM90 decode chain): SM90_FINALIZE defined, no SM90_ACT.
+#if defined(SM90_FINALIZE) && defined(SM90_ACT)
+#error "SM90_FINALIZE is for GEMM2, SM90_ACT for GEMM1"
 #endif
 
 // =============================================================================================
@@ -159,16 +164,26 @@ __device__ __forceinline__ int decode_feature(int f, int n) {
 // parameters). Gated: the CTA's first WM / 2 warps compute up and the others the gate rows of DEC_FB / 2
 // outputs (grid x = n / DEC_FB blocks). row_to_slot int32 [row_capacity] marks padding rows (< 0). The
 // gather arguments must be 0 (the decode kernel reads its rows from x).
+// With SM90_FINALIZE (GEMM2 of the decode chain): after writing out, the CTA of each feature block that finishes last
+// also finalizes it: final_out bf16 [tokens, n] (row t: token t's top_k slots, slot_to_row int32 / route_weights
+// float32 [tokens * top_k]), as moe_finalize. tickets int32 [grid x]: zero before the launch, zero after it.
 extern "C" __global__ void DEC_LAUNCH_BOUNDS
     sm90_gemm_decode(const u8* __restrict__ w_tiles, const u8* __restrict__ w_scales, const float* __restrict__ alpha,
                      const u16* __restrict__ x, const int* __restrict__ offsets, int num_experts, int n, int k,
                      int row_capacity, int alpha_split, u16* __restrict__ out, const int* __restrict__ row_to_slot,
                      int gather_top_k, int gather_tokens, float act_alpha, float act_beta, float act_limit,
-                     int act_layout, int requantize, u8* __restrict__ act_out, u8* __restrict__ act_scales) {
+                     int act_layout, int requantize, u8* __restrict__ act_out, u8* __restrict__ act_scales,
+                     const int* __restrict__ slot_to_row, const float* __restrict__ route_weights, int top_k,
+                     int tokens, u16* __restrict__ final_out, int* __restrict__ tickets) {
   moe::grid_dependency_begin();
   __shared__ __align__(16) float red[SM90_WK][DEC_TB][DEC_RED_STRIDE];
   Tile tile;
+#ifdef SM90_FINALIZE
+  int tiles = 0;  // the tiles of all segments: CTAs of this feature block that write rows
+  if (!find_tile<DEC_TB>(offsets, num_experts, row_capacity, static_cast<int>(blockIdx.y), tile, &tiles)) return;
+#else
   if (!find_tile<DEC_TB>(offsets, num_experts, row_capacity, static_cast<int>(blockIdx.y), tile)) return;
+#endif
   if (tile.row0 < 0 || tile.row0 >= tile.row_end) return;  // offsets outside [0, row_capacity]: nothing safe to do
 
   const int lane = threadIdx.x & 31;
@@ -426,6 +441,25 @@ extern "C" __global__ void DEC_LAUNCH_BOUNDS
     stg_v4(out + static_cast<i64>(row) * n + blockIdx.x * DEC_FB + f, v);
 #endif
   }
+#ifdef SM90_FINALIZE
+  // The finalize, by the CTA of this feature block that finishes last (a ticket per block, reset by that CTA for
+  // the next launch): with every tile's rows in out, it writes final_out[t, features of the block] for the tokens
+  // t < `tokens`, moe_finalize's arithmetic (finalize_columns) bit for bit. No atomics on final_out.
+  __shared__ int finalizing;
+  __threadfence();  // this thread's rows of out, visible to the whole grid before the ticket is taken
+  __syncthreads();
+  if (threadIdx.x == 0) finalizing = atomicAdd(tickets + blockIdx.x, 1) == tiles - 1;
+  __syncthreads();
+  if (!finalizing) return;
+  __threadfence();  // every other CTA's rows, after their tickets
+  constexpr int PIECES = DEC_FB / 8;  // 8-feature pieces per token
+  for (int item = threadIdx.x; item < tokens * PIECES; item += DEC_THREADS) {
+    const int t = item / PIECES;
+    moe::finalize_columns(out, slot_to_row + static_cast<i64>(t) * top_k, route_weights + static_cast<i64>(t) * top_k,
+                          top_k, n, t, static_cast<int>(blockIdx.x) * DEC_FB + (item % PIECES) * 8, false, final_out);
+  }
+  if (threadIdx.x == 0) tickets[blockIdx.x] = 0;
+#endif
 #ifdef SM90_ACT
   __syncthreads();
   // The activation epilogue: units of 32 outputs (activation_unit.cuh, the bits of moe_activation), a warp per

@@ -177,7 +177,7 @@ def fake_executor(monkeypatch: pytest.MonkeyPatch):
     launched = []
     ex._ensure_graph = lambda bucket: None
     # The chain: one launch, which also stages the caller's inputs when given them (the decode chain's sort + permute).
-    ex._call_chain = lambda bucket, caller: ([Stage("chain", lambda: launched.append("chain"))], caller is not None)
+    ex._call_chain = lambda bucket, caller: ([Stage("chain", lambda: launched.append("chain"))], caller is not None, False)
     bucket = type("B", (), {})()
     bucket.full_graphs, bucket.last_signature = OrderedDict(), None
 

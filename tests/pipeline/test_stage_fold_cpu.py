@@ -1,16 +1,18 @@
-"""Which launches a decode call's chain starts with, on the CPU: the executor's sort + permute stages the caller's
-inputs itself when it is given them (NVFP4 tokens at a 16-byte aligned address), and otherwise leaves the stage to
-its own launch. The kernel wrappers are replaced by recorders; what the kernels compute is tested on the GPU
+"""Which launches a decode call's chain starts and ends with, on the CPU: the executor's sort + permute stages the
+caller's inputs itself when it is given them (NVFP4 tokens at a 16-byte aligned address), and otherwise leaves the
+stage to its own launch; its GEMM2 finalizes into the caller's output where the call gives one and the engine can. The kernel wrappers are replaced by recorders; what the kernels compute is tested on the GPU
 (tests/kernels/test_kernels_gpu.py, tests/ops/fused/test_fused_moe_gpu.py)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 from cudnn_moe import Routing, kernels
+from cudnn_moe.engines.base import GemmOperands, GemmShape
 from cudnn_moe.kernels import TokenLayout
 from cudnn_moe.pipeline.executor import CallerInputs, _BucketStages
 from cudnn_moe.weights.nvfp4 import Nvfp4Activations
@@ -73,3 +75,38 @@ def test_otherwise_the_sort_permute_reads_the_bucket(launched: list[tuple[str, t
     stage.launch()
     (name, args), = launched
     assert name == "sort_permute_bf16" and args[5] is bucket.sorted and args[6] is bucket.x
+
+
+def _finalizing_executor(can: bool, gemms: list) -> SimpleNamespace:
+    engine = SimpleNamespace(can_finalize=lambda operands, tokens: can, gemm=gemms.append)
+    return SimpleNamespace(top_k=TOP_K, engine=engine)
+
+
+def _gemm2_bucket() -> SimpleNamespace:
+    bucket = _bucket()
+    bucket.slot_to_row = bucket.sorted.slot_to_row
+    bucket.gemm2 = GemmOperands(ROWS, GemmShape(HIDDEN, HIDDEN, EXPERTS), None, None, None, None, None)
+    return bucket
+
+
+def test_given_the_callers_output_gemm2_finalizes_into_it() -> None:
+    gemms: list = []
+    bucket, out = _gemm2_bucket(), torch.zeros(TOKENS, HIDDEN, dtype=torch.bfloat16)
+    caller = replace(_caller(), out=out)
+    layer = _BucketStages(_finalizing_executor(True, gemms), bucket, caller)
+    stage = layer.gemm2_finalize()
+    assert stage is not None and stage.name == "gemm2+finalize" and layer.finishing is stage
+    stage.launch()
+    (operands,), = [gemms]
+    fin = operands.finalize
+    assert operands.rows == ROWS and fin.out is out and fin.top_k == TOP_K and fin.slot_to_row is bucket.slot_to_row
+    assert fin.weights.data_ptr() == bucket.route_weights.data_ptr() and fin.weights.shape == (TOKENS * TOP_K,)
+
+
+@pytest.mark.parametrize("why", ["no caller", "no output", "engine cannot"])
+def test_otherwise_gemm2_leaves_the_finalize_to_its_own_launch(why: str) -> None:
+    gemms: list = []
+    out = torch.zeros(TOKENS, HIDDEN, dtype=torch.bfloat16)
+    caller = {"no caller": None, "no output": _caller(), "engine cannot": replace(_caller(), out=out)}[why]
+    layer = _BucketStages(_finalizing_executor(why != "engine cannot", gemms), _gemm2_bucket(), caller)
+    assert layer.gemm2_finalize() is None and layer.finishing is None and not gemms

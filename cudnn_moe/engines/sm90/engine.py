@@ -10,7 +10,8 @@ copy per stage; GEMM1 gathers the stage's natural rows instead), the mma.sync ke
 The chain per bucket (``gemm1_fusion``, ``Sm90GemmEngine.stages``): on the wgmma kernel, the sort with the tokens
 decoded into BF16 rows, GEMM1 gathering its rows through the routing with the activation in its epilogue, GEMM2;
 on the decode kernel, sort + permute, then GEMM1 with the activation epilogue while the launch is small enough for
-it to pay, else GEMM1 and the activation, then GEMM2.
+it to pay, else GEMM1 and the activation, then GEMM2, which also finalizes into the caller's output where the call's
+launches know it and the finalizing CTAs need one pass (``can_finalize``).
 """
 
 from __future__ import annotations
@@ -174,6 +175,19 @@ class Sm90GemmEngine(GemmEngine):
         """The module's gemm1_fusion on this GPU."""
         return gemm1_fusion(rows, shape, activation, self.sm_count)
 
+    def workspace_bytes(self, rows: int, shape: GemmShape) -> int:
+        """A decode GEMM's finalize tickets (int32, one per feature block of the narrowest variant), zero between
+        launches."""
+        return 4 * (shape.n // 16)
+
+    def can_finalize(self, operands: GemmOperands, tokens: int) -> bool:
+        """GEMM2 on the decode kernel, when the CTA that finalizes a feature block needs one pass of its threads
+        (tokens x features / 8 pieces of 8 features): at most 16 tokens on 128-feature CTAs of 128 threads. More
+        would serialize the finalize at the end of the launch."""
+        variant = self.variant(operands.rows, operands.shape, gemm=2)
+        return (isinstance(variant, DecodeVariant) and operands.workspace is not None
+                and tokens * variant.feature_block // 8 <= variant.threads)
+
     def stages(self, layer: LayerStages) -> list[Stage]:
         """As the bucket's gemm1_fusion says. Gathering: the sort, GEMM1 gathering its rows through the routing (from
         the BF16 rows the op's stage decoded the NVFP4 tokens into) with the activation in its epilogue, GEMM2. Otherwise: the
@@ -184,9 +198,10 @@ class Sm90GemmEngine(GemmEngine):
             return [layer.sort(), layer.gemm1_activation(gather=True), layer.gemm2()]
         routed = layer.sort_permute()
         head = [routed] if routed is not None else [layer.sort(), layer.permute()]
+        tail = layer.gemm2_finalize() or layer.gemm2()
         if fusion.epilogue:
-            return [*head, layer.gemm1_activation(gather=False), layer.gemm2()]
-        return [*head, layer.gemm1(), layer.activation(), layer.gemm2()]
+            return [*head, layer.gemm1_activation(gather=False), tail]
+        return [*head, layer.gemm1(), layer.activation(), tail]
 
     def variant(self, rows: int, shape: GemmShape, *, gemm: int) -> GemmVariant:
         """The kernel variant GEMM ``gemm`` (1 or 2) of a bucket with ``rows`` rows runs: on the wgmma kernel, GEMM1
@@ -202,9 +217,10 @@ class Sm90GemmEngine(GemmEngine):
     def gemm(self, operands: GemmOperands) -> None:
         """Which GEMM this is, the token operand's layout says (GEMM2's tiled planes; GEMM1 gathers or reads the
         natural rows the permute wrote)."""
-        w, gather, epilogue = operands.weights, operands.gather, operands.epilogue
-        second = gather is None and operands.tokens.layout is TokenLayout.BF16_TILED
+        w, gather, epilogue, finalize = operands.weights, operands.gather, operands.epilogue, operands.finalize
+        second = finalize is not None or (gather is None and operands.tokens.layout is TokenLayout.BF16_TILED)
         variant = self.variant(operands.rows, operands.shape, gemm=2 if second else 1)
+        tickets = None if finalize is None else operands.workspace.view(torch.int32)
         grouped_gemm(w.data, w.scales, w.alpha, operands.tokens.data if gather is None else None, operands.offsets,
                      operands.out if epilogue is None else None, variant,
-                     alpha_split=w.alpha_split, gather=gather, epilogue=epilogue)
+                     alpha_split=w.alpha_split, gather=gather, epilogue=epilogue, finalize=finalize, tickets=tickets)

@@ -20,7 +20,7 @@ from ...kernels.activate import check_activation_output
 from ...kernels.codes import TokenLayout
 from ...kernels.loader import ARCH_SPECIFIC, launch, ptr
 from ...validate import require_contiguous, require_shape, require_tensor
-from ..base import ActivationEpilogue, RowGather, TokenOperand
+from ..base import ActivationEpilogue, FinalizeEpilogue, RowGather, TokenOperand
 from .layout import TILE_K
 
 GEMM_SOURCE = "sm90/grouped_gemm.cu"
@@ -313,6 +313,8 @@ def grouped_gemm(
     *,
     gather: RowGather | None = None,
     epilogue: ActivationEpilogue | None = None,
+    finalize: FinalizeEpilogue | None = None,
+    tickets: torch.Tensor | None = None,
 ) -> None:
     """out[r, :N] = bf16(float32(alpha[e] * 256) * (x[r] @ W_e^T * 2^-8)) for the rows r of each segment e.
     With ``alpha_split`` (a multiple of ``variant.alpha_block``, below N) alpha is [2E] and
@@ -330,6 +332,9 @@ def grouped_gemm(
     epilogue (a WgmmaVariant, or a DecodeVariant whose ``epilogue_problem`` is None): out is None;
     epilogue.out receives the activation stage's output for the segments' rows (cudnn_moe.kernels.activate_quantize
     of what out would hold, bit for bit). Gated activations need W's rows as [up; gate] (N / 2 each).
+    finalize (a DecodeVariant, no epilogue): out as above, then finalize.out receives the finalize of out's rows
+    (cudnn_moe.kernels.finalize, bit for bit), by the CTA of each feature block that finishes last; tickets int32
+    [>= N / feature_block], zero before the launch (and after it).
     """
     if not isinstance(variant, (DecodeVariant, PrefillVariant, WgmmaVariant)):
         raise ValueError(f"variant must be a DecodeVariant, PrefillVariant or WgmmaVariant, got {type(variant).__name__}")
@@ -344,6 +349,11 @@ def grouped_gemm(
         if problem is not None:
             raise ValueError(f"the activation epilogue needs a WgmmaVariant or a DecodeVariant that fits it, got "
                              f"{variant}: {problem}")
+    if finalize is not None and (not isinstance(variant, DecodeVariant) or epilogue is not None):
+        raise ValueError(f"a finalize needs a DecodeVariant and no activation epilogue, got {variant}"
+                         f"{' with an epilogue' if epilogue is not None else ''}")
+    if (tickets is None) != (finalize is None):
+        raise ValueError("tickets go with a finalize, and only with one")
     w_tiles = _tensor("w_tiles", w_tiles)
     w_tile_scales = _tensor("w_tile_scales", w_tile_scales)
     alpha, offsets = _tensor("alpha", alpha), _tensor("offsets", offsets)
@@ -394,6 +404,9 @@ def grouped_gemm(
         for name, (t, alignment) in _check_epilogue(epilogue, rows, n).items():
             named[name], align[name] = t, alignment
     grid = gemm_grid(variant, experts, n, rows)
+    if finalize is not None:
+        for name, (t, alignment) in _check_finalize(finalize, _tensor("tickets", tickets), n, grid[0]).items():
+            named[name], align[name] = t, alignment
     if grid[1] > MAX_GRID_Y:
         raise ValueError(f"x: R = {rows} rows need up to {grid[1]} tiles of {variant.tile_rows} rows, more than the "
                          f"grid's {MAX_GRID_Y}; use a variant with larger tiles")
@@ -404,6 +417,8 @@ def grouped_gemm(
     for name in ("x", "gather.source"):
         if name in named and rows and any(_overlap(named[name], t) for t in written):
             raise ValueError(f"the output must not overlap {name}")
+    if finalize is not None and any(_overlap(finalize.out, named[name]) for name in named if name != "finalize.out"):
+        raise ValueError("finalize.out must not overlap the GEMM's other tensors")
     if rows == 0:
         return
     args = (ptr(w_tiles, 16), ptr(w_tile_scales, 16), ptr(alpha, 4), ptr(tokens, 16), ptr(offsets, 4),
@@ -413,6 +428,10 @@ def grouped_gemm(
         args += _fused_args(gather, epilogue, tokens.shape[0])
         if epilogue is not None:
             options += epilogue_options(epilogue.activation)
+    if isinstance(variant, DecodeVariant):
+        args += _finalize_args(finalize, tickets)
+        if finalize is not None:
+            options += ("-DSM90_FINALIZE=1",)
     launch(variant.source, variant.kernel, tokens.device, grid, variant.threads, args,
            shared_mem=variant.shared_mem, extra_options=options)
 
@@ -463,6 +482,38 @@ def _check_epilogue(epilogue: ActivationEpilogue, rows: int, n: int) -> dict[str
     if operand.scales is not None and not operand.layout.is_bf16:
         named["epilogue.out_scales"] = (operand.scales, 1)
     return named
+
+
+def _check_finalize(finalize: FinalizeEpilogue, tickets: torch.Tensor, n: int,
+                    blocks: int) -> dict[str, tuple[torch.Tensor, int]]:
+    """Check a FinalizeEpilogue for GEMM2's N and its ``blocks`` feature blocks (the tickets); returns its device
+    tensors by name, each with the byte alignment the kernel needs."""
+    out = _tensor("finalize.out", finalize.out)
+    if out.dim() != 2:
+        raise ValueError(f"finalize.out must be 2-D [T, N], got {tuple(out.shape)}")
+    _check("finalize.out", out, (torch.bfloat16,), (out.shape[0], n))
+    top_k = finalize.top_k
+    if not isinstance(top_k, int) or top_k < 1:
+        raise ValueError(f"finalize.top_k must be a positive int, got {top_k!r}")
+    slots = out.shape[0] * top_k
+    vectors = (("finalize.slot_to_row", finalize.slot_to_row, torch.int32, slots),
+               ("finalize.weights", finalize.weights, torch.float32, slots), ("tickets", tickets, torch.int32, blocks))
+    for name, t, dtype, need in vectors:
+        t = _tensor(name, t)
+        _check(name, t, (dtype,), (t.numel(),))
+        if t.numel() < need:
+            raise ValueError(f"{name}: need at least {need} elements ({out.shape[0]} tokens x top-{top_k} slots, or "
+                             f"the launch's {blocks} feature blocks), got {t.numel()}")
+    return {"finalize.out": (out, 16), "finalize.slot_to_row": (finalize.slot_to_row, 4),
+            "finalize.weights": (finalize.weights, 4), "tickets": (tickets, 4)}
+
+
+def _finalize_args(finalize: FinalizeEpilogue | None, tickets: torch.Tensor | None) -> tuple:
+    """The decode kernel's finalize arguments (zeros / null without one)."""
+    if finalize is None:
+        return ptr(None), ptr(None), np.int32(0), np.int32(0), ptr(None), ptr(None)
+    return (ptr(finalize.slot_to_row, 4), ptr(finalize.weights, 4), np.int32(finalize.top_k),
+            np.int32(finalize.out.shape[0]), ptr(finalize.out, 16), ptr(tickets, 4))
 
 
 def _fused_args(gather: RowGather | None, epilogue: ActivationEpilogue | None, source_rows: int) -> tuple:

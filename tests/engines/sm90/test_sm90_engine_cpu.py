@@ -3,6 +3,8 @@ runs (Sm90GemmEngine.stages against a stand-in for the executor's LayerStages)."
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from cudnn_moe.activations import GELU, SwiGLU
@@ -66,8 +68,8 @@ def test_decode_epilogue_needs_a_variant_that_fits() -> None:
 class _Layer(LayerStages):
     """LayerStages whose stages are only names."""
 
-    def __init__(self, rows: int, shape: GemmShape) -> None:
-        self.rows = rows
+    def __init__(self, rows: int, shape: GemmShape, finalizes: bool = False) -> None:
+        self.rows, self.finalizes = rows, finalizes
         self.gemm1_fusion = gemm1_fusion(rows, shape, SwiGLU(), SMS)
 
     def sort(self) -> Stage:
@@ -91,13 +93,34 @@ class _Layer(LayerStages):
     def gemm2(self) -> Stage:
         return Stage("gemm2", lambda: None)
 
+    def gemm2_finalize(self) -> Stage | None:
+        return Stage("gemm2+finalize", lambda: None) if self.finalizes else None
 
+
+@pytest.mark.parametrize("finalizes", [False, True])
 @pytest.mark.parametrize("model,tokens,chain", [
     (QWEN3, 1, ["sort+permute", "gemm1+activation", "gemm2"]),
     (DEEPSEEK_V3, 64, ["sort+permute", "gemm1", "activation", "gemm2"]),
     (QWEN3, 4096, ["sort", "gemm1+activation (gather)", "gemm2"]),
 ])
-def test_stage_chains(model, tokens: int, chain: list[str]) -> None:
+def test_stage_chains(model, tokens: int, chain: list[str], finalizes: bool) -> None:
+    """The decode chains end with GEMM2 finalizing where the layer offers it (the wgmma chain never asks)."""
     engine = Sm90GemmEngine.__new__(Sm90GemmEngine)  # no device: stages() reads the layer only
     rows, shape = _bucket(model, tokens)
-    assert [name for name, _ in engine.stages(_Layer(rows, shape))] == chain
+    if finalizes and tokens < 4096:
+        chain = [*chain[:-1], "gemm2+finalize"]
+    assert [name for name, _ in engine.stages(_Layer(rows, shape, finalizes))] == chain
+
+
+@pytest.mark.parametrize("model,tokens,finalizes", [
+    (QWEN3, 1, True), (QWEN3, 8, True), (QWEN3, 16, False), (DEEPSEEK_V3, 1, True), (DEEPSEEK_V3, 8, True),
+    (DEEPSEEK_V3, 64, False), (QWEN3, 4096, False),
+])
+def test_gemm2_finalizes_while_one_pass_of_the_finalizing_cta_does(model, tokens: int, finalizes: bool) -> None:
+    """can_finalize: the decode kernel, and tokens x features / 8 pieces within the CTA's threads."""
+    engine = Sm90GemmEngine.__new__(Sm90GemmEngine)
+    engine.sm_count = SMS
+    experts, hidden, inter = model
+    rows, shape2 = _bucket(model, tokens)[0], GemmShape(inter, hidden, experts)
+    assert engine.can_finalize(SimpleNamespace(rows=rows, shape=shape2, workspace=object()), tokens) is finalizes
+    assert not engine.can_finalize(SimpleNamespace(rows=rows, shape=shape2, workspace=None), tokens)

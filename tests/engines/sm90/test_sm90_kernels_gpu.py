@@ -9,6 +9,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from cudnn_moe.engines.base import FinalizeEpilogue
 from cudnn_moe.engines.sm90 import kernels as sm90
 from cudnn_moe.engines.sm90.layout import from_token_fragments, pack_weight_tiles, to_token_fragments, to_token_layout
 from cudnn_moe.formats import dequantize_nvfp4, quantize_nvfp4
@@ -175,6 +176,37 @@ def test_bulk_decode_equals_register_ring_bitwise() -> None:
         want, got = problem.run(ring), problem.run(bulk)
         check(problem, got)
         assert torch.equal(got.view(torch.int16), want.view(torch.int16)), f"{bulk} differs from {ring}"
+
+
+@pytest.mark.parametrize("variant", [sm90.DECODE, sm90.DecodeVariant(mt=2, wm=2, wk=4), sm90.DecodeVariant(mt=2, wm=4, wk=1),
+                                     sm90.DecodeVariant(wm=2, wk=4, nt=4)], ids=str)
+@pytest.mark.parametrize("tokens,top_k", [(1, 8), (5, 8), (16, 4), (3, 1)])
+def test_decode_finalize_equals_the_finalize_kernel_bitwise(variant: sm90.DecodeVariant, tokens: int, top_k: int) -> None:
+    """GEMM2 with the finalize folded in writes the rows the plain GEMM writes, and the finalize kernel's output from
+    them bit for bit (random slots, some masked, random FP32 weights), twice in a row (the tickets reset); outputs
+    poisoned with NaN; final rows past T untouched."""
+    problem = Problem(9, 256, 320, [9, 0, 16, 1, 40, 0, 7, 3, 24], 8, seed=29 + tokens)
+    gen = _gen(31 + tokens)
+    used = problem.offsets[-1]
+    slot_to_row = torch.randperm(used, generator=gen)[: tokens * top_k].to(torch.int32)
+    slot_to_row[torch.rand(tokens * top_k, generator=gen) < 0.2] = -1
+    weights = torch.rand(tokens * top_k, generator=gen) * 2 - 0.5
+    slot_to_row, weights = slot_to_row.to(DEV), weights.to(DEV)
+    want_rows = problem.run(variant)
+    want = torch.full((tokens, problem.n), math.nan, dtype=torch.bfloat16, device=DEV)
+    kernels.finalize(want_rows, slot_to_row, weights, top_k, want)
+    tickets = torch.zeros(problem.n // 16, dtype=torch.int32, device=DEV)
+    for attempt in range(2):
+        rows = torch.full((problem.rows, problem.n), math.nan, dtype=torch.bfloat16, device=DEV)
+        final = torch.full((tokens + 1, problem.n), math.nan, dtype=torch.bfloat16, device=DEV)
+        sm90.grouped_gemm(problem.tiles, problem.tile_scales, problem.alpha_dev, problem.x[TokenLayout.BF16_FRAGMENTS],
+                          problem.offsets_dev, rows, variant,
+                          finalize=FinalizeEpilogue(slot_to_row, weights, top_k, final[:tokens]), tickets=tickets)
+        torch.cuda.synchronize()
+        assert torch.equal(rows[:used].view(torch.int16), want_rows[:used].view(torch.int16)), f"rows, launch {attempt}"
+        assert not final[:tokens].isnan().any() and final[tokens:].isnan().all(), f"launch {attempt}"
+        assert torch.equal(final[:tokens].view(torch.int16), want.view(torch.int16)), f"finalize, launch {attempt}"
+        assert not tickets.any(), "the tickets must be zero after a launch"
 
 
 def test_wgmma_matches_mma_sync() -> None:
