@@ -445,13 +445,17 @@ extern "C" __global__ void DEC_LAUNCH_BOUNDS
   // The finalize, by the CTA of this feature block that finishes last (a ticket per block, reset by that CTA for
   // the next launch): with every tile's rows in out, it writes final_out[t, features of the block] for the tokens
   // t < `tokens`, moe_finalize's arithmetic (finalize_columns) bit for bit. No atomics on final_out.
+  // The CTA's rows reach thread 0 through the barrier; its ticket releases them to the grid and, for the last CTA,
+  // acquires every other CTA's (the tickets' release sequence), which the second barrier hands to the block.
   __shared__ int finalizing;
-  __threadfence();  // this thread's rows of out, visible to the whole grid before the ticket is taken
   __syncthreads();
-  if (threadIdx.x == 0) finalizing = atomicAdd(tickets + blockIdx.x, 1) == tiles - 1;
+  if (threadIdx.x == 0) {
+    int before;
+    asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;" : "=r"(before) : "l"(tickets + blockIdx.x) : "memory");
+    finalizing = before == tiles - 1;
+  }
   __syncthreads();
   if (!finalizing) return;
-  __threadfence();  // every other CTA's rows, after their tickets
   constexpr int PIECES = DEC_FB / 8;  // 8-feature pieces per token
   for (int item = threadIdx.x; item < tokens * PIECES; item += DEC_THREADS) {
     const int t = item / PIECES;

@@ -68,6 +68,8 @@ _WGMMA_MIN_ROWS, _WGMMA_LONG_ROWS, _WGMMA_WIDE_N = 32, 64, 4096
 # DeepSeek-V3 T=64 (16384 CTAs) 20 us (tune_sm90.py --forms, benchmarks/RESULTS.md). Fused up to this many
 # CTAs per SM.
 _DECODE_EPILOGUE_CTAS_PER_SM = 16
+# Threads of decode CTAs an SM holds at once: 128 registers a thread (what the decode variants use) in 64K.
+_DECODE_CTA_THREADS_PER_SM = 512
 
 
 def _slots(rows: int, num_experts: int) -> int:
@@ -181,12 +183,17 @@ class Sm90GemmEngine(GemmEngine):
         return 4 * (shape.n // 16)
 
     def can_finalize(self, operands: GemmOperands, tokens: int) -> bool:
-        """GEMM2 on the decode kernel, when the CTA that finalizes a feature block needs one pass of its threads
-        (tokens x features / 8 pieces of 8 features): at most 16 tokens on 128-feature CTAs of 128 threads. More
-        would serialize the finalize at the end of the launch."""
+        """GEMM2 on the decode kernel in one wave of CTAs (_DECODE_CTA_THREADS_PER_SM), the CTA that finalizes a
+        feature block needing one pass of its threads (tokens x features / 8 pieces of 8 features). Each CTA's ticket
+        adds a GPU-scope atomic round trip to its end: once per launch in one wave, where it beats the finalize
+        launch (H200: Qwen3-30B-A3B T=1 28.2 -> 27.4 us, DeepSeek-V3 T=1 81.8 -> 81.3), but once per wave in more
+        (T=8: +0.7 and +2.9 us; benchmarks/RESULTS.md)."""
         variant = self.variant(operands.rows, operands.shape, gemm=2)
-        return (isinstance(variant, DecodeVariant) and operands.workspace is not None
-                and tokens * variant.feature_block // 8 <= variant.threads)
+        if not isinstance(variant, DecodeVariant) or operands.workspace is None:
+            return False
+        one_wave = decode_ctas(operands.rows, operands.shape, variant) * variant.threads <= (
+            _DECODE_CTA_THREADS_PER_SM * self.sm_count)
+        return one_wave and tokens * variant.feature_block // 8 <= variant.threads
 
     def stages(self, layer: LayerStages) -> list[Stage]:
         """As the bucket's gemm1_fusion says. Gathering: the sort, GEMM1 gathering its rows through the routing (from

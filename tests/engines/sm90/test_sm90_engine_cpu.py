@@ -113,11 +113,12 @@ def test_stage_chains(model, tokens: int, chain: list[str], finalizes: bool) -> 
 
 
 @pytest.mark.parametrize("model,tokens,finalizes", [
-    (QWEN3, 1, True), (QWEN3, 8, True), (QWEN3, 16, False), (DEEPSEEK_V3, 1, True), (DEEPSEEK_V3, 8, True),
+    (QWEN3, 1, True), (QWEN3, 4, True), (QWEN3, 8, False), (DEEPSEEK_V3, 1, True), (DEEPSEEK_V3, 8, False),
     (DEEPSEEK_V3, 64, False), (QWEN3, 4096, False),
 ])
-def test_gemm2_finalizes_while_one_pass_of_the_finalizing_cta_does(model, tokens: int, finalizes: bool) -> None:
-    """can_finalize: the decode kernel, and tokens x features / 8 pieces within the CTA's threads."""
+def test_gemm2_finalizes_in_one_wave(model, tokens: int, finalizes: bool) -> None:
+    """can_finalize: the decode kernel in one wave of CTAs (Qwen3-30B-A3B T=1: 256 CTAs of 256 threads, T=4: 480 of
+    128; T=8: about 800 of 128), the finalizing CTA in one pass."""
     engine = Sm90GemmEngine.__new__(Sm90GemmEngine)
     engine.sm_count = SMS
     experts, hidden, inter = model
