@@ -11,7 +11,7 @@ The chain per bucket (``gemm1_fusion``, ``Sm90GemmEngine.stages``): on the wgmma
 decoded into BF16 rows, GEMM1 gathering its rows through the routing with the activation in its epilogue, GEMM2;
 on the decode kernel, sort + permute, then GEMM1 with the activation epilogue while the launch is small enough for
 it to pay, else GEMM1 and the activation, then GEMM2, which also finalizes into the caller's output where the call's
-launches know it and the finalizing CTAs need one pass (``can_finalize``).
+launches know it and its CTAs fit in one wave (``can_finalize``).
 """
 
 from __future__ import annotations
