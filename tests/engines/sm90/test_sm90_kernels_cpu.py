@@ -11,6 +11,7 @@ import math
 import re
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,7 @@ import pytest
 import torch
 
 from cudnn_moe.activations import GELU, GeGLUTanh, SiTU, SwiGLU
-from cudnn_moe.engines.base import ActivationEpilogue, RowGather, TokenOperand
+from cudnn_moe.engines.base import ActivationEpilogue, FinalizeEpilogue, RowGather, TokenOperand
 from cudnn_moe.engines.sm90 import kernels as sm90
 from cudnn_moe.engines.sm90.layout import pack_weight_tiles, to_token_fragments
 from cudnn_moe.formats import decode_e2m1, dequantize_nvfp4, quantize_nvfp4
@@ -69,6 +70,8 @@ def nvcc_jobs(item: pytest.Item) -> list[tuple[list[str], str]]:
         return [(_nvcc_command(kernels_dir() / variant.source, "90a", options), ".o")]
     if item.originalname == "test_variant_compiles":
         return [(_nvcc_command(gemm, "90a", params["variant"].options()), ".o")]
+    if item.originalname == "test_finalize_compiles":
+        return [(_nvcc_command(gemm, params["arch"], (*params["variant"].options(), "-DSM90_FINALIZE=1")), ".o")]
     if item.originalname == "test_prefill_variant_compiles_for_sm100":
         return [(_nvcc_command(gemm, "100a", params["variant"].options()), ".o")]
     if item.originalname == "test_decode_sass_budget":
@@ -142,6 +145,17 @@ def test_variant_compiles(variant: Any) -> None:
         assert " 0 bytes spill stores" in report, report
     else:  # the dynamic shared memory only: PrefillVariant.shared_mem is all the kernel needs
         assert not re.search(r"\b[1-9]\d* bytes smem", report), report
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found")
+@pytest.mark.parametrize("variant,arch", [(v, "90a") for v in DECODE_VARIANTS] + [(DECODE_VARIANTS[0], "100a")],
+                         ids=str)
+def test_finalize_compiles(variant: Any, arch: str) -> None:
+    """The decode kernel with GEMM2's finalize compiled in builds without spills."""
+    result = _nvcc(SM90_DIR / "grouped_gemm.cu", arch, (*variant.options(), "-DSM90_FINALIZE=1"))
+    assert result.returncode == 0, result.stderr
+    report = result.stderr.split(f"Compiling entry function '{variant.kernel}'")[1].split("Compiling entry")[0]
+    assert " 0 bytes spill stores" in report, report
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found")
@@ -615,6 +629,59 @@ def test_grouped_gemm_rejects_bad_arguments(key: str, name: str, mutate: Any, ne
     # cudnn_moe.validate's dialect: TypeError for a wrong type or dtype, ValueError for shapes and layouts.
     expected = TypeError if name.endswith(("dtype", "not a tensor")) else ValueError
     with pytest.raises(expected, match=needle):
+        sm90.grouped_gemm(**args)
+    assert not launches
+
+
+def _finalize_args(tokens: int = 5, top_k: int = 4) -> dict[str, Any]:
+    """grouped_gemm's arguments with a finalize of ``tokens`` tokens into a [T, N] output (N = 128)."""
+    fin = FinalizeEpilogue(torch.zeros(tokens * top_k, dtype=torch.int32), torch.zeros(tokens * top_k), top_k,
+                           torch.zeros(tokens, 128, dtype=torch.bfloat16))
+    return {**_gemm_args(), "finalize": fin, "tickets": torch.zeros(8, dtype=torch.int32)}
+
+
+def test_finalize_passes_its_operands_and_compiles_in(launches: list[tuple]) -> None:
+    """The finalize form launches the decode kernel with SM90_FINALIZE and T; without one the same kernel gets
+    null pointers and zeros there."""
+    sm90.grouped_gemm(**_finalize_args(tokens=5, top_k=4), variant=sm90.DECODE)
+    sm90.grouped_gemm(**_gemm_args(), variant=sm90.DECODE)
+    (_, _, _, _, _, fused), fused_kwargs = launches[0]
+    (_, _, _, _, _, plain), plain_kwargs = launches[1]
+    assert fused_kwargs["extra_options"] == (*sm90.DECODE.options(), "-DSM90_FINALIZE=1")
+    assert plain_kwargs["extra_options"] == sm90.DECODE.options()
+    assert (int(fused[-4]), int(fused[-3])) == (4, 5) and (int(plain[-4]), int(plain[-3])) == (0, 0)
+    assert len(fused) == len(plain) == len(_signatures()["sm90_gemm_decode"])
+
+
+_FINALIZE_BAD = [
+    ("prefill variant", lambda a: a.update(variant=sm90.PREFILL), ValueError, "DecodeVariant"),
+    ("tickets without finalize", lambda a: a.update(finalize=None), ValueError, "tickets"),
+    ("finalize without tickets", lambda a: a.update(tickets=None), ValueError, "tickets"),
+    ("too few tickets", lambda a: a.update(tickets=torch.zeros(1, dtype=torch.int32)), ValueError, "tickets"),
+    ("tickets dtype", lambda a: a.update(tickets=torch.zeros(8, dtype=torch.int64)), TypeError, "tickets"),
+    ("out N", lambda a: a.update(finalize=replace(a["finalize"], out=torch.zeros(5, 64, dtype=torch.bfloat16))),
+     ValueError, "finalize.out"),
+    ("out 1-D", lambda a: a.update(finalize=replace(a["finalize"], out=torch.zeros(128, dtype=torch.bfloat16))),
+     ValueError, "finalize.out"),
+    ("out dtype", lambda a: a.update(finalize=replace(a["finalize"], out=torch.zeros(5, 128))), TypeError,
+     "finalize.out"),
+    ("top_k", lambda a: a.update(finalize=replace(a["finalize"], top_k=0)), ValueError, "finalize.top_k"),
+    ("short slot_to_row", lambda a: a.update(finalize=replace(a["finalize"],
+                                                              slot_to_row=torch.zeros(19, dtype=torch.int32))),
+     ValueError, "finalize.slot_to_row"),
+    ("weights dtype", lambda a: a.update(finalize=replace(a["finalize"], weights=torch.zeros(20).double())),
+     TypeError, "finalize.weights"),
+    ("out overlaps the rows", lambda a: a.update(finalize=replace(a["finalize"], out=a["out"][:5])), ValueError,
+     "finalize.out"),
+]
+
+
+@pytest.mark.parametrize("name,mutate,error,needle", _FINALIZE_BAD, ids=[b[0] for b in _FINALIZE_BAD])
+def test_finalize_rejects_bad_arguments(name: str, mutate: Any, error: type, needle: str,
+                                        launches: list[tuple]) -> None:
+    args = _finalize_args()
+    mutate(args)
+    with pytest.raises(error, match=needle):
         sm90.grouped_gemm(**args)
     assert not launches
 
