@@ -55,12 +55,6 @@ DECODE = [
     DecodeVariant(mt=2, wm=2, wk=2, nt=4, prefetch=3),
     DecodeVariant(mt=4, wm=1, wk=2, nt=4, prefetch=2),
 ]
-# The decode kernel's bulk form: the warp layouts the engine takes, with rings of shared-memory stages (stages x
-# stage_steps k64 steps per warp) of 40 to 107 KB per CTA.
-BULK = [DecodeVariant(mt=2, wm=wm, wk=wk, nt=1, stages=stages, stage_steps=steps) for wm, wk, steps, stages in (
-    (4, 1, 4, 4), (4, 1, 4, 2), (4, 1, 8, 2),
-    (2, 2, 2, 6), (2, 2, 4, 3), (2, 2, 2, 3),
-    (2, 4, 1, 6), (2, 4, 2, 3), (2, 4, 2, 4), (2, 4, 1, 3))]
 PREFILL = [PrefillVariant(stages=s, min_blocks=b) for s in (3, 4) for b in (1, 2)] + [
     # 256 features x 64 token rows: the default's warp tile, less padding on ~128-row segments
     PrefillVariant(4, 2, feature_block=256, tile_rows=64),
@@ -120,8 +114,6 @@ def main(argv: list[str] | None = None) -> int:
                         help="also time each wgmma variant's GEMM1 gathering its rows, with the activation epilogue, "
                              "and with both (the prefill chain's form), and each decode variant that fits it with the "
                              "epilogue")
-    parser.add_argument("--bulk", action="store_true",
-                        help="decode buckets: time the bulk-copy variants and the engine's choice only")
     args = parser.parse_args(argv)
     if gpu_missing("tune_sm90"):
         return 2
@@ -141,8 +133,7 @@ def main(argv: list[str] | None = None) -> int:
             gemm1 = bucket.gemm1 if source is None else full_buffers(bucket.gemm1, source, bucket.row_to_slot, m.top_k)
             for index, name, ops in ((1, "gemm1", gemm1), (2, "gemm2", bucket.gemm2)):
                 chosen = executor.engine.variant(ops.rows, ops.shape, gemm=index)
-                decode = [chosen, *BULK] if args.bulk else DECODE + BULK
-                candidates = PREFILL if tokens >= 1024 else decode + (PREFILL if tokens >= 256 else [])
+                candidates = PREFILL if tokens >= 1024 else DECODE + (PREFILL if tokens >= 256 else [])
                 # the wgmma kernel reads the bucket's layout: GEMM1 natural rows, GEMM2 the tiled planes
                 wgmma = [replace(v, tiled_tokens=index == 2) for v in WGMMA]
                 candidates = candidates + (wgmma if tokens >= 256 else [])

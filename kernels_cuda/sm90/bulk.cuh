@@ -1,6 +1,6 @@
 // Hopper bulk copies (the TMA's one-dimensional form) and the shared-memory mbarriers they complete on, in PTX
-// (sm_90): a ring of shared-memory stages filled by one thread and read by the block (the decode kernel's bulk
-// variant, the wgmma kernel's token tiles).
+// (sm_90): a ring of shared-memory stages filled by one thread and read by the block (the wgmma kernel's token
+// tiles), and the stores of its epilogue's tiled planes.
 #pragma once
 
 #include "common.cuh"
@@ -48,11 +48,6 @@ __device__ __forceinline__ void mbarrier_wait(u32 bar, u32 parity) {
       "{\n.reg .pred done;\nWAIT:\n"
       "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
       "@!done bra WAIT;\n}\n" ::"r"(bar), "r"(parity) : "memory");
-}
-
-// This thread's plain arrival on the barrier (a reader releasing a ring stage).
-__device__ __forceinline__ void mbarrier_arrive(u32 bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
 }
 
 }  // namespace sm90

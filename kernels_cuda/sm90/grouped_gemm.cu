@@ -17,7 +17,6 @@
 #include "common.cuh"
 #include "activation_unit.cuh"
 #include "finalize.cuh"
-#include "sm90/bulk.cuh"
 #include "sm90/fragments.cuh"
 
 using namespace sm90;
@@ -65,31 +64,6 @@ using namespace sm90;
 // Accumulator sets per warp: with a single m16 x n8 tile, even and odd k16 steps accumulate apart
 // so that consecutive mma do not wait on each other (summed in a fixed order at the end).
 #define DEC_ACC_SETS (SM90_MT * SM90_NT == 1 ? 2 : 1)
-
-// The bulk variant (SM90_BULK_STAGES defined): instead of each warp's register ring, one thread streams the CTA's
-// weights, scales and token rows into a ring of SM90_BULK_STAGES shared-memory stages with bulk copies (a few KB
-// each, one per m16 row block and per token row), and the warps read their k64 steps from there. A stage holds
-// DEC_BULK_STEPS consecutive k64 steps: SM90_BULK_SPW per warp, warp wk taking the stage's steps wk, wk + WK, ...,
-// so every warp sums the same steps in the same order as in the register variant (the same bits). Stage layout
-// (dynamic shared memory, SM90_BULK_STAGES x DEC_BULK_STAGE_BYTES): weight tiles [row block r = wm MT + mt][step]
-// [512], scale tiles [r][step][64], token rows [row][128 x step + 16 (bank spread)].
-#ifdef SM90_BULK_STAGES
-#ifndef SM90_BULK_SPW
-#error "SM90_BULK_STAGES needs SM90_BULK_SPW (k64 steps per warp and stage)"
-#endif
-#define DEC_BULK_STEPS (SM90_WK * SM90_BULK_SPW)
-#define DEC_BULK_W_BYTES (SM90_WM * SM90_MT * DEC_BULK_STEPS * 512)
-#define DEC_BULK_S_BYTES (SM90_WM * SM90_MT * DEC_BULK_STEPS * 64)
-#define DEC_BULK_X_STRIDE (DEC_BULK_STEPS * 128 + 16)
-#define DEC_BULK_STAGE_BYTES (DEC_BULK_W_BYTES + DEC_BULK_S_BYTES + DEC_TB * DEC_BULK_X_STRIDE)
-static_assert(SM90_BULK_STAGES >= 1 && SM90_BULK_STAGES <= 16 && SM90_BULK_SPW >= 1 && SM90_BULK_SPW <= 16,
-              "decode: bulk stages / steps per warp");
-// Without the register ring the main loop needs few registers, and ptxas, left alone, then squeezes the activation
-// epilogue into 80 and spills; up to 128 (at least 512 threads per SM) keeps it whole.
-#define DEC_LAUNCH_BOUNDS __launch_bounds__(DEC_THREADS, DEC_THREADS >= 512 ? 1 : 512 / DEC_THREADS)
-#else
-#define DEC_LAUNCH_BOUNDS __launch_bounds__(DEC_THREADS)
-#endif
 
 static_assert(DEC_THREADS >= 32 && DEC_THREADS <= 1024, "decode: 1..32 warps");
 static_assert(DEC_FB == 16 || DEC_FB == 32 || DEC_FB == 64 || DEC_FB == 128, "decode: WM*MT*16 must divide 128");
@@ -167,7 +141,7 @@ __device__ __forceinline__ int decode_feature(int f, int n) {
 // With SM90_FINALIZE (GEMM2 of the decode chain): after writing out, the CTA of each feature block that finishes last
 // also finalizes it: final_out bf16 [tokens, n] (row t: token t's top_k slots, slot_to_row int32 / route_weights
 // float32 [tokens * top_k]), as moe_finalize. tickets int32 [grid x]: zero before the launch, zero after it.
-extern "C" __global__ void DEC_LAUNCH_BOUNDS
+extern "C" __global__ void __launch_bounds__(DEC_THREADS)
     sm90_gemm_decode(const u8* __restrict__ w_tiles, const u8* __restrict__ w_scales, const float* __restrict__ alpha,
                      const u16* __restrict__ x, const int* __restrict__ offsets, int num_experts, int n, int k,
                      int row_capacity, int alpha_split, u16* __restrict__ out, const int* __restrict__ row_to_slot,
@@ -194,7 +168,6 @@ extern "C" __global__ void DEC_LAUNCH_BOUNDS
   const int q = lane & 3;
   const int kt = k >> 6;  // k64 steps
   const i64 expert_tiles = static_cast<i64>(n >> 4) * kt;
-#ifndef SM90_BULK_STAGES
   const i64 first_tile = static_cast<i64>(decode_warp_tile(wm, n)) * kt + wk;
   const i64 mt_stride_w = static_cast<i64>(kt) * 512;  // bytes between the warp's m16 row blocks
   const i64 mt_stride_s = static_cast<i64>(kt) * 64;
@@ -209,7 +182,6 @@ extern "C" __global__ void DEC_LAUNCH_BOUNDS
     xp[nt] = reinterpret_cast<const u8*>(x) + (static_cast<i64>(row < tile.row_end ? row : tile.row0) * k + wk * 64) * 2 +
              q * 32;
   }
-#endif
   // The epilogue's operands, fetched into shared memory while the main loop runs (no dependent load at the end):
   // the alpha of the CTA's first and second half of features (one alpha each: alpha_split is a multiple of the
   // feature block, and a paired CTA's halves are up and gate features), and (the activation epilogue) the slot of
@@ -224,10 +196,8 @@ extern "C" __global__ void DEC_LAUNCH_BOUNDS
     cp_async_4(smem_addr(&tile_slot[threadIdx.x]), row_to_slot + tile.row0 + threadIdx.x);
 #endif
   cp_async_commit();
-#ifndef SM90_BULK_STAGES
   const int nsteps = wk < kt ? (kt - wk + SM90_WK - 1) / SM90_WK : 0;
   constexpr int W_STEP = SM90_WK * 512, S_STEP = SM90_WK * 64, X_STEP = SM90_WK * 128;  // bytes per step
-#endif
 
   float acc[DEC_ACC_SETS][SM90_MT][SM90_NT][4];
 #pragma unroll
@@ -239,94 +209,6 @@ extern "C" __global__ void DEC_LAUNCH_BOUNDS
 #pragma unroll
         for (int i = 0; i < 4; ++i) acc[set][mt][nt][i] = 0.0f;
 
-#ifdef SM90_BULK_STAGES
-  DecodeRing ring;  // slot 0: the k64 step being read from the stage
-  extern __shared__ __align__(128) u8 bulk_ring[];
-  __shared__ __align__(8) u64 bulk_full[SM90_BULK_STAGES], bulk_empty[SM90_BULK_STAGES];
-  if (threadIdx.x == 0) {
-#pragma unroll
-    for (int st = 0; st < SM90_BULK_STAGES; ++st) {
-      mbarrier_init(smem_addr(&bulk_full[st]), 1);
-      mbarrier_init(smem_addr(&bulk_empty[st]), DEC_THREADS / 32);
-    }
-    fence_mbarrier_init();
-  }
-  __syncthreads();
-  // Thread 0 fills stage `st` (k64 steps [st DEC_BULK_STEPS, +DEC_BULK_STEPS) clamped to k): each row block's run of
-  // weight and scale tiles, each live token row's run of fragments (rows past the segment stay unread: their columns
-  // of the product are garbage but never stored).
-  const int live_rows = min(DEC_TB, tile.row_end - tile.row0);
-  const int stages = (kt + DEC_BULK_STEPS - 1) / DEC_BULK_STEPS;
-  const u8* w_expert = w_tiles + tile.expert * expert_tiles * 512;
-  const u8* s_expert = w_scales + tile.expert * expert_tiles * 64;
-  const u8* x_tile = reinterpret_cast<const u8*>(x) + static_cast<i64>(tile.row0) * k * 2;
-  const u32 ring_base = smem_addr(bulk_ring);
-  auto fill = [&](int st) {
-    const int slot = st % SM90_BULK_STAGES;
-    const int j0 = st * DEC_BULK_STEPS;
-    const u32 steps = static_cast<u32>(min(DEC_BULK_STEPS, kt - j0));
-    const u32 bar = smem_addr(&bulk_full[slot]);
-    const u32 base = ring_base + slot * DEC_BULK_STAGE_BYTES;
-    mbarrier_arrive_expect_tx(bar, steps * (SM90_WM * SM90_MT * 576 + live_rows * 128));
-#pragma unroll 1
-    for (int r = 0; r < SM90_WM * SM90_MT; ++r) {
-      const i64 t0 = static_cast<i64>(decode_warp_tile(r / SM90_MT, n) + r % SM90_MT) * kt + j0;
-      bulk_copy_to_shared(base + r * (DEC_BULK_STEPS * 512), w_expert + t0 * 512, steps * 512, bar);
-      bulk_copy_to_shared(base + DEC_BULK_W_BYTES + r * (DEC_BULK_STEPS * 64), s_expert + t0 * 64, steps * 64, bar);
-    }
-#pragma unroll 1
-    for (int t = 0; t < live_rows; ++t)
-      bulk_copy_to_shared(base + DEC_BULK_W_BYTES + DEC_BULK_S_BYTES + t * DEC_BULK_X_STRIDE,
-                          x_tile + static_cast<i64>(t) * k * 2 + j0 * 128, steps * 128, bar);
-  };
-  const int w_lane = (wm * SM90_MT) * (DEC_BULK_STEPS * 512) + lane * 16;
-  const int s_lane = DEC_BULK_W_BYTES + (wm * SM90_MT) * (DEC_BULK_STEPS * 64) + g * 8;
-  const int x_lane = DEC_BULK_W_BYTES + DEC_BULK_S_BYTES + g * DEC_BULK_X_STRIDE + q * 32;
-  // Step c of the stage at `stage` into ring slot 0, then its mma.
-  auto read_step = [&](const u8* stage, int c) {
-#pragma unroll
-    for (int mt = 0; mt < SM90_MT; ++mt) {
-      ring.w[0][mt] = *reinterpret_cast<const uint4*>(stage + w_lane + mt * (DEC_BULK_STEPS * 512) + c * 512);
-      ring.s[0][mt] = *reinterpret_cast<const uint2*>(stage + s_lane + mt * (DEC_BULK_STEPS * 64) + c * 64);
-    }
-#pragma unroll
-    for (int nt = 0; nt < SM90_NT; ++nt) {
-      const u8* xr = stage + x_lane + nt * 8 * DEC_BULK_X_STRIDE + c * 128;
-      ring.b[0][nt][0] = *reinterpret_cast<const uint4*>(xr);
-      ring.b[0][nt][1] = *reinterpret_cast<const uint4*>(xr + 16);
-    }
-    decode_step<0>(ring, acc);
-  };
-  int filled = 0;  // thread 0: stages issued so far
-  for (int st = 0; st < stages; ++st) {
-    // Thread 0 keeps the ring full: stages st .. st + STAGES - 1, each refill once every warp released the stage
-    // that held its slot (stage st - 1, from the second iteration on).
-    if (threadIdx.x == 0) {
-      for (; filled < stages && filled < st + SM90_BULK_STAGES; ++filled) {
-        if (filled >= SM90_BULK_STAGES)
-          mbarrier_wait(smem_addr(&bulk_empty[filled % SM90_BULK_STAGES]),
-                        static_cast<u32>(filled / SM90_BULK_STAGES - 1) & 1u);
-        fill(filled);
-      }
-    }
-    __syncwarp();
-    const int slot = st % SM90_BULK_STAGES;
-    const u32 phase = static_cast<u32>(st / SM90_BULK_STAGES) & 1u;
-    mbarrier_wait(smem_addr(&bulk_full[slot]), phase);
-    const u8* stage = bulk_ring + slot * DEC_BULK_STAGE_BYTES;
-    const int left = kt - st * DEC_BULK_STEPS;  // steps of k left from this stage on
-    if (left >= DEC_BULK_STEPS) {
-#pragma unroll
-      for (int i = 0; i < SM90_BULK_SPW; ++i) read_step(stage, i * SM90_WK + wk);
-    } else {
-#pragma unroll
-      for (int i = 0; i < SM90_BULK_SPW; ++i)
-        if (i * SM90_WK + wk < left) read_step(stage, i * SM90_WK + wk);
-    }
-    __syncwarp();
-    if (lane == 0) mbarrier_arrive(smem_addr(&bulk_empty[slot]));  // this warp is done with the stage
-  }
-#else
   DecodeRing ring;
   // Load ring slot P with step `s` (relative to the current base pointers).
 #define SM90_DECODE_LOAD(P, S)                                                                      \
@@ -382,8 +264,6 @@ extern "C" __global__ void DEC_LAUNCH_BOUNDS
 #undef SM90_DECODE_LOAD
 #undef SM90_DECODE_EACH_SLOT
 #undef SM90_DECODE_ADVANCE
-
-#endif  // SM90_BULK_STAGES
 
   // Partial sums -> red[wk][token][feature].
 #pragma unroll

@@ -21,7 +21,7 @@ import pytest
 
 # C parameter type -> the numpy scalar type a launch wrapper must pass for it.
 ARG_TYPES = {"int": np.int32, "i64": np.int64, "float": np.float32, "pointer": np.uint64}
-_ENTRY = re.compile(r'extern "C" __global__ void(?:\s+(?:__launch_bounds__\([^)]*\)|[A-Z_]+))?\s+(\w+)\(([^)]*)\)')
+_ENTRY = re.compile(r'extern "C" __global__ void(?:\s+__launch_bounds__\([^)]*\))?\s+(\w+)\(([^)]*)\)')
 
 
 def kernel_signatures(paths: Iterable[Path]) -> dict[str, list[str]]:

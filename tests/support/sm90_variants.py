@@ -10,11 +10,6 @@ DECODE_VARIANTS = [
     sm90.DecodeVariant(mt=1, wm=2, wk=4, nt=2, prefetch=4),
     sm90.DecodeVariant(mt=1, wm=1, wk=8, nt=4, prefetch=2),
     sm90.DecodeVariant(mt=2, wm=4, wk=2, nt=1, prefetch=3),
-    # bulk copies into shared-memory stages: a short last stage, a ring that wraps many times with 32-row tiles,
-    # one warp along K
-    sm90.DecodeVariant(mt=2, wm=2, wk=4, nt=1, stages=3, stage_steps=2),
-    sm90.DecodeVariant(mt=1, wm=2, wk=2, nt=4, stages=2, stage_steps=1),
-    sm90.DecodeVariant(mt=2, wm=4, wk=1, nt=1, stages=2, stage_steps=4),
 ]
 # The first prefill variants share the 128 x 128 CTA tile; the others change the tile or decode the
 # weights once per CTA (adec).

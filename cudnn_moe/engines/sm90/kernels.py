@@ -35,20 +35,14 @@ _MAX_DYNAMIC_SMEM = 227 * 1024  # per block on SM90
 @dataclass(frozen=True)
 class DecodeVariant:
     """``sm90_gemm_decode``: WM x WK warps (features x split-K), each MT m16 feature tiles x NT n8
-    token tiles. Tiles of 8 NT rows, CTAs of 16 MT WM features. For segments of up to ~64 rows.
-
-    Two ways to stream the weights: each warp's register ring, PREFETCH k64 steps ahead (``stages`` = 0), or a
-    ring of ``stages`` shared-memory stages that one thread fills with bulk copies, each holding ``stage_steps``
-    k64 steps per warp (WK ``stage_steps`` consecutive steps of the CTA's weights, scales and token rows). Both sum
-    the same steps in the same order per warp: the same bits."""
+    token tiles, weights prefetched PREFETCH k64 steps ahead in registers. Tiles of 8 NT rows,
+    CTAs of 16 MT WM features. For segments of up to ~64 rows."""
 
     mt: int = 1
     wm: int = 2
     wk: int = 4
     nt: int = 1
     prefetch: int = 4
-    stages: int = 0
-    stage_steps: int = 1
 
     kernel = "sm90_gemm_decode"
     source = GEMM_SOURCE
@@ -63,12 +57,6 @@ class DecodeVariant:
             raise ValueError(f"decode variant: NT must be 1..8 and PREFETCH 1..16, got {self.nt}, {self.prefetch}")
         if self.wk * self.tile_rows * (self.feature_block + 4) * 4 > 48 * 1024:
             raise ValueError(f"decode variant {self}: the split-K buffer exceeds 48 KB of shared memory")
-        if not 0 <= self.stages <= 16 or not 1 <= self.stage_steps <= 16:
-            raise ValueError(f"decode variant: stages must be 0..16 and stage_steps 1..16, got {self.stages}, "
-                             f"{self.stage_steps}")
-        if self.shared_mem + 48 * 1024 > _MAX_DYNAMIC_SMEM:
-            raise ValueError(f"decode variant {self}: {self.shared_mem} bytes of stages leave no room for the "
-                             f"epilogue's 48 KB of shared memory")
 
     @property
     def tile_rows(self) -> int:
@@ -88,21 +76,12 @@ class DecodeVariant:
         return 32 * self.wm * self.wk
 
     @property
-    def stage_bytes(self) -> int:
-        """grouped_gemm.cu DEC_BULK_STAGE_BYTES: weight and scale tiles (576 bytes per m16 row block and k64 step) and
-        the token rows (128 bytes per k64 step, 16 more per row)."""
-        steps = self.wk * self.stage_steps
-        return self.wm * self.mt * steps * 576 + self.tile_rows * (steps * 128 + 16)
-
-    @property
     def shared_mem(self) -> int:
-        """Dynamic shared memory: the bulk stages (the rest is static)."""
-        return self.stages * self.stage_bytes
+        return 0  # static shared memory only
 
     def options(self) -> tuple[str, ...]:
-        ring = (f"-DSM90_BULK_STAGES={self.stages}", f"-DSM90_BULK_SPW={self.stage_steps}") if self.stages else (
-            f"-DSM90_PREFETCH={self.prefetch}",)
-        return (f"-DSM90_MT={self.mt}", f"-DSM90_WM={self.wm}", f"-DSM90_WK={self.wk}", f"-DSM90_NT={self.nt}", *ring)
+        return (f"-DSM90_MT={self.mt}", f"-DSM90_WM={self.wm}", f"-DSM90_WK={self.wk}", f"-DSM90_NT={self.nt}",
+                f"-DSM90_PREFETCH={self.prefetch}")
 
     def epilogue_problem(self, activation: Any) -> str | None:
         """Why this variant cannot run ``activation``'s epilogue (grouped_gemm.cu's static checks), or None."""
