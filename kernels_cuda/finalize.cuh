@@ -21,7 +21,8 @@ __device__ __forceinline__ void accumulate_row(float acc[8], int r, float w, con
 // a separate FP32 multiply and add per slot, starting from float(out[t, h ..]) with `accumulate`, else zero.
 // rows / w: token t's top_k slots (slot_to_row and route weights from t * top_k on). The rows of up to eight slots
 // are loaded together (eight 16-byte loads in flight), then added in slot order; the loads go through L2
-// (ld.global.cg), so rows other blocks of the same grid wrote before a fence are seen.
+// (ld.global.cg), so rows other blocks of the same grid wrote, once ordered before this thread (the decode GEMM2's
+// tickets), are seen.
 __device__ __forceinline__ void finalize_columns(const u16* g2, const int* rows, const float* w, int top_k,
                                                  int hidden, i64 t, int h, bool accumulate, u16* out) {
   constexpr int GROUP = 8;  // slots loaded together

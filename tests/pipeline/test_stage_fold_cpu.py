@@ -97,7 +97,7 @@ def test_given_the_callers_output_gemm2_finalizes_into_it() -> None:
     stage = layer.gemm2_finalize()
     assert stage is not None and stage.name == "gemm2+finalize" and layer.finishing is stage
     stage.launch()
-    (operands,), = [gemms]
+    (operands,) = gemms
     fin = operands.finalize
     assert operands.rows == ROWS and fin.out is out and fin.top_k == TOP_K and fin.slot_to_row is bucket.slot_to_row
     assert fin.weights.data_ptr() == bucket.route_weights.data_ptr() and fin.weights.shape == (TOKENS * TOP_K,)

@@ -225,7 +225,7 @@ class Sm90GemmEngine(GemmEngine):
         """Which GEMM this is, the token operand's layout says (GEMM2's tiled planes; GEMM1 gathers or reads the
         natural rows the permute wrote)."""
         w, gather, epilogue, finalize = operands.weights, operands.gather, operands.epilogue, operands.finalize
-        second = finalize is not None or (gather is None and operands.tokens.layout is TokenLayout.BF16_TILED)
+        second = gather is None and operands.tokens.layout is TokenLayout.BF16_TILED
         variant = self.variant(operands.rows, operands.shape, gemm=2 if second else 1)
         tickets = None if finalize is None else operands.workspace.view(torch.int32)
         grouped_gemm(w.data, w.scales, w.alpha, operands.tokens.data if gather is None else None, operands.offsets,
