@@ -190,22 +190,42 @@ extern "C" __global__ void __launch_bounds__(SORT_THREADS)
       [&](i64 t, int u) { return fetch_nvfp4_unit(xs, xss, hidden, t, u); }, expand_nvfp4_unit);
 }
 
-// The stage (moe_stage_inputs' routing half) folded into moe_sort_permute_bf16, for calls whose launches know the
-// caller's tensors: the caller's T NVFP4 tokens (xs [T, H/2], 16-byte aligned; xss [T, H/16]) and routing (ids,
-// weights, routing_format, ids_int64 as moe_stage_inputs reads them) go straight into the sort and the gather of the
-// bucket's num_slots = B * top_k slots (slots of tokens t >= T masked). Every block decodes the routing into shared
-// memory (num_slots * 4 bytes of dynamic shared memory); block 0 also writes it to ids_out [B, top_k] and
-// w_out [B, top_k] (moe_stage_inputs' outputs, which the finalize reads). The bucket's token buffers are not
-// written. Same outputs, bit for bit, as moe_stage_inputs followed by moe_sort_permute_bf16.
+// A BF16 unit's four fragment-order pieces.
+__device__ __forceinline__ void expand_bf16_unit(const Bf16Unit& raw, uint4 piece[4]) {
+  bf16_unit_pieces(raw.chunk, piece);
+}
+
+// BF16 tokens (x as for moe_permute_bf16_tokens), as they are.
 extern "C" __global__ void __launch_bounds__(SORT_THREADS)
-    moe_stage_sort_permute_bf16(const void* __restrict__ ids, const void* __restrict__ weights, int routing_format,
-                                int ids_int64, int num_tokens, int num_slots, int top_k, int local_start,
-                                int num_experts, int align, int row_capacity, int hidden, int layout,
-                                const u8* __restrict__ xs, const u8* __restrict__ xss, int* __restrict__ ids_out,
-                                float* __restrict__ w_out, int* __restrict__ offsets, int* __restrict__ slot_to_row,
-                                int* __restrict__ row_to_slot, int* __restrict__ row_expert, int* __restrict__ counts,
-                                u16* __restrict__ xp) {
+    moe_sort_permute_bf16_tokens(const int* __restrict__ ids, int num_slots, int top_k, int local_start,
+                                 int num_experts, int align, int row_capacity, int hidden, int layout,
+                                 const u16* __restrict__ x,
+                                 int* __restrict__ offsets, int* __restrict__ slot_to_row,
+                                 int* __restrict__ row_to_slot, int* __restrict__ row_expert,
+                                 int* __restrict__ counts, u16* __restrict__ xp) {
   moe::grid_dependency_begin();
+  sort_permute(
+      [&] { return ids; }, num_slots, top_k, local_start, num_experts, align, row_capacity, hidden, layout, offsets,
+      slot_to_row, row_to_slot, row_expert, counts, xp, [&](i64 t, int u) { return fetch_bf16_unit(x, hidden, t, u); },
+      expand_bf16_unit);
+}
+
+// The stage (moe_stage_inputs' routing half) folded into sort_permute, for calls whose launches know the caller's
+// tensors: the caller's routing (ids, weights, routing_format, ids_int64 as moe_stage_inputs reads them) goes straight
+// into the sort and the gather of the bucket's num_slots = B * top_k slots (slots of tokens t >= num_tokens = T
+// masked), and the gather reads the caller's T tokens (fetch(t, u), called for t < T only). Every block decodes the
+// routing into shared memory (num_slots * 4 bytes of dynamic shared memory); block 0 also writes it to
+// ids_out [B, top_k] and w_out [B, top_k] (moe_stage_inputs' outputs, which the finalize reads). The bucket's token
+// buffers are not written.
+template <typename Fetch, typename Expand>
+__device__ __forceinline__ void stage_sort_permute(const void* __restrict__ ids, const void* __restrict__ weights,
+                                                   int routing_format, int ids_int64, int num_tokens, int num_slots,
+                                                   int top_k, int local_start, int num_experts, int align,
+                                                   int row_capacity, int hidden, int layout, int* __restrict__ ids_out,
+                                                   float* __restrict__ w_out, int* __restrict__ offsets,
+                                                   int* __restrict__ slot_to_row, int* __restrict__ row_to_slot,
+                                                   int* __restrict__ row_expert, int* __restrict__ counts,
+                                                   u16* __restrict__ xp, Fetch fetch, Expand expand) {
   extern __shared__ __align__(16) int staged_ids[];  // num_slots ints (dynamic: the sort's static arrays fill 44 KB)
   sort_permute(
       [&]() -> const int* {
@@ -224,21 +244,39 @@ extern "C" __global__ void __launch_bounds__(SORT_THREADS)
       },
       num_slots, top_k, local_start, num_experts, align, row_capacity, hidden, layout, offsets, slot_to_row,
       row_to_slot, row_expert, counts, xp,
-      [&](i64 t, int u) { return t < num_tokens ? fetch_nvfp4_unit(xs, xss, hidden, t, u) : Nvfp4Unit{}; },
-      expand_nvfp4_unit);
+      [&](i64 t, int u) { return t < num_tokens ? fetch(t, u) : decltype(fetch(t, u)){}; }, expand);
 }
 
-// BF16 tokens (x as for moe_permute_bf16_tokens), as they are.
+// stage_sort_permute of NVFP4 tokens (xs [T, H/2], 16-byte aligned; xss [T, H/16]): the same outputs, bit for bit,
+// as moe_stage_inputs followed by moe_sort_permute_bf16.
 extern "C" __global__ void __launch_bounds__(SORT_THREADS)
-    moe_sort_permute_bf16_tokens(const int* __restrict__ ids, int num_slots, int top_k, int local_start,
-                                 int num_experts, int align, int row_capacity, int hidden, int layout,
-                                 const u16* __restrict__ x,
-                                 int* __restrict__ offsets, int* __restrict__ slot_to_row,
-                                 int* __restrict__ row_to_slot, int* __restrict__ row_expert,
-                                 int* __restrict__ counts, u16* __restrict__ xp) {
+    moe_stage_sort_permute_bf16(const void* __restrict__ ids, const void* __restrict__ weights, int routing_format,
+                                int ids_int64, int num_tokens, int num_slots, int top_k, int local_start,
+                                int num_experts, int align, int row_capacity, int hidden, int layout,
+                                const u8* __restrict__ xs, const u8* __restrict__ xss, int* __restrict__ ids_out,
+                                float* __restrict__ w_out, int* __restrict__ offsets, int* __restrict__ slot_to_row,
+                                int* __restrict__ row_to_slot, int* __restrict__ row_expert, int* __restrict__ counts,
+                                u16* __restrict__ xp) {
   moe::grid_dependency_begin();
-  sort_permute(
-      [&] { return ids; }, num_slots, top_k, local_start, num_experts, align, row_capacity, hidden, layout, offsets,
-      slot_to_row, row_to_slot, row_expert, counts, xp, [&](i64 t, int u) { return fetch_bf16_unit(x, hidden, t, u); },
-      [](const Bf16Unit& raw, uint4 piece[4]) { bf16_unit_pieces(raw.chunk, piece); });
+  stage_sort_permute(ids, weights, routing_format, ids_int64, num_tokens, num_slots, top_k, local_start, num_experts,
+                     align, row_capacity, hidden, layout, ids_out, w_out, offsets, slot_to_row, row_to_slot,
+                     row_expert, counts, xp,
+                     [&](i64 t, int u) { return fetch_nvfp4_unit(xs, xss, hidden, t, u); }, expand_nvfp4_unit);
+}
+
+// stage_sort_permute of BF16 tokens (x bf16 [T, H], 16-byte aligned), as they are: the same outputs, bit for bit, as
+// moe_stage_inputs (the tokens copied as bytes) followed by moe_sort_permute_bf16_tokens.
+extern "C" __global__ void __launch_bounds__(SORT_THREADS)
+    moe_stage_sort_permute_bf16_tokens(const void* __restrict__ ids, const void* __restrict__ weights,
+                                       int routing_format, int ids_int64, int num_tokens, int num_slots, int top_k,
+                                       int local_start, int num_experts, int align, int row_capacity, int hidden,
+                                       int layout, const u16* __restrict__ x, int* __restrict__ ids_out,
+                                       float* __restrict__ w_out, int* __restrict__ offsets,
+                                       int* __restrict__ slot_to_row, int* __restrict__ row_to_slot,
+                                       int* __restrict__ row_expert, int* __restrict__ counts, u16* __restrict__ xp) {
+  moe::grid_dependency_begin();
+  stage_sort_permute(ids, weights, routing_format, ids_int64, num_tokens, num_slots, top_k, local_start, num_experts,
+                     align, row_capacity, hidden, layout, ids_out, w_out, offsets, slot_to_row, row_to_slot,
+                     row_expert, counts, xp, [&](i64 t, int u) { return fetch_bf16_unit(x, hidden, t, u); },
+                     expand_bf16_unit);
 }

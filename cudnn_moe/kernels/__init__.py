@@ -27,7 +27,8 @@ def load_call_kernels(device: int) -> None:
     up a layer leaves nothing to build on its first call."""
     for source in (_STAGE_SOURCE, _FINALIZE_SOURCE):
         load_module(source, device)
-    kernel_function(_PERMUTE_SOURCE, "moe_stage_sort_permute_bf16", device)
+    for name in ("moe_stage_sort_permute_bf16", "moe_stage_sort_permute_bf16_tokens"):
+        kernel_function(_PERMUTE_SOURCE, name, device)
 
 
 ROUTING_PACKED = RoutingFormat.PACKED

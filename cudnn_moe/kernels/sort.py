@@ -147,8 +147,8 @@ def sort_permute_bf16(
 
 
 def stage_sort_permute_bf16(
-    x_packed: torch.Tensor,
-    x_scales: torch.Tensor,
+    tokens: torch.Tensor,
+    token_scales: torch.Tensor | None,
     ids: torch.Tensor,
     weights: torch.Tensor | None,
     routing_format: int,
@@ -162,31 +162,37 @@ def stage_sort_permute_bf16(
     layout: TokenLayout = TokenLayout.BF16_FRAGMENTS,
 ) -> None:
     """``stage_inputs`` (its routing half) and ``sort_permute_bf16`` of a bucket of B tokens in ONE launch, with the
-    same outputs bit for bit, from the caller's tensors: NVFP4 tokens ``x_packed`` uint8 [T, H/2] (16-byte aligned)
-    with linear E4M3 ``x_scales`` [T, H/16], T <= B, and routing ``ids`` / ``weights`` in ``routing_format``
-    (stage_inputs' formats). ``ids_out`` int32 [B, top_k] and ``w_out`` float32 [B, top_k] receive the decoded
-    routing (-1 / 0 past T), the sort's outputs and ``xp`` what sort_permute_bf16 writes for the B * top_k slots; the
-    bucket's token buffers are not needed (kernels_cuda/permute.cu moe_stage_sort_permute_bf16)."""
-    tokens, row_bytes = x_packed.shape
+    same outputs bit for bit, from the caller's tensors: ``tokens`` bfloat16 [T, H] (``token_scales`` None) or NVFP4
+    codes uint8 [T, H/2] with linear E4M3 ``token_scales`` [T, H/16], 16-byte aligned, T <= B; routing ``ids`` /
+    ``weights`` in ``routing_format`` (stage_inputs' formats). ``ids_out`` int32 [B, top_k] and ``w_out`` float32
+    [B, top_k] receive the decoded routing (-1 / 0 past T), the sort's outputs and ``xp`` what sort_permute_bf16
+    writes for the B * top_k slots; the bucket's token buffers are not needed (kernels_cuda/permute.cu
+    moe_stage_sort_permute_bf16*)."""
+    bf16 = token_scales is None
+    num_tokens = tokens.shape[0]
+    hidden = tokens.shape[1] if bf16 else 2 * tokens.shape[1]
     bucket, top_k = ids_out.shape
-    hidden = 2 * row_bytes
-    check_routing(ids, weights, routing_format, tokens, top_k, bucket)
+    check_routing(ids, weights, routing_format, num_tokens, top_k, bucket)
     ids_flat = ids_out.view(-1)
     _check_operands(ids_flat, top_k, num_local, align, out)
     num_slots = ids_flat.numel()
     if num_slots > SORT_PERMUTE_MAX_SLOTS:
         raise ValueError(f"stage + sort + permute in one launch takes at most {SORT_PERMUTE_MAX_SLOTS} slots, "
                          f"got {num_slots}")
-    if x_packed.dtype != torch.uint8 or x_scales.dtype.itemsize != 1 or tuple(x_scales.shape) != (tokens, hidden // 16):
-        raise ValueError(f"stage + sort + permute: uint8 codes [T, H/2] with 1-byte scales [T, H/16]; got "
-                         f"{x_packed.dtype} {tuple(x_packed.shape)}, scales {x_scales.dtype} {tuple(x_scales.shape)}")
+    if bf16 and tokens.dtype != torch.bfloat16 or not bf16 and (
+            tokens.dtype != torch.uint8 or token_scales.dtype.itemsize != 1
+            or tuple(token_scales.shape) != (num_tokens, hidden // 16)):
+        raise ValueError(f"stage + sort + permute: BF16 tokens [T, H], or uint8 codes [T, H/2] with 1-byte scales "
+                         f"[T, H/16]; got {tokens.dtype} {tuple(tokens.shape)}"
+                         + ("" if bf16 else f", scales {token_scales.dtype} {tuple(token_scales.shape)}"))
     if w_out.dtype != torch.float32 or w_out.shape != ids_out.shape:
         raise ValueError(f"w_out must be float32 {tuple(ids_out.shape)}, got {w_out.dtype} {tuple(w_out.shape)}")
     require_bf16_rows(xp, hidden, layout)
-    launch(PERMUTE_SOURCE, "moe_stage_sort_permute_bf16", x_packed.device, sort_permute_blocks(num_slots, hidden),
-           SORT_THREADS,
-           (*routing_args(ids, weights, routing_format), np.int32(tokens), np.int32(num_slots), np.int32(top_k),
+    head = (*routing_args(ids, weights, routing_format), np.int32(num_tokens), np.int32(num_slots), np.int32(top_k),
             np.int32(local_start), np.int32(num_local), np.int32(align), np.int32(out.row_capacity),
-            np.int32(hidden), np.int32(layout), ptr(x_packed, 16), ptr(x_scales), ptr(ids_out), ptr(w_out),
-            *out.pointers(), ptr(xp, 16)),
-           shared_mem=4 * num_slots)
+            np.int32(hidden), np.int32(layout))
+    tail = (ptr(ids_out), ptr(w_out), *out.pointers(), ptr(xp, 16))
+    name, sources = ("moe_stage_sort_permute_bf16_tokens", (ptr(tokens, 16),)) if bf16 else (
+        "moe_stage_sort_permute_bf16", (ptr(tokens, 16), ptr(token_scales)))
+    launch(PERMUTE_SOURCE, name, tokens.device, sort_permute_blocks(num_slots, hidden), SORT_THREADS,
+           (*head, *sources, *tail), shared_mem=4 * num_slots)

@@ -13,6 +13,10 @@ summation order differs, so the two engines agree to accumulation-order noise. S
 outside [0, E) are skipped with their route weights (the pair's unrouted slots; the weight-only format
 requires ids in range).
 
+Where the launches are recorded for the call itself (an eager call, one recorded into the caller's graph, a
+full-call graph), the decode chain stages the caller's tokens and routing in its sort + permute and its GEMM2
+finalizes into ``out`` where the engine can (cudnn_moe.pipeline.executor, ``CallerInputs``): the fused op's folds.
+
 The weights are repacked once into the engine's layout, on the first call (kept beside the caller's
 canonical tensors while the prepared weights live: a second copy, see the README's memory table), unless the
 weights hold a prepared fallback in that layout (cudnn_moe.low_latency.fallback), whose view is used instead.
@@ -34,10 +38,10 @@ from ..capture import refuse_during_capture
 from ..engines.base import GemmEngine, LowLatencyCall
 from ..engines.registry import engine_for
 from ..pipeline.call_cache import tensor_signature
-from ..pipeline.executor import Bucket, MoeExecutor
+from ..pipeline.executor import Bucket, CallerInputs, MoeExecutor
 from ..pipeline.lifetime import cached
 from ..weights.low_latency import Nvfp4WeightOnlyWeights
-from ..weights.nvfp4 import Nvfp4Weights
+from ..weights.nvfp4 import Nvfp4Activations, Nvfp4Weights
 from .config import MAX_NUM_TOKENS
 from .fallback import grouped_view
 
@@ -99,4 +103,5 @@ def run_on(view: Nvfp4Weights, call: LowLatencyCall, max_tokens: int) -> None:
 
     signature = (tensor_signature(x), tensor_signature(x_scales), tensor_signature(ids),
                  tensor_signature(route_weights), routing_format, tensor_signature(out), tokens)
-    executor.run_call(tokens, stage, finish, use_cuda_graph=True, signature=signature)
+    caller = CallerInputs(x if bf16_tokens else Nvfp4Activations(x, x_scales), routing, out)
+    executor.run_call(tokens, stage, finish, use_cuda_graph=True, signature=signature, caller=caller)

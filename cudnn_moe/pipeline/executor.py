@@ -280,10 +280,14 @@ class MoeExecutor:
         signature: a hashable identity of everything stage and finish read and write (tensor pointers,
         shapes, strides, dtypes, scalars baked into launches) and T; with use_cuda_graph, repeated calls
         replay one full-call graph of stage + pipeline + finish (module docstring). None: never.
-        caller: the fused op's inputs, which ``stage`` stages, and the output ``finish`` finalizes into; where the
-        launches are recorded for this call (eager, the caller's graph, a full-call graph) the chain's first launch
-        may stage them itself and its last finalize (_launch_call).
+        caller: the op's inputs, which ``stage`` stages, and the output ``finish`` finalizes into; where the launches
+        are recorded for this call (eager, the caller's graph, a full-call graph) the chain's first launch may stage
+        them itself and its last finalize (_launch_call). Its tokens must be BF16 exactly when the executor's are
+        (ValueError).
         """
+        if caller is not None and (caller.token_operands()[1] is None) != self.bf16_tokens:
+            raise ValueError(f"caller.tokens must be {'bfloat16 rows' if self.bf16_tokens else 'an Nvfp4Activations'} "
+                             f"for an executor with bf16_tokens={self.bf16_tokens}")
         with self.order.use():
             bucket = self.bucket(tokens)
             graphed = use_cuda_graph and not torch.cuda.is_current_stream_capturing()
@@ -384,12 +388,19 @@ class MoeExecutor:
 
 @dataclass(frozen=True)
 class CallerInputs:
-    """The fused op's inputs of one call: NVFP4 tokens and routing, as the caller passed them, and the bfloat16
-    [T, H] output a finalized call writes (None: the call returns unfinalized rows)."""
+    """An op's inputs of one call as the caller passed them: the tokens (an Nvfp4Activations pack, or bfloat16
+    [T, H] for an executor with ``bf16_tokens``) and the routing, and the bfloat16 [T, H] output a finalized call
+    writes (None: the call returns unfinalized rows)."""
 
-    activations: Nvfp4Activations
+    tokens: Nvfp4Activations | torch.Tensor
     routing: Routing
     out: torch.Tensor | None = None
+
+    def token_operands(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(codes uint8 [T, H/2], E4M3 scales [T, H/16]) of NVFP4 tokens, or (bfloat16 [T, H], None)."""
+        if isinstance(self.tokens, Nvfp4Activations):
+            return self.tokens.packed, self.tokens.scales
+        return self.tokens, None
 
 
 class _BucketStages(LayerStages):
@@ -425,11 +436,11 @@ class _BucketStages(LayerStages):
         slots, g1 = b.tokens * x.top_k, b.gemm1
         if not g1.tokens.layout.is_bf16 or slots > kernels.SORT_PERMUTE_MAX_SLOTS:
             return None
-        tokens = None if self.caller is None or x.bf16_tokens else self.caller.activations
-        if tokens is not None and tokens.packed.data_ptr() % 16 == 0:
+        tokens, token_scales = (None, None) if self.caller is None else self.caller.token_operands()
+        if tokens is not None and tokens.data_ptr() % 16 == 0:
             ids, route_weights, routing_format = self.caller.routing.kernel_operands()
             self.staging = Stage("stage+sort+permute", lambda: kernels.stage_sort_permute_bf16(
-                tokens.packed, tokens.scales, ids, route_weights, routing_format, b.ids, b.route_weights,
+                tokens, token_scales, ids, route_weights, routing_format, b.ids, b.route_weights,
                 x.local_expert_start, x.weights.num_experts, x.engine.row_alignment, b.sorted, g1.tokens.data,
                 g1.tokens.layout,
             ))

@@ -805,20 +805,29 @@ def test_sort_permute_in_one_launch_equals_the_two_launches(case: tuple[int, int
     assert (want_sort["slot_to_row"] >= 0).sum() > 0
 
 
+@pytest.mark.parametrize("token_kind", ["nvfp4", "bf16"])
 @pytest.mark.parametrize("routing", ["packed", "fp32", "bf16", "int64"])
 @pytest.mark.parametrize("case", [(1, 1, 8, 2048, 128, 0), (3, 4, 8, 7168, 256, 0), (5, 8, 8, 2048, 64, 32),
                                   (64, 64, 8, 2048, 128, 0), (100, 128, 8, 4096, 256, 17), (7, 8, 3, 64, 1, 0)],
                          ids=lambda c: "T{}-B{}-k{}-H{}-E{}-start{}".format(*c))
-def test_stage_sort_permute_in_one_launch_equals_stage_then_sort_permute(case: tuple[int, ...], routing: str) -> None:
-    """moe_stage_sort_permute_bf16 from the caller's T tokens and routing: the bucket's routing copies (ids -1 and
-    weight 0 past T), every sort output and the BF16 fragment rows equal moe_stage_inputs followed by
-    moe_sort_permute_bf16 over the bucket's B * top_k slots, bit for bit, from buffers poisoned first."""
+def test_stage_sort_permute_in_one_launch_equals_stage_then_sort_permute(case: tuple[int, ...], routing: str,
+                                                                         token_kind: str) -> None:
+    """moe_stage_sort_permute_bf16* from the caller's T tokens (NVFP4, or BF16 as the low-latency op stages them: as
+    bytes) and routing: the bucket's routing copies (ids -1 and weight 0 past T), every sort output and the BF16
+    fragment rows equal moe_stage_inputs followed by moe_sort_permute_bf16* over the bucket's B * top_k slots, bit
+    for bit, from buffers poisoned first."""
     tokens, bucket, top_k, hidden, experts, local_start = case
     slots, align, layout = bucket * top_k, 8, TokenLayout.BF16_FRAGMENTS
     capacity = row_capacity(slots, 1, experts, align)
     gen = _gen(sum(case) + len(routing))
-    x = torch.randint(0, 256, (tokens, hidden // 2), generator=gen, dtype=torch.uint8).to(DEV)
-    scales = torch.randint(0, 0x7F, (tokens, hidden // 16), generator=gen, dtype=torch.uint8).to(DEV)
+    bf16 = token_kind == "bf16"
+    if bf16:  # random finite BF16 values of every exponent
+        x = (torch.randn(tokens, hidden, generator=gen) * torch.exp2(torch.randint(-60, 60, (tokens, hidden),
+                                                                                   generator=gen))).to(torch.bfloat16).to(DEV)
+        scales = None
+    else:
+        x = torch.randint(0, 256, (tokens, hidden // 2), generator=gen, dtype=torch.uint8).to(DEV)
+        scales = torch.randint(0, 0x7F, (tokens, hidden // 16), generator=gen, dtype=torch.uint8).to(DEV)
     ids = _sort_ids(tokens * top_k, local_start, experts, seed=sum(case), hot=False).view(tokens, top_k).cpu()
     weights = torch.rand(tokens, top_k, generator=gen) * 4 - 2
     if routing == "packed":
@@ -837,11 +846,17 @@ def test_stage_sort_permute_in_one_launch_equals_stage_then_sort_permute(case: t
                 torch.full((capacity, hidden), POISON_INT, dtype=torch.int16, device=DEV).view(torch.bfloat16))
 
     want_ids, want_w, want_rows = bucket_buffers()
-    xs, xss = _full((bucket, hidden // 2), POISON_BYTE, torch.uint8), _full((bucket, hidden // 16), 0, torch.uint8)
-    kernels.stage_inputs(x, scales, ids_in, w_in, fmt, xs, xss, want_ids, want_w)
     want_sort = _sort_buffers(slots, experts, capacity)
-    kernels.sort_permute_bf16(want_ids.view(-1), top_k, local_start, experts, align,
-                              kernels.SortBuffers(**want_sort), xs, xss, want_rows, layout)
+    if bf16:  # staged as bytes with an empty scale row (cudnn_moe.low_latency.grouped)
+        xs, xss = _full((bucket, 2 * hidden), POISON_BYTE, torch.uint8), _full((bucket, 0), 0, torch.uint8)
+        kernels.stage_inputs(x.view(torch.uint8), xss[:tokens], ids_in, w_in, fmt, xs, xss, want_ids, want_w)
+        kernels.sort_permute_bf16(want_ids.view(-1), top_k, local_start, experts, align,
+                                  kernels.SortBuffers(**want_sort), xs.view(torch.bfloat16), None, want_rows, layout)
+    else:
+        xs, xss = _full((bucket, hidden // 2), POISON_BYTE, torch.uint8), _full((bucket, hidden // 16), 0, torch.uint8)
+        kernels.stage_inputs(x, scales, ids_in, w_in, fmt, xs, xss, want_ids, want_w)
+        kernels.sort_permute_bf16(want_ids.view(-1), top_k, local_start, experts, align,
+                                  kernels.SortBuffers(**want_sort), xs, xss, want_rows, layout)
     got_ids, got_w, got_rows = bucket_buffers()
     got_sort = _sort_buffers(slots, experts, capacity)
     kernels.stage_sort_permute_bf16(x, scales, ids_in, w_in, fmt, got_ids, got_w, local_start, experts, align,

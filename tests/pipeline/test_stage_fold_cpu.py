@@ -1,6 +1,6 @@
 """Which launches a decode call's chain starts and ends with, on the CPU: the executor's sort + permute stages the
-caller's inputs itself when it is given them (NVFP4 tokens at a 16-byte aligned address), and otherwise leaves the
-stage to its own launch; its GEMM2 finalizes into the caller's output where the call gives one and the engine can. The kernel wrappers are replaced by recorders; what the kernels compute is tested on the GPU
+caller's inputs itself when it is given them (NVFP4 or BF16 tokens at a 16-byte aligned address), and otherwise
+leaves the stage to its own launch; its GEMM2 finalizes into the caller's output where the call gives one and the engine can. The kernel wrappers are replaced by recorders; what the kernels compute is tested on the GPU
 (tests/kernels/test_kernels_gpu.py, tests/ops/fused/test_fused_moe_gpu.py)."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 from cudnn_moe import Routing, kernels
 from cudnn_moe.engines.base import GemmOperands, GemmShape
 from cudnn_moe.kernels import TokenLayout
-from cudnn_moe.pipeline.executor import CallerInputs, _BucketStages
+from cudnn_moe.pipeline.executor import CallerInputs, MoeExecutor, _BucketStages
 from cudnn_moe.weights.nvfp4 import Nvfp4Activations
 
 TOKENS, TOP_K, HIDDEN, EXPERTS, ROWS = 2, 4, 64, 8, 64
@@ -37,10 +37,14 @@ def _bucket() -> SimpleNamespace:
                            x_scales=torch.zeros(TOKENS, HIDDEN // 16, dtype=torch.uint8))
 
 
-def _caller(byte_offset: int = 0) -> CallerInputs:
+def _caller(byte_offset: int = 0, bf16_tokens: bool = False) -> CallerInputs:
+    routing = Routing.unpacked(torch.zeros(TOKENS, TOP_K, dtype=torch.int32), torch.rand(TOKENS, TOP_K))
+    if bf16_tokens:
+        rows = torch.zeros(TOKENS * HIDDEN + 8, dtype=torch.bfloat16)[byte_offset // 2:][: TOKENS * HIDDEN]
+        return CallerInputs(rows.view(TOKENS, HIDDEN), routing)
     codes = torch.zeros(TOKENS * HIDDEN // 2 + 16, dtype=torch.uint8)[byte_offset:][: TOKENS * HIDDEN // 2]
     acts = Nvfp4Activations(codes.view(TOKENS, HIDDEN // 2), torch.zeros(TOKENS, HIDDEN // 16, dtype=torch.uint8))
-    return CallerInputs(acts, Routing.unpacked(torch.zeros(TOKENS, TOP_K, dtype=torch.int32), torch.rand(TOKENS, TOP_K)))
+    return CallerInputs(acts, routing)
 
 
 @pytest.fixture
@@ -51,25 +55,29 @@ def launched(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, tuple]]:
     return calls
 
 
-def test_given_the_callers_inputs_the_sort_permute_stages_them(launched: list[tuple[str, tuple]]) -> None:
-    bucket, caller = _bucket(), _caller()
-    layer = _BucketStages(_executor(), bucket, caller)
+@pytest.mark.parametrize("bf16_tokens", [False, True], ids=["nvfp4-tokens", "bf16-tokens"])
+def test_given_the_callers_inputs_the_sort_permute_stages_them(launched: list[tuple[str, tuple]],
+                                                               bf16_tokens: bool) -> None:
+    bucket, caller = _bucket(), _caller(bf16_tokens=bf16_tokens)
+    layer = _BucketStages(_executor(bf16_tokens), bucket, caller)
     stage = layer.sort_permute()
     assert stage is not None and stage.name == "stage+sort+permute" and layer.staging is stage
     stage.launch()
     (name, args), = launched
     ids, weights, fmt = caller.routing.kernel_operands()
+    tokens = (caller.tokens, None) if bf16_tokens else (caller.tokens.packed, caller.tokens.scales)
     assert name == "stage_sort_permute_bf16"
-    assert args[:5] == (caller.activations.packed, caller.activations.scales, ids, weights, fmt)
+    assert args[0] is tokens[0] and args[1] is tokens[1] and args[2:5] == (ids, weights, fmt)
     assert args[5] is bucket.ids and args[6] is bucket.route_weights and args[10] is bucket.sorted
     assert args[7:10] == (3, EXPERTS, 8) and args[11] is bucket.gemm1.tokens.data
 
 
-@pytest.mark.parametrize("why", ["no caller", "unaligned tokens", "bf16 tokens"])
+@pytest.mark.parametrize("why", ["no caller", "unaligned tokens", "unaligned bf16 tokens"])
 def test_otherwise_the_sort_permute_reads_the_bucket(launched: list[tuple[str, tuple]], why: str) -> None:
     bucket = _bucket()
-    caller = {"no caller": None, "unaligned tokens": _caller(byte_offset=1), "bf16 tokens": _caller()}[why]
-    layer = _BucketStages(_executor(bf16_tokens=why == "bf16 tokens"), bucket, caller)
+    bf16_tokens = why == "unaligned bf16 tokens"
+    caller = None if why == "no caller" else _caller(byte_offset=2 if bf16_tokens else 1, bf16_tokens=bf16_tokens)
+    layer = _BucketStages(_executor(bf16_tokens=bf16_tokens), bucket, caller)
     stage = layer.sort_permute()
     assert stage is not None and stage.name == "sort+permute" and layer.staging is None
     stage.launch()
@@ -110,3 +118,11 @@ def test_otherwise_gemm2_leaves_the_finalize_to_its_own_launch(why: str) -> None
     caller = {"no caller": None, "no output": _caller(), "engine cannot": replace(_caller(), out=out)}[why]
     layer = _BucketStages(_finalizing_executor(why != "engine cannot", gemms), _gemm2_bucket(), caller)
     assert layer.gemm2_finalize() is None and layer.finishing is None and not gemms
+
+
+@pytest.mark.parametrize("bf16_tokens", [False, True])
+def test_caller_tokens_must_match_the_executors_token_kind(bf16_tokens: bool) -> None:
+    executor = SimpleNamespace(bf16_tokens=bf16_tokens)
+    with pytest.raises(ValueError, match="caller.tokens must be"):
+        MoeExecutor.run_call(executor, TOKENS, None, None, use_cuda_graph=False,
+                             caller=_caller(bf16_tokens=not bf16_tokens))

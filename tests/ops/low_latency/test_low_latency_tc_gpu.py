@@ -1,6 +1,8 @@
 """GPU tests of the tensor-core path of the low-latency call (cudnn_moe.low_latency.grouped): NVFP4
 weight-only layers with BF16 tokens on the SM90 engine, called directly at every T = 1..8 (the call's
-dispatch sends such calls there), against the float64 reference; repeated calls bitwise equal.
+dispatch sends such calls there), against the float64 reference; repeated calls bitwise equal; recorded into the
+caller's CUDA graph, three launches (the stage and the finalize folded into the chain) bitwise equal to a call
+that launches them.
 Tolerances: tests.support.low_latency (the same rounding points; only the FP32 summation order differs)."""
 
 from __future__ import annotations
@@ -11,9 +13,12 @@ import torch
 from cudnn_moe.activations import GELU, GeGLU, Identity, ReLU2, SiTU, SwiGLU, SwiGLUStep
 from cudnn_moe.engines.base import OP_LOW_LATENCY, LowLatencyCall, Request
 from cudnn_moe.engines.registry import choose
+from cudnn_moe.capture import capture_graph
 from cudnn_moe.engines.sm90.engine import Sm90GemmEngine
+from cudnn_moe.kernels import driver
 from cudnn_moe.low_latency import WeightFormat, grouped, reference_low_latency
 from cudnn_moe.routing import Routing
+from cudnn_moe.weights.nvfp4 import Nvfp4Activations
 from tests.support.low_latency import (
     E, TOP_K, assert_close_to_reference, make_inputs, make_layer, make_routing, nan_out, random_ids,
 )
@@ -98,3 +103,42 @@ def test_tensor_cores_nvfp4_pair_with_unrouted_nan_slots(tokens, act, kind) -> N
     want = reference_low_latency(acts, weights, routing, act, out_dtype=torch.bfloat16)
     torch.cuda.synchronize()
     assert_close_to_reference(out, want, f"pair on tensor cores T={tokens} {type(act).__name__} {kind}")
+
+
+FOLD_CASES = [(FMT, 1), (FMT, 5), (WeightFormat.NVFP4_W_NVFP4_A, 3), (WeightFormat.NVFP4_W_NVFP4_A, 8)]
+
+
+@pytest.mark.parametrize("fmt, tokens", FOLD_CASES, ids=[f"{f.value}-T{t}" for f, t in FOLD_CASES])
+def test_tensor_cores_in_the_callers_graph_fold_the_stage_and_the_finalize(fmt, tokens) -> None:
+    """Recorded into the caller's CUDA graph (the launches know the caller's tensors), the call is three launches:
+    stage + sort + permute, GEMM1 + activation, GEMM2 + finalize. Replayed after its tokens and routing change in
+    place, it equals a call that launches the stage and the finalize (the first call of a new output: the bucket's
+    graph between them) bit for bit, and the float64 reference."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the tensor-core path is the SM90 engine's")
+    act = SwiGLU()
+    config, weights = make_layer(fmt, True, shape=(512, 160), seed=tokens + 20)
+    inputs = make_inputs(config, fmt, torch.bfloat16, tokens, weights.hidden_size, seed=tokens + 21)
+    x, x_scales = (inputs.packed, inputs.scales) if isinstance(inputs, Nvfp4Activations) else (inputs, None)
+    routing = make_routing(random_ids(tokens, TOP_K, E, tokens + 22), "fp32", tokens + 23)
+    out = nan_out((tokens, weights.hidden_size), torch.bfloat16)
+    graph = capture_graph(lambda: run_tensor_cores(x, x_scales, weights, routing, act, out), keep_graph=True)
+    launches = sum(t == driver.CU_GRAPH_NODE_TYPE_KERNEL for t in driver.graph_node_types(graph.raw_cuda_graph()))
+    assert launches == 3, f"the captured call holds {launches} launches"
+    new_inputs = make_inputs(config, fmt, torch.bfloat16, tokens, weights.hidden_size, seed=tokens + 24)
+    new_routing = make_routing(random_ids(tokens, TOP_K, E, tokens + 25), "fp32", tokens + 26)
+    if x_scales is None:
+        x.copy_(new_inputs)
+    else:
+        x.copy_(new_inputs.packed)
+        x_scales.copy_(new_inputs.scales)
+    routing.ids.copy_(new_routing.ids)
+    routing.weights.copy_(new_routing.weights)
+    out.fill_(float("nan"))
+    graph.replay()
+    launched = nan_out((tokens, weights.hidden_size), torch.bfloat16)
+    run_tensor_cores(x, x_scales, weights, routing, act, launched)
+    want = reference_low_latency(inputs, weights, routing, act, out_dtype=torch.bfloat16)
+    torch.cuda.synchronize()
+    assert torch.equal(out, launched), "the folded launches differ from the stage and finalize launches"
+    assert_close_to_reference(out, want, f"{fmt.value} T={tokens} in the caller's graph")
