@@ -123,7 +123,9 @@ extern "C" __global__ void moe_permute_bf16_tokens(const u16* __restrict__ x, co
 // fetch is issued (the num_slots ids, global or shared memory). Same outputs, bit for bit, as moe_sort followed by
 // moe_permute_bf16 / moe_permute_bf16_tokens. Any grid of at least one block (cudnn_moe/kernels/sort.py:
 // SORT_PERMUTE_BLOCK_PAIRS pairs per block, at most SORT_PERMUTE_MAX_BLOCKS blocks).
-template <typename GetIds, typename Fetch, typename Expand>
+// WarpOnly: for num_slots <= SORT_WARP_SLOTS (returns without writing for more), the one-warp sort alone
+// (sort_slots_warp), whose shared arrays take 8 KB where sort_slots' take 44 KB.
+template <bool WarpOnly, typename GetIds, typename Fetch, typename Expand>
 __device__ __forceinline__ void sort_permute(GetIds get_ids, int num_slots, int top_k, int local_start,
                                              int num_experts, int align, int row_capacity, int hidden, int layout,
                                              int* __restrict__ offsets, int* __restrict__ slot_to_row,
@@ -143,8 +145,17 @@ __device__ __forceinline__ void sort_permute(GetIds get_ids, int num_slots, int 
   decltype(fetch(0, 0)) raw{};
   if (p < pairs) raw = fetch(p / units / top_k, p % units);
   const int* ids = get_ids();
-  sort_slots(ids, num_slots, local_start, num_experts, align, row_capacity, max(num_slots, 1), 0, 1, blockIdx.x == 0,
-             true, slot_rows, offsets, slot_to_row, row_to_slot, row_expert, counts);
+  if constexpr (WarpOnly) {  // num_slots <= SORT_WARP_SLOTS: only the warp sort's shared arrays
+    __shared__ int counts_smem[SORT_MAX_EXPERTS];
+    __shared__ int seg[SORT_MAX_EXPERTS + 1];
+    if (num_slots > SORT_WARP_SLOTS) return;
+    if (threadIdx.x < 32)
+      sort_slots_warp(ids, num_slots, local_start, num_experts, align, row_capacity, blockIdx.x == 0, slot_rows,
+                      counts_smem, seg, offsets, slot_to_row, row_to_slot, row_expert, counts);
+  } else {
+    sort_slots(ids, num_slots, local_start, num_experts, align, row_capacity, max(num_slots, 1), 0, 1,
+               blockIdx.x == 0, true, slot_rows, offsets, slot_to_row, row_to_slot, row_expert, counts);
+  }
   __syncthreads();
   for (bool first = true; p < pairs; p += stride, first = false) {
     const int s = p / units;
@@ -184,7 +195,7 @@ extern "C" __global__ void __launch_bounds__(SORT_THREADS)
                           int* __restrict__ row_to_slot, int* __restrict__ row_expert, int* __restrict__ counts,
                           u16* __restrict__ xp) {
   moe::grid_dependency_begin();
-  sort_permute(
+  sort_permute<false>(
       [&] { return ids; }, num_slots, top_k, local_start, num_experts, align, row_capacity, hidden, layout, offsets,
       slot_to_row, row_to_slot, row_expert, counts, xp,
       [&](i64 t, int u) { return fetch_nvfp4_unit(xs, xss, hidden, t, u); }, expand_nvfp4_unit);
@@ -204,7 +215,7 @@ extern "C" __global__ void __launch_bounds__(SORT_THREADS)
                                  int* __restrict__ row_to_slot, int* __restrict__ row_expert,
                                  int* __restrict__ counts, u16* __restrict__ xp) {
   moe::grid_dependency_begin();
-  sort_permute(
+  sort_permute<false>(
       [&] { return ids; }, num_slots, top_k, local_start, num_experts, align, row_capacity, hidden, layout, offsets,
       slot_to_row, row_to_slot, row_expert, counts, xp, [&](i64 t, int u) { return fetch_bf16_unit(x, hidden, t, u); },
       expand_bf16_unit);
@@ -217,7 +228,7 @@ extern "C" __global__ void __launch_bounds__(SORT_THREADS)
 // routing into shared memory (num_slots * 4 bytes of dynamic shared memory); block 0 also writes it to
 // ids_out [B, top_k] and w_out [B, top_k] (moe_stage_inputs' outputs, which the finalize reads). The bucket's token
 // buffers are not written.
-template <typename Fetch, typename Expand>
+template <bool WarpOnly, typename Fetch, typename Expand>
 __device__ __forceinline__ void stage_sort_permute(const void* __restrict__ ids, const void* __restrict__ weights,
                                                    int routing_format, int ids_int64, int num_tokens, int num_slots,
                                                    int top_k, int local_start, int num_experts, int align,
@@ -227,7 +238,7 @@ __device__ __forceinline__ void stage_sort_permute(const void* __restrict__ ids,
                                                    int* __restrict__ row_expert, int* __restrict__ counts,
                                                    u16* __restrict__ xp, Fetch fetch, Expand expand) {
   extern __shared__ __align__(16) int staged_ids[];  // num_slots ints (dynamic: the sort's static arrays fill 44 KB)
-  sort_permute(
+  sort_permute<WarpOnly>(
       [&]() -> const int* {
         for (int i = threadIdx.x; i < num_slots; i += blockDim.x) {
           int id;
@@ -249,34 +260,76 @@ __device__ __forceinline__ void stage_sort_permute(const void* __restrict__ ids,
 
 // stage_sort_permute of NVFP4 tokens (xs [T, H/2], 16-byte aligned; xss [T, H/16]): the same outputs, bit for bit,
 // as moe_stage_inputs followed by moe_sort_permute_bf16.
-extern "C" __global__ void __launch_bounds__(SORT_THREADS)
-    moe_stage_sort_permute_bf16(const void* __restrict__ ids, const void* __restrict__ weights, int routing_format,
-                                int ids_int64, int num_tokens, int num_slots, int top_k, int local_start,
-                                int num_experts, int align, int row_capacity, int hidden, int layout,
-                                const u8* __restrict__ xs, const u8* __restrict__ xss, int* __restrict__ ids_out,
-                                float* __restrict__ w_out, int* __restrict__ offsets, int* __restrict__ slot_to_row,
-                                int* __restrict__ row_to_slot, int* __restrict__ row_expert, int* __restrict__ counts,
-                                u16* __restrict__ xp) {
+template <bool WarpOnly>
+__device__ __forceinline__ void stage_sort_permute_nvfp4(const void* __restrict__ ids, const void* __restrict__ weights, int routing_format,
+        int ids_int64, int num_tokens, int num_slots, int top_k, int local_start, int num_experts, int align,
+        int row_capacity, int hidden, int layout, const u8* __restrict__ xs, const u8* __restrict__ xss,
+        int* __restrict__ ids_out, float* __restrict__ w_out, int* __restrict__ offsets, int* __restrict__ slot_to_row,
+        int* __restrict__ row_to_slot, int* __restrict__ row_expert, int* __restrict__ counts, u16* __restrict__ xp) {
+  stage_sort_permute<WarpOnly>(ids, weights, routing_format, ids_int64, num_tokens, num_slots, top_k, local_start,
+                               num_experts, align, row_capacity, hidden, layout, ids_out, w_out, offsets, slot_to_row,
+                               row_to_slot, row_expert, counts, xp,
+                               [&](i64 t, int u) { return fetch_nvfp4_unit(xs, xss, hidden, t, u); },
+                               expand_nvfp4_unit);
+}
+
+extern "C" __global__ void __launch_bounds__(SORT_THREADS) moe_stage_sort_permute_bf16(
+        const void* __restrict__ ids, const void* __restrict__ weights, int routing_format,
+        int ids_int64, int num_tokens, int num_slots, int top_k, int local_start, int num_experts, int align,
+        int row_capacity, int hidden, int layout, const u8* __restrict__ xs, const u8* __restrict__ xss,
+        int* __restrict__ ids_out, float* __restrict__ w_out, int* __restrict__ offsets, int* __restrict__ slot_to_row,
+        int* __restrict__ row_to_slot, int* __restrict__ row_expert, int* __restrict__ counts, u16* __restrict__ xp) {
   moe::grid_dependency_begin();
-  stage_sort_permute(ids, weights, routing_format, ids_int64, num_tokens, num_slots, top_k, local_start, num_experts,
-                     align, row_capacity, hidden, layout, ids_out, w_out, offsets, slot_to_row, row_to_slot,
-                     row_expert, counts, xp,
-                     [&](i64 t, int u) { return fetch_nvfp4_unit(xs, xss, hidden, t, u); }, expand_nvfp4_unit);
+  stage_sort_permute_nvfp4<false>(ids, weights, routing_format, ids_int64, num_tokens, num_slots, top_k, local_start, num_experts, align,
+                            row_capacity, hidden, layout, xs, xss, ids_out, w_out, offsets, slot_to_row, row_to_slot, row_expert, counts, xp);
+}
+
+// The same for num_slots <= SORT_WARP_SLOTS (it writes nothing for more): the one-warp sort, with only that sort's
+// shared arrays (8 KB against 44 KB).
+extern "C" __global__ void __launch_bounds__(SORT_THREADS) moe_stage_sort_permute_bf16_warp(
+        const void* __restrict__ ids, const void* __restrict__ weights, int routing_format,
+        int ids_int64, int num_tokens, int num_slots, int top_k, int local_start, int num_experts, int align,
+        int row_capacity, int hidden, int layout, const u8* __restrict__ xs, const u8* __restrict__ xss,
+        int* __restrict__ ids_out, float* __restrict__ w_out, int* __restrict__ offsets, int* __restrict__ slot_to_row,
+        int* __restrict__ row_to_slot, int* __restrict__ row_expert, int* __restrict__ counts, u16* __restrict__ xp) {
+  moe::grid_dependency_begin();
+  stage_sort_permute_nvfp4<true>(ids, weights, routing_format, ids_int64, num_tokens, num_slots, top_k, local_start, num_experts, align,
+                            row_capacity, hidden, layout, xs, xss, ids_out, w_out, offsets, slot_to_row, row_to_slot, row_expert, counts, xp);
 }
 
 // stage_sort_permute of BF16 tokens (x bf16 [T, H], 16-byte aligned), as they are: the same outputs, bit for bit, as
 // moe_stage_inputs (the tokens copied as bytes) followed by moe_sort_permute_bf16_tokens.
-extern "C" __global__ void __launch_bounds__(SORT_THREADS)
-    moe_stage_sort_permute_bf16_tokens(const void* __restrict__ ids, const void* __restrict__ weights,
-                                       int routing_format, int ids_int64, int num_tokens, int num_slots, int top_k,
-                                       int local_start, int num_experts, int align, int row_capacity, int hidden,
-                                       int layout, const u16* __restrict__ x, int* __restrict__ ids_out,
-                                       float* __restrict__ w_out, int* __restrict__ offsets,
-                                       int* __restrict__ slot_to_row, int* __restrict__ row_to_slot,
-                                       int* __restrict__ row_expert, int* __restrict__ counts, u16* __restrict__ xp) {
+template <bool WarpOnly>
+__device__ __forceinline__ void stage_sort_permute_tokens(const void* __restrict__ ids, const void* __restrict__ weights, int routing_format,
+        int ids_int64, int num_tokens, int num_slots, int top_k, int local_start, int num_experts, int align,
+        int row_capacity, int hidden, int layout, const u16* __restrict__ x, int* __restrict__ ids_out,
+        float* __restrict__ w_out, int* __restrict__ offsets, int* __restrict__ slot_to_row,
+        int* __restrict__ row_to_slot, int* __restrict__ row_expert, int* __restrict__ counts, u16* __restrict__ xp) {
+  stage_sort_permute<WarpOnly>(ids, weights, routing_format, ids_int64, num_tokens, num_slots, top_k, local_start,
+                               num_experts, align, row_capacity, hidden, layout, ids_out, w_out, offsets, slot_to_row,
+                               row_to_slot, row_expert, counts, xp,
+                               [&](i64 t, int u) { return fetch_bf16_unit(x, hidden, t, u); }, expand_bf16_unit);
+}
+
+extern "C" __global__ void __launch_bounds__(SORT_THREADS) moe_stage_sort_permute_bf16_tokens(
+        const void* __restrict__ ids, const void* __restrict__ weights, int routing_format,
+        int ids_int64, int num_tokens, int num_slots, int top_k, int local_start, int num_experts, int align,
+        int row_capacity, int hidden, int layout, const u16* __restrict__ x, int* __restrict__ ids_out,
+        float* __restrict__ w_out, int* __restrict__ offsets, int* __restrict__ slot_to_row,
+        int* __restrict__ row_to_slot, int* __restrict__ row_expert, int* __restrict__ counts, u16* __restrict__ xp) {
   moe::grid_dependency_begin();
-  stage_sort_permute(ids, weights, routing_format, ids_int64, num_tokens, num_slots, top_k, local_start, num_experts,
-                     align, row_capacity, hidden, layout, ids_out, w_out, offsets, slot_to_row, row_to_slot,
-                     row_expert, counts, xp, [&](i64 t, int u) { return fetch_bf16_unit(x, hidden, t, u); },
-                     expand_bf16_unit);
+  stage_sort_permute_tokens<false>(ids, weights, routing_format, ids_int64, num_tokens, num_slots, top_k, local_start, num_experts, align,
+                            row_capacity, hidden, layout, x, ids_out, w_out, offsets, slot_to_row, row_to_slot, row_expert, counts, xp);
+}
+
+// The same for num_slots <= SORT_WARP_SLOTS, as moe_stage_sort_permute_bf16_warp.
+extern "C" __global__ void __launch_bounds__(SORT_THREADS) moe_stage_sort_permute_bf16_tokens_warp(
+        const void* __restrict__ ids, const void* __restrict__ weights, int routing_format,
+        int ids_int64, int num_tokens, int num_slots, int top_k, int local_start, int num_experts, int align,
+        int row_capacity, int hidden, int layout, const u16* __restrict__ x, int* __restrict__ ids_out,
+        float* __restrict__ w_out, int* __restrict__ offsets, int* __restrict__ slot_to_row,
+        int* __restrict__ row_to_slot, int* __restrict__ row_expert, int* __restrict__ counts, u16* __restrict__ xp) {
+  moe::grid_dependency_begin();
+  stage_sort_permute_tokens<true>(ids, weights, routing_format, ids_int64, num_tokens, num_slots, top_k, local_start, num_experts, align,
+                            row_capacity, hidden, layout, x, ids_out, w_out, offsets, slot_to_row, row_to_slot, row_expert, counts, xp);
 }

@@ -80,8 +80,7 @@ __device__ __forceinline__ void count_id(int id, int i, int begin, int local_sta
 // needs no barrier. The first slot of each expert stores the count in counts_smem (num_experts ints); a warp scan
 // of the padded counts gives the segment starts (seg, num_experts + 1 ints). Every row below row_capacity is
 // written once: a slot's row by that slot, the padding rows of a segment by its expert's first slot, the rows
-// past the last segment by all lanes.
-#define SORT_WARP_SLOTS 64
+// past the last segment by all lanes. SORT_WARP_SLOTS (64: two slots a lane) comes from cudnn_moe.kernels.codes.
 __device__ __forceinline__ void sort_slots_warp(const int* __restrict__ ids, int num_slots, int local_start,
                                                 int num_experts, int align, int row_capacity, bool write,
                                                 int* slot_rows, int* counts_smem, int* seg,

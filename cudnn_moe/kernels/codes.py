@@ -79,6 +79,7 @@ class LowLatencyInputCode(enum.IntEnum):
 
 SORT_THREADS = 1024  # threads of the single moe_sort block
 SORT_MAX_EXPERTS = 512  # local experts one moe_sort block handles
+SORT_WARP_SLOTS = 64  # most slots one warp sorts alone (two per lane: kernels_cuda/sort.cuh sort_slots_warp)
 ROW_THREADS = 128  # threads per block of the row-wise glue kernels
 LL_THREADS = 256  # threads per block of the low-latency GEMM kernels (eight warps)
 LL_MAX_SLOTS = 256  # most routed slots (tokens x top_k) one low-latency call holds: 8 x 32
@@ -93,6 +94,7 @@ def cuda_defines() -> tuple[str, ...]:
     values.update({f"TOKENS_{layout.name}": int(layout) for layout in TokenLayout})
     values.update({f"LL_WEIGHTS_{fmt.name}": int(fmt) for fmt in LowLatencyWeightCode})
     values.update({f"LL_INPUT_{kind.name}": int(kind) for kind in LowLatencyInputCode})
-    values.update(SORT_THREADS=SORT_THREADS, SORT_MAX_EXPERTS=SORT_MAX_EXPERTS, LL_THREADS=LL_THREADS,
-                  LL_MAX_SLOTS=LL_MAX_SLOTS, LL_MMA_STAGES=LL_MMA_STAGES, LL_MMA_WARP_ROWS=LL_MMA_WARP_ROWS)
+    values.update(SORT_THREADS=SORT_THREADS, SORT_MAX_EXPERTS=SORT_MAX_EXPERTS, SORT_WARP_SLOTS=SORT_WARP_SLOTS,
+                  LL_THREADS=LL_THREADS, LL_MAX_SLOTS=LL_MAX_SLOTS, LL_MMA_STAGES=LL_MMA_STAGES,
+                  LL_MMA_WARP_ROWS=LL_MMA_WARP_ROWS)
     return tuple(f"-D{name}={value}" for name, value in sorted(values.items()))

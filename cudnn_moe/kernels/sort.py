@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .codes import SORT_MAX_EXPERTS, SORT_THREADS, TokenLayout
+from .codes import SORT_MAX_EXPERTS, SORT_THREADS, SORT_WARP_SLOTS, TokenLayout
 from .loader import launch, ptr
 from .permute import SOURCE as PERMUTE_SOURCE
 from .permute import require_bf16_rows
@@ -194,5 +194,7 @@ def stage_sort_permute_bf16(
     tail = (ptr(ids_out), ptr(w_out), *out.pointers(), ptr(xp, 16))
     name, sources = ("moe_stage_sort_permute_bf16_tokens", (ptr(tokens, 16),)) if bf16 else (
         "moe_stage_sort_permute_bf16", (ptr(tokens, 16), ptr(token_scales)))
+    if num_slots <= SORT_WARP_SLOTS:
+        name += "_warp"
     launch(PERMUTE_SOURCE, name, tokens.device, sort_permute_blocks(num_slots, hidden), SORT_THREADS,
            (*head, *sources, *tail), shared_mem=4 * num_slots)

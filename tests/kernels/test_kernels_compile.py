@@ -127,6 +127,13 @@ def _wrapper_calls() -> list[tuple[str, Callable[..., None], tuple[Any, ...]]]:
     )
     plan = (z(R, dtype=i32), z(R // 8, dtype=i32), z(1, dtype=i32), 8, T * k, E, z(B * k, dtype=i32))
     unfinalized = (z(R, H, dtype=bf16), z(R, dtype=i32), z(R - 2, H, dtype=bf16))
+    nvfp4_tokens, bf16_tokens = (z(T, H // 2), z(T, H // 16)), (z(T, H, dtype=bf16), None)
+    many = kernels.SORT_WARP_SLOTS // k + 1  # a bucket of more slots than the one-warp sort takes
+
+    def staged_sort(bucket: int) -> tuple[Any, ...]:
+        return (z(T, k, dtype=torch.int64), z(T, k, dtype=f32), kernels.ROUTING_FP32, z(bucket, k, dtype=i32),
+                z(bucket, k, dtype=f32), 0, E, 8, sort_buffers(bucket * k, 8 * bucket * k), z(8 * bucket * k, H, dtype=bf16))
+
     return [
         ("moe_stage_inputs", kernels.stage_inputs, staged),
         ("moe_stage_aligned", kernels.stage_aligned, aligned),
@@ -141,12 +148,10 @@ def _wrapper_calls() -> list[tuple[str, Callable[..., None], tuple[Any, ...]]]:
          (*sorting, z(B, H // 2), z(B, H // 16), z(R, H, dtype=bf16))),
         ("moe_sort_permute_bf16_tokens", kernels.sort_permute_bf16,
          (*sorting, z(B, H, dtype=bf16), None, z(R, H, dtype=bf16))),
-        ("moe_stage_sort_permute_bf16", kernels.stage_sort_permute_bf16,
-         (z(T, H // 2), z(T, H // 16), z(T, k, dtype=torch.int64), z(T, k, dtype=f32), kernels.ROUTING_FP32,
-          z(B, k, dtype=i32), z(B, k, dtype=f32), 0, E, 8, sort_buffers(B * k, R), z(R, H, dtype=bf16))),
-        ("moe_stage_sort_permute_bf16_tokens", kernels.stage_sort_permute_bf16,
-         (z(T, H, dtype=bf16), None, z(T, k, dtype=torch.int64), z(T, k, dtype=f32), kernels.ROUTING_FP32,
-          z(B, k, dtype=i32), z(B, k, dtype=f32), 0, E, 8, sort_buffers(B * k, R), z(R, H, dtype=bf16))),
+        ("moe_stage_sort_permute_bf16_warp", kernels.stage_sort_permute_bf16, (*nvfp4_tokens, *staged_sort(B))),
+        ("moe_stage_sort_permute_bf16_tokens_warp", kernels.stage_sort_permute_bf16, (*bf16_tokens, *staged_sort(B))),
+        ("moe_stage_sort_permute_bf16", kernels.stage_sort_permute_bf16, (*nvfp4_tokens, *staged_sort(many))),
+        ("moe_stage_sort_permute_bf16_tokens", kernels.stage_sort_permute_bf16, (*bf16_tokens, *staged_sort(many))),
         ("moe_activation", kernels.activate_quantize, activation),
         ("moe_finalize", kernels.finalize, finalize),
         ("moe_unfinalized_rows", kernels.unfinalized_rows, unfinalized),
