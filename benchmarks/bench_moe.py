@@ -89,6 +89,18 @@ def host_cells(call: Callable[[], object], graph: torch.cuda.CUDAGraph, gpu_us: 
     return [*cells, fmt(gpu_us)]
 
 
+def describe_launches(chain: list[str], count: int) -> str:
+    """The launches of a captured call: ``count`` kernel nodes, the bucket's ``chain`` (its stage names) with the op's
+    stage before it and the finalize after it, minus those the chain's first and last launch took over (the
+    executor folds the stage first: cudnn_moe.pipeline.executor)."""
+    folded = len(chain) + 2 - count
+    if len(chain) < 2 or not 0 <= folded <= 2:
+        return f"{count}: {', '.join(chain)} and {count - len(chain)} more"
+    first = [f"stage in {chain[0]}"] if folded >= 1 else ["stage", chain[0]]
+    last = [f"finalize in {chain[-1]}"] if folded == 2 else [chain[-1], "finalize"]
+    return f"{count}: {', '.join([*first, *chain[1:-1], *last])}"
+
+
 class Bf16Peer:
     """The torch BF16 layer, captured in a CUDA graph; where this torch cannot capture it, timed eagerly
     and labeled so (said once)."""
@@ -147,9 +159,7 @@ class MoeBench:
             variants = [repr(executor.engine.variant(gemm.rows, gemm.shape, gemm=index))
                         for index, gemm in ((1, bucket.gemm1), (2, bucket.gemm2))]
             chain = [name for name, _ in executor.stages(bucket)]
-            count = kernel_launches(graph)  # the chain, the op's stage (unless the chain does it), the finish
-            stage = "stage, " if count == len(chain) + 2 else "stage in "
-            launches = f"{count}: {stage}{', '.join(chain)}, finalize"
+            launches = describe_launches(chain, kernel_launches(graph))
             self.variant_rows.append([m.name, str(tokens), engine, str(bucket.rows), *variants, launches])
         return us
 

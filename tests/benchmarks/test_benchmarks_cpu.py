@@ -259,3 +259,15 @@ def test_tune_sm90_routes_the_call_tokens_into_rows() -> None:
         want = torch.zeros(16, dtype=torch.bfloat16) if slot < 0 else source[slot // 2]
         assert torch.equal(rows[r], want), r
     assert torch.count_nonzero(rows[[0, 1, 3]]) > 0
+
+
+@pytest.mark.parametrize("count, described", [
+    (5, "5: stage, sort+permute, gemm1+activation, gemm2, finalize"),
+    (4, "4: stage in sort+permute, gemm1+activation, gemm2, finalize"),
+    (3, "3: stage in sort+permute, gemm1+activation, finalize in gemm2"),
+    (7, "7: sort+permute, gemm1+activation, gemm2 and 4 more"),
+])
+def test_launches_name_what_the_chain_took_over(count: int, described: str) -> None:
+    """A captured call's kernel nodes against its bucket chain: the op's stage and finalize, or folded into the chain's
+    first and last launch."""
+    assert bench_moe.describe_launches(["sort+permute", "gemm1+activation", "gemm2"], count) == described
