@@ -124,7 +124,7 @@ extern "C" __global__ void moe_permute_bf16_tokens(const u16* __restrict__ x, co
 // moe_permute_bf16 / moe_permute_bf16_tokens. Any grid of at least one block (cudnn_moe/kernels/sort.py:
 // SORT_PERMUTE_BLOCK_PAIRS pairs per block, at most SORT_PERMUTE_MAX_BLOCKS blocks).
 // WarpOnly: for num_slots <= SORT_WARP_SLOTS (returns without writing for more), the one-warp sort alone
-// (sort_slots_warp), whose shared arrays take 8 KB where sort_slots' take 44 KB.
+// (sort_slots_warp): the kernel then holds 8 KB of static shared memory instead of 45 KB.
 template <bool WarpOnly, typename GetIds, typename Fetch, typename Expand>
 __device__ __forceinline__ void sort_permute(GetIds get_ids, int num_slots, int top_k, int local_start,
                                              int num_experts, int align, int row_capacity, int hidden, int layout,
@@ -259,77 +259,81 @@ __device__ __forceinline__ void stage_sort_permute(const void* __restrict__ ids,
 }
 
 // stage_sort_permute of NVFP4 tokens (xs [T, H/2], 16-byte aligned; xss [T, H/16]): the same outputs, bit for bit,
-// as moe_stage_inputs followed by moe_sort_permute_bf16.
+// as moe_stage_inputs followed by moe_sort_permute_bf16. Each token kind has two kernels: the general one, and the
+// _warp one for num_slots <= SORT_WARP_SLOTS (it writes nothing for more) with only the one-warp sort's shared arrays
+// (8 KB against 45 KB: sort_permute's WarpOnly).
 template <bool WarpOnly>
-__device__ __forceinline__ void stage_sort_permute_nvfp4(const void* __restrict__ ids, const void* __restrict__ weights, int routing_format,
-        int ids_int64, int num_tokens, int num_slots, int top_k, int local_start, int num_experts, int align,
-        int row_capacity, int hidden, int layout, const u8* __restrict__ xs, const u8* __restrict__ xss,
-        int* __restrict__ ids_out, float* __restrict__ w_out, int* __restrict__ offsets, int* __restrict__ slot_to_row,
-        int* __restrict__ row_to_slot, int* __restrict__ row_expert, int* __restrict__ counts, u16* __restrict__ xp) {
-  stage_sort_permute<WarpOnly>(ids, weights, routing_format, ids_int64, num_tokens, num_slots, top_k, local_start,
-                               num_experts, align, row_capacity, hidden, layout, ids_out, w_out, offsets, slot_to_row,
-                               row_to_slot, row_expert, counts, xp,
-                               [&](i64 t, int u) { return fetch_nvfp4_unit(xs, xss, hidden, t, u); },
-                               expand_nvfp4_unit);
+__device__ __forceinline__ void stage_sort_permute_nvfp4(
+    const void* __restrict__ ids, const void* __restrict__ weights, int routing_format, int ids_int64, int num_tokens,
+    int num_slots, int top_k, int local_start, int num_experts, int align, int row_capacity, int hidden, int layout,
+    const u8* __restrict__ xs, const u8* __restrict__ xss, int* __restrict__ ids_out, float* __restrict__ w_out,
+    int* __restrict__ offsets, int* __restrict__ slot_to_row, int* __restrict__ row_to_slot,
+    int* __restrict__ row_expert, int* __restrict__ counts, u16* __restrict__ xp) {
+  stage_sort_permute<WarpOnly>(
+      ids, weights, routing_format, ids_int64, num_tokens, num_slots, top_k, local_start, num_experts, align,
+      row_capacity, hidden, layout, ids_out, w_out, offsets, slot_to_row, row_to_slot, row_expert, counts, xp,
+      [&](i64 t, int u) { return fetch_nvfp4_unit(xs, xss, hidden, t, u); }, expand_nvfp4_unit);
 }
 
 extern "C" __global__ void __launch_bounds__(SORT_THREADS) moe_stage_sort_permute_bf16(
-        const void* __restrict__ ids, const void* __restrict__ weights, int routing_format,
-        int ids_int64, int num_tokens, int num_slots, int top_k, int local_start, int num_experts, int align,
-        int row_capacity, int hidden, int layout, const u8* __restrict__ xs, const u8* __restrict__ xss,
-        int* __restrict__ ids_out, float* __restrict__ w_out, int* __restrict__ offsets, int* __restrict__ slot_to_row,
-        int* __restrict__ row_to_slot, int* __restrict__ row_expert, int* __restrict__ counts, u16* __restrict__ xp) {
+    const void* __restrict__ ids, const void* __restrict__ weights, int routing_format, int ids_int64, int num_tokens,
+    int num_slots, int top_k, int local_start, int num_experts, int align, int row_capacity, int hidden, int layout,
+    const u8* __restrict__ xs, const u8* __restrict__ xss, int* __restrict__ ids_out, float* __restrict__ w_out,
+    int* __restrict__ offsets, int* __restrict__ slot_to_row, int* __restrict__ row_to_slot,
+    int* __restrict__ row_expert, int* __restrict__ counts, u16* __restrict__ xp) {
   moe::grid_dependency_begin();
-  stage_sort_permute_nvfp4<false>(ids, weights, routing_format, ids_int64, num_tokens, num_slots, top_k, local_start, num_experts, align,
-                            row_capacity, hidden, layout, xs, xss, ids_out, w_out, offsets, slot_to_row, row_to_slot, row_expert, counts, xp);
+  stage_sort_permute_nvfp4<false>(ids, weights, routing_format, ids_int64, num_tokens, num_slots, top_k, local_start,
+                                  num_experts, align, row_capacity, hidden, layout, xs, xss, ids_out, w_out, offsets,
+                                  slot_to_row, row_to_slot, row_expert, counts, xp);
 }
 
-// The same for num_slots <= SORT_WARP_SLOTS (it writes nothing for more): the one-warp sort, with only that sort's
-// shared arrays (8 KB against 44 KB).
 extern "C" __global__ void __launch_bounds__(SORT_THREADS) moe_stage_sort_permute_bf16_warp(
-        const void* __restrict__ ids, const void* __restrict__ weights, int routing_format,
-        int ids_int64, int num_tokens, int num_slots, int top_k, int local_start, int num_experts, int align,
-        int row_capacity, int hidden, int layout, const u8* __restrict__ xs, const u8* __restrict__ xss,
-        int* __restrict__ ids_out, float* __restrict__ w_out, int* __restrict__ offsets, int* __restrict__ slot_to_row,
-        int* __restrict__ row_to_slot, int* __restrict__ row_expert, int* __restrict__ counts, u16* __restrict__ xp) {
+    const void* __restrict__ ids, const void* __restrict__ weights, int routing_format, int ids_int64, int num_tokens,
+    int num_slots, int top_k, int local_start, int num_experts, int align, int row_capacity, int hidden, int layout,
+    const u8* __restrict__ xs, const u8* __restrict__ xss, int* __restrict__ ids_out, float* __restrict__ w_out,
+    int* __restrict__ offsets, int* __restrict__ slot_to_row, int* __restrict__ row_to_slot,
+    int* __restrict__ row_expert, int* __restrict__ counts, u16* __restrict__ xp) {
   moe::grid_dependency_begin();
-  stage_sort_permute_nvfp4<true>(ids, weights, routing_format, ids_int64, num_tokens, num_slots, top_k, local_start, num_experts, align,
-                            row_capacity, hidden, layout, xs, xss, ids_out, w_out, offsets, slot_to_row, row_to_slot, row_expert, counts, xp);
+  stage_sort_permute_nvfp4<true>(ids, weights, routing_format, ids_int64, num_tokens, num_slots, top_k, local_start,
+                                 num_experts, align, row_capacity, hidden, layout, xs, xss, ids_out, w_out, offsets,
+                                 slot_to_row, row_to_slot, row_expert, counts, xp);
 }
 
 // stage_sort_permute of BF16 tokens (x bf16 [T, H], 16-byte aligned), as they are: the same outputs, bit for bit, as
-// moe_stage_inputs (the tokens copied as bytes) followed by moe_sort_permute_bf16_tokens.
+// moe_stage_inputs (the tokens copied as bytes) followed by moe_sort_permute_bf16_tokens; the two kernels as above.
 template <bool WarpOnly>
-__device__ __forceinline__ void stage_sort_permute_tokens(const void* __restrict__ ids, const void* __restrict__ weights, int routing_format,
-        int ids_int64, int num_tokens, int num_slots, int top_k, int local_start, int num_experts, int align,
-        int row_capacity, int hidden, int layout, const u16* __restrict__ x, int* __restrict__ ids_out,
-        float* __restrict__ w_out, int* __restrict__ offsets, int* __restrict__ slot_to_row,
-        int* __restrict__ row_to_slot, int* __restrict__ row_expert, int* __restrict__ counts, u16* __restrict__ xp) {
-  stage_sort_permute<WarpOnly>(ids, weights, routing_format, ids_int64, num_tokens, num_slots, top_k, local_start,
-                               num_experts, align, row_capacity, hidden, layout, ids_out, w_out, offsets, slot_to_row,
-                               row_to_slot, row_expert, counts, xp,
-                               [&](i64 t, int u) { return fetch_bf16_unit(x, hidden, t, u); }, expand_bf16_unit);
+__device__ __forceinline__ void stage_sort_permute_tokens(
+    const void* __restrict__ ids, const void* __restrict__ weights, int routing_format, int ids_int64, int num_tokens,
+    int num_slots, int top_k, int local_start, int num_experts, int align, int row_capacity, int hidden, int layout,
+    const u16* __restrict__ x, int* __restrict__ ids_out, float* __restrict__ w_out, int* __restrict__ offsets,
+    int* __restrict__ slot_to_row, int* __restrict__ row_to_slot, int* __restrict__ row_expert,
+    int* __restrict__ counts, u16* __restrict__ xp) {
+  stage_sort_permute<WarpOnly>(
+      ids, weights, routing_format, ids_int64, num_tokens, num_slots, top_k, local_start, num_experts, align,
+      row_capacity, hidden, layout, ids_out, w_out, offsets, slot_to_row, row_to_slot, row_expert, counts, xp,
+      [&](i64 t, int u) { return fetch_bf16_unit(x, hidden, t, u); }, expand_bf16_unit);
 }
 
 extern "C" __global__ void __launch_bounds__(SORT_THREADS) moe_stage_sort_permute_bf16_tokens(
-        const void* __restrict__ ids, const void* __restrict__ weights, int routing_format,
-        int ids_int64, int num_tokens, int num_slots, int top_k, int local_start, int num_experts, int align,
-        int row_capacity, int hidden, int layout, const u16* __restrict__ x, int* __restrict__ ids_out,
-        float* __restrict__ w_out, int* __restrict__ offsets, int* __restrict__ slot_to_row,
-        int* __restrict__ row_to_slot, int* __restrict__ row_expert, int* __restrict__ counts, u16* __restrict__ xp) {
+    const void* __restrict__ ids, const void* __restrict__ weights, int routing_format, int ids_int64, int num_tokens,
+    int num_slots, int top_k, int local_start, int num_experts, int align, int row_capacity, int hidden, int layout,
+    const u16* __restrict__ x, int* __restrict__ ids_out, float* __restrict__ w_out, int* __restrict__ offsets,
+    int* __restrict__ slot_to_row, int* __restrict__ row_to_slot, int* __restrict__ row_expert,
+    int* __restrict__ counts, u16* __restrict__ xp) {
   moe::grid_dependency_begin();
-  stage_sort_permute_tokens<false>(ids, weights, routing_format, ids_int64, num_tokens, num_slots, top_k, local_start, num_experts, align,
-                            row_capacity, hidden, layout, x, ids_out, w_out, offsets, slot_to_row, row_to_slot, row_expert, counts, xp);
+  stage_sort_permute_tokens<false>(ids, weights, routing_format, ids_int64, num_tokens, num_slots, top_k, local_start,
+                                   num_experts, align, row_capacity, hidden, layout, x, ids_out, w_out, offsets,
+                                   slot_to_row, row_to_slot, row_expert, counts, xp);
 }
 
-// The same for num_slots <= SORT_WARP_SLOTS, as moe_stage_sort_permute_bf16_warp.
 extern "C" __global__ void __launch_bounds__(SORT_THREADS) moe_stage_sort_permute_bf16_tokens_warp(
-        const void* __restrict__ ids, const void* __restrict__ weights, int routing_format,
-        int ids_int64, int num_tokens, int num_slots, int top_k, int local_start, int num_experts, int align,
-        int row_capacity, int hidden, int layout, const u16* __restrict__ x, int* __restrict__ ids_out,
-        float* __restrict__ w_out, int* __restrict__ offsets, int* __restrict__ slot_to_row,
-        int* __restrict__ row_to_slot, int* __restrict__ row_expert, int* __restrict__ counts, u16* __restrict__ xp) {
+    const void* __restrict__ ids, const void* __restrict__ weights, int routing_format, int ids_int64, int num_tokens,
+    int num_slots, int top_k, int local_start, int num_experts, int align, int row_capacity, int hidden, int layout,
+    const u16* __restrict__ x, int* __restrict__ ids_out, float* __restrict__ w_out, int* __restrict__ offsets,
+    int* __restrict__ slot_to_row, int* __restrict__ row_to_slot, int* __restrict__ row_expert,
+    int* __restrict__ counts, u16* __restrict__ xp) {
   moe::grid_dependency_begin();
-  stage_sort_permute_tokens<true>(ids, weights, routing_format, ids_int64, num_tokens, num_slots, top_k, local_start, num_experts, align,
-                            row_capacity, hidden, layout, x, ids_out, w_out, offsets, slot_to_row, row_to_slot, row_expert, counts, xp);
+  stage_sort_permute_tokens<true>(ids, weights, routing_format, ids_int64, num_tokens, num_slots, top_k, local_start,
+                                  num_experts, align, row_capacity, hidden, layout, x, ids_out, w_out, offsets,
+                                  slot_to_row, row_to_slot, row_expert, counts, xp);
 }
