@@ -13,9 +13,10 @@ summation order differs, so the two engines agree to accumulation-order noise. S
 outside [0, E) are skipped with their route weights (the pair's unrouted slots; the weight-only format
 requires ids in range).
 
-Where the launches are recorded for the call itself (an eager call, one recorded into the caller's graph, a
-full-call graph), the decode chain stages the caller's tokens and routing in its sort + permute and its GEMM2
-finalizes into ``out`` where the engine can (cudnn_moe.pipeline.executor, ``CallerInputs``): the fused op's folds.
+The call runs as a fused_moe call does (``MoeExecutor.run``, finalized into ``out``): where the launches are
+recorded for the call itself (an eager call, one recorded into the caller's graph, a full-call graph), the decode
+chain stages the caller's tokens and routing in its sort + permute and its GEMM2 finalizes into ``out`` where the
+engine can (cudnn_moe.pipeline.executor).
 
 The weights are repacked once into the engine's layout, on the first call (kept beside the caller's
 canonical tensors while the prepared weights live: a second copy, see the README's memory table), unless the
@@ -29,16 +30,13 @@ from __future__ import annotations
 import threading
 import weakref
 
-import torch
-
-from .. import kernels
 from ..activations import Activation
 from ..arch import device_arch
 from ..capture import refuse_during_capture
 from ..engines.base import GemmEngine, LowLatencyCall
 from ..engines.registry import engine_for
 from ..pipeline.call_cache import tensor_signature
-from ..pipeline.executor import Bucket, CallerInputs, MoeExecutor
+from ..pipeline.executor import MoeExecutor
 from ..pipeline.lifetime import cached
 from ..weights.low_latency import Nvfp4WeightOnlyWeights
 from ..weights.nvfp4 import Nvfp4Activations, Nvfp4Weights
@@ -88,20 +86,7 @@ def run_on(view: Nvfp4Weights, call: LowLatencyCall, max_tokens: int) -> None:
     bf16_tokens = x_scales is None
     executor = _executor(view, routing.top_k, call.activation, bf16_tokens, max_tokens)
     ids, route_weights, routing_format = routing.kernel_operands()
-    tokens, top_k = x.shape[0], routing.top_k
-
-    def stage(b: Bucket) -> None:
-        if bf16_tokens:  # staged as bytes, with an empty scale row
-            kernels.stage_inputs(x.view(torch.uint8), b.x_scales[:tokens], ids, route_weights, routing_format,
-                                 b.x.view(torch.uint8), b.x_scales, b.ids, b.route_weights)
-        else:
-            kernels.stage_inputs(x, x_scales, ids, route_weights, routing_format, b.x, b.x_scales, b.ids,
-                                 b.route_weights, x_rows=b.x_rows)
-
-    def finish(b: Bucket) -> None:
-        kernels.finalize(b.gemm2.out, b.slot_to_row, b.route_weights, top_k, out)
-
     signature = (tensor_signature(x), tensor_signature(x_scales), tensor_signature(ids),
-                 tensor_signature(route_weights), routing_format, tensor_signature(out), tokens)
-    caller = CallerInputs(x if bf16_tokens else Nvfp4Activations(x, x_scales), routing, out)
-    executor.run_call(tokens, stage, finish, use_cuda_graph=True, signature=signature, caller=caller)
+                 tensor_signature(route_weights), routing_format, tensor_signature(out), x.shape[0])
+    tokens = x if bf16_tokens else Nvfp4Activations(x, x_scales)
+    executor.run(tokens, routing, finalize=True, out=out, use_cuda_graph=True, signature=signature)

@@ -220,7 +220,7 @@ class MoeExecutor:
 
     def run(
         self,
-        activations: Nvfp4Activations,
+        activations: Nvfp4Activations | torch.Tensor,
         routing: Routing,
         *,
         finalize: bool,
@@ -228,14 +228,15 @@ class MoeExecutor:
         use_cuda_graph: bool,
         signature: Hashable | None = None,
     ) -> torch.Tensor | UnfinalizedOutput:
-        """Run the layer for T = activations.num_tokens (validated by the caller) tokens.
+        """Run the layer for the T tokens of ``activations`` (validated by the caller): NVFP4 tokens, or bfloat16
+        [T, H] for an executor with ``bf16_tokens``.
 
         signature: a hashable identity of the caller's tensors (pointers, shapes, strides, dtypes) and
         T; given with finalize=True, an ``out`` and use_cuda_graph, repeated calls replay one full-call
         graph (module docstring). None: never.
         """
         with self.order.use():
-            tokens = activations.num_tokens
+            tokens = token_operands(activations)[0].shape[0]
             w = self.weights
 
             def stage(bucket: Bucket) -> None:
@@ -316,13 +317,17 @@ class MoeExecutor:
         if not finished:
             finish(bucket)
 
-    def stage(self, bucket: Bucket, activations: Nvfp4Activations, routing: Routing) -> None:
-        """The fused op's stage launch: the caller's tokens and routing into ``bucket`` (decoded into its x_rows
-        where its GEMM1 gathers NVFP4 tokens: Bucket.x_rows)."""
+    def stage(self, bucket: Bucket, activations: Nvfp4Activations | torch.Tensor, routing: Routing) -> None:
+        """The op's stage launch: the caller's tokens and routing into ``bucket``. NVFP4 tokens are copied, or decoded
+        into its x_rows where its GEMM1 gathers them (Bucket.x_rows); BF16 tokens [T, H] (``bf16_tokens``) are copied
+        as bytes, with an empty scale row."""
         ids, route_weights, routing_format = routing.kernel_operands()
+        codes, scales = token_operands(activations)
+        if scales is None:
+            codes, scales = codes.view(torch.uint8), bucket.x_scales[: codes.shape[0]]
         kernels.stage_inputs(
-            activations.packed, activations.scales, ids, route_weights, routing_format,
-            bucket.x, bucket.x_scales, bucket.ids, bucket.route_weights, x_rows=bucket.x_rows,
+            codes, scales, ids, route_weights, routing_format,
+            bucket.x.view(torch.uint8), bucket.x_scales, bucket.ids, bucket.route_weights, x_rows=bucket.x_rows,
         )
 
     def _finalize(self, bucket: Bucket, out: torch.Tensor) -> None:
@@ -397,10 +402,15 @@ class CallerInputs:
     out: torch.Tensor | None = None
 
     def token_operands(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(codes uint8 [T, H/2], E4M3 scales [T, H/16]) of NVFP4 tokens, or (bfloat16 [T, H], None)."""
-        if isinstance(self.tokens, Nvfp4Activations):
-            return self.tokens.packed, self.tokens.scales
-        return self.tokens, None
+        """token_operands of the call's tokens."""
+        return token_operands(self.tokens)
+
+
+def token_operands(tokens: Nvfp4Activations | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(codes uint8 [T, H/2], E4M3 scales [T, H/16]) of NVFP4 tokens, or (bfloat16 [T, H], None) of BF16 tokens."""
+    if isinstance(tokens, Nvfp4Activations):
+        return tokens.packed, tokens.scales
+    return tokens, None
 
 
 class _BucketStages(LayerStages):

@@ -126,3 +126,30 @@ def test_caller_tokens_must_match_the_executors_token_kind(bf16_tokens: bool) ->
     with pytest.raises(ValueError, match="caller.tokens must be"):
         MoeExecutor.run_call(executor, TOKENS, None, None, use_cuda_graph=False,
                              caller=_caller(bf16_tokens=not bf16_tokens))
+
+
+@pytest.mark.parametrize("bf16_tokens", [False, True], ids=["nvfp4-tokens", "bf16-tokens"])
+def test_the_stage_launch_stages_either_token_kind(monkeypatch: pytest.MonkeyPatch, bf16_tokens: bool) -> None:
+    """MoeExecutor.stage: NVFP4 codes and scales as they are (decoded into x_rows where the bucket has them); BF16
+    tokens copied as bytes into the bucket's BF16 rows, with an empty scale row."""
+    calls: list[tuple[tuple, dict]] = []
+    monkeypatch.setattr(kernels, "stage_inputs", lambda *args, **kw: calls.append((args, kw)))
+    caller = _caller(bf16_tokens=bf16_tokens)
+    bucket = _bucket()
+    if bf16_tokens:
+        bucket.x, bucket.x_scales = torch.zeros(TOKENS, HIDDEN, dtype=torch.bfloat16), torch.zeros(TOKENS, 0,
+                                                                                                   dtype=torch.uint8)
+    bucket.x_rows = None
+    MoeExecutor.stage(_executor(bf16_tokens), bucket, caller.tokens, caller.routing)
+    (args, kw), = calls
+    ids, weights, fmt = caller.routing.kernel_operands()
+    assert args[2:5] == (ids, weights, fmt) and args[6] is bucket.x_scales and args[7:] == (bucket.ids,
+                                                                                              bucket.route_weights)
+    assert kw == {"x_rows": None}
+    if bf16_tokens:
+        assert args[0].dtype == torch.uint8 and args[0].data_ptr() == caller.tokens.data_ptr()
+        assert args[0].shape == (TOKENS, 2 * HIDDEN) and args[1].shape == (TOKENS, 0)
+        assert args[5].dtype == torch.uint8 and args[5].data_ptr() == bucket.x.data_ptr()
+    else:
+        assert args[0] is caller.tokens.packed and args[1] is caller.tokens.scales
+        assert args[5].data_ptr() == bucket.x.data_ptr() and args[5].dtype == torch.uint8
