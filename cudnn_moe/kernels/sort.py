@@ -104,6 +104,20 @@ def sort_permute_blocks(num_slots: int, hidden: int) -> int:
     return max(1, min(-(-pairs // SORT_PERMUTE_BLOCK_PAIRS), SORT_PERMUTE_MAX_BLOCKS))
 
 
+def _token_hidden(what: str, tokens: torch.Tensor, token_scales: torch.Tensor | None) -> int:
+    """H of the tokens a sort + permute gathers: bfloat16 [T, H] (``token_scales`` None), or NVFP4 codes uint8
+    [T, H/2] with 1-byte E4M3 scales [T, H/16]; ValueError naming ``what`` otherwise."""
+    bf16 = token_scales is None
+    hidden = tokens.shape[1] if bf16 else 2 * tokens.shape[1]
+    if bf16 and tokens.dtype != torch.bfloat16 or not bf16 and (
+            tokens.dtype != torch.uint8 or token_scales.dtype.itemsize != 1
+            or tuple(token_scales.shape) != (tokens.shape[0], hidden // 16)):
+        raise ValueError(f"{what}: BF16 tokens [T, H], or uint8 codes [T, H/2] with 1-byte scales [T, H/16]; got "
+                         f"{tokens.dtype} {tuple(tokens.shape)}"
+                         + ("" if bf16 else f", scales {token_scales.dtype} {tuple(token_scales.shape)}"))
+    return hidden
+
+
 def sort_permute_bf16(
     ids_flat: torch.Tensor,
     top_k: int,
@@ -128,11 +142,7 @@ def sort_permute_bf16(
     if num_slots > SORT_PERMUTE_MAX_SLOTS:
         raise ValueError(f"sort + permute in one launch takes at most {SORT_PERMUTE_MAX_SLOTS} slots, got {num_slots}")
     bf16 = token_scales is None
-    hidden = tokens.shape[1] if bf16 else 2 * tokens.shape[1]
-    if bf16 and tokens.dtype != torch.bfloat16 or not bf16 and (tokens.dtype != torch.uint8 or
-                                                                 tuple(token_scales.shape) != (tokens.shape[0], hidden // 16)):
-        raise ValueError(f"sort + permute: BF16 tokens [B, H], or uint8 codes [B, H/2] with scales [B, H/16]; got "
-                         f"{tokens.dtype} {tuple(tokens.shape)}")
+    hidden = _token_hidden("sort + permute", tokens, token_scales)
     require_bf16_rows(xp, hidden, layout)
     blocks = sort_permute_blocks(num_slots, hidden)
     head = (ptr(ids_flat), np.int32(num_slots), np.int32(top_k), np.int32(local_start), np.int32(num_local),
@@ -170,7 +180,7 @@ def stage_sort_permute_bf16(
     moe_stage_sort_permute_bf16*)."""
     bf16 = token_scales is None
     num_tokens = tokens.shape[0]
-    hidden = tokens.shape[1] if bf16 else 2 * tokens.shape[1]
+    hidden = _token_hidden("stage + sort + permute", tokens, token_scales)
     bucket, top_k = ids_out.shape
     check_routing(ids, weights, routing_format, num_tokens, top_k, bucket)
     ids_flat = ids_out.view(-1)
@@ -179,12 +189,6 @@ def stage_sort_permute_bf16(
     if num_slots > SORT_PERMUTE_MAX_SLOTS:
         raise ValueError(f"stage + sort + permute in one launch takes at most {SORT_PERMUTE_MAX_SLOTS} slots, "
                          f"got {num_slots}")
-    if bf16 and tokens.dtype != torch.bfloat16 or not bf16 and (
-            tokens.dtype != torch.uint8 or token_scales.dtype.itemsize != 1
-            or tuple(token_scales.shape) != (num_tokens, hidden // 16)):
-        raise ValueError(f"stage + sort + permute: BF16 tokens [T, H], or uint8 codes [T, H/2] with 1-byte scales "
-                         f"[T, H/16]; got {tokens.dtype} {tuple(tokens.shape)}"
-                         + ("" if bf16 else f", scales {token_scales.dtype} {tuple(token_scales.shape)}"))
     if w_out.dtype != torch.float32 or w_out.shape != ids_out.shape:
         raise ValueError(f"w_out must be float32 {tuple(ids_out.shape)}, got {w_out.dtype} {tuple(w_out.shape)}")
     require_bf16_rows(xp, hidden, layout)
