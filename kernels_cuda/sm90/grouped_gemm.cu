@@ -36,6 +36,11 @@ using namespace sm90;
 #if defined(SM90_FINALIZE) && defined(SM90_ACT)
 #error "SM90_FINALIZE is for GEMM2, SM90_ACT for GEMM1"
 #endif
+#ifdef SM90_FINALIZE
+#define DEC_FINALIZE true
+#else
+#define DEC_FINALIZE false
+#endif
 
 // =============================================================================================
 // Decode: few tokens per expert. Weights stream global -> registers; split K across warps.
@@ -152,12 +157,10 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS)
   moe::grid_dependency_begin();
   __shared__ __align__(16) float red[SM90_WK][DEC_TB][DEC_RED_STRIDE];
   Tile tile;
-#ifdef SM90_FINALIZE
-  int tiles = 0;  // the tiles of all segments: CTAs of this feature block that write rows
-  if (!find_tile<DEC_TB>(offsets, num_experts, row_capacity, static_cast<int>(blockIdx.y), tile, &tiles)) return;
-#else
-  if (!find_tile<DEC_TB>(offsets, num_experts, row_capacity, static_cast<int>(blockIdx.y), tile)) return;
-#endif
+  int tiles = 0;  // with the finalize: the tiles of all segments, the CTAs of this feature block that write rows
+  if (!find_tile<DEC_TB>(offsets, num_experts, row_capacity, static_cast<int>(blockIdx.y), tile,
+                         DEC_FINALIZE ? &tiles : nullptr))
+    return;
   if (tile.row0 < 0 || tile.row0 >= tile.row_end) return;  // offsets outside [0, row_capacity]: nothing safe to do
 
   const int lane = threadIdx.x & 31;
