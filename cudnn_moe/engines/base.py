@@ -109,7 +109,8 @@ class Request:
     """What one op asks of an engine; fields left None are not known yet (e.g. at preparation) and not checked.
 
     shapes: the layer's two grouped GEMMs. token_dtype: the 16-bit dtype of a low-latency call's tokens
-    (None for NVFP4 tokens). tokens: the most tokens a call passes.
+    (None for NVFP4 tokens). tokens: the most tokens a call passes. nvfp4_problem: for MXFP4 weight-only
+    weights, why they have no exact NVFP4 form (None where they have one, or where nothing is known).
     """
 
     op: str
@@ -121,6 +122,7 @@ class Request:
     out_dtype: torch.dtype | None = None
     finalize: bool | None = None
     tokens: int | None = None
+    nvfp4_problem: str | None = None
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ quantize, from a float source; ``prepare_deepseek_fp8_weights`` keeps its E4M3 p
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 
 import torch
 
@@ -20,6 +21,7 @@ from ..engines.registry import engine_names, served_archs
 from ..formats import quantize_mxfp8, quantize_nvfp4
 from ..formats.blocks import to_e4m3
 from ..formats.fp8 import scale_from_amax
+from ..formats.mxfp4_as_nvfp4 import nvfp4_shifts
 from ..fused.config import Nvfp4MoeConfig
 from ..validate import (
     require_finite,
@@ -139,8 +141,8 @@ class LowLatencyMoeConfig:
     arch: the GPU the weights are prepared for ('sm90', (10, 0), ...); by default the current CUDA
     device, or SM90 when there is none. An arch this config does not run on is refused.
     engine: 'auto' (the engine ``tune`` measured fastest for a call's layer and token count, else the
-    registry's first engine that runs it: on SM90 the tensor cores for the NVFP4 formats' finalized BF16
-    calls, the CUDA cores otherwise) or the name of a low-latency engine of the registry ('sm90',
+    registry's first engine that runs it: on SM90 the tensor cores for the finalized BF16 calls of the NVFP4
+    formats and of MXFP4 weight-only layers with an exact NVFP4 form, the CUDA cores otherwise) or the name of a low-latency engine of the registry ('sm90',
     'cuda_cores', 'll_mma': the FP8 formats on tensor cores, ...).
     """
 
@@ -356,11 +358,20 @@ class LowLatencyMoeConfig:
         Codes as in ``prepare_nvfp4_weight_only_weights``; scales float8_e8m0fnu [E, N1, H/32] and [E, H, I/32],
         linear (value = e2m1 * 2^(byte - 127), decoded through FP32). H % 128 == 0, I % 32 == 0, I
         padded to a multiple of 128.
+
+        Preparation also decides whether the layer runs on the NVFP4 tensor-core kernels (SM90): it does when
+        every expert's block scales re-encode exactly as NVFP4 (cudnn_moe.formats.mxfp4_as_nvfp4: the exponents of
+        its nonzero blocks span at most 17 binades, none is NaN or above 2^125); ``weights.nvfp4_problem`` says why
+        not, and such layers run on the CUDA cores. This reads the scales and codes (a device sync).
         """
-        return self._prepare_block_scaled(
+        weights = self._prepare_block_scaled(
             WeightFormat.MXFP4_WEIGHT_ONLY, Mxfp4WeightOnlyWeights, torch.float8_e8m0fnu,
             w1_codes, w1_scales, w2_codes, w2_scales, activation,
         )
+        shifts1 = nvfp4_shifts(weights.w1_codes, weights.w1_scales, "w1")
+        shifts2 = nvfp4_shifts(weights.w2_codes, weights.w2_scales, "w2")
+        problem = next((s for s in (shifts1, shifts2) if isinstance(s, str)), None)
+        return replace(weights, nvfp4_shifts=problem or (shifts1, shifts2))
 
     def prepare_mxint4_weight_only_weights(
         self,

@@ -28,7 +28,7 @@ from ..engines.base import GemmEngine
 from ..engines.registry import engine_class_of
 from ..fused.config import Nvfp4MoeConfig
 from ..kernels.codes import TokenLayout
-from ..weights.low_latency import LowLatencyWeights, Nvfp4WeightOnlyWeights, WeightFormat
+from ..weights.low_latency import LowLatencyWeights, Mxfp4WeightOnlyWeights, Nvfp4WeightOnlyWeights, WeightFormat
 from ..weights.nvfp4 import Nvfp4Weights, require_expert_count
 
 _BITS = {1: torch.uint8, 4: torch.int32}
@@ -47,13 +47,17 @@ class LowLatencyFallback:
     weights: Nvfp4Weights
 
 
-def grouped_view(engine: type[GemmEngine], arch: Arch, weights: Nvfp4WeightOnlyWeights) -> Nvfp4Weights:
-    """The ``engine`` view on ``arch`` of NVFP4 low-latency weights (a repacked copy): w1 [E, N1p, H] in the
-    engine's layout with the w1 global as alpha, w2 [E, H, Ip] likewise; intermediate size Ip."""
-    w1, w1_scales = engine.pack_weights_chunked(arch, weights.w1_codes, weights.w1_scales)
-    w2, w2_scales = engine.pack_weights_chunked(arch, weights.w2_codes, weights.w2_scales)
+def grouped_view(
+    engine: type[GemmEngine], arch: Arch, weights: Nvfp4WeightOnlyWeights | Mxfp4WeightOnlyWeights
+) -> Nvfp4Weights:
+    """The ``engine`` view on ``arch`` of NVFP4 low-latency weights, or of MXFP4 weight-only weights in their exact
+    NVFP4 form (a repacked copy): w1 [E, N1p, H] in the engine's layout with the w1 global as alpha, w2 [E, H, Ip]
+    likewise; intermediate size Ip."""
+    w1_codes, w1_scales, w1_global, w2_codes, w2_scales, w2_global = weights.nvfp4_payloads()
+    w1, w1_scales = engine.pack_weights_chunked(arch, w1_codes, w1_scales)
+    w2, w2_scales = engine.pack_weights_chunked(arch, w2_codes, w2_scales)
     return Nvfp4Weights(
-        w1, w1_scales, weights.w1_global, w2, w2_scales, weights.w2_global, engine.spec(arch),
+        w1, w1_scales, w1_global, w2, w2_scales, w2_global, engine.spec(arch),
         weights.gated, weights.hidden_size, weights.padded_intermediate,
     )
 

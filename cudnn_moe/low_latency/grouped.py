@@ -4,14 +4,17 @@ exactly in registers, tokens on the narrow side of mma.sync, split-K) through th
 (``bf16_intermediate``: never requantized), GEMM2, ordered FP32 combine.
 
 - NVFP4 weight-only with BF16 tokens: the tokens enter as they are (``bf16_tokens``);
+- MXFP4 weight-only with BF16 tokens, likewise, on the weights' exact NVFP4 form (the same codes, each E8M0
+  block scale 2^j as E4M3 scales 2^(j - a) and a global 2^a per expert: cudnn_moe.formats.mxfp4_as_nvfp4);
 - NVFP4 weights with NVFP4 activations (the pair): the tokens are decoded exactly to BF16 fragments.
 
 Numerics are the format's contract (cudnn_moe.low_latency.reference), the same as the CUDA-core engine's:
 GEMM1 = bf16(global1[e] * FP32 sum of exact products), activation in FP32 rounded to BF16, expert rows =
-bf16(global2[e] * FP32 sum), combine in slot order with separate FP32 multiply and add. Only the FP32
+bf16(global2[e] * FP32 sum), combine in slot order with separate FP32 multiply and add (MXFP4: the power-of-two
+global times the sum of the products shifted by 2^-a, which is the contract's FP32 sum). Only the FP32
 summation order differs, so the two engines agree to accumulation-order noise. Slots whose expert id lies
-outside [0, E) are skipped with their route weights (the pair's unrouted slots; the weight-only format
-requires ids in range).
+outside [0, E) are skipped with their route weights (the pair's unrouted slots; the weight-only formats
+require ids in range).
 
 The call runs as a fused_moe call does (``MoeExecutor.run``, finalized into ``out``): where the launches are
 recorded for the call itself (an eager call, one recorded into the caller's graph, a full-call graph), the decode
@@ -19,8 +22,9 @@ chain stages the caller's tokens and routing in its sort + permute and its GEMM2
 engine can (cudnn_moe.pipeline.executor).
 
 The weights are repacked once into the engine's layout, on the first call (kept beside the caller's
-canonical tensors while the prepared weights live: a second copy, see the README's memory table), unless the
-weights hold a prepared fallback in that layout (cudnn_moe.low_latency.fallback), whose view is used instead.
+canonical tensors while the prepared weights live: a second copy, sized in the README's low-latency engines),
+unless the weights hold a prepared fallback in that layout (cudnn_moe.low_latency.fallback), whose view is used
+instead.
 Calls above the config's max_num_tokens run here too, on the fallback's view with its token buckets
 (``run_on``): the same launches and rounding points, in larger buckets.
 """
@@ -38,24 +42,26 @@ from ..engines.registry import engine_for
 from ..pipeline.call_cache import tensor_signature
 from ..pipeline.executor import MoeExecutor
 from ..pipeline.lifetime import cached
-from ..weights.low_latency import Nvfp4WeightOnlyWeights
+from ..weights.low_latency import Mxfp4WeightOnlyWeights, Nvfp4WeightOnlyWeights
 from ..weights.nvfp4 import Nvfp4Activations, Nvfp4Weights
 from .config import MAX_NUM_TOKENS
 from .fallback import grouped_view
 
-_views: weakref.WeakKeyDictionary[Nvfp4WeightOnlyWeights, Nvfp4Weights] = weakref.WeakKeyDictionary()
+_views: weakref.WeakKeyDictionary[Nvfp4WeightOnlyWeights | Mxfp4WeightOnlyWeights, Nvfp4Weights] = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
 
 
-def layer_view(engine: type[GemmEngine], weights: Nvfp4WeightOnlyWeights) -> Nvfp4Weights:
-    """The ``engine`` view of NVFP4 weights: the prepared fallback's when it is in this engine's layout (the same
-    bytes), else repacked on first use (``grouped_view``), then kept."""
+def layer_view(engine: type[GemmEngine], weights: Nvfp4WeightOnlyWeights | Mxfp4WeightOnlyWeights) -> Nvfp4Weights:
+    """The ``engine`` view of NVFP4 weights (or of MXFP4 weight-only weights in their exact NVFP4 form): the
+    prepared fallback's when it is in this engine's layout (the same bytes), else repacked on first use
+    (``grouped_view``), then kept."""
     view = _views.get(weights)
     if view is not None:
         return view
     arch = device_arch(weights.w1_codes.device)
-    if weights.fallback is not None and weights.fallback.weights.spec == engine.spec(arch):
-        return weights.fallback.weights
+    fallback = weights.fallback if isinstance(weights, Nvfp4WeightOnlyWeights) else None
+    if fallback is not None and fallback.weights.spec == engine.spec(arch):
+        return fallback.weights
     refuse_during_capture("low_latency_moe must lay these weights out for the tensor cores first",
                           "make one call with them (of each token count) before capture")
     with _lock:

@@ -37,7 +37,7 @@ import torch
 from ..arch import Arch
 from ..cache import KIND_TACTIC, EntryKey, Environment, active_cache, current_environment
 from ..cache.store import report_once
-from ..engines.base import OP_LOW_LATENCY, Engine, GemmShape, Request
+from ..engines.base import OP_LOW_LATENCY, Engine, GemmShape, Request, WeightFormat
 from ..engines.registry import AUTO, choose, supporting
 from ..weights.low_latency import LowLatencyWeights
 
@@ -73,11 +73,13 @@ def layer_request(
 ) -> Request:
     """What a call of ``tokens`` tokens with these weights asks of the engines: GEMM1 K = H -> N = N1 (2I gated,
     else I), GEMM2 K = Ip -> N = H, over E experts; token_dtype: the 16-bit (or per-tensor FP8) tokens' dtype,
-    None for tokens given as codes with scales (the NVFP4 pair, prequantized DeepSeek FP8)."""
+    None for tokens given as codes with scales (the NVFP4 pair, prequantized DeepSeek FP8); for MXFP4 weight-only
+    weights, why they have no exact NVFP4 form (``Mxfp4WeightOnlyWeights.nvfp4_problem``)."""
     shapes = (GemmShape(weights.hidden_size, weights.gemm1_rows, weights.num_experts),
               GemmShape(weights.padded_intermediate, weights.hidden_size, weights.num_experts))
+    problem = weights.nvfp4_problem if weights.format is WeightFormat.MXFP4_WEIGHT_ONLY else None
     return Request(OP_LOW_LATENCY, arch, weights.format.value, shapes, weights.num_experts, token_dtype, out_dtype,
-                   finalize, tokens)
+                   finalize, tokens, problem)
 
 
 def _dtype_name(dtype: torch.dtype | None) -> str | None:

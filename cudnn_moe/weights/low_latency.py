@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 
 from ..engines.base import WeightFormat
+from ..formats.mxfp4_as_nvfp4 import nvfp4_globals, nvfp4_scales
 
 if TYPE_CHECKING:
     from ..low_latency.fallback import LowLatencyFallback
@@ -149,9 +150,33 @@ class BlockScaledWeights(LowLatencyWeights):
 
 @dataclass(frozen=True, eq=False)
 class Mxfp4WeightOnlyWeights(BlockScaledWeights):
-    """MXFP4 weight-only: E2M1 codes, float8_e8m0fnu scales per 32 K values (value = e2m1 * 2^(byte - 127))."""
+    """MXFP4 weight-only: E2M1 codes, float8_e8m0fnu scales per 32 K values (value = e2m1 * 2^(byte - 127)).
+
+    nvfp4_shifts: decided at preparation (``prepare_mxfp4_weight_only_weights``): the shifts (w1, w2), int32 [E]
+        each, of the exact NVFP4 form these weights take on NVFP4 kernels (cudnn_moe.formats.mxfp4_as_nvfp4), or
+        why they have none (a str); None where nobody asked (the MX pair's weights).
+    """
 
     block: ClassVar[int] = 32
+    nvfp4_shifts: tuple[torch.Tensor, torch.Tensor] | str | None = None
+
+    @property
+    def nvfp4_problem(self) -> str | None:
+        """Why these weights have no exact NVFP4 form, or None."""
+        if self.nvfp4_shifts is None:
+            return "their NVFP4 form was not decided (weights not made by prepare_mxfp4_weight_only_weights)"
+        return self.nvfp4_shifts if isinstance(self.nvfp4_shifts, str) else None
+
+    def nvfp4_payloads(self) -> tuple[torch.Tensor, ...]:
+        """The exact NVFP4 form, padded as stored: (w1_codes, w1_scales float8_e4m3fn [E, N1p, H/16], w1_global
+        float32 [E], w2_codes, w2_scales [E, H, Ip/16], w2_global); the codes are these weights' own tensors.
+        ValueError when there is none (``nvfp4_problem``)."""
+        problem = self.nvfp4_problem
+        if problem is not None:
+            raise ValueError(f"these MXFP4 weights have no exact NVFP4 form: {problem}")
+        shifts1, shifts2 = self.nvfp4_shifts
+        return (self.w1_codes, nvfp4_scales(self.w1_codes, self.w1_scales, shifts1), nvfp4_globals(shifts1),
+                self.w2_codes, nvfp4_scales(self.w2_codes, self.w2_scales, shifts2), nvfp4_globals(shifts2))
 
 
 @dataclass(frozen=True, eq=False)
@@ -191,6 +216,10 @@ class Nvfp4WeightOnlyWeights(BlockScaledWeights):
     w1_global: torch.Tensor
     w2_global: torch.Tensor
     fallback: LowLatencyFallback | None = None
+
+    def nvfp4_payloads(self) -> tuple[torch.Tensor, ...]:
+        """(w1_codes, w1_scales, w1_global, w2_codes, w2_scales, w2_global) as stored (padded)."""
+        return self.w1_codes, self.w1_scales, self.w1_global, self.w2_codes, self.w2_scales, self.w2_global
 
     def canonical(self) -> tuple[torch.Tensor, ...]:
         """(w1_codes, w1_scales, w1_global, w2_codes, w2_scales, w2_global): the prepare method's argument order."""

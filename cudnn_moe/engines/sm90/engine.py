@@ -120,11 +120,14 @@ def gemm1_fusion(rows: int, shape: GemmShape, activation: object, sm_count: int)
 
 
 LOW_LATENCY_MAX_TOKENS = 8
+# Weight-only formats of the low-latency op, with BF16 tokens: NVFP4, and MXFP4 in its exact NVFP4 form
+# (cudnn_moe.formats.mxfp4_as_nvfp4, decided when the weights are prepared).
+_WEIGHT_ONLY = frozenset({WeightFormat.NVFP4_WEIGHT_ONLY, WeightFormat.MXFP4_WEIGHT_ONLY})
 
 
 class Sm90GemmEngine(GemmEngine):
     """NVFP4 x NVFP4 grouped GEMMs with our own kernels on Hopper: the fused and aligned ops, and the
-    low-latency op's NVFP4 formats (finalized, BF16 out; NVFP4 weight-only with BF16 tokens, or the
+    low-latency op's NVFP4 formats (finalized, BF16 out; NVFP4 or MXFP4 weight-only with BF16 tokens, or the
     NVFP4 pair), measured 1.3-3x faster than the CUDA-core kernels from two tokens on (at one token
     1.9x faster on DeepSeek-V3, up to 10% slower on Qwen3-30B-A3B), so it takes every T."""
 
@@ -132,7 +135,7 @@ class Sm90GemmEngine(GemmEngine):
     services = (
         Service(OP_FUSED, frozenset({NVFP4}), frozenset({SM90})),
         Service(OP_ALIGNED, frozenset({NVFP4}), frozenset({SM90})),
-        Service(OP_LOW_LATENCY, frozenset({WeightFormat.NVFP4_WEIGHT_ONLY.value, WeightFormat.NVFP4_W_NVFP4_A.value}),
+        Service(OP_LOW_LATENCY, frozenset({fmt.value for fmt in _WEIGHT_ONLY | {WeightFormat.NVFP4_W_NVFP4_A}}),
                 frozenset({SM90}), max_tokens=LOW_LATENCY_MAX_TOKENS),
     )
 
@@ -154,9 +157,12 @@ class Sm90GemmEngine(GemmEngine):
             return Support(False, "the sm90 engine writes BF16 low-latency outputs only")
         if request.num_experts is not None and request.num_experts > SORT_MAX_EXPERTS:
             return Support(False, f"the sm90 pipeline sorts at most {SORT_MAX_EXPERTS} experts")
-        weight_only = request.weight_format == WeightFormat.NVFP4_WEIGHT_ONLY.value
+        weight_only = request.weight_format in {fmt.value for fmt in _WEIGHT_ONLY}
         if weight_only and request.token_dtype is not None and request.token_dtype != torch.bfloat16:
-            return Support(False, "the sm90 engine takes BF16 tokens for NVFP4 weight-only layers")
+            return Support(False, "the sm90 engine takes BF16 tokens for 4-bit weight-only layers")
+        if request.weight_format == WeightFormat.MXFP4_WEIGHT_ONLY.value and request.nvfp4_problem is not None:
+            return Support(False, f"the sm90 engine runs MXFP4 weights in their exact NVFP4 form, which these lack: "
+                                  f"{request.nvfp4_problem}")
         return Support(True)
 
     @classmethod

@@ -564,3 +564,37 @@ def test_short_prepare_names_are_aliases_of_the_contract_names(fmt):
     full = prepare(config, fmt, payloads)
     assert type(short) is type(full) and short.format is full.format
     assert all(same_bits(a, b) for a, b in zip(short.canonical(), full.canonical()))
+
+
+def test_mxfp4_weight_only_runs_on_the_tensor_cores_in_its_exact_nvfp4_form() -> None:
+    """Preparation decides the NVFP4 form (cudnn_moe.formats.mxfp4_as_nvfp4); the registry sends finalized BF16
+    calls of such layers to sm90 and the others, with the reason, to the CUDA cores."""
+    from cudnn_moe.engines.registry import choose
+    from cudnn_moe.low_latency.tactics import layer_request
+
+    config, bf16, fmt = LowLatencyMoeConfig(arch="sm90"), torch.bfloat16, WeightFormat.MXFP4_WEIGHT_ONLY
+    gen = torch.Generator().manual_seed(5)  # I = 128: N1 = 2I a multiple of the sm90 kernels' 128 features
+    payloads = (_codes(gen, E, 2 * IP, H // 2), _scales(fmt, gen, E, 2 * IP, H // 32), _codes(gen, E, H, IP // 2),
+                _scales(fmt, gen, E, H, IP // 32))
+    weights = prepare(config, WeightFormat.MXFP4_WEIGHT_ONLY, payloads)
+    assert weights.nvfp4_problem is None
+    shifts1, shifts2 = weights.nvfp4_shifts
+    assert shifts1.tolist() == [0] * E and shifts2.tolist() == [0] * E  # scales 2^-9 .. 2^-4: E4M3's own
+
+    def engine(w, x_dtype=bf16, out_dtype=bf16, finalize=True, name="auto") -> str:
+        return choose(layer_request(w, (9, 0), 2, x_dtype, out_dtype, finalize), name).name
+
+    assert engine(weights) == "sm90"
+    assert engine(weights, x_dtype=torch.float16) == "cuda_cores"
+    assert engine(weights, out_dtype=torch.float16) == "cuda_cores"
+    assert engine(weights, finalize=False) == "cuda_cores"
+    w1_codes, w1_scales, w2_codes, w2_scales = payloads
+    wide = w1_scales.clone()
+    wide.view(torch.uint8)[1, 0, 0] = 100  # 2^-27 beside 2^-4: 23 binades
+    odd = prepare(config, WeightFormat.MXFP4_WEIGHT_ONLY, (w1_codes, wide, w2_codes, w2_scales))
+    assert odd.nvfp4_problem == "w1 scales of expert 1 span 2^-27 .. 2^-4, more than the 17 binades E4M3 holds exactly"
+    assert engine(odd) == "cuda_cores"
+    with pytest.raises(ValueError, match="exact NVFP4 form, which these lack: w1 scales of expert 1 span"):
+        engine(odd, name="sm90")
+    with pytest.raises(ValueError, match="no exact NVFP4 form"):
+        odd.nvfp4_payloads()

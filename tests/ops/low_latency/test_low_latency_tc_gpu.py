@@ -1,5 +1,5 @@
-"""GPU tests of the tensor-core path of the low-latency call (cudnn_moe.low_latency.grouped): NVFP4
-weight-only layers with BF16 tokens on the SM90 engine, called directly at every T = 1..8 (the call's
+"""GPU tests of the tensor-core path of the low-latency call (cudnn_moe.low_latency.grouped): NVFP4 (and MXFP4, in
+its exact NVFP4 form) weight-only layers with BF16 tokens on the SM90 engine, called directly at every T = 1..8 (the call's
 dispatch sends such calls there), against the float64 reference; repeated calls bitwise equal; recorded into the
 caller's CUDA graph, three launches (the stage and the finalize folded into the chain) bitwise equal to a call
 that launches them.
@@ -11,12 +11,13 @@ import pytest
 import torch
 
 from cudnn_moe.activations import GELU, GeGLU, Identity, ReLU2, SiTU, SwiGLU, SwiGLUStep
-from cudnn_moe.engines.base import OP_LOW_LATENCY, LowLatencyCall, Request
+from cudnn_moe.engines.base import LowLatencyCall
 from cudnn_moe.engines.registry import choose
 from cudnn_moe.capture import capture_graph
 from cudnn_moe.engines.sm90.engine import Sm90GemmEngine
 from cudnn_moe.kernels import driver
-from cudnn_moe.low_latency import WeightFormat, grouped, reference_low_latency
+from cudnn_moe.low_latency import LowLatencyMoeConfig, WeightFormat, grouped, low_latency_moe, reference_low_latency
+from cudnn_moe.low_latency.tactics import layer_request
 from cudnn_moe.routing import Routing
 from cudnn_moe.weights.nvfp4 import Nvfp4Activations
 from tests.support.low_latency import (
@@ -33,8 +34,7 @@ def run_tensor_cores(x, x_scales, weights, routing, act, out) -> None:
 
 def engine_of(weights, x_dtype, out_dtype, finalize, arch) -> str:
     """The engine the registry picks for a low-latency call of these properties."""
-    return choose(Request(OP_LOW_LATENCY, arch, weights.format.value, num_experts=weights.num_experts,
-                          token_dtype=x_dtype, out_dtype=out_dtype, finalize=finalize)).name
+    return choose(layer_request(weights, arch, 1, x_dtype, out_dtype, finalize)).name
 
 
 CASES = [
@@ -72,7 +72,10 @@ def test_dispatch_sends_nvfp4_weight_only_bf16_to_the_tensor_cores() -> None:
     assert engine_of(weights, bf16, bf16, False, arch) == "cuda_cores"  # raw rows
     assert engine_of(weights, bf16, bf16, True, (10, 0)) == "cuda_cores"
     _, mx = make_layer(WeightFormat.MXFP4_WEIGHT_ONLY, True, shape=(256, 128), seed=9)
-    assert engine_of(mx, bf16, bf16, True, arch) == "cuda_cores"
+    assert engine_of(mx, bf16, bf16, True, arch) == "sm90"  # in its exact NVFP4 form
+    assert engine_of(mx, torch.float16, bf16, True, arch) == "cuda_cores"
+    _, mxint = make_layer(WeightFormat.MXINT4_WEIGHT_ONLY, True, shape=(256, 128), seed=9)
+    assert engine_of(mxint, bf16, bf16, True, arch) == "cuda_cores"
     _, pair = make_layer(WeightFormat.NVFP4_W_NVFP4_A, True, shape=(512, 128), seed=9)
     assert engine_of(pair, None, bf16, True, arch) == "sm90"
     assert engine_of(pair, None, bf16, False, arch) == "cuda_cores"  # raw rows
@@ -105,7 +108,71 @@ def test_tensor_cores_nvfp4_pair_with_unrouted_nan_slots(tokens, act, kind) -> N
     assert_close_to_reference(out, want, f"pair on tensor cores T={tokens} {type(act).__name__} {kind}")
 
 
-FOLD_CASES = [(FMT, 1), (FMT, 5), (WeightFormat.NVFP4_W_NVFP4_A, 3), (WeightFormat.NVFP4_W_NVFP4_A, 8)]
+MXFP4 = WeightFormat.MXFP4_WEIGHT_ONLY
+
+
+def mxfp4_layer(config, exponents: tuple[int, int], gated: bool, shape: tuple[int, int], seed: int):
+    """MXFP4 weight-only weights of random codes with block scales 2^j, j uniform in ``exponents`` (inclusive)."""
+    (hidden, inter), (lo, hi) = shape, exponents
+    gen = torch.Generator().manual_seed(seed)
+    n1 = (2 if gated else 1) * inter
+
+    def scales(*size: int) -> torch.Tensor:
+        return torch.randint(127 + lo, 128 + hi, size, generator=gen, dtype=torch.uint8).view(torch.float8_e8m0fnu)
+
+    w1 = torch.randint(0, 256, (E, n1, hidden // 2), generator=gen, dtype=torch.uint8)
+    w2 = torch.randint(0, 256, (E, hidden, inter // 2), generator=gen, dtype=torch.uint8)
+    payloads = (w1, scales(E, n1, hidden // 32), w2, scales(E, hidden, inter // 32))
+    return config.prepare_mxfp4_weight_only_weights(*(t.to(DEV) for t in payloads),
+                                                    activation=SwiGLU() if gated else ReLU2())
+
+
+MX_CASES = [  # (T, activation, routing kind, block scale exponents, the shift they take)
+    (1, SwiGLU(), "packed", (-14, -1), -5), (2, ReLU2(), "fp32", (-9, -4), 0), (5, GeGLU(), "bf16", (4, 13), 5),
+    (8, SwiGLU(), "int64", (-30, -20), -21),
+]
+
+
+@pytest.mark.parametrize("tokens, act, kind, exponents, shift", MX_CASES,
+                         ids=[f"T{c[0]}-{type(c[1]).__name__}-2^{c[3][0]}..2^{c[3][1]}" for c in MX_CASES])
+def test_mxfp4_weight_only_on_the_tensor_cores(tokens, act, kind, exponents, shift) -> None:
+    """The op sends finalized BF16 MXFP4 calls to sm90 (the exact NVFP4 form, shifted by a power of two where the
+    scales leave E4M3's range), and the CUDA-core engine still runs them: both against the float64 reference."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the tensor-core path is the SM90 engine's")
+    config = LowLatencyMoeConfig(8)
+    weights = mxfp4_layer(config, exponents, act.gated, (512, 256), seed=tokens + 40)
+    assert [s.unique().tolist() for s in weights.nvfp4_shifts] == [[shift], [shift]]
+    x = make_inputs(config, MXFP4, torch.bfloat16, tokens, weights.hidden_size, seed=tokens + 41)
+    routing = make_routing(random_ids(tokens, TOP_K, E, tokens + 42), kind, tokens + 43)
+    assert engine_of(weights, torch.bfloat16, torch.bfloat16, True, (9, 0)) == "sm90"
+    want = reference_low_latency(x, weights, routing, act, out_dtype=torch.bfloat16)
+    for engine in ("auto", "cuda_cores"):
+        out = nan_out((tokens, weights.hidden_size), torch.bfloat16)
+        low_latency_moe(LowLatencyMoeConfig(8, engine=engine), x, weights, routing, activation=act, out=out)
+        torch.cuda.synchronize()
+        assert_close_to_reference(out, want, f"MXFP4 weight-only on {engine} T={tokens} scales 2^{exponents}")
+
+
+def test_mxfp4_weights_without_an_exact_nvfp4_form_stay_on_the_cuda_cores() -> None:
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the tensor-core path is the SM90 engine's")
+    config = LowLatencyMoeConfig(8)
+    weights = mxfp4_layer(config, (-27, -4), True, (512, 256), seed=50)  # 23 binades
+    assert "more than the 17 binades" in weights.nvfp4_problem
+    assert engine_of(weights, torch.bfloat16, torch.bfloat16, True, (9, 0)) == "cuda_cores"
+    x = make_inputs(config, MXFP4, torch.bfloat16, 3, weights.hidden_size, seed=51)
+    routing = make_routing(random_ids(3, TOP_K, E, 52), "fp32", 53)
+    out = nan_out((3, weights.hidden_size), torch.bfloat16)
+    low_latency_moe(config, x, weights, routing, out=out)
+    want = reference_low_latency(x, weights, routing, SwiGLU(), out_dtype=torch.bfloat16)
+    torch.cuda.synchronize()
+    assert_close_to_reference(out, want, "MXFP4 weight-only beyond E4M3's span, on the CUDA cores")
+    with pytest.raises(ValueError, match="exact NVFP4 form, which these lack"):
+        low_latency_moe(LowLatencyMoeConfig(8, engine="sm90"), x, weights, routing)
+
+
+FOLD_CASES = [(FMT, 1), (FMT, 5), (MXFP4, 2), (WeightFormat.NVFP4_W_NVFP4_A, 3), (WeightFormat.NVFP4_W_NVFP4_A, 8)]
 
 
 @pytest.mark.parametrize("fmt, tokens", FOLD_CASES, ids=[f"{f.value}-T{t}" for f, t in FOLD_CASES])
@@ -117,7 +184,7 @@ def test_tensor_cores_in_the_callers_graph_fold_the_stage_and_the_finalize(fmt, 
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the tensor-core path is the SM90 engine's")
     act = SwiGLU()
-    shape = (512, 160) if fmt is FMT else (512, 256)  # the pair's I is a multiple of 128
+    shape = (512, 256) if fmt is WeightFormat.NVFP4_W_NVFP4_A else (512, 160)  # the pair's I is a multiple of 128
     config, weights = make_layer(fmt, True, shape=shape, seed=tokens + 20)
     inputs = make_inputs(config, fmt, torch.bfloat16, tokens, weights.hidden_size, seed=tokens + 21)
     x, x_scales = (inputs.packed, inputs.scales) if isinstance(inputs, Nvfp4Activations) else (inputs, None)
