@@ -270,14 +270,18 @@ __device__ __forceinline__ void activate_unit_chunks(const u16* src, int gate_of
 // activation of value j, its 16-value block's amax by a butterfly of fmaxf (NaN-blind, as the loop's), the
 // block's scale and quotient, then one 2-byte store at the value's place in the layout
 // (store_unit's TOKENS_BF16_FRAGMENTS pieces, natural order, or its tiled place). All 32 lanes call it with one unit.
-template <int ACT, bool GATED>
-__device__ __forceinline__ void activate_store_unit_warp(const u16* src, int gate_offset, bool padding, i64 r,
+// The source row holds BF16 preactivations (u16), or FP32 ones (float: MXINT4, whose contract keeps them unrounded).
+__device__ __forceinline__ float preactivation(const u16* src, int j) { return bf16_to_float(src[j]); }
+__device__ __forceinline__ float preactivation(const float* src, int j) { return src[j]; }
+
+template <int ACT, bool GATED, typename Src>
+__device__ __forceinline__ void activate_store_unit_warp(const Src* src, int gate_offset, bool padding, i64 r,
                                                          int u, int inter, int rows, int act, float alpha, float beta,
                                                          float limit, int layout, bool requantize, u16* out) {
   const int j = static_cast<int>(threadIdx.x & 31);
   const int kind = ACT >= 0 ? ACT : act;
-  const float up = bf16_to_float(src[j]);
-  const float y = GATED ? act_gated_all(kind, up, bf16_to_float(src[gate_offset + j]), alpha, beta, limit)
+  const float up = preactivation(src, j);
+  const float y = GATED ? act_gated_all(kind, up, preactivation(src, gate_offset + j), alpha, beta, limit)
                         : act_fn(kind, up);
   float amax = fmaxf(0.0f, fabsf(y));
 #pragma unroll

@@ -52,6 +52,16 @@ class WeightLayout(enum.Enum):
     SM90_TILES = "sm90-tiles"
 
 
+class BlockCode(enum.Enum):
+    """What a 4-bit weight view's codes and block scales are. NVFP4: E2M1 codes, E4M3 scales per 16 k, the expert
+    globals as alpha. MXINT4 (the low-latency op's MXINT4 weight-only layers on the SM90 engine): two's-complement
+    INT4 codes, BF16 scales per 32 k applied to FP32 partial sums, no global; GEMM1's preactivation stays FP32, so
+    GEMM1 runs with the activation in its epilogue."""
+
+    NVFP4 = "nvfp4"
+    MXINT4 = "mxint4"
+
+
 @dataclass(frozen=True)
 class EngineSpec:
     """What one engine reads and writes on one architecture."""
@@ -158,12 +168,14 @@ class TokenOperand:
 class WeightOperand:
     """One GEMM's prepared weights: ``data`` and ``scales`` in the engine's weight layout, ``alpha``
     float32 [E] (the expert globals). With ``alpha_split`` (a multiple of 128 below N), alpha is
-    [2E] and output features f >= alpha_split take alpha[E + e] (GEMM1 halves with their own scales)."""
+    [2E] and output features f >= alpha_split take alpha[E + e] (GEMM1 halves with their own scales).
+    code: what the codes and scales are (BlockCode)."""
 
     data: torch.Tensor
     scales: torch.Tensor
     alpha: torch.Tensor
     alpha_split: int | None = None
+    code: BlockCode = BlockCode.NVFP4
 
 
 def alpha_split(weights: WeightOperand, n: int) -> int:
@@ -306,23 +318,33 @@ class GemmEngine(Engine):
         engine's weight layout on ``arch`` (done once, at preparation)."""
 
     @classmethod
+    def pack_mxint4_weights(
+        cls, arch: Arch, codes: torch.Tensor, scales: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """MXINT4 weights (two's-complement codes uint8 [E, N, K/2], linear BF16 scales [E, N, K/32]) -> the engine's
+        MXINT4 layout on ``arch`` (BlockCode.MXINT4), for engines serving MXINT4 weight-only layers."""
+        raise NotImplementedError(f"the {cls.name} engine runs no MXINT4 weights")
+
+    @classmethod
     def pack_weights_chunked(
         cls,
         arch: Arch,
         codes: torch.Tensor,
         scales: torch.Tensor,
         rows: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        code: BlockCode = BlockCode.NVFP4,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``pack_weights`` a few experts at a time (about PACK_CHUNK_BYTES of codes each), so the packing's
-        temporaries stay small next to the weights; ``rows`` (e.g. a reorder of the rows) is applied to each
-        chunk's codes and scales first."""
+        """``pack_weights`` (``pack_mxint4_weights`` for BlockCode.MXINT4) a few experts at a time (about
+        PACK_CHUNK_BYTES of codes each), so the packing's temporaries stay small next to the weights; ``rows`` (e.g. a
+        reorder of the rows) is applied to each chunk's codes and scales first."""
+        pack = cls.pack_mxint4_weights if code is BlockCode.MXINT4 else cls.pack_weights
         step = max(1, PACK_CHUNK_BYTES // max(1, codes[0].numel()))
         parts = []
         for e in range(0, codes.shape[0], step):
             c, s = codes[e : e + step], scales[e : e + step]
             if rows is not None:
                 c, s = rows(c), rows(s)
-            parts.append(cls.pack_weights(arch, c.contiguous(), s.contiguous()))
+            parts.append(pack(arch, c.contiguous(), s.contiguous()))
         data, packed_scales = zip(*parts)
         return torch.cat(data), torch.cat(packed_scales)
 

@@ -6,12 +6,16 @@ exactly in registers, tokens on the narrow side of mma.sync, split-K) through th
 - NVFP4 weight-only with BF16 tokens: the tokens enter as they are (``bf16_tokens``);
 - MXFP4 weight-only with BF16 tokens, likewise, on the weights' exact NVFP4 form (the same codes, each E8M0
   block scale 2^j as E4M3 scales 2^(j - a) and a global 2^a per expert: cudnn_moe.formats.mxfp4_as_nvfp4);
+- MXINT4 weight-only with BF16 tokens, likewise, in the engine's MXINT4 layout (BlockCode.MXINT4: INT4 decoded
+  exactly, each 32-value block's FP32 partial sum times its BF16 scale; GEMM1 keeps the preactivation in FP32 and
+  runs with the activation in its epilogue);
 - NVFP4 weights with NVFP4 activations (the pair): the tokens are decoded exactly to BF16 fragments.
 
 Numerics are the format's contract (cudnn_moe.low_latency.reference), the same as the CUDA-core engine's:
 GEMM1 = bf16(global1[e] * FP32 sum of exact products), activation in FP32 rounded to BF16, expert rows =
 bf16(global2[e] * FP32 sum), combine in slot order with separate FP32 multiply and add (MXFP4: the power-of-two
-global times the sum of the products shifted by 2^-a, which is the contract's FP32 sum). Only the FP32
+global times the sum of the products shifted by 2^-a, which is the contract's FP32 sum; MXINT4: no global, and
+GEMM1's FP32 sum is not rounded before the activation). Only the FP32
 summation order differs, so the two engines agree to accumulation-order noise. Slots whose expert id lies
 outside [0, E) are skipped with their route weights (the pair's unrouted slots; the weight-only formats
 require ids in range).
@@ -34,27 +38,30 @@ from __future__ import annotations
 import threading
 import weakref
 
+import torch
+
 from ..activations import Activation
-from ..arch import device_arch
+from ..arch import Arch, device_arch
 from ..capture import refuse_during_capture
-from ..engines.base import GemmEngine, LowLatencyCall
+from ..engines.base import BlockCode, GemmEngine, LowLatencyCall
 from ..engines.registry import engine_for
 from ..pipeline.call_cache import tensor_signature
 from ..pipeline.executor import MoeExecutor
 from ..pipeline.lifetime import cached
-from ..weights.low_latency import Mxfp4WeightOnlyWeights, Nvfp4WeightOnlyWeights
+from ..weights.low_latency import Mxfp4WeightOnlyWeights, Mxint4WeightOnlyWeights, Nvfp4WeightOnlyWeights
 from ..weights.nvfp4 import Nvfp4Activations, Nvfp4Weights
 from .config import MAX_NUM_TOKENS
 from .fallback import grouped_view
 
-_views: weakref.WeakKeyDictionary[Nvfp4WeightOnlyWeights | Mxfp4WeightOnlyWeights, Nvfp4Weights] = weakref.WeakKeyDictionary()
+Viewable = Nvfp4WeightOnlyWeights | Mxfp4WeightOnlyWeights | Mxint4WeightOnlyWeights  # what this path runs
+_views: weakref.WeakKeyDictionary[Viewable, Nvfp4Weights] = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
 
 
-def layer_view(engine: type[GemmEngine], weights: Nvfp4WeightOnlyWeights | Mxfp4WeightOnlyWeights) -> Nvfp4Weights:
-    """The ``engine`` view of NVFP4 weights (or of MXFP4 weight-only weights in their exact NVFP4 form): the
-    prepared fallback's when it is in this engine's layout (the same bytes), else repacked on first use
-    (``grouped_view``), then kept."""
+def layer_view(engine: type[GemmEngine], weights: Viewable) -> Nvfp4Weights:
+    """The ``engine`` view of NVFP4 weights (or of MXFP4 weight-only weights in their exact NVFP4 form, or of MXINT4
+    weight-only weights in the engine's MXINT4 layout): the prepared fallback's when it is in this engine's layout
+    (the same bytes), else repacked on first use (``grouped_view``, ``mxint4_view``), then kept."""
     view = _views.get(weights)
     if view is not None:
         return view
@@ -67,8 +74,22 @@ def layer_view(engine: type[GemmEngine], weights: Nvfp4WeightOnlyWeights | Mxfp4
     with _lock:
         view = _views.get(weights)
         if view is None:
-            view = _views[weights] = grouped_view(engine, arch, weights)
+            pack = mxint4_view if isinstance(weights, Mxint4WeightOnlyWeights) else grouped_view
+            view = _views[weights] = pack(engine, arch, weights)
     return view
+
+
+def mxint4_view(engine: type[GemmEngine], arch: Arch, weights: Mxint4WeightOnlyWeights) -> Nvfp4Weights:
+    """The ``engine`` view on ``arch`` of MXINT4 weight-only weights (a repacked copy, BlockCode.MXINT4): w1
+    [E, N1p, H] and w2 [E, H, Ip] in the engine's MXINT4 layout, alphas 1/256 (the engine's alpha * 256 is then 1:
+    MXINT4 has no global); intermediate size Ip."""
+    w1, w1_scales = engine.pack_weights_chunked(arch, weights.w1_codes, weights.w1_scales, code=BlockCode.MXINT4)
+    w2, w2_scales = engine.pack_weights_chunked(arch, weights.w2_codes, weights.w2_scales, code=BlockCode.MXINT4)
+    alpha = torch.full((weights.num_experts,), 1 / 256, dtype=torch.float32, device=weights.w1_codes.device)
+    return Nvfp4Weights(
+        w1, w1_scales, alpha, w2, w2_scales, alpha, engine.spec(arch), weights.gated, weights.hidden_size,
+        weights.padded_intermediate, code=BlockCode.MXINT4,
+    )
 
 
 def _executor(view: Nvfp4Weights, top_k: int, activation: Activation, bf16_tokens: bool,

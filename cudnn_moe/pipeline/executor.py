@@ -44,6 +44,7 @@ from ..activations import Activation
 from ..capture import gc_paused, refuse_during_capture
 from ..engines.base import (
     ActivationEpilogue,
+    BlockCode,
     FinalizeEpilogue,
     GemmEngine,
     GemmOperands,
@@ -113,6 +114,8 @@ class Bucket:
         # reads no permuted rows (the op's stage decodes NVFP4 tokens straight into x_rows, so x and x_scales hold
         # none; BF16 tokens are read from x), one with the activation epilogue writes no BF16 output.
         self.fusion = engine.gemm1_fusion(rows, shape1, executor.activation)
+        if w.code is BlockCode.MXINT4 and not self.fusion.epilogue:  # its FP32 preactivation lives in the epilogue
+            self.fusion = self.fusion._replace(epilogue=True)
         decoded = self.fusion.gather and not executor.bf16_tokens
         staged = 0 if decoded else tokens
         if executor.bf16_tokens:  # BF16 tokens [B, H]; no scales
@@ -138,12 +141,12 @@ class Bucket:
         self.alpha2 = w.w2_alpha if w.w2_alpha is not None else empty(experts, dtype=torch.float32)
         self.gemm1 = GemmOperands(
             rows, shape1, token_operand(shape1, 1, 0 if self.fusion.gather else rows),
-            WeightOperand(w.w1, w.w1_scales, self.alpha1, w.w1_alpha_split), self.offsets,
+            WeightOperand(w.w1, w.w1_scales, self.alpha1, w.w1_alpha_split, w.code), self.offsets,
             empty(0 if self.fusion.epilogue else rows, n1, dtype=torch.bfloat16), workspace,
         )
         self.gemm2 = GemmOperands(
-            rows, shape2, token_operand(shape2, 2, rows), WeightOperand(w.w2, w.w2_scales, self.alpha2), self.offsets,
-            empty(rows, hidden, dtype=torch.bfloat16), workspace,
+            rows, shape2, token_operand(shape2, 2, rows), WeightOperand(w.w2, w.w2_scales, self.alpha2, code=w.code),
+            self.offsets, empty(rows, hidden, dtype=torch.bfloat16), workspace,
         )
         self.graph: torch.cuda.CUDAGraph | None = None
         self.full_graphs: OrderedDict[Hashable, torch.cuda.CUDAGraph] = OrderedDict()  # LRU, by signature
@@ -181,6 +184,8 @@ class MoeExecutor:
         if (bf16_tokens or bf16_intermediate) and not engine.token_layout.is_bf16:
             raise ValueError(f"BF16 tokens or intermediates need an engine reading BF16 token rows, not the "
                              f"{engine.name} engine")
+        if weights.code is BlockCode.MXINT4 and not bf16_intermediate:
+            raise ValueError("MXINT4 weights need bf16_intermediate: their GEMM1 epilogue writes BF16 rows only")
         self.bf16_tokens, self.bf16_intermediate = bf16_tokens, bf16_intermediate
         self._buckets: dict[int, Bucket] = {}
         self._lock = threading.Lock()

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..engines.base import EngineSpec
+from ..engines.base import BlockCode, EngineSpec
 from ..engines.registry import engine_class_of
 from ..formats import NVFP4_MAX, quantize_nvfp4
 from ..kernels.codes import SORT_MAX_EXPERTS
@@ -48,6 +48,8 @@ class Nvfp4Weights:
     the token bucket (cudnn_moe.pipeline.executor), so prepared weights are never written.
     w1_alpha_split: None, or (the aligned-plan op's weights) I: w1's alphas are then [2E] and GEMM1
     output features f >= I (the gate half) take alpha[E + e].
+    code: BlockCode.NVFP4, or for the SM90 engine's view of MXINT4 low-latency weights BlockCode.MXINT4 (INT4 codes
+    and BF16 scales per 32 in the SM90 MXINT4 tiles, alphas 1/256; cudnn_moe.low_latency.grouped).
     The GPU executors built for these weights live in cudnn_moe.pipeline.lifetime's cache and are
     released (outside any CUDA-graph capture) after the weights object is dropped.
     """
@@ -63,6 +65,7 @@ class Nvfp4Weights:
     hidden_size: int
     intermediate_size: int
     w1_alpha_split: int | None = None
+    code: BlockCode = BlockCode.NVFP4
 
     @property
     def num_experts(self) -> int:
@@ -79,7 +82,10 @@ class Nvfp4Weights:
 
     def canonical(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(w1 codes [E, N1, H/2], w1 scales [E, N1, H/16], w2 codes [E, H, I/2], w2 scales [E, H, I/16]),
-        scales linear float8_e4m3fn (derived from the engine layout; a copy for repacked layouts)."""
+        scales linear float8_e4m3fn (derived from the engine layout; a copy for repacked layouts). NVFP4 views only
+        (an MXINT4 view's canonical tensors are its low-latency weights')."""
+        if self.code is not BlockCode.NVFP4:
+            raise ValueError(f"canonical() gives NVFP4 tensors; this is a {self.code.value} view")
         engine = engine_class_of(self.spec)
         w1, w1_scales = engine.unpack_weights(self.spec.arch, self.w1, self.w1_scales, self.gemm1_rows, self.hidden_size)
         w2, w2_scales = engine.unpack_weights(

@@ -85,6 +85,32 @@ __device__ __forceinline__ void decode_scale_word(u32 w, u32& row_g, u32& row_g8
   row_g8 = bf16x2_mul(bf16x2_mul(hi, kBf16x2Pow119), kBf16x2Pow119);
 }
 
+// ---------------------------------------------------------------------------------------------
+// MXINT4 weight fragments (layout.py INT4_CODE_BITS): register r of a k16 step holds its two two's-complement
+// codes at bits 4r .. 4r + 3 of each 16-bit half of the word. (code ^ 8) = v + 8 placed in the low mantissa bits
+// of BF16 128 gives 136 + v, and one exact fma takes 136 off: BF16 v (-8 .. 7), exactly.
+// ---------------------------------------------------------------------------------------------
+
+constexpr u32 kInt4Magic = 0x43084308u;     // bf16x2 (136, 136) with the code's top bit to flip
+constexpr u32 kBf16x2One = 0x3F803F80u;     // bf16x2 (1, 1)
+constexpr u32 kBf16x2Minus136 = 0xC308C308u;  // bf16x2 (-136, -136)
+
+__device__ __forceinline__ u32 int4_pair(u32 w) {
+  const u32 biased = (w & 0x000F000Fu) ^ kInt4Magic;  // one LOP3
+  u32 d;
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(biased), "r"(kBf16x2One), "r"(kBf16x2Minus136));
+  return d;
+}
+
+// The four A registers of one k16 step of MXINT4 weights: BF16 values v exactly (no scale: the block scale
+// multiplies the FP32 partial sum of its 32 values, grouped_gemm.cu).
+__device__ __forceinline__ void decode_a_int4(u32 w, u32 (&a)[4]) {
+  a[0] = int4_pair(w);
+  a[1] = int4_pair(w >> 4);
+  a[2] = int4_pair(w >> 8);
+  a[3] = int4_pair(w >> 12);
+}
+
 // Word I (0..3) of a lane's 16 bytes: the weight word of k16 step I, or a token-fragment pair.
 template <int I>
 __device__ __forceinline__ u32 word_of(const uint4& v) {

@@ -61,6 +61,22 @@ using namespace sm90;
 #ifndef SM90_PREFETCH
 #define SM90_PREFETCH 4  // k64 steps in flight per warp (register ring)
 #endif
+// MXINT4 weights (1; the decode kernel only): two's-complement INT4 tiles decoded exactly to BF16 (fragments.cuh
+// decode_a_int4), and BF16 scale tiles: byte g * 8 + 4 h + 2 r of a tile's 64 holds the scale of row g + 8 r and k32
+// block h (two bytes, little-endian). Each k32 block's two mma sum into a zeroed fragment, which then enters the
+// accumulator as acc = fma(partial, fp32(scale), acc). The C tile the activation epilogue reads then holds the FP32
+// preactivation (alpha * 256 times the sum, unrounded: the MXINT4 contract keeps it in FP32).
+#ifndef SM90_W_INT4
+#define SM90_W_INT4 0
+#endif
+// CTAs per SM the register allocation must allow: the NVFP4 forms of one or two m16 x n8 tiles a warp fit 128
+// registers a thread (512 threads an SM) on their own; the MXINT4 forms are held to it (unbounded, GEMM1's SwiGLU
+// form takes 133 registers and the eight-warp form 225: three CTAs and one an SM). At 128 some forms spill 8 bytes.
+#if SM90_W_INT4 && SM90_MT * SM90_NT <= 2
+#define DEC_MIN_BLOCKS , 512 / DEC_THREADS  // the launch bounds' second argument
+#else
+#define DEC_MIN_BLOCKS
+#endif
 
 #define DEC_THREADS (SM90_WM * SM90_WK * 32)
 #define DEC_FB (SM90_WM * SM90_MT * 16)  // features per CTA
@@ -76,10 +92,16 @@ static_assert(SM90_NT >= 1 && SM90_NT <= 8 && SM90_PREFETCH >= 1 && SM90_PREFETC
 static_assert(SM90_WK * DEC_TB * DEC_RED_STRIDE * 4 <= 48 * 1024, "decode: split-K buffer exceeds 48 KB");
 #ifdef SM90_ACT
 #define DEC_OUT_FB (DEC_PAIRED ? DEC_FB / 2 : DEC_FB)  // activation outputs per CTA
-#define DEC_C_STRIDE (DEC_FB + 8)                      // BF16 per row of the staged C tile (16-byte rows)
+#if SM90_W_INT4
+typedef float DecC;                                    // the staged C tile: FP32 preactivations (MXINT4)
+#define DEC_C_STRIDE (DEC_FB + 4)                      // floats per row (16-byte rows)
+#else
+typedef u16 DecC;                                      // BF16 preactivations
+#define DEC_C_STRIDE (DEC_FB + 8)                      // BF16 per row (16-byte rows)
+#endif
 static_assert(!DEC_PAIRED || SM90_WM % 2 == 0, "decode: a gated activation epilogue pairs warps (WM even)");
 static_assert(DEC_OUT_FB % 32 == 0, "decode: the activation epilogue needs units of 32 outputs per CTA");
-static_assert(SM90_WK * DEC_TB * DEC_RED_STRIDE * 4 + DEC_TB * DEC_C_STRIDE * 2 <= 48 * 1024,
+static_assert(SM90_WK * DEC_TB * DEC_RED_STRIDE * 4 + DEC_TB * DEC_C_STRIDE * sizeof(DecC) <= 48 * 1024,
               "decode: split-K buffer and C tile exceed 48 KB");
 #endif
 
@@ -94,6 +116,34 @@ struct DecodeRing {
 // One k64 step of a warp: 4 x MT x NT mma.
 template <int P>
 __device__ __forceinline__ void decode_step(const DecodeRing& ring, float (&acc)[DEC_ACC_SETS][SM90_MT][SM90_NT][4]) {
+#if SM90_W_INT4
+  // MXINT4: k32 block H = k16 steps 2H, 2H + 1 into a zeroed fragment, then scaled into acc[H % SETS] (FP32 fma);
+  // the scale word H of the lane's 8 bytes: rows g (low half) and g + 8 (high half).
+#define SM90_DECODE_K32(H)                                                                          \
+  _Pragma("unroll") for (int mt = 0; mt < SM90_MT; ++mt) {                                          \
+    float part[SM90_NT][4];                                                                         \
+    u32 a[4];                                                                                       \
+    decode_a_int4(word_of<2 * H>(ring.w[P][mt]), a);                                                \
+    _Pragma("unroll") for (int nt = 0; nt < SM90_NT; ++nt) {                                        \
+      part[nt][0] = part[nt][1] = part[nt][2] = part[nt][3] = 0.0f;                                 \
+      mma_bf16_16816(part[nt], a, word_of<0>(ring.b[P][nt][H]), word_of<1>(ring.b[P][nt][H]));      \
+    }                                                                                               \
+    decode_a_int4(word_of<2 * H + 1>(ring.w[P][mt]), a);                                            \
+    const u32 sw = H == 0 ? ring.s[P][mt].x : ring.s[P][mt].y;                                      \
+    const float s_g = __uint_as_float(sw << 16), s_g8 = __uint_as_float(sw & 0xFFFF0000u);          \
+    _Pragma("unroll") for (int nt = 0; nt < SM90_NT; ++nt) {                                        \
+      mma_bf16_16816(part[nt], a, word_of<2>(ring.b[P][nt][H]), word_of<3>(ring.b[P][nt][H]));      \
+      float(&c)[4] = acc[H % DEC_ACC_SETS][mt][nt];                                                 \
+      c[0] = fmaf(part[nt][0], s_g, c[0]);                                                          \
+      c[1] = fmaf(part[nt][1], s_g, c[1]);                                                          \
+      c[2] = fmaf(part[nt][2], s_g8, c[2]);                                                         \
+      c[3] = fmaf(part[nt][3], s_g8, c[3]);                                                         \
+    }                                                                                               \
+  }
+  SM90_DECODE_K32(0)
+  SM90_DECODE_K32(1)
+#undef SM90_DECODE_K32
+#else
   u32 sg[SM90_MT][2], sg8[SM90_MT][2];
 #pragma unroll
   for (int mt = 0; mt < SM90_MT; ++mt) {
@@ -114,6 +164,7 @@ __device__ __forceinline__ void decode_step(const DecodeRing& ring, float (&acc)
   SM90_DECODE_K16(2)
   SM90_DECODE_K16(3)
 #undef SM90_DECODE_K16
+#endif
 }
 
 }  // namespace
@@ -146,7 +197,7 @@ __device__ __forceinline__ int decode_feature(int f, int n) {
 // With SM90_FINALIZE (GEMM2 of the decode chain): after writing out, the CTA of each feature block that finishes last
 // also finalizes it: final_out bf16 [tokens, n] (row t: token t's top_k slots, slot_to_row int32 / route_weights
 // float32 [tokens * top_k]), as moe_finalize. tickets int32 [grid x]: zero before the launch, zero after it.
-extern "C" __global__ void __launch_bounds__(DEC_THREADS)
+extern "C" __global__ void __launch_bounds__(DEC_THREADS DEC_MIN_BLOCKS)
     sm90_gemm_decode(const u8* __restrict__ w_tiles, const u8* __restrict__ w_scales, const float* __restrict__ alpha,
                      const u16* __restrict__ x, const int* __restrict__ offsets, int num_experts, int n, int k,
                      int row_capacity, int alpha_split, u16* __restrict__ out, const int* __restrict__ row_to_slot,
@@ -296,7 +347,7 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS)
   // for the activation epilogue). Each 8-feature piece takes its half's alpha (tile_alpha).
   constexpr int CHUNKS_PER_ROW = DEC_FB / 8;
 #ifdef SM90_ACT
-  __shared__ __align__(16) u16 c_tile[DEC_TB][DEC_C_STRIDE];
+  __shared__ __align__(16) DecC c_tile[DEC_TB][DEC_C_STRIDE];
 #endif
   for (int c = threadIdx.x; c < DEC_TB * CHUNKS_PER_ROW; c += DEC_THREADS) {
     const int t = c / CHUNKS_PER_ROW;
@@ -313,6 +364,11 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS)
       lo.x += l2.x; lo.y += l2.y; lo.z += l2.z; lo.w += l2.w;
       hi.x += h2.x; hi.y += h2.y; hi.z += h2.z; hi.w += h2.w;
     }
+#if defined(SM90_ACT) && SM90_W_INT4
+    *reinterpret_cast<float4*>(&c_tile[t][f]) = make_float4(scale * lo.x, scale * lo.y, scale * lo.z, scale * lo.w);
+    *reinterpret_cast<float4*>(&c_tile[t][f + 4]) = make_float4(scale * hi.x, scale * hi.y, scale * hi.z, scale * hi.w);
+    continue;
+#endif
     uint4 v;
     v.x = pack_bf16x2(scale * lo.x, scale * lo.y);
     v.y = pack_bf16x2(scale * lo.z, scale * lo.w);
@@ -367,6 +423,7 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS)
     }
     return;
   }
+#if !SM90_W_INT4  // MXINT4 runs with BF16 intermediates only (the host checks)
   for (int item = threadIdx.x; item < DEC_TB * UNITS; item += DEC_THREADS) {
     const int t = item / UNITS;
     const int unit = item % UNITS;
@@ -377,6 +434,7 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS)
                                                    act_beta, act_limit, act_layout, requantize != 0, act_out,
                                                    act_scales);
   }
+#endif
 #endif
 }
 

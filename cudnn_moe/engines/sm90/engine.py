@@ -22,6 +22,7 @@ from ...arch import SM90, Arch
 from ...kernels.codes import SORT_MAX_EXPERTS, TokenLayout
 from ..base import (
     NVFP4,
+    BlockCode,
     OP_ALIGNED,
     OP_FUSED,
     OP_LOW_LATENCY,
@@ -39,7 +40,7 @@ from ..base import (
     WeightLayout,
 )
 from .kernels import FEATURE_MULTIPLE, ROW_ALIGNMENT, DecodeVariant, GemmVariant, WgmmaVariant, grouped_gemm
-from .layout import TILE_K, pack_weight_tiles, unpack_weight_tiles
+from .layout import TILE_K, pack_int4_weight_tiles, pack_weight_tiles, unpack_weight_tiles
 
 # Decode variants picked with benchmarks/tune_sm90.py on an H200 (benchmarks/RESULTS.md). Two m16 row
 # blocks per warp halve the token-fragment loads per weight byte; 128 features per CTA when that
@@ -120,15 +121,17 @@ def gemm1_fusion(rows: int, shape: GemmShape, activation: object, sm_count: int)
 
 
 LOW_LATENCY_MAX_TOKENS = 8
-# Weight-only formats of the low-latency op, with BF16 tokens: NVFP4, and MXFP4 in its exact NVFP4 form
-# (cudnn_moe.formats.mxfp4_as_nvfp4, decided when the weights are prepared).
-_WEIGHT_ONLY = frozenset({WeightFormat.NVFP4_WEIGHT_ONLY, WeightFormat.MXFP4_WEIGHT_ONLY})
+# Weight-only formats of the low-latency op, with BF16 tokens: NVFP4, MXFP4 in its exact NVFP4 form
+# (cudnn_moe.formats.mxfp4_as_nvfp4, decided when the weights are prepared), and MXINT4 in its own tiles
+# (BlockCode.MXINT4: INT4 decoded exactly, BF16 block scales on FP32 partial sums).
+_WEIGHT_ONLY = frozenset({WeightFormat.NVFP4_WEIGHT_ONLY, WeightFormat.MXFP4_WEIGHT_ONLY,
+                          WeightFormat.MXINT4_WEIGHT_ONLY})
 
 
 class Sm90GemmEngine(GemmEngine):
     """NVFP4 x NVFP4 grouped GEMMs with our own kernels on Hopper: the fused and aligned ops, and the
-    low-latency op's NVFP4 formats (finalized, BF16 out; NVFP4 or MXFP4 weight-only with BF16 tokens, or the
-    NVFP4 pair), measured 1.3-3x faster than the CUDA-core kernels from two tokens on (at one token
+    low-latency op's 4-bit formats (finalized, BF16 out; NVFP4, MXFP4 or MXINT4 weight-only with BF16 tokens, or
+    the NVFP4 pair), measured 1.3-3x faster than the CUDA-core kernels from two tokens on (at one token
     1.9x faster on DeepSeek-V3, up to 10% slower on Qwen3-30B-A3B), so it takes every T."""
 
     name = "sm90"
@@ -174,6 +177,12 @@ class Sm90GemmEngine(GemmEngine):
         cls, arch: Arch, data: torch.Tensor, scales: torch.Tensor, n: int, k: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return unpack_weight_tiles(data, scales, n, k)
+
+    @classmethod
+    def pack_mxint4_weights(
+        cls, arch: Arch, codes: torch.Tensor, scales: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return pack_int4_weight_tiles(codes, scales)
 
     def __init__(self, device: torch.device) -> None:
         super().__init__(device, SM90)
@@ -236,4 +245,5 @@ class Sm90GemmEngine(GemmEngine):
         tickets = None if finalize is None else operands.workspace.view(torch.int32)
         grouped_gemm(w.data, w.scales, w.alpha, operands.tokens.data if gather is None else None, operands.offsets,
                      operands.out if epilogue is None else None, variant,
-                     alpha_split=w.alpha_split, gather=gather, epilogue=epilogue, finalize=finalize, tickets=tickets)
+                     alpha_split=w.alpha_split, gather=gather, epilogue=epilogue, finalize=finalize, tickets=tickets,
+                     mxint4=w.code is BlockCode.MXINT4)

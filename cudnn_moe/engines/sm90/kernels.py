@@ -83,15 +83,17 @@ class DecodeVariant:
         return (f"-DSM90_MT={self.mt}", f"-DSM90_WM={self.wm}", f"-DSM90_WK={self.wk}", f"-DSM90_NT={self.nt}",
                 f"-DSM90_PREFETCH={self.prefetch}")
 
-    def epilogue_problem(self, activation: Any) -> str | None:
-        """Why this variant cannot run ``activation``'s epilogue (grouped_gemm.cu's static checks), or None."""
+    def epilogue_problem(self, activation: Any, fp32_preactivation: bool = False) -> str | None:
+        """Why this variant cannot run ``activation``'s epilogue (grouped_gemm.cu's static checks), or None.
+        fp32_preactivation: the C tile holds FP32 values (MXINT4) instead of BF16."""
         outputs = self.feature_block // 2 if activation.gated else self.feature_block
         if activation.gated and self.wm % 2:
             return f"a gated activation epilogue pairs warps: WM must be even, got {self.wm}"
         if outputs % 32:
             return f"the activation epilogue needs units of 32 outputs per CTA, {self}: {outputs}"
         split_k = self.wk * self.tile_rows * (self.feature_block + 4) * 4
-        if split_k + self.tile_rows * (self.feature_block + 8) * 2 > 48 * 1024:
+        c_tile = self.tile_rows * ((self.feature_block + 4) * 4 if fp32_preactivation else (self.feature_block + 8) * 2)
+        if split_k + c_tile > 48 * 1024:
             return f"{self}: the split-K buffer and the C tile exceed 48 KB of shared memory"
         return None
 
@@ -152,7 +154,7 @@ class PrefillVariant:
         pipeline = self.stages * self.stage_bytes + int(self.adec) * 2 * self.feature_block * 128  # + PF_D_BYTES x 2
         return max(pipeline, self.tile_rows * (2 * self.feature_block + 16))  # PF_C_BYTES
 
-    def epilogue_problem(self, activation: Any) -> str | None:
+    def epilogue_problem(self, activation: Any, fp32_preactivation: bool = False) -> str | None:
         """The mma.sync prefill kernel has no activation epilogue."""
         return "the mma.sync prefill kernel has no activation epilogue"
 
@@ -184,9 +186,9 @@ class WgmmaVariant:
     source = WGMMA_SOURCE
     alpha_block = 16  # each warp applies its own features' alpha: alpha_split needs a multiple of 16 only
 
-    def epilogue_problem(self, activation: Any) -> str | None:
-        """Every activation epilogue fits (the kernel's C tile is the pipeline's ring)."""
-        return None
+    def epilogue_problem(self, activation: Any, fp32_preactivation: bool = False) -> str | None:
+        """Every activation epilogue of BF16 preactivations fits (the kernel's C tile is the pipeline's ring)."""
+        return "the wgmma kernel keeps BF16 preactivations only" if fp32_preactivation else None
 
     def __post_init__(self) -> None:
         if self.tile_rows not in (64, 128):
@@ -294,6 +296,7 @@ def grouped_gemm(
     epilogue: ActivationEpilogue | None = None,
     finalize: FinalizeEpilogue | None = None,
     tickets: torch.Tensor | None = None,
+    mxint4: bool = False,
 ) -> None:
     """out[r, :N] = bf16(float32(alpha[e] * 256) * (x[r] @ W_e^T * 2^-8)) for the rows r of each segment e.
     With ``alpha_split`` (a multiple of ``variant.alpha_block``, below N) alpha is [2E] and
@@ -314,6 +317,11 @@ def grouped_gemm(
     finalize (a DecodeVariant, no epilogue): out as above, then finalize.out receives the finalize of out's rows
     (cudnn_moe.kernels.finalize, bit for bit), by the CTA of each feature block that finishes last; tickets int32
     [>= N / feature_block], zero before the launch (and after it).
+    mxint4 (a DecodeVariant): W_e is MXINT4 in the SM90 MXINT4 tiles (layout.pack_int4_weight_tiles: INT4 codes,
+    w_tile_scales the BF16 scales per 32 k as bytes): out[r] = bf16(float32(alpha[e] * 256) * acc), acc the FP32
+    sum over the k32 blocks b of fma(partial_b, scale_b, acc), partial_b the FP32 sum of the block's exact products
+    int4 * x (pass alpha = 1/256 for the plain sum). With an epilogue it hands the activation float32(alpha * 256)
+    * acc unrounded (the MXINT4 preactivation) and needs a BF16 layout without requantize.
     """
     if not isinstance(variant, (DecodeVariant, PrefillVariant, WgmmaVariant)):
         raise ValueError(f"variant must be a DecodeVariant, PrefillVariant or WgmmaVariant, got {type(variant).__name__}")
@@ -322,7 +330,7 @@ def grouped_gemm(
     if gather is not None and variant.token_layout is TokenLayout.BF16_TILED:
         raise ValueError(f"a gather reads natural rows: use {variant.gathering()}, not {variant}")
     if epilogue is not None:
-        problem = variant.epilogue_problem(epilogue.activation)
+        problem = variant.epilogue_problem(epilogue.activation, fp32_preactivation=mxint4)
         if variant.token_layout is TokenLayout.BF16_TILED:
             problem = f"the epilogue runs on GEMM1, which reads natural rows ({variant.gathering()})"
         if problem is not None:
@@ -333,6 +341,10 @@ def grouped_gemm(
                          f"{' with an epilogue' if epilogue is not None else ''}")
     if (tickets is None) != (finalize is None):
         raise ValueError("tickets go with a finalize, and only with one")
+    if mxint4 and not isinstance(variant, DecodeVariant):
+        raise ValueError(f"MXINT4 weights run on a DecodeVariant, got {variant}")
+    if mxint4 and epilogue is not None and (epilogue.requantize or not epilogue.out.layout.is_bf16):
+        raise ValueError("MXINT4 weights take an activation epilogue writing BF16 rows (no requantize) only")
     w_tiles = _tensor("w_tiles", w_tiles)
     w_tile_scales = _tensor("w_tile_scales", w_tile_scales)
     alpha, offsets = _tensor("alpha", alpha), _tensor("offsets", offsets)
@@ -411,6 +423,8 @@ def grouped_gemm(
         args += _finalize_args(finalize, tickets)
         if finalize is not None:
             options += ("-DSM90_FINALIZE=1",)
+        if mxint4:
+            options += ("-DSM90_W_INT4=1",)
     launch(variant.source, variant.kernel, tokens.device, grid, variant.threads, args,
            shared_mem=variant.shared_mem, extra_options=options)
 

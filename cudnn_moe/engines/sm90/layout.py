@@ -35,6 +35,12 @@ scale of row 16i + g + 8h and k block 4j + s. The four lanes of a group g read t
 bytes. Both arrays keep the canonical sizes (N*K/2 and N*K/16 bytes per expert), and
 ``unpack_weight_tiles`` gives the canonical tensors back.
 
+MXINT4 tiles (``pack_int4_weight_tiles``, the low-latency op's MXINT4 weight-only layers): the same tile and
+word order with two's-complement INT4 codes, register r's code at bits 4r .. 4r + 3 of each half
+(``INT4_CODE_BITS``), which kernels_cuda/sm90/fragments.cuh decodes to BF16 exactly (one LOP3 and one FMA per
+register). Their BF16 block scales (one per 32 k) fill the same 64 bytes per tile: bytes g * 8 + 4h + 2r, + 1 hold
+the scale of row 16i + g + 8r and k block 2j + h.
+
 Token fragments (``to_token_fragments``). Tokens enter the kernels as BF16 rows [R, K] whose
 columns are permuted inside each block of 64: position 16q + 4s + 2b + e holds k = 16s + 8b +
 2q + e. Lane (g, q) then finds its B registers of four k16 steps in 32 contiguous bytes
@@ -58,6 +64,9 @@ CODE_BITS = (
     (9, 0, 1, 2),
     (14, 10, 11, 13),
 )
+# The same for MXINT4 codes (code bits 3, 0, 1, 2: the nibble as it is, at bits 4r .. 4r + 3).
+INT4_CODE_BITS = tuple((4 * r + 3, 4 * r, 4 * r + 1, 4 * r + 2) for r in range(4))
+MXINT4_BLOCK = 32
 
 
 def _check_weight_shapes(n: int, k: int) -> None:
@@ -78,12 +87,53 @@ def pack_weight_tiles(packed: torch.Tensor, scales: torch.Tensor) -> tuple[torch
     _check_weight_shapes(n, k)
     if tuple(scales.shape) != (experts, n, k // NVFP4_BLOCK):
         raise ValueError(f"scales must be [E, N, K/16] = {[experts, n, k // NVFP4_BLOCK]}, got {list(scales.shape)}")
+    # scale[e, i, h, g, j, s] of row 16i + 8h + g, block 4j + s -> [e, i, j, g, s, h]
+    raw = scales.view(torch.uint8) if scales.dtype != torch.uint8 else scales
+    tile_scales = raw.reshape(experts, n // 16, 2, 8, k // 64, 4).permute(0, 1, 4, 3, 5, 2)
+    return _pack_codes(packed, CODE_BITS), tile_scales.reshape(experts, n * k // NVFP4_BLOCK).contiguous()
+
+
+def pack_int4_weight_tiles(packed: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Canonical MXINT4 weights -> SM90 MXINT4 fragment tiles (module docstring).
+
+    packed: uint8 [E, N, K/2] two's-complement INT4 codes (element 2i in the low nibble); scales: bfloat16
+    [E, N, K/32], linear. Returns (tiles uint8 [E, N*K/2], tile_scales uint8 [E, N*K/16]: the BF16 scales' bytes).
+    """
+    experts, n, half_k = packed.shape
+    k = 2 * half_k
+    _check_weight_shapes(n, k)
+    if scales.dtype != torch.bfloat16 or tuple(scales.shape) != (experts, n, k // MXINT4_BLOCK):
+        raise ValueError(f"scales must be bfloat16 [E, N, K/32] = {[experts, n, k // MXINT4_BLOCK]}, got "
+                         f"{scales.dtype} {list(scales.shape)}")
+    # scale[e, i, r, g, j, h] of row 16i + 8r + g, block 2j + h -> [e, i, j, g, h, r]
+    tile_scales = scales.view(torch.int16).reshape(experts, n // 16, 2, 8, k // 64, 2).permute(0, 1, 4, 3, 5, 2)
+    tile_scales = tile_scales.reshape(experts, n * k // MXINT4_BLOCK).contiguous().view(torch.uint8)
+    return _pack_codes(packed, INT4_CODE_BITS), tile_scales
+
+
+def unpack_int4_weight_tiles(tiles: torch.Tensor, tile_scales: torch.Tensor, n: int,
+                             k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of pack_int4_weight_tiles: -> (packed uint8 [E, N, K/2], scales bfloat16 [E, N, K/32])."""
+    _check_weight_shapes(n, k)
+    experts = tiles.shape[0]
+    if tuple(tiles.shape) != (experts, n * k // 2) or tuple(tile_scales.shape) != (experts, n * k // NVFP4_BLOCK):
+        raise ValueError(f"tiles [E, N*K/2] and tile_scales [E, N*K/16] do not match N={n}, K={k}")
+    scales = tile_scales.contiguous().view(torch.int16).reshape(experts, n // 16, k // 64, 8, 2, 2)
+    scales = scales.permute(0, 1, 5, 3, 2, 4).reshape(experts, n, k // MXINT4_BLOCK).contiguous()
+    return _unpack_codes(tiles, n, k, INT4_CODE_BITS), scales.view(torch.bfloat16)
+
+
+def _pack_codes(packed: torch.Tensor, code_bits: tuple[tuple[int, ...], ...]) -> torch.Tensor:
+    """4-bit codes uint8 [E, N, K/2] -> fragment tiles uint8 [E, N*K/2], register r's code bits (3, 0, 1, 2) at
+    ``code_bits[r]`` of each 16-bit half."""
+    experts, n, half_k = packed.shape
+    k = 2 * half_k
     # codes[e, i, h, g, j, s, b, q, x] = code of row 16i + 8h + g, column 64j + 16s + 8b + 2q + x
     codes = unpack_nibbles(packed).view(experts, n // 16, 2, 8, k // 64, 4, 2, 4, 2).to(torch.int32)
     # -> [e, i, j, g, q, s, b, h, x]: lane (g, q), word s, register r = 2b + h, half x
     codes = codes.permute(0, 1, 4, 3, 7, 5, 6, 2, 8)
     word = torch.zeros(codes.shape[:6], dtype=torch.int64, device=packed.device)
-    for r, (sign_bit, *mag_bits) in enumerate(CODE_BITS):
+    for r, (sign_bit, *mag_bits) in enumerate(code_bits):
         b, h = divmod(r, 2)
         for x in range(2):
             c = codes[..., b, h, x].to(torch.int64)
@@ -92,11 +142,7 @@ def pack_weight_tiles(packed: torch.Tensor, scales: torch.Tensor) -> tuple[torch
                 placed |= ((c >> bit) & 1) << pos
             word |= placed << (16 * x)
     word_bytes = torch.stack([(word >> (8 * byte)) & 0xFF for byte in range(4)], dim=-1).to(torch.uint8)
-    tiles = word_bytes.reshape(experts, n * k // 2)
-    # scale[e, i, h, g, j, s] of row 16i + 8h + g, block 4j + s -> [e, i, j, g, s, h]
-    raw = scales.view(torch.uint8) if scales.dtype != torch.uint8 else scales
-    tile_scales = raw.reshape(experts, n // 16, 2, 8, k // 64, 4).permute(0, 1, 4, 3, 5, 2)
-    return tiles, tile_scales.reshape(experts, n * k // NVFP4_BLOCK).contiguous()
+    return word_bytes.reshape(experts, n * k // 2)
 
 
 def unpack_weight_tiles(tiles: torch.Tensor, tile_scales: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -105,10 +151,18 @@ def unpack_weight_tiles(tiles: torch.Tensor, tile_scales: torch.Tensor, n: int, 
     experts = tiles.shape[0]
     if tuple(tiles.shape) != (experts, n * k // 2) or tuple(tile_scales.shape) != (experts, n * k // NVFP4_BLOCK):
         raise ValueError(f"tiles [E, N*K/2] and tile_scales [E, N*K/16] do not match N={n}, K={k}")
+    scales = tile_scales.reshape(experts, n // 16, k // 64, 8, 4, 2).permute(0, 1, 5, 3, 2, 4)
+    scales = scales.reshape(experts, n, k // NVFP4_BLOCK).contiguous().view(torch.float8_e4m3fn)
+    return _unpack_codes(tiles, n, k, CODE_BITS), scales
+
+
+def _unpack_codes(tiles: torch.Tensor, n: int, k: int, code_bits: tuple[tuple[int, ...], ...]) -> torch.Tensor:
+    """Inverse of _pack_codes: fragment tiles uint8 [E, N*K/2] -> codes uint8 [E, N, K/2]."""
+    experts = tiles.shape[0]
     word_bytes = tiles.reshape(experts, n // 16, k // 64, 8, 4, 4, 4).to(torch.int64)
     word = sum(word_bytes[..., byte] << (8 * byte) for byte in range(4))  # [e, i, j, g, q, s]
     codes = torch.zeros(*word.shape, 2, 2, 2, dtype=torch.int64, device=tiles.device)  # [.., b, h, x]
-    for r, (sign_bit, *mag_bits) in enumerate(CODE_BITS):
+    for r, (sign_bit, *mag_bits) in enumerate(code_bits):
         b, h = divmod(r, 2)
         for x in range(2):
             half = word >> (16 * x)
@@ -118,8 +172,7 @@ def unpack_weight_tiles(tiles: torch.Tensor, tile_scales: torch.Tensor, n: int, 
             codes[..., b, h, x] = c
     # [e, i, j, g, q, s, b, h, x] -> [e, i, h, g, j, s, b, q, x]
     codes = codes.permute(0, 1, 7, 3, 2, 5, 6, 4, 8).reshape(experts, n, k).to(torch.uint8)
-    scales = tile_scales.reshape(experts, n // 16, k // 64, 8, 4, 2).permute(0, 1, 5, 3, 2, 4)
-    return pack_nibbles(codes), scales.reshape(experts, n, k // NVFP4_BLOCK).contiguous().view(torch.float8_e4m3fn)
+    return pack_nibbles(codes)
 
 
 def token_fragment_order(k: int) -> torch.Tensor:

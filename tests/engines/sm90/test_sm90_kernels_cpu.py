@@ -72,6 +72,8 @@ def nvcc_jobs(item: pytest.Item) -> list[tuple[list[str], str]]:
         return [(_nvcc_command(gemm, "90a", params["variant"].options()), ".o")]
     if item.originalname == "test_finalize_compiles":
         return [(_nvcc_command(gemm, params["arch"], (*params["variant"].options(), "-DSM90_FINALIZE=1")), ".o")]
+    if item.originalname == "test_mxint4_decode_compiles":
+        return [(_nvcc_command(gemm, params["arch"], mxint4_options(params["variant"], params["form"])), ".o")]
     if item.originalname == "test_prefill_variant_compiles_for_sm100":
         return [(_nvcc_command(gemm, "100a", params["variant"].options()), ".o")]
     if item.originalname == "test_decode_sass_budget":
@@ -145,6 +147,35 @@ def test_variant_compiles(variant: Any) -> None:
         assert " 0 bytes spill stores" in report, report
     else:  # the dynamic shared memory only: PrefillVariant.shared_mem is all the kernel needs
         assert not re.search(r"\b[1-9]\d* bytes smem", report), report
+
+
+def mxint4_options(variant: Any, form: str) -> tuple[str, ...]:
+    """The decode module's options for MXINT4 weights: plain (GEMM2), with the finalize, or with the SwiGLU epilogue
+    (GEMM1, FP32 preactivations)."""
+    extra = {"plain": (), "finalize": ("-DSM90_FINALIZE=1",), "swiglu": sm90.epilogue_options(SwiGLU())}[form]
+    return (*variant.options(), "-DSM90_W_INT4=1", *extra)
+
+
+# The variants the engine picks for buckets of at most 8 tokens (engine.py: _WIDE, _SPLIT, _SPLIT_DEEP), the only
+# ones MXINT4 layers (low-latency calls) run.
+LOW_LATENCY_DECODE_VARIANTS = [sm90.DecodeVariant(mt=2, wm=4, wk=1, nt=1, prefetch=4),
+                               sm90.DecodeVariant(mt=2, wm=2, wk=2, nt=1, prefetch=4),
+                               sm90.DecodeVariant(mt=2, wm=2, wk=4, nt=1, prefetch=4)]
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found")
+@pytest.mark.parametrize("variant,form,arch", [(v, f, "90a") for v in LOW_LATENCY_DECODE_VARIANTS
+                                               for f in ("plain", "finalize", "swiglu")]
+                         + [(LOW_LATENCY_DECODE_VARIANTS[0], "swiglu", "100a")], ids=str)
+def test_mxint4_decode_compiles(variant: Any, form: str, arch: str) -> None:
+    """The decode kernel with MXINT4 weights builds in every form the low-latency chain uses, within 128 registers
+    a thread (512 threads an SM, as the NVFP4 forms) and at most 8 bytes of spill stores."""
+    result = _nvcc(SM90_DIR / "grouped_gemm.cu", arch, mxint4_options(variant, form))
+    assert result.returncode == 0, result.stderr
+    report = result.stderr.split(f"Compiling entry function '{variant.kernel}'")[1].split("Compiling entry")[0]
+    registers = int(re.search(r"Used (\d+) registers", report).group(1))
+    spilled = int(re.search(r"(\d+) bytes spill stores", report).group(1))
+    assert registers * variant.threads * (512 // variant.threads) <= 65536 and spilled <= 8, report
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found")
@@ -319,6 +350,80 @@ def test_weight_tiles_decode_to_the_canonical_matrix() -> None:
         for i in range(n // 16):
             for j in range(kt):
                 got = emulate_a_tile(t, ts, i * kt + j)
+                np.testing.assert_array_equal(got, want[expert, 16 * i : 16 * i + 16, 64 * j : 64 * j + 64])
+
+
+INT4_MAGIC, BF16_136 = 0x43084308, 136.0
+
+
+def decode_a_int4(w: np.ndarray) -> list[np.ndarray]:
+    """fragments.cuh decode_a_int4: word -> a0..a3 as float64 pairs (low half, high half): ((w >> 4r) & 0x000F000F)
+    ^ 0x43084308 read as bf16x2, minus 136 (exact, asserted)."""
+    out = []
+    for r in range(4):
+        biased = (((w.astype(np.uint64) >> np.uint64(4 * r)) & 0x000F000F) ^ INT4_MAGIC).astype(np.uint64)
+        lo, hi = bf16_value(biased & 0xFFFF) - BF16_136, bf16_value((biased >> 16) & 0xFFFF) - BF16_136
+        bf16_bits(lo), bf16_bits(hi)  # the fma's result is exact in BF16
+        out.append((lo, hi))
+    return out
+
+
+def test_int4_decode_every_code_in_every_slot() -> None:
+    """Each of the 16 two's-complement codes, in every register slot and half of the MXINT4 word layout
+    (layout.INT4_CODE_BITS), decodes to its value -8 .. 7, and to that slot only."""
+    from cudnn_moe.engines.sm90.layout import INT4_CODE_BITS
+
+    codes = np.arange(16)
+    values = np.where(codes >= 8, codes - 16, codes).astype(np.float64)
+    for r, (sign, *mag) in enumerate(INT4_CODE_BITS):
+        for half in range(2):
+            word = np.zeros(16, dtype=np.uint64)
+            for bit, pos in enumerate(mag):
+                word |= ((codes >> bit) & 1).astype(np.uint64) << np.uint64(pos + 16 * half)
+            word |= ((codes >> 3) & 1).astype(np.uint64) << np.uint64(sign + 16 * half)
+            decoded = decode_a_int4(word)
+            for r2 in range(4):
+                for h2 in range(2):
+                    want = values if (r2, h2) == (r, half) else np.zeros(16)
+                    np.testing.assert_array_equal(decoded[r2][h2], want, err_msg=f"slot {r}.{half} -> {r2}.{h2}")
+
+
+def test_int4_weight_tiles_decode_to_the_canonical_matrix() -> None:
+    """MXINT4 tiles as the decode kernel reads them: lane (g, q)'s words give INT4 values at the A positions, and
+    the scale word h of its 8 bytes holds the BF16 scales of rows g (low half) and g + 8 (high half) for k32 block h;
+    codes x scales give dequantize_mxint4's matrix."""
+    from cudnn_moe.engines.sm90.layout import pack_int4_weight_tiles, unpack_int4_weight_tiles
+    from cudnn_moe.formats import dequantize_mxint4
+
+    e, n, k = 2, 32, 128
+    gen = torch.Generator().manual_seed(3)
+    packed = torch.randint(0, 256, (e, n, k // 2), dtype=torch.uint8, generator=gen)
+    scales = (torch.rand(e, n, k // 32, generator=gen) * 0.1 + 0.01).to(torch.bfloat16)
+    tiles, tile_scales = pack_int4_weight_tiles(packed, scales)
+    back_codes, back_scales = unpack_int4_weight_tiles(tiles, tile_scales, n, k)
+    assert torch.equal(back_codes, packed) and torch.equal(back_scales.view(torch.int16), scales.view(torch.int16))
+    want = dequantize_mxint4(packed, scales).double().numpy()
+    lanes = np.arange(32)
+    g, q = lanes // 4, lanes % 4
+    kt = k // 64
+    for expert in range(e):
+        t, ts = tiles[expert].numpy(), tile_scales[expert].numpy()
+        for i in range(n // 16):
+            for j in range(kt):
+                tile = i * kt + j
+                raw = t[tile * 512 + 16 * lanes[:, None] + np.arange(16)].astype(np.uint64)
+                words = raw[:, 0::4] | (raw[:, 1::4] << 8) | (raw[:, 2::4] << 16) | (raw[:, 3::4] << 24)
+                sraw = ts[tile * 64 + 8 * g[:, None] + np.arange(8)].astype(np.uint64)
+                swords = sraw[:, 0::4] | (sraw[:, 1::4] << 8) | (sraw[:, 2::4] << 16) | (sraw[:, 3::4] << 24)
+                got = np.full((16, 64), np.nan)
+                for step in range(4):
+                    scale_g = bf16_value(swords[:, step >> 1] & 0xFFFF)
+                    scale_g8 = bf16_value(swords[:, step >> 1] >> 16)
+                    a = decode_a_int4(words[:, step])
+                    for r, (row_off, col_off) in enumerate(((0, 0), (8, 0), (0, 8), (8, 8))):
+                        scale = scale_g8 if row_off else scale_g
+                        for half in range(2):
+                            got[g + row_off, 16 * step + 2 * q + col_off + half] = a[r][half] * scale
                 np.testing.assert_array_equal(got, want[expert, 16 * i : 16 * i + 16, 64 * j : 64 * j + 64])
 
 
@@ -565,7 +670,7 @@ def test_variant_macros_match_the_source() -> None:
     d = sm90.DecodeVariant()
     p = sm90.PrefillVariant()
     assert defaults == {"SM90_MT": str(d.mt), "SM90_WM": str(d.wm), "SM90_WK": str(d.wk), "SM90_NT": str(d.nt),
-                        "SM90_PREFETCH": str(d.prefetch), "SM90_PF_STAGES": str(p.stages),
+                        "SM90_PREFETCH": str(d.prefetch), "SM90_W_INT4": "0", "SM90_PF_STAGES": str(p.stages),
                         "SM90_PF_MIN_BLOCKS": str(p.min_blocks), "SM90_PF_STMATRIX": str(int(p.stmatrix)),
                         "SM90_PF_FB": str(p.feature_block), "SM90_PF_TB": str(p.tile_rows),
                         "SM90_PF_ADEC": str(int(p.adec))}

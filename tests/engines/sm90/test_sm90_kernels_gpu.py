@@ -10,8 +10,10 @@ import torch
 
 from cudnn_moe.engines.base import FinalizeEpilogue
 from cudnn_moe.engines.sm90 import kernels as sm90
-from cudnn_moe.engines.sm90.layout import from_token_fragments, pack_weight_tiles, to_token_fragments, to_token_layout
-from cudnn_moe.formats import dequantize_nvfp4, quantize_nvfp4
+from cudnn_moe.engines.sm90.layout import (
+    from_token_fragments, pack_int4_weight_tiles, pack_weight_tiles, to_token_fragments, to_token_layout,
+)
+from cudnn_moe.formats import dequantize_mxint4, dequantize_nvfp4, quantize_nvfp4
 from cudnn_moe import kernels
 from cudnn_moe.kernels import TokenLayout
 from tests.support.sm90_variants import BASIC_PREFILL_VARIANTS, DECODE_VARIANTS, OTHER_PREFILL_VARIANTS, WGMMA_VARIANTS
@@ -129,6 +131,36 @@ def test_grouped_gemm_matches_reference(variant: sm90.GemmVariant, case: int) ->
     check(problem, out)
     again = problem.run(variant)
     assert torch.equal(out.view(torch.int16), again.view(torch.int16)), "results differ between runs"
+
+
+MXINT4_CASES = [(1, 128, 64, 8, 0), (3, 384, 128, 16, 24), (8, 1536, 704, 8, 8), (64, 128, 2048, 30, 0)]
+
+
+@pytest.mark.parametrize("variant", DECODE_VARIANTS, ids=str)
+@pytest.mark.parametrize("case", range(len(MXINT4_CASES)))
+def test_mxint4_decode_gemm_matches_reference(variant: sm90.DecodeVariant, case: int) -> None:
+    """MXINT4 weights (random codes, BF16 scales over a wide range) in the SM90 MXINT4 tiles: out = bf16(alpha * 256
+    * acc) against float64 of alpha * 256 * x @ (int4 * scale)^T, rows outside the segments untouched (NaN)."""
+    experts, n, k, max_len, spare = MXINT4_CASES[case]
+    problem = Problem(experts, n, k, _lengths(experts, seed=case, max_len=max_len), spare, seed=300 + case)
+    gen = _gen(400 + case)
+    packed = torch.randint(0, 256, (experts, n, k // 2), dtype=torch.uint8, generator=gen)
+    scales = (torch.rand(experts, n, k // 32, generator=gen) + 0.5) * torch.exp2(
+        torch.randint(-12, 4, (experts, n, k // 32), generator=gen).float())
+    scales = scales.to(torch.bfloat16)
+    tiles, tile_scales = pack_int4_weight_tiles(packed, scales)
+    problem.w_deq = dequantize_mxint4(packed, scales).double()
+    problem.tiles, problem.tile_scales = tiles.to(DEV), tile_scales.to(DEV)
+    problem.alpha = torch.ones(experts)  # the reference: x @ W^T; the kernel's alpha * 256 = 1
+    outs = []
+    for _ in range(2):  # twice: bitwise the same
+        out = torch.full((problem.rows, n), math.nan, dtype=torch.bfloat16, device=DEV)
+        sm90.grouped_gemm(problem.tiles, problem.tile_scales, torch.full((experts,), 1 / 256, device=DEV),
+                          problem.x[variant.token_layout], problem.offsets_dev, out, variant, mxint4=True)
+        torch.cuda.synchronize()
+        check(problem, out)
+        outs.append(out)
+    assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16)), "results differ between runs"
 
 
 @pytest.mark.parametrize("variant", [sm90.DECODE, sm90.PREFILL, *NEW_PREFILL_VARIANTS, *WGMMA_VARIANTS], ids=str)

@@ -598,3 +598,22 @@ def test_mxfp4_weight_only_runs_on_the_tensor_cores_in_its_exact_nvfp4_form() ->
         engine(odd, name="sm90")
     with pytest.raises(ValueError, match="no exact NVFP4 form"):
         odd.nvfp4_payloads()
+
+
+def test_mxint4_weight_only_runs_on_the_tensor_cores() -> None:
+    """Finalized BF16 calls of MXINT4 weight-only layers go to sm90 on SM90; FP16 tokens or output and raw rows to
+    the CUDA cores."""
+    from cudnn_moe.engines.registry import choose
+    from cudnn_moe.low_latency.tactics import layer_request
+
+    config, bf16, fmt = LowLatencyMoeConfig(arch="sm90"), torch.bfloat16, WeightFormat.MXINT4_WEIGHT_ONLY
+    gen = torch.Generator().manual_seed(6)  # I = 128: N1 = 2I a multiple of the sm90 kernels' 128 features
+    weights = prepare(config, fmt, (_codes(gen, E, 2 * IP, H // 2), _scales(fmt, gen, E, 2 * IP, H // 32),
+                                    _codes(gen, E, H, IP // 2), _scales(fmt, gen, E, H, IP // 32)))
+
+    def engine(x_dtype=bf16, out_dtype=bf16, finalize=True) -> str:
+        return choose(layer_request(weights, (9, 0), 2, x_dtype, out_dtype, finalize)).name
+
+    assert engine() == "sm90"
+    assert engine(x_dtype=torch.float16) == engine(out_dtype=torch.float16) == engine(finalize=False) == "cuda_cores"
+    assert choose(layer_request(weights, (10, 0), 2, bf16, bf16, True)).name == "cuda_cores"

@@ -1,5 +1,5 @@
-"""GPU tests of the tensor-core path of the low-latency call (cudnn_moe.low_latency.grouped): NVFP4 (and MXFP4, in
-its exact NVFP4 form) weight-only layers with BF16 tokens on the SM90 engine, called directly at every T = 1..8 (the call's
+"""GPU tests of the tensor-core path of the low-latency call (cudnn_moe.low_latency.grouped): NVFP4, MXFP4 (in
+its exact NVFP4 form) and MXINT4 weight-only layers with BF16 tokens on the SM90 engine, called directly at every T = 1..8 (the call's
 dispatch sends such calls there), against the float64 reference; repeated calls bitwise equal; recorded into the
 caller's CUDA graph, three launches (the stage and the finalize folded into the chain) bitwise equal to a call
 that launches them.
@@ -75,7 +75,9 @@ def test_dispatch_sends_nvfp4_weight_only_bf16_to_the_tensor_cores() -> None:
     assert engine_of(mx, bf16, bf16, True, arch) == "sm90"  # in its exact NVFP4 form
     assert engine_of(mx, torch.float16, bf16, True, arch) == "cuda_cores"
     _, mxint = make_layer(WeightFormat.MXINT4_WEIGHT_ONLY, True, shape=(256, 128), seed=9)
-    assert engine_of(mxint, bf16, bf16, True, arch) == "cuda_cores"
+    assert engine_of(mxint, bf16, bf16, True, arch) == "sm90"
+    assert engine_of(mxint, torch.float16, bf16, True, arch) == "cuda_cores"
+    assert engine_of(mxint, bf16, bf16, False, arch) == "cuda_cores"  # raw rows
     _, pair = make_layer(WeightFormat.NVFP4_W_NVFP4_A, True, shape=(512, 128), seed=9)
     assert engine_of(pair, None, bf16, True, arch) == "sm90"
     assert engine_of(pair, None, bf16, False, arch) == "cuda_cores"  # raw rows
@@ -154,6 +156,35 @@ def test_mxfp4_weight_only_on_the_tensor_cores(tokens, act, kind, exponents, shi
         assert_close_to_reference(out, want, f"MXFP4 weight-only on {engine} T={tokens} scales 2^{exponents}")
 
 
+MXINT4 = WeightFormat.MXINT4_WEIGHT_ONLY
+MXINT4_CASES = [(1, SwiGLU(), "packed"), (2, ReLU2(), "fp32"), (4, SiTU(a=2.0, b=3.0), "bf16"),
+                (8, GeGLU(), "int64"), (8, SwiGLUStep(limit=2.0), "fp32")]
+
+
+@pytest.mark.parametrize("tokens, act, kind", MXINT4_CASES,
+                         ids=[f"T{t}-{type(a).__name__}-{k}" for t, a, k in MXINT4_CASES])
+def test_mxint4_weight_only_on_the_tensor_cores(tokens, act, kind) -> None:
+    """The op sends finalized BF16 MXINT4 calls to sm90 (INT4 tiles, BF16 block scales on FP32 partial sums, the
+    FP32 preactivation into the activation epilogue), and the CUDA-core engine still runs them: both against the
+    float64 reference; repeated tensor-core calls are bitwise equal."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the tensor-core path is the SM90 engine's")
+    config, weights = make_layer(MXINT4, act.gated, shape=(512, 256), seed=tokens + 60)
+    x = make_inputs(config, MXINT4, torch.bfloat16, tokens, weights.hidden_size, seed=tokens + 61)
+    routing = make_routing(random_ids(tokens, TOP_K, E, tokens + 62), kind, tokens + 63)
+    assert engine_of(weights, torch.bfloat16, torch.bfloat16, True, (9, 0)) == "sm90"
+    want = reference_low_latency(x, weights, routing, act, out_dtype=torch.bfloat16)
+    outs = {}
+    for engine in ("auto", "cuda_cores", "auto"):
+        out = nan_out((tokens, weights.hidden_size), torch.bfloat16)
+        low_latency_moe(LowLatencyMoeConfig(8, engine=engine), x, weights, routing, activation=act, out=out)
+        torch.cuda.synchronize()
+        assert_close_to_reference(out, want, f"MXINT4 weight-only on {engine} T={tokens} {type(act).__name__}")
+        if engine in outs:
+            assert torch.equal(out, outs[engine]), "repeated tensor-core calls differ"
+        outs[engine] = out
+
+
 def test_mxfp4_weights_without_an_exact_nvfp4_form_stay_on_the_cuda_cores() -> None:
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the tensor-core path is the SM90 engine's")
@@ -172,7 +203,8 @@ def test_mxfp4_weights_without_an_exact_nvfp4_form_stay_on_the_cuda_cores() -> N
         low_latency_moe(LowLatencyMoeConfig(8, engine="sm90"), x, weights, routing)
 
 
-FOLD_CASES = [(FMT, 1), (FMT, 5), (MXFP4, 2), (WeightFormat.NVFP4_W_NVFP4_A, 3), (WeightFormat.NVFP4_W_NVFP4_A, 8)]
+FOLD_CASES = [(FMT, 1), (FMT, 5), (MXFP4, 2), (MXINT4, 1), (MXINT4, 6), (WeightFormat.NVFP4_W_NVFP4_A, 3),
+              (WeightFormat.NVFP4_W_NVFP4_A, 8)]
 
 
 @pytest.mark.parametrize("fmt, tokens", FOLD_CASES, ids=[f"{f.value}-T{t}" for f, t in FOLD_CASES])
