@@ -142,7 +142,8 @@ class LowLatencyMoeConfig:
     device, or SM90 when there is none. An arch this config does not run on is refused.
     engine: 'auto' (the engine ``tune`` measured fastest for a call's layer and token count, else the
     registry's first engine that runs it: on SM90 the tensor cores for the finalized BF16 calls of the NVFP4
-    formats and of MXFP4 weight-only layers with an exact NVFP4 form, the CUDA cores otherwise) or the name of a low-latency engine of the registry ('sm90',
+    formats, of MXINT4 weight-only layers and of MXFP4 weight-only layers with an exact NVFP4 form, the CUDA
+    cores otherwise) or the name of a low-latency engine of the registry ('sm90',
     'cuda_cores', 'll_mma': the FP8 formats on tensor cores, ...).
     """
 
