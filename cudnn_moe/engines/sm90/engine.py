@@ -22,10 +22,10 @@ from ...arch import SM90, Arch
 from ...kernels.codes import SORT_MAX_EXPERTS, TokenLayout
 from ..base import (
     NVFP4,
-    BlockCode,
     OP_ALIGNED,
     OP_FUSED,
     OP_LOW_LATENCY,
+    BlockCode,
     EngineSpec,
     Gemm1Fusion,
     GemmEngine,

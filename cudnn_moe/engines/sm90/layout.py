@@ -51,7 +51,7 @@ from __future__ import annotations
 
 import torch
 
-from ...formats import NVFP4_BLOCK, pack_nibbles, unpack_nibbles
+from ...formats import MXINT4_BLOCK, NVFP4_BLOCK, pack_nibbles, unpack_nibbles
 from ...kernels.codes import TokenLayout
 
 TILE_ROWS = 16  # weight rows (output features) per tile: the mma's M
@@ -66,7 +66,6 @@ CODE_BITS = (
 )
 # The same for MXINT4 codes (code bits 3, 0, 1, 2: the nibble as it is, at bits 4r .. 4r + 3).
 INT4_CODE_BITS = tuple((4 * r + 3, 4 * r, 4 * r + 1, 4 * r + 2) for r in range(4))
-MXINT4_BLOCK = 32
 
 
 def _check_weight_shapes(n: int, k: int) -> None:
