@@ -325,6 +325,10 @@ def grouped_gemm(
     """
     if not isinstance(variant, (DecodeVariant, PrefillVariant, WgmmaVariant)):
         raise ValueError(f"variant must be a DecodeVariant, PrefillVariant or WgmmaVariant, got {type(variant).__name__}")
+    if mxint4 and not isinstance(variant, DecodeVariant):
+        raise ValueError(f"MXINT4 weights run on a DecodeVariant, got {variant}")
+    if mxint4 and epilogue is not None and (epilogue.requantize or not epilogue.out.layout.is_bf16):
+        raise ValueError("MXINT4 weights take an activation epilogue writing BF16 rows (no requantize) only")
     if gather is not None and not isinstance(variant, WgmmaVariant):
         raise ValueError(f"a gather needs a WgmmaVariant, got {variant}")
     if gather is not None and variant.token_layout is TokenLayout.BF16_TILED:
@@ -341,10 +345,6 @@ def grouped_gemm(
                          f"{' with an epilogue' if epilogue is not None else ''}")
     if (tickets is None) != (finalize is None):
         raise ValueError("tickets go with a finalize, and only with one")
-    if mxint4 and not isinstance(variant, DecodeVariant):
-        raise ValueError(f"MXINT4 weights run on a DecodeVariant, got {variant}")
-    if mxint4 and epilogue is not None and (epilogue.requantize or not epilogue.out.layout.is_bf16):
-        raise ValueError("MXINT4 weights take an activation epilogue writing BF16 rows (no requantize) only")
     w_tiles = _tensor("w_tiles", w_tiles)
     w_tile_scales = _tensor("w_tile_scales", w_tile_scales)
     alpha, offsets = _tensor("alpha", alpha), _tensor("offsets", offsets)

@@ -624,6 +624,23 @@ def test_fused_call_matches_kernel_signature(layout: TokenLayout, launches: list
             assert args[17] == np.int32(layout) and args[18] == np.int32(1)  # the epilogue's layout, requantize
 
 
+def test_mxint4_call_compiles_its_form_in(launches: list[tuple]) -> None:
+    """An MXINT4 decode GEMM (BF16 epilogue without requantize, or plain) adds -DSM90_W_INT4=1 to its options and
+    passes the same arguments as the NVFP4 form."""
+    variant = sm90.DecodeVariant(mt=2, wm=2, wk=2)
+    for plain in (False, True):
+        launches.clear()
+        args = _fused_args(TokenLayout.BF16_FRAGMENTS, SwiGLU())
+        args["epilogue"] = ActivationEpilogue(SwiGLU(), args["epilogue"].row_to_slot, args["epilogue"].out, False)
+        args.update(gather=None, x=torch.zeros(40, 128, dtype=torch.bfloat16), variant=variant, mxint4=True)
+        if plain:
+            args.update(epilogue=None, out=torch.zeros(40, 256, dtype=torch.bfloat16))
+        sm90.grouped_gemm(**args)
+        (_source, name, _device, _grid, _block, _args), kwargs = launches[0]
+        acts = () if plain else sm90.epilogue_options(SwiGLU())
+        assert kwargs["extra_options"] == (*variant.options(), *acts, "-DSM90_W_INT4=1")
+
+
 _FUSED_BAD = [
     ("gather on decode", lambda a: a.update(variant=sm90.DECODE), "gather needs a WgmmaVariant"),
     ("gather on tiled", lambda a: a.update(variant=sm90.WgmmaVariant(tiled_tokens=True)), "gather reads natural rows"),
@@ -648,6 +665,9 @@ _FUSED_BAD = [
         TokenOperand(torch.zeros(40, 128, dtype=torch.bfloat16), None, TokenLayout.BF16_ROWS))), "w_tiles"),
     ("epilogue row_to_slot", lambda a: a.update(epilogue=ActivationEpilogue(
         SwiGLU(), torch.zeros(40, dtype=torch.int32), a["epilogue"].out)), "one tensor"),
+    ("mxint4 on wgmma", lambda a: a.update(mxint4=True), "MXINT4 weights run on a DecodeVariant"),
+    ("mxint4 requantizing", lambda a: a.update(variant=sm90.DecodeVariant(mt=2, wm=2, wk=2), gather=None, mxint4=True,
+                                              x=torch.zeros(40, 128, dtype=torch.bfloat16)), "no requantize"),
     ("nvfp4 without requantize", lambda a: a.update(epilogue=ActivationEpilogue(
         SwiGLU(), a["gather"].row_to_slot,
         TokenOperand(torch.zeros(40, 64, dtype=torch.uint8), torch.zeros(40 * 8, dtype=torch.uint8),
