@@ -364,11 +364,10 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS DEC_MIN_BLOCKS)
       lo.x += l2.x; lo.y += l2.y; lo.z += l2.z; lo.w += l2.w;
       hi.x += h2.x; hi.y += h2.y; hi.z += h2.z; hi.w += h2.w;
     }
-#if defined(SM90_ACT) && SM90_W_INT4
+#if defined(SM90_ACT) && SM90_W_INT4  // the FP32 preactivation, unrounded
     *reinterpret_cast<float4*>(&c_tile[t][f]) = make_float4(scale * lo.x, scale * lo.y, scale * lo.z, scale * lo.w);
     *reinterpret_cast<float4*>(&c_tile[t][f + 4]) = make_float4(scale * hi.x, scale * hi.y, scale * hi.z, scale * hi.w);
-    continue;
-#endif
+#else
     uint4 v;
     v.x = pack_bf16x2(scale * lo.x, scale * lo.y);
     v.y = pack_bf16x2(scale * lo.z, scale * lo.w);
@@ -378,6 +377,7 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS DEC_MIN_BLOCKS)
     *reinterpret_cast<uint4*>(&c_tile[t][f]) = v;
 #else
     stg_v4(out + static_cast<i64>(row) * n + blockIdx.x * DEC_FB + f, v);
+#endif
 #endif
   }
 #ifdef SM90_FINALIZE

@@ -124,8 +124,8 @@ LOW_LATENCY_MAX_TOKENS = 8
 # Weight-only formats of the low-latency op, with BF16 tokens: NVFP4, MXFP4 in its exact NVFP4 form
 # (cudnn_moe.formats.mxfp4_as_nvfp4, decided when the weights are prepared), and MXINT4 in its own tiles
 # (BlockCode.MXINT4: INT4 decoded exactly, BF16 block scales on FP32 partial sums).
-_WEIGHT_ONLY = frozenset({WeightFormat.NVFP4_WEIGHT_ONLY, WeightFormat.MXFP4_WEIGHT_ONLY,
-                          WeightFormat.MXINT4_WEIGHT_ONLY})
+_WEIGHT_ONLY = frozenset(f.value for f in (WeightFormat.NVFP4_WEIGHT_ONLY, WeightFormat.MXFP4_WEIGHT_ONLY,
+                                           WeightFormat.MXINT4_WEIGHT_ONLY))
 
 
 class Sm90GemmEngine(GemmEngine):
@@ -138,7 +138,7 @@ class Sm90GemmEngine(GemmEngine):
     services = (
         Service(OP_FUSED, frozenset({NVFP4}), frozenset({SM90})),
         Service(OP_ALIGNED, frozenset({NVFP4}), frozenset({SM90})),
-        Service(OP_LOW_LATENCY, frozenset({fmt.value for fmt in _WEIGHT_ONLY | {WeightFormat.NVFP4_W_NVFP4_A}}),
+        Service(OP_LOW_LATENCY, _WEIGHT_ONLY | {WeightFormat.NVFP4_W_NVFP4_A.value},
                 frozenset({SM90}), max_tokens=LOW_LATENCY_MAX_TOKENS),
     )
 
@@ -160,7 +160,7 @@ class Sm90GemmEngine(GemmEngine):
             return Support(False, "the sm90 engine writes BF16 low-latency outputs only")
         if request.num_experts is not None and request.num_experts > SORT_MAX_EXPERTS:
             return Support(False, f"the sm90 pipeline sorts at most {SORT_MAX_EXPERTS} experts")
-        weight_only = request.weight_format in {fmt.value for fmt in _WEIGHT_ONLY}
+        weight_only = request.weight_format in _WEIGHT_ONLY
         if weight_only and request.token_dtype is not None and request.token_dtype != torch.bfloat16:
             return Support(False, "the sm90 engine takes BF16 tokens for 4-bit weight-only layers")
         if request.weight_format == WeightFormat.MXFP4_WEIGHT_ONLY.value and request.nvfp4_problem is not None:
