@@ -267,6 +267,27 @@ __device__ __forceinline__ void decode_fragment_unit(const u8* codes, const u8* 
   decode_fragment_words(*reinterpret_cast<const uint4*>(codes + 16 * u), scales[2 * u], scales[2 * u + 1], piece);
 }
 
+// The four fragment-order pieces of a BF16 unit given as its four 16-byte chunks in column order: piece q holds the
+// value pairs (2q, 2q+1), (8+2q, 9+2q), (16+2q, 17+2q), (24+2q, 25+2q) of its 32 columns (decode_fragment_unit's
+// order).
+__device__ __forceinline__ void bf16_unit_pieces(const uint4 chunk[4], uint4 piece[4]) {
+  const uint4 a = chunk[0], b = chunk[1], c = chunk[2], d = chunk[3];  // pair words 0..3, 4..7, 8..11, 12..15
+  const u32 words[16] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w, c.x, c.y, c.z, c.w, d.x, d.y, d.z, d.w};
+#pragma unroll
+  for (int q = 0; q < 4; ++q) piece[q] = make_uint4(words[q], words[4 + q], words[8 + q], words[12 + q]);
+}
+
+// The 32 BF16 values of a token unit, as four 16-byte chunks in column order.
+struct Bf16Unit {
+  uint4 chunk[4];
+};
+
+// Unit u (32 columns) of BF16 token t of x [B, H] (16-byte aligned), as it is.
+__device__ __forceinline__ Bf16Unit fetch_bf16_unit(const u16* __restrict__ x, int hidden, i64 t, int u) {
+  const uint4* src = reinterpret_cast<const uint4*>(x + t * hidden + 32 * u);
+  return Bf16Unit{{src[0], src[1], src[2], src[3]}};
+}
+
 // Store the four pieces of unit u into the BF16 row dst (16-byte aligned): piece q at 64j + 16q + 8h.
 __device__ __forceinline__ void store_fragment_unit(u16* dst, int u, const uint4 piece[4]) {
   u16* base = dst + 64 * (u >> 1) + 8 * (u & 1);

@@ -267,12 +267,22 @@ __device__ __forceinline__ int expert_alpha(int e, int num_experts, int feature0
   return feature0 >= alpha_split ? num_experts + e : e;
 }
 
+// *p, from shared memory (SHARED) or through the read-only path.
+template <bool SHARED>
+__device__ __forceinline__ int load_offset(const int* p) {
+  if constexpr (SHARED) {
+    return *p;
+  } else {
+    return __ldg(p);
+  }
+}
+
 // Warp-collective (all 32 lanes, same arguments): tile `t` of the concatenation over experts of
 // ceil(len_e / TILE_ROWS) tiles, expert e's segment being rows [offsets[e], offsets[e+1]).
 // Returns false (in every lane) when t is past the last tile. Each lane sums a contiguous range of
 // ceil(E / 32) experts, a warp scan finds the lane holding tile t, which walks its range again. With `tiles`, the
-// number of tiles in all goes there.
-template <int TILE_ROWS>
+// number of tiles in all goes there. SHARED: offsets lie in shared memory (a sort of the kernel's own), else global.
+template <int TILE_ROWS, bool SHARED = false>
 __device__ __forceinline__ bool find_tile(const int* __restrict__ offsets, int num_experts, int row_capacity,
                                           int t, Tile& tile, int* tiles = nullptr) {
   const int lane = threadIdx.x & 31;
@@ -281,9 +291,9 @@ __device__ __forceinline__ bool find_tile(const int* __restrict__ offsets, int n
   const int e1 = min(e0 + per, num_experts);
   int count = 0;
   {
-    int prev = __ldg(offsets + e0);
+    int prev = load_offset<SHARED>(offsets + e0);
     for (int e = e0; e < e1; ++e) {
-      const int next = __ldg(offsets + e + 1);
+      const int next = load_offset<SHARED>(offsets + e + 1);
       count += (max(next - prev, 0) + TILE_ROWS - 1) / TILE_ROWS;
       prev = next;
     }
@@ -301,9 +311,9 @@ __device__ __forceinline__ bool find_tile(const int* __restrict__ offsets, int n
   int expert = 0, row0 = 0, row_end = 0;
   if (lane == src) {
     int before = inclusive - count;
-    int prev = __ldg(offsets + e0);
+    int prev = load_offset<SHARED>(offsets + e0);
     for (int e = e0; e < e1; ++e) {
-      const int next = __ldg(offsets + e + 1);
+      const int next = load_offset<SHARED>(offsets + e + 1);
       const int n = (max(next - prev, 0) + TILE_ROWS - 1) / TILE_ROWS;
       if (t - before < n) {
         expert = e;
