@@ -221,6 +221,28 @@ class FinalizeEpilogue:
     out: torch.Tensor
 
 
+@dataclass(frozen=True)
+class RoutePrologue:
+    """The op's stage and the routing sort folded into GEMM1 (a one-token bucket): GEMM1 reads the caller's token and
+    routing instead of the permuted rows, sorts the slots itself, and writes what the stage + sort + permute launch
+    writes besides those rows, so the rest of the chain reads the same buffers bit for bit: the decoded routing into
+    ``ids_out`` int32 / ``w_out`` float32 [1, top_k], the sort's outputs (local experts from ``local_start``, segments
+    padded to ``align`` rows) into ``sorted``. tokens: bfloat16 [T, H] (``token_scales`` None) or NVFP4 codes uint8
+    [T, H/2] with E4M3 ``token_scales`` [T, H/16], T <= 1, 16-byte aligned; ids / weights / routing_format as
+    ``Routing.kernel_operands`` gives them."""
+
+    tokens: torch.Tensor
+    token_scales: torch.Tensor | None
+    ids: torch.Tensor
+    weights: torch.Tensor | None
+    routing_format: int
+    ids_out: torch.Tensor
+    w_out: torch.Tensor
+    local_start: int
+    align: int
+    sorted: Any  # a cudnn_moe.kernels.SortBuffers
+
+
 class Gemm1Fusion(NamedTuple):
     """How an engine's chain runs GEMM1 on one bucket: with the activation in its epilogue (GEMM1's BF16 output
     is never written), and gathering its rows through the routing (no permuted token rows). The executor
@@ -241,6 +263,8 @@ class GemmOperands:
     gather / epilogue: the fused forms, for an engine that declares ``LayerStages.gemm1_activation`` in its
     chain: the tokens read through the routing instead of ``tokens``; the activation written instead of ``out``.
     finalize: GEMM2 also finalizing its rows into the caller's output (``LayerStages.gemm2_finalize``).
+    route: GEMM1 (with the epilogue) also staging and sorting the caller's call itself (``LayerStages.gemm1_routed``):
+    its ``tokens`` and ``offsets`` are then not read (the sort in ``route`` writes the offsets).
     """
 
     rows: int
@@ -253,6 +277,7 @@ class GemmOperands:
     gather: RowGather | None = None
     epilogue: ActivationEpilogue | None = None
     finalize: FinalizeEpilogue | None = None
+    route: RoutePrologue | None = None
 
 
 class Engine(abc.ABC):
@@ -394,6 +419,11 @@ class GemmEngine(Engine):
         default)."""
         return False
 
+    def can_route(self, operands: GemmOperands) -> bool:
+        """Whether ``gemm`` runs GEMM1 of these operands (with its activation epilogue) with a RoutePrologue (never, by
+        default)."""
+        return False
+
     @abc.abstractmethod
     def gemm(self, operands: GemmOperands) -> None:
         """Enqueue the grouped GEMM on the device's current torch stream."""
@@ -442,6 +472,12 @@ class LayerStages(abc.ABC):
         with ``gather``, reading its rows through the routing from the token rows (the NVFP4 tokens the op's stage
         decoded into BF16 rows, or the BF16 tokens themselves: the permute folded into its token load,
         GemmOperands.gather), else from the permuted rows. Same GEMM2 tokens, bit for bit, as the unfused stages."""
+
+    @abc.abstractmethod
+    def gemm1_routed(self) -> Stage | None:
+        """gemm1_activation(gather=False) also staging the caller's inputs and sorting the routing (GemmOperands.route:
+        the stage + sort + permute launch folded into GEMM1): for a one-token bucket whose launches know the caller's
+        inputs, where the engine can (GemmEngine.can_route), else None."""
 
     @abc.abstractmethod
     def gemm2(self) -> Stage: ...

@@ -156,6 +156,23 @@ def sort_permute_bf16(
                (*head, ptr(tokens, 16), ptr(token_scales), *tail))
 
 
+def check_staged_sort(what: str, tokens: torch.Tensor, token_scales: torch.Tensor | None, ids: torch.Tensor,
+                      weights: torch.Tensor | None, routing_format: int, ids_out: torch.Tensor, w_out: torch.Tensor,
+                      num_local: int, align: int, out: SortBuffers) -> tuple[int, int, int]:
+    """Check the operands of a launch that stages the caller's routing and sorts it (stage_sort_permute_bf16, the SM90
+    decode GEMM1's route): tokens as _token_hidden takes them, routing of T tokens (stage_inputs' formats) into
+    ``ids_out`` int32 / ``w_out`` float32 [B, top_k] with T <= B, the sort's operands; returns (H, B * top_k, top_k).
+    ValueError naming ``what`` or the operand otherwise."""
+    hidden = _token_hidden(what, tokens, token_scales)
+    bucket, top_k = ids_out.shape
+    check_routing(ids, weights, routing_format, tokens.shape[0], top_k, bucket)
+    ids_flat = ids_out.view(-1)
+    _check_operands(ids_flat, top_k, num_local, align, out)
+    if w_out.dtype != torch.float32 or w_out.shape != ids_out.shape:
+        raise ValueError(f"w_out must be float32 {tuple(ids_out.shape)}, got {w_out.dtype} {tuple(w_out.shape)}")
+    return hidden, ids_flat.numel(), top_k
+
+
 def stage_sort_permute_bf16(
     tokens: torch.Tensor,
     token_scales: torch.Tensor | None,
@@ -180,17 +197,11 @@ def stage_sort_permute_bf16(
     moe_stage_sort_permute_bf16*)."""
     bf16 = token_scales is None
     num_tokens = tokens.shape[0]
-    hidden = _token_hidden("stage + sort + permute", tokens, token_scales)
-    bucket, top_k = ids_out.shape
-    check_routing(ids, weights, routing_format, num_tokens, top_k, bucket)
-    ids_flat = ids_out.view(-1)
-    _check_operands(ids_flat, top_k, num_local, align, out)
-    num_slots = ids_flat.numel()
+    hidden, num_slots, top_k = check_staged_sort("stage + sort + permute", tokens, token_scales, ids, weights,
+                                                 routing_format, ids_out, w_out, num_local, align, out)
     if num_slots > SORT_PERMUTE_MAX_SLOTS:
         raise ValueError(f"stage + sort + permute in one launch takes at most {SORT_PERMUTE_MAX_SLOTS} slots, "
                          f"got {num_slots}")
-    if w_out.dtype != torch.float32 or w_out.shape != ids_out.shape:
-        raise ValueError(f"w_out must be float32 {tuple(ids_out.shape)}, got {w_out.dtype} {tuple(w_out.shape)}")
     require_bf16_rows(xp, hidden, layout)
     head = (*routing_args(ids, weights, routing_format), np.int32(num_tokens), np.int32(num_slots), np.int32(top_k),
             np.int32(local_start), np.int32(num_local), np.int32(align), np.int32(out.row_capacity),

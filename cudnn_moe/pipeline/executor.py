@@ -50,6 +50,7 @@ from ..engines.base import (
     GemmOperands,
     GemmShape,
     LayerStages,
+    RoutePrologue,
     RowGather,
     Stage,
     TokenOperand,
@@ -477,6 +478,23 @@ class _BucketStages(LayerStages):
             requantize=not x.bf16_intermediate,
         ))
 
+    def gemm1_routed(self) -> Stage | None:
+        x, b, caller = self.x, self.b, self.caller
+        if caller is None or b.tokens != 1 or b.tokens * x.top_k > kernels.SORT_WARP_SLOTS:
+            return None
+        tokens, token_scales = caller.token_operands()
+        if tokens.data_ptr() % 16:
+            return None
+        ids, route_weights, routing_format = caller.routing.kernel_operands()
+        operands = replace(b.gemm1, epilogue=self._activation_epilogue(), route=RoutePrologue(
+            tokens, token_scales, ids, route_weights, routing_format, b.ids, b.route_weights, x.local_expert_start,
+            x.engine.row_alignment, b.sorted,
+        ))
+        if not x.engine.can_route(operands):
+            return None
+        self.staging = Stage("stage+sort+permute+gemm1+activation", lambda: x.engine.gemm(operands))
+        return self.staging
+
     def gemm2(self) -> Stage:
         return Stage("gemm2", lambda: self.x.engine.gemm(self.b.gemm2))
 
@@ -495,11 +513,15 @@ class _BucketStages(LayerStages):
         b = self.b
         return b.x if self.x.bf16_tokens else b.x_rows
 
+    def _activation_epilogue(self) -> ActivationEpilogue:
+        x, b = self.x, self.b
+        return ActivationEpilogue(x.activation, b.row_to_slot, b.gemm2.tokens, not x.bf16_intermediate)
+
     def gemm1_activation(self, gather: bool) -> Stage:
         x, b = self.x, self.b
         operands = replace(
             b.gemm1,
             gather=RowGather(self._token_rows(), b.row_to_slot, x.top_k) if gather else None,
-            epilogue=ActivationEpilogue(x.activation, b.row_to_slot, b.gemm2.tokens, not x.bf16_intermediate),
+            epilogue=self._activation_epilogue(),
         )
         return Stage("gemm1+activation", lambda: x.engine.gemm(operands))

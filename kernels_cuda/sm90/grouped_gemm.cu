@@ -18,6 +18,7 @@
 #include "activation_unit.cuh"
 #include "finalize.cuh"
 #include "sm90/fragments.cuh"
+#include "sort.cuh"
 
 using namespace sm90;
 
@@ -40,6 +41,16 @@ using namespace sm90;
 #define DEC_FINALIZE true
 #else
 #define DEC_FINALIZE false
+#endif
+// The op's stage and the routing sort folded into GEMM1's prologue (a decode chain of one-token buckets:
+// SM90_ROUTE 1 for BF16 tokens, 2 for NVFP4 tokens; with SM90_ACT): every CTA decodes the caller's routing, sorts
+// its slots in one warp (sort_slots_warp, into shared memory) and stages the token row in fragment order in dynamic
+// shared memory (k BF16 values); CTA (0, 0) also writes the sort's outputs and the decoded routing for GEMM2 and the
+// finalize. The MMA's token operand then comes from shared memory: every row of a one-token bucket is that token.
+#ifdef SM90_ROUTE
+#if !defined(SM90_ACT) || defined(SM90_FINALIZE)
+#error "SM90_ROUTE is for GEMM1 with the activation epilogue (SM90_ACT)"
+#endif
 #endif
 
 // =============================================================================================
@@ -169,6 +180,16 @@ __device__ __forceinline__ void decode_step(const DecodeRing& ring, float (&acc)
 
 }  // namespace
 
+// 16 bytes of the token operand: from the bucket's rows (global), or with SM90_ROUTE from the token row the CTA
+// staged in shared memory.
+__device__ __forceinline__ uint4 load_token_piece(const u8* p) {
+#ifdef SM90_ROUTE
+  return *reinterpret_cast<const uint4*>(p);
+#else
+  return ldg_v4(p);
+#endif
+}
+
 // The m16 row tile of W that the first of warp wm's MT tiles is: blockIdx.x * WM * MT + wm * MT, or paired
 // (a gated activation epilogue, W = [up; gate] of n / 2 rows each) the first WM / 2 warps the up tiles
 // blockIdx.x * WM * MT / 2 + wm * MT and the others the gate tiles of the same features, n / 32 tiles on.
@@ -197,6 +218,23 @@ __device__ __forceinline__ int decode_feature(int f, int n) {
 // With SM90_FINALIZE (GEMM2 of the decode chain): after writing out, the CTA of each feature block that finishes last
 // also finalizes it: final_out bf16 [tokens, n] (row t: token t's top_k slots, slot_to_row int32 / route_weights
 // float32 [tokens * top_k]), as moe_finalize. tickets int32 [grid x]: zero before the launch, zero after it.
+// With SM90_ROUTE (GEMM1 of a one-token bucket, the arguments past tickets): x, offsets and row_to_slot are not read;
+// the caller's routing (route_ids / route_w in route_format, as moe_stage_sort_permute_bf16 reads them; route_tokens
+// <= 1 tokens of route_top_k slots, route_slots = route_top_k <= SORT_WARP_SLOTS) and token row route_x (BF16 [k],
+// or NVFP4 codes [k / 2] with E4M3 scales route_x_scales [k / 16]; 16-byte aligned) come in instead, and CTA (0, 0)
+// writes what that kernel writes besides the token rows: route_ids_out / route_w_out [route_slots] and the sort's
+// outputs (sort_*: moe_sort's, for local experts [route_local_start, + num_experts) in segments padded to route_align
+// rows). Dynamic shared memory: 2k bytes.
+#ifdef SM90_ROUTE
+#define DEC_ROUTE_PARAMS                                                                                             \
+  , const void* __restrict__ route_ids, const void* __restrict__ route_w, int route_format, int route_ids_int64,      \
+      int route_tokens, int route_slots, int route_top_k, int route_local_start, int route_align,                    \
+      const u8* __restrict__ route_x, const u8* __restrict__ route_x_scales, int* __restrict__ route_ids_out,        \
+      float* __restrict__ route_w_out, int* __restrict__ sort_offsets, int* __restrict__ sort_slot_to_row,           \
+      int* __restrict__ sort_row_to_slot, int* __restrict__ sort_row_expert, int* __restrict__ sort_counts
+#else
+#define DEC_ROUTE_PARAMS
+#endif
 extern "C" __global__ void __launch_bounds__(DEC_THREADS DEC_MIN_BLOCKS)
     sm90_gemm_decode(const u8* __restrict__ w_tiles, const u8* __restrict__ w_scales, const float* __restrict__ alpha,
                      const u16* __restrict__ x, const int* __restrict__ offsets, int num_experts, int n, int k,
@@ -204,14 +242,56 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS DEC_MIN_BLOCKS)
                      int gather_top_k, int gather_tokens, float act_alpha, float act_beta, float act_limit,
                      int act_layout, int requantize, u8* __restrict__ act_out, u8* __restrict__ act_scales,
                      const int* __restrict__ slot_to_row, const float* __restrict__ route_weights, int top_k,
-                     int tokens, u16* __restrict__ final_out, int* __restrict__ tickets) {
+                     int tokens, u16* __restrict__ final_out, int* __restrict__ tickets DEC_ROUTE_PARAMS) {
   moe::grid_dependency_begin();
   __shared__ __align__(16) float red[SM90_WK][DEC_TB][DEC_RED_STRIDE];
   Tile tile;
+#ifdef SM90_ROUTE
+  // The stage and the sort (moe_stage_sort_permute_bf16_warp's, for this CTA): the token row's units are fetched and
+  // stored in fragment order, the routing decoded, then warp 0 sorts; CTA (0, 0) writes the outputs GEMM2 reads.
+  extern __shared__ __align__(128) u8 smem[];  // the token row: k BF16 values in fragment order
+  __shared__ int route_slot_ids[SORT_WARP_SLOTS], route_slot_rows[SORT_WARP_SLOTS];
+  __shared__ int route_counts[SORT_MAX_EXPERTS], route_seg[SORT_MAX_EXPERTS + 1];
+  u16* const token_row = reinterpret_cast<u16*>(smem);
+  const bool writer = blockIdx.x == 0 && blockIdx.y == 0;
+  if (route_slots > SORT_WARP_SLOTS || route_tokens > 1) return;  // the host checks: never taken
+  for (int u = threadIdx.x; u < (k >> 5); u += DEC_THREADS) {
+    uint4 piece[4];
+    if (route_tokens == 0) {
+      piece[0] = piece[1] = piece[2] = piece[3] = make_uint4(0u, 0u, 0u, 0u);
+    } else {
+#if SM90_ROUTE == 2
+      moe::decode_fragment_unit(route_x, route_x_scales, u, piece);
+#else
+      moe::bf16_unit_pieces(moe::fetch_bf16_unit(reinterpret_cast<const u16*>(route_x), k, 0, u).chunk, piece);
+#endif
+    }
+    moe::store_fragment_unit(token_row, u, piece);
+  }
+  for (int i = threadIdx.x; i < route_slots; i += DEC_THREADS) {
+    int id;
+    float w;
+    moe::decode_route(route_ids, route_w, route_format, route_ids_int64, i, i / route_top_k < route_tokens, id, w);
+    route_slot_ids[i] = id;
+    if (writer) {
+      route_ids_out[i] = id;
+      route_w_out[i] = w;
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x < 32)
+    moe::sort_slots_warp(route_slot_ids, route_slots, route_local_start, num_experts, route_align, row_capacity, writer,
+                    route_slot_rows, route_counts, route_seg, sort_offsets, sort_slot_to_row, sort_row_to_slot,
+                    sort_row_expert, sort_counts);
+  __syncthreads();
+  if (!find_tile<DEC_TB, true>(route_seg, num_experts, row_capacity, static_cast<int>(blockIdx.y), tile))
+    return;
+#else
   int tiles = 0;  // with the finalize: the tiles of all segments, the CTAs of this feature block that write rows
   if (!find_tile<DEC_TB>(offsets, num_experts, row_capacity, static_cast<int>(blockIdx.y), tile,
                          DEC_FINALIZE ? &tiles : nullptr))
     return;
+#endif
   if (tile.row0 < 0 || tile.row0 >= tile.row_end) return;  // offsets outside [0, row_capacity]: nothing safe to do
 
   const int lane = threadIdx.x & 31;
@@ -232,9 +312,13 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS DEC_MIN_BLOCKS)
   const u8* xp[SM90_NT];
 #pragma unroll
   for (int nt = 0; nt < SM90_NT; ++nt) {
+#ifdef SM90_ROUTE
+    xp[nt] = smem + wk * 128 + q * 32;  // every row of the bucket is the one token
+#else
     const int row = tile.row0 + nt * 8 + g;
     xp[nt] = reinterpret_cast<const u8*>(x) + (static_cast<i64>(row < tile.row_end ? row : tile.row0) * k + wk * 64) * 2 +
              q * 32;
+#endif
   }
   // The epilogue's operands, fetched into shared memory while the main loop runs (no dependent load at the end):
   // the alpha of the CTA's first and second half of features (one alpha each: alpha_split is a multiple of the
@@ -246,8 +330,17 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS DEC_MIN_BLOCKS)
                alpha + expert_alpha(tile.expert, num_experts, decode_feature(threadIdx.x * (DEC_FB / 2), n), alpha_split));
 #ifdef SM90_ACT
   __shared__ int tile_slot[DEC_TB];
+#ifdef SM90_ROUTE
+  if (threadIdx.x < DEC_TB && tile.row0 + static_cast<int>(threadIdx.x) < tile.row_end) {
+    int slot = -1;  // a padding row unless a slot sorted into it
+    for (int i = 0; i < route_slots; ++i)
+      if (route_slot_rows[i] == tile.row0 + static_cast<int>(threadIdx.x)) slot = i;
+    tile_slot[threadIdx.x] = slot;
+  }
+#else
   if (threadIdx.x < DEC_TB && tile.row0 + static_cast<int>(threadIdx.x) < tile.row_end)
     cp_async_4(smem_addr(&tile_slot[threadIdx.x]), row_to_slot + tile.row0 + threadIdx.x);
+#endif
 #endif
   cp_async_commit();
   const int nsteps = wk < kt ? (kt - wk + SM90_WK - 1) / SM90_WK : 0;
@@ -272,8 +365,8 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS DEC_MIN_BLOCKS)
       ring.s[P][mt] = ldg_stream_v2(sp + (S) * S_STEP + mt * mt_stride_s);                          \
     }                                                                                               \
     _Pragma("unroll") for (int nt = 0; nt < SM90_NT; ++nt) {                                        \
-      ring.b[P][nt][0] = ldg_v4(xp[nt] + (S) * X_STEP);                                             \
-      ring.b[P][nt][1] = ldg_v4(xp[nt] + (S) * X_STEP + 16);                                        \
+      ring.b[P][nt][0] = load_token_piece(xp[nt] + (S) * X_STEP);                                             \
+      ring.b[P][nt][1] = load_token_piece(xp[nt] + (S) * X_STEP + 16);                                        \
     }                                                                                               \
   }
 #pragma unroll

@@ -39,7 +39,16 @@ from ..base import (
     WeightFormat,
     WeightLayout,
 )
-from .kernels import FEATURE_MULTIPLE, ROW_ALIGNMENT, DecodeVariant, GemmVariant, WgmmaVariant, grouped_gemm
+from .kernels import (
+    FEATURE_MULTIPLE,
+    ROUTE_MAX_SHARED_MEM,
+    ROW_ALIGNMENT,
+    DecodeVariant,
+    GemmVariant,
+    WgmmaVariant,
+    grouped_gemm,
+    route_shared_mem,
+)
 from .layout import TILE_K, pack_int4_weight_tiles, pack_weight_tiles, unpack_weight_tiles
 
 # Decode variants picked with benchmarks/tune_sm90.py on an H200 (benchmarks/RESULTS.md). Two m16 row
@@ -210,17 +219,29 @@ class Sm90GemmEngine(GemmEngine):
             _DECODE_CTA_THREADS_PER_SM * self.sm_count)
         return one_wave and tokens * variant.feature_block // 8 <= variant.threads
 
+    def can_route(self, operands: GemmOperands) -> bool:
+        """GEMM1 of a one-token bucket of NVFP4 weights on the decode kernel, whose token row (2K bytes) fits the
+        dynamic shared memory every CTA has without an opt-in (grouped_gemm's ``route``). Not MXINT4 weights: their
+        routed form spills 40 bytes of the register ring (ptxas, 128 registers) where the plain one spills 8."""
+        variant = self.variant(operands.rows, operands.shape, gemm=1)
+        return (isinstance(variant, DecodeVariant) and operands.weights.code is BlockCode.NVFP4
+                and route_shared_mem(operands.shape.k) <= ROUTE_MAX_SHARED_MEM)
+
     def stages(self, layer: LayerStages) -> list[Stage]:
         """As the bucket's gemm1_fusion says. Gathering: the sort, GEMM1 gathering its rows through the routing (from
         the BF16 rows the op's stage decoded the NVFP4 tokens into) with the activation in its epilogue, GEMM2. Otherwise: the
-        sort and the permute (in one launch for decode-sized buckets), GEMM1 with the activation epilogue or GEMM1
-        and the activation, GEMM2."""
+        sort and the permute (in one launch for decode-sized buckets; for a one-token bucket folded into GEMM1 with
+        the activation epilogue where the layer offers it), GEMM1 with the activation epilogue or GEMM1 and the
+        activation, GEMM2."""
         fusion = layer.gemm1_fusion
         if fusion.gather:
             return [layer.sort(), layer.gemm1_activation(gather=True), layer.gemm2()]
+        tail = layer.gemm2_finalize() or layer.gemm2()
+        routed_gemm1 = layer.gemm1_routed() if fusion.epilogue else None
+        if routed_gemm1 is not None:
+            return [routed_gemm1, tail]
         routed = layer.sort_permute()
         head = [routed] if routed is not None else [layer.sort(), layer.permute()]
-        tail = layer.gemm2_finalize() or layer.gemm2()
         if fusion.epilogue:
             return [*head, layer.gemm1_activation(gather=False), tail]
         return [*head, layer.gemm1(), layer.activation(), tail]
@@ -240,10 +261,11 @@ class Sm90GemmEngine(GemmEngine):
         """Which GEMM this is, the token operand's layout says (GEMM2's tiled planes; GEMM1 gathers or reads the
         natural rows the permute wrote)."""
         w, gather, epilogue, finalize = operands.weights, operands.gather, operands.epilogue, operands.finalize
+        route = operands.route
         second = gather is None and operands.tokens.layout is TokenLayout.BF16_TILED
         variant = self.variant(operands.rows, operands.shape, gemm=2 if second else 1)
         tickets = None if finalize is None else operands.workspace.view(torch.int32)
-        grouped_gemm(w.data, w.scales, w.alpha, operands.tokens.data if gather is None else None, operands.offsets,
-                     operands.out if epilogue is None else None, variant,
+        grouped_gemm(w.data, w.scales, w.alpha, operands.tokens.data if gather is None and route is None else None,
+                     operands.offsets, operands.out if epilogue is None else None, variant,
                      alpha_split=w.alpha_split, gather=gather, epilogue=epilogue, finalize=finalize, tickets=tickets,
-                     mxint4=w.code is BlockCode.MXINT4)
+                     route=route, mxint4=w.code is BlockCode.MXINT4)

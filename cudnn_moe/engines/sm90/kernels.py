@@ -17,10 +17,12 @@ import numpy as np
 import torch
 
 from ...kernels.activate import check_activation_output
-from ...kernels.codes import TokenLayout
+from ...kernels.codes import SORT_WARP_SLOTS, TokenLayout
 from ...kernels.loader import ARCH_SPECIFIC, launch, ptr
+from ...kernels.sort import check_staged_sort
+from ...kernels.stage import routing_args
 from ...validate import require_contiguous, require_shape, require_tensor
-from ..base import ActivationEpilogue, FinalizeEpilogue, RowGather, TokenOperand
+from ..base import ActivationEpilogue, FinalizeEpilogue, RoutePrologue, RowGather, TokenOperand
 from .layout import TILE_K
 
 GEMM_SOURCE = "sm90/grouped_gemm.cu"
@@ -30,6 +32,14 @@ ROW_ALIGNMENT = 8  # segment starts (offsets) are multiples of 8
 MAX_GRID_Y = 65535
 
 _MAX_DYNAMIC_SMEM = 227 * 1024  # per block on SM90
+# A routed GEMM1 (grouped_gemm's ``route``) stages its token row in dynamic shared memory: at most what a launch gets
+# without the opt-in attribute.
+ROUTE_MAX_SHARED_MEM = 48 * 1024
+
+
+def route_shared_mem(k: int) -> int:
+    """Dynamic shared memory of a routed GEMM1 with K = k: the token row, k BF16 values."""
+    return 2 * k
 
 
 @dataclass(frozen=True)
@@ -296,6 +306,7 @@ def grouped_gemm(
     epilogue: ActivationEpilogue | None = None,
     finalize: FinalizeEpilogue | None = None,
     tickets: torch.Tensor | None = None,
+    route: RoutePrologue | None = None,
     mxint4: bool = False,
 ) -> None:
     """out[r, :N] = bf16(float32(alpha[e] * 256) * (x[r] @ W_e^T * 2^-8)) for the rows r of each segment e.
@@ -317,6 +328,11 @@ def grouped_gemm(
     finalize (a DecodeVariant, no epilogue): out as above, then finalize.out receives the finalize of out's rows
     (cudnn_moe.kernels.finalize, bit for bit), by the CTA of each feature block that finishes last; tickets int32
     [>= N / feature_block], zero before the launch (and after it).
+    route (a DecodeVariant with an epilogue; x None): the op's stage and the routing sort of a one-token bucket in
+    the kernel's prologue (RoutePrologue): every CTA sorts route.ids itself and reads the token row route.tokens (BF16,
+    or NVFP4 decoded exactly, into its fragment order in shared memory: route_shared_mem bytes); R is
+    route.sorted's row capacity; offsets must be route.sorted.offsets and epilogue.row_to_slot route.sorted.row_to_slot,
+    which the launch writes (with the rest of the sort's outputs and route.ids_out / route.w_out) instead of reading.
     mxint4 (a DecodeVariant): W_e is MXINT4 in the SM90 MXINT4 tiles (layout.pack_int4_weight_tiles: INT4 codes,
     w_tile_scales the BF16 scales per 32 k as bytes): out[r] = bf16(float32(alpha[e] * 256) * acc), acc the FP32
     sum over the k32 blocks b of fma(partial_b, scale_b, acc), partial_b the FP32 sum of the block's exact products
@@ -345,14 +361,20 @@ def grouped_gemm(
                          f"{' with an epilogue' if epilogue is not None else ''}")
     if (tickets is None) != (finalize is None):
         raise ValueError("tickets go with a finalize, and only with one")
+    if route is not None and (not isinstance(variant, DecodeVariant) or epilogue is None or x is not None):
+        raise ValueError(f"a route needs a DecodeVariant, an activation epilogue and x None, got {variant}"
+                         f"{'' if epilogue is not None else ' without an epilogue'}{'' if x is None else ' with x'}")
     w_tiles = _tensor("w_tiles", w_tiles)
     w_tile_scales = _tensor("w_tile_scales", w_tile_scales)
     alpha, offsets = _tensor("alpha", alpha), _tensor("offsets", offsets)
-    if gather is None:
-        x = _tensor("x", x)
+    if route is not None:
+        tokens = _tensor("route.tokens", route.tokens)
+    elif gather is None:
+        x = tokens = _tensor("x", x)
     elif x is not None:
         raise ValueError("x must be None with a gather (the rows come from gather.source)")
-    tokens = x if gather is None else _tensor("gather.source", gather.source)
+    else:
+        tokens = _tensor("gather.source", gather.source)
     if epilogue is None:
         out = _tensor("out", out)
     elif out is not None:
@@ -360,7 +382,7 @@ def grouped_gemm(
     if tokens.dim() != 2 or w_tiles.dim() != 2 or (out is not None and out.dim() != 2):
         raise ValueError(f"x (or gather.source), out and w_tiles must be 2-D, got {list(tokens.shape)}, "
                          f"{None if out is None else list(out.shape)}, {list(w_tiles.shape)}")
-    k = tokens.shape[1]
+    k = tokens.shape[1] if route is None or route.token_scales is None else 2 * tokens.shape[1]
     experts = w_tiles.shape[0]
     if k <= 0 or k % TILE_K:
         raise ValueError(f"x: K = {k} must be a positive multiple of {TILE_K}")
@@ -369,7 +391,16 @@ def grouped_gemm(
     n = _output_columns(out, epilogue)
     named = {"w_tiles": w_tiles, "w_tile_scales": w_tile_scales, "alpha": alpha, "offsets": offsets}
     align = {"w_tiles": 16, "w_tile_scales": 16, "alpha": 4, "offsets": 4}
-    if gather is None:
+    if route is not None:
+        rows = _check_route(route, k, experts)
+        named.update({"route.tokens": tokens, "route.ids": route.ids, "route.ids_out": route.ids_out,
+                      "route.w_out": route.w_out})
+        align.update({"route.tokens": 16, "route.ids": 4, "route.ids_out": 4, "route.w_out": 4})
+        if offsets.data_ptr() != route.sorted.offsets.data_ptr() or (
+                epilogue.row_to_slot.data_ptr() != route.sorted.row_to_slot.data_ptr()):
+            raise ValueError("with a route, offsets and epilogue.row_to_slot must be route.sorted's (the launch writes "
+                             "them)")
+    elif gather is None:
         rows = tokens.shape[0]
         _check("x", tokens, (torch.bfloat16,), (rows, k))
         if rows % variant.token_layout.row_multiple:
@@ -405,15 +436,16 @@ def grouped_gemm(
         raise ValueError(f"variant {variant} needs {variant.shared_mem} bytes of shared memory")
     _check_device(named, align)
     written = [t for name, t in named.items() if name == "out" or name.startswith("epilogue.out")]
-    for name in ("x", "gather.source"):
+    for name in ("x", "gather.source", "route.tokens"):
         if name in named and rows and any(_overlap(named[name], t) for t in written):
             raise ValueError(f"the output must not overlap {name}")
     if finalize is not None and any(_overlap(finalize.out, named[name]) for name in named if name != "finalize.out"):
         raise ValueError("finalize.out must not overlap the GEMM's other tensors")
     if rows == 0:
         return
-    args = (ptr(w_tiles, 16), ptr(w_tile_scales, 16), ptr(alpha, 4), ptr(tokens, 16), ptr(offsets, 4),
-            np.int32(experts), np.int32(n), np.int32(k), np.int32(rows), np.int32(split), ptr(out, 16))
+    args = (ptr(w_tiles, 16), ptr(w_tile_scales, 16), ptr(alpha, 4), ptr(x if route is None else None, 16),
+            ptr(offsets, 4), np.int32(experts), np.int32(n), np.int32(k), np.int32(rows), np.int32(split), ptr(out, 16))
+    shared_mem = variant.shared_mem
     options = variant.options()
     if not isinstance(variant, PrefillVariant):
         args += _fused_args(gather, epilogue, tokens.shape[0])
@@ -425,8 +457,12 @@ def grouped_gemm(
             options += ("-DSM90_FINALIZE=1",)
         if mxint4:
             options += ("-DSM90_W_INT4=1",)
+        if route is not None:
+            args += _route_args(route)
+            options += (f"-DSM90_ROUTE={1 if route.token_scales is None else 2}",)
+            shared_mem = route_shared_mem(k)
     launch(variant.source, variant.kernel, tokens.device, grid, variant.threads, args,
-           shared_mem=variant.shared_mem, extra_options=options)
+           shared_mem=shared_mem, extra_options=options)
 
 
 def epilogue_options(activation: Any) -> tuple[str, ...]:
@@ -499,6 +535,32 @@ def _check_finalize(finalize: FinalizeEpilogue, tickets: torch.Tensor, n: int,
                              f"the launch's {blocks} feature blocks), got {t.numel()}")
     return {"finalize.out": (out, 16), "finalize.slot_to_row": (finalize.slot_to_row, 4),
             "finalize.weights": (finalize.weights, 4), "tickets": (tickets, 4)}
+
+
+def _check_route(route: RoutePrologue, k: int, experts: int) -> int:
+    """Check a RoutePrologue of K = k (its tokens' H) against the layer's experts; returns R (the sort's row
+    capacity)."""
+    if not isinstance(route.local_start, int) or not isinstance(route.align, int):
+        raise ValueError(f"route.local_start and route.align must be ints, got {route.local_start!r}, {route.align!r}")
+    _, slots, _ = check_staged_sort("route", route.tokens, route.token_scales, route.ids, route.weights,
+                                    route.routing_format, route.ids_out, route.w_out, experts, route.align,
+                                    route.sorted)
+    if route.ids_out.shape[0] != 1 or slots > SORT_WARP_SLOTS:
+        raise ValueError(f"a route sorts a one-token bucket of at most {SORT_WARP_SLOTS} slots, got "
+                         f"route.ids_out {tuple(route.ids_out.shape)}")
+    if route_shared_mem(k) > ROUTE_MAX_SHARED_MEM:
+        raise ValueError(f"a route stages the token row in {route_shared_mem(k)} bytes of shared memory, more than "
+                         f"{ROUTE_MAX_SHARED_MEM}")
+    return route.sorted.row_capacity
+
+
+def _route_args(route: RoutePrologue) -> tuple:
+    """The decode kernel's SM90_ROUTE arguments (after the finalize's)."""
+    top_k = route.ids_out.shape[1]
+    return (*routing_args(route.ids, route.weights, route.routing_format), np.int32(route.tokens.shape[0]),
+            np.int32(route.ids_out.numel()), np.int32(top_k), np.int32(route.local_start), np.int32(route.align),
+            ptr(route.tokens, 16), ptr(route.token_scales), ptr(route.ids_out), ptr(route.w_out),
+            *route.sorted.pointers())
 
 
 def _finalize_args(finalize: FinalizeEpilogue | None, tickets: torch.Tensor | None) -> tuple:

@@ -13,7 +13,7 @@ import torch
 
 from cudnn_moe import (
     GELU, GeGLU, GeGLUTanh, Identity, Nvfp4MoeConfig, ReLU, ReLU2, Routing, SiLU, SiTU, SwiGLU, SwiGLUStep,
-    fused_moe,
+    fused_moe, pack_routing,
 )
 from cudnn_moe.engines.base import TokenOperand
 from cudnn_moe.engines.registry import engine_for
@@ -21,7 +21,7 @@ from cudnn_moe.engines.sm90.kernels import DecodeVariant, WgmmaVariant
 from cudnn_moe.engines.sm90.layout import from_token_layout
 from cudnn_moe.kernels import TokenLayout
 from cudnn_moe.fused.reference import reference_for_prepared
-from cudnn_moe.pipeline.executor import MoeExecutor, _BucketStages
+from cudnn_moe.pipeline.executor import CallerInputs, MoeExecutor, _BucketStages
 from tests.support.moe_checks import check_close
 
 pytestmark = pytest.mark.gpu
@@ -186,3 +186,84 @@ def test_prefill_layers_match_reference(case) -> None:
         fused_moe(config, acts, routing, weights, activation=activation, local_expert_start=start, out=out,
                   use_cuda_graph=graph)
         check_close(out, ref)
+
+
+ROUTED_CASES = [
+    # experts, hidden, inter, top_k, bf16_tokens, bf16_intermediate, local (start, total), routing
+    (8, 256, 256, 2, False, False, None, "fp32"),
+    (128, 2048, 768, 8, False, False, None, "packed"),  # Qwen3-30B-A3B's shapes
+    (128, 512, 256, 8, True, True, None, "bf16"),
+    (64, 256, 384, 8, False, False, (32, 128), "int64"),  # an expert-parallel subset: unrouted slots
+    (16, 4096, 128, 4, False, True, None, "fp32"),
+    (256, 7168, 256, 8, True, True, None, "duplicate"),  # DeepSeek-V3's H; one expert named twice
+]
+
+
+def _routing(case_routing: str, ids: torch.Tensor, gen: torch.Generator) -> Routing:
+    weights = (torch.rand(ids.shape, generator=gen) + 0.1).cuda()
+    ids = ids.cuda()
+    if case_routing == "packed":
+        return Routing.packed(pack_routing(ids, weights))
+    if case_routing == "bf16":
+        return Routing.unpacked(ids, weights.bfloat16())
+    if case_routing == "int64":
+        return Routing.unpacked(ids.long(), weights)
+    return Routing.unpacked(ids, weights)
+
+
+@pytest.mark.parametrize("case", ROUTED_CASES, ids=lambda c: f"E{c[0]}-H{c[1]}-I{c[2]}-k{c[3]}-"
+                         f"{'bf16' if c[4] else 'fp4'}-{'bf16' if c[5] else 'fp4'}{'-ep' if c[6] else ''}-{c[7]}")
+def test_routed_gemm1_matches_unfused_chain_bitwise(case) -> None:
+    """A one-token call whose launches know its inputs runs two launches: GEMM1 with the stage and the sort in its
+    prologue (and the activation in its epilogue), then GEMM2. Every buffer the rest of the chain reads (the sort's
+    outputs, the staged routing, GEMM2's tokens and rows) equals the unfused chain's (stage, sort, permute, GEMM1,
+    activation, GEMM2), bit for bit, after NaN / 0xFF poisoning; twice in a row."""
+    experts, hidden, inter, top_k, bf16_tokens, bf16_intermediate, local, routing_kind = case
+    activation = SwiGLU()
+    gen, w1, w2 = _layer(experts, hidden, inter, activation, seed=experts + hidden)
+    config = Nvfp4MoeConfig(max_num_tokens=8, engine="sm90")
+    weights = config.prepare_weights(w1, w2, activation=activation)
+    start, total = local if local is not None else (0, experts)
+    executor = MoeExecutor(weights, engine_for(weights.spec, weights.device), top_k=top_k, activation=activation,
+                           local_expert_start=start, max_num_tokens=8, bf16_tokens=bf16_tokens,
+                           bf16_intermediate=bf16_intermediate)
+    bucket = executor.bucket(1)
+    assert bucket.tokens == 1 and bucket.fusion.epilogue
+    x = torch.randn(1, hidden, generator=gen).cuda().bfloat16()
+    tokens = x if bf16_tokens else config.prepare_activations(x)
+    ids = _ids(1, total, top_k, gen, hot=False)
+    if routing_kind == "duplicate":
+        ids[0, 1] = ids[0, 0]
+    routing = _routing(routing_kind, ids, gen)
+    caller = CallerInputs(tokens, routing)
+    routed = _BucketStages(executor, bucket, caller)
+    chain = executor.engine.stages(routed)
+    assert [name for name, _ in chain] == ["stage+sort+permute+gemm1+activation", "gemm2"]
+
+    # The unfused chain on full buffers (the routed bucket holds no GEMM1 output rows).
+    g1 = bucket.gemm1
+    fused_g1 = g1
+    bucket.gemm1 = replace(g1, out=torch.empty(bucket.rows, g1.shape.n, dtype=torch.bfloat16, device="cuda"))
+    unfused = _BucketStages(executor, bucket)
+    executor.stage(bucket, tokens, routing)
+    for _, launch in (unfused.sort(), unfused.permute(), unfused.gemm1(), unfused.activation(), unfused.gemm2()):
+        launch()
+    used = int(bucket.offsets[-1].item())
+    assert used > 0
+    sorted_names = ("offsets", "slot_to_row", "row_to_slot", "row_expert", "expert_counts", "ids", "route_weights")
+    want = {name: getattr(bucket, name).clone() for name in sorted_names}
+    want_tokens = _bits(_token_rows(bucket.gemm2.tokens)[:used]).clone()
+    want_out = _bits(bucket.gemm2.out[:used]).clone()
+    assert torch.count_nonzero(want_out) > 0 and not torch.isnan(bucket.gemm2.out[:used]).any()
+    bucket.gemm1 = fused_g1
+    for _ in range(2):
+        for name in sorted_names:
+            getattr(bucket, name).fill_(-7)
+        for buffer in (bucket.gemm1.tokens.data, bucket.gemm2.tokens.data, bucket.gemm2.out):
+            _poison(buffer)
+        for _, launch in chain:
+            launch()
+        for name in sorted_names:
+            assert torch.equal(getattr(bucket, name), want[name]), name
+        assert torch.equal(_bits(_token_rows(bucket.gemm2.tokens)[:used]), want_tokens), "GEMM2 tokens"
+        assert torch.equal(_bits(bucket.gemm2.out[:used]), want_out), "GEMM2 rows"

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from cudnn_moe.activations import GELU, SwiGLU
-from cudnn_moe.engines.base import Gemm1Fusion, GemmShape, LayerStages, Stage
+from cudnn_moe.engines.base import BlockCode, Gemm1Fusion, GemmShape, LayerStages, Stage
 from cudnn_moe.engines.sm90.engine import Sm90GemmEngine, choose_variant, gemm1_fusion
 from cudnn_moe.engines.sm90.kernels import DecodeVariant, WgmmaVariant
 from cudnn_moe.pipeline.executor import bucket_size, row_capacity
@@ -68,8 +68,8 @@ def test_decode_epilogue_needs_a_variant_that_fits() -> None:
 class _Layer(LayerStages):
     """LayerStages whose stages are only names."""
 
-    def __init__(self, rows: int, shape: GemmShape, finalizes: bool = False) -> None:
-        self.rows, self.finalizes = rows, finalizes
+    def __init__(self, rows: int, shape: GemmShape, finalizes: bool = False, routes: bool = False) -> None:
+        self.rows, self.finalizes, self.routes = rows, finalizes, routes
         self.gemm1_fusion = gemm1_fusion(rows, shape, SwiGLU(), SMS)
 
     def sort(self) -> Stage:
@@ -89,6 +89,9 @@ class _Layer(LayerStages):
 
     def gemm1_activation(self, gather: bool) -> Stage:
         return Stage("gemm1+activation (gather)" if gather else "gemm1+activation", lambda: None)
+
+    def gemm1_routed(self) -> Stage | None:
+        return Stage("stage+sort+permute+gemm1+activation", lambda: None) if self.routes else None
 
     def gemm2(self) -> Stage:
         return Stage("gemm2", lambda: None)
@@ -110,6 +113,35 @@ def test_stage_chains(model, tokens: int, chain: list[str], finalizes: bool) -> 
     if finalizes and tokens < 4096:
         chain = [*chain[:-1], "gemm2+finalize"]
     assert [name for name, _ in engine.stages(_Layer(rows, shape, finalizes))] == chain
+
+
+@pytest.mark.parametrize("model,tokens,chain", [
+    (QWEN3, 1, ["stage+sort+permute+gemm1+activation", "gemm2+finalize"]),
+    (DEEPSEEK_V3, 1, ["stage+sort+permute+gemm1+activation", "gemm2+finalize"]),
+    (DEEPSEEK_V3, 64, ["sort+permute", "gemm1", "activation", "gemm2+finalize"]),
+    (QWEN3, 4096, ["sort", "gemm1+activation (gather)", "gemm2"]),
+])
+def test_routed_chains(model, tokens: int, chain: list[str]) -> None:
+    """Where the layer offers GEMM1 with the stage and the sort folded in (a one-token bucket of a call whose launches
+    know its inputs), the decode chain is two launches; GEMM1 without the epilogue and the wgmma chain never ask."""
+    engine = Sm90GemmEngine.__new__(Sm90GemmEngine)
+    rows, shape = _bucket(model, tokens)
+    assert [name for name, _ in engine.stages(_Layer(rows, shape, finalizes=True, routes=True))] == chain
+
+
+@pytest.mark.parametrize("model,tokens,routes", [
+    (QWEN3, 1, True), (DEEPSEEK_V3, 1, True), (QWEN3, 4096, False),
+])
+def test_can_route(model, tokens: int, routes: bool) -> None:
+    """can_route: GEMM1 of NVFP4 weights on the decode kernel, its token row within 48 KB of dynamic shared memory."""
+    engine = Sm90GemmEngine.__new__(Sm90GemmEngine)
+    engine.sm_count = SMS
+    rows, shape = _bucket(model, tokens)
+    nvfp4, mxint4 = SimpleNamespace(code=BlockCode.NVFP4), SimpleNamespace(code=BlockCode.MXINT4)
+    assert engine.can_route(SimpleNamespace(rows=rows, shape=shape, weights=nvfp4)) is routes
+    assert not engine.can_route(SimpleNamespace(rows=rows, shape=shape, weights=mxint4))
+    wide = GemmShape(32768, shape.n, shape.num_experts)  # K = 32768: a 64 KB token row
+    assert not engine.can_route(SimpleNamespace(rows=rows, shape=wide, weights=nvfp4))
 
 
 @pytest.mark.parametrize("model,tokens,finalizes", [

@@ -20,11 +20,13 @@ import pytest
 import torch
 
 from cudnn_moe.activations import GELU, GeGLUTanh, SiTU, SwiGLU
-from cudnn_moe.engines.base import ActivationEpilogue, FinalizeEpilogue, RowGather, TokenOperand
+from cudnn_moe.engines.base import ActivationEpilogue, FinalizeEpilogue, RoutePrologue, RowGather, TokenOperand
 from cudnn_moe.engines.sm90 import kernels as sm90
 from cudnn_moe.engines.sm90.layout import pack_weight_tiles, to_token_fragments
 from cudnn_moe.formats import decode_e2m1, dequantize_nvfp4, quantize_nvfp4
-from cudnn_moe.kernels import TokenLayout, cuda_defines, kernels_dir, loader
+from cudnn_moe.kernels import RoutingFormat, SortBuffers, TokenLayout, cuda_defines, kernels_dir, loader
+from cudnn_moe.kernels import sort as kernel_sort
+from cudnn_moe.kernels import stage as kernel_stage
 
 from tests.support import REPO as ROOT
 
@@ -74,6 +76,8 @@ def nvcc_jobs(item: pytest.Item) -> list[tuple[list[str], str]]:
         return [(_nvcc_command(gemm, params["arch"], (*params["variant"].options(), "-DSM90_FINALIZE=1")), ".o")]
     if item.originalname == "test_mxint4_decode_compiles":
         return [(_nvcc_command(gemm, params["arch"], mxint4_options(params["variant"], params["form"])), ".o")]
+    if item.originalname == "test_route_compiles":
+        return [(_nvcc_command(gemm, params["arch"], route_options(params["variant"], params["tokens"])), ".o")]
     if item.originalname == "test_prefill_variant_compiles_for_sm100":
         return [(_nvcc_command(gemm, "100a", params["variant"].options()), ".o")]
     if item.originalname == "test_decode_sass_budget":
@@ -176,6 +180,25 @@ def test_mxint4_decode_compiles(variant: Any, form: str, arch: str) -> None:
     registers = int(re.search(r"Used (\d+) registers", report).group(1))
     spilled = int(re.search(r"(\d+) bytes spill stores", report).group(1))
     assert registers * variant.threads * (512 // variant.threads) <= 65536 and spilled <= 8, report
+
+
+def route_options(variant: Any, tokens: str) -> tuple[str, ...]:
+    """The decode module's options for GEMM1 with the stage and the sort in its prologue (SwiGLU epilogue) for BF16 or
+    NVFP4 tokens."""
+    return (*variant.options(), *sm90.epilogue_options(SwiGLU()), f"-DSM90_ROUTE={1 if tokens == 'bf16' else 2}")
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found")
+@pytest.mark.parametrize("variant,tokens,arch", [(v, t, "90a") for v in LOW_LATENCY_DECODE_VARIANTS
+                                                 for t in ("bf16", "nvfp4")]
+                         + [(LOW_LATENCY_DECODE_VARIANTS[2], "nvfp4", "100a")], ids=str)
+def test_route_compiles(variant: Any, tokens: str, arch: str) -> None:
+    """GEMM1 of a one-token bucket with the stage and the sort in its prologue builds for the variants the engine
+    picks there, without spills: the token row lives in dynamic shared memory, the sort's arrays in static."""
+    result = _nvcc(SM90_DIR / "grouped_gemm.cu", arch, route_options(variant, tokens))
+    assert result.returncode == 0, result.stderr
+    report = result.stderr.split(f"Compiling entry function '{variant.kernel}'")[1].split("Compiling entry")[0]
+    assert " 0 bytes spill stores" in report, report
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found")
@@ -771,6 +794,83 @@ def test_finalize_passes_its_operands_and_compiles_in(launches: list[tuple]) -> 
     assert plain_kwargs["extra_options"] == sm90.DECODE.options()
     assert (int(fused[-4]), int(fused[-3])) == (4, 5) and (int(plain[-4]), int(plain[-3])) == (0, 0)
     assert len(fused) == len(plain) == len(_signatures()["sm90_gemm_decode"])
+
+
+def _route_args(tokens: str = "nvfp4", top_k: int = 4, experts: int = 3, k: int = 128, rows: int = 40,
+                routing_format: RoutingFormat = RoutingFormat.FP32) -> dict[str, Any]:
+    """grouped_gemm's arguments of a routed GEMM1 (SwiGLU epilogue, N = 256) of a one-token bucket."""
+    sorted_ = SortBuffers(torch.zeros(experts + 1, dtype=torch.int32), torch.zeros(top_k, dtype=torch.int32),
+                          torch.zeros(rows, dtype=torch.int32), torch.zeros(rows, dtype=torch.int32),
+                          torch.zeros(experts, dtype=torch.int32))
+    x, scales = ((torch.zeros(1, k, dtype=torch.bfloat16), None) if tokens == "bf16" else
+                 (torch.zeros(1, k // 2, dtype=torch.uint8), torch.zeros(1, k // 16, dtype=torch.uint8)))
+    ids = torch.zeros(1, top_k, dtype=torch.int32)
+    weights = None if routing_format == RoutingFormat.PACKED else torch.zeros(1, top_k)
+    route = RoutePrologue(x, scales, ids, weights, routing_format, torch.zeros(1, top_k, dtype=torch.int32),
+                          torch.zeros(1, top_k), 0, 8, sorted_)
+    epilogue = ActivationEpilogue(SwiGLU(), sorted_.row_to_slot,
+                                  TokenOperand(torch.zeros(rows, 128, dtype=torch.bfloat16), None,
+                                               TokenLayout.BF16_FRAGMENTS), requantize=False)
+    return {**_gemm_args(e=experts, n=256, k=k, rows=rows), "x": None, "out": None, "offsets": sorted_.offsets,
+            "epilogue": epilogue, "route": route, "variant": sm90.DecodeVariant(mt=2, wm=2, wk=4)}
+
+
+def _route_param_count() -> int:
+    """Parameters DEC_ROUTE_PARAMS adds to the decode kernel (its #define, continuation lines)."""
+    text = (SM90_DIR / "grouped_gemm.cu").read_text()
+    block = re.search(r"#define DEC_ROUTE_PARAMS\s*\\\n((?:.*\\\n)*.*\n)", text).group(1)
+    return block.count(",")
+
+
+@pytest.mark.parametrize("tokens", ["bf16", "nvfp4"])
+def test_route_passes_its_operands_and_compiles_in(tokens: str, launches: list[tuple],
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """The routed form launches the decode kernel with SM90_ROUTE (1: BF16 tokens, 2: NVFP4) after the epilogue's
+    options, the kernel's arguments plus DEC_ROUTE_PARAMS' (no bucket rows: x is null), and 2K bytes of dynamic
+    shared memory for the token row."""
+    for module in (kernel_stage, kernel_sort):  # the routing's and the sort buffers' pointers
+        monkeypatch.setattr(module, "ptr", lambda tensor, align=1: np.uint64(0))
+    args = _route_args(tokens, top_k=4, k=128)
+    sm90.grouped_gemm(**args)
+    (_source, name, _device, grid, block, kernel_args), kwargs = launches[0]
+    assert name == "sm90_gemm_decode" and block == 256
+    assert kwargs["extra_options"] == (*args["variant"].options(), *sm90.epilogue_options(SwiGLU()),
+                                       f"-DSM90_ROUTE={1 if tokens == 'bf16' else 2}")
+    assert kwargs["shared_mem"] == 2 * 128
+    assert len(kernel_args) == len(_signatures()["sm90_gemm_decode"]) + _route_param_count() == 27 + 18
+    route = kernel_args[27:]
+    assert [int(route[i]) for i in (2, 3, 4, 5, 6, 7, 8)] == [RoutingFormat.FP32, 0, 1, 4, 4, 0, 8]
+
+
+_ROUTE_BAD = [
+    ("prefill variant", lambda a: a.update(variant=sm90.PREFILL), ValueError, "DecodeVariant"),
+    ("no epilogue", lambda a: a.update(epilogue=None, out=torch.zeros(40, 256, dtype=torch.bfloat16)), ValueError,
+     "epilogue"),
+    ("with x", lambda a: a.update(x=torch.zeros(40, 128, dtype=torch.bfloat16)), ValueError, "x None"),
+    ("two tokens", lambda a: a.update(route=replace(a["route"], ids_out=torch.zeros(2, 4, dtype=torch.int32),
+                                                    w_out=torch.zeros(2, 4))), ValueError, "sort"),
+    ("token H", lambda a: a.update(route=replace(a["route"], tokens=torch.zeros(1, 32, dtype=torch.uint8),
+                                                 token_scales=torch.zeros(1, 4, dtype=torch.uint8))),
+     ValueError, "w_tiles"),
+    ("token dtype", lambda a: a.update(route=replace(a["route"], tokens=torch.zeros(1, 64, dtype=torch.float16))),
+     ValueError, "route"),
+    ("routing shape", lambda a: a.update(route=replace(a["route"], ids=torch.zeros(1, 3, dtype=torch.int32))),
+     ValueError, "routing"),
+    ("w_out dtype", lambda a: a.update(route=replace(a["route"], w_out=torch.zeros(1, 4).double())), ValueError,
+     "w_out"),
+    ("foreign offsets", lambda a: a.update(offsets=torch.zeros(4, dtype=torch.int32)), ValueError,
+     "route.sorted"),
+    ("bad align", lambda a: a.update(route=replace(a["route"], align=0)), ValueError, "align"),
+]
+
+
+@pytest.mark.parametrize("name,mutate,error,needle", _ROUTE_BAD, ids=[b[0] for b in _ROUTE_BAD])
+def test_route_rejects_bad_arguments(name: str, mutate: Any, error: type, needle: str, launches: list[tuple]) -> None:
+    args = _route_args()
+    mutate(args)
+    with pytest.raises(error, match=needle):
+        sm90.grouped_gemm(**args)
+    assert not launches
 
 
 _FINALIZE_BAD = [
