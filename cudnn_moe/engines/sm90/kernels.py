@@ -443,7 +443,7 @@ def grouped_gemm(
         raise ValueError("finalize.out must not overlap the GEMM's other tensors")
     if rows == 0:
         return
-    args = (ptr(w_tiles, 16), ptr(w_tile_scales, 16), ptr(alpha, 4), ptr(x if route is None else None, 16),
+    args = (ptr(w_tiles, 16), ptr(w_tile_scales, 16), ptr(alpha, 4), ptr(None if route is not None else tokens, 16),
             ptr(offsets, 4), np.int32(experts), np.int32(n), np.int32(k), np.int32(rows), np.int32(split), ptr(out, 16))
     shared_mem = variant.shared_mem
     options = variant.options()

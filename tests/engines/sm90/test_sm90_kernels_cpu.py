@@ -647,6 +647,23 @@ def test_fused_call_matches_kernel_signature(layout: TokenLayout, launches: list
             assert args[17] == np.int32(layout) and args[18] == np.int32(1)  # the epilogue's layout, requantize
 
 
+def test_token_pointer_is_the_rows_the_form_reads(launches: list[tuple], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernels' token argument (x) is x for the plain forms, the gather's source for the gathering form, and
+    null for the routed form (its token comes through the route's arguments)."""
+    address = lambda tensor, align=1: np.uint64(0 if tensor is None else tensor.data_ptr())  # noqa: E731
+    for module in (sm90, kernel_stage, kernel_sort):
+        monkeypatch.setattr(module, "ptr", address)
+    plain = _gemm_args()
+    sm90.grouped_gemm(**plain, variant=sm90.DECODE)
+    gathering = _fused_args(TokenLayout.BF16_ROWS, SwiGLU())
+    sm90.grouped_gemm(**gathering, variant=sm90.WgmmaVariant().gathering())
+    routed = _route_args()
+    sm90.grouped_gemm(**routed)
+    tokens = [int(args[3]) for (_, _, _, _, _, args), _ in launches]
+    assert tokens == [plain["x"].data_ptr(), gathering["gather"].source.data_ptr(), 0]
+    assert int(launches[2][0][5][27 + 9]) == routed["route"].tokens.data_ptr()  # route_x
+
+
 def test_mxint4_call_compiles_its_form_in(launches: list[tuple]) -> None:
     """An MXINT4 decode GEMM (BF16 epilogue without requantize, or plain) adds -DSM90_W_INT4=1 to its options and
     passes the same arguments as the NVFP4 form."""
