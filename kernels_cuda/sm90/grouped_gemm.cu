@@ -83,7 +83,9 @@ using namespace sm90;
 // CTAs per SM the register allocation must allow: the NVFP4 forms of one or two m16 x n8 tiles a warp fit 128
 // registers a thread (512 threads an SM) on their own; the MXINT4 forms are held to it (unbounded, GEMM1's SwiGLU
 // form takes 133 registers and the eight-warp form 225: three CTAs and one an SM). At 128 some forms spill 8 bytes.
-#if SM90_W_INT4 && SM90_MT * SM90_NT <= 2
+// The routed form for BF16 tokens (SM90_ROUTE 1) is held to it too (unbounded, (2, 2, 4) takes 130 registers); the
+// NVFP4 one fits 128 on its own (bounded, (2, 4, 1) spills 32 bytes).
+#if (SM90_W_INT4 || SM90_ROUTE == 1) && SM90_MT * SM90_NT <= 2
 #define DEC_MIN_BLOCKS , 512 / DEC_THREADS  // the launch bounds' second argument
 #else
 #define DEC_MIN_BLOCKS
@@ -190,6 +192,34 @@ __device__ __forceinline__ uint4 load_token_piece(const u8* p) {
 #endif
 }
 
+#ifdef SM90_ROUTE
+// Token units a thread fetches before the sort and holds in registers (the rest are fetched when staged, after the
+// ring's first weight loads): two NVFP4 units (18 bytes each), so that their decode runs under those loads; no BF16
+// unit (64 bytes: holding one spills the register ring, and staging one is a copy).
+#define ROUTE_HELD_UNITS (SM90_ROUTE == 2 ? 2 : 0)
+
+// Unit u (32 values) of the routed call's token row, as it is in memory: NVFP4 codes and scales, or BF16 values.
+__device__ __forceinline__ auto fetch_token_unit(const u8* x, const u8* x_scales, int k, int u) {
+#if SM90_ROUTE == 2
+  return moe::fetch_nvfp4_unit(x, x_scales, k, 0, u);
+#else
+  return moe::fetch_bf16_unit(reinterpret_cast<const u16*>(x), k, 0, u);
+#endif
+}
+
+// Stage unit u of the token row into the fragment-order row in shared memory (NVFP4 decoded exactly).
+template <typename Unit>
+__device__ __forceinline__ void stage_token_unit(const Unit& unit, u16* row, int u) {
+  uint4 piece[4];
+#if SM90_ROUTE == 2
+  moe::decode_fragment_words(unit.codes, unit.scale0, unit.scale1, piece);
+#else
+  moe::bf16_unit_pieces(unit.chunk, piece);
+#endif
+  moe::store_fragment_unit(row, u, piece);
+}
+#endif
+
 // The m16 row tile of W that the first of warp wm's MT tiles is: blockIdx.x * WM * MT + wm * MT, or paired
 // (a gated activation epilogue, W = [up; gate] of n / 2 rows each) the first WM / 2 warps the up tiles
 // blockIdx.x * WM * MT / 2 + wm * MT and the others the gate tiles of the same features, n / 32 tiles on.
@@ -247,26 +277,27 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS DEC_MIN_BLOCKS)
   __shared__ __align__(16) float red[SM90_WK][DEC_TB][DEC_RED_STRIDE];
   Tile tile;
 #ifdef SM90_ROUTE
-  // The stage and the sort (moe_stage_sort_permute_bf16_warp's, for this CTA): the token row's units are fetched and
-  // stored in fragment order, the routing decoded, then warp 0 sorts; CTA (0, 0) writes the outputs GEMM2 reads.
+  // The stage and the sort (moe_stage_sort_permute_bf16_warp's, for this CTA). The token row's first units are fetched
+  // into registers and the routing decoded, warp 0 sorts, and the row is staged in fragment order only after the
+  // weight ring's first loads are issued (below), so the decode runs under their latency; CTA (0, 0) writes the
+  // outputs GEMM2 reads.
   extern __shared__ __align__(128) u8 smem[];  // the token row: k BF16 values in fragment order
   __shared__ int route_slot_ids[SORT_WARP_SLOTS], route_slot_rows[SORT_WARP_SLOTS];
   __shared__ int route_counts[SORT_MAX_EXPERTS], route_seg[SORT_MAX_EXPERTS + 1];
   u16* const token_row = reinterpret_cast<u16*>(smem);
   const bool writer = blockIdx.x == 0 && blockIdx.y == 0;
   if (route_slots > SORT_WARP_SLOTS || route_tokens > 1) return;  // the host checks: never taken
-  for (int u = threadIdx.x; u < (k >> 5); u += DEC_THREADS) {
-    uint4 piece[4];
-    if (route_tokens == 0) {
-      piece[0] = piece[1] = piece[2] = piece[3] = make_uint4(0u, 0u, 0u, 0u);
-    } else {
+  const int token_units = route_tokens == 1 ? k >> 5 : 0;  // no token: the row stays unwritten, and no slot is live
 #if SM90_ROUTE == 2
-      moe::decode_fragment_unit(route_x, route_x_scales, u, piece);
+  typedef moe::Nvfp4Unit TokenUnit;
 #else
-      moe::bf16_unit_pieces(moe::fetch_bf16_unit(reinterpret_cast<const u16*>(route_x), k, 0, u).chunk, piece);
+  typedef moe::Bf16Unit TokenUnit;
 #endif
-    }
-    moe::store_fragment_unit(token_row, u, piece);
+  TokenUnit held[ROUTE_HELD_UNITS > 0 ? ROUTE_HELD_UNITS : 1];
+#pragma unroll
+  for (int h = 0; h < ROUTE_HELD_UNITS; ++h) {
+    const int u = threadIdx.x + h * DEC_THREADS;
+    if (u < token_units) held[h] = fetch_token_unit(route_x, route_x_scales, k, u);
   }
   for (int i = threadIdx.x; i < route_slots; i += DEC_THREADS) {
     int id;
@@ -280,9 +311,9 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS DEC_MIN_BLOCKS)
   }
   __syncthreads();
   if (threadIdx.x < 32)
-    moe::sort_slots_warp(route_slot_ids, route_slots, route_local_start, num_experts, route_align, row_capacity, writer,
-                    route_slot_rows, route_counts, route_seg, sort_offsets, sort_slot_to_row, sort_row_to_slot,
-                    sort_row_expert, sort_counts);
+    moe::sort_slots_warp(route_slot_ids, route_slots, route_local_start, num_experts, route_align, row_capacity,
+                         writer, route_slot_rows, route_counts, route_seg, sort_offsets, sort_slot_to_row,
+                         sort_row_to_slot, sort_row_expert, sort_counts);
   __syncthreads();
   if (!find_tile<DEC_TB, true>(route_seg, num_experts, row_capacity, static_cast<int>(blockIdx.y), tile))
     return;
@@ -358,20 +389,43 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS DEC_MIN_BLOCKS)
 
   DecodeRing ring;
   // Load ring slot P with step `s` (relative to the current base pointers).
+#define SM90_DECODE_LOAD_W(P, S)                                                                    \
+  _Pragma("unroll") for (int mt = 0; mt < SM90_MT; ++mt) {                                          \
+    ring.w[P][mt] = ldg_stream_v4(wp + (S) * W_STEP + mt * mt_stride_w);                            \
+    ring.s[P][mt] = ldg_stream_v2(sp + (S) * S_STEP + mt * mt_stride_s);                            \
+  }
+#define SM90_DECODE_LOAD_B(P, S)                                                                    \
+  _Pragma("unroll") for (int nt = 0; nt < SM90_NT; ++nt) {                                          \
+    ring.b[P][nt][0] = load_token_piece(xp[nt] + (S) * X_STEP);                                     \
+    ring.b[P][nt][1] = load_token_piece(xp[nt] + (S) * X_STEP + 16);                                \
+  }
 #define SM90_DECODE_LOAD(P, S)                                                                      \
   {                                                                                                 \
-    _Pragma("unroll") for (int mt = 0; mt < SM90_MT; ++mt) {                                        \
-      ring.w[P][mt] = ldg_stream_v4(wp + (S) * W_STEP + mt * mt_stride_w);                          \
-      ring.s[P][mt] = ldg_stream_v2(sp + (S) * S_STEP + mt * mt_stride_s);                          \
-    }                                                                                               \
-    _Pragma("unroll") for (int nt = 0; nt < SM90_NT; ++nt) {                                        \
-      ring.b[P][nt][0] = load_token_piece(xp[nt] + (S) * X_STEP);                                             \
-      ring.b[P][nt][1] = load_token_piece(xp[nt] + (S) * X_STEP + 16);                                        \
-    }                                                                                               \
+    SM90_DECODE_LOAD_W(P, S)                                                                        \
+    SM90_DECODE_LOAD_B(P, S)                                                                        \
   }
+#ifdef SM90_ROUTE
+  // The weights first, then the token row staged while they are in flight, then its fragments.
+#pragma unroll
+  for (int p = 0; p < SM90_PREFETCH; ++p)
+    if (p < nsteps) SM90_DECODE_LOAD_W(p, p)
+#pragma unroll
+  for (int h = 0; h < ROUTE_HELD_UNITS; ++h) {
+    const int u = threadIdx.x + h * DEC_THREADS;
+    if (u < token_units) stage_token_unit(held[h], token_row, u);
+  }
+#pragma unroll 1
+  for (int u = threadIdx.x + ROUTE_HELD_UNITS * DEC_THREADS; u < token_units; u += DEC_THREADS)
+    stage_token_unit(fetch_token_unit(route_x, route_x_scales, k, u), token_row, u);
+  __syncthreads();
+#pragma unroll
+  for (int p = 0; p < SM90_PREFETCH; ++p)
+    if (p < nsteps) SM90_DECODE_LOAD_B(p, p)
+#else
 #pragma unroll
   for (int p = 0; p < SM90_PREFETCH; ++p)
     if (p < nsteps) SM90_DECODE_LOAD(p, p)
+#endif
 
   // Both loops below run SM90_DECODE_SLOT(P) for the ring slots P = 0 .. PREFETCH-1 (the slot macro
   // differs: bounds tests only in the tail), then move the pointers on by PREFETCH steps.
@@ -409,6 +463,8 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS DEC_MIN_BLOCKS)
     SM90_DECODE_ADVANCE
   }
 #undef SM90_DECODE_LOAD
+#undef SM90_DECODE_LOAD_W
+#undef SM90_DECODE_LOAD_B
 #undef SM90_DECODE_EACH_SLOT
 #undef SM90_DECODE_ADVANCE
 

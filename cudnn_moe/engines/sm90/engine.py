@@ -220,11 +220,13 @@ class Sm90GemmEngine(GemmEngine):
         return one_wave and tokens * variant.feature_block // 8 <= variant.threads
 
     def can_route(self, operands: GemmOperands) -> bool:
-        """GEMM1 of a one-token bucket of NVFP4 weights on the decode kernel, whose token row (2K bytes) fits the
-        dynamic shared memory every CTA has without an opt-in (grouped_gemm's ``route``). Not MXINT4 weights: their
-        routed form spills 40 bytes of the register ring (ptxas, 128 registers) where the plain one spills 8."""
+        """GEMM1 of a one-token bucket on the decode kernel, whose token row (2K bytes) fits the dynamic shared memory
+        every CTA has without an opt-in (grouped_gemm's ``route``); MXINT4 weights with BF16 tokens only (the MXINT4
+        form with NVFP4 tokens, which no op calls, spills 32 bytes of the register ring at 128 registers)."""
         variant = self.variant(operands.rows, operands.shape, gemm=1)
-        return (isinstance(variant, DecodeVariant) and operands.weights.code is BlockCode.NVFP4
+        route = operands.route
+        tokens_fit = operands.weights.code is BlockCode.NVFP4 or route is not None and route.token_scales is None
+        return (isinstance(variant, DecodeVariant) and tokens_fit
                 and route_shared_mem(operands.shape.k) <= ROUTE_MAX_SHARED_MEM)
 
     def stages(self, layer: LayerStages) -> list[Stage]:

@@ -133,15 +133,19 @@ def test_routed_chains(model, tokens: int, chain: list[str]) -> None:
     (QWEN3, 1, True), (DEEPSEEK_V3, 1, True), (QWEN3, 4096, False),
 ])
 def test_can_route(model, tokens: int, routes: bool) -> None:
-    """can_route: GEMM1 of NVFP4 weights on the decode kernel, its token row within 48 KB of dynamic shared memory."""
+    """can_route: GEMM1 on the decode kernel, its token row within 48 KB of dynamic shared memory; MXINT4 weights with
+    BF16 tokens only."""
     engine = Sm90GemmEngine.__new__(Sm90GemmEngine)
     engine.sm_count = SMS
     rows, shape = _bucket(model, tokens)
     nvfp4, mxint4 = SimpleNamespace(code=BlockCode.NVFP4), SimpleNamespace(code=BlockCode.MXINT4)
-    assert engine.can_route(SimpleNamespace(rows=rows, shape=shape, weights=nvfp4)) is routes
-    assert not engine.can_route(SimpleNamespace(rows=rows, shape=shape, weights=mxint4))
+    bf16_tokens, nvfp4_tokens = SimpleNamespace(token_scales=None), SimpleNamespace(token_scales=object())
+    for tokens_kind in (bf16_tokens, nvfp4_tokens):
+        assert engine.can_route(SimpleNamespace(rows=rows, shape=shape, weights=nvfp4, route=tokens_kind)) is routes
+    assert engine.can_route(SimpleNamespace(rows=rows, shape=shape, weights=mxint4, route=bf16_tokens)) is routes
+    assert not engine.can_route(SimpleNamespace(rows=rows, shape=shape, weights=mxint4, route=nvfp4_tokens))
     wide = GemmShape(32768, shape.n, shape.num_experts)  # K = 32768: a 64 KB token row
-    assert not engine.can_route(SimpleNamespace(rows=rows, shape=wide, weights=nvfp4))
+    assert not engine.can_route(SimpleNamespace(rows=rows, shape=wide, weights=nvfp4, route=bf16_tokens))
 
 
 @pytest.mark.parametrize("model,tokens,finalizes", [

@@ -184,21 +184,26 @@ def test_mxint4_decode_compiles(variant: Any, form: str, arch: str) -> None:
 
 def route_options(variant: Any, tokens: str) -> tuple[str, ...]:
     """The decode module's options for GEMM1 with the stage and the sort in its prologue (SwiGLU epilogue) for BF16 or
-    NVFP4 tokens."""
-    return (*variant.options(), *sm90.epilogue_options(SwiGLU()), f"-DSM90_ROUTE={1 if tokens == 'bf16' else 2}")
+    NVFP4 tokens, or ("mxint4") MXINT4 weights and BF16 tokens."""
+    mxint4 = ("-DSM90_W_INT4=1",) if tokens == "mxint4" else ()
+    return (*variant.options(), *mxint4, *sm90.epilogue_options(SwiGLU()),
+            f"-DSM90_ROUTE={2 if tokens == 'nvfp4' else 1}")
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found")
 @pytest.mark.parametrize("variant,tokens,arch", [(v, t, "90a") for v in LOW_LATENCY_DECODE_VARIANTS
-                                                 for t in ("bf16", "nvfp4")]
+                                                 for t in ("bf16", "nvfp4", "mxint4")]
                          + [(LOW_LATENCY_DECODE_VARIANTS[2], "nvfp4", "100a")], ids=str)
 def test_route_compiles(variant: Any, tokens: str, arch: str) -> None:
     """GEMM1 of a one-token bucket with the stage and the sort in its prologue builds for the variants the engine
-    picks there, without spills: the token row lives in dynamic shared memory, the sort's arrays in static."""
+    picks there within 128 registers a thread (512 threads an SM, as the plain forms), without spills (MXINT4: at most
+    8 bytes, as its plain form): the token row lives in dynamic shared memory, the sort's arrays in static."""
     result = _nvcc(SM90_DIR / "grouped_gemm.cu", arch, route_options(variant, tokens))
     assert result.returncode == 0, result.stderr
     report = result.stderr.split(f"Compiling entry function '{variant.kernel}'")[1].split("Compiling entry")[0]
-    assert " 0 bytes spill stores" in report, report
+    registers = int(re.search(r"Used (\d+) registers", report).group(1))
+    spilled = int(re.search(r"(\d+) bytes spill stores", report).group(1))
+    assert registers <= 128 and spilled <= (8 if tokens == "mxint4" else 0), report
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found")
