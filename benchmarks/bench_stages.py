@@ -44,7 +44,8 @@ from common import (  # noqa: E402
     run_models,
 )
 
-from cudnn_moe import Nvfp4MoeConfig, Nvfp4Weights  # noqa: E402
+from cudnn_moe import Nvfp4MoeConfig, Nvfp4Weights, Routing  # noqa: E402
+from cudnn_moe.pipeline.executor import CallerInputs, MoeExecutor  # noqa: E402
 
 # Every stage an engine chain may hold (executor.stages()), in order; a chain holds "sort+permute" (one
 # launch, decode buckets of the sm90 engine), "sort" and "permute", or "sort" alone (the sm90 engine's wgmma buckets,
@@ -72,9 +73,7 @@ def stage_times(
     if unknown:
         raise RuntimeError(f"the executor's stages hold {unknown}; this script tabulates {STAGES}")
     times = {name: timer.median_us(capture(launch).replay) for name, launch in stages}
-    prefixes = [timer.median_us(capture(lambda n=n: [launch() for _, launch in stages[:n]]).replay)
-                for n in range(1, len(stages) + 1)]
-    chain = [(name, t - (prefixes[i - 1] if i else 0.0)) for i, ((name, _), t) in enumerate(zip(stages, prefixes))]
+    chain = in_chain(stages, timer)
     touched = int(torch.unique(batch[1]).numel())
     gemm1_bytes = touched * 2 * m.intermediate * m.hidden * FP4_BYTES_PER_WEIGHT
     gemm1 = times["gemm1"] if "gemm1" in times else times["gemm1+activation"]
@@ -82,12 +81,33 @@ def stage_times(
     gemm2_flops = 2 * batch[0].shape[0] * m.top_k * m.hidden * m.intermediate
     tflops = [2 * gemm2_flops / gemm1 / 1e6, gemm2_flops / times["gemm2"] / 1e6]  # FLOP / us / 1e6 = TFLOP/s
     cells = [*(times.get(name) for name in STAGES), sum(times.values()), kernel_launches(graph), whole, *rates, *tflops]
-    return cells, chain
+    return cells, chain, call_chain(config, weights, executor, batch, timer)
+
+
+def in_chain(stages: list, timer: Timer) -> list[tuple[str, float]]:
+    """Each launch's cost inside ``stages``: the first i captured in one graph, minus the first i - 1 (the first's is
+    its time alone in a graph)."""
+    prefixes = [timer.median_us(capture(lambda n=n: [launch() for _, launch in stages[:n]]).replay)
+                for n in range(1, len(stages) + 1)]
+    return [(name, t - (prefixes[i - 1] if i else 0.0)) for i, ((name, _), t) in enumerate(zip(stages, prefixes))]
+
+
+def call_chain(config: Nvfp4MoeConfig, weights: Nvfp4Weights, executor: MoeExecutor,
+               batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor], timer: Timer) -> list[tuple[str, float, float]]:
+    """The launches of a call whose launches know its inputs and output (an eager call, one recorded into the caller's
+    graph, a full-call graph): the chain with the op's stage and the finalize folded in where the engine does so; each
+    launch's time alone and its cost inside that chain (in_chain)."""
+    acts, routing = config.prepare_activations(batch[0]), Routing.unpacked(batch[1], batch[2])
+    out = torch.empty(batch[0].shape[0], weights.hidden_size, device=batch[0].device, dtype=torch.bfloat16)
+    stages = executor.stages(executor.bucket(batch[0].shape[0]), CallerInputs(acts, routing, out))
+    alone = [timer.median_us(capture(launch).replay) for _, launch in stages]
+    return [(name, t, added) for t, (name, added) in zip(alone, in_chain(stages, timer))]
 
 
 def bench_model(args: argparse.Namespace, report: Report, m: ModelShape, gen: torch.Generator, timer: Timer,
-                chains: list[str]) -> None:
-    """One row per token count and engine for model ``m``; the in-chain row of each goes to ``chains``."""
+                chains: list[str], calls: list[str]) -> None:
+    """One row per token count and engine for model ``m``; the in-chain row of each goes to ``chains``, the call
+    chain's to ``calls``."""
     progress(f"{m.name}: random BF16 weights, NVFP4 weights for {', '.join(args.engines)}")
     prepared = prepare_engines(m, *random_weights(m, gen), args.engines, max(args.tokens), report)
     for tokens in args.tokens:
@@ -98,12 +118,14 @@ def bench_model(args: argparse.Namespace, report: Report, m: ModelShape, gen: to
                 lambda config, weights: stage_times(m, config, weights, batch, timer),  # noqa: B023
             )
             if isinstance(result, str):
-                cells, chain = [result] * (len(STAGES) + 7), result
+                cells, chain, call = [result] * (len(STAGES) + 7), result, result
             else:
                 cells = ["-" if t is None else str(t) if isinstance(t, int) else fmt(t) for t in result[0]]
                 chain = ", ".join(f"{name} {fmt(t)}" for name, t in result[1])
+                call = ", ".join(f"{name} {fmt(alone)} / {fmt(added)}" for name, alone, added in result[2])
             report.emit(md_row([m.name, str(tokens), engine, *cells]))
             chains.append(md_row([m.name, str(tokens), engine, chain]))
+            calls.append(md_row([m.name, str(tokens), engine, call]))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -119,13 +141,22 @@ def main(argv: list[str] | None = None) -> int:
     report.table(["model", "T", "engine", *STAGES, "sum of stages", "launches", "whole call", "GEMM1 GB/s",
                   "GEMM2 GB/s", "GEMM1 TFLOP/s", "GEMM2 TFLOP/s"], left=3)
     chains: list[str] = []
-    run_models(args, lambda m, gen, timer: bench_model(args, report, m, gen, timer, chains))
+    calls: list[str] = []
+    run_models(args, lambda m, gen, timer: bench_model(args, report, m, gen, timer, chains, calls))
     report.emit()
     report.emit("Each stage's cost inside the chain: the first i stages captured in one graph, minus the first i - 1 "
                 "(us; the first stage's is its time alone in a graph)")
     report.emit()
     report.table(["model", "T", "engine", "stage: added us"], left=4)
     for row in chains:
+        report.emit(row)
+    report.emit()
+    report.emit("The launches of a call that knows its inputs and output (eager, recorded into a caller's graph, a "
+                "full-call graph), the op's stage and the finalize folded in where the engine does so: each alone / its "
+                "cost inside that chain (us)")
+    report.emit()
+    report.table(["model", "T", "engine", "launch: alone / added us"], left=4)
+    for row in calls:
         report.emit(row)
     report.write(args.markdown)
     return 0

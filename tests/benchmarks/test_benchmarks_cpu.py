@@ -171,8 +171,10 @@ class _FakeExecutor:
         gemm = [SimpleNamespace(rows=rows, shape=GemmShape(k, n, 8)) for k, n in ((256, 256), (128, 256))]
         return SimpleNamespace(rows=rows, gemm1=gemm[0], gemm2=gemm[1])
 
-    def stages(self, bucket: SimpleNamespace) -> list[tuple[str, object]]:
-        return [(name, lambda: None) for name in ("sort+permute", "gemm1", "activation", "gemm2")]  # a decode chain
+    def stages(self, bucket: SimpleNamespace, caller: object = None) -> list[tuple[str, object]]:
+        names = ("sort+permute", "gemm1", "activation", "gemm2") if caller is None else (  # a decode chain
+            "stage+sort+permute+gemm1+activation", "gemm2+finalize")  # the call's, with the caller's inputs
+        return [(name, lambda: None) for name in names]
 
 
 @pytest.fixture
@@ -230,8 +232,10 @@ def test_bench_stages_table_with_fake_cuda(fake_cuda: None, tmp_path: Path) -> N
     gemm2_tflops = 2 * 2 * TINY.top_k * TINY.hidden * TINY.intermediate / 10 / 1e6
     assert cells[15:17] == [common.fmt(2 * gemm2_tflops), common.fmt(gemm2_tflops)]
     # the in-chain table: every prefix takes the fake timer's 10 us, so the first stage adds 10 and the rest 0
-    chain = [line for line in lines if line.startswith("| Tiny |")][-1]
+    chain, call = [line for line in lines if line.startswith("| Tiny |")][-2:]
     assert chain == "| Tiny | 2 | cudnn | sort+permute 10.0, gemm1 0.0, activation 0.0, gemm2 0.0 |"
+    # the call's own chain (the caller's inputs and output): each launch alone / added in that chain
+    assert call == "| Tiny | 2 | cudnn | stage+sort+permute+gemm1+activation 10.0 / 10.0, gemm2+finalize 10.0 / 0.0 |"
 
 
 def test_bf16_peer_falls_back_to_eager_and_says_so(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -203,14 +203,15 @@ def test_mxfp4_weights_without_an_exact_nvfp4_form_stay_on_the_cuda_cores() -> N
         low_latency_moe(LowLatencyMoeConfig(8, engine="sm90"), x, weights, routing)
 
 
-FOLD_CASES = [(FMT, 1), (FMT, 5), (MXFP4, 2), (MXINT4, 1), (MXINT4, 6), (WeightFormat.NVFP4_W_NVFP4_A, 3),
-              (WeightFormat.NVFP4_W_NVFP4_A, 8)]
+FOLD_CASES = [(FMT, 1), (FMT, 5), (MXFP4, 1), (MXFP4, 2), (MXINT4, 1), (MXINT4, 6), (WeightFormat.NVFP4_W_NVFP4_A, 1),
+              (WeightFormat.NVFP4_W_NVFP4_A, 3), (WeightFormat.NVFP4_W_NVFP4_A, 8)]
 
 
 @pytest.mark.parametrize("fmt, tokens", FOLD_CASES, ids=[f"{f.value}-T{t}" for f, t in FOLD_CASES])
 def test_tensor_cores_in_the_callers_graph_fold_the_stage_and_the_finalize(fmt, tokens) -> None:
     """Recorded into the caller's CUDA graph (the launches know the caller's tensors), the call is three launches:
-    stage + sort + permute, GEMM1 + activation, GEMM2 + finalize. Replayed after its tokens and routing change in
+    stage + sort + permute, GEMM1 + activation, GEMM2 + finalize; two for one token (the stage, the sort and the
+    permute in GEMM1's prologue). Replayed after its tokens and routing change in
     place, it equals a call that launches the stage and the finalize (the first call of a new output: the bucket's
     graph between them) bit for bit, and the float64 reference."""
     if torch.cuda.get_device_capability() != (9, 0):
@@ -224,7 +225,7 @@ def test_tensor_cores_in_the_callers_graph_fold_the_stage_and_the_finalize(fmt, 
     out = nan_out((tokens, weights.hidden_size), torch.bfloat16)
     graph = capture_graph(lambda: run_tensor_cores(x, x_scales, weights, routing, act, out), keep_graph=True)
     launches = sum(t == driver.CU_GRAPH_NODE_TYPE_KERNEL for t in driver.graph_node_types(graph.raw_cuda_graph()))
-    assert launches == 3, f"the captured call holds {launches} launches"
+    assert launches == (2 if tokens == 1 else 3), f"the captured call holds {launches} launches"
     new_inputs = make_inputs(config, fmt, torch.bfloat16, tokens, weights.hidden_size, seed=tokens + 24)
     new_routing = make_routing(random_ids(tokens, TOP_K, E, tokens + 25), "fp32", tokens + 26)
     if x_scales is None:
