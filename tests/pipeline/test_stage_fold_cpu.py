@@ -153,3 +153,59 @@ def test_the_stage_launch_stages_either_token_kind(monkeypatch: pytest.MonkeyPat
     else:
         assert args[0] is caller.tokens.packed and args[1] is caller.tokens.scales
         assert args[5].data_ptr() == bucket.x.data_ptr() and args[5].dtype == torch.uint8
+
+
+def _routing_executor(can: bool, gemms: list, bf16_tokens: bool = False) -> SimpleNamespace:
+    engine = SimpleNamespace(can_route=lambda operands: can, gemm=gemms.append, row_alignment=8)
+    return SimpleNamespace(bf16_tokens=bf16_tokens, top_k=TOP_K, local_expert_start=3, engine=engine,
+                           activation="act", bf16_intermediate=False)
+
+
+def _one_token_bucket() -> SimpleNamespace:
+    bucket = _bucket()
+    bucket.tokens = 1
+    bucket.row_to_slot = bucket.sorted.row_to_slot
+    bucket.gemm1 = GemmOperands(ROWS, GemmShape(HIDDEN, 2 * HIDDEN, EXPERTS), bucket.gemm1.tokens, None,
+                                bucket.sorted.offsets, None, None)
+    bucket.gemm2 = GemmOperands(ROWS, GemmShape(HIDDEN, HIDDEN, EXPERTS), "gemm2 tokens", None, None, None, None)
+    return bucket
+
+
+def _one_token_caller(byte_offset: int = 0, bf16_tokens: bool = False) -> CallerInputs:
+    caller = _caller(byte_offset, bf16_tokens)
+    routing = Routing.unpacked(torch.zeros(1, TOP_K, dtype=torch.int32), torch.rand(1, TOP_K))
+    tokens = caller.tokens[:1] if bf16_tokens else Nvfp4Activations(caller.tokens.packed[:1], caller.tokens.scales[:1])
+    return CallerInputs(tokens, routing)
+
+
+@pytest.mark.parametrize("bf16_tokens", [False, True], ids=["nvfp4-tokens", "bf16-tokens"])
+def test_one_token_calls_stage_and_sort_in_gemm1(bf16_tokens: bool) -> None:
+    """Given a one-token call's inputs, GEMM1 takes the stage, the sort and the permute (GemmOperands.route): the
+    caller's token and routing in, the bucket's routing and sort buffers out, the activation epilogue as the unrouted
+    chain's."""
+    gemms: list = []
+    bucket, caller = _one_token_bucket(), _one_token_caller(bf16_tokens=bf16_tokens)
+    layer = _BucketStages(_routing_executor(True, gemms, bf16_tokens), bucket, caller)
+    stage = layer.gemm1_routed()
+    assert stage is not None and stage.name == "stage+sort+permute+gemm1+activation" and layer.staging is stage
+    stage.launch()
+    (operands,) = gemms
+    route, epilogue = operands.route, operands.epilogue
+    tokens = (caller.tokens, None) if bf16_tokens else (caller.tokens.packed, caller.tokens.scales)
+    assert route.tokens is tokens[0] and route.token_scales is tokens[1]
+    assert (route.ids, route.weights, route.routing_format) == caller.routing.kernel_operands()
+    assert route.ids_out is bucket.ids and route.w_out is bucket.route_weights and route.sorted is bucket.sorted
+    assert (route.local_start, route.align) == (3, 8)
+    assert epilogue.row_to_slot is bucket.row_to_slot and epilogue.out == "gemm2 tokens" and epilogue.requantize
+    assert operands.offsets is bucket.sorted.offsets
+
+
+@pytest.mark.parametrize("why", ["no caller", "two tokens", "unaligned tokens", "engine cannot"])
+def test_otherwise_gemm1_reads_the_sorted_bucket(why: str) -> None:
+    gemms: list = []
+    bucket = _one_token_bucket()
+    caller = None if why == "no caller" else _one_token_caller(byte_offset=1 if why == "unaligned tokens" else 0)
+    if why == "two tokens":
+        bucket.tokens = 2
+    layer = _BucketStages(_routing_executor(why != "engine cannot", gemms), bucket, caller)
+    assert layer.gemm1_routed() is None and layer.staging is None and not gemms
