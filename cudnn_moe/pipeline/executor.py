@@ -12,7 +12,8 @@ A call with T tokens runs in the smallest power-of-two bucket B >= T. Per call:
    launched eagerly in debug mode, or recorded straight into the caller's graph when the caller's
    stream is capturing). Where the launches are recorded for the call itself (eager, the caller's graph, a
    full-call graph), a chain whose first launch can read the caller's inputs does step 1 in it (the sm90
-   decode chain's sort + permute: _BucketStages.sort_permute), one launch less. Two options need an engine
+   decode chain's sort + permute: _BucketStages.sort_permute; for one token its GEMM1, which then also sorts and
+   permutes: _BucketStages.gemm1_routed), one launch less (two). Two options need an engine
    reading BF16 token fragments (the SM90 engine): ``bf16_tokens`` (the tokens are BF16, not NVFP4) and
    ``bf16_intermediate`` (the activation is rounded to BF16 instead of requantized to NVFP4).
 3. finish (the op's launch): finalize, or the unfinalized rows; writes the caller's output for the T
