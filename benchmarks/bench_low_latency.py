@@ -97,13 +97,11 @@ def floor_us(m: ModelShape, touched: int, fmt_: WeightFormat, bandwidth_tbs: flo
 
 def target(m: ModelShape, tokens: int, fmt_: WeightFormat) -> tuple[str, Callable[[float, float], bool]] | None:
     """The issue's target for this cell: (text, test(us, floor_us)), or None."""
-    if fmt_ in WEIGHT_ONLY_4BIT:
+    if fmt_ in WEIGHT_ONLY_4BIT:  # issue 17: every 4-bit format
         if m.key == "qwen3-30b-a3b" and tokens == 1:
-            return "<= 20 us", lambda us, floor: us <= 20.0
-        if m.key == "qwen3-30b-a3b" and tokens == 8:
-            return "<= 1.5x floor", lambda us, floor: us <= 1.5 * floor
-        if m.key == "deepseek-v3":
-            return "<= 1.6x floor", lambda us, floor: us <= 1.6 * floor
+            return "<= 15 us", lambda us, floor: us <= 15.0
+        if tokens in (1, 8):
+            return "<= 1.3x floor", lambda us, floor: us <= 1.3 * floor
     if fmt_ in FP8_FORMATS:  # issue 19: every FP8 format
         if m.key == "qwen3-30b-a3b" and tokens == 1:
             return "<= 20 us", lambda us, floor: us <= 20.0

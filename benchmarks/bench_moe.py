@@ -40,6 +40,7 @@ from common import (  # noqa: E402
     make_parser,
     measure_engine,
     md_row,
+    call_inputs,
     moe_call,
     positive_int,
     prepare_engines,
@@ -89,16 +90,19 @@ def host_cells(call: Callable[[], object], graph: torch.cuda.CUDAGraph, gpu_us: 
     return [*cells, fmt(gpu_us)]
 
 
-def describe_launches(chain: list[str], count: int) -> str:
-    """The launches of a captured call: ``count`` kernel nodes, the bucket's ``chain`` (its stage names) with the op's
-    stage before it and the finalize after it, minus those the chain's first and last launch took over (the
-    executor folds the stage first: cudnn_moe.pipeline.executor)."""
-    folded = len(chain) + 2 - count
-    if len(chain) < 2 or not 0 <= folded <= 2:
-        return f"{count}: {', '.join(chain)} and {count - len(chain)} more"
-    first = [f"stage in {chain[0]}"] if folded >= 1 else ["stage", chain[0]]
-    last = [f"finalize in {chain[-1]}"] if folded == 2 else [chain[-1], "finalize"]
-    return f"{count}: {', '.join([*first, *chain[1:-1], *last])}"
+def describe_launches(call_chain: list[str], count: int) -> str:
+    """The launches of a captured call: ``count`` kernel nodes, the chain the call ran (the executor's stages given the
+    call's inputs and output, which fold the op's stage and the finalize in where the engine does so:
+    cudnn_moe.pipeline.executor), with the op's stage before it and the finalize after it where they are launches of
+    their own."""
+    names = list(call_chain)
+    if not names or "stage" not in names[0]:
+        names.insert(0, "stage")
+    if "finalize" not in names[-1]:
+        names.append("finalize")
+    if len(names) != count:
+        return f"{count}: {', '.join(call_chain)} and {count - len(call_chain)} more"
+    return f"{count}: {', '.join(names)}"
 
 
 class Bf16Peer:
@@ -158,7 +162,7 @@ class MoeBench:
             bucket = executor.bucket(tokens)
             variants = [repr(executor.engine.variant(gemm.rows, gemm.shape, gemm=index))
                         for index, gemm in ((1, bucket.gemm1), (2, bucket.gemm2))]
-            chain = [name for name, _ in executor.stages(bucket)]
+            chain = [name for name, _ in executor.stages(bucket, call_inputs(config, weights, *batch))]
             launches = describe_launches(chain, kernel_launches(graph))
             self.variant_rows.append([m.name, str(tokens), engine, str(bucket.rows), *variants, launches])
         return us

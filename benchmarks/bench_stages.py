@@ -27,6 +27,7 @@ from common import (  # noqa: E402
     ModelShape,
     Report,
     Timer,
+    call_inputs,
     capture,
     executor_for,
     fmt,
@@ -44,8 +45,8 @@ from common import (  # noqa: E402
     run_models,
 )
 
-from cudnn_moe import Nvfp4MoeConfig, Nvfp4Weights, Routing  # noqa: E402
-from cudnn_moe.pipeline.executor import CallerInputs, MoeExecutor  # noqa: E402
+from cudnn_moe import Nvfp4MoeConfig, Nvfp4Weights  # noqa: E402
+from cudnn_moe.pipeline.executor import MoeExecutor  # noqa: E402
 
 # Every stage an engine chain may hold (executor.stages()), in order; a chain holds "sort+permute" (one
 # launch, decode buckets of the sm90 engine), "sort" and "permute", or "sort" alone (the sm90 engine's wgmma buckets,
@@ -97,9 +98,7 @@ def call_chain(config: Nvfp4MoeConfig, weights: Nvfp4Weights, executor: MoeExecu
     """The launches of a call whose launches know its inputs and output (an eager call, one recorded into the caller's
     graph, a full-call graph): the chain with the op's stage and the finalize folded in where the engine does so; each
     launch's time alone and its cost inside that chain (in_chain)."""
-    acts, routing = config.prepare_activations(batch[0]), Routing.unpacked(batch[1], batch[2])
-    out = torch.empty(batch[0].shape[0], weights.hidden_size, device=batch[0].device, dtype=torch.bfloat16)
-    stages = executor.stages(executor.bucket(batch[0].shape[0]), CallerInputs(acts, routing, out))
+    stages = executor.stages(executor.bucket(batch[0].shape[0]), call_inputs(config, weights, *batch))
     alone = [timer.median_us(capture(launch).replay) for _, launch in stages]
     return [(name, t, added) for t, (name, added) in zip(alone, in_chain(stages, timer))]
 

@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 from cudnn_moe import Nvfp4MoeConfig, Nvfp4Weights, Routing, SwiGLU, fused_moe, get_executor  # noqa: E402
 from cudnn_moe.engines.base import OP_FUSED  # noqa: E402
 from cudnn_moe.engines.registry import engine_names  # noqa: E402
-from cudnn_moe.pipeline.executor import MoeExecutor  # noqa: E402
+from cudnn_moe.pipeline.executor import CallerInputs, MoeExecutor  # noqa: E402
 from cudnn_moe.engines.cudnn.probe import backend_version, format_version  # noqa: E402
 from cudnn_moe.capture import capture_graph  # noqa: E402
 from cudnn_moe.kernels import driver  # noqa: E402
@@ -258,13 +258,21 @@ def measure_engine(
         return "error"
 
 
+def call_inputs(
+    config: Nvfp4MoeConfig, weights: Nvfp4Weights, x: torch.Tensor, ids: torch.Tensor, route_w: torch.Tensor
+) -> CallerInputs:
+    """A fused_moe call's inputs on this batch (NVFP4 tokens, the routing) and a freshly allocated output."""
+    acts, routing = config.prepare_activations(x), Routing.unpacked(ids, route_w)
+    return CallerInputs(acts, routing, torch.empty(x.shape[0], weights.hidden_size, device=x.device,
+                                                   dtype=torch.bfloat16))
+
+
 def moe_call(
     config: Nvfp4MoeConfig, weights: Nvfp4Weights, x: torch.Tensor, ids: torch.Tensor, route_w: torch.Tensor
 ) -> Callable[[], object]:
     """One SwiGLU fused_moe call on this batch, with its inputs prepared and its output allocated."""
-    acts, routing = config.prepare_activations(x), Routing.unpacked(ids, route_w)
-    out = torch.empty(x.shape[0], weights.hidden_size, device=x.device, dtype=torch.bfloat16)
-    return lambda: fused_moe(config, acts, routing, weights, out=out)
+    inputs = call_inputs(config, weights, x, ids, route_w)
+    return lambda: fused_moe(config, inputs.tokens, inputs.routing, weights, out=inputs.out)
 
 
 def executor_for(m: ModelShape, config: Nvfp4MoeConfig, weights: Nvfp4Weights) -> MoeExecutor:

@@ -265,13 +265,16 @@ def test_tune_sm90_routes_the_call_tokens_into_rows() -> None:
     assert torch.count_nonzero(rows[[0, 1, 3]]) > 0
 
 
-@pytest.mark.parametrize("count, described", [
-    (5, "5: stage, sort+permute, gemm1+activation, gemm2, finalize"),
-    (4, "4: stage in sort+permute, gemm1+activation, gemm2, finalize"),
-    (3, "3: stage in sort+permute, gemm1+activation, finalize in gemm2"),
-    (7, "7: sort+permute, gemm1+activation, gemm2 and 4 more"),
+@pytest.mark.parametrize("chain, count, described", [
+    (["sort+permute", "gemm1+activation", "gemm2"], 5, "5: stage, sort+permute, gemm1+activation, gemm2, finalize"),
+    (["stage+sort+permute", "gemm1+activation", "gemm2"], 4, "4: stage+sort+permute, gemm1+activation, gemm2, finalize"),
+    (["stage+sort+permute", "gemm1+activation", "gemm2+finalize"], 3,
+     "3: stage+sort+permute, gemm1+activation, gemm2+finalize"),
+    (["stage+sort+permute+gemm1+activation", "gemm2+finalize"], 2,
+     "2: stage+sort+permute+gemm1+activation, gemm2+finalize"),
+    (["sort+permute", "gemm1+activation", "gemm2"], 7, "7: sort+permute, gemm1+activation, gemm2 and 4 more"),
 ])
-def test_launches_name_what_the_chain_took_over(count: int, described: str) -> None:
-    """A captured call's kernel nodes against its bucket chain: the op's stage and finalize, or folded into the chain's
-    first and last launch."""
-    assert bench_moe.describe_launches(["sort+permute", "gemm1+activation", "gemm2"], count) == described
+def test_launches_name_what_the_chain_took_over(chain: list[str], count: int, described: str) -> None:
+    """A captured call's kernel nodes against the chain the call ran: the op's stage and finalize as launches of their
+    own where the chain's first and last launch did not take them over."""
+    assert bench_moe.describe_launches(chain, count) == described

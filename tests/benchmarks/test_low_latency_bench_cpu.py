@@ -45,11 +45,12 @@ def test_floors() -> None:
 
 def test_targets() -> None:
     text, met = bench.target(QWEN3, 1, WeightFormat.NVFP4_WEIGHT_ONLY)
-    assert text == "<= 20 us" and met(19.9, 5.0) and not met(20.1, 5.0)
+    assert text == "<= 15 us" and met(14.9, 5.0) and not met(15.1, 5.0)
     text, met = bench.target(QWEN3, 8, WeightFormat.MXINT4_WEIGHT_ONLY)
-    assert text == "<= 1.5x floor" and met(45.0, 30.0) and not met(45.1, 30.0)
+    assert text == "<= 1.3x floor" and met(39.0, 30.0) and not met(39.1, 30.0)
     assert bench.target(QWEN3, 4, WeightFormat.MXFP4_WEIGHT_ONLY) is None
-    assert bench.target(DEEPSEEK, 2, WeightFormat.MXFP4_WEIGHT_ONLY)[0] == "<= 1.6x floor"
+    assert bench.target(DEEPSEEK, 2, WeightFormat.MXFP4_WEIGHT_ONLY) is None
+    assert bench.target(DEEPSEEK, 1, WeightFormat.MXFP4_WEIGHT_ONLY)[0] == "<= 1.3x floor"
     assert bench.target(DEEPSEEK, 8, WeightFormat.FP16)[0] == "<= 1.1x floor"
     assert bench.target(QWEN3, 1, WeightFormat.BF16) is None
     assert bench.target(DEEPSEEK, 1, WeightFormat.NVFP4_W_NVFP4_A) is None
