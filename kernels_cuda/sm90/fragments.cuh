@@ -86,6 +86,37 @@ __device__ __forceinline__ void decode_scale_word(u32 w, u32& row_g, u32& row_g8
 }
 
 // ---------------------------------------------------------------------------------------------
+// NVFP4 token units (the routed GEMM1's token row): moe::decode_fragment_words by bit placement
+// ---------------------------------------------------------------------------------------------
+
+constexpr u32 kBf16x2Pow8 = 0x43804380u;  // bf16x2 (2^8, 2^8)
+
+// The BF16 pair (E2M1 x 2^-126 of the low nibble, of the high nibble) of the byte in bits 0..7 of x: each nibble's
+// sign to bit 15 of its half and its magnitude bits to bits 6..8 (higher bits of x are masked off).
+__device__ __forceinline__ u32 e2m1_byte_pair(u32 x) {
+  return ((x << 6) & 0x000001C0u) | ((x << 12) & 0x00008000u) | ((x << 18) & 0x01C00000u) | ((x << 24) & 0x80000000u);
+}
+
+// moe::decode_fragment_words (piece q, word w = the byte q of packed word w times the scale of block w / 2) with
+// two exact bf16x2 multiplies per pair instead of a float decode per value: E2M1 x 2^-126 times s x 2^118 (the
+// scale converted exactly, NaN kept) is e s 2^-8, normal (|e s| >= 2^-10), times 2^8 is e s. The same values (a NaN
+// scale's products are NaN either way, not necessarily with the same bits).
+__device__ __forceinline__ void decode_token_words(uint4 packed, u8 scale0, u8 scale1, uint4 piece[4]) {
+  const u32 b0 = __float_as_uint(moe::e4m3_to_float(scale0) * 0x1p118f) >> 16;  // exact: 4 significant bits
+  const u32 b1 = __float_as_uint(moe::e4m3_to_float(scale1) * 0x1p118f) >> 16;
+  const u32 s[2] = {b0 | (b0 << 16), b1 | (b1 << 16)};
+  const u32 words[4] = {packed.x, packed.y, packed.z, packed.w};
+  u32 out[4][4];
+#pragma unroll
+  for (int w = 0; w < 4; ++w)
+#pragma unroll
+    for (int q = 0; q < 4; ++q)
+      out[q][w] = bf16x2_mul(bf16x2_mul(e2m1_byte_pair(words[w] >> (8 * q)), s[w >> 1]), kBf16x2Pow8);
+#pragma unroll
+  for (int q = 0; q < 4; ++q) piece[q] = make_uint4(out[q][0], out[q][1], out[q][2], out[q][3]);
+}
+
+// ---------------------------------------------------------------------------------------------
 // MXINT4 weight fragments (layout.py INT4_CODE_BITS): register r of a k16 step holds its two two's-complement
 // codes at bits 4r .. 4r + 3 of each 16-bit half of the word. (code ^ 8) = v + 8 placed in the low mantissa bits
 // of BF16 128 gives 136 + v, and one exact fma takes 136 off: BF16 v (-8 .. 7), exactly.

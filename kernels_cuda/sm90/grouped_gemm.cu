@@ -198,9 +198,9 @@ __device__ __forceinline__ uint4 load_token_piece(const u8* p) {
 // token (fused_moe, NVFP4 tokens): Qwen3-30B-A3B 23.9-24.2 us staging first, 26.6-26.9 staging after the weights.
 #define ROUTE_STAGE_FIRST (SM90_ROUTE == 2)
 
-// Units [0, units) of the routed call's token row (NVFP4 codes and scales decoded exactly, or BF16 values) into
-// `row` in fragment order (shared memory). BF16 units one at a time (staged while the weight ring's loads are live:
-// unrolled, their 64 bytes each spill it).
+// Units [0, units) of the routed call's token row (NVFP4 codes and scales decoded exactly: decode_token_words, or BF16
+// values) into `row` in fragment order (shared memory). BF16 units one at a time (staged while the weight ring's
+// loads are live: unrolled, their 64 bytes each spill it).
 __device__ __forceinline__ void stage_token_row(const u8* x, const u8* x_scales, int k, int units, u16* row) {
 #if SM90_ROUTE == 1
 #pragma unroll 1
@@ -208,7 +208,7 @@ __device__ __forceinline__ void stage_token_row(const u8* x, const u8* x_scales,
   for (int u = threadIdx.x; u < units; u += DEC_THREADS) {
     uint4 piece[4];
 #if SM90_ROUTE == 2
-    moe::decode_fragment_unit(x, x_scales, u, piece);
+    decode_token_words(*reinterpret_cast<const uint4*>(x + 16 * u), x_scales[2 * u], x_scales[2 * u + 1], piece);
 #else
     moe::bf16_unit_pieces(moe::fetch_bf16_unit(reinterpret_cast<const u16*>(x), k, 0, u).chunk, piece);
 #endif

@@ -296,6 +296,34 @@ def scaled_a(w: np.ndarray, sg: np.ndarray, sg8: np.ndarray, step: int) -> list[
             bf16x2_mul(a[2], broadcast(sg, high)), bf16x2_mul(a[3], broadcast(sg8, high))]
 
 
+def e2m1_byte_pair(x: np.ndarray) -> np.ndarray:
+    """fragments.cuh e2m1_byte_pair: the byte in bits 0..7 of x -> bf16x2 bits (low nibble, high nibble) x 2^-126."""
+    x = x.astype(np.uint64)
+    return (((x << 6) & M32) & 0x000001C0) | (((x << 12) & M32) & 0x00008000) | (
+        ((x << 18) & M32) & 0x01C00000) | (((x << 24) & M32) & 0x80000000)
+
+
+def test_token_decode_every_byte_every_scale() -> None:
+    """fragments.cuh decode_token_words, per pair: (the byte's bf16x2 E2M1 x 2^-126) x (scale x 2^118) x 2^8 equals
+    decode_fragment_words' pair, e2m1(low) * s and e2m1(high) * s, bit for bit, for all 256 bytes (the byte's
+    neighbours in the word masked off) and every finite E4M3 scale of either sign."""
+    table = decode_e2m1(torch.arange(16, dtype=torch.uint8)).double().numpy()
+    scale_bytes = np.array([b for b in range(256) if b & 0x7F != 0x7F], dtype=np.uint64)
+    scales = torch.from_numpy(scale_bytes.astype(np.uint8)).view(torch.float8_e4m3fn).double().numpy()
+    pow8 = np.uint64(0x43804380)
+    for byte in range(256):
+        for q in range(4):
+            word = np.uint64(0xA5A5A5A5) & ~np.uint64(0xFF << (8 * q)) | np.uint64(byte << (8 * q))
+            pair = e2m1_byte_pair(np.full(scale_bytes.shape, word >> np.uint64(8 * q), dtype=np.uint64))
+            s118 = bf16_bits(scales * 2.0**118).astype(np.uint64)
+            got = bf16x2_mul(bf16x2_mul(pair, s118 | (s118 << 16)), np.full_like(pair, pow8))
+            lo, hi = halves(got)
+            want_lo = bf16_bits(table[byte & 0xF] * scales)
+            want_hi = bf16_bits(table[byte >> 4] * scales)
+            np.testing.assert_array_equal(lo, want_lo)
+            np.testing.assert_array_equal(hi, want_hi)
+
+
 def test_weight_decode_every_code_every_scale() -> None:
     """All 16 codes in every register slot and half, x all 127 finite scale bytes, in every scale
     byte position: (bits -> bf16) x (scale byte -> bf16 x 2^118) == e2m1 x e4m3 x 2^-8 exactly."""
