@@ -82,7 +82,8 @@ def stage_times(
     gemm2_flops = 2 * batch[0].shape[0] * m.top_k * m.hidden * m.intermediate
     tflops = [2 * gemm2_flops / gemm1 / 1e6, gemm2_flops / times["gemm2"] / 1e6]  # FLOP / us / 1e6 = TFLOP/s
     cells = [*(times.get(name) for name in STAGES), sum(times.values()), kernel_launches(graph), whole, *rates, *tflops]
-    return cells, chain, call_chain(config, weights, executor, batch, timer)
+    gemm_bytes = {"gemm1": gemm1_bytes, "gemm2": gemm1_bytes / 2}
+    return cells, chain, call_chain(config, weights, executor, batch, timer, gemm_bytes)
 
 
 def in_chain(stages: list, timer: Timer) -> list[tuple[str, float]]:
@@ -94,13 +95,19 @@ def in_chain(stages: list, timer: Timer) -> list[tuple[str, float]]:
 
 
 def call_chain(config: Nvfp4MoeConfig, weights: Nvfp4Weights, executor: MoeExecutor,
-               batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor], timer: Timer) -> list[tuple[str, float, float]]:
+               batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor], timer: Timer,
+               gemm_bytes: dict[str, float]) -> list[tuple[str, float, float, float | None]]:
     """The launches of a call whose launches know its inputs and output (an eager call, one recorded into the caller's
     graph, a full-call graph): the chain with the op's stage and the finalize folded in where the engine does so; each
-    launch's time alone and its cost inside that chain (in_chain)."""
+    launch's time alone, its cost inside that chain (in_chain), and for a launch holding a GEMM the GB/s that GEMM's
+    weight bytes (``gemm_bytes``: "gemm1", "gemm2") stream over its time alone (else None)."""
     stages = executor.stages(executor.bucket(batch[0].shape[0]), call_inputs(config, weights, *batch))
     alone = [timer.median_us(capture(launch).replay) for _, launch in stages]
-    return [(name, t, added) for t, (name, added) in zip(alone, in_chain(stages, timer))]
+    rows = []
+    for t, (name, added) in zip(alone, in_chain(stages, timer)):
+        gemm = next((g for g in gemm_bytes if g in name), None)
+        rows.append((name, t, added, None if gemm is None else gemm_bytes[gemm] / t / 1e3))  # bytes / us / 1e3 = GB/s
+    return rows
 
 
 def bench_model(args: argparse.Namespace, report: Report, m: ModelShape, gen: torch.Generator, timer: Timer,
@@ -121,7 +128,8 @@ def bench_model(args: argparse.Namespace, report: Report, m: ModelShape, gen: to
             else:
                 cells = ["-" if t is None else str(t) if isinstance(t, int) else fmt(t) for t in result[0]]
                 chain = ", ".join(f"{name} {fmt(t)}" for name, t in result[1])
-                call = ", ".join(f"{name} {fmt(alone)} / {fmt(added)}" for name, alone, added in result[2])
+                call = ", ".join(f"{name} {fmt(alone)} / {fmt(added)}" + ("" if rate is None else f" ({fmt(rate)} GB/s)")
+                                 for name, alone, added, rate in result[2])
             report.emit(md_row([m.name, str(tokens), engine, *cells]))
             chains.append(md_row([m.name, str(tokens), engine, chain]))
             calls.append(md_row([m.name, str(tokens), engine, call]))
@@ -152,7 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     report.emit()
     report.emit("The launches of a call that knows its inputs and output (eager, recorded into a caller's graph, a "
                 "full-call graph), the op's stage and the finalize folded in where the engine does so: each alone / its "
-                "cost inside that chain (us)")
+                "cost inside that chain (us), and for a launch holding a GEMM the GB/s its NVFP4 weight bytes stream "
+                "over its time alone")
     report.emit()
     report.table(["model", "T", "engine", "launch: alone / added us"], left=4)
     for row in calls:

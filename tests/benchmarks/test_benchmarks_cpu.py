@@ -234,8 +234,10 @@ def test_bench_stages_table_with_fake_cuda(fake_cuda: None, tmp_path: Path) -> N
     # the in-chain table: every prefix takes the fake timer's 10 us, so the first stage adds 10 and the rest 0
     chain, call = [line for line in lines if line.startswith("| Tiny |")][-2:]
     assert chain == "| Tiny | 2 | cudnn | sort+permute 10.0, gemm1 0.0, activation 0.0, gemm2 0.0 |"
-    # the call's own chain (the caller's inputs and output): each launch alone / added in that chain
-    assert call == "| Tiny | 2 | cudnn | stage+sort+permute+gemm1+activation 10.0 / 10.0, gemm2+finalize 10.0 / 0.0 |"
+    # the call's own chain (the caller's inputs and output): each launch alone / added in that chain, and its GEMM's
+    # GB/s (the same bytes and 10 us as the table's GEMM columns)
+    assert call == (f"| Tiny | 2 | cudnn | stage+sort+permute+gemm1+activation 10.0 / 10.0 ({cells[13]} GB/s), "
+                    f"gemm2+finalize 10.0 / 0.0 ({cells[14]} GB/s) |")
 
 
 def test_bf16_peer_falls_back_to_eager_and_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
