@@ -288,19 +288,6 @@ __device__ __forceinline__ Bf16Unit fetch_bf16_unit(const u16* __restrict__ x, i
   return Bf16Unit{{src[0], src[1], src[2], src[3]}};
 }
 
-// The 16 code bytes and two scale bytes of an NVFP4 token unit.
-struct Nvfp4Unit {
-  uint4 codes;
-  u8 scale0, scale1;
-};
-
-// Unit u of NVFP4 token t (xs, xss as for moe_permute_bf16), as it is.
-__device__ __forceinline__ Nvfp4Unit fetch_nvfp4_unit(const u8* __restrict__ xs, const u8* __restrict__ xss, int hidden,
-                                                      i64 t, int u) {
-  const u8* scales = xss + t * (hidden / 16) + 2 * u;
-  return Nvfp4Unit{*reinterpret_cast<const uint4*>(xs + t * (hidden / 2) + 16 * u), scales[0], scales[1]};
-}
-
 // Store the four pieces of unit u into the BF16 row dst (16-byte aligned): piece q at 64j + 16q + 8h.
 __device__ __forceinline__ void store_fragment_unit(u16* dst, int u, const uint4 piece[4]) {
   u16* base = dst + 64 * (u >> 1) + 8 * (u & 1);

@@ -148,6 +148,19 @@ __device__ __forceinline__ void sort_permute(GetIds get_ids, int num_slots, int 
   }
 }
 
+// The 16 code bytes and two scale bytes of an NVFP4 token unit.
+struct Nvfp4Unit {
+  uint4 codes;
+  u8 scale0, scale1;
+};
+
+// Unit u of NVFP4 token t (xs, xss as for moe_permute_bf16), as it is.
+__device__ __forceinline__ Nvfp4Unit fetch_nvfp4_unit(const u8* __restrict__ xs, const u8* __restrict__ xss, int hidden,
+                                                      i64 t, int u) {
+  const u8* scales = xss + t * (hidden / 16) + 2 * u;
+  return Nvfp4Unit{*reinterpret_cast<const uint4*>(xs + t * (hidden / 2) + 16 * u), scales[0], scales[1]};
+}
+
 // A unit's four BF16 fragment-order pieces, decoded exactly.
 __device__ __forceinline__ void expand_nvfp4_unit(const Nvfp4Unit& raw, uint4 piece[4]) {
   decode_fragment_words(raw.codes, raw.scale0, raw.scale1, piece);

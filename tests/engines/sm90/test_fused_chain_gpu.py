@@ -13,7 +13,7 @@ import torch
 
 from cudnn_moe import (
     GELU, GeGLU, GeGLUTanh, Identity, Nvfp4MoeConfig, ReLU, ReLU2, Routing, SiLU, SiTU, SwiGLU, SwiGLUStep,
-    fused_moe, pack_routing,
+    fused_moe,
 )
 from cudnn_moe.engines.base import TokenOperand
 from cudnn_moe.engines.registry import engine_for
@@ -22,6 +22,7 @@ from cudnn_moe.engines.sm90.layout import from_token_layout
 from cudnn_moe.kernels import TokenLayout
 from cudnn_moe.fused.reference import reference_for_prepared
 from cudnn_moe.pipeline.executor import CallerInputs, MoeExecutor, _BucketStages
+from tests.support.low_latency import make_routing
 from tests.support.moe_checks import check_close
 
 pytestmark = pytest.mark.gpu
@@ -199,18 +200,6 @@ ROUTED_CASES = [
 ]
 
 
-def _routing(case_routing: str, ids: torch.Tensor, gen: torch.Generator) -> Routing:
-    weights = (torch.rand(ids.shape, generator=gen) + 0.1).cuda()
-    ids = ids.cuda()
-    if case_routing == "packed":
-        return Routing.packed(pack_routing(ids, weights))
-    if case_routing == "bf16":
-        return Routing.unpacked(ids, weights.bfloat16())
-    if case_routing == "int64":
-        return Routing.unpacked(ids.long(), weights)
-    return Routing.unpacked(ids, weights)
-
-
 @pytest.mark.parametrize("case", ROUTED_CASES, ids=lambda c: f"E{c[0]}-H{c[1]}-I{c[2]}-k{c[3]}-"
                          f"{'bf16' if c[4] else 'fp4'}-{'bf16' if c[5] else 'fp4'}{'-ep' if c[6] else ''}-{c[7]}")
 def test_routed_gemm1_matches_unfused_chain_bitwise(case) -> None:
@@ -234,7 +223,7 @@ def test_routed_gemm1_matches_unfused_chain_bitwise(case) -> None:
     ids = _ids(1, total, top_k, gen, hot=False)
     if routing_kind == "duplicate":
         ids[0, 1] = ids[0, 0]
-    routing = _routing(routing_kind, ids, gen)
+    routing = make_routing(ids.long(), "fp32" if routing_kind == "duplicate" else routing_kind, seed=experts)
     caller = CallerInputs(tokens, routing)
     routed = _BucketStages(executor, bucket, caller)
     chain = executor.engine.stages(routed)
@@ -242,7 +231,6 @@ def test_routed_gemm1_matches_unfused_chain_bitwise(case) -> None:
 
     # The unfused chain on full buffers (the routed bucket holds no GEMM1 output rows).
     g1 = bucket.gemm1
-    fused_g1 = g1
     bucket.gemm1 = replace(g1, out=torch.empty(bucket.rows, g1.shape.n, dtype=torch.bfloat16, device="cuda"))
     unfused = _BucketStages(executor, bucket)
     executor.stage(bucket, tokens, routing)
@@ -255,7 +243,7 @@ def test_routed_gemm1_matches_unfused_chain_bitwise(case) -> None:
     want_tokens = _bits(_token_rows(bucket.gemm2.tokens)[:used]).clone()
     want_out = _bits(bucket.gemm2.out[:used]).clone()
     assert torch.count_nonzero(want_out) > 0 and not torch.isnan(bucket.gemm2.out[:used]).any()
-    bucket.gemm1 = fused_g1
+    bucket.gemm1 = g1
     for _ in range(2):
         for name in sorted_names:
             getattr(bucket, name).fill_(-7)
