@@ -217,6 +217,21 @@ __device__ __forceinline__ void stage_token_row(const u8* x, const u8* x_scales,
 }
 #endif
 
+#ifdef SM90_FINALIZE
+// The finalize of the CTA's feature block: final_out[t, features of the block] for the tokens t < `tokens` from GEMM2's
+// rows in out (slot_to_row / route_weights: token t's top_k slots from t * top_k on), moe_finalize's arithmetic
+// (finalize_columns) bit for bit.
+__device__ __forceinline__ void finalize_block(const u16* out, const int* slot_to_row, const float* route_weights,
+                                               int top_k, int n, int tokens, u16* final_out) {
+  constexpr int PIECES = DEC_FB / 8;  // 8-feature pieces per token
+  for (int item = threadIdx.x; item < tokens * PIECES; item += DEC_THREADS) {
+    const int t = item / PIECES;
+    moe::finalize_columns(out, slot_to_row + static_cast<i64>(t) * top_k, route_weights + static_cast<i64>(t) * top_k,
+                          top_k, n, t, static_cast<int>(blockIdx.x) * DEC_FB + (item % PIECES) * 8, false, final_out);
+  }
+}
+#endif
+
 // The m16 row tile of W that the first of warp wm's MT tiles is: blockIdx.x * WM * MT + wm * MT, or paired
 // (a gated activation epilogue, W = [up; gate] of n / 2 rows each) the first WM / 2 warps the up tiles
 // blockIdx.x * WM * MT / 2 + wm * MT and the others the gate tiles of the same features, n / 32 tiles on.
@@ -244,7 +259,8 @@ __device__ __forceinline__ int decode_feature(int f, int n) {
 // gather arguments must be 0 (the decode kernel reads its rows from x).
 // With SM90_FINALIZE (GEMM2 of the decode chain): after writing out, the CTA of each feature block that finishes last
 // also finalizes it: final_out bf16 [tokens, n] (row t: token t's top_k slots, slot_to_row int32 / route_weights
-// float32 [tokens * top_k]), as moe_finalize. tickets int32 [grid x]: zero before the launch, zero after it.
+// float32 [tokens * top_k]), as moe_finalize; with no tile at all, the block's first CTA (zeros). tickets int32
+// [grid x]: zero before the launch, zero after it.
 // With SM90_ROUTE (GEMM1 of a one-token bucket, the arguments past tickets): x, offsets and row_to_slot are not read;
 // the caller's routing (route_ids / route_w in route_format, as moe_stage_sort_permute_bf16 reads them; route_tokens
 // <= 1 tokens of route_top_k slots, route_slots = route_top_k <= SORT_WARP_SLOTS) and token row route_x (BF16 [k],
@@ -306,8 +322,15 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS DEC_MIN_BLOCKS)
 #else
   int tiles = 0;  // with the finalize: the tiles of all segments, the CTAs of this feature block that write rows
   if (!find_tile<DEC_TB>(offsets, num_experts, row_capacity, static_cast<int>(blockIdx.y), tile,
-                         DEC_FINALIZE ? &tiles : nullptr))
+                         DEC_FINALIZE ? &tiles : nullptr)) {
+#ifdef SM90_FINALIZE
+    // No segment holds a row (every slot unrouted, e.g. no local expert on this rank): no CTA takes a ticket, and
+    // the feature block's first CTA finalizes alone (every slot's row is -1: zeros).
+    if (tiles == 0 && blockIdx.y == 0)
+      finalize_block(out, slot_to_row, route_weights, top_k, n, tokens, final_out);
+#endif
     return;
+  }
 #endif
   if (tile.row0 < 0 || tile.row0 >= tile.row_end) return;  // offsets outside [0, row_capacity]: nothing safe to do
 
@@ -528,12 +551,7 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS DEC_MIN_BLOCKS)
   }
   __syncthreads();
   if (!finalizing) return;
-  constexpr int PIECES = DEC_FB / 8;  // 8-feature pieces per token
-  for (int item = threadIdx.x; item < tokens * PIECES; item += DEC_THREADS) {
-    const int t = item / PIECES;
-    moe::finalize_columns(out, slot_to_row + static_cast<i64>(t) * top_k, route_weights + static_cast<i64>(t) * top_k,
-                          top_k, n, t, static_cast<int>(blockIdx.x) * DEC_FB + (item % PIECES) * 8, false, final_out);
-  }
+  finalize_block(out, slot_to_row, route_weights, top_k, n, tokens, final_out);
   if (threadIdx.x == 0) tickets[blockIdx.x] = 0;
 #endif
 #ifdef SM90_ACT

@@ -164,6 +164,25 @@ def test_all_slots_masked_gives_zeros():
     assert torch.count_nonzero(got) == 0 and torch.count_nonzero(ref) == 0
 
 
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "full-call-graph"])
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_no_local_expert_routed_gives_zeros_where_gemm2_finalizes(tokens, graph):
+    # The call's own chain (eager, or the full-call graph a repeated call captures) finalizes in the sm90 decode GEMM2
+    # at few tokens. With no slot on a local expert that GEMM has no tile at all, and out (NaN here) must still come
+    # back all zeros.
+    got, ref, (config, acts, r, weights, act, start) = _run_case(8, 256, 128, 2, tokens, SwiGLU(), local=(200, 8),
+                                                                 seed=6, graph=graph, engine="sm90")
+    executor = get_executor(config, weights, top_k=2, activation=act, local_expert_start=start)
+    chain = executor.stages(executor.bucket(tokens), CallerInputs(acts, r, got))
+    assert chain[-1].name == "gemm2+finalize", [stage.name for stage in chain]
+    # With a graph, the second call with the same tensors captures the full-call graph and the third replays it.
+    for _ in range(2 if graph else 1):
+        got.fill_(float("nan"))
+        fused_moe(config, acts, r, weights, activation=act, local_expert_start=start, out=got, use_cuda_graph=graph)
+    assert torch.count_nonzero(ref) == 0
+    assert not torch.isnan(got).any() and torch.count_nonzero(got) == 0
+
+
 @pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("routing", ["packed", "fp32"])
 def test_unfinalized_rows(routing, engine):
