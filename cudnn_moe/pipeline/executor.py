@@ -151,6 +151,7 @@ class Bucket:
             self.offsets, empty(rows, hidden, dtype=torch.bfloat16), workspace,
         )
         self.graph: torch.cuda.CUDAGraph | None = None
+        self.call_chain_warm = False  # MoeExecutor._warm_call_chain ran on this bucket
         self.full_graphs: OrderedDict[Hashable, torch.cuda.CUDAGraph] = OrderedDict()  # LRU, by signature
         self.last_signature: Hashable | None = None
 
@@ -208,8 +209,9 @@ class MoeExecutor:
             return self._buckets[size]
 
     def warmup(self, max_tokens: int | None = None, use_cuda_graph: bool = True) -> None:
-        """Allocate every bucket up to ``max_tokens``, build its GEMM plans and capture its graph; also
-        load the stage and finalize kernels, so the first call builds nothing."""
+        """Allocate every bucket up to ``max_tokens``, build its GEMM plans and capture its graph, and launch once
+        the chain of a call that hands over its inputs and output (_warm_call_chain); also load the stage and
+        finalize kernels, so the first call builds nothing."""
         limit = self.max_num_tokens if max_tokens is None else max_tokens
         release_deferred()
         kernels.load_call_kernels(self.weights.device.index)
@@ -221,9 +223,32 @@ class MoeExecutor:
                     self._ensure_graph(bucket)
                 else:
                     self._pipeline(bucket)
+                self._warm_call_chain(bucket)
                 if size >= limit:
                     break
                 size *= 2
+
+    def _warm_call_chain(self, bucket: Bucket) -> None:
+        """Once per bucket: the launches of a finalized call of ``bucket.tokens`` tokens that hands over its inputs and
+        output (eager, recorded into the caller's graph, a full-call graph), on zero tokens whose every slot is
+        unrouted (expert id -1) into a scratch output. Nothing is computed, but the kernel forms only such a call
+        launches (the stage folded into the first launch, the finalize into GEMM2) are compiled and loaded."""
+        if bucket.call_chain_warm:
+            return
+        w, t = self.weights, bucket.tokens
+        dev, hidden = w.device, w.hidden_size
+        if self.bf16_tokens:
+            tokens: Nvfp4Activations | torch.Tensor = torch.zeros(t, hidden, dtype=torch.bfloat16, device=dev)
+        else:
+            tokens = Nvfp4Activations(torch.zeros(t, hidden // 2, dtype=torch.uint8, device=dev),
+                                      torch.zeros(t, hidden // 16, dtype=torch.uint8, device=dev).view(
+                                          torch.float8_e4m3fn))
+        routing = Routing.unpacked(torch.full((t, self.top_k), -1, dtype=torch.int32, device=dev),
+                                   torch.zeros(t, self.top_k, dtype=torch.float32, device=dev))
+        out = torch.empty(t, hidden, dtype=torch.bfloat16, device=dev)
+        self._launch_call(bucket, lambda b: self.stage(b, tokens, routing), lambda b: self._finalize(b, out),
+                          CallerInputs(tokens, routing, out))
+        bucket.call_chain_warm = True
 
     def run(
         self,

@@ -14,6 +14,7 @@ import torch
 
 from cudnn_moe import Routing, SwiGLU, fused_moe
 from cudnn_moe.fused import op as ops
+from cudnn_moe.weights.nvfp4 import Nvfp4Activations
 from tests.support import REPO
 from tests.support.serving import layer
 
@@ -58,8 +59,6 @@ def test_changed_signature_falls_back_and_is_still_exact() -> None:
     other_out = torch.empty_like(out)
     fused_moe(config, acts, routing, weights, out=other_out)  # new out: usual path
     two = Routing.unpacked(ids[:2], route[:2])
-    from cudnn_moe.weights.nvfp4 import Nvfp4Activations
-
     acts2 = Nvfp4Activations(acts.packed[:2], acts.scales[:2])
     first_two = fused_moe(config, acts2, two, weights)  # T=2: another bucket, no out
     expected = fused_moe(config, acts, routing, weights, use_cuda_graph=False)
@@ -129,3 +128,43 @@ def test_plans_and_kernels_loaded_from_disk_equal_fresh_builds(tmp_path: Path) -
     assert "('cudnn-plan', 'disk')" in reports[1] and "('cudnn-plan', 'built')" not in reports[1], reports[1]
     assert "('kernel', 'disk')" in reports[1] and "('kernel', 'built')" not in reports[1], reports[1]
     assert torch.equal(_bits(outputs[0]), _bits(outputs[1]))
+
+
+_WARM_CHILD = """
+import sys, torch
+sys.path.insert(0, {repo!r})
+from tests.support.serving import layer
+from cudnn_moe import Routing, SwiGLU, fused_moe, get_executor
+from cudnn_moe.cache import reset_stats, stats
+from cudnn_moe.weights.nvfp4 import Nvfp4Activations
+config, weights, acts, ids, route = layer("sm90", tokens=3)
+get_executor(config, weights, top_k=2, activation=SwiGLU(), local_expert_start=0).warmup(4)
+torch.cuda.synchronize()
+reset_stats()
+routing = Routing.unpacked(ids, route)
+eager = fused_moe(config, acts, routing, weights, use_cuda_graph=False)  # the call's own chain, T=3
+one = Routing.unpacked(ids[:1], route[:1])
+first = Nvfp4Activations(acts.packed[:1], acts.scales[:1])
+single = fused_moe(config, first, one, weights, use_cuda_graph=False)  # T=1: the routed GEMM1
+torch.cuda.synchronize()
+torch.save((eager.cpu(), single.cpu()), {path!r})
+print("STATS", sorted(stats().items()))
+"""
+
+
+def test_warmup_builds_the_call_chains_own_kernels(tmp_path: Path) -> None:
+    # After warmup, eager calls (whose chain folds the stage into GEMM1 at T=1 and the finalize into GEMM2) build and
+    # load nothing: a fresh process on an empty cache directory, so that no earlier call compiled those forms.
+    env = {**os.environ, "CUDNN_MOE_CACHE_DIR": str(tmp_path / "cache"),
+           "PYTHONPATH": os.pathsep.join([str(REPO), *sys.path])}
+    path = tmp_path / "out.pt"
+    result = subprocess.run([sys.executable, "-c", _WARM_CHILD.format(repo=str(REPO), path=str(path))], env=env,
+                            capture_output=True, text=True, check=True)
+    report = result.stdout
+    assert "STATS" in report and "'built')" not in report and "'disk')" not in report, report
+    eager, single = torch.load(path)
+    config, weights, acts, ids, route = layer("sm90", tokens=3)
+    graphed = fused_moe(config, acts, Routing.unpacked(ids, route), weights)  # the bucket graph's chain
+    first = Nvfp4Activations(acts.packed[:1], acts.scales[:1])
+    graphed_single = fused_moe(config, first, Routing.unpacked(ids[:1], route[:1]), weights)
+    assert torch.equal(_bits(eager), _bits(graphed.cpu())) and torch.equal(_bits(single), _bits(graphed_single.cpu()))

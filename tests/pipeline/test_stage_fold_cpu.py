@@ -209,3 +209,25 @@ def test_otherwise_gemm1_reads_the_sorted_bucket(why: str) -> None:
         bucket.tokens = 2
     layer = _BucketStages(_routing_executor(why != "engine cannot", gemms), bucket, caller)
     assert layer.gemm1_routed() is None and layer.staging is None and not gemms
+
+
+@pytest.mark.parametrize("bf16_tokens", [False, True], ids=["nvfp4-tokens", "bf16-tokens"])
+def test_warmup_launches_the_call_chain_once_per_bucket_with_every_slot_unrouted(bf16_tokens: bool) -> None:
+    launches: list[tuple] = []
+    executor = SimpleNamespace(weights=SimpleNamespace(device=torch.device("cpu"), hidden_size=HIDDEN),
+                               bf16_tokens=bf16_tokens, top_k=TOP_K,
+                               _launch_call=lambda bucket, stage, finish, caller: launches.append((bucket, caller)))
+    bucket = SimpleNamespace(tokens=TOKENS, call_chain_warm=False)
+    MoeExecutor._warm_call_chain(executor, bucket)
+    MoeExecutor._warm_call_chain(executor, bucket)  # once per bucket
+    (launched_bucket, caller), = launches
+    assert launched_bucket is bucket and bucket.call_chain_warm
+    ids, weights, _ = caller.routing.kernel_operands()
+    assert ids.shape == (TOKENS, TOP_K) and bool((ids == -1).all()) and weights.shape == (TOKENS, TOP_K)
+    codes, scales = caller.token_operands()
+    if bf16_tokens:
+        assert codes.dtype == torch.bfloat16 and codes.shape == (TOKENS, HIDDEN) and scales is None
+    else:
+        assert codes.dtype == torch.uint8 and codes.shape == (TOKENS, HIDDEN // 2)
+        assert scales.dtype == torch.float8_e4m3fn and scales.shape == (TOKENS, HIDDEN // 16)
+    assert caller.out.dtype == torch.bfloat16 and caller.out.shape == (TOKENS, HIDDEN)
