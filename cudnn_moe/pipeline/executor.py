@@ -229,10 +229,11 @@ class MoeExecutor:
                 size *= 2
 
     def _warm_call_chain(self, bucket: Bucket) -> None:
-        """Once per bucket: the launches of a finalized call of ``bucket.tokens`` tokens that hands over its inputs and
-        output (eager, recorded into the caller's graph, a full-call graph), on zero tokens whose every slot is
-        unrouted (expert id -1) into a scratch output. Nothing is computed, but the kernel forms only such a call
-        launches (the stage folded into the first launch, the finalize into GEMM2) are compiled and loaded."""
+        """Once per bucket: where the chain of a finalized call of ``bucket.tokens`` tokens that hands over its inputs
+        and output (eager, recorded into the caller's graph, a full-call graph) folds the stage into its first launch
+        or the finalize into GEMM2, that chain's launches, on zero tokens whose every slot is unrouted (expert id -1)
+        into a scratch output. Nothing is computed, but the kernel forms only such a call launches are compiled and
+        loaded. A chain without a fold launches nothing the bucket's graph does not."""
         if bucket.call_chain_warm:
             return
         w, t = self.weights, bucket.tokens
@@ -246,8 +247,10 @@ class MoeExecutor:
         routing = Routing.unpacked(torch.full((t, self.top_k), -1, dtype=torch.int32, device=dev),
                                    torch.zeros(t, self.top_k, dtype=torch.float32, device=dev))
         out = torch.empty(t, hidden, dtype=torch.bfloat16, device=dev)
-        self._launch_call(bucket, lambda b: self.stage(b, tokens, routing), lambda b: self._finalize(b, out),
-                          CallerInputs(tokens, routing, out))
+        caller = CallerInputs(tokens, routing, out)
+        _, staged, finished = self._call_chain(bucket, caller)
+        if staged or finished:
+            self._launch_call(bucket, lambda b: self.stage(b, tokens, routing), lambda b: self._finalize(b, out), caller)
         bucket.call_chain_warm = True
 
     def run(

@@ -211,12 +211,19 @@ def test_otherwise_gemm1_reads_the_sorted_bucket(why: str) -> None:
     assert layer.gemm1_routed() is None and layer.staging is None and not gemms
 
 
+def _warming_executor(bf16_tokens: bool, folds: tuple[bool, bool], launches: list[tuple]) -> SimpleNamespace:
+    """An executor whose call chain stages and finishes as ``folds`` says, recording _launch_call."""
+    return SimpleNamespace(weights=SimpleNamespace(device=torch.device("cpu"), hidden_size=HIDDEN),
+                           bf16_tokens=bf16_tokens, top_k=TOP_K, _call_chain=lambda bucket, caller: ([], *folds),
+                           _launch_call=lambda bucket, stage, finish, caller: launches.append((bucket, caller)))
+
+
+@pytest.mark.parametrize("folds", [(True, True), (True, False), (False, True)], ids=["both", "stage", "finalize"])
 @pytest.mark.parametrize("bf16_tokens", [False, True], ids=["nvfp4-tokens", "bf16-tokens"])
-def test_warmup_launches_the_call_chain_once_per_bucket_with_every_slot_unrouted(bf16_tokens: bool) -> None:
+def test_warmup_launches_a_folding_call_chain_once_per_bucket_with_every_slot_unrouted(
+        bf16_tokens: bool, folds: tuple[bool, bool]) -> None:
     launches: list[tuple] = []
-    executor = SimpleNamespace(weights=SimpleNamespace(device=torch.device("cpu"), hidden_size=HIDDEN),
-                               bf16_tokens=bf16_tokens, top_k=TOP_K,
-                               _launch_call=lambda bucket, stage, finish, caller: launches.append((bucket, caller)))
+    executor = _warming_executor(bf16_tokens, folds, launches)
     bucket = SimpleNamespace(tokens=TOKENS, call_chain_warm=False)
     MoeExecutor._warm_call_chain(executor, bucket)
     MoeExecutor._warm_call_chain(executor, bucket)  # once per bucket
@@ -231,3 +238,10 @@ def test_warmup_launches_the_call_chain_once_per_bucket_with_every_slot_unrouted
         assert codes.dtype == torch.uint8 and codes.shape == (TOKENS, HIDDEN // 2)
         assert scales.dtype == torch.float8_e4m3fn and scales.shape == (TOKENS, HIDDEN // 16)
     assert caller.out.dtype == torch.bfloat16 and caller.out.shape == (TOKENS, HIDDEN)
+
+
+def test_warmup_launches_no_call_chain_without_a_fold() -> None:
+    launches: list[tuple] = []
+    bucket = SimpleNamespace(tokens=TOKENS, call_chain_warm=False)
+    MoeExecutor._warm_call_chain(_warming_executor(False, (False, False), launches), bucket)
+    assert launches == [] and bucket.call_chain_warm
