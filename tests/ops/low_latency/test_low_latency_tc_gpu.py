@@ -243,3 +243,28 @@ def test_tensor_cores_in_the_callers_graph_fold_the_stage_and_the_finalize(fmt, 
     torch.cuda.synchronize()
     assert torch.equal(out, launched), "the folded launches differ from the stage and finalize launches"
     assert_close_to_reference(out, want, f"{fmt.value} T={tokens} in the caller's graph")
+
+
+UNROUTED_CASES = [(FMT, 1), (FMT, 3), (WeightFormat.NVFP4_W_NVFP4_A, 1), (MXINT4, 2)]
+
+
+@pytest.mark.parametrize("fmt, tokens", UNROUTED_CASES, ids=[f"{f.value}-T{t}" for f, t in UNROUTED_CASES])
+def test_tensor_cores_with_every_slot_unrouted_give_zeros(fmt, tokens) -> None:
+    """Every slot unrouted (ids -1 and E): the launched chain's GEMM2, which finalizes into out at these token counts,
+    has no tile at all and must still write out: zeros, as the reference."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the tensor-core path is the SM90 engine's")
+    act = SwiGLU()
+    shape = (512, 256) if fmt is WeightFormat.NVFP4_W_NVFP4_A else (512, 160)  # the pair's I is a multiple of 128
+    config, weights = make_layer(fmt, True, shape=shape, seed=tokens + 30)
+    inputs = make_inputs(config, fmt, torch.bfloat16, tokens, weights.hidden_size, seed=tokens + 31)
+    x, x_scales = (inputs.packed, inputs.scales) if isinstance(inputs, Nvfp4Activations) else (inputs, None)
+    ids = torch.full((tokens, TOP_K), -1, dtype=torch.int64)
+    ids[:, 1::2] = E  # past the experts: unrouted too
+    routing = make_routing(ids, "fp32", tokens + 32)
+    out = nan_out((tokens, weights.hidden_size), torch.bfloat16)
+    run_tensor_cores(x, x_scales, weights, routing, act, out)
+    want = reference_low_latency(inputs, weights, routing, act, out_dtype=torch.bfloat16)
+    torch.cuda.synchronize()
+    assert torch.count_nonzero(want) == 0
+    assert not bool(out.isnan().any()) and torch.count_nonzero(out) == 0, "out must hold zeros"
