@@ -247,10 +247,10 @@ class MoeExecutor:
         routing = Routing.unpacked(torch.full((t, self.top_k), -1, dtype=torch.int32, device=dev),
                                    torch.zeros(t, self.top_k, dtype=torch.float32, device=dev))
         out = torch.empty(t, hidden, dtype=torch.bfloat16, device=dev)
-        caller = CallerInputs(tokens, routing, out)
-        _, staged, finished = self._call_chain(bucket, caller)
+        chain = self._call_chain(bucket, CallerInputs(tokens, routing, out))
+        _, staged, finished = chain
         if staged or finished:
-            self._launch_call(bucket, lambda b: self.stage(b, tokens, routing), lambda b: self._finalize(b, out), caller)
+            self._launch_chain(bucket, chain, lambda b: self.stage(b, tokens, routing), lambda b: self._finalize(b, out))
         bucket.call_chain_warm = True
 
     def run(
@@ -344,10 +344,17 @@ class MoeExecutor:
         """``stage(bucket)``, the bucket's chain and ``finish(bucket)``, launched now; the stage folded into the
         chain's first launch where that launch can read the caller's inputs, the finish (a finalize) into its last
         where that launch can write the caller's output."""
-        chain, staged, finished = self._call_chain(bucket, caller)
+        self._launch_chain(bucket, self._call_chain(bucket, caller), stage, finish)
+
+    @staticmethod
+    def _launch_chain(bucket: Bucket, chain: tuple[list[Stage], bool, bool], stage: Callable[[Bucket], None],
+                      finish: Callable[[Bucket], None]) -> None:
+        """_launch_call with its _call_chain given: ``stage(bucket)`` unless the chain stages, the chain's launches,
+        ``finish(bucket)`` unless the chain finishes."""
+        launches, staged, finished = chain
         if not staged:
             stage(bucket)
-        for _, launch in chain:
+        for _, launch in launches:
             launch()
         if not finished:
             finish(bucket)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from cudnn_moe import Routing, kernels
-from cudnn_moe.engines.base import GemmOperands, GemmShape
+from cudnn_moe.engines.base import GemmOperands, GemmShape, Stage
 from cudnn_moe.kernels import TokenLayout
 from cudnn_moe.pipeline.executor import CallerInputs, MoeExecutor, _BucketStages
 from cudnn_moe.weights.nvfp4 import Nvfp4Activations
@@ -212,10 +212,11 @@ def test_otherwise_gemm1_reads_the_sorted_bucket(why: str) -> None:
 
 
 def _warming_executor(bf16_tokens: bool, folds: tuple[bool, bool], launches: list[tuple]) -> SimpleNamespace:
-    """An executor whose call chain stages and finishes as ``folds`` says, recording _launch_call."""
+    """An executor whose call chain stages and finishes as ``folds`` says (its one entry: the caller it was built
+    for), recording (bucket, caller) for each chain launched."""
     return SimpleNamespace(weights=SimpleNamespace(device=torch.device("cpu"), hidden_size=HIDDEN),
-                           bf16_tokens=bf16_tokens, top_k=TOP_K, _call_chain=lambda bucket, caller: ([], *folds),
-                           _launch_call=lambda bucket, stage, finish, caller: launches.append((bucket, caller)))
+                           bf16_tokens=bf16_tokens, top_k=TOP_K, _call_chain=lambda bucket, caller: ([caller], *folds),
+                           _launch_chain=lambda bucket, chain, stage, finish: launches.append((bucket, chain[0][0])))
 
 
 @pytest.mark.parametrize("folds", [(True, True), (True, False), (False, True)], ids=["both", "stage", "finalize"])
@@ -245,3 +246,12 @@ def test_warmup_launches_no_call_chain_without_a_fold() -> None:
     bucket = SimpleNamespace(tokens=TOKENS, call_chain_warm=False)
     MoeExecutor._warm_call_chain(_warming_executor(False, (False, False), launches), bucket)
     assert launches == [] and bucket.call_chain_warm
+
+
+@pytest.mark.parametrize("staged, finished", [(False, False), (True, False), (False, True), (True, True)])
+def test_a_launched_chain_leaves_out_the_stage_and_the_finish_it_folds(staged: bool, finished: bool) -> None:
+    order: list[str] = []
+    chain = ([Stage(name, lambda name=name: order.append(name)) for name in ("first", "last")], staged, finished)
+    bucket = SimpleNamespace()
+    MoeExecutor._launch_chain(bucket, chain, lambda b: order.append("stage"), lambda b: order.append("finish"))
+    assert order == ["stage"] * (not staged) + ["first", "last"] + ["finish"] * (not finished)

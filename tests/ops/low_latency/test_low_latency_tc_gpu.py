@@ -203,6 +203,18 @@ def test_mxfp4_weights_without_an_exact_nvfp4_form_stay_on_the_cuda_cores() -> N
         low_latency_moe(LowLatencyMoeConfig(8, engine="sm90"), x, weights, routing)
 
 
+def chain_layer(fmt, tokens, seed):
+    """(config, weights, inputs, x, x_scales) of a small layer in ``fmt`` on the SM90 tensor-core path (skipped on other
+    GPUs) and ``tokens`` BF16 or NVFP4 tokens: the layer from ``seed``, the tokens from ``seed + 1``."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the tensor-core path is the SM90 engine's")
+    shape = (512, 256) if fmt is WeightFormat.NVFP4_W_NVFP4_A else (512, 160)  # the pair's I is a multiple of 128
+    config, weights = make_layer(fmt, True, shape=shape, seed=seed)
+    inputs = make_inputs(config, fmt, torch.bfloat16, tokens, weights.hidden_size, seed=seed + 1)
+    x, x_scales = (inputs.packed, inputs.scales) if isinstance(inputs, Nvfp4Activations) else (inputs, None)
+    return config, weights, inputs, x, x_scales
+
+
 FOLD_CASES = [(FMT, 1), (FMT, 5), (MXFP4, 1), (MXFP4, 2), (MXINT4, 1), (MXINT4, 6), (WeightFormat.NVFP4_W_NVFP4_A, 1),
               (WeightFormat.NVFP4_W_NVFP4_A, 3), (WeightFormat.NVFP4_W_NVFP4_A, 8)]
 
@@ -214,13 +226,8 @@ def test_tensor_cores_in_the_callers_graph_fold_the_stage_and_the_finalize(fmt, 
     permute in GEMM1's prologue). Replayed after its tokens and routing change in
     place, it equals a call that launches the stage and the finalize (the first call of a new output: the bucket's
     graph between them) bit for bit, and the float64 reference."""
-    if torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("the tensor-core path is the SM90 engine's")
     act = SwiGLU()
-    shape = (512, 256) if fmt is WeightFormat.NVFP4_W_NVFP4_A else (512, 160)  # the pair's I is a multiple of 128
-    config, weights = make_layer(fmt, True, shape=shape, seed=tokens + 20)
-    inputs = make_inputs(config, fmt, torch.bfloat16, tokens, weights.hidden_size, seed=tokens + 21)
-    x, x_scales = (inputs.packed, inputs.scales) if isinstance(inputs, Nvfp4Activations) else (inputs, None)
+    config, weights, inputs, x, x_scales = chain_layer(fmt, tokens, seed=tokens + 20)
     routing = make_routing(random_ids(tokens, TOP_K, E, tokens + 22), "fp32", tokens + 23)
     out = nan_out((tokens, weights.hidden_size), torch.bfloat16)
     graph = capture_graph(lambda: run_tensor_cores(x, x_scales, weights, routing, act, out), keep_graph=True)
@@ -252,13 +259,8 @@ UNROUTED_CASES = [(FMT, 1), (FMT, 3), (WeightFormat.NVFP4_W_NVFP4_A, 1), (MXINT4
 def test_tensor_cores_with_every_slot_unrouted_give_zeros(fmt, tokens) -> None:
     """Every slot unrouted (ids -1 and E): the launched chain's GEMM2, which finalizes into out at these token counts,
     has no tile at all and must still write out: zeros, as the reference."""
-    if torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("the tensor-core path is the SM90 engine's")
     act = SwiGLU()
-    shape = (512, 256) if fmt is WeightFormat.NVFP4_W_NVFP4_A else (512, 160)  # the pair's I is a multiple of 128
-    config, weights = make_layer(fmt, True, shape=shape, seed=tokens + 30)
-    inputs = make_inputs(config, fmt, torch.bfloat16, tokens, weights.hidden_size, seed=tokens + 31)
-    x, x_scales = (inputs.packed, inputs.scales) if isinstance(inputs, Nvfp4Activations) else (inputs, None)
+    _, weights, inputs, x, x_scales = chain_layer(fmt, tokens, seed=tokens + 30)
     ids = torch.full((tokens, TOP_K), -1, dtype=torch.int64)
     ids[:, 1::2] = E  # past the experts: unrouted too
     routing = make_routing(ids, "fp32", tokens + 32)
