@@ -223,13 +223,13 @@ class FinalizeEpilogue:
 
 @dataclass(frozen=True)
 class RoutePrologue:
-    """The op's stage and the routing sort folded into GEMM1 (a bucket of few slots): GEMM1 reads the caller's tokens
-    and routing instead of the permuted rows, sorts the slots itself, and writes what the stage + sort + permute
-    launch writes besides those rows, so the rest of the chain reads the same buffers bit for bit: the decoded routing
-    into ``ids_out`` int32 / ``w_out`` float32 [B, top_k] (the bucket's B tokens; -1 / 0 past T), the sort's outputs
-    (local experts from ``local_start``, segments padded to ``align`` rows) into ``sorted``. tokens: bfloat16 [T, H]
-    (``token_scales`` None) or NVFP4 codes uint8 [T, H/2] with E4M3 ``token_scales`` [T, H/16], T <= B, 16-byte
-    aligned; ids / weights / routing_format as ``Routing.kernel_operands`` gives them."""
+    """The op's stage and the routing sort folded into GEMM1 (a one-token bucket): GEMM1 reads the caller's token and
+    routing instead of the permuted rows, sorts the slots itself, and writes what the stage + sort + permute launch
+    writes besides those rows, so the rest of the chain reads the same buffers bit for bit: the decoded routing into
+    ``ids_out`` int32 / ``w_out`` float32 [1, top_k], the sort's outputs (local experts from ``local_start``, segments
+    padded to ``align`` rows) into ``sorted``. tokens: bfloat16 [T, H] (``token_scales`` None) or NVFP4 codes uint8
+    [T, H/2] with E4M3 ``token_scales`` [T, H/16], T <= 1, 16-byte aligned; ids / weights / routing_format as
+    ``Routing.kernel_operands`` gives them."""
 
     tokens: torch.Tensor
     token_scales: torch.Tensor | None
@@ -476,8 +476,8 @@ class LayerStages(abc.ABC):
     @abc.abstractmethod
     def gemm1_routed(self) -> Stage | None:
         """gemm1_activation(gather=False) also staging the caller's inputs and sorting the routing (GemmOperands.route:
-        the stage + sort + permute launch folded into GEMM1): for a bucket of at most SORT_WARP_SLOTS slots whose
-        launches know the caller's inputs, where the engine can (GemmEngine.can_route), else None."""
+        the stage + sort + permute launch folded into GEMM1): for a one-token bucket whose launches know the caller's
+        inputs, where the engine can (GemmEngine.can_route), else None."""
 
     @abc.abstractmethod
     def gemm2(self) -> Stage: ...

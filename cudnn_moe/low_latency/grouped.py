@@ -22,8 +22,8 @@ require ids in range).
 
 The call runs as a fused_moe call does (``MoeExecutor.run``, finalized into ``out``): where the launches are
 recorded for the call itself (an eager call, one recorded into the caller's graph, a full-call graph), the decode
-chain stages the caller's tokens and routing in its sort + permute (where the token rows fit, in its GEMM1, which
-then also sorts) and its GEMM2 finalizes into ``out`` where the engine can (cudnn_moe.pipeline.executor).
+chain stages the caller's tokens and routing in its sort + permute (for one token in its GEMM1, which then also sorts)
+and its GEMM2 finalizes into ``out`` where the engine can (cudnn_moe.pipeline.executor).
 
 The weights are repacked once into the engine's layout, on the first call (kept beside the caller's
 canonical tensors while the prepared weights live: a second copy, sized in the README's low-latency engines),

@@ -12,9 +12,9 @@ A call with T tokens runs in the smallest power-of-two bucket B >= T. Per call:
    launched eagerly in debug mode, or recorded straight into the caller's graph when the caller's
    stream is capturing). Where the launches are recorded for the call itself (eager, the caller's graph, a
    full-call graph), a chain whose first launch can read the caller's inputs does step 1 in it (the sm90
-   decode chain's sort + permute: _BucketStages.sort_permute; for buckets of at most SORT_WARP_SLOTS slots its GEMM1
-   where the engine can, which then also sorts and permutes: _BucketStages.gemm1_routed), one launch less (two).
-   Two options need an engine reading BF16 token fragments (the SM90 engine): ``bf16_tokens`` (the tokens are BF16, not NVFP4) and
+   decode chain's sort + permute: _BucketStages.sort_permute; for one token its GEMM1, which then also sorts and
+   permutes: _BucketStages.gemm1_routed), one launch less (two). Two options need an engine
+   reading BF16 token fragments (the SM90 engine): ``bf16_tokens`` (the tokens are BF16, not NVFP4) and
    ``bf16_intermediate`` (the activation is rounded to BF16 instead of requantized to NVFP4).
 3. finish (the op's launch): finalize, or the unfinalized rows; writes the caller's output for the T
    live tokens.
@@ -516,7 +516,7 @@ class _BucketStages(LayerStages):
 
     def gemm1_routed(self) -> Stage | None:
         x, b, caller = self.x, self.b, self.caller
-        if caller is None or b.tokens * x.top_k > kernels.SORT_WARP_SLOTS:
+        if caller is None or b.tokens != 1 or x.top_k > kernels.SORT_WARP_SLOTS:
             return None
         tokens, token_scales = caller.token_operands()
         if tokens.data_ptr() % 16:

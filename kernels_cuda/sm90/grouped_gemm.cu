@@ -42,13 +42,11 @@ using namespace sm90;
 #else
 #define DEC_FINALIZE false
 #endif
-// The op's stage and the routing sort folded into GEMM1's prologue (a decode chain of buckets of at most
-// SORT_WARP_SLOTS slots: SM90_ROUTE 1 for BF16 tokens, 2 for NVFP4 tokens; with SM90_ACT): every CTA decodes the
-// caller's routing, sorts its slots in one warp (sort_slots_warp, into shared memory) and stages token rows in
-// fragment order in dynamic shared memory; CTA (0, 0) also writes the sort's outputs and the decoded routing for GEMM2
-// and the finalize. The MMA's token operand then comes from shared memory: for one token its row (k BF16 values),
-// which every row of the bucket is; for more, the tile's DEC_TB rows (ROUTE_ROW_BYTES apart), each its slot's token,
-// the tile's padding rows reading its first row.
+// The op's stage and the routing sort folded into GEMM1's prologue (a decode chain of one-token buckets:
+// SM90_ROUTE 1 for BF16 tokens, 2 for NVFP4 tokens; with SM90_ACT): every CTA decodes the caller's routing, sorts
+// its slots in one warp (sort_slots_warp, into shared memory) and stages the token row in fragment order in dynamic
+// shared memory (k BF16 values); CTA (0, 0) also writes the sort's outputs and the decoded routing for GEMM2 and the
+// finalize. The MMA's token operand then comes from shared memory: every row of a one-token bucket is that token.
 #ifdef SM90_ROUTE
 #if !defined(SM90_ACT) || defined(SM90_FINALIZE)
 #error "SM90_ROUTE is for GEMM1 with the activation epilogue (SM90_ACT)"
@@ -195,82 +193,26 @@ __device__ __forceinline__ uint4 load_token_piece(const u8* p) {
 }
 
 #ifdef SM90_ROUTE
-// Bytes between the staged rows of a tile (several tokens): k BF16 values and SM90_ROUTE_ROW_PAD bytes (16, from
-// cudnn_moe.engines.sm90.kernels), so that the eight rows a warp's LDS.128 reads in one phase fall in different banks.
-#ifndef SM90_ROUTE_ROW_PAD
-#error "compile the routed forms with the options of cudnn_moe.engines.sm90.kernels.route_options"
-#endif
-#define ROUTE_ROW_BYTES(k) (2 * (k) + SM90_ROUTE_ROW_PAD)
-
-// When one token row is staged: NVFP4 tokens first of all (fetched and decoded before the routing is read), BF16 tokens
+// When the token row is staged: NVFP4 tokens first of all (fetched and decoded before the routing is read), BF16 tokens
 // after the ring's first weight loads are issued (a copy, whose load then overlaps theirs). Measured on the H200 at one
 // token (fused_moe, NVFP4 tokens): Qwen3-30B-A3B 23.9-24.2 us staging first, 26.6-26.9 staging after the weights.
 #define ROUTE_STAGE_FIRST (SM90_ROUTE == 2)
 
-// Unit u (32 values) of token t of the routed call as it is in memory: NVFP4 codes and their two E4M3 scales, or BF16
-// values.
-struct TokenUnit {
-#if SM90_ROUTE == 2
-  uint4 codes;
-  u8 scale0, scale1;
-#else
-  moe::Bf16Unit values;
-#endif
-};
-
-__device__ __forceinline__ TokenUnit fetch_token_unit(const u8* x, const u8* x_scales, int k, i64 t, int u) {
-#if SM90_ROUTE == 2
-  const u8* scales = x_scales + t * (k >> 4) + 2 * u;
-  return TokenUnit{*reinterpret_cast<const uint4*>(x + t * (k >> 1) + 16 * u), scales[0], scales[1]};
-#else
-  return TokenUnit{moe::fetch_bf16_unit(reinterpret_cast<const u16*>(x), k, t, u)};
-#endif
-}
-
-// A fetched unit u into the row `row` in fragment order (shared memory): NVFP4 decoded exactly (decode_token_words).
-__device__ __forceinline__ void store_token_unit(const TokenUnit& unit, int u, u16* row) {
-  uint4 piece[4];
-#if SM90_ROUTE == 2
-  decode_token_words(unit.codes, unit.scale0, unit.scale1, piece);
-#else
-  moe::bf16_unit_pieces(unit.values.chunk, piece);
-#endif
-  moe::store_fragment_unit(row, u, piece);
-}
-
-// Units [0, units) of the routed call's one token row into `row`. BF16 units one at a time (staged while the weight
-// ring's loads are live: unrolled, their 64 bytes each spill it).
+// Units [0, units) of the routed call's token row (NVFP4 codes and scales decoded exactly: decode_token_words, or BF16
+// values) into `row` in fragment order (shared memory). BF16 units one at a time (staged while the weight ring's
+// loads are live: unrolled, their 64 bytes each spill it).
 __device__ __forceinline__ void stage_token_row(const u8* x, const u8* x_scales, int k, int units, u16* row) {
 #if SM90_ROUTE == 1
 #pragma unroll 1
 #endif
-  for (int u = threadIdx.x; u < units; u += DEC_THREADS)
-    store_token_unit(fetch_token_unit(x, x_scales, k, 0, u), u, row);
-}
-
-// The tile's DEC_TB rows (ROUTE_ROW_BYTES apart from `rows`), row r the token of slot tile_slot[r] (slot / top_k; rows
-// with no slot are not written): staged before the weight ring is live, ROUTE_UNITS_IN_FLIGHT units a thread fetched
-// before any is stored.
-#define ROUTE_UNITS_IN_FLIGHT 2
-__device__ __forceinline__ void stage_tile_rows(const u8* x, const u8* x_scales, int k, int top_k, const int* tile_slot,
-                                                u8* rows) {
-  const int units = k >> 5;
-  for (int first = threadIdx.x; first < DEC_TB * units; first += ROUTE_UNITS_IN_FLIGHT * DEC_THREADS) {
-    TokenUnit unit[ROUTE_UNITS_IN_FLIGHT];
-    int row[ROUTE_UNITS_IN_FLIGHT];
-#pragma unroll
-    for (int j = 0; j < ROUTE_UNITS_IN_FLIGHT; ++j) {
-      const int item = first + j * DEC_THREADS;
-      const int r = item / units;
-      const int slot = item < DEC_TB * units ? tile_slot[r] : -1;
-      row[j] = slot < 0 ? -1 : r;
-      if (slot >= 0) unit[j] = fetch_token_unit(x, x_scales, k, slot / top_k, item - r * units);
-    }
-#pragma unroll
-    for (int j = 0; j < ROUTE_UNITS_IN_FLIGHT; ++j)
-      if (row[j] >= 0)
-        store_token_unit(unit[j], first + j * DEC_THREADS - row[j] * units,
-                         reinterpret_cast<u16*>(rows + row[j] * ROUTE_ROW_BYTES(k)));
+  for (int u = threadIdx.x; u < units; u += DEC_THREADS) {
+    uint4 piece[4];
+#if SM90_ROUTE == 2
+    decode_token_words(*reinterpret_cast<const uint4*>(x + 16 * u), x_scales[2 * u], x_scales[2 * u + 1], piece);
+#else
+    moe::bf16_unit_pieces(moe::fetch_bf16_unit(reinterpret_cast<const u16*>(x), k, 0, u).chunk, piece);
+#endif
+    moe::store_fragment_unit(row, u, piece);
   }
 }
 #endif
@@ -319,14 +261,13 @@ __device__ __forceinline__ int decode_feature(int f, int n) {
 // also finalizes it: final_out bf16 [tokens, n] (row t: token t's top_k slots, slot_to_row int32 / route_weights
 // float32 [tokens * top_k]), as moe_finalize; with no tile at all, the block's first CTA (zeros). tickets int32
 // [grid x]: zero before the launch, zero after it.
-// With SM90_ROUTE (GEMM1 of a bucket of route_slots <= SORT_WARP_SLOTS slots, the arguments past tickets): x, offsets
-// and row_to_slot are not read; the caller's routing (route_ids / route_w in route_format, as
-// moe_stage_sort_permute_bf16 reads them; route_tokens tokens of route_top_k slots, the bucket's slots past them
-// unrouted) and tokens route_x (BF16 [route_tokens, k], or NVFP4 codes [route_tokens, k / 2] with E4M3 scales
-// route_x_scales [route_tokens, k / 16]; 16-byte aligned) come in instead, and CTA (0, 0) writes what that kernel
-// writes besides the token rows: route_ids_out / route_w_out [route_slots] and the sort's outputs (sort_*: moe_sort's,
-// for local experts [route_local_start, + num_experts) in segments padded to route_align rows). Dynamic shared memory:
-// 2k bytes for at most one token, else DEC_TB * ROUTE_ROW_BYTES(k).
+// With SM90_ROUTE (GEMM1 of a one-token bucket, the arguments past tickets): x, offsets and row_to_slot are not read;
+// the caller's routing (route_ids / route_w in route_format, as moe_stage_sort_permute_bf16 reads them; route_tokens
+// <= 1 tokens of route_top_k slots, route_slots = route_top_k <= SORT_WARP_SLOTS) and token row route_x (BF16 [k],
+// or NVFP4 codes [k / 2] with E4M3 scales route_x_scales [k / 16]; 16-byte aligned) come in instead, and CTA (0, 0)
+// writes what that kernel writes besides the token rows: route_ids_out / route_w_out [route_slots] and the sort's
+// outputs (sort_*: moe_sort's, for local experts [route_local_start, + num_experts) in segments padded to route_align
+// rows). Dynamic shared memory: 2k bytes.
 #ifdef SM90_ROUTE
 #define DEC_ROUTE_PARAMS                                                                                             \
   , const void* __restrict__ route_ids, const void* __restrict__ route_w, int route_format, int route_ids_int64,      \
@@ -352,14 +293,13 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS DEC_MIN_BLOCKS)
   // The stage and the sort (moe_stage_sort_permute_bf16_warp's, for this CTA): the token row staged (ROUTE_STAGE_FIRST;
   // else after the weight ring's first loads, below), the routing decoded, warp 0 sorts; CTA (0, 0) writes the
   // outputs GEMM2 reads.
-  extern __shared__ __align__(128) u8 smem[];  // the token row or the tile's rows: BF16 values in fragment order
+  extern __shared__ __align__(128) u8 smem[];  // the token row: k BF16 values in fragment order
   __shared__ int route_slot_ids[SORT_WARP_SLOTS], route_slot_rows[SORT_WARP_SLOTS];
   __shared__ int route_counts[SORT_MAX_EXPERTS], route_seg[SORT_MAX_EXPERTS + 1];
   u16* const token_row = reinterpret_cast<u16*>(smem);
   const bool writer = blockIdx.x == 0 && blockIdx.y == 0;
-  if (route_slots > SORT_WARP_SLOTS) return;  // the host checks: never taken
-  // One token: its row (no token: the row stays unwritten, and no slot is live); more: the tile's rows, below.
-  const int token_units = route_tokens == 1 ? k >> 5 : 0;
+  if (route_slots > SORT_WARP_SLOTS || route_tokens > 1) return;  // the host checks: never taken
+  const int token_units = route_tokens == 1 ? k >> 5 : 0;  // no token: the row stays unwritten, and no slot is live
   if (ROUTE_STAGE_FIRST) stage_token_row(route_x, route_x_scales, k, token_units, token_row);
   for (int i = threadIdx.x; i < route_slots; i += DEC_THREADS) {
     int id;
@@ -393,24 +333,6 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS DEC_MIN_BLOCKS)
   }
 #endif
   if (tile.row0 < 0 || tile.row0 >= tile.row_end) return;  // offsets outside [0, row_capacity]: nothing safe to do
-#ifdef SM90_ROUTE
-  // The slot of each row of the tile from the CTA's own sort (-1: a padding row, or past the segment); with more
-  // than one token, the tile's rows staged now, each its slot's token.
-  __shared__ int tile_slot[DEC_TB];
-  if (threadIdx.x < DEC_TB) {
-    const int row = tile.row0 + static_cast<int>(threadIdx.x);
-    int slot = -1;
-    for (int i = 0; i < route_slots; ++i)
-      if (route_slot_rows[i] == row && row < tile.row_end) slot = i;
-    tile_slot[threadIdx.x] = slot;
-  }
-  const bool tile_rows = route_tokens > 1;
-  if (tile_rows) {
-    __syncthreads();
-    stage_tile_rows(route_x, route_x_scales, k, route_top_k, tile_slot, smem);
-    __syncthreads();
-  }
-#endif
 
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
@@ -431,9 +353,7 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS DEC_MIN_BLOCKS)
 #pragma unroll
   for (int nt = 0; nt < SM90_NT; ++nt) {
 #ifdef SM90_ROUTE
-    // one token: every row of the bucket is it; more: row r of the tile, a padding row reading the first
-    const int r = nt * 8 + g;
-    xp[nt] = smem + (tile_rows && tile_slot[r] >= 0 ? r * ROUTE_ROW_BYTES(k) : 0) + wk * 128 + q * 32;
+    xp[nt] = smem + wk * 128 + q * 32;  // every row of the bucket is the one token
 #else
     const int row = tile.row0 + nt * 8 + g;
     xp[nt] = reinterpret_cast<const u8*>(x) + (static_cast<i64>(row < tile.row_end ? row : tile.row0) * k + wk * 64) * 2 +
@@ -448,10 +368,19 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS DEC_MIN_BLOCKS)
   if (threadIdx.x < 2)
     cp_async_4(smem_addr(&tile_alpha[threadIdx.x]),
                alpha + expert_alpha(tile.expert, num_experts, decode_feature(threadIdx.x * (DEC_FB / 2), n), alpha_split));
-#if defined(SM90_ACT) && !defined(SM90_ROUTE)  // routed: from the CTA's sort, above
+#ifdef SM90_ACT
   __shared__ int tile_slot[DEC_TB];
+#ifdef SM90_ROUTE
+  if (threadIdx.x < DEC_TB && tile.row0 + static_cast<int>(threadIdx.x) < tile.row_end) {
+    int slot = -1;  // a padding row unless a slot sorted into it
+    for (int i = 0; i < route_slots; ++i)
+      if (route_slot_rows[i] == tile.row0 + static_cast<int>(threadIdx.x)) slot = i;
+    tile_slot[threadIdx.x] = slot;
+  }
+#else
   if (threadIdx.x < DEC_TB && tile.row0 + static_cast<int>(threadIdx.x) < tile.row_end)
     cp_async_4(smem_addr(&tile_slot[threadIdx.x]), row_to_slot + tile.row0 + threadIdx.x);
+#endif
 #endif
   cp_async_commit();
   const int nsteps = wk < kt ? (kt - wk + SM90_WK - 1) / SM90_WK : 0;

@@ -179,15 +179,12 @@ def _one_token_caller(byte_offset: int = 0, bf16_tokens: bool = False) -> Caller
 
 
 @pytest.mark.parametrize("bf16_tokens", [False, True], ids=["nvfp4-tokens", "bf16-tokens"])
-@pytest.mark.parametrize("count", [1, TOKENS])
-def test_calls_of_few_slots_stage_and_sort_in_gemm1(bf16_tokens: bool, count: int) -> None:
-    """Given the inputs of a call whose bucket holds at most 64 slots, GEMM1 takes the stage, the sort and the permute
-    (GemmOperands.route): the caller's tokens and routing in, the bucket's routing and sort buffers out, the
-    activation epilogue as the unrouted chain's."""
+def test_one_token_calls_stage_and_sort_in_gemm1(bf16_tokens: bool) -> None:
+    """Given a one-token call's inputs, GEMM1 takes the stage, the sort and the permute (GemmOperands.route): the
+    caller's token and routing in, the bucket's routing and sort buffers out, the activation epilogue as the unrouted
+    chain's."""
     gemms: list = []
-    bucket = _one_token_bucket()
-    bucket.tokens = count
-    caller = _one_token_caller(bf16_tokens=bf16_tokens) if count == 1 else _caller(bf16_tokens=bf16_tokens)
+    bucket, caller = _one_token_bucket(), _one_token_caller(bf16_tokens=bf16_tokens)
     layer = _BucketStages(_routing_executor(True, gemms, bf16_tokens), bucket, caller)
     stage = layer.gemm1_routed()
     assert stage is not None and stage.name == "stage+sort+permute+gemm1+activation" and layer.staging is stage
@@ -203,13 +200,13 @@ def test_calls_of_few_slots_stage_and_sort_in_gemm1(bf16_tokens: bool, count: in
     assert operands.offsets is bucket.sorted.offsets
 
 
-@pytest.mark.parametrize("why", ["no caller", "more than 64 slots", "unaligned tokens", "engine cannot"])
+@pytest.mark.parametrize("why", ["no caller", "two tokens", "unaligned tokens", "engine cannot"])
 def test_otherwise_gemm1_reads_the_sorted_bucket(why: str) -> None:
     gemms: list = []
     bucket = _one_token_bucket()
     caller = None if why == "no caller" else _one_token_caller(byte_offset=1 if why == "unaligned tokens" else 0)
-    if why == "more than 64 slots":
-        bucket.tokens = 64 // TOP_K + 1
+    if why == "two tokens":
+        bucket.tokens = 2
     layer = _BucketStages(_routing_executor(why != "engine cannot", gemms), bucket, caller)
     assert layer.gemm1_routed() is None and layer.staging is None and not gemms
 

@@ -220,21 +220,19 @@ class Sm90GemmEngine(GemmEngine):
         return one_wave and tokens * variant.feature_block // 8 <= variant.threads
 
     def can_route(self, operands: GemmOperands) -> bool:
-        """GEMM1 on the decode kernel whose staged token rows (one token: its row, 2K bytes; more: the tile's rows)
-        fit the dynamic shared memory every CTA has without an opt-in (grouped_gemm's ``route``); MXINT4 weights with
-        BF16 tokens only (the MXINT4 form with NVFP4 tokens, which no op calls, spills 32 bytes of the register ring
-        at 128 registers)."""
+        """GEMM1 of a one-token bucket on the decode kernel, whose token row (2K bytes) fits the dynamic shared memory
+        every CTA has without an opt-in (grouped_gemm's ``route``); MXINT4 weights with BF16 tokens only (the MXINT4
+        form with NVFP4 tokens, which no op calls, spills 32 bytes of the register ring at 128 registers)."""
         variant = self.variant(operands.rows, operands.shape, gemm=1)
         route = operands.route
         tokens_fit = operands.weights.code is BlockCode.NVFP4 or route is not None and route.token_scales is None
-        return (isinstance(variant, DecodeVariant) and route is not None and tokens_fit
-                and route_shared_mem(operands.shape.k, route.tokens.shape[0], variant.tile_rows)
-                <= ROUTE_MAX_SHARED_MEM)
+        return (isinstance(variant, DecodeVariant) and tokens_fit
+                and route_shared_mem(operands.shape.k) <= ROUTE_MAX_SHARED_MEM)
 
     def stages(self, layer: LayerStages) -> list[Stage]:
         """As the bucket's gemm1_fusion says. Gathering: the sort, GEMM1 gathering its rows through the routing (from
         the BF16 rows the op's stage decoded the NVFP4 tokens into) with the activation in its epilogue, GEMM2. Otherwise: the
-        sort and the permute (in one launch for decode-sized buckets; for buckets of few slots folded into GEMM1 with
+        sort and the permute (in one launch for decode-sized buckets; for a one-token bucket folded into GEMM1 with
         the activation epilogue where the layer offers it), GEMM1 with the activation epilogue or GEMM1 and the
         activation, GEMM2."""
         fusion = layer.gemm1_fusion

@@ -32,23 +32,14 @@ ROW_ALIGNMENT = 8  # segment starts (offsets) are multiples of 8
 MAX_GRID_Y = 65535
 
 _MAX_DYNAMIC_SMEM = 227 * 1024  # per block on SM90
-# A routed GEMM1 (grouped_gemm's ``route``) stages token rows in dynamic shared memory: at most what a launch gets
-# without the opt-in attribute. Several tokens: the tile's rows, each padded by ROUTE_ROW_PAD bytes (so the eight rows
-# of one phase of a warp's 16-byte loads fall in different banks; the kernel's SM90_ROUTE_ROW_PAD).
+# A routed GEMM1 (grouped_gemm's ``route``) stages its token row in dynamic shared memory: at most what a launch gets
+# without the opt-in attribute.
 ROUTE_MAX_SHARED_MEM = 48 * 1024
-ROUTE_ROW_PAD = 16
 
 
-def route_shared_mem(k: int, tokens: int, tile_rows: int) -> int:
-    """Dynamic shared memory of a routed GEMM1 with K = k for a call of ``tokens`` tokens on token tiles of
-    ``tile_rows`` rows: at most one token, its row (k BF16 values); more, the tile's rows (k BF16 values and
-    ROUTE_ROW_PAD bytes each)."""
-    return 2 * k if tokens <= 1 else tile_rows * (2 * k + ROUTE_ROW_PAD)
-
-
-def route_options(nvfp4_tokens: bool) -> tuple[str, str]:
-    """The decode module's options of a routed GEMM1 (with its activation epilogue's): BF16 or NVFP4 tokens."""
-    return f"-DSM90_ROUTE={2 if nvfp4_tokens else 1}", f"-DSM90_ROUTE_ROW_PAD={ROUTE_ROW_PAD}"
+def route_shared_mem(k: int) -> int:
+    """Dynamic shared memory of a routed GEMM1 with K = k: the token row, k BF16 values."""
+    return 2 * k
 
 
 @dataclass(frozen=True)
@@ -337,10 +328,9 @@ def grouped_gemm(
     finalize (a DecodeVariant, no epilogue): out as above, then finalize.out receives the finalize of out's rows
     (cudnn_moe.kernels.finalize, bit for bit), by the CTA of each feature block that finishes last; tickets int32
     [>= N / feature_block], zero before the launch (and after it).
-    route (a DecodeVariant with an epilogue; x None): the op's stage and the routing sort of a bucket of at most
-    SORT_WARP_SLOTS slots in the kernel's prologue (RoutePrologue): every CTA sorts route.ids itself and stages
-    route.tokens (BF16, or NVFP4 decoded exactly) in fragment order in shared memory (route_shared_mem bytes): the one
-    token's row, or for more tokens its tile's rows, each its slot's token; R is
+    route (a DecodeVariant with an epilogue; x None): the op's stage and the routing sort of a one-token bucket in
+    the kernel's prologue (RoutePrologue): every CTA sorts route.ids itself and reads the token row route.tokens (BF16,
+    or NVFP4 decoded exactly, into its fragment order in shared memory: route_shared_mem bytes); R is
     route.sorted's row capacity; offsets must be route.sorted.offsets and epilogue.row_to_slot route.sorted.row_to_slot,
     which the launch writes (with the rest of the sort's outputs and route.ids_out / route.w_out) instead of reading.
     mxint4 (a DecodeVariant): W_e is MXINT4 in the SM90 MXINT4 tiles (layout.pack_int4_weight_tiles: INT4 codes,
@@ -402,7 +392,7 @@ def grouped_gemm(
     named = {"w_tiles": w_tiles, "w_tile_scales": w_tile_scales, "alpha": alpha, "offsets": offsets}
     align = {"w_tiles": 16, "w_tile_scales": 16, "alpha": 4, "offsets": 4}
     if route is not None:
-        rows = _check_route(route, k, experts, variant)
+        rows = _check_route(route, k, experts)
         named.update({"route.tokens": tokens, "route.ids": route.ids, "route.ids_out": route.ids_out,
                       "route.w_out": route.w_out})
         align.update({"route.tokens": 16, "route.ids": 4, "route.ids_out": 4, "route.w_out": 4})
@@ -469,8 +459,8 @@ def grouped_gemm(
             options += ("-DSM90_W_INT4=1",)
         if route is not None:
             args += _route_args(route)
-            options += route_options(route.token_scales is not None)
-            shared_mem = route_shared_mem(k, route.tokens.shape[0], variant.tile_rows)
+            options += (f"-DSM90_ROUTE={1 if route.token_scales is None else 2}",)
+            shared_mem = route_shared_mem(k)
     launch(variant.source, variant.kernel, tokens.device, grid, variant.threads, args,
            shared_mem=shared_mem, extra_options=options)
 
@@ -547,21 +537,20 @@ def _check_finalize(finalize: FinalizeEpilogue, tickets: torch.Tensor, n: int,
             "finalize.weights": (finalize.weights, 4), "tickets": (tickets, 4)}
 
 
-def _check_route(route: RoutePrologue, k: int, experts: int, variant: DecodeVariant) -> int:
-    """Check a RoutePrologue of K = k (its tokens' H) against the layer's experts and the launch's variant; returns R
-    (the sort's row capacity)."""
+def _check_route(route: RoutePrologue, k: int, experts: int) -> int:
+    """Check a RoutePrologue of K = k (its tokens' H) against the layer's experts; returns R (the sort's row
+    capacity)."""
     if not isinstance(route.local_start, int) or not isinstance(route.align, int):
         raise ValueError(f"route.local_start and route.align must be ints, got {route.local_start!r}, {route.align!r}")
     _, slots, _ = check_staged_sort("route", route.tokens, route.token_scales, route.ids, route.weights,
                                     route.routing_format, route.ids_out, route.w_out, experts, route.align,
                                     route.sorted)
-    if slots > SORT_WARP_SLOTS:
-        raise ValueError(f"a route sorts a bucket of at most {SORT_WARP_SLOTS} slots, got route.ids_out "
-                         f"{tuple(route.ids_out.shape)}")
-    shared_mem = route_shared_mem(k, route.tokens.shape[0], variant.tile_rows)
-    if shared_mem > ROUTE_MAX_SHARED_MEM:
-        raise ValueError(f"a route of {route.tokens.shape[0]} tokens of K = {k} stages {shared_mem} bytes of token "
-                         f"rows in shared memory, more than {ROUTE_MAX_SHARED_MEM}")
+    if route.ids_out.shape[0] != 1 or slots > SORT_WARP_SLOTS:
+        raise ValueError(f"a route sorts a one-token bucket of at most {SORT_WARP_SLOTS} slots, got "
+                         f"route.ids_out {tuple(route.ids_out.shape)}")
+    if route_shared_mem(k) > ROUTE_MAX_SHARED_MEM:
+        raise ValueError(f"a route stages the token row in {route_shared_mem(k)} bytes of shared memory, more than "
+                         f"{ROUTE_MAX_SHARED_MEM}")
     return route.sorted.row_capacity
 
 

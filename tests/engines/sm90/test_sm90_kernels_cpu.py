@@ -186,7 +186,8 @@ def route_options(variant: Any, tokens: str) -> tuple[str, ...]:
     """The decode module's options for GEMM1 with the stage and the sort in its prologue (SwiGLU epilogue) for BF16 or
     NVFP4 tokens, or ("mxint4") MXINT4 weights and BF16 tokens."""
     mxint4 = ("-DSM90_W_INT4=1",) if tokens == "mxint4" else ()
-    return (*variant.options(), *mxint4, *sm90.epilogue_options(SwiGLU()), *sm90.route_options(tokens == "nvfp4"))
+    return (*variant.options(), *mxint4, *sm90.epilogue_options(SwiGLU()),
+            f"-DSM90_ROUTE={2 if tokens == 'nvfp4' else 1}")
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found")
@@ -846,19 +847,17 @@ def test_finalize_passes_its_operands_and_compiles_in(launches: list[tuple]) -> 
 
 
 def _route_args(tokens: str = "nvfp4", top_k: int = 4, experts: int = 3, k: int = 128, rows: int = 40,
-                routing_format: RoutingFormat = RoutingFormat.FP32, count: int = 1, bucket: int = 1) -> dict[str, Any]:
-    """grouped_gemm's arguments of a routed GEMM1 (SwiGLU epilogue, N = 256) of ``count`` tokens in a bucket of
-    ``bucket``."""
-    slots = bucket * top_k
-    sorted_ = SortBuffers(torch.zeros(experts + 1, dtype=torch.int32), torch.zeros(slots, dtype=torch.int32),
+                routing_format: RoutingFormat = RoutingFormat.FP32) -> dict[str, Any]:
+    """grouped_gemm's arguments of a routed GEMM1 (SwiGLU epilogue, N = 256) of a one-token bucket."""
+    sorted_ = SortBuffers(torch.zeros(experts + 1, dtype=torch.int32), torch.zeros(top_k, dtype=torch.int32),
                           torch.zeros(rows, dtype=torch.int32), torch.zeros(rows, dtype=torch.int32),
                           torch.zeros(experts, dtype=torch.int32))
-    x, scales = ((torch.zeros(count, k, dtype=torch.bfloat16), None) if tokens == "bf16" else
-                 (torch.zeros(count, k // 2, dtype=torch.uint8), torch.zeros(count, k // 16, dtype=torch.uint8)))
-    ids = torch.zeros(count, top_k, dtype=torch.int32)
-    weights = None if routing_format == RoutingFormat.PACKED else torch.zeros(count, top_k)
-    route = RoutePrologue(x, scales, ids, weights, routing_format, torch.zeros(bucket, top_k, dtype=torch.int32),
-                          torch.zeros(bucket, top_k), 0, 8, sorted_)
+    x, scales = ((torch.zeros(1, k, dtype=torch.bfloat16), None) if tokens == "bf16" else
+                 (torch.zeros(1, k // 2, dtype=torch.uint8), torch.zeros(1, k // 16, dtype=torch.uint8)))
+    ids = torch.zeros(1, top_k, dtype=torch.int32)
+    weights = None if routing_format == RoutingFormat.PACKED else torch.zeros(1, top_k)
+    route = RoutePrologue(x, scales, ids, weights, routing_format, torch.zeros(1, top_k, dtype=torch.int32),
+                          torch.zeros(1, top_k), 0, 8, sorted_)
     epilogue = ActivationEpilogue(SwiGLU(), sorted_.row_to_slot,
                                   TokenOperand(torch.zeros(rows, 128, dtype=torch.bfloat16), None,
                                                TokenLayout.BF16_FRAGMENTS), requantize=False)
@@ -873,25 +872,24 @@ def _route_param_count() -> int:
     return block.count(",")
 
 
-@pytest.mark.parametrize("tokens, count, bucket", [("bf16", 1, 1), ("nvfp4", 1, 1), ("bf16", 3, 4), ("nvfp4", 0, 2)])
-def test_route_passes_its_operands_and_compiles_in(tokens: str, count: int, bucket: int, launches: list[tuple],
+@pytest.mark.parametrize("tokens", ["bf16", "nvfp4"])
+def test_route_passes_its_operands_and_compiles_in(tokens: str, launches: list[tuple],
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    """The routed form launches the decode kernel with SM90_ROUTE (1: BF16 tokens, 2: NVFP4) and the staged rows' pad
-    after the epilogue's options, the kernel's arguments plus DEC_ROUTE_PARAMS' (no bucket rows: x is null; the
-    call's tokens and the bucket's slots), and dynamic shared memory for the token row (2K bytes for at most one
-    token) or the tile's 8 rows (2K + 16 bytes each)."""
+    """The routed form launches the decode kernel with SM90_ROUTE (1: BF16 tokens, 2: NVFP4) after the epilogue's
+    options, the kernel's arguments plus DEC_ROUTE_PARAMS' (no bucket rows: x is null), and 2K bytes of dynamic
+    shared memory for the token row."""
     for module in (kernel_stage, kernel_sort):  # the routing's and the sort buffers' pointers
         monkeypatch.setattr(module, "ptr", lambda tensor, align=1: np.uint64(0))
-    args = _route_args(tokens, top_k=4, k=128, count=count, bucket=bucket)
+    args = _route_args(tokens, top_k=4, k=128)
     sm90.grouped_gemm(**args)
     (_source, name, _device, grid, block, kernel_args), kwargs = launches[0]
     assert name == "sm90_gemm_decode" and block == 256
     assert kwargs["extra_options"] == (*args["variant"].options(), *sm90.epilogue_options(SwiGLU()),
-                                       f"-DSM90_ROUTE={1 if tokens == 'bf16' else 2}", "-DSM90_ROUTE_ROW_PAD=16")
-    assert kwargs["shared_mem"] == (2 * 128 if count <= 1 else 8 * (2 * 128 + 16))
+                                       f"-DSM90_ROUTE={1 if tokens == 'bf16' else 2}")
+    assert kwargs["shared_mem"] == 2 * 128
     assert len(kernel_args) == len(_signatures()["sm90_gemm_decode"]) + _route_param_count() == 27 + 18
     route = kernel_args[27:]
-    assert [int(route[i]) for i in (2, 3, 4, 5, 6, 7, 8)] == [RoutingFormat.FP32, 0, count, 4 * bucket, 4, 0, 8]
+    assert [int(route[i]) for i in (2, 3, 4, 5, 6, 7, 8)] == [RoutingFormat.FP32, 0, 1, 4, 4, 0, 8]
 
 
 _ROUTE_BAD = [
@@ -899,11 +897,8 @@ _ROUTE_BAD = [
     ("no epilogue", lambda a: a.update(epilogue=None, out=torch.zeros(40, 256, dtype=torch.bfloat16)), ValueError,
      "epilogue"),
     ("with x", lambda a: a.update(x=torch.zeros(40, 128, dtype=torch.bfloat16)), ValueError, "x None"),
-    ("slots of another bucket", lambda a: a.update(route=replace(a["route"], ids_out=torch.zeros(2, 4, dtype=torch.int32),
-                                                                 w_out=torch.zeros(2, 4))), ValueError, "sort"),
-    ("more than 64 slots", lambda a: a.update(_route_args(top_k=8, bucket=9, rows=136)), ValueError, "at most 64 slots"),
-    ("rows past 48 KB", lambda a: a.update(_route_args("bf16", k=4096, count=2, bucket=2)), ValueError,
-     "65664 bytes of token rows"),
+    ("two tokens", lambda a: a.update(route=replace(a["route"], ids_out=torch.zeros(2, 4, dtype=torch.int32),
+                                                    w_out=torch.zeros(2, 4))), ValueError, "sort"),
     ("token H", lambda a: a.update(route=replace(a["route"], tokens=torch.zeros(1, 32, dtype=torch.uint8),
                                                  token_scales=torch.zeros(1, 4, dtype=torch.uint8))),
      ValueError, "w_tiles"),

@@ -212,14 +212,14 @@ def test_graph_replay_equals_eager_and_repeats(engine):
 @pytest.mark.parametrize("routing", ["packed", "fp32", "bf16"])
 @pytest.mark.parametrize("tokens", [1, 5, 64])
 def test_stage_folded_into_the_sort_gives_the_bucket_graphs_bits(routing, tokens):
-    """Eager calls fold the op's stage into the decode chain's sort + permute launch (calls of buckets of at most 64
-    slots: the stage, the sort and the permute into GEMM1); the bucket graph of a first graphed call stages
-    separately. The same bits either way."""
+    """Eager calls fold the op's stage into the decode chain's sort + permute launch (one-token calls: the stage, the
+    sort and the permute into GEMM1); the bucket graph of a first graphed call stages separately. The same bits
+    either way."""
     graphed, ref, (config, acts, r, weights, act, start) = _run_case(64, 512, 256, 8, tokens, SwiGLU(), seed=21,
                                                                      routing=routing, engine="sm90")
     _check_close(graphed, ref)
     executor = get_executor(config, weights, top_k=8, activation=act, local_expert_start=0)
-    first = "stage+sort+permute+gemm1+activation" if tokens <= 8 else "stage+sort+permute"  # 8 x top-8: 64 slots
+    first = "stage+sort+permute+gemm1+activation" if tokens == 1 else "stage+sort+permute"
     assert executor.stages(executor.bucket(tokens), CallerInputs(acts, r))[0].name == first
     out = torch.full_like(graphed, float("nan"))
     eager = fused_moe(config, acts, r, weights, activation=act, out=out, use_cuda_graph=False)
