@@ -259,7 +259,8 @@ class GemmOperands:
     rows: the bucket's row capacity R; tokens: R rows of K; offsets int32 [E + 1];
     out bfloat16 [R, N]; workspace: uint8, ``GemmEngine.workspace_bytes`` bytes, or None. A bucket whose chain
     fuses GEMM1 (GemmEngine.gemm1_fusion) holds no rows in the buffers that chain never touches: GEMM1's
-    ``out`` with the epilogue, its ``tokens`` with the gather.
+    ``out`` with the epilogue, its ``tokens`` with the gather. gemm: which GEMM of the layer this is, 1 or 2 (an
+    engine may pick its kernel by it: ``GemmEngine.gemm`` sees both GEMMs' operands in every form).
     gather / epilogue: the fused forms, for an engine that declares ``LayerStages.gemm1_activation`` in its
     chain: the tokens read through the routing instead of ``tokens``; the activation written instead of ``out``.
     finalize: GEMM2 also finalizing its rows into the caller's output (``LayerStages.gemm2_finalize``).
@@ -274,6 +275,7 @@ class GemmOperands:
     offsets: torch.Tensor
     out: torch.Tensor
     workspace: torch.Tensor | None
+    gemm: int
     gather: RowGather | None = None
     epilogue: ActivationEpilogue | None = None
     finalize: FinalizeEpilogue | None = None

@@ -144,11 +144,11 @@ class Bucket:
         self.gemm1 = GemmOperands(
             rows, shape1, token_operand(shape1, 1, 0 if self.fusion.gather else rows),
             WeightOperand(w.w1, w.w1_scales, self.alpha1, w.w1_alpha_split, w.code), self.offsets,
-            empty(0 if self.fusion.epilogue else rows, n1, dtype=torch.bfloat16), workspace,
+            empty(0 if self.fusion.epilogue else rows, n1, dtype=torch.bfloat16), workspace, gemm=1,
         )
         self.gemm2 = GemmOperands(
             rows, shape2, token_operand(shape2, 2, rows), WeightOperand(w.w2, w.w2_scales, self.alpha2, code=w.code),
-            self.offsets, empty(rows, hidden, dtype=torch.bfloat16), workspace,
+            self.offsets, empty(rows, hidden, dtype=torch.bfloat16), workspace, gemm=2,
         )
         self.graph: torch.cuda.CUDAGraph | None = None
         self.call_chain_warm = False  # MoeExecutor._warm_call_chain ran on this bucket

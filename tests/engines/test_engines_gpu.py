@@ -78,6 +78,7 @@ def _problem(engine, counts: list[int], k: int, n: int, seed: int = 0):
         offsets=torch.tensor(bounds, dtype=torch.int32, device="cuda"),
         out=torch.full((capacity, n), float("nan"), dtype=torch.bfloat16, device="cuda"),
         workspace=torch.zeros(workspace_bytes, dtype=torch.uint8, device="cuda") if workspace_bytes else None,
+        gemm=2,  # GEMM2's token layout (_tokens)
     )
     return rows, operands, ref
 

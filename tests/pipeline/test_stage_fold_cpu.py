@@ -93,7 +93,7 @@ def _finalizing_executor(can: bool, gemms: list) -> SimpleNamespace:
 def _gemm2_bucket() -> SimpleNamespace:
     bucket = _bucket()
     bucket.slot_to_row = bucket.sorted.slot_to_row
-    bucket.gemm2 = GemmOperands(ROWS, GemmShape(HIDDEN, HIDDEN, EXPERTS), None, None, None, None, None)
+    bucket.gemm2 = GemmOperands(ROWS, GemmShape(HIDDEN, HIDDEN, EXPERTS), None, None, None, None, None, gemm=2)
     return bucket
 
 
@@ -166,8 +166,9 @@ def _one_token_bucket() -> SimpleNamespace:
     bucket.tokens = 1
     bucket.row_to_slot = bucket.sorted.row_to_slot
     bucket.gemm1 = GemmOperands(ROWS, GemmShape(HIDDEN, 2 * HIDDEN, EXPERTS), bucket.gemm1.tokens, None,
-                                bucket.sorted.offsets, None, None)
-    bucket.gemm2 = GemmOperands(ROWS, GemmShape(HIDDEN, HIDDEN, EXPERTS), "gemm2 tokens", None, None, None, None)
+                                bucket.sorted.offsets, None, None, gemm=1)
+    bucket.gemm2 = GemmOperands(ROWS, GemmShape(HIDDEN, HIDDEN, EXPERTS), "gemm2 tokens", None, None, None, None,
+                                gemm=2)
     return bucket
 
 

@@ -57,6 +57,11 @@ from .layout import TILE_K, pack_int4_weight_tiles, pack_weight_tiles, unpack_we
 # where even those would leave SMs with fewer than two CTAs (Qwen3-30B-A3B at one token).
 _WIDE = DecodeVariant(mt=2, wm=4, wk=1, nt=1, prefetch=4)
 _SPLIT = DecodeVariant(mt=2, wm=2, wk=2, nt=1, prefetch=4)
+# GEMM1 takes _SPLIT over _WIDE past one wave where it fills its last wave of CTAs by this much more (Qwen3-30B-A3B
+# T=8, 768 CTAs of 128 threads in 1.45 waves of 528 against 1536 in 2.91: 42.5-43.0 against 40.6-41.0 us alone on the
+# H200). GEMM2 keeps _WIDE (the same move cost Qwen3-30B-A3B T=8's GEMM2 4 us), and so does every GEMM1 measured with
+# less to gain (DeepSeek-V3 T=2 and T=4: 2-12 us slower on _SPLIT).
+_GEMM1_FILL_GAIN = 0.25
 _SPLIT_DEEP = DecodeVariant(mt=2, wm=2, wk=4, nt=1, prefetch=4)
 # 32-row token tiles for segments of 9-31 rows; long reductions keep the split-K.
 _MID = DecodeVariant(mt=4, wm=2, wk=1, nt=4, prefetch=2)
@@ -95,8 +100,14 @@ def rows_per_expert(rows: int, num_experts: int) -> float:
     return slots / min(num_experts, slots)
 
 
-def choose_variant(rows: int, shape: GemmShape, sm_count: int) -> GemmVariant:
-    """The kernel variant for a bucket of ``rows`` rows on a GPU of ``sm_count`` SMs."""
+def _last_wave_fill(ctas: int, variant: DecodeVariant, sm_count: int) -> float:
+    """The share of the last wave's CTA slots that ``ctas`` CTAs of ``variant`` fill (_DECODE_CTA_THREADS_PER_SM)."""
+    slots = sm_count * (_DECODE_CTA_THREADS_PER_SM // variant.threads)
+    return (ctas - 1) % slots / slots + 1 / slots
+
+
+def choose_variant(rows: int, shape: GemmShape, sm_count: int, gemm: int) -> GemmVariant:
+    """The kernel variant for GEMM ``gemm`` (1 or 2) of a bucket of ``rows`` rows on a GPU of ``sm_count`` SMs."""
     average = rows_per_expert(rows, shape.num_experts)
     if average >= _WGMMA_LONG_ROWS:
         return _WGMMA_WIDE if shape.n >= _WGMMA_WIDE_N else _WGMMA
@@ -105,7 +116,13 @@ def choose_variant(rows: int, shape: GemmShape, sm_count: int) -> GemmVariant:
     if average > _DECODE_MAX_ROWS:
         return _MID_LONG_K if shape.k >= _LONG_K else _MID
     used = min(shape.num_experts, _slots(rows, shape.num_experts))
-    if shape.n // _WIDE.feature_block * used >= 2 * sm_count:
+    wide = shape.n // _WIDE.feature_block * used
+    if wide >= 2 * sm_count:
+        split = shape.n // _SPLIT.feature_block * used
+        more_than_a_wave = wide * _WIDE.threads > _DECODE_CTA_THREADS_PER_SM * sm_count
+        if gemm == 1 and more_than_a_wave and (
+                _last_wave_fill(split, _SPLIT, sm_count) >= _last_wave_fill(wide, _WIDE, sm_count) + _GEMM1_FILL_GAIN):
+            return _SPLIT
         return _WIDE
     return _SPLIT if shape.n // _SPLIT.feature_block * used >= 2 * sm_count else _SPLIT_DEEP
 
@@ -122,7 +139,7 @@ def gemm1_fusion(rows: int, shape: GemmShape, activation: object, sm_count: int)
     """How GEMM1 of ``shape`` runs on a bucket of ``rows`` rows with ``activation`` on a GPU of ``sm_count`` SMs:
     wgmma buckets with the activation epilogue and the gather; decode buckets with the epilogue where it pays (the
     variant fits it and the launch stays within _DECODE_EPILOGUE_CTAS_PER_SM CTAs per SM); else neither."""
-    variant = choose_variant(rows, shape, sm_count)
+    variant = choose_variant(rows, shape, sm_count, gemm=1)
     if isinstance(variant, WgmmaVariant):
         return Gemm1Fusion(epilogue=True, gather=True)
     fits = isinstance(variant, DecodeVariant) and variant.epilogue_problem(activation) is None
@@ -252,7 +269,7 @@ class Sm90GemmEngine(GemmEngine):
         """The kernel variant GEMM ``gemm`` (1 or 2) of a bucket with ``rows`` rows runs: on the wgmma kernel, GEMM1
         reads natural BF16 rows (what its gather reads; the permute writes them where it does not gather) and GEMM2
         the tiled planes the activation writes (one bulk copy per stage)."""
-        variant = choose_variant(rows, shape, self.sm_count)
+        variant = choose_variant(rows, shape, self.sm_count, gemm)
         return variant.gathering() if isinstance(variant, WgmmaVariant) and gemm == 1 else variant
 
     def token_layout_for(self, rows: int, shape: GemmShape, *, gemm: int) -> TokenLayout:
@@ -260,12 +277,9 @@ class Sm90GemmEngine(GemmEngine):
         return self.variant(rows, shape, gemm=gemm).token_layout
 
     def gemm(self, operands: GemmOperands) -> None:
-        """Which GEMM this is, the token operand's layout says (GEMM2's tiled planes; GEMM1 gathers or reads the
-        natural rows the permute wrote)."""
         w, gather, epilogue, finalize = operands.weights, operands.gather, operands.epilogue, operands.finalize
         route = operands.route
-        second = gather is None and operands.tokens.layout is TokenLayout.BF16_TILED
-        variant = self.variant(operands.rows, operands.shape, gemm=2 if second else 1)
+        variant = self.variant(operands.rows, operands.shape, gemm=operands.gemm)
         tickets = None if finalize is None else operands.workspace.view(torch.int32)
         grouped_gemm(w.data, w.scales, w.alpha, operands.tokens.data if gather is None and route is None else None,
                      operands.offsets, operands.out if epilogue is None else None, variant,

@@ -36,30 +36,35 @@ def _bucket(model: tuple[int, int, int], tokens: int, top_k: int = 8) -> tuple[i
 ])
 def test_variant_and_gemm1_fusion(model, tokens: int, kind: type, fusion: Gemm1Fusion) -> None:
     rows, shape = _bucket(model, tokens)
-    assert isinstance(choose_variant(rows, shape, SMS), kind)
+    assert isinstance(choose_variant(rows, shape, SMS, gemm=1), kind)
     assert gemm1_fusion(rows, shape, SwiGLU(), SMS) == fusion
 
 
 @pytest.mark.parametrize("model,tokens,split_k", [
-    (QWEN3, 1, 4),  # 192 / 256 CTAs of 64 features: fewer than two per SM, so eight warps with four-way split-K
-    (QWEN3, 2, 2),
-    (QWEN3, 8, 1),  # 128 features per CTA
-    (DEEPSEEK_V3, 1, 2),
+    (QWEN3, 1, (4, 4)),  # 192 / 256 CTAs of 64 features: fewer than two per SM, so eight warps with four-way split-K
+    (QWEN3, 2, (2, 2)),
+    (QWEN3, 4, (1, 1)),  # 128 features per CTA: 384 / 512 CTAs, one wave
+    (QWEN3, 8, (2, 1)),  # GEMM1: 768 CTAs fill 45% of their last wave, 1536 of 64 features 91%
+    (DEEPSEEK_V3, 1, (2, 1)),
+    (DEEPSEEK_V3, 2, (1, 1)),  # GEMM1: 512 CTAs, 97% of one wave
+    (DEEPSEEK_V3, 4, (1, 1)),  # GEMM1: 94% of the last wave against 88%
+    (DEEPSEEK_V3, 8, (1, 1)),
 ])
-def test_decode_split_k_grows_as_ctas_get_few(model, tokens: int, split_k: int) -> None:
-    """Both GEMMs of a decode bucket: 128-feature CTAs while every SM gets two, else 64-feature ones with two-way
-    split-K, and four-way where even those leave an SM fewer than two (benchmarks/RESULTS.md, twelfth session)."""
+def test_decode_split_k_grows_as_ctas_get_few(model, tokens: int, split_k: tuple[int, int]) -> None:
+    """(GEMM1, GEMM2) of a decode bucket: 128-feature CTAs while every SM gets two, else 64-feature ones with two-way
+    split-K, and four-way where even those leave an SM fewer than two (benchmarks/RESULTS.md, twelfth session); past
+    one wave GEMM1 also takes the 64-feature CTAs where they fill the last wave by a quarter of it more."""
     rows, shape1 = _bucket(model, tokens)
     shape2 = GemmShape(model[2], model[1], model[0])
-    for shape in (shape1, shape2) if model is QWEN3 else (shape1,):
-        variant = choose_variant(rows, shape, SMS)
-        assert isinstance(variant, DecodeVariant) and variant.wk == split_k
+    for gemm, shape in ((1, shape1), (2, shape2)):
+        variant = choose_variant(rows, shape, SMS, gemm=gemm)
+        assert isinstance(variant, DecodeVariant) and variant.wk == split_k[gemm - 1], (gemm, variant)
 
 
 def test_decode_epilogue_needs_a_variant_that_fits() -> None:
     """A non-gated activation fits every decode variant the engine picks; the rule only looks at what fits."""
     rows, shape = _bucket(QWEN3, 1)
-    variant = choose_variant(rows, shape, SMS)
+    variant = choose_variant(rows, shape, SMS, gemm=1)
     assert variant.epilogue_problem(GELU()) is None and variant.epilogue_problem(SwiGLU()) is None
     assert DecodeVariant(mt=2, wm=1, wk=4).epilogue_problem(SwiGLU()) is not None
     assert DecodeVariant(mt=1, wm=1, wk=8, nt=4).epilogue_problem(GELU()) is not None  # 16 outputs per CTA
