@@ -57,10 +57,12 @@ from .layout import TILE_K, pack_int4_weight_tiles, pack_weight_tiles, unpack_we
 # where even those would leave SMs with fewer than two CTAs (Qwen3-30B-A3B at one token).
 _WIDE = DecodeVariant(mt=2, wm=4, wk=1, nt=1, prefetch=4)
 _SPLIT = DecodeVariant(mt=2, wm=2, wk=2, nt=1, prefetch=4)
-# GEMM1 takes _SPLIT over _WIDE past one wave where it fills its last wave of CTAs by this much more (Qwen3-30B-A3B
-# T=8, 768 CTAs of 128 threads in 1.45 waves of 528 against 1536 in 2.91: 42.5-43.0 against 40.6-41.0 us alone on the
-# H200). GEMM2 keeps _WIDE (the same move cost Qwen3-30B-A3B T=8's GEMM2 4 us), and so does every GEMM1 measured with
-# less to gain (DeepSeek-V3 T=2 and T=4: 2-12 us slower on _SPLIT).
+# GEMM1 takes _SPLIT over _WIDE past one wave where it fills its last wave of CTAs by this much more and stays within
+# the activation epilogue's CTAs (_DECODE_EPILOGUE_CTAS_PER_SM): Qwen3-30B-A3B T=8, 768 CTAs of 128 threads in 1.45
+# waves of 528 against 1536 in 2.91, GEMM1 + activation 42.6-43.0 -> 40.7-40.9 us, the call 69.3-69.4 -> 66.8-67.1 on
+# the H200. GEMM2 keeps _WIDE (the same move cost Qwen3-30B-A3B T=8's GEMM2 4 us), and so does every GEMM1 measured
+# with less to gain (DeepSeek-V3 T=2 and T=4: 2-12 us slower on _SPLIT) or past the epilogue's CTAs (Mixtral-8x7B
+# T=8: 3584 CTAs, the activation in its own launch, 198 -> 203 us).
 _GEMM1_FILL_GAIN = 0.25
 _SPLIT_DEEP = DecodeVariant(mt=2, wm=2, wk=4, nt=1, prefetch=4)
 # 32-row token tiles for segments of 9-31 rows; long reductions keep the split-K.
@@ -120,8 +122,9 @@ def choose_variant(rows: int, shape: GemmShape, sm_count: int, gemm: int) -> Gem
     if wide >= 2 * sm_count:
         split = shape.n // _SPLIT.feature_block * used
         more_than_a_wave = wide * _WIDE.threads > _DECODE_CTA_THREADS_PER_SM * sm_count
-        if gemm == 1 and more_than_a_wave and (
-                _last_wave_fill(split, _SPLIT, sm_count) >= _last_wave_fill(wide, _WIDE, sm_count) + _GEMM1_FILL_GAIN):
+        gain = _last_wave_fill(split, _SPLIT, sm_count) - _last_wave_fill(wide, _WIDE, sm_count)
+        fills_better = gain >= _GEMM1_FILL_GAIN
+        if gemm == 1 and more_than_a_wave and fills_better and split <= _DECODE_EPILOGUE_CTAS_PER_SM * sm_count:
             return _SPLIT
         return _WIDE
     return _SPLIT if shape.n // _SPLIT.feature_block * used >= 2 * sm_count else _SPLIT_DEEP

@@ -16,6 +16,7 @@ from cudnn_moe.pipeline.executor import bucket_size, row_capacity
 SMS = 132
 QWEN3 = (128, 2048, 768)  # experts, hidden, intermediate
 DEEPSEEK_V3 = (256, 7168, 2048)
+MIXTRAL = (8, 4096, 14336)
 
 
 def _bucket(model: tuple[int, int, int], tokens: int, top_k: int = 8) -> tuple[int, GemmShape]:
@@ -49,12 +50,15 @@ def test_variant_and_gemm1_fusion(model, tokens: int, kind: type, fusion: Gemm1F
     (DEEPSEEK_V3, 2, (1, 1)),  # GEMM1: 512 CTAs, 97% of one wave
     (DEEPSEEK_V3, 4, (1, 1)),  # GEMM1: 94% of the last wave against 88%
     (DEEPSEEK_V3, 8, (1, 1)),
+    (MIXTRAL, 4, (1, 2)),  # GEMM1 on 64-feature CTAs would fill its last wave better, but past the epilogue's CTAs
+    (MIXTRAL, 8, (1, 2)),
 ])
 def test_decode_split_k_grows_as_ctas_get_few(model, tokens: int, split_k: tuple[int, int]) -> None:
     """(GEMM1, GEMM2) of a decode bucket: 128-feature CTAs while every SM gets two, else 64-feature ones with two-way
     split-K, and four-way where even those leave an SM fewer than two (benchmarks/RESULTS.md, twelfth session); past
-    one wave GEMM1 also takes the 64-feature CTAs where they fill the last wave by a quarter of it more."""
-    rows, shape1 = _bucket(model, tokens)
+    one wave GEMM1 also takes the 64-feature CTAs where they fill the last wave by a quarter of it more and keep the
+    activation epilogue (at most 16 CTAs per SM)."""
+    rows, shape1 = _bucket(model, tokens, top_k=2 if model is MIXTRAL else 8)
     shape2 = GemmShape(model[2], model[1], model[0])
     for gemm, shape in ((1, shape1), (2, shape2)):
         variant = choose_variant(rows, shape, SMS, gemm=gemm)
