@@ -57,6 +57,7 @@ from .layout import TILE_K, pack_int4_weight_tiles, pack_weight_tiles, unpack_we
 # where even those would leave SMs with fewer than two CTAs (Qwen3-30B-A3B at one token).
 _WIDE = DecodeVariant(mt=2, wm=4, wk=1, nt=1, prefetch=4)
 _SPLIT = DecodeVariant(mt=2, wm=2, wk=2, nt=1, prefetch=4)
+_SPLIT_DEEP = DecodeVariant(mt=2, wm=2, wk=4, nt=1, prefetch=4)
 # GEMM1 takes _SPLIT over _WIDE past one wave where it fills its last wave of CTAs by this much more and stays within
 # the activation epilogue's CTAs (_DECODE_EPILOGUE_CTAS_PER_SM): Qwen3-30B-A3B T=8, 768 CTAs of 128 threads in 1.45
 # waves of 528 against 1536 in 2.91, GEMM1 + activation 42.6-43.0 -> 40.7-40.9 us, the call 69.3-69.4 -> 66.8-67.1 on
@@ -64,7 +65,6 @@ _SPLIT = DecodeVariant(mt=2, wm=2, wk=2, nt=1, prefetch=4)
 # with less to gain (DeepSeek-V3 T=2 and T=4: 2-12 us slower on _SPLIT) or past the epilogue's CTAs (Mixtral-8x7B
 # T=8: 3584 CTAs, the activation in its own launch, 198 -> 203 us).
 _GEMM1_FILL_GAIN = 0.25
-_SPLIT_DEEP = DecodeVariant(mt=2, wm=2, wk=4, nt=1, prefetch=4)
 # 32-row token tiles for segments of 9-31 rows; long reductions keep the split-K.
 _MID = DecodeVariant(mt=4, wm=2, wk=1, nt=4, prefetch=2)
 _MID_LONG_K = DecodeVariant(mt=2, wm=2, wk=2, nt=4, prefetch=2)
@@ -280,6 +280,7 @@ class Sm90GemmEngine(GemmEngine):
         return self.variant(rows, shape, gemm=gemm).token_layout
 
     def gemm(self, operands: GemmOperands) -> None:
+        """GEMM ``operands.gemm`` on the variant ``variant`` picks for it, in the fused forms the operands hold."""
         w, gather, epilogue, finalize = operands.weights, operands.gather, operands.epilogue, operands.finalize
         route = operands.route
         variant = self.variant(operands.rows, operands.shape, gemm=operands.gemm)
