@@ -242,8 +242,7 @@ class MoeExecutor:
             tokens: Nvfp4Activations | torch.Tensor = torch.zeros(t, hidden, dtype=torch.bfloat16, device=dev)
         else:
             tokens = Nvfp4Activations(torch.zeros(t, hidden // 2, dtype=torch.uint8, device=dev),
-                                      torch.zeros(t, hidden // 16, dtype=torch.uint8, device=dev).view(
-                                          torch.float8_e4m3fn))
+                                      torch.zeros(t, hidden // 16, dtype=torch.float8_e4m3fn, device=dev))
         routing = Routing.unpacked(torch.full((t, self.top_k), -1, dtype=torch.int32, device=dev),
                                    torch.zeros(t, self.top_k, dtype=torch.float32, device=dev))
         out = torch.empty(t, hidden, dtype=torch.bfloat16, device=dev)

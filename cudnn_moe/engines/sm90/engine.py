@@ -102,10 +102,23 @@ def rows_per_expert(rows: int, num_experts: int) -> float:
     return slots / min(num_experts, slots)
 
 
+def _cta_slots(variant: DecodeVariant, sm_count: int) -> int:
+    """CTAs of ``variant`` the GPU holds at once (_DECODE_CTA_THREADS_PER_SM): one wave."""
+    return sm_count * (_DECODE_CTA_THREADS_PER_SM // variant.threads)
+
+
 def _last_wave_fill(ctas: int, variant: DecodeVariant, sm_count: int) -> float:
-    """The share of the last wave's CTA slots that ``ctas`` CTAs of ``variant`` fill (_DECODE_CTA_THREADS_PER_SM)."""
-    slots = sm_count * (_DECODE_CTA_THREADS_PER_SM // variant.threads)
+    """The share of the last wave's CTA slots that ``ctas`` CTAs of ``variant`` fill."""
+    slots = _cta_slots(variant, sm_count)
     return (ctas - 1) % slots / slots + 1 / slots
+
+
+def _gemm1_splits(wide: int, split: int, sm_count: int) -> bool:
+    """Whether GEMM1 takes ``split`` CTAs of _SPLIT over ``wide`` of _WIDE (_GEMM1_FILL_GAIN): past one wave, a last
+    wave fuller by that much, within the activation epilogue's CTAs."""
+    gain = _last_wave_fill(split, _SPLIT, sm_count) - _last_wave_fill(wide, _WIDE, sm_count)
+    return (wide > _cta_slots(_WIDE, sm_count) and gain >= _GEMM1_FILL_GAIN
+            and split <= _DECODE_EPILOGUE_CTAS_PER_SM * sm_count)
 
 
 def choose_variant(rows: int, shape: GemmShape, sm_count: int, gemm: int) -> GemmVariant:
@@ -118,16 +131,10 @@ def choose_variant(rows: int, shape: GemmShape, sm_count: int, gemm: int) -> Gem
     if average > _DECODE_MAX_ROWS:
         return _MID_LONG_K if shape.k >= _LONG_K else _MID
     used = min(shape.num_experts, _slots(rows, shape.num_experts))
-    wide = shape.n // _WIDE.feature_block * used
+    wide, split = shape.n // _WIDE.feature_block * used, shape.n // _SPLIT.feature_block * used
     if wide >= 2 * sm_count:
-        split = shape.n // _SPLIT.feature_block * used
-        more_than_a_wave = wide * _WIDE.threads > _DECODE_CTA_THREADS_PER_SM * sm_count
-        gain = _last_wave_fill(split, _SPLIT, sm_count) - _last_wave_fill(wide, _WIDE, sm_count)
-        fills_better = gain >= _GEMM1_FILL_GAIN
-        if gemm == 1 and more_than_a_wave and fills_better and split <= _DECODE_EPILOGUE_CTAS_PER_SM * sm_count:
-            return _SPLIT
-        return _WIDE
-    return _SPLIT if shape.n // _SPLIT.feature_block * used >= 2 * sm_count else _SPLIT_DEEP
+        return _SPLIT if gemm == 1 and _gemm1_splits(wide, split, sm_count) else _WIDE
+    return _SPLIT if split >= 2 * sm_count else _SPLIT_DEEP
 
 
 def decode_ctas(rows: int, shape: GemmShape, variant: GemmVariant) -> int:
