@@ -51,6 +51,42 @@ __device__ __forceinline__ void decode_int4_word(u32 q, float v[8]) {
   for (int j = 0; j < 8; ++j) v[j] = __uint_as_float(0x4B000000u | (((q >> (4 * j)) & 0xFu) ^ 8u)) - 8388616.0f;
 }
 
+// Word s of a lane's 16 bytes of an SM90 fragment tile (cudnn_moe.engines.sm90.layout: the lane of group g and
+// quad q, k16 step s of the tile) holds the lane's four mma A registers of that step, two codes each (the low half
+// the lower k): a0 row g at k = 2q, 2q + 1; a1 row g + 8 at the same k; a2 row g at k = 2q + 8, 2q + 9; a3 row
+// g + 8 there (k within the step). The two decoders below give v[2r], v[2r + 1] = register r's two values, exact,
+// in FP32: the rows' weights without their block scales.
+// E2M1 (NVFP4 tiles): each register's codes sit at the layout's bit places (sign, three magnitude bits) of both
+// halves, so one mask (two for a3) makes a BF16 pair of value x 2^-126 and one bf16x2 FMA by 2^126 restores it.
+__device__ __forceinline__ void decode_tile_e2m1_word(u32 w, float v[8]) {
+  const u32 placed[4] = {w & 0x81C081C0u, (w << 3) & 0x81C081C0u, (w << 6) & 0x81C081C0u,
+                         ((w << 1) & 0x80008000u) | ((w >> 4) & 0x00C000C0u) | ((w >> 5) & 0x01000100u)};
+#pragma unroll
+  for (int r = 0; r < 4; ++r) {
+    const u32 b = bf16x2_fma(placed[r], 0x7E807E80u, 0x80008000u);  // x 2^126 + (-0)
+    v[2 * r] = __uint_as_float(b << 16);
+    v[2 * r + 1] = __uint_as_float(b & 0xFFFF0000u);
+  }
+}
+
+// INT4 (MXINT4 tiles): register r's two's-complement codes at bits 4r .. 4r + 3 of each half, decoded as
+// decode_int4_word does.
+__device__ __forceinline__ void decode_tile_int4_word(u32 w, float v[8]) {
+#pragma unroll
+  for (int r = 0; r < 4; ++r)
+#pragma unroll
+    for (int x = 0; x < 2; ++x)
+      v[2 * r + x] = __uint_as_float(0x4B000000u | (((w >> (4 * r + 16 * x)) & 0xFu) ^ 8u)) - 8388616.0f;
+}
+
+// The two E2M1 codes of byte b (element 2i: the low nibble), exact, in FP32 (NVFP4 token pairs of the tile kernels).
+__device__ __forceinline__ void decode_e2m1_byte(u32 b, float& lo, float& hi) {
+  const u32 p = ((b & 0xFu) << 12) | ((b & 0xF0u) << 24);  // code 0 at bits 12..15, code 1 at 28..31
+  const u32 placed = bf16x2_fma((p & 0x80008000u) | ((p >> 6) & 0x01C001C0u), 0x7E807E80u, 0x80008000u);
+  lo = __uint_as_float(placed << 16);
+  hi = __uint_as_float(placed & 0xFFFF0000u);
+}
+
 // E4M3 byte b (float8_e4m3fn), exact, in FP32, in a few integer operations: with the sign at bit 31 and the
 // 7 other bits at 26..20, the FP32 pattern is the value x 2^-120 (subnormals land on FP32 subnormals), and
 // one FMUL by 2^120 restores it; 0x7F / 0xFF are NaN.

@@ -92,6 +92,9 @@
 #ifndef LL_MMA  // 1: the tensor-core dot products of low_latency/mma_gemm.cuh (FP8 formats, MX pairs; the ll_mma engine)
 #define LL_MMA 0
 #endif
+#ifndef LL_TILES  // 1: 4-bit weights stored as the SM90 engine's fragment tiles (see "Tile mode" below)
+#define LL_TILES 0
+#endif
 
 using namespace moe;
 
@@ -130,6 +133,10 @@ constexpr bool MXI = LL_INPUT == LL_INPUT_MXFP8;
 constexpr int MX_BLOCK = 32;
 static_assert(!MXFP8W || MXI, "MXFP8 weights go with MXFP8 tokens (LL_INPUT_MXFP8) only");
 static_assert(!MXI || MXFP8W || LL_WEIGHTS == LL_WEIGHTS_MXFP4, "MXFP8 tokens go with MXFP4 or MXFP8 weights");
+constexpr bool TILES = LL_TILES;
+static_assert(!TILES || ((LL_WEIGHTS == LL_WEIGHTS_NVFP4 || LL_WEIGHTS == LL_WEIGHTS_MXINT4) && !LL_MMA &&
+                         (LL_INPUT == LL_INPUT_BF16 || LL_INPUT == LL_INPUT_FP16 || LL_INPUT == LL_INPUT_NVFP4)),
+              "fragment tiles hold NVFP4 or MXINT4 weights, for 16-bit or NVFP4 tokens, on the FMA dot products");
 // GEMM2's input: the 16-bit intermediate, or E4M3 codes with FP32 scales per 128 values (DeepSeek FP8) or E8M0
 // scales per 32 (the MX pairs).
 constexpr int INTER_INPUT = FP8B ? LL_INPUT_FP8_BLOCK : MXI ? LL_INPUT_MXFP8 : INTER_FP16 ? LL_INPUT_FP16 : LL_INPUT_BF16;
@@ -408,6 +415,161 @@ __device__ __forceinline__ void dot_rows(const u8* const (&wrow)[R], const u8* c
       for (int off = lpr >> 1; off > 0; off >>= 1) acc[t][r] += __shfl_xor_sync(0xFFFFFFFFu, acc[t][r], off);
 }
 
+// ------------------------------------------------------------------------------------------ tile mode
+// LL_TILES: the weights are stored as the SM90 engine's fragment tiles (cudnn_moe.engines.sm90.layout), the only
+// copy of a layer prepared for SM90. An expert's matrix [N, K] is cut into m16 x k64 tiles of 512 bytes, the tiles
+// of one 16-row block consecutive along K; the lane (g, q) chunk of a tile, bytes [16 (4g + q), + 16), holds rows
+// g and g + 8 at k = 16s + 2q + {0, 1, 8, 9} of each k16 step s (decode_tile_*_word), and the tile's 64 scale
+// bytes hold, at byte 8g, the 8 scale bytes of those two rows (NVFP4: E4M3 of row g + 8h and step s at byte
+// 2s + h; MXINT4: the BF16 of row g + 8h and k32 half b at bytes 4b + 2h).
+// A feature group (lanes_per_row lanes, a multiple of 4) then owns a row pair (g, g + 8) of a 16-row block: group
+// index G gives block G / 8 and g = G % 8, so eight consecutive groups cover one block, and a CTA's groups cover
+// the same consecutive features as in row mode. The group's lanes take the pair's chunks c = sub, sub + lanes, ...
+// (tile c / 4, quad c % 4 = sub % 4): the group reads 64 contiguous bytes of each tile, and neighbouring groups
+// the neighbouring 64. Token values come in the k order of the lane's registers (load_x_tile_step).
+constexpr int TILE_BYTES = 512, TILE_K = 64;  // a tile's code bytes and K; its scale bytes: 64
+
+// Feature (weight row) g of the 16-row block of group G; the group's other row is 8 further.
+__device__ __forceinline__ int tile_feature(int group) { return 16 * (group >> 3) + (group & 7); }
+
+// Token (or intermediate) values of k16 step s of tile j for quad q, exact, in FP32: v[0], v[1] at k = 64j + 16s +
+// 2q, + 1 and v[2], v[3] at + 8, + 9. The row starts at base + offset; NVFP4 rows (codes [T, H/2]) have their E4M3
+// scales (one per step) at scales + offset / 8.
+template <int XK>
+__device__ __forceinline__ void load_x_tile_step(const u8* base, const u8* scales, int offset, int j, int s, int q,
+                                                 float v[4]) {
+  if (XK == LL_INPUT_NVFP4) {
+    const u8* codes = base + offset + (TILE_K / 2) * j + 8 * s + q;
+    const float scale = e4m3_to_float(__ldg(scales + offset / 8 + 4 * j + s));
+    decode_e2m1_byte(__ldg(codes), v[0], v[1]);
+    decode_e2m1_byte(__ldg(codes + 4), v[2], v[3]);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) v[i] = __fmul_rn(v[i], scale);  // exact: at most 6 significant bits
+  } else {
+    const u32* words = reinterpret_cast<const u32*>(base + offset) + (TILE_K / 2) * j + 8 * s + q;
+    const u32 w[2] = {__ldg(words), __ldg(words + 4)};
+#pragma unroll
+    for (int p = 0; p < 2; ++p) {
+      if (XK == LL_INPUT_FP16) {
+        v[2 * p] = half_to_float(static_cast<u16>(w[p] & 0xFFFFu));
+        v[2 * p + 1] = half_to_float(static_cast<u16>(w[p] >> 16));
+      } else {
+        v[2 * p] = __uint_as_float(w[p] << 16);
+        v[2 * p + 1] = __uint_as_float(w[p] & 0xFFFF0000u);
+      }
+    }
+  }
+}
+
+// The block scale of row g + 8h for scale block b of a tile (NVFP4: k16 step b; MXINT4: k32 half b), exact, from
+// the pair's 8 scale bytes.
+__device__ __forceinline__ float tile_scale(const uint2& raw, int b, int h) {
+#if LL_WEIGHTS == LL_WEIGHTS_MXINT4
+  return __uint_as_float(((b == 0 ? raw.x : raw.y) >> (16 * h)) << 16);
+#else
+  return e4m3_value(((b < 2 ? raw.x : raw.y) >> (8 * (2 * (b & 1) + h))) & 0xFFu);
+#endif
+}
+
+// acc[t][2b + h] += row g + 8h of row block b dotted with token t over one chunk (tile j, quad q): per scale block,
+// the FP32 partial sum of exact products times the block scale (one FMA), as chunk_dot does for rows. The block's
+// weights are decoded once; each token's partial sums live only while that token is summed (a pair of rows per
+// block doubles the sums of row mode).
+template <int NT, int RB, int XK>
+__device__ __forceinline__ void tile_chunk_dot(const uint4 (&raw)[RB], const uint2 (&sraw)[RB], int j, int q,
+                                               const u8* xbase, const u8* xscales, const int (&xoff)[NT],
+                                               float (&acc)[NT][2 * RB]) {
+  constexpr int STEPS = LL_WEIGHTS == LL_WEIGHTS_MXINT4 ? 2 : 1;  // k16 steps per block scale
+#pragma unroll
+  for (int b = 0; b < 4 / STEPS; ++b) {
+    float wv[STEPS][RB][8];
+#pragma unroll
+    for (int i = 0; i < STEPS; ++i)
+#pragma unroll
+      for (int r = 0; r < RB; ++r) {
+#if LL_WEIGHTS == LL_WEIGHTS_MXINT4
+        decode_tile_int4_word(word_of(raw[r], b * STEPS + i), wv[i][r]);
+#else
+        decode_tile_e2m1_word(word_of(raw[r], b * STEPS + i), wv[i][r]);
+#endif
+      }
+    float scale[2 * RB];
+#pragma unroll
+    for (int r = 0; r < 2 * RB; ++r) scale[r] = tile_scale(sraw[r / 2], b, r & 1);
+#pragma unroll
+    for (int t = 0; t < NT; ++t) {
+      float part[2 * RB];
+#pragma unroll
+      for (int r = 0; r < 2 * RB; ++r) part[r] = 0.0f;
+#pragma unroll
+      for (int i = 0; i < STEPS; ++i) {
+        float xv[4];
+        load_x_tile_step<XK>(xbase, xscales, xoff[t], j, b * STEPS + i, q, xv);
+#pragma unroll
+        for (int r = 0; r < RB; ++r) {  // registers a0, a2: row g; a1, a3: row g + 8
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            float p = part[2 * r + h];
+            p = fmaf(wv[i][r][2 * h], xv[0], p);
+            p = fmaf(wv[i][r][2 * h + 1], xv[1], p);
+            p = fmaf(wv[i][r][4 + 2 * h], xv[2], p);
+            part[2 * r + h] = fmaf(wv[i][r][4 + 2 * h + 1], xv[3], p);
+          }
+        }
+      }
+#pragma unroll
+      for (int r = 0; r < 2 * RB; ++r) acc[t][r] = fmaf(part[r], scale[r], acc[t][r]);
+    }
+  }
+}
+
+// acc[t][2b + h] = row g + 8h of row block b (its tiles' chunks from wpair[b], its scale bytes from spair[b], both
+// already offset to the pair's share: + 64g and + 8g) dotted with token t over ntiles tiles, reduced over the lpr
+// lanes of the group.
+template <int NT, int RB, int XK>
+__device__ __forceinline__ void dot_tiles(const u8* const (&wpair)[RB], const u8* const (&spair)[RB], int ntiles,
+                                          int sub, int lpr, const u8* xbase, const u8* xscales, const int (&xoff)[NT],
+                                          float (&acc)[NT][2 * RB]) {
+#pragma unroll
+  for (int t = 0; t < NT; ++t)
+#pragma unroll
+    for (int r = 0; r < 2 * RB; ++r) acc[t][r] = 0.0f;
+  constexpr int U = chunks_in_flight<NT>(), TILE_SCALE_BYTES = 64;
+  const int q = sub & 3, nchunks = 4 * ntiles;
+  for (int c0 = sub; c0 < nchunks; c0 += U * lpr) {
+    uint4 raw[U][RB];
+    uint2 sraw[U][RB];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int c = c0 + u * lpr;
+      const i64 tile = c >> 2;
+#pragma unroll
+      for (int r = 0; r < RB; ++r) {
+        raw[u][r] = c < nchunks ? ldg_stream_v4(wpair[r] + TILE_BYTES * tile + 16 * q) : make_uint4(0u, 0u, 0u, 0u);
+        sraw[u][r] = c < nchunks ? __ldg(reinterpret_cast<const uint2*>(spair[r] + TILE_SCALE_BYTES * tile))
+                                 : make_uint2(0u, 0u);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int c = c0 + u * lpr;
+      if (c < nchunks) tile_chunk_dot<NT, RB, XK>(raw[u], sraw[u], c >> 2, q, xbase, xscales, xoff, acc);
+    }
+  }
+#pragma unroll
+  for (int t = 0; t < NT; ++t)
+#pragma unroll
+    for (int r = 0; r < 2 * RB; ++r)
+      for (int off = lpr >> 1; off > 0; off >>= 1) acc[t][r] += __shfl_xor_sync(0xFFFFFFFFu, acc[t][r], off);
+}
+
+// Group G's share of the tiles and of the scale bytes of the 16-row block starting at row block_row (of K = k).
+__device__ __forceinline__ void tile_pair(const u8* w, const u8* w_scales, i64 block_row, int group, int k,
+                                          const u8*& wpair, const u8*& spair) {
+  wpair = w + block_row * (k / 2) + 64 * (group & 7);
+  spair = w_scales + block_row * (k / 16) + 8 * (group & 7);
+}
+
 // ------------------------------------------------------------------------------------------ features
 // A CTA covers `rounds` blocks of WARPS * (32 / lpr) consecutive feature groups, one block per round (more
 // rounds amortize the plan over more weights when there are many CTAs). The group of this thread in round
@@ -439,20 +601,40 @@ __device__ __forceinline__ void prefetch_rows(const u8* w, const u8* w_scales, i
   }
 }
 
-// GEMM1: rows f (and Ip + f when gated) of expert e (nothing for e < 0 or a padding feature).
-__device__ __forceinline__ void prefetch_gemm1(int e, int f, const u8* w, const u8* w_scales, int hidden, int inter,
-                                               int inter_padded, bool gated, int lpr) {
-  if (e < 0 || f >= inter) return;
-  const int n_rows = (gated ? 2 : 1) * inter_padded;
-  for (int r = 0; r < (gated ? 2 : 1); ++r)
-    prefetch_rows(w, w_scales, static_cast<i64>(e) * n_rows + r * inter_padded + f, 1, hidden, lpr);
+// Tile mode: group G's share of the first tiles of the 16-row block at block_row (as many bytes as prefetch_rows
+// takes of a row), and its scale bytes' first line.
+__device__ __forceinline__ void prefetch_tiles(const u8* w, const u8* w_scales, i64 block_row, int group, int k,
+                                               int lpr) {
+  const int sub = threadIdx.x & (lpr - 1);
+  const int tiles = min(k / TILE_K, static_cast<int>(PREFETCH_ROW_BYTES / 64));
+  const u8 *wpair, *spair;
+  tile_pair(w, w_scales, block_row, group, k, wpair, spair);
+  for (int j = sub; j < tiles; j += lpr) prefetch_l2(wpair + TILE_BYTES * static_cast<i64>(j));
+  if (sub == 0) prefetch_l2(spair);
 }
 
-// GEMM2: rows f, f + 1 of w2 of expert e.
-__device__ __forceinline__ void prefetch_gemm2(int e, int f, const u8* w, const u8* w_scales, int hidden,
+// GEMM1: the rows of feature group `group` (row mode: feature f = group, rows f and Ip + f when gated; tile mode:
+// features f = tile_feature(group) and f + 8, in both halves) of expert e (nothing for e < 0 or padding features).
+__device__ __forceinline__ void prefetch_gemm1(int e, int group, const u8* w, const u8* w_scales, int hidden,
+                                               int inter, int inter_padded, bool gated, int lpr) {
+  const int f = TILES ? tile_feature(group) : group;
+  if (e < 0 || f >= inter) return;
+  const int n_rows = (gated ? 2 : 1) * inter_padded;
+  for (int r = 0; r < (gated ? 2 : 1); ++r) {
+    const i64 row = static_cast<i64>(e) * n_rows + r * inter_padded;
+    if (TILES) prefetch_tiles(w, w_scales, row + (f & ~15), group, hidden, lpr);
+    else prefetch_rows(w, w_scales, row + f, 1, hidden, lpr);
+  }
+}
+
+// GEMM2: the rows of w2 of expert e that feature group `group` computes (row mode: 2 * group and the next; tile mode:
+// tile_feature(group) and 8 further).
+__device__ __forceinline__ void prefetch_gemm2(int e, int group, const u8* w, const u8* w_scales, int hidden,
                                                int inter_padded, int lpr) {
+  const int f = TILES ? tile_feature(group) : 2 * group;
   if (e < 0 || f >= hidden) return;
-  prefetch_rows(w, w_scales, static_cast<i64>(e) * hidden + f, 2, inter_padded, lpr);
+  if (TILES) prefetch_tiles(w, w_scales, static_cast<i64>(e) * hidden + (f & ~15), group, inter_padded, lpr);
+  else prefetch_rows(w, w_scales, static_cast<i64>(e) * hidden + f, 2, inter_padded, lpr);
 }
 
 // ------------------------------------------------------------------------------------------ GEMM1 + activation
@@ -501,33 +683,72 @@ __device__ __forceinline__ void gemm1_store(const Plan& plan, const Gemm1Args& a
   }
 }
 
-// Tokens plan.list[first .. first + ntok) (ntok <= NT) of expert e.
-template <int NT, int R>
-__device__ __forceinline__ void gemm1_body(const Plan& plan, const Gemm1Args& a, int e, int f, int first, int ntok) {
-  const int lpr = a.lanes_per_row, sub = threadIdx.x & (lpr - 1);
-  const int n_rows = R * a.inter_padded;  // rows of w1 per expert: [up; gate] halves of Ip rows, or Ip
-  const u8* wrow[R];
-  const u8* srow[R];
-#pragma unroll
-  for (int r = 0; r < R; ++r) {
-    const i64 row = static_cast<i64>(e) * n_rows + r * a.inter_padded + min(f, a.inter_padded - 1);
-    wrow[r] = a.w + row * row_bytes(a.hidden);
-    srow[r] = scale_row(a.w_scales, row, a.hidden);
-  }
-  int xoff[NT];  // byte offset of each token's row (tokens past ntok repeat the last; their sums are dropped)
+// Byte offsets of the rows of tokens plan.list[first .. first + ntok) (tokens past ntok repeat the last; their sums
+// are dropped).
+template <int NT>
+__device__ __forceinline__ void gemm1_token_offsets(const Plan& plan, const Gemm1Args& a, int first, int ntok,
+                                                    int (&xoff)[NT]) {
 #pragma unroll
   for (int t = 0; t < NT; ++t)
     xoff[t] = plan.list[first + min(t, ntok - 1)] / a.top_k *
               (LL_INPUT == LL_INPUT_NVFP4 ? a.hidden / 2 : x_bytes_num(LL_INPUT) * a.hidden);
-  // Padding features (I <= f < Ip) have all-zero weights and give exactly zero: not read.
-  const int nchunks = f < a.inter ? static_cast<int>(row_bytes(a.hidden) / 16) : 0;
-  float acc[NT][R];
-  dot_rows<NT, R, LL_INPUT>(wrow, srow, nchunks, sub, lpr, a.x, a.x_scales, xoff, acc);
-  if (f >= a.inter_padded) return;
+}
+
+// Tokens plan.list[first .. first + ntok) (ntok <= NT) of expert e, for feature group `group`: row mode feature
+// f = group, tile mode features tile_feature(group) and 8 further.
+template <int NT, int R>
+__device__ __forceinline__ void gemm1_body(const Plan& plan, const Gemm1Args& a, int e, int group, int first,
+                                           int ntok) {
+  const int lpr = a.lanes_per_row, sub = threadIdx.x & (lpr - 1);
+  const int n_rows = R * a.inter_padded;  // rows of w1 per expert: [up; gate] halves of Ip rows, or Ip
+  int xoff[NT];  // byte offset of each token's row (tokens past ntok repeat the last; their sums are dropped)
+  if constexpr (TILES) {
+    const int f = tile_feature(group);
+    const u8* wpair[R];
+    const u8* spair[R];
 #pragma unroll
-  for (int t = 0; t < NT; ++t) {
-    if (t >= ntok) break;
-    gemm1_store<R>(plan, a, e, f, first + t, acc[t], sub, lpr);
+    for (int r = 0; r < R; ++r) {  // a group past Ip reads the last block and stores nothing
+      const i64 block_row = static_cast<i64>(e) * n_rows + r * a.inter_padded + min(f & ~15, a.inter_padded - 16);
+      tile_pair(a.w, a.w_scales, block_row, group, a.hidden, wpair[r], spair[r]);
+    }
+    gemm1_token_offsets(plan, a, first, ntok, xoff);
+    // Padding features (I <= f < Ip) have all-zero weights and give exactly zero: not read.
+    float acc[NT][2 * R];
+    dot_tiles<NT, R, LL_INPUT>(wpair, spair, f < a.inter ? a.hidden / TILE_K : 0, sub, lpr, a.x, a.x_scales, xoff,
+                               acc);
+    if (f >= a.inter_padded) return;
+#pragma unroll
+    for (int t = 0; t < NT; ++t) {
+      if (t >= ntok) break;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float rows[R];
+#pragma unroll
+        for (int r = 0; r < R; ++r) rows[r] = acc[t][2 * r + h];
+        gemm1_store<R>(plan, a, e, f + 8 * h, first + t, rows, sub, lpr);
+      }
+    }
+  } else {
+    const int f = group;
+    const u8* wrow[R];
+    const u8* srow[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const i64 row = static_cast<i64>(e) * n_rows + r * a.inter_padded + min(f, a.inter_padded - 1);
+      wrow[r] = a.w + row * row_bytes(a.hidden);
+      srow[r] = scale_row(a.w_scales, row, a.hidden);
+    }
+    gemm1_token_offsets(plan, a, first, ntok, xoff);
+    // Padding features (I <= f < Ip) have all-zero weights and give exactly zero: not read.
+    const int nchunks = f < a.inter ? static_cast<int>(row_bytes(a.hidden) / 16) : 0;
+    float acc[NT][R];
+    dot_rows<NT, R, LL_INPUT>(wrow, srow, nchunks, sub, lpr, a.x, a.x_scales, xoff, acc);
+    if (f >= a.inter_padded) return;
+#pragma unroll
+    for (int t = 0; t < NT; ++t) {
+      if (t >= ntok) break;
+      gemm1_store<R>(plan, a, e, f, first + t, acc[t], sub, lpr);
+    }
   }
 }
 
@@ -559,20 +780,25 @@ __device__ __forceinline__ void mx_quantize_block(const Plan& plan, const Gemm1A
 // 1, 2 or up to 4 tokens in one pass over the weights; 5..8 tokens in two passes of up to 4 (the second
 // re-reads the rows this warp has just streamed, from L2): registers for 8 tokens' sums would cut the
 // occupancy, and an expert is shared by more than 4 of 8 tokens rarely.
+// Gated tile mode takes at most 2 tokens a pass: its group holds two features' up and gate sums (twice row mode's),
+// and 4 tokens' worth would spill at 128 registers.
 template <int R>
 __device__ __forceinline__ void gemm1_dispatch(const Plan& plan, const Gemm1Args& a, int e) {
+  constexpr bool TILE_PAIRS = TILES && R == 2;
   const int n = plan.count;
   for (int round = 0; round < a.rounds; ++round) {
-    const int f = feature_group(round, a.rounds, a.lanes_per_row);
+    const int group = feature_group(round, a.rounds, a.lanes_per_row);
     if (round + 1 < a.rounds)  // the next round's rows start streaming into L2 now
       prefetch_gemm1(e, feature_group(round + 1, a.rounds, a.lanes_per_row), a.w, a.w_scales, a.hidden, a.inter,
                      a.inter_padded, R == 2, a.lanes_per_row);
-    if (n <= 1) gemm1_body<1, R>(plan, a, e, f, 0, n);
-    else if (n == 2) gemm1_body<2, R>(plan, a, e, f, 0, n);
-    else if (n <= 4) gemm1_body<4, R>(plan, a, e, f, 0, n);
+    if (n <= 1) gemm1_body<1, R>(plan, a, e, group, 0, n);
+    else if (n == 2) gemm1_body<2, R>(plan, a, e, group, 0, n);
+    else if (TILE_PAIRS)
+      for (int first = 0; first < n; first += 2) gemm1_body<2, R>(plan, a, e, group, first, min(2, n - first));
+    else if (n <= 4) gemm1_body<4, R>(plan, a, e, group, 0, n);
     else {
-      gemm1_body<4, R>(plan, a, e, f, 0, 4);
-      gemm1_body<4, R>(plan, a, e, f, 4, n - 4);
+      gemm1_body<4, R>(plan, a, e, group, 0, 4);
+      gemm1_body<4, R>(plan, a, e, group, 4, n - 4);
     }
   }
 }
@@ -588,9 +814,11 @@ struct Gemm2Args {
   u16* rows;
 };
 
-// GEMM2's epilogue for output features f, f + 1 and the distinct token plan.list[index] of expert e: acc holds
-// their FP32 sums; the rounded pair goes to every slot of the token naming e, those slots split over the lpr
-// lanes sub, sub + lpr, ... that call this together (lpr = 1: one thread writes them all).
+// GEMM2's epilogue for output features f and f + step (1 in row mode, 8 in tile mode) and the distinct token
+// plan.list[index] of expert e: acc holds their FP32 sums; the rounded pair goes to every slot of the token naming
+// e, those slots split over the lpr lanes sub, sub + lpr, ... that call this together (lpr = 1: one thread writes
+// them all).
+template <int STEP>
 __device__ __forceinline__ void gemm2_store(const Plan& plan, const Gemm2Args& a, int e, int f, int index,
                                             const float (&acc)[2], int sub, int lpr) {
   const float global = HAS_GLOBAL ? a.w_global[e] : 1.0f;
@@ -601,34 +829,64 @@ __device__ __forceinline__ void gemm2_store(const Plan& plan, const Gemm2Args& a
   const int token = plan.list[index] / a.top_k;
   for (int j = sub; j < a.top_k; j += lpr) {
     const int s = token * a.top_k + j;
-    if (plan.ids[s] == e) *reinterpret_cast<u32*>(a.rows + static_cast<i64>(s) * a.hidden + f) = bits;
+    if (plan.ids[s] != e) continue;
+    u16* row = a.rows + static_cast<i64>(s) * a.hidden + f;
+    if (STEP == 1) {
+      *reinterpret_cast<u32*>(row) = bits;
+    } else {
+      row[0] = static_cast<u16>(bits & 0xFFFFu);
+      row[STEP] = static_cast<u16>(bits >> 16);
+    }
   }
 }
 
-// Each feature group computes two adjacent output features (2 rows of w2 sharing the token loads).
+// Byte offsets of the intermediate rows of tokens plan.list[first .. first + ntok) (the first slot of the token
+// naming e; past ntok the last repeats).
 template <int NT>
-__device__ __forceinline__ void gemm2_body(const Plan& plan, const Gemm2Args& a, int e, int f, int first, int ntok) {
-  const int lpr = a.lanes_per_row, sub = threadIdx.x & (lpr - 1);
-  const u8* wrow[2];
-  const u8* srow[2];
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const i64 row = static_cast<i64>(e) * a.hidden + min(f + r, a.hidden - 1);
-    wrow[r] = a.w + row * row_bytes(a.inter_padded);
-    srow[r] = scale_row(a.w_scales, row, a.inter_padded);
-  }
-  int xoff[NT];  // byte offset of each token's intermediate row (the first slot of the token naming e)
+__device__ __forceinline__ void gemm2_token_offsets(const Plan& plan, const Gemm2Args& a, int first, int ntok,
+                                                    int (&xoff)[NT]) {
 #pragma unroll
   for (int t = 0; t < NT; ++t) xoff[t] = plan.list[first + min(t, ntok - 1)] * x_bytes_num(INTER_INPUT) * a.inter_padded;
-  const int nchunks = f < a.hidden ? static_cast<int>(row_bytes(a.inter_padded) / 16) : 0;
+}
+
+// Each feature group computes two output features (2 rows of w2 sharing the token loads): row mode 2 * group and
+// the next, tile mode tile_feature(group) and 8 further.
+template <int NT>
+__device__ __forceinline__ void gemm2_body(const Plan& plan, const Gemm2Args& a, int e, int group, int first,
+                                           int ntok) {
+  const int lpr = a.lanes_per_row, sub = threadIdx.x & (lpr - 1);
+  const u8* inter = reinterpret_cast<const u8*>(a.inter);
+  int xoff[NT];  // byte offset of each token's intermediate row (the first slot of the token naming e)
   float acc[NT][2];
-  dot_rows<NT, 2, INTER_INPUT>(wrow, srow, nchunks, sub, lpr, reinterpret_cast<const u8*>(a.inter), a.inter_scales,
-                               xoff, acc);
+  int f;
+  if constexpr (TILES) {
+    f = tile_feature(group);
+    const u8* wpair[1];
+    const u8* spair[1];
+    tile_pair(a.w, a.w_scales, static_cast<i64>(e) * a.hidden + min(f & ~15, a.hidden - 16), group, a.inter_padded,
+              wpair[0], spair[0]);
+    gemm2_token_offsets(plan, a, first, ntok, xoff);
+    dot_tiles<NT, 1, INTER_INPUT>(wpair, spair, f < a.hidden ? a.inter_padded / TILE_K : 0, sub, lpr, inter,
+                                  a.inter_scales, xoff, acc);
+  } else {
+    f = 2 * group;
+    const u8* wrow[2];
+    const u8* srow[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const i64 row = static_cast<i64>(e) * a.hidden + min(f + r, a.hidden - 1);
+      wrow[r] = a.w + row * row_bytes(a.inter_padded);
+      srow[r] = scale_row(a.w_scales, row, a.inter_padded);
+    }
+    gemm2_token_offsets(plan, a, first, ntok, xoff);
+    const int nchunks = f < a.hidden ? static_cast<int>(row_bytes(a.inter_padded) / 16) : 0;
+    dot_rows<NT, 2, INTER_INPUT>(wrow, srow, nchunks, sub, lpr, inter, a.inter_scales, xoff, acc);
+  }
   if (f >= a.hidden) return;
 #pragma unroll
   for (int t = 0; t < NT; ++t) {
     if (t >= ntok) break;
-    gemm2_store(plan, a, e, f, first + t, acc[t], sub, lpr);
+    gemm2_store<TILES ? 8 : 1>(plan, a, e, f, first + t, acc[t], sub, lpr);
   }
 }
 
@@ -637,16 +895,16 @@ __device__ __forceinline__ void gemm2_body(const Plan& plan, const Gemm2Args& a,
 __device__ __forceinline__ void gemm2_dispatch(const Plan& plan, const Gemm2Args& a, int e) {
   const int n = plan.count;
   for (int round = 0; round < a.rounds; ++round) {
-    const int f = 2 * feature_group(round, a.rounds, a.lanes_per_row);
+    const int group = feature_group(round, a.rounds, a.lanes_per_row);
     if (round + 1 < a.rounds)
-      prefetch_gemm2(e, 2 * feature_group(round + 1, a.rounds, a.lanes_per_row), a.w, a.w_scales, a.hidden,
+      prefetch_gemm2(e, feature_group(round + 1, a.rounds, a.lanes_per_row), a.w, a.w_scales, a.hidden,
                      a.inter_padded, a.lanes_per_row);
-    if (n <= 1) gemm2_body<1>(plan, a, e, f, 0, n);
-    else if (n == 2) gemm2_body<2>(plan, a, e, f, 0, n);
-    else if (n <= 4) gemm2_body<4>(plan, a, e, f, 0, n);
+    if (n <= 1) gemm2_body<1>(plan, a, e, group, 0, n);
+    else if (n == 2) gemm2_body<2>(plan, a, e, group, 0, n);
+    else if (n <= 4) gemm2_body<4>(plan, a, e, group, 0, n);
     else {
-      gemm2_body<4>(plan, a, e, f, 0, 4);
-      gemm2_body<4>(plan, a, e, f, 4, n - 4);
+      gemm2_body<4>(plan, a, e, group, 0, 4);
+      gemm2_body<4>(plan, a, e, group, 4, n - 4);
     }
   }
 }
@@ -772,7 +1030,7 @@ extern "C" __global__ void __launch_bounds__(LL_THREADS, 2) ll_gemm2(
   mma_prefetch_gemm2(load_expert(ids, routing, id_bytes, blockIdx.y, num_experts), 0, w, hidden, inter_padded,
                      lanes_per_row, rounds);
 #else
-  prefetch_gemm2(load_expert(ids, routing, id_bytes, blockIdx.y, num_experts), 2 * feature_group(0, rounds, lanes_per_row),
+  prefetch_gemm2(load_expert(ids, routing, id_bytes, blockIdx.y, num_experts), feature_group(0, rounds, lanes_per_row),
                  w, w_scales, hidden, inter_padded, lanes_per_row);
 #endif
   const int e = plan_expert(plan, ids, routing, id_bytes, num_tokens, top_k, num_experts);

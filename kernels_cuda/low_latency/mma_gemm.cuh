@@ -433,7 +433,7 @@ __device__ __forceinline__ void mma_gemm2(const Plan& plan, const Gemm2Args& a, 
       if (h >= a.hidden) continue;
       const float v[2] = {mma_pair_sum(red, pair, ksplit, r >> 4, r & 15, n),
                           mma_pair_sum(red, pair, ksplit, r >> 4, (r & 15) + 1, n)};
-      gemm2_store(plan, a, e, h, n, v, 0, 1);
+      gemm2_store<1>(plan, a, e, h, n, v, 0, 1);
     }
     __syncthreads();
   }

@@ -43,7 +43,7 @@ _FP8 = frozenset({WeightFormat.FP8_WEIGHT_ONLY.value, WeightFormat.FP8_PER_TENSO
 _MODERN = frozenset({SM90, SM100, SM103, SM107, SM120})
 # MXFP4 / MXFP8 weights with MXFP8 tokens: E4M3 conversions (SM89 on) like the FP8 formats; the contract's archs.
 _MX_PAIRS = frozenset(f.value for f in MX_PAIRS)
-_ready: set[tuple[str, WeightFormat, torch.dtype | None, int]] = set()
+_ready: set[tuple[str, WeightFormat, torch.dtype | None, bool, int]] = set()
 _ready_lock = threading.Lock()
 
 
@@ -118,7 +118,7 @@ class CudaCoresEngine(LayerEngine):
         w, device = call.weights, call.x.device
         index = device.index if device.index is not None else torch.cuda.current_device()
         tactic = cls.tactic
-        _ensure_ready(cls.name, tactic, w.format, call.x_dtype, index)
+        _ensure_ready(cls.name, tactic, w.format, call.x_dtype, kernels.tiled(w), index)
         ids, route_weights, routing_code = call.routing.kernel_operands()
         tokens, top_k, sms = call.tokens, call.top_k, _sm_count(index)
         out_fp16 = call.out_dtype is torch.float16
@@ -164,14 +164,15 @@ def _run_deepseek_fp8(call: LowLatencyCall, workspace: Mapping[str, torch.Tensor
                       call.out, None, None, sms, call.scores, inter_scales=workspace["inter_scales"], tactic=tactic)
 
 
-def _ensure_ready(engine: str, tactic: kernels.Tactic, fmt: WeightFormat, x_dtype: torch.dtype | None,
+def _ensure_ready(engine: str, tactic: kernels.Tactic, fmt: WeightFormat, x_dtype: torch.dtype | None, tiles: bool,
                   index: int) -> None:
-    """Compile (or load) the module once per process, engine and device; never inside a CUDA-graph capture."""
-    key = (engine, fmt, x_dtype, index)
+    """Compile (or load) the module once per process, engine, layout and device; never inside a CUDA-graph
+    capture."""
+    key = (engine, fmt, x_dtype, tiles, index)
     if key in _ready:
         return
     refuse_during_capture("the low-latency kernels for these weights and inputs are not loaded yet",
                           "run one call eagerly before capturing")
-    kernels.load_modules(fmt, x_dtype, index, tactic)
+    kernels.load_modules(fmt, x_dtype, index, tactic, tiles)
     with _ready_lock:
         _ready.add(key)

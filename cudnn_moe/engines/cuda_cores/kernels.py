@@ -2,7 +2,9 @@
 
 One NVRTC module per (weight format, token input) pair, compiled on first use with
 ``-DLL_WEIGHTS=<LowLatencyWeightCode> -DLL_INPUT=<LowLatencyInputCode>`` (codes from
-cudnn_moe.kernels.codes, so Python and CUDA share one definition). Two kernels (a third in DeepSeek FP8's module):
+cudnn_moe.kernels.codes, so Python and CUDA share one definition), and ``-DLL_TILES=1`` for weights stored as
+SM90 fragment tiles (``weights.tiled``: each feature group then computes a row pair of a 16-row block, so a GEMM1
+group covers two features). Two kernels (a third in DeepSeek FP8's module):
 
 - ``ll_gemm1``: GEMM1 + activation into the intermediate workspace [S, Ip] (S = T * top_k);
 - ``ll_gemm2``: GEMM2 into expert rows [S, H] (a workspace, or the caller's raw output), and for a
@@ -57,8 +59,16 @@ _INPUT_CODES = {torch.bfloat16: InputCode.BF16, torch.float16: InputCode.FP16}
 
 # Every (weights, input) module a call can build: 16-bit weights take their own dtype, the 4-bit and FP8
 # weight-only formats BF16 or FP16, the NVFP4 pair NVFP4 tokens, per-tensor FP8 E4M3 tokens, DeepSeek FP8 E4M3
-# tokens with scales per 128 (BF16 tokens are quantized to those by ll_quant128 first), the MX pairs MXFP8 tokens.
-MODULE_VARIANTS: tuple[tuple[WeightCode, InputCode], ...] = (
+# tokens with scales per 128 (BF16 tokens are quantized to those by ll_quant128 first), the MX pairs MXFP8 tokens;
+# then the tile modules (TILE_VARIANTS) of the formats stored tiled on SM90.
+TILE_VARIANTS: tuple[tuple[WeightCode, InputCode, bool], ...] = (
+    (WeightCode.NVFP4, InputCode.BF16, True),
+    (WeightCode.NVFP4, InputCode.FP16, True),
+    (WeightCode.NVFP4, InputCode.NVFP4, True),
+    (WeightCode.MXINT4, InputCode.BF16, True),
+    (WeightCode.MXINT4, InputCode.FP16, True),
+)
+MODULE_VARIANTS: tuple[tuple[WeightCode, InputCode] | tuple[WeightCode, InputCode, bool], ...] = (
     (WeightCode.BF16, InputCode.BF16),
     (WeightCode.FP16, InputCode.FP16),
     *((w, i) for w in (WeightCode.NVFP4, WeightCode.MXFP4, WeightCode.MXINT4, WeightCode.FP8)
@@ -68,12 +78,13 @@ MODULE_VARIANTS: tuple[tuple[WeightCode, InputCode], ...] = (
     (WeightCode.FP8_BLOCK, InputCode.FP8_BLOCK),
     (WeightCode.MXFP4, InputCode.MXFP8),
     (WeightCode.MXFP8, InputCode.MXFP8),
+    *TILE_VARIANTS,
 )
 
 
-def module_options(weights: WeightCode, inputs: InputCode) -> tuple[str, ...]:
-    """The -D options selecting one module of ll_moe.cu."""
-    return (f"-DLL_WEIGHTS={int(weights)}", f"-DLL_INPUT={int(inputs)}")
+def module_options(weights: WeightCode, inputs: InputCode, tiles: bool = False) -> tuple[str, ...]:
+    """The -D options selecting one module of ll_moe.cu (``tiles``: the weights are SM90 fragment tiles)."""
+    return (f"-DLL_WEIGHTS={int(weights)}", f"-DLL_INPUT={int(inputs)}", *(("-DLL_TILES=1",) if tiles else ()))
 
 
 def weight_code(fmt: WeightFormat) -> WeightCode:
@@ -100,6 +111,17 @@ def row_bytes(fmt: WeightFormat, k: int) -> int:
                WeightFormat.MXFP8_W_MXFP8_A):
         return k
     return 2 * k if fmt in (WeightFormat.BF16, WeightFormat.FP16) else k // 2
+
+
+def tiled(weights: Any) -> bool:
+    """Whether a low-latency record's payloads are SM90 fragment tiles (cudnn_moe.weights.low_latency)."""
+    return bool(getattr(weights, "tiled", False))
+
+
+def group_chunks(weights: Any, k: int) -> int:
+    """16-byte chunks of what one feature group of the FMA tactic streams along K = ``k``: a row's codes (row mode),
+    or a row pair's share of its block's tiles (tile mode: twice as many)."""
+    return (2 if tiled(weights) else 1) * row_bytes(weights.format, k) // CHUNK_BYTES
 
 
 def lanes_per_row(chunks: int) -> int:
@@ -141,8 +163,8 @@ class Tactic:
     def gemm1_geometry(self, weights: Any, x_kind: InputCode, slots: int, sms: int) -> Geometry:
         """ll_gemm1's cut for ``slots`` routed slots (T k) of tokens of kind ``x_kind``."""
         fmt = weights.format
-        lpr = lanes_per_row(row_bytes(fmt, weights.hidden_size) // CHUNK_BYTES)
-        features_per_block = WARPS * (32 // lpr)
+        lpr = lanes_per_row(group_chunks(weights, weights.hidden_size))
+        features_per_block = WARPS * (32 // lpr) * (2 if tiled(weights) else 1)
         columns = -(-weights.padded_intermediate // features_per_block)
         block_bytes = features_per_block * (2 if weights.gated else 1) * row_bytes(fmt, weights.hidden_size)
         if fmt in MX_PAIRS:  # a CTA covers exactly one block of 32 features (it quantizes them to MXFP8)
@@ -154,7 +176,7 @@ class Tactic:
     def gemm2_geometry(self, weights: Any, x_kind: InputCode, slots: int, sms: int) -> Geometry:
         """ll_gemm2's cut; ``x_kind``: the kind of its input, the intermediate (see ``inter_kind``)."""
         fmt = weights.format
-        lpr = lanes_per_row(row_bytes(fmt, weights.padded_intermediate) // CHUNK_BYTES)
+        lpr = lanes_per_row(group_chunks(weights, weights.padded_intermediate))
         columns = gemm2_columns(weights.hidden_size, lpr)
         block_bytes = 2 * WARPS * (32 // lpr) * row_bytes(fmt, weights.padded_intermediate)
         rounds = choose_rounds(columns, slots, sms, block_bytes)
@@ -164,9 +186,9 @@ class Tactic:
         """The most columns any ll_gemm2 cut of H = ``hidden`` gives: the size of the counters workspace."""
         return max_gemm2_columns(hidden)
 
-    def module_options(self, fmt: WeightFormat, x_dtype: torch.dtype | None) -> tuple[str, ...]:
-        """The -D options of the module a call with these weights and tokens launches."""
-        return (*module_options(weight_code(fmt), input_code(fmt, x_dtype)), *self.options)
+    def module_options(self, fmt: WeightFormat, x_dtype: torch.dtype | None, tiles: bool = False) -> tuple[str, ...]:
+        """The -D options of the module a call with these weights (``tiles``: stored tiled) and tokens launches."""
+        return (*module_options(weight_code(fmt), input_code(fmt, x_dtype), tiles), *self.options)
 
 
 FMA = Tactic()
@@ -195,10 +217,11 @@ def choose_rounds(columns: int, slots: int, sms: int, block_bytes: int) -> int:
     return rounds
 
 
-def load_modules(fmt: WeightFormat, x_dtype: torch.dtype | None, device: int, tactic: Tactic = FMA) -> None:
-    """Compile, or load from the cache, the module a call with these weights and inputs launches, and
-    resolve its kernels (so that a later call inside a CUDA-graph capture only launches)."""
-    options = tactic.module_options(fmt, x_dtype)
+def load_modules(fmt: WeightFormat, x_dtype: torch.dtype | None, device: int, tactic: Tactic = FMA,
+                 tiles: bool = False) -> None:
+    """Compile, or load from the cache, the module a call with these weights (``tiles``: stored tiled) and inputs
+    launches, and resolve its kernels (so that a later call inside a CUDA-graph capture only launches)."""
+    options = tactic.module_options(fmt, x_dtype, tiles)
     for name in kernels_of(fmt):
         kernel_function(SOURCE, name, device, options)
 
@@ -264,7 +287,7 @@ def gemm1(
             ptr(inter_out, 16), ptr(getattr(weights, "inter_multiplier", None), 4), ptr(inter_scales),
         ),
         shared_mem=cut.shared_mem,
-        extra_options=tactic.module_options(fmt, x.dtype),
+        extra_options=tactic.module_options(fmt, x.dtype, tiled(weights)),
     )
 
 
@@ -313,7 +336,7 @@ def gemm2(
             ptr(out, 16), ptr(counters, 4), ptr(scores, 4), ptr(inter_scales, 4),
         ),
         shared_mem=cut.shared_mem,
-        extra_options=tactic.module_options(fmt, x_dtype),
+        extra_options=tactic.module_options(fmt, x_dtype, tiled(weights)),
     )
 
 
