@@ -15,7 +15,7 @@ from dataclasses import replace
 import torch
 
 from ..activations import Activation, SwiGLU, parse_activation, require_gemm1_rows
-from ..arch import Arch, arch_name, parse_arch, target_arch
+from ..arch import SM90, Arch, arch_name, parse_arch, target_arch
 from ..engines.base import OP_LOW_LATENCY
 from ..engines.registry import engine_names, served_archs
 from ..formats import quantize_mxfp8, quantize_nvfp4
@@ -32,6 +32,8 @@ from ..validate import (
     require_tensor,
 )
 from ..weights.low_latency import (
+    TILED_FORMATS,
+    BlockScaledWeights,
     DeepSeekFp8Activations,
     DeepSeekFp8Weights,
     DenseWeights,
@@ -312,14 +314,21 @@ class LowLatencyMoeConfig:
             _require_no_e8m0_nan(n1s, w1_scales)
             _require_no_e8m0_nan(n2s, w2_scales)
         ip = padded_intermediate(intermediate)
-        return cls(
+        return self.stored(cls(
             format=fmt, hidden_size=hidden, intermediate_size=intermediate, padded_intermediate=ip, gated=act.gated,
             w1_codes=pad_gemm1_rows(w1_codes, intermediate, ip, act.gated),
             w1_scales=pad_gemm1_rows(w1_scales, intermediate, ip, act.gated),
             w2_codes=pad_columns(w2_codes, ip // per_byte),
             w2_scales=pad_columns(w2_scales, ip // block),
             **{name: value.clone() for name, value in checked.items()},
-        )
+        ))
+
+    def stored(self, weights: BlockScaledWeights) -> BlockScaledWeights:
+        """``weights`` (row-major) in the layout this config's arch keeps them in: SM90 fragment tiles for the
+        TILED_FORMATS on SM90, the one copy that the tensor-core and the CUDA-core engines both read there
+        (cudnn_moe.weights.low_latency); as they are otherwise."""
+        tiles = self.target_arch() == SM90 and weights.format in TILED_FORMATS
+        return weights.to_tiles() if tiles else weights
 
     def prepare_nvfp4_weight_only_weights(
         self,
@@ -463,12 +472,12 @@ class LowLatencyMoeConfig:
         require_finite("w2_bf16", w2_bf16)
         w1_codes, w1_scales, w1_global = quantize_experts("w1_bf16", w1_bf16)
         w2_codes, w2_scales, w2_global = quantize_experts("w2_bf16", w2_bf16)
-        return Nvfp4PairWeights(
+        return self.stored(Nvfp4PairWeights(
             format=WeightFormat.NVFP4_W_NVFP4_A, hidden_size=hidden, intermediate_size=intermediate,
             padded_intermediate=intermediate, gated=act.gated,
             w1_codes=w1_codes, w1_scales=w1_scales, w2_codes=w2_codes, w2_scales=w2_scales,
             w1_global=w1_global, w2_global=w2_global,
-        )
+        ))
 
     # ------------------------------------------------------------------ MX weights + MXFP8 activations
     def prepare_weights(

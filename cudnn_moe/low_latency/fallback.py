@@ -26,11 +26,17 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..arch import Arch, arch_name
-from ..engines.base import GemmEngine
+from ..engines.base import BlockCode, GemmEngine, WeightLayout
 from ..engines.registry import engine_class_of
 from ..fused.config import Nvfp4MoeConfig
 from ..kernels.codes import TokenLayout
-from ..weights.low_latency import LowLatencyWeights, Mxfp4WeightOnlyWeights, Nvfp4WeightOnlyWeights, WeightFormat
+from ..weights.low_latency import (
+    LowLatencyWeights,
+    Mxfp4WeightOnlyWeights,
+    Mxint4WeightOnlyWeights,
+    Nvfp4WeightOnlyWeights,
+    WeightFormat,
+)
 from ..weights.nvfp4 import Nvfp4Weights, require_expert_count
 
 _BITS = {1: torch.uint8, 4: torch.int32}
@@ -49,12 +55,43 @@ class LowLatencyFallback:
     weights: Nvfp4Weights
 
 
+def tiled_view(
+    engine: type[GemmEngine], arch: Arch, weights: Nvfp4WeightOnlyWeights | Mxint4WeightOnlyWeights
+) -> Nvfp4Weights | None:
+    """The ``engine`` view on ``arch`` of tiled low-latency weights: their own tensors (no copy) as w1 [E, N1p * H/2]
+    and w1_scales [E, N1p * H/16] bytes, w2 likewise, with the globals as alphas (MXINT4: alphas 1/256, the engine's
+    alpha * 256 being 1), intermediate size Ip; None where the weights are not tiled or the engine reads another
+    layout."""
+    spec = engine.spec(arch)
+    if not weights.tiled or spec.weight_layout is not WeightLayout.SM90_TILES:
+        return None
+    experts = weights.num_experts
+    mxint4 = isinstance(weights, Mxint4WeightOnlyWeights)
+    if mxint4:
+        alpha1 = alpha2 = torch.full((experts,), 1 / 256, dtype=torch.float32, device=weights.w1_codes.device)
+    else:
+        alpha1, alpha2 = weights.w1_global, weights.w2_global
+
+    def flat(t: torch.Tensor) -> torch.Tensor:
+        return t.view(torch.uint8).view(experts, -1)
+
+    return Nvfp4Weights(
+        flat(weights.w1_codes), flat(weights.w1_scales), alpha1, flat(weights.w2_codes), flat(weights.w2_scales),
+        alpha2, spec, weights.gated, weights.hidden_size, weights.padded_intermediate,
+        code=BlockCode.MXINT4 if mxint4 else BlockCode.NVFP4,
+    )
+
+
 def grouped_view(
     engine: type[GemmEngine], arch: Arch, weights: Nvfp4WeightOnlyWeights | Mxfp4WeightOnlyWeights
 ) -> Nvfp4Weights:
     """The ``engine`` view on ``arch`` of NVFP4 low-latency weights, or of MXFP4 weight-only weights in their exact
-    NVFP4 form (a repacked copy): w1 [E, N1p, H] in the engine's layout with the w1 global as alpha, w2 [E, H, Ip]
-    likewise; intermediate size Ip."""
+    NVFP4 form: w1 [E, N1p, H] in the engine's layout with the w1 global as alpha, w2 [E, H, Ip] likewise;
+    intermediate size Ip. Tiled weights in the engine's layout give their own tensors (``tiled_view``), others a
+    repacked copy."""
+    view = tiled_view(engine, arch, weights) if isinstance(weights, Nvfp4WeightOnlyWeights) else None
+    if view is not None:
+        return view
     w1_codes, w1_scales, w1_global, w2_codes, w2_scales, w2_global = weights.nvfp4_payloads()
     w1, w1_scales = engine.pack_weights_chunked(arch, w1_codes, w1_scales)
     w2, w2_scales = engine.pack_weights_chunked(arch, w2_codes, w2_scales)
@@ -135,9 +172,10 @@ def _check_fused_weights(fused: object, weights: Nvfp4WeightOnlyWeights, spec: o
     if fused.device != weights.w1_codes.device:
         raise ValueError(f"fused_weights are on {fused.device} but weights are on {weights.w1_codes.device}")
     w1, w1_scales, w2, w2_scales = fused.canonical()
-    pairs = (("w1", w1, weights.w1_codes), ("w1_scales", w1_scales, weights.w1_scales),
-             ("w1_alpha", fused.w1_alpha, weights.w1_global), ("w2", w2, weights.w2_codes),
-             ("w2_scales", w2_scales, weights.w2_scales), ("w2_alpha", fused.w2_alpha, weights.w2_global))
+    w1_codes, w1_row_scales, w2_codes, w2_row_scales = weights.row_payloads()
+    pairs = (("w1", w1, w1_codes), ("w1_scales", w1_scales, w1_row_scales),
+             ("w1_alpha", fused.w1_alpha, weights.w1_global), ("w2", w2, w2_codes),
+             ("w2_scales", w2_scales, w2_row_scales), ("w2_alpha", fused.w2_alpha, weights.w2_global))
     for name, got, want in pairs:
         if got.dtype != want.dtype or got.shape != want.shape or not torch.equal(
                 got.contiguous().view(_BITS[got.element_size()]), want.contiguous().view(_BITS[want.element_size()])):

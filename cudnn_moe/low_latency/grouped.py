@@ -25,10 +25,11 @@ recorded for the call itself (an eager call, one recorded into the caller's grap
 chain stages the caller's tokens and routing in its sort + permute (for one token in its GEMM1, which then also sorts)
 and its GEMM2 finalizes into ``out`` where the engine can (cudnn_moe.pipeline.executor).
 
-The weights are repacked once into the engine's layout, on the first call (kept beside the caller's
-canonical tensors while the prepared weights live: a second copy, sized in the README's low-latency engines),
-unless the weights hold a prepared fallback in that layout (cudnn_moe.low_latency.fallback), whose view is used
-instead.
+Weights prepared for SM90 in a tiled format (NVFP4, MXINT4) are already in the engine's layout: the view holds their
+own tensors (``tiled_view``), one copy for both engines. MXFP4 weight-only weights are repacked once into their exact
+NVFP4 form in the engine's layout, on the first call, and that copy is kept beside them while they live (sized in
+the README's low-latency engines); so are weights prepared for another arch, unless they hold a prepared fallback in
+the engine's layout (cudnn_moe.low_latency.fallback), whose view is used instead.
 Calls above the config's max_num_tokens run here too, on the fallback's view with its token buckets
 (``run_on``): the same launches and rounding points, in larger buckets.
 """
@@ -51,7 +52,7 @@ from ..pipeline.lifetime import cached
 from ..weights.low_latency import Mxfp4WeightOnlyWeights, Mxint4WeightOnlyWeights, Nvfp4WeightOnlyWeights
 from ..weights.nvfp4 import Nvfp4Activations, Nvfp4Weights
 from .config import MAX_NUM_TOKENS
-from .fallback import grouped_view
+from .fallback import grouped_view, tiled_view
 
 Viewable = Nvfp4WeightOnlyWeights | Mxfp4WeightOnlyWeights | Mxint4WeightOnlyWeights  # what this path runs
 _views: weakref.WeakKeyDictionary[Viewable, Nvfp4Weights] = weakref.WeakKeyDictionary()
@@ -60,8 +61,9 @@ _lock = threading.Lock()
 
 def layer_view(engine: type[GemmEngine], weights: Viewable) -> Nvfp4Weights:
     """The ``engine`` view of NVFP4 weights (or of MXFP4 weight-only weights in their exact NVFP4 form, or of MXINT4
-    weight-only weights in the engine's MXINT4 layout): the prepared fallback's when it is in this engine's layout
-    (the same bytes), else repacked on first use (``grouped_view``, ``mxint4_view``), then kept."""
+    weight-only weights in the engine's MXINT4 layout): the weights' own tensors when they are tiled for this engine,
+    else the prepared fallback's when it is in this engine's layout (the same bytes), else repacked on first use
+    (``grouped_view``, ``mxint4_view``), then kept."""
     view = _views.get(weights)
     if view is not None:
         return view
@@ -69,6 +71,11 @@ def layer_view(engine: type[GemmEngine], weights: Viewable) -> Nvfp4Weights:
     fallback = weights.fallback if isinstance(weights, Nvfp4WeightOnlyWeights) else None
     if fallback is not None and fallback.weights.spec == engine.spec(arch):
         return fallback.weights
+    if not isinstance(weights, Mxfp4WeightOnlyWeights):
+        view = tiled_view(engine, arch, weights)
+        if view is not None:
+            with _lock:
+                return _views.setdefault(weights, view)
     refuse_during_capture("low_latency_moe must lay these weights out for the tensor cores first",
                           "make one call with them (of each token count) before capture")
     with _lock:
@@ -83,8 +90,9 @@ def mxint4_view(engine: type[GemmEngine], arch: Arch, weights: Mxint4WeightOnlyW
     """The ``engine`` view on ``arch`` of MXINT4 weight-only weights (a repacked copy, BlockCode.MXINT4): w1
     [E, N1p, H] and w2 [E, H, Ip] in the engine's MXINT4 layout, alphas 1/256 (the engine's alpha * 256 is then 1:
     MXINT4 has no global); intermediate size Ip."""
-    w1, w1_scales = engine.pack_weights_chunked(arch, weights.w1_codes, weights.w1_scales, code=BlockCode.MXINT4)
-    w2, w2_scales = engine.pack_weights_chunked(arch, weights.w2_codes, weights.w2_scales, code=BlockCode.MXINT4)
+    w1_codes, w1_scales, w2_codes, w2_scales = weights.row_payloads()
+    w1, w1_scales = engine.pack_weights_chunked(arch, w1_codes, w1_scales, code=BlockCode.MXINT4)
+    w2, w2_scales = engine.pack_weights_chunked(arch, w2_codes, w2_scales, code=BlockCode.MXINT4)
     alpha = torch.full((weights.num_experts,), 1 / 256, dtype=torch.float32, device=weights.w1_codes.device)
     return Nvfp4Weights(
         w1, w1_scales, alpha, w2, w2_scales, alpha, engine.spec(arch), weights.gated, weights.hidden_size,

@@ -5,7 +5,8 @@ Payloads are random bytes of the format (finite E4M3 codes: no 0x7F / 0xFF; any 
 block scales and globals that keep the sums of unit size; the 16-bit formats are N(0, 1/fan-in) values. Each
 goes through its prepare method (checked, padded, copied), except the NVFP4 pair and per-tensor FP8, whose
 prepare methods quantize a float source (minutes and tens of GB for a DeepSeek-V3 layer): their records are
-built from random codes directly, so they need I % 128 == 0 (nothing to pad).
+built from random codes directly (the pair then laid out as the config stores it: ``LowLatencyMoeConfig.stored``), so
+they need I % 128 == 0 (nothing to pad).
 """
 
 from __future__ import annotations
@@ -71,9 +72,9 @@ def stand_in_weights(
         g1, g2 = torch.full((e,), 0.5, device=dev), torch.full((e,), 0.5, device=dev)
         if fmt is WeightFormat.NVFP4_WEIGHT_ONLY:
             return config.prepare_nvfp4_weight_only_weights(c1, sc1, g1, c2, sc2, g2, activation=act)
-        return Nvfp4PairWeights(format=fmt, hidden_size=h, intermediate_size=i, padded_intermediate=i,
-                                gated=act.gated, w1_codes=c1, w1_scales=sc1, w2_codes=c2, w2_scales=sc2,
-                                w1_global=g1, w2_global=g2)
+        return config.stored(Nvfp4PairWeights(format=fmt, hidden_size=h, intermediate_size=i, padded_intermediate=i,
+                                              gated=act.gated, w1_codes=c1, w1_scales=sc1, w2_codes=c2,
+                                              w2_scales=sc2, w1_global=g1, w2_global=g2))
     if fmt in (WeightFormat.MXFP4_WEIGHT_ONLY, WeightFormat.MXFP4_W_MXFP8_A, WeightFormat.MXFP8_W_MXFP8_A):
         # E8M0 bytes 118..123: 2^-9 .. 2^-4
         sc1 = torch.randint(118, 124, (e, n1, h // 32), dtype=torch.uint8, device=dev, generator=gen)

@@ -12,20 +12,33 @@ Padding is all-zero bytes in every tensor: a zero code (E2M1 +0, INT4 0, E4M3 +0
 so padded rows and columns contribute exactly nothing (every activation maps 0 to 0, and the padded
 w2 columns are zero anyway); a zero E8M0 scale byte means 2^-127, harmless under zero codes.
 
-The GPU kernels (kernels_cuda/low_latency/ll_moe.cu) read these linear tensors as they are (row-major,
-scales [E, rows, K / block]): each lane streams 16 contiguous bytes of one row at a time, which is
-already a coalesced 128-bit load, so nothing is repacked and ``canonical()`` returns the caller's
-logical tensors.
+Layout. The tensors are row-major (scales [E, rows, K / block]), which the CUDA-core kernels
+(kernels_cuda/low_latency/ll_moe.cu) stream as they are, except where one layout serves every engine of the
+arch better: a layer of NVFP4 (weight-only or the pair) or MXINT4 weight-only prepared for SM90 is stored
+``tiled``, in the SM90 engine's fragment tiles (cudnn_moe.engines.sm90.layout), which its tensor-core decode
+kernels read and the CUDA-core kernels read too (their tile mode, -DLL_TILES=1). That is the layer's only
+copy: no engine repacks it. The tiled tensors keep the shapes and dtypes of the row-major ones (the same bytes,
+in tile order), and ``canonical()`` unpacks them (a new tensor), so it gives the caller's logical tensors
+either way. MXFP4 weight-only layers stay row-major: their tensor-core form has other scales (E4M3 per 16
+values and a global per expert, cudnn_moe.formats.mxfp4_as_nvfp4) from which the caller's E8M0 bytes of
+all-zero blocks cannot be recovered, so the SM90 engine keeps that form beside them
+(cudnn_moe.low_latency.grouped).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
 from ..engines.base import WeightFormat
+from ..engines.sm90.layout import (
+    pack_int4_weight_tiles,
+    pack_weight_tiles,
+    unpack_int4_weight_tiles,
+    unpack_weight_tiles,
+)
 from ..formats.mxfp4_as_nvfp4 import nvfp4_globals, nvfp4_scales
 
 if TYPE_CHECKING:
@@ -33,6 +46,11 @@ if TYPE_CHECKING:
 
 PAD_MULTIPLE = 128
 _BIT_DTYPES = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
+# The formats whose payloads may be stored as SM90 fragment tiles (``tiled``), and how: NVFP4 tiles (E2M1 codes,
+# E4M3 scales per 16) or MXINT4 tiles (INT4 codes, BF16 scales per 32).
+TILED_FORMATS = frozenset({WeightFormat.NVFP4_WEIGHT_ONLY, WeightFormat.NVFP4_W_NVFP4_A,
+                           WeightFormat.MXINT4_WEIGHT_ONLY})
+_TILE_CHUNK_BYTES = 1 << 28  # codes of the experts tiled at once, to bound the packing's temporaries
 
 
 def padded_intermediate(intermediate: int) -> int:
@@ -69,15 +87,45 @@ def pad_columns(t: torch.Tensor, columns: int) -> torch.Tensor:
     return out
 
 
+def _tile_payload(fmt: WeightFormat, codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row-major codes uint8 [E, N, K/2] and scales ([E, N, K/16] E4M3, or [E, N, K/32] BF16 for MXINT4) -> the same
+    shapes and dtypes holding the SM90 fragment tiles, a few experts at a time."""
+    pack = pack_int4_weight_tiles if fmt is WeightFormat.MXINT4_WEIGHT_ONLY else pack_weight_tiles
+    step = max(1, _TILE_CHUNK_BYTES // max(1, codes[0].numel()))
+    parts = [pack(codes[e : e + step].contiguous(), scales[e : e + step].contiguous())
+             for e in range(0, codes.shape[0], step)]
+    tiles, tile_scales = (torch.cat(p) for p in zip(*parts))
+    return tiles.view(codes.shape), tile_scales.view(scales.dtype).view(scales.shape)
+
+
+def _untile_payload(fmt: WeightFormat, tiles: torch.Tensor, tile_scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of _tile_payload (new tensors)."""
+    experts, n, k = tiles.shape[0], tiles.shape[1], 2 * tiles.shape[2]
+    flat, flat_scales = tiles.reshape(experts, -1), tile_scales.view(torch.uint8).reshape(experts, -1)
+    if fmt is WeightFormat.MXINT4_WEIGHT_ONLY:
+        return unpack_int4_weight_tiles(flat, flat_scales, n, k)
+    codes, scales = unpack_weight_tiles(flat, flat_scales, n, k)
+    return codes, scales.view(tile_scales.dtype)
+
+
 @dataclass(frozen=True, eq=False)
 class LowLatencyWeights:
-    """What every prepared form records: the format, H, logical I, padded I (multiple of 128), gated."""
+    """What every prepared form records: the format, H, logical I, padded I (multiple of 128), gated.
+
+    tiled: the 4-bit payloads (codes and block scales of a TILED_FORMATS layer) hold the SM90 fragment tiles, in the
+    row-major tensors' shapes and dtypes (module docstring); False for every other layer.
+    """
 
     format: WeightFormat
     hidden_size: int
     intermediate_size: int
     padded_intermediate: int
     gated: bool
+    tiled: bool = field(default=False, kw_only=True)
+
+    def __post_init__(self) -> None:
+        if self.tiled and self.format not in TILED_FORMATS:
+            raise ValueError(f"{self.format.value} weights are never stored as SM90 tiles")
 
     @property
     def gemm1_rows(self) -> int:
@@ -133,18 +181,39 @@ class BlockScaledWeights(LowLatencyWeights):
     def num_experts(self) -> int:
         return self.w1_codes.shape[0]
 
+    def row_payloads(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(w1_codes, w1_scales, w2_codes, w2_scales) row-major and padded as stored: these tensors, or unpacked from
+        the tiles (new tensors) when ``tiled``."""
+        if not self.tiled:
+            return self.w1_codes, self.w1_scales, self.w2_codes, self.w2_scales
+        return (*_untile_payload(self.format, self.w1_codes, self.w1_scales),
+                *_untile_payload(self.format, self.w2_codes, self.w2_scales))
+
+    def to_tiles(self) -> BlockScaledWeights:
+        """These weights stored as SM90 fragment tiles (new payload tensors; self if already tiled). ValueError for a
+        format outside TILED_FORMATS."""
+        if self.tiled:
+            return self
+        if self.format not in TILED_FORMATS:
+            raise ValueError(f"{self.format.value} weights are never stored as SM90 tiles")
+        w1_codes, w1_scales = _tile_payload(self.format, self.w1_codes, self.w1_scales)
+        w2_codes, w2_scales = _tile_payload(self.format, self.w2_codes, self.w2_scales)
+        return replace(self, w1_codes=w1_codes, w1_scales=w1_scales, w2_codes=w2_codes, w2_scales=w2_scales,
+                       tiled=True)
+
     def _canonical_payloads(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         i, ip, gated = self.intermediate_size, self.padded_intermediate, self.gated
+        w1_codes, w1_scales, w2_codes, w2_scales = self.row_payloads()
         return (
-            unpad_gemm1_rows(self.w1_codes, i, ip, gated),
-            unpad_gemm1_rows(self.w1_scales, i, ip, gated),
-            self.w2_codes[..., : i // self.codes_per_byte],
-            self.w2_scales[..., : i // self.block],
+            unpad_gemm1_rows(w1_codes, i, ip, gated),
+            unpad_gemm1_rows(w1_scales, i, ip, gated),
+            w2_codes[..., : i // self.codes_per_byte],
+            w2_scales[..., : i // self.block],
         )
 
     def canonical(self) -> tuple[torch.Tensor, ...]:
         """(w1_codes [E, N1, H/2], w1_scales [E, N1, H/block], w2_codes [E, H, I/2], w2_scales [E, H, I/block]);
-        E4M3 codes [E, N1, H] and [E, H, I]."""
+        E4M3 codes [E, N1, H] and [E, H, I]. Views of the stored tensors, or new tensors when ``tiled``."""
         return self._canonical_payloads()
 
 
@@ -218,8 +287,9 @@ class Nvfp4WeightOnlyWeights(BlockScaledWeights):
     fallback: LowLatencyFallback | None = None
 
     def nvfp4_payloads(self) -> tuple[torch.Tensor, ...]:
-        """(w1_codes, w1_scales, w1_global, w2_codes, w2_scales, w2_global) as stored (padded)."""
-        return self.w1_codes, self.w1_scales, self.w1_global, self.w2_codes, self.w2_scales, self.w2_global
+        """(w1_codes, w1_scales, w1_global, w2_codes, w2_scales, w2_global), row-major and padded (``row_payloads``)."""
+        w1_codes, w1_scales, w2_codes, w2_scales = self.row_payloads()
+        return w1_codes, w1_scales, self.w1_global, w2_codes, w2_scales, self.w2_global
 
     def canonical(self) -> tuple[torch.Tensor, ...]:
         """(w1_codes, w1_scales, w1_global, w2_codes, w2_scales, w2_global): the prepare method's argument order."""
