@@ -39,6 +39,7 @@ from cudnn_moe.kernels.codes import LL_MAX_SLOTS, LL_THREADS, LowLatencyInputCod
 from cudnn_moe.low_latency import LowLatencyMoeConfig, WeightFormat, low_latency_moe
 from cudnn_moe.engines.cuda_cores import kernels as ll
 from cudnn_moe.routing import Routing
+from cudnn_moe.weights.low_latency import TILED_FORMATS
 
 from tests.support import REPO as ROOT
 
@@ -66,11 +67,12 @@ DECODERS = (
 )
 
 
-def _variant_id(variant: tuple[LowLatencyWeightCode, LowLatencyInputCode]) -> str:
-    return f"{variant[0].name.lower()}-{variant[1].name.lower()}"
+def _variant_id(variant: tuple) -> str:
+    """(weights, input) or (weights, input, tiles) -> e.g. "nvfp4-bf16" or "nvfp4-bf16-tiles"."""
+    return f"{variant[0].name.lower()}-{variant[1].name.lower()}" + ("-tiles" if variant[2:] == (True,) else "")
 
 
-def _nvcc_command(arch: str, variant: tuple[LowLatencyWeightCode, LowLatencyInputCode]) -> list[str]:
+def _nvcc_command(arch: str, variant: tuple) -> list[str]:
     return [NVCC, "-std=c++17", f"-gencode=arch=compute_{arch},code=sm_{arch}", "-cubin", "-I", str(kernels_dir()),
             *cuda_defines(), *ll.module_options(*variant), "-Xptxas", "-v", str(SOURCE)]
 
@@ -105,6 +107,8 @@ def test_module_variants_cover_every_call() -> None:
                   WeightFormat.DEEPSEEK_FP8: (torch.bfloat16, None), WeightFormat.MXFP4_W_MXFP8_A: (None,),
                   WeightFormat.MXFP8_W_MXFP8_A: (None,)}.get(fmt, (torch.bfloat16, torch.float16))
         asked |= {(ll.weight_code(fmt), ll.input_code(fmt, d)) for d in dtypes}
+        if fmt in TILED_FORMATS:  # stored as SM90 tiles on SM90: the tile modules
+            asked |= {(ll.weight_code(fmt), ll.input_code(fmt, d), True) for d in dtypes}
     assert asked == set(ll.MODULE_VARIANTS)
     assert {w for w, _ in DECODERS} == set(LowLatencyWeightCode) and {i for _, i in DECODERS} == set(LowLatencyInputCode)
 
@@ -149,8 +153,8 @@ def test_nvrtc_builds_what_the_loader_builds(variant) -> None:
 
 
 # ----------------------------------------------------------------------------- wrappers vs C signatures
-def _cpu_layer(fmt: WeightFormat):
-    config = LowLatencyMoeConfig(8, arch="sm90")
+def _cpu_layer(fmt: WeightFormat, arch: str = "sm90"):
+    config = LowLatencyMoeConfig(8, arch=arch)
     e, h, i = 3, 512, 128
     if fmt is WeightFormat.BF16:
         return config.prepare_bf16_weights(torch.zeros(e, 2 * i, h, dtype=torch.bfloat16),
@@ -163,13 +167,18 @@ def _cpu_layer(fmt: WeightFormat):
                                             torch.zeros(e, h, i // 32, dtype=torch.bfloat16))
 
 
+@pytest.mark.parametrize("arch", ["sm90", "sm100"])
 @pytest.mark.parametrize("fmt", [WeightFormat.BF16, WeightFormat.MXINT4_WEIGHT_ONLY, WeightFormat.NVFP4_W_NVFP4_A])
-def test_wrappers_match_kernel_signatures(fmt: WeightFormat, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_wrappers_match_kernel_signatures(fmt: WeightFormat, arch: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The argument types and the grids; 4-bit layers prepared for SM90 are tiled: the tile modules, with a feature
+    group streaming a row pair (twice a row's chunks) and a GEMM1 group covering two features."""
     launches: list[tuple[str, Any, int, tuple[Any, ...], tuple[str, ...]]] = []
     monkeypatch.setattr(ll, "ptr", lambda tensor, align=1: np.uint64(0))
     monkeypatch.setattr(ll, "launch", lambda file, name, device, grid, block, args, shared_mem=0, extra_options=():
                         launches.append((name, grid, block, args, extra_options)))
-    weights = _cpu_layer(fmt)
+    weights = _cpu_layer(fmt, arch)
+    tiles = weights.tiled
+    assert tiles == (arch == "sm90" and fmt in TILED_FORMATS)
     tokens, top_k, h, ip = 5, 4, weights.hidden_size, weights.padded_intermediate
     if fmt is WeightFormat.NVFP4_W_NVFP4_A:
         x, x_scales, x_dtype = torch.zeros(tokens, h // 2, dtype=torch.uint8), torch.zeros(tokens, h // 16), None
@@ -189,13 +198,16 @@ def test_wrappers_match_kernel_signatures(fmt: WeightFormat, monkeypatch: pytest
     code_w, code_x = ll.weight_code(fmt), ll.input_code(fmt, x_dtype)
     for name, grid, block, args, options in launches:
         assert [type(a) for a in args] == [ARG_TYPES[k] for k in signatures[name]], name
-        assert block == LL_THREADS and options == ll.module_options(code_w, code_x), name
-    lpr1 = ll.lanes_per_row(ll.row_bytes(fmt, h) // 16)
-    lpr2 = ll.lanes_per_row(ll.row_bytes(fmt, ip) // 16)
+        assert block == LL_THREADS and options == ll.module_options(code_w, code_x, tiles), name
+        assert ("-DLL_TILES=1" in options) == tiles
+    per_group = 2 if tiles else 1  # rows (GEMM1: features) of a feature group
+    lpr1 = ll.lanes_per_row(per_group * ll.row_bytes(fmt, h) // 16)
+    lpr2 = ll.lanes_per_row(per_group * ll.row_bytes(fmt, ip) // 16)
     slots = tokens * top_k
-    columns1, columns2 = -(-ip // (8 * (32 // lpr1))), -(-h // (16 * (32 // lpr2)))
+    features1 = per_group * 8 * (32 // lpr1)
+    columns1, columns2 = -(-ip // features1), -(-h // (16 * (32 // lpr2)))
     n1 = 2 if weights.gated else 1
-    rounds1 = ll.choose_rounds(columns1, slots, 132, 8 * (32 // lpr1) * n1 * ll.row_bytes(fmt, h))
+    rounds1 = ll.choose_rounds(columns1, slots, 132, features1 * n1 * ll.row_bytes(fmt, h))
     rounds2 = ll.choose_rounds(columns2, slots, 132, 16 * (32 // lpr2) * ll.row_bytes(fmt, ip))
     assert launches[0][1] == (-(-columns1 // rounds1), slots)
     assert launches[1][1] == launches[2][1] == (-(-columns2 // rounds2), slots)
@@ -505,6 +517,69 @@ def test_decoders_match_the_codecs_for_every_code(tmp_path: Path) -> None:
     finite = e4m3.isfinite()
     assert torch.equal(scales[finite, 1].view(torch.int32), e4m3[finite].view(torch.int32)), "E4M3 decode differs (bits)"
     assert bool(scales[~finite, 1].isnan().all()) and int((~finite).sum()) == 2
+
+
+_TILE_DECODE_DRIVER = HOST_PRELUDE + r"""
+#include "low_latency/decode.cuh"
+
+// argv[1]: uint32 words; argv[2]: per word its 8 values as E2M1 tile registers, then as INT4 tile registers
+// (float32); then for b = 0..255 the two values of decode_e2m1_byte(b).
+int main(int, char** argv) {
+  FILE* in = std::fopen(argv[1], "rb");
+  FILE* out = std::fopen(argv[2], "wb");
+  unsigned int w;
+  while (std::fread(&w, 4, 1, in) == 1) {
+    float v[16];
+    ll::decode_tile_e2m1_word(w, v);
+    ll::decode_tile_int4_word(w, v + 8);
+    std::fwrite(v, 4, 16, out);
+  }
+  for (unsigned int b = 0; b < 256; ++b) {
+    float pair[2];
+    ll::decode_e2m1_byte(b, pair[0], pair[1]);
+    std::fwrite(pair, 4, 2, out);
+  }
+  return std::fclose(out) != 0 || std::fclose(in) != 0;
+}
+"""
+
+
+@pytest.mark.skipif(CXX is None, reason="no C++ compiler")
+def test_tile_decoders_give_the_rows_and_k_of_the_sm90_tiles(tmp_path: Path) -> None:
+    """The tile mode's decoders (decode.cuh), built for the host, on random tiles packed by
+    cudnn_moe.engines.sm90.layout: word s of lane (g, q) gives, bit for bit, rows g (registers a0, a2) and g + 8
+    (a1, a3) at k = 16s + 2q + {0, 1} and + 8 (E2M1 and INT4 tiles); decode_e2m1_byte gives a byte's two codes."""
+    from cudnn_moe.engines.sm90.layout import pack_int4_weight_tiles, pack_weight_tiles
+    from cudnn_moe.formats import decode_e2m1, pack_nibbles
+
+    program = host_program(tmp_path, "tile_decode", _TILE_DECODE_DRIVER)
+    gen = torch.Generator().manual_seed(1)
+    codes = torch.randint(0, 16, (1, 16, 128), generator=gen, dtype=torch.uint8)  # two k64 tiles of one row block
+    packed = pack_nibbles(codes)
+    fp4_tiles, _ = pack_weight_tiles(packed, torch.zeros(1, 16, 8, dtype=torch.uint8))
+    int4_tiles, _ = pack_int4_weight_tiles(packed, torch.zeros(1, 16, 4, dtype=torch.bfloat16))
+    words = torch.cat((fp4_tiles.flatten(), int4_tiles.flatten())).view(torch.int32)  # [2 kinds x 2 tiles x 32 x 4]
+    np.asarray(words.numpy(), dtype=np.int32).tofile(tmp_path / "in.bin")
+    subprocess.run([str(program), str(tmp_path / "in.bin"), str(tmp_path / "out.bin")], check=True)
+    raw = np.fromfile(tmp_path / "out.bin", dtype=np.float32)
+    got = torch.from_numpy(raw[: 512 * 16].copy()).view(2, 2, 32, 4, 16)  # kind, tile, lane, word, values
+    g, q = torch.arange(32) // 4, torch.arange(32) % 4
+    fp4_values = decode_e2m1(codes[0])
+    int4_values = torch.where(codes[0] >= 8, codes[0].long() - 16, codes[0].long()).float()
+    for kind, (values, offset) in enumerate(((fp4_values, 0), (int4_values, 8))):
+        for tile in range(2):
+            for s in range(4):
+                for r in range(4):
+                    row = g + 8 * (r % 2)
+                    for x in range(2):
+                        k = 64 * tile + 16 * s + 2 * q + 8 * (r // 2) + x
+                        want = values[row, k]
+                        have = got[kind, tile, :, s, offset + 2 * r + x]
+                        assert torch.equal(have.view(torch.int32), want.view(torch.int32)), (kind, tile, s, r, x)
+    pairs = torch.from_numpy(raw[512 * 16 :].copy()).view(256, 2)
+    byte = torch.arange(256)
+    want_pairs = decode_e2m1(torch.stack((byte & 0xF, byte >> 4), dim=1).to(torch.uint8))
+    assert torch.equal(pairs.view(torch.int32), want_pairs.view(torch.int32))
 
 
 # ----------------------------------------------------------------------------- call checks on the CPU

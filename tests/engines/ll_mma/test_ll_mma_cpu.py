@@ -663,7 +663,7 @@ def test_fp8_weight_only_launches(x_dtype: torch.dtype, finalize: bool, monkeypa
     assert spec["counters"] == ((mk.MMA.max_gemm2_columns(weights.hidden_size),), torch.int32)
     workspace = {name: torch.zeros(shape, dtype=dtype) for name, (shape, dtype) in spec.items()}
     LlMmaEngine.run(call, workspace)
-    assert ready == [("ll_mma", mk.MMA, weights.format, x_dtype, 0)]
+    assert ready == [("ll_mma", mk.MMA, weights.format, x_dtype, False, 0)]
     assert [name for name, *_ in launches] == ["ll_gemm1", "ll_gemm2"]
     signatures = kernel_signatures([SOURCE])
     kind = cc.input_code(weights.format, x_dtype)

@@ -8,6 +8,8 @@ MXINT4, BF16 for the NVFP4 pair), rows to the output dtype, then an ordered FP32
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -22,7 +24,9 @@ from cudnn_moe.low_latency import (
     reference_low_latency,
     reference_nvfp4_pair,
 )
+from cudnn_moe.engines.sm90.layout import pack_int4_weight_tiles, pack_weight_tiles
 from cudnn_moe.routing import Routing, pack_routing
+from cudnn_moe.weights.low_latency import TILED_FORMATS
 from tests.support.low_latency import FORMAT_CASES, fp8_codes, fp8_scales  # (format, token dtype) pairs
 
 E, H, I, IP = 3, 128, 96, 128  # I = 96 pads to 128
@@ -256,20 +260,43 @@ def test_prepare_weight_only_bit_exact_and_padded(fmt, gated):
     assert wts.w1_codes.shape == (E, n1p, H // 2) and wts.w1_scales.shape == (E, n1p, H // block)
     assert wts.w2_codes.shape == (E, H, IP // 2) and wts.w2_scales.shape == (E, H, IP // block)
     assert wts.w1_scales.dtype == payloads[1].dtype and wts.w2_codes.dtype == torch.uint8
+    assert wts.tiled == (fmt in TILED_FORMATS)  # SM90: NVFP4 and MXINT4 are stored as the tensor cores' tiles
+    rows = wts.row_payloads()
+    if wts.tiled:  # the stored bytes are exactly the SM90 tiles of the padded row-major payloads
+        pack = pack_int4_weight_tiles if fmt is WeightFormat.MXINT4_WEIGHT_ONLY else pack_weight_tiles
+        for codes, scales, stored_codes, stored_scales in ((rows[0], rows[1], wts.w1_codes, wts.w1_scales),
+                                                           (rows[2], rows[3], wts.w2_codes, wts.w2_scales)):
+            tiles, tile_scales = pack(codes, scales)
+            assert same_bits(stored_codes.reshape(E, -1), tiles)
+            assert same_bits(stored_scales.view(torch.uint8).reshape(E, -1), tile_scales)
     w1_in = (payloads[0], payloads[1])
     w2_in = (payloads[-3], payloads[-2]) if fmt is WeightFormat.NVFP4_WEIGHT_ONLY else (payloads[2], payloads[3])
-    for stored, given in zip((wts.w1_codes, wts.w1_scales), w1_in):
+    for stored, given in zip(rows[:2], w1_in):
         halves = given.chunk(2, dim=1) if gated else (given,)
         for index, half in enumerate(halves):
             assert same_bits(stored[:, index * IP : index * IP + I], half)
             assert not bits(stored[:, index * IP + I : (index + 1) * IP]).any()
-    for stored, given in zip((wts.w2_codes, wts.w2_scales), w2_in):
+    for stored, given in zip(rows[2:], w2_in):
         cols = given.shape[-1]
         assert same_bits(stored[..., :cols], given) and not bits(stored[..., cols:]).any()
     canonical = wts.canonical()
     assert len(canonical) == len(payloads) and all(same_bits(c, p) for c, p in zip(canonical, payloads))
     again = prepare(LowLatencyMoeConfig(arch="sm90"), fmt, canonical, SwiGLU() if gated else SiLU())
     assert all(same_bits(a, b) for a, b in zip(again.canonical(), canonical))
+    elsewhere = prepare(LowLatencyMoeConfig(arch="sm100"), fmt, payloads, SwiGLU() if gated else SiLU())
+    assert not elsewhere.tiled  # other GPUs read the row-major layout
+    assert all(same_bits(a, b) for a, b in zip(elsewhere.row_payloads(), rows))
+    assert all(same_bits(a, b) for a, b in zip(elsewhere.canonical(), canonical))
+
+
+def test_only_tiled_formats_may_be_stored_tiled():
+    wts = prepare(LowLatencyMoeConfig(arch="sm90"), WeightFormat.MXFP4_WEIGHT_ONLY,
+                  block_payloads(WeightFormat.MXFP4_WEIGHT_ONLY, True))
+    assert not wts.tiled
+    with pytest.raises(ValueError, match="mxfp4_weight_only weights are never stored as SM90 tiles"):
+        wts.to_tiles()
+    with pytest.raises(ValueError, match="never stored as SM90 tiles"):
+        dataclasses.replace(wts, tiled=True)
 
 
 @pytest.mark.parametrize("gated", [True, False])

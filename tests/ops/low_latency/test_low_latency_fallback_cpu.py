@@ -62,10 +62,13 @@ def test_weight_only_fallback_holds_the_same_payloads_in_the_sm90_layout(gated):
     view = fallback.weights
     assert view.spec.engine == "sm90" and view.spec.arch == (9, 0)
     assert (view.hidden_size, view.intermediate_size, view.gated, view.num_experts) == (128, IP, gated, 3)
+    # SM90 weights are stored as the engine's tiles: the view holds their memory (no copy)
+    assert weights.tiled and view.w1.data_ptr() == weights.w1_codes.data_ptr()
+    assert view.w2_scales.data_ptr() == weights.w2_scales.data_ptr()
     w1, w1_scales, w2, w2_scales = view.canonical()  # the padded payloads, zero padding included, bit for bit
-    for got, want in ((w1, weights.w1_codes), (w1_scales, weights.w1_scales), (w2, weights.w2_codes),
-                      (w2_scales, weights.w2_scales), (view.w1_alpha, weights.w1_global),
-                      (view.w2_alpha, weights.w2_global)):
+    w1_codes, w1_rows, w2_codes, w2_rows = weights.row_payloads()
+    for got, want in ((w1, w1_codes), (w1_scales, w1_rows), (w2, w2_codes), (w2_scales, w2_rows),
+                      (view.w1_alpha, weights.w1_global), (view.w2_alpha, weights.w2_global)):
         assert same_bits(got, want)
     assert all(same_bits(a, b) for a, b in zip(with_fallback.canonical(), weights.canonical()))
 
@@ -177,10 +180,14 @@ def test_fallback_of_another_gpu_is_refused_before_any_launch(monkeypatch):
 
 
 def test_out_may_not_alias_the_fallback_view(monkeypatch):
-    weights = ll_config().prepare_fallback(weight_only(), fused_config())
+    """The caller's fused view of the layer (its own memory; a repacked fallback shares the weights' tiles, which the
+    weights' own check covers)."""
+    weights = ll_config().prepare_fallback(pair(), fused_config(), fused_weights=fused_config().prepare_weights(
+        *pair_sources()))
     recorder = Recorder(monkeypatch)
     x, routing = _call_args(weights, LL_MAX + 1)
-    alias = weights.fallback.weights.w1.view(torch.bfloat16).flatten()[: x.numel()].view(x.shape)
+    shape = (LL_MAX + 1, weights.hidden_size)
+    alias = weights.fallback.weights.w1.view(torch.bfloat16).flatten()[: shape[0] * shape[1]].view(shape)
     with pytest.raises(ValueError, match="weights.fallback tensor 0"):
         low_latency_moe(ll_config(), x, weights, routing, out=alias)
     assert recorder.runs == []
