@@ -548,7 +548,8 @@ class LowLatencyMoeConfig:
         of this config's arch whose engine reads BF16 token fragments (the SM90 engine) and with max_num_tokens
         above this config's; fused_weights: optionally the caller's fused view of the same layer (checked bit
         for bit, then used instead of a repacked copy). Other formats, and Blackwell, raise ValueError saying why.
-        On SM90 the view is the one calls of up to 8 tokens use too, so it costs no second copy."""
+        Weights prepared for SM90 are stored as that engine's tiles, so without fused_weights the view holds their
+        own tensors (no copy), the view calls of up to 8 tokens use too."""
         return prepare_fallback(self.max_num_tokens, self.target_arch(), weights, fused_config, fused_weights)
 
     # ------------------------------------------------------------------ per-tensor FP8

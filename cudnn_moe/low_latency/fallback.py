@@ -1,5 +1,6 @@
 """The low-latency op's fallback for calls above its config's max_num_tokens: the shared pipeline's view of the
-same NVFP4 payloads, prepared beside the low-latency weights (``LowLatencyMoeConfig.prepare_fallback``).
+same NVFP4 payloads, prepared beside the low-latency weights (``LowLatencyMoeConfig.prepare_fallback``): their own
+tensors where they are stored in the engine's tiles (weights prepared for SM90), else a repacked copy.
 
 What runs a fallback call: the shared pipeline (cudnn_moe.pipeline.executor, the fused op's) on an engine whose
 grouped GEMMs read BF16 token fragments (the SM90 engine), with ``bf16_tokens`` for NVFP4 weight-only (the BF16

@@ -73,7 +73,8 @@
 //   expert rows    FP32 sum -> output dtype (BF16 or FP16, a run-time argument)
 //   combine        ordered separate FP32 multiply and add, rounded once to the output dtype
 //
-// Layouts (row-major, contiguous, 16-byte aligned rows; see cudnn_moe/low_latency/weights.py):
+// Layouts (row-major, contiguous, 16-byte aligned rows; see cudnn_moe/weights/low_latency.py; with LL_TILES the 4-bit
+// codes and scales are SM90 fragment tiles instead, see "Tile mode"):
 //   w1 [E, N1p, H] (16-bit, or E4M3 bytes for FP8 with an FP32 scale [E] as the global) or codes uint8
 //   [E, N1p, H/2] + scales [E, N1p, H/block]; N1p = 2 Ip gated
 //   ([up rows; gate rows], each half Ip rows) or Ip; w2 [E, H, Ip] or codes [E, H, Ip/2] + scales

@@ -268,3 +268,38 @@ def test_tensor_cores_with_every_slot_unrouted_give_zeros(tokens) -> None:
     torch.cuda.synchronize()
     assert torch.count_nonzero(want) == 0
     assert not bool(out.isnan().any()) and torch.count_nonzero(out) == 0, "out must hold zeros"
+
+
+@pytest.mark.parametrize("fmt", [FMT, WeightFormat.MXINT4_WEIGHT_ONLY, WeightFormat.NVFP4_W_NVFP4_A])
+def test_sm90_layers_hold_one_weight_copy(fmt) -> None:
+    """Prepared on SM90, NVFP4 and MXINT4 layers are stored as the engine's tiles: the tensor-core view holds their
+    own memory, the first tensor-core call allocates far less than the weights (workspaces only, no repack), and a
+    CUDA-core call on the same tiles (FP16 output) agrees with the float64 reference."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the tiles are the SM90 engine's layout")
+    config, weights = make_layer(fmt, True, experts=16, shape=(1024, 1024), seed=11)
+    assert weights.tiled
+    view = grouped.layer_view(Sm90GemmEngine, weights)
+    assert view.w1.data_ptr() == weights.w1_codes.data_ptr() and view.w2.data_ptr() == weights.w2_codes.data_ptr()
+    assert view.w1_scales.data_ptr() == weights.w1_scales.data_ptr()
+    weight_bytes = sum(t.numel() * t.element_size()
+                       for t in (weights.w1_codes, weights.w1_scales, weights.w2_codes, weights.w2_scales))
+    tokens, act = 4, SwiGLU()
+    x_dtype = None if fmt is WeightFormat.NVFP4_W_NVFP4_A else torch.bfloat16
+    x = make_inputs(config, fmt, torch.bfloat16, tokens, weights.hidden_size, seed=12)
+    routing = make_routing(random_ids(tokens, TOP_K, weights.num_experts, 13), "fp32", 14)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    out = nan_out((tokens, weights.hidden_size), torch.bfloat16)
+    low_latency_moe(config, x, weights, routing, activation=act)  # the first call: executor and workspaces
+    low_latency_moe(config, x, weights, routing, activation=act, out=out)
+    torch.cuda.synchronize()
+    grown = torch.cuda.memory_allocated() - before
+    assert grown < weight_bytes // 4, f"the first call allocated {grown} bytes beside {weight_bytes} of weights"
+    want = reference_low_latency(x, weights, routing, act, out_dtype=torch.bfloat16)
+    assert_close_to_reference(out, want, f"{fmt.value} on the tensor cores")
+    assert engine_of(weights, x_dtype, torch.float16, True, (9, 0)) == "cuda_cores"
+    half = low_latency_moe(config, x, weights, routing, activation=act, out_dtype=torch.float16)
+    want16 = reference_low_latency(x, weights, routing, act, out_dtype=torch.float16)
+    torch.cuda.synchronize()
+    assert_close_to_reference(half, want16, f"{fmt.value} on the CUDA cores, FP16 output")
