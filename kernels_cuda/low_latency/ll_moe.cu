@@ -535,7 +535,8 @@ __device__ __forceinline__ void dot_tiles(const u8* const (&wpair)[RB], const u8
   for (int t = 0; t < NT; ++t)
 #pragma unroll
     for (int r = 0; r < 2 * RB; ++r) acc[t][r] = 0.0f;
-  constexpr int U = chunks_in_flight<NT>(), TILE_SCALE_BYTES = 64;
+  // As many 16-byte loads in flight per lane as row mode's two rows have (a row pair's chunk is one load).
+  constexpr int U = chunks_in_flight<NT>() * 2 / RB, TILE_SCALE_BYTES = 64;
   const int q = sub & 3, nchunks = 4 * ntiles;
   for (int c0 = sub; c0 < nchunks; c0 += U * lpr) {
     uint4 raw[U][RB];
