@@ -328,6 +328,8 @@ class LowLatencyMoeConfig:
         TILED_FORMATS on SM90, the one copy that the tensor-core and the CUDA-core engines both read there
         (cudnn_moe.weights.low_latency); as they are otherwise."""
         tiles = self.target_arch() == SM90 and weights.format in TILED_FORMATS
+        if isinstance(weights, Mxfp4WeightOnlyWeights) and weights.nvfp4_problem is not None:
+            tiles = False  # no exact NVFP4 form (or not decided yet): these run on the CUDA cores, row-major
         return weights.to_tiles() if tiles else weights
 
     def prepare_nvfp4_weight_only_weights(
@@ -372,7 +374,9 @@ class LowLatencyMoeConfig:
         Preparation also decides whether the layer runs on the NVFP4 tensor-core kernels (SM90): it does when
         every expert's block scales re-encode exactly as NVFP4 (cudnn_moe.formats.mxfp4_as_nvfp4: the exponents of
         its nonzero blocks span at most 17 binades, none is NaN or above 2^125); ``weights.nvfp4_problem`` says why
-        not, and such layers run on the CUDA cores. This reads the scales and codes (a device sync).
+        not, and such layers run on the CUDA cores. On SM90 a layer with that form is stored in it, as the engine's
+        tiles (``stored``; the E8M0 scales kept beside them for ``canonical()``). This reads the scales and codes (a
+        device sync).
         """
         weights = self._prepare_block_scaled(
             WeightFormat.MXFP4_WEIGHT_ONLY, Mxfp4WeightOnlyWeights, torch.float8_e8m0fnu,
@@ -381,7 +385,7 @@ class LowLatencyMoeConfig:
         shifts1 = nvfp4_shifts(weights.w1_codes, weights.w1_scales, "w1")
         shifts2 = nvfp4_shifts(weights.w2_codes, weights.w2_scales, "w2")
         problem = next((s for s in (shifts1, shifts2) if isinstance(s, str)), None)
-        return replace(weights, nvfp4_shifts=problem or (shifts1, shifts2))
+        return self.stored(replace(weights, nvfp4_shifts=problem or (shifts1, shifts2)))
 
     def prepare_mxint4_weight_only_weights(
         self,

@@ -57,19 +57,23 @@ class LowLatencyFallback:
 
 
 def tiled_view(
-    engine: type[GemmEngine], arch: Arch, weights: Nvfp4WeightOnlyWeights | Mxint4WeightOnlyWeights
+    engine: type[GemmEngine], arch: Arch,
+    weights: Nvfp4WeightOnlyWeights | Mxfp4WeightOnlyWeights | Mxint4WeightOnlyWeights,
 ) -> Nvfp4Weights | None:
     """The ``engine`` view on ``arch`` of tiled low-latency weights: their own tensors (no copy) as w1 [E, N1p * H/2]
-    and w1_scales [E, N1p * H/16] bytes, w2 likewise, with the globals as alphas (MXINT4: alphas 1/256, the engine's
-    alpha * 256 being 1), intermediate size Ip; None where the weights are not tiled or the engine reads another
-    layout."""
+    and w1_scales [E, N1p * H/16] bytes, w2 likewise, with the globals as alphas (MXFP4: its NVFP4 form's tile scales
+    and globals, ``nvfp4_tiles``; MXINT4: alphas 1/256, the engine's alpha * 256 being 1), intermediate size Ip; None
+    where the weights are not tiled or the engine reads another layout."""
     spec = engine.spec(arch)
     if not weights.tiled or spec.weight_layout is not WeightLayout.SM90_TILES:
         return None
     experts = weights.num_experts
     mxint4 = isinstance(weights, Mxint4WeightOnlyWeights)
+    w1_scales, w2_scales = weights.w1_scales, weights.w2_scales
     if mxint4:
         alpha1 = alpha2 = torch.full((experts,), 1 / 256, dtype=torch.float32, device=weights.w1_codes.device)
+    elif isinstance(weights, Mxfp4WeightOnlyWeights):
+        w1_scales, alpha1, w2_scales, alpha2 = weights.nvfp4_tiles
     else:
         alpha1, alpha2 = weights.w1_global, weights.w2_global
 
@@ -77,8 +81,7 @@ def tiled_view(
         return t.view(torch.uint8).view(experts, -1)
 
     return Nvfp4Weights(
-        flat(weights.w1_codes), flat(weights.w1_scales), alpha1, flat(weights.w2_codes), flat(weights.w2_scales),
-        alpha2, spec, weights.gated, weights.hidden_size, weights.padded_intermediate,
+        flat(weights.w1_codes), flat(w1_scales), alpha1, flat(weights.w2_codes), flat(w2_scales), alpha2, spec, weights.gated, weights.hidden_size, weights.padded_intermediate,
         code=BlockCode.MXINT4 if mxint4 else BlockCode.NVFP4,
     )
 
@@ -90,7 +93,7 @@ def grouped_view(
     NVFP4 form: w1 [E, N1p, H] in the engine's layout with the w1 global as alpha, w2 [E, H, Ip] likewise;
     intermediate size Ip. Tiled weights in the engine's layout give their own tensors (``tiled_view``), others a
     repacked copy."""
-    view = tiled_view(engine, arch, weights) if isinstance(weights, Nvfp4WeightOnlyWeights) else None
+    view = tiled_view(engine, arch, weights)
     if view is not None:
         return view
     w1_codes, w1_scales, w1_global, w2_codes, w2_scales, w2_global = weights.nvfp4_payloads()

@@ -25,11 +25,10 @@ recorded for the call itself (an eager call, one recorded into the caller's grap
 chain stages the caller's tokens and routing in its sort + permute (for one token in its GEMM1, which then also sorts)
 and its GEMM2 finalizes into ``out`` where the engine can (cudnn_moe.pipeline.executor).
 
-Weights prepared for SM90 in a tiled format (NVFP4, MXINT4) are already in the engine's layout: the view holds their
-own tensors (``tiled_view``), one copy for both engines. MXFP4 weight-only weights are repacked once into their exact
-NVFP4 form in the engine's layout, on the first call, and that copy is kept beside them while they live (sized in
-the README's low-latency engines); so are weights prepared for another arch, unless they hold a prepared fallback in
-the engine's layout (cudnn_moe.low_latency.fallback), whose view is used instead.
+Weights prepared for SM90 are already in the engine's layout (``weights.tiled``; MXFP4 in its exact NVFP4 form): the
+view holds their own tensors (``tiled_view``), one copy for both engines. Weights prepared for another arch are
+repacked once, on the first call, and that copy is kept beside them while they live, unless they hold a prepared
+fallback in the engine's layout (cudnn_moe.low_latency.fallback), whose view is used instead.
 Calls above the config's max_num_tokens run here too, on the fallback's view with its token buckets
 (``run_on``): the same launches and rounding points, in larger buckets.
 """
@@ -71,11 +70,10 @@ def layer_view(engine: type[GemmEngine], weights: Viewable) -> Nvfp4Weights:
     fallback = weights.fallback if isinstance(weights, Nvfp4WeightOnlyWeights) else None
     if fallback is not None and fallback.weights.spec == engine.spec(arch):
         return fallback.weights
-    if not isinstance(weights, Mxfp4WeightOnlyWeights):
-        view = tiled_view(engine, arch, weights)
-        if view is not None:
-            with _lock:
-                return _views.setdefault(weights, view)
+    view = tiled_view(engine, arch, weights)
+    if view is not None:
+        with _lock:
+            return _views.setdefault(weights, view)
     refuse_during_capture("low_latency_moe must lay these weights out for the tensor cores first",
                           "make one call with them (of each token count) before capture")
     with _lock:

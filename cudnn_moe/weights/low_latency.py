@@ -19,10 +19,11 @@ arch better: a layer of NVFP4 (weight-only or the pair) or MXINT4 weight-only pr
 kernels read and the CUDA-core kernels read too (their tile mode, -DLL_TILES=1). That is the layer's only
 copy: no engine repacks it. The tiled tensors keep the shapes and dtypes of the row-major ones (the same bytes,
 in tile order), and ``canonical()`` unpacks them (a new tensor), so it gives the caller's logical tensors
-either way. MXFP4 weight-only layers stay row-major: their tensor-core form has other scales (E4M3 per 16
-values and a global per expert, cudnn_moe.formats.mxfp4_as_nvfp4) from which the caller's E8M0 bytes of
-all-zero blocks cannot be recovered, so the SM90 engine keeps that form beside them
-(cudnn_moe.low_latency.grouped).
+either way. MXFP4 weight-only layers with an exact NVFP4 form (cudnn_moe.formats.mxfp4_as_nvfp4) are tiled in
+that form: the codes in tiles, and beside the caller's E8M0 scales (row-major, kept because the form drops the
+scale bytes of all-zero blocks, which ``canonical()`` gives back) the form's E4M3 scales in tile order and its
+globals (``nvfp4_tiles``): 3/16 of a byte a weight more than the row-major layer, where a repacked copy took
+9/16. Layers without that form stay row-major.
 """
 
 from __future__ import annotations
@@ -47,9 +48,10 @@ if TYPE_CHECKING:
 PAD_MULTIPLE = 128
 _BIT_DTYPES = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
 # The formats whose payloads may be stored as SM90 fragment tiles (``tiled``), and how: NVFP4 tiles (E2M1 codes,
-# E4M3 scales per 16) or MXINT4 tiles (INT4 codes, BF16 scales per 32).
+# E4M3 scales per 16; MXFP4 weight-only in its exact NVFP4 form, Mxfp4WeightOnlyWeights.to_tiles) or MXINT4 tiles
+# (INT4 codes, BF16 scales per 32).
 TILED_FORMATS = frozenset({WeightFormat.NVFP4_WEIGHT_ONLY, WeightFormat.NVFP4_W_NVFP4_A,
-                           WeightFormat.MXINT4_WEIGHT_ONLY})
+                           WeightFormat.MXINT4_WEIGHT_ONLY, WeightFormat.MXFP4_WEIGHT_ONLY})
 _TILE_CHUNK_BYTES = 1 << 28  # codes of the experts tiled at once, to bound the packing's temporaries
 
 
@@ -224,10 +226,44 @@ class Mxfp4WeightOnlyWeights(BlockScaledWeights):
     nvfp4_shifts: decided at preparation (``prepare_mxfp4_weight_only_weights``): the shifts (w1, w2), int32 [E]
         each, of the exact NVFP4 form these weights take on NVFP4 kernels (cudnn_moe.formats.mxfp4_as_nvfp4), or
         why they have none (a str); None where nobody asked (the MX pair's weights).
+    nvfp4_tiles: None, or where ``tiled`` the rest of that NVFP4 form, which both engines run the tiled codes
+        with: (w1 E4M3 scales in tile order float8_e4m3fn [E, N1p, H/16], w1 global float32 [E], w2 scales
+        [E, H, Ip/16], w2 global [E]). The E8M0 scales stay row-major: ``canonical()`` gives them as the caller
+        passed them (the NVFP4 form drops the scale bytes of all-zero blocks).
     """
 
     block: ClassVar[int] = 32
     nvfp4_shifts: tuple[torch.Tensor, torch.Tensor] | str | None = None
+    nvfp4_tiles: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.tiled != (self.nvfp4_tiles is not None):
+            raise ValueError("tiled MXFP4 weights hold their NVFP4 tile scales and globals (nvfp4_tiles), others none")
+
+    def row_payloads(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(w1_codes, w1_scales, w2_codes, w2_scales) row-major and padded as stored, with the E8M0 scales: the codes
+        unpacked from the tiles (new tensors) when ``tiled``."""
+        if not self.tiled:
+            return self.w1_codes, self.w1_scales, self.w2_codes, self.w2_scales
+        w1_tile_scales, _, w2_tile_scales, _ = self.nvfp4_tiles
+        w1_codes, _ = _untile_payload(self.format, self.w1_codes, w1_tile_scales)
+        w2_codes, _ = _untile_payload(self.format, self.w2_codes, w2_tile_scales)
+        return w1_codes, self.w1_scales, w2_codes, self.w2_scales
+
+    def to_tiles(self) -> Mxfp4WeightOnlyWeights:
+        """These weights with their codes stored as SM90 fragment tiles and the tile-ordered scales and globals of
+        their exact NVFP4 form beside the E8M0 scales (``nvfp4_tiles``); self if already tiled. ValueError when they
+        have no exact NVFP4 form (``nvfp4_problem``) or are not weight-only (the MX pair)."""
+        if self.tiled:
+            return self
+        if self.format not in TILED_FORMATS:
+            raise ValueError(f"{self.format.value} weights are never stored as SM90 tiles")
+        w1_codes, w1_scales, w1_global, w2_codes, w2_scales, w2_global = self.nvfp4_payloads()
+        w1_tiles, w1_tile_scales = _tile_payload(self.format, w1_codes, w1_scales)
+        w2_tiles, w2_tile_scales = _tile_payload(self.format, w2_codes, w2_scales)
+        return replace(self, w1_codes=w1_tiles, w2_codes=w2_tiles, tiled=True,
+                       nvfp4_tiles=(w1_tile_scales, w1_global, w2_tile_scales, w2_global))
 
     @property
     def nvfp4_problem(self) -> str | None:
@@ -237,15 +273,16 @@ class Mxfp4WeightOnlyWeights(BlockScaledWeights):
         return self.nvfp4_shifts if isinstance(self.nvfp4_shifts, str) else None
 
     def nvfp4_payloads(self) -> tuple[torch.Tensor, ...]:
-        """The exact NVFP4 form, padded as stored: (w1_codes, w1_scales float8_e4m3fn [E, N1p, H/16], w1_global
-        float32 [E], w2_codes, w2_scales [E, H, Ip/16], w2_global); the codes are these weights' own tensors.
-        ValueError when there is none (``nvfp4_problem``)."""
+        """The exact NVFP4 form, row-major and padded: (w1_codes, w1_scales float8_e4m3fn [E, N1p, H/16], w1_global
+        float32 [E], w2_codes, w2_scales [E, H, Ip/16], w2_global); the codes are ``row_payloads``' (these weights'
+        own tensors unless tiled). ValueError when there is none (``nvfp4_problem``)."""
         problem = self.nvfp4_problem
         if problem is not None:
             raise ValueError(f"these MXFP4 weights have no exact NVFP4 form: {problem}")
         shifts1, shifts2 = self.nvfp4_shifts
-        return (self.w1_codes, nvfp4_scales(self.w1_codes, self.w1_scales, shifts1), nvfp4_globals(shifts1),
-                self.w2_codes, nvfp4_scales(self.w2_codes, self.w2_scales, shifts2), nvfp4_globals(shifts2))
+        w1_codes, w1_scales, w2_codes, w2_scales = self.row_payloads()
+        return (w1_codes, nvfp4_scales(w1_codes, w1_scales, shifts1), nvfp4_globals(shifts1),
+                w2_codes, nvfp4_scales(w2_codes, w2_scales, shifts2), nvfp4_globals(shifts2))
 
 
 @dataclass(frozen=True, eq=False)

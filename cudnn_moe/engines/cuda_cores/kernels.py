@@ -87,8 +87,10 @@ def module_options(weights: WeightCode, inputs: InputCode, tiles: bool = False) 
     return (f"-DLL_WEIGHTS={int(weights)}", f"-DLL_INPUT={int(inputs)}", *(("-DLL_TILES=1",) if tiles else ()))
 
 
-def weight_code(fmt: WeightFormat) -> WeightCode:
-    return _WEIGHT_CODES[fmt]
+def weight_code(fmt: WeightFormat, tiles: bool = False) -> WeightCode:
+    """The module's weight decoder: the format's, except tiled MXFP4 weight-only layers, which run in their exact
+    NVFP4 form (Mxfp4WeightOnlyWeights.nvfp4_tiles)."""
+    return WeightCode.NVFP4 if tiles and fmt is WeightFormat.MXFP4_WEIGHT_ONLY else _WEIGHT_CODES[fmt]
 
 
 def input_code(fmt: WeightFormat, x_dtype: torch.dtype | None) -> InputCode:
@@ -188,7 +190,7 @@ class Tactic:
 
     def module_options(self, fmt: WeightFormat, x_dtype: torch.dtype | None, tiles: bool = False) -> tuple[str, ...]:
         """The -D options of the module a call with these weights (``tiles``: stored tiled) and tokens launches."""
-        return (*module_options(weight_code(fmt), input_code(fmt, x_dtype), tiles), *self.options)
+        return (*module_options(weight_code(fmt, tiles), input_code(fmt, x_dtype), tiles), *self.options)
 
 
 FMA = Tactic()
@@ -230,8 +232,12 @@ def _payloads(weights: Any, second: bool) -> tuple[torch.Tensor, torch.Tensor | 
     """(codes or dense weights, scales, FP32 globals) of GEMM1 (second=False) or GEMM2 of a low-latency record
     (cudnn_moe.weights.low_latency: dense formats hold w1/w2, block-scaled ones codes and scales, NVFP4 globals too,
     FP8 weight-only E4M3 codes and a per-expert scale, per-tensor FP8 E4M3 codes and the per-expert FP32 factors
-    input_scale * w1_scale and intermediate_scale * w2_scale)."""
+    input_scale * w1_scale and intermediate_scale * w2_scale; tiled MXFP4 weight-only its NVFP4 form's tile scales and
+    globals)."""
     gemm = "w2" if second else "w1"
+    if getattr(weights, "nvfp4_tiles", None) is not None:  # tiled MXFP4: the codes with their NVFP4 form's scales
+        tile_scales, tile_global = weights.nvfp4_tiles[2:] if second else weights.nvfp4_tiles[:2]
+        return getattr(weights, f"{gemm}_codes"), tile_scales, tile_global
     if weights.format in (WeightFormat.BF16, WeightFormat.FP16):
         return getattr(weights, gemm), None, None
     if weights.format is WeightFormat.FP8_WEIGHT_ONLY:  # the per-expert FP32 scale goes where the global goes

@@ -264,8 +264,14 @@ def test_prepare_weight_only_bit_exact_and_padded(fmt, gated):
     rows = wts.row_payloads()
     if wts.tiled:  # the stored bytes are exactly the SM90 tiles of the padded row-major payloads
         pack = pack_int4_weight_tiles if fmt is WeightFormat.MXINT4_WEIGHT_ONLY else pack_weight_tiles
-        for codes, scales, stored_codes, stored_scales in ((rows[0], rows[1], wts.w1_codes, wts.w1_scales),
-                                                           (rows[2], rows[3], wts.w2_codes, wts.w2_scales)):
+        if fmt is WeightFormat.MXFP4_WEIGHT_ONLY:  # tiles of the exact NVFP4 form; the E8M0 scales stay row-major
+            nv = wts.nvfp4_payloads()
+            tile_form = ((nv[0], nv[1], wts.w1_codes, wts.nvfp4_tiles[0]), (nv[3], nv[4], wts.w2_codes, wts.nvfp4_tiles[2]))
+            assert same_bits(wts.nvfp4_tiles[1], nv[2]) and same_bits(wts.nvfp4_tiles[3], nv[5])
+            assert wts.w1_scales is rows[1] and wts.w2_scales is rows[3]
+        else:
+            tile_form = ((rows[0], rows[1], wts.w1_codes, wts.w1_scales), (rows[2], rows[3], wts.w2_codes, wts.w2_scales))
+        for codes, scales, stored_codes, stored_scales in tile_form:
             tiles, tile_scales = pack(codes, scales)
             assert same_bits(stored_codes.reshape(E, -1), tiles)
             assert same_bits(stored_scales.view(torch.uint8).reshape(E, -1), tile_scales)
@@ -289,14 +295,25 @@ def test_prepare_weight_only_bit_exact_and_padded(fmt, gated):
     assert all(same_bits(a, b) for a, b in zip(elsewhere.canonical(), canonical))
 
 
-def test_only_tiled_formats_may_be_stored_tiled():
-    wts = prepare(LowLatencyMoeConfig(arch="sm90"), WeightFormat.MXFP4_WEIGHT_ONLY,
-                  block_payloads(WeightFormat.MXFP4_WEIGHT_ONLY, True))
-    assert not wts.tiled
-    with pytest.raises(ValueError, match="mxfp4_weight_only weights are never stored as SM90 tiles"):
-        wts.to_tiles()
-    with pytest.raises(ValueError, match="never stored as SM90 tiles"):
-        dataclasses.replace(wts, tiled=True)
+def test_what_is_never_stored_tiled():
+    """MXFP4 weight-only layers without an exact NVFP4 form stay row-major (and cannot be tiled); the other formats
+    (16-bit, FP8, the MX pairs) are never tiled."""
+    w1c, w1s, w2c, w2s = block_payloads(WeightFormat.MXFP4_WEIGHT_ONLY, True)
+    w1c[0, 0, :16] = 0x22  # two nonzero blocks of expert 0, 40 binades apart: no E4M3 range holds both
+    w1c[0, 1, :16] = 0x22
+    w1s.view(torch.uint8)[0, 0, 0], w1s.view(torch.uint8)[0, 1, 0] = 127 + 20, 127 - 20
+    wide = LowLatencyMoeConfig(arch="sm90").prepare_mxfp4_weight_only_weights(w1c, w1s, w2c, w2s)
+    assert wide.nvfp4_problem is not None and not wide.tiled and wide.nvfp4_tiles is None
+    with pytest.raises(ValueError, match="no exact NVFP4 form"):
+        wide.to_tiles()
+    bf16 = prepare(LowLatencyMoeConfig(arch="sm90"), WeightFormat.BF16, dense_weights(torch.bfloat16, True))
+    assert not bf16.tiled
+    with pytest.raises(ValueError, match="bf16 weights are never stored as SM90 tiles"):
+        dataclasses.replace(bf16, tiled=True)
+    mxfp4 = prepare(LowLatencyMoeConfig(arch="sm90"), WeightFormat.MXFP4_WEIGHT_ONLY,
+                    block_payloads(WeightFormat.MXFP4_WEIGHT_ONLY, True))
+    with pytest.raises(ValueError, match="nvfp4_tiles"):
+        dataclasses.replace(mxfp4, nvfp4_tiles=None)
 
 
 @pytest.mark.parametrize("gated", [True, False])

@@ -270,18 +270,22 @@ def test_tensor_cores_with_every_slot_unrouted_give_zeros(tokens) -> None:
     assert not bool(out.isnan().any()) and torch.count_nonzero(out) == 0, "out must hold zeros"
 
 
-@pytest.mark.parametrize("fmt", [FMT, WeightFormat.MXINT4_WEIGHT_ONLY, WeightFormat.NVFP4_W_NVFP4_A])
+ONE_COPY = [FMT, WeightFormat.MXFP4_WEIGHT_ONLY, WeightFormat.MXINT4_WEIGHT_ONLY, WeightFormat.NVFP4_W_NVFP4_A]
+
+
+@pytest.mark.parametrize("fmt", ONE_COPY)
 def test_sm90_layers_hold_one_weight_copy(fmt) -> None:
-    """Prepared on SM90, NVFP4 and MXINT4 layers are stored as the engine's tiles: the tensor-core view holds their
-    own memory, the first tensor-core call allocates far less than the weights (workspaces only, no repack), and a
-    CUDA-core call on the same tiles agrees with the float64 reference."""
+    """Prepared on SM90, NVFP4, MXFP4 (in its NVFP4 form) and MXINT4 layers are stored as the engine's tiles: the
+    tensor-core view holds their own memory, the first tensor-core call allocates far less than the weights
+    (workspaces only, no repack), and a CUDA-core call on the same tiles agrees with the float64 reference."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the tiles are the SM90 engine's layout")
     config, weights = make_layer(fmt, True, experts=16, shape=(1024, 1024), seed=11)
     assert weights.tiled
     view = grouped.layer_view(Sm90GemmEngine, weights)
     assert view.w1.data_ptr() == weights.w1_codes.data_ptr() and view.w2.data_ptr() == weights.w2_codes.data_ptr()
-    assert view.w1_scales.data_ptr() == weights.w1_scales.data_ptr()
+    scales = weights.nvfp4_tiles[0] if fmt is WeightFormat.MXFP4_WEIGHT_ONLY else weights.w1_scales
+    assert view.w1_scales.data_ptr() == scales.data_ptr()
     weight_bytes = sum(t.numel() * t.element_size()
                        for t in (weights.w1_codes, weights.w1_scales, weights.w2_codes, weights.w2_scales))
     tokens, act = 4, SwiGLU()
