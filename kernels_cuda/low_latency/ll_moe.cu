@@ -462,14 +462,9 @@ __device__ __forceinline__ void load_x_tile_step(const u8* base, const u8* scale
   }
 }
 
-// The block scale of row g + 8h for scale block b of a tile (NVFP4: k16 step b; MXINT4: k32 half b), exact, from
-// the pair's 8 scale bytes.
+// MXINT4: the BF16 block scale of row g + 8h for k32 half b of a tile, exact, from the pair's 8 scale bytes.
 __device__ __forceinline__ float tile_scale(const uint2& raw, int b, int h) {
-#if LL_WEIGHTS == LL_WEIGHTS_MXINT4
   return __uint_as_float(((b == 0 ? raw.x : raw.y) >> (16 * h)) << 16);
-#else
-  return e4m3_value(((b < 2 ? raw.x : raw.y) >> (8 * (2 * (b & 1) + h))) & 0xFFu);
-#endif
 }
 
 // acc[t][2b + h] += row g + 8h of row block b dotted with token t over one chunk (tile j, quad q): per scale block,
@@ -481,6 +476,11 @@ __device__ __forceinline__ void tile_chunk_dot(const uint4 (&raw)[RB], const uin
                                                const u8* xbase, const u8* xscales, const int (&xoff)[NT],
                                                float (&acc)[NT][2 * RB]) {
   constexpr int STEPS = LL_WEIGHTS == LL_WEIGHTS_MXINT4 ? 2 : 1;  // k16 steps per block scale
+  // NVFP4: the pair's 8 E4M3 scales (byte 2s + h: row g + 8h, step s) in FP32 at once (two per conversion on SM89 on)
+  float e4m3_scales[RB][LL_WEIGHTS == LL_WEIGHTS_MXINT4 ? 1 : 8];
+#pragma unroll
+  for (int r = 0; r < RB; ++r)
+    if (LL_WEIGHTS != LL_WEIGHTS_MXINT4) decode_e4m3_word(sraw[r].x, sraw[r].y, e4m3_scales[r]);
 #pragma unroll
   for (int b = 0; b < 4 / STEPS; ++b) {
     float wv[STEPS][RB][8];
@@ -496,7 +496,8 @@ __device__ __forceinline__ void tile_chunk_dot(const uint4 (&raw)[RB], const uin
       }
     float scale[2 * RB];
 #pragma unroll
-    for (int r = 0; r < 2 * RB; ++r) scale[r] = tile_scale(sraw[r / 2], b, r & 1);
+    for (int r = 0; r < 2 * RB; ++r) scale[r] = LL_WEIGHTS == LL_WEIGHTS_MXINT4 ? tile_scale(sraw[r / 2], b, r & 1)
+                                                                              : e4m3_scales[r / 2][2 * b + (r & 1)];
 #pragma unroll
     for (int t = 0; t < NT; ++t) {
       float part[2 * RB];
