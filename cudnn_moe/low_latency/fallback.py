@@ -62,8 +62,9 @@ def tiled_view(
 ) -> Nvfp4Weights | None:
     """The ``engine`` view on ``arch`` of tiled low-latency weights: their own tensors (no copy) as w1 [E, N1p * H/2]
     and w1_scales [E, N1p * H/16] bytes, w2 likewise, with the globals as alphas (MXFP4: its NVFP4 form's tile scales
-    and globals, ``nvfp4_tiles``; MXINT4: alphas 1/256, the engine's alpha * 256 being 1), intermediate size Ip; None
-    where the weights are not tiled or the engine reads another layout."""
+    and globals, ``nvfp4_tiles``; MXINT4: alphas 1/256, the engine's alpha * 256 being 1, a new tensor), intermediate
+    size Ip; None where the weights are not tiled or the engine reads another layout. Allocates nothing but MXINT4's
+    alphas."""
     spec = engine.spec(arch)
     if not weights.tiled or spec.weight_layout is not WeightLayout.SM90_TILES:
         return None
@@ -81,7 +82,8 @@ def tiled_view(
         return t.view(torch.uint8).view(experts, -1)
 
     return Nvfp4Weights(
-        flat(weights.w1_codes), flat(w1_scales), alpha1, flat(weights.w2_codes), flat(w2_scales), alpha2, spec, weights.gated, weights.hidden_size, weights.padded_intermediate,
+        flat(weights.w1_codes), flat(w1_scales), alpha1, flat(weights.w2_codes), flat(w2_scales), alpha2, spec,
+        weights.gated, weights.hidden_size, weights.padded_intermediate,
         code=BlockCode.MXINT4 if mxint4 else BlockCode.NVFP4,
     )
 

@@ -70,11 +70,12 @@ def layer_view(engine: type[GemmEngine], weights: Viewable) -> Nvfp4Weights:
     fallback = weights.fallback if isinstance(weights, Nvfp4WeightOnlyWeights) else None
     if fallback is not None and fallback.weights.spec == engine.spec(arch):
         return fallback.weights
-    view = tiled_view(engine, arch, weights)
-    if view is not None:
-        with _lock:
-            return _views.setdefault(weights, view)
-    refuse_during_capture("low_latency_moe must lay these weights out for the tensor cores first",
+    if not isinstance(weights, Mxint4WeightOnlyWeights):  # a view of their own tensors allocates nothing: capturable
+        view = tiled_view(engine, arch, weights)
+        if view is not None:
+            with _lock:
+                return _views.setdefault(weights, view)
+    refuse_during_capture("low_latency_moe must build its tensor-core view of these weights first",
                           "make one call with them (of each token count) before capture")
     with _lock:
         view = _views.get(weights)
@@ -85,9 +86,12 @@ def layer_view(engine: type[GemmEngine], weights: Viewable) -> Nvfp4Weights:
 
 
 def mxint4_view(engine: type[GemmEngine], arch: Arch, weights: Mxint4WeightOnlyWeights) -> Nvfp4Weights:
-    """The ``engine`` view on ``arch`` of MXINT4 weight-only weights (a repacked copy, BlockCode.MXINT4): w1
-    [E, N1p, H] and w2 [E, H, Ip] in the engine's MXINT4 layout, alphas 1/256 (the engine's alpha * 256 is then 1:
-    MXINT4 has no global); intermediate size Ip."""
+    """The ``engine`` view on ``arch`` of MXINT4 weight-only weights (their own tiles when tiled, else a repacked
+    copy; BlockCode.MXINT4): w1 [E, N1p, H] and w2 [E, H, Ip] in the engine's MXINT4 layout, alphas 1/256 (the
+    engine's alpha * 256 is then 1: MXINT4 has no global); intermediate size Ip."""
+    view = tiled_view(engine, arch, weights)
+    if view is not None:
+        return view
     w1_codes, w1_scales, w2_codes, w2_scales = weights.row_payloads()
     w1, w1_scales = engine.pack_weights_chunked(arch, w1_codes, w1_scales, code=BlockCode.MXINT4)
     w2, w2_scales = engine.pack_weights_chunked(arch, w2_codes, w2_scales, code=BlockCode.MXINT4)

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from ..engines.base import WeightFormat
+from ..engines.base import PACK_CHUNK_BYTES, WeightFormat
 from ..engines.sm90.layout import (
     pack_int4_weight_tiles,
     pack_weight_tiles,
@@ -52,7 +52,6 @@ _BIT_DTYPES = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
 # (INT4 codes, BF16 scales per 32).
 TILED_FORMATS = frozenset({WeightFormat.NVFP4_WEIGHT_ONLY, WeightFormat.NVFP4_W_NVFP4_A,
                            WeightFormat.MXINT4_WEIGHT_ONLY, WeightFormat.MXFP4_WEIGHT_ONLY})
-_TILE_CHUNK_BYTES = 1 << 28  # codes of the experts tiled at once, to bound the packing's temporaries
 
 
 def padded_intermediate(intermediate: int) -> int:
@@ -93,7 +92,7 @@ def _tile_payload(fmt: WeightFormat, codes: torch.Tensor, scales: torch.Tensor) 
     """Row-major codes uint8 [E, N, K/2] and scales ([E, N, K/16] E4M3, or [E, N, K/32] BF16 for MXINT4) -> the same
     shapes and dtypes holding the SM90 fragment tiles, a few experts at a time."""
     pack = pack_int4_weight_tiles if fmt is WeightFormat.MXINT4_WEIGHT_ONLY else pack_weight_tiles
-    step = max(1, _TILE_CHUNK_BYTES // max(1, codes[0].numel()))
+    step = max(1, PACK_CHUNK_BYTES // max(1, codes[0].numel()))
     parts = [pack(codes[e : e + step].contiguous(), scales[e : e + step].contiguous())
              for e in range(0, codes.shape[0], step)]
     tiles, tile_scales = (torch.cat(p) for p in zip(*parts))
@@ -114,8 +113,9 @@ def _untile_payload(fmt: WeightFormat, tiles: torch.Tensor, tile_scales: torch.T
 class LowLatencyWeights:
     """What every prepared form records: the format, H, logical I, padded I (multiple of 128), gated.
 
-    tiled: the 4-bit payloads (codes and block scales of a TILED_FORMATS layer) hold the SM90 fragment tiles, in the
-    row-major tensors' shapes and dtypes (module docstring); False for every other layer.
+    tiled: the 4-bit payloads of a TILED_FORMATS layer (the codes, and the block scales but MXFP4's, whose tiles are
+    ``nvfp4_tiles``) hold the SM90 fragment tiles, in the row-major tensors' shapes and dtypes (module docstring);
+    False for every other layer.
     """
 
     format: WeightFormat
