@@ -159,6 +159,17 @@ __device__ __forceinline__ u16 float_to_half(float f) {
   return h;
 }
 
+// The two 16-bit values of word w (the lower one in the low half), FP16 or BF16, in FP32, exact.
+__device__ __forceinline__ void widen_pair(u32 w, bool fp16, float& lo, float& hi) {
+  if (fp16) {
+    lo = half_to_float(static_cast<u16>(w & 0xFFFFu));
+    hi = half_to_float(static_cast<u16>(w >> 16));
+  } else {
+    lo = __uint_as_float(w << 16);
+    hi = __uint_as_float(w & 0xFFFF0000u);
+  }
+}
+
 // Bits of f rounded (nearest even) to FP16 or BF16.
 __device__ __forceinline__ u16 to_16(float f, bool fp16) { return fp16 ? float_to_half(f) : float_to_bf16(f); }
 
@@ -262,15 +273,7 @@ __device__ __forceinline__ void load_x8(const u8* base, const u8* scales, int of
     const uint4 raw = __ldg(reinterpret_cast<const uint4*>(row) + k / 8);
     const u32 w[4] = {raw.x, raw.y, raw.z, raw.w};
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      if (XK == LL_INPUT_FP16) {
-        v[2 * j] = half_to_float(static_cast<u16>(w[j] & 0xFFFFu));
-        v[2 * j + 1] = half_to_float(static_cast<u16>(w[j] >> 16));
-      } else {
-        v[2 * j] = __uint_as_float(w[j] << 16);
-        v[2 * j + 1] = __uint_as_float(w[j] & 0xFFFF0000u);
-      }
-    }
+    for (int j = 0; j < 4; ++j) widen_pair(w[j], XK == LL_INPUT_FP16, v[2 * j], v[2 * j + 1]);
   }
 }
 
@@ -424,10 +427,11 @@ __device__ __forceinline__ void dot_rows(const u8* const (&wrow)[R], const u8* c
 // bytes hold, at byte 8g, the 8 scale bytes of those two rows (NVFP4: E4M3 of row g + 8h and step s at byte
 // 2s + h; MXINT4: the BF16 of row g + 8h and k32 half b at bytes 4b + 2h).
 // A feature group (lanes_per_row lanes, a multiple of 4) then owns a row pair (g, g + 8) of a 16-row block: group
-// index G gives block G / 8 and g = G % 8, so eight consecutive groups cover one block, and a CTA's groups cover
-// the same consecutive features as in row mode. The group's lanes take the pair's chunks c = sub, sub + lanes, ...
-// (tile c / 4, quad c % 4 = sub % 4): the group reads 64 contiguous bytes of each tile, and neighbouring groups
-// the neighbouring 64. Token values come in the k order of the lane's registers (load_x_tile_step).
+// index G gives block G / 8 and g = G % 8, so eight consecutive groups cover one block and a CTA's groups cover
+// consecutive features (GEMM2: the same as in row mode; GEMM1: twice as many, two a group). The group's lanes take
+// the pair's chunks c = sub, sub + lanes, ... (tile c / 4, quad c % 4 = sub % 4): the group reads 64 contiguous
+// bytes of each tile, and neighbouring groups the neighbouring 64. Token values come in the k order of the lane's
+// registers (load_x_tile_step).
 constexpr int TILE_BYTES = 512, TILE_K = 64;  // a tile's code bytes and K; its scale bytes: 64
 
 // Feature (weight row) g of the 16-row block of group G; the group's other row is 8 further.
@@ -449,16 +453,8 @@ __device__ __forceinline__ void load_x_tile_step(const u8* base, const u8* scale
   } else {
     const u32* words = reinterpret_cast<const u32*>(base + offset) + (TILE_K / 2) * j + 8 * s + q;
     const u32 w[2] = {__ldg(words), __ldg(words + 4)};
-#pragma unroll
-    for (int p = 0; p < 2; ++p) {
-      if (XK == LL_INPUT_FP16) {
-        v[2 * p] = half_to_float(static_cast<u16>(w[p] & 0xFFFFu));
-        v[2 * p + 1] = half_to_float(static_cast<u16>(w[p] >> 16));
-      } else {
-        v[2 * p] = __uint_as_float(w[p] << 16);
-        v[2 * p + 1] = __uint_as_float(w[p] & 0xFFFF0000u);
-      }
-    }
+    widen_pair(w[0], XK == LL_INPUT_FP16, v[0], v[1]);
+    widen_pair(w[1], XK == LL_INPUT_FP16, v[2], v[3]);
   }
 }
 
