@@ -56,6 +56,12 @@ class LowLatencyFallback:
     weights: Nvfp4Weights
 
 
+def mxint4_alphas(weights: Mxint4WeightOnlyWeights) -> torch.Tensor:
+    """The alphas of an SM90 MXINT4 view: float32 [E] of 1/256 (the engine's alpha * 256 is then 1: MXINT4 has no
+    global)."""
+    return torch.full((weights.num_experts,), 1 / 256, dtype=torch.float32, device=weights.w1_codes.device)
+
+
 def tiled_view(
     engine: type[GemmEngine], arch: Arch,
     weights: Nvfp4WeightOnlyWeights | Mxfp4WeightOnlyWeights | Mxint4WeightOnlyWeights,
@@ -72,7 +78,7 @@ def tiled_view(
     mxint4 = isinstance(weights, Mxint4WeightOnlyWeights)
     w1_scales, w2_scales = weights.w1_scales, weights.w2_scales
     if mxint4:
-        alpha1 = alpha2 = torch.full((experts,), 1 / 256, dtype=torch.float32, device=weights.w1_codes.device)
+        alpha1 = alpha2 = mxint4_alphas(weights)
     elif isinstance(weights, Mxfp4WeightOnlyWeights):
         w1_scales, alpha1, w2_scales, alpha2 = weights.nvfp4_tiles
     else:

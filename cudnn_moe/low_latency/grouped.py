@@ -38,8 +38,6 @@ from __future__ import annotations
 import threading
 import weakref
 
-import torch
-
 from ..activations import Activation
 from ..arch import Arch, device_arch
 from ..capture import refuse_during_capture
@@ -51,7 +49,7 @@ from ..pipeline.lifetime import cached
 from ..weights.low_latency import Mxfp4WeightOnlyWeights, Mxint4WeightOnlyWeights, Nvfp4WeightOnlyWeights
 from ..weights.nvfp4 import Nvfp4Activations, Nvfp4Weights
 from .config import MAX_NUM_TOKENS
-from .fallback import grouped_view, tiled_view
+from .fallback import grouped_view, mxint4_alphas, tiled_view
 
 Viewable = Nvfp4WeightOnlyWeights | Mxfp4WeightOnlyWeights | Mxint4WeightOnlyWeights  # what this path runs
 _views: weakref.WeakKeyDictionary[Viewable, Nvfp4Weights] = weakref.WeakKeyDictionary()
@@ -95,7 +93,7 @@ def mxint4_view(engine: type[GemmEngine], arch: Arch, weights: Mxint4WeightOnlyW
     w1_codes, w1_scales, w2_codes, w2_scales = weights.row_payloads()
     w1, w1_scales = engine.pack_weights_chunked(arch, w1_codes, w1_scales, code=BlockCode.MXINT4)
     w2, w2_scales = engine.pack_weights_chunked(arch, w2_codes, w2_scales, code=BlockCode.MXINT4)
-    alpha = torch.full((weights.num_experts,), 1 / 256, dtype=torch.float32, device=weights.w1_codes.device)
+    alpha = mxint4_alphas(weights)
     return Nvfp4Weights(
         w1, w1_scales, alpha, w2, w2_scales, alpha, engine.spec(arch), weights.gated, weights.hidden_size,
         weights.padded_intermediate, code=BlockCode.MXINT4,

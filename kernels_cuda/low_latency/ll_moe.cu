@@ -384,14 +384,30 @@ __device__ __forceinline__ void chunk_dot(const uint4 (&raw)[R], const u32 (&sra
   }
 }
 
-template <int NT, int R, int XK>
-__device__ __forceinline__ void dot_rows(const u8* const (&wrow)[R], const u8* const (&srow)[R], int nchunks, int sub,
-                                         int lpr, const u8* xbase, const u8* xscales, const int (&xoff)[NT],
-                                         float (&acc)[NT][R]) {
+// Every token's and row's sum of a feature group to zero.
+template <int NT, int R>
+__device__ __forceinline__ void zero_sums(float (&acc)[NT][R]) {
 #pragma unroll
   for (int t = 0; t < NT; ++t)
 #pragma unroll
     for (int r = 0; r < R; ++r) acc[t][r] = 0.0f;
+}
+
+// Butterfly over the lpr lanes of a feature group: every lane of it ends with the totals.
+template <int NT, int R>
+__device__ __forceinline__ void reduce_over_group(float (&acc)[NT][R], int lpr) {
+#pragma unroll
+  for (int t = 0; t < NT; ++t)
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+      for (int off = lpr >> 1; off > 0; off >>= 1) acc[t][r] += __shfl_xor_sync(0xFFFFFFFFu, acc[t][r], off);
+}
+
+template <int NT, int R, int XK>
+__device__ __forceinline__ void dot_rows(const u8* const (&wrow)[R], const u8* const (&srow)[R], int nchunks, int sub,
+                                         int lpr, const u8* xbase, const u8* xscales, const int (&xoff)[NT],
+                                         float (&acc)[NT][R]) {
+  zero_sums(acc);
   constexpr int U = chunks_in_flight<NT>();
   for (int c0 = sub; c0 < nchunks; c0 += U * lpr) {
     uint4 raw[U][R];
@@ -411,12 +427,7 @@ __device__ __forceinline__ void dot_rows(const u8* const (&wrow)[R], const u8* c
       if (c < nchunks) chunk_dot<NT, R, XK>(raw[u], sraw[u], c, xbase, xscales, xoff, acc);
     }
   }
-  // Butterfly over the lpr lanes of the group: every lane of it ends with the totals.
-#pragma unroll
-  for (int t = 0; t < NT; ++t)
-#pragma unroll
-    for (int r = 0; r < R; ++r)
-      for (int off = lpr >> 1; off > 0; off >>= 1) acc[t][r] += __shfl_xor_sync(0xFFFFFFFFu, acc[t][r], off);
+  reduce_over_group(acc, lpr);
 }
 
 // ------------------------------------------------------------------------------------------ tile mode
@@ -528,10 +539,7 @@ template <int NT, int RB, int XK>
 __device__ __forceinline__ void dot_tiles(const u8* const (&wpair)[RB], const u8* const (&spair)[RB], int ntiles,
                                           int sub, int lpr, const u8* xbase, const u8* xscales, const int (&xoff)[NT],
                                           float (&acc)[NT][2 * RB]) {
-#pragma unroll
-  for (int t = 0; t < NT; ++t)
-#pragma unroll
-    for (int r = 0; r < 2 * RB; ++r) acc[t][r] = 0.0f;
+  zero_sums(acc);
   // As many 16-byte loads in flight per lane as row mode's two rows have (a row pair's chunk is one load).
   constexpr int U = chunks_in_flight<NT>() * 2 / RB, TILE_SCALE_BYTES = 64;
   const int q = sub & 3, nchunks = 4 * ntiles;
@@ -555,11 +563,7 @@ __device__ __forceinline__ void dot_tiles(const u8* const (&wpair)[RB], const u8
       if (c < nchunks) tile_chunk_dot<NT, RB, XK>(raw[u], sraw[u], c >> 2, q, xbase, xscales, xoff, acc);
     }
   }
-#pragma unroll
-  for (int t = 0; t < NT; ++t)
-#pragma unroll
-    for (int r = 0; r < 2 * RB; ++r)
-      for (int off = lpr >> 1; off > 0; off >>= 1) acc[t][r] += __shfl_xor_sync(0xFFFFFFFFu, acc[t][r], off);
+  reduce_over_group(acc, lpr);
 }
 
 // Group G's share of the tiles and of the scale bytes of the 16-row block starting at row block_row (of K = k).

@@ -118,7 +118,7 @@ class CudaCoresEngine(LayerEngine):
         w, device = call.weights, call.x.device
         index = device.index if device.index is not None else torch.cuda.current_device()
         tactic = cls.tactic
-        _ensure_ready(cls.name, tactic, w.format, call.x_dtype, kernels.tiled(w), index)
+        _ensure_ready(cls.name, tactic, w.format, call.x_dtype, w.tiled, index)
         ids, route_weights, routing_code = call.routing.kernel_operands()
         tokens, top_k, sms = call.tokens, call.top_k, _sm_count(index)
         out_fp16 = call.out_dtype is torch.float16

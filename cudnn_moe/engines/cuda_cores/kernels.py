@@ -115,15 +115,10 @@ def row_bytes(fmt: WeightFormat, k: int) -> int:
     return 2 * k if fmt in (WeightFormat.BF16, WeightFormat.FP16) else k // 2
 
 
-def tiled(weights: Any) -> bool:
-    """Whether a low-latency record's payloads are SM90 fragment tiles (cudnn_moe.weights.low_latency)."""
-    return bool(getattr(weights, "tiled", False))
-
-
 def group_chunks(weights: Any, k: int) -> int:
     """16-byte chunks of what one feature group of the FMA tactic streams along K = ``k``: a row's codes (row mode),
     or a row pair's share of its block's tiles (tile mode: twice as many)."""
-    return (2 if tiled(weights) else 1) * row_bytes(weights.format, k) // CHUNK_BYTES
+    return (2 if weights.tiled else 1) * row_bytes(weights.format, k) // CHUNK_BYTES
 
 
 def lanes_per_row(chunks: int) -> int:
@@ -166,7 +161,7 @@ class Tactic:
         """ll_gemm1's cut for ``slots`` routed slots (T k) of tokens of kind ``x_kind``."""
         fmt = weights.format
         lpr = lanes_per_row(group_chunks(weights, weights.hidden_size))
-        features_per_block = WARPS * (32 // lpr) * (2 if tiled(weights) else 1)
+        features_per_block = WARPS * (32 // lpr) * (2 if weights.tiled else 1)
         columns = -(-weights.padded_intermediate // features_per_block)
         block_bytes = features_per_block * (2 if weights.gated else 1) * row_bytes(fmt, weights.hidden_size)
         if fmt in MX_PAIRS:  # a CTA covers exactly one block of 32 features (it quantizes them to MXFP8)
@@ -293,7 +288,7 @@ def gemm1(
             ptr(inter_out, 16), ptr(getattr(weights, "inter_multiplier", None), 4), ptr(inter_scales),
         ),
         shared_mem=cut.shared_mem,
-        extra_options=tactic.module_options(fmt, x.dtype, tiled(weights)),
+        extra_options=tactic.module_options(fmt, x.dtype, weights.tiled),
     )
 
 
@@ -342,7 +337,7 @@ def gemm2(
             ptr(out, 16), ptr(counters, 4), ptr(scores, 4), ptr(inter_scales, 4),
         ),
         shared_mem=cut.shared_mem,
-        extra_options=tactic.module_options(fmt, x_dtype, tiled(weights)),
+        extra_options=tactic.module_options(fmt, x_dtype, weights.tiled),
     )
 
 
