@@ -26,7 +26,9 @@ typedef unsigned long long u64;
 // Every kernel of the project starts with this. The loader launches kernels on SM90+ with the
 // programmatic-stream-serialization attribute (cudnn_moe.kernels.loader), so a kernel may become resident
 // while the previous kernel of its stream still runs: griddepcontrol.wait blocks until that kernel has
-// completed with its writes visible, and nothing before it reads or writes global memory. The trigger
+// completed with its writes visible, and nothing before it reads or writes global memory (one exception: the SM90
+// decode GEMM1's SM90_EARLY form reads immutable weights and a routing whose writer finished before the previous
+// kernel passed this same wait, which the trigger below follows; sm90/grouped_gemm.cu). The trigger
 // right after lets the next kernel of the stream launch (and reach its own wait) while this one works;
 // it is a scheduling hint only, never a visibility point. Both are no-ops when the launch had no
 // attribute, and compile to nothing before sm_90.

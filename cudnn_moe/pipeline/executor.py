@@ -46,6 +46,7 @@ from ..capture import gc_paused, refuse_during_capture
 from ..engines.base import (
     ActivationEpilogue,
     BlockCode,
+    EarlyRouting,
     FinalizeEpilogue,
     GemmEngine,
     GemmOperands,
@@ -552,11 +553,20 @@ class _BucketStages(LayerStages):
         x, b = self.x, self.b
         return ActivationEpilogue(x.activation, b.row_to_slot, b.gemm2.tokens, not x.bf16_intermediate)
 
+    def _early_routing(self) -> EarlyRouting:
+        """The routing GEMM1 may read before its dependency wait: the caller's where the launch before it stages the
+        call (and writes the bucket's ids), else the bucket's ids, which the op's stage launch wrote."""
+        if self.staging is not None:
+            ids, _, routing_format = self.caller.routing.kernel_operands()
+            return EarlyRouting(ids, routing_format, self.x.local_expert_start)
+        return EarlyRouting(self.b.ids, kernels.ROUTING_FP32, self.x.local_expert_start)
+
     def gemm1_activation(self, gather: bool) -> Stage:
         x, b = self.x, self.b
         operands = replace(
             b.gemm1,
             gather=RowGather(self._token_rows(), b.row_to_slot, x.top_k) if gather else None,
             epilogue=self._activation_epilogue(),
+            early=self._early_routing(),
         )
         return Stage("gemm1+activation", lambda: x.engine.gemm(operands))

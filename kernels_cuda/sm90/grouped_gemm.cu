@@ -52,6 +52,15 @@ using namespace sm90;
 #error "SM90_ROUTE is for GEMM1 with the activation epilogue (SM90_ACT)"
 #endif
 #endif
+// GEMM1 of a decode chain whose sort + permute runs in the launch before it (SM90_EARLY, with SM90_ACT): before its
+// dependency wait each CTA of the first wave reads the call's routing (written before that launch began), guesses its
+// tile's expert from it (early_tile_expert) and issues its weight ring's first loads, so that the weights stream while
+// the sort runs. After the wait the tile comes from the offsets as in every form; a wrong guess only reloads the ring.
+#ifdef SM90_EARLY
+#if !defined(SM90_ACT) || defined(SM90_ROUTE)
+#error "SM90_EARLY is for GEMM1 with the activation epilogue (SM90_ACT), without SM90_ROUTE"
+#endif
+#endif
 
 // =============================================================================================
 // Decode: few tokens per expert. Weights stream global -> registers; split K across warps.
@@ -268,6 +277,49 @@ __device__ __forceinline__ int decode_feature(int f, int n) {
 // writes what that kernel writes besides the token rows: route_ids_out / route_w_out [route_slots] and the sort's
 // outputs (sort_*: moe_sort's, for local experts [route_local_start, + num_experts) in segments padded to route_align
 // rows). Dynamic shared memory: 2k bytes.
+#ifdef SM90_EARLY
+// The expert of tile t guessed from the routing alone, for buckets where every used expert holds one tile: the t-th
+// local expert (ids in [local_start, + num_experts), ascending) that a live slot (i / top_k < tokens) routes to, or -1.
+// Every thread of the CTA calls it. The ids are read through L2 (ld.global.cg): their writer finished before the
+// launch before this one passed its wait, but no wait of this kernel orders them.
+__device__ __forceinline__ int early_tile_expert(const void* ids, int routing_format, int ids_int64, int tokens,
+                                                 int slots, int top_k, int local_start, int num_experts, int t) {
+  constexpr int WORDS = (SORT_MAX_EXPERTS + 31) / 32;
+  __shared__ u32 used[WORDS];
+  if (num_experts > SORT_MAX_EXPERTS) return -1;  // the host checks: never taken
+  for (int w = threadIdx.x; w < WORDS; w += DEC_THREADS) used[w] = 0u;
+  __syncthreads();
+  for (int i = threadIdx.x; i < slots; i += DEC_THREADS) {
+    if (i / top_k >= tokens) continue;
+    int id;
+    if (routing_format == ROUTING_PACKED)
+      id = __ldcg(static_cast<const int*>(ids) + i) >> 16;
+    else if (ids_int64)
+      id = static_cast<int>(max(min(__ldcg(static_cast<const long long*>(ids) + i), 2147483647LL), -1LL));
+    else
+      id = __ldcg(static_cast<const int*>(ids) + i);
+    const int e = id - local_start;
+    if (e >= 0 && e < num_experts) atomicOr(&used[e >> 5], 1u << (e & 31));
+  }
+  __syncthreads();
+  for (int w = 0; w < (num_experts + 31) >> 5; ++w) {
+    u32 m = used[w];
+    const int c = __popc(m);
+    if (t < c) {
+      for (int j = 0; j < t; ++j) m &= m - 1u;  // drop the t lower experts of the word
+      return (w << 5) + __ffs(m) - 1;
+    }
+    t -= c;
+  }
+  return -1;
+}
+#define DEC_EARLY_PARAMS                                                                                             \
+  , const void* __restrict__ early_ids, int early_format, int early_ids_int64, int early_tokens, int early_slots,    \
+      int early_top_k, int early_local_start, int early_ctas
+#else
+#define DEC_EARLY_PARAMS
+#endif
+
 #ifdef SM90_ROUTE
 #define DEC_ROUTE_PARAMS                                                                                             \
   , const void* __restrict__ route_ids, const void* __restrict__ route_w, int route_format, int route_ids_int64,      \
@@ -285,7 +337,49 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS DEC_MIN_BLOCKS)
                      int gather_top_k, int gather_tokens, float act_alpha, float act_beta, float act_limit,
                      int act_layout, int requantize, u8* __restrict__ act_out, u8* __restrict__ act_scales,
                      const int* __restrict__ slot_to_row, const float* __restrict__ route_weights, int top_k,
-                     int tokens, u16* __restrict__ final_out, int* __restrict__ tickets DEC_ROUTE_PARAMS) {
+                     int tokens, u16* __restrict__ final_out, int* __restrict__ tickets DEC_ROUTE_PARAMS
+                         DEC_EARLY_PARAMS) {
+  // The warp's place and the weight stream's strides (no memory access: SM90_EARLY loads before the wait).
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const int wm = warp % SM90_WM;
+  const int wk = warp / SM90_WM;
+  const int g = lane >> 2;
+  const int q = lane & 3;
+  const int kt = k >> 6;  // k64 steps
+  const i64 expert_tiles = static_cast<i64>(n >> 4) * kt;
+  const i64 first_tile = static_cast<i64>(decode_warp_tile(wm, n)) * kt + wk;
+  const i64 mt_stride_w = static_cast<i64>(kt) * 512;  // bytes between the warp's m16 row blocks
+  const i64 mt_stride_s = static_cast<i64>(kt) * 64;
+  const int nsteps = wk < kt ? (kt - wk + SM90_WK - 1) / SM90_WK : 0;
+  constexpr int W_STEP = SM90_WK * 512, S_STEP = SM90_WK * 64, X_STEP = SM90_WK * 128;  // bytes per step
+  DecodeRing ring;
+  const u8* wp;
+  const u8* sp;
+  // Load ring slot P with step `s` (relative to the current base pointers).
+#define SM90_DECODE_LOAD_W(P, S)                                                                    \
+  _Pragma("unroll") for (int mt = 0; mt < SM90_MT; ++mt) {                                          \
+    ring.w[P][mt] = ldg_stream_v4(wp + (S) * W_STEP + mt * mt_stride_w);                            \
+    ring.s[P][mt] = ldg_stream_v2(sp + (S) * S_STEP + mt * mt_stride_s);                            \
+  }
+#define SM90_DECODE_POINT_W(EXPERT)                                                                 \
+  wp = w_tiles + ((EXPERT) * expert_tiles + first_tile) * 512 + lane * 16;                          \
+  sp = w_scales + ((EXPERT) * expert_tiles + first_tile) * 64 + g * 8;
+#ifdef SM90_EARLY
+  // Only the launch's first early_ctas CTAs (one wave: the ones resident while the sort runs) guess; the later ones
+  // start after the wait, where the guess would only delay their first loads.
+  const bool guesses = static_cast<i64>(blockIdx.y) * gridDim.x + blockIdx.x < early_ctas;
+  const int early_expert =
+      guesses ? early_tile_expert(early_ids, early_format, early_ids_int64, early_tokens, early_slots, early_top_k,
+                                  early_local_start, num_experts, static_cast<int>(blockIdx.y))
+              : -1;
+  if (early_expert >= 0) {
+    SM90_DECODE_POINT_W(static_cast<i64>(early_expert))
+#pragma unroll
+    for (int p = 0; p < SM90_PREFETCH; ++p)
+      if (p < nsteps) SM90_DECODE_LOAD_W(p, p)
+  }
+#endif
   moe::grid_dependency_begin();
   __shared__ __align__(16) float red[SM90_WK][DEC_TB][DEC_RED_STRIDE];
   Tile tile;
@@ -333,20 +427,14 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS DEC_MIN_BLOCKS)
   }
 #endif
   if (tile.row0 < 0 || tile.row0 >= tile.row_end) return;  // offsets outside [0, row_capacity]: nothing safe to do
-
-  const int lane = threadIdx.x & 31;
-  const int warp = threadIdx.x >> 5;
-  const int wm = warp % SM90_WM;
-  const int wk = warp / SM90_WM;
-  const int g = lane >> 2;
-  const int q = lane & 3;
-  const int kt = k >> 6;  // k64 steps
-  const i64 expert_tiles = static_cast<i64>(n >> 4) * kt;
-  const i64 first_tile = static_cast<i64>(decode_warp_tile(wm, n)) * kt + wk;
-  const i64 mt_stride_w = static_cast<i64>(kt) * 512;  // bytes between the warp's m16 row blocks
-  const i64 mt_stride_s = static_cast<i64>(kt) * 64;
-  const u8* wp = w_tiles + (tile.expert * expert_tiles + first_tile) * 512 + lane * 16;
-  const u8* sp = w_scales + (tile.expert * expert_tiles + first_tile) * 64 + g * 8;
+#ifdef SM90_EARLY
+  const bool early_hit = tile.expert == early_expert;  // the ring's weight loads are in flight
+#else
+  constexpr bool early_hit = false;
+#endif
+  if (!early_hit) {
+    SM90_DECODE_POINT_W(tile.expert)
+  }
   // Token rows past the segment are clamped to the tile's first row (always inside it): their
   // columns of the product are garbage but never stored, and nothing past the segment is read.
   const u8* xp[SM90_NT];
@@ -383,8 +471,6 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS DEC_MIN_BLOCKS)
 #endif
 #endif
   cp_async_commit();
-  const int nsteps = wk < kt ? (kt - wk + SM90_WK - 1) / SM90_WK : 0;
-  constexpr int W_STEP = SM90_WK * 512, S_STEP = SM90_WK * 64, X_STEP = SM90_WK * 128;  // bytes per step
 
   float acc[DEC_ACC_SETS][SM90_MT][SM90_NT][4];
 #pragma unroll
@@ -396,13 +482,6 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS DEC_MIN_BLOCKS)
 #pragma unroll
         for (int i = 0; i < 4; ++i) acc[set][mt][nt][i] = 0.0f;
 
-  DecodeRing ring;
-  // Load ring slot P with step `s` (relative to the current base pointers).
-#define SM90_DECODE_LOAD_W(P, S)                                                                    \
-  _Pragma("unroll") for (int mt = 0; mt < SM90_MT; ++mt) {                                          \
-    ring.w[P][mt] = ldg_stream_v4(wp + (S) * W_STEP + mt * mt_stride_w);                            \
-    ring.s[P][mt] = ldg_stream_v2(sp + (S) * S_STEP + mt * mt_stride_s);                            \
-  }
 #define SM90_DECODE_LOAD_B(P, S)                                                                    \
   _Pragma("unroll") for (int nt = 0; nt < SM90_NT; ++nt) {                                          \
     ring.b[P][nt][0] = load_token_piece(xp[nt] + (S) * X_STEP);                                     \
@@ -431,7 +510,10 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS DEC_MIN_BLOCKS)
 #else
 #pragma unroll
   for (int p = 0; p < SM90_PREFETCH; ++p)
-    if (p < nsteps) SM90_DECODE_LOAD(p, p)
+    if (p < nsteps) {
+      if (!early_hit) SM90_DECODE_LOAD_W(p, p)
+      SM90_DECODE_LOAD_B(p, p)
+    }
 #endif
 
   // Both loops below run SM90_DECODE_SLOT(P) for the ring slots P = 0 .. PREFETCH-1 (the slot macro
@@ -472,6 +554,7 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS DEC_MIN_BLOCKS)
 #undef SM90_DECODE_LOAD
 #undef SM90_DECODE_LOAD_W
 #undef SM90_DECODE_LOAD_B
+#undef SM90_DECODE_POINT_W
 #undef SM90_DECODE_EACH_SLOT
 #undef SM90_DECODE_ADVANCE
 

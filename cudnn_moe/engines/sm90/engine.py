@@ -16,6 +16,8 @@ launches know it and its CTAs fit in one wave (``can_finalize``).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from ...arch import SM90, Arch
@@ -26,6 +28,7 @@ from ..base import (
     OP_FUSED,
     OP_LOW_LATENCY,
     BlockCode,
+    EarlyRouting,
     EngineSpec,
     Gemm1Fusion,
     GemmEngine,
@@ -87,6 +90,10 @@ _WGMMA_MIN_ROWS, _WGMMA_LONG_ROWS, _WGMMA_WIDE_N = 32, 64, 4096
 _DECODE_EPILOGUE_CTAS_PER_SM = 16
 # Threads of decode CTAs an SM holds at once: 128 registers a thread (what the decode variants use) in 64K.
 _DECODE_CTA_THREADS_PER_SM = 512
+# Calls of at most this many tokens take GEMM1's early routing (EarlyRouting). H200, fused_moe, us (main / early):
+# Qwen3-30B-A3B T=2 35.6 / 33.9, T=4 44.6 / 43.4, T=8 67.3 / 67.0; the low-latency NVFP4 layer T=8 64.6 / 65.7
+# (benchmarks/RESULTS.md, twenty-third session): no gain at T=8.
+_EARLY_MAX_TOKENS = 4
 
 
 def _slots(rows: int, num_experts: int) -> int:
@@ -292,7 +299,18 @@ class Sm90GemmEngine(GemmEngine):
         route = operands.route
         variant = self.variant(operands.rows, operands.shape, gemm=operands.gemm)
         tickets = None if finalize is None else operands.workspace.view(torch.int32)
+        mxint4 = w.code is BlockCode.MXINT4
         grouped_gemm(w.data, w.scales, w.alpha, operands.tokens.data if gather is None and route is None else None,
                      operands.offsets, operands.out if epilogue is None else None, variant,
                      alpha_split=w.alpha_split, gather=gather, epilogue=epilogue, finalize=finalize, tickets=tickets,
-                     route=route, mxint4=w.code is BlockCode.MXINT4)
+                     route=route, early=self._early(operands, variant, mxint4), mxint4=mxint4)
+
+    def _early(self, operands: GemmOperands, variant: GemmVariant, mxint4: bool) -> EarlyRouting | None:
+        """operands.early where the decode kernel takes it, for its first wave of CTAs: GEMM1 with the epilogue on a
+        call of at most _EARLY_MAX_TOKENS tokens (fewer than a tile's rows, so every used expert holds one tile), NVFP4
+        weights (the MXINT4 forms have no registers to spare for it)."""
+        early = operands.early
+        if (early is None or not isinstance(variant, DecodeVariant) or operands.epilogue is None or mxint4
+                or operands.route is not None or early.ids.shape[0] > min(_EARLY_MAX_TOKENS, variant.tile_rows)):
+            return None
+        return replace(early, ctas=self.sm_count * (_DECODE_CTA_THREADS_PER_SM // variant.threads))

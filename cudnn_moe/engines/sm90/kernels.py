@@ -17,12 +17,12 @@ import numpy as np
 import torch
 
 from ...kernels.activate import check_activation_output
-from ...kernels.codes import SORT_WARP_SLOTS, TokenLayout
+from ...kernels.codes import SORT_MAX_EXPERTS, SORT_WARP_SLOTS, RoutingFormat, TokenLayout
 from ...kernels.loader import ARCH_SPECIFIC, launch, ptr
 from ...kernels.sort import check_staged_sort
 from ...kernels.stage import routing_args
 from ...validate import require_contiguous, require_shape, require_tensor
-from ..base import ActivationEpilogue, FinalizeEpilogue, RoutePrologue, RowGather, TokenOperand
+from ..base import ActivationEpilogue, EarlyRouting, FinalizeEpilogue, RoutePrologue, RowGather, TokenOperand
 from .layout import TILE_K
 
 GEMM_SOURCE = "sm90/grouped_gemm.cu"
@@ -307,6 +307,7 @@ def grouped_gemm(
     finalize: FinalizeEpilogue | None = None,
     tickets: torch.Tensor | None = None,
     route: RoutePrologue | None = None,
+    early: EarlyRouting | None = None,
     mxint4: bool = False,
 ) -> None:
     """out[r, :N] = bf16(float32(alpha[e] * 256) * (x[r] @ W_e^T * 2^-8)) for the rows r of each segment e.
@@ -333,6 +334,11 @@ def grouped_gemm(
     or NVFP4 decoded exactly, into its fragment order in shared memory: route_shared_mem bytes); R is
     route.sorted's row capacity; offsets must be route.sorted.offsets and epilogue.row_to_slot route.sorted.row_to_slot,
     which the launch writes (with the rest of the sort's outputs and route.ids_out / route.w_out) instead of reading.
+    early (a DecodeVariant with an epilogue, no route): before its dependency wait each of the launch's first
+    early.ctas CTAs guesses its tile's expert
+    from early.ids (the t-th local expert any slot routes to: right where every used expert holds one tile) and
+    issues its first weight loads, so that they stream while the launch before it (the sort) runs; the results do
+    not depend on it.
     mxint4 (a DecodeVariant): W_e is MXINT4 in the SM90 MXINT4 tiles (layout.pack_int4_weight_tiles: INT4 codes,
     w_tile_scales the BF16 scales per 32 k as bytes): out[r] = bf16(float32(alpha[e] * 256) * acc), acc the FP32
     sum over the k32 blocks b of fma(partial_b, scale_b, acc), partial_b the FP32 sum of the block's exact products
@@ -364,6 +370,9 @@ def grouped_gemm(
     if route is not None and (not isinstance(variant, DecodeVariant) or epilogue is None or x is not None):
         raise ValueError(f"a route needs a DecodeVariant, an activation epilogue and x None, got {variant}"
                          f"{'' if epilogue is not None else ' without an epilogue'}{'' if x is None else ' with x'}")
+    if early is not None and (not isinstance(variant, DecodeVariant) or epilogue is None or route is not None):
+        raise ValueError(f"early routing needs a DecodeVariant, an activation epilogue and no route, got {variant}"
+                         f"{'' if epilogue is not None else ' without an epilogue'}{'' if route is None else ' with a route'}")
     w_tiles = _tensor("w_tiles", w_tiles)
     w_tile_scales = _tensor("w_tile_scales", w_tile_scales)
     alpha, offsets = _tensor("alpha", alpha), _tensor("offsets", offsets)
@@ -422,6 +431,8 @@ def grouped_gemm(
                          f"variant applies alpha per {variant.alpha_block} features), got {alpha_split}")
     _check("alpha", alpha, (torch.float32,), (experts if alpha_split is None else 2 * experts,))
     _check("offsets", offsets, (torch.int32,), (experts + 1,))
+    if early is not None:
+        named["early.ids"], align["early.ids"] = _check_early(early, experts), 4
     if epilogue is not None:
         for name, (t, alignment) in _check_epilogue(epilogue, rows, n).items():
             named[name], align[name] = t, alignment
@@ -461,6 +472,9 @@ def grouped_gemm(
             args += _route_args(route)
             options += (f"-DSM90_ROUTE={1 if route.token_scales is None else 2}",)
             shared_mem = route_shared_mem(k)
+        if early is not None:
+            args += _early_args(early)
+            options += ("-DSM90_EARLY=1",)
     launch(variant.source, variant.kernel, tokens.device, grid, variant.threads, args,
            shared_mem=shared_mem, extra_options=options)
 
@@ -561,6 +575,33 @@ def _route_args(route: RoutePrologue) -> tuple:
             np.int32(route.ids_out.numel()), np.int32(top_k), np.int32(route.local_start), np.int32(route.align),
             ptr(route.tokens, 16), ptr(route.token_scales), ptr(route.ids_out), ptr(route.w_out),
             *route.sorted.pointers())
+
+
+def _check_early(early: EarlyRouting, experts: int) -> torch.Tensor:
+    """Check an EarlyRouting against the layer's experts; returns its ids tensor."""
+    ids = _tensor("early.ids", early.ids)
+    packed = early.routing_format == RoutingFormat.PACKED
+    if early.routing_format not in tuple(RoutingFormat):
+        raise ValueError(f"early.routing_format must be a RoutingFormat code, got {early.routing_format!r}")
+    if ids.dim() != 2 or ids.dtype not in ((torch.int32,) if packed else (torch.int32, torch.int64)):
+        raise ValueError(f"early.ids must be 2-D int32{'' if packed else ' or int64'} [T, top_k], got "
+                         f"{ids.dtype} {list(ids.shape)}")
+    require_contiguous(**{"early.ids": ids})
+    if not isinstance(early.local_start, int) or early.local_start < 0:
+        raise ValueError(f"early.local_start must be an int >= 0, got {early.local_start!r}")
+    if not isinstance(early.ctas, int) or early.ctas < 0:
+        raise ValueError(f"early.ctas must be an int >= 0, got {early.ctas!r}")
+    if experts > SORT_MAX_EXPERTS:
+        raise ValueError(f"early routing handles at most {SORT_MAX_EXPERTS} local experts, got {experts}")
+    return ids
+
+
+def _early_args(early: EarlyRouting) -> tuple:
+    """The decode kernel's SM90_EARLY arguments (after the route's place; a route and early routing exclude each
+    other)."""
+    ids = early.ids
+    return (ptr(ids, 4), np.int32(early.routing_format), np.int32(ids.dtype == torch.int64), np.int32(ids.shape[0]),
+            np.int32(ids.numel()), np.int32(ids.shape[1]), np.int32(early.local_start), np.int32(early.ctas))
 
 
 def _finalize_args(finalize: FinalizeEpilogue | None, tickets: torch.Tensor | None) -> tuple:

@@ -15,11 +15,11 @@ from cudnn_moe import (
     GELU, GeGLU, GeGLUTanh, Identity, Nvfp4MoeConfig, ReLU, ReLU2, Routing, SiLU, SiTU, SwiGLU, SwiGLUStep,
     fused_moe,
 )
-from cudnn_moe.engines.base import TokenOperand
+from cudnn_moe.engines.base import EarlyRouting, TokenOperand
 from cudnn_moe.engines.registry import engine_for
 from cudnn_moe.engines.sm90.kernels import DecodeVariant, WgmmaVariant
 from cudnn_moe.engines.sm90.layout import from_token_layout
-from cudnn_moe.kernels import TokenLayout
+from cudnn_moe.kernels import ROUTING_FP32, TokenLayout
 from cudnn_moe.fused.reference import reference_for_prepared
 from cudnn_moe.pipeline.executor import CallerInputs, MoeExecutor, _BucketStages
 from tests.support.low_latency import make_routing
@@ -78,6 +78,7 @@ CHAIN_CASES = [
     (16, 4096, 128, 4, 24, False, True, False, None),
     (16, 256, 256, 2, 128, False, False, True, None),  # 32-row token tiles
     (16, 4096, 128, 2, 128, True, False, False, None),  # 32-row tiles, split K
+    (64, 512, 256, 8, 4, False, False, False, (32, 128)),  # early routing of a rank's local experts
 ]
 
 
@@ -156,6 +157,60 @@ def test_fused_chain_matches_unfused_chain_bitwise(case, activation) -> None:
         got_tokens = _bits(_token_rows(bucket.gemm2.tokens)[:used])
         assert torch.equal(got_tokens, want_tokens), f"GEMM2 tokens (replay={replay})"
         assert torch.equal(_bits(bucket.gemm2.out[:used]), want_out), f"GEMM2 rows (replay={replay})"
+
+
+@pytest.mark.parametrize("tokens,top_k,local", [(4, 8, None), (3, 4, (16, 48)), (1, 8, None)])
+def test_early_routing_changes_no_bit(tokens: int, top_k: int, local) -> None:
+    """GEMM1 with the activation epilogue writes the same GEMM2 tokens, bit for bit, whatever its early routing says:
+    none, the bucket's ids (the right guess), other experts (every CTA guesses wrong and reloads), nothing routed
+    (no guess), and int64 ids; the bucket's own chain takes the bucket's ids."""
+    experts, hidden, inter = 32, 512, 256
+    gen, w1, w2 = _layer(experts, hidden, inter, SwiGLU(), seed=tokens)
+    config = Nvfp4MoeConfig(max_num_tokens=tokens, engine="sm90")
+    weights = config.prepare_weights(w1, w2, activation=SwiGLU())
+    start, total = local if local is not None else (0, experts)
+    executor = MoeExecutor(weights, engine_for(weights.spec, weights.device), top_k=top_k, activation=SwiGLU(),
+                           local_expert_start=start, max_num_tokens=tokens)
+    bucket = executor.bucket(tokens)
+    stages = _BucketStages(executor, bucket)
+    assert isinstance(executor.engine.variant(bucket.rows, bucket.gemm1.shape, gemm=1), DecodeVariant)
+    x = torch.randn(bucket.tokens, hidden, generator=gen).cuda().bfloat16()
+    acts = config.prepare_activations(x)
+    bucket.x.copy_(acts.packed)
+    bucket.x_scales.copy_(acts.scales.view(torch.uint8))
+    ids = _ids(bucket.tokens, total, top_k, gen, hot=False).cuda()
+    bucket.ids.copy_(ids)
+    for _, launch in (stages.sort(), stages.permute()):
+        launch()
+    used = int(bucket.offsets[-1].item())
+    assert used > 0
+    fused = stages.gemm1_activation(gather=False)
+    assert executor.engine._early(replace(bucket.gemm1, epilogue=stages._activation_epilogue(),
+                                          early=EarlyRouting(bucket.ids, ROUTING_FP32, start)),
+                                  executor.engine.variant(bucket.rows, bucket.gemm1.shape, gemm=1), False) is not None
+    guesses = {
+        "none": None,
+        "right": EarlyRouting(bucket.ids, ROUTING_FP32, start),
+        "other experts": EarlyRouting(((ids + 1) % total).to(torch.int32), ROUTING_FP32, start),
+        "unrouted": EarlyRouting(torch.full_like(ids, -1), ROUTING_FP32, start),
+        "int64": EarlyRouting(ids.to(torch.int64), ROUTING_FP32, start),
+    }
+    g2 = bucket.gemm2.tokens  # the intermediate GEMM2 reads (and its scales where it is NVFP4)
+
+    def run(launch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        for t in (g2.data, g2.scales):
+            if t is not None:
+                _poison(t)
+        launch()
+        return _bits(g2.data[:used]).clone(), None if g2.scales is None else g2.scales.clone()
+
+    outputs = {name: run(lambda e=early: executor.engine.gemm(
+        replace(bucket.gemm1, epilogue=stages._activation_epilogue(), early=e))) for name, early in guesses.items()}
+    outputs["chain"] = run(fused.launch)
+    want = outputs.pop("none")
+    assert torch.count_nonzero(want[0]) > 0 and not torch.isnan(g2.data[:used].float()).any()
+    for name, got in outputs.items():
+        assert torch.equal(got[0], want[0]) and (want[1] is None or torch.equal(got[1], want[1])), name
 
 
 LAYER_CASES = [

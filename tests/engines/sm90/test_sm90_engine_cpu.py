@@ -6,9 +6,10 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from cudnn_moe.activations import GELU, SwiGLU
-from cudnn_moe.engines.base import BlockCode, Gemm1Fusion, GemmShape, LayerStages, Stage
+from cudnn_moe.engines.base import BlockCode, EarlyRouting, Gemm1Fusion, GemmShape, LayerStages, Stage
 from cudnn_moe.engines.sm90.engine import Sm90GemmEngine, choose_variant, gemm1_fusion
 from cudnn_moe.engines.sm90.kernels import DecodeVariant, WgmmaVariant
 from cudnn_moe.pipeline.executor import bucket_size, row_capacity
@@ -170,3 +171,27 @@ def test_gemm2_finalizes_in_one_wave(model, tokens: int, finalizes: bool) -> Non
     rows, shape2 = _bucket(model, tokens)[0], GemmShape(inter, hidden, experts)
     assert engine.can_finalize(SimpleNamespace(rows=rows, shape=shape2, workspace=object()), tokens) is finalizes
     assert not engine.can_finalize(SimpleNamespace(rows=rows, shape=shape2, workspace=None), tokens)
+
+
+@pytest.mark.parametrize("model,tokens,early", [
+    (QWEN3, 1, True), (QWEN3, 4, True), (QWEN3, 8, False), (DEEPSEEK_V3, 2, True), (DEEPSEEK_V3, 64, False),
+    (QWEN3, 4096, False),
+])
+def test_early_routing_for_calls_of_few_tokens(model, tokens: int, early: bool) -> None:
+    """GEMM1's early routing reaches the kernel for calls of at most four tokens on the decode kernel with the
+    epilogue and NVFP4 weights, with one wave of CTAs guessing (512 threads an SM); never for MXINT4, without the
+    epilogue or with a route."""
+    engine = Sm90GemmEngine.__new__(Sm90GemmEngine)
+    engine.sm_count = SMS
+    rows, shape = _bucket(model, tokens)
+    variant = engine.variant(rows, shape, gemm=1)
+    routing = EarlyRouting(torch.zeros(tokens, 8, dtype=torch.int32), 1, 0)
+    ops = SimpleNamespace(early=routing, epilogue=object(), route=None)
+    got = engine._early(ops, variant, mxint4=False)
+    assert (got is not None) is early
+    if early:
+        assert got.ids is routing.ids and got.ctas == SMS * (512 // variant.threads)
+    assert engine._early(ops, variant, mxint4=True) is None
+    assert engine._early(SimpleNamespace(early=routing, epilogue=None, route=None), variant, mxint4=False) is None
+    assert engine._early(SimpleNamespace(early=routing, epilogue=object(), route=object()), variant, False) is None
+    assert engine._early(SimpleNamespace(early=None, epilogue=object(), route=None), variant, mxint4=False) is None

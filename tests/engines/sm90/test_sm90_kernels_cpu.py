@@ -20,7 +20,14 @@ import pytest
 import torch
 
 from cudnn_moe.activations import GELU, GeGLUTanh, SiTU, SwiGLU
-from cudnn_moe.engines.base import ActivationEpilogue, FinalizeEpilogue, RoutePrologue, RowGather, TokenOperand
+from cudnn_moe.engines.base import (
+    ActivationEpilogue,
+    EarlyRouting,
+    FinalizeEpilogue,
+    RoutePrologue,
+    RowGather,
+    TokenOperand,
+)
 from cudnn_moe.engines.sm90 import kernels as sm90
 from cudnn_moe.engines.sm90.layout import pack_weight_tiles, to_token_fragments
 from cudnn_moe.formats import decode_e2m1, dequantize_nvfp4, quantize_nvfp4
@@ -865,11 +872,12 @@ def _route_args(tokens: str = "nvfp4", top_k: int = 4, experts: int = 3, k: int 
             "epilogue": epilogue, "route": route, "variant": sm90.DecodeVariant(mt=2, wm=2, wk=4)}
 
 
-def _route_param_count() -> int:
-    """Parameters DEC_ROUTE_PARAMS adds to the decode kernel (its #define, continuation lines)."""
+
+
+def _param_count(define: str) -> int:
+    """Parameters a DEC_*_PARAMS #define of the decode kernel adds (its continuation lines)."""
     text = (SM90_DIR / "grouped_gemm.cu").read_text()
-    block = re.search(r"#define DEC_ROUTE_PARAMS\s*\\\n((?:.*\\\n)*.*\n)", text).group(1)
-    return block.count(",")
+    return re.search(rf"#define {define}\s*\\\n((?:.*\\\n)*.*\n)", text).group(1).count(",")
 
 
 @pytest.mark.parametrize("tokens", ["bf16", "nvfp4"])
@@ -887,7 +895,7 @@ def test_route_passes_its_operands_and_compiles_in(tokens: str, launches: list[t
     assert kwargs["extra_options"] == (*args["variant"].options(), *sm90.epilogue_options(SwiGLU()),
                                        f"-DSM90_ROUTE={1 if tokens == 'bf16' else 2}")
     assert kwargs["shared_mem"] == 2 * 128
-    assert len(kernel_args) == len(_signatures()["sm90_gemm_decode"]) + _route_param_count() == 27 + 18
+    assert len(kernel_args) == len(_signatures()["sm90_gemm_decode"]) + _param_count("DEC_ROUTE_PARAMS") == 27 + 18
     route = kernel_args[27:]
     assert [int(route[i]) for i in (2, 3, 4, 5, 6, 7, 8)] == [RoutingFormat.FP32, 0, 1, 4, 4, 0, 8]
 
@@ -921,6 +929,71 @@ def test_route_rejects_bad_arguments(name: str, mutate: Any, error: type, needle
     with pytest.raises(error, match=needle):
         sm90.grouped_gemm(**args)
     assert not launches
+
+
+def _early_args(ids: torch.Tensor | None = None, routing_format: RoutingFormat = RoutingFormat.FP32,
+                local_start: int = 2) -> dict[str, Any]:
+    """grouped_gemm's arguments of a decode GEMM1 (SwiGLU epilogue, N = 256, BF16 fragments) with early routing."""
+    args = _fused_args(TokenLayout.BF16_FRAGMENTS, SwiGLU())
+    ids = torch.zeros(5, 4, dtype=torch.int32) if ids is None else ids
+    args.update(gather=None, x=torch.zeros(40, 128, dtype=torch.bfloat16), variant=sm90.DecodeVariant(2, 4, 1, 1, 4),
+                early=EarlyRouting(ids, int(routing_format), local_start, ctas=9))
+    return args
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_early_routing_passes_its_operands_and_compiles_in(dtype: torch.dtype, launches: list[tuple]) -> None:
+    """GEMM1 with early routing launches the decode kernel with SM90_EARLY after the epilogue's options, and the
+    kernel's arguments plus DEC_EARLY_PARAMS': format, int64 flag, T, slots, top_k, local start."""
+    args = _early_args(torch.zeros(5, 4, dtype=dtype))
+    sm90.grouped_gemm(**args)
+    (_source, name, _device, _grid, _block, kernel_args), kwargs = launches[0]
+    assert name == "sm90_gemm_decode"
+    assert kwargs["extra_options"] == (*args["variant"].options(), *sm90.epilogue_options(SwiGLU()),
+                                       "-DSM90_EARLY=1")
+    assert len(kernel_args) == len(_signatures()["sm90_gemm_decode"]) + _param_count("DEC_EARLY_PARAMS") == 27 + 8
+    early = kernel_args[27:]
+    assert [int(a) for a in early[1:]] == [RoutingFormat.FP32, int(dtype == torch.int64), 5, 20, 4, 2, 9]
+
+
+_EARLY_BAD = [
+    ("no epilogue", lambda a: a.update(epilogue=None, out=torch.zeros(40, 256, dtype=torch.bfloat16)), ValueError,
+     "epilogue"),
+    ("prefill variant", lambda a: a.update(variant=sm90.PREFILL), ValueError, "DecodeVariant"),
+    ("ids dtype", lambda a: a.update(early=replace(a["early"], ids=torch.zeros(5, 4))), ValueError, "early.ids"),
+    ("ids 1-D", lambda a: a.update(early=replace(a["early"], ids=torch.zeros(20, dtype=torch.int32))), ValueError,
+     "early.ids"),
+    ("packed int64", lambda a: a.update(early=replace(a["early"], ids=torch.zeros(5, 4, dtype=torch.int64),
+                                                      routing_format=int(RoutingFormat.PACKED))), ValueError,
+     "early.ids"),
+    ("bad format", lambda a: a.update(early=replace(a["early"], routing_format=7)), ValueError, "routing_format"),
+    ("negative start", lambda a: a.update(early=replace(a["early"], local_start=-1)), ValueError, "local_start"),
+    ("negative ctas", lambda a: a.update(early=replace(a["early"], ctas=-1)), ValueError, "ctas"),
+    ("not a tensor", lambda a: a.update(early=replace(a["early"], ids=[[0]])), TypeError, "early.ids"),
+]
+
+
+@pytest.mark.parametrize("name,mutate,error,needle", _EARLY_BAD, ids=[b[0] for b in _EARLY_BAD])
+def test_early_routing_rejects_bad_arguments(name: str, mutate: Any, error: type, needle: str,
+                                            launches: list[tuple]) -> None:
+    args = _early_args()
+    mutate(args)
+    with pytest.raises(error, match=needle):
+        sm90.grouped_gemm(**args)
+    assert not launches
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found")
+@pytest.mark.parametrize("variant,arch", [(v, "90a") for v in LOW_LATENCY_DECODE_VARIANTS]
+                         + [(LOW_LATENCY_DECODE_VARIANTS[0], "100a")], ids=str)
+def test_early_routing_compiles(variant: Any, arch: str) -> None:
+    """GEMM1 with early routing (SwiGLU epilogue) builds for the decode variants of small buckets without spills:
+    the guess and the ring's first loads before the wait hold no registers the loop needs."""
+    result = _nvcc(SM90_DIR / "grouped_gemm.cu", arch,
+                   (*variant.options(), *sm90.epilogue_options(SwiGLU()), "-DSM90_EARLY=1"))
+    assert result.returncode == 0, result.stderr
+    report = result.stderr.split(f"Compiling entry function '{variant.kernel}'")[1].split("Compiling entry")[0]
+    assert " 0 bytes spill stores" in report, report
 
 
 _FINALIZE_BAD = [
