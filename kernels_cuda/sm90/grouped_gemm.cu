@@ -279,18 +279,17 @@ __device__ __forceinline__ int decode_feature(int f, int n) {
 // rows). Dynamic shared memory: 2k bytes.
 #ifdef SM90_EARLY
 // The expert of tile t guessed from the routing alone, for buckets where every used expert holds one tile: the t-th
-// local expert (ids in [local_start, + num_experts), ascending) that a live slot (i / top_k < tokens) routes to, or -1.
+// local expert (ids in [local_start, + num_experts), ascending) that any of the `slots` ids routes to, or -1.
 // Every thread of the CTA calls it. The ids are read through L2 (ld.global.cg): their writer finished before the
 // launch before this one passed its wait, but no wait of this kernel orders them.
-__device__ __forceinline__ int early_tile_expert(const void* ids, int routing_format, int ids_int64, int tokens,
-                                                 int slots, int top_k, int local_start, int num_experts, int t) {
+__device__ __forceinline__ int early_tile_expert(const void* ids, int routing_format, int ids_int64, int slots,
+                                                 int local_start, int num_experts, int t) {
   constexpr int WORDS = (SORT_MAX_EXPERTS + 31) / 32;
   __shared__ u32 used[WORDS];
   if (num_experts > SORT_MAX_EXPERTS) return -1;  // the host checks: never taken
   for (int w = threadIdx.x; w < WORDS; w += DEC_THREADS) used[w] = 0u;
   __syncthreads();
   for (int i = threadIdx.x; i < slots; i += DEC_THREADS) {
-    if (i / top_k >= tokens) continue;
     int id;
     if (routing_format == ROUTING_PACKED)
       id = __ldcg(static_cast<const int*>(ids) + i) >> 16;
@@ -314,8 +313,8 @@ __device__ __forceinline__ int early_tile_expert(const void* ids, int routing_fo
   return -1;
 }
 #define DEC_EARLY_PARAMS                                                                                             \
-  , const void* __restrict__ early_ids, int early_format, int early_ids_int64, int early_tokens, int early_slots,    \
-      int early_top_k, int early_local_start, int early_ctas
+  , const void* __restrict__ early_ids, int early_format, int early_ids_int64, int early_slots,                      \
+      int early_local_start, int early_ctas
 #else
 #define DEC_EARLY_PARAMS
 #endif
@@ -370,8 +369,8 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS DEC_MIN_BLOCKS)
   // start after the wait, where the guess would only delay their first loads.
   const bool guesses = static_cast<i64>(blockIdx.y) * gridDim.x + blockIdx.x < early_ctas;
   const int early_expert =
-      guesses ? early_tile_expert(early_ids, early_format, early_ids_int64, early_tokens, early_slots, early_top_k,
-                                  early_local_start, num_experts, static_cast<int>(blockIdx.y))
+      guesses ? early_tile_expert(early_ids, early_format, early_ids_int64, early_slots, early_local_start, num_experts,
+                                  static_cast<int>(blockIdx.y))
               : -1;
   if (early_expert >= 0) {
     SM90_DECODE_POINT_W(static_cast<i64>(early_expert))

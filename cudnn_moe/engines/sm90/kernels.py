@@ -600,8 +600,8 @@ def _early_args(early: EarlyRouting) -> tuple:
     """The decode kernel's SM90_EARLY arguments (after the route's place; a route and early routing exclude each
     other)."""
     ids = early.ids
-    return (ptr(ids, 4), np.int32(early.routing_format), np.int32(ids.dtype == torch.int64), np.int32(ids.shape[0]),
-            np.int32(ids.numel()), np.int32(ids.shape[1]), np.int32(early.local_start), np.int32(early.ctas))
+    return (ptr(ids, 4), np.int32(early.routing_format), np.int32(ids.dtype == torch.int64), np.int32(ids.numel()),
+            np.int32(early.local_start), np.int32(early.ctas))
 
 
 def _finalize_args(finalize: FinalizeEpilogue | None, tickets: torch.Tensor | None) -> tuple:

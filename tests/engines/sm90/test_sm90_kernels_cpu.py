@@ -944,16 +944,16 @@ def _early_args(ids: torch.Tensor | None = None, routing_format: RoutingFormat =
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
 def test_early_routing_passes_its_operands_and_compiles_in(dtype: torch.dtype, launches: list[tuple]) -> None:
     """GEMM1 with early routing launches the decode kernel with SM90_EARLY after the epilogue's options, and the
-    kernel's arguments plus DEC_EARLY_PARAMS': format, int64 flag, T, slots, top_k, local start."""
+    kernel's arguments plus DEC_EARLY_PARAMS': format, int64 flag, slots, local start, guessing CTAs."""
     args = _early_args(torch.zeros(5, 4, dtype=dtype))
     sm90.grouped_gemm(**args)
     (_source, name, _device, _grid, _block, kernel_args), kwargs = launches[0]
     assert name == "sm90_gemm_decode"
     assert kwargs["extra_options"] == (*args["variant"].options(), *sm90.epilogue_options(SwiGLU()),
                                        "-DSM90_EARLY=1")
-    assert len(kernel_args) == len(_signatures()["sm90_gemm_decode"]) + _param_count("DEC_EARLY_PARAMS") == 27 + 8
+    assert len(kernel_args) == len(_signatures()["sm90_gemm_decode"]) + _param_count("DEC_EARLY_PARAMS") == 27 + 6
     early = kernel_args[27:]
-    assert [int(a) for a in early[1:]] == [RoutingFormat.FP32, int(dtype == torch.int64), 5, 20, 4, 2, 9]
+    assert [int(a) for a in early[1:]] == [RoutingFormat.FP32, int(dtype == torch.int64), 20, 2, 9]
 
 
 _EARLY_BAD = [
