@@ -335,10 +335,9 @@ def grouped_gemm(
     route.sorted's row capacity; offsets must be route.sorted.offsets and epilogue.row_to_slot route.sorted.row_to_slot,
     which the launch writes (with the rest of the sort's outputs and route.ids_out / route.w_out) instead of reading.
     early (a DecodeVariant with an epilogue, no route): before its dependency wait each of the launch's first
-    early.ctas CTAs guesses its tile's expert
-    from early.ids (the t-th local expert any slot routes to: right where every used expert holds one tile) and
-    issues its first weight loads, so that they stream while the launch before it (the sort) runs; the results do
-    not depend on it.
+    early.ctas CTAs guesses its tile's expert from early.ids (the t-th local expert any slot routes to: right where
+    every used expert holds one tile) and issues its first weight loads, so that they stream while the launch before
+    it (the sort) runs; the results do not depend on it.
     mxint4 (a DecodeVariant): W_e is MXINT4 in the SM90 MXINT4 tiles (layout.pack_int4_weight_tiles: INT4 codes,
     w_tile_scales the BF16 scales per 32 k as bytes): out[r] = bf16(float32(alpha[e] * 256) * acc), acc the FP32
     sum over the k32 blocks b of fma(partial_b, scale_b, acc), partial_b the FP32 sum of the block's exact products
