@@ -371,7 +371,8 @@ def grouped_gemm(
                          f"{'' if epilogue is not None else ' without an epilogue'}{'' if x is None else ' with x'}")
     if early is not None and (not isinstance(variant, DecodeVariant) or epilogue is None or route is not None):
         raise ValueError(f"early routing needs a DecodeVariant, an activation epilogue and no route, got {variant}"
-                         f"{'' if epilogue is not None else ' without an epilogue'}{'' if route is None else ' with a route'}")
+                         f"{'' if epilogue is not None else ' without an epilogue'}"
+                         f"{'' if route is None else ' with a route'}")
     w_tiles = _tensor("w_tiles", w_tiles)
     w_tile_scales = _tensor("w_tile_scales", w_tile_scales)
     alpha, offsets = _tensor("alpha", alpha), _tensor("offsets", offsets)
