@@ -53,13 +53,15 @@ class WeightLayout(enum.Enum):
 
 
 class BlockCode(enum.Enum):
-    """What a 4-bit weight view's codes and block scales are. NVFP4: E2M1 codes, E4M3 scales per 16 k, the expert
+    """What a weight view's codes and block scales are. NVFP4: E2M1 codes, E4M3 scales per 16 k, the expert
     globals as alpha. MXINT4 (the low-latency op's MXINT4 weight-only layers on the SM90 engine): two's-complement
     INT4 codes, BF16 scales per 32 k applied to FP32 partial sums, no global; GEMM1's preactivation stays FP32, so
-    GEMM1 runs with the activation in its epilogue."""
+    GEMM1 runs with the activation in its epilogue. BF16 (the low-latency op's BF16 layers on the SM90 engine): the
+    weights themselves, row-major bfloat16 [E, rows * K] read in place, no block scales, no global (alphas 1/256)."""
 
     NVFP4 = "nvfp4"
     MXINT4 = "mxint4"
+    BF16 = "bf16"
 
 
 @dataclass(frozen=True)
@@ -412,10 +414,11 @@ class GemmEngine(Engine):
     def token_layout(self) -> TokenLayout:
         return self.layout.token_layout
 
-    def token_layout_for(self, rows: int, shape: GemmShape, *, gemm: int) -> TokenLayout:
+    def token_layout_for(self, rows: int, shape: GemmShape, *, gemm: int,
+                         code: BlockCode = BlockCode.NVFP4) -> TokenLayout:
         """The token layout GEMM ``gemm`` (1: the permute writes its tokens; 2: the activation does) of ``shape`` on
-        a bucket of ``rows`` rows reads: the engine's own by default; an engine whose kernels differ by size or by
-        GEMM says so."""
+        a bucket of ``rows`` rows with ``code`` weights reads: the engine's own by default; an engine whose kernels
+        differ by size, by GEMM or by weights says so."""
         return self.token_layout
 
     def token_buffers(self, rows: int, k: int, num_experts: int) -> tuple[tuple[int, ...], torch.dtype, int]:

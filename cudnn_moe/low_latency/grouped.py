@@ -9,7 +9,10 @@ exactly in registers, tokens on the narrow side of mma.sync, split-K) through th
 - MXINT4 weight-only with BF16 tokens, likewise, in the engine's MXINT4 layout (BlockCode.MXINT4: INT4 decoded
   exactly, each 32-value block's FP32 partial sum times its BF16 scale; GEMM1 keeps the preactivation in FP32 and
   runs with the activation in its epilogue);
-- NVFP4 weights with NVFP4 activations (the pair): the tokens are decoded exactly to BF16 fragments.
+- NVFP4 weights with NVFP4 activations (the pair): the tokens are decoded exactly to BF16 fragments;
+- BF16 weights with BF16 tokens: the weights are read in place, row-major (BlockCode.BF16: the decode kernel's BF16
+  form, tokens in natural rows), with alphas 1/256 (no global); the contract's rounding points are those of NVFP4
+  weight-only (BF16 preactivation and intermediate).
 
 Numerics are the format's contract (cudnn_moe.low_latency.reference), the same as the CUDA-core engine's:
 GEMM1 = bf16(global1[e] * FP32 sum of exact products), activation in FP32 rounded to BF16, expert rows =
@@ -38,6 +41,8 @@ from __future__ import annotations
 import threading
 import weakref
 
+import torch
+
 from ..activations import Activation
 from ..arch import Arch, device_arch
 from ..capture import refuse_during_capture
@@ -46,29 +51,39 @@ from ..engines.registry import engine_for
 from ..pipeline.call_cache import tensor_signature
 from ..pipeline.executor import MoeExecutor
 from ..pipeline.lifetime import cached
-from ..weights.low_latency import Mxfp4WeightOnlyWeights, Mxint4WeightOnlyWeights, Nvfp4WeightOnlyWeights
+from ..weights.low_latency import (
+    DenseWeights,
+    Mxfp4WeightOnlyWeights,
+    Mxint4WeightOnlyWeights,
+    Nvfp4WeightOnlyWeights,
+    WeightFormat,
+)
 from ..weights.nvfp4 import Nvfp4Activations, Nvfp4Weights
 from .config import MAX_NUM_TOKENS
 from .fallback import grouped_view, mxint4_alphas, tiled_view
 
-Viewable = Nvfp4WeightOnlyWeights | Mxfp4WeightOnlyWeights | Mxint4WeightOnlyWeights  # what this path runs
+# What this path runs (DenseWeights: BF16 ones only).
+Viewable = Nvfp4WeightOnlyWeights | Mxfp4WeightOnlyWeights | Mxint4WeightOnlyWeights | DenseWeights
 _views: weakref.WeakKeyDictionary[Viewable, Nvfp4Weights] = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
 
 
 def layer_view(engine: type[GemmEngine], weights: Viewable) -> Nvfp4Weights:
     """The ``engine`` view of NVFP4 weights (or of MXFP4 weight-only weights in their exact NVFP4 form, or of MXINT4
-    weight-only weights in the engine's MXINT4 layout): the weights' own tensors when they are tiled for this engine,
-    else the prepared fallback's when it is in this engine's layout (the same bytes), else repacked on first use
-    (``grouped_view``, ``mxint4_view``), then kept."""
+    weight-only weights in the engine's MXINT4 layout, or of BF16 weights as they are): the weights' own tensors when
+    they are tiled for this engine (BF16: always), else the prepared fallback's when it is in this engine's layout (the
+    same bytes), else repacked on first use (``grouped_view``, ``mxint4_view``), then kept."""
     view = _views.get(weights)
     if view is not None:
         return view
-    arch = device_arch(weights.w1_codes.device)
+    dense = isinstance(weights, DenseWeights)
+    if dense and weights.format is not WeightFormat.BF16:
+        raise ValueError(f"the grouped path runs BF16 dense weights only, not {weights.format.value}")
+    arch = device_arch((weights.w1 if dense else weights.w1_codes).device)
     fallback = weights.fallback if isinstance(weights, Nvfp4WeightOnlyWeights) else None
     if fallback is not None and fallback.weights.spec == engine.spec(arch):
         return fallback.weights
-    if not isinstance(weights, Mxint4WeightOnlyWeights):  # a view of their own tensors allocates nothing: capturable
+    if not isinstance(weights, (Mxint4WeightOnlyWeights, DenseWeights)):  # own tensors, no alphas: capturable
         view = tiled_view(engine, arch, weights)
         if view is not None:
             with _lock:
@@ -78,7 +93,8 @@ def layer_view(engine: type[GemmEngine], weights: Viewable) -> Nvfp4Weights:
     with _lock:
         view = _views.get(weights)
         if view is None:
-            pack = mxint4_view if isinstance(weights, Mxint4WeightOnlyWeights) else grouped_view
+            pack = (bf16_view if dense else mxint4_view if isinstance(weights, Mxint4WeightOnlyWeights)
+                    else grouped_view)
             view = _views[weights] = pack(engine, arch, weights)
     return view
 
@@ -97,6 +113,19 @@ def mxint4_view(engine: type[GemmEngine], arch: Arch, weights: Mxint4WeightOnlyW
     return Nvfp4Weights(
         w1, w1_scales, alpha, w2, w2_scales, alpha, engine.spec(arch), weights.gated, weights.hidden_size,
         weights.padded_intermediate, code=BlockCode.MXINT4,
+    )
+
+
+def bf16_view(engine: type[GemmEngine], arch: Arch, weights: DenseWeights) -> Nvfp4Weights:
+    """The ``engine`` view on ``arch`` of BF16 weights: their own tensors (no copy), w1 bfloat16 [E, N1p * H] and w2
+    [E, H * Ip] row-major (BlockCode.BF16; the scales are empty), alphas 1/256 (a new tensor: the engine's alpha * 256
+    is then 1); intermediate size Ip."""
+    experts = weights.num_experts
+    alpha = torch.full((experts,), 1 / 256, dtype=torch.float32, device=weights.w1.device)
+    no_scales = torch.empty(experts, 0, dtype=torch.uint8, device=weights.w1.device)
+    return Nvfp4Weights(
+        weights.w1.reshape(experts, -1), no_scales, alpha, weights.w2.reshape(experts, -1), no_scales, alpha,
+        engine.spec(arch), weights.gated, weights.hidden_size, weights.padded_intermediate, code=BlockCode.BF16,
     )
 
 

@@ -109,7 +109,7 @@ class Bucket:
         def token_operand(gemm: GemmShape, index: int, buffer_rows: int) -> TokenOperand:
             shape, dtype, scale_bytes = engine.token_buffers(buffer_rows, gemm.k, experts)
             return TokenOperand(empty(*shape, dtype=dtype), empty(scale_bytes) if scale_bytes else None,
-                                engine.token_layout_for(rows, gemm, gemm=index))
+                                engine.token_layout_for(rows, gemm, gemm=index, code=w.code))
 
         self.tokens, self.rows = tokens, rows
         shape1, shape2 = GemmShape(hidden, n1, experts), GemmShape(inter, hidden, experts)

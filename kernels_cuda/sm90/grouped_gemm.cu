@@ -89,12 +89,23 @@ using namespace sm90;
 #ifndef SM90_W_INT4
 #define SM90_W_INT4 0
 #endif
+// BF16 weights (1; the decode kernel only, no route and no early routing): W_e row-major BF16 [N, K] read in place
+// (w_tiles its bytes, w_scales unused), no block scales. Lane (g, q) loads, per k64 step, 16 bytes at columns 8q and
+// 32 + 8q of rows g and g + 8 of its m16 row block; the token rows are in natural column order (TokenLayout.BF16_ROWS)
+// and read at the same columns, so word 2s and 2s + 1 of those 32 bytes are the a / b registers of k16 step s (the
+// mma's k order is a fixed permutation of the step's 64 columns, the same for both operands).
+#ifndef SM90_W_BF16
+#define SM90_W_BF16 0
+#endif
+#if SM90_W_BF16 && (SM90_W_INT4 || defined(SM90_ROUTE) || defined(SM90_EARLY))
+#error "SM90_W_BF16 runs without SM90_W_INT4, SM90_ROUTE and SM90_EARLY"
+#endif
 // CTAs per SM the register allocation must allow: the NVFP4 forms of one or two m16 x n8 tiles a warp fit 128
 // registers a thread (512 threads an SM) on their own; the MXINT4 forms are held to it (unbounded, GEMM1's SwiGLU
 // form takes 133 registers and the eight-warp form 225: three CTAs and one an SM). At 128 some forms spill 8 bytes.
 // The routed form for BF16 tokens (SM90_ROUTE 1) is held to it too (unbounded, (2, 2, 4) takes 130 registers); the
 // NVFP4 one fits 128 on its own (bounded, (2, 4, 1) spills 32 bytes).
-#if (SM90_W_INT4 || SM90_ROUTE == 1) && SM90_MT * SM90_NT <= 2
+#if (SM90_W_INT4 || SM90_W_BF16 || SM90_ROUTE == 1) && SM90_MT * SM90_NT <= 2
 #define DEC_MIN_BLOCKS , 512 / DEC_THREADS  // the launch bounds' second argument
 #else
 #define DEC_MIN_BLOCKS
@@ -127,11 +138,20 @@ static_assert(SM90_WK * DEC_TB * DEC_RED_STRIDE * 4 + DEC_TB * DEC_C_STRIDE * si
               "decode: split-K buffer and C tile exceed 48 KB");
 #endif
 
+// Where lane (g, q)'s two 16-byte token pieces of a k64 step lie in the row's 128 bytes: 32q and 32q + 16 (token
+// fragments), or 16q and 16q + 64 (natural rows, with BF16 weights).
+#define X_LANE (SM90_W_BF16 ? 16 : 32)
+#define X_SECOND (SM90_W_BF16 ? 64 : 16)
+
 namespace {
 
 struct DecodeRing {
+#if SM90_W_BF16
+  uint4 w[SM90_PREFETCH][SM90_MT][4];  // BF16 weights: row g at columns 8q, 32 + 8q; row g + 8 likewise
+#else
   uint4 w[SM90_PREFETCH][SM90_MT];     // weight words: 4 k16 steps
   uint2 s[SM90_PREFETCH][SM90_MT];     // scale bytes
+#endif
   uint4 b[SM90_PREFETCH][SM90_NT][2];  // token fragments: steps 0-1, 2-3
 };
 
@@ -165,6 +185,24 @@ __device__ __forceinline__ void decode_step(const DecodeRing& ring, float (&acc)
   SM90_DECODE_K32(0)
   SM90_DECODE_K32(1)
 #undef SM90_DECODE_K32
+#elif SM90_W_BF16
+  // Step S: a0 / a2 = words 2S, 2S + 1 of row g's 32 bytes, a1 / a3 those of row g + 8; b0 / b1 likewise.
+#define SM90_DECODE_K16(S)                                                                          \
+  _Pragma("unroll") for (int mt = 0; mt < SM90_MT; ++mt) {                                          \
+    const u32 a[4] = {word_of<(2 * S) & 3>(ring.w[P][mt][S >> 1]),                                  \
+                      word_of<(2 * S) & 3>(ring.w[P][mt][2 + (S >> 1)]),                            \
+                      word_of<((2 * S) & 3) + 1>(ring.w[P][mt][S >> 1]),                            \
+                      word_of<((2 * S) & 3) + 1>(ring.w[P][mt][2 + (S >> 1)])};                     \
+    _Pragma("unroll") for (int nt = 0; nt < SM90_NT; ++nt) {                                        \
+      mma_bf16_16816(acc[S % DEC_ACC_SETS][mt][nt], a, word_of<(2 * S) & 3>(ring.b[P][nt][S >> 1]),  \
+                     word_of<((2 * S) & 3) + 1>(ring.b[P][nt][S >> 1]));                            \
+    }                                                                                               \
+  }
+  SM90_DECODE_K16(0)
+  SM90_DECODE_K16(1)
+  SM90_DECODE_K16(2)
+  SM90_DECODE_K16(3)
+#undef SM90_DECODE_K16
 #else
   u32 sg[SM90_MT][2], sg8[SM90_MT][2];
 #pragma unroll
@@ -346,6 +384,28 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS DEC_MIN_BLOCKS)
   const int g = lane >> 2;
   const int q = lane & 3;
   const int kt = k >> 6;  // k64 steps
+#if SM90_W_BF16
+  // Row-major BF16: the lane's row g of its first m16 block, columns 64 wk + 8q on (SM90_W_BF16 above).
+  const i64 row_bytes = static_cast<i64>(k) * 2;
+  const i64 mt_stride_w = 16 * row_bytes;  // bytes between the warp's m16 row blocks
+  const i64 first_row = static_cast<i64>(decode_warp_tile(wm, n)) * 16 + g;
+  const int nsteps = wk < kt ? (kt - wk + SM90_WK - 1) / SM90_WK : 0;
+  constexpr int W_STEP = SM90_WK * 128, X_STEP = SM90_WK * 128;  // bytes per step
+  DecodeRing ring;
+  const u8* wp;
+  // Load ring slot P with step `s` (relative to the current base pointer).
+#define SM90_DECODE_LOAD_W(P, S)                                                                    \
+  _Pragma("unroll") for (int mt = 0; mt < SM90_MT; ++mt) {                                          \
+    const u8* const r = wp + (S) * W_STEP + mt * mt_stride_w;                                       \
+    ring.w[P][mt][0] = ldg_stream_v4(r);                                                            \
+    ring.w[P][mt][1] = ldg_stream_v4(r + 64);                                                       \
+    ring.w[P][mt][2] = ldg_stream_v4(r + 8 * row_bytes);                                            \
+    ring.w[P][mt][3] = ldg_stream_v4(r + 8 * row_bytes + 64);                                       \
+  }
+#define SM90_DECODE_POINT_W(EXPERT)                                                                 \
+  wp = w_tiles + ((EXPERT) * n + first_row) * row_bytes + wk * 128 + q * 16;
+#define SM90_DECODE_ADVANCE_W wp += SM90_PREFETCH * W_STEP;
+#else
   const i64 expert_tiles = static_cast<i64>(n >> 4) * kt;
   const i64 first_tile = static_cast<i64>(decode_warp_tile(wm, n)) * kt + wk;
   const i64 mt_stride_w = static_cast<i64>(kt) * 512;  // bytes between the warp's m16 row blocks
@@ -364,6 +424,10 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS DEC_MIN_BLOCKS)
 #define SM90_DECODE_POINT_W(EXPERT)                                                                 \
   wp = w_tiles + ((EXPERT) * expert_tiles + first_tile) * 512 + lane * 16;                          \
   sp = w_scales + ((EXPERT) * expert_tiles + first_tile) * 64 + g * 8;
+#define SM90_DECODE_ADVANCE_W                                                                       \
+  wp += SM90_PREFETCH * W_STEP;                                                                     \
+  sp += SM90_PREFETCH * S_STEP;
+#endif
 #ifdef SM90_EARLY
   // Only the launch's first early_ctas CTAs (one wave: the ones resident while the sort runs) guess; the later ones
   // start after the wait, where the guess would only delay their first loads.
@@ -444,7 +508,7 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS DEC_MIN_BLOCKS)
 #else
     const int row = tile.row0 + nt * 8 + g;
     xp[nt] = reinterpret_cast<const u8*>(x) + (static_cast<i64>(row < tile.row_end ? row : tile.row0) * k + wk * 64) * 2 +
-             q * 32;
+             q * X_LANE;
 #endif
   }
   // The epilogue's operands, fetched into shared memory while the main loop runs (no dependent load at the end):
@@ -484,7 +548,7 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS DEC_MIN_BLOCKS)
 #define SM90_DECODE_LOAD_B(P, S)                                                                    \
   _Pragma("unroll") for (int nt = 0; nt < SM90_NT; ++nt) {                                          \
     ring.b[P][nt][0] = load_token_piece(xp[nt] + (S) * X_STEP);                                     \
-    ring.b[P][nt][1] = load_token_piece(xp[nt] + (S) * X_STEP + 16);                                \
+    ring.b[P][nt][1] = load_token_piece(xp[nt] + (S) * X_STEP + X_SECOND);                          \
   }
 #define SM90_DECODE_LOAD(P, S)                                                                      \
   {                                                                                                 \
@@ -523,8 +587,7 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS DEC_MIN_BLOCKS)
   SM90_DECODE_SLOT(8) SM90_DECODE_SLOT(9) SM90_DECODE_SLOT(10) SM90_DECODE_SLOT(11)                 \
   SM90_DECODE_SLOT(12) SM90_DECODE_SLOT(13) SM90_DECODE_SLOT(14) SM90_DECODE_SLOT(15)
 #define SM90_DECODE_ADVANCE                                                                         \
-  wp += SM90_PREFETCH * W_STEP;                                                                     \
-  sp += SM90_PREFETCH * S_STEP;                                                                     \
+  SM90_DECODE_ADVANCE_W                                                                             \
   _Pragma("unroll") for (int nt = 0; nt < SM90_NT; ++nt) xp[nt] += SM90_PREFETCH * X_STEP;
 
   // Steady state: every slot consumed and refilled, no bounds tests.
@@ -554,6 +617,7 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS DEC_MIN_BLOCKS)
 #undef SM90_DECODE_LOAD_W
 #undef SM90_DECODE_LOAD_B
 #undef SM90_DECODE_POINT_W
+#undef SM90_DECODE_ADVANCE_W
 #undef SM90_DECODE_EACH_SLOT
 #undef SM90_DECODE_ADVANCE
 

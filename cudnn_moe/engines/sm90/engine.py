@@ -169,6 +169,11 @@ LOW_LATENCY_MAX_TOKENS = 8
 # (BlockCode.MXINT4: INT4 decoded exactly, BF16 block scales on FP32 partial sums).
 _WEIGHT_ONLY = frozenset(f.value for f in (WeightFormat.NVFP4_WEIGHT_ONLY, WeightFormat.MXFP4_WEIGHT_ONLY,
                                            WeightFormat.MXINT4_WEIGHT_ONLY))
+# BF16 layers of the low-latency op (BlockCode.BF16): the decode variants' BF16 form, reading the weights in place, two
+# k64 steps in flight per warp (16 KB a warp with two m16 blocks: the SwiGLU forms spill 12-36 bytes at 128 registers,
+# deeper rings more).
+_BF16_TOKENS = _WEIGHT_ONLY | {WeightFormat.BF16.value}
+_BF16_PREFETCH = 2
 
 
 class Sm90GemmEngine(GemmEngine):
@@ -181,7 +186,7 @@ class Sm90GemmEngine(GemmEngine):
     services = (
         Service(OP_FUSED, frozenset({NVFP4}), frozenset({SM90})),
         Service(OP_ALIGNED, frozenset({NVFP4}), frozenset({SM90})),
-        Service(OP_LOW_LATENCY, _WEIGHT_ONLY | {WeightFormat.NVFP4_W_NVFP4_A.value},
+        Service(OP_LOW_LATENCY, _BF16_TOKENS | {WeightFormat.NVFP4_W_NVFP4_A.value},
                 frozenset({SM90}), max_tokens=LOW_LATENCY_MAX_TOKENS),
     )
 
@@ -203,9 +208,9 @@ class Sm90GemmEngine(GemmEngine):
             return Support(False, "the sm90 engine writes BF16 low-latency outputs only")
         if request.num_experts is not None and request.num_experts > SORT_MAX_EXPERTS:
             return Support(False, f"the sm90 pipeline sorts at most {SORT_MAX_EXPERTS} experts")
-        weight_only = request.weight_format in _WEIGHT_ONLY
-        if weight_only and request.token_dtype is not None and request.token_dtype != torch.bfloat16:
-            return Support(False, "the sm90 engine takes BF16 tokens for 4-bit weight-only layers")
+        bf16_tokens = request.weight_format in _BF16_TOKENS
+        if bf16_tokens and request.token_dtype is not None and request.token_dtype != torch.bfloat16:
+            return Support(False, "the sm90 engine takes BF16 tokens for BF16 and 4-bit weight-only layers")
         if request.weight_format == WeightFormat.MXFP4_WEIGHT_ONLY.value and request.nvfp4_problem is not None:
             return Support(False, f"the sm90 engine runs MXFP4 weights in their exact NVFP4 form, which these lack: "
                                   f"{request.nvfp4_problem}")
@@ -246,7 +251,7 @@ class Sm90GemmEngine(GemmEngine):
         adds a GPU-scope atomic round trip to its end: once per launch in one wave, where it beats the finalize
         launch (H200: Qwen3-30B-A3B T=1 28.2 -> 27.4 us, DeepSeek-V3 T=1 81.8 -> 81.3), but once per wave in more
         (T=8: +0.7 and +2.9 us; benchmarks/RESULTS.md)."""
-        variant = self.variant(operands.rows, operands.shape, gemm=2)
+        variant = self.variant(operands.rows, operands.shape, gemm=2, code=operands.weights.code)
         if not isinstance(variant, DecodeVariant) or operands.workspace is None:
             return False
         one_wave = decode_ctas(operands.rows, operands.shape, variant) * variant.threads <= (
@@ -257,9 +262,12 @@ class Sm90GemmEngine(GemmEngine):
         """GEMM1 of a one-token bucket on the decode kernel, whose token row (2K bytes) fits the dynamic shared memory
         every CTA has without an opt-in (grouped_gemm's ``route``); MXINT4 weights with BF16 tokens only (the MXINT4
         form with NVFP4 tokens, which no op calls, spills 32 bytes of the register ring at 128 registers)."""
+        code = operands.weights.code
+        if code is BlockCode.BF16:  # the BF16 form reads natural token rows, not the staged fragments
+            return False
         variant = self.variant(operands.rows, operands.shape, gemm=1)
         route = operands.route
-        tokens_fit = operands.weights.code is BlockCode.NVFP4 or route is not None and route.token_scales is None
+        tokens_fit = code is BlockCode.NVFP4 or route is not None and route.token_scales is None
         return (isinstance(variant, DecodeVariant) and tokens_fit
                 and route_shared_mem(operands.shape.k) <= ROUTE_MAX_SHARED_MEM)
 
@@ -282,22 +290,30 @@ class Sm90GemmEngine(GemmEngine):
             return [*head, layer.gemm1_activation(gather=False), tail]
         return [*head, layer.gemm1(), layer.activation(), tail]
 
-    def variant(self, rows: int, shape: GemmShape, *, gemm: int) -> GemmVariant:
+    def variant(self, rows: int, shape: GemmShape, *, gemm: int, code: BlockCode = BlockCode.NVFP4) -> GemmVariant:
         """The kernel variant GEMM ``gemm`` (1 or 2) of a bucket with ``rows`` rows runs: on the wgmma kernel, GEMM1
         reads natural BF16 rows (what its gather reads; the permute writes them where it does not gather) and GEMM2
-        the tiled planes the activation writes (one bulk copy per stage)."""
+        the tiled planes the activation writes (one bulk copy per stage). BF16 weights take the decode variant's BF16
+        form (low-latency buckets: at most 8 rows per expert on average, so always a decode variant)."""
         variant = choose_variant(rows, shape, self.sm_count, gemm)
+        if code is BlockCode.BF16:
+            if not isinstance(variant, DecodeVariant):
+                raise ValueError(f"BF16 weights run on the decode kernel only; {rows} rows over {shape.num_experts} "
+                                 f"experts need {variant}")
+            return replace(variant, prefetch=min(variant.prefetch, _BF16_PREFETCH), bf16_weights=True)
         return variant.gathering() if isinstance(variant, WgmmaVariant) and gemm == 1 else variant
 
-    def token_layout_for(self, rows: int, shape: GemmShape, *, gemm: int) -> TokenLayout:
-        """Token fragments for the mma.sync kernels; natural rows (GEMM1) or the tiled planes (GEMM2) for wgmma."""
-        return self.variant(rows, shape, gemm=gemm).token_layout
+    def token_layout_for(self, rows: int, shape: GemmShape, *, gemm: int,
+                         code: BlockCode = BlockCode.NVFP4) -> TokenLayout:
+        """Token fragments for the mma.sync kernels (natural rows for BF16 weights); natural rows (GEMM1) or the tiled
+        planes (GEMM2) for wgmma."""
+        return self.variant(rows, shape, gemm=gemm, code=code).token_layout
 
     def gemm(self, operands: GemmOperands) -> None:
         """GEMM ``operands.gemm`` on the variant ``variant`` picks for it, in the fused forms the operands hold."""
         w, gather, epilogue, finalize = operands.weights, operands.gather, operands.epilogue, operands.finalize
         route = operands.route
-        variant = self.variant(operands.rows, operands.shape, gemm=operands.gemm)
+        variant = self.variant(operands.rows, operands.shape, gemm=operands.gemm, code=w.code)
         tickets = None if finalize is None else operands.workspace.view(torch.int32)
         mxint4 = w.code is BlockCode.MXINT4
         grouped_gemm(w.data, w.scales, w.alpha, operands.tokens.data if gather is None and route is None else None,
@@ -310,7 +326,7 @@ class Sm90GemmEngine(GemmEngine):
         call of at most _EARLY_MAX_TOKENS tokens (and no more than a tile's rows: every used expert holds one tile),
         NVFP4 weights (the MXINT4 forms have no registers to spare for it)."""
         early = operands.early
-        if (early is None or not isinstance(variant, DecodeVariant) or operands.epilogue is None or mxint4
-                or operands.route is not None or early.ids.shape[0] > min(_EARLY_MAX_TOKENS, variant.tile_rows)):
+        if (early is None or not isinstance(variant, DecodeVariant) or variant.bf16_weights
+                or operands.epilogue is None or mxint4 or operands.route is not None or early.ids.shape[0] > min(_EARLY_MAX_TOKENS, variant.tile_rows)):
             return None
         return replace(early, ctas=self.sm_count * (_DECODE_CTA_THREADS_PER_SM // variant.threads))

@@ -46,17 +46,18 @@ def route_shared_mem(k: int) -> int:
 class DecodeVariant:
     """``sm90_gemm_decode``: WM x WK warps (features x split-K), each MT m16 feature tiles x NT n8
     token tiles, weights prefetched PREFETCH k64 steps ahead in registers. Tiles of 8 NT rows,
-    CTAs of 16 MT WM features. For segments of up to ~64 rows."""
+    CTAs of 16 MT WM features. For segments of up to ~64 rows. bf16_weights: the form reading row-major
+    BF16 weights in place (``-DSM90_W_BF16``), whose tokens are natural rows (BF16_ROWS) instead of fragments."""
 
     mt: int = 1
     wm: int = 2
     wk: int = 4
     nt: int = 1
     prefetch: int = 4
+    bf16_weights: bool = False
 
     kernel = "sm90_gemm_decode"
     source = GEMM_SOURCE
-    token_layout = TokenLayout.BF16_FRAGMENTS
 
     def __post_init__(self) -> None:
         if self.mt < 1 or self.wm < 1 or 16 * self.mt * self.wm not in (16, 32, 64, 128):
@@ -67,6 +68,10 @@ class DecodeVariant:
             raise ValueError(f"decode variant: NT must be 1..8 and PREFETCH 1..16, got {self.nt}, {self.prefetch}")
         if self.wk * self.tile_rows * (self.feature_block + 4) * 4 > 48 * 1024:
             raise ValueError(f"decode variant {self}: the split-K buffer exceeds 48 KB of shared memory")
+
+    @property
+    def token_layout(self) -> TokenLayout:
+        return TokenLayout.BF16_ROWS if self.bf16_weights else TokenLayout.BF16_FRAGMENTS
 
     @property
     def tile_rows(self) -> int:
@@ -91,7 +96,7 @@ class DecodeVariant:
 
     def options(self) -> tuple[str, ...]:
         return (f"-DSM90_MT={self.mt}", f"-DSM90_WM={self.wm}", f"-DSM90_WK={self.wk}", f"-DSM90_NT={self.nt}",
-                f"-DSM90_PREFETCH={self.prefetch}")
+                f"-DSM90_PREFETCH={self.prefetch}", *(("-DSM90_W_BF16=1",) if self.bf16_weights else ()))
 
     def epilogue_problem(self, activation: Any, fp32_preactivation: bool = False) -> str | None:
         """Why this variant cannot run ``activation``'s epilogue (grouped_gemm.cu's static checks), or None.
@@ -338,6 +343,9 @@ def grouped_gemm(
     early.ctas CTAs guesses its tile's expert from early.ids (the t-th local expert any slot routes to: right where
     every used expert holds one tile) and issues its first weight loads, so that they stream while the launch before
     it (the sort) runs; the results do not depend on it.
+    A DecodeVariant with ``bf16_weights``: W_e is BF16, w_tiles bfloat16 [E, N*K] (each expert's [N, K] row-major,
+    read in place), w_tile_scales ignored (any tensor), x in natural rows: out[r] = bf16(float32(alpha[e] * 256) *
+    acc), acc the FP32 sum of x[r, k] W_e[f, k] (pass alpha = 1/256 for the plain sum); no route, early or mxint4.
     mxint4 (a DecodeVariant): W_e is MXINT4 in the SM90 MXINT4 tiles (layout.pack_int4_weight_tiles: INT4 codes,
     w_tile_scales the BF16 scales per 32 k as bytes): out[r] = bf16(float32(alpha[e] * 256) * acc), acc the FP32
     sum over the k32 blocks b of fma(partial_b, scale_b, acc), partial_b the FP32 sum of the block's exact products
@@ -346,6 +354,9 @@ def grouped_gemm(
     """
     if not isinstance(variant, (DecodeVariant, PrefillVariant, WgmmaVariant)):
         raise ValueError(f"variant must be a DecodeVariant, PrefillVariant or WgmmaVariant, got {type(variant).__name__}")
+    bf16_weights = isinstance(variant, DecodeVariant) and variant.bf16_weights
+    if bf16_weights and (mxint4 or route is not None or early is not None):
+        raise ValueError(f"BF16 weights ({variant}) run without mxint4, a route or early routing")
     if mxint4 and not isinstance(variant, DecodeVariant):
         raise ValueError(f"MXINT4 weights run on a DecodeVariant, got {variant}")
     if mxint4 and epilogue is not None and (epilogue.requantize or not epilogue.out.layout.is_bf16):
@@ -423,8 +434,13 @@ def grouped_gemm(
     if out is not None:
         _check("out", out, (torch.bfloat16,), (rows, n))
         named["out"], align["out"] = out, 16
-    _check("w_tiles", w_tiles, (torch.uint8,), (experts, n * k // 2))
-    _check("w_tile_scales", w_tile_scales, (torch.uint8, torch.float8_e4m3fn), (experts, n * k // 16))
+    if bf16_weights:
+        _check("w_tiles", w_tiles, (torch.bfloat16,), (experts, n * k))
+        w_tile_scales = w_tiles  # not read
+        named["w_tile_scales"] = w_tiles
+    else:
+        _check("w_tiles", w_tiles, (torch.uint8,), (experts, n * k // 2))
+        _check("w_tile_scales", w_tile_scales, (torch.uint8, torch.float8_e4m3fn), (experts, n * k // 16))
     split = n if alpha_split is None else alpha_split
     if alpha_split is not None and not (0 < split < n and split % variant.alpha_block == 0):
         raise ValueError(f"alpha_split must lie in (0, N = {n}) and be a multiple of {variant.alpha_block} (the "

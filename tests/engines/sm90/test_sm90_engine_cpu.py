@@ -154,6 +154,8 @@ def test_can_route(model, tokens: int, routes: bool) -> None:
         assert engine.can_route(SimpleNamespace(rows=rows, shape=shape, weights=nvfp4, route=tokens_kind)) is routes
     assert engine.can_route(SimpleNamespace(rows=rows, shape=shape, weights=mxint4, route=bf16_tokens)) is routes
     assert not engine.can_route(SimpleNamespace(rows=rows, shape=shape, weights=mxint4, route=nvfp4_tokens))
+    bf16 = SimpleNamespace(code=BlockCode.BF16)  # its form reads natural rows, not the staged token row
+    assert not engine.can_route(SimpleNamespace(rows=rows, shape=shape, weights=bf16, route=bf16_tokens))
     wide = GemmShape(32768, shape.n, shape.num_experts)  # K = 32768: a 64 KB token row
     assert not engine.can_route(SimpleNamespace(rows=rows, shape=wide, weights=nvfp4, route=bf16_tokens))
 
@@ -169,8 +171,13 @@ def test_gemm2_finalizes_in_one_wave(model, tokens: int, finalizes: bool) -> Non
     engine.sm_count = SMS
     experts, hidden, inter = model
     rows, shape2 = _bucket(model, tokens)[0], GemmShape(inter, hidden, experts)
-    assert engine.can_finalize(SimpleNamespace(rows=rows, shape=shape2, workspace=object()), tokens) is finalizes
-    assert not engine.can_finalize(SimpleNamespace(rows=rows, shape=shape2, workspace=None), tokens)
+    for code in (BlockCode.NVFP4, BlockCode.BF16):  # the BF16 form has the same CTAs
+        weights = SimpleNamespace(code=code)
+        if code is BlockCode.BF16 and not isinstance(engine.variant(rows, shape2, gemm=2), DecodeVariant):
+            continue
+        ops = SimpleNamespace(rows=rows, shape=shape2, workspace=object(), weights=weights)
+        assert engine.can_finalize(ops, tokens) is finalizes
+        assert not engine.can_finalize(SimpleNamespace(rows=rows, shape=shape2, workspace=None, weights=weights), tokens)
 
 
 @pytest.mark.parametrize("model,tokens,early", [
@@ -195,3 +202,5 @@ def test_early_routing_for_calls_of_few_tokens(model, tokens: int, early: bool) 
     assert engine._early(SimpleNamespace(early=routing, epilogue=None, route=None), variant, mxint4=False) is None
     assert engine._early(SimpleNamespace(early=routing, epilogue=object(), route=object()), variant, False) is None
     assert engine._early(SimpleNamespace(early=None, epilogue=object(), route=None), variant, mxint4=False) is None
+    if isinstance(variant, DecodeVariant):  # never for BF16 weights
+        assert engine._early(ops, engine.variant(rows, shape, gemm=1, code=BlockCode.BF16), mxint4=False) is None

@@ -1,5 +1,5 @@
 """GPU tests of the tensor-core path of the low-latency call (cudnn_moe.low_latency.grouped): NVFP4, MXFP4 (in
-its exact NVFP4 form) and MXINT4 weight-only layers with BF16 tokens on the SM90 engine, called directly at every T = 1..8 (the call's
+its exact NVFP4 form), MXINT4 weight-only and BF16 layers with BF16 tokens on the SM90 engine, called directly at every T = 1..8 (the call's
 dispatch sends such calls there), against the float64 reference; repeated calls bitwise equal; recorded into the
 caller's CUDA graph, three launches (the stage and the finalize folded into the chain) bitwise equal to a call
 that launches them.
@@ -157,6 +157,7 @@ def test_mxfp4_weight_only_on_the_tensor_cores(tokens, act, kind, exponents, shi
 
 
 MXINT4 = WeightFormat.MXINT4_WEIGHT_ONLY
+BF16 = WeightFormat.BF16
 MXINT4_CASES = [(1, SwiGLU(), "packed"), (2, ReLU2(), "fp32"), (4, SiTU(a=2.0, b=3.0), "bf16"),
                 (8, GeGLU(), "int64"), (8, SwiGLUStep(limit=2.0), "fp32")]
 
@@ -185,6 +186,35 @@ def test_mxint4_weight_only_on_the_tensor_cores(tokens, act, kind) -> None:
         outs[engine] = out
 
 
+BF16_CASES = [(1, SwiGLU(), "packed"), (2, ReLU2(), "fp32"), (5, GeGLU(), "bf16"), (8, SwiGLU(), "int64"),
+              (8, Identity(), "fp32")]
+
+
+@pytest.mark.parametrize("tokens, act, kind", BF16_CASES, ids=[f"T{t}-{type(a).__name__}-{k}" for t, a, k in BF16_CASES])
+def test_bf16_weights_on_the_tensor_cores(tokens, act, kind) -> None:
+    """The op sends finalized BF16 calls with BF16 tokens to sm90 (the decode kernel reading the row-major weights in
+    place, tokens in natural rows), and the CUDA-core engine still runs them: both against the float64 reference;
+    repeated tensor-core calls are bitwise equal; the engine's view holds the weights' own memory."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the tensor-core path is the SM90 engine's")
+    config, weights = make_layer(BF16, act.gated, shape=(512, 256), seed=tokens + 70)
+    x = make_inputs(config, BF16, torch.bfloat16, tokens, weights.hidden_size, seed=tokens + 71)
+    routing = make_routing(random_ids(tokens, TOP_K, E, tokens + 72), kind, tokens + 73)
+    assert engine_of(weights, torch.bfloat16, torch.bfloat16, True, (9, 0)) == "sm90"
+    want = reference_low_latency(x, weights, routing, act, out_dtype=torch.bfloat16)
+    outs = {}
+    for engine in ("auto", "cuda_cores", "auto"):
+        out = nan_out((tokens, weights.hidden_size), torch.bfloat16)
+        low_latency_moe(LowLatencyMoeConfig(8, engine=engine), x, weights, routing, activation=act, out=out)
+        torch.cuda.synchronize()
+        assert_close_to_reference(out, want, f"BF16 on {engine} T={tokens} {type(act).__name__}")
+        if engine in outs:
+            assert torch.equal(out, outs[engine]), "repeated tensor-core calls differ"
+        outs[engine] = out
+    view = grouped.layer_view(Sm90GemmEngine, weights)
+    assert view.w1.data_ptr() == weights.w1.data_ptr() and view.w2.data_ptr() == weights.w2.data_ptr()
+
+
 def test_mxfp4_weights_without_an_exact_nvfp4_form_stay_on_the_cuda_cores() -> None:
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the tensor-core path is the SM90 engine's")
@@ -208,7 +238,7 @@ def chain_layer(fmt, tokens, seed):
     GPUs) and ``tokens`` BF16 or NVFP4 tokens: the layer from ``seed``, the tokens from ``seed + 1``."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the tensor-core path is the SM90 engine's")
-    shape = (512, 256) if fmt is WeightFormat.NVFP4_W_NVFP4_A else (512, 160)  # the pair's I is a multiple of 128
+    shape = (512, 256) if fmt in (WeightFormat.NVFP4_W_NVFP4_A, WeightFormat.BF16) else (512, 160)  # I % 128 == 0
     config, weights = make_layer(fmt, True, shape=shape, seed=seed)
     inputs = make_inputs(config, fmt, torch.bfloat16, tokens, weights.hidden_size, seed=seed + 1)
     x, x_scales = (inputs.packed, inputs.scales) if isinstance(inputs, Nvfp4Activations) else (inputs, None)
@@ -216,7 +246,8 @@ def chain_layer(fmt, tokens, seed):
 
 
 FOLD_CASES = [(FMT, 1), (FMT, 5), (MXFP4, 1), (MXFP4, 2), (MXINT4, 1), (MXINT4, 6), (WeightFormat.NVFP4_W_NVFP4_A, 1),
-              (WeightFormat.NVFP4_W_NVFP4_A, 3), (WeightFormat.NVFP4_W_NVFP4_A, 8)]
+              (WeightFormat.NVFP4_W_NVFP4_A, 3), (WeightFormat.NVFP4_W_NVFP4_A, 8), (WeightFormat.BF16, 2),
+              (WeightFormat.BF16, 7)]
 
 
 @pytest.mark.parametrize("fmt, tokens", FOLD_CASES, ids=[f"{f.value}-T{t}" for f, t in FOLD_CASES])
