@@ -104,8 +104,9 @@ using namespace sm90;
 // registers a thread (512 threads an SM) on their own; the MXINT4 forms are held to it (unbounded, GEMM1's SwiGLU
 // form takes 133 registers and the eight-warp form 225: three CTAs and one an SM). At 128 some forms spill 8 bytes.
 // The routed form for BF16 tokens (SM90_ROUTE 1) is held to it too (unbounded, (2, 2, 4) takes 130 registers); the
-// NVFP4 one fits 128 on its own (bounded, (2, 4, 1) spills 32 bytes).
-#if (SM90_W_INT4 || SM90_W_BF16 || SM90_ROUTE == 1) && SM90_MT * SM90_NT <= 2
+// NVFP4 one fits 128 on its own (bounded, (2, 4, 1) spills 32 bytes). The BF16 forms the engine runs (one m16 block,
+// four steps) fit 128 on their own without spilling; bounded they would spill 8-20 bytes.
+#if (SM90_W_INT4 || SM90_ROUTE == 1) && SM90_MT * SM90_NT <= 2
 #define DEC_MIN_BLOCKS , 512 / DEC_THREADS  // the launch bounds' second argument
 #else
 #define DEC_MIN_BLOCKS

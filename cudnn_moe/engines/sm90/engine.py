@@ -169,11 +169,12 @@ LOW_LATENCY_MAX_TOKENS = 8
 # (BlockCode.MXINT4: INT4 decoded exactly, BF16 block scales on FP32 partial sums).
 _WEIGHT_ONLY = frozenset(f.value for f in (WeightFormat.NVFP4_WEIGHT_ONLY, WeightFormat.MXFP4_WEIGHT_ONLY,
                                            WeightFormat.MXINT4_WEIGHT_ONLY))
-# BF16 layers of the low-latency op (BlockCode.BF16): the decode variants' BF16 form, reading the weights in place, two
-# k64 steps in flight per warp (16 KB a warp with two m16 blocks: the SwiGLU forms spill 12-36 bytes at 128 registers,
-# deeper rings more).
+# BF16 layers of the low-latency op (BlockCode.BF16): one variant of the decode kernel's BF16 form at every T <= 8, one
+# m16 block a warp, four k64 steps (8 KB) in flight, four warps along features, no split-K. GEMMs alone on the H200
+# (benchmarks/RESULTS.md, twenty-fourth session): best or within 4% of the best of 14 forms at Qwen3-30B-A3B and
+# DeepSeek-V3 T=1 and 8, e.g. DeepSeek-V3 T=8 GEMM1 899 us (3.9 TB/s) against 1067 with two m16 blocks and two steps.
 _BF16_TOKENS = _WEIGHT_ONLY | {WeightFormat.BF16.value}
-_BF16_PREFETCH = 2
+_BF16 = DecodeVariant(mt=1, wm=4, wk=1, nt=1, prefetch=4, bf16_weights=True)
 
 
 class Sm90GemmEngine(GemmEngine):
@@ -300,7 +301,7 @@ class Sm90GemmEngine(GemmEngine):
             if not isinstance(variant, DecodeVariant):
                 raise ValueError(f"BF16 weights run on the decode kernel only; {rows} rows over {shape.num_experts} "
                                  f"experts need {variant}")
-            return replace(variant, prefetch=min(variant.prefetch, _BF16_PREFETCH), bf16_weights=True)
+            return _BF16
         return variant.gathering() if isinstance(variant, WgmmaVariant) and gemm == 1 else variant
 
     def token_layout_for(self, rows: int, shape: GemmShape, *, gemm: int,

@@ -12,6 +12,7 @@ from cudnn_moe.activations import GELU, SwiGLU
 from cudnn_moe.engines.base import BlockCode, EarlyRouting, Gemm1Fusion, GemmShape, LayerStages, Stage
 from cudnn_moe.engines.sm90.engine import Sm90GemmEngine, choose_variant, gemm1_fusion
 from cudnn_moe.engines.sm90.kernels import DecodeVariant, WgmmaVariant
+from cudnn_moe.kernels.codes import TokenLayout
 from cudnn_moe.pipeline.executor import bucket_size, row_capacity
 
 SMS = 132
@@ -171,13 +172,36 @@ def test_gemm2_finalizes_in_one_wave(model, tokens: int, finalizes: bool) -> Non
     engine.sm_count = SMS
     experts, hidden, inter = model
     rows, shape2 = _bucket(model, tokens)[0], GemmShape(inter, hidden, experts)
-    for code in (BlockCode.NVFP4, BlockCode.BF16):  # the BF16 form has the same CTAs
-        weights = SimpleNamespace(code=code)
-        if code is BlockCode.BF16 and not isinstance(engine.variant(rows, shape2, gemm=2), DecodeVariant):
-            continue
-        ops = SimpleNamespace(rows=rows, shape=shape2, workspace=object(), weights=weights)
-        assert engine.can_finalize(ops, tokens) is finalizes
-        assert not engine.can_finalize(SimpleNamespace(rows=rows, shape=shape2, workspace=None, weights=weights), tokens)
+    nvfp4 = SimpleNamespace(code=BlockCode.NVFP4)
+    assert engine.can_finalize(SimpleNamespace(rows=rows, shape=shape2, workspace=object(), weights=nvfp4),
+                               tokens) is finalizes
+    assert not engine.can_finalize(SimpleNamespace(rows=rows, shape=shape2, workspace=None, weights=nvfp4), tokens)
+
+
+@pytest.mark.parametrize("model,tokens,finalizes", [
+    (QWEN3, 1, True), (QWEN3, 8, False), (DEEPSEEK_V3, 1, False), (DEEPSEEK_V3, 8, False),
+])
+def test_bf16_weights_take_the_bf16_decode_form(model, tokens: int, finalizes: bool) -> None:
+    """BF16 weights run one decode variant (one m16 block a warp, four steps in flight) reading natural token rows at
+    every T <= 8, for both GEMMs; GEMM2 finalizes where that variant's CTAs fit one wave (Qwen3-30B-A3B T=1: 256 CTAs
+    of 128 threads; DeepSeek-V3 T=1: 896); buckets past the decode kernel are refused."""
+    engine = Sm90GemmEngine.__new__(Sm90GemmEngine)
+    engine.sm_count = SMS
+    experts, hidden, inter = model
+    rows, shape1 = _bucket(model, tokens)
+    shape2 = GemmShape(inter, hidden, experts)
+    for gemm, shape in ((1, shape1), (2, shape2)):
+        variant = engine.variant(rows, shape, gemm=gemm, code=BlockCode.BF16)
+        assert variant == DecodeVariant(mt=1, wm=4, wk=1, nt=1, prefetch=4, bf16_weights=True)
+        assert "-DSM90_W_BF16=1" in variant.options()
+        assert engine.token_layout_for(rows, shape, gemm=gemm, code=BlockCode.BF16) is TokenLayout.BF16_ROWS
+        assert engine.token_layout_for(rows, shape, gemm=gemm) is TokenLayout.BF16_FRAGMENTS
+    bf16 = SimpleNamespace(code=BlockCode.BF16)
+    assert engine.can_finalize(SimpleNamespace(rows=rows, shape=shape2, workspace=object(), weights=bf16),
+                               tokens) is finalizes
+    long_rows, _ = _bucket(model, 4096)
+    with pytest.raises(ValueError, match="BF16 weights run on the decode kernel only"):
+        engine.variant(long_rows, shape1, gemm=1, code=BlockCode.BF16)
 
 
 @pytest.mark.parametrize("model,tokens,early", [

@@ -83,6 +83,8 @@ def nvcc_jobs(item: pytest.Item) -> list[tuple[list[str], str]]:
         return [(_nvcc_command(gemm, params["arch"], (*params["variant"].options(), "-DSM90_FINALIZE=1")), ".o")]
     if item.originalname == "test_mxint4_decode_compiles":
         return [(_nvcc_command(gemm, params["arch"], mxint4_options(params["variant"], params["form"])), ".o")]
+    if item.originalname == "test_bf16_decode_compiles":
+        return [(_nvcc_command(gemm, params["arch"], bf16_options(params["form"])), ".o")]
     if item.originalname == "test_route_compiles":
         return [(_nvcc_command(gemm, params["arch"], route_options(params["variant"], params["tokens"])), ".o")]
     if item.originalname == "test_prefill_variant_compiles_for_sm100":
@@ -187,6 +189,29 @@ def test_mxint4_decode_compiles(variant: Any, form: str, arch: str) -> None:
     registers = int(re.search(r"Used (\d+) registers", report).group(1))
     spilled = int(re.search(r"(\d+) bytes spill stores", report).group(1))
     assert registers * variant.threads * (512 // variant.threads) <= 65536 and spilled <= 8, report
+
+
+# The one variant BF16 weights run (engine.py: _BF16).
+BF16_VARIANT = sm90.DecodeVariant(mt=1, wm=4, wk=1, nt=1, prefetch=4, bf16_weights=True)
+
+
+def bf16_options(form: str) -> tuple[str, ...]:
+    """The decode module's options for BF16 weights: plain (GEMM2), with the finalize, or with the SwiGLU epilogue."""
+    extra = {"plain": (), "finalize": ("-DSM90_FINALIZE=1",), "swiglu": sm90.epilogue_options(SwiGLU())}[form]
+    return (*BF16_VARIANT.options(), *extra)
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found")
+@pytest.mark.parametrize("form,arch", [(f, "90a") for f in ("plain", "finalize", "swiglu")] + [("swiglu", "100a")],
+                         ids=str)
+def test_bf16_decode_compiles(form: str, arch: str) -> None:
+    """The decode kernel's BF16-weight form builds in every form the low-latency chain uses without spills, for sm_90a
+    (the engine's GPU) within 128 registers a thread (four CTAs of 128 threads an SM)."""
+    result = _nvcc(SM90_DIR / "grouped_gemm.cu", arch, bf16_options(form))
+    assert result.returncode == 0, result.stderr
+    report = result.stderr.split(f"Compiling entry function '{BF16_VARIANT.kernel}'")[1].split("Compiling entry")[0]
+    registers = int(re.search(r"Used (\d+) registers", report).group(1))
+    assert (arch != "90a" or registers <= 128) and " 0 bytes spill stores" in report, report
 
 
 def route_options(variant: Any, tokens: str) -> tuple[str, ...]:
@@ -719,6 +744,25 @@ def test_mxint4_call_compiles_its_form_in(launches: list[tuple]) -> None:
         (_source, name, _device, _grid, _block, _args), kwargs = launches[0]
         acts = () if plain else sm90.epilogue_options(SwiGLU())
         assert kwargs["extra_options"] == (*variant.options(), *acts, "-DSM90_W_INT4=1")
+
+
+def test_bf16_call_compiles_its_form_in(launches: list[tuple]) -> None:
+    """A BF16-weight decode GEMM reads bfloat16 [E, N*K] weights (the scales argument unread), natural token rows, and
+    compiles -DSM90_W_BF16=1 in; it refuses 4-bit weights, MXINT4 and early routing."""
+    e, n, k, rows = 3, 128, 128, 40
+    args = {**_gemm_args(e, n, k, rows), "variant": BF16_VARIANT}
+    args["w_tiles"] = torch.zeros(e, n * k, dtype=torch.bfloat16)
+    sm90.grouped_gemm(**args)
+    (_source, _name, _device, _grid, _block, call_args), kwargs = launches[0]
+    assert kwargs["extra_options"] == BF16_VARIANT.options() and "-DSM90_W_BF16=1" in BF16_VARIANT.options()
+    assert BF16_VARIANT.token_layout is TokenLayout.BF16_ROWS
+    with pytest.raises(TypeError, match="w_tiles"):
+        sm90.grouped_gemm(**{**args, "w_tiles": torch.zeros(e, n * k // 2, dtype=torch.uint8)})
+    with pytest.raises(ValueError, match="w_tiles"):
+        sm90.grouped_gemm(**{**args, "w_tiles": torch.zeros(e, n * k // 2, dtype=torch.bfloat16)})
+    with pytest.raises(ValueError, match="run without mxint4"):
+        sm90.grouped_gemm(**args, mxint4=True)
+    assert len(launches) == 1
 
 
 _FUSED_BAD = [
