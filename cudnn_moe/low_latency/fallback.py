@@ -14,9 +14,9 @@ Where no fallback is offered (a call above max_num_tokens raises ValueError sayi
   step 4) where both NVFP4 low-latency formats round it to BF16, and it takes NVFP4 tokens, so the weight-only
   format's BF16 tokens would be quantized first: another numerical contract;
 - engines reading NVFP4 tokens (cuDNN on Blackwell): the same requantized intermediate, so no view is prepared;
-- every other format: BF16, FP16 and the FP8 formats run on no grouped engine; MXFP4 and MXINT4 weight-only layers
-  run on the SM90 engine within max_num_tokens (cudnn_moe.low_latency.grouped), but no larger-batch view is
-  prepared for them;
+- every other format: FP16 and the FP8 formats run on no grouped engine; MXFP4 and MXINT4 weight-only layers and
+  BF16 layers run on the SM90 engine within max_num_tokens (cudnn_moe.low_latency.grouped), but no larger-batch view
+  is prepared for them;
 - FP16 tokens or output, and raw rows (finalize=False): the pipeline writes finalized BF16 outputs only.
 """
 
