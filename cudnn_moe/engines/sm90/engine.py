@@ -327,9 +327,10 @@ class Sm90GemmEngine(GemmEngine):
     def _early(self, operands: GemmOperands, variant: GemmVariant, mxint4: bool) -> EarlyRouting | None:
         """operands.early where the decode kernel takes it, for its first wave of CTAs: GEMM1 with the epilogue on a
         call of at most _EARLY_MAX_TOKENS tokens (and no more than a tile's rows: every used expert holds one tile),
-        NVFP4 weights (the MXINT4 forms have no registers to spare for it)."""
+        NVFP4 weights (the MXINT4 forms have no registers to spare for it; the BF16 form has no early form)."""
         early = operands.early
         if (early is None or not isinstance(variant, DecodeVariant) or variant.bf16_weights
-                or operands.epilogue is None or mxint4 or operands.route is not None or early.ids.shape[0] > min(_EARLY_MAX_TOKENS, variant.tile_rows)):
+                or operands.epilogue is None or mxint4 or operands.route is not None
+                or early.ids.shape[0] > min(_EARLY_MAX_TOKENS, variant.tile_rows)):
             return None
         return replace(early, ctas=self.sm_count * (_DECODE_CTA_THREADS_PER_SM // variant.threads))

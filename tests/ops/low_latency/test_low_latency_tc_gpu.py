@@ -1,8 +1,8 @@
 """GPU tests of the tensor-core path of the low-latency call (cudnn_moe.low_latency.grouped): NVFP4, MXFP4 (in
-its exact NVFP4 form), MXINT4 weight-only and BF16 layers with BF16 tokens on the SM90 engine, called directly at every T = 1..8 (the call's
-dispatch sends such calls there), against the float64 reference; repeated calls bitwise equal; recorded into the
-caller's CUDA graph, three launches (the stage and the finalize folded into the chain) bitwise equal to a call
-that launches them.
+its exact NVFP4 form), MXINT4 weight-only and BF16 layers with BF16 tokens on the SM90 engine, called directly at
+every T = 1..8 (the call's dispatch sends such calls there), against the float64 reference; repeated calls bitwise
+equal; recorded into the caller's CUDA graph, three launches (the stage and the finalize folded into the chain)
+bitwise equal to a call that launches them.
 Tolerances: tests.support.low_latency (the same rounding points; only the FP32 summation order differs)."""
 
 from __future__ import annotations
@@ -190,7 +190,8 @@ BF16_CASES = [(1, SwiGLU(), "packed"), (2, ReLU2(), "fp32"), (5, GeGLU(), "bf16"
               (8, Identity(), "fp32")]
 
 
-@pytest.mark.parametrize("tokens, act, kind", BF16_CASES, ids=[f"T{t}-{type(a).__name__}-{k}" for t, a, k in BF16_CASES])
+@pytest.mark.parametrize("tokens, act, kind", BF16_CASES,
+                         ids=[f"T{t}-{type(a).__name__}-{k}" for t, a, k in BF16_CASES])
 def test_bf16_weights_on_the_tensor_cores(tokens, act, kind) -> None:
     """The op sends finalized BF16 calls with BF16 tokens to sm90 (the decode kernel reading the row-major weights in
     place, tokens in natural rows), and the CUDA-core engine still runs them: both against the float64 reference;
