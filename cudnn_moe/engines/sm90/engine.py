@@ -182,8 +182,8 @@ class Sm90GemmEngine(GemmEngine):
     low-latency op's 4-bit formats (finalized, BF16 out; NVFP4, MXFP4 or MXINT4 weight-only with BF16 tokens, or
     the NVFP4 pair), measured 1.3-3x faster than the CUDA-core kernels from two tokens on (at one token
     1.9x faster on DeepSeek-V3, up to 10% slower on Qwen3-30B-A3B), so it takes every T; and its BF16 layers
-    (BF16 tokens, finalized, BF16 out; the decode kernel's BF16 form), 1.03-1.34x faster than the CUDA cores on
-    the H200 (benchmarks/RESULTS.md)."""
+    (BF16 tokens, finalized, BF16 out; the decode kernel's BF16 form), 1.17-1.43x faster than the CUDA cores on
+    the H200 at T = 1 and 8 (benchmarks/RESULTS.md)."""
 
     name = "sm90"
     services = (
