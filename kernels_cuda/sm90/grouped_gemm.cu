@@ -186,24 +186,14 @@ __device__ __forceinline__ void decode_step(const DecodeRing& ring, float (&acc)
   SM90_DECODE_K32(0)
   SM90_DECODE_K32(1)
 #undef SM90_DECODE_K32
-#elif SM90_W_BF16
+#else
+#if SM90_W_BF16
   // Step S: a0 / a2 = words 2S, 2S + 1 of row g's 32 bytes, a1 / a3 those of row g + 8; b0 / b1 likewise.
-#define SM90_DECODE_K16(S)                                                                          \
-  _Pragma("unroll") for (int mt = 0; mt < SM90_MT; ++mt) {                                          \
-    const u32 a[4] = {word_of<(2 * S) & 3>(ring.w[P][mt][S >> 1]),                                  \
-                      word_of<(2 * S) & 3>(ring.w[P][mt][2 + (S >> 1)]),                            \
-                      word_of<((2 * S) & 3) + 1>(ring.w[P][mt][S >> 1]),                            \
-                      word_of<((2 * S) & 3) + 1>(ring.w[P][mt][2 + (S >> 1)])};                     \
-    _Pragma("unroll") for (int nt = 0; nt < SM90_NT; ++nt) {                                        \
-      mma_bf16_16816(acc[S % DEC_ACC_SETS][mt][nt], a, word_of<(2 * S) & 3>(ring.b[P][nt][S >> 1]),  \
-                     word_of<((2 * S) & 3) + 1>(ring.b[P][nt][S >> 1]));                            \
-    }                                                                                               \
-  }
-  SM90_DECODE_K16(0)
-  SM90_DECODE_K16(1)
-  SM90_DECODE_K16(2)
-  SM90_DECODE_K16(3)
-#undef SM90_DECODE_K16
+#define SM90_DECODE_A(S, mt, a)                                                                     \
+  a[0] = word_of<(2 * S) & 3>(ring.w[P][mt][S >> 1]);                                               \
+  a[1] = word_of<(2 * S) & 3>(ring.w[P][mt][2 + (S >> 1)]);                                         \
+  a[2] = word_of<((2 * S) & 3) + 1>(ring.w[P][mt][S >> 1]);                                         \
+  a[3] = word_of<((2 * S) & 3) + 1>(ring.w[P][mt][2 + (S >> 1)]);
 #else
   u32 sg[SM90_MT][2], sg8[SM90_MT][2];
 #pragma unroll
@@ -211,10 +201,12 @@ __device__ __forceinline__ void decode_step(const DecodeRing& ring, float (&acc)
     decode_scale_word(ring.s[P][mt].x, sg[mt][0], sg8[mt][0]);
     decode_scale_word(ring.s[P][mt].y, sg[mt][1], sg8[mt][1]);
   }
+#define SM90_DECODE_A(S, mt, a) scaled_a<S>(word_of<S>(ring.w[P][mt]), sg[mt][S >> 1], sg8[mt][S >> 1], a);
+#endif
 #define SM90_DECODE_K16(S)                                                                          \
   _Pragma("unroll") for (int mt = 0; mt < SM90_MT; ++mt) {                                          \
     u32 a[4];                                                                                       \
-    scaled_a<S>(word_of<S>(ring.w[P][mt]), sg[mt][S >> 1], sg8[mt][S >> 1], a);                     \
+    SM90_DECODE_A(S, mt, a)                                                                         \
     _Pragma("unroll") for (int nt = 0; nt < SM90_NT; ++nt) {                                        \
       mma_bf16_16816(acc[S % DEC_ACC_SETS][mt][nt], a, word_of<(2 * S) & 3>(ring.b[P][nt][S >> 1]),  \
                      word_of<((2 * S) & 3) + 1>(ring.b[P][nt][S >> 1]));                            \
@@ -225,6 +217,7 @@ __device__ __forceinline__ void decode_step(const DecodeRing& ring, float (&acc)
   SM90_DECODE_K16(2)
   SM90_DECODE_K16(3)
 #undef SM90_DECODE_K16
+#undef SM90_DECODE_A
 #endif
 }
 

@@ -156,6 +156,29 @@ def test_mxfp4_weight_only_on_the_tensor_cores(tokens, act, kind, exponents, shi
         assert_close_to_reference(out, want, f"MXFP4 weight-only on {engine} T={tokens} scales 2^{exponents}")
 
 
+def sm90_and_cuda_cores_match_reference(fmt, tokens, act, kind, seed):
+    """A (512, 256) layer in ``fmt`` from ``seed`` (skipped off SM90), BF16 tokens and ``kind`` routing: the registry
+    picks sm90 for it; "auto", the CUDA cores and "auto" again each match the float64 reference, and the two
+    tensor-core calls are bitwise equal. Returns the weights."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the tensor-core path is the SM90 engine's")
+    config, weights = make_layer(fmt, act.gated, shape=(512, 256), seed=seed)
+    x = make_inputs(config, fmt, torch.bfloat16, tokens, weights.hidden_size, seed=seed + 1)
+    routing = make_routing(random_ids(tokens, TOP_K, E, seed + 2), kind, seed + 3)
+    assert engine_of(weights, torch.bfloat16, torch.bfloat16, True, (9, 0)) == "sm90"
+    want = reference_low_latency(x, weights, routing, act, out_dtype=torch.bfloat16)
+    outs = {}
+    for engine in ("auto", "cuda_cores", "auto"):
+        out = nan_out((tokens, weights.hidden_size), torch.bfloat16)
+        low_latency_moe(LowLatencyMoeConfig(8, engine=engine), x, weights, routing, activation=act, out=out)
+        torch.cuda.synchronize()
+        assert_close_to_reference(out, want, f"{fmt.value} on {engine} T={tokens} {type(act).__name__}")
+        if engine in outs:
+            assert torch.equal(out, outs[engine]), "repeated tensor-core calls differ"
+        outs[engine] = out
+    return weights
+
+
 MXINT4 = WeightFormat.MXINT4_WEIGHT_ONLY
 BF16 = WeightFormat.BF16
 MXINT4_CASES = [(1, SwiGLU(), "packed"), (2, ReLU2(), "fp32"), (4, SiTU(a=2.0, b=3.0), "bf16"),
@@ -168,22 +191,7 @@ def test_mxint4_weight_only_on_the_tensor_cores(tokens, act, kind) -> None:
     """The op sends finalized BF16 MXINT4 calls to sm90 (INT4 tiles, BF16 block scales on FP32 partial sums, the
     FP32 preactivation into the activation epilogue), and the CUDA-core engine still runs them: both against the
     float64 reference; repeated tensor-core calls are bitwise equal."""
-    if torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("the tensor-core path is the SM90 engine's")
-    config, weights = make_layer(MXINT4, act.gated, shape=(512, 256), seed=tokens + 60)
-    x = make_inputs(config, MXINT4, torch.bfloat16, tokens, weights.hidden_size, seed=tokens + 61)
-    routing = make_routing(random_ids(tokens, TOP_K, E, tokens + 62), kind, tokens + 63)
-    assert engine_of(weights, torch.bfloat16, torch.bfloat16, True, (9, 0)) == "sm90"
-    want = reference_low_latency(x, weights, routing, act, out_dtype=torch.bfloat16)
-    outs = {}
-    for engine in ("auto", "cuda_cores", "auto"):
-        out = nan_out((tokens, weights.hidden_size), torch.bfloat16)
-        low_latency_moe(LowLatencyMoeConfig(8, engine=engine), x, weights, routing, activation=act, out=out)
-        torch.cuda.synchronize()
-        assert_close_to_reference(out, want, f"MXINT4 weight-only on {engine} T={tokens} {type(act).__name__}")
-        if engine in outs:
-            assert torch.equal(out, outs[engine]), "repeated tensor-core calls differ"
-        outs[engine] = out
+    sm90_and_cuda_cores_match_reference(MXINT4, tokens, act, kind, seed=tokens + 60)
 
 
 BF16_CASES = [(1, SwiGLU(), "packed"), (2, ReLU2(), "fp32"), (5, GeGLU(), "bf16"), (8, SwiGLU(), "int64"),
@@ -196,22 +204,7 @@ def test_bf16_weights_on_the_tensor_cores(tokens, act, kind) -> None:
     """The op sends finalized BF16 calls with BF16 tokens to sm90 (the decode kernel reading the row-major weights in
     place, tokens in natural rows), and the CUDA-core engine still runs them: both against the float64 reference;
     repeated tensor-core calls are bitwise equal; the engine's view holds the weights' own memory."""
-    if torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("the tensor-core path is the SM90 engine's")
-    config, weights = make_layer(BF16, act.gated, shape=(512, 256), seed=tokens + 70)
-    x = make_inputs(config, BF16, torch.bfloat16, tokens, weights.hidden_size, seed=tokens + 71)
-    routing = make_routing(random_ids(tokens, TOP_K, E, tokens + 72), kind, tokens + 73)
-    assert engine_of(weights, torch.bfloat16, torch.bfloat16, True, (9, 0)) == "sm90"
-    want = reference_low_latency(x, weights, routing, act, out_dtype=torch.bfloat16)
-    outs = {}
-    for engine in ("auto", "cuda_cores", "auto"):
-        out = nan_out((tokens, weights.hidden_size), torch.bfloat16)
-        low_latency_moe(LowLatencyMoeConfig(8, engine=engine), x, weights, routing, activation=act, out=out)
-        torch.cuda.synchronize()
-        assert_close_to_reference(out, want, f"BF16 on {engine} T={tokens} {type(act).__name__}")
-        if engine in outs:
-            assert torch.equal(out, outs[engine]), "repeated tensor-core calls differ"
-        outs[engine] = out
+    weights = sm90_and_cuda_cores_match_reference(BF16, tokens, act, kind, seed=tokens + 70)
     view = grouped.layer_view(Sm90GemmEngine, weights)
     assert view.w1.data_ptr() == weights.w1.data_ptr() and view.w2.data_ptr() == weights.w2.data_ptr()
 
