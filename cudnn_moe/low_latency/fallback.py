@@ -56,10 +56,10 @@ class LowLatencyFallback:
     weights: Nvfp4Weights
 
 
-def mxint4_alphas(weights: Mxint4WeightOnlyWeights) -> torch.Tensor:
-    """The alphas of an SM90 MXINT4 view: float32 [E] of 1/256 (the engine's alpha * 256 is then 1: MXINT4 has no
-    global)."""
-    return torch.full((weights.num_experts,), 1 / 256, dtype=torch.float32, device=weights.w1_codes.device)
+def unit_alphas(experts: int, device: torch.device) -> torch.Tensor:
+    """The alphas of an SM90 view of weights without a global (MXINT4, BF16): float32 [E] of 1/256, so that the
+    engine's alpha * 256 is 1."""
+    return torch.full((experts,), 1 / 256, dtype=torch.float32, device=device)
 
 
 def tiled_view(
@@ -78,7 +78,7 @@ def tiled_view(
     mxint4 = isinstance(weights, Mxint4WeightOnlyWeights)
     w1_scales, w2_scales = weights.w1_scales, weights.w2_scales
     if mxint4:
-        alpha1 = alpha2 = mxint4_alphas(weights)
+        alpha1 = alpha2 = unit_alphas(experts, weights.w1_codes.device)
     elif isinstance(weights, Mxfp4WeightOnlyWeights):
         w1_scales, alpha1, w2_scales, alpha2 = weights.nvfp4_tiles
     else:

@@ -60,7 +60,7 @@ from ..weights.low_latency import (
 )
 from ..weights.nvfp4 import Nvfp4Activations, Nvfp4Weights
 from .config import MAX_NUM_TOKENS
-from .fallback import grouped_view, mxint4_alphas, tiled_view
+from .fallback import grouped_view, tiled_view, unit_alphas
 
 # What this path runs (DenseWeights: BF16 ones only).
 Viewable = Nvfp4WeightOnlyWeights | Mxfp4WeightOnlyWeights | Mxint4WeightOnlyWeights | DenseWeights
@@ -109,7 +109,7 @@ def mxint4_view(engine: type[GemmEngine], arch: Arch, weights: Mxint4WeightOnlyW
     w1_codes, w1_scales, w2_codes, w2_scales = weights.row_payloads()
     w1, w1_scales = engine.pack_weights_chunked(arch, w1_codes, w1_scales, code=BlockCode.MXINT4)
     w2, w2_scales = engine.pack_weights_chunked(arch, w2_codes, w2_scales, code=BlockCode.MXINT4)
-    alpha = mxint4_alphas(weights)
+    alpha = unit_alphas(weights.num_experts, weights.w1_codes.device)
     return Nvfp4Weights(
         w1, w1_scales, alpha, w2, w2_scales, alpha, engine.spec(arch), weights.gated, weights.hidden_size,
         weights.padded_intermediate, code=BlockCode.MXINT4,
@@ -121,7 +121,7 @@ def bf16_view(engine: type[GemmEngine], arch: Arch, weights: DenseWeights) -> Nv
     [E, H * Ip] row-major (BlockCode.BF16; the scales are empty), alphas 1/256 (a new tensor: the engine's alpha * 256
     is then 1); intermediate size Ip."""
     experts = weights.num_experts
-    alpha = torch.full((experts,), 1 / 256, dtype=torch.float32, device=weights.w1.device)
+    alpha = unit_alphas(experts, weights.w1.device)
     no_scales = torch.empty(experts, 0, dtype=torch.uint8, device=weights.w1.device)
     return Nvfp4Weights(
         weights.w1.reshape(experts, -1), no_scales, alpha, weights.w2.reshape(experts, -1), no_scales, alpha,

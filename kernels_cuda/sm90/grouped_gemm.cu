@@ -153,7 +153,7 @@ struct DecodeRing {
   uint4 w[SM90_PREFETCH][SM90_MT];     // weight words: 4 k16 steps
   uint2 s[SM90_PREFETCH][SM90_MT];     // scale bytes
 #endif
-  uint4 b[SM90_PREFETCH][SM90_NT][2];  // token fragments: steps 0-1, 2-3
+  uint4 b[SM90_PREFETCH][SM90_NT][2];  // token pieces (X_LANE, X_SECOND): steps 0-1, 2-3
 };
 
 // One k64 step of a warp: 4 x MT x NT mma.
