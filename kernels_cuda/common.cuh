@@ -344,6 +344,13 @@ __device__ __forceinline__ uint4 ldg_stream_v4(const void* p) {
   return v;
 }
 
+// 1 byte of read-only data that is used once, zero-extended.
+__device__ __forceinline__ u32 ldg_stream_u8(const void* p) {
+  u32 v;
+  asm("ld.global.nc.L1::no_allocate.u8 %0, [%1];" : "=r"(v) : "l"(p));
+  return v;
+}
+
 // 8 bytes of read-only data that is used once.
 __device__ __forceinline__ uint2 ldg_stream_v2(const void* p) {
   uint2 v;

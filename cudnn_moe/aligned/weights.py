@@ -1,4 +1,5 @@
-"""Weights of the aligned-plan op, laid out once for the GEMM engine of their GPU."""
+"""Weights of the aligned-plan op for the GEMM engine of their GPU: the caller's raw tensors read in place where the
+engine reads the canonical layout (SM90), else laid out once in the engine's own."""
 
 from __future__ import annotations
 
@@ -10,14 +11,15 @@ import torch
 
 from ..activations import SwiGLU
 from ..arch import device_arch, parse_arch
-from ..engines.base import NVFP4, OP_ALIGNED, GemmShape, Request
+from ..engines.base import NVFP4, OP_ALIGNED, BlockCode, GemmShape, Request
 from ..engines.registry import choose, engine_class_of
 from ..formats import NVFP4_BLOCK
 from ..validate import require_same_device, require_shape, require_tensor
-from ..weights.nvfp4 import Nvfp4Weights, require_expert_count
+from ..weights.nvfp4 import Nvfp4Weights, require_expert_count, swap_row_halves
 from .checks import K_MULTIPLE
 
 GATED = SwiGLU()  # the op's activation: silu(gate) * up, on the pipeline's [up; gate] rows
+IN_PLACE_ALIGNMENT = 16  # bytes: the sm90 kernels' weight loads (a tensor at another address is copied)
 
 
 def raw_signature(t: torch.Tensor) -> tuple:
@@ -34,12 +36,13 @@ def owner_of(t: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True, eq=False)
 class AlignedWeights:
-    """The aligned op's weights in the layout of one GEMM engine (``layer.spec``).
+    """The aligned op's weights for one GEMM engine (``layer.spec``).
 
-    layer: the pipeline's Nvfp4Weights view: w1 rows reordered to [up; gate] (the caller's
-    [gate; up] halves swapped) and packed with w2 for the engine, without alphas: each call's stage
-    writes its output scales into the token bucket ([up scales | gate scales] with w1_alpha_split =
-    N/2, and the down scales), so these weights are never written after preparation.
+    layer: the pipeline's Nvfp4Weights view, without alphas: each call's stage writes its output scales into the
+    token bucket ([up scales | gate scales] with w1_alpha_split = N/2, and the down scales), so these weights are
+    never written. On the sm90 engine it holds the caller's contiguous raw tensors themselves
+    (BlockCode.NVFP4_ROWS, w1_halves_swapped: the kernels read the [gate; up] halves as [up; gate]): no copy. Else
+    w1's rows are reordered to [up; gate] and packed with w2 in the engine's layout (a copy).
     sources: the raw tensors' signatures (address, shape, strides, dtype, device, version) at
     preparation; owners: weak references to the tensors owning their memory. A call's raw tensors
     match when both agree (``same_tensors``): new tensors that reuse freed addresses do not.
@@ -61,15 +64,15 @@ class AlignedWeights:
 
     def canonical(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(gemm1_weights [E, N, K/2] in [gate; up] order, its E4M3 scales [E, N, K/16], gemm2_weights
-        [E, K, N/4], its scales [E, K, N/32]): the caller's tensors, unpacked from the engine layout."""
+        [E, K, N/4], its scales [E, K, N/32]): the caller's values (new tensors for w1, unpacked from the engine layout
+        or with the halves swapped back; w2 and its scales are views of the caller's tensors when read in place)."""
         w1, w1_scales, w2, w2_scales = self.layer.canonical()
-        return _swap_halves(w1), _swap_halves(w1_scales), w2, w2_scales
+        return swap_row_halves(w1), swap_row_halves(w1_scales), w2, w2_scales
 
-
-def _swap_halves(t: torch.Tensor) -> torch.Tensor:
-    """[E, N, X]: rows [a; b] -> [b; a] (gate/up order), a new tensor."""
-    a, b = t.chunk(2, dim=1)
-    return torch.cat((b, a), dim=1)
+    @property
+    def in_place(self) -> bool:
+        """Whether the layer reads the caller's raw tensors themselves (no copy of the weights is held)."""
+        return self.layer.code is BlockCode.NVFP4_ROWS
 
 
 def prepare_aligned_weights(
@@ -81,14 +84,16 @@ def prepare_aligned_weights(
     arch: str | int | tuple[int, int] | None = None,
     engine: str = "auto",
 ) -> AlignedWeights:
-    """Lay the aligned op's weights out once for the GEMM engine of the GPU (pass the result as
+    """Prepare the aligned op's weights for the GEMM engine of the GPU (pass the result as
     ``aligned_moe(..., prepared=...)``); the caller's tensors are only read.
 
     gemm1_weights uint8 [E, N, K/2] ([gate; up] rows), gemm1_weights_scale float8_e4m3fn [E, N, K/16],
     gemm2_weights uint8 [E, K, N/4], gemm2_weights_scale float8_e4m3fn [E, K, N/32] (linear scales,
     N and K multiples of 256), on one device. arch: the GPU the layout is for (default: the tensors'
     CUDA device; required for CPU tensors, e.g. 'sm90'). engine: 'auto', 'sm90' or 'cudnn', as for
-    Nvfp4MoeConfig. The codes and scales are repacked bit-exactly (``canonical()`` gives them back).
+    Nvfp4MoeConfig. On the sm90 engine contiguous, 16-byte aligned tensors are read in place, the result holding
+    them and no copy (``in_place``); else (the cudnn engine, a non-contiguous or unaligned tensor) the codes and scales
+    are repacked bit-exactly into a copy (``canonical()`` gives them back either way).
     """
     w1 = require_tensor("gemm1_weights", gemm1_weights, torch.uint8, rank=3)
     w1s = require_tensor("gemm1_weights_scale", gemm1_weights_scale, torch.float8_e4m3fn, rank=3)
@@ -113,11 +118,17 @@ def prepare_aligned_weights(
     inter = n // 2
     shapes = (GemmShape(hidden, n, experts), GemmShape(inter, hidden, experts))
     spec = choose(Request(OP_ALIGNED, target, NVFP4, shapes, experts), engine).spec(target)
+    raw = (w1, w1s, w2, w2s)
+    if spec.engine == "sm90" and all(t.is_contiguous() and t.data_ptr() % IN_PLACE_ALIGNMENT == 0 for t in raw):
+        layer = Nvfp4Weights(  # no alphas: every call brings its output scales, staged into the token bucket
+            w1.view(experts, -1), w1s.view(experts, -1), None, w2.view(experts, -1), w2s.view(experts, -1), None,
+            spec, GATED.gated, hidden, inter, w1_alpha_split=inter, code=BlockCode.NVFP4_ROWS, w1_halves_swapped=True,
+        )
+        return AlignedWeights(layer, tuple(raw_signature(t) for t in raw), tuple(weakref.ref(owner_of(t)) for t in raw))
     cls = engine_class_of(spec)
-    w1_data, w1_scales = cls.pack_weights_chunked(target, w1, w1s, rows=_swap_halves)
+    w1_data, w1_scales = cls.pack_weights_chunked(target, w1, w1s, rows=swap_row_halves)
     w2_data, w2_scales = cls.pack_weights_chunked(target, w2, w2s)
-    layer = Nvfp4Weights(  # no alphas: every call brings its output scales, staged into the token bucket
+    layer = Nvfp4Weights(
         w1_data, w1_scales, None, w2_data, w2_scales, None, spec, GATED.gated, hidden, inter, w1_alpha_split=inter
     )
-    raw = (w1, w1s, w2, w2s)
     return AlignedWeights(layer, tuple(raw_signature(t) for t in raw), tuple(weakref.ref(owner_of(t)) for t in raw))

@@ -57,11 +57,14 @@ class BlockCode(enum.Enum):
     globals as alpha. MXINT4 (the low-latency op's MXINT4 weight-only layers on the SM90 engine): two's-complement
     INT4 codes, BF16 scales per 32 k applied to FP32 partial sums, no global; GEMM1's preactivation stays FP32, so
     GEMM1 runs with the activation in its epilogue. BF16 (the low-latency op's BF16 layers on the SM90 engine): the
-    weights themselves, row-major bfloat16 [E, rows * K] read in place, no block scales, no global (alphas 1/256)."""
+    weights themselves, row-major bfloat16 [E, rows * K] read in place, no block scales, no global (alphas 1/256).
+    NVFP4_ROWS (the aligned op's raw weights on the SM90 engine): NVFP4 as NVFP4, but in the canonical row-major
+    layout (codes [E, rows * K/2], linear E4M3 scales [E, rows * K/16]) read in place instead of the engine's own."""
 
     NVFP4 = "nvfp4"
     MXINT4 = "mxint4"
     BF16 = "bf16"
+    NVFP4_ROWS = "nvfp4-rows"
 
 
 @dataclass(frozen=True)
@@ -171,13 +174,15 @@ class WeightOperand:
     """One GEMM's prepared weights: ``data`` and ``scales`` in the engine's weight layout, ``alpha``
     float32 [E] (the expert globals). With ``alpha_split`` (a multiple of 128 below N), alpha is
     [2E] and output features f >= alpha_split take alpha[E + e] (GEMM1 halves with their own scales).
-    code: what the codes and scales are (BlockCode)."""
+    code: what the codes and scales are (BlockCode). halves_swapped: the rows are stored as [second half; first
+    half] of N / 2 each (the aligned op's raw w1, [gate; up], read in place as [up; gate])."""
 
     data: torch.Tensor
     scales: torch.Tensor
     alpha: torch.Tensor
     alpha_split: int | None = None
     code: BlockCode = BlockCode.NVFP4
+    halves_swapped: bool = False
 
 
 def alpha_split(weights: WeightOperand, n: int) -> int:

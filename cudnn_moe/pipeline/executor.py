@@ -144,7 +144,7 @@ class Bucket:
         self.alpha2 = w.w2_alpha if w.w2_alpha is not None else empty(experts, dtype=torch.float32)
         self.gemm1 = GemmOperands(
             rows, shape1, token_operand(shape1, 1, 0 if self.fusion.gather else rows),
-            WeightOperand(w.w1, w.w1_scales, self.alpha1, w.w1_alpha_split, w.code), self.offsets,
+            WeightOperand(w.w1, w.w1_scales, self.alpha1, w.w1_alpha_split, w.code, w.w1_halves_swapped), self.offsets,
             empty(0 if self.fusion.epilogue else rows, n1, dtype=torch.bfloat16), workspace, gemm=1,
         )
         self.gemm2 = GemmOperands(

@@ -49,7 +49,11 @@ class Nvfp4Weights:
     w1_alpha_split: None, or (the aligned-plan op's weights) I: w1's alphas are then [2E] and GEMM1
     output features f >= I (the gate half) take alpha[E + e].
     code: BlockCode.NVFP4, or for the SM90 engine's view of MXINT4 low-latency weights BlockCode.MXINT4 (INT4 codes
-    and BF16 scales per 32 in the SM90 MXINT4 tiles, alphas 1/256; cudnn_moe.low_latency.grouped).
+    and BF16 scales per 32 in the SM90 MXINT4 tiles, alphas 1/256; cudnn_moe.low_latency.grouped), or for the aligned
+    op's raw tensors read in place on the SM90 engine BlockCode.NVFP4_ROWS (the canonical layout, each expert's
+    matrix flattened: w1 [E, N1 * H/2], scales [E, N1 * H/16] float8_e4m3fn, likewise w2).
+    w1_halves_swapped: w1's two halves are stored as [gate; up] (BlockCode.NVFP4_ROWS views of the aligned op's raw
+    w1); the kernels read them as [up; gate], and canonical() gives [up; gate].
     The GPU executors built for these weights live in cudnn_moe.pipeline.lifetime's cache and are
     released (outside any CUDA-graph capture) after the weights object is dropped.
     """
@@ -66,6 +70,7 @@ class Nvfp4Weights:
     intermediate_size: int
     w1_alpha_split: int | None = None
     code: BlockCode = BlockCode.NVFP4
+    w1_halves_swapped: bool = False
 
     @property
     def num_experts(self) -> int:
@@ -82,8 +87,17 @@ class Nvfp4Weights:
 
     def canonical(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(w1 codes [E, N1, H/2], w1 scales [E, N1, H/16], w2 codes [E, H, I/2], w2 scales [E, H, I/16]),
-        scales linear float8_e4m3fn (derived from the engine layout; a copy for repacked layouts). NVFP4 views only
-        (an MXINT4 view's canonical tensors are its low-latency weights')."""
+        scales linear float8_e4m3fn (derived from the engine layout; a copy for repacked layouts and swapped halves,
+        views of the weights' own tensors otherwise). NVFP4 views only (an MXINT4 view's canonical tensors are its
+        low-latency weights')."""
+        if self.code is BlockCode.NVFP4_ROWS:
+            n1, h, i = self.gemm1_rows, self.hidden_size, self.intermediate_size
+            w1 = self.w1.view(-1, n1, h // 2)
+            w1_scales = self.w1_scales.view(torch.float8_e4m3fn).view(-1, n1, h // 16)
+            if self.w1_halves_swapped:
+                w1, w1_scales = swap_row_halves(w1), swap_row_halves(w1_scales)
+            return (w1, w1_scales, self.w2.view(-1, h, i // 2),
+                    self.w2_scales.view(torch.float8_e4m3fn).view(-1, h, i // 16))
         if self.code is not BlockCode.NVFP4:
             raise ValueError(f"canonical() gives NVFP4 tensors; this is a {self.code.value} view")
         engine = engine_class_of(self.spec)
@@ -92,6 +106,12 @@ class Nvfp4Weights:
             self.spec.arch, self.w2, self.w2_scales, self.hidden_size, self.intermediate_size
         )
         return w1, w1_scales, w2, w2_scales
+
+
+def swap_row_halves(t: torch.Tensor) -> torch.Tensor:
+    """[E, N, X]: rows [a; b] -> [b; a] (the aligned op's [gate; up] w1 and the pipeline's [up; gate]), a new tensor."""
+    a, b = t.chunk(2, dim=1)
+    return torch.cat((b, a), dim=1)
 
 
 def require_expert_count(name: str, experts: int) -> None:

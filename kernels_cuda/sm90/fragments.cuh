@@ -26,7 +26,8 @@
 namespace sm90 {
 
 using moe::i64;
-using moe::ldg_stream_v2;  // weights and scales: streamed, not kept in L1 (common.cuh)
+using moe::ldg_stream_u8;  // weights and scales: streamed, not kept in L1 (common.cuh)
+using moe::ldg_stream_v2;
 using moe::ldg_stream_v4;
 using moe::u16;
 using moe::u32;
@@ -83,6 +84,48 @@ __device__ __forceinline__ void decode_scale_word(u32 w, u32& row_g, u32& row_g8
   const u32 hi = (w >> 4) & 0x07F007F0u;  // bytes 1 and 3
   row_g = bf16x2_mul(bf16x2_mul(lo, kBf16x2Pow119), kBf16x2Pow119);
   row_g8 = bf16x2_mul(bf16x2_mul(hi, kBf16x2Pow119), kBf16x2Pow119);
+}
+
+// ---------------------------------------------------------------------------------------------
+// NVFP4 weights in their canonical row-major layout (codes [N, K/2], element 2i in the low nibble of byte i; E4M3
+// scales [N, K/16]), read in place: an A register holds the two values of one code byte, so its k pair is adjacent
+// (k = 2i, 2i + 1), as in natural token rows.
+// ---------------------------------------------------------------------------------------------
+
+// The register of code byte `b` (0..3) of word w: BF16 E2M1 x 2^-126 of its low nibble (low half) and high nibble
+// (high half), exactly. One PRMT puts the low nibble at bits 12..15 (byte b of w << 4 into byte 1) and the high nibble
+// at bits 28..31 (byte b of w into byte 3); then sign stays and magnitude moves to bits 6..8 of each half.
+// sel: row_byte_selector(b).
+__device__ __forceinline__ u32 row_byte_selector(u32 b) { return (b << 12) | ((b + 4) << 4); }
+
+__device__ __forceinline__ u32 decode_row_byte(u32 w, u32 sel) {
+  u32 r;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(w), "r"(w << 4), "r"(sel));
+  return (r & 0x80008000u) | ((r >> 6) & 0x01C001C0u);
+}
+
+// The stored m16 row tile behind logical tile t of an n-row W whose two halves of n / 2 rows are stored the other
+// way round when half_swap is set (the aligned op's raw w1, [gate; up], read as [up; gate]); t < 0 stays.
+__device__ __forceinline__ int half_swapped_tile(int t, int n, int half_swap) {
+  const int half = n >> 5;
+  return half_swap == 0 || t < 0 ? t : t < half ? t + half : t - half;
+}
+
+// Multiply decoded A registers by their scales: sg / sg8 bf16x2 scale pairs of rows g / g + 8, the low half (S even)
+// or the high half (S odd) applying (the pairs decode_scale_word returns).
+template <int S>
+__device__ __forceinline__ void scale_a(u32 sg, u32 sg8, u32 (&a)[4]) {
+  if (S & 1) {
+    a[0] = bf16x2_mul_hi(a[0], sg);
+    a[2] = bf16x2_mul_hi(a[2], sg);
+    a[1] = bf16x2_mul_hi(a[1], sg8);
+    a[3] = bf16x2_mul_hi(a[3], sg8);
+  } else {
+    a[0] = bf16x2_mul_lo(a[0], sg);
+    a[2] = bf16x2_mul_lo(a[2], sg);
+    a[1] = bf16x2_mul_lo(a[1], sg8);
+    a[3] = bf16x2_mul_lo(a[3], sg8);
+  }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -153,17 +196,7 @@ __device__ __forceinline__ u32 word_of(const uint4& v) {
 template <int S>
 __device__ __forceinline__ void scaled_a(u32 w, u32 sg, u32 sg8, u32 (&a)[4]) {
   decode_a(w, a);
-  if (S & 1) {
-    a[0] = bf16x2_mul_hi(a[0], sg);
-    a[2] = bf16x2_mul_hi(a[2], sg);
-    a[1] = bf16x2_mul_hi(a[1], sg8);
-    a[3] = bf16x2_mul_hi(a[3], sg8);
-  } else {
-    a[0] = bf16x2_mul_lo(a[0], sg);
-    a[2] = bf16x2_mul_lo(a[2], sg);
-    a[1] = bf16x2_mul_lo(a[1], sg8);
-    a[3] = bf16x2_mul_lo(a[3], sg8);
-  }
+  scale_a<S>(sg, sg8, a);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -206,6 +239,11 @@ __device__ __forceinline__ void cp_async_16(u32 dst, const void* src, u32 src_by
 // 4-byte asynchronous copy global -> shared (L1-cached): a value the epilogue needs, fetched while the main loop runs.
 __device__ __forceinline__ void cp_async_4(u32 dst, const void* src) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(dst), "l"(src) : "memory");
+}
+
+// 4-byte asynchronous copy global -> shared; only `src_bytes` (0 or 4) are read, the rest zero-filled.
+__device__ __forceinline__ void cp_async_4_zfill(u32 dst, const void* src, u32 src_bytes) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
 }
 
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }

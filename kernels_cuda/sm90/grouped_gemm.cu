@@ -100,13 +100,25 @@ using namespace sm90;
 #if SM90_W_BF16 && (SM90_W_INT4 || defined(SM90_ROUTE) || defined(SM90_EARLY))
 #error "SM90_W_BF16 runs without SM90_W_INT4, SM90_ROUTE and SM90_EARLY"
 #endif
+// NVFP4 weights in their canonical row-major layout (1; the decode kernel without a route): w_tiles codes [E, N, K/2]
+// and w_scales E4M3 [E, N, K/16], read in place (the aligned op's raw tensors). Per k64 step, lane (g, q) loads the 8
+// code bytes of columns 16q .. 16q + 15 of rows g and g + 8 (one 16-value block each, so one scale byte each), and the
+// tokens are natural rows (TokenLayout.BF16_ROWS) read at the same columns (32 bytes at 32q): k16 step s takes code
+// bytes 2s and 2s + 1 (fragments.cuh decode_row_byte), token words 2s and 2s + 1. The sums then run in another k
+// order than the tile form's: the same values up to FP32 rounding, not bit for bit.
+#ifndef SM90_W_ROWS
+#define SM90_W_ROWS 0
+#endif
+#if SM90_W_ROWS && (SM90_W_INT4 || SM90_W_BF16 || defined(SM90_ROUTE))
+#error "SM90_W_ROWS runs without SM90_W_INT4, SM90_W_BF16 and SM90_ROUTE"
+#endif
 // CTAs per SM the register allocation must allow: the NVFP4 forms of one or two m16 x n8 tiles a warp fit 128
 // registers a thread (512 threads an SM) on their own; the MXINT4 forms are held to it (unbounded, GEMM1's SwiGLU
 // form takes 133 registers and the eight-warp form 225: three CTAs and one an SM). At 128 some forms spill 8 bytes.
 // The routed form for BF16 tokens (SM90_ROUTE 1) is held to it too (unbounded, (2, 2, 4) takes 130 registers); the
 // NVFP4 one fits 128 on its own (bounded, (2, 4, 1) spills 32 bytes). The BF16 forms the engine runs (one m16 block,
 // four steps) fit 128 on their own without spilling; bounded they would spill 8-20 bytes.
-#if (SM90_W_INT4 || SM90_ROUTE == 1) && SM90_MT * SM90_NT <= 2
+#if (SM90_W_INT4 || SM90_W_ROWS || SM90_ROUTE == 1) && SM90_MT * SM90_NT <= 2
 #define DEC_MIN_BLOCKS , 512 / DEC_THREADS  // the launch bounds' second argument
 #else
 #define DEC_MIN_BLOCKS
@@ -140,7 +152,7 @@ static_assert(SM90_WK * DEC_TB * DEC_RED_STRIDE * 4 + DEC_TB * DEC_C_STRIDE * si
 #endif
 
 // Where lane (g, q)'s two 16-byte token pieces of a k64 step lie in the row's 128 bytes: 32q and 32q + 16 (token
-// fragments), or 16q and 16q + 64 (natural rows, with BF16 weights).
+// fragments, or natural rows with row-major NVFP4 weights), or 16q and 16q + 64 (natural rows, with BF16 weights).
 #define X_LANE (SM90_W_BF16 ? 16 : 32)
 #define X_SECOND (SM90_W_BF16 ? 64 : 16)
 
@@ -150,8 +162,8 @@ struct DecodeRing {
 #if SM90_W_BF16
   uint4 w[SM90_PREFETCH][SM90_MT][4];  // BF16 weights: row g at columns 8q, 32 + 8q; row g + 8 likewise
 #else
-  uint4 w[SM90_PREFETCH][SM90_MT];     // weight words: 4 k16 steps
-  uint2 s[SM90_PREFETCH][SM90_MT];     // scale bytes
+  uint4 w[SM90_PREFETCH][SM90_MT];     // weight words: 4 k16 steps (row-major: x, y row g; z, w row g + 8)
+  uint2 s[SM90_PREFETCH][SM90_MT];     // scale bytes (row-major: x row g's, y row g + 8's)
 #endif
   uint4 b[SM90_PREFETCH][SM90_NT][2];  // token pieces (X_LANE, X_SECOND): steps 0-1, 2-3
 };
@@ -194,6 +206,21 @@ __device__ __forceinline__ void decode_step(const DecodeRing& ring, float (&acc)
   a[1] = word_of<(2 * S) & 3>(ring.w[P][mt][2 + (S >> 1)]);                                         \
   a[2] = word_of<((2 * S) & 3) + 1>(ring.w[P][mt][S >> 1]);                                         \
   a[3] = word_of<((2 * S) & 3) + 1>(ring.w[P][mt][2 + (S >> 1)]);
+#elif SM90_W_ROWS
+  // Step S: code bytes 2S, 2S + 1 of the lane's 8 bytes of row g (word S / 2 of x, y) into a0 / a2, of row g + 8
+  // into a1 / a3; every value of the step takes its row's one scale (the low halves of the pairs).
+  u32 sg[SM90_MT], sg8[SM90_MT];
+#pragma unroll
+  for (int mt = 0; mt < SM90_MT; ++mt) decode_scale_word(ring.s[P][mt].x | (ring.s[P][mt].y << 8), sg[mt], sg8[mt]);
+#define SM90_DECODE_A(S, mt, a)                                                                     \
+  {                                                                                                 \
+    const u32 wg = S < 2 ? ring.w[P][mt].x : ring.w[P][mt].y, wg8 = S < 2 ? ring.w[P][mt].z : ring.w[P][mt].w; \
+    a[0] = decode_row_byte(wg, row_byte_selector(2 * (S & 1)));                                     \
+    a[2] = decode_row_byte(wg, row_byte_selector(2 * (S & 1) + 1));                                 \
+    a[1] = decode_row_byte(wg8, row_byte_selector(2 * (S & 1)));                                    \
+    a[3] = decode_row_byte(wg8, row_byte_selector(2 * (S & 1) + 1));                                \
+    scale_a<0>(sg[mt], sg8[mt], a);                                                                 \
+  }
 #else
   u32 sg[SM90_MT][2], sg8[SM90_MT][2];
 #pragma unroll
@@ -276,11 +303,12 @@ __device__ __forceinline__ void finalize_block(const u16* out, const int* slot_t
 // The m16 row tile of W that the first of warp wm's MT tiles is: blockIdx.x * WM * MT + wm * MT, or paired
 // (a gated activation epilogue, W = [up; gate] of n / 2 rows each) the first WM / 2 warps the up tiles
 // blockIdx.x * WM * MT / 2 + wm * MT and the others the gate tiles of the same features, n / 32 tiles on.
-__device__ __forceinline__ int decode_warp_tile(int wm, int n) {
+// half_swap: W's two halves of n / 2 rows are stored the other way round (half_swapped_tile).
+__device__ __forceinline__ int decode_warp_tile(int wm, int n, int half_swap) {
   constexpr int HALF_WARPS = SM90_WM / 2;
-  if (!DEC_PAIRED) return static_cast<int>(blockIdx.x) * (SM90_WM * SM90_MT) + wm * SM90_MT;
+  if (!DEC_PAIRED) return half_swapped_tile(static_cast<int>(blockIdx.x) * (SM90_WM * SM90_MT) + wm * SM90_MT, n, half_swap);
   const int first = static_cast<int>(blockIdx.x) * (HALF_WARPS * SM90_MT) + (wm % HALF_WARPS) * SM90_MT;
-  return wm < HALF_WARPS ? first : (n >> 5) + first;
+  return half_swapped_tile(wm < HALF_WARPS ? first : (n >> 5) + first, n, half_swap);
 }
 
 // The feature of W behind column f of the CTA's C tile (decode_warp_tile's order).
@@ -298,6 +326,7 @@ __device__ __forceinline__ int decode_feature(int f, int n) {
 // parameters). Gated: the CTA's first WM / 2 warps compute up and the others the gate rows of DEC_FB / 2
 // outputs (grid x = n / DEC_FB blocks). row_to_slot int32 [row_capacity] marks padding rows (< 0). The
 // gather arguments must be 0 (the decode kernel reads its rows from x).
+// w_half_swap (every form): 1 when W's two halves of n / 2 rows are stored the other way round (half_swapped_tile).
 // With SM90_FINALIZE (GEMM2 of the decode chain): after writing out, the CTA of each feature block that finishes last
 // also finalizes it: final_out bf16 [tokens, n] (row t: token t's top_k slots, slot_to_row int32 / route_weights
 // float32 [tokens * top_k]), as moe_finalize; with no tile at all, the block's first CTA (zeros). tickets int32
@@ -367,7 +396,7 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS DEC_MIN_BLOCKS)
                      int row_capacity, int alpha_split, u16* __restrict__ out, const int* __restrict__ row_to_slot,
                      int gather_top_k, int gather_tokens, float act_alpha, float act_beta, float act_limit,
                      int act_layout, int requantize, u8* __restrict__ act_out, u8* __restrict__ act_scales,
-                     const int* __restrict__ slot_to_row, const float* __restrict__ route_weights, int top_k,
+                     int w_half_swap, const int* __restrict__ slot_to_row, const float* __restrict__ route_weights, int top_k,
                      int tokens, u16* __restrict__ final_out, int* __restrict__ tickets DEC_ROUTE_PARAMS
                          DEC_EARLY_PARAMS) {
   // The warp's place and the weight stream's strides (no memory access: SM90_EARLY loads before the wait).
@@ -382,7 +411,7 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS DEC_MIN_BLOCKS)
   // Row-major BF16: the lane's row g of its first m16 block, columns 64 wk + 8q on (SM90_W_BF16 above).
   const i64 row_bytes = static_cast<i64>(k) * 2;
   const i64 mt_stride_w = 16 * row_bytes;  // bytes between the warp's m16 row blocks
-  const i64 first_row = static_cast<i64>(decode_warp_tile(wm, n)) * 16 + g;
+  const i64 first_row = static_cast<i64>(decode_warp_tile(wm, n, w_half_swap)) * 16 + g;
   const int nsteps = wk < kt ? (kt - wk + SM90_WK - 1) / SM90_WK : 0;
   constexpr int W_STEP = SM90_WK * 128, X_STEP = SM90_WK * 128;  // bytes per step
   DecodeRing ring;
@@ -399,9 +428,35 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS DEC_MIN_BLOCKS)
 #define SM90_DECODE_POINT_W(EXPERT)                                                                 \
   wp = w_tiles + ((EXPERT) * n + first_row) * row_bytes + wk * 128 + q * 16;
 #define SM90_DECODE_ADVANCE_W wp += SM90_PREFETCH * W_STEP;
+#elif SM90_W_ROWS
+  // Row-major NVFP4: the lane's row g of its first m16 block, code bytes 32 wk + 8q on and scale byte 4 wk + q on
+  // (SM90_W_ROWS above); rows g + 8 and the further blocks at fixed strides.
+  const u32 row_bytes = static_cast<u32>(k >> 1);
+  const u32 scale_row_bytes = static_cast<u32>(k >> 4);
+  const i64 first_row = static_cast<i64>(decode_warp_tile(wm, n, w_half_swap)) * 16 + g;
+  const int nsteps = wk < kt ? (kt - wk + SM90_WK - 1) / SM90_WK : 0;
+  constexpr int W_STEP = SM90_WK * 32, S_STEP = SM90_WK * 4, X_STEP = SM90_WK * 128;  // bytes per step
+  DecodeRing ring;
+  const u8* wp;
+  const u8* sp;
+  // Load ring slot P with step `s` (relative to the current base pointers).
+#define SM90_DECODE_LOAD_W(P, S)                                                                    \
+  _Pragma("unroll") for (int mt = 0; mt < SM90_MT; ++mt) {                                          \
+    const u8* const r = wp + (S) * W_STEP + mt * 16 * row_bytes;                                    \
+    const u8* const c = sp + (S) * S_STEP + mt * 16 * scale_row_bytes;                              \
+    const uint2 lo = ldg_stream_v2(r), hi = ldg_stream_v2(r + 8 * row_bytes);                       \
+    ring.w[P][mt] = make_uint4(lo.x, lo.y, hi.x, hi.y);                                             \
+    ring.s[P][mt] = make_uint2(ldg_stream_u8(c), ldg_stream_u8(c + 8 * scale_row_bytes));           \
+  }
+#define SM90_DECODE_POINT_W(EXPERT)                                                                 \
+  wp = w_tiles + ((EXPERT) * n + first_row) * row_bytes + wk * 32 + q * 8;                          \
+  sp = w_scales + ((EXPERT) * n + first_row) * scale_row_bytes + wk * 4 + q;
+#define SM90_DECODE_ADVANCE_W                                                                       \
+  wp += SM90_PREFETCH * W_STEP;                                                                     \
+  sp += SM90_PREFETCH * S_STEP;
 #else
   const i64 expert_tiles = static_cast<i64>(n >> 4) * kt;
-  const i64 first_tile = static_cast<i64>(decode_warp_tile(wm, n)) * kt + wk;
+  const i64 first_tile = static_cast<i64>(decode_warp_tile(wm, n, w_half_swap)) * kt + wk;
   const i64 mt_stride_w = static_cast<i64>(kt) * 512;  // bytes between the warp's m16 row blocks
   const i64 mt_stride_s = static_cast<i64>(kt) * 64;
   const int nsteps = wk < kt ? (kt - wk + SM90_WK - 1) / SM90_WK : 0;

@@ -48,6 +48,14 @@ using namespace sm90;
 #ifndef SM90_WG_TILED_X
 #define SM90_WG_TILED_X 0  // 1: tokens in the TOKENS_BF16_TILED planes, bulk-copied (no gather)
 #endif
+// 1: NVFP4 weights in their canonical row-major layout, read in place (w_tiles codes [E, N, K/2], w_scales E4M3
+// [E, N, K/16]; the aligned op's raw tensors). A stage's m16 x k64 block is 16 rows of 32 code bytes and 4 scale bytes,
+// copied as they lie (natural row order in shared memory); lane (g, q) takes, for k16 step s, code byte q of words 2s
+// and 2s + 1 of rows g and g + 8 (k = 16s + 2q, + 1 and 16s + 8 + 2q, + 1: the mma's natural k order, so the tokens
+// are unchanged) and the rows' scale byte s. The same values as the tile form, bit for bit.
+#ifndef SM90_WG_W_ROWS
+#define SM90_WG_W_ROWS 0
+#endif
 
 // The activation stage folded into the epilogue (the SM90 prefill chain): SM90_ACT, an ACT_* code, and
 // SM90_ACT_GATED (0 or 1) compiled in; without SM90_ACT the kernel writes GEMM1/GEMM2's BF16 output.
@@ -104,7 +112,7 @@ __device__ __forceinline__ u8* wgmma_smem(u32& ring) {
 // The m16 row tile of W (features 16 t ..) that the CTA's tile m computes, or -1 past N. Plain: tile
 // blockIdx.x * MTILES + m. Paired (the activation epilogue of a gated activation, W = [up; gate] of n / 2
 // rows each): the CTA's first MTILES / 2 tiles are up tiles blockIdx.x * MTILES / 2 + m, the others the
-// gate tiles of the same features, n / 32 tiles further.
+// gate tiles of the same features, n / 32 tiles further. (The logical tile: half_swapped_tile gives the stored one.)
 __device__ __forceinline__ int cta_weight_tile(int m, int n) {
   constexpr int HALF = WG_MTILES / 2;
   if (!WG_PAIRED) {
@@ -130,7 +138,7 @@ template <int TB>
 __device__ __forceinline__ void wgmma_tile(const Tile& tile, const u8* __restrict__ w_tiles,
                                            const u8* __restrict__ w_scales, const float* __restrict__ alpha,
                                            const u16* __restrict__ x, RowSource rows, int num_experts, int n, int k,
-                                           int row_capacity, int alpha_split) {
+                                           int row_capacity, int alpha_split, int w_half_swap) {
   constexpr int ACC = TB / 2;
 #if !SM90_WG_TILED_X
   constexpr int X_ROW_STEP = WG_THREADS / 8;  // token rows one copy pass covers
@@ -150,13 +158,28 @@ __device__ __forceinline__ void wgmma_tile(const Tile& tile, const u8* __restric
   // Scales: threads < 4 * MTILES -> tile tid / 4, chunk tid % 4. A tile past N (a last CTA of 256 features
   // over N a multiple of 128 only) reads nothing (zero fill, address clamped to the expert's first tile);
   // its outputs are not stored.
-  const i64 expert_tile0 = tile.expert * static_cast<i64>(n >> 4) * kt;
   const int w_tile = cta_weight_tile(warp, n);
-  const u8* w_src = w_tiles + (expert_tile0 + static_cast<i64>(max(w_tile, 0)) * kt) * 512 + lane * 16;
   const u32 w_bytes = w_tile >= 0 ? 16u : 0u;
+#if SM90_WG_W_ROWS
+  // Row-major: thread -> row lane / 2 of the warp's tile, its 16 bytes (lane % 2) of the row's 32 (natural order in
+  // shared memory: the tile's row r at 32 r); scales: threads < 16 * MTILES -> tile tid / 16, row tid % 16, its 4 bytes
+  // (at 4 r of the tile's 64).
+  const i64 expert_row0 = tile.expert * static_cast<i64>(n);
+  const int w_row = 16 * max(half_swapped_tile(w_tile, n, w_half_swap), 0) + (lane >> 1);
+  const u8* w_src = w_tiles + (expert_row0 + w_row) * (k >> 1) + (lane & 1) * 16;
+  const int s_tile = cta_weight_tile((tid >> 4) & (WG_MTILES - 1), n);
+  const int s_row = 16 * max(half_swapped_tile(s_tile, n, w_half_swap), 0) + (tid & 15);
+  const u8* s_src = w_scales + (expert_row0 + s_row) * (k >> 4);
+  const u32 s_bytes = s_tile >= 0 ? 4u : 0u;
+  constexpr int W_SRC_STEP = 32, S_SRC_STEP = 4, S_COPIERS = 16 * WG_MTILES;
+#else
+  const i64 expert_tile0 = tile.expert * static_cast<i64>(n >> 4) * kt;
+  const u8* w_src = w_tiles + (expert_tile0 + static_cast<i64>(max(half_swapped_tile(w_tile, n, w_half_swap), 0)) * kt) * 512 + lane * 16;
   const int s_tile = cta_weight_tile((tid >> 2) & (WG_MTILES - 1), n);
-  const u8* s_src = w_scales + (expert_tile0 + static_cast<i64>(max(s_tile, 0)) * kt) * 64 + (tid & 3) * 16;
+  const u8* s_src = w_scales + (expert_tile0 + static_cast<i64>(max(half_swapped_tile(s_tile, n, w_half_swap), 0)) * kt) * 64 + (tid & 3) * 16;
   const u32 s_bytes = s_tile >= 0 ? 16u : 0u;
+  constexpr int W_SRC_STEP = 512, S_SRC_STEP = 64, S_COPIERS = 4 * WG_MTILES;
+#endif
   // Tokens: thread -> chunk tid % 8 of rows tid / 8 + (THREADS / 8) u; rows past the segment (and, with a
   // gather, padding rows) read nothing (zero fill, address clamped to a row that exists). Swizzled
   // destination: chunk c of row r at chunk position c ^ (r % 8) (THREADS / 8 is a multiple of 8, so r % 8 is
@@ -188,9 +211,13 @@ __device__ __forceinline__ void wgmma_tile(const Tile& tile, const u8* __restric
   auto load_weights = [&](int slot) {
     const u32 base = ring + slot * WG_STAGE_BYTES;
     cp_async_16(base + WG_W_OFFSET + tid * 16, w_src, w_bytes);
-    if (tid < 4 * WG_MTILES) cp_async_16(base + WG_S_OFFSET + tid * 16, s_src, s_bytes);
-    w_src += 512;
-    s_src += 64;
+#if SM90_WG_W_ROWS
+    if (tid < S_COPIERS) cp_async_4_zfill(base + WG_S_OFFSET + tid * 4, s_src, s_bytes);
+#else
+    if (tid < S_COPIERS) cp_async_16(base + WG_S_OFFSET + tid * 16, s_src, s_bytes);
+#endif
+    w_src += W_SRC_STEP;
+    s_src += S_SRC_STEP;
   };
   auto load_tokens = [&](int slot) {
     const u32 base = ring + slot * WG_STAGE_BYTES;
@@ -266,14 +293,38 @@ __device__ __forceinline__ void wgmma_tile(const Tile& tile, const u8* __restric
 #endif
 
     const u8* st = smem + read_slot * WG_STAGE_BYTES;
-    const uint4 wq = *reinterpret_cast<const uint4*>(st + WG_W_OFFSET + warp * 512 + lane * 16);
-    const uint2 sc = *reinterpret_cast<const uint2*>(st + WG_S_OFFSET + warp * 64 + g * 8);
     const u32 xb = ring + read_slot * WG_STAGE_BYTES;
     u32 sg, sg8;
+#if SM90_WG_W_ROWS
+    // Rows g and g + 8 of the warp's tile (32 bytes each) and their 4 scale bytes, as tile-form scale words: bytes
+    // (step 2p row g, step 2p row g + 8, step 2p + 1 row g, step 2p + 1 row g + 8) for p = 0 (x) and 1 (y).
+    const u8* const wrow = st + WG_W_OFFSET + warp * 512 + g * 32;
+    const uint4 wg0 = *reinterpret_cast<const uint4*>(wrow), wg1 = *reinterpret_cast<const uint4*>(wrow + 16);
+    const uint4 wh0 = *reinterpret_cast<const uint4*>(wrow + 256), wh1 = *reinterpret_cast<const uint4*>(wrow + 272);
+    const u32 s_g = *reinterpret_cast<const u32*>(st + WG_S_OFFSET + warp * 64 + g * 4);
+    const u32 s_g8 = *reinterpret_cast<const u32*>(st + WG_S_OFFSET + warp * 64 + g * 4 + 32);
+    const uint2 sc = make_uint2(__byte_perm(s_g, s_g8, 0x5140), __byte_perm(s_g, s_g8, 0x7362));
+    const u32 lo_sel = row_byte_selector(lane & 3);  // code byte q of a word
+    // Step S: words 2S, 2S + 1 of rows g (a0, a2) and g + 8 (a1, a3), their byte q.
+#define SM90_WG_DECODE(S)                                                                           \
+  {                                                                                                 \
+    const uint4& rg = (S) < 2 ? wg0 : wg1;                                                          \
+    const uint4& rh = (S) < 2 ? wh0 : wh1;                                                          \
+    a[S][0] = decode_row_byte((S) % 2 ? rg.z : rg.x, lo_sel);                                       \
+    a[S][2] = decode_row_byte((S) % 2 ? rg.w : rg.y, lo_sel);                                       \
+    a[S][1] = decode_row_byte((S) % 2 ? rh.z : rh.x, lo_sel);                                       \
+    a[S][3] = decode_row_byte((S) % 2 ? rh.w : rh.y, lo_sel);                                       \
+    scale_a<S>(sg, sg8, a[S]);                                                                      \
+  }
+#else
+    const uint4 wq = *reinterpret_cast<const uint4*>(st + WG_W_OFFSET + warp * 512 + lane * 16);
+    const uint2 sc = *reinterpret_cast<const uint2*>(st + WG_S_OFFSET + warp * 64 + g * 8);
+#define SM90_WG_DECODE(S) scaled_a<S>(word_of<S>(wq), sg, sg8, a[S]);
+#endif
 #define SM90_WG_STEP(S)                                                                             \
   wgmma_wait<3>();                                                                                  \
   if ((S) % 2 == 0) decode_scale_word((S) ? sc.y : sc.x, sg, sg8);                                  \
-  scaled_a<S>(word_of<S>(wq), sg, sg8, a[S]);                                                       \
+  SM90_WG_DECODE(S)                                                                                 \
   wgmma_fence();                                                                                    \
   wgmma_rs<TB>(acc, a[S], wgmma_desc_sw128(xb + 32 * (S)));                                      \
   wgmma_commit();
@@ -282,6 +333,7 @@ __device__ __forceinline__ void wgmma_tile(const Tile& tile, const u8* __restric
     SM90_WG_STEP(2)
     SM90_WG_STEP(3)
 #undef SM90_WG_STEP
+#undef SM90_WG_DECODE
     read_phase ^= read_slot + 1 == SM90_WG_STAGES ? 1u : 0u;
     read_slot = read_slot + 1 == SM90_WG_STAGES ? 0 : read_slot + 1;
     write_slot = write_slot + 1 == SM90_WG_STAGES ? 0 : write_slot + 1;
@@ -382,7 +434,8 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, SM90_WG_MIN_BLOCKS)
                     const u16* __restrict__ x, const int* __restrict__ offsets, int num_experts, int n, int k,
                     int row_capacity, int alpha_split, u16* __restrict__ out, const int* __restrict__ row_to_slot,
                     int gather_top_k, int gather_tokens, float act_alpha, float act_beta, float act_limit,
-                    int act_layout, int requantize, u8* __restrict__ act_out, u8* __restrict__ act_scales) {
+                    int act_layout, int requantize, u8* __restrict__ act_out, u8* __restrict__ act_scales,
+                    int w_half_swap) {
   moe::grid_dependency_begin();
   Tile tile;
   if (!find_tile<WG_TB>(offsets, num_experts, row_capacity, static_cast<int>(blockIdx.y), tile)) return;
@@ -391,11 +444,14 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, SM90_WG_MIN_BLOCKS)
   // A segment's last tile often holds few rows: it runs with the smallest wgmma N that covers them.
   const int tile_rows = tile.row_end - tile.row0;
   if (WG_TB > 32 && tile_rows <= 32) {
-    wgmma_tile<32>(tile, w_tiles, w_scales, alpha, x, rows, num_experts, n, k, row_capacity, alpha_split);
+    wgmma_tile<32>(tile, w_tiles, w_scales, alpha, x, rows, num_experts, n, k, row_capacity, alpha_split,
+                   w_half_swap);
   } else if (WG_TB > 64 && tile_rows <= 64) {
-    wgmma_tile<64>(tile, w_tiles, w_scales, alpha, x, rows, num_experts, n, k, row_capacity, alpha_split);
+    wgmma_tile<64>(tile, w_tiles, w_scales, alpha, x, rows, num_experts, n, k, row_capacity, alpha_split,
+                   w_half_swap);
   } else {
-    wgmma_tile<WG_TB>(tile, w_tiles, w_scales, alpha, x, rows, num_experts, n, k, row_capacity, alpha_split);
+    wgmma_tile<WG_TB>(tile, w_tiles, w_scales, alpha, x, rows, num_experts, n, k, row_capacity, alpha_split,
+                   w_half_swap);
   }
   u32 ring;
   u8* smem = wgmma_smem(ring);

@@ -266,7 +266,7 @@ class Sm90GemmEngine(GemmEngine):
         every CTA has without an opt-in (grouped_gemm's ``route``); MXINT4 weights with BF16 tokens only (the MXINT4
         form with NVFP4 tokens, which no op calls, spills 32 bytes of the register ring at 128 registers)."""
         code = operands.weights.code
-        if code is BlockCode.BF16:  # the BF16 form reads natural token rows, not the staged fragments
+        if code in (BlockCode.BF16, BlockCode.NVFP4_ROWS):  # these forms read natural token rows, not staged fragments
             return False
         variant = self.variant(operands.rows, operands.shape, gemm=1)
         route = operands.route
@@ -297,19 +297,22 @@ class Sm90GemmEngine(GemmEngine):
         """The kernel variant GEMM ``gemm`` (1 or 2) of a bucket with ``rows`` rows runs: on the wgmma kernel, GEMM1
         reads natural BF16 rows (what its gather reads; the permute writes them where it does not gather) and GEMM2
         the tiled planes the activation writes (one bulk copy per stage). BF16 weights take the decode variant's BF16
-        form (low-latency buckets: at most 8 rows per expert on average, so always a decode variant)."""
+        form (low-latency buckets: at most 8 rows per expert on average, so always a decode variant); row-major NVFP4
+        weights the row-major form of the variant (natural token rows on the decode kernel)."""
         variant = choose_variant(rows, shape, self.sm_count, gemm)
         if code is BlockCode.BF16:
             if not isinstance(variant, DecodeVariant):
                 raise ValueError(f"BF16 weights run on the decode kernel only; {rows} rows over {shape.num_experts} "
                                  f"experts need {variant}")
             return _BF16
+        if code is BlockCode.NVFP4_ROWS:
+            variant = replace(variant, row_major=True)
         return variant.gathering() if isinstance(variant, WgmmaVariant) and gemm == 1 else variant
 
     def token_layout_for(self, rows: int, shape: GemmShape, *, gemm: int,
                          code: BlockCode = BlockCode.NVFP4) -> TokenLayout:
-        """Token fragments for the mma.sync kernels (natural rows for BF16 weights); natural rows (GEMM1) or the tiled
-        planes (GEMM2) for wgmma."""
+        """Token fragments for the mma.sync kernels (natural rows for BF16 and row-major NVFP4 weights); natural rows
+        (GEMM1) or the tiled planes (GEMM2) for wgmma."""
         return self.variant(rows, shape, gemm=gemm, code=code).token_layout
 
     def gemm(self, operands: GemmOperands) -> None:
@@ -322,14 +325,16 @@ class Sm90GemmEngine(GemmEngine):
         grouped_gemm(w.data, w.scales, w.alpha, operands.tokens.data if gather is None and route is None else None,
                      operands.offsets, operands.out if epilogue is None else None, variant,
                      alpha_split=w.alpha_split, gather=gather, epilogue=epilogue, finalize=finalize, tickets=tickets,
-                     route=route, early=self._early(operands, variant, mxint4), mxint4=mxint4)
+                     route=route, early=self._early(operands, variant, mxint4), mxint4=mxint4,
+                     swap_halves=w.halves_swapped)
 
     def _early(self, operands: GemmOperands, variant: GemmVariant, mxint4: bool) -> EarlyRouting | None:
         """operands.early where the decode kernel takes it, for its first wave of CTAs: GEMM1 with the epilogue on a
         call of at most _EARLY_MAX_TOKENS tokens (and no more than a tile's rows: every used expert holds one tile),
-        NVFP4 weights (the MXINT4 forms have no registers to spare for it; the BF16 form has no early form)."""
+        NVFP4 weights in tiles (the MXINT4 forms have no registers to spare for it, nor the row-major forms, whose
+        split-K SwiGLU forms would spill 56 bytes; the BF16 form has no early form)."""
         early = operands.early
-        if (early is None or not isinstance(variant, DecodeVariant) or variant.bf16_weights
+        if (early is None or not isinstance(variant, DecodeVariant) or variant.bf16_weights or variant.row_major
                 or operands.epilogue is None or mxint4 or operands.route is not None
                 or early.ids.shape[0] > min(_EARLY_MAX_TOKENS, variant.tile_rows)):
             return None

@@ -47,7 +47,9 @@ class DecodeVariant:
     """``sm90_gemm_decode``: WM x WK warps (features x split-K), each MT m16 feature tiles x NT n8
     token tiles, weights prefetched PREFETCH k64 steps ahead in registers. Tiles of 8 NT rows,
     CTAs of 16 MT WM features. For segments of up to ~64 rows. bf16_weights: the form reading row-major
-    BF16 weights in place (``-DSM90_W_BF16``), whose tokens are natural rows (BF16_ROWS) instead of fragments."""
+    BF16 weights in place (``-DSM90_W_BF16``), whose tokens are natural rows (BF16_ROWS) instead of fragments.
+    row_major: the form reading NVFP4 weights in their canonical row-major layout in place (``-DSM90_W_ROWS``),
+    whose tokens are natural rows too."""
 
     mt: int = 1
     wm: int = 2
@@ -55,6 +57,7 @@ class DecodeVariant:
     nt: int = 1
     prefetch: int = 4
     bf16_weights: bool = False
+    row_major: bool = False
 
     kernel = "sm90_gemm_decode"
     source = GEMM_SOURCE
@@ -68,10 +71,12 @@ class DecodeVariant:
             raise ValueError(f"decode variant: NT must be 1..8 and PREFETCH 1..16, got {self.nt}, {self.prefetch}")
         if self.wk * self.tile_rows * (self.feature_block + 4) * 4 > 48 * 1024:
             raise ValueError(f"decode variant {self}: the split-K buffer exceeds 48 KB of shared memory")
+        if self.bf16_weights and self.row_major:
+            raise ValueError(f"decode variant {self}: bf16_weights and row_major are two forms")
 
     @property
     def token_layout(self) -> TokenLayout:
-        return TokenLayout.BF16_ROWS if self.bf16_weights else TokenLayout.BF16_FRAGMENTS
+        return TokenLayout.BF16_ROWS if self.bf16_weights or self.row_major else TokenLayout.BF16_FRAGMENTS
 
     @property
     def tile_rows(self) -> int:
@@ -96,7 +101,8 @@ class DecodeVariant:
 
     def options(self) -> tuple[str, ...]:
         return (f"-DSM90_MT={self.mt}", f"-DSM90_WM={self.wm}", f"-DSM90_WK={self.wk}", f"-DSM90_NT={self.nt}",
-                f"-DSM90_PREFETCH={self.prefetch}", *(("-DSM90_W_BF16=1",) if self.bf16_weights else ()))
+                f"-DSM90_PREFETCH={self.prefetch}", *(("-DSM90_W_BF16=1",) if self.bf16_weights else ()),
+                *(("-DSM90_W_ROWS=1",) if self.row_major else ()))
 
     def epilogue_problem(self, activation: Any, fp32_preactivation: bool = False) -> str | None:
         """Why this variant cannot run ``activation``'s epilogue (grouped_gemm.cu's static checks), or None.
@@ -189,13 +195,16 @@ class WgmmaVariant:
     min_blocks: CTAs per SM the register allocation must allow.
     tiled_tokens: the tokens in BF16_TILED planes, one bulk copy per stage issued by one thread (the second GEMM,
     whose tokens the activation writes); else natural BF16 rows copied by every thread with cp.async (what a
-    gather reads: the first GEMM)."""
+    gather reads: the first GEMM).
+    row_major: NVFP4 weights in their canonical row-major layout, read in place (``-DSM90_WG_W_ROWS``); the
+    values and the token layout are the tile form's."""
 
     tile_rows: int = 128
     groups: int = 4
     stages: int = 5
     min_blocks: int = 1
     tiled_tokens: bool = False
+    row_major: bool = False
 
     kernel = "sm90_gemm_wgmma"
     source = WGMMA_SOURCE
@@ -249,7 +258,8 @@ class WgmmaVariant:
 
     def options(self) -> tuple[str, ...]:
         return (f"-DSM90_WG_TB={self.tile_rows}", f"-DSM90_WG_GROUPS={self.groups}", f"-DSM90_WG_STAGES={self.stages}",
-                f"-DSM90_WG_MIN_BLOCKS={self.min_blocks}", f"-DSM90_WG_TILED_X={int(self.tiled_tokens)}", ARCH_SPECIFIC)
+                f"-DSM90_WG_MIN_BLOCKS={self.min_blocks}", f"-DSM90_WG_TILED_X={int(self.tiled_tokens)}",
+                *(("-DSM90_WG_W_ROWS=1",) if self.row_major else ()), ARCH_SPECIFIC)
 
 
 GemmVariant = DecodeVariant | PrefillVariant | WgmmaVariant
@@ -314,13 +324,16 @@ def grouped_gemm(
     route: RoutePrologue | None = None,
     early: EarlyRouting | None = None,
     mxint4: bool = False,
+    swap_halves: bool = False,
 ) -> None:
     """out[r, :N] = bf16(float32(alpha[e] * 256) * (x[r] @ W_e^T * 2^-8)) for the rows r of each segment e.
     With ``alpha_split`` (a multiple of ``variant.alpha_block``, below N) alpha is [2E] and
     features f >= alpha_split use alpha[E + e].
 
     w_tiles uint8 [E, N*K/2] and w_tile_scales uint8 (or float8_e4m3fn) [E, N*K/16]: NVFP4 weights in
-    the fragment-tile layout (layout.pack_weight_tiles); alpha float32 [E]; x bfloat16 [R, K] in
+    the fragment-tile layout (layout.pack_weight_tiles), or for a variant with ``row_major`` each expert's codes
+    [N, K/2] and linear scales [N, K/16] as they are (the sums then run in another k order: the same values up to FP32
+    rounding on the decode kernel, bit for bit on wgmma); alpha float32 [E]; x bfloat16 [R, K] in
     ``variant.token_layout`` (token-fragment column order; natural rows or tiled planes for the wgmma variant);
     offsets int32 [E + 1] on the device (segment e = rows offsets[e]..offsets[e+1], each a multiple of 8,
     offsets[E] <= R); out bfloat16 [R, N], rows outside every segment untouched. N % 128 == 0, K % 64 == 0.
@@ -346,6 +359,8 @@ def grouped_gemm(
     A DecodeVariant with ``bf16_weights``: W_e is BF16, w_tiles bfloat16 [E, N*K] (each expert's [N, K] row-major,
     read in place), w_tile_scales ignored (any tensor), x in natural rows: out[r] = bf16(float32(alpha[e] * 256) *
     acc), acc the FP32 sum of x[r, k] W_e[f, k] (pass alpha = 1/256 for the plain sum); no route, early or mxint4.
+    swap_halves (DecodeVariant, WgmmaVariant): W's stored rows are [second half; first half] of N / 2 rows each
+    (the aligned op's raw w1, [gate; up]); the kernel reads them as [first; second].
     mxint4 (a DecodeVariant): W_e is MXINT4 in the SM90 MXINT4 tiles (layout.pack_int4_weight_tiles: INT4 codes,
     w_tile_scales the BF16 scales per 32 k as bytes): out[r] = bf16(float32(alpha[e] * 256) * acc), acc the FP32
     sum over the k32 blocks b of fma(partial_b, scale_b, acc), partial_b the FP32 sum of the block's exact products
@@ -357,6 +372,10 @@ def grouped_gemm(
     bf16_weights = isinstance(variant, DecodeVariant) and variant.bf16_weights
     if bf16_weights and (mxint4 or route is not None or early is not None):
         raise ValueError(f"BF16 weights ({variant}) run without mxint4, a route or early routing")
+    if isinstance(variant, (DecodeVariant, WgmmaVariant)) and variant.row_major and (mxint4 or route is not None):
+        raise ValueError(f"row-major NVFP4 weights ({variant}) run without mxint4 or a route")
+    if swap_halves and isinstance(variant, PrefillVariant):
+        raise ValueError(f"swap_halves needs a DecodeVariant or WgmmaVariant, got {variant}")
     if mxint4 and not isinstance(variant, DecodeVariant):
         raise ValueError(f"MXINT4 weights run on a DecodeVariant, got {variant}")
     if mxint4 and epilogue is not None and (epilogue.requantize or not epilogue.out.layout.is_bf16):
@@ -475,7 +494,7 @@ def grouped_gemm(
     shared_mem = variant.shared_mem
     options = variant.options()
     if not isinstance(variant, PrefillVariant):
-        args += _fused_args(gather, epilogue, tokens.shape[0])
+        args += (*_fused_args(gather, epilogue, tokens.shape[0]), np.int32(swap_halves))
         if epilogue is not None:
             options += epilogue_options(epilogue.activation)
     if isinstance(variant, DecodeVariant):

@@ -726,7 +726,7 @@ def test_token_pointer_is_the_rows_the_form_reads(launches: list[tuple], monkeyp
     sm90.grouped_gemm(**routed)
     tokens = [int(args[3]) for (_, _, _, _, _, args), _ in launches]
     assert tokens == [plain["x"].data_ptr(), gathering["gather"].source.data_ptr(), 0]
-    assert int(launches[2][0][5][27 + 9]) == routed["route"].tokens.data_ptr()  # route_x
+    assert int(launches[2][0][5][28 + 9]) == routed["route"].tokens.data_ptr()  # route_x
 
 
 def test_mxint4_call_compiles_its_form_in(launches: list[tuple]) -> None:
@@ -815,6 +815,7 @@ def test_variant_macros_match_the_source() -> None:
     p = sm90.PrefillVariant()
     assert defaults == {"SM90_MT": str(d.mt), "SM90_WM": str(d.wm), "SM90_WK": str(d.wk), "SM90_NT": str(d.nt),
                         "SM90_PREFETCH": str(d.prefetch), "SM90_W_INT4": "0", "SM90_W_BF16": str(int(d.bf16_weights)),
+                        "SM90_W_ROWS": str(int(d.row_major)),
                         "SM90_PF_STAGES": str(p.stages),
                         "SM90_PF_MIN_BLOCKS": str(p.min_blocks), "SM90_PF_STMATRIX": str(int(p.stmatrix)),
                         "SM90_PF_FB": str(p.feature_block), "SM90_PF_TB": str(p.tile_rows),
@@ -831,7 +832,8 @@ def test_wgmma_variant_macros_match_the_source() -> None:
     defaults = dict(re.findall(r"#define (SM90_\w+) (\d+)", text))
     w = sm90.WgmmaVariant()
     assert defaults == {"SM90_WG_TB": str(w.tile_rows), "SM90_WG_GROUPS": str(w.groups), "SM90_WG_STAGES": str(w.stages),
-                        "SM90_WG_MIN_BLOCKS": str(w.min_blocks), "SM90_WG_TILED_X": str(int(w.tiled_tokens))}
+                        "SM90_WG_MIN_BLOCKS": str(w.min_blocks), "SM90_WG_TILED_X": str(int(w.tiled_tokens)),
+                        "SM90_WG_W_ROWS": str(int(w.row_major))}
     # stage = 128 B per token row + 576 B per m16 weight tile (codes + scales), rounded up to 1 KB
     assert w.stage_bytes == 16384 + 16 * 576  # already a multiple of 1 KB
     assert sm90.WgmmaVariant(64, 2).stage_bytes == 13312  # 8192 + 8 * 576 = 12800, rounded up and w.threads == 512 and w.feature_block == 256
@@ -940,8 +942,8 @@ def test_route_passes_its_operands_and_compiles_in(tokens: str, launches: list[t
     assert kwargs["extra_options"] == (*args["variant"].options(), *sm90.epilogue_options(SwiGLU()),
                                        f"-DSM90_ROUTE={1 if tokens == 'bf16' else 2}")
     assert kwargs["shared_mem"] == 2 * 128
-    assert len(kernel_args) == len(_signatures()["sm90_gemm_decode"]) + _param_count("DEC_ROUTE_PARAMS") == 27 + 18
-    route = kernel_args[27:]
+    assert len(kernel_args) == len(_signatures()["sm90_gemm_decode"]) + _param_count("DEC_ROUTE_PARAMS") == 28 + 18
+    route = kernel_args[28:]
     assert [int(route[i]) for i in (2, 3, 4, 5, 6, 7, 8)] == [RoutingFormat.FP32, 0, 1, 4, 4, 0, 8]
 
 
@@ -996,8 +998,8 @@ def test_early_routing_passes_its_operands_and_compiles_in(dtype: torch.dtype, l
     assert name == "sm90_gemm_decode"
     assert kwargs["extra_options"] == (*args["variant"].options(), *sm90.epilogue_options(SwiGLU()),
                                        "-DSM90_EARLY=1")
-    assert len(kernel_args) == len(_signatures()["sm90_gemm_decode"]) + _param_count("DEC_EARLY_PARAMS") == 27 + 6
-    early = kernel_args[27:]
+    assert len(kernel_args) == len(_signatures()["sm90_gemm_decode"]) + _param_count("DEC_EARLY_PARAMS") == 28 + 6
+    early = kernel_args[28:]
     assert [int(a) for a in early[1:]] == [RoutingFormat.FP32, int(dtype == torch.int64), 20, 2, 9]
 
 

@@ -65,6 +65,7 @@ class Problem:
         self.x_bf16 = x_deq.to(torch.bfloat16)
         assert torch.equal(self.x_bf16.float()[: self.offsets[-1]], x_deq[: self.offsets[-1]])
         self.tiles, self.tile_scales = tiles.to(DEV), tile_scales.to(DEV)
+        self.codes, self.scales = packed.to(DEV), scales.to(DEV)  # the canonical layout (row-major forms)
         self.alpha_dev = self.alpha.to(DEV)
         self.x = {layout: to_token_layout(self.x_bf16, layout).contiguous().to(DEV)
                   for layout in (TokenLayout.BF16_FRAGMENTS, TokenLayout.BF16_ROWS, TokenLayout.BF16_TILED)}

@@ -1,0 +1,112 @@
+"""GPU tests of the SM90 kernels' row-major NVFP4 forms (the aligned op's raw weights read in place) against the
+float64 reference and against the tile forms, with NaN-poisoned outputs (tests.engines.sm90.test_sm90_kernels_gpu's
+Problem and check)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import pytest
+import torch
+
+from cudnn_moe.engines.base import ActivationEpilogue, RowGather, TokenOperand
+from cudnn_moe.engines.sm90 import engine as sm90_engine
+from cudnn_moe.engines.sm90 import kernels as sm90
+from cudnn_moe.activations import SwiGLU
+from cudnn_moe.kernels import TokenLayout
+from tests.engines.sm90.test_sm90_kernels_gpu import CASES, DEV, Problem, _lengths, check
+from tests.support.sm90_variants import DECODE_VARIANTS, WGMMA_VARIANTS
+
+pytestmark = pytest.mark.gpu
+
+ROW_DECODE = [replace(v, row_major=True) for v in (*DECODE_VARIANTS, sm90_engine._WIDE, sm90_engine._MID,
+                                                   sm90_engine._MID_LONG_K)]
+ROW_WGMMA = [replace(v, row_major=True) for v in WGMMA_VARIANTS]
+
+
+def _halves_swapped(t: torch.Tensor) -> torch.Tensor:
+    """[E, N, X] rows [a; b] -> [b; a], a new tensor."""
+    a, b = t.chunk(2, dim=1)
+    return torch.cat((b, a), dim=1).contiguous()
+
+
+def run_rows(problem: Problem, variant: sm90.GemmVariant, swap: bool = False) -> torch.Tensor:
+    """The row-major form on the problem's canonical codes and scales (stored with their halves swapped and read back
+    with ``swap_halves`` when ``swap``)."""
+    codes, scales = problem.codes, problem.scales
+    if swap:
+        codes, scales = _halves_swapped(codes), _halves_swapped(scales)
+    out = torch.full((problem.rows, problem.n), math.nan, dtype=torch.bfloat16, device=DEV)
+    sm90.grouped_gemm(codes.reshape(problem.e, -1), scales.reshape(problem.e, -1), problem.alpha_dev,
+                      problem.x[variant.token_layout], problem.offsets_dev, out, variant, swap_halves=swap)
+    torch.cuda.synchronize()
+    return out
+
+
+@pytest.mark.parametrize("variant", ROW_DECODE + ROW_WGMMA, ids=str)
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_row_major_forms_match_reference(variant: sm90.GemmVariant, case: int) -> None:
+    """Every row-major form matches the float64 reference on ragged segments, repeats bitwise, and reads halves
+    stored the other way round (swap_halves) to the same bits."""
+    experts, n, k, max_len, spare = CASES[case]
+    problem = Problem(experts, n, k, _lengths(experts, seed=case, max_len=max_len), spare, seed=100 + case)
+    out = run_rows(problem, variant)
+    check(problem, out)
+    assert torch.equal(out.view(torch.int16), run_rows(problem, variant).view(torch.int16)), "results differ"
+    if n % 32 == 0:
+        assert torch.equal(out.view(torch.int16), run_rows(problem, variant, swap=True).view(torch.int16)), "swap"
+
+
+def test_row_major_forms_against_the_tile_forms() -> None:
+    """wgmma: the row-major form decodes the same values into the same k steps as the tile form, so every output bit
+    is equal. Decode kernel: its k16 steps group other k (natural token rows), so FP32 rounding differs a little."""
+    problem = Problem(6, 768, 1024, [300, 0, 64, 129, 7, 256], 16, seed=17, cover_scales=True)
+    used = problem.offsets[-1]
+    for variant in WGMMA_VARIANTS:
+        got = run_rows(problem, replace(variant, row_major=True))
+        assert torch.equal(got.view(torch.int16), problem.run(variant).view(torch.int16)), f"{variant}"
+    for variant in DECODE_VARIANTS:
+        got, want = run_rows(problem, replace(variant, row_major=True)), problem.run(variant)
+        check(problem, got)
+        differ = (got[:used].view(torch.int16) != want[:used].view(torch.int16)).float().mean().item()
+        assert torch.allclose(got[:used].float(), want[:used].float(), rtol=2**-6, atol=0) and differ <= 0.05, (
+            f"{variant}: {differ:.2%} of outputs differ from the tile form")
+
+
+@pytest.mark.parametrize("variant", [sm90_engine._SPLIT, sm90_engine._WIDE, sm90_engine._WGMMA.gathering()], ids=str)
+def test_row_major_swiglu_epilogue_reads_swapped_halves(variant: sm90.GemmVariant) -> None:
+    """GEMM1 with the SwiGLU epilogue (BF16 rows out) on [gate; up] weights read with swap_halves writes what the tile
+    form writes on [up; gate] tiles: bitwise on wgmma, on the decode kernel up to the rounding of its k order."""
+    experts, n, k = 4, 512, 512
+    problem = Problem(experts, n, k, [40, 8, 0, 17], 8, seed=23)
+    rows = problem.rows
+    row_to_slot = torch.arange(rows, dtype=torch.int32, device=DEV)
+
+    def epilogue_out() -> TokenOperand:
+        return TokenOperand(torch.full((rows, n // 2), math.nan, dtype=torch.bfloat16, device=DEV), None,
+                            TokenLayout.BF16_ROWS)
+
+    def launch(v: sm90.GemmVariant, codes: torch.Tensor, scales: torch.Tensor, swap: bool) -> torch.Tensor:
+        out = epilogue_out()
+        epilogue = ActivationEpilogue(SwiGLU(), row_to_slot, out, False)
+        gather = None
+        x = problem.x[v.token_layout]
+        if isinstance(v, sm90.WgmmaVariant):
+            gather, x = RowGather(problem.x[v.token_layout], row_to_slot, 1), None
+        sm90.grouped_gemm(codes, scales, problem.alpha_dev, x, problem.offsets_dev, None, v, gather=gather,
+                          epilogue=epilogue, swap_halves=swap)
+        torch.cuda.synchronize()
+        return out.data
+
+    rows_variant = replace(variant, row_major=True)
+    tile_variant = replace(rows_variant, row_major=False)
+    got = launch(rows_variant, _halves_swapped(problem.codes).reshape(experts, -1),
+                 _halves_swapped(problem.scales).reshape(experts, -1), True)
+    want = launch(tile_variant, problem.tiles, problem.tile_scales, False)
+    used = problem.offsets[-1]
+    assert not got[:used].isnan().any()
+    if isinstance(variant, sm90.WgmmaVariant):
+        assert torch.equal(got[:used].view(torch.int16), want[:used].view(torch.int16))
+    else:
+        assert torch.allclose(got[:used].float(), want[:used].float(), rtol=2**-5, atol=1e-30)
