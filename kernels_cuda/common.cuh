@@ -344,10 +344,20 @@ __device__ __forceinline__ uint4 ldg_stream_v4(const void* p) {
   return v;
 }
 
-// 1 byte of read-only data that is used once, zero-extended.
-__device__ __forceinline__ u32 ldg_stream_u8(const void* p) {
+// 2 bytes of read-only data that are used once, zero-extended.
+__device__ __forceinline__ u32 ldg_stream_u16(const void* p) {
   u32 v;
-  asm("ld.global.nc.L1::no_allocate.u8 %0, [%1];" : "=r"(v) : "l"(p));
+  asm("ld.global.nc.L1::no_allocate.u16 %0, [%1];" : "=r"(v) : "l"(p));
+  return v;
+}
+
+// 16 bytes of read-only data that is used once, asking L2 for the rest of their 256-byte block too (a row-major
+// stream that reads a row's next bytes soon after, from another instruction).
+__device__ __forceinline__ uint4 ldg_stream_v4_l2_256(const void* p) {
+  uint4 v;
+  asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+      : "l"(p));
   return v;
 }
 

@@ -101,11 +101,13 @@ using namespace sm90;
 #error "SM90_W_BF16 runs without SM90_W_INT4, SM90_ROUTE and SM90_EARLY"
 #endif
 // NVFP4 weights in their canonical row-major layout (1; the decode kernel without a route): w_tiles codes [E, N, K/2]
-// and w_scales E4M3 [E, N, K/16], read in place (the aligned op's raw tensors). Per k64 step, lane (g, q) loads the 8
-// code bytes of columns 16q .. 16q + 15 of rows g and g + 8 (one 16-value block each, so one scale byte each), and the
-// tokens are natural rows (TokenLayout.BF16_ROWS) read at the same columns (32 bytes at 32q): k16 step s takes code
-// bytes 2s and 2s + 1 (fragments.cuh decode_row_byte), token words 2s and 2s + 1. The sums then run in another k
-// order than the tile form's: the same values up to FP32 rounding, not bit for bit.
+// and w_scales E4M3 [E, N, K/16], read in place (the aligned op's raw tensors); K a multiple of 128. The ring's steps
+// are k128 (PREFETCH / 2 of them in flight, at least one: the same bytes as the tile form's ring): lane (g, q) loads
+// the 16 code bytes of columns 32q .. 32q + 31 of rows g and g + 8 (two 16-value blocks, two scale bytes each; a warp
+// reads 64 contiguous bytes of each row), and the tokens are natural rows (TokenLayout.BF16_ROWS) read at the same
+// columns (64 bytes at 64q of the step's 256): k16 step s (0..7) takes code bytes 2s and 2s + 1
+// (fragments.cuh decode_row_byte) and token words 2s and 2s + 1. The sums then run in another k order than the tile
+// form's: the same values up to FP32 rounding, not bit for bit.
 #ifndef SM90_W_ROWS
 #define SM90_W_ROWS 0
 #endif
@@ -152,20 +154,29 @@ static_assert(SM90_WK * DEC_TB * DEC_RED_STRIDE * 4 + DEC_TB * DEC_C_STRIDE * si
 #endif
 
 // Where lane (g, q)'s two 16-byte token pieces of a k64 step lie in the row's 128 bytes: 32q and 32q + 16 (token
-// fragments, or natural rows with row-major NVFP4 weights), or 16q and 16q + 64 (natural rows, with BF16 weights).
-#define X_LANE (SM90_W_BF16 ? 16 : 32)
+// fragments), or 16q and 16q + 64 (natural rows, with BF16 weights); with row-major NVFP4 weights its four pieces of a
+// k128 step, 64q + 16i of the row's 256 bytes (natural rows).
+#define X_LANE (SM90_W_BF16 ? 16 : SM90_W_ROWS ? 64 : 32)
 #define X_SECOND (SM90_W_BF16 ? 64 : 16)
+// Ring steps: k64 (k128 for row-major NVFP4 weights), DEC_SLOTS of them in flight.
+#define DEC_STEP_SHIFT (SM90_W_ROWS ? 7 : 6)
+#define DEC_SLOTS (SM90_W_ROWS ? (SM90_PREFETCH + 1) / 2 : SM90_PREFETCH)
 
 namespace {
 
 struct DecodeRing {
 #if SM90_W_BF16
   uint4 w[SM90_PREFETCH][SM90_MT][4];  // BF16 weights: row g at columns 8q, 32 + 8q; row g + 8 likewise
-#else
-  uint4 w[SM90_PREFETCH][SM90_MT];     // weight words: 4 k16 steps (row-major: x, y row g; z, w row g + 8)
-  uint2 s[SM90_PREFETCH][SM90_MT];     // scale bytes (row-major: x row g's, y row g + 8's)
-#endif
   uint4 b[SM90_PREFETCH][SM90_NT][2];  // token pieces (X_LANE, X_SECOND): steps 0-1, 2-3
+#elif SM90_W_ROWS
+  uint4 w[DEC_SLOTS][SM90_MT][2];      // row-major NVFP4: 16 code bytes of row g, of row g + 8
+  uint2 s[DEC_SLOTS][SM90_MT];         // their two scale bytes each (x row g, y row g + 8)
+  uint4 b[DEC_SLOTS][SM90_NT][4];      // token pieces: 64 bytes at 64q, steps 2i, 2i + 1 in piece i
+#else
+  uint4 w[SM90_PREFETCH][SM90_MT];     // weight words: 4 k16 steps
+  uint2 s[SM90_PREFETCH][SM90_MT];     // scale bytes
+  uint4 b[SM90_PREFETCH][SM90_NT][2];  // token pieces (X_LANE, X_SECOND): steps 0-1, 2-3
+#endif
 };
 
 // One k64 step of a warp: 4 x MT x NT mma.
@@ -207,19 +218,20 @@ __device__ __forceinline__ void decode_step(const DecodeRing& ring, float (&acc)
   a[2] = word_of<((2 * S) & 3) + 1>(ring.w[P][mt][S >> 1]);                                         \
   a[3] = word_of<((2 * S) & 3) + 1>(ring.w[P][mt][2 + (S >> 1)]);
 #elif SM90_W_ROWS
-  // Step S: code bytes 2S, 2S + 1 of the lane's 8 bytes of row g (word S / 2 of x, y) into a0 / a2, of row g + 8
-  // into a1 / a3; every value of the step takes its row's one scale (the low halves of the pairs).
+  // Step S (0..7): code bytes 2S, 2S + 1 of the lane's 16 bytes of row g (word S / 2) into a0 / a2, of row g + 8 into
+  // a1 / a3; steps 0..3 take the rows' first scale (block 2q), steps 4..7 the second.
   u32 sg[SM90_MT], sg8[SM90_MT];
 #pragma unroll
-  for (int mt = 0; mt < SM90_MT; ++mt) decode_scale_word(ring.s[P][mt].x | (ring.s[P][mt].y << 8), sg[mt], sg8[mt]);
+  for (int mt = 0; mt < SM90_MT; ++mt)
+    decode_scale_word(__byte_perm(ring.s[P][mt].x, ring.s[P][mt].y, 0x5140), sg[mt], sg8[mt]);
 #define SM90_DECODE_A(S, mt, a)                                                                     \
   {                                                                                                 \
-    const u32 wg = S < 2 ? ring.w[P][mt].x : ring.w[P][mt].y, wg8 = S < 2 ? ring.w[P][mt].z : ring.w[P][mt].w; \
-    a[0] = decode_row_byte(wg, row_byte_selector(2 * (S & 1)));                                     \
-    a[2] = decode_row_byte(wg, row_byte_selector(2 * (S & 1) + 1));                                 \
-    a[1] = decode_row_byte(wg8, row_byte_selector(2 * (S & 1)));                                    \
-    a[3] = decode_row_byte(wg8, row_byte_selector(2 * (S & 1) + 1));                                \
-    scale_a<0>(sg[mt], sg8[mt], a);                                                                 \
+    const u32 wg = word_of<((S) >> 1)>(ring.w[P][mt][0]), wg8 = word_of<((S) >> 1)>(ring.w[P][mt][1]); \
+    a[0] = decode_row_byte(wg, row_byte_selector(2 * ((S) & 1)));                                   \
+    a[2] = decode_row_byte(wg, row_byte_selector(2 * ((S) & 1) + 1));                               \
+    a[1] = decode_row_byte(wg8, row_byte_selector(2 * ((S) & 1)));                                  \
+    a[3] = decode_row_byte(wg8, row_byte_selector(2 * ((S) & 1) + 1));                              \
+    scale_a<((S) >> 2)>(sg[mt], sg8[mt], a);                                                        \
   }
 #else
   u32 sg[SM90_MT][2], sg8[SM90_MT][2];
@@ -243,6 +255,12 @@ __device__ __forceinline__ void decode_step(const DecodeRing& ring, float (&acc)
   SM90_DECODE_K16(1)
   SM90_DECODE_K16(2)
   SM90_DECODE_K16(3)
+#if SM90_W_ROWS
+  SM90_DECODE_K16(4)
+  SM90_DECODE_K16(5)
+  SM90_DECODE_K16(6)
+  SM90_DECODE_K16(7)
+#endif
 #undef SM90_DECODE_K16
 #undef SM90_DECODE_A
 #endif
@@ -406,7 +424,7 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS DEC_MIN_BLOCKS)
   const int wk = warp / SM90_WM;
   const int g = lane >> 2;
   const int q = lane & 3;
-  const int kt = k >> 6;  // k64 steps
+  const int kt = k >> DEC_STEP_SHIFT;  // ring steps (k64, or k128)
 #if SM90_W_BF16
   // Row-major BF16: the lane's row g of its first m16 block, columns 64 wk + 8q on (SM90_W_BF16 above).
   const i64 row_bytes = static_cast<i64>(k) * 2;
@@ -429,14 +447,15 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS DEC_MIN_BLOCKS)
   wp = w_tiles + ((EXPERT) * n + first_row) * row_bytes + wk * 128 + q * 16;
 #define SM90_DECODE_ADVANCE_W wp += SM90_PREFETCH * W_STEP;
 #elif SM90_W_ROWS
-  // Row-major NVFP4: the lane's row g of its first m16 block, code bytes 32 wk + 8q on and scale byte 4 wk + q on
-  // (SM90_W_ROWS above); rows g + 8 and the further blocks at fixed strides.
-  const u32 row_bytes = static_cast<u32>(k >> 1);
-  const u32 scale_row_bytes = static_cast<u32>(k >> 4);
+  // Row-major NVFP4: the lane's rows g and g + 8 of its first m16 block, code bytes 64 wk + 16q on and scale bytes
+  // 8 wk + 2q on (SM90_W_ROWS above); the further blocks 16 rows on. Rows g + 8 at an offset from row g's pointers
+  // without split-K, from their own with it: each way the one the register allocation fits in 128 without spilling.
+  const u32 row_bytes = static_cast<u32>(k >> 1), scale_row_bytes = static_cast<u32>(k >> 4);
   const i64 first_row = static_cast<i64>(decode_warp_tile(wm, n, w_half_swap)) * 16 + g;
   const int nsteps = wk < kt ? (kt - wk + SM90_WK - 1) / SM90_WK : 0;
-  constexpr int W_STEP = SM90_WK * 32, S_STEP = SM90_WK * 4, X_STEP = SM90_WK * 128;  // bytes per step
+  constexpr int W_STEP = SM90_WK * 64, S_STEP = SM90_WK * 8, X_STEP = SM90_WK * 256;  // bytes per step
   DecodeRing ring;
+#if SM90_WK == 1
   const u8* wp;
   const u8* sp;
   // Load ring slot P with step `s` (relative to the current base pointers).
@@ -444,16 +463,36 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS DEC_MIN_BLOCKS)
   _Pragma("unroll") for (int mt = 0; mt < SM90_MT; ++mt) {                                          \
     const u8* const r = wp + (S) * W_STEP + mt * 16 * row_bytes;                                    \
     const u8* const c = sp + (S) * S_STEP + mt * 16 * scale_row_bytes;                              \
-    const uint2 lo = ldg_stream_v2(r), hi = ldg_stream_v2(r + 8 * row_bytes);                       \
-    ring.w[P][mt] = make_uint4(lo.x, lo.y, hi.x, hi.y);                                             \
-    ring.s[P][mt] = make_uint2(ldg_stream_u8(c), ldg_stream_u8(c + 8 * scale_row_bytes));           \
+    ring.w[P][mt][0] = ldg_stream_v4_l2_256(r);                                                     \
+    ring.w[P][mt][1] = ldg_stream_v4_l2_256(r + 8 * row_bytes);                                     \
+    ring.s[P][mt] = make_uint2(ldg_stream_u16(c), ldg_stream_u16(c + 8 * scale_row_bytes));         \
   }
 #define SM90_DECODE_POINT_W(EXPERT)                                                                 \
-  wp = w_tiles + ((EXPERT) * n + first_row) * row_bytes + wk * 32 + q * 8;                          \
-  sp = w_scales + ((EXPERT) * n + first_row) * scale_row_bytes + wk * 4 + q;
+  wp = w_tiles + ((EXPERT) * n + first_row) * row_bytes + wk * 64 + q * 16;                         \
+  sp = w_scales + ((EXPERT) * n + first_row) * scale_row_bytes + wk * 8 + q * 2;
 #define SM90_DECODE_ADVANCE_W                                                                       \
-  wp += SM90_PREFETCH * W_STEP;                                                                     \
-  sp += SM90_PREFETCH * S_STEP;
+  wp += DEC_SLOTS * W_STEP;                                                                         \
+  sp += DEC_SLOTS * S_STEP;
+#else
+  const u8* wp[2];  // rows g, g + 8
+  const u8* sp[2];
+  // Load ring slot P with step `s` (relative to the current base pointers).
+#define SM90_DECODE_LOAD_W(P, S)                                                                    \
+  _Pragma("unroll") for (int mt = 0; mt < SM90_MT; ++mt) _Pragma("unroll") for (int h = 0; h < 2; ++h) { \
+    ring.w[P][mt][h] = ldg_stream_v4_l2_256(wp[h] + (S) * W_STEP + mt * 16 * row_bytes);            \
+    (h ? ring.s[P][mt].y : ring.s[P][mt].x) = ldg_stream_u16(sp[h] + (S) * S_STEP + mt * 16 * scale_row_bytes); \
+  }
+#define SM90_DECODE_POINT_W(EXPERT)                                                                 \
+  _Pragma("unroll") for (int h = 0; h < 2; ++h) {                                                   \
+    wp[h] = w_tiles + ((EXPERT) * n + first_row + 8 * h) * row_bytes + wk * 64 + q * 16;            \
+    sp[h] = w_scales + ((EXPERT) * n + first_row + 8 * h) * scale_row_bytes + wk * 8 + q * 2;       \
+  }
+#define SM90_DECODE_ADVANCE_W                                                                       \
+  _Pragma("unroll") for (int h = 0; h < 2; ++h) {                                                   \
+    wp[h] += DEC_SLOTS * W_STEP;                                                                    \
+    sp[h] += DEC_SLOTS * S_STEP;                                                                    \
+  }
+#endif
 #else
   const i64 expert_tiles = static_cast<i64>(n >> 4) * kt;
   const i64 first_tile = static_cast<i64>(decode_warp_tile(wm, n, w_half_swap)) * kt + wk;
@@ -488,7 +527,7 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS DEC_MIN_BLOCKS)
   if (early_expert >= 0) {
     SM90_DECODE_POINT_W(static_cast<i64>(early_expert))
 #pragma unroll
-    for (int p = 0; p < SM90_PREFETCH; ++p)
+    for (int p = 0; p < DEC_SLOTS; ++p)
       if (p < nsteps) SM90_DECODE_LOAD_W(p, p)
   }
 #endif
@@ -556,8 +595,8 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS DEC_MIN_BLOCKS)
     xp[nt] = smem + wk * 128 + q * 32;  // every row of the bucket is the one token
 #else
     const int row = tile.row0 + nt * 8 + g;
-    xp[nt] = reinterpret_cast<const u8*>(x) + (static_cast<i64>(row < tile.row_end ? row : tile.row0) * k + wk * 64) * 2 +
-             q * X_LANE;
+    xp[nt] = reinterpret_cast<const u8*>(x) +
+             (static_cast<i64>(row < tile.row_end ? row : tile.row0) * k + (wk << DEC_STEP_SHIFT)) * 2 + q * X_LANE;
 #endif
   }
   // The epilogue's operands, fetched into shared memory while the main loop runs (no dependent load at the end):
@@ -594,11 +633,17 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS DEC_MIN_BLOCKS)
 #pragma unroll
         for (int i = 0; i < 4; ++i) acc[set][mt][nt][i] = 0.0f;
 
+#if SM90_W_ROWS
+#define SM90_DECODE_LOAD_B(P, S)                                                                    \
+  _Pragma("unroll") for (int nt = 0; nt < SM90_NT; ++nt) _Pragma("unroll") for (int i = 0; i < 4; ++i) \
+    ring.b[P][nt][i] = load_token_piece(xp[nt] + (S) * X_STEP + 16 * i);
+#else
 #define SM90_DECODE_LOAD_B(P, S)                                                                    \
   _Pragma("unroll") for (int nt = 0; nt < SM90_NT; ++nt) {                                          \
     ring.b[P][nt][0] = load_token_piece(xp[nt] + (S) * X_STEP);                                     \
     ring.b[P][nt][1] = load_token_piece(xp[nt] + (S) * X_STEP + X_SECOND);                          \
   }
+#endif
 #define SM90_DECODE_LOAD(P, S)                                                                      \
   {                                                                                                 \
     SM90_DECODE_LOAD_W(P, S)                                                                        \
@@ -607,29 +652,29 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS DEC_MIN_BLOCKS)
 #ifdef SM90_ROUTE
   if (!ROUTE_STAGE_FIRST) {  // the weights first, then the token row staged while they are in flight
 #pragma unroll
-    for (int p = 0; p < SM90_PREFETCH; ++p)
+    for (int p = 0; p < DEC_SLOTS; ++p)
       if (p < nsteps) SM90_DECODE_LOAD_W(p, p)
     stage_token_row(route_x, route_x_scales, k, token_units, token_row);
     __syncthreads();
 #pragma unroll
-    for (int p = 0; p < SM90_PREFETCH; ++p)
+    for (int p = 0; p < DEC_SLOTS; ++p)
       if (p < nsteps) SM90_DECODE_LOAD_B(p, p)
   } else {
 #pragma unroll
-    for (int p = 0; p < SM90_PREFETCH; ++p)
+    for (int p = 0; p < DEC_SLOTS; ++p)
       if (p < nsteps) SM90_DECODE_LOAD(p, p)
   }
 #else
 #pragma unroll
-  for (int p = 0; p < SM90_PREFETCH; ++p)
+  for (int p = 0; p < DEC_SLOTS; ++p)
     if (p < nsteps) {
       if (!early_hit) SM90_DECODE_LOAD_W(p, p)
       SM90_DECODE_LOAD_B(p, p)
     }
 #endif
 
-  // Both loops below run SM90_DECODE_SLOT(P) for the ring slots P = 0 .. PREFETCH-1 (the slot macro
-  // differs: bounds tests only in the tail), then move the pointers on by PREFETCH steps.
+  // Both loops below run SM90_DECODE_SLOT(P) for the ring slots P = 0 .. DEC_SLOTS-1 (the slot macro
+  // differs: bounds tests only in the tail), then move the pointers on by DEC_SLOTS steps.
 #define SM90_DECODE_EACH_SLOT                                                                       \
   SM90_DECODE_SLOT(0) SM90_DECODE_SLOT(1) SM90_DECODE_SLOT(2) SM90_DECODE_SLOT(3)                   \
   SM90_DECODE_SLOT(4) SM90_DECODE_SLOT(5) SM90_DECODE_SLOT(6) SM90_DECODE_SLOT(7)                   \
@@ -637,26 +682,26 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS DEC_MIN_BLOCKS)
   SM90_DECODE_SLOT(12) SM90_DECODE_SLOT(13) SM90_DECODE_SLOT(14) SM90_DECODE_SLOT(15)
 #define SM90_DECODE_ADVANCE                                                                         \
   SM90_DECODE_ADVANCE_W                                                                             \
-  _Pragma("unroll") for (int nt = 0; nt < SM90_NT; ++nt) xp[nt] += SM90_PREFETCH * X_STEP;
+  _Pragma("unroll") for (int nt = 0; nt < SM90_NT; ++nt) xp[nt] += DEC_SLOTS * X_STEP;
 
   // Steady state: every slot consumed and refilled, no bounds tests.
   int s0 = 0;
-  for (; s0 + 2 * SM90_PREFETCH <= nsteps; s0 += SM90_PREFETCH) {
+  for (; s0 + 2 * DEC_SLOTS <= nsteps; s0 += DEC_SLOTS) {
 #define SM90_DECODE_SLOT(P)                                                                         \
-  if (P < SM90_PREFETCH) {                                                                          \
-    decode_step<(P < SM90_PREFETCH ? P : 0)>(ring, acc);                                            \
-    SM90_DECODE_LOAD((P < SM90_PREFETCH ? P : 0), P + SM90_PREFETCH)                                \
+  if (P < DEC_SLOTS) {                                                                          \
+    decode_step<(P < DEC_SLOTS ? P : 0)>(ring, acc);                                            \
+    SM90_DECODE_LOAD((P < DEC_SLOTS ? P : 0), P + DEC_SLOTS)                                \
   }
     SM90_DECODE_EACH_SLOT
 #undef SM90_DECODE_SLOT
     SM90_DECODE_ADVANCE
   }
-  // Tail: fewer than 2 * PREFETCH steps left.
-  for (; s0 < nsteps; s0 += SM90_PREFETCH) {
+  // Tail: fewer than 2 * DEC_SLOTS steps left.
+  for (; s0 < nsteps; s0 += DEC_SLOTS) {
 #define SM90_DECODE_SLOT(P)                                                                         \
-  if (P < SM90_PREFETCH && s0 + P < nsteps) {                                                       \
-    decode_step<(P < SM90_PREFETCH ? P : 0)>(ring, acc);                                            \
-    if (s0 + P + SM90_PREFETCH < nsteps) SM90_DECODE_LOAD((P < SM90_PREFETCH ? P : 0), P + SM90_PREFETCH) \
+  if (P < DEC_SLOTS && s0 + P < nsteps) {                                                       \
+    decode_step<(P < DEC_SLOTS ? P : 0)>(ring, acc);                                            \
+    if (s0 + P + DEC_SLOTS < nsteps) SM90_DECODE_LOAD((P < DEC_SLOTS ? P : 0), P + DEC_SLOTS) \
   }
     SM90_DECODE_EACH_SLOT
 #undef SM90_DECODE_SLOT

@@ -37,6 +37,9 @@ _MAX_DYNAMIC_SMEM = 227 * 1024  # per block on SM90
 ROUTE_MAX_SHARED_MEM = 48 * 1024
 
 
+ROW_MAJOR_K = 128  # the decode kernel's row-major form steps along K by 128 (grouped_gemm.cu SM90_W_ROWS)
+
+
 def route_shared_mem(k: int) -> int:
     """Dynamic shared memory of a routed GEMM1 with K = k: the token row, k BF16 values."""
     return 2 * k
@@ -332,8 +335,8 @@ def grouped_gemm(
 
     w_tiles uint8 [E, N*K/2] and w_tile_scales uint8 (or float8_e4m3fn) [E, N*K/16]: NVFP4 weights in
     the fragment-tile layout (layout.pack_weight_tiles), or for a variant with ``row_major`` each expert's codes
-    [N, K/2] and linear scales [N, K/16] as they are (the sums then run in another k order: the same values up to FP32
-    rounding on the decode kernel, bit for bit on wgmma); alpha float32 [E]; x bfloat16 [R, K] in
+    [N, K/2] and linear scales [N, K/16] as they are (K a multiple of ROW_MAJOR_K on the decode kernel, whose sums then
+    run in another k order: the same values up to FP32 rounding; bit for bit on wgmma); alpha float32 [E]; x bfloat16 [R, K] in
     ``variant.token_layout`` (token-fragment column order; natural rows or tiled planes for the wgmma variant);
     offsets int32 [E + 1] on the device (segment e = rows offsets[e]..offsets[e+1], each a multiple of 8,
     offsets[E] <= R); out bfloat16 [R, N], rows outside every segment untouched. N % 128 == 0, K % 64 == 0.
@@ -425,6 +428,8 @@ def grouped_gemm(
     experts = w_tiles.shape[0]
     if k <= 0 or k % TILE_K:
         raise ValueError(f"x: K = {k} must be a positive multiple of {TILE_K}")
+    if isinstance(variant, DecodeVariant) and variant.row_major and k % ROW_MAJOR_K:
+        raise ValueError(f"x: K = {k} must be a multiple of {ROW_MAJOR_K} for row-major weights on the decode kernel")
     if experts < 1:
         raise ValueError("w_tiles: need at least one expert")
     n = _output_columns(out, epilogue)

@@ -48,8 +48,10 @@ def run_rows(problem: Problem, variant: sm90.GemmVariant, swap: bool = False) ->
 @pytest.mark.parametrize("case", range(len(CASES)))
 def test_row_major_forms_match_reference(variant: sm90.GemmVariant, case: int) -> None:
     """Every row-major form matches the float64 reference on ragged segments, repeats bitwise, and reads halves
-    stored the other way round (swap_halves) to the same bits."""
+    stored the other way round (swap_halves) to the same bits (the decode form on K multiples of 128 only)."""
     experts, n, k, max_len, spare = CASES[case]
+    if isinstance(variant, sm90.DecodeVariant) and k % sm90.ROW_MAJOR_K:
+        pytest.skip(f"K = {k}: the decode kernel's row-major form steps by {sm90.ROW_MAJOR_K}")
     problem = Problem(experts, n, k, _lengths(experts, seed=case, max_len=max_len), spare, seed=100 + case)
     out = run_rows(problem, variant)
     check(problem, out)
@@ -70,8 +72,8 @@ def test_row_major_forms_against_the_tile_forms() -> None:
         got, want = run_rows(problem, replace(variant, row_major=True)), problem.run(variant)
         check(problem, got)
         differ = (got[:used].view(torch.int16) != want[:used].view(torch.int16)).float().mean().item()
-        assert torch.allclose(got[:used].float(), want[:used].float(), rtol=2**-6, atol=0) and differ <= 0.05, (
-            f"{variant}: {differ:.2%} of outputs differ from the tile form")
+        gap = (got[:used].double() - want[:used].double()).norm() / want[:used].double().norm()
+        assert differ <= 0.05 and gap <= 1e-3, f"{variant}: {differ:.2%} of outputs differ from the tile form, {gap:.3g}"
 
 
 @pytest.mark.parametrize("variant", [sm90_engine._SPLIT, sm90_engine._WIDE, sm90_engine._WGMMA.gathering()], ids=str)
