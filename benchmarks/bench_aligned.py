@@ -106,11 +106,12 @@ def canonical_chunked(
     return torch.cat(codes), torch.cat(block_scales)
 
 
-def build_layer(m: ModelShape, gen: torch.Generator, engine: str, max_tokens: int) -> Layer:
+def build_layer(m: ModelShape, gen: torch.Generator, engine: str, max_tokens: int, in_place: bool = False) -> Layer:
     """Random BF16 weights (as bench_moe draws them) quantized ONCE to NVFP4 for fused_moe; the aligned
     op's tensors are the same codes and scales read back from that pack, w1's halves swapped to
     [gate; up], then prepared for the same engine, so both ops stream the same bytes. The output scales
-    are fused's per-expert alphas (w1's for gate and up, w2's for down): both ops compute one layer."""
+    are fused's per-expert alphas (w1's for gate and up, w2's for down): both ops compute one layer. in_place: the
+    aligned op reads those tensors in place (prepare_aligned_weights(in_place=True))."""
     config = Nvfp4MoeConfig(max_num_tokens=max_tokens, engine=engine)
     w1, w2 = random_weights(m, gen)  # w1 rows [up; gate]
     fused = config.prepare_weights(w1, w2, activation=SwiGLU())
@@ -118,7 +119,7 @@ def build_layer(m: ModelShape, gen: torch.Generator, engine: str, max_tokens: in
     hidden, inter = fused.hidden_size, fused.intermediate_size
     raw = (*canonical_chunked(fused, fused.w1, fused.w1_scales, 2 * inter, hidden, swap=True),
            *canonical_chunked(fused, fused.w2, fused.w2_scales, hidden, inter, swap=False))
-    prepared = prepare_aligned_weights(*raw, engine=engine)
+    prepared = prepare_aligned_weights(*raw, engine=engine, in_place=in_place)
     if prepared.layer.spec.engine != fused.spec.engine:
         raise RuntimeError(f"engine {engine!r} resolved to {fused.spec.engine} for fused_moe but to "
                            f"{prepared.layer.spec.engine} for aligned_moe")
@@ -172,7 +173,7 @@ class AlignedBench:
         progress(f"{m.name}: random BF16 weights -> NVFP4 for fused_moe ({args.engine}), same codes "
                  "[gate; up] -> prepare_aligned_weights")
         try:
-            layer = build_layer(m, gen, args.engine, max(args.tokens))
+            layer = build_layer(m, gen, args.engine, max(args.tokens), args.in_place)
         except Exception as exc:  # noqa: BLE001 - the other model may still run
             report.note(f"{m.name}: weights not prepared: {type(exc).__name__}: {exc}; model skipped")
             torch.cuda.empty_cache()
@@ -274,6 +275,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "shape the GEMMs")
     parser.add_argument("--engine", default="auto", choices=engine_names(OP_ALIGNED),
                         help="GEMM engine of both ops (Nvfp4MoeConfig / prepare_aligned_weights; default %(default)s)")
+    parser.add_argument("--in-place", action="store_true",
+                        help="prepare the aligned op's weights in place (no copy: the sm90 engine reads the raw tensors)")
     parser.add_argument("--skip-slow-cudnn", action=argparse.BooleanOptionalAction, default=True,
                         help="skip DeepSeek-V3 above T=64 when the engine is cudnn (100-170 ms per call on SM90)")
     parser.add_argument("--bandwidth-tbs", type=float, default=4.3, help="HBM bandwidth for the floor (TB/s)")

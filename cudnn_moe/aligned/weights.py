@@ -1,5 +1,5 @@
-"""Weights of the aligned-plan op for the GEMM engine of their GPU: the caller's raw tensors read in place where the
-engine reads the canonical layout (SM90), else laid out once in the engine's own."""
+"""Weights of the aligned-plan op for the GEMM engine of their GPU: laid out once in the engine's own layout (a copy),
+or on request the caller's raw tensors read in place (the sm90 engine)."""
 
 from __future__ import annotations
 
@@ -40,9 +40,9 @@ class AlignedWeights:
 
     layer: the pipeline's Nvfp4Weights view, without alphas: each call's stage writes its output scales into the
     token bucket ([up scales | gate scales] with w1_alpha_split = N/2, and the down scales), so these weights are
-    never written. On the sm90 engine it holds the caller's contiguous raw tensors themselves
-    (BlockCode.NVFP4_ROWS, w1_halves_swapped: the kernels read the [gate; up] halves as [up; gate]): no copy. Else
-    w1's rows are reordered to [up; gate] and packed with w2 in the engine's layout (a copy).
+    never written. Prepared in place, it holds the caller's raw tensors themselves (BlockCode.NVFP4_ROWS,
+    w1_halves_swapped: the sm90 kernels read the [gate; up] halves as [up; gate]): no copy. Else w1's rows are
+    reordered to [up; gate] and packed with w2 in the engine's layout (a copy).
     sources: the raw tensors' signatures (address, shape, strides, dtype, device, version) at
     preparation; owners: weak references to the tensors owning their memory. A call's raw tensors
     match when both agree (``same_tensors``): new tensors that reuse freed addresses do not.
@@ -75,6 +75,17 @@ class AlignedWeights:
         return self.layer.code is BlockCode.NVFP4_ROWS
 
 
+def _require_in_place(engine: str, raw: dict[str, torch.Tensor]) -> None:
+    """ValueError unless the sm90 engine can read these raw tensors in place."""
+    if engine != "sm90":
+        raise ValueError(f"in_place=True needs the sm90 engine (SM90 GPUs), which reads the raw layout; the {engine} "
+                         "engine reads its own")
+    for name, t in raw.items():
+        if not t.is_contiguous() or t.data_ptr() % IN_PLACE_ALIGNMENT:
+            raise ValueError(f"in_place=True reads {name} as it is: it must be contiguous and {IN_PLACE_ALIGNMENT}-byte "
+                             f"aligned, got strides {t.stride()} at address {t.data_ptr():#x}")
+
+
 def prepare_aligned_weights(
     gemm1_weights: torch.Tensor,
     gemm1_weights_scale: torch.Tensor,
@@ -83,6 +94,7 @@ def prepare_aligned_weights(
     *,
     arch: str | int | tuple[int, int] | None = None,
     engine: str = "auto",
+    in_place: bool = False,
 ) -> AlignedWeights:
     """Prepare the aligned op's weights for the GEMM engine of the GPU (pass the result as
     ``aligned_moe(..., prepared=...)``); the caller's tensors are only read.
@@ -91,9 +103,11 @@ def prepare_aligned_weights(
     gemm2_weights uint8 [E, K, N/4], gemm2_weights_scale float8_e4m3fn [E, K, N/32] (linear scales,
     N and K multiples of 256), on one device. arch: the GPU the layout is for (default: the tensors'
     CUDA device; required for CPU tensors, e.g. 'sm90'). engine: 'auto', 'sm90' or 'cudnn', as for
-    Nvfp4MoeConfig. On the sm90 engine contiguous, 16-byte aligned tensors are read in place, the result holding
-    them and no copy (``in_place``); else (the cudnn engine, a non-contiguous or unaligned tensor) the codes and scales
-    are repacked bit-exactly into a copy (``canonical()`` gives them back either way).
+    Nvfp4MoeConfig. The codes and scales are repacked bit-exactly into the engine's layout, a copy (``canonical()``
+    gives them back). in_place: hold no copy: the sm90 engine's kernels read the caller's tensors as they are (they
+    must be contiguous and 16-byte aligned; ValueError otherwise, or on another engine), at a cost in speed: the
+    row-major reads made the whole op 1.2-1.5x slower than the engine's layout on the H200 (benchmarks/RESULTS.md,
+    twenty-fifth session). The result's ``in_place`` says which it holds.
     """
     w1 = require_tensor("gemm1_weights", gemm1_weights, torch.uint8, rank=3)
     w1s = require_tensor("gemm1_weights_scale", gemm1_weights_scale, torch.float8_e4m3fn, rank=3)
@@ -119,16 +133,19 @@ def prepare_aligned_weights(
     shapes = (GemmShape(hidden, n, experts), GemmShape(inter, hidden, experts))
     spec = choose(Request(OP_ALIGNED, target, NVFP4, shapes, experts), engine).spec(target)
     raw = (w1, w1s, w2, w2s)
-    if spec.engine == "sm90" and all(t.is_contiguous() and t.data_ptr() % IN_PLACE_ALIGNMENT == 0 for t in raw):
-        layer = Nvfp4Weights(  # no alphas: every call brings its output scales, staged into the token bucket
+    # no alphas: every call brings its output scales, staged into the token bucket
+    if in_place:
+        _require_in_place(spec.engine, dict(zip(("gemm1_weights", "gemm1_weights_scale", "gemm2_weights",
+                                                 "gemm2_weights_scale"), raw)))
+        layer = Nvfp4Weights(
             w1.view(experts, -1), w1s.view(experts, -1), None, w2.view(experts, -1), w2s.view(experts, -1), None,
             spec, GATED.gated, hidden, inter, w1_alpha_split=inter, code=BlockCode.NVFP4_ROWS, w1_halves_swapped=True,
         )
-        return AlignedWeights(layer, tuple(raw_signature(t) for t in raw), tuple(weakref.ref(owner_of(t)) for t in raw))
-    cls = engine_class_of(spec)
-    w1_data, w1_scales = cls.pack_weights_chunked(target, w1, w1s, rows=swap_row_halves)
-    w2_data, w2_scales = cls.pack_weights_chunked(target, w2, w2s)
-    layer = Nvfp4Weights(
-        w1_data, w1_scales, None, w2_data, w2_scales, None, spec, GATED.gated, hidden, inter, w1_alpha_split=inter
-    )
+    else:
+        cls = engine_class_of(spec)
+        w1_data, w1_scales = cls.pack_weights_chunked(target, w1, w1s, rows=swap_row_halves)
+        w2_data, w2_scales = cls.pack_weights_chunked(target, w2, w2s)
+        layer = Nvfp4Weights(
+            w1_data, w1_scales, None, w2_data, w2_scales, None, spec, GATED.gated, hidden, inter, w1_alpha_split=inter
+        )
     return AlignedWeights(layer, tuple(raw_signature(t) for t in raw), tuple(weakref.ref(owner_of(t)) for t in raw))

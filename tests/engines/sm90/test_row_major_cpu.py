@@ -174,11 +174,12 @@ def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
 
 
-def test_aligned_weights_are_read_in_place_on_sm90() -> None:
-    """On the sm90 engine the prepared layer holds the caller's four tensors themselves (same memory, flattened per
-    expert), marked row-major with w1's halves swapped; canonical() gives the caller's values back."""
+def test_aligned_weights_are_read_in_place_on_request() -> None:
+    """in_place=True on the sm90 engine: the prepared layer holds the caller's four tensors themselves (same memory,
+    flattened per expert), marked row-major with w1's halves swapped; canonical() gives the caller's values back. By
+    default the weights are laid out in the engine's tiles, a copy with the same values."""
     raw = _raw()
-    prepared = prepare_aligned_weights(*raw, arch="sm90")
+    prepared = prepare_aligned_weights(*raw, arch="sm90", in_place=True)
     layer = prepared.layer
     assert prepared.in_place and layer.code is BlockCode.NVFP4_ROWS and layer.w1_halves_swapped
     for held, t in zip((layer.w1, layer.w1_scales, layer.w2, layer.w2_scales), raw):
@@ -186,17 +187,24 @@ def test_aligned_weights_are_read_in_place_on_sm90() -> None:
     assert all(_same_bytes(a, b) for a, b in zip(prepared.canonical(), raw))
     up, gate = raw[0].chunk(2, dim=1)
     assert _same_bytes(layer.canonical()[0], torch.cat((gate, up), dim=1))  # the pipeline's [up; gate]
+    copied = prepare_aligned_weights(*raw, arch="sm90")
+    assert not copied.in_place and copied.layer.code is BlockCode.NVFP4
+    assert copied.layer.w1.data_ptr() != raw[0].data_ptr()
+    assert all(_same_bytes(a, b) for a, b in zip(copied.canonical(), raw))
 
 
-@pytest.mark.parametrize("case", ["non-contiguous", "cudnn"])
-def test_aligned_weights_are_copied_where_they_cannot_be_read_in_place(case: str) -> None:
-    """A non-contiguous raw tensor, or the cudnn engine, gets the engine's own layout (a copy), with the same values."""
+@pytest.mark.parametrize("case,needle", [("non-contiguous", "gemm2_weights as it is: it must be contiguous"),
+                                         ("unaligned", "gemm1_weights_scale as it is"),
+                                         ("cudnn", "needs the sm90 engine")])
+def test_in_place_refuses_what_it_cannot_read(case: str, needle: str) -> None:
+    """in_place=True names the tensor it cannot read as it is, or the engine that reads its own layout."""
     raw = list(_raw())
+    arch, engine = "sm90", "auto"
     if case == "non-contiguous":
         raw[2] = raw[2].transpose(1, 2).contiguous().transpose(1, 2)
-        prepared = prepare_aligned_weights(*raw, arch="sm90")
+    elif case == "unaligned":
+        raw[1] = torch.empty(raw[1].numel() + 1, dtype=torch.uint8)[1:].view(torch.float8_e4m3fn).view(raw[1].shape)
     else:
-        prepared = prepare_aligned_weights(*raw, arch="sm100", engine="cudnn")
-    assert not prepared.in_place and prepared.layer.code is BlockCode.NVFP4
-    assert prepared.layer.w1.data_ptr() != raw[0].data_ptr()
-    assert all(_same_bytes(a, b) for a, b in zip(prepared.canonical(), raw))
+        arch, engine = "sm100", "cudnn"
+    with pytest.raises(ValueError, match=needle):
+        prepare_aligned_weights(*raw, arch=arch, engine=engine, in_place=True)

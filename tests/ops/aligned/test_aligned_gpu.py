@@ -25,7 +25,8 @@ I32 = torch.int32
 class Layer:
     """Random NVFP4 tokens and weights of the contract's layouts, on the GPU."""
 
-    def __init__(self, m: int, k: int, n: int, e: int, top_k: int, seed: int, engine: str = "auto") -> None:
+    def __init__(self, m: int, k: int, n: int, e: int, top_k: int, seed: int, engine: str = "auto",
+                 in_place: bool = False) -> None:
         assert top_k <= e, "a token routes to top_k distinct experts"
         gen = torch.Generator(device=DEV).manual_seed(seed)
         self.m, self.k, self.n, self.e, self.top_k = m, k, n, e, top_k
@@ -38,7 +39,7 @@ class Layer:
         self.topk_weights = torch.rand(m, top_k, device=DEV, generator=gen) + 0.1
         self.ids = torch.rand(m, e, device=DEV, generator=gen).argsort(dim=1)[:, :top_k].to(I32)
         self.out0 = torch.randn(m, k, device=DEV, generator=gen).to(torch.bfloat16)
-        self.prepared = prepare_aligned_weights(self.w1, self.w1s, self.w2, self.w2s, engine=engine)
+        self.prepared = prepare_aligned_weights(self.w1, self.w1s, self.w2, self.w2s, engine=engine, in_place=in_place)
 
     def args(self, plan, out, hidden_states=None):
         return (
@@ -91,6 +92,27 @@ def test_matches_reference(m, k, n, e, top_k, block_m, rsf) -> None:
     aligned_moe(*layer.args(plan, zero_out), top_k, block_m, rsf, prepared=layer.prepared)
     check_guards(zero_buffer)
     check_close(zero_out, layer.reference(plan, block_m, rsf, out0=torch.zeros_like(layer.out0)))
+
+
+@pytest.mark.parametrize("m,k,n,e,top_k,block_m,rsf", [CASES[i] for i in (0, 2, 4, 5, 8)])
+def test_in_place_weights_match_reference_and_hold_no_copy(m, k, n, e, top_k, block_m, rsf) -> None:
+    """Weights prepared in place (the sm90 engine reading the raw tensors: decode buckets on the decode kernel's
+    row-major form, long segments on wgmma's) allocate nothing, match the reference and the tiled layout's output."""
+    layer = Layer(m, k, n, e, top_k, seed=m + k + n + e)
+    before = torch.cuda.memory_allocated()
+    in_place = prepare_aligned_weights(layer.w1, layer.w1s, layer.w2, layer.w2s, in_place=True)
+    assert torch.cuda.memory_allocated() == before and in_place.in_place
+    assert in_place.layer.w1.data_ptr() == layer.w1.data_ptr()
+    plan = align_routing(layer.ids, block_m, e)
+    buffer, out = guarded_out(layer.out0)
+    aligned_moe(*layer.args(plan, out), top_k, block_m, rsf, prepared=in_place)
+    check_guards(buffer)
+    want = layer.reference(plan, block_m, rsf)
+    check_close(out, want)
+    _, tiled_out = guarded_out(layer.out0)
+    aligned_moe(*layer.args(plan, tiled_out), top_k, block_m, rsf, prepared=layer.prepared)
+    gap = (out.double() - tiled_out.double()).norm() / (tiled_out.double() - layer.out0.double()).norm()
+    assert gap <= 2e-2, f"in place and tiled differ by {gap:.3g} of the contributions"
 
 
 def test_padding_and_garbage_past_the_extent_are_skipped() -> None:
