@@ -85,6 +85,7 @@ LL_THREADS = 256  # threads per block of the low-latency GEMM kernels (eight war
 LL_MAX_SLOTS = 256  # most routed slots (tokens x top_k) one low-latency call holds: 8 x 32
 LL_MMA_STAGES = 4  # k64 steps in each warp's shared-memory ring of the tensor-core low-latency kernels
 LL_MMA_WARP_ROWS = 32  # weight rows one warp of those kernels covers (two m16 tiles)
+SM90_ROWS_STEP_K = 128  # K per ring step of the SM90 decode kernel's row-major NVFP4 form (K must be a multiple)
 
 
 def cuda_defines() -> tuple[str, ...]:
@@ -96,5 +97,5 @@ def cuda_defines() -> tuple[str, ...]:
     values.update({f"LL_INPUT_{kind.name}": int(kind) for kind in LowLatencyInputCode})
     values.update(SORT_THREADS=SORT_THREADS, SORT_MAX_EXPERTS=SORT_MAX_EXPERTS, SORT_WARP_SLOTS=SORT_WARP_SLOTS,
                   LL_THREADS=LL_THREADS, LL_MAX_SLOTS=LL_MAX_SLOTS, LL_MMA_STAGES=LL_MMA_STAGES,
-                  LL_MMA_WARP_ROWS=LL_MMA_WARP_ROWS)
+                  LL_MMA_WARP_ROWS=LL_MMA_WARP_ROWS, SM90_ROWS_STEP_K=SM90_ROWS_STEP_K)
     return tuple(f"-D{name}={value}" for name, value in sorted(values.items()))

@@ -158,8 +158,9 @@ static_assert(SM90_WK * DEC_TB * DEC_RED_STRIDE * 4 + DEC_TB * DEC_C_STRIDE * si
 // k128 step, 64q + 16i of the row's 256 bytes (natural rows).
 #define X_LANE (SM90_W_BF16 ? 16 : SM90_W_ROWS ? 64 : 32)
 #define X_SECOND (SM90_W_BF16 ? 64 : 16)
-// Ring steps: k64 (k128 for row-major NVFP4 weights), DEC_SLOTS of them in flight.
-#define DEC_STEP_SHIFT (SM90_W_ROWS ? 7 : 6)
+// Ring steps: k64 (SM90_ROWS_STEP_K = k128 for row-major NVFP4 weights), DEC_SLOTS of them in flight.
+static_assert(SM90_ROWS_STEP_K == 128, "decode: the row-major form's step is k128");
+#define DEC_STEP_SHIFT (SM90_W_ROWS ? 7 : 6)  // log2 of the step
 #define DEC_SLOTS (SM90_W_ROWS ? (SM90_PREFETCH + 1) / 2 : SM90_PREFETCH)
 
 namespace {
@@ -474,24 +475,23 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS DEC_MIN_BLOCKS)
   wp += DEC_SLOTS * W_STEP;                                                                         \
   sp += DEC_SLOTS * S_STEP;
 #else
-  const u8* wp[2];  // rows g, g + 8
-  const u8* sp[2];
+  const u8 *wp, *wp8, *sp, *sp8;  // rows g, g + 8
   // Load ring slot P with step `s` (relative to the current base pointers).
 #define SM90_DECODE_LOAD_W(P, S)                                                                    \
   _Pragma("unroll") for (int mt = 0; mt < SM90_MT; ++mt) _Pragma("unroll") for (int h = 0; h < 2; ++h) { \
-    ring.w[P][mt][h] = ldg_stream_v4_l2_256(wp[h] + (S) * W_STEP + mt * 16 * row_bytes);            \
-    (h ? ring.s[P][mt].y : ring.s[P][mt].x) = ldg_stream_u16(sp[h] + (S) * S_STEP + mt * 16 * scale_row_bytes); \
+    ring.w[P][mt][h] = ldg_stream_v4_l2_256((h ? wp8 : wp) + (S) * W_STEP + mt * 16 * row_bytes);   \
+    (h ? ring.s[P][mt].y : ring.s[P][mt].x) = ldg_stream_u16((h ? sp8 : sp) + (S) * S_STEP + mt * 16 * scale_row_bytes); \
   }
 #define SM90_DECODE_POINT_W(EXPERT)                                                                 \
-  _Pragma("unroll") for (int h = 0; h < 2; ++h) {                                                   \
-    wp[h] = w_tiles + ((EXPERT) * n + first_row + 8 * h) * row_bytes + wk * 64 + q * 16;            \
-    sp[h] = w_scales + ((EXPERT) * n + first_row + 8 * h) * scale_row_bytes + wk * 8 + q * 2;       \
-  }
+  wp = w_tiles + ((EXPERT) * n + first_row) * row_bytes + wk * 64 + q * 16;                         \
+  wp8 = wp + 8 * row_bytes;                                                                         \
+  sp = w_scales + ((EXPERT) * n + first_row) * scale_row_bytes + wk * 8 + q * 2;                    \
+  sp8 = sp + 8 * scale_row_bytes;
 #define SM90_DECODE_ADVANCE_W                                                                       \
-  _Pragma("unroll") for (int h = 0; h < 2; ++h) {                                                   \
-    wp[h] += DEC_SLOTS * W_STEP;                                                                    \
-    sp[h] += DEC_SLOTS * S_STEP;                                                                    \
-  }
+  wp += DEC_SLOTS * W_STEP;                                                                         \
+  wp8 += DEC_SLOTS * W_STEP;                                                                        \
+  sp += DEC_SLOTS * S_STEP;                                                                         \
+  sp8 += DEC_SLOTS * S_STEP;
 #endif
 #else
   const i64 expert_tiles = static_cast<i64>(n >> 4) * kt;

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from ...kernels.activate import check_activation_output
-from ...kernels.codes import SORT_MAX_EXPERTS, SORT_WARP_SLOTS, RoutingFormat, TokenLayout
+from ...kernels.codes import SM90_ROWS_STEP_K, SORT_MAX_EXPERTS, SORT_WARP_SLOTS, RoutingFormat, TokenLayout
 from ...kernels.loader import ARCH_SPECIFIC, launch, ptr
 from ...kernels.sort import check_staged_sort
 from ...kernels.stage import routing_args
@@ -35,9 +35,6 @@ _MAX_DYNAMIC_SMEM = 227 * 1024  # per block on SM90
 # A routed GEMM1 (grouped_gemm's ``route``) stages its token row in dynamic shared memory: at most what a launch gets
 # without the opt-in attribute.
 ROUTE_MAX_SHARED_MEM = 48 * 1024
-
-
-ROW_MAJOR_K = 128  # the decode kernel's row-major form steps along K by 128 (grouped_gemm.cu SM90_W_ROWS)
 
 
 def route_shared_mem(k: int) -> int:
@@ -335,7 +332,7 @@ def grouped_gemm(
 
     w_tiles uint8 [E, N*K/2] and w_tile_scales uint8 (or float8_e4m3fn) [E, N*K/16]: NVFP4 weights in
     the fragment-tile layout (layout.pack_weight_tiles), or for a variant with ``row_major`` each expert's codes
-    [N, K/2] and linear scales [N, K/16] as they are (K a multiple of ROW_MAJOR_K on the decode kernel, whose sums then
+    [N, K/2] and linear scales [N, K/16] as they are (K a multiple of SM90_ROWS_STEP_K on the decode kernel, whose sums then
     run in another k order: the same values up to FP32 rounding; bit for bit on wgmma); alpha float32 [E]; x bfloat16 [R, K] in
     ``variant.token_layout`` (token-fragment column order; natural rows or tiled planes for the wgmma variant);
     offsets int32 [E + 1] on the device (segment e = rows offsets[e]..offsets[e+1], each a multiple of 8,
@@ -428,8 +425,9 @@ def grouped_gemm(
     experts = w_tiles.shape[0]
     if k <= 0 or k % TILE_K:
         raise ValueError(f"x: K = {k} must be a positive multiple of {TILE_K}")
-    if isinstance(variant, DecodeVariant) and variant.row_major and k % ROW_MAJOR_K:
-        raise ValueError(f"x: K = {k} must be a multiple of {ROW_MAJOR_K} for row-major weights on the decode kernel")
+    if isinstance(variant, DecodeVariant) and variant.row_major and k % SM90_ROWS_STEP_K:
+        raise ValueError(f"x: K = {k} must be a multiple of {SM90_ROWS_STEP_K} for row-major weights on the decode "
+                         "kernel")
     if experts < 1:
         raise ValueError("w_tiles: need at least one expert")
     n = _output_columns(out, epilogue)

@@ -15,6 +15,7 @@ from cudnn_moe.engines.sm90 import engine as sm90_engine
 from cudnn_moe.engines.sm90 import kernels as sm90
 from cudnn_moe.activations import SwiGLU
 from cudnn_moe.kernels import TokenLayout
+from cudnn_moe.kernels.codes import SM90_ROWS_STEP_K
 from tests.engines.sm90.test_sm90_kernels_gpu import CASES, DEV, Problem, _lengths, check
 from tests.support.sm90_variants import DECODE_VARIANTS, WGMMA_VARIANTS
 
@@ -45,7 +46,7 @@ def run_rows(problem: Problem, variant: sm90.GemmVariant, swap: bool = False) ->
 
 
 @pytest.mark.parametrize("variant,case", [(v, c) for v in ROW_DECODE + ROW_WGMMA for c in range(len(CASES))
-                                          if isinstance(v, sm90.WgmmaVariant) or CASES[c][2] % sm90.ROW_MAJOR_K == 0],
+                                          if isinstance(v, sm90.WgmmaVariant) or CASES[c][2] % SM90_ROWS_STEP_K == 0],
                          ids=str)
 def test_row_major_forms_match_reference(variant: sm90.GemmVariant, case: int) -> None:
     """Every row-major form matches the float64 reference on ragged segments, repeats bitwise, and reads halves
