@@ -2,8 +2,9 @@
 // are the 16-row A operand, the tokens the 8-wide B operand).
 //
 // Arguments of both kernels (the decode kernel then takes the activation epilogue's, at the kernel):
-//   w_tiles      uint8 [E, N*K/2]   fragment tiles of each expert's W_e [N, K] (layout.py)
-//   w_scales     uint8 [E, N*K/16]  E4M3 scale tiles, same tile order
+//   w_tiles      uint8 [E, N*K/2]   fragment tiles of each expert's W_e [N, K] (layout.py; row-major codes with
+//                                   the decode kernel's SM90_W_ROWS form)
+//   w_scales     uint8 [E, N*K/16]  E4M3 scale tiles, same tile order (row-major, linear, with SM90_W_ROWS)
 //   alpha        float32 [E], or [2E] with alpha_split < n: per-expert global scale; features
 //                f >= alpha_split take alpha[E + e] (e.g. the gate half of GEMM1 with its own scale);
 //                alpha_split is a multiple of the CTA's feature block (the host checks)

@@ -3,8 +3,9 @@
 // (grouped_gemm.cu), except that the token rows are in NATURAL column order (TokenLayout.BF16_ROWS); then the
 // fused forms' arguments (the gather and the activation epilogue, at the kernel).
 //
-//   w_tiles   uint8 [E, N*K/2]   fragment tiles of each expert's W_e [N, K] (layout.py), read in place
-//   w_scales  uint8 [E, N*K/16]  E4M3 scale tiles, same tile order
+//   w_tiles   uint8 [E, N*K/2]   fragment tiles of each expert's W_e [N, K] (layout.py), read in place (row-major
+//                                codes with SM90_WG_W_ROWS)
+//   w_scales  uint8 [E, N*K/16]  E4M3 scale tiles, same tile order (row-major, linear, with SM90_WG_W_ROWS)
 //   alpha     float32 [E], or [2E] with alpha_split < n (features f >= alpha_split take alpha[E + e])
 //   x         bf16 [row_capacity, K]  token rows, natural column order, 16-byte aligned; with SM90_WG_TILED_X,
 //                                    the TOKENS_BF16_TILED planes instead (row_capacity a multiple of 8)
