@@ -335,12 +335,18 @@ __device__ __forceinline__ void store_token_unit(int layout, u16* dst, int u, co
 // Streaming loads (weights read once: not kept in L1)
 // ---------------------------------------------------------------------------
 
-// 16 bytes of read-only data that is used once.
+// 16 bytes of read-only data that is used once. PREFETCH_L2: also ask L2 for the rest of their 256-byte block (a
+// row-major stream that reads a row's next bytes soon after, from another instruction).
+template <bool PREFETCH_L2 = false>
 __device__ __forceinline__ uint4 ldg_stream_v4(const void* p) {
   uint4 v;
-  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-      : "l"(p));
+  if constexpr (PREFETCH_L2) {
+    asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  } else {
+    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  }
   return v;
 }
 
@@ -348,16 +354,6 @@ __device__ __forceinline__ uint4 ldg_stream_v4(const void* p) {
 __device__ __forceinline__ u32 ldg_stream_u16(const void* p) {
   u32 v;
   asm("ld.global.nc.L1::no_allocate.u16 %0, [%1];" : "=r"(v) : "l"(p));
-  return v;
-}
-
-// 16 bytes of read-only data that is used once, asking L2 for the rest of their 256-byte block too (a row-major
-// stream that reads a row's next bytes soon after, from another instruction).
-__device__ __forceinline__ uint4 ldg_stream_v4_l2_256(const void* p) {
-  uint4 v;
-  asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
-      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-      : "l"(p));
   return v;
 }
 

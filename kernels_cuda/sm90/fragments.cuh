@@ -28,7 +28,6 @@ namespace sm90 {
 using moe::i64;
 using moe::ldg_stream_u16;  // weights and scales: streamed, not kept in L1 (common.cuh)
 using moe::ldg_stream_v2;
-using moe::ldg_stream_v4_l2_256;
 using moe::ldg_stream_v4;
 using moe::u16;
 using moe::u32;
@@ -232,19 +231,21 @@ __device__ __forceinline__ u32 smem_addr(const void* p) {
 }
 
 // 16-byte asynchronous copy global -> shared; only `src_bytes` (0 or 16) are read, the rest of the
-// 16 bytes is zero-filled. With src_bytes == 0 nothing is read.
+// 16 bytes is zero-filled. With src_bytes == 0 nothing is read. PREFETCH_L2: also ask L2 for the rest of the
+// 128-byte line (a row-major stream whose next stages read it).
+template <bool PREFETCH_L2 = false>
 __device__ __forceinline__ void cp_async_16(u32 dst, const void* src, u32 src_bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
+  if constexpr (PREFETCH_L2) {
+    asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes)
+                 : "memory");
+  } else {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
+  }
 }
 
 // 4-byte asynchronous copy global -> shared (L1-cached): a value the epilogue needs, fetched while the main loop runs.
 __device__ __forceinline__ void cp_async_4(u32 dst, const void* src) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(dst), "l"(src) : "memory");
-}
-
-// cp_async_16 asking L2 for the rest of the 128-byte line too (a row-major stream whose next stages read it).
-__device__ __forceinline__ void cp_async_16_l2_128(u32 dst, const void* src, u32 src_bytes) {
-  asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
 }
 
 // 4-byte asynchronous copy global -> shared; only `src_bytes` (0 or 4) are read, the rest zero-filled.

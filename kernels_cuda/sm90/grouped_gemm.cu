@@ -465,8 +465,8 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS DEC_MIN_BLOCKS)
   _Pragma("unroll") for (int mt = 0; mt < SM90_MT; ++mt) {                                          \
     const u8* const r = wp + (S) * W_STEP + mt * 16 * row_bytes;                                    \
     const u8* const c = sp + (S) * S_STEP + mt * 16 * scale_row_bytes;                              \
-    ring.w[P][mt][0] = ldg_stream_v4_l2_256(r);                                                     \
-    ring.w[P][mt][1] = ldg_stream_v4_l2_256(r + 8 * row_bytes);                                     \
+    ring.w[P][mt][0] = ldg_stream_v4<true>(r);                                                     \
+    ring.w[P][mt][1] = ldg_stream_v4<true>(r + 8 * row_bytes);                                     \
     ring.s[P][mt] = make_uint2(ldg_stream_u16(c), ldg_stream_u16(c + 8 * scale_row_bytes));         \
   }
 #define SM90_DECODE_POINT_W(EXPERT)                                                                 \
@@ -480,7 +480,7 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS DEC_MIN_BLOCKS)
   // Load ring slot P with step `s` (relative to the current base pointers).
 #define SM90_DECODE_LOAD_W(P, S)                                                                    \
   _Pragma("unroll") for (int mt = 0; mt < SM90_MT; ++mt) _Pragma("unroll") for (int h = 0; h < 2; ++h) { \
-    ring.w[P][mt][h] = ldg_stream_v4_l2_256((h ? wp8 : wp) + (S) * W_STEP + mt * 16 * row_bytes);   \
+    ring.w[P][mt][h] = ldg_stream_v4<true>((h ? wp8 : wp) + (S) * W_STEP + mt * 16 * row_bytes);   \
     (h ? ring.s[P][mt].y : ring.s[P][mt].x) = ldg_stream_u16((h ? sp8 : sp) + (S) * S_STEP + mt * 16 * scale_row_bytes); \
   }
 #define SM90_DECODE_POINT_W(EXPERT)                                                                 \

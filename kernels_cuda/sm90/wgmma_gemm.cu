@@ -212,7 +212,7 @@ __device__ __forceinline__ void wgmma_tile(const Tile& tile, const u8* __restric
   auto load_weights = [&](int slot) {
     const u32 base = ring + slot * WG_STAGE_BYTES;
 #if SM90_WG_W_ROWS
-    cp_async_16_l2_128(base + WG_W_OFFSET + tid * 16, w_src, w_bytes);
+    cp_async_16<true>(base + WG_W_OFFSET + tid * 16, w_src, w_bytes);
     if (tid < S_COPIERS) cp_async_4_zfill(base + WG_S_OFFSET + tid * 4, s_src, s_bytes);
 #else
     cp_async_16(base + WG_W_OFFSET + tid * 16, w_src, w_bytes);
