@@ -26,8 +26,8 @@
 namespace sm90 {
 
 using moe::i64;
-using moe::ldg_stream_u16;  // weights and scales: streamed, not kept in L1 (common.cuh)
-using moe::ldg_stream_v2;
+using moe::ldg_reused_u16;  // row-major scales: kept in L1, the next steps read their sector again (common.cuh)
+using moe::ldg_stream_v2;  // weights and scales: streamed, not kept in L1 (common.cuh)
 using moe::ldg_stream_v4;
 using moe::u16;
 using moe::u32;

@@ -467,7 +467,7 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS DEC_MIN_BLOCKS)
     const u8* const c = sp + (S) * S_STEP + mt * 16 * scale_row_bytes;                              \
     ring.w[P][mt][0] = ldg_stream_v4<true>(r);                                                     \
     ring.w[P][mt][1] = ldg_stream_v4<true>(r + 8 * row_bytes);                                     \
-    ring.s[P][mt] = make_uint2(ldg_stream_u16(c), ldg_stream_u16(c + 8 * scale_row_bytes));         \
+    ring.s[P][mt] = make_uint2(ldg_reused_u16(c), ldg_reused_u16(c + 8 * scale_row_bytes));         \
   }
 #define SM90_DECODE_POINT_W(EXPERT)                                                                 \
   wp = w_tiles + ((EXPERT) * n + first_row) * row_bytes + wk * 64 + q * 16;                         \
@@ -481,7 +481,7 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS DEC_MIN_BLOCKS)
 #define SM90_DECODE_LOAD_W(P, S)                                                                    \
   _Pragma("unroll") for (int mt = 0; mt < SM90_MT; ++mt) _Pragma("unroll") for (int h = 0; h < 2; ++h) { \
     ring.w[P][mt][h] = ldg_stream_v4<true>((h ? wp8 : wp) + (S) * W_STEP + mt * 16 * row_bytes);   \
-    (h ? ring.s[P][mt].y : ring.s[P][mt].x) = ldg_stream_u16((h ? sp8 : sp) + (S) * S_STEP + mt * 16 * scale_row_bytes); \
+    (h ? ring.s[P][mt].y : ring.s[P][mt].x) = ldg_reused_u16((h ? sp8 : sp) + (S) * S_STEP + mt * 16 * scale_row_bytes); \
   }
 #define SM90_DECODE_POINT_W(EXPERT)                                                                 \
   wp = w_tiles + ((EXPERT) * n + first_row) * row_bytes + wk * 64 + q * 16;                         \

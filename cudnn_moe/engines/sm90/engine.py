@@ -68,6 +68,10 @@ _SPLIT_DEEP = DecodeVariant(mt=2, wm=2, wk=4, nt=1, prefetch=4)
 # with less to gain (DeepSeek-V3 T=2 and T=4: 2-12 us slower on _SPLIT) or past the epilogue's CTAs (Mixtral-8x7B
 # T=8: 3584 CTAs, the activation in its own launch, 198 -> 203 us).
 _GEMM1_FILL_GAIN = 0.25
+# Row-major NVFP4 (BlockCode.NVFP4_ROWS) GEMM1 takes _SPLIT wherever the tiles take _WIDE: a CTA then reads 128
+# contiguous bytes of each of its rows a step, not 64. GEMM1 alone on the H200 (benchmarks/RESULTS.md, twenty-sixth
+# session), us, _WIDE / _SPLIT: Qwen3-30B-A3B T=8 51.5 / 44.8, T=64 101.1 / 96.0; DeepSeek-V3 T=8 369.2 / 339.8,
+# T=64 1359.8 / 1432.5. GEMM2 keeps the tiles' choice (_SPLIT lost at four of six rows).
 # 32-row token tiles for segments of 9-31 rows; long reductions keep the split-K.
 _MID = DecodeVariant(mt=4, wm=2, wk=1, nt=4, prefetch=2)
 _MID_LONG_K = DecodeVariant(mt=2, wm=2, wk=2, nt=4, prefetch=2)
@@ -306,7 +310,7 @@ class Sm90GemmEngine(GemmEngine):
                                  f"experts need {variant}")
             return _BF16
         if code is BlockCode.NVFP4_ROWS:
-            variant = replace(variant, row_major=True)
+            variant = replace(_SPLIT if gemm == 1 and variant == _WIDE else variant, row_major=True)
         return variant.gathering() if isinstance(variant, WgmmaVariant) and gemm == 1 else variant
 
     def token_layout_for(self, rows: int, shape: GemmShape, *, gemm: int,
