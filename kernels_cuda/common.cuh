@@ -332,7 +332,7 @@ __device__ __forceinline__ void store_token_unit(int layout, u16* dst, int u, co
 }
 
 // ---------------------------------------------------------------------------
-// Streaming loads (weights read once: not kept in L1)
+// Streaming loads (weights read once: not kept in L1; ldg_reused_u16, whose sector the next loads read again, is)
 // ---------------------------------------------------------------------------
 
 // 16 bytes of read-only data that is used once. PREFETCH_L2: also ask L2 for the rest of their 256-byte block (a

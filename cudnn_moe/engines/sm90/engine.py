@@ -302,7 +302,8 @@ class Sm90GemmEngine(GemmEngine):
         reads natural BF16 rows (what its gather reads; the permute writes them where it does not gather) and GEMM2
         the tiled planes the activation writes (one bulk copy per stage). BF16 weights take the decode variant's BF16
         form (low-latency buckets: at most 8 rows per expert on average, so always a decode variant); row-major NVFP4
-        weights the row-major form of the variant (natural token rows on the decode kernel)."""
+        weights the row-major form of the variant (natural token rows on the decode kernel), GEMM1 on _SPLIT where the
+        tiles take _WIDE (the epilogue's fusion is still decided on the tiles' CTA count: gemm1_fusion)."""
         variant = choose_variant(rows, shape, self.sm_count, gemm)
         if code is BlockCode.BF16:
             if not isinstance(variant, DecodeVariant):
