@@ -18,6 +18,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 import bench_moe  # noqa: E402
 import bench_stages  # noqa: E402
 import probe_pdl  # noqa: E402
+import probe_weight_stream  # noqa: E402
 import profile_call  # noqa: E402
 import tune_sm90  # noqa: E402
 import common  # noqa: E402
@@ -87,7 +88,8 @@ def test_bad_arguments_exit_2(argv: list[str]) -> None:
 
 
 @pytest.mark.parametrize("script, option", [(bench_moe, "--engines"), (bench_stages, "--engines"),
-                                            (profile_call, "--engines"), (probe_pdl, "--spin-us")])
+                                            (profile_call, "--engines"), (probe_pdl, "--spin-us"),
+                                            (probe_weight_stream, "--forms")])
 def test_help(script: object, option: str, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
         script.main(["--help"])
@@ -96,10 +98,20 @@ def test_help(script: object, option: str, capsys: pytest.CaptureFixture[str]) -
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without a GPU")
-@pytest.mark.parametrize("script", [bench_moe, bench_stages, profile_call, probe_pdl])
+@pytest.mark.parametrize("script", [bench_moe, bench_stages, profile_call, probe_pdl, probe_weight_stream])
 def test_main_without_gpu_returns_2(script: object, capsys: pytest.CaptureFixture[str]) -> None:
     assert script.main([]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_weight_stream_forms() -> None:
+    """The probe's columns: the compile-time form of each, the bytes a warp step covers of each row, and the stages'
+    shared memory (the bulk form's [warps][stages][rows][C + 16 bytes])."""
+    assert probe_weight_stream.defines("tiles:4", 2, 4, 1) == {"MT": 2, "WM": 4, "WK": 1, "P": 0, "S": 4}
+    rows = probe_weight_stream.defines("rowsh:2:2", 2, 2, 2)
+    assert rows["P"] == 1 and rows["H"] == 1 and probe_weight_stream.step_bytes(rows) == 128
+    bulk = probe_weight_stream.defines("bulk:256:2", 2, 4, 1)
+    assert probe_weight_stream.step_bytes(bulk) == 256 and probe_weight_stream.stage_smem(bulk) == 4 * 2 * 32 * 272
 
 
 def test_slow_cudnn_skip_and_cell_status() -> None:

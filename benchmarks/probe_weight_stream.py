@@ -1,0 +1,207 @@
+"""Weight-stream probe: how fast do the decode GEMM's CTAs stream row-major NVFP4 codes, against the tile layout?
+
+The decode kernel's row-major form (the aligned op's weights read in place) is slower than its tile form. This probe
+times the weight loads alone (no math, no tokens, no scales; every loaded word XORed into a sink) in the decode
+kernel's grid, (N / (16 MT WM), E) CTAs of WM x WK warps, each warp streaming MT m16 row blocks over its share of K,
+random bytes, one launch after a 256 MiB L2 flush, median. Forms (columns):
+
+- ``tiles:S``: the tile layout, each m16 row block's bytes contiguous; a warp reads 512 contiguous bytes a step, S
+  steps in flight (the tile form's register ring);
+- ``rows:V:S`` (``rowsh``: with the L2::256B prefetch hint): row-major; lane (g, q) reads V x 16 bytes of rows g and
+  g + 8 a step, so a warp reads 64 V contiguous bytes of each of its 16 MT rows; S steps in flight (rows:1:2 is the
+  register row-major form's pattern);
+- ``bulk:C:S``: row-major; each warp owns S shared-memory stages of [16 MT rows x C bytes], lane r copying row r's C
+  bytes with one cp.async.bulk completing on the stage's mbarrier; the lanes read their fragments back (LDS.128).
+
+Every form is held to at most four CTAs an SM (the engine's 128-register kernels; dummy shared memory), fewer where
+its stages need more (the cell says so). Cells: us [TB/s]. Usage: python benchmarks/probe_weight_stream.py --help
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import gpu_missing, md_row, positive_int  # noqa: E402
+
+from cudnn_moe.kernels import driver  # noqa: E402
+from cudnn_moe.kernels.loader import packed_args  # noqa: E402
+from cudnn_moe.timing import median_us  # noqa: E402
+
+SOURCE = r"""
+typedef unsigned int u32; typedef unsigned char u8; typedef long long i64; typedef unsigned long long u64;
+__device__ __forceinline__ uint4 ldg(const void* p) {
+  uint4 v; asm("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x),"=r"(v.y),"=r"(v.z),"=r"(v.w) : "l"(p));
+  return v;
+}
+__device__ __forceinline__ uint4 ldgh(const void* p) {
+  uint4 v; asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x),"=r"(v.y),"=r"(v.z),"=r"(v.w) : "l"(p));
+  return v;
+}
+#ifndef H
+#define H 0
+#endif
+__device__ __forceinline__ u32 mix(uint4 v) { return v.x ^ v.y ^ v.z ^ v.w; }
+#define WARPS (WM * WK)
+extern "C" __global__ void __launch_bounds__(WARPS * 32) probe(const u8* __restrict__ w, int n, int rb, u32* out) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wm = warp % WM, wk = warp / WM;
+  const i64 block0 = (static_cast<i64>(blockIdx.x) * WM + wm) * MT;  // first m16 block of the warp
+  const u8* base = w + (static_cast<i64>(blockIdx.y) * n + 16 * block0) * rb;
+  u32 acc = 0;
+#if P == 0
+  const int kt = rb / 32;
+  const int nsteps = wk < kt ? (kt - wk + WK - 1) / WK : 0;
+  uint4 ring[S][MT];
+  const u8* p0 = base + wk * 512 + lane * 16;
+#define LOAD(p, i) _Pragma("unroll") for (int mt = 0; mt < MT; ++mt) ring[p][mt] = ldg(p0 + (i64)(i) * WK * 512 + (i64)mt * 16 * rb);
+#define USE(p) _Pragma("unroll") for (int mt = 0; mt < MT; ++mt) acc ^= mix(ring[p][mt]);
+#elif P == 1
+  const int kt = rb / (64 * V);
+  const int nsteps = wk < kt ? (kt - wk + WK - 1) / WK : 0;
+  uint4 ring[S][MT][2][V];
+  const int g = lane >> 2, q = lane & 3;
+  const u8* p0 = base + (i64)g * rb + wk * 64 * V + q * 16 * V;
+#define LOAD(p, i) _Pragma("unroll") for (int mt = 0; mt < MT; ++mt) _Pragma("unroll") for (int h = 0; h < 2; ++h) \
+    _Pragma("unroll") for (int v = 0; v < V; ++v) ring[p][mt][h][v] = (H ? ldgh : ldg)(p0 + (i64)(i) * WK * 64 * V + (i64)(16 * mt + 8 * h) * rb + 16 * v);
+#define USE(p) _Pragma("unroll") for (int mt = 0; mt < MT; ++mt) _Pragma("unroll") for (int h = 0; h < 2; ++h) \
+    _Pragma("unroll") for (int v = 0; v < V; ++v) acc ^= mix(ring[p][mt][h][v]);
+#else
+  extern __shared__ __align__(128) u8 smem[];
+  __shared__ __align__(8) u64 bars[WARPS][S];
+  const int kt = rb / C;
+  const int nsteps = wk < kt ? (kt - wk + WK - 1) / WK : 0;
+  constexpr int RS = C + 16;  // shared row stride
+  const u32 stage0 = static_cast<u32>(__cvta_generic_to_shared(smem)) + warp * S * (MT * 16 * RS);
+  const u32 bar0 = static_cast<u32>(__cvta_generic_to_shared(&bars[warp][0]));
+  if (lane == 0)
+    for (int p = 0; p < S; ++p) asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar0 + 8 * p) : "memory");
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  __syncwarp();
+  const int g = lane >> 2, q = lane & 3;
+  const u8* rowp = lane < MT * 16 ? base + (i64)lane * rb + wk * C : nullptr;  // lane r copies row r
+#define LOAD(p, i) { \
+    if (lane == 0) asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar0 + 8 * (p)), "r"(MT * 16 * C) : "memory"); \
+    __syncwarp(); \
+    if (lane < MT * 16) asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" \
+        ::"r"(stage0 + (p) * (MT * 16 * RS) + lane * RS), "l"(rowp + (i64)(i) * WK * C), "r"(C), "r"(bar0 + 8 * (p)) : "memory"); }
+#define USE_AT(p, i) { \
+    asm volatile("{\n.reg .pred done;\nW:\nmbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n@!done bra W;\n}" \
+        ::"r"(bar0 + 8 * (p)), "r"(((i) / S) & 1) : "memory"); \
+    _Pragma("unroll") for (int mt = 0; mt < MT; ++mt) _Pragma("unroll") for (int h = 0; h < 2; ++h) \
+      _Pragma("unroll") for (int v = 0; v < C / 64; ++v) { \
+        uint4 x; const u32 a = stage0 + (p) * (MT * 16 * RS) + (16 * mt + 8 * h + g) * RS + q * (C / 4) + 16 * v; \
+        asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(x.x),"=r"(x.y),"=r"(x.z),"=r"(x.w) : "r"(a)); \
+        acc ^= mix(x); } \
+    __syncwarp(); asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+#define USE(p) USE_AT(p, i0 + p)
+#endif
+#pragma unroll
+  for (int p = 0; p < S; ++p) if (p < nsteps) LOAD(p, p)
+  for (int i0 = 0; i0 < nsteps; i0 += S) {
+#pragma unroll
+    for (int p = 0; p < S; ++p) if (i0 + p < nsteps) {
+      USE(p)
+      if (i0 + p + S < nsteps) LOAD(p, i0 + p + S)
+    }
+  }
+  if (acc == 0x9E3779B9u) out[threadIdx.x] = acc;
+}
+"""
+
+# (experts a call touches, N, K) of each GEMM: decode calls of top-8 routing, about 60 experts at 8 tokens
+SHAPES = {
+    "qwen3-t8-gemm1": (60, 1536, 2048), "qwen3-t8-gemm2": (60, 2048, 768),
+    "deepseek-t1-gemm1": (8, 4096, 7168), "deepseek-t1-gemm2": (8, 7168, 2048),
+    "deepseek-t8-gemm1": (60, 4096, 7168), "deepseek-t8-gemm2": (60, 7168, 2048),
+}
+FORMS = ["tiles:4", "rows:1:2", "rowsh:1:2", "rows:2:2", "rows:4:1", "bulk:128:2", "bulk:128:4", "bulk:256:2",
+         "bulk:512:1"]
+WARP_FORMS = {"2,4,1": (2, 4, 1), "2,2,2": (2, 2, 2)}  # (MT, WM, WK): the engine's _WIDE and _SPLIT
+CAP_SMEM = 52 * 1024  # at least this much shared memory a CTA: at most four CTAs an SM
+SMEM_PER_SM = 228 * 1024
+
+
+def defines(form: str, mt: int, wm: int, wk: int) -> dict[str, int]:
+    kind, *numbers = form.split(":")
+    d = {"MT": mt, "WM": wm, "WK": wk}
+    if kind == "tiles":
+        return {**d, "P": 0, "S": int(numbers[0])}
+    if kind in ("rows", "rowsh"):
+        return {**d, "P": 1, "V": int(numbers[0]), "S": int(numbers[1]), "H": int(kind == "rowsh")}
+    return {**d, "P": 2, "C": int(numbers[0]), "S": int(numbers[1])}
+
+
+def step_bytes(d: dict[str, int]) -> int:
+    """Bytes of each row one warp step covers."""
+    return 32 if d["P"] == 0 else 64 * d["V"] if d["P"] == 1 else d["C"]
+
+
+def stage_smem(d: dict[str, int]) -> int:
+    return d["WM"] * d["WK"] * d["S"] * d["MT"] * 16 * (d["C"] + 16) if d["P"] == 2 else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--forms", nargs="+", default=FORMS, help="columns (default: %(default)s)")
+    parser.add_argument("--warps", nargs="+", default=list(WARP_FORMS), choices=list(WARP_FORMS),
+                        help="(MT, WM, WK) of the grid (default: %(default)s)")
+    parser.add_argument("--iters", type=positive_int, default=15, help="timed launches per median")
+    args = parser.parse_args(argv)
+    if gpu_missing("probe_weight_stream"):
+        return 2
+    from cupy.cuda import compiler
+
+    device = torch.cuda.current_device()
+    driver.make_device_current(device)
+    stream = torch.cuda.current_stream().cuda_stream
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    sink = torch.zeros(1024, dtype=torch.int32, device="cuda")
+    functions: dict[tuple, int] = {}
+    print(f"{torch.cuda.get_device_name(device)}: weight loads alone, us [TB/s], L2 flushed, median of {args.iters}")
+    print()
+    print(md_row(["GEMM", "MB", "(MT, WM, WK)", *args.forms]))
+    print(md_row(["---", "---:", "---", *["---:"] * len(args.forms)]))
+    for shape in args.shapes:
+        experts, n, k = SHAPES[shape]
+        row_bytes = k // 2
+        weights = torch.randint(0, 256, (experts * n * row_bytes,), dtype=torch.uint8, device="cuda")
+        megabytes = weights.numel() / 1e6
+        for warps in args.warps:
+            mt, wm, wk = WARP_FORMS[warps]
+            cells = []
+            for form in args.forms:
+                d = defines(form, mt, wm, wk)
+                smem = max(stage_smem(d), CAP_SMEM)
+                if n % (16 * mt * wm) or row_bytes % (step_bytes(d) * wk) or smem > 227 * 1024:
+                    cells.append("-")
+                    continue
+                key = tuple(sorted(d.items()))
+                if key not in functions:
+                    binary, _ = compiler.compile_using_nvrtc(SOURCE, tuple(f"-D{a}={b}" for a, b in d.items()))
+                    module = driver.module_load_data(binary.encode() if isinstance(binary, str) else bytes(binary))
+                    functions[key] = driver.module_get_function(module, "probe")
+                    driver.set_max_dynamic_shared(functions[key], smem)
+                function = functions[key]
+                grid = (n // (16 * mt * wm), experts, 1)
+                values = (np.uint64(weights.data_ptr()), np.int32(n), np.int32(row_bytes), np.uint64(sink.data_ptr()))
+
+                def launch(f: int = function, g: tuple = grid, s: int = smem, a: tuple = values) -> None:
+                    driver.launch_kernel(f, g, 32 * wm * wk, s, stream, packed_args(a).pointer)
+
+                us = median_us(launch, args.iters, flush=flush)
+                per_sm = SMEM_PER_SM // (smem + 1024)
+                cells.append(f"{us:.1f} [{megabytes / us:.2f}]" + ("" if per_sm >= 4 else f" {per_sm}/SM"))
+            print(md_row([shape, f"{megabytes:.0f}", f"({mt},{wm},{wk})", *cells]), flush=True)
+        del weights
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
