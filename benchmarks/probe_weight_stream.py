@@ -20,6 +20,7 @@ its stages need more (the cell says so). Cells: us [TB/s]. Usage: python benchma
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from pathlib import Path
 
@@ -127,6 +128,21 @@ CAP_SMEM = 52 * 1024  # at least this much shared memory a CTA: at most four CTA
 SMEM_PER_SM = 228 * 1024
 
 
+FORM_PATTERN = re.compile(r"tiles:(\d+)|rowsh?:(1|2|4):(\d+)|bulk:(\d+):(\d+)")
+
+
+def form_arg(text: str) -> str:
+    """A --forms entry, checked: tiles:S, rows:V:S or rowsh:V:S (V 1, 2 or 4), bulk:C:S (C a multiple of 64 up to
+    512); S 1 to 8."""
+    match = FORM_PATTERN.fullmatch(text)
+    stages = int(text.rsplit(":", 1)[-1]) if match else 0
+    copy = int(match.group(4)) if match and match.group(4) else 64
+    if not match or not 1 <= stages <= 8 or copy % 64 or not 64 <= copy <= 512:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected tiles:S, rows:V:S, rowsh:V:S (V 1, 2 or 4) or bulk:C:S "
+                                         "(C 64..512, a multiple of 64), S 1..8")
+    return text
+
+
 def defines(form: str, mt: int, wm: int, wk: int) -> dict[str, int]:
     kind, *numbers = form.split(":")
     d = {"MT": mt, "WM": wm, "WK": wk}
@@ -149,7 +165,7 @@ def stage_smem(d: dict[str, int]) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
-    parser.add_argument("--forms", nargs="+", default=FORMS, help="columns (default: %(default)s)")
+    parser.add_argument("--forms", nargs="+", type=form_arg, default=FORMS, help="columns (default: %(default)s)")
     parser.add_argument("--warps", nargs="+", default=list(WARP_FORMS), choices=list(WARP_FORMS),
                         help="(MT, WM, WK) of the grid (default: %(default)s)")
     parser.add_argument("--iters", type=positive_int, default=15, help="timed launches per median")

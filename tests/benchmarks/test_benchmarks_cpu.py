@@ -112,6 +112,15 @@ def test_weight_stream_forms() -> None:
     assert rows["P"] == 1 and rows["H"] == 1 and probe_weight_stream.step_bytes(rows) == 128
     bulk = probe_weight_stream.defines("bulk:256:2", 2, 4, 1)
     assert probe_weight_stream.step_bytes(bulk) == 256 and probe_weight_stream.stage_smem(bulk) == 4 * 2 * 32 * 272
+    for form in probe_weight_stream.FORMS:
+        assert probe_weight_stream.form_arg(form) == form
+
+
+@pytest.mark.parametrize("form", ["tile:4", "rows:3:2", "rows:1:0", "bulk:100:2", "bulk:1024:2", "tiles:9", "bulk:256"])
+def test_weight_stream_refuses_bad_forms(form: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        probe_weight_stream.main(["--forms", form])
+    assert exc.value.code == 2 and "expected tiles:S" in capsys.readouterr().err
 
 
 def test_slow_cudnn_skip_and_cell_status() -> None:
