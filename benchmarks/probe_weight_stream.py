@@ -126,8 +126,6 @@ FORMS = ["tiles:4", "rows:1:2", "rowsh:1:2", "rows:2:2", "rows:4:1", "bulk:128:2
 WARP_FORMS = {"2,4,1": (2, 4, 1), "2,2,2": (2, 2, 2)}  # (MT, WM, WK): the engine's _WIDE and _SPLIT
 CAP_SMEM = 52 * 1024  # at least this much shared memory a CTA: at most four CTAs an SM
 SMEM_PER_SM = 228 * 1024
-
-
 FORM_PATTERN = re.compile(r"tiles:(\d+)|rowsh?:(1|2|4):(\d+)|bulk:(\d+):(\d+)")
 
 
@@ -144,6 +142,7 @@ def form_arg(text: str) -> str:
 
 
 def defines(form: str, mt: int, wm: int, wk: int) -> dict[str, int]:
+    """The kernel's compile-time defines for ``form`` on a grid of (MT, WM, WK) warps."""
     kind, *numbers = form.split(":")
     d = {"MT": mt, "WM": wm, "WK": wk}
     if kind == "tiles":
@@ -159,6 +158,7 @@ def step_bytes(d: dict[str, int]) -> int:
 
 
 def stage_smem(d: dict[str, int]) -> int:
+    """Dynamic shared memory of the bulk form's stages: [warps][stages][16 MT rows][C + 16 bytes]."""
     return d["WM"] * d["WK"] * d["S"] * d["MT"] * 16 * (d["C"] + 16) if d["P"] == 2 else 0
 
 
