@@ -118,6 +118,15 @@ def make_parser(description: str) -> argparse.ArgumentParser:
     return parser
 
 
+def nvrtc_module(source: str, options: tuple[str, ...] = ()) -> int:
+    """A probe's CUDA ``source`` compiled by NVRTC (CuPy's, for the current device) and loaded into the current
+    context: the module handle (driver.module_get_function takes its kernels)."""
+    from cupy.cuda import compiler
+
+    binary, _ = compiler.compile_using_nvrtc(source, options)
+    return driver.module_load_data(binary.encode() if isinstance(binary, str) else bytes(binary))
+
+
 def gpu_missing(script: str) -> bool:
     """True (after saying so on stderr) when there is no CUDA GPU to benchmark on."""
     if torch.cuda.is_available():

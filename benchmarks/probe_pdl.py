@@ -28,7 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import gpu_missing, md_row, positive_int  # noqa: E402
+from common import gpu_missing, md_row, nvrtc_module, positive_int  # noqa: E402
 
 from cudnn_moe.capture import capture_graph  # noqa: E402
 from cudnn_moe.kernels import driver  # noqa: E402
@@ -63,11 +63,8 @@ class Probe:
     """The two kernels on the current device, and a stamp buffer [3] uint64 (see SOURCE)."""
 
     def __init__(self, device: int) -> None:
-        from cupy.cuda import compiler
-
         driver.make_device_current(device)
-        binary, _ = compiler.compile_using_nvrtc(SOURCE, ())
-        module = driver.module_load_data(binary.encode() if isinstance(binary, str) else bytes(binary))
+        module = nvrtc_module(SOURCE)
         self.primary = driver.module_get_function(module, "primary")
         self.secondary = driver.module_get_function(module, "secondary")
         self.stamps = torch.empty(3, dtype=torch.int64, device=f"cuda:{device}")

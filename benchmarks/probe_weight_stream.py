@@ -29,11 +29,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import gpu_missing, md_row, positive_int  # noqa: E402
+from common import Timer, gpu_missing, md_row, nvrtc_module, positive_int  # noqa: E402
 
 from cudnn_moe.kernels import driver  # noqa: E402
 from cudnn_moe.kernels.loader import packed_args  # noqa: E402
-from cudnn_moe.timing import median_us  # noqa: E402
 
 SOURCE = r"""
 typedef unsigned int u32; typedef unsigned char u8; typedef long long i64; typedef unsigned long long u64;
@@ -172,12 +171,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if gpu_missing("probe_weight_stream"):
         return 2
-    from cupy.cuda import compiler
-
     device = torch.cuda.current_device()
     driver.make_device_current(device)
     stream = torch.cuda.current_stream().cuda_stream
-    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    timer = Timer(args.iters)
     sink = torch.zeros(1024, dtype=torch.int32, device="cuda")
     functions: dict[tuple, int] = {}
     print(f"{torch.cuda.get_device_name(device)}: weight loads alone, us [TB/s], L2 flushed, median of {args.iters}")
@@ -200,8 +197,7 @@ def main(argv: list[str] | None = None) -> int:
                     continue
                 key = tuple(sorted(d.items()))
                 if key not in functions:
-                    binary, _ = compiler.compile_using_nvrtc(SOURCE, tuple(f"-D{a}={b}" for a, b in d.items()))
-                    module = driver.module_load_data(binary.encode() if isinstance(binary, str) else bytes(binary))
+                    module = nvrtc_module(SOURCE, tuple(f"-D{a}={b}" for a, b in d.items()))
                     functions[key] = driver.module_get_function(module, "probe")
                     driver.set_max_dynamic_shared(functions[key], smem)
                 function = functions[key]
@@ -211,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
                 def launch(f: int = function, g: tuple = grid, s: int = smem, a: tuple = values) -> None:
                     driver.launch_kernel(f, g, 32 * wm * wk, s, stream, packed_args(a).pointer)
 
-                us = median_us(launch, args.iters, flush=flush)
+                us = timer.median_us(launch)
                 per_sm = SMEM_PER_SM // (smem + 1024)
                 cells.append(f"{us:.1f} [{megabytes / us:.2f}]" + ("" if per_sm >= 4 else f" {per_sm}/SM"))
             print(md_row([shape, f"{megabytes:.0f}", f"({mt},{wm},{wk})", *cells]), flush=True)
