@@ -11,7 +11,14 @@ random bytes, one launch after a 256 MiB L2 flush, median. Forms (columns):
   g + 8 a step, so a warp reads 64 V contiguous bytes of each of its 16 MT rows; S steps in flight (rows:1:2 is the
   register row-major form's pattern);
 - ``bulk:C:S``: row-major; each warp owns S shared-memory stages of [16 MT rows x C bytes], lane r copying row r's C
-  bytes with one cp.async.bulk completing on the stage's mbarrier; the lanes read their fragments back (LDS.128).
+  bytes with one cp.async.bulk completing on the stage's mbarrier; the lanes read their fragments back (LDS.128);
+- ``slab:N``: the tile layout, each CTA's whole share of the weights (16 WM MT rows) copied into shared memory at its
+  start by thread 0, in N chunks along K (one cp.async.bulk per row block and chunk, an mbarrier per chunk); the
+  warps read their tiles back chunk by chunk (LDS.128).
+
+With ``--pairs``, a second table times a layer's two GEMMs (tile form): each alone, as two launches in one CUDA graph
+(the second a programmatic dependent, as in the decode chain), and as one launch whose first CTAs stream GEMM1's
+weights and the rest GEMM2's: what a chain loses to the second launch's start and the first one's tail.
 
 Every form is held to at most four CTAs an SM (the engine's 128-register kernels; dummy shared memory), fewer where
 its stages need more (the cell says so). Cells: us [TB/s]. Usage: python benchmarks/probe_weight_stream.py --help
@@ -29,7 +36,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import Timer, gpu_missing, md_row, nvrtc_module, positive_int  # noqa: E402
+from common import Timer, capture, gpu_missing, md_row, nvrtc_module, positive_int  # noqa: E402
 
 from cudnn_moe.kernels import driver  # noqa: E402
 from cudnn_moe.kernels.loader import packed_args  # noqa: E402
@@ -49,10 +56,25 @@ __device__ __forceinline__ uint4 ldgh(const void* p) {
 #endif
 __device__ __forceinline__ u32 mix(uint4 v) { return v.x ^ v.y ^ v.z ^ v.w; }
 #define WARPS (WM * WK)
-extern "C" __global__ void __launch_bounds__(WARPS * 32) probe(const u8* __restrict__ w, int n, int rb, u32* out) {
+// A linear grid: CTA c < first2 streams the first weight set w [experts, n, rb] as CTA (c % (n / 16 WM MT),
+// c / that) of the decode grid; the CTAs from first2 on stream the second set w2 [., n2, rb2] (two GEMMs in one
+// launch). griddepcontrol.wait first: a no-op unless launched as a programmatic dependent.
+extern "C" __global__ void __launch_bounds__(WARPS * 32) probe(const u8* __restrict__ w, int n, int rb,
+                                                              const u8* __restrict__ w2, int n2, int rb2, int first2,
+                                                              u32* out) {
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wm = warp % WM, wk = warp / WM;
-  const i64 block0 = (static_cast<i64>(blockIdx.x) * WM + wm) * MT;  // first m16 block of the warp
-  const u8* base = w + (static_cast<i64>(blockIdx.y) * n + 16 * block0) * rb;
+  int cta = blockIdx.x;
+  if (cta >= first2) {
+    cta -= first2;
+    w = w2;
+    n = n2;
+    rb = rb2;
+  }
+  const int bx = cta % (n / (16 * WM * MT)), by = cta / (n / (16 * WM * MT));
+  const i64 block0 = (static_cast<i64>(bx) * WM + wm) * MT;  // first m16 block of the warp
+  const u8* base = w + (static_cast<i64>(by) * n + 16 * block0) * rb;
   u32 acc = 0;
 #if P == 0
   const int kt = rb / 32;
@@ -71,7 +93,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) probe(const u8* __restr
     _Pragma("unroll") for (int v = 0; v < V; ++v) ring[p][mt][h][v] = (H ? ldgh : ldg)(p0 + (i64)(i) * WK * 64 * V + (i64)(16 * mt + 8 * h) * rb + 16 * v);
 #define USE(p) _Pragma("unroll") for (int mt = 0; mt < MT; ++mt) _Pragma("unroll") for (int h = 0; h < 2; ++h) \
     _Pragma("unroll") for (int v = 0; v < V; ++v) acc ^= mix(ring[p][mt][h][v]);
-#else
+#elif P == 2
   extern __shared__ __align__(128) u8 smem[];
   __shared__ __align__(8) u64 bars[WARPS][S];
   const int kt = rb / C;
@@ -101,6 +123,47 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) probe(const u8* __restr
     __syncwarp(); asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 #define USE(p) USE_AT(p, i0 + p)
 #endif
+#if P == 3
+  // The CTA's whole slab (its WM MT row blocks, each 16 rb contiguous bytes of 512-byte tiles) copied at its start:
+  // chunk c = tiles [c kt / NCH, (c + 1) kt / NCH) of every row block, one cp.async.bulk per block and chunk, issued
+  // by thread 0, completing on chunk c's mbarrier; warp (wm, wk) then reads its tiles back (LDS.128) chunk by chunk.
+  extern __shared__ __align__(128) u8 smem[];
+  __shared__ __align__(8) u64 bars[NCH];
+  constexpr int BLOCKS = WM * MT;
+  const int kt = rb / 32;  // 512-byte tiles per row block
+  const u8* slab_src = w + (static_cast<i64>(by) * n + 16 * static_cast<i64>(bx) * BLOCKS) * rb;
+  const u32 slab = static_cast<u32>(__cvta_generic_to_shared(smem));
+  const u32 bar0 = static_cast<u32>(__cvta_generic_to_shared(&bars[0]));
+  if (threadIdx.x == 0) {
+    for (int c = 0; c < NCH; ++c) asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar0 + 8 * c) : "memory");
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    for (int c = 0; c < NCH; ++c) {
+      const int t0 = c * kt / NCH, bytes = ((c + 1) * kt / NCH - t0) * 512;
+      asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar0 + 8 * c), "r"(BLOCKS * bytes) : "memory");
+      for (int b = 0; b < BLOCKS; ++b) {
+        const i64 off = (static_cast<i64>(b) * kt + t0) * 512;
+        asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+            ::"r"(slab + static_cast<u32>(off)), "l"(slab_src + off), "r"(bytes), "r"(bar0 + 8 * c) : "memory");
+      }
+    }
+  }
+  __syncthreads();
+  int chunk = -1, chunk_end = 0;
+  for (int j = wk; j < kt; j += WK) {
+    while (j >= chunk_end) {
+      ++chunk;
+      chunk_end = (chunk + 1) * kt / NCH;
+      asm volatile("{\n.reg .pred done;\nW:\nmbarrier.try_wait.parity.shared::cta.b64 done, [%0], 0;\n@!done bra W;\n}"
+          ::"r"(bar0 + 8 * chunk) : "memory");
+    }
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      uint4 x; const u32 a = slab + ((wm * MT + mt) * kt + j) * 512 + lane * 16;
+      asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(x.x),"=r"(x.y),"=r"(x.z),"=r"(x.w) : "r"(a));
+      acc ^= mix(x);
+    }
+  }
+#else
 #pragma unroll
   for (int p = 0; p < S; ++p) if (p < nsteps) LOAD(p, p)
   for (int i0 = 0; i0 < nsteps; i0 += S) {
@@ -110,6 +173,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) probe(const u8* __restr
       if (i0 + p + S < nsteps) LOAD(p, i0 + p + S)
     }
   }
+#endif
   if (acc == 0x9E3779B9u) out[threadIdx.x] = acc;
 }
 """
@@ -120,23 +184,25 @@ SHAPES = {
     "deepseek-t1-gemm1": (8, 4096, 7168), "deepseek-t1-gemm2": (8, 7168, 2048),
     "deepseek-t8-gemm1": (60, 4096, 7168), "deepseek-t8-gemm2": (60, 7168, 2048),
 }
+PAIRS = sorted({shape.rsplit("-", 1)[0] for shape in SHAPES})  # layers with both GEMMs in SHAPES
 FORMS = ["tiles:4", "rows:1:2", "rowsh:1:2", "rows:2:2", "rows:4:1", "bulk:128:2", "bulk:128:4", "bulk:256:2",
-         "bulk:512:1"]
-WARP_FORMS = {"2,4,1": (2, 4, 1), "2,2,2": (2, 2, 2)}  # (MT, WM, WK): the engine's _WIDE and _SPLIT
+         "bulk:512:1", "slab:4"]
+WARP_FORMS = {"2,4,1": (2, 4, 1), "2,2,2": (2, 2, 2), "1,4,1": (1, 4, 1), "2,2,1": (2, 2, 1)}  # (MT, WM, WK)
 CAP_SMEM = 52 * 1024  # at least this much shared memory a CTA: at most four CTAs an SM
+MAX_SMEM = 220 * 1024  # dynamic shared memory a CTA may ask (227 KB less the static barriers, with margin)
 SMEM_PER_SM = 228 * 1024
-FORM_PATTERN = re.compile(r"tiles:(\d+)|rowsh?:(1|2|4):(\d+)|bulk:(\d+):(\d+)")
+FORM_PATTERN = re.compile(r"tiles:(\d+)|rowsh?:(1|2|4):(\d+)|bulk:(\d+):(\d+)|slab:(\d+)")
 
 
 def form_arg(text: str) -> str:
     """A --forms entry, checked: tiles:S, rows:V:S or rowsh:V:S (V 1, 2 or 4), bulk:C:S (C a multiple of 64 up to
-    512); S 1 to 8."""
+    512), slab:N; S and N 1 to 8."""
     match = FORM_PATTERN.fullmatch(text)
     stages = int(text.rsplit(":", 1)[-1]) if match else 0
     copy = int(match.group(4)) if match and match.group(4) else 64
     if not match or not 1 <= stages <= 8 or copy % 64 or not 64 <= copy <= 512:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected tiles:S, rows:V:S, rowsh:V:S (V 1, 2 or 4) or bulk:C:S "
-                                         "(C 64..512, a multiple of 64), S 1..8")
+        raise argparse.ArgumentTypeError(f"{text!r}: expected tiles:S, rows:V:S, rowsh:V:S (V 1, 2 or 4), bulk:C:S "
+                                         "(C 64..512, a multiple of 64) or slab:N, S and N 1..8")
     return text
 
 
@@ -148,37 +214,61 @@ def defines(form: str, mt: int, wm: int, wk: int) -> dict[str, int]:
         return {**d, "P": 0, "S": int(numbers[0])}
     if kind in ("rows", "rowsh"):
         return {**d, "P": 1, "V": int(numbers[0]), "S": int(numbers[1]), "H": int(kind == "rowsh")}
+    if kind == "slab":
+        return {**d, "P": 3, "NCH": int(numbers[0])}
     return {**d, "P": 2, "C": int(numbers[0]), "S": int(numbers[1])}
 
 
 def step_bytes(d: dict[str, int]) -> int:
     """Bytes of each row one warp step covers."""
-    return 32 if d["P"] == 0 else 64 * d["V"] if d["P"] == 1 else d["C"]
+    return 64 * d["V"] if d["P"] == 1 else d["C"] if d["P"] == 2 else 32
 
 
-def stage_smem(d: dict[str, int]) -> int:
-    """Dynamic shared memory of the bulk form's stages: [warps][stages][16 MT rows][C + 16 bytes]."""
-    return d["WM"] * d["WK"] * d["S"] * d["MT"] * 16 * (d["C"] + 16) if d["P"] == 2 else 0
+def stage_smem(d: dict[str, int], row_bytes: int) -> int:
+    """Dynamic shared memory of the bulk form's stages ([warps][stages][16 MT rows][C + 16 bytes]) or of the slab
+    form's slab (16 WM MT rows of row_bytes)."""
+    if d["P"] == 2:
+        return d["WM"] * d["WK"] * d["S"] * d["MT"] * 16 * (d["C"] + 16)
+    return d["WM"] * d["MT"] * 16 * row_bytes if d["P"] == 3 else 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
-    parser.add_argument("--forms", nargs="+", type=form_arg, default=FORMS, help="columns (default: %(default)s)")
-    parser.add_argument("--warps", nargs="+", default=list(WARP_FORMS), choices=list(WARP_FORMS),
-                        help="(MT, WM, WK) of the grid (default: %(default)s)")
-    parser.add_argument("--iters", type=positive_int, default=15, help="timed launches per median")
-    args = parser.parse_args(argv)
-    if gpu_missing("probe_weight_stream"):
-        return 2
-    device = torch.cuda.current_device()
-    driver.make_device_current(device)
-    stream = torch.cuda.current_stream().cuda_stream
-    timer = Timer(args.iters)
-    sink = torch.zeros(1024, dtype=torch.int32, device="cuda")
-    functions: dict[tuple, int] = {}
-    print(f"{torch.cuda.get_device_name(device)}: weight loads alone, us [TB/s], L2 flushed, median of {args.iters}")
-    print()
+class Kernels:
+    """The probe's kernels, compiled once per form (NVRTC), and launches of them on torch's current stream (the
+    capture stream inside a graph capture)."""
+
+    def __init__(self, sink: torch.Tensor) -> None:
+        self.sink = sink
+        self.functions: dict[tuple, int] = {}
+
+    def function(self, d: dict[str, int], smem: int) -> int:
+        key = tuple(sorted(d.items()))
+        if key not in self.functions:
+            module = nvrtc_module(SOURCE, tuple(f"-D{a}={b}" for a, b in d.items()))
+            self.functions[key] = driver.module_get_function(module, "probe")
+            driver.set_max_dynamic_shared(self.functions[key], smem)
+        return self.functions[key]
+
+    def launch(self, d: dict[str, int], smem: int, first: tuple, second: tuple | None, ctas: int,
+               programmatic: bool = False) -> None:
+        """One launch of ``ctas`` CTAs: the weight set ``first`` = (weights, N, row bytes) and, from its own CTA
+        count on, ``second`` (or nothing)."""
+        w, n, rb = first
+        w2, n2, rb2 = second or first
+        first2 = ctas if second is None else grid_ctas(d, n, w.numel() // (n * rb))
+        values = (np.uint64(w.data_ptr()), np.int32(n), np.int32(rb), np.uint64(w2.data_ptr()), np.int32(n2),
+                  np.int32(rb2), np.int32(first2), np.uint64(self.sink.data_ptr()))
+        launch = driver.launch_kernel_programmatic if programmatic else driver.launch_kernel
+        launch(self.function(d, smem), (ctas, 1, 1), 32 * d["WM"] * d["WK"], smem, torch.cuda.current_stream().cuda_stream,
+               packed_args(values).pointer)
+
+
+def grid_ctas(d: dict[str, int], n: int, experts: int) -> int:
+    """CTAs of the decode grid over ``experts`` weight sets of N rows."""
+    return n // (16 * d["MT"] * d["WM"]) * experts
+
+
+def form_table(args: argparse.Namespace, kernels: Kernels, timer: Timer) -> None:
+    """One row per shape and warp grid, one column per form: each GEMM's weight loads alone."""
     print(md_row(["GEMM", "MB", "(MT, WM, WK)", *args.forms]))
     print(md_row(["---", "---:", "---", *["---:"] * len(args.forms)]))
     for shape in args.shapes:
@@ -191,27 +281,76 @@ def main(argv: list[str] | None = None) -> int:
             cells = []
             for form in args.forms:
                 d = defines(form, mt, wm, wk)
-                smem = max(stage_smem(d), CAP_SMEM)
-                if n % (16 * mt * wm) or row_bytes % (step_bytes(d) * wk) or smem > 227 * 1024:
+                smem = max(stage_smem(d, row_bytes), CAP_SMEM)
+                if (n % (16 * mt * wm) or row_bytes % (step_bytes(d) * wk) or smem > MAX_SMEM
+                        or row_bytes // 32 < d.get("NCH", 1)):
                     cells.append("-")
                     continue
-                key = tuple(sorted(d.items()))
-                if key not in functions:
-                    module = nvrtc_module(SOURCE, tuple(f"-D{a}={b}" for a, b in d.items()))
-                    functions[key] = driver.module_get_function(module, "probe")
-                    driver.set_max_dynamic_shared(functions[key], smem)
-                function = functions[key]
-                grid = (n // (16 * mt * wm), experts, 1)
-                values = (np.uint64(weights.data_ptr()), np.int32(n), np.int32(row_bytes), np.uint64(sink.data_ptr()))
-
-                def launch(f: int = function, g: tuple = grid, s: int = smem, a: tuple = values) -> None:
-                    driver.launch_kernel(f, g, 32 * wm * wk, s, stream, packed_args(a).pointer)
-
-                us = timer.median_us(launch)
+                ctas = grid_ctas(d, n, experts)
+                us = timer.median_us(lambda d=d, s=smem, c=ctas: kernels.launch(d, s, (weights, n, row_bytes), None, c))
                 per_sm = SMEM_PER_SM // (smem + 1024)
                 cells.append(f"{us:.1f} [{megabytes / us:.2f}]" + ("" if per_sm >= 4 else f" {per_sm}/SM"))
             print(md_row([shape, f"{megabytes:.0f}", f"({mt},{wm},{wk})", *cells]), flush=True)
         del weights
+
+
+def pair_table(args: argparse.Namespace, kernels: Kernels, timer: Timer) -> None:
+    """One row per layer, tile form: GEMM1's and GEMM2's weight loads alone, the two as two launches (the second a
+    programmatic dependent, as in the decode chain), and the two in one launch (GEMM1's CTAs first); each captured
+    in a CUDA graph."""
+    print(md_row(["layer", "MB", "(MT, WM, WK)", "GEMM1", "GEMM2", "two launches (PDL)", "one launch"]))
+    print(md_row(["---", "---:", "---", "---:", "---:", "---:", "---:"]))
+    for pair in args.pairs:
+        sets = []
+        for shape in (f"{pair}-gemm1", f"{pair}-gemm2"):
+            experts, n, k = SHAPES[shape]
+            sets.append((torch.randint(0, 256, (experts * n * k // 2,), dtype=torch.uint8, device="cuda"), n, k // 2))
+        megabytes = sum(w.numel() for w, _, _ in sets) / 1e6
+        for warps in args.warps:
+            d = defines("tiles:4", *WARP_FORMS[warps])
+            if any(n % (16 * d["MT"] * d["WM"]) or rb % (32 * d["WK"]) for _, n, rb in sets):
+                continue
+            ctas = [grid_ctas(d, n, w.numel() // (n * rb)) for w, n, rb in sets]
+
+            def two(d: dict = d, c: list = ctas) -> None:
+                kernels.launch(d, CAP_SMEM, sets[0], None, c[0])
+                kernels.launch(d, CAP_SMEM, sets[1], None, c[1], programmatic=True)
+
+            runs = [lambda d=d, c=ctas: kernels.launch(d, CAP_SMEM, sets[0], None, c[0]),
+                    lambda d=d, c=ctas: kernels.launch(d, CAP_SMEM, sets[1], None, c[1]),
+                    two,
+                    lambda d=d, c=ctas: kernels.launch(d, CAP_SMEM, sets[0], sets[1], c[0] + c[1])]
+            cells = []
+            for run in runs:
+                graph = capture(run, keep_graph=True)
+                cells.append(f"{timer.median_us(graph.replay):.1f}")
+            print(md_row([pair, f"{megabytes:.0f}", warps.join("()"), *cells]), flush=True)
+        del sets
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--forms", nargs="+", type=form_arg, default=FORMS, help="columns (default: %(default)s)")
+    parser.add_argument("--warps", nargs="+", default=list(WARP_FORMS), choices=list(WARP_FORMS),
+                        help="(MT, WM, WK) of the grid (default: %(default)s)")
+    parser.add_argument("--pairs", nargs="*", default=[], choices=PAIRS,
+                        help="also time both GEMMs of these layers in two launches and in one (tile form)")
+    parser.add_argument("--iters", type=positive_int, default=15, help="timed launches per median")
+    args = parser.parse_args(argv)
+    if gpu_missing("probe_weight_stream"):
+        return 2
+    device = torch.cuda.current_device()
+    driver.make_device_current(device)
+    kernels = Kernels(torch.zeros(1024, dtype=torch.int32, device="cuda"))
+    timer = Timer(args.iters)
+    print(f"{torch.cuda.get_device_name(device)}: weight loads alone, us [TB/s], L2 flushed, median of {args.iters}")
+    print()
+    if args.shapes and args.forms:
+        form_table(args, kernels, timer)
+        print()
+    if args.pairs:
+        pair_table(args, kernels, timer)
     return 0
 
 

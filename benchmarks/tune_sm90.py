@@ -114,6 +114,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="also time each wgmma variant's GEMM1 gathering its rows, with the activation epilogue, "
                              "and with both (the prefill chain's form), and each decode variant that fits it with the "
                              "epilogue")
+    parser.add_argument("--gemms", nargs="+", type=int, choices=(1, 2), default=[1, 2], help="which GEMMs to time")
+    parser.add_argument("--only", nargs="+", default=None, metavar="TEXT",
+                        help="time only the variants whose repr holds one of these texts (e.g. 'wk=2'), and the "
+                             "engine's choice")
     args = parser.parse_args(argv)
     if gpu_missing("tune_sm90"):
         return 2
@@ -132,11 +136,15 @@ def main(argv: list[str] | None = None) -> int:
             source = token_rows(bucket)
             gemm1 = bucket.gemm1 if source is None else full_buffers(bucket.gemm1, source, bucket.row_to_slot, m.top_k)
             for index, name, ops in ((1, "gemm1", gemm1), (2, "gemm2", bucket.gemm2)):
+                if index not in args.gemms:
+                    continue
                 chosen = executor.engine.variant(ops.rows, ops.shape, gemm=index)
                 candidates = PREFILL if tokens >= 1024 else DECODE + (PREFILL if tokens >= 256 else [])
                 # the wgmma kernel reads the bucket's layout: GEMM1 natural rows, GEMM2 the tiled planes
                 wgmma = [replace(v, tiled_tokens=index == 2) for v in WGMMA]
                 candidates = candidates + (wgmma if tokens >= 256 else [])
+                if args.only:
+                    candidates = [v for v in candidates if v == chosen or any(t in repr(v) for t in args.only)]
                 flops = 2.0 * int(ops.offsets[-1]) * ops.shape.n * ops.shape.k  # rows used, read outside any capture
                 w = ops.weights
                 # the call's token rows; a bucket without them (a decode chain's) lends its permuted rows (fragment

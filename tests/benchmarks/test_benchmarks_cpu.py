@@ -111,12 +111,14 @@ def test_weight_stream_forms() -> None:
     rows = probe_weight_stream.defines("rowsh:2:2", 2, 2, 2)
     assert rows["P"] == 1 and rows["H"] == 1 and probe_weight_stream.step_bytes(rows) == 128
     bulk = probe_weight_stream.defines("bulk:256:2", 2, 4, 1)
-    assert probe_weight_stream.step_bytes(bulk) == 256 and probe_weight_stream.stage_smem(bulk) == 4 * 2 * 32 * 272
+    assert probe_weight_stream.step_bytes(bulk) == 256 and probe_weight_stream.stage_smem(bulk, 1024) == 4 * 2 * 32 * 272
+    slab = probe_weight_stream.defines("slab:4", 2, 4, 1)
+    assert slab["P"] == 3 and slab["NCH"] == 4 and probe_weight_stream.stage_smem(slab, 384) == 128 * 384
     for form in probe_weight_stream.FORMS:
         assert probe_weight_stream.form_arg(form) == form
 
 
-@pytest.mark.parametrize("form", ["tile:4", "rows:3:2", "rows:1:0", "bulk:100:2", "bulk:1024:2", "tiles:9", "bulk:256"])
+@pytest.mark.parametrize("form", ["tile:4", "rows:3:2", "rows:1:0", "bulk:100:2", "bulk:1024:2", "tiles:9", "bulk:256", "slab:0", "slab:9"])
 def test_weight_stream_refuses_bad_forms(form: str, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
         probe_weight_stream.main(["--forms", form])
