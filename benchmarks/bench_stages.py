@@ -51,8 +51,10 @@ from cudnn_moe.pipeline.executor import MoeExecutor  # noqa: E402
 # Every stage an engine chain may hold (executor.stages()), in order; a chain holds "sort+permute" (one
 # launch, decode buckets of the sm90 engine), "sort" and "permute", or "sort" alone (the sm90 engine's wgmma buckets,
 # whose GEMM1 gathers the rows the op's stage decoded); "gemm1" + "activation" or "gemm1+activation" (GEMM1
-# with the activation in its epilogue; on wgmma buckets it also gathers its rows through the routing).
-STAGES = ("sort", "permute", "sort+permute", "gemm1", "gemm1+activation", "activation", "gemm2")
+# with the activation in its epilogue; on wgmma buckets it also gathers its rows through the routing), "gemm2", or
+# "gemm1+activation+gemm2" (the two launches of a tile handoff, which only run together).
+STAGES = ("sort", "permute", "sort+permute", "gemm1", "gemm1+activation", "activation", "gemm2",
+          "gemm1+activation+gemm2")
 
 
 def stage_times(
@@ -77,12 +79,19 @@ def stage_times(
     chain = in_chain(stages, timer)
     touched = int(torch.unique(batch[1]).numel())
     gemm1_bytes = touched * 2 * m.intermediate * m.hidden * FP4_BYTES_PER_WEIGHT
-    gemm1 = times["gemm1"] if "gemm1" in times else times["gemm1+activation"]
-    rates = [gemm1_bytes / gemm1 / 1e3, gemm1_bytes / 2 / times["gemm2"] / 1e3]  # bytes / us / 1e3 = GB/s
-    gemm2_flops = 2 * batch[0].shape[0] * m.top_k * m.hidden * m.intermediate
-    tflops = [2 * gemm2_flops / gemm1 / 1e6, gemm2_flops / times["gemm2"] / 1e6]  # FLOP / us / 1e6 = TFLOP/s
-    cells = [*(times.get(name) for name in STAGES), sum(times.values()), kernel_launches(graph), whole, *rates, *tflops]
     gemm_bytes = {"gemm1": gemm1_bytes, "gemm2": gemm1_bytes / 2}
+    gemm2_flops = 2 * batch[0].shape[0] * m.top_k * m.hidden * m.intermediate
+    gemm_flops = {"gemm1": 2 * gemm2_flops, "gemm2": gemm2_flops}
+    # per GEMM column: the stage holding that GEMM alone, or (both GEMMs in one stage) that stage for both GEMMs
+    rates, tflops = [], []
+    for name, t in times.items():
+        held = [g for g in gemm_bytes if g in name]
+        if held:
+            rates.append(sum(gemm_bytes[g] for g in held) / t / 1e3)  # bytes / us / 1e3 = GB/s
+            tflops.append(sum(gemm_flops[g] for g in held) / t / 1e6)  # FLOP / us / 1e6 = TFLOP/s
+    if len(rates) == 1:
+        rates, tflops = rates * 2, tflops * 2
+    cells = [*(times.get(name) for name in STAGES), sum(times.values()), kernel_launches(graph), whole, *rates, *tflops]
     return cells, chain, call_chain(config, weights, executor, batch, timer, gemm_bytes)
 
 
@@ -100,13 +109,14 @@ def call_chain(config: Nvfp4MoeConfig, weights: Nvfp4Weights, executor: MoeExecu
     """The launches of a call whose launches know its inputs and output (an eager call, one recorded into the caller's
     graph, a full-call graph): the chain with the op's stage and the finalize folded in where the engine does so; each
     launch's time alone, its cost inside that chain (in_chain), and for a launch holding a GEMM the GB/s that GEMM's
-    weight bytes (``gemm_bytes``: "gemm1", "gemm2") stream over its time alone (else None)."""
+    weight bytes (``gemm_bytes``: "gemm1", "gemm2"; both for a launch holding both) stream over its time alone (else
+    None)."""
     stages = executor.stages(executor.bucket(batch[0].shape[0]), call_inputs(config, weights, *batch))
     alone = [timer.median_us(capture(launch).replay) for _, launch in stages]
     rows = []
     for t, (name, added) in zip(alone, in_chain(stages, timer)):
-        gemm = next((g for g in gemm_bytes if g in name), None)
-        rows.append((name, t, added, None if gemm is None else gemm_bytes[gemm] / t / 1e3))  # bytes / us / 1e3 = GB/s
+        held = sum(gemm_bytes[g] for g in gemm_bytes if g in name)
+        rows.append((name, t, added, held / t / 1e3 if held else None))  # bytes / us / 1e3 = GB/s
     return rows
 
 
@@ -143,7 +153,9 @@ def main(argv: list[str] | None = None) -> int:
     report.emit(header_line())
     report.emit()
     report.emit(f"GPU us per stage, each captured alone in a CUDA graph, and of the whole call captured in one "
-                f"graph; median of {args.iters} CUDA-event-timed replays, 256 MiB L2 flush before each.")
+                f"graph; median of {args.iters} CUDA-event-timed replays, 256 MiB L2 flush before each. Where GEMM1 "
+                f"and GEMM2 run as one stage (a tile handoff), both GEMM columns give that stage's rate over both "
+                f"GEMMs' bytes and FLOPs.")
     report.emit()
     report.table(["model", "T", "engine", *STAGES, "sum of stages", "launches", "whole call", "GEMM1 GB/s",
                   "GEMM2 GB/s", "GEMM1 TFLOP/s", "GEMM2 TFLOP/s"], left=3)

@@ -26,15 +26,24 @@ typedef unsigned long long u64;
 // Every kernel of the project starts with this. The loader launches kernels on SM90+ with the
 // programmatic-stream-serialization attribute (cudnn_moe.kernels.loader), so a kernel may become resident
 // while the previous kernel of its stream still runs: griddepcontrol.wait blocks until that kernel has
-// completed with its writes visible, and nothing before it reads or writes global memory (one exception: the SM90
+// completed with its writes visible, and nothing before it reads or writes global memory (two exceptions: the SM90
 // decode GEMM1's SM90_EARLY form reads immutable weights and a routing whose writer finished before the previous
-// kernel passed this same wait, which the trigger below follows; sm90/grouped_gemm.cu). The trigger
+// kernel passed this same wait, which the trigger below follows; the decode GEMM2's SM90_AWAIT form does not wait at
+// all and orders its reads of GEMM1's rows by a per-tile handoff; sm90/grouped_gemm.cu). The trigger
 // right after lets the next kernel of the stream launch (and reach its own wait) while this one works;
 // it is a scheduling hint only, never a visibility point. Both are no-ops when the launch had no
 // attribute, and compile to nothing before sm_90.
 __device__ __forceinline__ void grid_dependency_begin() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// The trigger alone, for the one kernel that orders its reads of the previous kernel's writes itself instead of
+// waiting for it to complete: the SM90 decode GEMM2 with the tile handoff (SM90_AWAIT, sm90/grouped_gemm.cu).
+__device__ __forceinline__ void grid_dependency_trigger() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
 }

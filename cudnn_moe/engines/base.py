@@ -266,6 +266,19 @@ class EarlyRouting:
     ctas: int = 0
 
 
+@dataclass(frozen=True)
+class TileHandoff:
+    """GEMM1 (with the activation epilogue) handing each finished token tile to GEMM2, launched right behind it, so
+    that GEMM2 computes the tiles GEMM1 has finished while GEMM1's last CTAs still run (an engine's choice,
+    GemmEngine.tile_handoff). done / passed: int32 [tiles] counters in the engine's workspace, zero before the pair
+    and after it; producers: GEMM1's CTAs per tile. The two launches only ever run together (LayerStages.gemm1_gemm2),
+    right after the bucket's sort: GEMM2 reads what the sort wrote without waiting for GEMM1 to complete."""
+
+    done: torch.Tensor
+    passed: torch.Tensor
+    producers: int
+
+
 class Gemm1Fusion(NamedTuple):
     """How an engine's chain runs GEMM1 on one bucket: with the activation in its epilogue (GEMM1's BF16 output
     is never written), and gathering its rows through the routing (no permuted token rows). The executor
@@ -290,6 +303,7 @@ class GemmOperands:
     route: GEMM1 (with the epilogue) also staging and sorting the caller's call itself (``LayerStages.gemm1_routed``):
     its ``tokens`` and ``offsets`` are then not read (the sort in ``route`` writes the offsets).
     early: the routing GEMM1 (with the epilogue, after a sort launch) may read before its dependency wait.
+    handoff: GEMM1 (with the epilogue) signals each finished tile, GEMM2 waits for its tile instead of for GEMM1.
     """
 
     rows: int
@@ -305,6 +319,7 @@ class GemmOperands:
     finalize: FinalizeEpilogue | None = None
     route: RoutePrologue | None = None
     early: EarlyRouting | None = None
+    handoff: TileHandoff | None = None
 
 
 class Engine(abc.ABC):
@@ -452,6 +467,11 @@ class GemmEngine(Engine):
         default)."""
         return False
 
+    def tile_handoff(self, gemm1: GemmOperands, gemm2: GemmOperands) -> TileHandoff | None:
+        """The TileHandoff of a bucket's GEMM1 (with the activation epilogue) and GEMM2 where ``gemm`` runs them with
+        one (in the bucket's workspace), else None (by default)."""
+        return None
+
     @abc.abstractmethod
     def gemm(self, operands: GemmOperands) -> None:
         """Enqueue the grouped GEMM on the device's current torch stream."""
@@ -506,6 +526,12 @@ class LayerStages(abc.ABC):
         """gemm1_activation(gather=False) also staging the caller's inputs and sorting the routing (GemmOperands.route:
         the stage + sort + permute launch folded into GEMM1): for a one-token bucket whose launches know the caller's
         inputs, where the engine can (GemmEngine.can_route), else None."""
+
+    @abc.abstractmethod
+    def gemm1_gemm2(self) -> Stage | None:
+        """gemm1_activation(gather=False), then GEMM2 (finalizing where gemm2_finalize would) in one stage, the two
+        sharing a TileHandoff where the engine gives one (GemmEngine.tile_handoff), else None. For chains whose
+        sort runs in a launch before GEMM1."""
 
     @abc.abstractmethod
     def gemm2(self) -> Stage: ...

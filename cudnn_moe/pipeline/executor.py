@@ -55,6 +55,7 @@ from ..engines.base import (
     RoutePrologue,
     RowGather,
     Stage,
+    TileHandoff,
     TokenOperand,
     WeightOperand,
 )
@@ -531,17 +532,36 @@ class _BucketStages(LayerStages):
         self.staging = Stage("stage+sort+permute+gemm1+activation", lambda: x.engine.gemm(operands))
         return self.staging
 
-    def gemm2(self) -> Stage:
-        return Stage("gemm2", lambda: self.x.engine.gemm(self.b.gemm2))
+    def gemm2(self, handoff: TileHandoff | None = None) -> Stage:
+        operands = replace(self.b.gemm2, handoff=handoff)
+        return Stage("gemm2", lambda: self.x.engine.gemm(operands))
 
-    def gemm2_finalize(self) -> Stage | None:
+    def gemm2_finalize(self, handoff: TileHandoff | None = None) -> Stage | None:
         x, b = self.x, self.b
         out = None if self.caller is None else self.caller.out
         if out is None or not x.engine.can_finalize(b.gemm2, out.shape[0]):
             return None
-        operands = replace(b.gemm2, finalize=FinalizeEpilogue(b.slot_to_row, b.route_weights.view(-1), x.top_k, out))
+        operands = replace(b.gemm2, finalize=FinalizeEpilogue(b.slot_to_row, b.route_weights.view(-1), x.top_k, out),
+                           handoff=handoff)
         self.finishing = Stage("gemm2+finalize", lambda: x.engine.gemm(operands))
         return self.finishing
+
+    def gemm1_gemm2(self) -> Stage | None:
+        x, b = self.x, self.b
+        handoff = x.engine.tile_handoff(b.gemm1, b.gemm2)
+        if handoff is None:
+            return None
+        first = self.gemm1_activation(gather=False, handoff=handoff)
+        second = self.gemm2_finalize(handoff) or self.gemm2(handoff)
+
+        def launch() -> None:
+            first.launch()
+            second.launch()
+
+        pair = Stage(f"{first.name}+{second.name}", launch)
+        if second is self.finishing:
+            self.finishing = pair
+        return pair
 
     def _token_rows(self) -> torch.Tensor:
         """The natural BF16 token rows gemm1_activation gathers from: the bucket's BF16 tokens, or the x_rows its
@@ -561,12 +581,13 @@ class _BucketStages(LayerStages):
             return EarlyRouting(ids, routing_format, self.x.local_expert_start)
         return EarlyRouting(self.b.ids, kernels.ROUTING_FP32, self.x.local_expert_start)
 
-    def gemm1_activation(self, gather: bool) -> Stage:
+    def gemm1_activation(self, gather: bool, handoff: TileHandoff | None = None) -> Stage:
         x, b = self.x, self.b
         operands = replace(
             b.gemm1,
             gather=RowGather(self._token_rows(), b.row_to_slot, x.top_k) if gather else None,
             epilogue=self._activation_epilogue(),
             early=self._early_routing(),
+            handoff=handoff,
         )
         return Stage("gemm1+activation", lambda: x.engine.gemm(operands))

@@ -63,6 +63,23 @@ using namespace sm90;
 #endif
 #endif
 
+// The tile handoff between a decode chain's GEMM1 and GEMM2 (launched right behind it with PDL): SM90_SIGNAL (GEMM1,
+// with SM90_ACT) adds one to handoff_done[t] (a release at GPU scope) once its CTA's activation rows of tile t are
+// written; SM90_AWAIT (GEMM2: no SM90_ACT, SM90_ROUTE or SM90_EARLY) does not wait for GEMM1 to complete: it triggers
+// its dependents, finds its tile, issues its weight ring's first loads, and waits (thread 0, acquire at GPU scope) until
+// handoff_done[t] holds GEMM1's CTAs of that tile (handoff_producers: GEMM1's feature blocks; both GEMMs' tiles of the
+// same rows), then reads its token rows from L2. So GEMM2's CTAs compute the tiles GEMM1 has finished while GEMM1's
+// last CTAs still run. GEMM2 then reads before GEMM1 has completed what kernels before GEMM1 wrote (the offsets, the
+// finalize's slots and weights): their writers must have completed before GEMM1 passed its own dependency wait (the
+// sort launch before GEMM1), which GEMM2's launch follows. The last of a tile's GEMM2 CTAs (handoff_passed[t] counts
+// them) zeroes both counters for the next launch: int32 [tiles] each, zero before the pair and after it.
+#if defined(SM90_SIGNAL) && (!defined(SM90_ACT) || defined(SM90_AWAIT))
+#error "SM90_SIGNAL is for GEMM1 with the activation epilogue (SM90_ACT)"
+#endif
+#if defined(SM90_AWAIT) && (defined(SM90_ACT) || defined(SM90_ROUTE) || defined(SM90_EARLY))
+#error "SM90_AWAIT is for GEMM2 (no SM90_ACT, SM90_ROUTE or SM90_EARLY)"
+#endif
+
 // =============================================================================================
 // Decode: few tokens per expert. Weights stream global -> registers; split K across warps.
 // =============================================================================================
@@ -271,10 +288,12 @@ __device__ __forceinline__ void decode_step(const DecodeRing& ring, float (&acc)
 }  // namespace
 
 // 16 bytes of the token operand: from the bucket's rows (global), or with SM90_ROUTE from the token row the CTA
-// staged in shared memory.
+// staged in shared memory, or with SM90_AWAIT from L2 (GEMM1 wrote them during this launch).
 __device__ __forceinline__ uint4 load_token_piece(const u8* p) {
 #ifdef SM90_ROUTE
   return *reinterpret_cast<const uint4*>(p);
+#elif defined(SM90_AWAIT)
+  return __ldcg(reinterpret_cast<const uint4*>(p));
 #else
   return ldg_v4(p);
 #endif
@@ -400,6 +419,43 @@ __device__ __forceinline__ int early_tile_expert(const void* ids, int routing_fo
 #define DEC_EARLY_PARAMS
 #endif
 
+#ifdef SM90_SIGNAL
+#define DEC_HANDOFF_PARAMS \
+  , int* __restrict__ handoff_done
+#elif defined(SM90_AWAIT)
+#define DEC_HANDOFF_PARAMS \
+  , int* __restrict__ handoff_done, int* __restrict__ handoff_passed, int handoff_producers
+#else
+#define DEC_HANDOFF_PARAMS
+#endif
+
+#ifdef SM90_AWAIT
+// GEMM2's wait for tile t (SM90_AWAIT above); every thread of the CTA calls it.
+__device__ __forceinline__ void await_tile(int* done, int* passed, int producers, int t) {
+  if (threadIdx.x == 0) {
+    for (;;) {
+      int seen;
+      asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(seen) : "l"(done + t) : "memory");
+      if (seen >= producers) break;
+      __nanosleep(32);
+    }
+    if (atomicAdd(passed + t, 1) == static_cast<int>(gridDim.x) - 1) {  // the tile's last consumer
+      done[t] = 0;
+      passed[t] = 0;
+    }
+  }
+  __syncthreads();
+}
+#endif
+
+#ifdef SM90_SIGNAL
+// GEMM1's release of tile t once every thread's rows of it are written (SM90_SIGNAL above).
+__device__ __forceinline__ void signal_tile(int* done, int t) {
+  __syncthreads();
+  if (threadIdx.x == 0) asm volatile("red.release.gpu.global.add.s32 [%0], 1;" ::"l"(done + t) : "memory");
+}
+#endif
+
 #ifdef SM90_ROUTE
 #define DEC_ROUTE_PARAMS                                                                                             \
   , const void* __restrict__ route_ids, const void* __restrict__ route_w, int route_format, int route_ids_int64,      \
@@ -418,7 +474,7 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS DEC_MIN_BLOCKS)
                      int act_layout, int requantize, u8* __restrict__ act_out, u8* __restrict__ act_scales,
                      int w_half_swap, const int* __restrict__ slot_to_row, const float* __restrict__ route_weights, int top_k,
                      int tokens, u16* __restrict__ final_out, int* __restrict__ tickets DEC_ROUTE_PARAMS
-                         DEC_EARLY_PARAMS) {
+                         DEC_EARLY_PARAMS DEC_HANDOFF_PARAMS) {
   // The warp's place and the weight stream's strides (no memory access: SM90_EARLY loads before the wait).
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
@@ -532,7 +588,11 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS DEC_MIN_BLOCKS)
       if (p < nsteps) SM90_DECODE_LOAD_W(p, p)
   }
 #endif
+#ifdef SM90_AWAIT
+  moe::grid_dependency_trigger();  // no wait: the tile handoff orders GEMM1's rows (SM90_AWAIT above)
+#else
   moe::grid_dependency_begin();
+#endif
   __shared__ __align__(16) float red[SM90_WK][DEC_TB][DEC_RED_STRIDE];
   Tile tile;
 #ifdef SM90_ROUTE
@@ -665,6 +725,14 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS DEC_MIN_BLOCKS)
     for (int p = 0; p < DEC_SLOTS; ++p)
       if (p < nsteps) SM90_DECODE_LOAD(p, p)
   }
+#elif defined(SM90_AWAIT)
+#pragma unroll
+  for (int p = 0; p < DEC_SLOTS; ++p)
+    if (p < nsteps) SM90_DECODE_LOAD_W(p, p)
+  await_tile(handoff_done, handoff_passed, handoff_producers, static_cast<int>(blockIdx.y));
+#pragma unroll
+  for (int p = 0; p < DEC_SLOTS; ++p)
+    if (p < nsteps) SM90_DECODE_LOAD_B(p, p)
 #else
 #pragma unroll
   for (int p = 0; p < DEC_SLOTS; ++p)
@@ -813,19 +881,23 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS DEC_MIN_BLOCKS)
           inter, row_capacity, SM90_ACT, act_alpha, act_beta, act_limit, act_layout, requantize != 0,
           reinterpret_cast<u16*>(act_out));
     }
-    return;
   }
 #if !SM90_W_INT4  // MXINT4 runs with BF16 intermediates only (the host checks)
-  for (int item = threadIdx.x; item < DEC_TB * UNITS; item += DEC_THREADS) {
-    const int t = item / UNITS;
-    const int unit = item % UNITS;
-    const int row = tile.row0 + t;
-    if (row >= tile.row_end) continue;
-    moe::activate_store_unit<SM90_ACT, DEC_PAIRED>(&c_tile[t][32 * unit], DEC_FB / 2, tile_slot[t] < 0,
-                                                   row, unit0 + unit, inter, row_capacity, SM90_ACT, act_alpha,
-                                                   act_beta, act_limit, act_layout, requantize != 0, act_out,
-                                                   act_scales);
+  else {
+    for (int item = threadIdx.x; item < DEC_TB * UNITS; item += DEC_THREADS) {
+      const int t = item / UNITS;
+      const int unit = item % UNITS;
+      const int row = tile.row0 + t;
+      if (row >= tile.row_end) continue;
+      moe::activate_store_unit<SM90_ACT, DEC_PAIRED>(&c_tile[t][32 * unit], DEC_FB / 2, tile_slot[t] < 0,
+                                                     row, unit0 + unit, inter, row_capacity, SM90_ACT, act_alpha,
+                                                     act_beta, act_limit, act_layout, requantize != 0, act_out,
+                                                     act_scales);
+    }
   }
+#endif
+#ifdef SM90_SIGNAL
+  signal_tile(handoff_done, static_cast<int>(blockIdx.y));
 #endif
 #endif
 }

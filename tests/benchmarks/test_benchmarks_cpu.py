@@ -244,23 +244,24 @@ def test_bench_stages_table_with_fake_cuda(fake_cuda: None, tmp_path: Path) -> N
                               "--markdown", str(md)]) == 0
     lines = md.read_text().splitlines()
     assert lines[4] == ("| model | T | engine | sort | permute | sort+permute | gemm1 | "
-                        "gemm1+activation | activation | gemm2 | sum of stages | launches | whole call | GEMM1 GB/s | "
-                        "GEMM2 GB/s | GEMM1 TFLOP/s | GEMM2 TFLOP/s |")
+                        "gemm1+activation | activation | gemm2 | gemm1+activation+gemm2 | sum of stages | launches | "
+                        "whole call | GEMM1 GB/s | GEMM2 GB/s | GEMM1 TFLOP/s | GEMM2 TFLOP/s |")
     # stages the chain lacks are "-"; launches = the kernel nodes of the call's graph (the fake's 5); GB/s = the touched
     # experts' NVFP4 bytes of each GEMM over its 10 us; TFLOP/s = the 2 x 2 routed slots' FLOPs over 10 us
     cells = lines[6].strip("| ").split(" | ")
-    assert cells[:13] == ["Tiny", "2", "cudnn", "-", "-", "10.0", "10.0", "-", "10.0", "10.0", "40.0", "5", "10.0"]
+    assert cells[:14] == ["Tiny", "2", "cudnn", "-", "-", "10.0", "10.0", "-", "10.0", "10.0", "-", "40.0", "5",
+                          "10.0"]
     per_expert = TINY.hidden * TINY.intermediate * common.FP4_BYTES_PER_WEIGHT / 10 / 1e3  # GEMM2, one expert
-    assert (cells[13], cells[14]) in [(common.fmt(2 * t * per_expert), common.fmt(t * per_expert)) for t in (2, 3, 4)]
+    assert (cells[14], cells[15]) in [(common.fmt(2 * t * per_expert), common.fmt(t * per_expert)) for t in (2, 3, 4)]
     gemm2_tflops = 2 * 2 * TINY.top_k * TINY.hidden * TINY.intermediate / 10 / 1e6
-    assert cells[15:17] == [common.fmt(2 * gemm2_tflops), common.fmt(gemm2_tflops)]
+    assert cells[16:18] == [common.fmt(2 * gemm2_tflops), common.fmt(gemm2_tflops)]
     # the in-chain table: every prefix takes the fake timer's 10 us, so the first stage adds 10 and the rest 0
     chain, call = [line for line in lines if line.startswith("| Tiny |")][-2:]
     assert chain == "| Tiny | 2 | cudnn | sort+permute 10.0, gemm1 0.0, activation 0.0, gemm2 0.0 |"
     # the call's own chain (the caller's inputs and output): each launch alone / added in that chain, and its GEMM's
     # GB/s (the same bytes and 10 us as the table's GEMM columns)
-    assert call == (f"| Tiny | 2 | cudnn | stage+sort+permute+gemm1+activation 10.0 / 10.0 ({cells[13]} GB/s), "
-                    f"gemm2+finalize 10.0 / 0.0 ({cells[14]} GB/s) |")
+    assert call == (f"| Tiny | 2 | cudnn | stage+sort+permute+gemm1+activation 10.0 / 10.0 ({cells[14]} GB/s), "
+                    f"gemm2+finalize 10.0 / 0.0 ({cells[15]} GB/s) |")
 
 
 def test_bf16_peer_falls_back_to_eager_and_says_so(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -11,7 +11,8 @@ The chain per bucket (``gemm1_fusion``, ``Sm90GemmEngine.stages``): on the wgmma
 decoded into BF16 rows, GEMM1 gathering its rows through the routing with the activation in its epilogue, GEMM2;
 on the decode kernel, sort + permute, then GEMM1 with the activation epilogue while the launch is small enough for
 it to pay, else GEMM1 and the activation, then GEMM2, which also finalizes into the caller's output where the call's
-launches know it and its CTAs fit in one wave (``can_finalize``).
+launches know it and its CTAs fit in one wave (``can_finalize``). GEMM1 with the epilogue hands each finished token
+tile to GEMM2 (``tile_handoff``), which then computes those tiles while GEMM1's last CTAs still run.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from ..base import (
     Service,
     Stage,
     Support,
+    TileHandoff,
     WeightFormat,
     WeightLayout,
 )
@@ -49,6 +51,7 @@ from .kernels import (
     DecodeVariant,
     GemmVariant,
     WgmmaVariant,
+    gemm_grid,
     grouped_gemm,
     route_shared_mem,
 )
@@ -105,6 +108,12 @@ def _slots(rows: int, num_experts: int) -> int:
     for each of min(E, S) used experts, so S = rows - 7E once S >= E, else about rows / 8."""
     slots = rows - (ROW_ALIGNMENT - 1) * num_experts
     return slots if slots >= num_experts else max(1, rows // ROW_ALIGNMENT)
+
+
+def _handoff_tiles(rows: int, num_experts: int) -> int:
+    """Tiles of a decode GEMM over a bucket of ``rows`` rows at most (gemm_grid with 8-row tiles): a tile handoff's
+    counters."""
+    return gemm_grid(_WIDE, num_experts, FEATURE_MULTIPLE, rows)[1]
 
 
 def rows_per_expert(rows: int, num_experts: int) -> float:
@@ -248,9 +257,9 @@ class Sm90GemmEngine(GemmEngine):
         return gemm1_fusion(rows, shape, activation, self.sm_count)
 
     def workspace_bytes(self, rows: int, shape: GemmShape) -> int:
-        """A decode GEMM's finalize tickets (int32, one per feature block of the narrowest variant), zero between
-        launches."""
-        return 4 * (shape.n // 16)
+        """A decode GEMM's finalize tickets (int32, one per feature block of the narrowest variant, from the start),
+        and the tile handoff's two counters per tile (int32, at the end: tile_handoff), all zero between launches."""
+        return 4 * (shape.n // 16) + 8 * _handoff_tiles(rows, shape.num_experts)
 
     def can_finalize(self, operands: GemmOperands, tokens: int) -> bool:
         """GEMM2 on the decode kernel in one wave of CTAs (_DECODE_CTA_THREADS_PER_SM), the CTA that finalizes a
@@ -264,6 +273,19 @@ class Sm90GemmEngine(GemmEngine):
         one_wave = decode_ctas(operands.rows, operands.shape, variant) * variant.threads <= (
             _DECODE_CTA_THREADS_PER_SM * self.sm_count)
         return one_wave and tokens * variant.feature_block // 8 <= variant.threads
+
+    def tile_handoff(self, gemm1: GemmOperands, gemm2: GemmOperands) -> TileHandoff | None:
+        """Both GEMMs on the decode kernel with the same token tiles: the counters at the end of the bucket's workspace
+        (workspace_bytes) and GEMM1's feature blocks as the producers of each tile."""
+        v1 = self.variant(gemm1.rows, gemm1.shape, gemm=1, code=gemm1.weights.code)
+        v2 = self.variant(gemm2.rows, gemm2.shape, gemm=2, code=gemm2.weights.code)
+        if not (isinstance(v1, DecodeVariant) and isinstance(v2, DecodeVariant)) or v1.tile_rows != v2.tile_rows:
+            return None
+        if gemm2.workspace is None:
+            return None
+        tiles = _handoff_tiles(gemm2.rows, gemm2.shape.num_experts)
+        counters = gemm2.workspace.view(torch.int32)[-2 * tiles:]
+        return TileHandoff(counters[:tiles], counters[tiles:], gemm1.shape.n // v1.feature_block)
 
     def can_route(self, operands: GemmOperands) -> bool:
         """GEMM1 of a one-token bucket on the decode kernel, whose token row (2K bytes) fits the dynamic shared memory
@@ -283,19 +305,22 @@ class Sm90GemmEngine(GemmEngine):
         the BF16 rows the op's stage decoded the NVFP4 tokens into) with the activation in its epilogue, GEMM2. Otherwise: the
         sort and the permute (in one launch for decode-sized buckets; for a one-token bucket folded into GEMM1 with
         the activation epilogue where the layer offers it), GEMM1 with the activation epilogue or GEMM1 and the
-        activation, GEMM2."""
+        activation, GEMM2; after a sort launch, GEMM1 with the epilogue and GEMM2 as one stage sharing a tile handoff
+        (layer.gemm1_gemm2)."""
         fusion = layer.gemm1_fusion
         if fusion.gather:
             return [layer.sort(), layer.gemm1_activation(gather=True), layer.gemm2()]
-        tail = layer.gemm2_finalize() or layer.gemm2()
         routed_gemm1 = layer.gemm1_routed() if fusion.epilogue else None
         if routed_gemm1 is not None:
-            return [routed_gemm1, tail]
+            return [routed_gemm1, layer.gemm2_finalize() or layer.gemm2()]
         routed = layer.sort_permute()
         head = [routed] if routed is not None else [layer.sort(), layer.permute()]
         if fusion.epilogue:
-            return [*head, layer.gemm1_activation(gather=False), tail]
-        return [*head, layer.gemm1(), layer.activation(), tail]
+            pair = layer.gemm1_gemm2()
+            if pair is not None:
+                return [*head, pair]
+            return [*head, layer.gemm1_activation(gather=False), layer.gemm2_finalize() or layer.gemm2()]
+        return [*head, layer.gemm1(), layer.activation(), layer.gemm2_finalize() or layer.gemm2()]
 
     def variant(self, rows: int, shape: GemmShape, *, gemm: int, code: BlockCode = BlockCode.NVFP4) -> GemmVariant:
         """The kernel variant GEMM ``gemm`` (1 or 2) of a bucket with ``rows`` rows runs: on the wgmma kernel, GEMM1
@@ -330,8 +355,8 @@ class Sm90GemmEngine(GemmEngine):
         grouped_gemm(w.data, w.scales, w.alpha, operands.tokens.data if gather is None and route is None else None,
                      operands.offsets, operands.out if epilogue is None else None, variant,
                      alpha_split=w.alpha_split, gather=gather, epilogue=epilogue, finalize=finalize, tickets=tickets,
-                     route=route, early=self._early(operands, variant, mxint4), mxint4=mxint4,
-                     swap_halves=w.halves_swapped)
+                     route=route, early=self._early(operands, variant, mxint4), handoff=operands.handoff,
+                     mxint4=mxint4, swap_halves=w.halves_swapped)
 
     def _early(self, operands: GemmOperands, variant: GemmVariant, mxint4: bool) -> EarlyRouting | None:
         """operands.early where the decode kernel takes it, for its first wave of CTAs: GEMM1 with the epilogue on a

@@ -22,7 +22,9 @@ from ...kernels.loader import ARCH_SPECIFIC, launch, ptr
 from ...kernels.sort import check_staged_sort
 from ...kernels.stage import routing_args
 from ...validate import require_contiguous, require_shape, require_tensor
-from ..base import ActivationEpilogue, EarlyRouting, FinalizeEpilogue, RoutePrologue, RowGather, TokenOperand
+from ..base import (
+    ActivationEpilogue, EarlyRouting, FinalizeEpilogue, RoutePrologue, RowGather, TileHandoff, TokenOperand,
+)
 from .layout import TILE_K
 
 GEMM_SOURCE = "sm90/grouped_gemm.cu"
@@ -323,6 +325,7 @@ def grouped_gemm(
     tickets: torch.Tensor | None = None,
     route: RoutePrologue | None = None,
     early: EarlyRouting | None = None,
+    handoff: TileHandoff | None = None,
     mxint4: bool = False,
     swap_halves: bool = False,
 ) -> None:
@@ -356,6 +359,12 @@ def grouped_gemm(
     early.ctas CTAs guesses its tile's expert from early.ids (the t-th local expert any slot routes to: right where
     every used expert holds one tile) and issues its first weight loads, so that they stream while the launch before
     it (the sort) runs; the results do not depend on it.
+    handoff (a DecodeVariant, no route): with an epilogue (GEMM1), each CTA adds one to handoff.done[tile] once its
+    rows of the tile are written; without (GEMM2, launched right behind that GEMM1), the launch does not wait for the
+    launch before it to complete: each CTA waits until handoff.done[tile] holds handoff.producers (GEMM1's feature
+    blocks), and the tile's last CTA zeroes handoff.done[tile] and handoff.passed[tile] (int32, at least the grid's
+    tiles each, zero before GEMM1). Both GEMMs must cut the same tiles (the same tile rows), and everything GEMM2 reads
+    but its tokens must have been written before GEMM1 passed its own dependency wait (the sort before GEMM1).
     A DecodeVariant with ``bf16_weights``: W_e is BF16, w_tiles bfloat16 [E, N*K] (each expert's [N, K] row-major,
     read in place), w_tile_scales ignored (any tensor), x in natural rows: out[r] = bf16(float32(alpha[e] * 256) *
     acc), acc the FP32 sum of x[r, k] W_e[f, k] (pass alpha = 1/256 for the plain sum); no route, early or mxint4.
@@ -402,6 +411,9 @@ def grouped_gemm(
     if early is not None and (not isinstance(variant, DecodeVariant) or epilogue is None or route is not None):
         raise ValueError(f"early routing needs a DecodeVariant, an activation epilogue and no route, got {variant}"
                          f"{'' if epilogue is not None else ' without an epilogue'}"
+                         f"{'' if route is None else ' with a route'}")
+    if handoff is not None and (not isinstance(variant, DecodeVariant) or route is not None):
+        raise ValueError(f"a tile handoff needs a DecodeVariant and no route, got {variant}"
                          f"{'' if route is None else ' with a route'}")
     w_tiles = _tensor("w_tiles", w_tiles)
     w_tile_scales = _tensor("w_tile_scales", w_tile_scales)
@@ -478,6 +490,9 @@ def grouped_gemm(
     if finalize is not None:
         for name, (t, alignment) in _check_finalize(finalize, _tensor("tickets", tickets), n, grid[0]).items():
             named[name], align[name] = t, alignment
+    if handoff is not None:
+        for name, (t, alignment) in _check_handoff(handoff, grid, epilogue is not None).items():
+            named[name], align[name] = t, alignment
     if grid[1] > MAX_GRID_Y:
         raise ValueError(f"x: R = {rows} rows need up to {grid[1]} tiles of {variant.tile_rows} rows, more than the "
                          f"grid's {MAX_GRID_Y}; use a variant with larger tiles")
@@ -513,6 +528,9 @@ def grouped_gemm(
         if early is not None:
             args += _early_args(early)
             options += ("-DSM90_EARLY=1",)
+        if handoff is not None:
+            args += _handoff_args(handoff, signals=epilogue is not None)
+            options += ("-DSM90_SIGNAL=1",) if epilogue is not None else ("-DSM90_AWAIT=1",)
     launch(variant.source, variant.kernel, tokens.device, grid, variant.threads, args,
            shared_mem=shared_mem, extra_options=options)
 
@@ -640,6 +658,30 @@ def _early_args(early: EarlyRouting) -> tuple:
     ids = early.ids
     return (ptr(ids, 4), np.int32(early.routing_format), np.int32(ids.dtype == torch.int64), np.int32(ids.numel()),
             np.int32(early.local_start), np.int32(early.ctas))
+
+
+def _check_handoff(handoff: TileHandoff, grid: tuple[int, int], signals: bool) -> dict[str, tuple[torch.Tensor, int]]:
+    """The handoff's counters, checked against the launch's grid (tiles; GEMM2: GEMM1's CTAs per tile)."""
+    named = {}
+    for name in ("done", "passed"):
+        t = _tensor(f"handoff.{name}", getattr(handoff, name))
+        _check(f"handoff.{name}", t, (torch.int32,), tuple(t.shape))
+        if t.dim() != 1 or t.shape[0] < grid[1] or not t.is_contiguous():
+            raise ValueError(f"handoff.{name} must be contiguous int32 [>= {grid[1]}] (a counter per tile), got "
+                             f"{list(t.shape)}")
+        named[f"handoff.{name}"] = (t, 4)
+    if _overlap(named["handoff.done"][0], named["handoff.passed"][0]):
+        raise ValueError("handoff.done and handoff.passed must not overlap")
+    if not signals and (not isinstance(handoff.producers, int) or handoff.producers < 1):
+        raise ValueError(f"handoff.producers must be an int >= 1 (GEMM1's CTAs per tile), got {handoff.producers!r}")
+    return named
+
+
+def _handoff_args(handoff: TileHandoff, signals: bool) -> tuple:
+    """The decode kernel's DEC_HANDOFF_PARAMS: GEMM1's counter, or GEMM2's two and GEMM1's CTAs per tile."""
+    if signals:
+        return (ptr(handoff.done, 4),)
+    return ptr(handoff.done, 4), ptr(handoff.passed, 4), np.int32(handoff.producers)
 
 
 def _finalize_args(finalize: FinalizeEpilogue | None, tickets: torch.Tensor | None) -> tuple:

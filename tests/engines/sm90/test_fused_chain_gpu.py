@@ -89,7 +89,8 @@ CHAIN_CASES = [
 def test_fused_chain_matches_unfused_chain_bitwise(case, activation) -> None:
     """GEMM2's tokens and outputs of the fused chain equal the unfused chain's, bit for bit, eager and replayed
     from the bucket's graph; the fused chain never reads GEMM1's BF16 output (nor, gathering, its permuted
-    rows)."""
+    rows). Decode buckets run GEMM1 and GEMM2 as one stage with a tile handoff, whose counters (and the finalize
+    tickets) are zero again after every call."""
     experts, hidden, inter, top_k, tokens, bf16_tokens, bf16_intermediate, hot, local = case
     gen, w1, w2 = _layer(experts, hidden, inter, activation, seed=tokens + experts)
     config = Nvfp4MoeConfig(max_num_tokens=tokens, engine="sm90")
@@ -114,7 +115,10 @@ def test_fused_chain_matches_unfused_chain_bitwise(case, activation) -> None:
         head = ["sort"]
     else:
         head = ["sort+permute"] if bucket.tokens * top_k <= 1024 else ["sort", "permute"]
-    assert [name for name, _ in fused] == [*head, "gemm1+activation", "gemm2"]
+    hands_off = executor.engine.tile_handoff(bucket.gemm1, bucket.gemm2) is not None
+    assert hands_off == (not gathers)
+    tail = ["gemm1+activation+gemm2"] if hands_off else ["gemm1+activation", "gemm2"]
+    assert [name for name, _ in fused] == [*head, *tail]
     x = torch.randn(bucket.tokens, hidden, generator=gen).cuda().bfloat16()
     decoded = gathers and not bf16_tokens
     assert (bucket.x_rows is not None) == decoded and (bucket.x.shape[0] == 0) == decoded
@@ -157,6 +161,8 @@ def test_fused_chain_matches_unfused_chain_bitwise(case, activation) -> None:
         got_tokens = _bits(_token_rows(bucket.gemm2.tokens)[:used])
         assert torch.equal(got_tokens, want_tokens), f"GEMM2 tokens (replay={replay})"
         assert torch.equal(_bits(bucket.gemm2.out[:used]), want_out), f"GEMM2 rows (replay={replay})"
+        workspace = bucket.gemm2.workspace
+        assert workspace is None or not workspace.view(torch.int32).any(), f"counters left set (replay={replay})"
 
 
 @pytest.mark.parametrize("tokens,top_k,local", [(4, 8, None), (3, 4, (16, 48)), (1, 8, None)])
@@ -310,3 +316,29 @@ def test_routed_gemm1_matches_unfused_chain_bitwise(case) -> None:
             assert torch.equal(getattr(bucket, name), want[name]), name
         assert torch.equal(_bits(_token_rows(bucket.gemm2.tokens)[:used]), want_tokens), "GEMM2 tokens"
         assert torch.equal(_bits(bucket.gemm2.out[:used]), want_out), "GEMM2 rows"
+
+
+@pytest.mark.parametrize("tokens,experts,top_k", [(1, 8, 2), (8, 128, 8), (64, 64, 8)])
+def test_tile_handoff_repeats(tokens: int, experts: int, top_k: int) -> None:
+    """fused_moe on decode buckets (GEMM1 handing its tiles to GEMM2): 30 calls in a row, eager and from one CUDA
+    graph of the caller's, give the first call's output bit for bit (the counters come back to zero each time)."""
+    hidden, inter = 512, 256
+    gen, w1, w2 = _layer(experts, hidden, inter, SwiGLU(), seed=tokens + 7)
+    config = Nvfp4MoeConfig(max_num_tokens=tokens, engine="sm90")
+    weights = config.prepare_weights(w1, w2, activation=SwiGLU())
+    acts = config.prepare_activations(torch.randn(tokens, hidden, generator=gen).cuda().bfloat16())
+    routing = make_routing(_ids(tokens, experts, top_k, gen, hot=False), "fp32")
+    want = fused_moe(config, acts, routing, weights)
+    assert not want.isnan().any() and torch.count_nonzero(want) > 0
+    out = torch.full_like(want, float("nan"))
+    fused_moe(config, acts, routing, weights, out=out)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fused_moe(config, acts, routing, weights, out=out)
+    for i in range(30):
+        got = fused_moe(config, acts, routing, weights)
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16)), f"eager call {i}"
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out.view(torch.int16), want.view(torch.int16)), f"replay {i}"

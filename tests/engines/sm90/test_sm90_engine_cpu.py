@@ -79,8 +79,9 @@ def test_decode_epilogue_needs_a_variant_that_fits() -> None:
 class _Layer(LayerStages):
     """LayerStages whose stages are only names."""
 
-    def __init__(self, rows: int, shape: GemmShape, finalizes: bool = False, routes: bool = False) -> None:
-        self.rows, self.finalizes, self.routes = rows, finalizes, routes
+    def __init__(self, rows: int, shape: GemmShape, finalizes: bool = False, routes: bool = False,
+                 hands_off: bool = False) -> None:
+        self.rows, self.finalizes, self.routes, self.hands_off = rows, finalizes, routes, hands_off
         self.gemm1_fusion = gemm1_fusion(rows, shape, SwiGLU(), SMS)
 
     def sort(self) -> Stage:
@@ -104,6 +105,11 @@ class _Layer(LayerStages):
     def gemm1_routed(self) -> Stage | None:
         return Stage("stage+sort+permute+gemm1+activation", lambda: None) if self.routes else None
 
+    def gemm1_gemm2(self) -> Stage | None:
+        if not self.hands_off:
+            return None
+        return Stage(f"gemm1+activation+{'gemm2+finalize' if self.finalizes else 'gemm2'}", lambda: None)
+
     def gemm2(self) -> Stage:
         return Stage("gemm2", lambda: None)
 
@@ -124,6 +130,23 @@ def test_stage_chains(model, tokens: int, chain: list[str], finalizes: bool) -> 
     if finalizes and tokens < 4096:
         chain = [*chain[:-1], "gemm2+finalize"]
     assert [name for name, _ in engine.stages(_Layer(rows, shape, finalizes))] == chain
+
+
+@pytest.mark.parametrize("finalizes", [False, True])
+@pytest.mark.parametrize("model,tokens,chain", [
+    (QWEN3, 1, ["sort+permute", "gemm1+activation+gemm2"]),
+    (QWEN3, 8, ["sort+permute", "gemm1+activation+gemm2"]),
+    (DEEPSEEK_V3, 64, ["sort+permute", "gemm1", "activation", "gemm2"]),
+    (QWEN3, 4096, ["sort", "gemm1+activation (gather)", "gemm2"]),
+])
+def test_handoff_chains(model, tokens: int, chain: list[str], finalizes: bool) -> None:
+    """Where the layer offers GEMM1 and GEMM2 with a tile handoff, a decode chain with the epilogue runs them as one
+    stage after the sort + permute; GEMM1 without the epilogue and the wgmma chain never ask."""
+    engine = Sm90GemmEngine.__new__(Sm90GemmEngine)
+    rows, shape = _bucket(model, tokens)
+    if finalizes and tokens < 4096:
+        chain = [*chain[:-1], chain[-1].replace("gemm2", "gemm2+finalize")]
+    assert [name for name, _ in engine.stages(_Layer(rows, shape, finalizes, hands_off=True))] == chain
 
 
 @pytest.mark.parametrize("model,tokens,chain", [

@@ -1,0 +1,122 @@
+"""CPU checks of the tile handoff between the SM90 decode GEMM1 and GEMM2 (TileHandoff): the launches pass the
+counters (GEMM1 one, GEMM2 both and GEMM1's CTAs per tile) after the kernel's arguments and compile the signalling
+and awaiting forms in; bad counters are refused before any launch; the engine hands off only between decode variants
+of the same tiles, with its counters at the end of the bucket's workspace, clear of the finalize tickets; the forms
+compile for sm_90a and sm_100a without spills."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import pytest
+import torch
+
+from cudnn_moe.activations import SwiGLU
+from cudnn_moe.engines.base import GemmShape, TileHandoff
+from cudnn_moe.engines.sm90 import engine as sm90_engine
+from cudnn_moe.engines.sm90 import kernels as sm90
+from cudnn_moe.kernels import kernels_dir
+from tests.engines.sm90.test_sm90_kernels_cpu import (  # noqa: F401 (launches: a fixture)
+    _early_args, _gemm_args, _nvcc, _signatures, launches,
+)
+from tests.support.kernel_sources import NVCC
+
+SM90_DIR = kernels_dir() / "sm90"
+
+
+def _handoff(tiles: int = 16, producers: int = 3) -> TileHandoff:
+    counters = torch.zeros(2 * tiles, dtype=torch.int32)
+    return TileHandoff(counters[:tiles], counters[tiles:], producers)
+
+
+def test_handoff_passes_its_counters_and_compiles_in(launches: list[tuple]) -> None:
+    """GEMM1 (an epilogue) signals: DEC_HANDOFF_PARAMS' one counter, SM90_SIGNAL; GEMM2 awaits: both counters and the
+    producers, SM90_AWAIT."""
+    signature = len(_signatures()["sm90_gemm_decode"])
+    gemm1 = {**_early_args(), "early": None}
+    sm90.grouped_gemm(**gemm1, handoff=_handoff())
+    sm90.grouped_gemm(**_gemm_args(), variant=sm90.DecodeVariant(2, 4, 1, 1, 4), handoff=_handoff(producers=5))
+    (_, _, _, _, _, first), first_kwargs = launches[0]
+    (_, _, _, _, _, second), second_kwargs = launches[1]
+    assert first_kwargs["extra_options"] == (*gemm1["variant"].options(), *sm90.epilogue_options(SwiGLU()),
+                                             "-DSM90_SIGNAL=1")
+    assert second_kwargs["extra_options"] == (*sm90.DecodeVariant(2, 4, 1, 1, 4).options(), "-DSM90_AWAIT=1")
+    assert len(first) == signature + 1 and len(second) == signature + 3 == 28 + 3
+    assert int(second[-1]) == 5
+
+
+_BAD = [
+    ("prefill variant", lambda a: a.update(variant=sm90.PREFILL), ValueError, "DecodeVariant"),
+    ("short counters", lambda a: a.update(handoff=_handoff(tiles=2)), ValueError, "handoff.done"),
+    ("counters dtype", lambda a: a.update(handoff=TileHandoff(torch.zeros(16), torch.zeros(16), 3)), TypeError,
+     "handoff.done"),
+    ("2-D counters", lambda a: a.update(handoff=TileHandoff(torch.zeros(2, 8, dtype=torch.int32),
+                                                            torch.zeros(16, dtype=torch.int32), 3)), ValueError,
+     "handoff.done"),
+    ("overlapping counters", lambda a: a.update(handoff=replace(a["handoff"], passed=a["handoff"].done)), ValueError,
+     "overlap"),
+    ("no producers", lambda a: a.update(handoff=_handoff(producers=0)), ValueError, "handoff.producers"),
+]
+
+
+@pytest.mark.parametrize("name,mutate,error,needle", _BAD, ids=[b[0] for b in _BAD])
+def test_handoff_rejects_bad_arguments(name: str, mutate: Any, error: type, needle: str, launches: list[tuple]) -> None:
+    args = {**_gemm_args(), "variant": sm90.DecodeVariant(2, 4, 1, 1, 4), "handoff": _handoff()}
+    mutate(args)
+    with pytest.raises(error, match=needle):
+        sm90.grouped_gemm(**args)
+    assert not launches
+
+
+@pytest.mark.parametrize("rows,experts", [(64, 128), (1024, 128), (200, 8)])
+def test_engine_hands_off_decode_tiles_in_its_workspace(rows: int, experts: int) -> None:
+    """The counters sit at the end of the bucket's workspace, after the finalize tickets of either GEMM, one per
+    possible tile each; GEMM1's feature blocks produce each tile."""
+    engine = sm90_engine.Sm90GemmEngine.__new__(sm90_engine.Sm90GemmEngine)
+    engine.sm_count = 132
+    shape1, shape2 = GemmShape(2048, 1536, experts), GemmShape(768, 2048, experts)
+    size = max(engine.workspace_bytes(rows, shape1), engine.workspace_bytes(rows, shape2))
+    workspace = torch.zeros(size, dtype=torch.uint8)
+
+    class _Ops:  # the fields tile_handoff reads
+        def __init__(self, shape: GemmShape) -> None:
+            self.rows, self.shape, self.workspace = rows, shape, workspace
+            self.weights = type("W", (), {"code": sm90_engine.BlockCode.NVFP4})()
+
+    handoff = engine.tile_handoff(_Ops(shape1), _Ops(shape2))
+    v1 = engine.variant(rows, shape1, gemm=1)
+    assert handoff is not None and handoff.producers == 1536 // v1.feature_block
+    tiles = sm90.gemm_grid(v1, experts, shape1.n, rows)[1]
+    assert handoff.done.numel() == handoff.passed.numel() >= tiles
+    ints = workspace.view(torch.int32)
+    assert handoff.passed.data_ptr() + 4 * handoff.passed.numel() == ints.data_ptr() + 4 * ints.numel()
+    assert handoff.done.data_ptr() >= ints.data_ptr() + 4 * (2048 // 16)  # clear of the widest GEMM's tickets
+
+
+def test_engine_does_not_hand_off_across_kernels() -> None:
+    """wgmma buckets (prefill) never hand off."""
+    engine = sm90_engine.Sm90GemmEngine.__new__(sm90_engine.Sm90GemmEngine)
+    engine.sm_count = 132
+    rows = 8192
+
+    class _Ops:
+        def __init__(self, shape: GemmShape) -> None:
+            self.rows, self.shape, self.workspace = rows, shape, torch.zeros(1 << 20, dtype=torch.uint8)
+            self.weights = type("W", (), {"code": sm90_engine.BlockCode.NVFP4})()
+
+    assert engine.tile_handoff(_Ops(GemmShape(2048, 1536, 8)), _Ops(GemmShape(768, 2048, 8))) is None
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found")
+@pytest.mark.parametrize("form", ["-DSM90_SIGNAL=1", "-DSM90_AWAIT=1", "-DSM90_AWAIT=1 -DSM90_FINALIZE=1"])
+@pytest.mark.parametrize("variant,arch", [(sm90_engine._WIDE, "90a"), (sm90_engine._SPLIT, "90a"),
+                                          (sm90_engine._MID, "90a"), (sm90_engine._WIDE, "100a")], ids=str)
+def test_handoff_forms_compile_without_spills(variant: sm90.DecodeVariant, arch: str, form: str) -> None:
+    options = (*variant.options(), *form.split())
+    if "SIGNAL" in form:
+        options += sm90.epilogue_options(SwiGLU())
+    result = _nvcc(SM90_DIR / "grouped_gemm.cu", arch, options)
+    assert result.returncode == 0, result.stderr
+    report = result.stderr.split(f"Compiling entry function '{variant.kernel}'")[1].split("Compiling entry")[0]
+    assert " 0 bytes spill stores" in report, report
