@@ -288,12 +288,15 @@ __device__ __forceinline__ void decode_step(const DecodeRing& ring, float (&acc)
 }  // namespace
 
 // 16 bytes of the token operand: from the bucket's rows (global), or with SM90_ROUTE from the token row the CTA
-// staged in shared memory, or with SM90_AWAIT from L2 (GEMM1 wrote them during this launch).
+// staged in shared memory. With SM90_AWAIT GEMM1 writes the rows while this launch runs: a weak load (L1-cached), which
+// the tile's acquire (await_tile) orders after GEMM1's writes, instead of the read-only path.
 __device__ __forceinline__ uint4 load_token_piece(const u8* p) {
 #ifdef SM90_ROUTE
   return *reinterpret_cast<const uint4*>(p);
 #elif defined(SM90_AWAIT)
-  return __ldcg(reinterpret_cast<const uint4*>(p));
+  uint4 v;
+  asm volatile("ld.global.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
 #else
   return ldg_v4(p);
 #endif

@@ -101,6 +101,10 @@ _DECODE_CTA_THREADS_PER_SM = 512
 # Qwen3-30B-A3B T=2 35.6 / 33.9, T=4 44.6 / 43.4, T=8 67.3 / 67.0; the low-latency NVFP4 layer T=8 64.6 / 65.7
 # (benchmarks/RESULTS.md, twenty-third session): no gain at T=8.
 _EARLY_MAX_TOKENS = 4
+# Buckets of at most this many slots (T x top_k) run GEMM1 and GEMM2 with a tile handoff (tile_handoff). H200, whole
+# fused_moe call, us, main / handoff (benchmarks/RESULTS.md, twenty-eighth session): Qwen3-30B-A3B T=8 70.5 / 66.4-66.7,
+# DeepSeek-V3 T=8 441.4-441.8 / 431.8-433.2; Qwen3-30B-A3B T=64 124.4-124.5 / 126.0-126.7, so not past 64 slots.
+_HANDOFF_MAX_SLOTS = 64
 
 
 def _slots(rows: int, num_experts: int) -> int:
@@ -275,8 +279,11 @@ class Sm90GemmEngine(GemmEngine):
         return one_wave and tokens * variant.feature_block // 8 <= variant.threads
 
     def tile_handoff(self, gemm1: GemmOperands, gemm2: GemmOperands) -> TileHandoff | None:
-        """Both GEMMs on the decode kernel with the same token tiles: the counters at the end of the bucket's workspace
-        (workspace_bytes) and GEMM1's feature blocks as the producers of each tile."""
+        """Both GEMMs on the decode kernel with the same token tiles, in buckets of at most _HANDOFF_MAX_SLOTS slots:
+        the counters at the end of the bucket's workspace (workspace_bytes) and GEMM1's feature blocks as the producers
+        of each tile."""
+        if _slots(gemm2.rows, gemm2.shape.num_experts) > _HANDOFF_MAX_SLOTS:
+            return None
         v1 = self.variant(gemm1.rows, gemm1.shape, gemm=1, code=gemm1.weights.code)
         v2 = self.variant(gemm2.rows, gemm2.shape, gemm=2, code=gemm2.weights.code)
         if not (isinstance(v1, DecodeVariant) and isinstance(v2, DecodeVariant)) or v1.tile_rows != v2.tile_rows:
