@@ -174,7 +174,7 @@ def test_no_local_expert_routed_gives_zeros_where_gemm2_finalizes(tokens, graph)
                                                                  seed=6, graph=graph, engine="sm90")
     executor = get_executor(config, weights, top_k=2, activation=act, local_expert_start=start)
     chain = executor.stages(executor.bucket(tokens), CallerInputs(acts, r, got))
-    assert chain[-1].name == "gemm2+finalize", [stage.name for stage in chain]
+    assert chain[-1].name.endswith("gemm2+finalize"), [stage.name for stage in chain]  # alone or after GEMM1
     # With a graph, the second call with the same tensors captures the full-call graph and the third replays it.
     for _ in range(2 if graph else 1):
         got.fill_(float("nan"))
