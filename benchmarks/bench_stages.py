@@ -82,15 +82,14 @@ def stage_times(
     gemm_bytes = {"gemm1": gemm1_bytes, "gemm2": gemm1_bytes / 2}
     gemm2_flops = 2 * batch[0].shape[0] * m.top_k * m.hidden * m.intermediate
     gemm_flops = {"gemm1": 2 * gemm2_flops, "gemm2": gemm2_flops}
-    # per GEMM column: the stage holding that GEMM alone, or (both GEMMs in one stage) that stage for both GEMMs
+    # per GEMM column: the stage holding that GEMM, over the bytes and FLOPs of every GEMM that stage holds (both, for
+    # the two in one stage)
     rates, tflops = [], []
-    for name, t in times.items():
+    for gemm in gemm_bytes:
+        name, t = next((name, t) for name, t in times.items() if gemm in name)
         held = [g for g in gemm_bytes if g in name]
-        if held:
-            rates.append(sum(gemm_bytes[g] for g in held) / t / 1e3)  # bytes / us / 1e3 = GB/s
-            tflops.append(sum(gemm_flops[g] for g in held) / t / 1e6)  # FLOP / us / 1e6 = TFLOP/s
-    if len(rates) == 1:
-        rates, tflops = rates * 2, tflops * 2
+        rates.append(sum(gemm_bytes[g] for g in held) / t / 1e3)  # bytes / us / 1e3 = GB/s
+        tflops.append(sum(gemm_flops[g] for g in held) / t / 1e6)  # FLOP / us / 1e6 = TFLOP/s
     cells = [*(times.get(name) for name in STAGES), sum(times.values()), kernel_launches(graph), whole, *rates, *tflops]
     return cells, chain, call_chain(config, weights, executor, batch, timer, gemm_bytes)
 

@@ -456,6 +456,15 @@ def token_operands(tokens: Nvfp4Activations | torch.Tensor) -> tuple[torch.Tenso
     return tokens, None
 
 
+def _clear_handoff(handoff: TileHandoff) -> None:
+    """After GEMM1 of a tile handoff was enqueued and GEMM2 failed to launch: wait for GEMM1 and zero the counters it
+    set, so that the next call's GEMM2 waits for its own GEMM1 (nothing ran while a graph captures)."""
+    if not torch.cuda.is_current_stream_capturing():
+        torch.cuda.current_stream().synchronize()
+        handoff.done.zero_()
+        handoff.passed.zero_()
+
+
 class _BucketStages(LayerStages):
     """The stages of one executor's call on one bucket (cudnn_moe.engines.base.LayerStages); with the caller's
     inputs, the decode chain's sort + permute also stages them, and with the caller's output its GEMM2 may also
@@ -532,11 +541,41 @@ class _BucketStages(LayerStages):
         self.staging = Stage("stage+sort+permute+gemm1+activation", lambda: x.engine.gemm(operands))
         return self.staging
 
-    def gemm2(self, handoff: TileHandoff | None = None) -> Stage:
+    def gemm2(self) -> Stage:
+        return self._gemm2(None)
+
+    def gemm2_finalize(self) -> Stage | None:
+        return self._gemm2_finalize(None)
+
+    def gemm1_gemm2(self) -> Stage | None:
+        x, b = self.x, self.b
+        handoff = x.engine.tile_handoff(b.gemm1, b.gemm2)
+        if handoff is None:
+            return None
+        first = self._gemm1_activation(gather=False, handoff=handoff)
+        second = self._gemm2_finalize(handoff) or self._gemm2(handoff)
+
+        def launch() -> None:
+            first.launch()
+            try:
+                second.launch()
+            except BaseException:
+                _clear_handoff(handoff)
+                raise
+
+        pair = Stage(f"{first.name}+{second.name}", launch)
+        if second is self.finishing:
+            self.finishing = pair
+        return pair
+
+    # The stages below take a TileHandoff only as the two halves of gemm1_gemm2's one stage: launched alone, a GEMM2
+    # that waits for it would never start, and a GEMM1 that signals it would leave its counters set.
+
+    def _gemm2(self, handoff: TileHandoff | None) -> Stage:
         operands = replace(self.b.gemm2, handoff=handoff)
         return Stage("gemm2", lambda: self.x.engine.gemm(operands))
 
-    def gemm2_finalize(self, handoff: TileHandoff | None = None) -> Stage | None:
+    def _gemm2_finalize(self, handoff: TileHandoff | None) -> Stage | None:
         x, b = self.x, self.b
         out = None if self.caller is None else self.caller.out
         if out is None or not x.engine.can_finalize(b.gemm2, out.shape[0]):
@@ -545,23 +584,6 @@ class _BucketStages(LayerStages):
                            handoff=handoff)
         self.finishing = Stage("gemm2+finalize", lambda: x.engine.gemm(operands))
         return self.finishing
-
-    def gemm1_gemm2(self) -> Stage | None:
-        x, b = self.x, self.b
-        handoff = x.engine.tile_handoff(b.gemm1, b.gemm2)
-        if handoff is None:
-            return None
-        first = self.gemm1_activation(gather=False, handoff=handoff)
-        second = self.gemm2_finalize(handoff) or self.gemm2(handoff)
-
-        def launch() -> None:
-            first.launch()
-            second.launch()
-
-        pair = Stage(f"{first.name}+{second.name}", launch)
-        if second is self.finishing:
-            self.finishing = pair
-        return pair
 
     def _token_rows(self) -> torch.Tensor:
         """The natural BF16 token rows gemm1_activation gathers from: the bucket's BF16 tokens, or the x_rows its
@@ -581,7 +603,10 @@ class _BucketStages(LayerStages):
             return EarlyRouting(ids, routing_format, self.x.local_expert_start)
         return EarlyRouting(self.b.ids, kernels.ROUTING_FP32, self.x.local_expert_start)
 
-    def gemm1_activation(self, gather: bool, handoff: TileHandoff | None = None) -> Stage:
+    def gemm1_activation(self, gather: bool) -> Stage:
+        return self._gemm1_activation(gather, None)
+
+    def _gemm1_activation(self, gather: bool, handoff: TileHandoff | None) -> Stage:
         x, b = self.x, self.b
         operands = replace(
             b.gemm1,

@@ -68,15 +68,15 @@ using namespace sm90;
 // written; SM90_AWAIT (GEMM2: no SM90_ACT, SM90_ROUTE or SM90_EARLY) does not wait for GEMM1 to complete: it triggers
 // its dependents, finds its tile, issues its weight ring's first loads, and waits (thread 0, acquire at GPU scope) until
 // handoff_done[t] holds GEMM1's CTAs of that tile (handoff_producers: GEMM1's feature blocks; both GEMMs' tiles of the
-// same rows), then reads its token rows from L2. So GEMM2's CTAs compute the tiles GEMM1 has finished while GEMM1's
-// last CTAs still run. GEMM2 then reads before GEMM1 has completed what kernels before GEMM1 wrote (the offsets, the
+// same rows), then reads its token rows with weak loads (load_token_piece). So GEMM2's CTAs compute the tiles GEMM1
+// has finished while GEMM1's last CTAs still run. GEMM2 then reads before GEMM1 has completed what kernels before GEMM1 wrote (the offsets, the
 // finalize's slots and weights): their writers must have completed before GEMM1 passed its own dependency wait (the
 // sort launch before GEMM1), which GEMM2's launch follows. The last of a tile's GEMM2 CTAs (handoff_passed[t] counts
 // them) zeroes both counters for the next launch: int32 [tiles] each, zero before the pair and after it. No wait can
 // starve: GEMM2 launches only once every GEMM1 CTA has triggered its dependents (at its start), so each producer is
 // resident or done when a consumer waits; without PDL GEMM2 starts after GEMM1 and never waits.
-#if defined(SM90_SIGNAL) && (!defined(SM90_ACT) || defined(SM90_AWAIT))
-#error "SM90_SIGNAL is for GEMM1 with the activation epilogue (SM90_ACT)"
+#if defined(SM90_SIGNAL) && (!defined(SM90_ACT) || defined(SM90_AWAIT) || defined(SM90_ROUTE))
+#error "SM90_SIGNAL is for GEMM1 with the activation epilogue (SM90_ACT), without SM90_ROUTE (it writes the offsets)"
 #endif
 #if defined(SM90_AWAIT) && (defined(SM90_ACT) || defined(SM90_ROUTE) || defined(SM90_EARLY))
 #error "SM90_AWAIT is for GEMM2 (no SM90_ACT, SM90_ROUTE or SM90_EARLY)"
@@ -296,7 +296,7 @@ __device__ __forceinline__ uint4 load_token_piece(const u8* p) {
 #ifdef SM90_ROUTE
   return *reinterpret_cast<const uint4*>(p);
 #elif defined(SM90_AWAIT)
-  uint4 v;
+  uint4 v;  // volatile: kept after await_tile's barrier (a volatile asm and __syncthreads are never reordered)
   asm volatile("ld.global.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
   return v;
 #else
@@ -444,9 +444,11 @@ __device__ __forceinline__ void await_tile(int* done, int* passed, int producers
       if (seen >= producers) break;
       __nanosleep(32);
     }
-    if (atomicAdd(passed + t, 1) == static_cast<int>(gridDim.x) - 1) {  // the tile's last consumer
-      done[t] = 0;
-      passed[t] = 0;
+    int before;  // acq_rel: the other consumers' reads of done[t] come before the last one's reset
+    asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;" : "=r"(before) : "l"(passed + t) : "memory");
+    if (before == static_cast<int>(gridDim.x) - 1) {  // the tile's last consumer
+      asm volatile("st.relaxed.gpu.global.s32 [%0], 0;" ::"l"(done + t) : "memory");
+      asm volatile("st.relaxed.gpu.global.s32 [%0], 0;" ::"l"(passed + t) : "memory");
     }
   }
   __syncthreads();

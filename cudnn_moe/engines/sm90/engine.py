@@ -262,8 +262,10 @@ class Sm90GemmEngine(GemmEngine):
 
     def workspace_bytes(self, rows: int, shape: GemmShape) -> int:
         """A decode GEMM's finalize tickets (int32, one per feature block of the narrowest variant, from the start),
-        and the tile handoff's two counters per tile (int32, at the end: tile_handoff), all zero between launches."""
-        return 4 * (shape.n // 16) + 8 * _handoff_tiles(rows, shape.num_experts)
+        and in buckets that may hand off (tile_handoff) two counters per tile (int32, at the end), all zero between
+        launches."""
+        handoff = _slots(rows, shape.num_experts) <= _HANDOFF_MAX_SLOTS
+        return 4 * (shape.n // 16) + (8 * _handoff_tiles(rows, shape.num_experts) if handoff else 0)
 
     def can_finalize(self, operands: GemmOperands, tokens: int) -> bool:
         """GEMM2 on the decode kernel in one wave of CTAs (_DECODE_CTA_THREADS_PER_SM), the CTA that finalizes a
@@ -281,8 +283,10 @@ class Sm90GemmEngine(GemmEngine):
     def tile_handoff(self, gemm1: GemmOperands, gemm2: GemmOperands) -> TileHandoff | None:
         """Both GEMMs on the decode kernel with the same token tiles, in buckets of at most _HANDOFF_MAX_SLOTS slots:
         the counters at the end of the bucket's workspace (workspace_bytes) and GEMM1's feature blocks as the producers
-        of each tile."""
-        if _slots(gemm2.rows, gemm2.shape.num_experts) > _HANDOFF_MAX_SLOTS:
+        of each tile. Not for row-major weights (the aligned op read in place: not measured, and its split-K finalizing
+        GEMM2 would spill 36 bytes with the wait instead of 20)."""
+        if (_slots(gemm2.rows, gemm2.shape.num_experts) > _HANDOFF_MAX_SLOTS
+                or gemm2.weights.code is BlockCode.NVFP4_ROWS):
             return None
         v1 = self.variant(gemm1.rows, gemm1.shape, gemm=1, code=gemm1.weights.code)
         v2 = self.variant(gemm2.rows, gemm2.shape, gemm=2, code=gemm2.weights.code)
@@ -317,17 +321,18 @@ class Sm90GemmEngine(GemmEngine):
         fusion = layer.gemm1_fusion
         if fusion.gather:
             return [layer.sort(), layer.gemm1_activation(gather=True), layer.gemm2()]
+        def tail() -> Stage:  # GEMM2, finalizing where the layer offers it
+            return layer.gemm2_finalize() or layer.gemm2()
+
         routed_gemm1 = layer.gemm1_routed() if fusion.epilogue else None
         if routed_gemm1 is not None:
-            return [routed_gemm1, layer.gemm2_finalize() or layer.gemm2()]
+            return [routed_gemm1, tail()]
         routed = layer.sort_permute()
         head = [routed] if routed is not None else [layer.sort(), layer.permute()]
-        if fusion.epilogue:
-            pair = layer.gemm1_gemm2()
-            if pair is not None:
-                return [*head, pair]
-            return [*head, layer.gemm1_activation(gather=False), layer.gemm2_finalize() or layer.gemm2()]
-        return [*head, layer.gemm1(), layer.activation(), layer.gemm2_finalize() or layer.gemm2()]
+        if not fusion.epilogue:
+            return [*head, layer.gemm1(), layer.activation(), tail()]
+        pair = layer.gemm1_gemm2()
+        return [*head, pair] if pair is not None else [*head, layer.gemm1_activation(gather=False), tail()]
 
     def variant(self, rows: int, shape: GemmShape, *, gemm: int, code: BlockCode = BlockCode.NVFP4) -> GemmVariant:
         """The kernel variant GEMM ``gemm`` (1 or 2) of a bucket with ``rows`` rows runs: on the wgmma kernel, GEMM1
@@ -357,7 +362,7 @@ class Sm90GemmEngine(GemmEngine):
         w, gather, epilogue, finalize = operands.weights, operands.gather, operands.epilogue, operands.finalize
         route = operands.route
         variant = self.variant(operands.rows, operands.shape, gemm=operands.gemm, code=w.code)
-        tickets = None if finalize is None else operands.workspace.view(torch.int32)
+        tickets = None if finalize is None else operands.workspace.view(torch.int32)[: operands.shape.n // 16]
         mxint4 = w.code is BlockCode.MXINT4
         grouped_gemm(w.data, w.scales, w.alpha, operands.tokens.data if gather is None and route is None else None,
                      operands.offsets, operands.out if epilogue is None else None, variant,

@@ -505,6 +505,10 @@ def grouped_gemm(
             raise ValueError(f"the output must not overlap {name}")
     if finalize is not None and any(_overlap(finalize.out, named[name]) for name in named if name != "finalize.out"):
         raise ValueError("finalize.out must not overlap the GEMM's other tensors")
+    for counter in ("handoff.done", "handoff.passed"):
+        if counter in named and any(_overlap(named[counter], t) for name, t in named.items()
+                                    if not name.startswith("handoff.")):
+            raise ValueError(f"{counter} must not overlap the GEMM's other tensors")
     if rows == 0:
         return
     args = (ptr(w_tiles, 16), ptr(w_tile_scales, 16), ptr(alpha, 4), ptr(None if route is not None else tokens, 16),
@@ -672,8 +676,9 @@ def _check_handoff(handoff: TileHandoff, grid: tuple[int, int], signals: bool) -
         named[f"handoff.{name}"] = (t, 4)
     if _overlap(named["handoff.done"][0], named["handoff.passed"][0]):
         raise ValueError("handoff.done and handoff.passed must not overlap")
-    if not signals and (not isinstance(handoff.producers, int) or handoff.producers < 1):
-        raise ValueError(f"handoff.producers must be an int >= 1 (GEMM1's CTAs per tile), got {handoff.producers!r}")
+    if not isinstance(handoff.producers, int) or handoff.producers < 1 or (signals and handoff.producers != grid[0]):
+        expected = f"this GEMM1's {grid[0]} feature blocks" if signals else "GEMM1's CTAs per tile, >= 1"
+        raise ValueError(f"handoff.producers must be {expected}, got {handoff.producers!r}")
     return named
 
 

@@ -342,3 +342,48 @@ def test_tile_handoff_repeats(tokens: int, experts: int, top_k: int) -> None:
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out.view(torch.int16), want.view(torch.int16)), f"replay {i}"
+
+
+def test_tile_handoff_recovers_from_a_failed_gemm2(monkeypatch: pytest.MonkeyPatch) -> None:
+    """GEMM2 of the handoff pair raising after GEMM1 was enqueued (a failed check or compile): the stage waits for
+    GEMM1 and zeroes the counters it set, so the next call's GEMM2 waits for its own GEMM1 and matches the unfused
+    chain bit for bit."""
+    tokens, experts, top_k, hidden, inter = 8, 64, 8, 512, 256
+    gen, w1, w2 = _layer(experts, hidden, inter, SwiGLU(), seed=41)
+    config = Nvfp4MoeConfig(max_num_tokens=tokens, engine="sm90")
+    weights = config.prepare_weights(w1, w2, activation=SwiGLU())
+    executor = MoeExecutor(weights, engine_for(weights.spec, weights.device), top_k=top_k, activation=SwiGLU(),
+                           local_expert_start=0, max_num_tokens=tokens)
+    bucket = executor.bucket(tokens)
+    acts = config.prepare_activations(torch.randn(tokens, hidden, generator=gen).cuda().bfloat16())
+    bucket.x.copy_(acts.packed)
+    bucket.x_scales.copy_(acts.scales.view(torch.uint8))
+    bucket.ids.copy_(_ids(tokens, experts, top_k, gen, hot=False).cuda())
+    chain = executor.stages(bucket)
+    assert [name for name, _ in chain] == ["sort+permute", "gemm1+activation+gemm2"]
+    engine = executor.engine
+    gemm = engine.gemm
+
+    def failing(operands) -> None:
+        if operands.gemm == 2:
+            raise RuntimeError("GEMM2 refused")
+        gemm(operands)
+
+    monkeypatch.setattr(engine, "gemm", failing)
+    with pytest.raises(RuntimeError, match="GEMM2 refused"):
+        for _, launch in chain:
+            launch()
+    torch.cuda.synchronize()
+    assert not bucket.gemm2.workspace.view(torch.int32).any(), "the counters GEMM1 set must be zeroed"
+    monkeypatch.setattr(engine, "gemm", gemm)
+    _poison(bucket.gemm2.out)
+    for _, launch in chain:
+        launch()
+    got = _bits(bucket.gemm2.out).clone()
+    stages = _BucketStages(executor, bucket)
+    _poison(bucket.gemm2.out)
+    for _, launch in (stages.gemm1_activation(gather=False), stages.gemm2()):
+        launch()
+    used = int(bucket.offsets[-1].item())
+    assert used > 0 and torch.equal(got[:used], _bits(bucket.gemm2.out[:used]))
+    assert not bucket.gemm2.out[:used].isnan().any()

@@ -6,6 +6,7 @@ the finalize tickets; the forms compile for sm_90a and sm_100a without spills.""
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 from typing import Any
 
@@ -34,8 +35,8 @@ def test_handoff_passes_its_counters_and_compiles_in(launches: list[tuple]) -> N
     """GEMM1 (an epilogue) signals: DEC_HANDOFF_PARAMS' one counter, SM90_SIGNAL; GEMM2 awaits: both counters and the
     producers, SM90_AWAIT."""
     signature = len(_signatures()["sm90_gemm_decode"])
-    gemm1 = {**_early_args(), "early": None}
-    sm90.grouped_gemm(**gemm1, handoff=_handoff())
+    gemm1 = {**_early_args(), "early": None}  # N = 256 on 128-feature CTAs: two per tile
+    sm90.grouped_gemm(**gemm1, handoff=_handoff(producers=2))
     sm90.grouped_gemm(**_gemm_args(), variant=sm90.DecodeVariant(2, 4, 1, 1, 4), handoff=_handoff(producers=5))
     (_, _, _, _, _, first), first_kwargs = launches[0]
     (_, _, _, _, _, second), second_kwargs = launches[1]
@@ -57,7 +58,17 @@ _BAD = [
     ("overlapping counters", lambda a: a.update(handoff=replace(a["handoff"], passed=a["handoff"].done)), ValueError,
      "overlap"),
     ("no producers", lambda a: a.update(handoff=_handoff(producers=0)), ValueError, "handoff.producers"),
+    ("counters in the output", lambda a: a.update(handoff=TileHandoff(a["out"].view(torch.int32).view(-1)[:16],
+                                                                      torch.zeros(16, dtype=torch.int32), 3)),
+     ValueError, "handoff.done must not overlap"),
 ]
+
+
+def test_signalling_gemm1_checks_its_producers(launches: list[tuple]) -> None:
+    """GEMM1's own feature blocks are the producers GEMM2 waits for: any other count is refused."""
+    with pytest.raises(ValueError, match="handoff.producers must be this GEMM1's 2 feature blocks"):
+        sm90.grouped_gemm(**{**_early_args(), "early": None}, handoff=_handoff(producers=3))
+    assert not launches
 
 
 @pytest.mark.parametrize("name,mutate,error,needle", _BAD, ids=[b[0] for b in _BAD])
@@ -94,7 +105,7 @@ def test_engine_hands_off_decode_tiles_in_its_workspace(rows: int, experts: int)
     assert handoff.done.data_ptr() >= ints.data_ptr() + 4 * (2048 // 16)  # clear of the widest GEMM's tickets
 
 
-@pytest.mark.parametrize("rows,experts", [(8192, 8), (1408, 128), (576, 128)])  # wgmma; 512 and 128 slots
+@pytest.mark.parametrize("rows,experts", [(8192, 8), (1408, 128), (576, 128)])  # wgmma; 512 and 72 slots
 def test_engine_hands_off_small_decode_buckets_only(rows: int, experts: int) -> None:
     """Past 64 slots (T = 8 at top-8) the handoff measured no gain (Qwen3-30B-A3B T=64 lost 1-2 us), and wgmma
     buckets never hand off."""
@@ -109,15 +120,28 @@ def test_engine_hands_off_small_decode_buckets_only(rows: int, experts: int) -> 
     assert engine.tile_handoff(_Ops(GemmShape(2048, 1536, experts)), _Ops(GemmShape(768, 2048, experts))) is None
 
 
+_FORMS = ["-DSM90_SIGNAL=1", "-DSM90_AWAIT=1", "-DSM90_AWAIT=1 -DSM90_FINALIZE=1"]
+# (variant, arch, weights form, spill bytes allowed): MXINT4's SwiGLU forms spill 8 bytes with or without the signal,
+# and its finalizing GEMM2 4 bytes with the wait (none without). Row-major weights never hand off (tile_handoff).
+_COMPILED = [(v, "90a", "", 0) for v in (sm90_engine._WIDE, sm90_engine._SPLIT, sm90_engine._SPLIT_DEEP,
+                                          sm90_engine._MID)] + [
+    (sm90_engine._WIDE, "100a", "", 0),
+    (sm90_engine._BF16, "90a", "", 0),
+    (sm90_engine._SPLIT, "90a", "-DSM90_W_INT4=1", 8),
+    (sm90_engine._WIDE, "90a", "-DSM90_W_INT4=1", 8),
+]
+
+
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found")
-@pytest.mark.parametrize("form", ["-DSM90_SIGNAL=1", "-DSM90_AWAIT=1", "-DSM90_AWAIT=1 -DSM90_FINALIZE=1"])
-@pytest.mark.parametrize("variant,arch", [(sm90_engine._WIDE, "90a"), (sm90_engine._SPLIT, "90a"),
-                                          (sm90_engine._MID, "90a"), (sm90_engine._WIDE, "100a")], ids=str)
-def test_handoff_forms_compile_without_spills(variant: sm90.DecodeVariant, arch: str, form: str) -> None:
-    options = (*variant.options(), *form.split())
+@pytest.mark.parametrize("form", _FORMS)
+@pytest.mark.parametrize("variant,arch,weights,spill", _COMPILED, ids=str)
+def test_handoff_forms_compile_within_their_spills(variant: sm90.DecodeVariant, arch: str, weights: str, spill: int,
+                                                   form: str) -> None:
+    options = (*variant.options(), *weights.split(), *form.split())
     if "SIGNAL" in form:
         options += sm90.epilogue_options(SwiGLU())
     result = _nvcc(SM90_DIR / "grouped_gemm.cu", arch, options)
     assert result.returncode == 0, result.stderr
     report = result.stderr.split(f"Compiling entry function '{variant.kernel}'")[1].split("Compiling entry")[0]
-    assert " 0 bytes spill stores" in report, report
+    spilled = int(re.search(r"(\d+) bytes spill stores", report).group(1))
+    assert spilled <= spill, report
