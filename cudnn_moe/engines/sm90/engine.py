@@ -321,6 +321,7 @@ class Sm90GemmEngine(GemmEngine):
         fusion = layer.gemm1_fusion
         if fusion.gather:
             return [layer.sort(), layer.gemm1_activation(gather=True), layer.gemm2()]
+
         def tail() -> Stage:  # GEMM2, finalizing where the layer offers it
             return layer.gemm2_finalize() or layer.gemm2()
 
