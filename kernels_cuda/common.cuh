@@ -33,19 +33,19 @@ typedef unsigned long long u64;
 // right after lets the next kernel of the stream launch (and reach its own wait) while this one works;
 // it is a scheduling hint only, never a visibility point. Both are no-ops when the launch had no
 // attribute, and compile to nothing before sm_90.
-__device__ __forceinline__ void grid_dependency_begin() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
-
-// The trigger alone, for the one kernel that orders its reads of the previous kernel's writes itself instead of
+// The trigger alone, also for the one kernel that orders its reads of the previous kernel's writes itself instead of
 // waiting for it to complete: the SM90 decode GEMM2 with the tile handoff (SM90_AWAIT, sm90/grouped_gemm.cu).
 __device__ __forceinline__ void grid_dependency_trigger() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
+}
+
+__device__ __forceinline__ void grid_dependency_begin() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+  grid_dependency_trigger();
 }
 
 // ---------------------------------------------------------------------------

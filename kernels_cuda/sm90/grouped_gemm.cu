@@ -69,9 +69,9 @@ using namespace sm90;
 // its dependents, finds its tile, issues its weight ring's first loads, and waits (thread 0, acquire at GPU scope) until
 // handoff_done[t] holds GEMM1's CTAs of that tile (handoff_producers: GEMM1's feature blocks; both GEMMs' tiles of the
 // same rows), then reads its token rows with weak loads (load_token_piece). So GEMM2's CTAs compute the tiles GEMM1
-// has finished while GEMM1's last CTAs still run. GEMM2 then reads before GEMM1 has completed what kernels before GEMM1 wrote (the offsets, the
-// finalize's slots and weights): their writers must have completed before GEMM1 passed its own dependency wait (the
-// sort launch before GEMM1), which GEMM2's launch follows. The last of a tile's GEMM2 CTAs (handoff_passed[t] counts
+// has finished while GEMM1's last CTAs still run. GEMM2 then reads before GEMM1 has completed what kernels before
+// GEMM1 wrote (the offsets, the finalize's slots and weights): their writers must have completed before GEMM1 passed
+// its own dependency wait (the sort launch before GEMM1), which GEMM2's launch follows. The last of a tile's GEMM2 CTAs (handoff_passed[t] counts
 // them) zeroes both counters for the next launch: int32 [tiles] each, zero before the pair and after it. No wait can
 // starve: GEMM2 launches only once every GEMM1 CTA has triggered its dependents (at its start), so each producer is
 // resident or done when a consumer waits; without PDL GEMM2 starts after GEMM1 and never waits.

@@ -506,8 +506,7 @@ def grouped_gemm(
     if finalize is not None and any(_overlap(finalize.out, named[name]) for name in named if name != "finalize.out"):
         raise ValueError("finalize.out must not overlap the GEMM's other tensors")
     for counter in ("handoff.done", "handoff.passed"):
-        if counter in named and any(_overlap(named[counter], t) for name, t in named.items()
-                                    if not name.startswith("handoff.")):
+        if counter in named and any(_overlap(named[counter], t) for name, t in named.items() if name != counter):
             raise ValueError(f"{counter} must not overlap the GEMM's other tensors")
     if rows == 0:
         return
@@ -665,17 +664,16 @@ def _early_args(early: EarlyRouting) -> tuple:
 
 
 def _check_handoff(handoff: TileHandoff, grid: tuple[int, int], signals: bool) -> dict[str, tuple[torch.Tensor, int]]:
-    """The handoff's counters, checked against the launch's grid (tiles; GEMM2: GEMM1's CTAs per tile)."""
+    """The handoff's counters, checked against the launch's grid (tiles; GEMM1: its CTAs per tile); grouped_gemm
+    checks that they overlap nothing."""
     named = {}
     for name in ("done", "passed"):
         t = _tensor(f"handoff.{name}", getattr(handoff, name))
-        _check(f"handoff.{name}", t, (torch.int32,), tuple(t.shape))
-        if t.dim() != 1 or t.shape[0] < grid[1] or not t.is_contiguous():
+        _check(f"handoff.{name}", t, (torch.int32,), tuple(t.shape))  # dtype, contiguity
+        if t.dim() != 1 or t.shape[0] < grid[1]:
             raise ValueError(f"handoff.{name} must be contiguous int32 [>= {grid[1]}] (a counter per tile), got "
                              f"{list(t.shape)}")
         named[f"handoff.{name}"] = (t, 4)
-    if _overlap(named["handoff.done"][0], named["handoff.passed"][0]):
-        raise ValueError("handoff.done and handoff.passed must not overlap")
     if not isinstance(handoff.producers, int) or handoff.producers < 1 or (signals and handoff.producers != grid[0]):
         expected = f"this GEMM1's {grid[0]} feature blocks" if signals else "GEMM1's CTAs per tile, >= 1"
         raise ValueError(f"handoff.producers must be {expected}, got {handoff.producers!r}")

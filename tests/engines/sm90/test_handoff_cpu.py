@@ -26,6 +26,14 @@ from tests.support.kernel_sources import NVCC
 SM90_DIR = kernels_dir() / "sm90"
 
 
+class _Ops:
+    """The fields of a bucket's GemmOperands that Sm90GemmEngine.tile_handoff reads."""
+
+    def __init__(self, rows: int, shape: GemmShape, workspace: torch.Tensor) -> None:
+        self.rows, self.shape, self.workspace = rows, shape, workspace
+        self.weights = type("W", (), {"code": sm90_engine.BlockCode.NVFP4})()
+
+
 def _handoff(tiles: int = 16, producers: int = 3) -> TileHandoff:
     counters = torch.zeros(2 * tiles, dtype=torch.int32)
     return TileHandoff(counters[:tiles], counters[tiles:], producers)
@@ -89,13 +97,7 @@ def test_engine_hands_off_decode_tiles_in_its_workspace(rows: int, experts: int)
     shape1, shape2 = GemmShape(2048, 1536, experts), GemmShape(768, 2048, experts)
     size = max(engine.workspace_bytes(rows, shape1), engine.workspace_bytes(rows, shape2))
     workspace = torch.zeros(size, dtype=torch.uint8)
-
-    class _Ops:  # the fields tile_handoff reads
-        def __init__(self, shape: GemmShape) -> None:
-            self.rows, self.shape, self.workspace = rows, shape, workspace
-            self.weights = type("W", (), {"code": sm90_engine.BlockCode.NVFP4})()
-
-    handoff = engine.tile_handoff(_Ops(shape1), _Ops(shape2))
+    handoff = engine.tile_handoff(_Ops(rows, shape1, workspace), _Ops(rows, shape2, workspace))
     v1 = engine.variant(rows, shape1, gemm=1)
     assert handoff is not None and handoff.producers == 1536 // v1.feature_block
     tiles = sm90.gemm_grid(v1, experts, shape1.n, rows)[1]
@@ -111,13 +113,9 @@ def test_engine_hands_off_small_decode_buckets_only(rows: int, experts: int) -> 
     buckets never hand off."""
     engine = sm90_engine.Sm90GemmEngine.__new__(sm90_engine.Sm90GemmEngine)
     engine.sm_count = 132
-
-    class _Ops:
-        def __init__(self, shape: GemmShape) -> None:
-            self.rows, self.shape, self.workspace = rows, shape, torch.zeros(1 << 20, dtype=torch.uint8)
-            self.weights = type("W", (), {"code": sm90_engine.BlockCode.NVFP4})()
-
-    assert engine.tile_handoff(_Ops(GemmShape(2048, 1536, experts)), _Ops(GemmShape(768, 2048, experts))) is None
+    workspace = torch.zeros(1 << 20, dtype=torch.uint8)
+    shapes = GemmShape(2048, 1536, experts), GemmShape(768, 2048, experts)
+    assert engine.tile_handoff(*(_Ops(rows, shape, workspace) for shape in shapes)) is None
 
 
 _FORMS = ["-DSM90_SIGNAL=1", "-DSM90_AWAIT=1", "-DSM90_AWAIT=1 -DSM90_FINALIZE=1"]
