@@ -18,6 +18,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 import bench_moe  # noqa: E402
 import bench_stages  # noqa: E402
 import probe_pdl  # noqa: E402
+import probe_timeline  # noqa: E402
 import probe_weight_stream  # noqa: E402
 import profile_call  # noqa: E402
 import tune_sm90  # noqa: E402
@@ -89,7 +90,7 @@ def test_bad_arguments_exit_2(argv: list[str]) -> None:
 
 @pytest.mark.parametrize("script, option", [(bench_moe, "--engines"), (bench_stages, "--engines"),
                                             (profile_call, "--engines"), (probe_pdl, "--spin-us"),
-                                            (probe_weight_stream, "--forms")])
+                                            (probe_weight_stream, "--forms"), (probe_timeline, "--tokens")])
 def test_help(script: object, option: str, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
         script.main(["--help"])
@@ -98,10 +99,26 @@ def test_help(script: object, option: str, capsys: pytest.CaptureFixture[str]) -
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without a GPU")
-@pytest.mark.parametrize("script", [bench_moe, bench_stages, profile_call, probe_pdl, probe_weight_stream])
+@pytest.mark.parametrize("script", [bench_moe, bench_stages, profile_call, probe_pdl, probe_weight_stream,
+                                    probe_timeline])
 def test_main_without_gpu_returns_2(script: object, capsys: pytest.CaptureFixture[str]) -> None:
     assert script.main([]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_timeline_splits_replays_at_the_flushes() -> None:
+    """The kernels after each flush form one replay; each launch's start and end are medians over the replays, from
+    the replay's first start; a replay with another kernel count than the graph's is refused."""
+    flush = lambda name: "fill" in name.lower()  # noqa: E731
+    kernels = [("FillFunctor", 0, 900), ("sort", 1000, 6000), ("gemm", 2000, 40000),
+               ("FillFunctor", 50000, 50900), ("gemm", 53000, 90000), ("sort", 51000, 57000)]
+    replays = probe_timeline.split_replays(kernels, flush, launches=2)
+    assert [[k[0] for k in r] for r in replays] == [["sort", "gemm"], ["sort", "gemm"]]
+    assert probe_timeline.spans(replays) == [("sort", 0.0, 5.5), ("gemm", 1.5, 39.0)]
+    with pytest.raises(RuntimeError, match="expected 3 kernels"):
+        probe_timeline.split_replays(kernels, flush, launches=3)
+    with pytest.raises(RuntimeError, match="no flush"):
+        probe_timeline.split_replays(kernels[1:3], flush, launches=2)
 
 
 def test_weight_stream_forms() -> None:
