@@ -187,7 +187,8 @@ SHAPES = {
 PAIRS = sorted({shape.rsplit("-", 1)[0] for shape in SHAPES})  # layers with both GEMMs in SHAPES
 FORMS = ["tiles:4", "rows:1:2", "rowsh:1:2", "rows:2:2", "rows:4:1", "bulk:128:2", "bulk:128:4", "bulk:256:2",
          "bulk:512:1", "slab:4"]
-WARP_FORMS = {"2,4,1": (2, 4, 1), "2,2,2": (2, 2, 2), "1,4,1": (1, 4, 1), "2,2,1": (2, 2, 1)}  # (MT, WM, WK)
+WARP_FORMS = {"2,4,1": (2, 4, 1), "2,2,2": (2, 2, 2), "1,4,1": (1, 4, 1), "2,2,1": (2, 2, 1), "3,4,1": (3, 4, 1),
+              "4,4,1": (4, 4, 1), "4,2,2": (4, 2, 2), "3,2,2": (3, 2, 2)}  # (MT, WM, WK)
 CAP_SMEM = 52 * 1024  # at least this much shared memory a CTA: at most four CTAs an SM
 MAX_SMEM = 220 * 1024  # dynamic shared memory a CTA may ask (227 KB less the static barriers, with margin)
 SMEM_PER_SM = 228 * 1024

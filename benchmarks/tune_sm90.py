@@ -29,6 +29,10 @@ from cudnn_moe.engines.base import ActivationEpilogue, GemmOperands, RowGather, 
 from cudnn_moe.engines.sm90.kernels import DecodeVariant, PrefillVariant, WgmmaVariant, grouped_gemm  # noqa: E402
 
 DECODE = [
+    DecodeVariant(mt=4, wm=2, wk=1, nt=1, prefetch=2),
+    DecodeVariant(mt=4, wm=2, wk=2, nt=1, prefetch=2),
+    DecodeVariant(mt=4, wm=2, wk=4, nt=1, prefetch=2),
+    DecodeVariant(mt=4, wm=1, wk=4, nt=1, prefetch=2),
     DecodeVariant(mt=1, wm=2, wk=4, nt=1, prefetch=4),
     DecodeVariant(mt=1, wm=2, wk=4, nt=1, prefetch=8),
     DecodeVariant(mt=1, wm=4, wk=2, nt=1, prefetch=4),

@@ -10,6 +10,7 @@ DECODE_VARIANTS = [
     sm90.DecodeVariant(mt=1, wm=2, wk=4, nt=2, prefetch=4),
     sm90.DecodeVariant(mt=1, wm=1, wk=8, nt=4, prefetch=2),
     sm90.DecodeVariant(mt=2, wm=4, wk=2, nt=1, prefetch=3),
+    sm90.DecodeVariant(mt=4, wm=2, wk=1, nt=1, prefetch=2),  # four m16 blocks a warp, held to 128 registers
 ]
 # The first prefill variants share the 128 x 128 CTA tile; the others change the tile or decode the
 # weights once per CTA (adec).

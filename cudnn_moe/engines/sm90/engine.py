@@ -71,6 +71,13 @@ _SPLIT_DEEP = DecodeVariant(mt=2, wm=2, wk=4, nt=1, prefetch=4)
 # with less to gain (DeepSeek-V3 T=2 and T=4: 2-12 us slower on _SPLIT) or past the epilogue's CTAs (Mixtral-8x7B
 # T=8: 3584 CTAs, the activation in its own launch, 198 -> 203 us).
 _GEMM1_FILL_GAIN = 0.25
+# GEMM2 of NVFP4 tiles past one wave of _WIDE CTAs takes the same 128-feature CTAs with four m16 blocks a warp and two
+# k64 steps in flight (the same weight bytes in flight, half the loop iterations a byte; 128 registers, four CTAs an
+# SM). GEMMs alone on the H200, us, _WIDE / _WIDE_MT4 (benchmarks/RESULTS.md, twenty-ninth session): Qwen3-30B-A3B
+# T=8 24.4 / 23.2, T=64 45.2 / 40.7; DeepSeek-V3 T=8 135.4 / 132.2, T=64 517.6 / 508.4; in one wave it loses
+# (DeepSeek-V3 T=1 29.6 / 37.0), and GEMM1 with its epilogue loses everywhere (Qwen3-30B-A3B T=8 41.9 on _SPLIT
+# against 48.4).
+_WIDE_MT4 = DecodeVariant(mt=4, wm=2, wk=1, nt=1, prefetch=2)
 # Row-major NVFP4 (BlockCode.NVFP4_ROWS) GEMM1 takes _SPLIT wherever the tiles take _WIDE: a CTA then reads 128
 # contiguous bytes of each of its rows a step, not 64. GEMM1 alone on the H200 (benchmarks/RESULTS.md, twenty-sixth
 # session), us, _WIDE / _SPLIT: Qwen3-30B-A3B T=8 51.5 / 44.8, T=64 101.1 / 96.0; DeepSeek-V3 T=8 369.2 / 339.8,
@@ -143,6 +150,11 @@ def _gemm1_splits(wide: int, split: int, sm_count: int) -> bool:
     gain = _last_wave_fill(split, _SPLIT, sm_count) - _last_wave_fill(wide, _WIDE, sm_count)
     return (wide > _cta_slots(_WIDE, sm_count) and gain >= _GEMM1_FILL_GAIN
             and split <= _DECODE_EPILOGUE_CTAS_PER_SM * sm_count)
+
+
+def _past_one_wave(rows: int, shape: GemmShape, sm_count: int) -> bool:
+    """Whether a decode GEMM of ``shape`` over a bucket of ``rows`` rows takes more _WIDE CTAs than one wave holds."""
+    return decode_ctas(rows, shape, _WIDE) > _cta_slots(_WIDE, sm_count)
 
 
 def choose_variant(rows: int, shape: GemmShape, sm_count: int, gemm: int) -> GemmVariant:
@@ -350,6 +362,8 @@ class Sm90GemmEngine(GemmEngine):
             return _BF16
         if code is BlockCode.NVFP4_ROWS:
             variant = replace(_SPLIT if gemm == 1 and variant == _WIDE else variant, row_major=True)
+        elif code is BlockCode.NVFP4 and gemm == 2 and variant == _WIDE and _past_one_wave(rows, shape, self.sm_count):
+            variant = _WIDE_MT4
         return variant.gathering() if isinstance(variant, WgmmaVariant) and gemm == 1 else variant
 
     def token_layout_for(self, rows: int, shape: GemmShape, *, gemm: int,

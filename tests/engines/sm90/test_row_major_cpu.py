@@ -129,13 +129,15 @@ def _engine() -> sm90_engine.Sm90GemmEngine:
 @pytest.mark.parametrize("gemm", [1, 2])
 def test_engine_runs_row_major_views_on_the_row_major_forms(rows: int, gemm: int) -> None:
     """A row-major view runs the variant a tiled one would, in its row-major form (GEMM1 on the split variant where
-    the tiles take the wide one): the decode kernel reads natural token rows, wgmma the tokens the tile form reads."""
+    the tiles take the wide one, GEMM2 on the wide one where the tiles take its four-block form): the decode kernel
+    reads natural token rows, wgmma the tokens the tile form reads."""
     engine = _engine()
     shape = GemmShape(7168, 4096, 256) if gemm == 1 else GemmShape(2048, 7168, 256)
     tiled = engine.variant(rows, shape, gemm=gemm)
     rows_form = engine.variant(rows, shape, gemm=gemm, code=BlockCode.NVFP4_ROWS)
-    split = gemm == 1 and tiled == sm90_engine._WIDE
-    assert rows_form == replace(sm90_engine._SPLIT if split else tiled, row_major=True)
+    expected = {sm90_engine._WIDE: sm90_engine._SPLIT if gemm == 1 else tiled,
+                sm90_engine._WIDE_MT4: sm90_engine._WIDE}.get(tiled, tiled)
+    assert rows_form == replace(expected, row_major=True)
     layout = engine.token_layout_for(rows, shape, gemm=gemm, code=BlockCode.NVFP4_ROWS)
     if isinstance(tiled, sm90.DecodeVariant):
         assert layout is TokenLayout.BF16_ROWS and "-DSM90_W_ROWS=1" in rows_form.options()

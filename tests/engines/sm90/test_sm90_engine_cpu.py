@@ -201,6 +201,33 @@ def test_gemm2_finalizes_in_one_wave(model, tokens: int, finalizes: bool) -> Non
     assert not engine.can_finalize(SimpleNamespace(rows=rows, shape=shape2, workspace=None, weights=nvfp4), tokens)
 
 
+@pytest.mark.parametrize("model,tokens,four_blocks", [
+    (QWEN3, 1, False), (QWEN3, 4, False), (QWEN3, 8, True), (QWEN3, 64, True), (DEEPSEEK_V3, 1, False),
+    (DEEPSEEK_V3, 8, True), (DEEPSEEK_V3, 64, True),
+])
+def test_gemm2_past_one_wave_takes_four_blocks_a_warp(model, tokens: int, four_blocks: bool) -> None:
+    """GEMM2 of NVFP4 tiles past one wave of 128-feature CTAs (Qwen3-30B-A3B T=8: about 800 of 528 slots; not
+    DeepSeek-V3 T=1: 448) runs them with four m16 blocks a warp and two steps in flight: the same grid and token tiles
+    (so the tile handoff still pairs it with GEMM1), never finalizing; MXINT4 and row-major weights keep two blocks, and
+    GEMM1 never takes it."""
+    engine = Sm90GemmEngine.__new__(Sm90GemmEngine)
+    engine.sm_count = SMS
+    experts, hidden, inter = model
+    rows, shape1 = _bucket(model, tokens)
+    shape2 = GemmShape(inter, hidden, experts)
+    variant = engine.variant(rows, shape2, gemm=2)
+    assert (variant == DecodeVariant(mt=4, wm=2, wk=1, nt=1, prefetch=2)) is four_blocks
+    if four_blocks:
+        wide = choose_variant(rows, shape2, SMS, gemm=2)
+        assert (variant.feature_block, variant.tile_rows) == (wide.feature_block, wide.tile_rows)
+        nvfp4 = SimpleNamespace(code=BlockCode.NVFP4)
+        assert not engine.can_finalize(SimpleNamespace(rows=rows, shape=shape2, workspace=object(), weights=nvfp4),
+                                       tokens)
+        for code in (BlockCode.MXINT4, BlockCode.NVFP4_ROWS):
+            assert engine.variant(rows, shape2, gemm=2, code=code).mt == 2
+    assert engine.variant(rows, shape1, gemm=1).mt == 2
+
+
 @pytest.mark.parametrize("model,tokens,finalizes", [
     (QWEN3, 1, True), (QWEN3, 8, False), (DEEPSEEK_V3, 1, False), (DEEPSEEK_V3, 8, False),
 ])
