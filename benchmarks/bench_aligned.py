@@ -308,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
     report.emit()
     bench = AlignedBench(args, report)
     report.table(AlignedBench.COLUMNS, left=1)
-    run_models(args, bench.model)
+    run_models(args, bench.model, report)
     bench.summary()
     report.write(args.markdown)
     return 0

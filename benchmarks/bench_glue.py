@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     report.emit()
     report.table(["model", "T", "engine", "kernel", "us", "in a chain (us)", "MB", "GB/s", "% of HBM", "floor us"],
                  left=4)
-    run_models(args, lambda m, gen, timer: bench_model(args, report, m, gen, timer))
+    run_models(args, lambda m, gen, timer: bench_model(args, report, m, gen, timer), report)
     report.write(args.markdown)
     return 0
 

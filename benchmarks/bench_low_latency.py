@@ -354,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
     report.table(["model", "T", "format", "engine", "launches", "touched experts", "us", "floor (us)", "ratio",
                   "weights GB/s", "target", "met", "torch FP8 layer (graph) (us)",
                   *(["each engine (us)"] if args.tune else [])], left=4)
-    run_models(args, bench.model)
+    run_models(args, bench.model, report)
     bench.peer_table()
     report.write(args.markdown)
     return 0

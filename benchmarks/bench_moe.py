@@ -265,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     report.emit()
     bench = MoeBench(args, report)
     report.table(bench.columns(), left=1)
-    run_models(args, bench.model)
+    run_models(args, bench.model, report)
     bench.variant_table()
     bench.host_table()
     report.write(args.markdown)

@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
                   "GEMM2 GB/s", "GEMM1 TFLOP/s", "GEMM2 TFLOP/s"], left=3)
     chains: list[str] = []
     calls: list[str] = []
-    run_models(args, lambda m, gen, timer: bench_model(args, report, m, gen, timer, chains, calls))
+    run_models(args, lambda m, gen, timer: bench_model(args, report, m, gen, timer, chains, calls), report)
     report.emit()
     report.emit("Each stage's cost inside the chain: the first i stages captured in one graph, minus the first i - 1 "
                 "(us; the first stage's is its time alone in a graph)")

@@ -4,7 +4,8 @@ the tables they print (and write as markdown).
 
 Timing is the same for every contender: one warm-up call, ONE call captured in a CUDA graph, then
 the median over ``--iters`` CUDA-event-timed replays, each after a 256 MiB write that flushes L2
-(outside the event pair).
+(outside the event pair). Before each median the GPU is let out of any power or thermal slowdown that
+earlier work left (GpuClock), so that no contender is timed on clocks another one lowered.
 """
 
 from __future__ import annotations
@@ -13,7 +14,9 @@ import argparse
 import datetime
 import gc
 import json
+import shutil
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -300,15 +303,85 @@ def kernel_launches(graph: torch.cuda.CUDAGraph) -> int:
     return sum(t == driver.CU_GRAPH_NODE_TYPE_KERNEL for t in driver.graph_node_types(graph.raw_cuda_graph()))
 
 
-class Timer:
-    """Median GPU time of a callable, each run between its own CUDA events after an L2 flush."""
+# nvidia-smi's clock event reasons that lower the clocks under load: software power cap, hardware slowdown, software
+# and hardware thermal slowdown, power brake. On the H200 a few seconds of dense matmuls hold the SW power cap (700 W)
+# with the SM clock at 1425-1515 MHz instead of 1980, and the decode layer slows with it: DeepSeek-V3 T=1 92-96 us
+# against 76 (benchmarks/RESULTS.md, twenty-ninth session).
+SLOWDOWN_REASONS = 0x4 | 0x8 | 0x20 | 0x40 | 0x80
+SETTLE_SECONDS = 10.0  # the longest wait for a slowdown to clear before a timed median
+ClockReading = tuple[int, int]  # SM clock (MHz), active clock event reasons (bit mask)
 
-    def __init__(self, iters: int) -> None:
+
+def smi_clock_reader() -> Callable[[], ClockReading | None]:
+    """A reader of the current CUDA device's SM clock and active clock event reasons through nvidia-smi (by UUID, so
+    CUDA_VISIBLE_DEVICES does not matter); it returns None where nvidia-smi is missing or its answer does not parse."""
+    exe = shutil.which("nvidia-smi")
+    uuid = f"GPU-{torch.cuda.get_device_properties(torch.cuda.current_device()).uuid}"
+
+    def read() -> ClockReading | None:
+        if exe is None:
+            return None
+        try:
+            out = subprocess.run([exe, "-i", uuid, "--query-gpu=clocks.sm,clocks_throttle_reasons.active",
+                                  "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=10).stdout
+            mhz, reasons = out.strip().split(",")
+            return int(mhz), int(reasons.strip(), 16)
+        except (OSError, ValueError, subprocess.SubprocessError):
+            return None
+
+    return read
+
+
+class GpuClock:
+    """The GPU's clock around timed medians, handled as NVBench handles throttling: settle() waits (up to
+    SETTLE_SECONDS, polling) until no SLOWDOWN_REASONS is active, so a median never starts on clocks that earlier work
+    (a peer's dense GEMMs, weight preparation) lowered; record() keeps the reading right after a median, for
+    summary(). Inert where ``read`` returns None."""
+
+    def __init__(self, read: Callable[[], ClockReading | None]) -> None:
+        self.read = read
+        self.seen: list[ClockReading] = []
+        self.waited_s = 0.0
+
+    def settle(self) -> None:
+        start = time.monotonic()
+        while (state := self.read()) is not None and state[1] & SLOWDOWN_REASONS:
+            if time.monotonic() - start >= SETTLE_SECONDS:
+                break
+            time.sleep(0.2)
+        self.waited_s += time.monotonic() - start
+
+    def record(self) -> None:
+        state = self.read()
+        if state is not None:
+            self.seen.append(state)
+
+    def summary(self) -> str | None:
+        """The SM clocks read right after the medians, how many of them under a slowdown, and the time spent waiting
+        for slowdowns to clear; None without readings."""
+        if not self.seen:
+            return None
+        mhz = [m for m, _ in self.seen]
+        slowed = sum(1 for _, reasons in self.seen if reasons & SLOWDOWN_REASONS)
+        return (f"SM clock right after each of {len(self.seen)} timed medians: {min(mhz)}-{max(mhz)} MHz, {slowed} of "
+                f"them under a power or thermal slowdown; {self.waited_s:.1f} s spent waiting for slowdowns to clear "
+                f"before the medians (nvidia-smi)")
+
+
+class Timer:
+    """Median GPU time of a callable, each run between its own CUDA events after an L2 flush, each median started
+    out of any clock slowdown (GpuClock)."""
+
+    def __init__(self, iters: int, clock: GpuClock | None = None) -> None:
         self.iters = iters
         self.flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device="cuda")
+        self.clock = clock if clock is not None else GpuClock(smi_clock_reader())
 
     def median_us(self, fn: Callable[[], object]) -> float:
-        return median_us(fn, self.iters, flush=self.flush)
+        self.clock.settle()
+        us = median_us(fn, self.iters, flush=self.flush)
+        self.clock.record()
+        return us
 
 
 def host_us_back_to_back(fn: Callable[[], object], calls: int, repeats: int = 3) -> float:
@@ -337,12 +410,16 @@ def host_us_idle_gpu(fn: Callable[[], object], calls: int) -> float:
     return statistics.median(times)
 
 
-def run_models(args: argparse.Namespace, bench_model: Callable[[ModelShape, torch.Generator, Timer], None]) -> None:
+def run_models(args: argparse.Namespace, bench_model: Callable[[ModelShape, torch.Generator, Timer], None],
+               report: Report | None = None) -> None:
     """bench_model per model of --models (one seeded generator, one L2 flush buffer), freeing the GPU
-    memory between models."""
+    memory between models; then the clocks the medians saw (GpuClock.summary) as a note of ``report``."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     timer = Timer(args.iters)
     for key in args.models:
         bench_model(MODELS[key], gen, timer)
         gc.collect()
         torch.cuda.empty_cache()
+    summary = timer.clock.summary()
+    if report is not None and summary is not None:
+        report.note(summary)

@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
                 cells = [result, result] if isinstance(result, str) else [f"{result[0]:.1f}", result[1]]
                 report.emit(md_row([m.name, str(tokens), engine, *cells]))
 
-    run_models(args, bench_model)
+    run_models(args, bench_model, report)
     report.write(args.markdown)
     return 0
 

@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
                         report.emit(md_row([m.name, str(tokens), name + label, repr(variant), us, tflops,
                                             "yes" if variant == chosen and not fused else ""]))
 
-    run_models(args, bench_model)
+    run_models(args, bench_model, report)
     report.write(args.markdown)
     return 0
 

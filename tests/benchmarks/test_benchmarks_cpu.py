@@ -106,6 +106,30 @@ def test_main_without_gpu_returns_2(script: object, capsys: pytest.CaptureFixtur
     assert "needs a CUDA GPU" in capsys.readouterr().err
 
 
+def test_gpu_clock_waits_out_slowdowns(monkeypatch: pytest.MonkeyPatch) -> None:
+    """settle() polls until no power or thermal slowdown is active (the idle reason does not count), giving up after
+    SETTLE_SECONDS; record() keeps the reading after a median; the summary counts slowed readings; a reader that
+    answers None leaves the clock inert."""
+    now = [0.0]
+    monkeypatch.setattr(common.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(common.time, "sleep", lambda s: now.__setitem__(0, now[0] + s))
+    readings = iter([(1425, 0x4), (1500, 0x4 | 0x1), (1980, 0x1), (1980, 0x0), (1470, 0x4)])
+    clock = common.GpuClock(lambda: next(readings))
+    clock.settle()
+    assert now[0] == pytest.approx(0.4)  # two slowed readings, then the idle one passes
+    clock.record()
+    clock.record()
+    assert clock.seen == [(1980, 0x0), (1470, 0x4)]
+    assert clock.summary().startswith("SM clock right after each of 2 timed medians: 1470-1980 MHz, 1 of them under")
+    stuck = common.GpuClock(lambda: (1425, 0x4))
+    stuck.settle()
+    assert stuck.waited_s == pytest.approx(common.SETTLE_SECONDS, abs=0.2)
+    inert = common.GpuClock(lambda: None)
+    inert.settle()
+    inert.record()
+    assert inert.summary() is None and inert.waited_s == 0.0
+
+
 def test_timeline_splits_replays_at_the_flushes() -> None:
     """The kernels after each flush form one replay; each launch's start and end are medians over the replays, from
     the replay's first start; a replay with another kernel count than the graph's is refused."""
@@ -196,10 +220,12 @@ class _FakeGraph:
 class _FakeTimer:
     def __init__(self, iters: int) -> None:
         self.iters = iters
+        self.clock = common.GpuClock(lambda: (1980, 0x1))  # idle, no slowdown
 
     def median_us(self, fn: object) -> float:
         for _ in range(self.iters):
             fn()
+        self.clock.record()
         return 10.0
 
 
@@ -253,6 +279,7 @@ def test_bench_moe_tables_with_fake_cuda(fake_cuda: None, tmp_path: Path, capsys
     assert rows[-2].startswith("| Tiny | sm90 |") and rows[-1].startswith("| Tiny | cudnn |")
     assert [row.split(" | ")[1:3] for row in rows[2:4]] == [["1", "sm90"], ["4", "sm90"]]
     assert "Variant(" in rows[2]
+    assert "- SM clock right after each of" in text and "1980-1980 MHz, 0 of them under" in text
 
 
 def test_bench_stages_table_with_fake_cuda(fake_cuda: None, tmp_path: Path) -> None:

@@ -134,6 +134,7 @@ def test_main_without_gpu_returns_2(capsys: pytest.CaptureFixture[str]) -> None:
 class _FakeTimer:
     def __init__(self, iters: int = 2) -> None:
         self.iters = iters
+        self.clock = common.GpuClock(lambda: None)  # no nvidia-smi
 
     def median_us(self, fn) -> float:
         fn()
