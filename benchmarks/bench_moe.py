@@ -94,15 +94,16 @@ def describe_launches(call_chain: list[str], count: int) -> str:
     """The launches of a captured call: ``count`` kernel nodes, the chain the call ran (the executor's stages given the
     call's inputs and output, which fold the op's stage and the finalize in where the engine does so:
     cudnn_moe.pipeline.executor), with the op's stage before it and the finalize after it where they are launches of
-    their own."""
+    their own; a stage holding both GEMMs (a tile handoff) is two launches."""
     names = list(call_chain)
     if not names or "stage" not in names[0]:
         names.insert(0, "stage")
     if "finalize" not in names[-1]:
         names.append("finalize")
-    if len(names) != count:
+    both = [name for name in names if "gemm1" in name and "gemm2" in name]
+    if len(names) + len(both) != count:
         return f"{count}: {', '.join(call_chain)} and {count - len(call_chain)} more"
-    return f"{count}: {', '.join(names)}"
+    return f"{count}: {', '.join(name + ' (two)' if name in both else name for name in names)}"
 
 
 class Bf16Peer:

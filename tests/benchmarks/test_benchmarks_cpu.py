@@ -343,8 +343,12 @@ def test_tune_sm90_routes_the_call_tokens_into_rows() -> None:
     (["stage+sort+permute+gemm1+activation", "gemm2+finalize"], 2,
      "2: stage+sort+permute+gemm1+activation, gemm2+finalize"),
     (["sort+permute", "gemm1+activation", "gemm2"], 7, "7: sort+permute, gemm1+activation, gemm2 and 4 more"),
+    (["stage+sort+permute", "gemm1+activation+gemm2"], 4,
+     "4: stage+sort+permute, gemm1+activation+gemm2 (two), finalize"),
+    (["stage+sort+permute", "gemm1+activation+gemm2+finalize"], 3,
+     "3: stage+sort+permute, gemm1+activation+gemm2+finalize (two)"),
 ])
 def test_launches_name_what_the_chain_took_over(chain: list[str], count: int, described: str) -> None:
     """A captured call's kernel nodes against the chain the call ran: the op's stage and finalize as launches of their
-    own where the chain's first and last launch did not take them over."""
+    own where the chain's first and last launch did not take them over, a stage holding both GEMMs as two."""
     assert bench_moe.describe_launches(chain, count) == described
