@@ -6,7 +6,7 @@
 # Triton BF16 peer (benchmarks/triton_peer.py; without them its column says why it did not run).
 # BENCH_ARGS passes options to benchmarks/bench_moe.py, STAGES_ARGS to benchmarks/bench_stages.py, GLUE_ARGS to
 # benchmarks/bench_glue.py; SKIP_BENCH=1 / SKIP_ALIGNED=1 / SKIP_LOW_LATENCY=1 / SKIP_STAGES=1 / SKIP_GLUE=1 / SKIP_CACHE=1 /
-# SKIP_PROBE=1 / SKIP_TESTS=1 skip a step; ALIGNED_ARGS
+# SKIP_PROBE=1 / SKIP_TIMELINE=1 / SKIP_TESTS=1 skip a step; ALIGNED_ARGS
 # and LOW_LATENCY_ARGS pass options to bench_aligned.py / bench_low_latency.py. Also runs `python3 -m cudnn_moe demo`.
 # CUDNN_PRELOAD=.cudnn/assemble.sh runs everything on a newer cuDNN backend carried in parts
 # (../shared/gpu/fetch-cudnn.sh says how): the script assembles it and preloads its libraries.
@@ -50,4 +50,5 @@ step demo python3 -m cudnn_moe demo
 [ "${SKIP_GLUE:-0}" = 1 ] || step glue python3 benchmarks/bench_glue.py ${GLUE_ARGS:-} --markdown "$OUT/glue.md"
 [ "${SKIP_CACHE:-0}" = 1 ] || step cache python3 benchmarks/bench_cache.py --profile 25 --markdown "$OUT/cache.md"
 [ "${SKIP_PROBE:-0}" = 1 ] || step probe_pdl python3 benchmarks/probe_pdl.py
+[ "${SKIP_TIMELINE:-0}" = 1 ] || step timeline python3 benchmarks/probe_timeline.py --markdown "$OUT/timeline.md"
 exit $status
