@@ -316,13 +316,13 @@ def smi_clock_reader() -> Callable[[], ClockReading | None]:
     """A reader of the current CUDA device's SM clock and active clock event reasons through nvidia-smi (by UUID, so
     CUDA_VISIBLE_DEVICES does not matter); it returns None where nvidia-smi is missing or its answer does not parse."""
     exe = shutil.which("nvidia-smi")
-    uuid = f"GPU-{torch.cuda.get_device_properties(torch.cuda.current_device()).uuid}"
+    uuid = getattr(torch.cuda.get_device_properties(torch.cuda.current_device()), "uuid", None)
 
     def read() -> ClockReading | None:
-        if exe is None:
+        if exe is None or uuid is None:
             return None
         try:
-            out = subprocess.run([exe, "-i", uuid, "--query-gpu=clocks.sm,clocks_throttle_reasons.active",
+            out = subprocess.run([exe, "-i", f"GPU-{uuid}", "--query-gpu=clocks.sm,clocks_throttle_reasons.active",
                                   "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=10).stdout
             mhz, reasons = out.strip().split(",")
             return int(mhz), int(reasons.strip(), 16)

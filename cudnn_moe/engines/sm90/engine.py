@@ -72,11 +72,10 @@ _SPLIT_DEEP = DecodeVariant(mt=2, wm=2, wk=4, nt=1, prefetch=4)
 # T=8: 3584 CTAs, the activation in its own launch, 198 -> 203 us).
 _GEMM1_FILL_GAIN = 0.25
 # GEMM2 of NVFP4 tiles past one wave of _WIDE CTAs takes the same 128-feature CTAs with four m16 blocks a warp and two
-# k64 steps in flight (the same weight bytes in flight, half the loop iterations a byte; 128 registers, four CTAs an
-# SM). GEMMs alone on the H200, us, _WIDE / _WIDE_MT4 (benchmarks/RESULTS.md, twenty-ninth session): Qwen3-30B-A3B
-# T=8 24.4 / 23.2, T=64 45.2 / 40.7; DeepSeek-V3 T=8 135.4 / 132.2, T=64 517.6 / 508.4; in one wave it loses
-# (DeepSeek-V3 T=1 29.6 / 37.0), and GEMM1 with its epilogue loses everywhere (Qwen3-30B-A3B T=8 41.9 on _SPLIT
-# against 48.4).
+# k64 steps in flight (the same weight bytes in flight in half the ring steps; 128 registers, four CTAs an SM). GEMMs
+# alone on the H200, us, _WIDE / _WIDE_MT4 (benchmarks/RESULTS.md, twenty-ninth session): Qwen3-30B-A3B T=8 24.4 /
+# 23.2, T=64 45.2 / 40.7; DeepSeek-V3 T=8 135.4 / 132.2, T=64 517.6 / 508.4; in one wave it loses (DeepSeek-V3 T=1
+# 29.6 / 37.0), and GEMM1 with its epilogue loses everywhere (Qwen3-30B-A3B T=8 41.9 on _SPLIT against 48.4).
 _WIDE_MT4 = DecodeVariant(mt=4, wm=2, wk=1, nt=1, prefetch=2)
 # Row-major NVFP4 (BlockCode.NVFP4_ROWS) GEMM1 takes _SPLIT wherever the tiles take _WIDE: a CTA then reads 128
 # contiguous bytes of each of its rows a step, not 64. GEMM1 alone on the H200 (benchmarks/RESULTS.md, twenty-sixth
