@@ -72,7 +72,8 @@ _SPLIT_DEEP = DecodeVariant(mt=2, wm=2, wk=4, nt=1, prefetch=4)
 # T=8: 3584 CTAs, the activation in its own launch, 198 -> 203 us).
 _GEMM1_FILL_GAIN = 0.25
 # GEMM2 of NVFP4 tiles past one wave of _WIDE CTAs takes the same 128-feature CTAs with four m16 blocks a warp and two
-# k64 steps in flight (the same weight bytes in flight in half the ring steps; 128 registers, four CTAs an SM). GEMMs
+# k64 steps in flight (the same weight bytes in flight in half the ring steps; two warps a CTA held to 128 registers,
+# eight CTAs an SM, never finalizing: can_finalize). GEMMs
 # alone on the H200, us, _WIDE / _WIDE_MT4 (benchmarks/RESULTS.md, twenty-ninth session): Qwen3-30B-A3B T=8 24.4 /
 # 23.2, T=64 45.2 / 40.7; DeepSeek-V3 T=8 135.4 / 132.2, T=64 517.6 / 508.4; in one wave it loses (DeepSeek-V3 T=1
 # 29.6 / 37.0), and GEMM1 with its epilogue loses everywhere (Qwen3-30B-A3B T=8 41.9 on _SPLIT against 48.4).
@@ -283,9 +284,11 @@ class Sm90GemmEngine(GemmEngine):
         feature block needing one pass of its threads (tokens x features / 8 pieces of 8 features). Each CTA's ticket
         adds a GPU-scope atomic round trip to its end: once per launch in one wave, where it beats the finalize
         launch (H200: Qwen3-30B-A3B T=1 28.2 -> 27.4 us, DeepSeek-V3 T=1 81.8 -> 81.3), but once per wave in more
-        (T=8: +0.7 and +2.9 us; benchmarks/RESULTS.md)."""
+        (T=8: +0.7 and +2.9 us; benchmarks/RESULTS.md). Never on _WIDE_MT4: it runs past one wave of _WIDE's CTAs,
+        though its two-warp CTAs may fit one wave of their own (DeepSeek-V3 T=2), and its finalizing form is neither
+        held to 128 registers nor measured."""
         variant = self.variant(operands.rows, operands.shape, gemm=2, code=operands.weights.code)
-        if not isinstance(variant, DecodeVariant) or operands.workspace is None:
+        if not isinstance(variant, DecodeVariant) or variant == _WIDE_MT4 or operands.workspace is None:
             return False
         one_wave = decode_ctas(operands.rows, operands.shape, variant) * variant.threads <= (
             _DECODE_CTA_THREADS_PER_SM * self.sm_count)

@@ -203,6 +203,7 @@ def test_gemm2_finalizes_in_one_wave(model, tokens: int, finalizes: bool) -> Non
 
 @pytest.mark.parametrize("model,tokens,four_blocks", [
     (QWEN3, 1, False), (QWEN3, 4, False), (QWEN3, 8, True), (QWEN3, 64, True), (DEEPSEEK_V3, 1, False),
+    (DEEPSEEK_V3, 2, True),  # 896 CTAs: past one wave of four-warp CTAs, within one of the two-warp ones
     (DEEPSEEK_V3, 8, True), (DEEPSEEK_V3, 64, True),
 ])
 def test_gemm2_past_one_wave_takes_four_blocks_a_warp(model, tokens: int, four_blocks: bool) -> None:
