@@ -252,12 +252,13 @@ class RoutePrologue:
 
 @dataclass(frozen=True)
 class EarlyRouting:
-    """The routing a decode GEMM1 may read before its dependency wait, to find its expert and start streaming its
-    weights while the sort + permute launch before it runs (an engine may ignore it). ids: expert ids int32 or int64
-    [T, top_k] (slots of other ranks' experts or -1 unrouted), or with ``routing_format`` ROUTING_PACKED the packed
-    int32 routing, as ``Routing.kernel_operands`` gives them; local experts from ``local_start``. Its writer must have
-    finished before the launch before GEMM1 began: the caller's routing, or the bucket's ids where the op's stage is a
-    launch of its own. ctas: the launch's first CTAs (in linear order) that guess, one wave of them (the engine sets
+    """The routing a decode GEMM may read before its dependency wait, to find its expert and start streaming its
+    weights while the launch before it runs (an engine may ignore it): GEMM1 behind the sort + permute launch, or
+    GEMM2 behind a routed GEMM1 (which writes the offsets). ids: expert ids int32 or int64 [T, top_k] (slots of other
+    ranks' experts or -1 unrouted), or with ``routing_format`` ROUTING_PACKED the packed int32 routing, as
+    ``Routing.kernel_operands`` gives them; local experts from ``local_start``. Its writer must have finished before
+    the launch before this GEMM passed its own wait: the caller's routing, or the bucket's ids where the op's stage is
+    a launch of its own. ctas: the launch's first CTAs (in linear order) that guess, one wave of them (the engine sets
     it). Only the order of the weight loads depends on it, never a result."""
 
     ids: torch.Tensor
@@ -302,7 +303,8 @@ class GemmOperands:
     finalize: GEMM2 also finalizing its rows into the caller's output (``LayerStages.gemm2_finalize``).
     route: GEMM1 (with the epilogue) also staging and sorting the caller's call itself (``LayerStages.gemm1_routed``):
     its ``tokens`` and ``offsets`` are then not read (the sort in ``route`` writes the offsets).
-    early: the routing GEMM1 (with the epilogue, after a sort launch) may read before its dependency wait.
+    early: the routing GEMM1 (with the epilogue, after a sort launch), or GEMM2 behind a routed GEMM1, may read
+    before its dependency wait.
     handoff: GEMM1 (with the epilogue) signals each finished tile, GEMM2 waits for its tile instead of for GEMM1.
     """
 

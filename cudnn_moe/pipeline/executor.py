@@ -475,6 +475,7 @@ class _BucketStages(LayerStages):
         self.gemm1_fusion = bucket.fusion
         self.staging: Stage | None = None  # the stage handed out that also stages the caller's inputs
         self.finishing: Stage | None = None  # the stage handed out that also finalizes into the caller's output
+        self.gemm2_early: EarlyRouting | None = None  # behind a routed GEMM1: the routing GEMM2 may read early
 
     def sort(self) -> Stage:
         x, b = self.x, self.b
@@ -539,6 +540,7 @@ class _BucketStages(LayerStages):
         if not x.engine.can_route(operands):
             return None
         self.staging = Stage("stage+sort+permute+gemm1+activation", lambda: x.engine.gemm(operands))
+        self.gemm2_early = EarlyRouting(ids, routing_format, x.local_expert_start)
         return self.staging
 
     def gemm2(self) -> Stage:
@@ -572,7 +574,7 @@ class _BucketStages(LayerStages):
     # that waits for it would never start, and a GEMM1 that signals it would leave its counters set.
 
     def _gemm2(self, handoff: TileHandoff | None) -> Stage:
-        operands = replace(self.b.gemm2, handoff=handoff)
+        operands = replace(self.b.gemm2, handoff=handoff, early=self.gemm2_early)
         return Stage("gemm2", lambda: self.x.engine.gemm(operands))
 
     def _gemm2_finalize(self, handoff: TileHandoff | None) -> Stage | None:
@@ -581,7 +583,7 @@ class _BucketStages(LayerStages):
         if out is None or not x.engine.can_finalize(b.gemm2, out.shape[0]):
             return None
         operands = replace(b.gemm2, finalize=FinalizeEpilogue(b.slot_to_row, b.route_weights.view(-1), x.top_k, out),
-                           handoff=handoff)
+                           handoff=handoff, early=self.gemm2_early)
         self.finishing = Stage("gemm2+finalize", lambda: x.engine.gemm(operands))
         return self.finishing
 

@@ -53,14 +53,13 @@ using namespace sm90;
 #error "SM90_ROUTE is for GEMM1 with the activation epilogue (SM90_ACT)"
 #endif
 #endif
-// GEMM1 of a decode chain whose sort + permute runs in the launch before it (SM90_EARLY, with SM90_ACT): before its
-// dependency wait each CTA of the first wave reads the call's routing (written before that launch began), guesses its
-// tile's expert from it (early_tile_expert) and issues its weight ring's first loads, so that the weights stream while
-// the sort runs. After the wait the tile comes from the offsets as in every form; a wrong guess only reloads the ring.
-#ifdef SM90_EARLY
-#if !defined(SM90_ACT) || defined(SM90_ROUTE)
-#error "SM90_EARLY is for GEMM1 with the activation epilogue (SM90_ACT), without SM90_ROUTE"
-#endif
+// GEMM1 of a decode chain whose sort + permute runs in the launch before it, or GEMM2 behind a routed GEMM1
+// (SM90_EARLY): before its dependency wait each CTA of the first wave reads the call's routing (written before the
+// launch before this one began), guesses its tile's expert from it (early_tile_expert) and issues its weight ring's
+// first loads, so that the weights stream while the launch before runs. After the wait the tile comes from the
+// offsets as in every form; a wrong guess only reloads the ring.
+#if defined(SM90_EARLY) && (defined(SM90_ROUTE) || defined(SM90_AWAIT))
+#error "SM90_EARLY runs without SM90_ROUTE and SM90_AWAIT"
 #endif
 
 // The tile handoff between a decode chain's GEMM1 and GEMM2 (launched right behind it with PDL): SM90_SIGNAL (GEMM1,

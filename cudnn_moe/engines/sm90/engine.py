@@ -388,13 +388,14 @@ class Sm90GemmEngine(GemmEngine):
                      mxint4=mxint4, swap_halves=w.halves_swapped)
 
     def _early(self, operands: GemmOperands, variant: GemmVariant, mxint4: bool) -> EarlyRouting | None:
-        """operands.early where the decode kernel takes it, for its first wave of CTAs: GEMM1 with the epilogue on a
-        call of at most _EARLY_MAX_TOKENS tokens (and no more than a tile's rows: every used expert holds one tile),
-        NVFP4 weights in tiles (the MXINT4 forms have no registers to spare for it, nor the row-major forms, whose
-        split-K SwiGLU forms would spill 56 bytes; the BF16 form has no early form)."""
+        """operands.early where the decode kernel takes it, for its first wave of CTAs: on a call of at most
+        _EARLY_MAX_TOKENS tokens (and no more than a tile's rows: every used expert holds one tile), NVFP4 weights in
+        tiles (the MXINT4 forms have no registers to spare for it, nor the row-major forms, whose split-K SwiGLU forms
+        would spill 56 bytes; the BF16 form has no early form); not with a route, nor on a GEMM2 that waits for its
+        tiles (a handoff) instead of for GEMM1."""
         early = operands.early
         if (early is None or not isinstance(variant, DecodeVariant) or variant.bf16_weights or variant.row_major
-                or operands.epilogue is None or mxint4 or operands.route is not None
+                or mxint4 or operands.route is not None or operands.handoff is not None and operands.epilogue is None
                 or early.ids.shape[0] > min(_EARLY_MAX_TOKENS, variant.tile_rows)):
             return None
         return replace(early, ctas=self.sm_count * (_DECODE_CTA_THREADS_PER_SM // variant.threads))

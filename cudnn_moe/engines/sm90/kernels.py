@@ -355,10 +355,10 @@ def grouped_gemm(
     or NVFP4 decoded exactly, into its fragment order in shared memory: route_shared_mem bytes); R is
     route.sorted's row capacity; offsets must be route.sorted.offsets and epilogue.row_to_slot route.sorted.row_to_slot,
     which the launch writes (with the rest of the sort's outputs and route.ids_out / route.w_out) instead of reading.
-    early (a DecodeVariant with an epilogue, no route): before its dependency wait each of the launch's first
+    early (a DecodeVariant, no route, no handoff to wait for): before its dependency wait each of the launch's first
     early.ctas CTAs guesses its tile's expert from early.ids (the t-th local expert any slot routes to: right where
     every used expert holds one tile) and issues its first weight loads, so that they stream while the launch before
-    it (the sort) runs; the results do not depend on it.
+    it (the sort before GEMM1, the routed GEMM1 before GEMM2) runs; the results do not depend on it.
     handoff (a DecodeVariant, no route): with an epilogue (GEMM1), each CTA adds one to handoff.done[tile] once its
     rows of the tile are written; without (GEMM2, launched right behind that GEMM1), the launch does not wait for the
     launch before it to complete: each CTA waits until handoff.done[tile] holds handoff.producers (GEMM1's feature
@@ -408,10 +408,10 @@ def grouped_gemm(
     if route is not None and (not isinstance(variant, DecodeVariant) or epilogue is None or x is not None):
         raise ValueError(f"a route needs a DecodeVariant, an activation epilogue and x None, got {variant}"
                          f"{'' if epilogue is not None else ' without an epilogue'}{'' if x is None else ' with x'}")
-    if early is not None and (not isinstance(variant, DecodeVariant) or epilogue is None or route is not None):
-        raise ValueError(f"early routing needs a DecodeVariant, an activation epilogue and no route, got {variant}"
-                         f"{'' if epilogue is not None else ' without an epilogue'}"
-                         f"{'' if route is None else ' with a route'}")
+    awaits = handoff is not None and epilogue is None  # GEMM2 waiting for its tiles, not for the launch before
+    if early is not None and (not isinstance(variant, DecodeVariant) or route is not None or awaits):
+        raise ValueError(f"early routing needs a DecodeVariant, no route and no handoff to wait for, got {variant}"
+                         f"{'' if route is None else ' with a route'}{' awaiting a handoff' if awaits else ''}")
     if handoff is not None and (not isinstance(variant, DecodeVariant) or route is not None):
         raise ValueError(f"a tile handoff needs a DecodeVariant and no route, got {variant}"
                          f"{'' if route is None else ' with a route'}")

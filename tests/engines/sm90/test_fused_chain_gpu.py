@@ -19,6 +19,7 @@ from cudnn_moe.engines.base import EarlyRouting, TokenOperand
 from cudnn_moe.engines.registry import engine_for
 from cudnn_moe.engines.sm90.kernels import DecodeVariant, WgmmaVariant
 from cudnn_moe.engines.sm90.layout import from_token_layout
+from cudnn_moe import kernels
 from cudnn_moe.kernels import ROUTING_FP32, TokenLayout
 from cudnn_moe.fused.reference import reference_for_prepared
 from cudnn_moe.pipeline.executor import CallerInputs, MoeExecutor, _BucketStages
@@ -169,7 +170,8 @@ def test_fused_chain_matches_unfused_chain_bitwise(case, activation) -> None:
 def test_early_routing_changes_no_bit(tokens: int, top_k: int, local) -> None:
     """GEMM1 with the activation epilogue writes the same GEMM2 tokens, bit for bit, whatever its early routing says:
     none, the bucket's ids (the right guess), other experts (every CTA guesses wrong and reloads), nothing routed
-    (no guess), and int64 ids; the bucket's own chain takes the bucket's ids."""
+    (no guess), and int64 ids; the bucket's own chain takes the bucket's ids. GEMM2 (as behind a routed GEMM1) writes
+    the same rows whatever its early routing says."""
     experts, hidden, inter = 32, 512, 256
     gen, w1, w2 = _layer(experts, hidden, inter, SwiGLU(), seed=tokens)
     config = Nvfp4MoeConfig(max_num_tokens=tokens, engine="sm90")
@@ -218,6 +220,18 @@ def test_early_routing_changes_no_bit(tokens: int, top_k: int, local) -> None:
     for name, got in outputs.items():
         assert torch.equal(got[0], want[0]) and (want[1] is None or torch.equal(got[1], want[1])), name
 
+    def run_gemm2(early: EarlyRouting | None) -> torch.Tensor:
+        _poison(bucket.gemm2.out)
+        executor.engine.gemm(replace(bucket.gemm2, early=early))
+        return _bits(bucket.gemm2.out[:used]).clone()
+
+    assert executor.engine._early(replace(bucket.gemm2, early=guesses["right"]),
+                                  executor.engine.variant(bucket.rows, bucket.gemm2.shape, gemm=2), False) is not None
+    want_rows = run_gemm2(None)
+    assert torch.count_nonzero(want_rows) > 0 and not torch.isnan(bucket.gemm2.out[:used]).any()
+    for name, early in guesses.items():
+        assert torch.equal(run_gemm2(early), want_rows), f"GEMM2, {name}"
+
 
 LAYER_CASES = [
     # experts, hidden, inter, top_k, tokens, activation, hot, local (start, total)
@@ -251,24 +265,28 @@ def test_prefill_layers_match_reference(case) -> None:
 
 
 ROUTED_CASES = [
-    # experts, hidden, inter, top_k, bf16_tokens, bf16_intermediate, local (start, total), routing
-    (8, 256, 256, 2, False, False, None, "fp32"),
-    (128, 2048, 768, 8, False, False, None, "packed"),  # Qwen3-30B-A3B's shapes
-    (128, 512, 256, 8, True, True, None, "bf16"),
-    (64, 256, 384, 8, False, False, (32, 128), "int64"),  # an expert-parallel subset: unrouted slots
-    (16, 4096, 128, 4, False, True, None, "fp32"),
-    (256, 7168, 256, 8, True, True, None, "duplicate"),  # DeepSeek-V3's H; one expert named twice
+    # experts, hidden, inter, top_k, bf16_tokens, bf16_intermediate, local (start, total), routing, finalizes
+    (8, 256, 256, 2, False, False, None, "fp32", False),
+    (128, 2048, 768, 8, False, False, None, "packed", True),  # Qwen3-30B-A3B's shapes
+    (128, 512, 256, 8, True, True, None, "bf16", False),
+    (64, 256, 384, 8, False, False, (32, 128), "int64", True),  # an expert-parallel subset: unrouted slots
+    (64, 256, 384, 8, False, False, (64, 128), "none local", True),  # no slot routed to this rank: no tile at all
+    (16, 4096, 128, 4, False, True, None, "fp32", True),
+    (256, 7168, 256, 8, True, True, None, "duplicate", True),  # DeepSeek-V3's H; one expert named twice
 ]
 
 
 @pytest.mark.parametrize("case", ROUTED_CASES, ids=lambda c: f"E{c[0]}-H{c[1]}-I{c[2]}-k{c[3]}-"
-                         f"{'bf16' if c[4] else 'fp4'}-{'bf16' if c[5] else 'fp4'}{'-ep' if c[6] else ''}-{c[7]}")
+                         f"{'bf16' if c[4] else 'fp4'}-{'bf16' if c[5] else 'fp4'}{'-ep' if c[6] else ''}-{c[7]}"
+                         f"{'-finalize' if c[8] else ''}")
 def test_routed_gemm1_matches_unfused_chain_bitwise(case) -> None:
     """A one-token call whose launches know its inputs runs two launches: GEMM1 with the stage and the sort in its
-    prologue (and the activation in its epilogue), then GEMM2. Every buffer the rest of the chain reads (the sort's
-    outputs, the staged routing, GEMM2's tokens and rows) equals the unfused chain's (stage, sort, permute, GEMM1,
-    activation, GEMM2), bit for bit, after NaN / 0xFF poisoning; twice in a row."""
-    experts, hidden, inter, top_k, bf16_tokens, bf16_intermediate, local, routing_kind = case
+    prologue (and the activation in its epilogue), then GEMM2 (guessing its experts from the caller's routing to
+    start its weights early, and finalizing into the caller's output where it is given). Every buffer the rest of
+    the chain reads (the sort's outputs, the staged routing, GEMM2's tokens and rows) and the finalized output equal
+    the unfused chain's (stage, sort, permute, GEMM1, activation, GEMM2, finalize), bit for bit, after NaN / 0xFF
+    poisoning; twice in a row. No slot routed to the rank's experts leaves no tile: zeros."""
+    experts, hidden, inter, top_k, bf16_tokens, bf16_intermediate, local, routing_kind, finalizes = case
     activation = SwiGLU()
     gen, w1, w2 = _layer(experts, hidden, inter, activation, seed=experts + hidden)
     config = Nvfp4MoeConfig(max_num_tokens=8, engine="sm90")
@@ -284,11 +302,16 @@ def test_routed_gemm1_matches_unfused_chain_bitwise(case) -> None:
     ids = _ids(1, total, top_k, gen, hot=False)
     if routing_kind == "duplicate":
         ids[0, 1] = ids[0, 0]
-    routing = make_routing(ids.long(), "fp32" if routing_kind == "duplicate" else routing_kind, seed=experts)
-    caller = CallerInputs(tokens, routing)
+    if routing_kind == "none local":
+        ids = ids % start  # every slot routes to another rank's experts
+    routing = make_routing(ids.long(), "fp32" if routing_kind in ("duplicate", "none local") else routing_kind,
+                           seed=experts)
+    out = torch.empty(1, hidden, dtype=torch.bfloat16, device="cuda") if finalizes else None
+    caller = CallerInputs(tokens, routing, out)
     routed = _BucketStages(executor, bucket, caller)
     chain = executor.engine.stages(routed)
-    assert [name for name, _ in chain] == ["stage+sort+permute+gemm1+activation", "gemm2"]
+    assert [name for name, _ in chain] == [
+        "stage+sort+permute+gemm1+activation", "gemm2+finalize" if finalizes else "gemm2"]
 
     # The unfused chain on full buffers (the routed bucket holds no GEMM1 output rows).
     g1 = bucket.gemm1
@@ -298,24 +321,32 @@ def test_routed_gemm1_matches_unfused_chain_bitwise(case) -> None:
     for _, launch in (unfused.sort(), unfused.permute(), unfused.gemm1(), unfused.activation(), unfused.gemm2()):
         launch()
     used = int(bucket.offsets[-1].item())
-    assert used > 0
+    assert used == 0 if routing_kind == "none local" else used > 0
     sorted_names = ("offsets", "slot_to_row", "row_to_slot", "row_expert", "expert_counts", "ids", "route_weights")
     want = {name: getattr(bucket, name).clone() for name in sorted_names}
     want_tokens = _bits(_token_rows(bucket.gemm2.tokens)[:used]).clone()
     want_out = _bits(bucket.gemm2.out[:used]).clone()
-    assert torch.count_nonzero(want_out) > 0 and not torch.isnan(bucket.gemm2.out[:used]).any()
+    assert used == 0 or torch.count_nonzero(want_out) > 0 and not torch.isnan(bucket.gemm2.out[:used]).any()
+    if finalizes:
+        want_final = torch.full_like(out, float("nan"))
+        kernels.finalize(bucket.gemm2.out, bucket.slot_to_row, bucket.route_weights, top_k, want_final)
+        assert not want_final.isnan().any() and (used == 0) == (torch.count_nonzero(want_final) == 0)
     bucket.gemm1 = g1
     for _ in range(2):
         for name in sorted_names:
             getattr(bucket, name).fill_(-7)
         for buffer in (bucket.gemm1.tokens.data, bucket.gemm2.tokens.data, bucket.gemm2.out):
             _poison(buffer)
+        if finalizes:
+            _poison(out)
         for _, launch in chain:
             launch()
         for name in sorted_names:
             assert torch.equal(getattr(bucket, name), want[name]), name
         assert torch.equal(_bits(_token_rows(bucket.gemm2.tokens)[:used]), want_tokens), "GEMM2 tokens"
         assert torch.equal(_bits(bucket.gemm2.out[:used]), want_out), "GEMM2 rows"
+        if finalizes:
+            assert torch.equal(_bits(out), _bits(want_final)), "finalized output"
 
 
 @pytest.mark.parametrize("tokens,experts,top_k", [(1, 8, 2), (8, 128, 8), (64, 64, 8)])

@@ -26,6 +26,7 @@ from cudnn_moe.engines.base import (
     FinalizeEpilogue,
     RoutePrologue,
     RowGather,
+    TileHandoff,
     TokenOperand,
 )
 from cudnn_moe.engines.sm90 import kernels as sm90
@@ -1004,8 +1005,11 @@ def test_early_routing_passes_its_operands_and_compiles_in(dtype: torch.dtype, l
 
 
 _EARLY_BAD = [
-    ("no epilogue", lambda a: a.update(epilogue=None, out=torch.zeros(40, 256, dtype=torch.bfloat16)), ValueError,
-     "epilogue"),
+    ("GEMM2 awaiting a handoff", lambda a: a.update(
+        epilogue=None, out=torch.zeros(40, 256, dtype=torch.bfloat16),
+        handoff=TileHandoff(torch.zeros(8, dtype=torch.int32), torch.zeros(8, dtype=torch.int32), 1)),
+     ValueError, "handoff"),
+    ("with a route", lambda a: a.update(route=_route_args()["route"], x=None), ValueError, "route"),
     ("prefill variant", lambda a: a.update(variant=sm90.PREFILL), ValueError, "DecodeVariant"),
     ("ids dtype", lambda a: a.update(early=replace(a["early"], ids=torch.zeros(5, 4))), ValueError, "early.ids"),
     ("ids 1-D", lambda a: a.update(early=replace(a["early"], ids=torch.zeros(20, dtype=torch.int32))), ValueError,
@@ -1030,14 +1034,28 @@ def test_early_routing_rejects_bad_arguments(name: str, mutate: Any, error: type
     assert not launches
 
 
+def test_gemm2_takes_early_routing(launches: list[tuple]) -> None:
+    """GEMM2 behind a routed GEMM1 (no epilogue, no handoff) guesses early too: SM90_EARLY and its arguments after the
+    finalize's."""
+    args = {**_gemm_args(n=256), "variant": sm90.DecodeVariant(2, 4, 1, 1, 4),
+            "early": EarlyRouting(torch.zeros(1, 4, dtype=torch.int32), int(RoutingFormat.FP32), 0, ctas=9)}
+    sm90.grouped_gemm(**args)
+    (_, _, _, _, _, kernel_args), kwargs = launches[0]
+    assert kwargs["extra_options"] == (*args["variant"].options(), "-DSM90_EARLY=1")
+    assert len(kernel_args) == len(_signatures()["sm90_gemm_decode"]) + _param_count("DEC_EARLY_PARAMS")
+    assert int(kernel_args[-1]) == 9
+
+
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found")
+@pytest.mark.parametrize("gemm", ["GEMM1 + SwiGLU", "GEMM2 + finalize"])
 @pytest.mark.parametrize("variant,arch", [(v, "90a") for v in LOW_LATENCY_DECODE_VARIANTS]
                          + [(LOW_LATENCY_DECODE_VARIANTS[0], "100a")], ids=str)
-def test_early_routing_compiles(variant: Any, arch: str) -> None:
-    """GEMM1 with early routing (SwiGLU epilogue) builds for the decode variants of small buckets without spills:
-    the guess and the ring's first loads before the wait hold no registers the loop needs."""
-    result = _nvcc(SM90_DIR / "grouped_gemm.cu", arch,
-                   (*variant.options(), *sm90.epilogue_options(SwiGLU()), "-DSM90_EARLY=1"))
+def test_early_routing_compiles(variant: Any, arch: str, gemm: str) -> None:
+    """GEMM1 with early routing (SwiGLU epilogue), and GEMM2 with it and the finalize (behind a routed GEMM1), build for
+    the decode variants of small buckets without spills: the guess and the ring's first loads before the wait hold no
+    registers the loop needs."""
+    form = sm90.epilogue_options(SwiGLU()) if gemm.startswith("GEMM1") else ("-DSM90_FINALIZE=1",)
+    result = _nvcc(SM90_DIR / "grouped_gemm.cu", arch, (*variant.options(), *form, "-DSM90_EARLY=1"))
     assert result.returncode == 0, result.stderr
     report = result.stderr.split(f"Compiling entry function '{variant.kernel}'")[1].split("Compiling entry")[0]
     assert " 0 bytes spill stores" in report, report
