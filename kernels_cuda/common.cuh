@@ -27,7 +27,7 @@ typedef unsigned long long u64;
 // programmatic-stream-serialization attribute (cudnn_moe.kernels.loader), so a kernel may become resident
 // while the previous kernel of its stream still runs: griddepcontrol.wait blocks until that kernel has
 // completed with its writes visible, and nothing before it reads or writes global memory (two exceptions: the SM90
-// decode GEMM1's SM90_EARLY form reads immutable weights and a routing whose writer finished before the previous
+// decode GEMMs' SM90_EARLY form reads immutable weights and a routing whose writer finished before the previous
 // kernel passed this same wait, which the trigger below follows; the decode GEMM2's SM90_AWAIT form does not wait at
 // all and orders its reads of GEMM1's rows by a per-tile handoff; sm90/grouped_gemm.cu). The trigger
 // right after lets the next kernel of the stream launch (and reach its own wait) while this one works;

@@ -55,9 +55,9 @@ using namespace sm90;
 #endif
 // GEMM1 of a decode chain whose sort + permute runs in the launch before it, or GEMM2 behind a routed GEMM1
 // (SM90_EARLY): before its dependency wait each CTA of the first wave reads the call's routing (written before the
-// launch before this one began), guesses its tile's expert from it (early_tile_expert) and issues its weight ring's
-// first loads, so that the weights stream while the launch before runs. After the wait the tile comes from the
-// offsets as in every form; a wrong guess only reloads the ring.
+// launch before this one passed its own wait, which this launch follows), guesses its tile's expert from it
+// (early_tile_expert) and issues its weight ring's first loads, so that the weights stream while the launch before
+// runs. After the wait the tile comes from the offsets as in every form; a wrong guess only reloads the ring.
 #if defined(SM90_EARLY) && (defined(SM90_ROUTE) || defined(SM90_AWAIT))
 #error "SM90_EARLY runs without SM90_ROUTE and SM90_AWAIT"
 #endif

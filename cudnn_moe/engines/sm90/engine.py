@@ -104,9 +104,10 @@ _WGMMA_MIN_ROWS, _WGMMA_LONG_ROWS, _WGMMA_WIDE_N = 32, 64, 4096
 _DECODE_EPILOGUE_CTAS_PER_SM = 16
 # Threads of decode CTAs an SM holds at once: 128 registers a thread (what the decode variants use) in 64K.
 _DECODE_CTA_THREADS_PER_SM = 512
-# Calls of at most this many tokens take GEMM1's early routing (EarlyRouting). H200, fused_moe, us (main / early):
-# Qwen3-30B-A3B T=2 35.6 / 33.9, T=4 44.6 / 43.4, T=8 67.3 / 67.0; the low-latency NVFP4 layer T=8 64.6 / 65.7
-# (benchmarks/RESULTS.md, twenty-third session): no gain at T=8.
+# Calls of at most this many tokens take early routing (EarlyRouting). H200, fused_moe, us (main / early): GEMM1
+# after the sort launch, Qwen3-30B-A3B T=2 35.6 / 33.9, T=4 44.6 / 43.4, T=8 67.3 / 67.0; the low-latency NVFP4 layer
+# T=8 64.6 / 65.7 (benchmarks/RESULTS.md, twenty-third session): no gain at T=8. GEMM2 behind the routed one-token
+# GEMM1: Qwen3-30B-A3B T=1 23.6-24.0 / 23.1, DeepSeek-V3 T=1 75.8-80.4 / 74.9-79.5 (thirtieth session).
 _EARLY_MAX_TOKENS = 4
 # Buckets of at most this many slots (T x top_k) run GEMM1 and GEMM2 with a tile handoff (tile_handoff). H200, whole
 # fused_moe call, us, main / handoff (benchmarks/RESULTS.md, twenty-eighth session): Qwen3-30B-A3B T=8 70.5 / 66.4-66.7,
