@@ -9,6 +9,7 @@ from cudnn_moe import (
     GELU, GeGLU, GeGLUTanh, Identity, Nvfp4Activations, Nvfp4MoeConfig, ReLU, ReLU2, Routing, SiLU, SiTU, SwiGLU,
     SwiGLUStep, fused_moe, get_executor, pack_routing,
 )
+from cudnn_moe.engines.sm90.kernels import DecodeVariant
 from cudnn_moe.fused.checks import unfinalized_row_count
 from cudnn_moe.fused.reference import reference_for_prepared
 from cudnn_moe.pipeline.executor import CallerInputs
@@ -321,4 +322,19 @@ def test_qwen3_shapes_at_eight_tokens_on_split_gemm1_ctas():
     assert wk == [2, 1], wk
     out = torch.full_like(graphed, float("nan"))
     eager = fused_moe(config, acts, r, weights, activation=act, out=out, use_cuda_graph=False)
+    assert torch.equal(eager.view(torch.int16), graphed.view(torch.int16))
+
+
+def test_decode_gemm1_past_the_epilogue_runs_the_activation_launch():
+    """A decode bucket whose GEMM1 takes more CTAs than the activation epilogue is fused for (64 experts x 34 feature
+    blocks: 2176 CTAs) runs GEMM1, then the activation launch: against the reference, and the graph replay against
+    the eager call bit for bit."""
+    graphed, ref, (config, acts, r, weights, act, start) = _run_case(64, 256, 2176, 8, 64, SwiGLU(), seed=31,
+                                                                     engine="sm90")
+    executor = get_executor(config, weights, top_k=8, activation=act, local_expert_start=start)
+    bucket = executor.bucket(64)
+    assert not bucket.fusion.epilogue
+    assert isinstance(executor.engine.variant(bucket.rows, bucket.gemm1.shape, gemm=1), DecodeVariant)
+    _check_close(graphed, ref)
+    eager = fused_moe(config, acts, r, weights, activation=act, use_cuda_graph=False)
     assert torch.equal(eager.view(torch.int16), graphed.view(torch.int16))
