@@ -411,7 +411,7 @@ def host_us_idle_gpu(fn: Callable[[], object], calls: int) -> float:
 
 
 def run_models(args: argparse.Namespace, bench_model: Callable[[ModelShape, torch.Generator, Timer], None],
-               report: Report | None = None) -> None:
+               report: Report) -> None:
     """bench_model per model of --models (one seeded generator, one L2 flush buffer), freeing the GPU
     memory between models; then the clocks the medians saw (GpuClock.summary) as a note of ``report``."""
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -421,5 +421,5 @@ def run_models(args: argparse.Namespace, bench_model: Callable[[ModelShape, torc
         gc.collect()
         torch.cuda.empty_cache()
     summary = timer.clock.summary()
-    if report is not None and summary is not None:
+    if summary is not None:
         report.note(summary)

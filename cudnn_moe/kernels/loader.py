@@ -323,8 +323,9 @@ def programmatic_launch(index: int) -> bool:
     """Whether kernels on device ``index`` launch with Programmatic Dependent Launch: on SM90 and later,
     unless ``$CUDNN_MOE_PDL`` is ``0`` (read once per process). Every kernel waits for its predecessor
     before touching memory (kernels_cuda/common.cuh grid_dependency_begin), or, the SM90 decode GEMM2 behind a
-    tile handoff, for each tile of it (sm90/grouped_gemm.cu SM90_AWAIT), so the results are the same either way;
-    only the gap between dependent launches shrinks."""
+    tile handoff, for each tile of it (sm90/grouped_gemm.cu SM90_AWAIT); the SM90 decode GEMMs' early forms read
+    before their wait only weights and a routing complete before their launch (SM90_EARLY). So the results are the
+    same either way; only the gap between dependent launches shrinks."""
     return os.environ.get(PDL_ENV_VAR, "1") != "0" and torch.cuda.get_device_capability(index)[0] >= 9
 
 

@@ -70,10 +70,11 @@ using namespace sm90;
 // same rows), then reads its token rows with weak loads (load_token_piece). So GEMM2's CTAs compute the tiles GEMM1
 // has finished while GEMM1's last CTAs still run. GEMM2 then reads before GEMM1 has completed what kernels before
 // GEMM1 wrote (the offsets, the finalize's slots and weights): their writers must have completed before GEMM1 passed
-// its own dependency wait (the sort launch before GEMM1), which GEMM2's launch follows. The last of a tile's GEMM2 CTAs (handoff_passed[t] counts
-// them) zeroes both counters for the next launch: int32 [tiles] each, zero before the pair and after it. No wait can
-// starve: GEMM2 launches only once every GEMM1 CTA has triggered its dependents (at its start), so each producer is
-// resident or done when a consumer waits; without PDL GEMM2 starts after GEMM1 and never waits.
+// its own dependency wait (the sort launch before GEMM1), which GEMM2's launch follows. The last of a tile's GEMM2
+// CTAs (handoff_passed[t] counts them) zeroes both counters for the next launch: int32 [tiles] each, zero before the
+// pair and after it. No wait can starve: GEMM2 launches only once every GEMM1 CTA has triggered its dependents (at its
+// start), so each producer is resident or done when a consumer waits; without PDL GEMM2 starts after GEMM1 and never
+// waits.
 #if defined(SM90_SIGNAL) && (!defined(SM90_ACT) || defined(SM90_AWAIT) || defined(SM90_ROUTE))
 #error "SM90_SIGNAL is for GEMM1 with the activation epilogue (SM90_ACT), without SM90_ROUTE (it writes the offsets)"
 #endif

@@ -122,6 +122,12 @@ def _slots(rows: int, num_experts: int) -> int:
     return slots if slots >= num_experts else max(1, rows // ROW_ALIGNMENT)
 
 
+def _tickets(shape: GemmShape) -> int:
+    """A finalizing decode GEMM's tickets at the start of its workspace: one per feature block of the narrowest
+    variant (16 features), whichever variant runs."""
+    return shape.n // 16
+
+
 def _handoff_tiles(rows: int, num_experts: int) -> int:
     """Tiles of a decode GEMM over a bucket of ``rows`` rows at most (gemm_grid with 8-row tiles): a tile handoff's
     counters."""
@@ -278,7 +284,7 @@ class Sm90GemmEngine(GemmEngine):
         and in buckets that may hand off (tile_handoff) two counters per tile (int32, at the end), all zero between
         launches."""
         handoff = _slots(rows, shape.num_experts) <= _HANDOFF_MAX_SLOTS
-        return 4 * (shape.n // 16) + (8 * _handoff_tiles(rows, shape.num_experts) if handoff else 0)
+        return 4 * _tickets(shape) + (8 * _handoff_tiles(rows, shape.num_experts) if handoff else 0)
 
     def can_finalize(self, operands: GemmOperands, tokens: int) -> bool:
         """GEMM2 on the decode kernel in one wave of CTAs (_DECODE_CTA_THREADS_PER_SM), the CTA that finalizes a
@@ -380,7 +386,7 @@ class Sm90GemmEngine(GemmEngine):
         w, gather, epilogue, finalize = operands.weights, operands.gather, operands.epilogue, operands.finalize
         route = operands.route
         variant = self.variant(operands.rows, operands.shape, gemm=operands.gemm, code=w.code)
-        tickets = None if finalize is None else operands.workspace.view(torch.int32)[: operands.shape.n // 16]
+        tickets = None if finalize is None else operands.workspace.view(torch.int32)[: _tickets(operands.shape)]
         mxint4 = w.code is BlockCode.MXINT4
         grouped_gemm(w.data, w.scales, w.alpha, operands.tokens.data if gather is None and route is None else None,
                      operands.offsets, operands.out if epilogue is None else None, variant,
