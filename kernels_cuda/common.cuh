@@ -93,6 +93,23 @@ __device__ __forceinline__ u16 float_to_bf16(float f) {
 }
 
 // ---------------------------------------------------------------------------
+// E2M1 codes of an SM90 fragment tile word (cudnn_moe.engines.sm90.layout, CODE_BITS): the four mma A registers of
+// one k16 step, two codes each. Every register gets its codes' sign at bit 15 and magnitude at bits 6..8 of each
+// half, which makes the half the BF16 value E2M1 x 2^-126 exactly. Eight instructions for the four: a mask, two
+// rotations and masks, and for a3 a mask and a multiply by 2^2 + 2^7 + 2^12 whose three shifted copies of the
+// eight kept bits never overlap (no carry) before the last mask.
+// ---------------------------------------------------------------------------
+
+constexpr u32 kTileCodeMask = 0x81C081C0u;  // sign -> bit 15, magnitude -> bits 6, 7, 8 (each half)
+
+__device__ __forceinline__ void place_tile_e2m1(u32 w, u32 (&a)[4]) {
+  a[0] = w & kTileCodeMask;
+  a[1] = ((w << 10) | (w >> 22)) & kTileCodeMask;
+  a[2] = ((w << 13) | (w >> 19)) & kTileCodeMask;
+  a[3] = ((w & 0x001B001Bu) * 0x1084u) & kTileCodeMask;
+}
+
+// ---------------------------------------------------------------------------
 // E4M3 (float8_e4m3fn): 1 sign, 4 exponent (bias 7), 3 mantissa bits.
 // Normal:    (1 + m/8) * 2^(e-7), e in 1..15 (e=15, m=7 is NaN, so max 448).
 // Subnormal: (m/8) * 2^-6 = m * 2^-9.

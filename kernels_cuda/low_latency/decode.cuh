@@ -56,11 +56,11 @@ __device__ __forceinline__ void decode_int4_word(u32 q, float v[8]) {
 // the lower k): a0 row g at k = 2q, 2q + 1; a1 row g + 8 at the same k; a2 row g at k = 2q + 8, 2q + 9; a3 row
 // g + 8 there (k within the step). The two decoders below give v[2r], v[2r + 1] = register r's two values, exact,
 // in FP32: the rows' weights without their block scales.
-// E2M1 (NVFP4 tiles): each register's codes sit at the layout's bit places (sign, three magnitude bits) of both
-// halves, so one mask (two for a3) makes a BF16 pair of value x 2^-126 and one bf16x2 FMA by 2^126 restores it.
+// E2M1 (NVFP4 tiles): moe::place_tile_e2m1 makes each register a BF16 pair of value x 2^-126 and one bf16x2 FMA by
+// 2^126 restores it.
 __device__ __forceinline__ void decode_tile_e2m1_word(u32 w, float v[8]) {
-  const u32 placed[4] = {w & 0x81C081C0u, (w << 3) & 0x81C081C0u, (w << 6) & 0x81C081C0u,
-                         ((w << 1) & 0x80008000u) | ((w >> 4) & 0x00C000C0u) | ((w >> 5) & 0x01000100u)};
+  u32 placed[4];
+  moe::place_tile_e2m1(w, placed);
 #pragma unroll
   for (int r = 0; r < 4; ++r) {
     const u32 b = bf16x2_fma(placed[r], 0x7E807E80u, 0x80008000u);  // x 2^126 + (-0)

@@ -13,7 +13,7 @@
 // Token fragments: lane (g, q) finds b0, b1 of step s at words 2s, 2s+1 of the 32 bytes at 32q of the
 // token's 128-byte k64 block.
 //
-// Numerics: a weight word decodes to BF16 E2M1 x 2^-126 exactly (one mask, or shift + mask); a scale
+// Numerics: a weight word decodes to BF16 E2M1 x 2^-126 exactly (moe::place_tile_e2m1); a scale
 // byte b decodes to BF16 bits (b & 0x7F) << 4 = s x 2^-120 (E4M3 subnormals land on BF16 subnormals),
 // then two exact multiplies by 2^119 give s x 2^118, and the product with the weight is w s 2^-8,
 // exact and normal in BF16 (|w s| >= 2^-10). The epilogue multiplies the FP32 accumulator by the
@@ -38,17 +38,7 @@ using moe::u8;
 // NVFP4 weight fragments
 // ---------------------------------------------------------------------------------------------
 
-constexpr u32 kCodeMask = 0x81C081C0u;   // sign -> bit 15, magnitude -> bits 6, 7, 8 (each half)
 constexpr u32 kBf16x2Pow119 = 0x7B007B00u;  // bf16x2 (2^119, 2^119)
-
-// The four A registers (a0..a3) of one k16 step from the 32-bit word of layout.py: two BF16 values
-// each, E2M1 x 2^-126, the lower k in the low half.
-__device__ __forceinline__ void decode_a(u32 w, u32 (&a)[4]) {
-  a[0] = w & kCodeMask;
-  a[1] = (w << 3) & kCodeMask;
-  a[2] = (w << 6) & kCodeMask;
-  a[3] = ((w << 1) & 0x80008000u) | ((w >> 4) & 0x00C000C0u) | ((w >> 5) & 0x01000100u);
-}
 
 // bf16x2 products, round to nearest even (exact for every use here).
 __device__ __forceinline__ u32 bf16x2_mul(u32 a, u32 b) {
@@ -170,7 +160,8 @@ constexpr u32 kBf16x2One = 0x3F803F80u;     // bf16x2 (1, 1)
 constexpr u32 kBf16x2Minus136 = 0xC308C308u;  // bf16x2 (-136, -136)
 
 __device__ __forceinline__ u32 int4_pair(u32 w) {
-  const u32 biased = (w & 0x000F000Fu) ^ kInt4Magic;  // one LOP3
+  u32 biased;  // (w & 0x000F000F) ^ magic in one LOP3: the magic in a register, the mask immediate
+  asm("lop3.b32 %0, %1, 0x000F000F, %2, 0x6A;" : "=r"(biased) : "r"(w), "r"(kInt4Magic));
   u32 d;
   asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(biased), "r"(kBf16x2One), "r"(kBf16x2Minus136));
   return d;
@@ -195,7 +186,7 @@ __device__ __forceinline__ u32 word_of(const uint4& v) {
 // sg[2] / sg8[2] from decode_scale_word of the two scale words.
 template <int S>
 __device__ __forceinline__ void scaled_a(u32 w, u32 sg, u32 sg8, u32 (&a)[4]) {
-  decode_a(w, a);
+  moe::place_tile_e2m1(w, a);
   scale_a<S>(sg, sg8, a);
 }
 

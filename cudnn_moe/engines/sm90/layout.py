@@ -17,18 +17,19 @@ scales per 16 k) is cut into m16 x k64 tiles, tile (i, j) = rows 16i.., columns 
 at tile index i * (K/64) + j, so one warp streams a row block along K through consecutive
 512-byte tiles. Inside a tile, lane L owns bytes [16L, 16L + 16): four little-endian words, word
 s holding the eight E2M1 codes of its A registers for the k16 step s (k = 64j + 16s + ...).
-Register r (a0..a3) sits in both 16-bit halves of the word (the low half holds the lower k), at
-these bits of each half:
+Register r (a0..a3) takes two codes from the word (the low half of the register the lower k), at
+these bits of the word (``CODE_BITS``: sign, then magnitude bits 0, 1, 2 of the code; low half's code / high
+half's code), and kernels_cuda/common.cuh ``place_tile_e2m1`` decodes them:
 
-    a0: sign 15, magnitude bits 6, 7, 8        decode:  w & 0x81C081C0
-    a1: sign 12, magnitude bits 3, 4, 5        decode:  (w << 3) & 0x81C081C0
-    a2: sign  9, magnitude bits 0, 1, 2        decode:  (w << 6) & 0x81C081C0
-    a3: sign 14, magnitude bits 10, 11, 13     decode:  ((w << 1) & 0x80008000)
-                                                      | ((w >> 4) & 0x00C000C0) | ((w >> 5) & 0x01000100)
+    a0: 15, 6, 7, 8   / 31, 22, 23, 24     w & 0x81C081C0
+    a1:  5, 28, 29, 30 / 21, 12, 13, 14     rotl(w, 10) & 0x81C081C0
+    a2:  2, 25, 26, 27 / 18, 9, 10, 11      rotl(w, 13) & 0x81C081C0
+    a3:  3, 4, 0, 1   / 19, 20, 16, 17     ((w & 0x001B001B) * 0x1084) & 0x81C081C0
 
-(magnitude bits listed from the code's bit 0 up). Each decode yields two BF16 values equal to
-the E2M1 values times 2^-126 exactly: the magnitude lands on the top mantissa bit and the two
-low exponent bits.
+Each decode puts both codes' signs at bit 15 and magnitudes at bits 6, 7, 8 of their halves: two BF16
+values equal to the E2M1 values times 2^-126 exactly (the magnitude lands on the top mantissa bit and
+the two low exponent bits). a3's multiply adds three copies of its eight kept bits shifted by 2, 7 and 12,
+which never overlap, so no carry reaches a kept bit.
 
 Scale tiles: 64 bytes per weight tile, at the same tile index; byte g * 8 + s * 2 + h is the E4M3
 scale of row 16i + g + 8h and k block 4j + s. The four lanes of a group g read the same 8
@@ -57,15 +58,16 @@ from ...kernels.codes import TokenLayout
 TILE_ROWS = 16  # weight rows (output features) per tile: the mma's M
 TILE_K = 64  # reduction values per tile: four k16 steps
 
-# Bit positions (sign, magnitude bit 0, 1, 2) of register r's code inside each 16-bit half.
+# Word bit positions (sign, magnitude bit 0, 1, 2) of register r's low-half code and high-half code.
 CODE_BITS = (
-    (15, 6, 7, 8),
-    (12, 3, 4, 5),
-    (9, 0, 1, 2),
-    (14, 10, 11, 13),
+    ((15, 6, 7, 8), (31, 22, 23, 24)),
+    ((5, 28, 29, 30), (21, 12, 13, 14)),
+    ((2, 25, 26, 27), (18, 9, 10, 11)),
+    ((3, 4, 0, 1), (19, 20, 16, 17)),
 )
-# The same for MXINT4 codes (code bits 3, 0, 1, 2: the nibble as it is, at bits 4r .. 4r + 3).
-INT4_CODE_BITS = tuple((4 * r + 3, 4 * r, 4 * r + 1, 4 * r + 2) for r in range(4))
+# The same for MXINT4 codes (code bits 3, 0, 1, 2: the nibble as it is, at bits 4r .. 4r + 3 of each half).
+INT4_CODE_BITS = tuple(tuple((16 * x + 4 * r + 3, 16 * x + 4 * r, 16 * x + 4 * r + 1, 16 * x + 4 * r + 2)
+                             for x in range(2)) for r in range(4))
 
 
 def _check_weight_shapes(n: int, k: int) -> None:
@@ -123,8 +125,8 @@ def unpack_int4_weight_tiles(tiles: torch.Tensor, tile_scales: torch.Tensor, n: 
 
 
 def _pack_codes(packed: torch.Tensor, code_bits: tuple[tuple[int, ...], ...]) -> torch.Tensor:
-    """4-bit codes uint8 [E, N, K/2] -> fragment tiles uint8 [E, N*K/2], register r's code bits (3, 0, 1, 2) at
-    ``code_bits[r]`` of each 16-bit half."""
+    """4-bit codes uint8 [E, N, K/2] -> fragment tiles uint8 [E, N*K/2], the code bits (3, 0, 1, 2) of register r's
+    half x at word bits ``code_bits[r][x]``."""
     experts, n, half_k = packed.shape
     k = 2 * half_k
     # codes[e, i, h, g, j, s, b, q, x] = code of row 16i + 8h + g, column 64j + 16s + 8b + 2q + x
@@ -132,14 +134,13 @@ def _pack_codes(packed: torch.Tensor, code_bits: tuple[tuple[int, ...], ...]) ->
     # -> [e, i, j, g, q, s, b, h, x]: lane (g, q), word s, register r = 2b + h, half x
     codes = codes.permute(0, 1, 4, 3, 7, 5, 6, 2, 8)
     word = torch.zeros(codes.shape[:6], dtype=torch.int64, device=packed.device)
-    for r, (sign_bit, *mag_bits) in enumerate(code_bits):
+    for r, register_bits in enumerate(code_bits):
         b, h = divmod(r, 2)
-        for x in range(2):
+        for x, (sign_bit, *mag_bits) in enumerate(register_bits):
             c = codes[..., b, h, x].to(torch.int64)
-            placed = ((c >> 3) & 1) << sign_bit
+            word |= ((c >> 3) & 1) << sign_bit
             for bit, pos in enumerate(mag_bits):
-                placed |= ((c >> bit) & 1) << pos
-            word |= placed << (16 * x)
+                word |= ((c >> bit) & 1) << pos
     word_bytes = torch.stack([(word >> (8 * byte)) & 0xFF for byte in range(4)], dim=-1).to(torch.uint8)
     return word_bytes.reshape(experts, n * k // 2)
 
@@ -161,13 +162,12 @@ def _unpack_codes(tiles: torch.Tensor, n: int, k: int, code_bits: tuple[tuple[in
     word_bytes = tiles.reshape(experts, n // 16, k // 64, 8, 4, 4, 4).to(torch.int64)
     word = sum(word_bytes[..., byte] << (8 * byte) for byte in range(4))  # [e, i, j, g, q, s]
     codes = torch.zeros(*word.shape, 2, 2, 2, dtype=torch.int64, device=tiles.device)  # [.., b, h, x]
-    for r, (sign_bit, *mag_bits) in enumerate(code_bits):
+    for r, register_bits in enumerate(code_bits):
         b, h = divmod(r, 2)
-        for x in range(2):
-            half = word >> (16 * x)
-            c = ((half >> sign_bit) & 1) << 3
+        for x, (sign_bit, *mag_bits) in enumerate(register_bits):
+            c = ((word >> sign_bit) & 1) << 3
             for bit, pos in enumerate(mag_bits):
-                c |= ((half >> pos) & 1) << bit
+                c |= ((word >> pos) & 1) << bit
             codes[..., b, h, x] = c
     # [e, i, j, g, q, s, b, h, x] -> [e, i, h, g, j, s, b, q, x]
     codes = codes.permute(0, 1, 7, 3, 2, 5, 6, 4, 8).reshape(experts, n, k).to(torch.uint8)

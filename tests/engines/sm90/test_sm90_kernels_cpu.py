@@ -270,14 +270,18 @@ def _u32(x: np.ndarray) -> np.ndarray:
     return (x.astype(np.uint64) & M32).astype(np.uint64)
 
 
+def _rotl(w: np.ndarray, n: int) -> np.ndarray:
+    return ((w << np.uint64(n)) & M32) | (w >> np.uint64(32 - n))
+
+
 def decode_a(w: np.ndarray) -> list[np.ndarray]:
-    """fragments.cuh decode_a: word -> a0..a3 (bf16x2 bits)."""
+    """common.cuh place_tile_e2m1: word -> a0..a3 (bf16x2 bits); a3's 32-bit multiply wraps."""
     w = w.astype(np.uint64)
     return [
         w & CODE_MASK,
-        ((w << 3) & M32) & CODE_MASK,
-        ((w << 6) & M32) & CODE_MASK,
-        (((w << 1) & M32) & 0x80008000) | ((w >> 4) & 0x00C000C0) | ((w >> 5) & 0x01000100),
+        _rotl(w, 10) & CODE_MASK,
+        _rotl(w, 13) & CODE_MASK,
+        (((w & 0x001B001B) * 0x1084) & M32) & CODE_MASK,
     ]
 
 
@@ -365,12 +369,12 @@ def test_weight_decode_every_code_every_scale() -> None:
     # A word holding code c in every slot: place bits per layout.CODE_BITS
     from cudnn_moe.engines.sm90.layout import CODE_BITS
 
-    for r, (sign, *mag) in enumerate(CODE_BITS):
-        for half in range(2):
+    for r, register_bits in enumerate(CODE_BITS):
+        for half, (sign, *mag) in enumerate(register_bits):
             word = np.zeros(16, dtype=np.uint64)
             for bit, pos in enumerate(mag):
-                word |= (((codes >> bit) & 1).astype(np.uint64) << np.uint64(pos + 16 * half))
-            word |= (((codes >> 3) & 1).astype(np.uint64) << np.uint64(sign + 16 * half))
+                word |= (((codes >> bit) & 1).astype(np.uint64) << np.uint64(pos))
+            word |= (((codes >> 3) & 1).astype(np.uint64) << np.uint64(sign))
             value = bf16_value((decode_a(word)[r] >> (16 * half)) & 0xFFFF)
             np.testing.assert_array_equal(value, expected_w * 2.0**-126)
             other = bf16_value((decode_a(word)[r] >> (16 * (1 - half))) & 0xFFFF)
@@ -464,12 +468,12 @@ def test_int4_decode_every_code_in_every_slot() -> None:
 
     codes = np.arange(16)
     values = np.where(codes >= 8, codes - 16, codes).astype(np.float64)
-    for r, (sign, *mag) in enumerate(INT4_CODE_BITS):
-        for half in range(2):
+    for r, register_bits in enumerate(INT4_CODE_BITS):
+        for half, (sign, *mag) in enumerate(register_bits):
             word = np.zeros(16, dtype=np.uint64)
             for bit, pos in enumerate(mag):
-                word |= ((codes >> bit) & 1).astype(np.uint64) << np.uint64(pos + 16 * half)
-            word |= ((codes >> 3) & 1).astype(np.uint64) << np.uint64(sign + 16 * half)
+                word |= ((codes >> bit) & 1).astype(np.uint64) << np.uint64(pos)
+            word |= ((codes >> 3) & 1).astype(np.uint64) << np.uint64(sign)
             decoded = decode_a_int4(word)
             for r2 in range(4):
                 for h2 in range(2):
