@@ -1148,8 +1148,8 @@ def test_decode_sass_budget(variant: sm90.DecodeVariant) -> None:
     per_k16 = decode.per_k16(variant.mt * variant.nt)
     print(f"{variant}: {decode.registers} registers, {per_k16:.1f} instructions per k16 step per lane")
     assert decode.hmma == 4 * variant.prefetch * variant.mt * variant.nt  # the steady-state loop: PREFETCH k64 steps
-    if variant == sm90.DECODE:
-        assert per_k16 <= 24, f"decode main loop: {per_k16:.1f} instructions per k16 step (budget 24)"
+    if variant == sm90.DECODE:  # 19 with the eight-instruction word decode (22 with the eleven before it)
+        assert per_k16 <= 20, f"decode main loop: {per_k16:.1f} instructions per k16 step (budget 20)"
     assert not math.isnan(per_k16)
 
 
