@@ -274,7 +274,7 @@ def _rotl(w: np.ndarray, n: int) -> np.ndarray:
     return ((w << np.uint64(n)) & M32) | (w >> np.uint64(32 - n))
 
 
-def decode_a(w: np.ndarray) -> list[np.ndarray]:
+def place_tile_e2m1(w: np.ndarray) -> list[np.ndarray]:
     """common.cuh place_tile_e2m1: word -> a0..a3 (bf16x2 bits); a3's 32-bit multiply wraps."""
     w = w.astype(np.uint64)
     return [
@@ -327,7 +327,7 @@ def broadcast(s: np.ndarray, high: bool) -> np.ndarray:
 
 def scaled_a(w: np.ndarray, sg: np.ndarray, sg8: np.ndarray, step: int) -> list[np.ndarray]:
     """fragments.cuh scaled_a<step>: sg / sg8 = the pairs of the scale word of steps (step & ~1, | 1)."""
-    a = decode_a(w)
+    a = place_tile_e2m1(w)
     high = bool(step & 1)
     return [bf16x2_mul(a[0], broadcast(sg, high)), bf16x2_mul(a[1], broadcast(sg8, high)),
             bf16x2_mul(a[2], broadcast(sg, high)), bf16x2_mul(a[3], broadcast(sg8, high))]
@@ -375,13 +375,13 @@ def test_weight_decode_every_code_every_scale() -> None:
             for bit, pos in enumerate(mag):
                 word |= (((codes >> bit) & 1).astype(np.uint64) << np.uint64(pos))
             word |= (((codes >> 3) & 1).astype(np.uint64) << np.uint64(sign))
-            value = bf16_value((decode_a(word)[r] >> (16 * half)) & 0xFFFF)
+            value = bf16_value((place_tile_e2m1(word)[r] >> (16 * half)) & 0xFFFF)
             np.testing.assert_array_equal(value, expected_w * 2.0**-126)
-            other = bf16_value((decode_a(word)[r] >> (16 * (1 - half))) & 0xFFFF)
+            other = bf16_value((place_tile_e2m1(word)[r] >> (16 * (1 - half))) & 0xFFFF)
             assert not other.any(), "a code leaks into the other half"
             for r2 in range(4):
                 if r2 != r:
-                    assert not decode_a(word)[r2].any(), f"register {r} leaks into register {r2}"
+                    assert not place_tile_e2m1(word)[r2].any(), f"register {r} leaks into register {r2}"
 
     scale_bytes = np.arange(127, dtype=np.uint64)
     expected_s = torch.arange(127, dtype=torch.uint8).view(torch.float8_e4m3fn).double().numpy()
@@ -459,6 +459,22 @@ def decode_a_int4(w: np.ndarray) -> list[np.ndarray]:
         bf16_bits(lo), bf16_bits(hi)  # the fma's result is exact in BF16
         out.append((lo, hi))
     return out
+
+
+def test_tile_words_place_every_code_at_once() -> None:
+    """Random full words (every slot holding a code at once, so any carry of a3's multiply would show): each register
+    half is exactly its code of layout.CODE_BITS, sign at bit 15 and magnitude at bits 6..8, and nothing else."""
+    from cudnn_moe.engines.sm90.layout import CODE_BITS
+
+    words = np.random.default_rng(5).integers(0, 2**32, size=100_000, dtype=np.uint64)
+    words[:2] = (0, M32)
+    placed = place_tile_e2m1(words)
+    for r, register_bits in enumerate(CODE_BITS):
+        for half, (sign, *mag) in enumerate(register_bits):
+            want = ((words >> np.uint64(sign)) & 1) << np.uint64(15)
+            for bit, pos in enumerate(mag):
+                want |= ((words >> np.uint64(pos)) & 1) << np.uint64(6 + bit)
+            np.testing.assert_array_equal((placed[r] >> np.uint64(16 * half)) & 0xFFFF, want)
 
 
 def test_int4_decode_every_code_in_every_slot() -> None:
