@@ -391,18 +391,17 @@ class Sm90GemmEngine(GemmEngine):
         grouped_gemm(w.data, w.scales, w.alpha, operands.tokens.data if gather is None and route is None else None,
                      operands.offsets, operands.out if epilogue is None else None, variant,
                      alpha_split=w.alpha_split, gather=gather, epilogue=epilogue, finalize=finalize, tickets=tickets,
-                     route=route, early=self._early(operands, variant, mxint4), handoff=operands.handoff,
+                     route=route, early=self._early(operands, variant), handoff=operands.handoff,
                      mxint4=mxint4, swap_halves=w.halves_swapped)
 
-    def _early(self, operands: GemmOperands, variant: GemmVariant, mxint4: bool) -> EarlyRouting | None:
+    def _early(self, operands: GemmOperands, variant: GemmVariant) -> EarlyRouting | None:
         """operands.early where the decode kernel takes it, for its first wave of CTAs: on a call of at most
-        _EARLY_MAX_TOKENS tokens (and no more than a tile's rows: every used expert holds one tile), NVFP4 weights in
-        tiles (the MXINT4 forms have no registers to spare for it, nor the row-major forms, whose split-K SwiGLU forms
-        would spill 56 bytes; the BF16 form has no early form); not with a route, nor on a GEMM2 that waits for its
-        tiles (a handoff) instead of for GEMM1."""
+        _EARLY_MAX_TOKENS tokens (and no more than a tile's rows: every used expert holds one tile), NVFP4 or MXINT4
+        weights in tiles (not the row-major forms, whose split-K SwiGLU forms would spill 56 bytes; the BF16 form has
+        no early form); not with a route, nor on a GEMM2 that waits for its tiles (a handoff) instead of for GEMM1."""
         early = operands.early
         if (early is None or not isinstance(variant, DecodeVariant) or variant.bf16_weights or variant.row_major
-                or mxint4 or operands.route is not None or operands.handoff is not None and operands.epilogue is None
+                or operands.route is not None or operands.handoff is not None and operands.epilogue is None
                 or early.ids.shape[0] > min(_EARLY_MAX_TOKENS, variant.tile_rows)):
             return None
         return replace(early, ctas=self.sm_count * (_DECODE_CTA_THREADS_PER_SM // variant.threads))

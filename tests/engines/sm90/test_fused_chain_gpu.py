@@ -195,7 +195,7 @@ def test_early_routing_changes_no_bit(tokens: int, top_k: int, local) -> None:
     fused = stages.gemm1_activation(gather=False)
     assert executor.engine._early(replace(bucket.gemm1, epilogue=stages._activation_epilogue(),
                                           early=EarlyRouting(bucket.ids, ROUTING_FP32, start)),
-                                  executor.engine.variant(bucket.rows, bucket.gemm1.shape, gemm=1), False) is not None
+                                  executor.engine.variant(bucket.rows, bucket.gemm1.shape, gemm=1)) is not None
     guesses = {
         "none": None,
         "right": EarlyRouting(bucket.ids, ROUTING_FP32, start),
@@ -226,7 +226,7 @@ def test_early_routing_changes_no_bit(tokens: int, top_k: int, local) -> None:
         return _bits(bucket.gemm2.out[:used]).clone()
 
     assert executor.engine._early(replace(bucket.gemm2, early=guesses["right"]),
-                                  executor.engine.variant(bucket.rows, bucket.gemm2.shape, gemm=2), False) is not None
+                                  executor.engine.variant(bucket.rows, bucket.gemm2.shape, gemm=2)) is not None
     want_rows = run_gemm2(None)
     assert torch.count_nonzero(want_rows) > 0 and not torch.isnan(bucket.gemm2.out[:used]).any()
     for name, early in guesses.items():

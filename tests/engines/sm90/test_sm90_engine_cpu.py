@@ -260,9 +260,9 @@ def test_bf16_weights_take_the_bf16_decode_form(model, tokens: int, finalizes: b
     (QWEN3, 4096, False),
 ])
 def test_early_routing_for_calls_of_few_tokens(model, tokens: int, early: bool) -> None:
-    """Early routing reaches the kernel for calls of at most four tokens on the decode kernel with NVFP4 weights, with
-    one wave of CTAs guessing (512 threads an SM): GEMM1, signalling a handoff or not, and GEMM2 behind a routed
-    GEMM1; never for MXINT4, with a route, or on a GEMM2 that waits for a handoff's tiles."""
+    """Early routing reaches the kernel for calls of at most four tokens on the decode kernel with NVFP4 or MXINT4
+    tiles, with one wave of CTAs guessing (512 threads an SM): GEMM1, signalling a handoff or not, and GEMM2 behind a
+    routed GEMM1; never with a route, or on a GEMM2 that waits for a handoff's tiles."""
     engine = Sm90GemmEngine.__new__(Sm90GemmEngine)
     engine.sm_count = SMS
     rows, shape = _bucket(model, tokens)
@@ -272,15 +272,14 @@ def test_early_routing_for_calls_of_few_tokens(model, tokens: int, early: bool) 
     def ops(epilogue: object = object(), route: object = None, handoff: object = None, early=routing):
         return SimpleNamespace(early=early, epilogue=epilogue, route=route, handoff=handoff)
 
-    got = engine._early(ops(), variant, mxint4=False)
+    got = engine._early(ops(), variant)
     assert (got is not None) is early
     if early:
         assert got.ids is routing.ids and got.ctas == SMS * (512 // variant.threads)
-    assert (engine._early(ops(handoff=object()), variant, mxint4=False) is not None) is early  # GEMM1 signalling
-    assert (engine._early(ops(epilogue=None), variant, mxint4=False) is not None) is early  # GEMM2, routed GEMM1
-    assert engine._early(ops(), variant, mxint4=True) is None
-    assert engine._early(ops(epilogue=None, handoff=object()), variant, mxint4=False) is None  # GEMM2 awaiting
-    assert engine._early(ops(route=object()), variant, mxint4=False) is None
-    assert engine._early(ops(early=None), variant, mxint4=False) is None
+    assert (engine._early(ops(handoff=object()), variant) is not None) is early  # GEMM1 signalling
+    assert (engine._early(ops(epilogue=None), variant) is not None) is early  # GEMM2, routed GEMM1
+    assert engine._early(ops(epilogue=None, handoff=object()), variant) is None  # GEMM2 awaiting
+    assert engine._early(ops(route=object()), variant) is None
+    assert engine._early(ops(early=None), variant) is None
     if isinstance(variant, DecodeVariant):  # never for BF16 weights
-        assert engine._early(ops(), engine.variant(rows, shape, gemm=1, code=BlockCode.BF16), mxint4=False) is None
+        assert engine._early(ops(), engine.variant(rows, shape, gemm=1, code=BlockCode.BF16)) is None
