@@ -1,5 +1,6 @@
-// Device helpers shared by the MoE glue kernels: number formats, the 128x4
-// scale swizzle and a vectorised byte copy.
+// Device helpers shared by the project's kernels: Programmatic Dependent Launch, number formats (with the E2M1
+// placement of the SM90 tile words, which the GEMMs and the CUDA-core kernels both read), the 128x4 scale swizzle and
+// a vectorised byte copy.
 //
 // Self-contained on purpose: NVRTC (through CuPy) may not find the CUDA
 // headers, so the FP8/FP4/BF16 conversions are written with plain bit
