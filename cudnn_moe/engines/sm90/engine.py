@@ -387,12 +387,11 @@ class Sm90GemmEngine(GemmEngine):
         route = operands.route
         variant = self.variant(operands.rows, operands.shape, gemm=operands.gemm, code=w.code)
         tickets = None if finalize is None else operands.workspace.view(torch.int32)[: _tickets(operands.shape)]
-        mxint4 = w.code is BlockCode.MXINT4
         grouped_gemm(w.data, w.scales, w.alpha, operands.tokens.data if gather is None and route is None else None,
                      operands.offsets, operands.out if epilogue is None else None, variant,
                      alpha_split=w.alpha_split, gather=gather, epilogue=epilogue, finalize=finalize, tickets=tickets,
                      route=route, early=self._early(operands, variant), handoff=operands.handoff,
-                     mxint4=mxint4, swap_halves=w.halves_swapped)
+                     code=w.code, swap_halves=w.halves_swapped)
 
     def _early(self, operands: GemmOperands, variant: GemmVariant) -> EarlyRouting | None:
         """operands.early where the decode kernel takes it, for its first wave of CTAs: on a call of at most

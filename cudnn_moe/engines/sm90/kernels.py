@@ -23,7 +23,7 @@ from ...kernels.sort import check_staged_sort
 from ...kernels.stage import routing_args
 from ...validate import require_contiguous, require_shape, require_tensor
 from ..base import (
-    ActivationEpilogue, EarlyRouting, FinalizeEpilogue, RoutePrologue, RowGather, TileHandoff, TokenOperand,
+    ActivationEpilogue, BlockCode, EarlyRouting, FinalizeEpilogue, RoutePrologue, RowGather, TileHandoff, TokenOperand,
 )
 from .layout import TILE_K
 
@@ -326,7 +326,7 @@ def grouped_gemm(
     route: RoutePrologue | None = None,
     early: EarlyRouting | None = None,
     handoff: TileHandoff | None = None,
-    mxint4: bool = False,
+    code: BlockCode | None = None,
     swap_halves: bool = False,
 ) -> None:
     """out[r, :N] = bf16(float32(alpha[e] * 256) * (x[r] @ W_e^T * 2^-8)) for the rows r of each segment e.
@@ -367,10 +367,12 @@ def grouped_gemm(
     but its tokens must have been written before GEMM1 passed its own dependency wait (the sort before GEMM1).
     A DecodeVariant with ``bf16_weights``: W_e is BF16, w_tiles bfloat16 [E, N*K] (each expert's [N, K] row-major,
     read in place), w_tile_scales ignored (any tensor), x in natural rows: out[r] = bf16(float32(alpha[e] * 256) *
-    acc), acc the FP32 sum of x[r, k] W_e[f, k] (pass alpha = 1/256 for the plain sum); no route, early or mxint4.
+    acc), acc the FP32 sum of x[r, k] W_e[f, k] (pass alpha = 1/256 for the plain sum); no route or early routing.
     swap_halves (DecodeVariant, WgmmaVariant): W's stored rows are [second half; first half] of N / 2 rows each
     (the aligned op's raw w1, [gate; up]); the kernel reads them as [first; second].
-    mxint4 (a DecodeVariant): W_e is MXINT4 in the SM90 MXINT4 tiles (layout.pack_int4_weight_tiles: INT4 codes,
+    code: what W holds. None takes it from the variant (BlockCode.BF16 for ``bf16_weights``, NVFP4_ROWS for
+    ``row_major``, else NVFP4 tiles); given, it must agree with the variant.
+    BlockCode.MXINT4 (a DecodeVariant): W_e is MXINT4 in the SM90 MXINT4 tiles (layout.pack_int4_weight_tiles: INT4 codes,
     w_tile_scales the BF16 scales per 32 k as bytes): out[r] = bf16(float32(alpha[e] * 256) * acc), acc the FP32
     sum over the k32 blocks b of fma(partial_b, scale_b, acc), partial_b the FP32 sum of the block's exact products
     int4 * x (pass alpha = 1/256 for the plain sum). With an epilogue it hands the activation float32(alpha * 256)
@@ -378,11 +380,13 @@ def grouped_gemm(
     """
     if not isinstance(variant, (DecodeVariant, PrefillVariant, WgmmaVariant)):
         raise ValueError(f"variant must be a DecodeVariant, PrefillVariant or WgmmaVariant, got {type(variant).__name__}")
-    bf16_weights = isinstance(variant, DecodeVariant) and variant.bf16_weights
-    if bf16_weights and (mxint4 or route is not None or early is not None):
-        raise ValueError(f"BF16 weights ({variant}) run without mxint4, a route or early routing")
-    if isinstance(variant, (DecodeVariant, WgmmaVariant)) and variant.row_major and (mxint4 or route is not None):
-        raise ValueError(f"row-major NVFP4 weights ({variant}) run without mxint4 or a route")
+    code = _weight_code(variant, code)
+    bf16_weights = code is BlockCode.BF16
+    mxint4 = code is BlockCode.MXINT4
+    if bf16_weights and (route is not None or early is not None):
+        raise ValueError(f"BF16 weights ({variant}) run without a route or early routing")
+    if code is BlockCode.NVFP4_ROWS and route is not None:
+        raise ValueError(f"row-major NVFP4 weights ({variant}) run without a route")
     if swap_halves and isinstance(variant, PrefillVariant):
         raise ValueError(f"swap_halves needs a DecodeVariant or WgmmaVariant, got {variant}")
     if mxint4 and not isinstance(variant, DecodeVariant):
@@ -536,6 +540,20 @@ def grouped_gemm(
             options += ("-DSM90_SIGNAL=1",) if epilogue is not None else ("-DSM90_AWAIT=1",)
     launch(variant.source, variant.kernel, tokens.device, grid, variant.threads, args,
            shared_mem=shared_mem, extra_options=options)
+
+
+def _weight_code(variant: GemmVariant, code: BlockCode | None) -> BlockCode:
+    """What W holds: ``code``, or None read from the variant's form; ValueError where they disagree."""
+    form = (BlockCode.BF16 if isinstance(variant, DecodeVariant) and variant.bf16_weights else
+            BlockCode.NVFP4_ROWS if not isinstance(variant, PrefillVariant) and variant.row_major else None)
+    if code is None:
+        return form or BlockCode.NVFP4
+    if not isinstance(code, BlockCode):
+        raise ValueError(f"code must be a BlockCode, got {code!r}")
+    if form is not None and code is not form or form is None and code in (BlockCode.BF16, BlockCode.NVFP4_ROWS):
+        raise ValueError(f"{code.value} weights run on {'another form' if form is not None else 'a form'} of the "
+                         f"variant, not on {variant}")
+    return code
 
 
 def epilogue_options(activation: Any) -> tuple[str, ...]:

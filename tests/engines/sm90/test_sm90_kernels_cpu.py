@@ -22,6 +22,7 @@ import torch
 from cudnn_moe.activations import GELU, GeGLUTanh, SiTU, SwiGLU
 from cudnn_moe.engines.base import (
     ActivationEpilogue,
+    BlockCode,
     EarlyRouting,
     FinalizeEpilogue,
     RoutePrologue,
@@ -758,7 +759,7 @@ def test_mxint4_call_compiles_its_form_in(launches: list[tuple]) -> None:
         launches.clear()
         args = _fused_args(TokenLayout.BF16_FRAGMENTS, SwiGLU())
         args["epilogue"] = ActivationEpilogue(SwiGLU(), args["epilogue"].row_to_slot, args["epilogue"].out, False)
-        args.update(gather=None, x=torch.zeros(40, 128, dtype=torch.bfloat16), variant=variant, mxint4=True)
+        args.update(gather=None, x=torch.zeros(40, 128, dtype=torch.bfloat16), variant=variant, code=BlockCode.MXINT4)
         if plain:
             args.update(epilogue=None, out=torch.zeros(40, 256, dtype=torch.bfloat16))
         sm90.grouped_gemm(**args)
@@ -769,7 +770,7 @@ def test_mxint4_call_compiles_its_form_in(launches: list[tuple]) -> None:
 
 def test_bf16_call_compiles_its_form_in(launches: list[tuple]) -> None:
     """A BF16-weight decode GEMM reads bfloat16 [E, N*K] weights (the scales argument unread), natural token rows, and
-    compiles -DSM90_W_BF16=1 in; it refuses 4-bit weights, MXINT4 and early routing."""
+    compiles -DSM90_W_BF16=1 in; it refuses 4-bit weights and MXINT4 codes."""
     e, n, k, rows = 3, 128, 128, 40
     args = {**_gemm_args(e, n, k, rows), "variant": BF16_VARIANT}
     args["w_tiles"] = torch.zeros(e, n * k, dtype=torch.bfloat16)
@@ -781,8 +782,8 @@ def test_bf16_call_compiles_its_form_in(launches: list[tuple]) -> None:
         sm90.grouped_gemm(**{**args, "w_tiles": torch.zeros(e, n * k // 2, dtype=torch.uint8)})
     with pytest.raises(ValueError, match="w_tiles"):
         sm90.grouped_gemm(**{**args, "w_tiles": torch.zeros(e, n * k // 2, dtype=torch.bfloat16)})
-    with pytest.raises(ValueError, match="run without mxint4"):
-        sm90.grouped_gemm(**args, mxint4=True)
+    with pytest.raises(ValueError, match="mxint4 weights run on another form"):
+        sm90.grouped_gemm(**args, code=BlockCode.MXINT4)
     assert len(launches) == 1
 
 
@@ -810,8 +811,8 @@ _FUSED_BAD = [
         TokenOperand(torch.zeros(40, 128, dtype=torch.bfloat16), None, TokenLayout.BF16_ROWS))), "w_tiles"),
     ("epilogue row_to_slot", lambda a: a.update(epilogue=ActivationEpilogue(
         SwiGLU(), torch.zeros(40, dtype=torch.int32), a["epilogue"].out)), "one tensor"),
-    ("mxint4 on wgmma", lambda a: a.update(mxint4=True), "MXINT4 weights run on a DecodeVariant"),
-    ("mxint4 requantizing", lambda a: a.update(variant=sm90.DecodeVariant(mt=2, wm=2, wk=2), gather=None, mxint4=True,
+    ("mxint4 on wgmma", lambda a: a.update(code=BlockCode.MXINT4), "MXINT4 weights run on a DecodeVariant"),
+    ("mxint4 requantizing", lambda a: a.update(variant=sm90.DecodeVariant(mt=2, wm=2, wk=2), gather=None, code=BlockCode.MXINT4,
                                               x=torch.zeros(40, 128, dtype=torch.bfloat16)), "no requantize"),
     ("nvfp4 without requantize", lambda a: a.update(epilogue=ActivationEpilogue(
         SwiGLU(), a["gather"].row_to_slot,

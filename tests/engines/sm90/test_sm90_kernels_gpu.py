@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from cudnn_moe.engines.base import FinalizeEpilogue
+from cudnn_moe.engines.base import BlockCode, FinalizeEpilogue
 from cudnn_moe.engines.sm90 import kernels as sm90
 from cudnn_moe.engines.sm90.layout import (
     from_token_fragments, pack_int4_weight_tiles, pack_weight_tiles, to_token_fragments, to_token_layout,
@@ -157,7 +157,7 @@ def test_mxint4_decode_gemm_matches_reference(variant: sm90.DecodeVariant, case:
     for _ in range(2):  # twice: bitwise the same
         out = torch.full((problem.rows, n), math.nan, dtype=torch.bfloat16, device=DEV)
         sm90.grouped_gemm(problem.tiles, problem.tile_scales, torch.full((experts,), 1 / 256, device=DEV),
-                          problem.x[variant.token_layout], problem.offsets_dev, out, variant, mxint4=True)
+                          problem.x[variant.token_layout], problem.offsets_dev, out, variant, code=BlockCode.MXINT4)
         torch.cuda.synchronize()
         check(problem, out)
         outs.append(out)
