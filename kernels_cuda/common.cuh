@@ -387,6 +387,13 @@ __device__ __forceinline__ u32 ldg_reused_u16(const void* p) {
   return v;
 }
 
+// 4 bytes of read-only data that are used once.
+__device__ __forceinline__ u32 ldg_stream_u32(const void* p) {
+  u32 v;
+  asm("ld.global.nc.L1::no_allocate.u32 %0, [%1];" : "=r"(v) : "l"(p));
+  return v;
+}
+
 // 8 bytes of read-only data that is used once.
 __device__ __forceinline__ uint2 ldg_stream_v2(const void* p) {
   uint2 v;

@@ -59,10 +59,14 @@ class BlockCode(enum.Enum):
     GEMM1 runs with the activation in its epilogue. BF16 (the low-latency op's BF16 layers on the SM90 engine): the
     weights themselves, row-major bfloat16 [E, rows * K] read in place, no block scales, no global (alphas 1/256).
     NVFP4_ROWS (the aligned op's raw weights on the SM90 engine): NVFP4 as NVFP4, but in the canonical row-major
-    layout (codes [E, rows * K/2], linear E4M3 scales [E, rows * K/16]) read in place instead of the engine's own."""
+    layout (codes [E, rows * K/2], linear E4M3 scales [E, rows * K/16]) read in place instead of the engine's own.
+    MXFP4 (the low-latency op's MXFP4 weight-only layers on the SM90 engine, in their exact shifted form): E2M1 codes,
+    one scale byte per 32 k holding 2^(j - a) as a BF16 multiplier (cudnn_moe.engines.sm90.layout, MXFP4 tiles), the
+    expert globals 2^a as alpha; the same products as NVFP4 tiles of that form."""
 
     NVFP4 = "nvfp4"
     MXINT4 = "mxint4"
+    MXFP4 = "mxfp4"
     BF16 = "bf16"
     NVFP4_ROWS = "nvfp4-rows"
 

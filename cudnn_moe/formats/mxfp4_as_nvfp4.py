@@ -1,10 +1,12 @@
-"""MXFP4 re-encoded exactly as NVFP4: the same E2M1 codes, each 32-value E8M0 block scale 2^j split into the
-E4M3 scales 2^(j - a) of its two 16-value halves, and one power-of-two global 2^a per expert.
+"""MXFP4 re-encoded exactly with one power-of-two global 2^a per expert: the same E2M1 codes, each 32-value E8M0
+block scale 2^j recoded as 2^(j - a), with every recoded scale inside E4M3's exact powers of two (from 2^-9, its
+smallest subnormal, to 2^8). That is an exact NVFP4 form (both 16-value halves of a block take the E4M3 scale
+2^(j - a)), and the form the SM90 kernels run MXFP4 tiles in (``form_scales``: one byte per 32 values,
+cudnn_moe.engines.sm90.layout).
 
-E4M3 holds every power of two from 2^-9 (its smallest subnormal) to 2^8 exactly, so an expert converts when
-the exponents j of its nonzero blocks span at most ``E4M3_POW2_SPAN`` (17) binades. Its shift a is the one
-nearest 0 that fits them (0 whenever every j lies in [-9, 8]: the NVFP4 scales then hold the MXFP4 values
-themselves). A block whose codes are all +-0 contributes nothing whatever its scale: it gets E4M3 scale 0
+An expert converts when the exponents j of its nonzero blocks span at most ``E4M3_POW2_SPAN`` (17) binades. Its
+shift a is the one nearest 0 that fits them (0 whenever every j lies in [-9, 8]: the recoded scales are then the
+MXFP4 scales themselves). A block whose codes are all +-0 contributes nothing whatever its scale: it gets scale byte 0
 and does not count in the span (the zero padding of I carries scale byte 0, 2^-127).
 
 Not convertible (``nvfp4_shifts`` says why): a NaN scale byte (255; the format's value is then NaN even
@@ -22,13 +24,11 @@ import torch
 
 from .blocks import check_codes, check_scales
 from .mx import E8M0_BIAS, MX_BLOCK
-from .nvfp4 import NVFP4_BLOCK
 
 E4M3_POW2_MIN, E4M3_POW2_MAX = -9, 8  # the powers of two E4M3 holds exactly: 2^-9 (subnormal) .. 2^8
 E4M3_POW2_SPAN = E4M3_POW2_MAX - E4M3_POW2_MIN
 MAX_EXPONENT = 125  # 6 * 2^125 is the largest MXFP4 value FP32 holds
 _E8M0_NAN = 255
-_E4M3_BIAS, _E4M3_MANTISSA_BITS = 7, 3
 
 
 _CHUNK_BYTES = 1 << 28  # codes examined at once: bounds the temporaries of a large layer to about 2 x 256 MiB
@@ -80,17 +80,13 @@ def nvfp4_shifts(codes: torch.Tensor, scales: torch.Tensor, name: str = "weights
     return torch.clamp(torch.zeros_like(hi), hi - E4M3_POW2_MAX, lo - E4M3_POW2_MIN).to(torch.int32)
 
 
-def nvfp4_scales(codes: torch.Tensor, scales: torch.Tensor, shifts: torch.Tensor) -> torch.Tensor:
-    """The E4M3 block scales float8_e4m3fn [E, R, K/16] of the NVFP4 form: 2^(j - shifts[e]) for both halves of a
-    nonzero block, 0 for an all-zero one. codes, scales as ``nvfp4_shifts``; shifts int32 [E] from it (so every
-    exponent lands in E4M3's powers of two). Device work only (no sync)."""
+def form_scales(codes: torch.Tensor, scales: torch.Tensor, shifts: torch.Tensor) -> torch.Tensor:
+    """The recoded block scales float8_e8m0fnu [E, R, K/32]: 2^(j - shifts[e]) for a nonzero block (a byte in
+    [127 - 9, 127 + 8]), byte 0 for an all-zero one. codes, scales as ``nvfp4_shifts``; shifts int32 [E] from it (so
+    every recoded exponent lands in E4M3's powers of two). Device work only (no sync)."""
     _check("weights", codes, scales)
-    power = scales.view(torch.uint8).to(torch.int32) - E8M0_BIAS - shifts.to(scales.device)[:, None, None]
-    normal = (power + _E4M3_BIAS).clamp(min=0) << _E4M3_MANTISSA_BITS
-    subnormal = torch.ones_like(power) << (power - E4M3_POW2_MIN).clamp(0, 2)  # 2^-9, 2^-8, 2^-7: 1, 2, 4
-    byte = torch.where(power + _E4M3_BIAS >= 1, normal, subnormal)
-    byte = torch.where(_nonzero_blocks(codes), byte, 0).to(torch.uint8)
-    return byte.repeat_interleave(MX_BLOCK // NVFP4_BLOCK, dim=-1).view(torch.float8_e4m3fn)
+    byte = scales.view(torch.uint8).to(torch.int32) - shifts.to(scales.device)[:, None, None]
+    return torch.where(_nonzero_blocks(codes), byte, 0).to(torch.uint8).view(torch.float8_e8m0fnu)
 
 
 def nvfp4_globals(shifts: torch.Tensor) -> torch.Tensor:

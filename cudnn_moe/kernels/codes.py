@@ -86,6 +86,10 @@ LL_MAX_SLOTS = 256  # most routed slots (tokens x top_k) one low-latency call ho
 LL_MMA_STAGES = 4  # k64 steps in each warp's shared-memory ring of the tensor-core low-latency kernels
 LL_MMA_WARP_ROWS = 32  # weight rows one warp of those kernels covers (two m16 tiles)
 SM90_ROWS_STEP_K = 128  # K per ring step of the SM90 decode kernel's row-major NVFP4 form (K must be a multiple)
+# The power of two an MXFP4 tile's scale byte carries beyond its block's scale 2^(j - a) (layout.py, MXFP4 tiles): the
+# byte is the BF16 exponent field of 2^(j - a + 118), the multiplier that takes a placed code (E2M1 x 2^-126) to
+# E2M1 x 2^(j - a - 8), which is where the NVFP4 tiles' products land too.
+MXFP4_TILE_SCALE_POW2 = 118
 
 
 def cuda_defines() -> tuple[str, ...]:
@@ -97,5 +101,6 @@ def cuda_defines() -> tuple[str, ...]:
     values.update({f"LL_INPUT_{kind.name}": int(kind) for kind in LowLatencyInputCode})
     values.update(SORT_THREADS=SORT_THREADS, SORT_MAX_EXPERTS=SORT_MAX_EXPERTS, SORT_WARP_SLOTS=SORT_WARP_SLOTS,
                   LL_THREADS=LL_THREADS, LL_MAX_SLOTS=LL_MAX_SLOTS, LL_MMA_STAGES=LL_MMA_STAGES,
-                  LL_MMA_WARP_ROWS=LL_MMA_WARP_ROWS, SM90_ROWS_STEP_K=SM90_ROWS_STEP_K)
+                  LL_MMA_WARP_ROWS=LL_MMA_WARP_ROWS, SM90_ROWS_STEP_K=SM90_ROWS_STEP_K,
+                  MXFP4_TILE_SCALE_POW2=MXFP4_TILE_SCALE_POW2)
     return tuple(f"-D{name}={value}" for name, value in sorted(values.items()))

@@ -173,7 +173,7 @@ def weight_tensors(weights: LowLatencyWeights) -> tuple[torch.Tensor, ...]:
         return weights.w1_codes, weights.w1_scales, weights.w2_codes, weights.w2_scales
     if not isinstance(weights, BlockScaledWeights):
         raise TypeError(f"weights of format {weights.format.value} hold no tensors this op knows")
-    tiles = getattr(weights, "nvfp4_tiles", None) or ()  # tiled MXFP4: its NVFP4 form's tile scales and globals
+    tiles = getattr(weights, "tile_form", None) or ()  # tiled MXFP4: its form's scale tiles and globals
     return weights.w1_codes, weights.w1_scales, weights.w2_codes, weights.w2_scales, *tiles
 
 

@@ -67,30 +67,31 @@ def tiled_view(
     weights: Nvfp4WeightOnlyWeights | Mxfp4WeightOnlyWeights | Mxint4WeightOnlyWeights,
 ) -> Nvfp4Weights | None:
     """The ``engine`` view on ``arch`` of tiled low-latency weights: their own tensors (no copy) as w1 [E, N1p * H/2]
-    and w1_scales [E, N1p * H/16] bytes, w2 likewise, with the globals as alphas (MXFP4: its NVFP4 form's tile scales
-    and globals, ``nvfp4_tiles``; MXINT4: alphas 1/256, the engine's alpha * 256 being 1, a new tensor), intermediate
-    size Ip; None where the weights are not tiled or the engine reads another layout. Allocates nothing but MXINT4's
-    alphas."""
+    and w1_scales bytes [E, N1p * H/16] (MXFP4: its form's scale tiles [E, N1p * H/32], ``tile_form``), w2 likewise,
+    with the globals as alphas (MXINT4: alphas 1/256, the engine's alpha * 256 being 1, a new tensor), intermediate
+    size Ip, and the code of the tiles; None where the weights are not tiled or the engine reads another layout.
+    Allocates nothing but MXINT4's alphas."""
     spec = engine.spec(arch)
     if not weights.tiled or spec.weight_layout is not WeightLayout.SM90_TILES:
         return None
     experts = weights.num_experts
-    mxint4 = isinstance(weights, Mxint4WeightOnlyWeights)
     w1_scales, w2_scales = weights.w1_scales, weights.w2_scales
-    if mxint4:
+    if isinstance(weights, Mxint4WeightOnlyWeights):
         alpha1 = alpha2 = unit_alphas(experts, weights.w1_codes.device)
+        code = BlockCode.MXINT4
     elif isinstance(weights, Mxfp4WeightOnlyWeights):
-        w1_scales, alpha1, w2_scales, alpha2 = weights.nvfp4_tiles
+        w1_scales, alpha1, w2_scales, alpha2 = weights.tile_form
+        code = BlockCode.MXFP4
     else:
         alpha1, alpha2 = weights.w1_global, weights.w2_global
+        code = BlockCode.NVFP4
 
     def flat(t: torch.Tensor) -> torch.Tensor:
         return t.view(torch.uint8).view(experts, -1)
 
     return Nvfp4Weights(
         flat(weights.w1_codes), flat(w1_scales), alpha1, flat(weights.w2_codes), flat(w2_scales), alpha2, spec,
-        weights.gated, weights.hidden_size, weights.padded_intermediate,
-        code=BlockCode.MXINT4 if mxint4 else BlockCode.NVFP4,
+        weights.gated, weights.hidden_size, weights.padded_intermediate, code=code,
     )
 
 
@@ -98,11 +99,16 @@ def grouped_view(
     engine: type[GemmEngine], arch: Arch, weights: Nvfp4WeightOnlyWeights | Mxfp4WeightOnlyWeights
 ) -> Nvfp4Weights:
     """The ``engine`` view on ``arch`` of NVFP4 low-latency weights, or of MXFP4 weight-only weights in their exact
-    NVFP4 form: w1 [E, N1p, H] in the engine's layout with the w1 global as alpha, w2 [E, H, Ip] likewise;
+    shifted form: w1 [E, N1p, H] in the engine's layout with the w1 global as alpha, w2 [E, H, Ip] likewise;
     intermediate size Ip. Tiled weights in the engine's layout give their own tensors (``tiled_view``), others a
-    repacked copy."""
+    repacked copy (MXFP4: its tiles, ``to_tiles``)."""
     view = tiled_view(engine, arch, weights)
     if view is not None:
+        return view
+    if isinstance(weights, Mxfp4WeightOnlyWeights):
+        view = tiled_view(engine, arch, weights.to_tiles())
+        if view is None:
+            raise ValueError(f"the {engine.name} engine on {arch_name(arch)} reads no MXFP4 tiles")
         return view
     w1_codes, w1_scales, w1_global, w2_codes, w2_scales, w2_global = weights.nvfp4_payloads()
     w1, w1_scales = engine.pack_weights_chunked(arch, w1_codes, w1_scales)

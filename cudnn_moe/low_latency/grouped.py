@@ -4,8 +4,9 @@ exactly in registers, tokens on the narrow side of mma.sync, split-K) through th
 (``bf16_intermediate``: never requantized), GEMM2, ordered FP32 combine.
 
 - NVFP4 weight-only with BF16 tokens: the tokens enter as they are (``bf16_tokens``);
-- MXFP4 weight-only with BF16 tokens, likewise, on the weights' exact NVFP4 form (the same codes, each E8M0
-  block scale 2^j as E4M3 scales 2^(j - a) and a global 2^a per expert: cudnn_moe.formats.mxfp4_as_nvfp4);
+- MXFP4 weight-only with BF16 tokens, likewise, on the weights' exact shifted form in the engine's MXFP4 tiles
+  (BlockCode.MXFP4: the same codes, each E8M0 block scale 2^j recoded as 2^(j - a), one byte per 32 values, and a
+  global 2^a per expert: cudnn_moe.formats.mxfp4_as_nvfp4);
 - MXINT4 weight-only with BF16 tokens, likewise, in the engine's MXINT4 layout (BlockCode.MXINT4: INT4 decoded
   exactly, each 32-value block's FP32 partial sum times its BF16 scale; GEMM1 keeps the preactivation in FP32 and
   runs with the activation in its epilogue);

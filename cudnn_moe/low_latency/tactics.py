@@ -41,7 +41,8 @@ from ..engines.base import OP_LOW_LATENCY, Engine, GemmShape, Request, WeightFor
 from ..engines.registry import AUTO, choose, supporting
 from ..weights.low_latency import LowLatencyWeights
 
-TACTIC_SCHEMA = 2  # bumped when the key fields, the payload or what an engine runs change meaning (2: SM90 tiles)
+# Bumped when the key fields, the payload or what an engine runs change meaning (2: SM90 tiles; 3: MXFP4's own tiles).
+TACTIC_SCHEMA = 3
 
 
 class TacticKey(NamedTuple):

@@ -19,11 +19,11 @@ arch better: a layer of NVFP4 (weight-only or the pair) or MXINT4 weight-only pr
 kernels read and the CUDA-core kernels read too (their tile mode, -DLL_TILES=1). That is the layer's only
 copy: no engine repacks it. The tiled tensors keep the shapes and dtypes of the row-major ones (the same bytes,
 in tile order), and ``canonical()`` unpacks them (a new tensor), so it gives the caller's logical tensors
-either way. MXFP4 weight-only layers with an exact NVFP4 form (cudnn_moe.formats.mxfp4_as_nvfp4) are tiled in
-that form: the codes in tiles, and beside the caller's E8M0 scales (row-major, kept because the form drops the
-scale bytes of all-zero blocks, which ``canonical()`` gives back) the form's E4M3 scales in tile order and its
-globals (``nvfp4_tiles``): 3/16 of a byte a weight more than the row-major layer, where a repacked copy took
-9/16. Layers without that form stay row-major.
+either way. MXFP4 weight-only layers with an exact shifted form (cudnn_moe.formats.mxfp4_as_nvfp4) are tiled in
+that form, as the engine's MXFP4 tiles: the codes in tiles, and beside the caller's E8M0 scales (row-major, kept
+because the form drops the scale bytes of all-zero blocks, which ``canonical()`` gives back) the form's scales in
+tile order, one byte per 32 values, and its globals (``tile_form``): 1/32 of a byte a weight more than the
+row-major layer, where a repacked copy took 9/16. Layers without that form stay row-major.
 """
 
 from __future__ import annotations
@@ -36,11 +36,13 @@ import torch
 from ..engines.base import PACK_CHUNK_BYTES, WeightFormat
 from ..engines.sm90.layout import (
     pack_int4_weight_tiles,
+    pack_mxfp4_weight_tiles,
     pack_weight_tiles,
     unpack_int4_weight_tiles,
+    unpack_mxfp4_weight_tiles,
     unpack_weight_tiles,
 )
-from ..formats.mxfp4_as_nvfp4 import nvfp4_globals, nvfp4_scales
+from ..formats.mxfp4_as_nvfp4 import form_scales, nvfp4_globals
 
 if TYPE_CHECKING:
     from ..low_latency.fallback import LowLatencyFallback
@@ -48,8 +50,8 @@ if TYPE_CHECKING:
 PAD_MULTIPLE = 128
 _BIT_DTYPES = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
 # The formats whose payloads may be stored as SM90 fragment tiles (``tiled``), and how: NVFP4 tiles (E2M1 codes,
-# E4M3 scales per 16; MXFP4 weight-only in its exact NVFP4 form, Mxfp4WeightOnlyWeights.to_tiles) or MXINT4 tiles
-# (INT4 codes, BF16 scales per 32).
+# E4M3 scales per 16), MXFP4 tiles (E2M1 codes, a scale byte per 32: MXFP4 weight-only in its exact shifted form,
+# Mxfp4WeightOnlyWeights.to_tiles) or MXINT4 tiles (INT4 codes, BF16 scales per 32).
 TILED_FORMATS = frozenset({WeightFormat.NVFP4_WEIGHT_ONLY, WeightFormat.NVFP4_W_NVFP4_A,
                            WeightFormat.MXINT4_WEIGHT_ONLY, WeightFormat.MXFP4_WEIGHT_ONLY})
 
@@ -88,23 +90,30 @@ def pad_columns(t: torch.Tensor, columns: int) -> torch.Tensor:
     return out
 
 
+_PACKERS = {WeightFormat.MXINT4_WEIGHT_ONLY: (pack_int4_weight_tiles, unpack_int4_weight_tiles),
+            WeightFormat.MXFP4_WEIGHT_ONLY: (pack_mxfp4_weight_tiles, unpack_mxfp4_weight_tiles)}
+
+
 def _tile_payload(fmt: WeightFormat, codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Row-major codes uint8 [E, N, K/2] and scales ([E, N, K/16] E4M3, or [E, N, K/32] BF16 for MXINT4) -> the same
-    shapes and dtypes holding the SM90 fragment tiles, a few experts at a time."""
-    pack = pack_int4_weight_tiles if fmt is WeightFormat.MXINT4_WEIGHT_ONLY else pack_weight_tiles
+    """Row-major codes uint8 [E, N, K/2] and scales ([E, N, K/16] E4M3; [E, N, K/32] BF16 for MXINT4, the exact
+    shifted form's E8M0 for MXFP4) -> the codes' shape and dtype holding the SM90 fragment tiles, and the scales'
+    shape holding the scale tiles (their dtype; uint8 for MXFP4, whose tile bytes are no E8M0 values), a few experts
+    at a time."""
+    pack = _PACKERS.get(fmt, (pack_weight_tiles,))[0]
     step = max(1, PACK_CHUNK_BYTES // max(1, codes[0].numel()))
     parts = [pack(codes[e : e + step].contiguous(), scales[e : e + step].contiguous())
              for e in range(0, codes.shape[0], step)]
     tiles, tile_scales = (torch.cat(p) for p in zip(*parts))
-    return tiles.view(codes.shape), tile_scales.view(scales.dtype).view(scales.shape)
+    dtype = torch.uint8 if fmt is WeightFormat.MXFP4_WEIGHT_ONLY else scales.dtype
+    return tiles.view(codes.shape), tile_scales.view(dtype).view(scales.shape)
 
 
 def _untile_payload(fmt: WeightFormat, tiles: torch.Tensor, tile_scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inverse of _tile_payload (new tensors)."""
+    """Inverse of _tile_payload (new tensors; MXFP4: the form's E8M0 scales)."""
     experts, n, k = tiles.shape[0], tiles.shape[1], 2 * tiles.shape[2]
     flat, flat_scales = tiles.reshape(experts, -1), tile_scales.view(torch.uint8).reshape(experts, -1)
-    if fmt is WeightFormat.MXINT4_WEIGHT_ONLY:
-        return unpack_int4_weight_tiles(flat, flat_scales, n, k)
+    if fmt in _PACKERS:
+        return _PACKERS[fmt][1](flat, flat_scales, n, k)
     codes, scales = unpack_weight_tiles(flat, flat_scales, n, k)
     return codes, scales.view(tile_scales.dtype)
 
@@ -114,7 +123,7 @@ class LowLatencyWeights:
     """What every prepared form records: the format, H, logical I, padded I (multiple of 128), gated.
 
     tiled: the 4-bit payloads of a TILED_FORMATS layer (the codes, and the block scales but MXFP4's, whose tiles are
-    ``nvfp4_tiles``) hold the SM90 fragment tiles, in the row-major tensors' shapes and dtypes (module docstring);
+    ``tile_form``) hold the SM90 fragment tiles, in the row-major tensors' shapes and dtypes (module docstring);
     False for every other layer.
     """
 
@@ -224,65 +233,58 @@ class Mxfp4WeightOnlyWeights(BlockScaledWeights):
     """MXFP4 weight-only: E2M1 codes, float8_e8m0fnu scales per 32 K values (value = e2m1 * 2^(byte - 127)).
 
     nvfp4_shifts: decided at preparation (``prepare_mxfp4_weight_only_weights``): the shifts (w1, w2), int32 [E]
-        each, of the exact NVFP4 form these weights take on NVFP4 kernels (cudnn_moe.formats.mxfp4_as_nvfp4), or
+        each, of the exact shifted form these weights take on the SM90 kernels (cudnn_moe.formats.mxfp4_as_nvfp4), or
         why they have none (a str); None where nobody asked (the MX pair's weights).
-    nvfp4_tiles: None, or where ``tiled`` the rest of that NVFP4 form, which both engines run the tiled codes
-        with: (w1 E4M3 scales in tile order float8_e4m3fn [E, N1p, H/16], w1 global float32 [E], w2 scales
-        [E, H, Ip/16], w2 global [E]). The E8M0 scales stay row-major: ``canonical()`` gives them as the caller
-        passed them (the NVFP4 form drops the scale bytes of all-zero blocks).
+    tile_form: None, or where ``tiled`` the rest of that form, which both engines run the tiled codes with: (w1 scale
+        tiles uint8 [E, N1p, H/32] (cudnn_moe.engines.sm90.layout, MXFP4 tiles), w1 global float32 [E], w2 scale tiles
+        [E, H, Ip/32], w2 global [E]). The E8M0 scales stay row-major: ``canonical()`` gives them as the caller passed
+        them (the form drops the scale bytes of all-zero blocks).
     """
 
     block: ClassVar[int] = 32
     nvfp4_shifts: tuple[torch.Tensor, torch.Tensor] | str | None = None
-    nvfp4_tiles: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    tile_form: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.tiled != (self.nvfp4_tiles is not None):
-            raise ValueError("tiled MXFP4 weights hold their NVFP4 tile scales and globals (nvfp4_tiles), others none")
+        if self.tiled != (self.tile_form is not None):
+            raise ValueError("tiled MXFP4 weights hold their form's scale tiles and globals (tile_form), others none")
 
     def row_payloads(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(w1_codes, w1_scales, w2_codes, w2_scales) row-major and padded as stored, with the E8M0 scales: the codes
         unpacked from the tiles (new tensors) when ``tiled``."""
         if not self.tiled:
             return self.w1_codes, self.w1_scales, self.w2_codes, self.w2_scales
-        w1_tile_scales, _, w2_tile_scales, _ = self.nvfp4_tiles
+        w1_tile_scales, _, w2_tile_scales, _ = self.tile_form
         w1_codes, _ = _untile_payload(self.format, self.w1_codes, w1_tile_scales)
         w2_codes, _ = _untile_payload(self.format, self.w2_codes, w2_tile_scales)
         return w1_codes, self.w1_scales, w2_codes, self.w2_scales
 
     def to_tiles(self) -> Mxfp4WeightOnlyWeights:
-        """These weights with their codes stored as SM90 fragment tiles and the tile-ordered scales and globals of
-        their exact NVFP4 form beside the E8M0 scales (``nvfp4_tiles``); self if already tiled. ValueError when they
-        have no exact NVFP4 form (``nvfp4_problem``) or are not weight-only (the MX pair)."""
+        """These weights with their codes stored as SM90 MXFP4 tiles and their exact shifted form's scale tiles and
+        globals beside the E8M0 scales (``tile_form``); self if already tiled. ValueError when they have no such form
+        (``nvfp4_problem``) or are not weight-only (the MX pair)."""
         if self.tiled:
             return self
         if self.format not in TILED_FORMATS:
             raise ValueError(f"{self.format.value} weights are never stored as SM90 tiles")
-        w1_codes, w1_scales, w1_global, w2_codes, w2_scales, w2_global = self.nvfp4_payloads()
-        w1_tiles, w1_tile_scales = _tile_payload(self.format, w1_codes, w1_scales)
-        w2_tiles, w2_tile_scales = _tile_payload(self.format, w2_codes, w2_scales)
+        problem = self.nvfp4_problem
+        if problem is not None:
+            raise ValueError(f"these MXFP4 weights have no exact shifted form: {problem}")
+        shifts1, shifts2 = self.nvfp4_shifts
+        w1_tiles, w1_tile_scales = _tile_payload(self.format, self.w1_codes,
+                                                 form_scales(self.w1_codes, self.w1_scales, shifts1))
+        w2_tiles, w2_tile_scales = _tile_payload(self.format, self.w2_codes,
+                                                 form_scales(self.w2_codes, self.w2_scales, shifts2))
         return replace(self, w1_codes=w1_tiles, w2_codes=w2_tiles, tiled=True,
-                       nvfp4_tiles=(w1_tile_scales, w1_global, w2_tile_scales, w2_global))
+                       tile_form=(w1_tile_scales, nvfp4_globals(shifts1), w2_tile_scales, nvfp4_globals(shifts2)))
 
     @property
     def nvfp4_problem(self) -> str | None:
-        """Why these weights have no exact NVFP4 form, or None."""
+        """Why these weights have no exact shifted form, or None."""
         if self.nvfp4_shifts is None:
-            return "their NVFP4 form was not decided (weights not made by prepare_mxfp4_weight_only_weights)"
+            return "their shifted form was not decided (weights not made by prepare_mxfp4_weight_only_weights)"
         return self.nvfp4_shifts if isinstance(self.nvfp4_shifts, str) else None
-
-    def nvfp4_payloads(self) -> tuple[torch.Tensor, ...]:
-        """The exact NVFP4 form, row-major and padded: (w1_codes, w1_scales float8_e4m3fn [E, N1p, H/16], w1_global
-        float32 [E], w2_codes, w2_scales [E, H, Ip/16], w2_global); the codes are ``row_payloads``' (these weights'
-        own tensors unless tiled). ValueError when there is none (``nvfp4_problem``)."""
-        problem = self.nvfp4_problem
-        if problem is not None:
-            raise ValueError(f"these MXFP4 weights have no exact NVFP4 form: {problem}")
-        shifts1, shifts2 = self.nvfp4_shifts
-        w1_codes, w1_scales, w2_codes, w2_scales = self.row_payloads()
-        return (w1_codes, nvfp4_scales(w1_codes, w1_scales, shifts1), nvfp4_globals(shifts1),
-                w2_codes, nvfp4_scales(w2_codes, w2_scales, shifts2), nvfp4_globals(shifts2))
 
 
 @dataclass(frozen=True, eq=False)

@@ -78,7 +78,7 @@
 //   w1 [E, N1p, H] (16-bit, or E4M3 bytes for FP8 with an FP32 scale [E] as the global) or codes uint8
 //   [E, N1p, H/2] + scales [E, N1p, H/block]; N1p = 2 Ip gated
 //   ([up rows; gate rows], each half Ip rows) or Ip; w2 [E, H, Ip] or codes [E, H, Ip/2] + scales
-//   [E, H, Ip/block]; global float32 [E] (NVFP4); MXFP8 weights: E4M3 bytes [E, N1p, H] + E8M0 [E, N1p, H/32],
+//   [E, H, Ip/block]; global float32 [E] (NVFP4, and MXFP4 tiles); MXFP8 weights: E4M3 bytes [E, N1p, H] + E8M0 [E, N1p, H/32],
 //   [E, H, Ip] + [E, H, Ip/32]. Tokens x [T, H] (16-bit) or NVFP4 codes [T, H/2] + E4M3 scales [T, H/16] or
 //   MXFP8 codes [T, H] + E8M0 scales [T, H/32]. Routing: packed int32 [T, k] (id in bits 31..16, BF16 weight in 15..0) or
 //   ids int32/int64 [T, k] + weights float32/bfloat16 [T, k]. Workspaces: intermediate [T k, Ip] of the
@@ -107,7 +107,9 @@ constexpr bool FP8B = LL_WEIGHTS == LL_WEIGHTS_FP8_BLOCK;            // E4M3 cod
 constexpr bool MXFP8W = LL_WEIGHTS == LL_WEIGHTS_MXFP8;              // E4M3 codes, E8M0 scales per 32
 constexpr bool E4M3W = FP8W || FP8B || MXFP8W;                       // one byte a weight
 constexpr bool UNSCALED = W16 || FP8W;                               // no block scales along K
-constexpr bool HAS_GLOBAL = LL_WEIGHTS == LL_WEIGHTS_NVFP4 || FP8W;  // an FP32 factor per expert on the sums
+// MXFP4 weights as tiles hold their exact shifted form (one scale byte per 32, "Tile mode" below), with its global.
+constexpr bool MXFP4_TILES = LL_WEIGHTS == LL_WEIGHTS_MXFP4 && LL_TILES;
+constexpr bool HAS_GLOBAL = LL_WEIGHTS == LL_WEIGHTS_NVFP4 || FP8W || MXFP4_TILES;  // an FP32 factor per expert on the sums
 constexpr int WORDS = W16 ? 1 : E4M3W ? 2 : 4;                       // 8-value words per 16-byte chunk
 constexpr int VALUES = 8 * WORDS;                                    // K values per 16-byte chunk
 // Words per scale block (4-bit; the unscaled formats: the whole chunk), and scale blocks per chunk.
@@ -135,9 +137,11 @@ constexpr int MX_BLOCK = 32;
 static_assert(!MXFP8W || MXI, "MXFP8 weights go with MXFP8 tokens (LL_INPUT_MXFP8) only");
 static_assert(!MXI || MXFP8W || LL_WEIGHTS == LL_WEIGHTS_MXFP4, "MXFP8 tokens go with MXFP4 or MXFP8 weights");
 constexpr bool TILES = LL_TILES;
-static_assert(!TILES || ((LL_WEIGHTS == LL_WEIGHTS_NVFP4 || LL_WEIGHTS == LL_WEIGHTS_MXINT4) && !LL_MMA &&
-                         (LL_INPUT == LL_INPUT_BF16 || LL_INPUT == LL_INPUT_FP16 || LL_INPUT == LL_INPUT_NVFP4)),
-              "fragment tiles hold NVFP4 or MXINT4 weights, for 16-bit or NVFP4 tokens, on the FMA dot products");
+static_assert(!TILES || ((LL_WEIGHTS == LL_WEIGHTS_NVFP4 || LL_WEIGHTS == LL_WEIGHTS_MXINT4 || MXFP4_TILES) && !LL_MMA &&
+                         (LL_INPUT == LL_INPUT_BF16 || LL_INPUT == LL_INPUT_FP16 ||
+                          LL_INPUT == LL_INPUT_NVFP4 && LL_WEIGHTS == LL_WEIGHTS_NVFP4)),
+              "fragment tiles hold NVFP4, MXFP4 or MXINT4 weights, for 16-bit tokens (or NVFP4 ones with NVFP4 weights), "
+              "on the FMA dot products");
 // GEMM2's input: the 16-bit intermediate, or E4M3 codes with FP32 scales per 128 values (DeepSeek FP8) or E8M0
 // scales per 32 (the MX pairs).
 constexpr int INTER_INPUT = FP8B ? LL_INPUT_FP8_BLOCK : MXI ? LL_INPUT_MXFP8 : INTER_FP16 ? LL_INPUT_FP16 : LL_INPUT_BF16;
@@ -436,14 +440,23 @@ __device__ __forceinline__ void dot_rows(const u8* const (&wrow)[R], const u8* c
 // of one 16-row block consecutive along K; the lane (g, q) chunk of a tile, bytes [16 (4g + q), + 16), holds rows
 // g and g + 8 at k = 16s + 2q + {0, 1, 8, 9} of each k16 step s (decode_tile_*_word), and the tile's 64 scale
 // bytes hold, at byte 8g, the 8 scale bytes of those two rows (NVFP4: E4M3 of row g + 8h and step s at byte
-// 2s + h; MXINT4: the BF16 of row g + 8h and k32 half b at bytes 4b + 2h).
+// 2s + h; MXINT4: the BF16 of row g + 8h and k32 half b at bytes 4b + 2h); MXFP4 tiles have 32 scale bytes, the
+// 4 of the row pair at byte 4g (row g + 8h, k32 half b at byte 2b + h: the exponent field of 2^(p + 118) for the
+// block's shifted scale 2^p, tile_scale).
 // A feature group (lanes_per_row lanes, a multiple of 4) then owns a row pair (g, g + 8) of a 16-row block: group
 // index G gives block G / 8 and g = G % 8, so eight consecutive groups cover one block and a CTA's groups cover
 // consecutive features (GEMM2: the same as in row mode; GEMM1: twice as many, two a group). The group's lanes take
 // the pair's chunks c = sub, sub + lanes, ... (tile c / 4, quad c % 4 = sub % 4): the group reads 64 contiguous
 // bytes of each tile, and neighbouring groups the neighbouring 64. Token values come in the k order of the lane's
 // registers (load_x_tile_step).
-constexpr int TILE_BYTES = 512, TILE_K = 64;  // a tile's code bytes and K; its scale bytes: 64
+constexpr int TILE_BYTES = 512, TILE_K = 64;        // a tile's code bytes and K
+constexpr int TILE_SCALE_BYTES = MXFP4_TILES ? 32 : 64;  // its scale bytes
+// A row pair's scale bytes of one tile: 8 (a uint2), or MXFP4's 4.
+#if LL_WEIGHTS == LL_WEIGHTS_MXFP4 && LL_TILES
+typedef u32 TileScales;
+#else
+typedef uint2 TileScales;
+#endif
 
 // Feature (weight row) g of the 16-row block of group G; the group's other row is 8 further.
 __device__ __forceinline__ int tile_feature(int group) { return 16 * (group >> 3) + (group & 7); }
@@ -474,20 +487,29 @@ __device__ __forceinline__ float tile_scale(const uint2& raw, int b, int h) {
   return __uint_as_float(((b == 0 ? raw.x : raw.y) >> (16 * h)) << 16);
 }
 
+// MXFP4 tiles: the shifted block scale 2^p of row g + 8h for k32 half b, exact, from the pair's 4 scale bytes (byte
+// 2b + h holds the exponent field of 2^(p + MXFP4_TILE_SCALE_POW2); 0 for an all-zero block, whose scale is then 0).
+__device__ __forceinline__ float tile_scale(u32 raw, int b, int h) {
+  return __uint_as_float(((raw >> (8 * (2 * b + h))) & 0xFFu) << 23) *
+         __uint_as_float(static_cast<u32>(127 - MXFP4_TILE_SCALE_POW2) << 23);
+}
+
 // acc[t][2b + h] += row g + 8h of row block b dotted with token t over one chunk (tile j, quad q): per scale block,
 // the FP32 partial sum of exact products times the block scale (one FMA), as chunk_dot does for rows. The block's
 // weights are decoded once; each token's partial sums live only while that token is summed (a pair of rows per
 // block doubles the sums of row mode).
 template <int NT, int RB, int XK>
-__device__ __forceinline__ void tile_chunk_dot(const uint4 (&raw)[RB], const uint2 (&sraw)[RB], int j, int q,
+__device__ __forceinline__ void tile_chunk_dot(const uint4 (&raw)[RB], const TileScales (&sraw)[RB], int j, int q,
                                                const u8* xbase, const u8* xscales, const int (&xoff)[NT],
                                                float (&acc)[NT][2 * RB]) {
-  constexpr int STEPS = LL_WEIGHTS == LL_WEIGHTS_MXINT4 ? 2 : 1;  // k16 steps per block scale
+  constexpr bool E4M3_SCALES = LL_WEIGHTS == LL_WEIGHTS_NVFP4;
+  constexpr int STEPS = E4M3_SCALES ? 1 : 2;  // k16 steps per block scale
   // NVFP4: the pair's 8 E4M3 scales (byte 2s + h: row g + 8h, step s) in FP32 at once (two per conversion on SM89 on)
-  float e4m3_scales[RB][LL_WEIGHTS == LL_WEIGHTS_MXINT4 ? 1 : 8];
+  float e4m3_scales[RB][E4M3_SCALES ? 8 : 1];
+#if LL_WEIGHTS == LL_WEIGHTS_NVFP4
 #pragma unroll
-  for (int r = 0; r < RB; ++r)
-    if (LL_WEIGHTS != LL_WEIGHTS_MXINT4) decode_e4m3_word(sraw[r].x, sraw[r].y, e4m3_scales[r]);
+  for (int r = 0; r < RB; ++r) decode_e4m3_word(sraw[r].x, sraw[r].y, e4m3_scales[r]);
+#endif
 #pragma unroll
   for (int b = 0; b < 4 / STEPS; ++b) {
     float wv[STEPS][RB][8];
@@ -503,8 +525,8 @@ __device__ __forceinline__ void tile_chunk_dot(const uint4 (&raw)[RB], const uin
       }
     float scale[2 * RB];
 #pragma unroll
-    for (int r = 0; r < 2 * RB; ++r) scale[r] = LL_WEIGHTS == LL_WEIGHTS_MXINT4 ? tile_scale(sraw[r / 2], b, r & 1)
-                                                                              : e4m3_scales[r / 2][2 * b + (r & 1)];
+    for (int r = 0; r < 2 * RB; ++r) scale[r] = E4M3_SCALES ? e4m3_scales[r / 2][2 * b + (r & 1)]
+                                                            : tile_scale(sraw[r / 2], b, r & 1);
 #pragma unroll
     for (int t = 0; t < NT; ++t) {
       float part[2 * RB];
@@ -533,7 +555,7 @@ __device__ __forceinline__ void tile_chunk_dot(const uint4 (&raw)[RB], const uin
 }
 
 // acc[t][2b + h] = row g + 8h of row block b (its tiles' chunks from wpair[b], its scale bytes from spair[b], both
-// already offset to the pair's share: + 64g and + 8g) dotted with token t over ntiles tiles, reduced over the lpr
+// already offset to the pair's share: + 64g and + TILE_SCALE_BYTES g / 8) dotted with token t over ntiles tiles, reduced over the lpr
 // lanes of the group.
 template <int NT, int RB, int XK>
 __device__ __forceinline__ void dot_tiles(const u8* const (&wpair)[RB], const u8* const (&spair)[RB], int ntiles,
@@ -541,11 +563,11 @@ __device__ __forceinline__ void dot_tiles(const u8* const (&wpair)[RB], const u8
                                           float (&acc)[NT][2 * RB]) {
   zero_sums(acc);
   // As many 16-byte loads in flight per lane as row mode's two rows have (a row pair's chunk is one load).
-  constexpr int U = chunks_in_flight<NT>() * 2 / RB, TILE_SCALE_BYTES = 64;
+  constexpr int U = chunks_in_flight<NT>() * 2 / RB;
   const int q = sub & 3, nchunks = 4 * ntiles;
   for (int c0 = sub; c0 < nchunks; c0 += U * lpr) {
     uint4 raw[U][RB];
-    uint2 sraw[U][RB];
+    TileScales sraw[U][RB];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int c = c0 + u * lpr;
@@ -553,8 +575,8 @@ __device__ __forceinline__ void dot_tiles(const u8* const (&wpair)[RB], const u8
 #pragma unroll
       for (int r = 0; r < RB; ++r) {
         raw[u][r] = c < nchunks ? ldg_stream_v4(wpair[r] + TILE_BYTES * tile + 16 * q) : make_uint4(0u, 0u, 0u, 0u);
-        sraw[u][r] = c < nchunks ? __ldg(reinterpret_cast<const uint2*>(spair[r] + TILE_SCALE_BYTES * tile))
-                                 : make_uint2(0u, 0u);
+        sraw[u][r] = c < nchunks ? __ldg(reinterpret_cast<const TileScales*>(spair[r] + TILE_SCALE_BYTES * tile))
+                                 : TileScales{};
       }
     }
 #pragma unroll
@@ -570,7 +592,7 @@ __device__ __forceinline__ void dot_tiles(const u8* const (&wpair)[RB], const u8
 __device__ __forceinline__ void tile_pair(const u8* w, const u8* w_scales, i64 block_row, int group, int k,
                                           const u8*& wpair, const u8*& spair) {
   wpair = w + block_row * (k / 2) + 64 * (group & 7);
-  spair = w_scales + block_row * (k / 16) + 8 * (group & 7);
+  spair = w_scales + block_row / 16 * (k / TILE_K) * TILE_SCALE_BYTES + (TILE_SCALE_BYTES / 8) * (group & 7);
 }
 
 // ------------------------------------------------------------------------------------------ features

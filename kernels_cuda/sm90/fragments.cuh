@@ -27,7 +27,8 @@ namespace sm90 {
 
 using moe::i64;
 using moe::ldg_reused_u16;  // row-major scales: kept in L1, the next steps read their sector again (common.cuh)
-using moe::ldg_stream_v2;  // weights and scales: streamed, not kept in L1 (common.cuh)
+using moe::ldg_stream_u32;  // weights and scales: streamed, not kept in L1 (common.cuh)
+using moe::ldg_stream_v2;
 using moe::ldg_stream_v4;
 using moe::u16;
 using moe::u32;
@@ -74,6 +75,17 @@ __device__ __forceinline__ void decode_scale_word(u32 w, u32& row_g, u32& row_g8
   const u32 hi = (w >> 4) & 0x07F007F0u;  // bytes 1 and 3
   row_g = bf16x2_mul(bf16x2_mul(lo, kBf16x2Pow119), kBf16x2Pow119);
   row_g8 = bf16x2_mul(bf16x2_mul(hi, kBf16x2Pow119), kBf16x2Pow119);
+}
+
+// MXFP4 tiles (layout.py): a lane's scale word holds bytes (row g block 0, row g + 8 block 0, row g block 1, row g + 8
+// block 1) of its tile's two k32 blocks, each the BF16 exponent field of the block's multiplier 2^(p + 118)
+// (MXFP4_TILE_SCALE_POW2), 0 for an all-zero block. Returns the bf16x2 multipliers (block 0, block 1) of row g and of
+// row g + 8: a shift and a mask each. Times a placed code (E2M1 x 2^-126) that is E2M1 x 2^(p - 8), the product of
+// the NVFP4 tiles' scale s = 2^p (decode_scale_word).
+static_assert(MXFP4_TILE_SCALE_POW2 == 118, "MXFP4 tiles: the multiplier's 2^118 meets the placed codes' 2^-126");
+__device__ __forceinline__ void decode_e8m0_scale_word(u32 w, u32& row_g, u32& row_g8) {
+  row_g = (w << 7) & 0x7F807F80u;   // bytes 0 and 2 into the exponent fields of the halves
+  row_g8 = (w >> 1) & 0x7F807F80u;  // bytes 1 and 3
 }
 
 // ---------------------------------------------------------------------------------------------

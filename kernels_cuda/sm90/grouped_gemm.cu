@@ -109,6 +109,16 @@ using namespace sm90;
 #ifndef SM90_W_INT4
 #define SM90_W_INT4 0
 #endif
+// MXFP4 weights (1; the decode kernel only) in their exact shifted form: the NVFP4 tiles' codes, and scale tiles of
+// one byte per k32 block (layout.py MXFP4 tiles: byte g * 4 + 2h + r of a tile's 32 holds row g + 8r, k32 block h), the
+// BF16 multiplier 2^(p + 118) of block scale 2^p (fragments.cuh decode_e8m0_scale_word); alpha the globals 2^a. The
+// products are the NVFP4 tiles' (E2M1 x 2^(p - 8)), so are the sums and the output.
+#ifndef SM90_W_MXFP4
+#define SM90_W_MXFP4 0
+#endif
+#if SM90_W_MXFP4 && SM90_W_INT4
+#error "SM90_W_MXFP4 runs without SM90_W_INT4"
+#endif
 // BF16 weights (1; the decode kernel only, no route and no early routing): W_e row-major BF16 [N, K] read in place
 // (w_tiles its bytes, w_scales unused), no block scales. Lane (g, q) loads, per k64 step, 16 bytes at columns 8q and
 // 32 + 8q of rows g and g + 8 of its m16 row block; the token rows are in natural column order (TokenLayout.BF16_ROWS)
@@ -117,8 +127,8 @@ using namespace sm90;
 #ifndef SM90_W_BF16
 #define SM90_W_BF16 0
 #endif
-#if SM90_W_BF16 && (SM90_W_INT4 || defined(SM90_ROUTE) || defined(SM90_EARLY))
-#error "SM90_W_BF16 runs without SM90_W_INT4, SM90_ROUTE and SM90_EARLY"
+#if SM90_W_BF16 && (SM90_W_INT4 || SM90_W_MXFP4 || defined(SM90_ROUTE) || defined(SM90_EARLY))
+#error "SM90_W_BF16 runs without SM90_W_INT4, SM90_W_MXFP4, SM90_ROUTE and SM90_EARLY"
 #endif
 // NVFP4 weights in their canonical row-major layout (1; the decode kernel without a route): w_tiles codes [E, N, K/2]
 // and w_scales E4M3 [E, N, K/16], read in place (the aligned op's raw tensors); K a multiple of 128. The ring's steps
@@ -131,8 +141,8 @@ using namespace sm90;
 #ifndef SM90_W_ROWS
 #define SM90_W_ROWS 0
 #endif
-#if SM90_W_ROWS && (SM90_W_INT4 || SM90_W_BF16 || defined(SM90_ROUTE))
-#error "SM90_W_ROWS runs without SM90_W_INT4, SM90_W_BF16 and SM90_ROUTE"
+#if SM90_W_ROWS && (SM90_W_INT4 || SM90_W_MXFP4 || SM90_W_BF16 || defined(SM90_ROUTE))
+#error "SM90_W_ROWS runs without SM90_W_INT4, SM90_W_MXFP4, SM90_W_BF16 and SM90_ROUTE"
 #endif
 // CTAs per SM the register allocation must allow: the NVFP4 forms of one or two m16 x n8 tiles a warp fit 128
 // registers a thread (512 threads an SM) on their own; the MXINT4 forms are held to it (unbounded, GEMM1's SwiGLU
@@ -200,7 +210,11 @@ struct DecodeRing {
   uint4 b[DEC_SLOTS][SM90_NT][4];      // token pieces: 64 bytes at 64q, steps 2i, 2i + 1 in piece i
 #else
   uint4 w[SM90_PREFETCH][SM90_MT];     // weight words: 4 k16 steps
+#if SM90_W_MXFP4
+  u32 s[SM90_PREFETCH][SM90_MT];       // scale bytes: one per row and k32 block
+#else
   uint2 s[SM90_PREFETCH][SM90_MT];     // scale bytes
+#endif
   uint4 b[SM90_PREFETCH][SM90_NT][2];  // token pieces (X_LANE, X_SECOND): steps 0-1, 2-3
 #endif
 };
@@ -259,6 +273,14 @@ __device__ __forceinline__ void decode_step(const DecodeRing& ring, float (&acc)
     a[3] = decode_row_byte(wg8, row_byte_selector(2 * ((S) & 1) + 1));                              \
     scale_a<((S) >> 2)>(sg[mt], sg8[mt], a);                                                        \
   }
+#elif SM90_W_MXFP4
+  // Step S takes the multipliers of k32 block S / 2: the low halves (S < 2) or the high halves.
+  u32 sg[SM90_MT], sg8[SM90_MT];
+#pragma unroll
+  for (int mt = 0; mt < SM90_MT; ++mt) decode_e8m0_scale_word(ring.s[P][mt], sg[mt], sg8[mt]);
+#define SM90_DECODE_A(S, mt, a)                                                                     \
+  moe::place_tile_e2m1(word_of<S>(ring.w[P][mt]), a);                                               \
+  scale_a<((S) >> 1)>(sg[mt], sg8[mt], a);
 #else
   u32 sg[SM90_MT][2], sg8[SM90_MT][2];
 #pragma unroll
@@ -566,21 +588,27 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS DEC_MIN_BLOCKS)
   const i64 expert_tiles = static_cast<i64>(n >> 4) * kt;
   const i64 first_tile = static_cast<i64>(decode_warp_tile(wm, n, w_half_swap)) * kt + wk;
   const i64 mt_stride_w = static_cast<i64>(kt) * 512;  // bytes between the warp's m16 row blocks
-  const i64 mt_stride_s = static_cast<i64>(kt) * 64;
+  constexpr int TILE_SCALE_BYTES = SM90_W_MXFP4 ? 32 : 64;  // a lane reads TILE_SCALE_BYTES / 8 of them at g
+  const i64 mt_stride_s = static_cast<i64>(kt) * TILE_SCALE_BYTES;
   const int nsteps = wk < kt ? (kt - wk + SM90_WK - 1) / SM90_WK : 0;
-  constexpr int W_STEP = SM90_WK * 512, S_STEP = SM90_WK * 64, X_STEP = SM90_WK * 128;  // bytes per step
+  constexpr int W_STEP = SM90_WK * 512, S_STEP = SM90_WK * TILE_SCALE_BYTES, X_STEP = SM90_WK * 128;  // bytes per step
   DecodeRing ring;
   const u8* wp;
   const u8* sp;
   // Load ring slot P with step `s` (relative to the current base pointers).
+#if SM90_W_MXFP4
+#define SM90_LOAD_SCALES ldg_stream_u32
+#else
+#define SM90_LOAD_SCALES ldg_stream_v2
+#endif
 #define SM90_DECODE_LOAD_W(P, S)                                                                    \
   _Pragma("unroll") for (int mt = 0; mt < SM90_MT; ++mt) {                                          \
     ring.w[P][mt] = ldg_stream_v4(wp + (S) * W_STEP + mt * mt_stride_w);                            \
-    ring.s[P][mt] = ldg_stream_v2(sp + (S) * S_STEP + mt * mt_stride_s);                            \
+    ring.s[P][mt] = SM90_LOAD_SCALES(sp + (S) * S_STEP + mt * mt_stride_s);                         \
   }
 #define SM90_DECODE_POINT_W(EXPERT)                                                                 \
   wp = w_tiles + ((EXPERT) * expert_tiles + first_tile) * 512 + lane * 16;                          \
-  sp = w_scales + ((EXPERT) * expert_tiles + first_tile) * 64 + g * 8;
+  sp = w_scales + ((EXPERT) * expert_tiles + first_tile) * TILE_SCALE_BYTES + g * (TILE_SCALE_BYTES / 8);
 #define SM90_DECODE_ADVANCE_W                                                                       \
   wp += SM90_PREFETCH * W_STEP;                                                                     \
   sp += SM90_PREFETCH * S_STEP;
@@ -793,6 +821,7 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS DEC_MIN_BLOCKS)
 #undef SM90_DECODE_LOAD_B
 #undef SM90_DECODE_POINT_W
 #undef SM90_DECODE_ADVANCE_W
+#undef SM90_LOAD_SCALES
 #undef SM90_DECODE_EACH_SLOT
 #undef SM90_DECODE_ADVANCE
 

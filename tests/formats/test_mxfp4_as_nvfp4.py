@@ -1,6 +1,7 @@
-"""The exact NVFP4 form of MXFP4 weights (cudnn_moe.formats.mxfp4_as_nvfp4): every element decodes to the MXFP4
-value (dequantize_nvfp4 times the global against dequantize_mxfp4, in float64, bit for bit), the shift is the
-one nearest 0, and the layers it cannot hold say why."""
+"""The exact shifted form of MXFP4 weights (cudnn_moe.formats.mxfp4_as_nvfp4): every element decodes to the MXFP4
+value (the recoded scales times the global against dequantize_mxfp4, in float64, bit for bit), every recoded scale
+is a power of two E4M3 holds (so the form is an exact NVFP4 one too), the shift is the one nearest 0, and the layers
+it cannot hold say why."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 
 from cudnn_moe.formats import dequantize_mxfp4, dequantize_nvfp4
-from cudnn_moe.formats.mxfp4_as_nvfp4 import E4M3_POW2_SPAN, nvfp4_globals, nvfp4_scales, nvfp4_shifts
+from cudnn_moe.formats.mxfp4_as_nvfp4 import E4M3_POW2_SPAN, form_scales, nvfp4_globals, nvfp4_shifts
 
 E, R, K = 4, 6, 256
 BIAS = 127
@@ -25,9 +26,17 @@ def random_layer(lo: int, hi: int, seed: int) -> tuple[torch.Tensor, torch.Tenso
     return codes, scales.view(torch.float8_e8m0fnu)
 
 
-def nvfp4_values(codes: torch.Tensor, scales: torch.Tensor, shifts: torch.Tensor) -> torch.Tensor:
-    form = dequantize_nvfp4(codes, nvfp4_scales(codes, scales, shifts), dtype=torch.float64)
-    return form * nvfp4_globals(shifts).double()[:, None, None]
+def form_values(codes: torch.Tensor, scales: torch.Tensor, shifts: torch.Tensor) -> torch.Tensor:
+    """The form's values, float64, two ways that must agree: its E8M0 scales, and the same powers of two as the E4M3
+    scales of NVFP4 (each block's two halves), each times the global."""
+    recoded = form_scales(codes, scales, shifts)
+    byte = recoded.view(torch.uint8)
+    assert bool(((byte == 0) | ((byte >= BIAS - 9) & (byte <= BIAS + 8))).all())  # E4M3's powers of two, or zero
+    as_e4m3 = torch.where(byte == 0, 0.0, torch.exp2(byte.double() - BIAS)).to(torch.float8_e4m3fn)
+    nvfp4 = dequantize_nvfp4(codes, as_e4m3.repeat_interleave(2, dim=-1), dtype=torch.float64)
+    mxfp4 = dequantize_mxfp4(codes, recoded, dtype=torch.float64)
+    assert torch.equal(nvfp4, mxfp4)
+    return mxfp4 * nvfp4_globals(shifts).double()[:, None, None]
 
 
 @pytest.mark.parametrize("lo, hi, shift", [
@@ -44,18 +53,18 @@ def test_every_element_keeps_its_mxfp4_value(lo: int, hi: int, shift: int) -> No
     shifts = nvfp4_shifts(codes, scales)
     assert isinstance(shifts, torch.Tensor) and shifts.dtype == torch.int32
     assert shifts.tolist() == [shift] * E
-    assert torch.equal(nvfp4_values(codes, scales, shifts), dequantize_mxfp4(codes, scales, dtype=torch.float64))
+    assert torch.equal(form_values(codes, scales, shifts), dequantize_mxfp4(codes, scales, dtype=torch.float64))
 
 
-def test_zero_blocks_get_scale_zero_and_do_not_count() -> None:
+def test_zero_blocks_get_scale_byte_zero_and_do_not_count() -> None:
     codes, scales = random_layer(BIAS - 4, BIAS - 2, seed=1)
     scales.view(torch.uint8)[2, 3, 1] = 255 - 1  # a huge scale over zero codes: outside the span, but harmless
     shifts = nvfp4_shifts(codes, scales)
     assert shifts.tolist() == [0] * E
-    e4m3 = nvfp4_scales(codes, scales, shifts).view(torch.uint8)
-    assert e4m3.shape == (E, R, K // 16)
-    assert bool((e4m3[:, :, 2:4] == 0).all()) and bool((e4m3[:, :, :2] != 0).all())
-    assert torch.equal(nvfp4_values(codes, scales, shifts), dequantize_mxfp4(codes, scales, dtype=torch.float64))
+    recoded = form_scales(codes, scales, shifts).view(torch.uint8)
+    assert recoded.shape == (E, R, K // 32)
+    assert bool((recoded[:, :, 1] == 0).all()) and bool((recoded[:, :, 0] != 0).all())
+    assert torch.equal(form_values(codes, scales, shifts), dequantize_mxfp4(codes, scales, dtype=torch.float64))
 
 
 def test_an_all_zero_expert_takes_shift_zero() -> None:
@@ -63,7 +72,7 @@ def test_an_all_zero_expert_takes_shift_zero() -> None:
     codes[1] = 0x80
     shifts = nvfp4_shifts(codes, scales)
     assert shifts[1].item() == 0 and shifts[0].item() == -30 + 9  # the largest shift that keeps 2^-30
-    assert torch.equal(nvfp4_values(codes, scales, shifts), dequantize_mxfp4(codes, scales, dtype=torch.float64))
+    assert torch.equal(form_values(codes, scales, shifts), dequantize_mxfp4(codes, scales, dtype=torch.float64))
 
 
 def test_layers_without_an_exact_form_say_why() -> None:

@@ -67,6 +67,8 @@ TILE_VARIANTS: tuple[tuple[WeightCode, InputCode, bool], ...] = (
     (WeightCode.NVFP4, InputCode.NVFP4, True),
     (WeightCode.MXINT4, InputCode.BF16, True),
     (WeightCode.MXINT4, InputCode.FP16, True),
+    (WeightCode.MXFP4, InputCode.BF16, True),
+    (WeightCode.MXFP4, InputCode.FP16, True),
 )
 MODULE_VARIANTS: tuple[tuple[WeightCode, InputCode] | tuple[WeightCode, InputCode, bool], ...] = (
     (WeightCode.BF16, InputCode.BF16),
@@ -87,10 +89,10 @@ def module_options(weights: WeightCode, inputs: InputCode, tiles: bool = False) 
     return (f"-DLL_WEIGHTS={int(weights)}", f"-DLL_INPUT={int(inputs)}", *(("-DLL_TILES=1",) if tiles else ()))
 
 
-def weight_code(fmt: WeightFormat, tiles: bool = False) -> WeightCode:
-    """The module's weight decoder: the format's, except tiled MXFP4 weight-only layers, which run in their exact
-    NVFP4 form (Mxfp4WeightOnlyWeights.nvfp4_tiles)."""
-    return WeightCode.NVFP4 if tiles and fmt is WeightFormat.MXFP4_WEIGHT_ONLY else _WEIGHT_CODES[fmt]
+def weight_code(fmt: WeightFormat) -> WeightCode:
+    """The module's weight decoder: the format's (tiled MXFP4 weight-only layers, in their exact shifted form, take
+    MXFP4's with -DLL_TILES=1)."""
+    return _WEIGHT_CODES[fmt]
 
 
 def input_code(fmt: WeightFormat, x_dtype: torch.dtype | None) -> InputCode:
@@ -185,7 +187,7 @@ class Tactic:
 
     def module_options(self, fmt: WeightFormat, x_dtype: torch.dtype | None, tiles: bool = False) -> tuple[str, ...]:
         """The -D options of the module a call with these weights (``tiles``: stored tiled) and tokens launches."""
-        return (*module_options(weight_code(fmt, tiles), input_code(fmt, x_dtype), tiles), *self.options)
+        return (*module_options(weight_code(fmt), input_code(fmt, x_dtype), tiles), *self.options)
 
 
 FMA = Tactic()
@@ -227,11 +229,11 @@ def _payloads(weights: Any, second: bool) -> tuple[torch.Tensor, torch.Tensor | 
     """(codes or dense weights, scales, FP32 globals) of GEMM1 (second=False) or GEMM2 of a low-latency record
     (cudnn_moe.weights.low_latency: dense formats hold w1/w2, block-scaled ones codes and scales, NVFP4 globals too,
     FP8 weight-only E4M3 codes and a per-expert scale, per-tensor FP8 E4M3 codes and the per-expert FP32 factors
-    input_scale * w1_scale and intermediate_scale * w2_scale; tiled MXFP4 weight-only its NVFP4 form's tile scales and
-    globals)."""
+    input_scale * w1_scale and intermediate_scale * w2_scale; tiled MXFP4 weight-only its shifted form's scale tiles
+    and globals)."""
     gemm = "w2" if second else "w1"
-    if getattr(weights, "nvfp4_tiles", None) is not None:  # tiled MXFP4: the codes with their NVFP4 form's scales
-        tile_scales, tile_global = weights.nvfp4_tiles[2:] if second else weights.nvfp4_tiles[:2]
+    if getattr(weights, "tile_form", None) is not None:  # tiled MXFP4: the codes with their shifted form's scales
+        tile_scales, tile_global = weights.tile_form[2:] if second else weights.tile_form[:2]
         return getattr(weights, f"{gemm}_codes"), tile_scales, tile_global
     if weights.format in (WeightFormat.BF16, WeightFormat.FP16):
         return getattr(weights, gemm), None, None

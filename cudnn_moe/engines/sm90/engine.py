@@ -200,9 +200,10 @@ def gemm1_fusion(rows: int, shape: GemmShape, activation: object, sm_count: int)
 
 
 LOW_LATENCY_MAX_TOKENS = 8
-# Weight-only formats of the low-latency op, with BF16 tokens: NVFP4, MXFP4 in its exact NVFP4 form
-# (cudnn_moe.formats.mxfp4_as_nvfp4, decided when the weights are prepared), and MXINT4 in its own tiles
-# (BlockCode.MXINT4: INT4 decoded exactly, BF16 block scales on FP32 partial sums).
+# Weight-only formats of the low-latency op, with BF16 tokens: NVFP4, MXFP4 in its exact shifted form
+# (cudnn_moe.formats.mxfp4_as_nvfp4, decided when the weights are prepared) in its own tiles (BlockCode.MXFP4: a scale
+# byte per 32 values, the products of NVFP4 tiles), and MXINT4 in its own tiles (BlockCode.MXINT4: INT4 decoded
+# exactly, BF16 block scales on FP32 partial sums).
 _WEIGHT_ONLY = frozenset(f.value for f in (WeightFormat.NVFP4_WEIGHT_ONLY, WeightFormat.MXFP4_WEIGHT_ONLY,
                                            WeightFormat.MXINT4_WEIGHT_ONLY))
 # BF16 layers of the low-latency op (BlockCode.BF16): one variant of the decode kernel's BF16 form at every T <= 8, one
@@ -251,7 +252,7 @@ class Sm90GemmEngine(GemmEngine):
         if bf16_tokens and request.token_dtype is not None and request.token_dtype != torch.bfloat16:
             return Support(False, "the sm90 engine takes BF16 tokens for BF16 and 4-bit weight-only layers")
         if request.weight_format == WeightFormat.MXFP4_WEIGHT_ONLY.value and request.nvfp4_problem is not None:
-            return Support(False, f"the sm90 engine runs MXFP4 weights in their exact NVFP4 form, which these lack: "
+            return Support(False, f"the sm90 engine runs MXFP4 weights in their exact shifted form, which these lack: "
                                   f"{request.nvfp4_problem}")
         return Support(True)
 
@@ -371,7 +372,8 @@ class Sm90GemmEngine(GemmEngine):
             return _BF16
         if code is BlockCode.NVFP4_ROWS:
             variant = replace(_SPLIT if gemm == 1 and variant == _WIDE else variant, row_major=True)
-        elif code is BlockCode.NVFP4 and gemm == 2 and variant == _WIDE and _past_one_wave(rows, shape, self.sm_count):
+        elif (code in (BlockCode.NVFP4, BlockCode.MXFP4) and gemm == 2 and variant == _WIDE
+              and _past_one_wave(rows, shape, self.sm_count)):
             variant = _WIDE_MT4
         return variant.gathering() if isinstance(variant, WgmmaVariant) and gemm == 1 else variant
 

@@ -377,6 +377,9 @@ def grouped_gemm(
     sum over the k32 blocks b of fma(partial_b, scale_b, acc), partial_b the FP32 sum of the block's exact products
     int4 * x (pass alpha = 1/256 for the plain sum). With an epilogue it hands the activation float32(alpha * 256)
     * acc unrounded (the MXINT4 preactivation) and needs a BF16 layout without requantize.
+    BlockCode.MXFP4 (a DecodeVariant): W_e is MXFP4 in its exact shifted form in the SM90 MXFP4 tiles
+    (layout.pack_mxfp4_weight_tiles: the NVFP4 tiles' codes, w_tile_scales uint8 [E, N*K/32] one byte per k32 block),
+    alpha its globals 2^a: the products, sums and output of the NVFP4 tiles of that form (E4M3 scales 2^(j - a)).
     """
     if not isinstance(variant, (DecodeVariant, PrefillVariant, WgmmaVariant)):
         raise ValueError(f"variant must be a DecodeVariant, PrefillVariant or WgmmaVariant, got {type(variant).__name__}")
@@ -389,8 +392,8 @@ def grouped_gemm(
         raise ValueError(f"row-major NVFP4 weights ({variant}) run without a route")
     if swap_halves and isinstance(variant, PrefillVariant):
         raise ValueError(f"swap_halves needs a DecodeVariant or WgmmaVariant, got {variant}")
-    if mxint4 and not isinstance(variant, DecodeVariant):
-        raise ValueError(f"MXINT4 weights run on a DecodeVariant, got {variant}")
+    if code in (BlockCode.MXINT4, BlockCode.MXFP4) and not isinstance(variant, DecodeVariant):
+        raise ValueError(f"{code.name} weights run on a DecodeVariant, got {variant}")
     if mxint4 and epilogue is not None and (epilogue.requantize or not epilogue.out.layout.is_bf16):
         raise ValueError("MXINT4 weights take an activation epilogue writing BF16 rows (no requantize) only")
     if gather is not None and not isinstance(variant, WgmmaVariant):
@@ -478,7 +481,8 @@ def grouped_gemm(
         named["w_tile_scales"] = w_tiles
     else:
         _check("w_tiles", w_tiles, (torch.uint8,), (experts, n * k // 2))
-        _check("w_tile_scales", w_tile_scales, (torch.uint8, torch.float8_e4m3fn), (experts, n * k // 16))
+        scale_bytes = n * k // (32 if code is BlockCode.MXFP4 else 16)
+        _check("w_tile_scales", w_tile_scales, (torch.uint8, torch.float8_e4m3fn), (experts, scale_bytes))
     split = n if alpha_split is None else alpha_split
     if alpha_split is not None and not (0 < split < n and split % variant.alpha_block == 0):
         raise ValueError(f"alpha_split must lie in (0, N = {n}) and be a multiple of {variant.alpha_block} (the "
@@ -528,6 +532,8 @@ def grouped_gemm(
             options += ("-DSM90_FINALIZE=1",)
         if mxint4:
             options += ("-DSM90_W_INT4=1",)
+        if code is BlockCode.MXFP4:
+            options += ("-DSM90_W_MXFP4=1",)
         if route is not None:
             args += _route_args(route)
             options += (f"-DSM90_ROUTE={1 if route.token_scales is None else 2}",)

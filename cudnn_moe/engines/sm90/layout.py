@@ -42,6 +42,14 @@ word order with two's-complement INT4 codes, register r's code at bits 4r .. 4r 
 register). Their BF16 block scales (one per 32 k) fill the same 64 bytes per tile: bytes g * 8 + 4h + 2r, + 1 hold
 the scale of row 16i + g + 8r and k block 2j + h.
 
+MXFP4 tiles (``pack_mxfp4_weight_tiles``, the low-latency op's MXFP4 weight-only layers in their exact shifted form,
+cudnn_moe.formats.mxfp4_as_nvfp4): the NVFP4 tiles' codes (``CODE_BITS``) with one scale byte per 32 k, 32 bytes per
+tile: byte g * 4 + 2h + r holds the scale of row 16i + g + 8r and k block 2j + h, so lane (g, q) reads one word
+whose low bytes are row g's and row g + 8's scales of the tile's first k32 block. The byte of a block whose recoded
+E8M0 scale is 2^p (p = j - a in [-9, 8]) is p + 127 + ``MXFP4_TILE_SCALE_POW2`` (cudnn_moe.kernels.codes): the BF16
+exponent field of 2^(p + 118), which the kernels shift into place as the BF16 multiplier of the placed codes
+(E2M1 x 2^-126), giving the NVFP4 tiles' products E2M1 x 2^(p - 8); an all-zero block keeps byte 0 (multiplier 0).
+
 Token fragments (``to_token_fragments``). Tokens enter the kernels as BF16 rows [R, K] whose
 columns are permuted inside each block of 64: position 16q + 4s + 2b + e holds k = 16s + 8b +
 2q + e. Lane (g, q) then finds its B registers of four k16 steps in 32 contiguous bytes
@@ -52,8 +60,8 @@ from __future__ import annotations
 
 import torch
 
-from ...formats import MXINT4_BLOCK, NVFP4_BLOCK, pack_nibbles, unpack_nibbles
-from ...kernels.codes import TokenLayout
+from ...formats import MX_BLOCK, MXINT4_BLOCK, NVFP4_BLOCK, pack_nibbles, unpack_nibbles
+from ...kernels.codes import MXFP4_TILE_SCALE_POW2, TokenLayout
 
 TILE_ROWS = 16  # weight rows (output features) per tile: the mma's M
 TILE_K = 64  # reduction values per tile: four k16 steps
@@ -122,6 +130,41 @@ def unpack_int4_weight_tiles(tiles: torch.Tensor, tile_scales: torch.Tensor, n: 
     scales = tile_scales.contiguous().view(torch.int16).reshape(experts, n // 16, k // 64, 8, 2, 2)
     scales = scales.permute(0, 1, 5, 3, 2, 4).reshape(experts, n, k // MXINT4_BLOCK).contiguous()
     return _unpack_codes(tiles, n, k, INT4_CODE_BITS), scales.view(torch.bfloat16)
+
+
+def pack_mxfp4_weight_tiles(packed: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """MXFP4 weights in their exact shifted form -> SM90 MXFP4 fragment tiles (module docstring).
+
+    packed: uint8 [E, N, K/2] E2M1 codes (element 2i in the low nibble); scales: float8_e8m0fnu [E, N, K/32], linear,
+    the form's recoded scales (cudnn_moe.formats.mxfp4_as_nvfp4.form_scales: bytes 127 - 9 .. 127 + 8, or 0 for an
+    all-zero block). Returns (tiles uint8 [E, N*K/2], tile_scales uint8 [E, N*K/32]).
+    """
+    experts, n, half_k = packed.shape
+    k = 2 * half_k
+    _check_weight_shapes(n, k)
+    if scales.dtype != torch.float8_e8m0fnu or tuple(scales.shape) != (experts, n, k // MX_BLOCK):
+        raise ValueError(f"scales must be float8_e8m0fnu [E, N, K/32] = {[experts, n, k // MX_BLOCK]}, got "
+                         f"{scales.dtype} {list(scales.shape)}")
+    raw = scales.view(torch.uint8).to(torch.int32)
+    if bool(((raw != 0) & ((raw < 127 - 9) | (raw > 127 + 8))).any()):
+        raise ValueError("scales must be the exact shifted form's (2^-9 .. 2^8, or byte 0 for an all-zero block)")
+    tile_bytes = torch.where(raw == 0, 0, raw + MXFP4_TILE_SCALE_POW2).to(torch.uint8)
+    # scale[e, i, r, g, j, h] of row 16i + 8r + g, block 2j + h -> [e, i, j, g, h, r]
+    tile_scales = tile_bytes.reshape(experts, n // 16, 2, 8, k // 64, 2).permute(0, 1, 4, 3, 5, 2)
+    return _pack_codes(packed, CODE_BITS), tile_scales.reshape(experts, n * k // MX_BLOCK).contiguous()
+
+
+def unpack_mxfp4_weight_tiles(tiles: torch.Tensor, tile_scales: torch.Tensor, n: int,
+                              k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of pack_mxfp4_weight_tiles: -> (packed uint8 [E, N, K/2], scales float8_e8m0fnu [E, N, K/32])."""
+    _check_weight_shapes(n, k)
+    experts = tiles.shape[0]
+    if tuple(tiles.shape) != (experts, n * k // 2) or tuple(tile_scales.shape) != (experts, n * k // MX_BLOCK):
+        raise ValueError(f"tiles [E, N*K/2] and tile_scales [E, N*K/32] do not match N={n}, K={k}")
+    raw = tile_scales.view(torch.uint8).to(torch.int32).reshape(experts, n // 16, k // 64, 8, 2, 2)
+    raw = raw.permute(0, 1, 5, 3, 2, 4).reshape(experts, n, k // MX_BLOCK)
+    scales = torch.where(raw == 0, 0, raw - MXFP4_TILE_SCALE_POW2).to(torch.uint8).view(torch.float8_e8m0fnu)
+    return _unpack_codes(tiles, n, k, CODE_BITS), scales
 
 
 def _pack_codes(packed: torch.Tensor, code_bits: tuple[tuple[int, ...], ...]) -> torch.Tensor:

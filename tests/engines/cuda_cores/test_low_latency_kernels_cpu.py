@@ -108,7 +108,7 @@ def test_module_variants_cover_every_call() -> None:
                   WeightFormat.MXFP8_W_MXFP8_A: (None,)}.get(fmt, (torch.bfloat16, torch.float16))
         asked |= {(ll.weight_code(fmt), ll.input_code(fmt, d)) for d in dtypes}
         if fmt in TILED_FORMATS:  # stored as SM90 tiles on SM90: the tile modules
-            asked |= {(ll.weight_code(fmt, True), ll.input_code(fmt, d), True) for d in dtypes}
+            asked |= {(ll.weight_code(fmt), ll.input_code(fmt, d), True) for d in dtypes}
     assert asked == set(ll.MODULE_VARIANTS)
     assert {w for w, _ in DECODERS} == set(LowLatencyWeightCode) and {i for _, i in DECODERS} == set(LowLatencyInputCode)
 

@@ -83,8 +83,9 @@ def nvcc_jobs(item: pytest.Item) -> list[tuple[list[str], str]]:
         return [(_nvcc_command(gemm, "90a", params["variant"].options()), ".o")]
     if item.originalname == "test_finalize_compiles":
         return [(_nvcc_command(gemm, params["arch"], (*params["variant"].options(), "-DSM90_FINALIZE=1")), ".o")]
-    if item.originalname == "test_mxint4_decode_compiles":
-        return [(_nvcc_command(gemm, params["arch"], mxint4_options(params["variant"], params["form"])), ".o")]
+    if item.originalname == "test_coded_decode_compiles":
+        options = coded_options(params["variant"], params["form"], params["code"])
+        return [(_nvcc_command(gemm, params["arch"], options), ".o")]
     if item.originalname == "test_bf16_decode_compiles":
         return [(_nvcc_command(gemm, params["arch"], bf16_options(params["form"])), ".o")]
     if item.originalname == "test_route_compiles":
@@ -164,33 +165,46 @@ def test_variant_compiles(variant: Any) -> None:
         assert not re.search(r"\b[1-9]\d* bytes smem", report), report
 
 
-def mxint4_options(variant: Any, form: str) -> tuple[str, ...]:
-    """The decode module's options for MXINT4 weights: plain (GEMM2), with the finalize, or with the SwiGLU epilogue
-    (GEMM1, FP32 preactivations)."""
-    extra = {"plain": (), "finalize": ("-DSM90_FINALIZE=1",), "swiglu": sm90.epilogue_options(SwiGLU())}[form]
-    return (*variant.options(), "-DSM90_W_INT4=1", *extra)
+# The decode module's option of each tile code but NVFP4's.
+CODE_OPTIONS = {"mxint4": ("-DSM90_W_INT4=1",), "mxfp4": ("-DSM90_W_MXFP4=1",)}
+
+
+def coded_options(variant: Any, form: str, code: str) -> tuple[str, ...]:
+    """The decode module's options for MXINT4 or MXFP4 weights (``code``): plain (GEMM2), with the finalize, waiting for
+    GEMM1's tiles (a handoff), or with the SwiGLU epilogue (GEMM1; MXINT4: FP32 preactivations) and its handoff
+    signal."""
+    swiglu = sm90.epilogue_options(SwiGLU())
+    extra = {"plain": (), "finalize": ("-DSM90_FINALIZE=1",), "await": ("-DSM90_AWAIT=1", "-DSM90_FINALIZE=1"),
+             "swiglu": swiglu, "signal": (*swiglu, "-DSM90_SIGNAL=1")}[form]
+    return (*variant.options(), *CODE_OPTIONS[code], *extra)
 
 
 # The variants the engine picks for buckets of at most 8 tokens (engine.py: _WIDE, _SPLIT, _SPLIT_DEEP), the only
-# ones MXINT4 layers (low-latency calls) run.
+# ones MXINT4 and MXFP4 layers (low-latency calls) run but for _WIDE_MT4 (GEMM2 of NVFP4 and MXFP4 tiles past one
+# wave of _WIDE, never finalizing).
 LOW_LATENCY_DECODE_VARIANTS = [sm90.DecodeVariant(mt=2, wm=4, wk=1, nt=1, prefetch=4),
                                sm90.DecodeVariant(mt=2, wm=2, wk=2, nt=1, prefetch=4),
                                sm90.DecodeVariant(mt=2, wm=2, wk=4, nt=1, prefetch=4)]
+WIDE_MT4 = sm90.DecodeVariant(mt=4, wm=2, wk=1, nt=1, prefetch=2)
+_CODED_FORMS = ("plain", "finalize", "await", "swiglu", "signal")
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found")
-@pytest.mark.parametrize("variant,form,arch", [(v, f, "90a") for v in LOW_LATENCY_DECODE_VARIANTS
-                                               for f in ("plain", "finalize", "swiglu")]
-                         + [(LOW_LATENCY_DECODE_VARIANTS[0], "swiglu", "100a")], ids=str)
-def test_mxint4_decode_compiles(variant: Any, form: str, arch: str) -> None:
-    """The decode kernel with MXINT4 weights builds in every form the low-latency chain uses, within 128 registers
-    a thread (512 threads an SM, as the NVFP4 forms) and at most 8 bytes of spill stores."""
-    result = _nvcc(SM90_DIR / "grouped_gemm.cu", arch, mxint4_options(variant, form))
+@pytest.mark.parametrize("variant,form,code,arch", [(v, f, c, "90a") for v in LOW_LATENCY_DECODE_VARIANTS
+                                                    for f in _CODED_FORMS for c in CODE_OPTIONS]
+                         + [(WIDE_MT4, f, "mxfp4", "90a") for f in ("plain", "await")]
+                         + [(LOW_LATENCY_DECODE_VARIANTS[0], "swiglu", c, "100a") for c in CODE_OPTIONS], ids=str)
+def test_coded_decode_compiles(variant: Any, form: str, code: str, arch: str) -> None:
+    """The decode kernel with MXINT4 or MXFP4 weights builds in every form the low-latency chain uses, within 128
+    registers a thread (512 threads an SM, as the NVFP4 forms); MXINT4 spills at most 8 bytes, MXFP4 (whose ring holds
+    fewer scale bytes than NVFP4's) none."""
+    result = _nvcc(SM90_DIR / "grouped_gemm.cu", arch, coded_options(variant, form, code))
     assert result.returncode == 0, result.stderr
     report = result.stderr.split(f"Compiling entry function '{variant.kernel}'")[1].split("Compiling entry")[0]
     registers = int(re.search(r"Used (\d+) registers", report).group(1))
     spilled = int(re.search(r"(\d+) bytes spill stores", report).group(1))
-    assert registers * variant.threads * (512 // variant.threads) <= 65536 and spilled <= 8, report
+    assert registers * variant.threads * (512 // variant.threads) <= 65536, report
+    assert spilled <= (8 if code == "mxint4" else 0), report
 
 
 # The one variant BF16 weights run (engine.py: _BF16).
@@ -218,20 +232,20 @@ def test_bf16_decode_compiles(form: str, arch: str) -> None:
 
 def route_options(variant: Any, tokens: str) -> tuple[str, ...]:
     """The decode module's options for GEMM1 with the stage and the sort in its prologue (SwiGLU epilogue) for BF16 or
-    NVFP4 tokens, or ("mxint4") MXINT4 weights and BF16 tokens."""
-    mxint4 = ("-DSM90_W_INT4=1",) if tokens == "mxint4" else ()
-    return (*variant.options(), *mxint4, *sm90.epilogue_options(SwiGLU()),
+    NVFP4 tokens, or ("mxint4", "mxfp4") MXINT4 or MXFP4 weights and BF16 tokens."""
+    return (*variant.options(), *CODE_OPTIONS.get(tokens, ()), *sm90.epilogue_options(SwiGLU()),
             f"-DSM90_ROUTE={2 if tokens == 'nvfp4' else 1}")
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found")
 @pytest.mark.parametrize("variant,tokens,arch", [(v, t, "90a") for v in LOW_LATENCY_DECODE_VARIANTS
-                                                 for t in ("bf16", "nvfp4", "mxint4")]
+                                                 for t in ("bf16", "nvfp4", "mxint4", "mxfp4")]
                          + [(LOW_LATENCY_DECODE_VARIANTS[2], "nvfp4", "100a")], ids=str)
 def test_route_compiles(variant: Any, tokens: str, arch: str) -> None:
     """GEMM1 of a one-token bucket with the stage and the sort in its prologue builds for the variants the engine
     picks there within 128 registers a thread (512 threads an SM, as the plain forms), without spills (MXINT4: at most
-    8 bytes, as its plain form): the token row lives in dynamic shared memory, the sort's arrays in static."""
+    8 bytes, as its plain form; MXFP4 tiles none, as NVFP4's): the token row lives in dynamic shared memory, the sort's
+    arrays in static."""
     result = _nvcc(SM90_DIR / "grouped_gemm.cu", arch, route_options(variant, tokens))
     assert result.returncode == 0, result.stderr
     report = result.stderr.split(f"Compiling entry function '{variant.kernel}'")[1].split("Compiling entry")[0]
@@ -537,6 +551,73 @@ def test_int4_weight_tiles_decode_to_the_canonical_matrix() -> None:
                 np.testing.assert_array_equal(got, want[expert, 16 * i : 16 * i + 16, 64 * j : 64 * j + 64])
 
 
+def decode_e8m0_scale_word(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """fragments.cuh decode_e8m0_scale_word -> (row g pair, row g+8 pair): bf16x2 multipliers of k32 blocks (0, 1)."""
+    w = w.astype(np.uint64)
+    return ((w << 7) & M32) & 0x7F807F80, (w >> 1) & 0x7F807F80
+
+
+def _mxfp4_form(e: int, n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random E2M1 codes uint8 [E, N, K/2] and recoded E8M0 scales [E, N, K/32] as the exact shifted form holds them:
+    every power 2^-9 .. 2^8, and byte 0 on the all-zero blocks (+-0 codes) of every fifth scale block."""
+    gen = torch.Generator().manual_seed(seed)
+    packed = torch.randint(0, 256, (e, n, k // 2), dtype=torch.uint8, generator=gen)
+    scales = torch.randint(127 - 9, 127 + 9, (e, n, k // 32), dtype=torch.uint8, generator=gen)
+    zero = torch.arange(e * n * k // 32).reshape(e, n, k // 32) % 5 == 0
+    packed.view(e, n, k // 32, 16)[zero] &= 0x88
+    scales[zero] = 0
+    return packed, scales.view(torch.float8_e8m0fnu)
+
+
+def test_mxfp4_weight_tiles_decode_to_the_form_matrix() -> None:
+    """MXFP4 tiles as the decode kernel reads them: lane (g, q)'s scale word (4 bytes at 4g) gives the multipliers of
+    rows g and g + 8 for both k32 blocks, step s takes block s / 2 (scale_a<s / 2>), and every product is exact in
+    BF16 and equal to the form's value x 2^-8 (the NVFP4 tiles' products); the tiles unpack to the form."""
+    from cudnn_moe.engines.sm90.layout import pack_mxfp4_weight_tiles, unpack_mxfp4_weight_tiles
+    from cudnn_moe.formats import dequantize_mxfp4
+
+    e, n, k = 2, 32, 192
+    packed, scales = _mxfp4_form(e, n, k, seed=4)
+    tiles, tile_scales = pack_mxfp4_weight_tiles(packed, scales)
+    assert tile_scales.dtype == torch.uint8 and tile_scales.shape == (e, n * k // 32)
+    back_codes, back_scales = unpack_mxfp4_weight_tiles(tiles, tile_scales, n, k)
+    assert torch.equal(back_codes, packed) and torch.equal(back_scales.view(torch.uint8), scales.view(torch.uint8))
+    want = dequantize_mxfp4(packed, scales, dtype=torch.float64).numpy()
+    lanes = np.arange(32)
+    g, q = lanes // 4, lanes % 4
+    kt = k // 64
+    for expert in range(e):
+        t, ts = tiles[expert].numpy(), tile_scales[expert].numpy()
+        for i in range(n // 16):
+            for j in range(kt):
+                tile = i * kt + j
+                raw = t[tile * 512 + 16 * lanes[:, None] + np.arange(16)].astype(np.uint64)
+                words = raw[:, 0::4] | (raw[:, 1::4] << 8) | (raw[:, 2::4] << 16) | (raw[:, 3::4] << 24)
+                sraw = ts[tile * 32 + 4 * g[:, None] + np.arange(4)].astype(np.uint64)
+                sg, sg8 = decode_e8m0_scale_word(sraw[:, 0] | (sraw[:, 1] << 8) | (sraw[:, 2] << 16) | (sraw[:, 3] << 24))
+                got = np.full((16, 64), np.nan)
+                for step in range(4):
+                    a = scaled_a(words[:, step], sg, sg8, step >> 1)  # products asserted exact in BF16
+                    for r, (row_off, col_off) in enumerate(((0, 0), (8, 0), (0, 8), (8, 8))):
+                        for half in range(2):
+                            got[g + row_off, 16 * step + 2 * q + col_off + half] = bf16_value(
+                                (a[r] >> (16 * half)) & 0xFFFF)
+                np.testing.assert_array_equal(got * 2.0**8, want[expert, 16 * i : 16 * i + 16, 64 * j : 64 * j + 64])
+
+
+def test_mxfp4_tiles_refuse_scales_outside_the_form() -> None:
+    from cudnn_moe.engines.sm90.layout import pack_mxfp4_weight_tiles
+
+    packed, scales = _mxfp4_form(1, 16, 64, seed=5)
+    for bad in (127 - 10, 127 + 9, 255):
+        wide = scales.view(torch.uint8).clone()
+        wide[0, 3, 1] = bad
+        with pytest.raises(ValueError, match="exact shifted form"):
+            pack_mxfp4_weight_tiles(packed, wide.view(torch.float8_e8m0fnu))
+    with pytest.raises(ValueError, match="float8_e8m0fnu"):
+        pack_mxfp4_weight_tiles(packed, scales.view(torch.uint8))
+
+
 def emulate_b(x_frag_bytes: np.ndarray, row_bytes: int, rows: np.ndarray, j: int) -> np.ndarray:
     """B registers of a k64 block j for token rows[g] (lane g, q): 32 bytes at row*row_bytes + 128j + 32q;
     b0 / b1 of step s = words 2s / 2s+1 -> X[8, 64] (token g, k)."""
@@ -836,7 +917,7 @@ def test_variant_macros_match_the_source() -> None:
     d = sm90.DecodeVariant()
     p = sm90.PrefillVariant()
     assert defaults == {"SM90_MT": str(d.mt), "SM90_WM": str(d.wm), "SM90_WK": str(d.wk), "SM90_NT": str(d.nt),
-                        "SM90_PREFETCH": str(d.prefetch), "SM90_W_INT4": "0", "SM90_W_BF16": str(int(d.bf16_weights)),
+                        "SM90_PREFETCH": str(d.prefetch), "SM90_W_INT4": "0", "SM90_W_MXFP4": "0", "SM90_W_BF16": str(int(d.bf16_weights)),
                         "SM90_W_ROWS": str(int(d.row_major)),
                         "SM90_PF_STAGES": str(p.stages),
                         "SM90_PF_MIN_BLOCKS": str(p.min_blocks), "SM90_PF_STMATRIX": str(int(p.stmatrix)),
@@ -1068,22 +1149,22 @@ def test_gemm2_takes_early_routing(launches: list[tuple]) -> None:
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found")
-@pytest.mark.parametrize("weights", ["NVFP4", "MXINT4"])
+@pytest.mark.parametrize("weights", ["NVFP4", "MXINT4", "MXFP4"])
 @pytest.mark.parametrize("gemm", ["GEMM1 + SwiGLU", "GEMM2 + finalize"])
 @pytest.mark.parametrize("variant,arch", [(v, "90a") for v in LOW_LATENCY_DECODE_VARIANTS]
                          + [(LOW_LATENCY_DECODE_VARIANTS[0], "100a")], ids=str)
 def test_early_routing_compiles(variant: Any, arch: str, gemm: str, weights: str) -> None:
     """GEMM1 with early routing (SwiGLU epilogue), and GEMM2 with it and the finalize (behind a routed GEMM1), build for
-    the decode variants of small buckets, NVFP4 and MXINT4 tiles alike, without spills (MXINT4 at most the 8 bytes its
-    forms without early routing may spill, test_mxint4_decode_compiles; sm_100a's GEMM2 form takes them): the guess and
-    the ring's first loads before the wait hold no registers the loop needs."""
+    the decode variants of small buckets, NVFP4, MXINT4 and MXFP4 tiles alike, without spills (MXINT4 at most the 8
+    bytes its forms without early routing may spill, test_coded_decode_compiles; sm_100a's GEMM2 form takes them): the
+    guess and the ring's first loads before the wait hold no registers the loop needs."""
     form = sm90.epilogue_options(SwiGLU()) if gemm.startswith("GEMM1") else ("-DSM90_FINALIZE=1",)
-    int4 = ("-DSM90_W_INT4=1",) if weights == "MXINT4" else ()
-    result = _nvcc(SM90_DIR / "grouped_gemm.cu", arch, (*variant.options(), *int4, *form, "-DSM90_EARLY=1"))
+    code = CODE_OPTIONS.get(weights.lower(), ())
+    result = _nvcc(SM90_DIR / "grouped_gemm.cu", arch, (*variant.options(), *code, *form, "-DSM90_EARLY=1"))
     assert result.returncode == 0, result.stderr
     report = result.stderr.split(f"Compiling entry function '{variant.kernel}'")[1].split("Compiling entry")[0]
     spilled = int(re.search(r"(\d+) bytes spill stores", report).group(1))
-    assert spilled <= (8 if int4 else 0), report
+    assert spilled <= (8 if weights == "MXINT4" else 0), report
 
 
 _FINALIZE_BAD = [
@@ -1172,6 +1253,21 @@ def test_decode_sass_budget(variant: sm90.DecodeVariant) -> None:
     if variant == sm90.DECODE:  # 19 with the eight-instruction word decode (22 with the eleven before it)
         assert per_k16 <= 20, f"decode main loop: {per_k16:.1f} instructions per k16 step (budget 20)"
     assert not math.isnan(per_k16)
+
+
+@pytest.mark.skipif(NVCC is None or CUOBJDUMP is None, reason="nvcc or cuobjdump not found")
+def test_mxfp4_decode_sass_budget() -> None:
+    """MXFP4 tiles decode their scale word with two shifts and two masks (one word per tile, both k32 blocks) where
+    NVFP4 tiles take four multiplies more per scale word and two words: 16.4 instructions per k16 step per lane on
+    sm90.DECODE against NVFP4's 19."""
+    defines = [*_sass_defines(sm90.DECODE), "SM90_W_MXFP4=1"]
+    result, cubin = compiled(sass_budget.cubin_command("90a", defines), ".cubin")
+    if result.returncode:
+        raise RuntimeError(result.stderr)
+    decode = sass_budget.budget_of(cubin, result.stderr)["sm90_gemm_decode"]
+    per_k16 = decode.per_k16(sm90.DECODE.mt * sm90.DECODE.nt)
+    assert decode.local_memory == 0 and decode.hmma == 4 * sm90.DECODE.prefetch
+    assert per_k16 <= 17, f"MXFP4 decode main loop: {per_k16:.1f} instructions per k16 step (budget 17)"
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -11,9 +11,10 @@ import torch
 from cudnn_moe.engines.base import BlockCode, FinalizeEpilogue
 from cudnn_moe.engines.sm90 import kernels as sm90
 from cudnn_moe.engines.sm90.layout import (
-    from_token_fragments, pack_int4_weight_tiles, pack_weight_tiles, to_token_fragments, to_token_layout,
+    from_token_fragments, pack_int4_weight_tiles, pack_mxfp4_weight_tiles, pack_weight_tiles, to_token_fragments,
+    to_token_layout,
 )
-from cudnn_moe.formats import dequantize_mxint4, dequantize_nvfp4, quantize_nvfp4
+from cudnn_moe.formats import dequantize_mxfp4, dequantize_mxint4, dequantize_nvfp4, quantize_nvfp4
 from cudnn_moe import kernels
 from cudnn_moe.kernels import TokenLayout
 from tests.support.sm90_variants import BASIC_PREFILL_VARIANTS, DECODE_VARIANTS, OTHER_PREFILL_VARIANTS, WGMMA_VARIANTS
@@ -162,6 +163,38 @@ def test_mxint4_decode_gemm_matches_reference(variant: sm90.DecodeVariant, case:
         check(problem, out)
         outs.append(out)
     assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16)), "results differ between runs"
+
+
+@pytest.mark.parametrize("variant", [*DECODE_VARIANTS, sm90.DecodeVariant(mt=4, wm=2, wk=1, nt=1, prefetch=2)], ids=str)
+@pytest.mark.parametrize("case", range(len(MXINT4_CASES)))
+def test_mxfp4_decode_gemm_matches_reference_and_nvfp4_tiles(variant: sm90.DecodeVariant, case: int) -> None:
+    """MXFP4 weights in their exact shifted form (random codes, every recoded power 2^-9 .. 2^8, all-zero blocks with
+    scale byte 0) in the SM90 MXFP4 tiles, alpha the global 2^a: out against float64 of alpha * x @ W^T, and
+    bitwise equal to the NVFP4 tiles of the same form (each block's E4M3 scale 2^p on both halves), whose products,
+    sums and rounding are the same; rows outside the segments untouched (NaN)."""
+    experts, n, k, max_len, spare = MXINT4_CASES[case]
+    problem = Problem(experts, n, k, _lengths(experts, seed=case, max_len=max_len), spare, seed=500 + case)
+    gen = _gen(600 + case)
+    packed = torch.randint(0, 256, (experts, n, k // 2), dtype=torch.uint8, generator=gen)
+    form = torch.randint(127 - 9, 127 + 9, (experts, n, k // 32), dtype=torch.uint8, generator=gen)
+    zero = torch.rand(experts, n, k // 32, generator=gen) < 0.1
+    packed.view(experts, n, k // 32, 16)[zero] &= 0x88  # +-0 codes only
+    form[zero] = 0
+    scales = form.view(torch.float8_e8m0fnu)
+    as_e4m3 = torch.where(form == 0, 0.0, torch.exp2(form.double() - 127)).to(torch.float8_e4m3fn)
+    problem.w_deq = dequantize_mxfp4(packed, scales, dtype=torch.float64)
+    problem.alpha = torch.exp2(torch.randint(-4, 5, (experts,), generator=gen).float())  # the globals 2^a
+    alpha = problem.alpha.to(DEV)  # out = bf16(alpha * 256 * acc), acc of the products e2m1 * 2^(p - 8)
+    outs = {}
+    for code, (tiles, tile_scales) in ((BlockCode.MXFP4, pack_mxfp4_weight_tiles(packed, scales)),
+                                       (BlockCode.NVFP4, pack_weight_tiles(packed, as_e4m3.repeat_interleave(2, -1)))):
+        out = torch.full((problem.rows, n), math.nan, dtype=torch.bfloat16, device=DEV)
+        sm90.grouped_gemm(tiles.to(DEV), tile_scales.to(DEV), alpha, problem.x[variant.token_layout],
+                          problem.offsets_dev, out, variant, code=code)
+        torch.cuda.synchronize()
+        check(problem, out)
+        outs[code] = out
+    assert torch.equal(outs[BlockCode.MXFP4].view(torch.int16), outs[BlockCode.NVFP4].view(torch.int16))
 
 
 @pytest.mark.parametrize("variant", [sm90.DECODE, sm90.PREFILL, *NEW_PREFILL_VARIANTS, *WGMMA_VARIANTS], ids=str)

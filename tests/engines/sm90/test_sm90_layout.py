@@ -7,8 +7,10 @@ import pytest
 import torch
 
 from cudnn_moe.engines.sm90.layout import (
+    MXFP4_TILE_SCALE_POW2,
     from_token_fragments,
     from_token_layout,
+    pack_mxfp4_weight_tiles,
     pack_weight_tiles,
     to_token_fragments,
     to_token_layout,
@@ -43,6 +45,29 @@ def test_scale_tile_bytes() -> None:
                 for s in range(4):
                     for h in range(2):
                         assert tiles[i, j, g * 8 + s * 2 + h] == scales[0, 16 * i + g + 8 * h, 4 * j + s]
+
+
+def test_mxfp4_scale_tile_bytes() -> None:
+    """Byte g*4 + 2h + r of MXFP4 tile (i, j) is the scale of row 16i + g + 8r, k32 block 2j + h, stored as the
+    BF16 exponent field of 2^(p + 118) for a recoded scale 2^p (byte p + 127 + 118), and 0 for byte 0."""
+    n, k = 32, 128
+    powers = torch.arange(n * k // 32, dtype=torch.int32).remainder(18) - 9  # every recoded power 2^-9 .. 2^8
+    raw = (powers + 127).to(torch.uint8).view(1, n, k // 32)
+    raw[0, 5, 2] = 0  # an all-zero block's byte
+    _, tile_scales = pack_mxfp4_weight_tiles(torch.zeros(1, n, k // 2, dtype=torch.uint8),
+                                             raw.view(torch.float8_e8m0fnu))
+    tiles = tile_scales.view(n // 16, k // 64, 32)
+    for i in range(n // 16):
+        for j in range(k // 64):
+            for g in range(8):
+                for h in range(2):
+                    for r in range(2):
+                        byte = int(raw[0, 16 * i + g + 8 * r, 2 * j + h])
+                        want = 0 if byte == 0 else byte + MXFP4_TILE_SCALE_POW2
+                        assert tiles[i, j, g * 4 + 2 * h + r] == want
+                        if byte:  # the multiplier the kernel builds from it: 2^(p + 118)
+                            bits = torch.tensor([want << 7], dtype=torch.int32).to(torch.int16)
+                            assert bits.view(torch.bfloat16).item() == 2.0 ** (byte - 127 + 118)
 
 
 @pytest.mark.parametrize("n, k", [(8, 64), (16, 96)])

@@ -24,7 +24,8 @@ from cudnn_moe.low_latency import (
     reference_low_latency,
     reference_nvfp4_pair,
 )
-from cudnn_moe.engines.sm90.layout import pack_int4_weight_tiles, pack_weight_tiles
+from cudnn_moe.engines.sm90.layout import pack_int4_weight_tiles, pack_mxfp4_weight_tiles, pack_weight_tiles
+from cudnn_moe.formats.mxfp4_as_nvfp4 import form_scales, nvfp4_globals
 from cudnn_moe.routing import Routing, pack_routing
 from cudnn_moe.weights.low_latency import TILED_FORMATS
 from tests.support.low_latency import FORMAT_CASES, fp8_codes, fp8_scales  # (format, token dtype) pairs
@@ -263,11 +264,14 @@ def test_prepare_weight_only_bit_exact_and_padded(fmt, gated):
     assert wts.tiled == (fmt in TILED_FORMATS)  # SM90: NVFP4 and MXINT4 are stored as the tensor cores' tiles
     rows = wts.row_payloads()
     if wts.tiled:  # the stored bytes are exactly the SM90 tiles of the padded row-major payloads
-        pack = pack_int4_weight_tiles if fmt is WeightFormat.MXINT4_WEIGHT_ONLY else pack_weight_tiles
-        if fmt is WeightFormat.MXFP4_WEIGHT_ONLY:  # tiles of the exact NVFP4 form; the E8M0 scales stay row-major
-            nv = wts.nvfp4_payloads()
-            tile_form = ((nv[0], nv[1], wts.w1_codes, wts.nvfp4_tiles[0]), (nv[3], nv[4], wts.w2_codes, wts.nvfp4_tiles[2]))
-            assert same_bits(wts.nvfp4_tiles[1], nv[2]) and same_bits(wts.nvfp4_tiles[3], nv[5])
+        pack = {WeightFormat.MXINT4_WEIGHT_ONLY: pack_int4_weight_tiles,
+                WeightFormat.MXFP4_WEIGHT_ONLY: pack_mxfp4_weight_tiles}.get(fmt, pack_weight_tiles)
+        if fmt is WeightFormat.MXFP4_WEIGHT_ONLY:  # tiles of the exact shifted form; the E8M0 scales stay row-major
+            shifts1, shifts2 = wts.nvfp4_shifts
+            form1, form2 = form_scales(rows[0], rows[1], shifts1), form_scales(rows[2], rows[3], shifts2)
+            tile_form = ((rows[0], form1, wts.w1_codes, wts.tile_form[0]), (rows[2], form2, wts.w2_codes, wts.tile_form[2]))
+            assert same_bits(wts.tile_form[1], nvfp4_globals(shifts1)) and same_bits(wts.tile_form[3], nvfp4_globals(shifts2))
+            assert wts.tile_form[0].dtype == torch.uint8 and wts.tile_form[0].shape == (E, n1p, H // 32)
             assert wts.w1_scales is rows[1] and wts.w2_scales is rows[3]
         else:
             tile_form = ((rows[0], rows[1], wts.w1_codes, wts.w1_scales), (rows[2], rows[3], wts.w2_codes, wts.w2_scales))
@@ -303,8 +307,8 @@ def test_what_is_never_stored_tiled():
     w1c[0, 1, :16] = 0x22
     w1s.view(torch.uint8)[0, 0, 0], w1s.view(torch.uint8)[0, 1, 0] = 127 + 20, 127 - 20
     wide = LowLatencyMoeConfig(arch="sm90").prepare_mxfp4_weight_only_weights(w1c, w1s, w2c, w2s)
-    assert wide.nvfp4_problem is not None and not wide.tiled and wide.nvfp4_tiles is None
-    with pytest.raises(ValueError, match="no exact NVFP4 form"):
+    assert wide.nvfp4_problem is not None and not wide.tiled and wide.tile_form is None
+    with pytest.raises(ValueError, match="no exact shifted form"):
         wide.to_tiles()
     bf16 = prepare(LowLatencyMoeConfig(arch="sm90"), WeightFormat.BF16, dense_weights(torch.bfloat16, True))
     assert not bf16.tiled
@@ -312,8 +316,8 @@ def test_what_is_never_stored_tiled():
         dataclasses.replace(bf16, tiled=True)
     mxfp4 = prepare(LowLatencyMoeConfig(arch="sm90"), WeightFormat.MXFP4_WEIGHT_ONLY,
                     block_payloads(WeightFormat.MXFP4_WEIGHT_ONLY, True))
-    with pytest.raises(ValueError, match="nvfp4_tiles"):
-        dataclasses.replace(mxfp4, nvfp4_tiles=None)
+    with pytest.raises(ValueError, match="tile_form"):
+        dataclasses.replace(mxfp4, tile_form=None)
 
 
 @pytest.mark.parametrize("gated", [True, False])
@@ -638,10 +642,10 @@ def test_mxfp4_weight_only_runs_on_the_tensor_cores_in_its_exact_nvfp4_form() ->
     odd = prepare(config, WeightFormat.MXFP4_WEIGHT_ONLY, (w1_codes, wide, w2_codes, w2_scales))
     assert odd.nvfp4_problem == "w1 scales of expert 1 span 2^-27 .. 2^-4, more than the 17 binades E4M3 holds exactly"
     assert engine(odd) == "cuda_cores"
-    with pytest.raises(ValueError, match="exact NVFP4 form, which these lack: w1 scales of expert 1 span"):
+    with pytest.raises(ValueError, match="exact shifted form, which these lack: w1 scales of expert 1 span"):
         engine(odd, name="sm90")
-    with pytest.raises(ValueError, match="no exact NVFP4 form"):
-        odd.nvfp4_payloads()
+    with pytest.raises(ValueError, match="no exact shifted form"):
+        odd.to_tiles()
 
 
 def test_mxint4_weight_only_runs_on_the_tensor_cores() -> None:

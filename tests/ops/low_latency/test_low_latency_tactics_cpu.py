@@ -74,7 +74,7 @@ def test_key_fields(weights) -> None:
     assert entry.kind == "tactic"
     assert entry.name == "low-latency tactic nvfp4_weight_only E4 H256 Ip128 gated top-2 T2 bfloat16 -> bfloat16 finalized"
     assert entry.field_dict() == {
-        "schema": 2, "arch": (9, 0), "format": "nvfp4_weight_only", "hidden": 256, "intermediate": 128,
+        "schema": tactics.TACTIC_SCHEMA, "arch": (9, 0), "format": "nvfp4_weight_only", "hidden": 256, "intermediate": 128,
         "padded_intermediate": 128, "experts": 4, "gated": True, "top_k": 2, "tokens": 2, "x_dtype": "bfloat16",
         "out_dtype": "bfloat16", "finalize": True, "engines": ("sm90", "cuda_cores"),
     }

@@ -1,5 +1,5 @@
 """GPU tests of the tensor-core path of the low-latency call (cudnn_moe.low_latency.grouped): NVFP4, MXFP4 (in
-its exact NVFP4 form), MXINT4 weight-only and BF16 layers with BF16 tokens on the SM90 engine, called directly at
+its exact shifted form, its own tiles), MXINT4 weight-only and BF16 layers with BF16 tokens on the SM90 engine, called directly at
 every T = 1..8 (the call's dispatch sends such calls there), against the float64 reference; repeated calls bitwise
 equal; recorded into the caller's CUDA graph, three launches (the stage and the finalize folded into the chain)
 bitwise equal to a call that launches them.
@@ -138,8 +138,9 @@ MX_CASES = [  # (T, activation, routing kind, block scale exponents, the shift t
 @pytest.mark.parametrize("tokens, act, kind, exponents, shift", MX_CASES,
                          ids=[f"T{c[0]}-{type(c[1]).__name__}-2^{c[3][0]}..2^{c[3][1]}" for c in MX_CASES])
 def test_mxfp4_weight_only_on_the_tensor_cores(tokens, act, kind, exponents, shift) -> None:
-    """The op sends finalized BF16 MXFP4 calls to sm90 (the exact NVFP4 form, shifted by a power of two where the
-    scales leave E4M3's range), and the CUDA-core engine still runs them: both against the float64 reference."""
+    """The op sends finalized BF16 MXFP4 calls to sm90 (the exact shifted form in MXFP4 tiles, shifted by a power of
+    two where the scales leave E4M3's range), and the CUDA-core engine runs the same tiles: both against the float64
+    reference."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the tensor-core path is the SM90 engine's")
     config = LowLatencyMoeConfig(8)
@@ -209,7 +210,7 @@ def test_bf16_weights_on_the_tensor_cores(tokens, act, kind) -> None:
     assert view.w1.data_ptr() == weights.w1.data_ptr() and view.w2.data_ptr() == weights.w2.data_ptr()
 
 
-def test_mxfp4_weights_without_an_exact_nvfp4_form_stay_on_the_cuda_cores() -> None:
+def test_mxfp4_weights_without_an_exact_shifted_form_stay_on_the_cuda_cores() -> None:
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the tensor-core path is the SM90 engine's")
     config = LowLatencyMoeConfig(8)
@@ -223,7 +224,7 @@ def test_mxfp4_weights_without_an_exact_nvfp4_form_stay_on_the_cuda_cores() -> N
     want = reference_low_latency(x, weights, routing, SwiGLU(), out_dtype=torch.bfloat16)
     torch.cuda.synchronize()
     assert_close_to_reference(out, want, "MXFP4 weight-only beyond E4M3's span, on the CUDA cores")
-    with pytest.raises(ValueError, match="exact NVFP4 form, which these lack"):
+    with pytest.raises(ValueError, match="exact shifted form, which these lack"):
         low_latency_moe(LowLatencyMoeConfig(8, engine="sm90"), x, weights, routing)
 
 
@@ -300,7 +301,7 @@ ONE_COPY = [FMT, WeightFormat.MXFP4_WEIGHT_ONLY, WeightFormat.MXINT4_WEIGHT_ONLY
 
 @pytest.mark.parametrize("fmt", ONE_COPY)
 def test_sm90_layers_hold_one_weight_copy(fmt) -> None:
-    """Prepared on SM90, NVFP4, MXFP4 (in its NVFP4 form) and MXINT4 layers are stored as the engine's tiles: the
+    """Prepared on SM90, NVFP4, MXFP4 (in its exact shifted form) and MXINT4 layers are stored as the engine's tiles: the
     tensor-core view holds their own memory, the first tensor-core call allocates far less than the weights
     (workspaces only, no repack), and a CUDA-core call on the same tiles agrees with the float64 reference."""
     if torch.cuda.get_device_capability() != (9, 0):
@@ -309,7 +310,7 @@ def test_sm90_layers_hold_one_weight_copy(fmt) -> None:
     assert weights.tiled
     view = grouped.layer_view(Sm90GemmEngine, weights)
     assert view.w1.data_ptr() == weights.w1_codes.data_ptr() and view.w2.data_ptr() == weights.w2_codes.data_ptr()
-    scales = weights.nvfp4_tiles[0] if fmt is WeightFormat.MXFP4_WEIGHT_ONLY else weights.w1_scales
+    scales = weights.tile_form[0] if fmt is WeightFormat.MXFP4_WEIGHT_ONLY else weights.w1_scales
     assert view.w1_scales.data_ptr() == scales.data_ptr()
     weight_bytes = sum(t.numel() * t.element_size()
                        for t in (weights.w1_codes, weights.w1_scales, weights.w2_codes, weights.w2_scales))
