@@ -60,7 +60,7 @@ from __future__ import annotations
 
 import torch
 
-from ...formats import MX_BLOCK, MXINT4_BLOCK, NVFP4_BLOCK, pack_nibbles, unpack_nibbles
+from ...formats import MX_BLOCK, NVFP4_BLOCK, pack_nibbles, unpack_nibbles
 from ...kernels.codes import MXFP4_TILE_SCALE_POW2, TokenLayout
 
 TILE_ROWS = 16  # weight rows (output features) per tile: the mma's M
@@ -108,27 +108,16 @@ def pack_int4_weight_tiles(packed: torch.Tensor, scales: torch.Tensor) -> tuple[
     packed: uint8 [E, N, K/2] two's-complement INT4 codes (element 2i in the low nibble); scales: bfloat16
     [E, N, K/32], linear. Returns (tiles uint8 [E, N*K/2], tile_scales uint8 [E, N*K/16]: the BF16 scales' bytes).
     """
-    experts, n, half_k = packed.shape
-    k = 2 * half_k
-    _check_weight_shapes(n, k)
-    if scales.dtype != torch.bfloat16 or tuple(scales.shape) != (experts, n, k // MXINT4_BLOCK):
-        raise ValueError(f"scales must be bfloat16 [E, N, K/32] = {[experts, n, k // MXINT4_BLOCK]}, got "
-                         f"{scales.dtype} {list(scales.shape)}")
-    # scale[e, i, r, g, j, h] of row 16i + 8r + g, block 2j + h -> [e, i, j, g, h, r]
-    tile_scales = scales.view(torch.int16).reshape(experts, n // 16, 2, 8, k // 64, 2).permute(0, 1, 4, 3, 5, 2)
-    tile_scales = tile_scales.reshape(experts, n * k // MXINT4_BLOCK).contiguous().view(torch.uint8)
+    n, k = _check_k32_scales(packed, scales, torch.bfloat16)
+    tile_scales = _k32_scale_tiles(scales.view(torch.int16), n, k).view(torch.uint8)
     return _pack_codes(packed, INT4_CODE_BITS), tile_scales
 
 
 def unpack_int4_weight_tiles(tiles: torch.Tensor, tile_scales: torch.Tensor, n: int,
                              k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Inverse of pack_int4_weight_tiles: -> (packed uint8 [E, N, K/2], scales bfloat16 [E, N, K/32])."""
-    _check_weight_shapes(n, k)
-    experts = tiles.shape[0]
-    if tuple(tiles.shape) != (experts, n * k // 2) or tuple(tile_scales.shape) != (experts, n * k // NVFP4_BLOCK):
-        raise ValueError(f"tiles [E, N*K/2] and tile_scales [E, N*K/16] do not match N={n}, K={k}")
-    scales = tile_scales.contiguous().view(torch.int16).reshape(experts, n // 16, k // 64, 8, 2, 2)
-    scales = scales.permute(0, 1, 5, 3, 2, 4).reshape(experts, n, k // MXINT4_BLOCK).contiguous()
+    _check_tiles(tiles, tile_scales, n, k, NVFP4_BLOCK)
+    scales = _k32_scale_rows(tile_scales.contiguous().view(torch.int16), n, k)
     return _unpack_codes(tiles, n, k, INT4_CODE_BITS), scales.view(torch.bfloat16)
 
 
@@ -139,32 +128,56 @@ def pack_mxfp4_weight_tiles(packed: torch.Tensor, scales: torch.Tensor) -> tuple
     the form's recoded scales (cudnn_moe.formats.mxfp4_as_nvfp4.form_scales: bytes 127 - 9 .. 127 + 8, or 0 for an
     all-zero block). Returns (tiles uint8 [E, N*K/2], tile_scales uint8 [E, N*K/32]).
     """
-    experts, n, half_k = packed.shape
-    k = 2 * half_k
-    _check_weight_shapes(n, k)
-    if scales.dtype != torch.float8_e8m0fnu or tuple(scales.shape) != (experts, n, k // MX_BLOCK):
-        raise ValueError(f"scales must be float8_e8m0fnu [E, N, K/32] = {[experts, n, k // MX_BLOCK]}, got "
-                         f"{scales.dtype} {list(scales.shape)}")
+    n, k = _check_k32_scales(packed, scales, torch.float8_e8m0fnu)
     raw = scales.view(torch.uint8).to(torch.int32)
     if bool(((raw != 0) & ((raw < 127 - 9) | (raw > 127 + 8))).any()):
         raise ValueError("scales must be the exact shifted form's (2^-9 .. 2^8, or byte 0 for an all-zero block)")
     tile_bytes = torch.where(raw == 0, 0, raw + MXFP4_TILE_SCALE_POW2).to(torch.uint8)
-    # scale[e, i, r, g, j, h] of row 16i + 8r + g, block 2j + h -> [e, i, j, g, h, r]
-    tile_scales = tile_bytes.reshape(experts, n // 16, 2, 8, k // 64, 2).permute(0, 1, 4, 3, 5, 2)
-    return _pack_codes(packed, CODE_BITS), tile_scales.reshape(experts, n * k // MX_BLOCK).contiguous()
+    return _pack_codes(packed, CODE_BITS), _k32_scale_tiles(tile_bytes, n, k)
 
 
 def unpack_mxfp4_weight_tiles(tiles: torch.Tensor, tile_scales: torch.Tensor, n: int,
                               k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Inverse of pack_mxfp4_weight_tiles: -> (packed uint8 [E, N, K/2], scales float8_e8m0fnu [E, N, K/32])."""
-    _check_weight_shapes(n, k)
-    experts = tiles.shape[0]
-    if tuple(tiles.shape) != (experts, n * k // 2) or tuple(tile_scales.shape) != (experts, n * k // MX_BLOCK):
-        raise ValueError(f"tiles [E, N*K/2] and tile_scales [E, N*K/32] do not match N={n}, K={k}")
-    raw = tile_scales.view(torch.uint8).to(torch.int32).reshape(experts, n // 16, k // 64, 8, 2, 2)
-    raw = raw.permute(0, 1, 5, 3, 2, 4).reshape(experts, n, k // MX_BLOCK)
+    _check_tiles(tiles, tile_scales, n, k, MX_BLOCK)
+    raw = _k32_scale_rows(tile_scales.view(torch.uint8).to(torch.int32), n, k)
     scales = torch.where(raw == 0, 0, raw - MXFP4_TILE_SCALE_POW2).to(torch.uint8).view(torch.float8_e8m0fnu)
     return _unpack_codes(tiles, n, k, CODE_BITS), scales
+
+
+def _check_k32_scales(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> tuple[int, int]:
+    """(N, K) of codes uint8 [E, N, K/2] whose scales must be ``dtype`` [E, N, K/32] (ValueError otherwise)."""
+    experts, n, half_k = packed.shape
+    k = 2 * half_k
+    _check_weight_shapes(n, k)
+    if scales.dtype != dtype or tuple(scales.shape) != (experts, n, k // MX_BLOCK):
+        raise ValueError(f"scales must be {str(dtype).removeprefix('torch.')} [E, N, K/32] = "
+                         f"{[experts, n, k // MX_BLOCK]}, got {scales.dtype} {list(scales.shape)}")
+    return n, k
+
+
+def _check_tiles(tiles: torch.Tensor, tile_scales: torch.Tensor, n: int, k: int, per_scale_byte: int) -> None:
+    """tiles must be [E, N*K/2] and tile_scales [E, N*K/per_scale_byte] bytes (ValueError otherwise)."""
+    _check_weight_shapes(n, k)
+    experts = tiles.shape[0]
+    if tuple(tiles.shape) != (experts, n * k // 2) or tuple(tile_scales.shape) != (experts, n * k // per_scale_byte):
+        raise ValueError(f"tiles [E, N*K/2] and tile_scales [E, N*K/{per_scale_byte}] do not match N={n}, K={k}")
+
+
+def _k32_scale_tiles(scales: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """Per-32 scales [E, N, K/32] (any dtype, one element a scale) -> [E, N*K/32] in tile order: tile (i, j) holds
+    element g * 4 + 2h + r = the scale of row 16i + 8r + g, k32 block 2j + h (the MXINT4 and MXFP4 tiles' order)."""
+    experts = scales.shape[0]
+    # scale[e, i, r, g, j, h] -> [e, i, j, g, h, r]
+    tiled = scales.reshape(experts, n // 16, 2, 8, k // 64, 2).permute(0, 1, 4, 3, 5, 2)
+    return tiled.reshape(experts, n * k // MX_BLOCK).contiguous()
+
+
+def _k32_scale_rows(tile_scales: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """Inverse of _k32_scale_tiles: [E, N*K/32] -> [E, N, K/32]."""
+    experts = tile_scales.shape[0]
+    rows = tile_scales.reshape(experts, n // 16, k // 64, 8, 2, 2).permute(0, 1, 5, 3, 2, 4)
+    return rows.reshape(experts, n, k // MX_BLOCK).contiguous()
 
 
 def _pack_codes(packed: torch.Tensor, code_bits: tuple[tuple[int, ...], ...]) -> torch.Tensor:
@@ -190,10 +203,8 @@ def _pack_codes(packed: torch.Tensor, code_bits: tuple[tuple[int, ...], ...]) ->
 
 def unpack_weight_tiles(tiles: torch.Tensor, tile_scales: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Inverse of pack_weight_tiles: -> (packed uint8 [E, N, K/2], scales float8_e4m3fn [E, N, K/16])."""
-    _check_weight_shapes(n, k)
+    _check_tiles(tiles, tile_scales, n, k, NVFP4_BLOCK)
     experts = tiles.shape[0]
-    if tuple(tiles.shape) != (experts, n * k // 2) or tuple(tile_scales.shape) != (experts, n * k // NVFP4_BLOCK):
-        raise ValueError(f"tiles [E, N*K/2] and tile_scales [E, N*K/16] do not match N={n}, K={k}")
     scales = tile_scales.reshape(experts, n // 16, k // 64, 8, 4, 2).permute(0, 1, 5, 3, 2, 4)
     scales = scales.reshape(experts, n, k // NVFP4_BLOCK).contiguous().view(torch.float8_e4m3fn)
     return _unpack_codes(tiles, n, k, CODE_BITS), scales

@@ -427,15 +427,39 @@ def _random_weights(e: int, n: int, k: int, seed: int) -> tuple[torch.Tensor, to
     return packed, scales
 
 
+def _le_words(raw: np.ndarray) -> np.ndarray:
+    """Bytes [.., 4n] -> their little-endian 32-bit words [.., n] (uint64)."""
+    raw = raw.astype(np.uint64)
+    return raw[..., 0::4] | (raw[..., 1::4] << 8) | (raw[..., 2::4] << 16) | (raw[..., 3::4] << 24)
+
+
+def lane_words(tiles: np.ndarray, tile_scales: np.ndarray, tile: int, scale_bytes: int) -> tuple[np.ndarray, np.ndarray]:
+    """What lane L of a warp loads of weight tile ``tile``: its 16 code bytes at tile * 512 + 16L as four words
+    [32, 4], and the ``scale_bytes`` bytes at g * scale_bytes of the tile's 8 * scale_bytes scale bytes as words
+    [32, scale_bytes / 4] (8 bytes for NVFP4 and MXINT4 tiles, 4 for MXFP4 ones)."""
+    lanes = np.arange(32)
+    g = lanes // 4
+    codes = tiles[tile * 512 + 16 * lanes[:, None] + np.arange(16)]
+    scales = tile_scales[tile * 8 * scale_bytes + scale_bytes * g[:, None] + np.arange(scale_bytes)]
+    return _le_words(codes), _le_words(scales)
+
+
+def each_tile(tiles: torch.Tensor, tile_scales: torch.Tensor, n: int, k: int, scale_bytes: int) -> Any:
+    """(expert, i, j, code words, scale words) of every tile (i, j) of every expert, as lane_words loads them."""
+    kt = k // 64
+    for expert in range(tiles.shape[0]):
+        t, ts = tiles[expert].numpy(), tile_scales[expert].numpy()
+        for i in range(n // 16):
+            for j in range(kt):
+                yield expert, i, j, *lane_words(t, ts, i * kt + j, scale_bytes)
+
+
 def emulate_a_tile(tiles: np.ndarray, tile_scales: np.ndarray, tile: int) -> np.ndarray:
     """One m16 x k64 weight tile as the kernels read it: lane L's 16 bytes at tile*512 + 16L, its scale
     bytes at tile*64 + 8g; A registers per step -> W[16, 64] (values x 2^8)."""
     lanes = np.arange(32)
     g, q = lanes // 4, lanes % 4
-    raw = tiles[tile * 512 + 16 * lanes[:, None] + np.arange(16)].astype(np.uint64)  # [32, 16]
-    words = raw[:, 0::4] | (raw[:, 1::4] << 8) | (raw[:, 2::4] << 16) | (raw[:, 3::4] << 24)  # [32, 4]
-    sraw = tile_scales[tile * 64 + 8 * g[:, None] + np.arange(8)].astype(np.uint64)
-    swords = sraw[:, 0::4] | (sraw[:, 1::4] << 8) | (sraw[:, 2::4] << 16) | (sraw[:, 3::4] << 24)  # [32, 2]
+    words, swords = lane_words(tiles, tile_scales, tile, 8)
     out = np.full((16, 64), np.nan)
     for s in range(4):
         sg, sg8 = decode_scale_word(swords[:, s >> 1])
@@ -529,26 +553,17 @@ def test_int4_weight_tiles_decode_to_the_canonical_matrix() -> None:
     want = dequantize_mxint4(packed, scales).double().numpy()
     lanes = np.arange(32)
     g, q = lanes // 4, lanes % 4
-    kt = k // 64
-    for expert in range(e):
-        t, ts = tiles[expert].numpy(), tile_scales[expert].numpy()
-        for i in range(n // 16):
-            for j in range(kt):
-                tile = i * kt + j
-                raw = t[tile * 512 + 16 * lanes[:, None] + np.arange(16)].astype(np.uint64)
-                words = raw[:, 0::4] | (raw[:, 1::4] << 8) | (raw[:, 2::4] << 16) | (raw[:, 3::4] << 24)
-                sraw = ts[tile * 64 + 8 * g[:, None] + np.arange(8)].astype(np.uint64)
-                swords = sraw[:, 0::4] | (sraw[:, 1::4] << 8) | (sraw[:, 2::4] << 16) | (sraw[:, 3::4] << 24)
-                got = np.full((16, 64), np.nan)
-                for step in range(4):
-                    scale_g = bf16_value(swords[:, step >> 1] & 0xFFFF)
-                    scale_g8 = bf16_value(swords[:, step >> 1] >> 16)
-                    a = decode_a_int4(words[:, step])
-                    for r, (row_off, col_off) in enumerate(((0, 0), (8, 0), (0, 8), (8, 8))):
-                        scale = scale_g8 if row_off else scale_g
-                        for half in range(2):
-                            got[g + row_off, 16 * step + 2 * q + col_off + half] = a[r][half] * scale
-                np.testing.assert_array_equal(got, want[expert, 16 * i : 16 * i + 16, 64 * j : 64 * j + 64])
+    for expert, i, j, words, swords in each_tile(tiles, tile_scales, n, k, 8):
+        got = np.full((16, 64), np.nan)
+        for step in range(4):
+            scale_g = bf16_value(swords[:, step >> 1] & 0xFFFF)
+            scale_g8 = bf16_value(swords[:, step >> 1] >> 16)
+            a = decode_a_int4(words[:, step])
+            for r, (row_off, col_off) in enumerate(((0, 0), (8, 0), (0, 8), (8, 8))):
+                scale = scale_g8 if row_off else scale_g
+                for half in range(2):
+                    got[g + row_off, 16 * step + 2 * q + col_off + half] = a[r][half] * scale
+        np.testing.assert_array_equal(got, want[expert, 16 * i : 16 * i + 16, 64 * j : 64 * j + 64])
 
 
 def decode_e8m0_scale_word(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -585,24 +600,15 @@ def test_mxfp4_weight_tiles_decode_to_the_form_matrix() -> None:
     want = dequantize_mxfp4(packed, scales, dtype=torch.float64).numpy()
     lanes = np.arange(32)
     g, q = lanes // 4, lanes % 4
-    kt = k // 64
-    for expert in range(e):
-        t, ts = tiles[expert].numpy(), tile_scales[expert].numpy()
-        for i in range(n // 16):
-            for j in range(kt):
-                tile = i * kt + j
-                raw = t[tile * 512 + 16 * lanes[:, None] + np.arange(16)].astype(np.uint64)
-                words = raw[:, 0::4] | (raw[:, 1::4] << 8) | (raw[:, 2::4] << 16) | (raw[:, 3::4] << 24)
-                sraw = ts[tile * 32 + 4 * g[:, None] + np.arange(4)].astype(np.uint64)
-                sg, sg8 = decode_e8m0_scale_word(sraw[:, 0] | (sraw[:, 1] << 8) | (sraw[:, 2] << 16) | (sraw[:, 3] << 24))
-                got = np.full((16, 64), np.nan)
-                for step in range(4):
-                    a = scaled_a(words[:, step], sg, sg8, step >> 1)  # products asserted exact in BF16
-                    for r, (row_off, col_off) in enumerate(((0, 0), (8, 0), (0, 8), (8, 8))):
-                        for half in range(2):
-                            got[g + row_off, 16 * step + 2 * q + col_off + half] = bf16_value(
-                                (a[r] >> (16 * half)) & 0xFFFF)
-                np.testing.assert_array_equal(got * 2.0**8, want[expert, 16 * i : 16 * i + 16, 64 * j : 64 * j + 64])
+    for expert, i, j, words, swords in each_tile(tiles, tile_scales, n, k, 4):
+        sg, sg8 = decode_e8m0_scale_word(swords[:, 0])
+        got = np.full((16, 64), np.nan)
+        for step in range(4):
+            a = scaled_a(words[:, step], sg, sg8, step >> 1)  # products asserted exact in BF16
+            for r, (row_off, col_off) in enumerate(((0, 0), (8, 0), (0, 8), (8, 8))):
+                for half in range(2):
+                    got[g + row_off, 16 * step + 2 * q + col_off + half] = bf16_value((a[r] >> (16 * half)) & 0xFFFF)
+        np.testing.assert_array_equal(got * 2.0**8, want[expert, 16 * i : 16 * i + 16, 64 * j : 64 * j + 64])
 
 
 def test_mxfp4_tiles_refuse_scales_outside_the_form() -> None:
