@@ -129,7 +129,7 @@ class Request:
 
     shapes: the layer's two grouped GEMMs. token_dtype: the 16-bit dtype of a low-latency call's tokens
     (None for NVFP4 tokens). tokens: the most tokens a call passes. nvfp4_problem: for MXFP4 weight-only
-    weights, why they have no exact NVFP4 form (None where they have one, or where nothing is known).
+    weights, why they have no exact shifted form (None where they have one, or where nothing is known).
     """
 
     op: str

@@ -1,6 +1,6 @@
 """MXFP4 re-encoded exactly with one power-of-two global 2^a per expert: the same E2M1 codes, each 32-value E8M0
 block scale 2^j recoded as 2^(j - a), with every recoded scale inside E4M3's exact powers of two (from 2^-9, its
-smallest subnormal, to 2^8). That is an exact NVFP4 form (both 16-value halves of a block take the E4M3 scale
+smallest subnormal, to 2^8). That is also an exact NVFP4 form (both 16-value halves of a block take the E4M3 scale
 2^(j - a)), and the form the SM90 kernels run MXFP4 tiles in (``form_scales``: one byte per 32 values,
 cudnn_moe.engines.sm90.layout).
 
@@ -52,7 +52,7 @@ def _check(name: str, codes: torch.Tensor, scales: torch.Tensor) -> None:
 
 
 def nvfp4_shifts(codes: torch.Tensor, scales: torch.Tensor, name: str = "weights") -> torch.Tensor | str:
-    """Per expert, the shift a of the exact NVFP4 form of MXFP4 weights (module docstring): int32 [E], or why
+    """Per expert, the shift a of the exact shifted form of MXFP4 weights (module docstring): int32 [E], or why
     they have none (naming ``name`` and the first expert that fails).
 
     codes: packed E2M1 uint8 [E, R, K/2] (element 2i in the low nibble); scales: float8_e8m0fnu [E, R, K/32].

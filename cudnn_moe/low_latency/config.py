@@ -144,7 +144,7 @@ class LowLatencyMoeConfig:
     device, or SM90 when there is none. An arch this config does not run on is refused.
     engine: 'auto' (the engine ``tune`` measured fastest for a call's layer and token count, else the
     registry's first engine that runs it: on SM90 the tensor cores for the finalized BF16 calls of the NVFP4
-    formats, of MXINT4 weight-only layers and of MXFP4 weight-only layers with an exact NVFP4 form, the CUDA
+    formats, of MXINT4 weight-only layers and of MXFP4 weight-only layers with an exact shifted form, the CUDA
     cores otherwise) or the name of a low-latency engine of the registry ('sm90',
     'cuda_cores', 'll_mma': the FP8 formats on tensor cores, ...).
     """
@@ -329,7 +329,7 @@ class LowLatencyMoeConfig:
         (cudnn_moe.weights.low_latency); as they are otherwise."""
         tiles = self.target_arch() == SM90 and weights.format in TILED_FORMATS
         if isinstance(weights, Mxfp4WeightOnlyWeights) and weights.nvfp4_problem is not None:
-            tiles = False  # no exact NVFP4 form (or not decided yet): these run on the CUDA cores, row-major
+            tiles = False  # no exact shifted form (or not decided yet): these run on the CUDA cores, row-major
         return weights.to_tiles() if tiles else weights
 
     def prepare_nvfp4_weight_only_weights(

@@ -29,7 +29,7 @@ recorded for the call itself (an eager call, one recorded into the caller's grap
 chain stages the caller's tokens and routing in its sort + permute (for one token in its GEMM1, which then also sorts)
 and its GEMM2 finalizes into ``out`` where the engine can (cudnn_moe.pipeline.executor).
 
-Weights prepared for SM90 are already in the engine's layout (``weights.tiled``; MXFP4 in its exact NVFP4 form): the
+Weights prepared for SM90 are already in the engine's layout (``weights.tiled``; MXFP4 in its exact shifted form): the
 view holds their own tensors (``tiled_view``), one copy for both engines. Weights prepared for another arch are
 repacked once, on the first call, and that copy is kept beside them while they live, unless they hold a prepared
 fallback in the engine's layout (cudnn_moe.low_latency.fallback), whose view is used instead.
@@ -70,7 +70,7 @@ _lock = threading.Lock()
 
 
 def layer_view(engine: type[GemmEngine], weights: Viewable) -> Nvfp4Weights:
-    """The ``engine`` view of NVFP4 weights (or of MXFP4 weight-only weights in their exact NVFP4 form, or of MXINT4
+    """The ``engine`` view of NVFP4 weights (or of MXFP4 weight-only weights in their exact shifted form, or of MXINT4
     weight-only weights in the engine's MXINT4 layout, or of BF16 weights as they are): the weights' own tensors when
     they are tiled for this engine (BF16: always), else the prepared fallback's when it is in this engine's layout (the
     same bytes), else repacked on first use (``grouped_view``, ``mxint4_view``), then kept."""

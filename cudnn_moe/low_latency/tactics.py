@@ -75,7 +75,7 @@ def layer_request(
     """What a call of ``tokens`` tokens with these weights asks of the engines: GEMM1 K = H -> N = N1 (2I gated,
     else I), GEMM2 K = Ip -> N = H, over E experts; token_dtype: the 16-bit (or per-tensor FP8) tokens' dtype,
     None for tokens given as codes with scales (the NVFP4 pair, prequantized DeepSeek FP8); for MXFP4 weight-only
-    weights, why they have no exact NVFP4 form (``Mxfp4WeightOnlyWeights.nvfp4_problem``)."""
+    weights, why they have no exact shifted form (``Mxfp4WeightOnlyWeights.nvfp4_problem``)."""
     shapes = (GemmShape(weights.hidden_size, weights.gemm1_rows, weights.num_experts),
               GemmShape(weights.padded_intermediate, weights.hidden_size, weights.num_experts))
     problem = weights.nvfp4_problem if weights.format is WeightFormat.MXFP4_WEIGHT_ONLY else None

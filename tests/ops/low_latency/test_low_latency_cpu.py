@@ -300,7 +300,7 @@ def test_prepare_weight_only_bit_exact_and_padded(fmt, gated):
 
 
 def test_what_is_never_stored_tiled():
-    """MXFP4 weight-only layers without an exact NVFP4 form stay row-major (and cannot be tiled); the other formats
+    """MXFP4 weight-only layers without an exact shifted form stay row-major (and cannot be tiled); the other formats
     (16-bit, FP8, the MX pairs) are never tiled."""
     w1c, w1s, w2c, w2s = block_payloads(WeightFormat.MXFP4_WEIGHT_ONLY, True)
     w1c[0, 0, :16] = 0x22  # two nonzero blocks of expert 0, 40 binades apart: no E4M3 range holds both
@@ -615,7 +615,7 @@ def test_short_prepare_names_are_aliases_of_the_contract_names(fmt):
 
 
 def test_mxfp4_weight_only_runs_on_the_tensor_cores_in_its_exact_nvfp4_form() -> None:
-    """Preparation decides the NVFP4 form (cudnn_moe.formats.mxfp4_as_nvfp4); the registry sends finalized BF16
+    """Preparation decides the exact shifted form (cudnn_moe.formats.mxfp4_as_nvfp4); the registry sends finalized BF16
     calls of such layers to sm90 and the others, with the reason, to the CUDA cores."""
     from cudnn_moe.engines.registry import choose
     from cudnn_moe.low_latency.tactics import layer_request

@@ -72,7 +72,7 @@ def test_dispatch_sends_nvfp4_weight_only_bf16_to_the_tensor_cores() -> None:
     assert engine_of(weights, bf16, bf16, False, arch) == "cuda_cores"  # raw rows
     assert engine_of(weights, bf16, bf16, True, (10, 0)) == "cuda_cores"
     _, mx = make_layer(WeightFormat.MXFP4_WEIGHT_ONLY, True, shape=(256, 128), seed=9)
-    assert engine_of(mx, bf16, bf16, True, arch) == "sm90"  # in its exact NVFP4 form
+    assert engine_of(mx, bf16, bf16, True, arch) == "sm90"  # in its exact shifted form
     assert engine_of(mx, torch.float16, bf16, True, arch) == "cuda_cores"
     _, mxint = make_layer(WeightFormat.MXINT4_WEIGHT_ONLY, True, shape=(256, 128), seed=9)
     assert engine_of(mxint, bf16, bf16, True, arch) == "sm90"
