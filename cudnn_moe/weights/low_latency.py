@@ -51,9 +51,13 @@ PAD_MULTIPLE = 128
 _BIT_DTYPES = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
 # The formats whose payloads may be stored as SM90 fragment tiles (``tiled``), and how: NVFP4 tiles (E2M1 codes,
 # E4M3 scales per 16), MXFP4 tiles (E2M1 codes, a scale byte per 32: MXFP4 weight-only in its exact shifted form,
-# Mxfp4WeightOnlyWeights.to_tiles) or MXINT4 tiles (INT4 codes, BF16 scales per 32).
-TILED_FORMATS = frozenset({WeightFormat.NVFP4_WEIGHT_ONLY, WeightFormat.NVFP4_W_NVFP4_A,
-                           WeightFormat.MXINT4_WEIGHT_ONLY, WeightFormat.MXFP4_WEIGHT_ONLY})
+# Mxfp4WeightOnlyWeights.to_tiles) or MXINT4 tiles (INT4 codes, BF16 scales per 32): each one's (pack, unpack) of
+# cudnn_moe.engines.sm90.layout.
+_PACKERS = {WeightFormat.NVFP4_WEIGHT_ONLY: (pack_weight_tiles, unpack_weight_tiles),
+            WeightFormat.NVFP4_W_NVFP4_A: (pack_weight_tiles, unpack_weight_tiles),
+            WeightFormat.MXINT4_WEIGHT_ONLY: (pack_int4_weight_tiles, unpack_int4_weight_tiles),
+            WeightFormat.MXFP4_WEIGHT_ONLY: (pack_mxfp4_weight_tiles, unpack_mxfp4_weight_tiles)}
+TILED_FORMATS = frozenset(_PACKERS)
 
 
 def padded_intermediate(intermediate: int) -> int:
@@ -90,16 +94,12 @@ def pad_columns(t: torch.Tensor, columns: int) -> torch.Tensor:
     return out
 
 
-_PACKERS = {WeightFormat.MXINT4_WEIGHT_ONLY: (pack_int4_weight_tiles, unpack_int4_weight_tiles),
-            WeightFormat.MXFP4_WEIGHT_ONLY: (pack_mxfp4_weight_tiles, unpack_mxfp4_weight_tiles)}
-
-
 def _tile_payload(fmt: WeightFormat, codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Row-major codes uint8 [E, N, K/2] and scales ([E, N, K/16] E4M3; [E, N, K/32] BF16 for MXINT4, the exact
     shifted form's E8M0 for MXFP4) -> the codes' shape and dtype holding the SM90 fragment tiles, and the scales'
     shape holding the scale tiles (their dtype; uint8 for MXFP4, whose tile bytes are no E8M0 values), a few experts
     at a time."""
-    pack = _PACKERS.get(fmt, (pack_weight_tiles,))[0]
+    pack = _PACKERS[fmt][0]
     step = max(1, PACK_CHUNK_BYTES // max(1, codes[0].numel()))
     parts = [pack(codes[e : e + step].contiguous(), scales[e : e + step].contiguous())
              for e in range(0, codes.shape[0], step)]
@@ -112,10 +112,7 @@ def _untile_payload(fmt: WeightFormat, tiles: torch.Tensor, tile_scales: torch.T
     """Inverse of _tile_payload (new tensors; MXFP4: the form's E8M0 scales)."""
     experts, n, k = tiles.shape[0], tiles.shape[1], 2 * tiles.shape[2]
     flat, flat_scales = tiles.reshape(experts, -1), tile_scales.view(torch.uint8).reshape(experts, -1)
-    if fmt in _PACKERS:
-        return _PACKERS[fmt][1](flat, flat_scales, n, k)
-    codes, scales = unpack_weight_tiles(flat, flat_scales, n, k)
-    return codes, scales.view(tile_scales.dtype)
+    return _PACKERS[fmt][1](flat, flat_scales, n, k)
 
 
 @dataclass(frozen=True, eq=False)

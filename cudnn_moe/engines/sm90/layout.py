@@ -61,6 +61,8 @@ from __future__ import annotations
 import torch
 
 from ...formats import MX_BLOCK, NVFP4_BLOCK, pack_nibbles, unpack_nibbles
+from ...formats.mx import E8M0_BIAS
+from ...formats.mxfp4_as_nvfp4 import E4M3_POW2_MAX, E4M3_POW2_MIN
 from ...kernels.codes import MXFP4_TILE_SCALE_POW2, TokenLayout
 
 TILE_ROWS = 16  # weight rows (output features) per tile: the mma's M
@@ -130,7 +132,7 @@ def pack_mxfp4_weight_tiles(packed: torch.Tensor, scales: torch.Tensor) -> tuple
     """
     n, k = _check_k32_scales(packed, scales, torch.float8_e8m0fnu)
     raw = scales.view(torch.uint8).to(torch.int32)
-    if bool(((raw != 0) & ((raw < 127 - 9) | (raw > 127 + 8))).any()):
+    if bool(((raw != 0) & ((raw < E8M0_BIAS + E4M3_POW2_MIN) | (raw > E8M0_BIAS + E4M3_POW2_MAX))).any()):
         raise ValueError("scales must be the exact shifted form's (2^-9 .. 2^8, or byte 0 for an all-zero block)")
     tile_bytes = torch.where(raw == 0, 0, raw + MXFP4_TILE_SCALE_POW2).to(torch.uint8)
     return _pack_codes(packed, CODE_BITS), _k32_scale_tiles(tile_bytes, n, k)
