@@ -3,7 +3,8 @@
 #   make test     run the pytest suite (GPU tests run only where a GPU, CuPy and cuDNN are installed)
 #   make gpu-check OUT=dir   GPU tests + benchmark with logs in dir (scripts/gpu_check.sh)
 #
-# Without a GPU the CPU build of torch is installed: TORCH_CPU pins the version; set
+# Without a GPU the CPU build of torch is installed, with the kernel tools (NVRTC, cuobjdump) the CPU tests check the
+# kernels' builds and SASS with: TORCH_CPU pins the version; set
 # TORCH_INDEX=https://download.pytorch.org/whl/cpu where that index is reachable and no local wheel exists.
 # With a GPU, CUDA picks the extra (cu12 or cu13) that brings cuDNN, its frontend and CuPy.
 
@@ -26,7 +27,7 @@ ifeq ($(HAS_GPU),yes)
 	$(PY) -m pip install -q -e ".[test,$(CUDA)]"
 else
 	$(PY) -m pip install -q "$(TORCH_CPU)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
-	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q -e ".[test,kernel-tools]"
 endif
 	touch $@
 
