@@ -106,12 +106,13 @@ def canonical_chunked(
     return torch.cat(codes), torch.cat(block_scales)
 
 
-def build_layer(m: ModelShape, gen: torch.Generator, engine: str, max_tokens: int, in_place: bool = False) -> Layer:
+def build_layer(m: ModelShape, gen: torch.Generator, engine: str, max_tokens: int,
+                in_place: bool | None = None) -> Layer:
     """Random BF16 weights (as bench_moe draws them) quantized ONCE to NVFP4 for fused_moe; the aligned
     op's tensors are the same codes and scales read back from that pack, w1's halves swapped to
     [gate; up], then prepared for the same engine, so both ops stream the same bytes. The output scales
-    are fused's per-expert alphas (w1's for gate and up, w2's for down): both ops compute one layer. in_place: the
-    aligned op reads those tensors in place (prepare_aligned_weights(in_place=True))."""
+    are fused's per-expert alphas (w1's for gate and up, w2's for down): both ops compute one layer. in_place:
+    prepare_aligned_weights' (None: its default, read in place where the engine can; False: the engine's layout)."""
     config = Nvfp4MoeConfig(max_num_tokens=max_tokens, engine=engine)
     w1, w2 = random_weights(m, gen)  # w1 rows [up; gate]
     fused = config.prepare_weights(w1, w2, activation=SwiGLU())
@@ -173,12 +174,14 @@ class AlignedBench:
         progress(f"{m.name}: random BF16 weights -> NVFP4 for fused_moe ({args.engine}), same codes "
                  "[gate; up] -> prepare_aligned_weights")
         try:
-            layer = build_layer(m, gen, args.engine, max(args.tokens), args.in_place)
+            layer = build_layer(m, gen, args.engine, max(args.tokens), LAYOUTS[args.layout])
         except Exception as exc:  # noqa: BLE001 - the other model may still run
             report.note(f"{m.name}: weights not prepared: {type(exc).__name__}: {exc}; model skipped")
             torch.cuda.empty_cache()
             return
-        progress(f"{m.name}: engine {layer.engine}")
+        held = "read in place" if layer.prepared.in_place else "laid out in the engine's layout (a copy)"
+        report.note(f"{m.name}: aligned weights {held}")
+        progress(f"{m.name}: engine {layer.engine}, aligned weights {held}")
         for tokens in args.tokens:
             self.row(m, layer, tokens, gen, timer)
         del layer
@@ -262,6 +265,10 @@ def compare(aligned: torch.Tensor, fused: torch.Tensor) -> str:
     return f"max diff {diff / scale:.1e} of max |out|" if scale > 0 else f"max diff {diff:.1e}"
 
 
+# --layout -> prepare_aligned_weights(in_place=...)
+LAYOUTS: dict[str, bool | None] = {"default": None, "in-place": True, "copy": False}
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=list(DEFAULT_MODELS), choices=list(MODELS),
@@ -275,8 +282,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "shape the GEMMs")
     parser.add_argument("--engine", default="auto", choices=engine_names(OP_ALIGNED),
                         help="GEMM engine of both ops (Nvfp4MoeConfig / prepare_aligned_weights; default %(default)s)")
-    parser.add_argument("--in-place", action="store_true",
-                        help="prepare the aligned op's weights in place (no copy: the sm90 engine reads the raw tensors)")
+    parser.add_argument("--layout", choices=list(LAYOUTS), default="default",
+                        help="the aligned op's weights: prepare_aligned_weights' default (read in place where the engine "
+                             "can), in-place (required), or copy (the engine's layout) (default: %(default)s)")
     parser.add_argument("--skip-slow-cudnn", action=argparse.BooleanOptionalAction, default=True,
                         help="skip DeepSeek-V3 above T=64 when the engine is cudnn (100-170 ms per call on SM90)")
     parser.add_argument("--bandwidth-tbs", type=float, default=4.3, help="HBM bandwidth for the floor (TB/s)")

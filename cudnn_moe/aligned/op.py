@@ -1,7 +1,7 @@
 """The aligned-plan NVFP4 MoE op on the GPU: the caller's plan drives the shared pipeline.
 
 The op reuses the NVFP4 pipeline of ``fused_moe`` (cudnn_moe.pipeline.executor: sort, permute, GEMM1,
-SwiGLU + NVFP4 requantize, GEMM2) on weights laid out by ``prepare_aligned_weights``; only its two
+SwiGLU + NVFP4 requantize, GEMM2) on the weights ``prepare_aligned_weights`` prepares (read in place, or laid out); only its two
 ends differ. Its stage copies the caller's NVFP4 tokens, scales the route weights by
 routed_scaling_factor, loads the three output scales into the token bucket and turns the plan into per-slot expert ids on
 the device (blocks past num_tokens_post_padded are skipped there); its finish adds each token's
@@ -56,7 +56,7 @@ def _weights_for(
         if found is not None and found.same_tensors(raw):
             _prepared.move_to_end(sources)
             return found
-    refuse_during_capture("aligned_moe must lay these weights out",
+    refuse_during_capture("aligned_moe must prepare these weights",
                           "pass prepared=prepare_aligned_weights(...) or make one call before capture")
     weights = prepare_aligned_weights(*raw)
     with _lock:
@@ -71,8 +71,8 @@ def _weights_for(
 def _warn_eviction() -> None:
     global _warned_eviction
     _warned_eviction = True
-    warnings.warn(f"aligned_moe prepared more than {PREPARED_CACHE_SIZE} weight sets on the fly: each call now lays "
-                  "its weights out again; pass prepared=prepare_aligned_weights(...) per layer", stacklevel=4)
+    warnings.warn(f"aligned_moe prepared more than {PREPARED_CACHE_SIZE} weight sets on the fly: each call now "
+                  "prepares its weights again; pass prepared=prepare_aligned_weights(...) per layer", stacklevel=4)
 
 
 def _executor(weights: AlignedWeights, top_k: int) -> MoeExecutor:
@@ -136,8 +136,9 @@ def aligned_moe(
     inputs give the same bits.
 
     prepared: from prepare_aligned_weights(gemm1_weights, ...), built once per layer before serving.
-    Without it the weights are laid out on the first call and the layout is cached (for the last
-    PREPARED_CACHE_SIZE weight sets; more layers than that re-lay their weights on every call, with a
+    Without it the weights are prepared on the first call as prepare_aligned_weights does by default (read
+    in place where the engine can, else laid out in its layout) and cached (for the last
+    PREPARED_CACHE_SIZE weight sets; more layers than that prepare their weights again on every call, with a
     warning) by the raw tensors' identity, addresses, shapes and torch version counters: writes torch
     does not see, e.g. by a foreign CUDA kernel, need ``prepared`` built again. w1_scale_prepared /
     w2_scale_prepared: the contract's panels of another library's layout; accepted only as None (pass

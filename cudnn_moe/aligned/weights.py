@@ -1,5 +1,5 @@
-"""Weights of the aligned-plan op for the GEMM engine of their GPU: laid out once in the engine's own layout (a copy),
-or on request the caller's raw tensors read in place (the sm90 engine)."""
+"""Weights of the aligned-plan op for the GEMM engine of their GPU: the caller's raw tensors read in place where the
+engine can (the sm90 engine), else laid out once in the engine's own layout (a copy), or that copy on request."""
 
 from __future__ import annotations
 
@@ -75,15 +75,15 @@ class AlignedWeights:
         return self.layer.code is BlockCode.NVFP4_ROWS
 
 
-def _require_in_place(engine: str, raw: dict[str, torch.Tensor]) -> None:
-    """ValueError unless the sm90 engine can read these raw tensors in place."""
+def _in_place_problem(engine: str, raw: dict[str, torch.Tensor]) -> str | None:
+    """Why the engine cannot read these raw tensors in place (only the sm90 engine reads the raw layout), or None."""
     if engine != "sm90":
-        raise ValueError(f"in_place=True needs the sm90 engine (SM90 GPUs), which reads the raw layout; the {engine} "
-                         "engine reads its own")
+        return f"in_place=True needs the sm90 engine (SM90 GPUs), which reads the raw layout; the {engine} engine reads its own"
     for name, t in raw.items():
         if not t.is_contiguous() or t.data_ptr() % IN_PLACE_ALIGNMENT:
-            raise ValueError(f"in_place=True reads {name} as it is: it must be contiguous and {IN_PLACE_ALIGNMENT}-byte "
-                             f"aligned, got strides {t.stride()} at address {t.data_ptr():#x}")
+            return (f"in_place=True reads {name} as it is: it must be contiguous and {IN_PLACE_ALIGNMENT}-byte aligned, "
+                    f"got strides {t.stride()} at address {t.data_ptr():#x}")
+    return None
 
 
 def prepare_aligned_weights(
@@ -94,7 +94,7 @@ def prepare_aligned_weights(
     *,
     arch: str | int | tuple[int, int] | None = None,
     engine: str = "auto",
-    in_place: bool = False,
+    in_place: bool | None = None,
 ) -> AlignedWeights:
     """Prepare the aligned op's weights for the GEMM engine of the GPU (pass the result as
     ``aligned_moe(..., prepared=...)``); the caller's tensors are only read.
@@ -103,12 +103,18 @@ def prepare_aligned_weights(
     gemm2_weights uint8 [E, K, N/4], gemm2_weights_scale float8_e4m3fn [E, K, N/32] (linear scales,
     N and K multiples of 256), on one device. arch: the GPU the layout is for (default: the tensors'
     CUDA device; required for CPU tensors, e.g. 'sm90'). engine: 'auto', 'sm90' or 'cudnn', as for
-    Nvfp4MoeConfig. The codes and scales are repacked bit-exactly into the engine's layout, a copy (``canonical()``
-    gives them back). in_place: hold no copy: the sm90 engine's kernels read the caller's tensors as they are (they
-    must be contiguous and 16-byte aligned; ValueError otherwise, or on another engine), at a cost in speed: the
-    row-major reads made the whole op 1.2-1.5x slower than the engine's layout on the H200 (benchmarks/RESULTS.md,
-    twenty-fifth session). The result's ``in_place`` says which it holds.
+    Nvfp4MoeConfig. in_place:
+    - None (default): no copy where the engine reads the raw layout. The sm90 engine's kernels read the caller's
+      contiguous, 16-byte aligned tensors as they are, so the op holds nothing beside the tensors its contract has
+      the caller keep. Else (the cudnn engine, or tensors the kernels cannot read as they are) the codes and scales
+      are repacked bit-exactly into the engine's layout, a copy.
+    - True: in place, or ValueError naming the tensor or the engine that prevents it.
+    - False: the engine's layout, a copy (6.34 GB more per DeepSeek-V3 layer). On the H200 its kernels ran the whole
+      op 1.1-1.5x faster than the in-place reads (benchmarks/RESULTS.md, twenty-fifth and twenty-sixth sessions).
+    ``canonical()`` gives the caller's values back either way, and the result's ``in_place`` says which it holds.
     """
+    if in_place is not None and not isinstance(in_place, bool):
+        raise TypeError(f"in_place must be None, True or False, got {type(in_place).__name__}")
     w1 = require_tensor("gemm1_weights", gemm1_weights, torch.uint8, rank=3)
     w1s = require_tensor("gemm1_weights_scale", gemm1_weights_scale, torch.float8_e4m3fn, rank=3)
     w2 = require_tensor("gemm2_weights", gemm2_weights, torch.uint8, rank=3)
@@ -133,10 +139,12 @@ def prepare_aligned_weights(
     shapes = (GemmShape(hidden, n, experts), GemmShape(inter, hidden, experts))
     spec = choose(Request(OP_ALIGNED, target, NVFP4, shapes, experts), engine).spec(target)
     raw = (w1, w1s, w2, w2s)
+    problem = _in_place_problem(spec.engine, dict(zip(("gemm1_weights", "gemm1_weights_scale", "gemm2_weights",
+                                                      "gemm2_weights_scale"), raw)))
+    if in_place and problem is not None:
+        raise ValueError(problem)
     # no alphas: every call brings its output scales, staged into the token bucket
-    if in_place:
-        _require_in_place(spec.engine, dict(zip(("gemm1_weights", "gemm1_weights_scale", "gemm2_weights",
-                                                 "gemm2_weights_scale"), raw)))
+    if problem is None and in_place is not False:
         layer = Nvfp4Weights(
             w1.view(experts, -1), w1s.view(experts, -1), None, w2.view(experts, -1), w2s.view(experts, -1), None,
             spec, GATED.gated, hidden, inter, w1_alpha_split=inter, code=BlockCode.NVFP4_ROWS, w1_halves_swapped=True,

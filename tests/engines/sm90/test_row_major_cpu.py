@@ -177,12 +177,13 @@ def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
 
 
-def test_aligned_weights_are_read_in_place_on_request() -> None:
-    """in_place=True on the sm90 engine: the prepared layer holds the caller's four tensors themselves (same memory,
-    flattened per expert), marked row-major with w1's halves swapped; canonical() gives the caller's values back. By
-    default the weights are laid out in the engine's tiles, a copy with the same values."""
+@pytest.mark.parametrize("in_place", [True, None])
+def test_aligned_weights_are_read_in_place(in_place: bool | None) -> None:
+    """On the sm90 engine, by default or with in_place=True, the prepared layer holds the caller's four tensors
+    themselves (same memory, flattened per expert), marked row-major with w1's halves swapped; canonical() gives the
+    caller's values back. in_place=False lays the weights out in the engine's tiles, a copy with the same values."""
     raw = _raw()
-    prepared = prepare_aligned_weights(*raw, arch="sm90", in_place=True)
+    prepared = prepare_aligned_weights(*raw, arch="sm90", in_place=in_place)
     layer = prepared.layer
     assert prepared.in_place and layer.code is BlockCode.NVFP4_ROWS and layer.w1_halves_swapped
     for held, t in zip((layer.w1, layer.w1_scales, layer.w2, layer.w2_scales), raw):
@@ -190,7 +191,7 @@ def test_aligned_weights_are_read_in_place_on_request() -> None:
     assert all(_same_bytes(a, b) for a, b in zip(prepared.canonical(), raw))
     up, gate = raw[0].chunk(2, dim=1)
     assert _same_bytes(layer.canonical()[0], torch.cat((gate, up), dim=1))  # the pipeline's [up; gate]
-    copied = prepare_aligned_weights(*raw, arch="sm90")
+    copied = prepare_aligned_weights(*raw, arch="sm90", in_place=False)
     assert not copied.in_place and copied.layer.code is BlockCode.NVFP4
     assert copied.layer.w1.data_ptr() != raw[0].data_ptr()
     assert all(_same_bytes(a, b) for a, b in zip(copied.canonical(), raw))
@@ -200,7 +201,8 @@ def test_aligned_weights_are_read_in_place_on_request() -> None:
                                          ("unaligned", "gemm1_weights_scale as it is"),
                                          ("cudnn", "needs the sm90 engine")])
 def test_in_place_refuses_what_it_cannot_read(case: str, needle: str) -> None:
-    """in_place=True names the tensor it cannot read as it is, or the engine that reads its own layout."""
+    """in_place=True names the tensor it cannot read as it is, or the engine that reads its own layout; the default
+    (in_place=None) lays such weights out in the engine's layout instead, with the same values."""
     raw = list(_raw())
     arch, engine = "sm90", "auto"
     if case == "non-contiguous":
@@ -211,3 +213,5 @@ def test_in_place_refuses_what_it_cannot_read(case: str, needle: str) -> None:
         arch, engine = "sm100", "cudnn"
     with pytest.raises(ValueError, match=needle):
         prepare_aligned_weights(*raw, arch=arch, engine=engine, in_place=True)
+    fallback = prepare_aligned_weights(*raw, arch=arch, engine=engine)  # the default lays them out instead
+    assert not fallback.in_place and all(_same_bytes(a, b) for a, b in zip(fallback.canonical(), raw))

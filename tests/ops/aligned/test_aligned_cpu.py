@@ -471,13 +471,21 @@ def test_check_aligned_args_refuses(mutate, exc: type[Exception], text: str) -> 
 
 
 # ----------------------------------------------------------------------------- weight preparation, the op on CPU
-@pytest.mark.parametrize("arch,engine", [("sm90", "sm90"), ("sm100", "cudnn"), ("sm90", "cudnn")])
-def test_prepare_aligned_weights_keeps_the_bits(arch: str, engine: str) -> None:
+@pytest.mark.parametrize("arch,engine,in_place,held_in_place", [
+    ("sm90", "sm90", None, True), ("sm90", "sm90", False, False), ("sm100", "cudnn", None, False),
+    ("sm90", "cudnn", None, False),
+])
+def test_prepare_aligned_weights_keeps_the_bits(arch: str, engine: str, in_place: bool | None,
+                                                held_in_place: bool) -> None:
+    """By default the sm90 engine reads the caller's tensors in place and the cudnn engine lays them out in its own
+    layout; in_place=False lays them out on the sm90 engine too. Either way the caller's values come back bit for bit
+    and the caller's tensors are not written."""
     layer = Layer(seed=11)
     raw = (layer.gemm1_weights, layer.gemm1_weights_scale, layer.gemm2_weights, layer.gemm2_weights_scale)
     before = [t.clone() for t in raw]
-    prepared = prepare_aligned_weights(*raw, arch=arch, engine=engine)
+    prepared = prepare_aligned_weights(*raw, arch=arch, engine=engine, in_place=in_place)
     assert prepared.layer.spec.engine == engine and prepared.num_experts == E
+    assert prepared.in_place is held_in_place
     # no alphas: each call's output scales go into the token bucket, never into the prepared weights
     assert prepared.layer.w1_alpha is None and prepared.layer.w2_alpha is None and prepared.layer.w1_alpha_split == N // 2
     back = prepared.canonical()
@@ -496,6 +504,7 @@ PREPARE_ROWS = [
     ("no experts", lambda a: a.__setitem__(0, a[0][:0]), ValueError, "holds 0 experts"),
     ("w2 of another K", lambda a: a.__setitem__(2, a[2][:, :128]), ValueError, "gemm2_weights"),
     ("w2 scales of another N", lambda a: a.__setitem__(3, a[3][..., :4]), ValueError, "gemm2_weights_scale"),
+    ("in_place not a bool", lambda a: a.append("yes"), TypeError, "in_place must be None, True or False"),
 ]
 
 
@@ -505,7 +514,7 @@ def test_prepare_aligned_weights_refuses_bad_tensors(mutate, error, text: str) -
     raw = [layer.gemm1_weights, layer.gemm1_weights_scale, layer.gemm2_weights, layer.gemm2_weights_scale]
     mutate(raw)
     with pytest.raises(error, match=text):
-        prepare_aligned_weights(*raw, arch="sm90")
+        prepare_aligned_weights(*raw[:4], arch="sm90", in_place=raw[4] if len(raw) > 4 else None)
 
 
 def test_prepare_aligned_weights_needs_an_arch_on_the_cpu() -> None:

@@ -23,10 +23,11 @@ I32 = torch.int32
 
 
 class Layer:
-    """Random NVFP4 tokens and weights of the contract's layouts, on the GPU."""
+    """Random NVFP4 tokens and weights of the contract's layouts, on the GPU; ``prepared`` as prepare_aligned_weights
+    makes them by default (in_place=None: read in place on the sm90 engine) unless ``in_place`` says otherwise."""
 
     def __init__(self, m: int, k: int, n: int, e: int, top_k: int, seed: int, engine: str = "auto",
-                 in_place: bool = False) -> None:
+                 in_place: bool | None = None) -> None:
         assert top_k <= e, "a token routes to top_k distinct experts"
         gen = torch.Generator(device=DEV).manual_seed(seed)
         self.m, self.k, self.n, self.e, self.top_k = m, k, n, e, top_k
@@ -79,9 +80,12 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("in_place", [None, False], ids=["default", "copy"])
 @pytest.mark.parametrize("m,k,n,e,top_k,block_m,rsf", CASES)
-def test_matches_reference(m, k, n, e, top_k, block_m, rsf) -> None:
-    layer = Layer(m, k, n, e, top_k, seed=m + k + n + e)
+def test_matches_reference(m, k, n, e, top_k, block_m, rsf, in_place: bool | None) -> None:
+    """The op against the float64 reference, on the weights as prepared by default (read in place on the sm90
+    engine) and as the engine's layout (in_place=False)."""
+    layer = Layer(m, k, n, e, top_k, seed=m + k + n + e, in_place=in_place)
     plan = align_routing(layer.ids, block_m, e)
     buffer, out = guarded_out(layer.out0)
     aligned_moe(*layer.args(plan, out), top_k, block_m, rsf, prepared=layer.prepared)
@@ -97,7 +101,8 @@ def test_matches_reference(m, k, n, e, top_k, block_m, rsf) -> None:
 @pytest.mark.parametrize("m,k,n,e,top_k,block_m,rsf", [CASES[i] for i in (0, 2, 4, 5, 8)])
 def test_in_place_weights_match_reference_and_hold_no_copy(m, k, n, e, top_k, block_m, rsf) -> None:
     """Weights prepared in place (the sm90 engine reading the raw tensors: decode buckets on the decode kernel's
-    row-major form, long segments on wgmma's) allocate nothing, match the reference and the tiled layout's output."""
+    row-major form, long segments on wgmma's) allocate nothing, match the reference and the output of the engine's
+    tiled layout (in_place=False, a copy)."""
     layer = Layer(m, k, n, e, top_k, seed=m + k + n + e)
     before = torch.cuda.memory_allocated()
     in_place = prepare_aligned_weights(layer.w1, layer.w1s, layer.w2, layer.w2s, in_place=True)
@@ -109,8 +114,11 @@ def test_in_place_weights_match_reference_and_hold_no_copy(m, k, n, e, top_k, bl
     check_guards(buffer)
     want = layer.reference(plan, block_m, rsf)
     check_close(out, want)
+    tiled = prepare_aligned_weights(layer.w1, layer.w1s, layer.w2, layer.w2s, in_place=False)
+    assert not tiled.in_place and tiled.layer.w1.data_ptr() != layer.w1.data_ptr()
     _, tiled_out = guarded_out(layer.out0)
-    aligned_moe(*layer.args(plan, tiled_out), top_k, block_m, rsf, prepared=layer.prepared)
+    aligned_moe(*layer.args(plan, tiled_out), top_k, block_m, rsf, prepared=tiled)
+    check_close(tiled_out, want)
     gap = (out.double() - tiled_out.double()).norm() / (tiled_out.double() - layer.out0.double()).norm()
     assert gap <= 2e-2, f"in place and tiled differ by {gap:.3g} of the contributions"
 
