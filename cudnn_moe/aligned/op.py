@@ -1,8 +1,8 @@
 """The aligned-plan NVFP4 MoE op on the GPU: the caller's plan drives the shared pipeline.
 
 The op reuses the NVFP4 pipeline of ``fused_moe`` (cudnn_moe.pipeline.executor: sort, permute, GEMM1,
-SwiGLU + NVFP4 requantize, GEMM2) on the weights ``prepare_aligned_weights`` prepares (read in place, or laid out); only its two
-ends differ. Its stage copies the caller's NVFP4 tokens, scales the route weights by
+SwiGLU + NVFP4 requantize, GEMM2) on the weights ``prepare_aligned_weights`` prepares (read in place, or
+laid out); only its two ends differ. Its stage copies the caller's NVFP4 tokens, scales the route weights by
 routed_scaling_factor, loads the three output scales into the token bucket and turns the plan into per-slot expert ids on
 the device (blocks past num_tokens_post_padded are skipped there); its finish adds each token's
 contributions, in slot order, into the FP32 value of ``out`` and writes ``out`` once. The pipeline

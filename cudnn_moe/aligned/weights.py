@@ -78,7 +78,8 @@ class AlignedWeights:
 def _in_place_problem(engine: str, raw: dict[str, torch.Tensor]) -> str | None:
     """Why the engine cannot read these raw tensors in place (only the sm90 engine reads the raw layout), or None."""
     if engine != "sm90":
-        return f"in_place=True needs the sm90 engine (SM90 GPUs), which reads the raw layout; the {engine} engine reads its own"
+        return (f"in_place=True needs the sm90 engine (SM90 GPUs), which reads the raw layout; the {engine} engine "
+                "reads its own")
     for name, t in raw.items():
         if not t.is_contiguous() or t.data_ptr() % IN_PLACE_ALIGNMENT:
             return (f"in_place=True reads {name} as it is: it must be contiguous and {IN_PLACE_ALIGNMENT}-byte aligned, "
