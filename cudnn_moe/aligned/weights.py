@@ -87,6 +87,17 @@ def _in_place_problem(engine: str, raw: dict[str, torch.Tensor]) -> str | None:
     return None
 
 
+def _reads_in_place(in_place: bool | None, engine: str, raw: dict[str, torch.Tensor]) -> bool:
+    """Whether the prepared layer holds the raw tensors themselves: never for in_place=False; where the engine can
+    read them for None; for True where it can, else ValueError naming what prevents it."""
+    if in_place is False:
+        return False
+    problem = _in_place_problem(engine, raw)
+    if in_place and problem is not None:
+        raise ValueError(problem)
+    return problem is None
+
+
 def prepare_aligned_weights(
     gemm1_weights: torch.Tensor,
     gemm1_weights_scale: torch.Tensor,
@@ -140,12 +151,9 @@ def prepare_aligned_weights(
     shapes = (GemmShape(hidden, n, experts), GemmShape(inter, hidden, experts))
     spec = choose(Request(OP_ALIGNED, target, NVFP4, shapes, experts), engine).spec(target)
     raw = (w1, w1s, w2, w2s)
-    problem = _in_place_problem(spec.engine, dict(zip(("gemm1_weights", "gemm1_weights_scale", "gemm2_weights",
-                                                      "gemm2_weights_scale"), raw)))
-    if in_place and problem is not None:
-        raise ValueError(problem)
+    names = ("gemm1_weights", "gemm1_weights_scale", "gemm2_weights", "gemm2_weights_scale")
     # no alphas: every call brings its output scales, staged into the token bucket
-    if problem is None and in_place is not False:
+    if _reads_in_place(in_place, spec.engine, dict(zip(names, raw))):
         layer = Nvfp4Weights(
             w1.view(experts, -1), w1s.view(experts, -1), None, w2.view(experts, -1), w2s.view(experts, -1), None,
             spec, GATED.gated, hidden, inter, w1_alpha_split=inter, code=BlockCode.NVFP4_ROWS, w1_halves_swapped=True,

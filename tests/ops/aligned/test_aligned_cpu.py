@@ -504,7 +504,6 @@ PREPARE_ROWS = [
     ("no experts", lambda a: a.__setitem__(0, a[0][:0]), ValueError, "holds 0 experts"),
     ("w2 of another K", lambda a: a.__setitem__(2, a[2][:, :128]), ValueError, "gemm2_weights"),
     ("w2 scales of another N", lambda a: a.__setitem__(3, a[3][..., :4]), ValueError, "gemm2_weights_scale"),
-    ("in_place not a bool", lambda a: a.append("yes"), TypeError, "in_place must be None, True or False"),
 ]
 
 
@@ -514,7 +513,14 @@ def test_prepare_aligned_weights_refuses_bad_tensors(mutate, error, text: str) -
     raw = [layer.gemm1_weights, layer.gemm1_weights_scale, layer.gemm2_weights, layer.gemm2_weights_scale]
     mutate(raw)
     with pytest.raises(error, match=text):
-        prepare_aligned_weights(*raw[:4], arch="sm90", in_place=raw[4] if len(raw) > 4 else None)
+        prepare_aligned_weights(*raw, arch="sm90")
+
+
+def test_prepare_aligned_weights_refuses_an_in_place_that_is_no_bool() -> None:
+    layer = Layer(seed=12)
+    raw = [layer.gemm1_weights, layer.gemm1_weights_scale, layer.gemm2_weights, layer.gemm2_weights_scale]
+    with pytest.raises(TypeError, match="in_place must be None, True or False"):
+        prepare_aligned_weights(*raw, arch="sm90", in_place="yes")
 
 
 def test_prepare_aligned_weights_needs_an_arch_on_the_cpu() -> None:
