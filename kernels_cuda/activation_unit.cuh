@@ -220,20 +220,20 @@ __device__ __forceinline__ void store_unit_bf16(int layout, u8* out, i64 r, int 
 
 // Unit u of output row r (inter values per row, `rows` rows in the output) from the 32 BF16 values at src (up;
 // gate at src + gate_offset when gated): activation in FP32, then two requantized 16-value blocks stored by
-// store_unit, or with requantize == false bf16_rne(y) by store_unit_bf16; a padding row is stored as zeros (codes
+// store_unit (inter_code INTER_NVFP4), or with INTER_BF16 bf16_rne(y) by store_unit_bf16; a padding row is stored as zeros (codes
 // and scales 0).
 template <int ACT, bool GATED>
 __device__ __forceinline__ void activate_store_unit(const u16* src, int gate_offset, bool padding, i64 r, int u,
                                                     int inter, int rows, int act, float alpha, float beta, float limit,
-                                                    int layout, bool requantize, u8* out, u8* out_scales) {
+                                                    int layout, int inter_code, u8* out, u8* out_scales) {
   float v[32];
   u8 s0 = 0, s1 = 0;
   if (padding) {
 #pragma unroll
     for (int j = 0; j < 32; ++j) v[j] = 0.0f;
   } else {
-    activate_32<ACT, GATED>(src, gate_offset, 0, act, alpha, beta, limit, !requantize, v);
-    if (!requantize) {
+    activate_32<ACT, GATED>(src, gate_offset, 0, act, alpha, beta, limit, inter_code == INTER_BF16, v);
+    if (inter_code == INTER_BF16) {
       store_unit_bf16(layout, out, r, u, inter, rows, v);
       return;
     }
@@ -247,7 +247,7 @@ __device__ __forceinline__ void activate_store_unit(const u16* src, int gate_off
 // column order (scaled_unit_chunks or rounded_unit_chunks; zeros for a padding row), for a caller that places them.
 template <int ACT, bool GATED>
 __device__ __forceinline__ void activate_unit_chunks(const u16* src, int gate_offset, bool padding, int act,
-                                                     float alpha, float beta, float limit, bool requantize,
+                                                     float alpha, float beta, float limit, int inter_code,
                                                      uint4 chunk[4]) {
   if (padding) {
 #pragma unroll
@@ -255,8 +255,8 @@ __device__ __forceinline__ void activate_unit_chunks(const u16* src, int gate_of
     return;
   }
   float v[32];
-  activate_32<ACT, GATED>(src, gate_offset, 0, act, alpha, beta, limit, !requantize, v);
-  if (!requantize) {
+  activate_32<ACT, GATED>(src, gate_offset, 0, act, alpha, beta, limit, inter_code == INTER_BF16, v);
+  if (inter_code == INTER_BF16) {
     rounded_unit_chunks(v, chunk);
     return;
   }
@@ -277,7 +277,7 @@ __device__ __forceinline__ float preactivation(const float* src, int j) { return
 template <int ACT, bool GATED, typename Src>
 __device__ __forceinline__ void activate_store_unit_warp(const Src* src, int gate_offset, bool padding, i64 r,
                                                          int u, int inter, int rows, int act, float alpha, float beta,
-                                                         float limit, int layout, bool requantize, u16* out) {
+                                                         float limit, int layout, int inter_code, u16* out) {
   const int j = static_cast<int>(threadIdx.x & 31);
   const int kind = ACT >= 0 ? ACT : act;
   const float up = preactivation(src, j);
@@ -287,7 +287,7 @@ __device__ __forceinline__ void activate_store_unit_warp(const Src* src, int gat
 #pragma unroll
   for (int lanes = 1; lanes < 16; lanes <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, lanes));
   u16 bits = 0;
-  if (!padding && !requantize) {
+  if (!padding && inter_code == INTER_BF16) {
     bits = float_to_bf16(y);
   } else if (!padding) {
     const float sf = e4m3_to_float(block_scale_e4m3(amax));

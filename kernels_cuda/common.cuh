@@ -8,7 +8,8 @@
 #pragma once
 
 // Codes shared with Python arrive as -D options (cudnn_moe.kernels.codes.cuda_defines()).
-#if !defined(ACT_SWIGLU) || !defined(ROUTING_PACKED) || !defined(TOKENS_BF16_FRAGMENTS) || !defined(SORT_THREADS)
+#if !defined(ACT_SWIGLU) || !defined(ROUTING_PACKED) || !defined(TOKENS_BF16_FRAGMENTS) || \
+    !defined(INTER_NVFP4) || !defined(SORT_THREADS)
 #error "compile with the -D options of cudnn_moe.kernels.codes.cuda_defines()"
 #endif
 

@@ -33,7 +33,7 @@ from typing import Any, ClassVar, NamedTuple
 import torch
 
 from ..arch import Arch, arch_name
-from ..kernels.codes import TokenLayout
+from ..kernels.codes import IntermediateCode, TokenLayout
 
 PACK_CHUNK_BYTES = 1 << 28  # code bytes per chunk of GemmEngine.pack_weights_chunked
 
@@ -209,13 +209,14 @@ class RowGather:
 class ActivationEpilogue:
     """The activation stage folded into GEMM1's epilogue: instead of GEMM1's BF16 output, ``out`` (GEMM2's
     token operand) receives what the activation kernel (cudnn_moe.kernels.activate_quantize) would write
-    from it, bit for bit: the activation in FP32 of the BF16-rounded GEMM1 values, NVFP4-requantized (or
-    with ``requantize`` False rounded to BF16), padding rows (row_to_slot < 0) zero."""
+    from it, bit for bit: the activation in FP32 of the BF16-rounded GEMM1 values, made into ``intermediate``
+    (cudnn_moe.kernels.codes.IntermediateCode: NVFP4-requantized, or rounded to BF16), padding rows
+    (row_to_slot < 0) zero."""
 
     activation: Any  # a cudnn_moe.activations.Activation
     row_to_slot: torch.Tensor
     out: TokenOperand
-    requantize: bool = True
+    intermediate: IntermediateCode = IntermediateCode.NVFP4
 
 
 @dataclass(frozen=True)

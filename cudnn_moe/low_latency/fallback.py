@@ -3,9 +3,9 @@ same NVFP4 payloads, prepared beside the low-latency weights (``LowLatencyMoeCon
 tensors where they are stored in the engine's tiles (weights prepared for SM90), else a repacked copy.
 
 What runs a fallback call: the shared pipeline (cudnn_moe.pipeline.executor, the fused op's) on an engine whose
-grouped GEMMs read BF16 token fragments (the SM90 engine), with ``bf16_tokens`` for NVFP4 weight-only (the BF16
-tokens enter as they are) or the pair's NVFP4 tokens decoded exactly, and ``bf16_intermediate`` (the activation
-rounded to BF16, never requantized). That is the path the op takes for T <= 8 on SM90
+grouped GEMMs read BF16 token fragments (the SM90 engine), with BF16 tokens for NVFP4 weight-only (they enter as
+they are) or the pair's NVFP4 tokens decoded exactly, and a BF16 intermediate (the activation rounded to BF16, never
+requantized). That is the path the op takes for T <= 8 on SM90
 (cudnn_moe.low_latency.grouped), in larger token buckets: the low-latency contract's rounding points
 (cudnn_moe.low_latency.reference), only the FP32 summation order inside the GEMMs differs.
 

@@ -1,9 +1,9 @@
 """The low-latency op on a grouped-GEMM engine (on SM90 the SM90 engine's decode kernels: weights decoded
 exactly in registers, tokens on the narrow side of mma.sync, split-K) through the shared pipeline
 (cudnn_moe.pipeline.executor): stage, sort, permute, GEMM1, activation rounded to BF16
-(``bf16_intermediate``: never requantized), GEMM2, ordered FP32 combine.
+(IntermediateCode.BF16: never requantized), GEMM2, ordered FP32 combine.
 
-- NVFP4 weight-only with BF16 tokens: the tokens enter as they are (``bf16_tokens``);
+- NVFP4 weight-only with BF16 tokens: the tokens enter as they are (TokenCode.BF16);
 - MXFP4 weight-only with BF16 tokens, likewise, on the weights' exact shifted form in the engine's MXFP4 tiles
   (BlockCode.MXFP4: the same codes, each E8M0 block scale 2^j recoded as 2^(j - a), one byte per 32 values, and a
   global 2^a per expert: cudnn_moe.formats.mxfp4_as_nvfp4);
@@ -51,7 +51,9 @@ from ..engines.base import BlockCode, GemmEngine, LowLatencyCall
 from ..engines.registry import engine_for
 from ..pipeline.call_cache import tensor_signature
 from ..pipeline.executor import MoeExecutor
+from ..kernels.codes import IntermediateCode
 from ..pipeline.lifetime import cached
+from ..pipeline.tokens import TokenCode, token_code
 from ..weights.low_latency import (
     DenseWeights,
     Mxfp4WeightOnlyWeights,
@@ -130,11 +132,11 @@ def bf16_view(engine: type[GemmEngine], arch: Arch, weights: DenseWeights) -> Nv
     )
 
 
-def _executor(view: Nvfp4Weights, top_k: int, activation: Activation, bf16_tokens: bool,
+def _executor(view: Nvfp4Weights, top_k: int, activation: Activation, tokens: TokenCode,
               max_tokens: int) -> MoeExecutor:
-    return cached(view, ("low_latency", top_k, activation, bf16_tokens, max_tokens), lambda: MoeExecutor(
+    return cached(view, ("low_latency", top_k, activation, tokens, max_tokens), lambda: MoeExecutor(
         view, engine_for(view.spec, view.device), top_k=top_k, activation=activation, local_expert_start=0,
-        max_num_tokens=max_tokens, bf16_tokens=bf16_tokens, bf16_intermediate=True,
+        max_num_tokens=max_tokens, tokens=tokens, intermediate=IntermediateCode.BF16,
     ))
 
 
@@ -148,10 +150,9 @@ def run_on(view: Nvfp4Weights, call: LowLatencyCall, max_tokens: int) -> None:
     """``run`` on a given view (the low-latency path's, or the prepared fallback's) with token buckets up to
     ``max_tokens`` (the call's T <= max_tokens)."""
     x, x_scales, routing, out = call.x, call.x_scales, call.routing, call.out
-    bf16_tokens = x_scales is None
-    executor = _executor(view, routing.top_k, call.activation, bf16_tokens, max_tokens)
+    tokens = x if x_scales is None else Nvfp4Activations(x, x_scales)
+    executor = _executor(view, routing.top_k, call.activation, token_code(tokens), max_tokens)
     ids, route_weights, routing_format = routing.kernel_operands()
     signature = (tensor_signature(x), tensor_signature(x_scales), tensor_signature(ids),
                  tensor_signature(route_weights), routing_format, tensor_signature(out), x.shape[0])
-    tokens = x if bf16_tokens else Nvfp4Activations(x, x_scales)
     executor.run(tokens, routing, finalize=True, out=out, use_cuda_graph=True, signature=signature)

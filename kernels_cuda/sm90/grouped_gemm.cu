@@ -393,7 +393,7 @@ __device__ __forceinline__ int decode_feature(int f, int n) {
 // its partial sums meet in shared memory, summed over wk = 0..WK-1 in order.
 // With SM90_ACT (the decode chain): the C tile, rounded to BF16 as out would hold it, goes to the
 // activation epilogue instead of out: act_out (and act_scales) receive moe_activation's output for the
-// tile's rows, bit for bit, in act_layout (requantize as there; act_alpha / _beta / _limit the activation's
+// tile's rows, bit for bit, in act_layout (inter_code as there; act_alpha / _beta / _limit the activation's
 // parameters). Gated: the CTA's first WM / 2 warps compute up and the others the gate rows of DEC_FB / 2
 // outputs (grid x = n / DEC_FB blocks). row_to_slot int32 [row_capacity] marks padding rows (< 0). The
 // gather arguments must be 0 (the decode kernel reads its rows from x).
@@ -505,7 +505,7 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS DEC_MIN_BLOCKS)
                      const u16* __restrict__ x, const int* __restrict__ offsets, int num_experts, int n, int k,
                      int row_capacity, int alpha_split, u16* __restrict__ out, const int* __restrict__ row_to_slot,
                      int gather_top_k, int gather_tokens, float act_alpha, float act_beta, float act_limit,
-                     int act_layout, int requantize, u8* __restrict__ act_out, u8* __restrict__ act_scales,
+                     int act_layout, int inter_code, u8* __restrict__ act_out, u8* __restrict__ act_scales,
                      int w_half_swap, const int* __restrict__ slot_to_row, const float* __restrict__ route_weights, int top_k,
                      int tokens, u16* __restrict__ final_out, int* __restrict__ tickets DEC_ROUTE_PARAMS
                          DEC_EARLY_PARAMS DEC_HANDOFF_PARAMS) {
@@ -919,7 +919,7 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS DEC_MIN_BLOCKS)
       if (row >= tile.row_end) continue;  // warp-uniform
       moe::activate_store_unit_warp<SM90_ACT, DEC_PAIRED>(
           &c_tile[t][32 * (item % UNITS)], DEC_FB / 2, tile_slot[t] < 0, row, unit0 + item % UNITS,
-          inter, row_capacity, SM90_ACT, act_alpha, act_beta, act_limit, act_layout, requantize != 0,
+          inter, row_capacity, SM90_ACT, act_alpha, act_beta, act_limit, act_layout, inter_code,
           reinterpret_cast<u16*>(act_out));
     }
   }
@@ -932,7 +932,7 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS DEC_MIN_BLOCKS)
       if (row >= tile.row_end) continue;
       moe::activate_store_unit<SM90_ACT, DEC_PAIRED>(&c_tile[t][32 * unit], DEC_FB / 2, tile_slot[t] < 0,
                                                      row, unit0 + unit, inter, row_capacity, SM90_ACT, act_alpha,
-                                                     act_beta, act_limit, act_layout, requantize != 0, act_out,
+                                                     act_beta, act_limit, act_layout, inter_code, act_out,
                                                      act_scales);
     }
   }

@@ -17,7 +17,14 @@ import numpy as np
 import torch
 
 from ...kernels.activate import check_activation_output
-from ...kernels.codes import SM90_ROWS_STEP_K, SORT_MAX_EXPERTS, SORT_WARP_SLOTS, RoutingFormat, TokenLayout
+from ...kernels.codes import (
+    SM90_ROWS_STEP_K,
+    SORT_MAX_EXPERTS,
+    SORT_WARP_SLOTS,
+    IntermediateCode,
+    RoutingFormat,
+    TokenLayout,
+)
 from ...kernels.loader import ARCH_SPECIFIC, launch, ptr
 from ...kernels.sort import check_staged_sort
 from ...kernels.stage import routing_args
@@ -376,7 +383,7 @@ def grouped_gemm(
     w_tile_scales the BF16 scales per 32 k as bytes): out[r] = bf16(float32(alpha[e] * 256) * acc), acc the FP32
     sum over the k32 blocks b of fma(partial_b, scale_b, acc), partial_b the FP32 sum of the block's exact products
     int4 * x (pass alpha = 1/256 for the plain sum). With an epilogue it hands the activation float32(alpha * 256)
-    * acc unrounded (the MXINT4 preactivation) and needs a BF16 layout without requantize.
+    * acc unrounded (the MXINT4 preactivation) and needs a BF16 layout and a BF16 intermediate.
     BlockCode.MXFP4 (a DecodeVariant): W_e is MXFP4 in its exact shifted form in the SM90 MXFP4 tiles
     (layout.pack_mxfp4_weight_tiles: the NVFP4 tiles' codes, w_tile_scales uint8 [E, N*K/32] one byte per k32 block),
     alpha its globals 2^a: the products, sums and output of the NVFP4 tiles of that form (E4M3 scales 2^(j - a)).
@@ -394,8 +401,8 @@ def grouped_gemm(
         raise ValueError(f"swap_halves needs a DecodeVariant or WgmmaVariant, got {variant}")
     if code in (BlockCode.MXINT4, BlockCode.MXFP4) and not isinstance(variant, DecodeVariant):
         raise ValueError(f"{code.name} weights run on a DecodeVariant, got {variant}")
-    if mxint4 and epilogue is not None and (epilogue.requantize or not epilogue.out.layout.is_bf16):
-        raise ValueError("MXINT4 weights take an activation epilogue writing BF16 rows (no requantize) only")
+    if mxint4 and epilogue is not None and (epilogue.intermediate is not IntermediateCode.BF16 or not epilogue.out.layout.is_bf16):
+        raise ValueError("MXINT4 weights take an activation epilogue writing BF16 rows of a BF16 intermediate only")
     if gather is not None and not isinstance(variant, WgmmaVariant):
         raise ValueError(f"a gather needs a WgmmaVariant, got {variant}")
     if gather is not None and variant.token_layout is TokenLayout.BF16_TILED:
@@ -600,7 +607,7 @@ def _check_epilogue(epilogue: ActivationEpilogue, rows: int, n: int) -> dict[str
     activation, operand = epilogue.activation, epilogue.out
     inter = n // 2 if activation.gated else n
     check_activation_output(_tensor("epilogue.out", operand.data), operand.scales, operand.layout, rows, inter,
-                            epilogue.requantize)
+                            epilogue.intermediate)
     row_to_slot = _tensor("epilogue.row_to_slot", epilogue.row_to_slot)
     _check("epilogue.row_to_slot", row_to_slot, (torch.int32,), (rows,))
     named = {"epilogue.out": (operand.data, 16 if operand.layout.is_bf16 else 8),
@@ -732,5 +739,5 @@ def _fused_args(gather: RowGather | None, epilogue: ActivationEpilogue | None, s
     a, b, limit = epilogue.activation.params()
     out = epilogue.out
     scales = out.scales if not out.layout.is_bf16 else None
-    return (*head, np.float32(a), np.float32(b), np.float32(limit), np.int32(out.layout), np.int32(epilogue.requantize),
+    return (*head, np.float32(a), np.float32(b), np.float32(limit), np.int32(out.layout), np.int32(epilogue.intermediate),
             ptr(out.data, 16 if out.layout.is_bf16 else 8), ptr(scales))

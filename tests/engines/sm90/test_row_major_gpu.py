@@ -14,7 +14,7 @@ from cudnn_moe.engines.base import ActivationEpilogue, RowGather, TokenOperand
 from cudnn_moe.engines.sm90 import engine as sm90_engine
 from cudnn_moe.engines.sm90 import kernels as sm90
 from cudnn_moe.activations import SwiGLU
-from cudnn_moe.kernels import TokenLayout
+from cudnn_moe.kernels import IntermediateCode, TokenLayout
 from cudnn_moe.kernels.codes import SM90_ROWS_STEP_K
 from tests.engines.sm90.test_sm90_kernels_gpu import CASES, DEV, Problem, _lengths, check
 from tests.support.sm90_variants import DECODE_VARIANTS, WGMMA_VARIANTS
@@ -91,7 +91,7 @@ def test_row_major_swiglu_epilogue_reads_swapped_halves(variant: sm90.GemmVarian
 
     def launch(v: sm90.GemmVariant, codes: torch.Tensor, scales: torch.Tensor, swap: bool) -> torch.Tensor:
         out = epilogue_out()
-        epilogue = ActivationEpilogue(SwiGLU(), row_to_slot, out, False)
+        epilogue = ActivationEpilogue(SwiGLU(), row_to_slot, out, IntermediateCode.BF16)
         gather = None
         x = problem.x[v.token_layout]
         if isinstance(v, sm90.WgmmaVariant):
