@@ -1,5 +1,6 @@
 // Activation of the first GEMM's output, requantized to NVFP4 for the second GEMM (inter_code INTER_NVFP4), or
-// rounded to BF16 (INTER_BF16, the BF16 layouts only) for a second GEMM on BF16 tokens.
+// rounded to BF16 (INTER_BF16, the BF16 layouts only) for a second GEMM on BF16 tokens, or quantized to MXFP8 per 32
+// values and written as the BF16 values of its elements (INTER_MXFP8, the BF16 layouts only: the MX pair).
 #include "activation_unit.cuh"
 
 using namespace moe;
@@ -10,12 +11,12 @@ using namespace moe;
 // activation epilogue.
 
 // The units u = first, first + stride, ... < inter / 32 of row r.
-template <int ACT, bool GATED>
+template <int ACT, bool GATED, bool MX>
 __device__ __forceinline__ void activate_row(const u16* row, bool padding, i64 r, int first, int stride, int inter,
                                              int rows, int act, float alpha, float beta, float limit, int layout,
                                              int inter_code, u8* out, u8* out_scales) {
   for (int u = first; u < inter / 32; u += stride)
-    activate_store_unit<ACT, GATED>(row + 32 * u, inter, padding, r, u, inter, rows, act, alpha, beta, limit, layout,
+    activate_store_unit<ACT, GATED, MX>(row + 32 * u, inter, padding, r, u, inter, rows, act, alpha, beta, limit, layout,
                                     inter_code, out, out_scales);
 }
 
@@ -52,11 +53,15 @@ extern "C" __global__ void moe_activation(const u16* __restrict__ g1, const int*
   const u16* row = g1 + static_cast<i64>(r) * (gated ? 2 * inter : inter);
 // SwiGLU (the gated activation of the common MoE models) is compiled on its own; the other activations
 // share one body that switches on `act` (fewer instantiations, shorter NVRTC builds).
-#define MOE_ACTIVATE_ROW(ACT, GATED) \
-  activate_row<ACT, GATED>(row, padding, r, first, stride, inter, rows, act, alpha, beta, limit, layout, \
-                           inter_code, out, out_scales)
-  if (act == ACT_SWIGLU && gated) MOE_ACTIVATE_ROW(ACT_SWIGLU, true);
-  else if (gated) MOE_ACTIVATE_ROW(-1, true);
-  else MOE_ACTIVATE_ROW(-1, false);
+// The MXFP8 intermediate (the MX pair's) has forms of its own (activate_store_unit's MX).
+#define MOE_ACTIVATE_ROW(ACT, GATED, MX) \
+  activate_row<ACT, GATED, MX>(row, padding, r, first, stride, inter, rows, act, alpha, beta, limit, layout, \
+                               inter_code, out, out_scales)
+  if (inter_code == INTER_MXFP8) {
+    if (gated) MOE_ACTIVATE_ROW(-1, true, true);
+    else MOE_ACTIVATE_ROW(-1, false, true);
+  } else if (act == ACT_SWIGLU && gated) MOE_ACTIVATE_ROW(ACT_SWIGLU, true, false);
+  else if (gated) MOE_ACTIVATE_ROW(-1, true, false);
+  else MOE_ACTIVATE_ROW(-1, false, false);
 #undef MOE_ACTIVATE_ROW
 }

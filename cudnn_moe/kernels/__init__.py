@@ -36,7 +36,7 @@ def load_call_kernels(device: int) -> None:
     up a layer leaves nothing to build on its first call."""
     for source in (_STAGE_SOURCE, _FINALIZE_SOURCE):
         load_module(source, device)
-    for tokens in ("", "_tokens"):
+    for tokens in ("", "_tokens", "_mxfp8"):
         for form in ("", "_warp"):
             kernel_function(_PERMUTE_SOURCE, f"moe_stage_sort_permute_bf16{tokens}{form}", device)
 

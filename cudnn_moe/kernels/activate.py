@@ -16,13 +16,13 @@ def check_activation_output(out: torch.Tensor, out_scales: torch.Tensor | None, 
                             inter: int, intermediate: IntermediateCode) -> None:
     """Check the activation stage's output (ValueError): ``out`` holds ``rows`` rows of ``inter`` values in
     ``layout`` (bfloat16 [rows, inter], or NVFP4 codes uint8 [rows, inter / 2] with room for their scales in
-    ``out_scales``); IntermediateCode.BF16 only with a BF16 layout."""
+    ``out_scales``); IntermediateCode.BF16 and MXFP8 only with a BF16 layout."""
     if not isinstance(layout, TokenLayout):
         raise ValueError(f"activation: layout must be a TokenLayout, got {layout!r}")
     if not isinstance(intermediate, IntermediateCode):
         raise ValueError(f"activation: intermediate must be an IntermediateCode, got {intermediate!r}")
-    if intermediate is IntermediateCode.BF16 and not layout.is_bf16:
-        raise ValueError("activation: a BF16 intermediate writes a BF16 layout only")
+    if intermediate is not IntermediateCode.NVFP4 and not layout.is_bf16:
+        raise ValueError(f"activation: a {intermediate.name} intermediate writes a BF16 layout only")
     columns = inter if layout.is_bf16 else inter // 2
     if out.dim() != 2 or tuple(out.shape) != (rows, columns):
         raise ValueError(f"activation: out must be [{rows}, {columns}] for {rows} rows of {inter} values in "
@@ -51,7 +51,8 @@ def activate_quantize(
 ) -> None:
     """Activate GEMM1's output and requantize it to NVFP4 with global scale one (``intermediate``
     IntermediateCode.NVFP4), or round it to BF16 instead (IntermediateCode.BF16, BF16 layouts only) for a second
-    GEMM on BF16 tokens.
+    GEMM on BF16 tokens, or quantize it to MXFP8 per 32 values and hold its elements as BF16 values
+    (IntermediateCode.MXFP8, BF16 layouts only; its docstring states where they are exact).
 
     g1 bfloat16 [R, N1], the expert global already applied (N1 = 2I as [up | gate] when gated, else
     I; I % 64 == 0). Per 16-value block of y = activation(float(g1)) (FP32): s = e4m3(amax / 6),

@@ -59,10 +59,15 @@ class IntermediateCode(enum.IntEnum):
     BF16: rounded to BF16 (nearest even); BF16 token layouts only.
     NVFP4: requantized to NVFP4 per 16 values with global scale one (E4M3 scale e4m3(amax / 6), E2M1 codes); in the
     NVFP4 layouts its codes and scales, in the BF16 layouts their exact decoded values.
+    MXFP8: quantized to MXFP8 per 32 values (``cudnn_moe.formats.quantize_mxfp8``: E8M0 scale 2^clamp(floor(log2
+    amax) - 8, -127, 127), E4M3 elements), held as the BF16 values element x scale; BF16 layouts only. Those are exact
+    for every block whose amax is at least 2^-109 (its scale 2^-117 or more); below that an element under BF16's
+    normal range is rounded to nearest even (the MX pair on the SM90 engine).
     """
 
     BF16 = 0
     NVFP4 = 1
+    MXFP8 = 2
 
 
 class LowLatencyWeightCode(enum.IntEnum):

@@ -382,10 +382,15 @@ class LowLatencyMoeConfig:
             WeightFormat.MXFP4_WEIGHT_ONLY, Mxfp4WeightOnlyWeights, torch.float8_e8m0fnu,
             w1_codes, w1_scales, w2_codes, w2_scales, activation,
         )
+        return self.stored(replace(weights, nvfp4_shifts=self._mxfp4_shifts(weights)))
+
+    @staticmethod
+    def _mxfp4_shifts(weights: Mxfp4WeightOnlyWeights) -> tuple[torch.Tensor, torch.Tensor] | str:
+        """The shifts (w1, w2) of the exact shifted form of row-major MXFP4 weights (cudnn_moe.formats.mxfp4_as_nvfp4),
+        or why they have none. Reads the scales and codes (a device sync)."""
         shifts1 = nvfp4_shifts(weights.w1_codes, weights.w1_scales, "w1")
         shifts2 = nvfp4_shifts(weights.w2_codes, weights.w2_scales, "w2")
-        problem = next((s for s in (shifts1, shifts2) if isinstance(s, str)), None)
-        return self.stored(replace(weights, nvfp4_shifts=problem or (shifts1, shifts2)))
+        return next((s for s in (shifts1, shifts2) if isinstance(s, str)), None) or (shifts1, shifts2)
 
     def prepare_mxint4_weight_only_weights(
         self,
@@ -518,11 +523,12 @@ class LowLatencyMoeConfig:
             raise TypeError(f"w2 must have dtype {str(w1.dtype).replace('torch.', '')} like w1 (both MXFP4 or both "
                             f"MXFP8), got {str(w2.dtype).replace('torch.', '')}")
         fp4 = w1.dtype is torch.uint8
-        return self._prepare_block_scaled(
+        weights = self._prepare_block_scaled(
             WeightFormat.MXFP4_W_MXFP8_A if fp4 else WeightFormat.MXFP8_W_MXFP8_A,
             Mxfp4PairWeights if fp4 else Mxfp8PairWeights, (torch.float8_e8m0fnu, torch.uint8),
             w1, w1_scale, w2, w2_scale, activation, names=("w1", "w1_scale", "w2", "w2_scale"), refuse_nan=True,
         )
+        return replace(weights, nvfp4_shifts=self._mxfp4_shifts(weights)) if fp4 else weights
 
     def prepare_mxfp8_activations(self, hidden_states: torch.Tensor) -> Mxfp8Activations:
         """Quantize tokens x [T, H] (BF16; FP16 or FP32 also taken; T <= max_num_tokens, H % 128 == 0) to MXFP8 for

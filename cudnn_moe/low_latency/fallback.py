@@ -33,6 +33,7 @@ from ..fused.config import Nvfp4MoeConfig
 from ..kernels.codes import TokenLayout
 from ..weights.low_latency import (
     LowLatencyWeights,
+    Mxfp4PairWeights,
     Mxfp4WeightOnlyWeights,
     Mxint4WeightOnlyWeights,
     Nvfp4WeightOnlyWeights,
@@ -98,15 +99,16 @@ def tiled_view(
 def grouped_view(
     engine: type[GemmEngine], arch: Arch, weights: Nvfp4WeightOnlyWeights | Mxfp4WeightOnlyWeights
 ) -> Nvfp4Weights:
-    """The ``engine`` view on ``arch`` of NVFP4 low-latency weights, or of MXFP4 weight-only weights in their exact
-    shifted form: w1 [E, N1p, H] in the engine's layout with the w1 global as alpha, w2 [E, H, Ip] likewise;
-    intermediate size Ip. Tiled weights in the engine's layout give their own tensors (``tiled_view``), others a
-    repacked copy (MXFP4: its tiles, ``to_tiles``)."""
+    """The ``engine`` view on ``arch`` of NVFP4 low-latency weights, or of MXFP4 weights (weight-only, or the MXFP4
+    pair's) in their exact shifted form: w1 [E, N1p, H] in the engine's layout with the w1 global as alpha, w2
+    [E, H, Ip] likewise; intermediate size Ip. Tiled weights in the engine's layout give their own tensors
+    (``tiled_view``), others a repacked copy (MXFP4: its tiles, ``to_tiles`` / ``Mxfp4PairWeights.shifted_tiles``)."""
     view = tiled_view(engine, arch, weights)
     if view is not None:
         return view
     if isinstance(weights, Mxfp4WeightOnlyWeights):
-        view = tiled_view(engine, arch, weights.to_tiles())
+        tiles = weights.shifted_tiles() if isinstance(weights, Mxfp4PairWeights) else weights.to_tiles()
+        view = tiled_view(engine, arch, tiles)
         if view is None:
             raise ValueError(f"the {engine.name} engine on {arch_name(arch)} reads no MXFP4 tiles")
         return view

@@ -62,6 +62,7 @@ from ..engines.base import (
 )
 from ..kernels.codes import IntermediateCode
 from ..routing import Routing
+from ..weights.low_latency import Mxfp8Activations
 from ..weights.nvfp4 import Nvfp4Activations, Nvfp4Weights
 from .lifetime import defer, release_deferred
 from .order import StreamOrder
@@ -123,10 +124,15 @@ class Bucket:
         self.fusion = engine.gemm1_fusion(rows, shape1, executor.activation)
         if w.code is BlockCode.MXINT4 and not self.fusion.epilogue:  # its FP32 preactivation lives in the epilogue
             self.fusion = self.fusion._replace(epilogue=True)
+        if self.fusion.gather and executor.tokens is TokenCode.MXFP8:
+            raise ValueError(f"MXFP8 tokens are decoded by the sort + permute launch, which this bucket of {tokens} "
+                             f"tokens does not run ({engine.name} gathers its GEMM1 rows)")
         decoded = self.fusion.gather and executor.tokens is TokenCode.NVFP4
         staged = 0 if decoded else tokens
         if executor.tokens is TokenCode.BF16:  # BF16 tokens [B, H]; no scales
             self.x, self.x_scales = empty(tokens, hidden, dtype=torch.bfloat16), empty(tokens, 0)
+        elif executor.tokens is TokenCode.MXFP8:  # E4M3 codes [B, H], E8M0 scales [B, H/32]
+            self.x, self.x_scales = empty(tokens, hidden, dtype=torch.float8_e4m3fn), empty(tokens, hidden // 32)
         else:  # NVFP4 tokens: codes [B, H/2], E4M3 scales [B, H/16]
             self.x, self.x_scales = empty(staged, hidden // 2), empty(staged, hidden // 16)
         # bfloat16 [B, H]: the NVFP4 tokens decoded by the stage (None: the stage writes x and x_scales)
@@ -196,6 +202,10 @@ class MoeExecutor:
                 not engine.token_layout.is_bf16):
             raise ValueError(f"{tokens.name} tokens with a {intermediate.name} intermediate need an engine reading BF16 "
                              f"token rows, not the {engine.name} engine")
+        if tokens is TokenCode.MXFP8 and max_num_tokens * top_k > kernels.SORT_PERMUTE_MAX_SLOTS:
+            raise ValueError(f"MXFP8 tokens are decoded by the sort + permute launch, of at most "
+                             f"{kernels.SORT_PERMUTE_MAX_SLOTS} slots; max_num_tokens={max_num_tokens} x top_k={top_k} "
+                             f"is more")
         if weights.code is BlockCode.MXINT4 and intermediate is not IntermediateCode.BF16:
             raise ValueError("MXINT4 weights need a BF16 intermediate: their GEMM1 epilogue writes BF16 rows only")
         self.tokens, self.intermediate = tokens, intermediate
@@ -249,6 +259,10 @@ class MoeExecutor:
         dev, hidden = w.device, w.hidden_size
         if self.tokens is TokenCode.BF16:
             tokens: Tokens = torch.zeros(t, hidden, dtype=torch.bfloat16, device=dev)
+        elif self.tokens is TokenCode.MXFP8:
+            tokens = Mxfp8Activations(torch.zeros(t, hidden, dtype=torch.uint8, device=dev).view(torch.float8_e4m3fn),
+                                      torch.zeros(t, hidden // 32, dtype=torch.uint8, device=dev).view(
+                                          torch.float8_e8m0fnu))
         else:
             tokens = Nvfp4Activations(torch.zeros(t, hidden // 2, dtype=torch.uint8, device=dev),
                                       torch.zeros(t, hidden // 16, dtype=torch.float8_e4m3fn, device=dev))
@@ -368,8 +382,8 @@ class MoeExecutor:
 
     def stage(self, bucket: Bucket, activations: Tokens, routing: Routing) -> None:
         """The op's stage launch: the caller's tokens and routing into ``bucket``. NVFP4 tokens are copied, or decoded
-        into its x_rows where its GEMM1 gathers them (Bucket.x_rows); BF16 tokens [T, H] are copied as bytes, with an
-        empty scale row."""
+        into its x_rows where its GEMM1 gathers them (Bucket.x_rows); MXFP8 tokens are copied; BF16 tokens [T, H] are
+        copied as bytes, with an empty scale row."""
         ids, route_weights, routing_format = routing.kernel_operands()
         codes, scales = token_operands(activations)
         if scales is None:
@@ -486,6 +500,8 @@ class _BucketStages(LayerStages):
         """The bucket's tokens into GEMM1's rows, in the engine's token layout."""
         x, b = self.x, self.b
         slots, g1 = b.tokens * x.top_k, b.gemm1
+        if x.tokens is TokenCode.MXFP8:  # MoeExecutor.__init__ keeps their buckets to the sort + permute launch
+            raise ValueError("MXFP8 tokens are decoded by the sort + permute launch only")
         if x.tokens is TokenCode.BF16:
             return Stage("permute", lambda: kernels.permute_bf16_tokens(b.x, b.slot_to_row, slots, x.top_k,
                                                                         g1.tokens.data, g1.tokens.layout))
@@ -526,7 +542,7 @@ class _BucketStages(LayerStages):
 
     def gemm1_routed(self) -> Stage | None:
         x, b, caller = self.x, self.b, self.caller
-        if caller is None or b.tokens != 1 or x.top_k > kernels.SORT_WARP_SLOTS:
+        if caller is None or b.tokens != 1 or x.top_k > kernels.SORT_WARP_SLOTS or x.tokens is TokenCode.MXFP8:
             return None
         tokens, token_scales = caller.token_operands()
         if tokens.data_ptr() % 16:

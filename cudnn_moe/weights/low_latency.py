@@ -28,7 +28,7 @@ row-major layer, where a repacked copy took 9/16. Layers without that form stay 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
@@ -229,9 +229,10 @@ class BlockScaledWeights(LowLatencyWeights):
 class Mxfp4WeightOnlyWeights(BlockScaledWeights):
     """MXFP4 weight-only: E2M1 codes, float8_e8m0fnu scales per 32 K values (value = e2m1 * 2^(byte - 127)).
 
-    nvfp4_shifts: decided at preparation (``prepare_mxfp4_weight_only_weights``): the shifts (w1, w2), int32 [E]
-        each, of the exact shifted form these weights take on the SM90 kernels (cudnn_moe.formats.mxfp4_as_nvfp4), or
-        why they have none (a str); None where nobody asked (the MX pair's weights).
+    nvfp4_shifts: decided at preparation (``prepare_mxfp4_weight_only_weights``, and ``prepare_weights`` for the
+        MXFP4 pair): the shifts (w1, w2), int32 [E] each, of the exact shifted form these weights take on the SM90
+        kernels (cudnn_moe.formats.mxfp4_as_nvfp4), or why they have none (a str); None where nobody asked (weights
+        built by hand).
     tile_form: None, or where ``tiled`` the rest of that form, which both engines run the tiled codes with: (w1 scale
         tiles uint8 [E, N1p, H/32] (cudnn_moe.engines.sm90.layout, MXFP4 tiles), w1 global float32 [E], w2 scale tiles
         [E, H, Ip/32], w2 global [E]). The E8M0 scales stay row-major: ``canonical()`` gives them as the caller passed
@@ -287,7 +288,15 @@ class Mxfp4WeightOnlyWeights(BlockScaledWeights):
 @dataclass(frozen=True, eq=False)
 class Mxfp4PairWeights(Mxfp4WeightOnlyWeights):
     """MXFP4 weights for MXFP8 activations (``LowLatencyMoeConfig.prepare_weights``): the tensors of
-    Mxfp4WeightOnlyWeights (E2M1 codes, float8_e8m0fnu scales per 32 K values, I padded to 128)."""
+    Mxfp4WeightOnlyWeights (E2M1 codes, float8_e8m0fnu scales per 32 K values, I padded to 128), row-major (the
+    CUDA-core and ll_mma kernels read them so), with the shifts of their exact shifted form decided at preparation
+    (``nvfp4_shifts``)."""
+
+    def shifted_tiles(self) -> Mxfp4WeightOnlyWeights:
+        """The SM90 engine's form of these weights: the weight-only record of their codes in the MXFP4 tiles of their
+        exact shifted form (new tensors: ``to_tiles``). ValueError where they have none (``nvfp4_problem``)."""
+        payloads = {f.name: getattr(self, f.name) for f in fields(self)}
+        return Mxfp4WeightOnlyWeights(**{**payloads, "format": WeightFormat.MXFP4_WEIGHT_ONLY}).to_tiles()
 
 
 @dataclass(frozen=True, eq=False)

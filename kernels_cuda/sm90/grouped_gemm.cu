@@ -25,7 +25,11 @@ using namespace sm90;
 
 // The activation stage folded into the decode kernel's epilogue (the SM90 decode chain): SM90_ACT, an ACT_*
 // code, and SM90_ACT_GATED (0 or 1) compiled in, as in wgmma_gemm.cu; without SM90_ACT the kernels write
-// their BF16 output.
+// their BF16 output. SM90_ACT_MXFP8=1: the epilogue quantizes to MXFP8 (the MX pair's intermediate, inter_code
+// INTER_MXFP8, BF16 layouts only), compiled into those forms alone.
+#ifndef SM90_ACT_MXFP8
+#define SM90_ACT_MXFP8 0
+#endif
 #ifdef SM90_ACT
 #ifndef SM90_ACT_GATED
 #error "SM90_ACT needs SM90_ACT_GATED"
@@ -917,7 +921,7 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS DEC_MIN_BLOCKS)
       const int t = item / UNITS;
       const int row = tile.row0 + t;
       if (row >= tile.row_end) continue;  // warp-uniform
-      moe::activate_store_unit_warp<SM90_ACT, DEC_PAIRED>(
+      moe::activate_store_unit_warp<SM90_ACT, DEC_PAIRED, SM90_ACT_MXFP8 != 0>(
           &c_tile[t][32 * (item % UNITS)], DEC_FB / 2, tile_slot[t] < 0, row, unit0 + item % UNITS,
           inter, row_capacity, SM90_ACT, act_alpha, act_beta, act_limit, act_layout, inter_code,
           reinterpret_cast<u16*>(act_out));

@@ -211,13 +211,19 @@ _WEIGHT_ONLY = frozenset(f.value for f in (WeightFormat.NVFP4_WEIGHT_ONLY, Weigh
 # (benchmarks/RESULTS.md, twenty-fourth session): best or within 4% of the best of 14 forms at Qwen3-30B-A3B and
 # DeepSeek-V3 T=1 and 8, e.g. DeepSeek-V3 T=8 GEMM1 899 us (3.9 TB/s) against 1067 with two m16 blocks and two steps.
 _BF16_TOKENS = _WEIGHT_ONLY | {WeightFormat.BF16.value}
+# The MXFP4 weight + MXFP8 activation pair: the weight-only MXFP4 tiles of its exact shifted form (a copy the view makes
+# on first use: the pair's own tensors stay row-major for the CUDA-core and ll_mma kernels), its MXFP8 tokens decoded
+# exactly to BF16 by the sort + permute and its intermediate quantized to MXFP8 per 32 values in the activation
+# (IntermediateCode.MXFP8), both held as BF16 values, exact for block scales 2^-117 .. 2^119.
+_MX_PAIR = WeightFormat.MXFP4_W_MXFP8_A.value
+_MXFP4_FORMS = frozenset({WeightFormat.MXFP4_WEIGHT_ONLY.value, _MX_PAIR})
 _BF16 = DecodeVariant(mt=1, wm=4, wk=1, nt=1, prefetch=4, bf16_weights=True)
 
 
 class Sm90GemmEngine(GemmEngine):
     """NVFP4 x NVFP4 grouped GEMMs with our own kernels on Hopper: the fused and aligned ops, and the
-    low-latency op's 4-bit formats (finalized, BF16 out; NVFP4, MXFP4 or MXINT4 weight-only with BF16 tokens, or
-    the NVFP4 pair), measured 1.3-3x faster than the CUDA-core kernels from two tokens on (at one token
+    low-latency op's 4-bit formats (finalized, BF16 out; NVFP4, MXFP4 or MXINT4 weight-only with BF16 tokens, the
+    NVFP4 pair, or the MXFP4 pair with MXFP8 tokens: not yet run on a GPU), measured 1.3-3x faster than the CUDA-core kernels from two tokens on (at one token
     1.9x faster on DeepSeek-V3, up to 10% slower on Qwen3-30B-A3B), so it takes every T; and its BF16 layers
     (BF16 tokens, finalized, BF16 out; the decode kernel's BF16 form), 1.17-1.43x faster than the CUDA cores on
     the H200 at T = 1 and 8 (benchmarks/RESULTS.md)."""
@@ -226,7 +232,7 @@ class Sm90GemmEngine(GemmEngine):
     services = (
         Service(OP_FUSED, frozenset({NVFP4}), frozenset({SM90})),
         Service(OP_ALIGNED, frozenset({NVFP4}), frozenset({SM90})),
-        Service(OP_LOW_LATENCY, _BF16_TOKENS | {WeightFormat.NVFP4_W_NVFP4_A.value},
+        Service(OP_LOW_LATENCY, _BF16_TOKENS | {WeightFormat.NVFP4_W_NVFP4_A.value, _MX_PAIR},
                 frozenset({SM90}), max_tokens=LOW_LATENCY_MAX_TOKENS),
     )
 
@@ -251,7 +257,7 @@ class Sm90GemmEngine(GemmEngine):
         bf16_tokens = request.weight_format in _BF16_TOKENS
         if bf16_tokens and request.token_dtype is not None and request.token_dtype != torch.bfloat16:
             return Support(False, "the sm90 engine takes BF16 tokens for BF16 and 4-bit weight-only layers")
-        if request.weight_format == WeightFormat.MXFP4_WEIGHT_ONLY.value and request.nvfp4_problem is not None:
+        if request.weight_format in _MXFP4_FORMS and request.nvfp4_problem is not None:
             return Support(False, f"the sm90 engine runs MXFP4 weights in their exact shifted form, which these lack: "
                                   f"{request.nvfp4_problem}")
         return Support(True)

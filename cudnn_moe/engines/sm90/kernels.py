@@ -401,7 +401,11 @@ def grouped_gemm(
         raise ValueError(f"swap_halves needs a DecodeVariant or WgmmaVariant, got {variant}")
     if code in (BlockCode.MXINT4, BlockCode.MXFP4) and not isinstance(variant, DecodeVariant):
         raise ValueError(f"{code.name} weights run on a DecodeVariant, got {variant}")
-    if mxint4 and epilogue is not None and (epilogue.intermediate is not IntermediateCode.BF16 or not epilogue.out.layout.is_bf16):
+    intermediate = None if epilogue is None else epilogue.intermediate
+    if intermediate is IntermediateCode.MXFP8 and not isinstance(variant, DecodeVariant):
+        raise ValueError(f"an MXFP8 intermediate (the MX pair's) is written by the decode kernel's epilogue only, not "
+                         f"by {variant}")
+    if mxint4 and epilogue is not None and (intermediate is not IntermediateCode.BF16 or not epilogue.out.layout.is_bf16):
         raise ValueError("MXINT4 weights take an activation epilogue writing BF16 rows of a BF16 intermediate only")
     if gather is not None and not isinstance(variant, WgmmaVariant):
         raise ValueError(f"a gather needs a WgmmaVariant, got {variant}")
@@ -539,6 +543,8 @@ def grouped_gemm(
             options += ("-DSM90_FINALIZE=1",)
         if mxint4:
             options += ("-DSM90_W_INT4=1",)
+        if intermediate is IntermediateCode.MXFP8:
+            options += ("-DSM90_ACT_MXFP8=1",)
         if code is BlockCode.MXFP4:
             options += ("-DSM90_W_MXFP4=1",)
         if route is not None:
@@ -646,6 +652,8 @@ def _check_route(route: RoutePrologue, k: int, experts: int) -> int:
     capacity)."""
     if not isinstance(route.local_start, int) or not isinstance(route.align, int):
         raise ValueError(f"route.local_start and route.align must be ints, got {route.local_start!r}, {route.align!r}")
+    if route.tokens.dtype == torch.float8_e4m3fn:
+        raise ValueError("a route stages BF16 or NVFP4 tokens, not MXFP8 ones (their sort + permute decodes them)")
     _, slots, _ = check_staged_sort("route", route.tokens, route.token_scales, route.ids, route.weights,
                                     route.routing_format, route.ids_out, route.w_out, experts, route.align,
                                     route.sorted)

@@ -165,15 +165,16 @@ def test_variant_compiles(variant: Any) -> None:
         assert not re.search(r"\b[1-9]\d* bytes smem", report), report
 
 
-# The decode module's option of each tile code but NVFP4's.
-CODE_OPTIONS = {"mxint4": ("-DSM90_W_INT4=1",), "mxfp4": ("-DSM90_W_MXFP4=1",)}
+# The decode module's option of each tile code but NVFP4's ("mxfp4-pair": the MXFP4 tiles of the MXFP4 pair, whose
+# epilogue quantizes to MXFP8).
+CODE_OPTIONS = {"mxint4": ("-DSM90_W_INT4=1",), "mxfp4": ("-DSM90_W_MXFP4=1",), "mxfp4-pair": ("-DSM90_W_MXFP4=1",)}
 
 
 def coded_options(variant: Any, form: str, code: str) -> tuple[str, ...]:
     """The decode module's options for MXINT4 or MXFP4 weights (``code``): plain (GEMM2), with the finalize, waiting for
-    GEMM1's tiles (a handoff), or with the SwiGLU epilogue (GEMM1; MXINT4: FP32 preactivations) and its handoff
-    signal."""
-    swiglu = sm90.epilogue_options(SwiGLU())
+    GEMM1's tiles (a handoff), or with the SwiGLU epilogue (GEMM1; MXINT4: FP32 preactivations; the MXFP4 pair: an
+    MXFP8 intermediate) and its handoff signal."""
+    swiglu = (*sm90.epilogue_options(SwiGLU()), *(("-DSM90_ACT_MXFP8=1",) if code == "mxfp4-pair" else ()))
     extra = {"plain": (), "finalize": ("-DSM90_FINALIZE=1",), "await": ("-DSM90_AWAIT=1", "-DSM90_FINALIZE=1"),
              "swiglu": swiglu, "signal": (*swiglu, "-DSM90_SIGNAL=1")}[form]
     return (*variant.options(), *CODE_OPTIONS[code], *extra)
@@ -197,7 +198,7 @@ _CODED_FORMS = ("plain", "finalize", "await", "swiglu", "signal")
 def test_coded_decode_compiles(variant: Any, form: str, code: str, arch: str) -> None:
     """The decode kernel with MXINT4 or MXFP4 weights builds in every form the low-latency chain uses, within 128
     registers a thread (512 threads an SM, as the NVFP4 forms); MXINT4 spills at most 8 bytes, MXFP4 (whose ring holds
-    fewer scale bytes than NVFP4's) none."""
+    fewer scale bytes than NVFP4's) none, with the MXFP8 epilogue of the MXFP4 pair too."""
     result = _nvcc(SM90_DIR / "grouped_gemm.cu", arch, coded_options(variant, form, code))
     assert result.returncode == 0, result.stderr
     report = result.stderr.split(f"Compiling entry function '{variant.kernel}'")[1].split("Compiling entry")[0]
@@ -925,6 +926,7 @@ def test_variant_macros_match_the_source() -> None:
     p = sm90.PrefillVariant()
     assert defaults == {"SM90_MT": str(d.mt), "SM90_WM": str(d.wm), "SM90_WK": str(d.wk), "SM90_NT": str(d.nt),
                         "SM90_PREFETCH": str(d.prefetch), "SM90_W_INT4": "0", "SM90_W_MXFP4": "0", "SM90_W_BF16": str(int(d.bf16_weights)),
+                        "SM90_ACT_MXFP8": "0",
                         "SM90_W_ROWS": str(int(d.row_major)),
                         "SM90_PF_STAGES": str(p.stages),
                         "SM90_PF_MIN_BLOCKS": str(p.min_blocks), "SM90_PF_STMATRIX": str(int(p.stmatrix)),
