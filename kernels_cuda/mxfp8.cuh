@@ -1,7 +1,7 @@
 // E4M3 rounding and encoding, E8M0 scales and MXFP8 block quantization (cudnn_moe.formats.quantize_mxfp8), shared by
 // the low-latency kernels (their FP8 and MX intermediates, low_latency/decode.cuh) and the SM90 decode chain of the
-// MX pair (its MXFP8 tokens and intermediate as BF16 values: activation_unit.cuh, permute.cu). Plain FP32 and integer
-// arithmetic, the same on every arch and on the host (the CPU tests build it there).
+// MX pair (its MXFP8 tokens and intermediate as BF16 values: activation_unit.cuh, permute.cu, sm90/grouped_gemm.cu).
+// Plain FP32 and integer arithmetic, the same on every arch and on the host (the CPU tests build it there).
 #pragma once
 
 #include "common.cuh"
@@ -66,5 +66,43 @@ __device__ __forceinline__ u32 mx_e4m3_code(float v, u32 b) { return e4m3_code(m
 // 2^119 below BF16's largest); quantize_mxfp8 gives b <= 246 for any finite input and b >= 10 for blocks whose amax
 // is at least 2^-109. NaN (r NaN, or b = 255) stays NaN.
 __device__ __forceinline__ u16 mx_value_bf16(float r, u32 b) { return float_to_bf16(r * e8m0_to_float(b)); }
+
+// ---------------------------------------------------------------------------
+// MXFP8 tokens as BF16 token units (32 columns), for the sort + permute (permute.cu) and the routed GEMM1's staged
+// token row (sm90/grouped_gemm.cu)
+// ---------------------------------------------------------------------------
+
+// The 32 E4M3 code bytes (column order) and the E8M0 scale byte of an MXFP8 token unit.
+struct Mxfp8Unit {
+  uint4 codes[2];
+  u8 scale;
+};
+
+// Unit u of MXFP8 token t: codes xs [., H] (16-byte aligned rows), scales xss [., H/32].
+__device__ __forceinline__ Mxfp8Unit fetch_mxfp8_unit(const u8* __restrict__ xs, const u8* __restrict__ xss, int hidden,
+                                                      i64 t, int u) {
+  const uint4* codes = reinterpret_cast<const uint4*>(xs + t * hidden + 32 * u);
+  return Mxfp8Unit{{codes[0], codes[1]}, xss[t * (hidden / 32) + u]};
+}
+
+// A unit's four BF16 fragment-order pieces (bf16_unit_pieces' order): element j is mx_value_bf16(e4m3 code j,
+// scale), the element's value, exact for scale bytes 10..246.
+__device__ __forceinline__ void expand_mxfp8_unit(const Mxfp8Unit& raw, uint4 piece[4]) {
+  const u32 words[8] = {raw.codes[0].x, raw.codes[0].y, raw.codes[0].z, raw.codes[0].w,
+                        raw.codes[1].x, raw.codes[1].y, raw.codes[1].z, raw.codes[1].w};
+  u32 pairs[16];
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    const u32 word = words[i >> 1] >> (16 * (i & 1));
+    const u16 lo = mx_value_bf16(e4m3_to_float(static_cast<u8>(word & 0xFFu)), raw.scale);
+    const u16 hi = mx_value_bf16(e4m3_to_float(static_cast<u8>((word >> 8) & 0xFFu)), raw.scale);
+    pairs[i] = static_cast<u32>(lo) | (static_cast<u32>(hi) << 16);
+  }
+  const uint4 chunk[4] = {make_uint4(pairs[0], pairs[1], pairs[2], pairs[3]),
+                          make_uint4(pairs[4], pairs[5], pairs[6], pairs[7]),
+                          make_uint4(pairs[8], pairs[9], pairs[10], pairs[11]),
+                          make_uint4(pairs[12], pairs[13], pairs[14], pairs[15])};
+  bf16_unit_pieces(chunk, piece);
+}
 
 }  // namespace moe

@@ -201,39 +201,6 @@ extern "C" __global__ void __launch_bounds__(SORT_THREADS)
       expand_bf16_unit);
 }
 
-// The 32 E4M3 code bytes (column order) and the E8M0 scale byte of an MXFP8 token unit.
-struct Mxfp8Unit {
-  uint4 codes[2];
-  u8 scale;
-};
-
-// Unit u of MXFP8 token t: codes xs [., H] (16-byte aligned rows), scales xss [., H/32].
-__device__ __forceinline__ Mxfp8Unit fetch_mxfp8_unit(const u8* __restrict__ xs, const u8* __restrict__ xss, int hidden,
-                                                      i64 t, int u) {
-  const uint4* codes = reinterpret_cast<const uint4*>(xs + t * hidden + 32 * u);
-  return Mxfp8Unit{{codes[0], codes[1]}, xss[t * (hidden / 32) + u]};
-}
-
-// A unit's four BF16 fragment-order pieces: element j is mx_value_bf16(e4m3 code j, scale), the element's value,
-// exact for scale bytes 10..246 (mxfp8.cuh).
-__device__ __forceinline__ void expand_mxfp8_unit(const Mxfp8Unit& raw, uint4 piece[4]) {
-  const u32 words[8] = {raw.codes[0].x, raw.codes[0].y, raw.codes[0].z, raw.codes[0].w,
-                        raw.codes[1].x, raw.codes[1].y, raw.codes[1].z, raw.codes[1].w};
-  u32 pairs[16];
-#pragma unroll
-  for (int i = 0; i < 16; ++i) {
-    const u32 word = words[i >> 1] >> (16 * (i & 1));
-    const u16 lo = mx_value_bf16(e4m3_to_float(static_cast<u8>(word & 0xFFu)), raw.scale);
-    const u16 hi = mx_value_bf16(e4m3_to_float(static_cast<u8>((word >> 8) & 0xFFu)), raw.scale);
-    pairs[i] = static_cast<u32>(lo) | (static_cast<u32>(hi) << 16);
-  }
-  const uint4 chunk[4] = {make_uint4(pairs[0], pairs[1], pairs[2], pairs[3]),
-                          make_uint4(pairs[4], pairs[5], pairs[6], pairs[7]),
-                          make_uint4(pairs[8], pairs[9], pairs[10], pairs[11]),
-                          make_uint4(pairs[12], pairs[13], pairs[14], pairs[15])};
-  bf16_unit_pieces(chunk, piece);
-}
-
 // MXFP8 tokens (codes xs [B, H], 16-byte aligned; E8M0 scales xss [B, H/32]), as their BF16 values.
 extern "C" __global__ void __launch_bounds__(SORT_THREADS)
     moe_sort_permute_bf16_mxfp8(const int* __restrict__ ids, int num_slots, int top_k, int local_start,

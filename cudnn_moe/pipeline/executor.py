@@ -542,7 +542,7 @@ class _BucketStages(LayerStages):
 
     def gemm1_routed(self) -> Stage | None:
         x, b, caller = self.x, self.b, self.caller
-        if caller is None or b.tokens != 1 or x.top_k > kernels.SORT_WARP_SLOTS or x.tokens is TokenCode.MXFP8:
+        if caller is None or b.tokens != 1 or x.top_k > kernels.SORT_WARP_SLOTS:
             return None
         tokens, token_scales = caller.token_operands()
         if tokens.data_ptr() % 16:

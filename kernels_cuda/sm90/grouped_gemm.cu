@@ -18,6 +18,7 @@
 #include "common.cuh"
 #include "activation_unit.cuh"
 #include "finalize.cuh"
+#include "mxfp8.cuh"
 #include "sm90/fragments.cuh"
 #include "sort.cuh"
 
@@ -48,7 +49,8 @@ using namespace sm90;
 #define DEC_FINALIZE false
 #endif
 // The op's stage and the routing sort folded into GEMM1's prologue (a decode chain of one-token buckets:
-// SM90_ROUTE 1 for BF16 tokens, 2 for NVFP4 tokens; with SM90_ACT): every CTA decodes the caller's routing, sorts
+// SM90_ROUTE 1 for BF16 tokens, 2 for NVFP4 tokens, 3 for MXFP8 ones; with SM90_ACT): every CTA decodes the caller's
+// routing, sorts
 // its slots in one warp (sort_slots_warp, into shared memory) and stages the token row in fragment order in dynamic
 // shared memory (k BF16 values); CTA (0, 0) also writes the sort's outputs and the decoded routing for GEMM2 and the
 // finalize. The MMA's token operand then comes from shared memory: every row of a one-token bucket is that token.
@@ -336,14 +338,15 @@ __device__ __forceinline__ uint4 load_token_piece(const u8* p) {
 }
 
 #ifdef SM90_ROUTE
-// When the token row is staged: NVFP4 tokens first of all (fetched and decoded before the routing is read), BF16 tokens
-// after the ring's first weight loads are issued (a copy, whose load then overlaps theirs). Measured on the H200 at one
-// token (fused_moe, NVFP4 tokens): Qwen3-30B-A3B 23.9-24.2 us staging first, 26.6-26.9 staging after the weights.
-#define ROUTE_STAGE_FIRST (SM90_ROUTE == 2)
+// When the token row is staged: NVFP4 and MXFP8 tokens first of all (fetched and decoded before the routing is read),
+// BF16 tokens after the ring's first weight loads are issued (a copy, whose load then overlaps theirs). Measured on the
+// H200 at one token (fused_moe, NVFP4 tokens): Qwen3-30B-A3B 23.9-24.2 us staging first, 26.6-26.9 staging after the
+// weights; MXFP8 tokens follow NVFP4's (not measured).
+#define ROUTE_STAGE_FIRST (SM90_ROUTE >= 2)
 
-// Units [0, units) of the routed call's token row (NVFP4 codes and scales decoded exactly: decode_token_words, or BF16
-// values) into `row` in fragment order (shared memory). BF16 units one at a time (staged while the weight ring's
-// loads are live: unrolled, their 64 bytes each spill it).
+// Units [0, units) of the routed call's token row (NVFP4 codes and scales decoded exactly: decode_token_words; MXFP8
+// ones as their BF16 values: expand_mxfp8_unit; or BF16 values) into `row` in fragment order (shared memory). BF16
+// units one at a time (staged while the weight ring's loads are live: unrolled, their 64 bytes each spill it).
 __device__ __forceinline__ void stage_token_row(const u8* x, const u8* x_scales, int k, int units, u16* row) {
 #if SM90_ROUTE == 1
 #pragma unroll 1
@@ -352,6 +355,8 @@ __device__ __forceinline__ void stage_token_row(const u8* x, const u8* x_scales,
     uint4 piece[4];
 #if SM90_ROUTE == 2
     decode_token_words(*reinterpret_cast<const uint4*>(x + 16 * u), x_scales[2 * u], x_scales[2 * u + 1], piece);
+#elif SM90_ROUTE == 3
+    moe::expand_mxfp8_unit(moe::fetch_mxfp8_unit(x, x_scales, k, 0, u), piece);
 #else
     moe::bf16_unit_pieces(moe::fetch_bf16_unit(reinterpret_cast<const u16*>(x), k, 0, u).chunk, piece);
 #endif

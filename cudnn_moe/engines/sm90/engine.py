@@ -329,13 +329,17 @@ class Sm90GemmEngine(GemmEngine):
     def can_route(self, operands: GemmOperands) -> bool:
         """GEMM1 of a one-token bucket on the decode kernel, whose token row (2K bytes) fits the dynamic shared memory
         every CTA has without an opt-in (grouped_gemm's ``route``); MXINT4 weights with BF16 tokens only (the MXINT4
-        form with NVFP4 tokens, which no op calls, spills 32 bytes of the register ring at 128 registers)."""
+        form with NVFP4 tokens, which no op calls, spills 32 bytes of the register ring at 128 registers), MXFP8 tokens
+        with MXFP4 weights only (the MXFP4 pair's: the one form built and tested for them)."""
         code = operands.weights.code
         if code in (BlockCode.BF16, BlockCode.NVFP4_ROWS):  # these forms read natural token rows, not staged fragments
             return False
         variant = self.variant(operands.rows, operands.shape, gemm=1)
         route = operands.route
-        tokens_fit = code is BlockCode.NVFP4 or route is not None and route.token_scales is None
+        if route is not None and route.tokens.dtype == torch.float8_e4m3fn:
+            tokens_fit = code is BlockCode.MXFP4
+        else:
+            tokens_fit = code is BlockCode.NVFP4 or route is not None and route.token_scales is None
         return (isinstance(variant, DecodeVariant) and tokens_fit
                 and route_shared_mem(operands.shape.k) <= ROUTE_MAX_SHARED_MEM)
 

@@ -549,7 +549,7 @@ def grouped_gemm(
             options += ("-DSM90_W_MXFP4=1",)
         if route is not None:
             args += _route_args(route)
-            options += (f"-DSM90_ROUTE={1 if route.token_scales is None else 2}",)
+            options += (f"-DSM90_ROUTE={_route_token_form(route)}",)
             shared_mem = route_shared_mem(k)
         if early is not None:
             args += _early_args(early)
@@ -652,8 +652,6 @@ def _check_route(route: RoutePrologue, k: int, experts: int) -> int:
     capacity)."""
     if not isinstance(route.local_start, int) or not isinstance(route.align, int):
         raise ValueError(f"route.local_start and route.align must be ints, got {route.local_start!r}, {route.align!r}")
-    if route.tokens.dtype == torch.float8_e4m3fn:
-        raise ValueError("a route stages BF16 or NVFP4 tokens, not MXFP8 ones (their sort + permute decodes them)")
     _, slots, _ = check_staged_sort("route", route.tokens, route.token_scales, route.ids, route.weights,
                                     route.routing_format, route.ids_out, route.w_out, experts, route.align,
                                     route.sorted)
@@ -664,6 +662,13 @@ def _check_route(route: RoutePrologue, k: int, experts: int) -> int:
         raise ValueError(f"a route stages the token row in {route_shared_mem(k)} bytes of shared memory, more than "
                          f"{ROUTE_MAX_SHARED_MEM}")
     return route.sorted.row_capacity
+
+
+def _route_token_form(route: RoutePrologue) -> int:
+    """SM90_ROUTE of a route's tokens: 1 BF16, 2 NVFP4, 3 MXFP8."""
+    if route.token_scales is None:
+        return 1
+    return 3 if route.tokens.dtype == torch.float8_e4m3fn else 2
 
 
 def _route_args(route: RoutePrologue) -> tuple:

@@ -18,6 +18,7 @@ from cudnn_moe.arch import SM90
 from cudnn_moe.engines.base import OP_LOW_LATENCY, GemmShape, Request, WeightFormat
 from cudnn_moe.engines.registry import supporting
 from cudnn_moe.engines.sm90.engine import Sm90GemmEngine
+from cudnn_moe.engines.sm90.layout import to_token_fragments
 from cudnn_moe.formats import quantize_mxfp8
 from cudnn_moe import kernels
 from cudnn_moe.kernels import IntermediateCode, SortBuffers, TokenLayout
@@ -124,6 +125,48 @@ def test_token_values_are_exact_within_the_stated_scales(host_values) -> None:
         assert torch.equal(got[~nan_code].view(torch.int16), want.view(torch.int16)), f"scale byte {b}"
         if 10 <= b <= 246:
             assert torch.equal(got[~nan_code].double(), value), f"scale byte {b}: a value is not exact"
+
+
+_UNITS_DRIVER = HOST_PRELUDE + r"""
+#include "mxfp8.cuh"
+using namespace moe;
+
+// argv[1]: rows of 64 E4M3 code bytes and then their 2 E8M0 scale bytes (two units) -> argv[2]: each row's 64 BF16
+// values as the sort + permute stores them in the token-fragment order (piece q of unit u at columns 16q + 8u).
+int main(int argc, char** argv) {
+  if (argc != 3) return 2;
+  std::FILE* in = std::fopen(argv[1], "rb");
+  std::FILE* out = std::fopen(argv[2], "wb");
+  if (!in || !out) return 3;
+  unsigned char row[66];
+  while (std::fread(row, 1, 66, in) == 66) {
+    u16 frag[64];
+    for (int u = 0; u < 2; ++u) {
+      uint4 piece[4];
+      expand_mxfp8_unit(fetch_mxfp8_unit(row, row + 64, 64, 0, u), piece);
+      for (int q = 0; q < 4; ++q) std::memcpy(frag + 16 * q + 8 * u, &piece[q], 16);
+    }
+    std::fwrite(frag, 2, 64, out);
+  }
+  return std::fclose(out) != 0 || std::fclose(in) != 0;
+}
+"""
+
+
+def test_token_units_land_in_the_fragment_order(tmp_path) -> None:
+    """expand_mxfp8_unit (the sort + permute's and the routed GEMM1's MXFP8 token decode) puts each element's BF16
+    value where to_token_fragments puts that column: random codes (NaN codes left out) at scale bytes 10 .. 246."""
+    program = host_program(tmp_path, "units", _UNITS_DRIVER)
+    gen = torch.Generator().manual_seed(1)
+    codes = torch.randint(0, 256, (64, 64), generator=gen, dtype=torch.uint8)
+    codes[(codes & 0x7F) == 0x7F] = 0x38  # 1.0
+    scales = torch.randint(10, 247, (64, 2), generator=gen, dtype=torch.uint8)
+    torch.cat([codes, scales], dim=1).numpy().tofile(tmp_path / "in.bin")
+    subprocess.run([str(program), str(tmp_path / "in.bin"), str(tmp_path / "out.bin")], check=True)
+    got = torch.from_numpy(np.fromfile(tmp_path / "out.bin", dtype=np.int16).copy()).view(torch.bfloat16).reshape(64, 64)
+    values = codes.view(F8).double() * torch.pow(2.0, scales.double() - 127).repeat_interleave(32, dim=1)
+    want = to_token_fragments(values.bfloat16())
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
 
 
 def _pair(seed: int = 0, arch: str = "sm90"):

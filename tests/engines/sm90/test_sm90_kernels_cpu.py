@@ -233,15 +233,18 @@ def test_bf16_decode_compiles(form: str, arch: str) -> None:
 
 def route_options(variant: Any, tokens: str) -> tuple[str, ...]:
     """The decode module's options for GEMM1 with the stage and the sort in its prologue (SwiGLU epilogue) for BF16 or
-    NVFP4 tokens, or ("mxint4", "mxfp4") MXINT4 or MXFP4 weights and BF16 tokens."""
-    return (*variant.options(), *CODE_OPTIONS.get(tokens, ()), *sm90.epilogue_options(SwiGLU()),
-            f"-DSM90_ROUTE={2 if tokens == 'nvfp4' else 1}")
+    NVFP4 tokens, ("mxint4", "mxfp4") MXINT4 or MXFP4 weights and BF16 tokens, or ("mxfp4-pair") MXFP4 weights with
+    MXFP8 tokens and the MXFP8 intermediate."""
+    form = {"nvfp4": 2, "mxfp4-pair": 3}.get(tokens, 1)
+    mxfp8 = ("-DSM90_ACT_MXFP8=1",) if tokens == "mxfp4-pair" else ()
+    return (*variant.options(), *CODE_OPTIONS.get(tokens, ()), *sm90.epilogue_options(SwiGLU()), *mxfp8,
+            f"-DSM90_ROUTE={form}")
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found")
 @pytest.mark.parametrize("variant,tokens,arch", [(v, t, "90a") for v in LOW_LATENCY_DECODE_VARIANTS
-                                                 for t in ("bf16", "nvfp4", "mxint4", "mxfp4")]
-                         + [(LOW_LATENCY_DECODE_VARIANTS[2], "nvfp4", "100a")], ids=str)
+                                                 for t in ("bf16", "nvfp4", "mxint4", "mxfp4", "mxfp4-pair")]
+                         + [(LOW_LATENCY_DECODE_VARIANTS[2], t, "100a") for t in ("nvfp4", "mxfp4-pair")], ids=str)
 def test_route_compiles(variant: Any, tokens: str, arch: str) -> None:
     """GEMM1 of a one-token bucket with the stage and the sort in its prologue builds for the variants the engine
     picks there within 128 registers a thread (512 threads an SM, as the plain forms), without spills (MXINT4: at most
