@@ -16,8 +16,8 @@ __device__ __forceinline__ void activate_row(const u16* row, bool padding, i64 r
                                              int rows, int act, float alpha, float beta, float limit, int layout,
                                              int inter_code, u8* out, u8* out_scales) {
   for (int u = first; u < inter / 32; u += stride)
-    activate_store_unit<ACT, GATED, MX>(row + 32 * u, inter, padding, r, u, inter, rows, act, alpha, beta, limit, layout,
-                                    inter_code, out, out_scales);
+    activate_store_unit<ACT, GATED, MX>(row + 32 * u, inter, padding, r, u, inter, rows, act, alpha, beta, limit,
+                                        layout, inter_code, out, out_scales);
 }
 
 // Rows r < row_capacity; a thread handles units of 32 values (two 16-value quantization blocks):

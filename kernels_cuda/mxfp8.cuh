@@ -55,7 +55,9 @@ __device__ __forceinline__ u32 mx_e4m3_scale_byte(float amax) {
 // The E4M3 value of v in a block of scale byte b (0..247, mx_e4m3_scale_byte): e4m3(fp32(v / 2^(b - 127))), nearest
 // even, saturating at +-448. 2^(127 - b) is a normal FP32 power of two, so the multiply rounds exactly as the
 // division by the scale does (the same real quotient, one rounding).
-__device__ __forceinline__ float mx_e4m3_value(float v, u32 b) { return e4m3_round(v * __uint_as_float((254u - b) << 23)); }
+__device__ __forceinline__ float mx_e4m3_value(float v, u32 b) {
+  return e4m3_round(v * __uint_as_float((254u - b) << 23));
+}
 
 // Its float8_e4m3fn byte.
 __device__ __forceinline__ u32 mx_e4m3_code(float v, u32 b) { return e4m3_code(mx_e4m3_value(v, b)); }

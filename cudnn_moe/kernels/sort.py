@@ -121,10 +121,10 @@ def _token_hidden(what: str, tokens: torch.Tensor, token_scales: torch.Tensor | 
     dtype = {"bf16": torch.bfloat16, "nvfp4": torch.uint8, "mxfp8": torch.float8_e4m3fn}[kind]
     if tokens.dtype != dtype or scale_block is not None and (
             token_scales.dtype.itemsize != 1 or tuple(token_scales.shape) != (tokens.shape[0], hidden // scale_block)):
+        scales = "" if token_scales is None else f", scales {token_scales.dtype} {tuple(token_scales.shape)}"
         raise ValueError(f"{what}: BF16 tokens [T, H], uint8 NVFP4 codes [T, H/2] with 1-byte scales [T, H/16], or "
                          f"float8_e4m3fn MXFP8 codes [T, H] with 1-byte scales [T, H/32]; got "
-                         f"{tokens.dtype} {tuple(tokens.shape)}"
-                         + ("" if token_scales is None else f", scales {token_scales.dtype} {tuple(token_scales.shape)}"))
+                         f"{tokens.dtype} {tuple(tokens.shape)}{scales}")
     return hidden, kind
 
 
@@ -166,19 +166,19 @@ def sort_permute_bf16(
 
 def check_staged_sort(what: str, tokens: torch.Tensor, token_scales: torch.Tensor | None, ids: torch.Tensor,
                       weights: torch.Tensor | None, routing_format: int, ids_out: torch.Tensor, w_out: torch.Tensor,
-                      num_local: int, align: int, out: SortBuffers) -> tuple[int, int, int]:
+                      num_local: int, align: int, out: SortBuffers) -> tuple[int, str, int, int]:
     """Check the operands of a launch that stages the caller's routing and sorts it (stage_sort_permute_bf16, the SM90
     decode GEMM1's route): tokens as _token_hidden takes them, routing of T tokens (stage_inputs' formats) into
-    ``ids_out`` int32 / ``w_out`` float32 [B, top_k] with T <= B, the sort's operands; returns (H, B * top_k, top_k).
-    ValueError naming ``what`` or the operand otherwise."""
-    hidden, _ = _token_hidden(what, tokens, token_scales)
+    ``ids_out`` int32 / ``w_out`` float32 [B, top_k] with T <= B, the sort's operands; returns (H, the tokens' kind,
+    B * top_k, top_k). ValueError naming ``what`` or the operand otherwise."""
+    hidden, kind = _token_hidden(what, tokens, token_scales)
     bucket, top_k = ids_out.shape
     check_routing(ids, weights, routing_format, tokens.shape[0], top_k, bucket)
     ids_flat = ids_out.view(-1)
     _check_operands(ids_flat, top_k, num_local, align, out)
     if w_out.dtype != torch.float32 or w_out.shape != ids_out.shape:
         raise ValueError(f"w_out must be float32 {tuple(ids_out.shape)}, got {w_out.dtype} {tuple(w_out.shape)}")
-    return hidden, ids_flat.numel(), top_k
+    return hidden, kind, ids_flat.numel(), top_k
 
 
 def stage_sort_permute_bf16(
@@ -198,14 +198,14 @@ def stage_sort_permute_bf16(
 ) -> None:
     """``stage_inputs`` (its routing half) and ``sort_permute_bf16`` of a bucket of B tokens in ONE launch, with the
     same outputs bit for bit, from the caller's tensors: ``tokens`` of a kind sort_permute_bf16 takes, 16-byte
-    aligned, T <= B; routing ``ids`` /
-    ``weights`` in ``routing_format`` (stage_inputs' formats). ``ids_out`` int32 [B, top_k] and ``w_out`` float32
+    aligned, T <= B; routing ``ids`` / ``weights`` in ``routing_format`` (stage_inputs' formats). ``ids_out`` int32 [B, top_k] and ``w_out`` float32
     [B, top_k] receive the decoded routing (-1 / 0 past T), the sort's outputs and ``xp`` what sort_permute_bf16
     writes for the B * top_k slots; the bucket's token buffers are not needed (kernels_cuda/permute.cu
     moe_stage_sort_permute_bf16*)."""
     num_tokens = tokens.shape[0]
-    hidden, num_slots, top_k = check_staged_sort("stage + sort + permute", tokens, token_scales, ids, weights,
-                                                 routing_format, ids_out, w_out, num_local, align, out)
+    hidden, kind, num_slots, top_k = check_staged_sort("stage + sort + permute", tokens, token_scales, ids,
+                                                       weights, routing_format, ids_out, w_out, num_local, align,
+                                                       out)
     if num_slots > SORT_PERMUTE_MAX_SLOTS:
         raise ValueError(f"stage + sort + permute in one launch takes at most {SORT_PERMUTE_MAX_SLOTS} slots, "
                          f"got {num_slots}")
@@ -214,7 +214,6 @@ def stage_sort_permute_bf16(
             np.int32(local_start), np.int32(num_local), np.int32(align), np.int32(out.row_capacity),
             np.int32(hidden), np.int32(layout))
     tail = (ptr(ids_out), ptr(w_out), *out.pointers(), ptr(xp, 16))
-    kind = _token_hidden("stage + sort + permute", tokens, token_scales)[1]
     name = f"moe_stage_sort_permute_bf16{_TOKEN_KERNELS[kind]}"
     sources = (ptr(tokens, 16),) if token_scales is None else (ptr(tokens, 16), ptr(token_scales))
     if num_slots <= SORT_WARP_SLOTS:

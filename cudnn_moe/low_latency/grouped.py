@@ -13,7 +13,8 @@ exactly in registers, tokens on the narrow side of mma.sync, split-K) through th
 - NVFP4 weights with NVFP4 activations (the pair): the tokens are decoded exactly to BF16 fragments;
 - MXFP4 weights with MXFP8 activations (the MXFP4 pair): the weight-only MXFP4 tiles of the weights' exact shifted
   form (a copy made on first use and kept: the pair's own tensors stay row-major for the other engines), the MXFP8
-  tokens decoded to BF16 by the sort + permute (TokenCode.MXFP8) and the intermediate quantized to MXFP8 per 32
+  tokens decoded to BF16 by the sort + permute, or at one token by GEMM1's routed prologue (TokenCode.MXFP8), and
+  the intermediate quantized to MXFP8 per 32
   values, held as BF16 values (IntermediateCode.MXFP8): exact for block scales 2^-117 .. 2^119, so the sums are FP32
   sums of the contract's exact products (reference_mx_pair; only their order differs);
 - BF16 weights with BF16 tokens: the weights are read in place, row-major (BlockCode.BF16: the decode kernel's BF16
@@ -54,9 +55,9 @@ from ..arch import Arch, device_arch
 from ..capture import refuse_during_capture
 from ..engines.base import BlockCode, GemmEngine, LowLatencyCall
 from ..engines.registry import engine_for
+from ..kernels.codes import IntermediateCode
 from ..pipeline.call_cache import tensor_signature
 from ..pipeline.executor import MoeExecutor
-from ..kernels.codes import IntermediateCode
 from ..pipeline.lifetime import cached
 from ..pipeline.tokens import TokenCode, token_code
 from ..weights.low_latency import (

@@ -213,8 +213,9 @@ _WEIGHT_ONLY = frozenset(f.value for f in (WeightFormat.NVFP4_WEIGHT_ONLY, Weigh
 _BF16_TOKENS = _WEIGHT_ONLY | {WeightFormat.BF16.value}
 # The MXFP4 weight + MXFP8 activation pair: the weight-only MXFP4 tiles of its exact shifted form (a copy the view makes
 # on first use: the pair's own tensors stay row-major for the CUDA-core and ll_mma kernels), its MXFP8 tokens decoded
-# exactly to BF16 by the sort + permute and its intermediate quantized to MXFP8 per 32 values in the activation
-# (IntermediateCode.MXFP8), both held as BF16 values, exact for block scales 2^-117 .. 2^119.
+# exactly to BF16 by the sort + permute (at one token by GEMM1's routed prologue) and its intermediate quantized to
+# MXFP8 per 32 values in the activation (IntermediateCode.MXFP8), both held as BF16 values, exact for block scales
+# 2^-117 .. 2^119.
 _MX_PAIR = WeightFormat.MXFP4_W_MXFP8_A.value
 _MXFP4_FORMS = frozenset({WeightFormat.MXFP4_WEIGHT_ONLY.value, _MX_PAIR})
 _BF16 = DecodeVariant(mt=1, wm=4, wk=1, nt=1, prefetch=4, bf16_weights=True)
@@ -223,8 +224,9 @@ _BF16 = DecodeVariant(mt=1, wm=4, wk=1, nt=1, prefetch=4, bf16_weights=True)
 class Sm90GemmEngine(GemmEngine):
     """NVFP4 x NVFP4 grouped GEMMs with our own kernels on Hopper: the fused and aligned ops, and the
     low-latency op's 4-bit formats (finalized, BF16 out; NVFP4, MXFP4 or MXINT4 weight-only with BF16 tokens, the
-    NVFP4 pair, or the MXFP4 pair with MXFP8 tokens: not yet run on a GPU), measured 1.3-3x faster than the CUDA-core kernels from two tokens on (at one token
-    1.9x faster on DeepSeek-V3, up to 10% slower on Qwen3-30B-A3B), so it takes every T; and its BF16 layers
+    NVFP4 pair, or the MXFP4 pair with MXFP8 tokens, which has not run on a GPU yet), measured 1.3-3x faster than
+    the CUDA-core kernels from two tokens on (at one token 1.9x faster on DeepSeek-V3, up to 10% slower on
+    Qwen3-30B-A3B), so it takes every T; and its BF16 layers
     (BF16 tokens, finalized, BF16 out; the decode kernel's BF16 form), 1.17-1.43x faster than the CUDA cores on
     the H200 at T = 1 and 8 (benchmarks/RESULTS.md)."""
 

@@ -652,7 +652,7 @@ def _check_route(route: RoutePrologue, k: int, experts: int) -> int:
     capacity)."""
     if not isinstance(route.local_start, int) or not isinstance(route.align, int):
         raise ValueError(f"route.local_start and route.align must be ints, got {route.local_start!r}, {route.align!r}")
-    _, slots, _ = check_staged_sort("route", route.tokens, route.token_scales, route.ids, route.weights,
+    _, _, slots, _ = check_staged_sort("route", route.tokens, route.token_scales, route.ids, route.weights,
                                     route.routing_format, route.ids_out, route.w_out, experts, route.align,
                                     route.sorted)
     if route.ids_out.shape[0] != 1 or slots > SORT_WARP_SLOTS:
