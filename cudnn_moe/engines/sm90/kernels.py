@@ -451,7 +451,7 @@ def grouped_gemm(
     if tokens.dim() != 2 or w_tiles.dim() != 2 or (out is not None and out.dim() != 2):
         raise ValueError(f"x (or gather.source), out and w_tiles must be 2-D, got {list(tokens.shape)}, "
                          f"{None if out is None else list(out.shape)}, {list(w_tiles.shape)}")
-    k = tokens.shape[1] if route is None or route.token_scales is None else 2 * tokens.shape[1]
+    k = 2 * tokens.shape[1] if route is not None and _route_token_form(route) == 2 else tokens.shape[1]  # NVFP4 packs
     experts = w_tiles.shape[0]
     if k <= 0 or k % TILE_K:
         raise ValueError(f"x: K = {k} must be a positive multiple of {TILE_K}")

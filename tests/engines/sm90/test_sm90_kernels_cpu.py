@@ -1021,8 +1021,10 @@ def _route_args(tokens: str = "nvfp4", top_k: int = 4, experts: int = 3, k: int 
     sorted_ = SortBuffers(torch.zeros(experts + 1, dtype=torch.int32), torch.zeros(top_k, dtype=torch.int32),
                           torch.zeros(rows, dtype=torch.int32), torch.zeros(rows, dtype=torch.int32),
                           torch.zeros(experts, dtype=torch.int32))
-    x, scales = ((torch.zeros(1, k, dtype=torch.bfloat16), None) if tokens == "bf16" else
-                 (torch.zeros(1, k // 2, dtype=torch.uint8), torch.zeros(1, k // 16, dtype=torch.uint8)))
+    x, scales = {"bf16": (torch.zeros(1, k, dtype=torch.bfloat16), None),
+                 "nvfp4": (torch.zeros(1, k // 2, dtype=torch.uint8), torch.zeros(1, k // 16, dtype=torch.uint8)),
+                 "mxfp8": (torch.zeros(1, k, dtype=torch.uint8).view(torch.float8_e4m3fn),
+                           torch.zeros(1, k // 32, dtype=torch.uint8))}[tokens]
     ids = torch.zeros(1, top_k, dtype=torch.int32)
     weights = None if routing_format == RoutingFormat.PACKED else torch.zeros(1, top_k)
     route = RoutePrologue(x, scales, ids, weights, routing_format, torch.zeros(1, top_k, dtype=torch.int32),
@@ -1042,12 +1044,12 @@ def _param_count(define: str) -> int:
     return re.search(rf"#define {define}\s*\\\n((?:.*\\\n)*.*\n)", text).group(1).count(",")
 
 
-@pytest.mark.parametrize("tokens", ["bf16", "nvfp4"])
+@pytest.mark.parametrize("tokens", ["bf16", "nvfp4", "mxfp8"])
 def test_route_passes_its_operands_and_compiles_in(tokens: str, launches: list[tuple],
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    """The routed form launches the decode kernel with SM90_ROUTE (1: BF16 tokens, 2: NVFP4) after the epilogue's
-    options, the kernel's arguments plus DEC_ROUTE_PARAMS' (no bucket rows: x is null), and 2K bytes of dynamic
-    shared memory for the token row."""
+    """The routed form launches the decode kernel with SM90_ROUTE (1: BF16 tokens, 2: NVFP4, 3: MXFP8) after the
+    epilogue's options, the kernel's arguments plus DEC_ROUTE_PARAMS' (no bucket rows: x is null), and 2K bytes of
+    dynamic shared memory for the token row (K BF16 values, whatever the tokens' own bytes)."""
     for module in (kernel_stage, kernel_sort):  # the routing's and the sort buffers' pointers
         monkeypatch.setattr(module, "ptr", lambda tensor, align=1: np.uint64(0))
     args = _route_args(tokens, top_k=4, k=128)
@@ -1055,7 +1057,7 @@ def test_route_passes_its_operands_and_compiles_in(tokens: str, launches: list[t
     (_source, name, _device, grid, block, kernel_args), kwargs = launches[0]
     assert name == "sm90_gemm_decode" and block == 256
     assert kwargs["extra_options"] == (*args["variant"].options(), *sm90.epilogue_options(SwiGLU()),
-                                       f"-DSM90_ROUTE={1 if tokens == 'bf16' else 2}")
+                                       f"-DSM90_ROUTE={ {'bf16': 1, 'nvfp4': 2, 'mxfp8': 3}[tokens]}")
     assert kwargs["shared_mem"] == 2 * 128
     assert len(kernel_args) == len(_signatures()["sm90_gemm_decode"]) + _param_count("DEC_ROUTE_PARAMS") == 28 + 18
     route = kernel_args[28:]
