@@ -6,7 +6,10 @@ kernels compute on the GPU: tests/ops/low_latency/test_low_latency_tc_gpu.py and
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import subprocess
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from types import SimpleNamespace
 
@@ -14,19 +17,26 @@ import numpy as np
 import pytest
 import torch
 
+from cudnn_moe import Routing
+from cudnn_moe.activations import SwiGLU
 from cudnn_moe.arch import SM90
-from cudnn_moe.engines.base import OP_LOW_LATENCY, GemmShape, Request, WeightFormat
+from cudnn_moe.engines.base import OP_LOW_LATENCY, BlockCode, GemmEngine, GemmShape, Request, WeightFormat
 from cudnn_moe.engines.registry import supporting
+from cudnn_moe.engines.sm90 import kernels as sm90_kernels
 from cudnn_moe.engines.sm90.engine import Sm90GemmEngine
 from cudnn_moe.engines.sm90.layout import to_token_fragments
 from cudnn_moe.formats import quantize_mxfp8
 from cudnn_moe import kernels
 from cudnn_moe.kernels import IntermediateCode, SortBuffers, TokenLayout
+from cudnn_moe.kernels import activate as kernel_activate
+from cudnn_moe.kernels import permute as kernel_permute
 from cudnn_moe.kernels import sort as kernel_sort
 from cudnn_moe.kernels import stage as kernel_stage
 from cudnn_moe.kernels.activate import check_activation_output
 from cudnn_moe.low_latency import LowLatencyMoeConfig
+from cudnn_moe.low_latency.fallback import grouped_view
 from cudnn_moe.low_latency.tactics import layer_request
+from cudnn_moe.pipeline import executor as executor_module
 from cudnn_moe.pipeline.executor import MoeExecutor
 from cudnn_moe.pipeline.tokens import TokenCode, token_code, token_operands
 from cudnn_moe.weights.low_latency import Mxfp8Activations
@@ -34,6 +44,7 @@ from tests.support.kernel_sources import HOST_PRELUDE, host_program
 from tests.support.low_latency import mx_payloads
 
 E8, F8 = torch.float8_e8m0fnu, torch.float8_e4m3fn
+kernel_finalize = importlib.import_module("cudnn_moe.kernels.finalize")  # the package exports a function of that name
 EXPERTS, HIDDEN, INTER = 4, 256, 128  # N1 = 2I a multiple of 128, as the SM90 kernels need
 
 _VALUES_DRIVER = HOST_PRELUDE + r"""
@@ -322,3 +333,71 @@ def test_request_of_the_pair_carries_its_form() -> None:
         torch.bfloat16, True, 3, None)
     no_form = replace(pair, nvfp4_shifts="why")
     assert layer_request(no_form, SM90, 3, None, torch.bfloat16, True).nvfp4_problem == "why"
+
+
+class _NoOrder:
+    """Stands in for the executor's stream order on the CPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        pass
+
+    @contextlib.contextmanager
+    def use(self) -> Iterator[None]:
+        yield
+
+
+@pytest.fixture
+def recorded(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, tuple[str, ...]]]:
+    """(kernel, its extra compile options) of every launch, which is recorded instead of run; the CUDA-only
+    checks and the stream order are stubbed out, so the executor runs on CPU tensors."""
+    calls: list[tuple[str, tuple[str, ...]]] = []
+
+    def record(source, name, device, grid, block, args, **kwargs) -> None:
+        calls.append((name, tuple(kwargs.get("extra_options") or ())))
+
+    for module in (kernel_sort, kernel_stage, kernel_activate, kernel_finalize, kernel_permute, sm90_kernels):
+        monkeypatch.setattr(module, "launch", record)
+        monkeypatch.setattr(module, "ptr", lambda tensor, align=1, row_strided=False: np.uint64(0))
+    monkeypatch.setattr(sm90_kernels, "_check_device", lambda named, align: None)
+    monkeypatch.setattr(executor_module, "StreamOrder", _NoOrder)
+    return calls
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 8])
+def test_the_pair_runs_the_decode_chain_with_its_mxfp8_forms(tokens: int, recorded: list) -> None:
+    """A dry run of the MXFP4 pair's call through the executor (launches recorded, every wrapper's checks on the real
+    buffers): one token stages and sorts in GEMM1's routed prologue (SM90_ROUTE=3) and GEMM2 finalizes, two launches;
+    more stage, sort and permute the MXFP8 tokens in one launch before GEMM1. GEMM1 quantizes to MXFP8 in its epilogue
+    (SM90_ACT_MXFP8) on the MXFP4 tiles (SM90_W_MXFP4), GEMM2 reads those tiles. The bucket's graph chain stages the
+    MXFP8 tokens into the bucket and sorts + permutes them from there."""
+    pair = _pair(seed=5)
+    view = grouped_view(Sm90GemmEngine, SM90, pair)
+    assert view.code is BlockCode.MXFP4 and view.w1.shape == (EXPERTS, 2 * INTER * HIDDEN // 2)
+    engine = Sm90GemmEngine.__new__(Sm90GemmEngine)
+    GemmEngine.__init__(engine, torch.device("cpu"), SM90)
+    engine.sm_count = 132
+    executor = MoeExecutor(view, engine, top_k=4, activation=SwiGLU(), local_expert_start=0, max_num_tokens=8,
+                           tokens=TokenCode.MXFP8, intermediate=IntermediateCode.MXFP8)
+    codes, scales = quantize_mxfp8(torch.randn(tokens, HIDDEN))
+    ids = torch.stack([torch.randperm(EXPERTS)[:4] for _ in range(tokens)]).to(torch.int32)
+    routing = Routing.unpacked(ids, torch.rand(tokens, 4))
+    out = torch.zeros(tokens, HIDDEN, dtype=torch.bfloat16)
+    executor.run(Mxfp8Activations(codes, scales), routing, finalize=True, out=out, use_cuda_graph=False)
+    names = [name for name, _ in recorded]
+    gemms = [options for name, options in recorded if name == "sm90_gemm_decode"]
+    if tokens == 1:
+        assert names == ["sm90_gemm_decode", "sm90_gemm_decode"]
+        assert "-DSM90_ROUTE=3" in gemms[0]
+    else:
+        assert names[0] == "moe_stage_sort_permute_bf16_mxfp8_warp" and names.count("sm90_gemm_decode") == 2
+    assert "-DSM90_ACT_MXFP8=1" in gemms[0] and "-DSM90_ACT_MXFP8=1" not in gemms[1]
+    assert all("-DSM90_W_MXFP4=1" in options for options in gemms)
+    # The bucket's own chain (what its CUDA graph holds), behind the op's stage launch: the MXFP8 codes and scales
+    # copied into the bucket, then sorted and permuted from there.
+    recorded.clear()
+    bucket = executor.bucket(tokens)
+    executor.stage(bucket, Mxfp8Activations(codes, scales), routing)
+    executor._pipeline(bucket)
+    names = [name for name, _ in recorded]
+    assert names[:2] == ["moe_stage_inputs", "moe_sort_permute_bf16_mxfp8"] and names.count("sm90_gemm_decode") == 2
+    assert bucket.x.dtype == F8 and tuple(bucket.x_scales.shape) == (bucket.tokens, HIDDEN // 32)
