@@ -388,6 +388,14 @@ __device__ __forceinline__ u32 ldg_reused_u16(const void* p) {
   return v;
 }
 
+// 1 byte of read-only data, zero-extended, read as ldg_reused_u16 reads its two (a row-major E8M0 scale row, one byte
+// a lane a step).
+__device__ __forceinline__ u32 ldg_reused_u8(const void* p) {
+  u32 v;
+  asm("ld.global.nc.L2::256B.u8 %0, [%1];" : "=r"(v) : "l"(p));
+  return v;
+}
+
 // 4 bytes of read-only data that are used once.
 __device__ __forceinline__ u32 ldg_stream_u32(const void* p) {
   u32 v;

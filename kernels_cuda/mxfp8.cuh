@@ -1,6 +1,6 @@
 // E4M3 rounding and encoding, E8M0 scales and MXFP8 block quantization (cudnn_moe.formats.quantize_mxfp8), shared by
 // the low-latency kernels (their FP8 and MX intermediates, low_latency/decode.cuh) and the SM90 decode chain of the
-// MX pair (its MXFP8 tokens and intermediate as BF16 values: activation_unit.cuh, permute.cu, sm90/grouped_gemm.cu).
+// MX pair (its MXFP8 tokens and intermediate as BF16 values: activation_unit.cuh, permute.cu).
 // Plain FP32 and integer arithmetic, the same on every arch and on the host (the CPU tests build it there).
 #pragma once
 
@@ -70,8 +70,7 @@ __device__ __forceinline__ u32 mx_e4m3_code(float v, u32 b) { return e4m3_code(m
 __device__ __forceinline__ u16 mx_value_bf16(float r, u32 b) { return float_to_bf16(r * e8m0_to_float(b)); }
 
 // ---------------------------------------------------------------------------
-// MXFP8 tokens as BF16 token units (32 columns), for the sort + permute (permute.cu) and the routed GEMM1's staged
-// token row (sm90/grouped_gemm.cu)
+// MXFP8 tokens as BF16 token units (32 columns), for the sort + permute (permute.cu)
 // ---------------------------------------------------------------------------
 
 // The 32 E4M3 code bytes (column order) and the E8M0 scale byte of an MXFP8 token unit.

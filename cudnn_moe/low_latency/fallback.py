@@ -29,6 +29,7 @@ import torch
 from ..arch import Arch, arch_name
 from ..engines.base import BlockCode, GemmEngine, WeightLayout
 from ..engines.registry import engine_class_of
+from ..formats.mxfp4_as_nvfp4 import nvfp4_globals
 from ..fused.config import Nvfp4MoeConfig
 from ..kernels.codes import TokenLayout
 from ..weights.low_latency import (
@@ -99,16 +100,17 @@ def tiled_view(
 def grouped_view(
     engine: type[GemmEngine], arch: Arch, weights: Nvfp4WeightOnlyWeights | Mxfp4WeightOnlyWeights
 ) -> Nvfp4Weights:
-    """The ``engine`` view on ``arch`` of NVFP4 low-latency weights, or of MXFP4 weights (weight-only, or the MXFP4
-    pair's) in their exact shifted form: w1 [E, N1p, H] in the engine's layout with the w1 global as alpha, w2
-    [E, H, Ip] likewise; intermediate size Ip. Tiled weights in the engine's layout give their own tensors
-    (``tiled_view``), others a repacked copy (MXFP4: its tiles, ``to_tiles`` / ``Mxfp4PairWeights.shifted_tiles``)."""
+    """The ``engine`` view on ``arch`` of NVFP4 low-latency weights, or of MXFP4 weight-only weights in their exact
+    shifted form: w1 [E, N1p, H] in the engine's layout with the w1 global as alpha, w2 [E, H, Ip] likewise;
+    intermediate size Ip. Tiled weights in the engine's layout give their own tensors (``tiled_view``), the MXFP4
+    pair's its own row-major tensors (``mxfp4_rows_view``), others a repacked copy (MXFP4: its tiles, ``to_tiles``)."""
     view = tiled_view(engine, arch, weights)
     if view is not None:
         return view
+    if isinstance(weights, Mxfp4PairWeights):
+        return mxfp4_rows_view(engine, arch, weights)
     if isinstance(weights, Mxfp4WeightOnlyWeights):
-        tiles = weights.shifted_tiles() if isinstance(weights, Mxfp4PairWeights) else weights.to_tiles()
-        view = tiled_view(engine, arch, tiles)
+        view = tiled_view(engine, arch, weights.to_tiles())
         if view is None:
             raise ValueError(f"the {engine.name} engine on {arch_name(arch)} reads no MXFP4 tiles")
         return view
@@ -118,6 +120,29 @@ def grouped_view(
     return Nvfp4Weights(
         w1, w1_scales, w1_global, w2, w2_scales, w2_global, engine.spec(arch),
         weights.gated, weights.hidden_size, weights.padded_intermediate,
+    )
+
+
+def mxfp4_rows_view(engine: type[GemmEngine], arch: Arch, weights: Mxfp4PairWeights) -> Nvfp4Weights:
+    """The ``engine`` view on ``arch`` of the MXFP4 pair's weights read in place (BlockCode.MXFP4_ROWS): their own
+    codes as w1 uint8 [E, N1p * H/2] and w2 [E, H * Ip/2], their E8M0 scale bytes as uint8 [E, N1p * H/32] and
+    [E, H * Ip/32], and the globals 2^a of their exact shifted form as alphas (new float32 [E] tensors, all it
+    allocates); intermediate size Ip. ValueError where the weights have no such form, or the engine no such kernels."""
+    if engine.spec(arch).weight_layout is not WeightLayout.SM90_TILES:
+        raise ValueError(f"the {engine.name} engine on {arch_name(arch)} reads no row-major MXFP4 weights")
+    problem = weights.nvfp4_problem
+    if problem is not None:
+        raise ValueError(f"these MXFP4 weights have no exact shifted form: {problem}")
+    shifts1, shifts2 = weights.nvfp4_shifts
+    experts = weights.num_experts
+
+    def flat(t: torch.Tensor) -> torch.Tensor:
+        return t.view(torch.uint8).reshape(experts, -1)
+
+    return Nvfp4Weights(
+        flat(weights.w1_codes), flat(weights.w1_scales), nvfp4_globals(shifts1), flat(weights.w2_codes),
+        flat(weights.w2_scales), nvfp4_globals(shifts2), engine.spec(arch), weights.gated, weights.hidden_size,
+        weights.padded_intermediate, code=BlockCode.MXFP4_ROWS,
     )
 
 

@@ -21,8 +21,8 @@ class TokenCode(enum.Enum):
     BF16: bfloat16 [T, H], taken as they are (the low-latency weight-only and BF16 layers).
     MXFP8: an Mxfp8Activations pack, E4M3 codes float8_e4m3fn [T, H] with E8M0 scales [T, H/32] (the MXFP4 pair),
     decoded into BF16 rows of their values (exact for block scales 2^-117 .. 2^119:
-    cudnn_moe.kernels.codes.IntermediateCode.MXFP8 states the rule) by the sort + permute, or at one token by GEMM1's
-    routed prologue (on MXFP4 tiles); no other launch reads them.
+    cudnn_moe.kernels.codes.IntermediateCode.MXFP8 states the rule) by the sort + permute; no other launch reads
+    them.
     """
 
     NVFP4 = "nvfp4"

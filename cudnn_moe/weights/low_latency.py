@@ -28,7 +28,7 @@ row-major layer, where a repacked copy took 9/16. Layers without that form stay 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
@@ -289,14 +289,8 @@ class Mxfp4WeightOnlyWeights(BlockScaledWeights):
 class Mxfp4PairWeights(Mxfp4WeightOnlyWeights):
     """MXFP4 weights for MXFP8 activations (``LowLatencyMoeConfig.prepare_weights``): the tensors of
     Mxfp4WeightOnlyWeights (E2M1 codes, float8_e8m0fnu scales per 32 K values, I padded to 128), row-major (the
-    CUDA-core and ll_mma kernels read them so), with the shifts of their exact shifted form decided at preparation
-    (``nvfp4_shifts``)."""
-
-    def shifted_tiles(self) -> Mxfp4WeightOnlyWeights:
-        """The SM90 engine's form of these weights: the weight-only record of their codes in the MXFP4 tiles of their
-        exact shifted form (new tensors: ``to_tiles``). ValueError where they have none (``nvfp4_problem``)."""
-        payloads = {f.name: getattr(self, f.name) for f in fields(self)}
-        return Mxfp4WeightOnlyWeights(**{**payloads, "format": WeightFormat.MXFP4_WEIGHT_ONLY}).to_tiles()
+    CUDA-core, ll_mma and SM90 kernels all read them so: the SM90 decode kernel's row-major MXFP4 form, in their exact
+    shifted form), with the shifts of that form decided at preparation (``nvfp4_shifts``)."""
 
 
 @dataclass(frozen=True, eq=False)

@@ -211,14 +211,15 @@ _WEIGHT_ONLY = frozenset(f.value for f in (WeightFormat.NVFP4_WEIGHT_ONLY, Weigh
 # (benchmarks/RESULTS.md, twenty-fourth session): best or within 4% of the best of 14 forms at Qwen3-30B-A3B and
 # DeepSeek-V3 T=1 and 8, e.g. DeepSeek-V3 T=8 GEMM1 899 us (3.9 TB/s) against 1067 with two m16 blocks and two steps.
 _BF16_TOKENS = _WEIGHT_ONLY | {WeightFormat.BF16.value}
-# The MXFP4 weight + MXFP8 activation pair: the weight-only MXFP4 tiles of its exact shifted form (a copy the view makes
-# on first use: the pair's own tensors stay row-major for the CUDA-core and ll_mma kernels), its MXFP8 tokens decoded
-# exactly to BF16 by the sort + permute (at one token by GEMM1's routed prologue) and its intermediate quantized to
-# MXFP8 per 32 values in the activation (IntermediateCode.MXFP8), both held as BF16 values, exact for block scales
-# 2^-117 .. 2^119.
+# The MXFP4 weight + MXFP8 activation pair: its own row-major tensors read in place in their exact shifted form
+# (BlockCode.MXFP4_ROWS: the one copy, which the CUDA-core and ll_mma kernels read too), its MXFP8 tokens decoded
+# exactly to BF16 by the sort + permute and its intermediate quantized to MXFP8 per 32 values in the activation
+# (IntermediateCode.MXFP8), both held as BF16 values, exact for block scales 2^-117 .. 2^119.
 _MX_PAIR = WeightFormat.MXFP4_W_MXFP8_A.value
 _MXFP4_FORMS = frozenset({WeightFormat.MXFP4_WEIGHT_ONLY.value, _MX_PAIR})
 _BF16 = DecodeVariant(mt=1, wm=4, wk=1, nt=1, prefetch=4, bf16_weights=True)
+# The codes whose forms read natural token rows (no staged fragments, so no route).
+_NATURAL_ROWS = (BlockCode.BF16, BlockCode.NVFP4_ROWS, BlockCode.MXFP4_ROWS)
 
 
 class Sm90GemmEngine(GemmEngine):
@@ -316,7 +317,7 @@ class Sm90GemmEngine(GemmEngine):
         of each tile. Not for row-major weights (the aligned op read in place: not measured, and its split-K finalizing
         GEMM2 would spill 36 bytes with the wait instead of 20)."""
         if (_slots(gemm2.rows, gemm2.shape.num_experts) > _HANDOFF_MAX_SLOTS
-                or gemm2.weights.code is BlockCode.NVFP4_ROWS):
+                or gemm2.weights.code.row_major):
             return None
         v1 = self.variant(gemm1.rows, gemm1.shape, gemm=1, code=gemm1.weights.code)
         v2 = self.variant(gemm2.rows, gemm2.shape, gemm=2, code=gemm2.weights.code)
@@ -331,17 +332,16 @@ class Sm90GemmEngine(GemmEngine):
     def can_route(self, operands: GemmOperands) -> bool:
         """GEMM1 of a one-token bucket on the decode kernel, whose token row (2K bytes) fits the dynamic shared memory
         every CTA has without an opt-in (grouped_gemm's ``route``); MXINT4 weights with BF16 tokens only (the MXINT4
-        form with NVFP4 tokens, which no op calls, spills 32 bytes of the register ring at 128 registers), MXFP8 tokens
-        with MXFP4 weights only (the MXFP4 pair's: the one form built and tested for them)."""
+        form with NVFP4 tokens, which no op calls, spills 32 bytes of the register ring at 128 registers); never MXFP8
+        tokens (the MXFP4 pair's, which its sort + permute decodes) nor the row-major forms (natural token rows)."""
         code = operands.weights.code
-        if code in (BlockCode.BF16, BlockCode.NVFP4_ROWS):  # these forms read natural token rows, not staged fragments
+        if code in _NATURAL_ROWS:  # these forms read natural token rows, not staged fragments
             return False
         variant = self.variant(operands.rows, operands.shape, gemm=1)
         route = operands.route
         if route is not None and route.tokens.dtype == torch.float8_e4m3fn:
-            tokens_fit = code is BlockCode.MXFP4
-        else:
-            tokens_fit = code is BlockCode.NVFP4 or route is not None and route.token_scales is None
+            return False
+        tokens_fit = code is BlockCode.NVFP4 or route is not None and route.token_scales is None
         return (isinstance(variant, DecodeVariant) and tokens_fit
                 and route_shared_mem(operands.shape.k) <= ROUTE_MAX_SHARED_MEM)
 
@@ -374,15 +374,19 @@ class Sm90GemmEngine(GemmEngine):
         reads natural BF16 rows (what its gather reads; the permute writes them where it does not gather) and GEMM2
         the tiled planes the activation writes (one bulk copy per stage). BF16 weights take the decode variant's BF16
         form (low-latency buckets: at most 8 rows per expert on average, so always a decode variant); row-major NVFP4
-        weights the row-major form of the variant (natural token rows on the decode kernel), GEMM1 on _SPLIT where the
-        tiles take _WIDE (the epilogue's fusion is still decided on the tiles' CTA count: gemm1_fusion)."""
+        and MXFP4 weights the row-major form of the variant (natural token rows on the decode kernel; MXFP4: decode
+        variants only, as BF16), GEMM1 on _SPLIT where the tiles take _WIDE (the epilogue's fusion is still decided on
+        the tiles' CTA count: gemm1_fusion)."""
         variant = choose_variant(rows, shape, self.sm_count, gemm)
         if code is BlockCode.BF16:
             if not isinstance(variant, DecodeVariant):
                 raise ValueError(f"BF16 weights run on the decode kernel only; {rows} rows over {shape.num_experts} "
                                  f"experts need {variant}")
             return _BF16
-        if code is BlockCode.NVFP4_ROWS:
+        if code is BlockCode.MXFP4_ROWS and not isinstance(variant, DecodeVariant):
+            raise ValueError(f"row-major MXFP4 weights run on the decode kernel only; {rows} rows over "
+                             f"{shape.num_experts} experts need {variant}")
+        if code.row_major:
             variant = replace(_SPLIT if gemm == 1 and variant == _WIDE else variant, row_major=True)
         elif (code in (BlockCode.NVFP4, BlockCode.MXFP4) and gemm == 2 and variant == _WIDE
               and _past_one_wave(rows, shape, self.sm_count)):

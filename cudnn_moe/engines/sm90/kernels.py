@@ -57,8 +57,8 @@ class DecodeVariant:
     token tiles, weights prefetched PREFETCH k64 steps ahead in registers. Tiles of 8 NT rows,
     CTAs of 16 MT WM features. For segments of up to ~64 rows. bf16_weights: the form reading row-major
     BF16 weights in place (``-DSM90_W_BF16``), whose tokens are natural rows (BF16_ROWS) instead of fragments.
-    row_major: the form reading NVFP4 weights in their canonical row-major layout in place (``-DSM90_W_ROWS``),
-    whose tokens are natural rows too."""
+    row_major: the form reading NVFP4 (or, with -DSM90_W_MXFP4, MXFP4) weights in their canonical row-major layout in
+    place (``-DSM90_W_ROWS``), whose tokens are natural rows too."""
 
     mt: int = 1
     wm: int = 2
@@ -387,6 +387,9 @@ def grouped_gemm(
     BlockCode.MXFP4 (a DecodeVariant): W_e is MXFP4 in its exact shifted form in the SM90 MXFP4 tiles
     (layout.pack_mxfp4_weight_tiles: the NVFP4 tiles' codes, w_tile_scales uint8 [E, N*K/32] one byte per k32 block),
     alpha its globals 2^a: the products, sums and output of the NVFP4 tiles of that form (E4M3 scales 2^(j - a)).
+    BlockCode.MXFP4_ROWS (a row-major DecodeVariant): W_e is MXFP4 in its canonical layout read in place, codes [N, K/2]
+    and E8M0 scales [N, K/32] as bytes, alpha its globals 2^a of the exact shifted form: each scale byte j + 127 becomes
+    the multiplier 2^(j - a) in the kernel (the expert's a read off alpha), the products of the MXFP4 tiles of that form.
     """
     if not isinstance(variant, (DecodeVariant, PrefillVariant, WgmmaVariant)):
         raise ValueError(f"variant must be a DecodeVariant, PrefillVariant or WgmmaVariant, got {type(variant).__name__}")
@@ -395,11 +398,11 @@ def grouped_gemm(
     mxint4 = code is BlockCode.MXINT4
     if bf16_weights and (route is not None or early is not None):
         raise ValueError(f"BF16 weights ({variant}) run without a route or early routing")
-    if code is BlockCode.NVFP4_ROWS and route is not None:
-        raise ValueError(f"row-major NVFP4 weights ({variant}) run without a route")
+    if code.row_major and route is not None:
+        raise ValueError(f"row-major weights ({variant}) run without a route")
     if swap_halves and isinstance(variant, PrefillVariant):
         raise ValueError(f"swap_halves needs a DecodeVariant or WgmmaVariant, got {variant}")
-    if code in (BlockCode.MXINT4, BlockCode.MXFP4) and not isinstance(variant, DecodeVariant):
+    if (code is BlockCode.MXINT4 or code.e8m0) and not isinstance(variant, DecodeVariant):
         raise ValueError(f"{code.name} weights run on a DecodeVariant, got {variant}")
     intermediate = None if epilogue is None else epilogue.intermediate
     if intermediate is IntermediateCode.MXFP8 and not isinstance(variant, DecodeVariant):
@@ -438,6 +441,9 @@ def grouped_gemm(
     alpha, offsets = _tensor("alpha", alpha), _tensor("offsets", offsets)
     if route is not None:
         tokens = _tensor("route.tokens", route.tokens)
+        if tokens.dtype == torch.float8_e4m3fn:
+            raise ValueError("route.tokens: a route stages BF16 or NVFP4 tokens; MXFP8 ones are decoded by the sort + "
+                             "permute launch")
     elif gather is None:
         x = tokens = _tensor("x", x)
     elif x is not None:
@@ -451,7 +457,7 @@ def grouped_gemm(
     if tokens.dim() != 2 or w_tiles.dim() != 2 or (out is not None and out.dim() != 2):
         raise ValueError(f"x (or gather.source), out and w_tiles must be 2-D, got {list(tokens.shape)}, "
                          f"{None if out is None else list(out.shape)}, {list(w_tiles.shape)}")
-    k = 2 * tokens.shape[1] if route is not None and _route_token_form(route) == 2 else tokens.shape[1]  # NVFP4 packs
+    k = tokens.shape[1] if route is None or route.token_scales is None else 2 * tokens.shape[1]
     experts = w_tiles.shape[0]
     if k <= 0 or k % TILE_K:
         raise ValueError(f"x: K = {k} must be a positive multiple of {TILE_K}")
@@ -492,7 +498,7 @@ def grouped_gemm(
         named["w_tile_scales"] = w_tiles
     else:
         _check("w_tiles", w_tiles, (torch.uint8,), (experts, n * k // 2))
-        scale_bytes = n * k // (32 if code is BlockCode.MXFP4 else 16)
+        scale_bytes = n * k // (32 if code.e8m0 else 16)
         _check("w_tile_scales", w_tile_scales, (torch.uint8, torch.float8_e4m3fn), (experts, scale_bytes))
     split = n if alpha_split is None else alpha_split
     if alpha_split is not None and not (0 < split < n and split % variant.alpha_block == 0):
@@ -545,11 +551,11 @@ def grouped_gemm(
             options += ("-DSM90_W_INT4=1",)
         if intermediate is IntermediateCode.MXFP8:
             options += ("-DSM90_ACT_MXFP8=1",)
-        if code is BlockCode.MXFP4:
+        if code.e8m0:
             options += ("-DSM90_W_MXFP4=1",)
         if route is not None:
             args += _route_args(route)
-            options += (f"-DSM90_ROUTE={_route_token_form(route)}",)
+            options += (f"-DSM90_ROUTE={1 if route.token_scales is None else 2}",)
             shared_mem = route_shared_mem(k)
         if early is not None:
             args += _early_args(early)
@@ -562,16 +568,19 @@ def grouped_gemm(
 
 
 def _weight_code(variant: GemmVariant, code: BlockCode | None) -> BlockCode:
-    """What W holds: ``code``, or None read from the variant's form; ValueError where they disagree."""
-    form = (BlockCode.BF16 if isinstance(variant, DecodeVariant) and variant.bf16_weights else
-            BlockCode.NVFP4_ROWS if not isinstance(variant, PrefillVariant) and variant.row_major else None)
+    """What W holds: ``code``, or None read from the variant's form (its first code); ValueError where they
+    disagree. The row-major form reads NVFP4 or (decode variants) MXFP4 rows."""
+    decode = isinstance(variant, DecodeVariant)
+    forms = ((BlockCode.BF16,) if decode and variant.bf16_weights else
+             ((BlockCode.NVFP4_ROWS, BlockCode.MXFP4_ROWS) if decode else (BlockCode.NVFP4_ROWS,))
+             if not isinstance(variant, PrefillVariant) and variant.row_major else ())
     if code is None:
-        return form or BlockCode.NVFP4
+        return forms[0] if forms else BlockCode.NVFP4
     if not isinstance(code, BlockCode):
         raise ValueError(f"code must be a BlockCode, got {code!r}")
-    if form is not None and code is not form or form is None and code in (BlockCode.BF16, BlockCode.NVFP4_ROWS):
-        raise ValueError(f"{code.value} weights run on {'another form' if form is not None else 'a form'} of the "
-                         f"variant, not on {variant}")
+    if forms and code not in forms or not forms and (code is BlockCode.BF16 or code.row_major):
+        raise ValueError(f"{code.value} weights run on {'another form' if forms else 'a form'} of the variant, not "
+                         f"on {variant}")
     return code
 
 
@@ -662,13 +671,6 @@ def _check_route(route: RoutePrologue, k: int, experts: int) -> int:
         raise ValueError(f"a route stages the token row in {route_shared_mem(k)} bytes of shared memory, more than "
                          f"{ROUTE_MAX_SHARED_MEM}")
     return route.sorted.row_capacity
-
-
-def _route_token_form(route: RoutePrologue) -> int:
-    """SM90_ROUTE of a route's tokens: 1 BF16, 2 NVFP4, 3 MXFP8."""
-    if route.token_scales is None:
-        return 1
-    return 3 if route.tokens.dtype == torch.float8_e4m3fn else 2
 
 
 def _route_args(route: RoutePrologue) -> tuple:

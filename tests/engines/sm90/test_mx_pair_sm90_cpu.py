@@ -185,33 +185,34 @@ def _pair(seed: int = 0, arch: str = "sm90"):
     return LowLatencyMoeConfig(8, arch=arch).prepare_weights(w1, s1.view(E8), w2, s2)
 
 
-def test_pair_weights_take_the_weight_only_tiles_of_their_form() -> None:
-    """prepare_weights decides the MXFP4 pair's shifted form and keeps its tensors row-major (the CUDA-core and ll_mma
-    kernels read them); shifted_tiles gives the tiles, scale tiles and globals that weight-only MXFP4 weights of the
-    same payloads are stored in on SM90."""
+def test_pair_view_reads_the_weights_in_place() -> None:
+    """prepare_weights decides the MXFP4 pair's shifted form and keeps its tensors row-major, as given; the SM90
+    engine's view holds those very tensors (no copy: BlockCode.MXFP4_ROWS, the scales as their bytes) and the globals
+    2^a of the form as alphas."""
     w1, s1, w2, s2 = mx_payloads("mxfp4", True, EXPERTS, HIDDEN, INTER, 3)
-    config = LowLatencyMoeConfig(8, arch="sm90")
-    pair = config.prepare_weights(w1, s1.view(E8), w2, s2)
+    s1[0] -= 18  # expert 0's w1 scales 2^-27 .. 2^-22: its shifted form takes a = -18
+    pair = LowLatencyMoeConfig(8, arch="sm90").prepare_weights(w1, s1.view(E8), w2, s2)
     assert not pair.tiled and pair.nvfp4_problem is None
     assert torch.equal(pair.w1_codes, w1) and torch.equal(pair.w2_codes, w2)  # row-major, as given (I = Ip)
-    weight_only = config.prepare_mxfp4_weight_only_weights(w1, s1.view(E8), w2, s2.view(E8))
-    tiles = pair.shifted_tiles()
-    assert weight_only.tiled and tiles.tiled and tiles.format is WeightFormat.MXFP4_WEIGHT_ONLY
-    for got, want in zip((tiles.w1_codes, tiles.w2_codes, *tiles.tile_form),
-                         (weight_only.w1_codes, weight_only.w2_codes, *weight_only.tile_form)):
-        assert torch.equal(got, want)
-    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(tiles.canonical(), pair.canonical()))
+    view = grouped_view(Sm90GemmEngine, SM90, pair)
+    assert view.code is BlockCode.MXFP4_ROWS and view.spec == Sm90GemmEngine.spec(SM90)
+    for got, own in ((view.w1, pair.w1_codes), (view.w1_scales, pair.w1_scales), (view.w2, pair.w2_codes),
+                     (view.w2_scales, pair.w2_scales)):
+        assert got.data_ptr() == own.data_ptr() and got.dtype == torch.uint8 and got.shape == (EXPERTS, own.numel() // EXPERTS)
+    shifts1, shifts2 = pair.nvfp4_shifts
+    assert int(shifts1[0]) == -18 and int(shifts1[1]) == 0
+    assert torch.equal(view.w1_alpha, torch.pow(2.0, shifts1.float())) and torch.equal(view.w2_alpha, torch.pow(2.0, shifts2.float()))
 
 
-def test_pair_without_a_shifted_form_has_no_tiles() -> None:
-    """Scales spanning more binades than the form holds: the pair says why, has no tiles, and the SM90 engine does
-    not take it (the CUDA-core engines do)."""
+def test_pair_without_a_shifted_form_has_no_view() -> None:
+    """Scales spanning more binades than the form holds: the pair says why, has no SM90 view, and the SM90 engine
+    does not take it (the CUDA-core engines do)."""
     w1, s1, w2, s2 = mx_payloads("mxfp4", True, EXPERTS, HIDDEN, INTER, 4)
     s1[0, 0, 0], s1[0, 1, 0] = 100, 140  # 40 binades apart in one expert
     pair = LowLatencyMoeConfig(8, arch="sm90").prepare_weights(w1, s1.view(E8), w2, s2)
     assert isinstance(pair.nvfp4_problem, str)
     with pytest.raises(ValueError, match="no exact shifted form"):
-        pair.shifted_tiles()
+        grouped_view(Sm90GemmEngine, SM90, pair)
     request = layer_request(pair, SM90, 8, None, torch.bfloat16, True)
     assert Sm90GemmEngine not in supporting(request)
     assert "shifted form" in Sm90GemmEngine.check(request).reason
@@ -366,13 +367,13 @@ def recorded(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, tuple[str, ...]
 @pytest.mark.parametrize("tokens", [1, 3, 8])
 def test_the_pair_runs_the_decode_chain_with_its_mxfp8_forms(tokens: int, recorded: list) -> None:
     """A dry run of the MXFP4 pair's call through the executor (launches recorded, every wrapper's checks on the real
-    buffers): one token stages and sorts in GEMM1's routed prologue (SM90_ROUTE=3) and GEMM2 finalizes, two launches;
-    more stage, sort and permute the MXFP8 tokens in one launch before GEMM1. GEMM1 quantizes to MXFP8 in its epilogue
-    (SM90_ACT_MXFP8) on the MXFP4 tiles (SM90_W_MXFP4), GEMM2 reads those tiles. The bucket's graph chain stages the
-    MXFP8 tokens into the bucket and sorts + permutes them from there."""
+    buffers): the MXFP8 tokens staged, sorted and permuted in one launch, GEMM1 quantizing to MXFP8 in its epilogue
+    (SM90_ACT_MXFP8), GEMM2, both on the row-major MXFP4 form (SM90_W_ROWS, SM90_W_MXFP4: the weights in place), with
+    no tile handoff and no early routing (row-major forms); GEMM2 finalizes where the engine can. The bucket's graph
+    chain stages the MXFP8 tokens into the bucket and sorts + permutes them from there."""
     pair = _pair(seed=5)
     view = grouped_view(Sm90GemmEngine, SM90, pair)
-    assert view.code is BlockCode.MXFP4 and view.w1.shape == (EXPERTS, 2 * INTER * HIDDEN // 2)
+    assert view.code is BlockCode.MXFP4_ROWS and view.w1.data_ptr() == pair.w1_codes.data_ptr()
     engine = Sm90GemmEngine.__new__(Sm90GemmEngine)
     GemmEngine.__init__(engine, torch.device("cpu"), SM90)
     engine.sm_count = 132
@@ -385,13 +386,12 @@ def test_the_pair_runs_the_decode_chain_with_its_mxfp8_forms(tokens: int, record
     executor.run(Mxfp8Activations(codes, scales), routing, finalize=True, out=out, use_cuda_graph=False)
     names = [name for name, _ in recorded]
     gemms = [options for name, options in recorded if name == "sm90_gemm_decode"]
-    if tokens == 1:
-        assert names == ["sm90_gemm_decode", "sm90_gemm_decode"]
-        assert "-DSM90_ROUTE=3" in gemms[0]
-    else:
-        assert names[0] == "moe_stage_sort_permute_bf16_mxfp8_warp" and names.count("sm90_gemm_decode") == 2
+    assert names[:3] == ["moe_stage_sort_permute_bf16_mxfp8_warp", "sm90_gemm_decode", "sm90_gemm_decode"]
+    assert names[3:] in ([], ["moe_finalize"])
     assert "-DSM90_ACT_MXFP8=1" in gemms[0] and "-DSM90_ACT_MXFP8=1" not in gemms[1]
-    assert all("-DSM90_W_MXFP4=1" in options for options in gemms)
+    for options in gemms:
+        assert "-DSM90_W_MXFP4=1" in options and "-DSM90_W_ROWS=1" in options
+        assert not any(o.startswith(("-DSM90_ROUTE", "-DSM90_EARLY", "-DSM90_SIGNAL", "-DSM90_AWAIT")) for o in options)
     # The bucket's own chain (what its CUDA graph holds), behind the op's stage launch: the MXFP8 codes and scales
     # copied into the bucket, then sorted and permuted from there.
     recorded.clear()

@@ -165,16 +165,15 @@ def test_variant_compiles(variant: Any) -> None:
         assert not re.search(r"\b[1-9]\d* bytes smem", report), report
 
 
-# The decode module's option of each tile code but NVFP4's ("mxfp4-pair": the MXFP4 tiles of the MXFP4 pair, whose
-# epilogue quantizes to MXFP8).
-CODE_OPTIONS = {"mxint4": ("-DSM90_W_INT4=1",), "mxfp4": ("-DSM90_W_MXFP4=1",), "mxfp4-pair": ("-DSM90_W_MXFP4=1",)}
+# The decode module's option of each tile code but NVFP4's.
+CODE_OPTIONS = {"mxint4": ("-DSM90_W_INT4=1",), "mxfp4": ("-DSM90_W_MXFP4=1",)}
 
 
 def coded_options(variant: Any, form: str, code: str) -> tuple[str, ...]:
     """The decode module's options for MXINT4 or MXFP4 weights (``code``): plain (GEMM2), with the finalize, waiting for
-    GEMM1's tiles (a handoff), or with the SwiGLU epilogue (GEMM1; MXINT4: FP32 preactivations; the MXFP4 pair: an
-    MXFP8 intermediate) and its handoff signal."""
-    swiglu = (*sm90.epilogue_options(SwiGLU()), *(("-DSM90_ACT_MXFP8=1",) if code == "mxfp4-pair" else ()))
+    GEMM1's tiles (a handoff), or with the SwiGLU epilogue (GEMM1; MXINT4: FP32 preactivations) and its handoff
+    signal."""
+    swiglu = sm90.epilogue_options(SwiGLU())
     extra = {"plain": (), "finalize": ("-DSM90_FINALIZE=1",), "await": ("-DSM90_AWAIT=1", "-DSM90_FINALIZE=1"),
              "swiglu": swiglu, "signal": (*swiglu, "-DSM90_SIGNAL=1")}[form]
     return (*variant.options(), *CODE_OPTIONS[code], *extra)
@@ -198,7 +197,7 @@ _CODED_FORMS = ("plain", "finalize", "await", "swiglu", "signal")
 def test_coded_decode_compiles(variant: Any, form: str, code: str, arch: str) -> None:
     """The decode kernel with MXINT4 or MXFP4 weights builds in every form the low-latency chain uses, within 128
     registers a thread (512 threads an SM, as the NVFP4 forms); MXINT4 spills at most 8 bytes, MXFP4 (whose ring holds
-    fewer scale bytes than NVFP4's) none, with the MXFP8 epilogue of the MXFP4 pair too."""
+    fewer scale bytes than NVFP4's) none."""
     result = _nvcc(SM90_DIR / "grouped_gemm.cu", arch, coded_options(variant, form, code))
     assert result.returncode == 0, result.stderr
     report = result.stderr.split(f"Compiling entry function '{variant.kernel}'")[1].split("Compiling entry")[0]
@@ -233,18 +232,15 @@ def test_bf16_decode_compiles(form: str, arch: str) -> None:
 
 def route_options(variant: Any, tokens: str) -> tuple[str, ...]:
     """The decode module's options for GEMM1 with the stage and the sort in its prologue (SwiGLU epilogue) for BF16 or
-    NVFP4 tokens, ("mxint4", "mxfp4") MXINT4 or MXFP4 weights and BF16 tokens, or ("mxfp4-pair") MXFP4 weights with
-    MXFP8 tokens and the MXFP8 intermediate."""
-    form = {"nvfp4": 2, "mxfp4-pair": 3}.get(tokens, 1)
-    mxfp8 = ("-DSM90_ACT_MXFP8=1",) if tokens == "mxfp4-pair" else ()
-    return (*variant.options(), *CODE_OPTIONS.get(tokens, ()), *sm90.epilogue_options(SwiGLU()), *mxfp8,
-            f"-DSM90_ROUTE={form}")
+    NVFP4 tokens, or ("mxint4", "mxfp4") MXINT4 or MXFP4 weights and BF16 tokens."""
+    return (*variant.options(), *CODE_OPTIONS.get(tokens, ()), *sm90.epilogue_options(SwiGLU()),
+            f"-DSM90_ROUTE={2 if tokens == 'nvfp4' else 1}")
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found")
 @pytest.mark.parametrize("variant,tokens,arch", [(v, t, "90a") for v in LOW_LATENCY_DECODE_VARIANTS
-                                                 for t in ("bf16", "nvfp4", "mxint4", "mxfp4", "mxfp4-pair")]
-                         + [(LOW_LATENCY_DECODE_VARIANTS[2], t, "100a") for t in ("nvfp4", "mxfp4-pair")], ids=str)
+                                                 for t in ("bf16", "nvfp4", "mxint4", "mxfp4")]
+                         + [(LOW_LATENCY_DECODE_VARIANTS[2], "nvfp4", "100a")], ids=str)
 def test_route_compiles(variant: Any, tokens: str, arch: str) -> None:
     """GEMM1 of a one-token bucket with the stage and the sort in its prologue builds for the variants the engine
     picks there within 128 registers a thread (512 threads an SM, as the plain forms), without spills (MXINT4: at most
@@ -1044,12 +1040,12 @@ def _param_count(define: str) -> int:
     return re.search(rf"#define {define}\s*\\\n((?:.*\\\n)*.*\n)", text).group(1).count(",")
 
 
-@pytest.mark.parametrize("tokens", ["bf16", "nvfp4", "mxfp8"])
+@pytest.mark.parametrize("tokens", ["bf16", "nvfp4"])
 def test_route_passes_its_operands_and_compiles_in(tokens: str, launches: list[tuple],
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    """The routed form launches the decode kernel with SM90_ROUTE (1: BF16 tokens, 2: NVFP4, 3: MXFP8) after the
-    epilogue's options, the kernel's arguments plus DEC_ROUTE_PARAMS' (no bucket rows: x is null), and 2K bytes of
-    dynamic shared memory for the token row (K BF16 values, whatever the tokens' own bytes)."""
+    """The routed form launches the decode kernel with SM90_ROUTE (1: BF16 tokens, 2: NVFP4) after the epilogue's
+    options, the kernel's arguments plus DEC_ROUTE_PARAMS' (no bucket rows: x is null), and 2K bytes of dynamic
+    shared memory for the token row."""
     for module in (kernel_stage, kernel_sort):  # the routing's and the sort buffers' pointers
         monkeypatch.setattr(module, "ptr", lambda tensor, align=1: np.uint64(0))
     args = _route_args(tokens, top_k=4, k=128)
@@ -1057,7 +1053,7 @@ def test_route_passes_its_operands_and_compiles_in(tokens: str, launches: list[t
     (_source, name, _device, grid, block, kernel_args), kwargs = launches[0]
     assert name == "sm90_gemm_decode" and block == 256
     assert kwargs["extra_options"] == (*args["variant"].options(), *sm90.epilogue_options(SwiGLU()),
-                                       f"-DSM90_ROUTE={ {'bf16': 1, 'nvfp4': 2, 'mxfp8': 3}[tokens]}")
+                                       f"-DSM90_ROUTE={1 if tokens == 'bf16' else 2}")
     assert kwargs["shared_mem"] == 2 * 128
     assert len(kernel_args) == len(_signatures()["sm90_gemm_decode"]) + _param_count("DEC_ROUTE_PARAMS") == 28 + 18
     route = kernel_args[28:]
@@ -1074,6 +1070,7 @@ _ROUTE_BAD = [
     ("token H", lambda a: a.update(route=replace(a["route"], tokens=torch.zeros(1, 32, dtype=torch.uint8),
                                                  token_scales=torch.zeros(1, 4, dtype=torch.uint8))),
      ValueError, "w_tiles"),
+    ("mxfp8 tokens", lambda a: a.update(route=_route_args("mxfp8")["route"]), ValueError, "MXFP8 ones are decoded"),
     ("token dtype", lambda a: a.update(route=replace(a["route"], tokens=torch.zeros(1, 64, dtype=torch.float16))),
      ValueError, "route"),
     ("routing shape", lambda a: a.update(route=replace(a["route"], ids=torch.zeros(1, 3, dtype=torch.int32))),
