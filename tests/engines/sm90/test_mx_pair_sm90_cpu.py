@@ -1,8 +1,9 @@
 """The MXFP4 pair (MXFP4 weights, MXFP8 tokens) on the SM90 decode chain, on the CPU: the MXFP8 values its sort +
 permute and its activation write as BF16 (kernels_cuda/mxfp8.cuh, built for the host) against the project's
-quantizer and torch's conversions; the weights' form on the engine (the weight-only MXFP4 tiles of their exact
-shifted form); what the engine declares; and how the executor and the kernel wrappers take MXFP8 tokens. What the
-kernels compute on the GPU: tests/ops/low_latency/test_low_latency_tc_gpu.py and tests/kernels/test_kernels_gpu.py."""
+quantizer and torch's conversions; the weights on the engine (their own row-major tensors read in place, with the
+globals of their exact shifted form); what the engine declares; the kernel wrappers and the decode forms the chain
+compiles; and a dry run of the call through the executor. What the kernels compute on the GPU:
+tests/engines/sm90/test_mx_pair_sm90_gpu.py."""
 
 from __future__ import annotations
 
