@@ -511,7 +511,9 @@ class LowLatencyMoeConfig:
         I % 32 == 0; I is padded to a multiple of 128 with zero bytes (codes +0, scale bytes 0). E4M3 NaN codes
         (0x7F / 0xFF) and E8M0 NaN scales (byte 255) are refused; the checks read the data (preparation, not the
         serving path). Errors name the argument: TypeError for a non-tensor or a wrong dtype (w2 of the other
-        kind included), ValueError for a wrong shape, size, device or value.
+        kind included), ValueError for a wrong shape, size, device or value. MXFP4 weights also get their exact shifted
+        form decided here (as ``prepare_mxfp4_weight_only_weights``'s), which the SM90 engine runs them in, reading the
+        tensors in place; ``weights.nvfp4_problem`` says why a layer has none (it then runs on the CUDA cores).
 
         What the call does with them (``reference_mx_pair`` states every rounding point): FC1 as FP32 sums of exact
         code products scaled per 32-K block by the two E8M0 scales, preactivation rounded to BF16, the activation
