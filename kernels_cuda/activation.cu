@@ -1,5 +1,6 @@
-// Activation of the first GEMM's output, requantized to NVFP4 for the second GEMM (or, with BF16 fragments
-// and requantize == 0, rounded to BF16 for a second GEMM on BF16 tokens).
+// Activation of the first GEMM's output, requantized to NVFP4 for the second GEMM (inter_code INTER_NVFP4), or
+// rounded to BF16 (INTER_BF16, the BF16 layouts only) for a second GEMM on BF16 tokens, or quantized to MXFP8 per 32
+// values and written as the BF16 values of its elements (INTER_MXFP8, the BF16 layouts only: the MX pair).
 #include "activation_unit.cuh"
 
 using namespace moe;
@@ -10,13 +11,13 @@ using namespace moe;
 // activation epilogue.
 
 // The units u = first, first + stride, ... < inter / 32 of row r.
-template <int ACT, bool GATED>
+template <int ACT, bool GATED, bool MX>
 __device__ __forceinline__ void activate_row(const u16* row, bool padding, i64 r, int first, int stride, int inter,
                                              int rows, int act, float alpha, float beta, float limit, int layout,
-                                             bool requantize, u8* out, u8* out_scales) {
+                                             int inter_code, u8* out, u8* out_scales) {
   for (int u = first; u < inter / 32; u += stride)
-    activate_store_unit<ACT, GATED>(row + 32 * u, inter, padding, r, u, inter, rows, act, alpha, beta, limit, layout,
-                                    requantize, out, out_scales);
+    activate_store_unit<ACT, GATED, MX>(row + 32 * u, inter, padding, r, u, inter, rows, act, alpha, beta, limit,
+                                        layout, inter_code, out, out_scales);
 }
 
 // Rows r < row_capacity; a thread handles units of 32 values (two 16-value quantization blocks):
@@ -32,12 +33,12 @@ __device__ __forceinline__ void activate_row(const u16* row, bool padding, i64 r
 //               unused; tiled: rows a multiple of 8)
 //   rows        the output's rows R (>= offsets[num_experts]; where the tiled layout's planes start)
 // Per block: y = activation(float(g1)) in FP32, s = e4m3(amax(|y|) / 6), code_i = e2m1(y_i / float(s)),
-// all codes 0 when float(s) == 0; with requantize == 0 (BF16 layouts only) the values are bf16_rne(y)
-// instead. Padding rows (r < total, row_to_slot[r] < 0) are written as zeros; rows >= total are not
+// all codes 0 when float(s) == 0 (inter_code INTER_NVFP4); with INTER_BF16 (BF16 layouts only) the values are
+// bf16_rne(y) instead. Padding rows (r < total, row_to_slot[r] < 0) are written as zeros; rows >= total are not
 // written. inter must be a multiple of 64.
 extern "C" __global__ void moe_activation(const u16* __restrict__ g1, const int* __restrict__ row_to_slot,
                                           const int* __restrict__ offsets, int num_experts, int act, int gated,
-                                          float alpha, float beta, float limit, int inter, int layout, int requantize,
+                                          float alpha, float beta, float limit, int inter, int layout, int inter_code,
                                           int rows, u8* __restrict__ out, u8* __restrict__ out_scales) {
   moe::grid_dependency_begin();
   const int units = inter / 32;
@@ -52,11 +53,15 @@ extern "C" __global__ void moe_activation(const u16* __restrict__ g1, const int*
   const u16* row = g1 + static_cast<i64>(r) * (gated ? 2 * inter : inter);
 // SwiGLU (the gated activation of the common MoE models) is compiled on its own; the other activations
 // share one body that switches on `act` (fewer instantiations, shorter NVRTC builds).
-#define MOE_ACTIVATE_ROW(ACT, GATED) \
-  activate_row<ACT, GATED>(row, padding, r, first, stride, inter, rows, act, alpha, beta, limit, layout, \
-                           requantize != 0, out, out_scales)
-  if (act == ACT_SWIGLU && gated) MOE_ACTIVATE_ROW(ACT_SWIGLU, true);
-  else if (gated) MOE_ACTIVATE_ROW(-1, true);
-  else MOE_ACTIVATE_ROW(-1, false);
+// The MXFP8 intermediate (the MX pair's) has forms of its own (activate_store_unit's MX).
+#define MOE_ACTIVATE_ROW(ACT, GATED, MX) \
+  activate_row<ACT, GATED, MX>(row, padding, r, first, stride, inter, rows, act, alpha, beta, limit, layout, \
+                               inter_code, out, out_scales)
+  if (inter_code == INTER_MXFP8) {
+    if (gated) MOE_ACTIVATE_ROW(-1, true, true);
+    else MOE_ACTIVATE_ROW(-1, false, true);
+  } else if (act == ACT_SWIGLU && gated) MOE_ACTIVATE_ROW(ACT_SWIGLU, true, false);
+  else if (gated) MOE_ACTIVATE_ROW(-1, true, false);
+  else MOE_ACTIVATE_ROW(-1, false, false);
 #undef MOE_ACTIVATE_ROW
 }

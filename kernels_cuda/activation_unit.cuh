@@ -5,6 +5,7 @@
 
 #include "common.cuh"
 #include "activation_math.cuh"
+#include "mxfp8.cuh"
 
 namespace moe {
 
@@ -110,6 +111,20 @@ __device__ __forceinline__ u8 requantize_16(float y[16]) {
 #pragma unroll
   for (int j = 0; j < 16; ++j) y[j] = round_to_e2m1(divide_rn(y[j], sf, r));
   return s;
+}
+
+// Quantize the 32 values of a unit (one block) to MXFP8 in place (the MX pair's intermediate; quantize_mxfp8, as the
+// low-latency kernels do): b = mx_e4m3_scale_byte(amax), amax the NaN-blind maximum of |v| (fmaxf), each value
+// becomes its E4M3 element times 2^(b - 127) in FP32 (exact: the element's lowest bit is at least 2^-136, above FP32's
+// subnormal step), whose BF16 rounding is mx_value_bf16's.
+__device__ __forceinline__ void mx_quantize_32(float v[32]) {
+  float amax = 0.0f;
+#pragma unroll
+  for (int j = 0; j < 32; ++j) amax = fmaxf(amax, fabsf(v[j]));
+  const u32 b = mx_e4m3_scale_byte(amax);
+  const float scale = e8m0_to_float(b);
+#pragma unroll
+  for (int j = 0; j < 32; ++j) v[j] = mx_e4m3_value(v[j], b) * scale;
 }
 
 // BF16 bits of grid value v times scale sf, packed in pairs: the product is exact in FP32 and in BF16
@@ -219,21 +234,23 @@ __device__ __forceinline__ void store_unit_bf16(int layout, u8* out, i64 r, int 
 }
 
 // Unit u of output row r (inter values per row, `rows` rows in the output) from the 32 BF16 values at src (up;
-// gate at src + gate_offset when gated): activation in FP32, then two requantized 16-value blocks stored by
-// store_unit, or with requantize == false bf16_rne(y) by store_unit_bf16; a padding row is stored as zeros (codes
-// and scales 0).
-template <int ACT, bool GATED>
+// gate at src + gate_offset when gated): activation in FP32, then by inter_code two requantized 16-value blocks
+// stored by store_unit (INTER_NVFP4), or bf16_rne(y) by store_unit_bf16 (INTER_BF16); with MX (INTER_MXFP8, decided
+// at compile time so that the forms without it keep their registers) the MXFP8 elements of the unit as BF16 values by
+// store_unit_bf16 (mx_quantize_32; BF16 layouts only). A padding row is stored as zeros (codes and scales 0).
+template <int ACT, bool GATED, bool MX = false>
 __device__ __forceinline__ void activate_store_unit(const u16* src, int gate_offset, bool padding, i64 r, int u,
                                                     int inter, int rows, int act, float alpha, float beta, float limit,
-                                                    int layout, bool requantize, u8* out, u8* out_scales) {
+                                                    int layout, int inter_code, u8* out, u8* out_scales) {
   float v[32];
   u8 s0 = 0, s1 = 0;
   if (padding) {
 #pragma unroll
     for (int j = 0; j < 32; ++j) v[j] = 0.0f;
   } else {
-    activate_32<ACT, GATED>(src, gate_offset, 0, act, alpha, beta, limit, !requantize, v);
-    if (!requantize) {
+    activate_32<ACT, GATED>(src, gate_offset, 0, act, alpha, beta, limit, MX || inter_code == INTER_BF16, v);
+    if (MX || inter_code == INTER_BF16) {
+      if (MX) mx_quantize_32(v);
       store_unit_bf16(layout, out, r, u, inter, rows, v);
       return;
     }
@@ -245,9 +262,9 @@ __device__ __forceinline__ void activate_store_unit(const u16* src, int gate_off
 
 // The same unit's values in the BF16 layouts as activate_store_unit stores them, as four 16-byte chunks in natural
 // column order (scaled_unit_chunks or rounded_unit_chunks; zeros for a padding row), for a caller that places them.
-template <int ACT, bool GATED>
+template <int ACT, bool GATED, bool MX = false>
 __device__ __forceinline__ void activate_unit_chunks(const u16* src, int gate_offset, bool padding, int act,
-                                                     float alpha, float beta, float limit, bool requantize,
+                                                     float alpha, float beta, float limit, int inter_code,
                                                      uint4 chunk[4]) {
   if (padding) {
 #pragma unroll
@@ -255,8 +272,9 @@ __device__ __forceinline__ void activate_unit_chunks(const u16* src, int gate_of
     return;
   }
   float v[32];
-  activate_32<ACT, GATED>(src, gate_offset, 0, act, alpha, beta, limit, !requantize, v);
-  if (!requantize) {
+  activate_32<ACT, GATED>(src, gate_offset, 0, act, alpha, beta, limit, MX || inter_code == INTER_BF16, v);
+  if (MX || inter_code == INTER_BF16) {
+    if (MX) mx_quantize_32(v);
     rounded_unit_chunks(v, chunk);
     return;
   }
@@ -267,17 +285,17 @@ __device__ __forceinline__ void activate_unit_chunks(const u16* src, int gate_of
 
 // The same unit by the 32 lanes of a warp, lane j computing value j, for the BF16 layouts (a decode epilogue
 // with few rows: a 32x shorter dependency chain per unit). Bit for bit activate_store_unit's stores: the
-// activation of value j, its 16-value block's amax by a butterfly of fmaxf (NaN-blind, as the loop's), the
-// block's scale and quotient, then one 2-byte store at the value's place in the layout
+// activation of value j, its 16-value block's amax by a butterfly of fmaxf (NaN-blind, as the loop's; MX: the
+// 32-value block's), the block's scale and quotient, then one 2-byte store at the value's place in the layout
 // (store_unit's TOKENS_BF16_FRAGMENTS pieces, natural order, or its tiled place). All 32 lanes call it with one unit.
 // The source row holds BF16 preactivations (u16), or FP32 ones (float: MXINT4, whose contract keeps them unrounded).
 __device__ __forceinline__ float preactivation(const u16* src, int j) { return bf16_to_float(src[j]); }
 __device__ __forceinline__ float preactivation(const float* src, int j) { return src[j]; }
 
-template <int ACT, bool GATED, typename Src>
+template <int ACT, bool GATED, bool MX, typename Src>
 __device__ __forceinline__ void activate_store_unit_warp(const Src* src, int gate_offset, bool padding, i64 r,
                                                          int u, int inter, int rows, int act, float alpha, float beta,
-                                                         float limit, int layout, bool requantize, u16* out) {
+                                                         float limit, int layout, int inter_code, u16* out) {
   const int j = static_cast<int>(threadIdx.x & 31);
   const int kind = ACT >= 0 ? ACT : act;
   const float up = preactivation(src, j);
@@ -285,9 +303,13 @@ __device__ __forceinline__ void activate_store_unit_warp(const Src* src, int gat
                         : act_fn(kind, up);
   float amax = fmaxf(0.0f, fabsf(y));
 #pragma unroll
-  for (int lanes = 1; lanes < 16; lanes <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, lanes));
+  for (int lanes = 1; lanes < (MX ? 32 : 16); lanes <<= 1)
+    amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, lanes));
   u16 bits = 0;
-  if (!padding && !requantize) {
+  if (!padding && MX) {
+    const u32 b = mx_e4m3_scale_byte(amax);
+    bits = mx_value_bf16(mx_e4m3_value(y, b), b);
+  } else if (!padding && inter_code == INTER_BF16) {
     bits = float_to_bf16(y);
   } else if (!padding) {
     const float sf = e4m3_to_float(block_scale_e4m3(amax));

@@ -8,7 +8,8 @@
 #pragma once
 
 // Codes shared with Python arrive as -D options (cudnn_moe.kernels.codes.cuda_defines()).
-#if !defined(ACT_SWIGLU) || !defined(ROUTING_PACKED) || !defined(TOKENS_BF16_FRAGMENTS) || !defined(SORT_THREADS)
+#if !defined(ACT_SWIGLU) || !defined(ROUTING_PACKED) || !defined(TOKENS_BF16_FRAGMENTS) || \
+    !defined(INTER_NVFP4) || !defined(SORT_THREADS)
 #error "compile with the -D options of cudnn_moe.kernels.codes.cuda_defines()"
 #endif
 
@@ -384,6 +385,14 @@ __device__ __forceinline__ uint4 ldg_stream_v4(const void* p) {
 __device__ __forceinline__ u32 ldg_reused_u16(const void* p) {
   u32 v;
   asm("ld.global.nc.L2::256B.u16 %0, [%1];" : "=r"(v) : "l"(p));
+  return v;
+}
+
+// 1 byte of read-only data, zero-extended, read as ldg_reused_u16 reads its two (a row-major E8M0 scale row, one byte
+// a lane a step).
+__device__ __forceinline__ u32 ldg_reused_u8(const void* p) {
+  u32 v;
+  asm("ld.global.nc.L2::256B.u8 %0, [%1];" : "=r"(v) : "l"(p));
   return v;
 }
 

@@ -1,6 +1,7 @@
 // Gather token rows into expert-sorted rows for the first grouped GEMM; for decode buckets, the routing sort
 // and the gather in one launch (moe_sort_permute_bf16*).
 #include "common.cuh"
+#include "mxfp8.cuh"
 #include "sort.cuh"
 
 using namespace moe;
@@ -200,6 +201,20 @@ extern "C" __global__ void __launch_bounds__(SORT_THREADS)
       expand_bf16_unit);
 }
 
+// MXFP8 tokens (codes xs [B, H], 16-byte aligned; E8M0 scales xss [B, H/32]), as their BF16 values.
+extern "C" __global__ void __launch_bounds__(SORT_THREADS)
+    moe_sort_permute_bf16_mxfp8(const int* __restrict__ ids, int num_slots, int top_k, int local_start,
+                                int num_experts, int align, int row_capacity, int hidden, int layout,
+                                const u8* __restrict__ xs, const u8* __restrict__ xss, int* __restrict__ offsets,
+                                int* __restrict__ slot_to_row, int* __restrict__ row_to_slot,
+                                int* __restrict__ row_expert, int* __restrict__ counts, u16* __restrict__ xp) {
+  moe::grid_dependency_begin();
+  sort_permute<false>(
+      [&] { return ids; }, num_slots, top_k, local_start, num_experts, align, row_capacity, hidden, layout, offsets,
+      slot_to_row, row_to_slot, row_expert, counts, xp,
+      [&](i64 t, int u) { return fetch_mxfp8_unit(xs, xss, hidden, t, u); }, expand_mxfp8_unit);
+}
+
 // The stage (moe_stage_inputs' routing half) folded into sort_permute, for calls whose launches know the caller's
 // tensors: the caller's routing (ids, weights, routing_format, ids_int64 as moe_stage_inputs reads them) goes straight
 // into the sort and the gather of the bucket's num_slots = B * top_k slots (slots of tokens t >= num_tokens = T
@@ -237,12 +252,15 @@ __device__ __forceinline__ void stage_sort_permute(const void* __restrict__ ids,
       [&](i64 t, int u) { return t < num_tokens ? fetch(t, u) : decltype(fetch(t, u)){}; }, expand);
 }
 
-// stage_sort_permute of NVFP4 tokens (xs [T, H/2], 16-byte aligned; xss [T, H/16]): the same outputs, bit for bit,
-// as moe_stage_inputs followed by moe_sort_permute_bf16. Each token kind has two kernels: the general one, and the
-// _warp one for num_slots <= SORT_WARP_SLOTS (it writes nothing for more) with only the one-warp sort's shared arrays
-// (8 KB against 45 KB: sort_permute's WarpOnly).
-template <bool WarpOnly>
-__device__ __forceinline__ void stage_sort_permute_nvfp4(
+// stage_sort_permute of tokens given as codes xs (16-byte aligned rows) and 1-byte scales xss, unit u of token t read
+// by Fetch and decoded by Expand: NVFP4 (xs [T, H/2], xss [T, H/16]: fetch_nvfp4_unit, expand_nvfp4_unit; the same
+// outputs, bit for bit, as moe_stage_inputs followed by moe_sort_permute_bf16) or MXFP8 (xs [T, H], E8M0 xss [T, H/32]:
+// fetch_mxfp8_unit, expand_mxfp8_unit; as moe_stage_inputs followed by moe_sort_permute_bf16_mxfp8). Each token kind
+// has two kernels: the general one, and the _warp one for num_slots <= SORT_WARP_SLOTS (it writes nothing for more)
+// with only the one-warp sort's shared arrays (8 KB against 45 KB: sort_permute's WarpOnly).
+template <bool WarpOnly, typename Unit, Unit (*Fetch)(const u8*, const u8*, int, i64, int),
+          void (*Expand)(const Unit&, uint4*)>
+__device__ __forceinline__ void stage_sort_permute_scaled(
     const void* __restrict__ ids, const void* __restrict__ weights, int routing_format, int ids_int64, int num_tokens,
     int num_slots, int top_k, int local_start, int num_experts, int align, int row_capacity, int hidden, int layout,
     const u8* __restrict__ xs, const u8* __restrict__ xss, int* __restrict__ ids_out, float* __restrict__ w_out,
@@ -251,7 +269,7 @@ __device__ __forceinline__ void stage_sort_permute_nvfp4(
   stage_sort_permute<WarpOnly>(
       ids, weights, routing_format, ids_int64, num_tokens, num_slots, top_k, local_start, num_experts, align,
       row_capacity, hidden, layout, ids_out, w_out, offsets, slot_to_row, row_to_slot, row_expert, counts, xp,
-      [&](i64 t, int u) { return fetch_nvfp4_unit(xs, xss, hidden, t, u); }, expand_nvfp4_unit);
+      [&](i64 t, int u) { return Fetch(xs, xss, hidden, t, u); }, Expand);
 }
 
 extern "C" __global__ void __launch_bounds__(SORT_THREADS) moe_stage_sort_permute_bf16(
@@ -261,9 +279,9 @@ extern "C" __global__ void __launch_bounds__(SORT_THREADS) moe_stage_sort_permut
     int* __restrict__ offsets, int* __restrict__ slot_to_row, int* __restrict__ row_to_slot,
     int* __restrict__ row_expert, int* __restrict__ counts, u16* __restrict__ xp) {
   moe::grid_dependency_begin();
-  stage_sort_permute_nvfp4<false>(ids, weights, routing_format, ids_int64, num_tokens, num_slots, top_k, local_start,
-                                  num_experts, align, row_capacity, hidden, layout, xs, xss, ids_out, w_out, offsets,
-                                  slot_to_row, row_to_slot, row_expert, counts, xp);
+  stage_sort_permute_scaled<false, Nvfp4Unit, fetch_nvfp4_unit, expand_nvfp4_unit>(
+      ids, weights, routing_format, ids_int64, num_tokens, num_slots, top_k, local_start, num_experts, align,
+      row_capacity, hidden, layout, xs, xss, ids_out, w_out, offsets, slot_to_row, row_to_slot, row_expert, counts, xp);
 }
 
 extern "C" __global__ void __launch_bounds__(SORT_THREADS) moe_stage_sort_permute_bf16_warp(
@@ -273,9 +291,9 @@ extern "C" __global__ void __launch_bounds__(SORT_THREADS) moe_stage_sort_permut
     int* __restrict__ offsets, int* __restrict__ slot_to_row, int* __restrict__ row_to_slot,
     int* __restrict__ row_expert, int* __restrict__ counts, u16* __restrict__ xp) {
   moe::grid_dependency_begin();
-  stage_sort_permute_nvfp4<true>(ids, weights, routing_format, ids_int64, num_tokens, num_slots, top_k, local_start,
-                                 num_experts, align, row_capacity, hidden, layout, xs, xss, ids_out, w_out, offsets,
-                                 slot_to_row, row_to_slot, row_expert, counts, xp);
+  stage_sort_permute_scaled<true, Nvfp4Unit, fetch_nvfp4_unit, expand_nvfp4_unit>(
+      ids, weights, routing_format, ids_int64, num_tokens, num_slots, top_k, local_start, num_experts, align,
+      row_capacity, hidden, layout, xs, xss, ids_out, w_out, offsets, slot_to_row, row_to_slot, row_expert, counts, xp);
 }
 
 // stage_sort_permute of BF16 tokens (x bf16 [T, H], 16-byte aligned), as they are: the same outputs, bit for bit, as
@@ -315,4 +333,29 @@ extern "C" __global__ void __launch_bounds__(SORT_THREADS) moe_stage_sort_permut
   stage_sort_permute_tokens<true>(ids, weights, routing_format, ids_int64, num_tokens, num_slots, top_k, local_start,
                                   num_experts, align, row_capacity, hidden, layout, x, ids_out, w_out, offsets,
                                   slot_to_row, row_to_slot, row_expert, counts, xp);
+}
+
+// stage_sort_permute_scaled of MXFP8 tokens, as their BF16 values: the two kernels as NVFP4's.
+extern "C" __global__ void __launch_bounds__(SORT_THREADS) moe_stage_sort_permute_bf16_mxfp8(
+    const void* __restrict__ ids, const void* __restrict__ weights, int routing_format, int ids_int64, int num_tokens,
+    int num_slots, int top_k, int local_start, int num_experts, int align, int row_capacity, int hidden, int layout,
+    const u8* __restrict__ xs, const u8* __restrict__ xss, int* __restrict__ ids_out, float* __restrict__ w_out,
+    int* __restrict__ offsets, int* __restrict__ slot_to_row, int* __restrict__ row_to_slot,
+    int* __restrict__ row_expert, int* __restrict__ counts, u16* __restrict__ xp) {
+  moe::grid_dependency_begin();
+  stage_sort_permute_scaled<false, Mxfp8Unit, fetch_mxfp8_unit, expand_mxfp8_unit>(
+      ids, weights, routing_format, ids_int64, num_tokens, num_slots, top_k, local_start, num_experts, align,
+      row_capacity, hidden, layout, xs, xss, ids_out, w_out, offsets, slot_to_row, row_to_slot, row_expert, counts, xp);
+}
+
+extern "C" __global__ void __launch_bounds__(SORT_THREADS) moe_stage_sort_permute_bf16_mxfp8_warp(
+    const void* __restrict__ ids, const void* __restrict__ weights, int routing_format, int ids_int64, int num_tokens,
+    int num_slots, int top_k, int local_start, int num_experts, int align, int row_capacity, int hidden, int layout,
+    const u8* __restrict__ xs, const u8* __restrict__ xss, int* __restrict__ ids_out, float* __restrict__ w_out,
+    int* __restrict__ offsets, int* __restrict__ slot_to_row, int* __restrict__ row_to_slot,
+    int* __restrict__ row_expert, int* __restrict__ counts, u16* __restrict__ xp) {
+  moe::grid_dependency_begin();
+  stage_sort_permute_scaled<true, Mxfp8Unit, fetch_mxfp8_unit, expand_mxfp8_unit>(
+      ids, weights, routing_format, ids_int64, num_tokens, num_slots, top_k, local_start, num_experts, align,
+      row_capacity, hidden, layout, xs, xss, ids_out, w_out, offsets, slot_to_row, row_to_slot, row_expert, counts, xp);
 }

@@ -33,7 +33,7 @@ from typing import Any, ClassVar, NamedTuple
 import torch
 
 from ..arch import Arch, arch_name
-from ..kernels.codes import TokenLayout
+from ..kernels.codes import IntermediateCode, TokenLayout
 
 PACK_CHUNK_BYTES = 1 << 28  # code bytes per chunk of GemmEngine.pack_weights_chunked
 
@@ -62,13 +62,27 @@ class BlockCode(enum.Enum):
     layout (codes [E, rows * K/2], linear E4M3 scales [E, rows * K/16]) read in place instead of the engine's own.
     MXFP4 (the low-latency op's MXFP4 weight-only layers on the SM90 engine, in their exact shifted form): E2M1 codes,
     one scale byte per 32 k holding 2^(j - a) as a BF16 multiplier (cudnn_moe.engines.sm90.layout, MXFP4 tiles), the
-    expert globals 2^a as alpha; the same products as NVFP4 tiles of that form."""
+    expert globals 2^a as alpha; the same products as NVFP4 tiles of that form.
+    MXFP4_ROWS (the low-latency op's MXFP4 pair on the SM90 engine): MXFP4 in the canonical row-major layout (codes
+    [E, rows * K/2], E8M0 scales [E, rows * K/32]) read in place, in the exact shifted form of MXFP4 (the expert globals
+    2^a as alpha, each scale byte made into its multiplier 2^(j - a) in the kernel): the products of MXFP4 tiles."""
 
     NVFP4 = "nvfp4"
     MXINT4 = "mxint4"
     MXFP4 = "mxfp4"
     BF16 = "bf16"
     NVFP4_ROWS = "nvfp4-rows"
+    MXFP4_ROWS = "mxfp4-rows"
+
+    @property
+    def row_major(self) -> bool:
+        """The canonical row-major layout, read in place (the decode kernel's row-major forms)."""
+        return self in (BlockCode.NVFP4_ROWS, BlockCode.MXFP4_ROWS)
+
+    @property
+    def e8m0(self) -> bool:
+        """MXFP4 codes with one scale byte per 32 values (the tiles' form bytes, or E8M0 bytes in place)."""
+        return self in (BlockCode.MXFP4, BlockCode.MXFP4_ROWS)
 
 
 @dataclass(frozen=True)
@@ -209,13 +223,14 @@ class RowGather:
 class ActivationEpilogue:
     """The activation stage folded into GEMM1's epilogue: instead of GEMM1's BF16 output, ``out`` (GEMM2's
     token operand) receives what the activation kernel (cudnn_moe.kernels.activate_quantize) would write
-    from it, bit for bit: the activation in FP32 of the BF16-rounded GEMM1 values, NVFP4-requantized (or
-    with ``requantize`` False rounded to BF16), padding rows (row_to_slot < 0) zero."""
+    from it, bit for bit: the activation in FP32 of the BF16-rounded GEMM1 values, made into ``intermediate``
+    (cudnn_moe.kernels.codes.IntermediateCode: NVFP4-requantized, or rounded to BF16), padding rows
+    (row_to_slot < 0) zero."""
 
     activation: Any  # a cudnn_moe.activations.Activation
     row_to_slot: torch.Tensor
     out: TokenOperand
-    requantize: bool = True
+    intermediate: IntermediateCode = IntermediateCode.NVFP4
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,16 @@ with CUDA are in codes.
 
 from .activate import activate_quantize
 from .aligned_stage import plan_routes, stage_aligned
-from .codes import ROW_THREADS, SORT_MAX_EXPERTS, SORT_THREADS, SORT_WARP_SLOTS, RoutingFormat, TokenLayout, cuda_defines
+from .codes import (
+    ROW_THREADS,
+    SORT_MAX_EXPERTS,
+    SORT_THREADS,
+    SORT_WARP_SLOTS,
+    IntermediateCode,
+    RoutingFormat,
+    TokenLayout,
+    cuda_defines,
+)
 from .finalize import SOURCE as _FINALIZE_SOURCE
 from .finalize import finalize, unfinalized_rows
 from .loader import compile_options, kernel_function, kernels_dir, launch, load_module, module_source, ptr
@@ -27,7 +36,7 @@ def load_call_kernels(device: int) -> None:
     up a layer leaves nothing to build on its first call."""
     for source in (_STAGE_SOURCE, _FINALIZE_SOURCE):
         load_module(source, device)
-    for tokens in ("", "_tokens"):
+    for tokens in ("", "_tokens", "_mxfp8"):
         for form in ("", "_warp"):
             kernel_function(_PERMUTE_SOURCE, f"moe_stage_sort_permute_bf16{tokens}{form}", device)
 
@@ -47,6 +56,7 @@ __all__ = [
     "SORT_WARP_SLOTS",
     "SortBuffers",
     "RoutingFormat",
+    "IntermediateCode",
     "TokenLayout",
     "activate_quantize",
     "compile_options",

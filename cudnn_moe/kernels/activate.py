@@ -7,20 +7,22 @@ import numpy as np
 import torch
 
 from ..activations import Activation
-from .codes import TokenLayout
+from .codes import IntermediateCode, TokenLayout
 from .loader import launch, ptr
 from .permute import require_scale_room, unit_grid
 
 
 def check_activation_output(out: torch.Tensor, out_scales: torch.Tensor | None, layout: TokenLayout, rows: int,
-                            inter: int, requantize: bool) -> None:
+                            inter: int, intermediate: IntermediateCode) -> None:
     """Check the activation stage's output (ValueError): ``out`` holds ``rows`` rows of ``inter`` values in
     ``layout`` (bfloat16 [rows, inter], or NVFP4 codes uint8 [rows, inter / 2] with room for their scales in
-    ``out_scales``); requantize=False only with a BF16 layout."""
+    ``out_scales``); IntermediateCode.BF16 and MXFP8 only with a BF16 layout."""
     if not isinstance(layout, TokenLayout):
         raise ValueError(f"activation: layout must be a TokenLayout, got {layout!r}")
-    if not requantize and not layout.is_bf16:
-        raise ValueError("activation: requantize=False writes a BF16 layout only")
+    if not isinstance(intermediate, IntermediateCode):
+        raise ValueError(f"activation: intermediate must be an IntermediateCode, got {intermediate!r}")
+    if intermediate is not IntermediateCode.NVFP4 and not layout.is_bf16:
+        raise ValueError(f"activation: a {intermediate.name} intermediate writes a BF16 layout only")
     columns = inter if layout.is_bf16 else inter // 2
     if out.dim() != 2 or tuple(out.shape) != (rows, columns):
         raise ValueError(f"activation: out must be [{rows}, {columns}] for {rows} rows of {inter} values in "
@@ -45,10 +47,12 @@ def activate_quantize(
     layout: TokenLayout,
     out: torch.Tensor,
     out_scales: torch.Tensor | None,
-    requantize: bool = True,
+    intermediate: IntermediateCode = IntermediateCode.NVFP4,
 ) -> None:
-    """Activate GEMM1's output and requantize it to NVFP4 with global scale one (requantize=False, BF16
-    layouts only: round it to BF16 instead, for a second GEMM on BF16 tokens).
+    """Activate GEMM1's output and requantize it to NVFP4 with global scale one (``intermediate``
+    IntermediateCode.NVFP4), or round it to BF16 instead (IntermediateCode.BF16, BF16 layouts only) for a second
+    GEMM on BF16 tokens, or quantize it to MXFP8 per 32 values and hold its elements as BF16 values
+    (IntermediateCode.MXFP8, BF16 layouts only; its docstring states where they are exact).
 
     g1 bfloat16 [R, N1], the expert global already applied (N1 = 2I as [up | gate] when gated, else
     I; I % 64 == 0). Per 16-value block of y = activation(float(g1)) (FP32): s = e4m3(amax / 6),
@@ -65,7 +69,7 @@ def activate_quantize(
         raise ValueError(f"activation: g1 {tuple(g1.shape)} does not match an output of {rows} rows x {inter}")
     if g1.dtype != torch.bfloat16 or offsets.dtype != torch.int32:
         raise ValueError("activation: g1 must be bfloat16 and offsets int32 [E + 1]")
-    check_activation_output(out, out_scales, layout, rows, inter, requantize)
+    check_activation_output(out, out_scales, layout, rows, inter, intermediate)
     a, b, limit = activation.params()
     blocks, threads = unit_grid(rows, inter // 32)  # a thread per 32 values
     out_align = 16 if layout.is_bf16 else 8
@@ -74,6 +78,6 @@ def activate_quantize(
         (
             ptr(g1, 16), ptr(row_to_slot), ptr(offsets), np.int32(offsets.numel() - 1), np.int32(activation.kind),
             np.int32(activation.gated), np.float32(a), np.float32(b), np.float32(limit), np.int32(inter),
-            np.int32(layout), np.int32(requantize), np.int32(rows), ptr(out, out_align), ptr(out_scales),
+            np.int32(layout), np.int32(intermediate), np.int32(rows), ptr(out, out_align), ptr(out_scales),
         ),
     )

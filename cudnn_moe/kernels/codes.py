@@ -52,6 +52,24 @@ class TokenLayout(enum.IntEnum):
         return 8 if self is TokenLayout.BF16_TILED else 1
 
 
+class IntermediateCode(enum.IntEnum):
+    """What the activation stage makes of the activation before the second GEMM reads it (``INTER_*`` in CUDA;
+    the activation kernel and the GEMMs' activation epilogues take it as an int).
+
+    BF16: rounded to BF16 (nearest even); BF16 token layouts only.
+    NVFP4: requantized to NVFP4 per 16 values with global scale one (E4M3 scale e4m3(amax / 6), E2M1 codes); in the
+    NVFP4 layouts its codes and scales, in the BF16 layouts their exact decoded values.
+    MXFP8: quantized to MXFP8 per 32 values (``cudnn_moe.formats.quantize_mxfp8``: E8M0 scale 2^clamp(floor(log2
+    amax) - 8, -127, 127), E4M3 elements), held as the BF16 values element x scale; BF16 layouts only. Those are exact
+    for every block whose amax is at least 2^-109 (its scale 2^-117 or more); below that an element under BF16's
+    normal range is rounded to nearest even (the MX pair on the SM90 engine).
+    """
+
+    BF16 = 0
+    NVFP4 = 1
+    MXFP8 = 2
+
+
 class LowLatencyWeightCode(enum.IntEnum):
     """Weight decoder a low-latency kernel module is compiled for (``LL_WEIGHTS_*``; the module's own
     choice arrives as ``-DLL_WEIGHTS=<value>``, see cudnn_moe.engines.cuda_cores.kernels)."""
@@ -97,6 +115,7 @@ def cuda_defines() -> tuple[str, ...]:
     values = {f"ACT_{kind.name}": int(kind) for kind in ActivationKind}
     values.update({f"ROUTING_{fmt.name}": int(fmt) for fmt in RoutingFormat})
     values.update({f"TOKENS_{layout.name}": int(layout) for layout in TokenLayout})
+    values.update({f"INTER_{code.name}": int(code) for code in IntermediateCode})
     values.update({f"LL_WEIGHTS_{fmt.name}": int(fmt) for fmt in LowLatencyWeightCode})
     values.update({f"LL_INPUT_{kind.name}": int(kind) for kind in LowLatencyInputCode})
     values.update(SORT_THREADS=SORT_THREADS, SORT_MAX_EXPERTS=SORT_MAX_EXPERTS, SORT_WARP_SLOTS=SORT_WARP_SLOTS,

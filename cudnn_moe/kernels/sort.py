@@ -104,18 +104,28 @@ def sort_permute_blocks(num_slots: int, hidden: int) -> int:
     return max(1, min(-(-pairs // SORT_PERMUTE_BLOCK_PAIRS), SORT_PERMUTE_MAX_BLOCKS))
 
 
-def _token_hidden(what: str, tokens: torch.Tensor, token_scales: torch.Tensor | None) -> int:
-    """H of the tokens a sort + permute gathers: bfloat16 [T, H] (``token_scales`` None), or NVFP4 codes uint8
-    [T, H/2] with 1-byte E4M3 scales [T, H/16]; ValueError naming ``what`` otherwise."""
-    bf16 = token_scales is None
-    hidden = tokens.shape[1] if bf16 else 2 * tokens.shape[1]
-    if bf16 and tokens.dtype != torch.bfloat16 or not bf16 and (
-            tokens.dtype != torch.uint8 or token_scales.dtype.itemsize != 1
-            or tuple(token_scales.shape) != (tokens.shape[0], hidden // 16)):
-        raise ValueError(f"{what}: BF16 tokens [T, H], or uint8 codes [T, H/2] with 1-byte scales [T, H/16]; got "
-                         f"{tokens.dtype} {tuple(tokens.shape)}"
-                         + ("" if bf16 else f", scales {token_scales.dtype} {tuple(token_scales.shape)}"))
-    return hidden
+# The kernel of each token kind a sort + permute gathers, by the suffix its names carry (kernels_cuda/permute.cu).
+_TOKEN_KERNELS = {"bf16": "_tokens", "nvfp4": "", "mxfp8": "_mxfp8"}
+
+
+def _token_hidden(what: str, tokens: torch.Tensor, token_scales: torch.Tensor | None) -> tuple[int, str]:
+    """(H, kind) of the tokens a sort + permute gathers: "bf16", bfloat16 [T, H] (``token_scales`` None); "nvfp4",
+    codes uint8 [T, H/2] with 1-byte E4M3 scales [T, H/16]; or "mxfp8", E4M3 codes float8_e4m3fn [T, H] with 1-byte
+    E8M0 scales [T, H/32]. ValueError naming ``what`` otherwise."""
+    if token_scales is None:
+        kind, hidden, scale_block = "bf16", tokens.shape[1], None
+    elif tokens.dtype == torch.float8_e4m3fn:
+        kind, hidden, scale_block = "mxfp8", tokens.shape[1], 32
+    else:
+        kind, hidden, scale_block = "nvfp4", 2 * tokens.shape[1], 16
+    dtype = {"bf16": torch.bfloat16, "nvfp4": torch.uint8, "mxfp8": torch.float8_e4m3fn}[kind]
+    if tokens.dtype != dtype or scale_block is not None and (
+            token_scales.dtype.itemsize != 1 or tuple(token_scales.shape) != (tokens.shape[0], hidden // scale_block)):
+        scales = "" if token_scales is None else f", scales {token_scales.dtype} {tuple(token_scales.shape)}"
+        raise ValueError(f"{what}: BF16 tokens [T, H], uint8 NVFP4 codes [T, H/2] with 1-byte scales [T, H/16], or "
+                         f"float8_e4m3fn MXFP8 codes [T, H] with 1-byte scales [T, H/32]; got "
+                         f"{tokens.dtype} {tuple(tokens.shape)}{scales}")
+    return hidden, kind
 
 
 def sort_permute_bf16(
@@ -132,8 +142,10 @@ def sort_permute_bf16(
 ) -> None:
     """``sort_routing`` and then the permute into BF16 token rows of the BF16 ``layout`` (``permute_tokens``,
     or ``permute_bf16_tokens``) in ONE launch, with the same outputs bit for bit;
-    for at most SORT_PERMUTE_MAX_SLOTS slots. ``tokens``: bfloat16 [B, H] (``token_scales`` None) or NVFP4
-    codes uint8 [B, H/2] with linear E4M3 scales [B, H/16]; xp bfloat16 [R, H] (H % 64 == 0), 16-byte aligned.
+    for at most SORT_PERMUTE_MAX_SLOTS slots. ``tokens``: bfloat16 [B, H] (``token_scales`` None), NVFP4
+    codes uint8 [B, H/2] with linear E4M3 scales [B, H/16], or MXFP8 codes float8_e4m3fn [B, H] with E8M0 scales
+    [B, H/32] (each element written as its BF16 value, exact for scales 2^-117 .. 2^119: IntermediateCode.MXFP8's
+    rule); xp bfloat16 [R, H] (H % 64 == 0), 16-byte aligned.
     Each block sorts every slot itself in shared memory and block 0 writes the sort's outputs; the grid's threads
     share the (slot, unit) pairs of the gather, each loading its first unit before the sort
     (kernels_cuda/permute.cu moe_sort_permute_bf16*; sort_permute_blocks)."""
@@ -141,36 +153,32 @@ def sort_permute_bf16(
     num_slots = ids_flat.numel()
     if num_slots > SORT_PERMUTE_MAX_SLOTS:
         raise ValueError(f"sort + permute in one launch takes at most {SORT_PERMUTE_MAX_SLOTS} slots, got {num_slots}")
-    bf16 = token_scales is None
-    hidden = _token_hidden("sort + permute", tokens, token_scales)
+    hidden, kind = _token_hidden("sort + permute", tokens, token_scales)
     require_bf16_rows(xp, hidden, layout)
     blocks = sort_permute_blocks(num_slots, hidden)
     head = (ptr(ids_flat), np.int32(num_slots), np.int32(top_k), np.int32(local_start), np.int32(num_local),
             np.int32(align), np.int32(out.row_capacity), np.int32(hidden), np.int32(layout))
     tail = (*out.pointers(), ptr(xp, 16))
-    if bf16:
-        launch(PERMUTE_SOURCE, "moe_sort_permute_bf16_tokens", tokens.device, blocks, SORT_THREADS,
-               (*head, ptr(tokens, 16), *tail))
-    else:
-        launch(PERMUTE_SOURCE, "moe_sort_permute_bf16", tokens.device, blocks, SORT_THREADS,
-               (*head, ptr(tokens, 16), ptr(token_scales), *tail))
+    sources = (ptr(tokens, 16),) if token_scales is None else (ptr(tokens, 16), ptr(token_scales))
+    launch(PERMUTE_SOURCE, f"moe_sort_permute_bf16{_TOKEN_KERNELS[kind]}", tokens.device, blocks, SORT_THREADS,
+           (*head, *sources, *tail))
 
 
 def check_staged_sort(what: str, tokens: torch.Tensor, token_scales: torch.Tensor | None, ids: torch.Tensor,
                       weights: torch.Tensor | None, routing_format: int, ids_out: torch.Tensor, w_out: torch.Tensor,
-                      num_local: int, align: int, out: SortBuffers) -> tuple[int, int, int]:
+                      num_local: int, align: int, out: SortBuffers) -> tuple[int, str, int, int]:
     """Check the operands of a launch that stages the caller's routing and sorts it (stage_sort_permute_bf16, the SM90
     decode GEMM1's route): tokens as _token_hidden takes them, routing of T tokens (stage_inputs' formats) into
-    ``ids_out`` int32 / ``w_out`` float32 [B, top_k] with T <= B, the sort's operands; returns (H, B * top_k, top_k).
-    ValueError naming ``what`` or the operand otherwise."""
-    hidden = _token_hidden(what, tokens, token_scales)
+    ``ids_out`` int32 / ``w_out`` float32 [B, top_k] with T <= B, the sort's operands; returns (H, the tokens' kind,
+    B * top_k, top_k). ValueError naming ``what`` or the operand otherwise."""
+    hidden, kind = _token_hidden(what, tokens, token_scales)
     bucket, top_k = ids_out.shape
     check_routing(ids, weights, routing_format, tokens.shape[0], top_k, bucket)
     ids_flat = ids_out.view(-1)
     _check_operands(ids_flat, top_k, num_local, align, out)
     if w_out.dtype != torch.float32 or w_out.shape != ids_out.shape:
         raise ValueError(f"w_out must be float32 {tuple(ids_out.shape)}, got {w_out.dtype} {tuple(w_out.shape)}")
-    return hidden, ids_flat.numel(), top_k
+    return hidden, kind, ids_flat.numel(), top_k
 
 
 def stage_sort_permute_bf16(
@@ -189,16 +197,15 @@ def stage_sort_permute_bf16(
     layout: TokenLayout = TokenLayout.BF16_FRAGMENTS,
 ) -> None:
     """``stage_inputs`` (its routing half) and ``sort_permute_bf16`` of a bucket of B tokens in ONE launch, with the
-    same outputs bit for bit, from the caller's tensors: ``tokens`` bfloat16 [T, H] (``token_scales`` None) or NVFP4
-    codes uint8 [T, H/2] with linear E4M3 ``token_scales`` [T, H/16], 16-byte aligned, T <= B; routing ``ids`` /
-    ``weights`` in ``routing_format`` (stage_inputs' formats). ``ids_out`` int32 [B, top_k] and ``w_out`` float32
+    same outputs bit for bit, from the caller's tensors: ``tokens`` of a kind sort_permute_bf16 takes, 16-byte
+    aligned, T <= B; routing ``ids`` / ``weights`` in ``routing_format`` (stage_inputs' formats). ``ids_out`` int32 [B, top_k] and ``w_out`` float32
     [B, top_k] receive the decoded routing (-1 / 0 past T), the sort's outputs and ``xp`` what sort_permute_bf16
     writes for the B * top_k slots; the bucket's token buffers are not needed (kernels_cuda/permute.cu
     moe_stage_sort_permute_bf16*)."""
-    bf16 = token_scales is None
     num_tokens = tokens.shape[0]
-    hidden, num_slots, top_k = check_staged_sort("stage + sort + permute", tokens, token_scales, ids, weights,
-                                                 routing_format, ids_out, w_out, num_local, align, out)
+    hidden, kind, num_slots, top_k = check_staged_sort("stage + sort + permute", tokens, token_scales, ids,
+                                                       weights, routing_format, ids_out, w_out, num_local, align,
+                                                       out)
     if num_slots > SORT_PERMUTE_MAX_SLOTS:
         raise ValueError(f"stage + sort + permute in one launch takes at most {SORT_PERMUTE_MAX_SLOTS} slots, "
                          f"got {num_slots}")
@@ -207,8 +214,8 @@ def stage_sort_permute_bf16(
             np.int32(local_start), np.int32(num_local), np.int32(align), np.int32(out.row_capacity),
             np.int32(hidden), np.int32(layout))
     tail = (ptr(ids_out), ptr(w_out), *out.pointers(), ptr(xp, 16))
-    name, sources = ("moe_stage_sort_permute_bf16_tokens", (ptr(tokens, 16),)) if bf16 else (
-        "moe_stage_sort_permute_bf16", (ptr(tokens, 16), ptr(token_scales)))
+    name = f"moe_stage_sort_permute_bf16{_TOKEN_KERNELS[kind]}"
+    sources = (ptr(tokens, 16),) if token_scales is None else (ptr(tokens, 16), ptr(token_scales))
     if num_slots <= SORT_WARP_SLOTS:
         name += "_warp"
     launch(PERMUTE_SOURCE, name, tokens.device, sort_permute_blocks(num_slots, hidden), SORT_THREADS,

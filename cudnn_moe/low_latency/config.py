@@ -382,10 +382,15 @@ class LowLatencyMoeConfig:
             WeightFormat.MXFP4_WEIGHT_ONLY, Mxfp4WeightOnlyWeights, torch.float8_e8m0fnu,
             w1_codes, w1_scales, w2_codes, w2_scales, activation,
         )
+        return self.stored(replace(weights, nvfp4_shifts=self._mxfp4_shifts(weights)))
+
+    @staticmethod
+    def _mxfp4_shifts(weights: Mxfp4WeightOnlyWeights) -> tuple[torch.Tensor, torch.Tensor] | str:
+        """The shifts (w1, w2) of the exact shifted form of row-major MXFP4 weights (cudnn_moe.formats.mxfp4_as_nvfp4),
+        or why they have none. Reads the scales and codes (a device sync)."""
         shifts1 = nvfp4_shifts(weights.w1_codes, weights.w1_scales, "w1")
         shifts2 = nvfp4_shifts(weights.w2_codes, weights.w2_scales, "w2")
-        problem = next((s for s in (shifts1, shifts2) if isinstance(s, str)), None)
-        return self.stored(replace(weights, nvfp4_shifts=problem or (shifts1, shifts2)))
+        return next((s for s in (shifts1, shifts2) if isinstance(s, str)), None) or (shifts1, shifts2)
 
     def prepare_mxint4_weight_only_weights(
         self,
@@ -506,7 +511,9 @@ class LowLatencyMoeConfig:
         I % 32 == 0; I is padded to a multiple of 128 with zero bytes (codes +0, scale bytes 0). E4M3 NaN codes
         (0x7F / 0xFF) and E8M0 NaN scales (byte 255) are refused; the checks read the data (preparation, not the
         serving path). Errors name the argument: TypeError for a non-tensor or a wrong dtype (w2 of the other
-        kind included), ValueError for a wrong shape, size, device or value.
+        kind included), ValueError for a wrong shape, size, device or value. MXFP4 weights also get their exact shifted
+        form decided here (as ``prepare_mxfp4_weight_only_weights``'s), which the SM90 engine runs them in, reading the
+        tensors in place; ``weights.nvfp4_problem`` says why a layer has none (it then runs on the CUDA cores).
 
         What the call does with them (``reference_mx_pair`` states every rounding point): FC1 as FP32 sums of exact
         code products scaled per 32-K block by the two E8M0 scales, preactivation rounded to BF16, the activation
@@ -518,11 +525,12 @@ class LowLatencyMoeConfig:
             raise TypeError(f"w2 must have dtype {str(w1.dtype).replace('torch.', '')} like w1 (both MXFP4 or both "
                             f"MXFP8), got {str(w2.dtype).replace('torch.', '')}")
         fp4 = w1.dtype is torch.uint8
-        return self._prepare_block_scaled(
+        weights = self._prepare_block_scaled(
             WeightFormat.MXFP4_W_MXFP8_A if fp4 else WeightFormat.MXFP8_W_MXFP8_A,
             Mxfp4PairWeights if fp4 else Mxfp8PairWeights, (torch.float8_e8m0fnu, torch.uint8),
             w1, w1_scale, w2, w2_scale, activation, names=("w1", "w1_scale", "w2", "w2_scale"), refuse_nan=True,
         )
+        return replace(weights, nvfp4_shifts=self._mxfp4_shifts(weights)) if fp4 else weights
 
     def prepare_mxfp8_activations(self, hidden_states: torch.Tensor) -> Mxfp8Activations:
         """Quantize tokens x [T, H] (BF16; FP16 or FP32 also taken; T <= max_num_tokens, H % 128 == 0) to MXFP8 for

@@ -3,9 +3,9 @@ same NVFP4 payloads, prepared beside the low-latency weights (``LowLatencyMoeCon
 tensors where they are stored in the engine's tiles (weights prepared for SM90), else a repacked copy.
 
 What runs a fallback call: the shared pipeline (cudnn_moe.pipeline.executor, the fused op's) on an engine whose
-grouped GEMMs read BF16 token fragments (the SM90 engine), with ``bf16_tokens`` for NVFP4 weight-only (the BF16
-tokens enter as they are) or the pair's NVFP4 tokens decoded exactly, and ``bf16_intermediate`` (the activation
-rounded to BF16, never requantized). That is the path the op takes for T <= 8 on SM90
+grouped GEMMs read BF16 token fragments (the SM90 engine), with BF16 tokens for NVFP4 weight-only (they enter as
+they are) or the pair's NVFP4 tokens decoded exactly, and a BF16 intermediate (the activation rounded to BF16, never
+requantized). That is the path the op takes for T <= 8 on SM90
 (cudnn_moe.low_latency.grouped), in larger token buckets: the low-latency contract's rounding points
 (cudnn_moe.low_latency.reference), only the FP32 summation order inside the GEMMs differs.
 
@@ -29,10 +29,12 @@ import torch
 from ..arch import Arch, arch_name
 from ..engines.base import BlockCode, GemmEngine, WeightLayout
 from ..engines.registry import engine_class_of
+from ..formats.mxfp4_as_nvfp4 import nvfp4_globals
 from ..fused.config import Nvfp4MoeConfig
 from ..kernels.codes import TokenLayout
 from ..weights.low_latency import (
     LowLatencyWeights,
+    Mxfp4PairWeights,
     Mxfp4WeightOnlyWeights,
     Mxint4WeightOnlyWeights,
     Nvfp4WeightOnlyWeights,
@@ -100,11 +102,13 @@ def grouped_view(
 ) -> Nvfp4Weights:
     """The ``engine`` view on ``arch`` of NVFP4 low-latency weights, or of MXFP4 weight-only weights in their exact
     shifted form: w1 [E, N1p, H] in the engine's layout with the w1 global as alpha, w2 [E, H, Ip] likewise;
-    intermediate size Ip. Tiled weights in the engine's layout give their own tensors (``tiled_view``), others a
-    repacked copy (MXFP4: its tiles, ``to_tiles``)."""
+    intermediate size Ip. Tiled weights in the engine's layout give their own tensors (``tiled_view``), the MXFP4
+    pair's its own row-major tensors (``mxfp4_rows_view``), others a repacked copy (MXFP4: its tiles, ``to_tiles``)."""
     view = tiled_view(engine, arch, weights)
     if view is not None:
         return view
+    if isinstance(weights, Mxfp4PairWeights):
+        return mxfp4_rows_view(engine, arch, weights)
     if isinstance(weights, Mxfp4WeightOnlyWeights):
         view = tiled_view(engine, arch, weights.to_tiles())
         if view is None:
@@ -116,6 +120,29 @@ def grouped_view(
     return Nvfp4Weights(
         w1, w1_scales, w1_global, w2, w2_scales, w2_global, engine.spec(arch),
         weights.gated, weights.hidden_size, weights.padded_intermediate,
+    )
+
+
+def mxfp4_rows_view(engine: type[GemmEngine], arch: Arch, weights: Mxfp4PairWeights) -> Nvfp4Weights:
+    """The ``engine`` view on ``arch`` of the MXFP4 pair's weights read in place (BlockCode.MXFP4_ROWS): their own
+    codes as w1 uint8 [E, N1p * H/2] and w2 [E, H * Ip/2], their E8M0 scale bytes as uint8 [E, N1p * H/32] and
+    [E, H * Ip/32], and the globals 2^a of their exact shifted form as alphas (new float32 [E] tensors, all it
+    allocates); intermediate size Ip. ValueError where the weights have no such form, or the engine no such kernels."""
+    if engine.spec(arch).weight_layout is not WeightLayout.SM90_TILES:
+        raise ValueError(f"the {engine.name} engine on {arch_name(arch)} reads no row-major MXFP4 weights")
+    problem = weights.nvfp4_problem
+    if problem is not None:
+        raise ValueError(f"these MXFP4 weights have no exact shifted form: {problem}")
+    shifts1, shifts2 = weights.nvfp4_shifts
+    experts = weights.num_experts
+
+    def flat(t: torch.Tensor) -> torch.Tensor:
+        return t.view(torch.uint8).reshape(experts, -1)
+
+    return Nvfp4Weights(
+        flat(weights.w1_codes), flat(weights.w1_scales), nvfp4_globals(shifts1), flat(weights.w2_codes),
+        flat(weights.w2_scales), nvfp4_globals(shifts2), engine.spec(arch), weights.gated, weights.hidden_size,
+        weights.padded_intermediate, code=BlockCode.MXFP4_ROWS,
     )
 
 

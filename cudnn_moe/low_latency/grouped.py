@@ -1,9 +1,9 @@
 """The low-latency op on a grouped-GEMM engine (on SM90 the SM90 engine's decode kernels: weights decoded
 exactly in registers, tokens on the narrow side of mma.sync, split-K) through the shared pipeline
 (cudnn_moe.pipeline.executor): stage, sort, permute, GEMM1, activation rounded to BF16
-(``bf16_intermediate``: never requantized), GEMM2, ordered FP32 combine.
+(IntermediateCode.BF16: never requantized), GEMM2, ordered FP32 combine.
 
-- NVFP4 weight-only with BF16 tokens: the tokens enter as they are (``bf16_tokens``);
+- NVFP4 weight-only with BF16 tokens: the tokens enter as they are (TokenCode.BF16);
 - MXFP4 weight-only with BF16 tokens, likewise, on the weights' exact shifted form in the engine's MXFP4 tiles
   (BlockCode.MXFP4: the same codes, each E8M0 block scale 2^j recoded as 2^(j - a), one byte per 32 values, and a
   global 2^a per expert: cudnn_moe.formats.mxfp4_as_nvfp4);
@@ -11,6 +11,11 @@ exactly in registers, tokens on the narrow side of mma.sync, split-K) through th
   exactly, each 32-value block's FP32 partial sum times its BF16 scale; GEMM1 keeps the preactivation in FP32 and
   runs with the activation in its epilogue);
 - NVFP4 weights with NVFP4 activations (the pair): the tokens are decoded exactly to BF16 fragments;
+- MXFP4 weights with MXFP8 activations (the MXFP4 pair): the weights' own row-major tensors read in place in their
+  exact shifted form (BlockCode.MXFP4_ROWS: no copy; fallback.mxfp4_rows_view), the MXFP8 tokens decoded to BF16 by
+  the sort + permute (TokenCode.MXFP8), and the intermediate quantized to MXFP8 per 32
+  values, held as BF16 values (IntermediateCode.MXFP8): exact for block scales 2^-117 .. 2^119, so the sums are FP32
+  sums of the contract's exact products (reference_mx_pair; only their order differs);
 - BF16 weights with BF16 tokens: the weights are read in place, row-major (BlockCode.BF16: the decode kernel's BF16
   form, tokens in natural rows), with alphas 1/256 (no global); the contract's rounding points are those of NVFP4
   weight-only (BF16 preactivation and intermediate).
@@ -49,12 +54,15 @@ from ..arch import Arch, device_arch
 from ..capture import refuse_during_capture
 from ..engines.base import BlockCode, GemmEngine, LowLatencyCall
 from ..engines.registry import engine_for
+from ..kernels.codes import IntermediateCode
 from ..pipeline.call_cache import tensor_signature
 from ..pipeline.executor import MoeExecutor
 from ..pipeline.lifetime import cached
+from ..pipeline.tokens import TokenCode, token_code
 from ..weights.low_latency import (
     DenseWeights,
     Mxfp4WeightOnlyWeights,
+    Mxfp8Activations,
     Mxint4WeightOnlyWeights,
     Nvfp4WeightOnlyWeights,
     WeightFormat,
@@ -130,17 +138,20 @@ def bf16_view(engine: type[GemmEngine], arch: Arch, weights: DenseWeights) -> Nv
     )
 
 
-def _executor(view: Nvfp4Weights, top_k: int, activation: Activation, bf16_tokens: bool,
+def _executor(view: Nvfp4Weights, top_k: int, activation: Activation, tokens: TokenCode,
               max_tokens: int) -> MoeExecutor:
-    return cached(view, ("low_latency", top_k, activation, bf16_tokens, max_tokens), lambda: MoeExecutor(
+    # The MXFP4 pair quantizes its intermediate to MXFP8; every other format rounds it to BF16.
+    intermediate = IntermediateCode.MXFP8 if tokens is TokenCode.MXFP8 else IntermediateCode.BF16
+    return cached(view, ("low_latency", top_k, activation, tokens, max_tokens), lambda: MoeExecutor(
         view, engine_for(view.spec, view.device), top_k=top_k, activation=activation, local_expert_start=0,
-        max_num_tokens=max_tokens, bf16_tokens=bf16_tokens, bf16_intermediate=True,
+        max_num_tokens=max_tokens, tokens=tokens, intermediate=intermediate,
     ))
 
 
 def run(engine: type[GemmEngine], call: LowLatencyCall) -> None:
-    """call.out bfloat16 [T, H] = the layer (checked by the op) for BF16 tokens x [T, H] (no x_scales), or for the
-    pair's NVFP4 tokens: codes x uint8 [T, H/2] with E4M3 scales x_scales [T, H/16]; T <= MAX_NUM_TOKENS."""
+    """call.out bfloat16 [T, H] = the layer (checked by the op) for BF16 tokens x [T, H] (no x_scales), for the
+    NVFP4 pair's tokens: codes x uint8 [T, H/2] with E4M3 scales x_scales [T, H/16], or for the MXFP4 pair's: codes x
+    float8_e4m3fn [T, H] with E8M0 scales x_scales [T, H/32]; T <= MAX_NUM_TOKENS."""
     run_on(layer_view(engine, call.weights), call, MAX_NUM_TOKENS)
 
 
@@ -148,10 +159,10 @@ def run_on(view: Nvfp4Weights, call: LowLatencyCall, max_tokens: int) -> None:
     """``run`` on a given view (the low-latency path's, or the prepared fallback's) with token buckets up to
     ``max_tokens`` (the call's T <= max_tokens)."""
     x, x_scales, routing, out = call.x, call.x_scales, call.routing, call.out
-    bf16_tokens = x_scales is None
-    executor = _executor(view, routing.top_k, call.activation, bf16_tokens, max_tokens)
+    tokens = (x if x_scales is None else Mxfp8Activations(x, x_scales) if x.dtype == torch.float8_e4m3fn
+              else Nvfp4Activations(x, x_scales))
+    executor = _executor(view, routing.top_k, call.activation, token_code(tokens), max_tokens)
     ids, route_weights, routing_format = routing.kernel_operands()
     signature = (tensor_signature(x), tensor_signature(x_scales), tensor_signature(ids),
                  tensor_signature(route_weights), routing_format, tensor_signature(out), x.shape[0])
-    tokens = x if bf16_tokens else Nvfp4Activations(x, x_scales)
     executor.run(tokens, routing, finalize=True, out=out, use_cuda_graph=True, signature=signature)

@@ -5,7 +5,8 @@ What runs a call (cudnn_moe.low_latency.tactics): the engine ``config.engine`` n
 else the engine registry's first that supports the call (cudnn_moe.engines.registry): on SM90 the SM90 engine
 takes finalized calls with NVFP4 weight-only weights and BF16 tokens and output, MXFP4 weight-only ones likewise
 where preparation found their exact shifted form (``weights.nvfp4_problem`` says why not), MXINT4 weight-only ones
-(INT4 tiles, FP32 preactivation), BF16 weights (read in place, row-major), and the NVFP4 pair,
+(INT4 tiles, FP32 preactivation), BF16 weights (read in place, row-major), the NVFP4 pair, and the MXFP4 pair
+where preparation found its weights' exact shifted form (MXFP8 tokens and intermediate held as exact BF16 values),
 through the shared pipeline (cudnn_moe.low_latency.grouped; tensor cores); everything else runs on the CUDA-core
 engine (cudnn_moe.engines.cuda_cores: two launches, GEMM1 + activation, then GEMM2 with the finalize folded
 into its last CTA per feature column; the raw output skips the finalize). For the FP8 formats the ll_mma

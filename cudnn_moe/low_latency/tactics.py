@@ -39,7 +39,7 @@ from ..cache import KIND_TACTIC, EntryKey, Environment, active_cache, current_en
 from ..cache.store import report_once
 from ..engines.base import OP_LOW_LATENCY, Engine, GemmShape, Request, WeightFormat
 from ..engines.registry import AUTO, choose, supporting
-from ..weights.low_latency import LowLatencyWeights
+from ..weights.low_latency import LowLatencyWeights, Mxfp4WeightOnlyWeights
 
 # Bumped when the key fields, the payload or what an engine runs change meaning (2: SM90 tiles; 3: MXFP4's own tiles).
 TACTIC_SCHEMA = 3
@@ -74,11 +74,11 @@ def layer_request(
 ) -> Request:
     """What a call of ``tokens`` tokens with these weights asks of the engines: GEMM1 K = H -> N = N1 (2I gated,
     else I), GEMM2 K = Ip -> N = H, over E experts; token_dtype: the 16-bit (or per-tensor FP8) tokens' dtype,
-    None for tokens given as codes with scales (the NVFP4 pair, prequantized DeepSeek FP8); for MXFP4 weight-only
-    weights, why they have no exact shifted form (``Mxfp4WeightOnlyWeights.nvfp4_problem``)."""
+    None for tokens given as codes with scales (the NVFP4 pair, prequantized DeepSeek FP8); for MXFP4 weights
+    (weight-only, or the pair's), why they have no exact shifted form (``Mxfp4WeightOnlyWeights.nvfp4_problem``)."""
     shapes = (GemmShape(weights.hidden_size, weights.gemm1_rows, weights.num_experts),
               GemmShape(weights.padded_intermediate, weights.hidden_size, weights.num_experts))
-    problem = weights.nvfp4_problem if weights.format is WeightFormat.MXFP4_WEIGHT_ONLY else None
+    problem = weights.nvfp4_problem if isinstance(weights, Mxfp4WeightOnlyWeights) else None
     return Request(OP_LOW_LATENCY, arch, weights.format.value, shapes, weights.num_experts, token_dtype, out_dtype,
                    finalize, tokens, problem)
 

@@ -13,9 +13,10 @@ A call with T tokens runs in the smallest power-of-two bucket B >= T. Per call:
    stream is capturing). Where the launches are recorded for the call itself (eager, the caller's graph, a
    full-call graph), a chain whose first launch can read the caller's inputs does step 1 in it (the sm90
    decode chain's sort + permute: _BucketStages.sort_permute; for one token its GEMM1, which then also sorts and
-   permutes: _BucketStages.gemm1_routed), one launch less (two). Two options need an engine
-   reading BF16 token fragments (the SM90 engine): ``bf16_tokens`` (the tokens are BF16, not NVFP4) and
-   ``bf16_intermediate`` (the activation is rounded to BF16 instead of requantized to NVFP4).
+   permutes: _BucketStages.gemm1_routed), one launch less (two). The executor's ``tokens``
+   (cudnn_moe.pipeline.tokens.TokenCode: NVFP4 by default) and ``intermediate``
+   (cudnn_moe.kernels.codes.IntermediateCode: what the activation makes for GEMM2, NVFP4 by default) other than
+   NVFP4 need an engine reading BF16 token rows (the SM90 engine).
 3. finish (the op's launch): finalize, or the unfinalized rows; writes the caller's output for the T
    live tokens.
 
@@ -59,10 +60,13 @@ from ..engines.base import (
     TokenOperand,
     WeightOperand,
 )
+from ..kernels.codes import IntermediateCode
 from ..routing import Routing
+from ..weights.low_latency import Mxfp8Activations
 from ..weights.nvfp4 import Nvfp4Activations, Nvfp4Weights
 from .lifetime import defer, release_deferred
 from .order import StreamOrder
+from .tokens import TokenCode, Tokens, token_code, token_operands
 
 
 def bucket_size(num_tokens: int) -> int:
@@ -120,10 +124,15 @@ class Bucket:
         self.fusion = engine.gemm1_fusion(rows, shape1, executor.activation)
         if w.code is BlockCode.MXINT4 and not self.fusion.epilogue:  # its FP32 preactivation lives in the epilogue
             self.fusion = self.fusion._replace(epilogue=True)
-        decoded = self.fusion.gather and not executor.bf16_tokens
+        if self.fusion.gather and executor.tokens is TokenCode.MXFP8:
+            raise ValueError(f"MXFP8 tokens are decoded by the sort + permute launch, which this bucket of {tokens} "
+                             f"tokens does not run ({engine.name} gathers its GEMM1 rows)")
+        decoded = self.fusion.gather and executor.tokens is TokenCode.NVFP4
         staged = 0 if decoded else tokens
-        if executor.bf16_tokens:  # BF16 tokens [B, H]; no scales
+        if executor.tokens is TokenCode.BF16:  # BF16 tokens [B, H]; no scales
             self.x, self.x_scales = empty(tokens, hidden, dtype=torch.bfloat16), empty(tokens, 0)
+        elif executor.tokens is TokenCode.MXFP8:  # E4M3 codes [B, H], E8M0 scales [B, H/32]
+            self.x, self.x_scales = empty(tokens, hidden, dtype=torch.float8_e4m3fn), empty(tokens, hidden // 32)
         else:  # NVFP4 tokens: codes [B, H/2], E4M3 scales [B, H/16]
             self.x, self.x_scales = empty(staged, hidden // 2), empty(staged, hidden // 16)
         # bfloat16 [B, H]: the NVFP4 tokens decoded by the stage (None: the stage writes x and x_scales)
@@ -173,8 +182,8 @@ class MoeExecutor:
         activation: Activation,
         local_expert_start: int,
         max_num_tokens: int,
-        bf16_tokens: bool = False,
-        bf16_intermediate: bool = False,
+        tokens: TokenCode = TokenCode.NVFP4,
+        intermediate: IntermediateCode = IntermediateCode.NVFP4,
     ) -> None:
         if weights.spec != engine.layout:
             raise ValueError(
@@ -186,12 +195,20 @@ class MoeExecutor:
         self.weights, self.engine = replace(weights), engine
         self.top_k, self.activation = top_k, activation
         self.local_expert_start, self.max_num_tokens = local_expert_start, max_num_tokens
-        if (bf16_tokens or bf16_intermediate) and not engine.token_layout.is_bf16:
-            raise ValueError(f"BF16 tokens or intermediates need an engine reading BF16 token rows, not the "
-                             f"{engine.name} engine")
-        if weights.code is BlockCode.MXINT4 and not bf16_intermediate:
-            raise ValueError("MXINT4 weights need bf16_intermediate: their GEMM1 epilogue writes BF16 rows only")
-        self.bf16_tokens, self.bf16_intermediate = bf16_tokens, bf16_intermediate
+        if not isinstance(tokens, TokenCode) or not isinstance(intermediate, IntermediateCode):
+            raise ValueError(f"tokens must be a TokenCode and intermediate an IntermediateCode, got {tokens!r} and "
+                             f"{intermediate!r}")
+        if (tokens is not TokenCode.NVFP4 or intermediate is not IntermediateCode.NVFP4) and (
+                not engine.token_layout.is_bf16):
+            raise ValueError(f"{tokens.name} tokens with a {intermediate.name} intermediate need an engine reading BF16 "
+                             f"token rows, not the {engine.name} engine")
+        if tokens is TokenCode.MXFP8 and max_num_tokens * top_k > kernels.SORT_PERMUTE_MAX_SLOTS:
+            raise ValueError(f"MXFP8 tokens are decoded by the sort + permute launch, of at most "
+                             f"{kernels.SORT_PERMUTE_MAX_SLOTS} slots; max_num_tokens={max_num_tokens} x top_k={top_k} "
+                             f"is more")
+        if weights.code is BlockCode.MXINT4 and intermediate is not IntermediateCode.BF16:
+            raise ValueError("MXINT4 weights need a BF16 intermediate: their GEMM1 epilogue writes BF16 rows only")
+        self.tokens, self.intermediate = tokens, intermediate
         self._buckets: dict[int, Bucket] = {}
         self._lock = threading.Lock()
         self.order = StreamOrder(weights.device)
@@ -240,8 +257,12 @@ class MoeExecutor:
             return
         w, t = self.weights, bucket.tokens
         dev, hidden = w.device, w.hidden_size
-        if self.bf16_tokens:
-            tokens: Nvfp4Activations | torch.Tensor = torch.zeros(t, hidden, dtype=torch.bfloat16, device=dev)
+        if self.tokens is TokenCode.BF16:
+            tokens: Tokens = torch.zeros(t, hidden, dtype=torch.bfloat16, device=dev)
+        elif self.tokens is TokenCode.MXFP8:
+            tokens = Mxfp8Activations(torch.zeros(t, hidden, dtype=torch.uint8, device=dev).view(torch.float8_e4m3fn),
+                                      torch.zeros(t, hidden // 32, dtype=torch.uint8, device=dev).view(
+                                          torch.float8_e8m0fnu))
         else:
             tokens = Nvfp4Activations(torch.zeros(t, hidden // 2, dtype=torch.uint8, device=dev),
                                       torch.zeros(t, hidden // 16, dtype=torch.float8_e4m3fn, device=dev))
@@ -256,7 +277,7 @@ class MoeExecutor:
 
     def run(
         self,
-        activations: Nvfp4Activations | torch.Tensor,
+        activations: Tokens,
         routing: Routing,
         *,
         finalize: bool,
@@ -264,8 +285,8 @@ class MoeExecutor:
         use_cuda_graph: bool,
         signature: Hashable | None = None,
     ) -> torch.Tensor | UnfinalizedOutput:
-        """Run the layer for the T tokens of ``activations`` (validated by the caller): NVFP4 tokens, or bfloat16
-        [T, H] for an executor with ``bf16_tokens``.
+        """Run the layer for the T tokens of ``activations`` (validated by the caller) of the executor's kind
+        (cudnn_moe.pipeline.tokens).
 
         signature: a hashable identity of the caller's tensors (pointers, shapes, strides, dtypes) and
         T; given with finalize=True, an ``out`` and use_cuda_graph, repeated calls replay one full-call
@@ -319,12 +340,11 @@ class MoeExecutor:
         replay one full-call graph of stage + pipeline + finish (module docstring). None: never.
         caller: the op's inputs, which ``stage`` stages, and the output ``finish`` finalizes into; where the launches
         are recorded for this call (eager, the caller's graph, a full-call graph) the chain's first launch may stage
-        them itself and its last finalize (_launch_call). Its tokens must be BF16 exactly when the executor's are
-        (ValueError).
+        them itself and its last finalize (_launch_call). Its tokens must be of the executor's kind (ValueError).
         """
-        if caller is not None and (caller.token_operands()[1] is None) != self.bf16_tokens:
-            raise ValueError(f"caller.tokens must be {'bfloat16 rows' if self.bf16_tokens else 'an Nvfp4Activations'} "
-                             f"for an executor with bf16_tokens={self.bf16_tokens}")
+        if caller is not None and token_code(caller.tokens) is not self.tokens:
+            raise ValueError(f"caller.tokens must be {self.tokens.name} tokens for this executor, got "
+                             f"{token_code(caller.tokens).name} ones")
         with self.order.use():
             bucket = self.bucket(tokens)
             graphed = use_cuda_graph and not torch.cuda.is_current_stream_capturing()
@@ -360,10 +380,10 @@ class MoeExecutor:
         if not finished:
             finish(bucket)
 
-    def stage(self, bucket: Bucket, activations: Nvfp4Activations | torch.Tensor, routing: Routing) -> None:
+    def stage(self, bucket: Bucket, activations: Tokens, routing: Routing) -> None:
         """The op's stage launch: the caller's tokens and routing into ``bucket``. NVFP4 tokens are copied, or decoded
-        into its x_rows where its GEMM1 gathers them (Bucket.x_rows); BF16 tokens [T, H] (``bf16_tokens``) are copied
-        as bytes, with an empty scale row."""
+        into its x_rows where its GEMM1 gathers them (Bucket.x_rows); MXFP8 tokens are copied; BF16 tokens [T, H] are
+        copied as bytes, with an empty scale row."""
         ids, route_weights, routing_format = routing.kernel_operands()
         codes, scales = token_operands(activations)
         if scales is None:
@@ -436,24 +456,17 @@ class MoeExecutor:
 
 @dataclass(frozen=True)
 class CallerInputs:
-    """An op's inputs of one call as the caller passed them: the tokens (an Nvfp4Activations pack, or bfloat16
-    [T, H] for an executor with ``bf16_tokens``) and the routing, and the bfloat16 [T, H] output a finalized call
-    writes (None: the call returns unfinalized rows)."""
+    """An op's inputs of one call as the caller passed them: the tokens (of the executor's kind,
+    cudnn_moe.pipeline.tokens) and the routing, and the bfloat16 [T, H] output a finalized call writes (None: the
+    call returns unfinalized rows)."""
 
-    tokens: Nvfp4Activations | torch.Tensor
+    tokens: Tokens
     routing: Routing
     out: torch.Tensor | None = None
 
     def token_operands(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """token_operands of the call's tokens."""
         return token_operands(self.tokens)
-
-
-def token_operands(tokens: Nvfp4Activations | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(codes uint8 [T, H/2], E4M3 scales [T, H/16]) of NVFP4 tokens, or (bfloat16 [T, H], None) of BF16 tokens."""
-    if isinstance(tokens, Nvfp4Activations):
-        return tokens.packed, tokens.scales
-    return tokens, None
 
 
 def _clear_handoff(handoff: TileHandoff) -> None:
@@ -487,7 +500,9 @@ class _BucketStages(LayerStages):
         """The bucket's tokens into GEMM1's rows, in the engine's token layout."""
         x, b = self.x, self.b
         slots, g1 = b.tokens * x.top_k, b.gemm1
-        if x.bf16_tokens:
+        if x.tokens is TokenCode.MXFP8:  # MoeExecutor.__init__ keeps their buckets to the sort + permute launch
+            raise ValueError("MXFP8 tokens are decoded by the sort + permute launch only")
+        if x.tokens is TokenCode.BF16:
             return Stage("permute", lambda: kernels.permute_bf16_tokens(b.x, b.slot_to_row, slots, x.top_k,
                                                                         g1.tokens.data, g1.tokens.layout))
         return Stage("permute", lambda: kernels.permute_tokens(
@@ -508,7 +523,7 @@ class _BucketStages(LayerStages):
                 g1.tokens.layout,
             ))
             return self.staging
-        scales = None if x.bf16_tokens else b.x_scales
+        scales = None if x.tokens is TokenCode.BF16 else b.x_scales
         return Stage("sort+permute", lambda: kernels.sort_permute_bf16(
             b.ids.view(-1), x.top_k, x.local_expert_start, x.weights.num_experts, x.engine.row_alignment, b.sorted,
             b.x, scales, g1.tokens.data, g1.tokens.layout,
@@ -522,7 +537,7 @@ class _BucketStages(LayerStages):
         g1, g2 = b.gemm1, b.gemm2
         return Stage("activation", lambda: kernels.activate_quantize(
             g1.out, b.row_to_slot, b.offsets, x.activation, g2.tokens.layout, g2.tokens.data, g2.tokens.scales,
-            requantize=not x.bf16_intermediate,
+            intermediate=x.intermediate,
         ))
 
     def gemm1_routed(self) -> Stage | None:
@@ -591,11 +606,11 @@ class _BucketStages(LayerStages):
         """The natural BF16 token rows gemm1_activation gathers from: the bucket's BF16 tokens, or the x_rows its
         stage decoded the NVFP4 tokens into."""
         b = self.b
-        return b.x if self.x.bf16_tokens else b.x_rows
+        return b.x if self.x.tokens is TokenCode.BF16 else b.x_rows
 
     def _activation_epilogue(self) -> ActivationEpilogue:
         x, b = self.x, self.b
-        return ActivationEpilogue(x.activation, b.row_to_slot, b.gemm2.tokens, not x.bf16_intermediate)
+        return ActivationEpilogue(x.activation, b.row_to_slot, b.gemm2.tokens, x.intermediate)
 
     def _early_routing(self) -> EarlyRouting:
         """The routing GEMM1 may read before its dependency wait: the caller's where the launch before it stages the

@@ -229,9 +229,10 @@ class BlockScaledWeights(LowLatencyWeights):
 class Mxfp4WeightOnlyWeights(BlockScaledWeights):
     """MXFP4 weight-only: E2M1 codes, float8_e8m0fnu scales per 32 K values (value = e2m1 * 2^(byte - 127)).
 
-    nvfp4_shifts: decided at preparation (``prepare_mxfp4_weight_only_weights``): the shifts (w1, w2), int32 [E]
-        each, of the exact shifted form these weights take on the SM90 kernels (cudnn_moe.formats.mxfp4_as_nvfp4), or
-        why they have none (a str); None where nobody asked (the MX pair's weights).
+    nvfp4_shifts: decided at preparation (``prepare_mxfp4_weight_only_weights``, and ``prepare_weights`` for the
+        MXFP4 pair): the shifts (w1, w2), int32 [E] each, of the exact shifted form these weights take on the SM90
+        kernels (cudnn_moe.formats.mxfp4_as_nvfp4), or why they have none (a str); None where nobody asked (weights
+        built by hand).
     tile_form: None, or where ``tiled`` the rest of that form, which both engines run the tiled codes with: (w1 scale
         tiles uint8 [E, N1p, H/32] (cudnn_moe.engines.sm90.layout, MXFP4 tiles), w1 global float32 [E], w2 scale tiles
         [E, H, Ip/32], w2 global [E]). The E8M0 scales stay row-major: ``canonical()`` gives them as the caller passed
@@ -287,7 +288,9 @@ class Mxfp4WeightOnlyWeights(BlockScaledWeights):
 @dataclass(frozen=True, eq=False)
 class Mxfp4PairWeights(Mxfp4WeightOnlyWeights):
     """MXFP4 weights for MXFP8 activations (``LowLatencyMoeConfig.prepare_weights``): the tensors of
-    Mxfp4WeightOnlyWeights (E2M1 codes, float8_e8m0fnu scales per 32 K values, I padded to 128)."""
+    Mxfp4WeightOnlyWeights (E2M1 codes, float8_e8m0fnu scales per 32 K values, I padded to 128), row-major (the
+    CUDA-core, ll_mma and SM90 kernels all read them so: the SM90 decode kernel's row-major MXFP4 form, in their exact
+    shifted form), with the shifts of that form decided at preparation (``nvfp4_shifts``)."""
 
 
 @dataclass(frozen=True, eq=False)

@@ -51,7 +51,9 @@ class Nvfp4Weights:
     code: BlockCode.NVFP4, or for the SM90 engine's view of MXINT4 low-latency weights BlockCode.MXINT4 (INT4 codes
     and BF16 scales per 32 in the SM90 MXINT4 tiles, alphas 1/256; cudnn_moe.low_latency.grouped), or for the aligned
     op's raw tensors read in place on the SM90 engine BlockCode.NVFP4_ROWS (the canonical layout, each expert's
-    matrix flattened: w1 [E, N1 * H/2], scales [E, N1 * H/16] float8_e4m3fn, likewise w2).
+    matrix flattened: w1 [E, N1 * H/2], scales [E, N1 * H/16] float8_e4m3fn, likewise w2), or for the SM90 engine's
+    view of the MXFP4 pair BlockCode.MXFP4_ROWS (its canonical codes and E8M0 scale bytes [E, N1 * H/32] in place, the
+    globals of their exact shifted form as alphas; cudnn_moe.low_latency.fallback.mxfp4_rows_view).
     w1_halves_swapped: w1's two halves are stored as [gate; up] (BlockCode.NVFP4_ROWS views of the aligned op's raw
     w1); the kernels read them as [up; gate], and canonical() gives [up; gate].
     The GPU executors built for these weights live in cudnn_moe.pipeline.lifetime's cache and are

@@ -1,14 +1,20 @@
-// Exact decoders of the low-latency kernels' 4-bit and FP8 weights (and NVFP4 tokens), and the E4M3 / MXFP8
-// encoders of their quantized intermediates, kept apart from ll_moe.cu so
+// Exact decoders of the low-latency kernels' 4-bit and FP8 weights (and NVFP4 tokens), and (from mxfp8.cuh) the
+// E4M3 / MXFP8 encoders of their quantized intermediates, kept apart from ll_moe.cu so
 // that a host build (tests/test_low_latency_kernels_cpu.py) can check them against the project's codecs for
 // every code: on the device bf16x2_fma is one fma.rn.bf16x2; on the host it is emulated per half (the FP32
 // fma rounded to BF16, equal to the instruction wherever the FP32 result is exact, as in every use here).
 #pragma once
 
 #include "common.cuh"
+#include "mxfp8.cuh"
 
 namespace ll {
 
+using moe::e4m3_code;
+using moe::e4m3_round;
+using moe::e8m0_to_float;
+using moe::mx_e4m3_code;
+using moe::mx_e4m3_scale_byte;
 using moe::u16;
 using moe::u32;
 
@@ -118,57 +124,6 @@ __device__ __forceinline__ void decode_e4m3_word(u32 lo, u32 hi, float v[8]) {
 #pragma unroll
   for (int j = 0; j < 8; ++j) v[j] = e4m3_value(((j < 4 ? lo : hi) >> (8 * (j & 3))) & 0xFFu);
 #endif
-}
-
-// FP32 f rounded to the nearest E4M3 value (float8_e4m3fn: 3 mantissa bits, normals from 2^-6, subnormal step
-// 2^-9), ties to even, saturating at +-448 (satfinite: larger magnitudes and +-Inf give +-448), NaN kept; the
-// sign of zero is kept. Returns the value itself in FP32 (exact in BF16 and FP16 too), so the caller stores it
-// in a 16-bit workspace or encodes it. Plain FP32 arithmetic, the same on every arch and on the host: the
-// per-tensor FP8 format quantizes its intermediate with it (ll_moe.cu), as torch's to_e4m3 does on the host.
-__device__ __forceinline__ float e4m3_round(float f) {
-  const float a = fabsf(f);
-  if (!(a == a)) return f;  // NaN
-  float r;
-  if (a < 0.015625f) {  // below the smallest normal (2^-6): a multiple of 2^-9, rintf rounds ties to even
-    r = rintf(a * 512.0f) * 0.001953125f;
-  } else {  // keep 3 of FP32's 23 mantissa bits: add half an E4M3 ulp (less one unless the kept LSB is odd)
-    u32 b = __float_as_uint(a);
-    b += 0x7FFFFu + ((b >> 20) & 1u);
-    r = __uint_as_float(b & 0xFFF00000u);
-  }
-  return copysignf(fminf(r, 448.0f), f);
-}
-
-// The float8_e4m3fn byte of r, an E4M3 value (e4m3_round's result: +-0, subnormal multiples of 2^-9 below 2^-6,
-// normals with 3 mantissa bits up to 448); NaN gives 0x7F (with r's sign bit). Integer work, any arch and the host.
-__device__ __forceinline__ u32 e4m3_code(float r) {
-  const u32 b = __float_as_uint(r), sign = (b >> 24) & 0x80u;
-  const float a = fabsf(r);
-  if (!(a == a)) return sign | 0x7Fu;
-  if (a < 0.015625f) return sign | static_cast<u32>(a * 512.0f);  // 0..7, exact
-  return sign | ((((b >> 23) & 0xFFu) - 120u) << 3) | ((b >> 20) & 7u);  // E4M3 exponent bias 7 = FP32's 127 - 120
-}
-
-// E8M0 scale byte: 2^(b - 127); b = 0 is 2^-127 (an FP32 subnormal), b = 255 is NaN.
-__device__ __forceinline__ float e8m0_to_float(u32 b) {
-  return b == 255u ? __uint_as_float(0x7FC00000u) : (b == 0u ? __uint_as_float(0x00400000u) : __uint_as_float(b << 23));
-}
-
-// MXFP8 quantization (the MX pairs' intermediate; cudnn_moe.formats.quantize_mxfp8 bit for bit on finite values).
-// The E8M0 scale byte of a block from amax = max |v| (FP32, non-negative): the scale is 2^clamp(floor(log2 amax) - 8,
-// -127, 127) (8: the exponent of E4M3's largest normal, 448 = 1.75 * 2^8), so the byte is amax's biased FP32
-// exponent less 8, at least 0: a zero or subnormal amax (floor(log2) below -126) gives 0 (2^-127). A finite amax
-// gives at most 246, +Inf (or NaN) 247.
-__device__ __forceinline__ u32 mx_e4m3_scale_byte(float amax) {
-  const u32 e = (__float_as_uint(amax) >> 23) & 0xFFu;
-  return e > 8u ? e - 8u : 0u;
-}
-
-// The float8_e4m3fn byte of v in a block of scale byte b (0..247, mx_e4m3_scale_byte): e4m3(fp32(v / 2^(b - 127))),
-// nearest even, saturating at +-448. 2^(127 - b) is a normal FP32 power of two, so the multiply rounds exactly as
-// the division by the scale does (the same real quotient, one rounding).
-__device__ __forceinline__ u32 mx_e4m3_code(float v, u32 b) {
-  return e4m3_code(e4m3_round(v * __uint_as_float((254u - b) << 23)));
 }
 
 }  // namespace ll

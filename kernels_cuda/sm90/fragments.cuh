@@ -27,6 +27,7 @@ namespace sm90 {
 
 using moe::i64;
 using moe::ldg_reused_u16;  // row-major scales: kept in L1, the next steps read their sector again (common.cuh)
+using moe::ldg_reused_u8;
 using moe::ldg_stream_u32;  // weights and scales: streamed, not kept in L1 (common.cuh)
 using moe::ldg_stream_v2;
 using moe::ldg_stream_v4;
@@ -86,6 +87,22 @@ static_assert(MXFP4_TILE_SCALE_POW2 == 118, "MXFP4 tiles: the multiplier's 2^118
 __device__ __forceinline__ void decode_e8m0_scale_word(u32 w, u32& row_g, u32& row_g8) {
   row_g = (w << 7) & 0x7F807F80u;   // bytes 0 and 2 into the exponent fields of the halves
   row_g8 = (w >> 1) & 0x7F807F80u;  // bytes 1 and 3
+}
+
+// MXFP4 weights in their canonical row-major layout (the MX pair's, read in place): the multiplier of the exact
+// shifted form for a row's E8M0 scale byte of one k32 block, in the low bf16 half (scale_a<0>): the tiles' byte of that
+// block (decode_e8m0_scale_word), the exponent field byte - a + MXFP4_TILE_SCALE_POW2 for the expert's shift a
+// (bias = MXFP4_TILE_SCALE_POW2 - a, mxfp4_rows_bias), clamped to 1 .. 254. Every nonzero block of the form lies
+// inside that range (cudnn_moe.formats.mxfp4_as_nvfp4); an all-zero block, whose byte the form ignores, gets some
+// finite multiplier of its zero codes.
+__device__ __forceinline__ u32 mxfp4_row_multiplier(u32 byte, int bias) {
+  return static_cast<u32>(min(max(static_cast<int>(byte) + bias, 1), 254)) << 7;
+}
+
+// The bias of mxfp4_row_multiplier for an expert whose global (alpha) is 2^a: MXFP4_TILE_SCALE_POW2 - a, a read off
+// alpha's FP32 exponent field.
+__device__ __forceinline__ int mxfp4_rows_bias(float alpha) {
+  return MXFP4_TILE_SCALE_POW2 + 127 - static_cast<int>((__float_as_uint(alpha) >> 23) & 0xFFu);
 }
 
 // ---------------------------------------------------------------------------------------------

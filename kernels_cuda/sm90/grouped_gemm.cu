@@ -25,7 +25,11 @@ using namespace sm90;
 
 // The activation stage folded into the decode kernel's epilogue (the SM90 decode chain): SM90_ACT, an ACT_*
 // code, and SM90_ACT_GATED (0 or 1) compiled in, as in wgmma_gemm.cu; without SM90_ACT the kernels write
-// their BF16 output.
+// their BF16 output. SM90_ACT_MXFP8=1: the epilogue quantizes to MXFP8 (the MX pair's intermediate, inter_code
+// INTER_MXFP8, BF16 layouts only), compiled into those forms alone.
+#ifndef SM90_ACT_MXFP8
+#define SM90_ACT_MXFP8 0
+#endif
 #ifdef SM90_ACT
 #ifndef SM90_ACT_GATED
 #error "SM90_ACT needs SM90_ACT_GATED"
@@ -141,9 +145,14 @@ using namespace sm90;
 #ifndef SM90_W_ROWS
 #define SM90_W_ROWS 0
 #endif
-#if SM90_W_ROWS && (SM90_W_INT4 || SM90_W_MXFP4 || SM90_W_BF16 || defined(SM90_ROUTE))
-#error "SM90_W_ROWS runs without SM90_W_INT4, SM90_W_MXFP4, SM90_W_BF16 and SM90_ROUTE"
+// With SM90_W_MXFP4 the row-major weights are MXFP4 (the MX pair's canonical tensors): w_scales E8M0 [E, N, K/32],
+// one byte a lane a row and step (its 16 code bytes are one k32 block), made into the multiplier of the exact shifted
+// form with the expert's shift, read off its global 2^a in alpha (fragments.cuh mxfp4_row_multiplier): the products of
+// the MXFP4 tiles of that form.
+#if SM90_W_ROWS && (SM90_W_INT4 || SM90_W_BF16 || defined(SM90_ROUTE))
+#error "SM90_W_ROWS runs without SM90_W_INT4, SM90_W_BF16 and SM90_ROUTE"
 #endif
+#define DEC_ROWS_MXFP4 (SM90_W_ROWS && SM90_W_MXFP4)
 // CTAs per SM the register allocation must allow: the NVFP4 forms of one or two m16 x n8 tiles a warp fit 128
 // registers a thread (512 threads an SM) on their own; the MXINT4 forms are held to it (unbounded, GEMM1's SwiGLU
 // form takes 133 registers and the eight-warp form 225: three CTAs and one an SM). At 128 some forms spill 8 bytes.
@@ -206,7 +215,12 @@ struct DecodeRing {
   uint4 b[SM90_PREFETCH][SM90_NT][2];  // token pieces (X_LANE, X_SECOND): steps 0-1, 2-3
 #elif SM90_W_ROWS
   uint4 w[DEC_SLOTS][SM90_MT][2];      // row-major NVFP4: 16 code bytes of row g, of row g + 8
+#if DEC_ROWS_MXFP4
+  u32 s[DEC_SLOTS][SM90_MT];           // their E8M0 scale byte each (row g at bit 0, row g + 8 at bit 16)
+  int w_bias;                          // mxfp4_rows_bias of the expert whose rows the ring streams
+#else
   uint2 s[DEC_SLOTS][SM90_MT];         // their two scale bytes each (x row g, y row g + 8)
+#endif
   uint4 b[DEC_SLOTS][SM90_NT][4];      // token pieces: 64 bytes at 64q, steps 2i, 2i + 1 in piece i
 #else
   uint4 w[SM90_PREFETCH][SM90_MT];     // weight words: 4 k16 steps
@@ -259,11 +273,18 @@ __device__ __forceinline__ void decode_step(const DecodeRing& ring, float (&acc)
   a[3] = word_of<((2 * S) & 3) + 1>(ring.w[P][mt][2 + (S >> 1)]);
 #elif SM90_W_ROWS
   // Step S (0..7): code bytes 2S, 2S + 1 of the lane's 16 bytes of row g (word S / 2) into a0 / a2, of row g + 8 into
-  // a1 / a3; steps 0..3 take the rows' first scale (block 2q), steps 4..7 the second.
+  // a1 / a3; steps 0..3 take the rows' first scale (block 2q), steps 4..7 the second (MXFP4: every step the rows' one
+  // multiplier, the low halves).
   u32 sg[SM90_MT], sg8[SM90_MT];
 #pragma unroll
-  for (int mt = 0; mt < SM90_MT; ++mt)
+  for (int mt = 0; mt < SM90_MT; ++mt) {
+#if DEC_ROWS_MXFP4
+    sg[mt] = mxfp4_row_multiplier(ring.s[P][mt] & 0xFFu, ring.w_bias);
+    sg8[mt] = mxfp4_row_multiplier(ring.s[P][mt] >> 16, ring.w_bias);
+#else
     decode_scale_word(__byte_perm(ring.s[P][mt].x, ring.s[P][mt].y, 0x5140), sg[mt], sg8[mt]);
+#endif
+  }
 #define SM90_DECODE_A(S, mt, a)                                                                     \
   {                                                                                                 \
     const u32 wg = word_of<((S) >> 1)>(ring.w[P][mt][0]), wg8 = word_of<((S) >> 1)>(ring.w[P][mt][1]); \
@@ -271,7 +292,7 @@ __device__ __forceinline__ void decode_step(const DecodeRing& ring, float (&acc)
     a[2] = decode_row_byte(wg, row_byte_selector(2 * ((S) & 1) + 1));                               \
     a[1] = decode_row_byte(wg8, row_byte_selector(2 * ((S) & 1)));                                  \
     a[3] = decode_row_byte(wg8, row_byte_selector(2 * ((S) & 1) + 1));                              \
-    scale_a<((S) >> 2)>(sg[mt], sg8[mt], a);                                                        \
+    scale_a<DEC_ROWS_MXFP4 ? 0 : ((S) >> 2)>(sg[mt], sg8[mt], a);                                   \
   }
 #elif SM90_W_MXFP4
   // Step S takes the multipliers of k32 block S / 2: the low halves (S < 2) or the high halves.
@@ -393,7 +414,7 @@ __device__ __forceinline__ int decode_feature(int f, int n) {
 // its partial sums meet in shared memory, summed over wk = 0..WK-1 in order.
 // With SM90_ACT (the decode chain): the C tile, rounded to BF16 as out would hold it, goes to the
 // activation epilogue instead of out: act_out (and act_scales) receive moe_activation's output for the
-// tile's rows, bit for bit, in act_layout (requantize as there; act_alpha / _beta / _limit the activation's
+// tile's rows, bit for bit, in act_layout (inter_code as there; act_alpha / _beta / _limit the activation's
 // parameters). Gated: the CTA's first WM / 2 warps compute up and the others the gate rows of DEC_FB / 2
 // outputs (grid x = n / DEC_FB blocks). row_to_slot int32 [row_capacity] marks padding rows (< 0). The
 // gather arguments must be 0 (the decode kernel reads its rows from x).
@@ -505,7 +526,7 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS DEC_MIN_BLOCKS)
                      const u16* __restrict__ x, const int* __restrict__ offsets, int num_experts, int n, int k,
                      int row_capacity, int alpha_split, u16* __restrict__ out, const int* __restrict__ row_to_slot,
                      int gather_top_k, int gather_tokens, float act_alpha, float act_beta, float act_limit,
-                     int act_layout, int requantize, u8* __restrict__ act_out, u8* __restrict__ act_scales,
+                     int act_layout, int inter_code, u8* __restrict__ act_out, u8* __restrict__ act_scales,
                      int w_half_swap, const int* __restrict__ slot_to_row, const float* __restrict__ route_weights, int top_k,
                      int tokens, u16* __restrict__ final_out, int* __restrict__ tickets DEC_ROUTE_PARAMS
                          DEC_EARLY_PARAMS DEC_HANDOFF_PARAMS) {
@@ -540,12 +561,25 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS DEC_MIN_BLOCKS)
 #define SM90_DECODE_ADVANCE_W wp += SM90_PREFETCH * W_STEP;
 #elif SM90_W_ROWS
   // Row-major NVFP4: the lane's rows g and g + 8 of its first m16 block, code bytes 64 wk + 16q on and scale bytes
-  // 8 wk + 2q on (SM90_W_ROWS above); the further blocks 16 rows on. Rows g + 8 at an offset from row g's pointers
-  // without split-K, from their own with it: each way the one the register allocation fits in 128 without spilling.
-  const u32 row_bytes = static_cast<u32>(k >> 1), scale_row_bytes = static_cast<u32>(k >> 4);
+  // 8 wk + 2q on (MXFP4: 4 wk + q; SM90_W_ROWS above); the further blocks 16 rows on. Rows g + 8 at an offset from
+  // row g's pointers without split-K, from their own with it: each way the one the register allocation fits in 128
+  // without spilling.
+  constexpr int SCALE_BYTES = DEC_ROWS_MXFP4 ? 1 : 2;  // a lane's scale bytes of a row and step
+  const u32 row_bytes = static_cast<u32>(k >> 1), scale_row_bytes = static_cast<u32>(k >> (DEC_ROWS_MXFP4 ? 5 : 4));
   const i64 first_row = static_cast<i64>(decode_warp_tile(wm, n, w_half_swap)) * 16 + g;
   const int nsteps = wk < kt ? (kt - wk + SM90_WK - 1) / SM90_WK : 0;
-  constexpr int W_STEP = SM90_WK * 64, S_STEP = SM90_WK * 8, X_STEP = SM90_WK * 256;  // bytes per step
+  constexpr int W_STEP = SM90_WK * 64, S_STEP = SM90_WK * 4 * SCALE_BYTES, X_STEP = SM90_WK * 256;  // bytes per step
+#if DEC_ROWS_MXFP4
+// A lane's scale bytes of rows g (at c) and g + 8 (at c8) of a step, in one register.
+#define SM90_LOAD_ROW_SCALES(c, c8) (ldg_reused_u8(c) | (ldg_reused_u8(c8) << 16))
+  const int w_alpha_feature = decode_warp_tile(wm, n, 0) * 16;
+#define SM90_DECODE_POINT_BIAS(EXPERT)                                                              \
+  ring.w_bias = mxfp4_rows_bias(                                                                    \
+      __ldg(alpha + expert_alpha(static_cast<int>(EXPERT), num_experts, w_alpha_feature, alpha_split)));
+#else
+#define SM90_LOAD_ROW_SCALES(c, c8) make_uint2(ldg_reused_u16(c), ldg_reused_u16(c8))
+#define SM90_DECODE_POINT_BIAS(EXPERT)
+#endif
   DecodeRing ring;
 #if SM90_WK == 1
   const u8* wp;
@@ -557,13 +591,36 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS DEC_MIN_BLOCKS)
     const u8* const c = sp + (S) * S_STEP + mt * 16 * scale_row_bytes;                              \
     ring.w[P][mt][0] = ldg_stream_v4<true>(r);                                                     \
     ring.w[P][mt][1] = ldg_stream_v4<true>(r + 8 * row_bytes);                                     \
-    ring.s[P][mt] = make_uint2(ldg_reused_u16(c), ldg_reused_u16(c + 8 * scale_row_bytes));         \
+    ring.s[P][mt] = SM90_LOAD_ROW_SCALES(c, c + 8 * scale_row_bytes);                                \
   }
 #define SM90_DECODE_POINT_W(EXPERT)                                                                 \
   wp = w_tiles + ((EXPERT) * n + first_row) * row_bytes + wk * 64 + q * 16;                         \
-  sp = w_scales + ((EXPERT) * n + first_row) * scale_row_bytes + wk * 8 + q * 2;
+  sp = w_scales + ((EXPERT) * n + first_row) * scale_row_bytes + (wk * 4 + q) * SCALE_BYTES;        \
+  SM90_DECODE_POINT_BIAS(EXPERT)
 #define SM90_DECODE_ADVANCE_W                                                                       \
   wp += DEC_SLOTS * W_STEP;                                                                         \
+  sp += DEC_SLOTS * S_STEP;
+#else
+#if DEC_ROWS_MXFP4
+  // Rows g, g + 8; the scales of row g + 8 eight rows on from row g's (not a pointer of their own, as NVFP4's: the
+  // multipliers take a register more, and this way every form fits 128 without spilling).
+  const u8 *wp, *wp8, *sp;
+  // Load ring slot P with step `s` (relative to the current base pointers).
+#define SM90_DECODE_LOAD_W(P, S)                                                                    \
+  _Pragma("unroll") for (int mt = 0; mt < SM90_MT; ++mt) {                                          \
+    _Pragma("unroll") for (int h = 0; h < 2; ++h)                                                   \
+      ring.w[P][mt][h] = ldg_stream_v4<true>((h ? wp8 : wp) + (S) * W_STEP + mt * 16 * row_bytes); \
+    const u8* const c = sp + (S) * S_STEP + mt * 16 * scale_row_bytes;                              \
+    ring.s[P][mt] = SM90_LOAD_ROW_SCALES(c, c + 8 * scale_row_bytes);                                \
+  }
+#define SM90_DECODE_POINT_W(EXPERT)                                                                 \
+  wp = w_tiles + ((EXPERT) * n + first_row) * row_bytes + wk * 64 + q * 16;                         \
+  wp8 = wp + 8 * row_bytes;                                                                         \
+  sp = w_scales + ((EXPERT) * n + first_row) * scale_row_bytes + wk * 4 + q;                        \
+  SM90_DECODE_POINT_BIAS(EXPERT)
+#define SM90_DECODE_ADVANCE_W                                                                       \
+  wp += DEC_SLOTS * W_STEP;                                                                         \
+  wp8 += DEC_SLOTS * W_STEP;                                                                        \
   sp += DEC_SLOTS * S_STEP;
 #else
   const u8 *wp, *wp8, *sp, *sp8;  // rows g, g + 8
@@ -583,6 +640,7 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS DEC_MIN_BLOCKS)
   wp8 += DEC_SLOTS * W_STEP;                                                                        \
   sp += DEC_SLOTS * S_STEP;                                                                         \
   sp8 += DEC_SLOTS * S_STEP;
+#endif
 #endif
 #else
   const i64 expert_tiles = static_cast<i64>(n >> 4) * kt;
@@ -822,6 +880,8 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS DEC_MIN_BLOCKS)
 #undef SM90_DECODE_POINT_W
 #undef SM90_DECODE_ADVANCE_W
 #undef SM90_LOAD_SCALES
+#undef SM90_LOAD_ROW_SCALES
+#undef SM90_DECODE_POINT_BIAS
 #undef SM90_DECODE_EACH_SLOT
 #undef SM90_DECODE_ADVANCE
 
@@ -917,9 +977,9 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS DEC_MIN_BLOCKS)
       const int t = item / UNITS;
       const int row = tile.row0 + t;
       if (row >= tile.row_end) continue;  // warp-uniform
-      moe::activate_store_unit_warp<SM90_ACT, DEC_PAIRED>(
+      moe::activate_store_unit_warp<SM90_ACT, DEC_PAIRED, SM90_ACT_MXFP8 != 0>(
           &c_tile[t][32 * (item % UNITS)], DEC_FB / 2, tile_slot[t] < 0, row, unit0 + item % UNITS,
-          inter, row_capacity, SM90_ACT, act_alpha, act_beta, act_limit, act_layout, requantize != 0,
+          inter, row_capacity, SM90_ACT, act_alpha, act_beta, act_limit, act_layout, inter_code,
           reinterpret_cast<u16*>(act_out));
     }
   }
@@ -932,7 +992,7 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS DEC_MIN_BLOCKS)
       if (row >= tile.row_end) continue;
       moe::activate_store_unit<SM90_ACT, DEC_PAIRED>(&c_tile[t][32 * unit], DEC_FB / 2, tile_slot[t] < 0,
                                                      row, unit0 + unit, inter, row_capacity, SM90_ACT, act_alpha,
-                                                     act_beta, act_limit, act_layout, requantize != 0, act_out,
+                                                     act_beta, act_limit, act_layout, inter_code, act_out,
                                                      act_scales);
     }
   }

@@ -367,7 +367,7 @@ __device__ __forceinline__ void wgmma_tile(const Tile& tile, const u8* __restric
 template <int ACT, bool GATED>
 __device__ __forceinline__ void activation_epilogue(u8* smem, u32 ring, const Tile& tile,
                                                     const int* __restrict__ row_to_slot, int inter, int rows, float alpha, float beta, float limit,
-                                                    int layout, bool requantize, u8* __restrict__ out,
+                                                    int layout, int inter_code, u8* __restrict__ out,
                                                     u8* __restrict__ out_scales) {
   constexpr int COLS = GATED ? WG_FB / 2 : WG_FB;
   constexpr int UNITS = COLS / 32;
@@ -382,7 +382,7 @@ __device__ __forceinline__ void activation_epilogue(u8* smem, u32 ring, const Ti
       const int r = tile.row0 + row;
       const u16* src = reinterpret_cast<const u16*>(smem + row * WG_C_STRIDE) + 32 * unit;
       moe::activate_store_unit<ACT, GATED>(src, COLS, __ldg(row_to_slot + r) < 0, r, unit0 + unit, inter, rows, ACT,
-                                           alpha, beta, limit, layout, requantize, out, out_scales);
+                                           alpha, beta, limit, layout, inter_code, out, out_scales);
     }
     return;
   }
@@ -397,7 +397,7 @@ __device__ __forceinline__ void activation_epilogue(u8* smem, u32 ring, const Ti
     const u16* src = reinterpret_cast<const u16*>(smem + row * WG_C_STRIDE) + 32 * unit;
     uint4 chunk[4];
     moe::activate_unit_chunks<ACT, GATED>(src, COLS, __ldg(row_to_slot + tile.row0 + row) < 0, ACT, alpha, beta, limit,
-                                          requantize, chunk);
+                                          inter_code, chunk);
     u8* const line = image + ((unit >> 1) * WG_TB + row) * 128;
 #pragma unroll
     for (int c = 0; c < 4; ++c)
@@ -427,7 +427,7 @@ __device__ __forceinline__ void activation_epilogue(u8* smem, u32 ring, const Ti
 //   SM90_ACT       the activation stage folded into the epilogue (act_alpha / _beta / _limit as
 //                     moe_activation takes them): instead of out, act_out (and act_scales for the NVFP4
 //                     layouts) receive moe_activation's output for the tile's rows, bit for bit, in act_layout
-//                     (requantize as there). Gated: W is [up; gate] (n / 2 rows each), the grid's x covers
+//                     (inter_code as there). Gated: W is [up; gate] (n / 2 rows each), the grid's x covers
 //                     ceil(n / FB) blocks of FB / 2 outputs, each CTA's first half of warps computing up and
 //                     its second half the gate rows of those outputs.
 //   row_to_slot       int32 [row_capacity]: read by either (unused by the plain kernel without a gather)
@@ -436,7 +436,7 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, SM90_WG_MIN_BLOCKS)
                     const u16* __restrict__ x, const int* __restrict__ offsets, int num_experts, int n, int k,
                     int row_capacity, int alpha_split, u16* __restrict__ out, const int* __restrict__ row_to_slot,
                     int gather_top_k, int gather_tokens, float act_alpha, float act_beta, float act_limit,
-                    int act_layout, int requantize, u8* __restrict__ act_out, u8* __restrict__ act_scales,
+                    int act_layout, int inter_code, u8* __restrict__ act_out, u8* __restrict__ act_scales,
                     int w_half_swap) {
   moe::grid_dependency_begin();
   Tile tile;
@@ -459,7 +459,7 @@ extern "C" __global__ void __launch_bounds__(WG_THREADS, SM90_WG_MIN_BLOCKS)
   u8* smem = wgmma_smem(ring);
 #ifdef SM90_ACT
   activation_epilogue<SM90_ACT, WG_PAIRED>(smem, ring, tile, row_to_slot, WG_PAIRED ? n / 2 : n, row_capacity,
-                                              act_alpha, act_beta, act_limit, act_layout, requantize != 0, act_out,
+                                              act_alpha, act_beta, act_limit, act_layout, inter_code, act_out,
                                               act_scales);
 #else
   // The tile's rows x FB / 8 chunks of 16 B; rows past the segment and features past N are not written.

@@ -128,6 +128,7 @@ def _wrapper_calls() -> list[tuple[str, Callable[..., None], tuple[Any, ...]]]:
     plan = (z(R, dtype=i32), z(R // 8, dtype=i32), z(1, dtype=i32), 8, T * k, E, z(B * k, dtype=i32))
     unfinalized = (z(R, H, dtype=bf16), z(R, dtype=i32), z(R - 2, H, dtype=bf16))
     nvfp4_tokens, bf16_tokens = (z(T, H // 2), z(T, H // 16)), (z(T, H, dtype=bf16), None)
+    mxfp8_tokens = (z(T, H).view(torch.float8_e4m3fn), z(T, H // 32).view(torch.float8_e8m0fnu))
     many = kernels.SORT_WARP_SLOTS // k + 1  # a bucket of more slots than the one-warp sort takes
 
     def staged_sort(bucket: int) -> tuple[Any, ...]:
@@ -148,6 +149,10 @@ def _wrapper_calls() -> list[tuple[str, Callable[..., None], tuple[Any, ...]]]:
          (*sorting, z(B, H // 2), z(B, H // 16), z(R, H, dtype=bf16))),
         ("moe_sort_permute_bf16_tokens", kernels.sort_permute_bf16,
          (*sorting, z(B, H, dtype=bf16), None, z(R, H, dtype=bf16))),
+        ("moe_sort_permute_bf16_mxfp8", kernels.sort_permute_bf16,
+         (*sorting, z(B, H).view(torch.float8_e4m3fn), z(B, H // 32), z(R, H, dtype=bf16))),
+        ("moe_stage_sort_permute_bf16_mxfp8_warp", kernels.stage_sort_permute_bf16, (*mxfp8_tokens, *staged_sort(B))),
+        ("moe_stage_sort_permute_bf16_mxfp8", kernels.stage_sort_permute_bf16, (*mxfp8_tokens, *staged_sort(many))),
         ("moe_stage_sort_permute_bf16_warp", kernels.stage_sort_permute_bf16, (*nvfp4_tokens, *staged_sort(B))),
         ("moe_stage_sort_permute_bf16_tokens_warp", kernels.stage_sort_permute_bf16, (*bf16_tokens, *staged_sort(B))),
         ("moe_stage_sort_permute_bf16", kernels.stage_sort_permute_bf16, (*nvfp4_tokens, *staged_sort(many))),

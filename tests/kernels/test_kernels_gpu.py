@@ -16,7 +16,7 @@ from cudnn_moe.activations import GELU, Activation, GeGLU, GeGLUTanh, Identity, 
 from cudnn_moe.pipeline.executor import row_capacity
 from cudnn_moe.engines.sm90.layout import from_token_layout, to_token_layout
 from cudnn_moe.formats import dequantize_nvfp4, encode_e2m1, swizzled_offset, swizzled_shape, unpack_nibbles
-from cudnn_moe.kernels import SORT_THREADS, TokenLayout
+from cudnn_moe.kernels import SORT_THREADS, IntermediateCode, TokenLayout
 from cudnn_moe.kernels.sort import sort_grid
 from cudnn_moe.formats.blocks import to_e4m3
 from cudnn_moe.routing import pack_routing
@@ -672,7 +672,8 @@ def test_activation_bf16_layouts_decode_the_nvfp4_values(name: str, layout: Toke
     frags = _full((capacity, inter), math.nan, torch.bfloat16)
     kernels.activate_quantize(g1_dev, row_to_slot, offsets, act, layout, frags, None)
     rounded = _full((capacity, inter), math.nan, torch.bfloat16)
-    kernels.activate_quantize(g1_dev, row_to_slot, offsets, act, layout, rounded, None, requantize=False)
+    kernels.activate_quantize(g1_dev, row_to_slot, offsets, act, layout, rounded, None,
+                              intermediate=IntermediateCode.BF16)
     torch.cuda.synchronize()
     want = dequantize_nvfp4(codes.cpu(), scales.cpu().view(torch.float8_e4m3fn).view(capacity, -1), dtype=torch.bfloat16)
     got = from_token_layout(frags.cpu(), layout)

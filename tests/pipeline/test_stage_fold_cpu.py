@@ -13,15 +13,20 @@ import torch
 
 from cudnn_moe import Routing, kernels
 from cudnn_moe.engines.base import GemmOperands, GemmShape, Stage
-from cudnn_moe.kernels import TokenLayout
+from cudnn_moe.kernels import IntermediateCode, TokenLayout
 from cudnn_moe.pipeline.executor import CallerInputs, MoeExecutor, _BucketStages
+from cudnn_moe.pipeline.tokens import TokenCode
 from cudnn_moe.weights.nvfp4 import Nvfp4Activations
 
 TOKENS, TOP_K, HIDDEN, EXPERTS, ROWS = 2, 4, 64, 8, 64
 
 
+def _code(bf16_tokens: bool) -> TokenCode:
+    return TokenCode.BF16 if bf16_tokens else TokenCode.NVFP4
+
+
 def _executor(bf16_tokens: bool = False) -> SimpleNamespace:
-    return SimpleNamespace(bf16_tokens=bf16_tokens, top_k=TOP_K, local_expert_start=3,
+    return SimpleNamespace(tokens=_code(bf16_tokens), top_k=TOP_K, local_expert_start=3,
                            weights=SimpleNamespace(num_experts=EXPERTS), engine=SimpleNamespace(row_alignment=8))
 
 
@@ -122,7 +127,7 @@ def test_otherwise_gemm2_leaves_the_finalize_to_its_own_launch(why: str) -> None
 
 @pytest.mark.parametrize("bf16_tokens", [False, True])
 def test_caller_tokens_must_match_the_executors_token_kind(bf16_tokens: bool) -> None:
-    executor = SimpleNamespace(bf16_tokens=bf16_tokens)
+    executor = SimpleNamespace(tokens=_code(bf16_tokens))
     with pytest.raises(ValueError, match="caller.tokens must be"):
         MoeExecutor.run_call(executor, TOKENS, None, None, use_cuda_graph=False,
                              caller=_caller(bf16_tokens=not bf16_tokens))
@@ -157,8 +162,8 @@ def test_the_stage_launch_stages_either_token_kind(monkeypatch: pytest.MonkeyPat
 
 def _routing_executor(can: bool, gemms: list, bf16_tokens: bool = False) -> SimpleNamespace:
     engine = SimpleNamespace(can_route=lambda operands: can, gemm=gemms.append, row_alignment=8)
-    return SimpleNamespace(bf16_tokens=bf16_tokens, top_k=TOP_K, local_expert_start=3, engine=engine,
-                           activation="act", bf16_intermediate=False)
+    return SimpleNamespace(tokens=_code(bf16_tokens), top_k=TOP_K, local_expert_start=3, engine=engine,
+                           activation="act", intermediate=IntermediateCode.NVFP4)
 
 
 def _one_token_bucket() -> SimpleNamespace:
@@ -197,7 +202,8 @@ def test_one_token_calls_stage_and_sort_in_gemm1(bf16_tokens: bool) -> None:
     assert (route.ids, route.weights, route.routing_format) == caller.routing.kernel_operands()
     assert route.ids_out is bucket.ids and route.w_out is bucket.route_weights and route.sorted is bucket.sorted
     assert (route.local_start, route.align) == (3, 8)
-    assert epilogue.row_to_slot is bucket.row_to_slot and epilogue.out == "gemm2 tokens" and epilogue.requantize
+    assert epilogue.row_to_slot is bucket.row_to_slot and epilogue.out == "gemm2 tokens" and (
+        epilogue.intermediate is IntermediateCode.NVFP4)
     assert operands.offsets is bucket.sorted.offsets
 
 
@@ -216,7 +222,7 @@ def _warming_executor(bf16_tokens: bool, folds: tuple[bool, bool], launches: lis
     """An executor whose call chain stages and finishes as ``folds`` says (its one entry: the caller it was built
     for), recording (bucket, caller) for each chain launched."""
     return SimpleNamespace(weights=SimpleNamespace(device=torch.device("cpu"), hidden_size=HIDDEN),
-                           bf16_tokens=bf16_tokens, top_k=TOP_K, _call_chain=lambda bucket, caller: ([caller], *folds),
+                           tokens=_code(bf16_tokens), top_k=TOP_K, _call_chain=lambda bucket, caller: ([caller], *folds),
                            _launch_chain=lambda bucket, chain, stage, finish: launches.append((bucket, chain[0][0])))
 
 

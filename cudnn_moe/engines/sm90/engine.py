@@ -211,14 +211,23 @@ _WEIGHT_ONLY = frozenset(f.value for f in (WeightFormat.NVFP4_WEIGHT_ONLY, Weigh
 # (benchmarks/RESULTS.md, twenty-fourth session): best or within 4% of the best of 14 forms at Qwen3-30B-A3B and
 # DeepSeek-V3 T=1 and 8, e.g. DeepSeek-V3 T=8 GEMM1 899 us (3.9 TB/s) against 1067 with two m16 blocks and two steps.
 _BF16_TOKENS = _WEIGHT_ONLY | {WeightFormat.BF16.value}
+# The MXFP4 weight + MXFP8 activation pair: its own row-major tensors read in place in their exact shifted form
+# (BlockCode.MXFP4_ROWS: the one copy, which the CUDA-core and ll_mma kernels read too), its MXFP8 tokens decoded
+# exactly to BF16 by the sort + permute and its intermediate quantized to MXFP8 per 32 values in the activation
+# (IntermediateCode.MXFP8), both held as BF16 values, exact for block scales 2^-117 .. 2^119.
+_MX_PAIR = WeightFormat.MXFP4_W_MXFP8_A.value
+_MXFP4_FORMS = frozenset({WeightFormat.MXFP4_WEIGHT_ONLY.value, _MX_PAIR})
 _BF16 = DecodeVariant(mt=1, wm=4, wk=1, nt=1, prefetch=4, bf16_weights=True)
+# The codes whose forms read natural token rows (no staged fragments, so no route).
+_NATURAL_ROWS = (BlockCode.BF16, BlockCode.NVFP4_ROWS, BlockCode.MXFP4_ROWS)
 
 
 class Sm90GemmEngine(GemmEngine):
     """NVFP4 x NVFP4 grouped GEMMs with our own kernels on Hopper: the fused and aligned ops, and the
-    low-latency op's 4-bit formats (finalized, BF16 out; NVFP4, MXFP4 or MXINT4 weight-only with BF16 tokens, or
-    the NVFP4 pair), measured 1.3-3x faster than the CUDA-core kernels from two tokens on (at one token
-    1.9x faster on DeepSeek-V3, up to 10% slower on Qwen3-30B-A3B), so it takes every T; and its BF16 layers
+    low-latency op's 4-bit formats (finalized, BF16 out; NVFP4, MXFP4 or MXINT4 weight-only with BF16 tokens, the
+    NVFP4 pair, or the MXFP4 pair with MXFP8 tokens, which has not run on a GPU yet), measured 1.3-3x faster than
+    the CUDA-core kernels from two tokens on (at one token 1.9x faster on DeepSeek-V3, up to 10% slower on
+    Qwen3-30B-A3B), so it takes every T; and its BF16 layers
     (BF16 tokens, finalized, BF16 out; the decode kernel's BF16 form), 1.17-1.43x faster than the CUDA cores on
     the H200 at T = 1 and 8 (benchmarks/RESULTS.md)."""
 
@@ -226,7 +235,7 @@ class Sm90GemmEngine(GemmEngine):
     services = (
         Service(OP_FUSED, frozenset({NVFP4}), frozenset({SM90})),
         Service(OP_ALIGNED, frozenset({NVFP4}), frozenset({SM90})),
-        Service(OP_LOW_LATENCY, _BF16_TOKENS | {WeightFormat.NVFP4_W_NVFP4_A.value},
+        Service(OP_LOW_LATENCY, _BF16_TOKENS | {WeightFormat.NVFP4_W_NVFP4_A.value, _MX_PAIR},
                 frozenset({SM90}), max_tokens=LOW_LATENCY_MAX_TOKENS),
     )
 
@@ -251,7 +260,7 @@ class Sm90GemmEngine(GemmEngine):
         bf16_tokens = request.weight_format in _BF16_TOKENS
         if bf16_tokens and request.token_dtype is not None and request.token_dtype != torch.bfloat16:
             return Support(False, "the sm90 engine takes BF16 tokens for BF16 and 4-bit weight-only layers")
-        if request.weight_format == WeightFormat.MXFP4_WEIGHT_ONLY.value and request.nvfp4_problem is not None:
+        if request.weight_format in _MXFP4_FORMS and request.nvfp4_problem is not None:
             return Support(False, f"the sm90 engine runs MXFP4 weights in their exact shifted form, which these lack: "
                                   f"{request.nvfp4_problem}")
         return Support(True)
@@ -308,7 +317,7 @@ class Sm90GemmEngine(GemmEngine):
         of each tile. Not for row-major weights (the aligned op read in place: not measured, and its split-K finalizing
         GEMM2 would spill 36 bytes with the wait instead of 20)."""
         if (_slots(gemm2.rows, gemm2.shape.num_experts) > _HANDOFF_MAX_SLOTS
-                or gemm2.weights.code is BlockCode.NVFP4_ROWS):
+                or gemm2.weights.code.row_major):
             return None
         v1 = self.variant(gemm1.rows, gemm1.shape, gemm=1, code=gemm1.weights.code)
         v2 = self.variant(gemm2.rows, gemm2.shape, gemm=2, code=gemm2.weights.code)
@@ -323,12 +332,15 @@ class Sm90GemmEngine(GemmEngine):
     def can_route(self, operands: GemmOperands) -> bool:
         """GEMM1 of a one-token bucket on the decode kernel, whose token row (2K bytes) fits the dynamic shared memory
         every CTA has without an opt-in (grouped_gemm's ``route``); MXINT4 weights with BF16 tokens only (the MXINT4
-        form with NVFP4 tokens, which no op calls, spills 32 bytes of the register ring at 128 registers)."""
+        form with NVFP4 tokens, which no op calls, spills 32 bytes of the register ring at 128 registers); never MXFP8
+        tokens (the MXFP4 pair's, which its sort + permute decodes) nor the row-major forms (natural token rows)."""
         code = operands.weights.code
-        if code in (BlockCode.BF16, BlockCode.NVFP4_ROWS):  # these forms read natural token rows, not staged fragments
+        if code in _NATURAL_ROWS:  # these forms read natural token rows, not staged fragments
             return False
         variant = self.variant(operands.rows, operands.shape, gemm=1)
         route = operands.route
+        if route is not None and route.tokens.dtype == torch.float8_e4m3fn:
+            return False
         tokens_fit = code is BlockCode.NVFP4 or route is not None and route.token_scales is None
         return (isinstance(variant, DecodeVariant) and tokens_fit
                 and route_shared_mem(operands.shape.k) <= ROUTE_MAX_SHARED_MEM)
@@ -362,15 +374,19 @@ class Sm90GemmEngine(GemmEngine):
         reads natural BF16 rows (what its gather reads; the permute writes them where it does not gather) and GEMM2
         the tiled planes the activation writes (one bulk copy per stage). BF16 weights take the decode variant's BF16
         form (low-latency buckets: at most 8 rows per expert on average, so always a decode variant); row-major NVFP4
-        weights the row-major form of the variant (natural token rows on the decode kernel), GEMM1 on _SPLIT where the
-        tiles take _WIDE (the epilogue's fusion is still decided on the tiles' CTA count: gemm1_fusion)."""
+        and MXFP4 weights the row-major form of the variant (natural token rows on the decode kernel; MXFP4: decode
+        variants only, as BF16), GEMM1 on _SPLIT where the tiles take _WIDE (the epilogue's fusion is still decided on
+        the tiles' CTA count: gemm1_fusion)."""
         variant = choose_variant(rows, shape, self.sm_count, gemm)
         if code is BlockCode.BF16:
             if not isinstance(variant, DecodeVariant):
                 raise ValueError(f"BF16 weights run on the decode kernel only; {rows} rows over {shape.num_experts} "
                                  f"experts need {variant}")
             return _BF16
-        if code is BlockCode.NVFP4_ROWS:
+        if code is BlockCode.MXFP4_ROWS and not isinstance(variant, DecodeVariant):
+            raise ValueError(f"row-major MXFP4 weights run on the decode kernel only; {rows} rows over "
+                             f"{shape.num_experts} experts need {variant}")
+        if code.row_major:
             variant = replace(_SPLIT if gemm == 1 and variant == _WIDE else variant, row_major=True)
         elif (code in (BlockCode.NVFP4, BlockCode.MXFP4) and gemm == 2 and variant == _WIDE
               and _past_one_wave(rows, shape, self.sm_count)):

@@ -17,7 +17,14 @@ import numpy as np
 import torch
 
 from ...kernels.activate import check_activation_output
-from ...kernels.codes import SM90_ROWS_STEP_K, SORT_MAX_EXPERTS, SORT_WARP_SLOTS, RoutingFormat, TokenLayout
+from ...kernels.codes import (
+    SM90_ROWS_STEP_K,
+    SORT_MAX_EXPERTS,
+    SORT_WARP_SLOTS,
+    IntermediateCode,
+    RoutingFormat,
+    TokenLayout,
+)
 from ...kernels.loader import ARCH_SPECIFIC, launch, ptr
 from ...kernels.sort import check_staged_sort
 from ...kernels.stage import routing_args
@@ -50,8 +57,8 @@ class DecodeVariant:
     token tiles, weights prefetched PREFETCH k64 steps ahead in registers. Tiles of 8 NT rows,
     CTAs of 16 MT WM features. For segments of up to ~64 rows. bf16_weights: the form reading row-major
     BF16 weights in place (``-DSM90_W_BF16``), whose tokens are natural rows (BF16_ROWS) instead of fragments.
-    row_major: the form reading NVFP4 weights in their canonical row-major layout in place (``-DSM90_W_ROWS``),
-    whose tokens are natural rows too."""
+    row_major: the form reading NVFP4 (or, with -DSM90_W_MXFP4, MXFP4) weights in their canonical row-major layout in
+    place (``-DSM90_W_ROWS``), whose tokens are natural rows too."""
 
     mt: int = 1
     wm: int = 2
@@ -376,10 +383,13 @@ def grouped_gemm(
     w_tile_scales the BF16 scales per 32 k as bytes): out[r] = bf16(float32(alpha[e] * 256) * acc), acc the FP32
     sum over the k32 blocks b of fma(partial_b, scale_b, acc), partial_b the FP32 sum of the block's exact products
     int4 * x (pass alpha = 1/256 for the plain sum). With an epilogue it hands the activation float32(alpha * 256)
-    * acc unrounded (the MXINT4 preactivation) and needs a BF16 layout without requantize.
+    * acc unrounded (the MXINT4 preactivation) and needs a BF16 layout and a BF16 intermediate.
     BlockCode.MXFP4 (a DecodeVariant): W_e is MXFP4 in its exact shifted form in the SM90 MXFP4 tiles
     (layout.pack_mxfp4_weight_tiles: the NVFP4 tiles' codes, w_tile_scales uint8 [E, N*K/32] one byte per k32 block),
     alpha its globals 2^a: the products, sums and output of the NVFP4 tiles of that form (E4M3 scales 2^(j - a)).
+    BlockCode.MXFP4_ROWS (a row-major DecodeVariant): W_e is MXFP4 in its canonical layout read in place, codes [N, K/2]
+    and E8M0 scales [N, K/32] as bytes, alpha its globals 2^a of the exact shifted form: each scale byte j + 127 becomes
+    the multiplier 2^(j - a) in the kernel (the expert's a read off alpha), the products of the MXFP4 tiles of that form.
     """
     if not isinstance(variant, (DecodeVariant, PrefillVariant, WgmmaVariant)):
         raise ValueError(f"variant must be a DecodeVariant, PrefillVariant or WgmmaVariant, got {type(variant).__name__}")
@@ -388,14 +398,18 @@ def grouped_gemm(
     mxint4 = code is BlockCode.MXINT4
     if bf16_weights and (route is not None or early is not None):
         raise ValueError(f"BF16 weights ({variant}) run without a route or early routing")
-    if code is BlockCode.NVFP4_ROWS and route is not None:
-        raise ValueError(f"row-major NVFP4 weights ({variant}) run without a route")
+    if code.row_major and route is not None:
+        raise ValueError(f"row-major weights ({variant}) run without a route")
     if swap_halves and isinstance(variant, PrefillVariant):
         raise ValueError(f"swap_halves needs a DecodeVariant or WgmmaVariant, got {variant}")
-    if code in (BlockCode.MXINT4, BlockCode.MXFP4) and not isinstance(variant, DecodeVariant):
+    if (code is BlockCode.MXINT4 or code.e8m0) and not isinstance(variant, DecodeVariant):
         raise ValueError(f"{code.name} weights run on a DecodeVariant, got {variant}")
-    if mxint4 and epilogue is not None and (epilogue.requantize or not epilogue.out.layout.is_bf16):
-        raise ValueError("MXINT4 weights take an activation epilogue writing BF16 rows (no requantize) only")
+    intermediate = None if epilogue is None else epilogue.intermediate
+    if intermediate is IntermediateCode.MXFP8 and not isinstance(variant, DecodeVariant):
+        raise ValueError(f"an MXFP8 intermediate (the MX pair's) is written by the decode kernel's epilogue only, not "
+                         f"by {variant}")
+    if mxint4 and epilogue is not None and (intermediate is not IntermediateCode.BF16 or not epilogue.out.layout.is_bf16):
+        raise ValueError("MXINT4 weights take an activation epilogue writing BF16 rows of a BF16 intermediate only")
     if gather is not None and not isinstance(variant, WgmmaVariant):
         raise ValueError(f"a gather needs a WgmmaVariant, got {variant}")
     if gather is not None and variant.token_layout is TokenLayout.BF16_TILED:
@@ -427,6 +441,9 @@ def grouped_gemm(
     alpha, offsets = _tensor("alpha", alpha), _tensor("offsets", offsets)
     if route is not None:
         tokens = _tensor("route.tokens", route.tokens)
+        if tokens.dtype == torch.float8_e4m3fn:
+            raise ValueError("route.tokens: a route stages BF16 or NVFP4 tokens; MXFP8 ones are decoded by the sort + "
+                             "permute launch")
     elif gather is None:
         x = tokens = _tensor("x", x)
     elif x is not None:
@@ -481,7 +498,7 @@ def grouped_gemm(
         named["w_tile_scales"] = w_tiles
     else:
         _check("w_tiles", w_tiles, (torch.uint8,), (experts, n * k // 2))
-        scale_bytes = n * k // (32 if code is BlockCode.MXFP4 else 16)
+        scale_bytes = n * k // (32 if code.e8m0 else 16)
         _check("w_tile_scales", w_tile_scales, (torch.uint8, torch.float8_e4m3fn), (experts, scale_bytes))
     split = n if alpha_split is None else alpha_split
     if alpha_split is not None and not (0 < split < n and split % variant.alpha_block == 0):
@@ -532,7 +549,9 @@ def grouped_gemm(
             options += ("-DSM90_FINALIZE=1",)
         if mxint4:
             options += ("-DSM90_W_INT4=1",)
-        if code is BlockCode.MXFP4:
+        if intermediate is IntermediateCode.MXFP8:
+            options += ("-DSM90_ACT_MXFP8=1",)
+        if code.e8m0:
             options += ("-DSM90_W_MXFP4=1",)
         if route is not None:
             args += _route_args(route)
@@ -549,16 +568,19 @@ def grouped_gemm(
 
 
 def _weight_code(variant: GemmVariant, code: BlockCode | None) -> BlockCode:
-    """What W holds: ``code``, or None read from the variant's form; ValueError where they disagree."""
-    form = (BlockCode.BF16 if isinstance(variant, DecodeVariant) and variant.bf16_weights else
-            BlockCode.NVFP4_ROWS if not isinstance(variant, PrefillVariant) and variant.row_major else None)
+    """What W holds: ``code``, or None read from the variant's form (its first code); ValueError where they
+    disagree. The row-major form reads NVFP4 or (decode variants) MXFP4 rows."""
+    decode = isinstance(variant, DecodeVariant)
+    forms = ((BlockCode.BF16,) if decode and variant.bf16_weights else
+             ((BlockCode.NVFP4_ROWS, BlockCode.MXFP4_ROWS) if decode else (BlockCode.NVFP4_ROWS,))
+             if not isinstance(variant, PrefillVariant) and variant.row_major else ())
     if code is None:
-        return form or BlockCode.NVFP4
+        return forms[0] if forms else BlockCode.NVFP4
     if not isinstance(code, BlockCode):
         raise ValueError(f"code must be a BlockCode, got {code!r}")
-    if form is not None and code is not form or form is None and code in (BlockCode.BF16, BlockCode.NVFP4_ROWS):
-        raise ValueError(f"{code.value} weights run on {'another form' if form is not None else 'a form'} of the "
-                         f"variant, not on {variant}")
+    if forms and code not in forms or not forms and (code is BlockCode.BF16 or code.row_major):
+        raise ValueError(f"{code.value} weights run on {'another form' if forms else 'a form'} of the variant, not "
+                         f"on {variant}")
     return code
 
 
@@ -600,7 +622,7 @@ def _check_epilogue(epilogue: ActivationEpilogue, rows: int, n: int) -> dict[str
     activation, operand = epilogue.activation, epilogue.out
     inter = n // 2 if activation.gated else n
     check_activation_output(_tensor("epilogue.out", operand.data), operand.scales, operand.layout, rows, inter,
-                            epilogue.requantize)
+                            epilogue.intermediate)
     row_to_slot = _tensor("epilogue.row_to_slot", epilogue.row_to_slot)
     _check("epilogue.row_to_slot", row_to_slot, (torch.int32,), (rows,))
     named = {"epilogue.out": (operand.data, 16 if operand.layout.is_bf16 else 8),
@@ -639,7 +661,7 @@ def _check_route(route: RoutePrologue, k: int, experts: int) -> int:
     capacity)."""
     if not isinstance(route.local_start, int) or not isinstance(route.align, int):
         raise ValueError(f"route.local_start and route.align must be ints, got {route.local_start!r}, {route.align!r}")
-    _, slots, _ = check_staged_sort("route", route.tokens, route.token_scales, route.ids, route.weights,
+    _, _, slots, _ = check_staged_sort("route", route.tokens, route.token_scales, route.ids, route.weights,
                                     route.routing_format, route.ids_out, route.w_out, experts, route.align,
                                     route.sorted)
     if route.ids_out.shape[0] != 1 or slots > SORT_WARP_SLOTS:
@@ -732,5 +754,5 @@ def _fused_args(gather: RowGather | None, epilogue: ActivationEpilogue | None, s
     a, b, limit = epilogue.activation.params()
     out = epilogue.out
     scales = out.scales if not out.layout.is_bf16 else None
-    return (*head, np.float32(a), np.float32(b), np.float32(limit), np.int32(out.layout), np.int32(epilogue.requantize),
+    return (*head, np.float32(a), np.float32(b), np.float32(limit), np.int32(out.layout), np.int32(epilogue.intermediate),
             ptr(out.data, 16 if out.layout.is_bf16 else 8), ptr(scales))

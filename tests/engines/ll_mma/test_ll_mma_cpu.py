@@ -592,9 +592,11 @@ def test_engine_serves_the_fp8_formats_and_mx_pairs_where_the_ptx_is_valid() -> 
 
 
 def test_registry_keeps_cuda_cores_as_the_default_and_names_ll_mma() -> None:
+    """"auto" picks the CUDA cores over ll_mma (the MXFP4 pair on SM90: the SM90 decode chain, first of all)."""
     assert "ll_mma" in engine_names(OP_LOW_LATENCY)
     for fmt in MMA_FORMATS:
-        assert choose(_request(fmt)).name == "cuda_cores"
+        assert choose(_request(fmt)).name == ("sm90" if fmt is WeightFormat.MXFP4_W_MXFP8_A else "cuda_cores")
+        assert choose(_request(fmt, SM100)).name == "cuda_cores"
         assert choose(_request(fmt), "ll_mma") is LlMmaEngine
     with pytest.raises(ValueError, match="ll_mma"):
         choose(_request(WeightFormat.BF16), "ll_mma")

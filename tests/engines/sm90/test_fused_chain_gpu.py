@@ -20,7 +20,8 @@ from cudnn_moe.engines.registry import engine_for
 from cudnn_moe.engines.sm90.kernels import DecodeVariant, WgmmaVariant
 from cudnn_moe.engines.sm90.layout import from_token_layout
 from cudnn_moe import kernels
-from cudnn_moe.kernels import ROUTING_FP32, TokenLayout
+from cudnn_moe.kernels import ROUTING_FP32, IntermediateCode, TokenLayout
+from cudnn_moe.pipeline.tokens import TokenCode
 from cudnn_moe.fused.reference import reference_for_prepared
 from cudnn_moe.pipeline.executor import CallerInputs, MoeExecutor, _BucketStages
 from tests.support.low_latency import make_routing
@@ -63,6 +64,14 @@ def _token_rows(operand: TokenOperand) -> torch.Tensor:
     return from_token_layout(operand.data, operand.layout) if operand.layout is TokenLayout.BF16_TILED else operand.data
 
 
+def _token_code(bf16_tokens: bool) -> TokenCode:
+    return TokenCode.BF16 if bf16_tokens else TokenCode.NVFP4
+
+
+def _intermediate(bf16_intermediate: bool) -> IntermediateCode:
+    return IntermediateCode.BF16 if bf16_intermediate else IntermediateCode.NVFP4
+
+
 CHAIN_CASES = [
     # experts, hidden, inter, top_k, tokens, bf16_tokens, bf16_intermediate, hot, local (start, total)
     (8, 256, 256, 2, 256, False, False, False, None),
@@ -98,8 +107,8 @@ def test_fused_chain_matches_unfused_chain_bitwise(case, activation) -> None:
     weights = config.prepare_weights(w1, w2, activation=activation)
     start, total = local if local is not None else (0, experts)
     executor = MoeExecutor(weights, engine_for(weights.spec, weights.device), top_k=top_k, activation=activation,
-                           local_expert_start=start, max_num_tokens=tokens, bf16_tokens=bf16_tokens,
-                           bf16_intermediate=bf16_intermediate)
+                           local_expert_start=start, max_num_tokens=tokens, tokens=_token_code(bf16_tokens),
+                           intermediate=_intermediate(bf16_intermediate))
     bucket = executor.bucket(tokens)
     # The bucket holds no rows in what its fused chain never touches; the unfused chain gets full buffers here.
     g1 = bucket.gemm1
@@ -293,8 +302,8 @@ def test_routed_gemm1_matches_unfused_chain_bitwise(case) -> None:
     weights = config.prepare_weights(w1, w2, activation=activation)
     start, total = local if local is not None else (0, experts)
     executor = MoeExecutor(weights, engine_for(weights.spec, weights.device), top_k=top_k, activation=activation,
-                           local_expert_start=start, max_num_tokens=8, bf16_tokens=bf16_tokens,
-                           bf16_intermediate=bf16_intermediate)
+                           local_expert_start=start, max_num_tokens=8, tokens=_token_code(bf16_tokens),
+                           intermediate=_intermediate(bf16_intermediate))
     bucket = executor.bucket(1)
     assert bucket.tokens == 1 and bucket.fusion.epilogue
     x = torch.randn(1, hidden, generator=gen).cuda().bfloat16()

@@ -103,6 +103,26 @@ def test_row_major_decode_compiles(variant: Any, form: str, arch: str) -> None:
     assert arch != "90a" or (spilled == 0 and (variant.mt * variant.nt > 2 or registers <= 128))
 
 
+# The forms the MXFP4 pair's chain runs on its row-major MXFP4 weights (BlockCode.MXFP4_ROWS): GEMM1 with the SwiGLU
+# epilogue quantizing to MXFP8, GEMM2 plain or finalizing (no tile handoff, no early routing: engine.py).
+MXFP4_ROWS_FORMS = {"swiglu-mxfp8": (*sm90.epilogue_options(SwiGLU()), "-DSM90_ACT_MXFP8=1"), "plain": (),
+                    "finalize": ("-DSM90_FINALIZE=1",)}
+# The variants the engine picks for low-latency buckets (at most 8 tokens), in their row-major form.
+LOW_LATENCY_ROWS = [replace(v, row_major=True) for v in (sm90_engine._SPLIT, sm90_engine._SPLIT_DEEP, sm90_engine._WIDE)]
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found")
+@pytest.mark.parametrize("variant,form,arch", [(v, f, "90a") for v in LOW_LATENCY_ROWS for f in MXFP4_ROWS_FORMS]
+                         + [(LOW_LATENCY_ROWS[0], "swiglu-mxfp8", "100a")], ids=str)
+def test_mxfp4_row_major_decode_compiles(variant: Any, form: str, arch: str) -> None:
+    """The row-major form on MXFP4 weights (-DSM90_W_MXFP4: one E8M0 byte a lane a row and step, made into the
+    shifted form's multiplier) builds in every form the MXFP4 pair's chain runs within 128 registers (four CTAs of 128
+    threads an SM), for sm_90a without spills (NVFP4's finalizing split-K row-major forms spill 20 bytes)."""
+    options = (*variant.options(), "-DSM90_W_MXFP4=1", *MXFP4_ROWS_FORMS[form])
+    registers, spilled = _report(_nvcc(SM90_DIR / "grouped_gemm.cu", arch, options), variant.kernel)
+    assert arch != "90a" or (registers <= 128 and spilled == 0)
+
+
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found")
 @pytest.mark.parametrize("variant,gemm", [(v, g) for v in ENGINE_WGMMA for g in (1, 2)], ids=str)
 def test_row_major_wgmma_compiles(variant: Any, gemm: int) -> None:

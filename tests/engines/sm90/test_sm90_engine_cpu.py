@@ -168,16 +168,22 @@ def test_routed_chains(model, tokens: int, chain: list[str]) -> None:
 ])
 def test_can_route(model, tokens: int, routes: bool) -> None:
     """can_route: GEMM1 on the decode kernel, its token row within 48 KB of dynamic shared memory; MXINT4 weights with
-    BF16 tokens only."""
+    BF16 tokens only; never MXFP8 tokens (their sort + permute decodes them)."""
     engine = Sm90GemmEngine.__new__(Sm90GemmEngine)
     engine.sm_count = SMS
     rows, shape = _bucket(model, tokens)
     nvfp4, mxint4 = SimpleNamespace(code=BlockCode.NVFP4), SimpleNamespace(code=BlockCode.MXINT4)
-    bf16_tokens, nvfp4_tokens = SimpleNamespace(token_scales=None), SimpleNamespace(token_scales=object())
+    mxfp4 = SimpleNamespace(code=BlockCode.MXFP4)
+    bf16_tokens = SimpleNamespace(token_scales=None, tokens=torch.empty(0, dtype=torch.bfloat16))
+    nvfp4_tokens = SimpleNamespace(token_scales=object(), tokens=torch.empty(0, dtype=torch.uint8))
+    mxfp8_tokens = SimpleNamespace(token_scales=object(), tokens=torch.empty(0, dtype=torch.float8_e4m3fn))
     for tokens_kind in (bf16_tokens, nvfp4_tokens):
         assert engine.can_route(SimpleNamespace(rows=rows, shape=shape, weights=nvfp4, route=tokens_kind)) is routes
     assert engine.can_route(SimpleNamespace(rows=rows, shape=shape, weights=mxint4, route=bf16_tokens)) is routes
     assert not engine.can_route(SimpleNamespace(rows=rows, shape=shape, weights=mxint4, route=nvfp4_tokens))
+    for weights in (mxfp4, nvfp4, mxint4):
+        assert not engine.can_route(SimpleNamespace(rows=rows, shape=shape, weights=weights, route=mxfp8_tokens))
+    assert not engine.can_route(SimpleNamespace(rows=rows, shape=shape, weights=mxfp4, route=nvfp4_tokens))
     bf16 = SimpleNamespace(code=BlockCode.BF16)  # its form reads natural rows, not the staged token row
     assert not engine.can_route(SimpleNamespace(rows=rows, shape=shape, weights=bf16, route=bf16_tokens))
     wide = GemmShape(32768, shape.n, shape.num_experts)  # K = 32768: a 64 KB token row

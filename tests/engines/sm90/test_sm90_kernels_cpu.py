@@ -33,7 +33,7 @@ from cudnn_moe.engines.base import (
 from cudnn_moe.engines.sm90 import kernels as sm90
 from cudnn_moe.engines.sm90.layout import pack_weight_tiles, to_token_fragments
 from cudnn_moe.formats import decode_e2m1, dequantize_nvfp4, quantize_nvfp4
-from cudnn_moe.kernels import RoutingFormat, SortBuffers, TokenLayout, cuda_defines, kernels_dir, loader
+from cudnn_moe.kernels import IntermediateCode, RoutingFormat, SortBuffers, TokenLayout, cuda_defines, kernels_dir, loader
 from cudnn_moe.kernels import sort as kernel_sort
 from cudnn_moe.kernels import stage as kernel_stage
 
@@ -818,7 +818,7 @@ def test_fused_call_matches_kernel_signature(layout: TokenLayout, launches: list
                                                f"-DSM90_ACT_GATED={int(activation.gated)}")
             gathers = isinstance(variant, sm90.WgmmaVariant)
             assert (args[12], args[13]) == ((np.int32(2), np.int32(7)) if gathers else (0, 0))  # top_k, source rows
-            assert args[17] == np.int32(layout) and args[18] == np.int32(1)  # the epilogue's layout, requantize
+            assert args[17] == np.int32(layout) and args[18] == np.int32(1)  # the epilogue's layout, intermediate
 
 
 def test_token_pointer_is_the_rows_the_form_reads(launches: list[tuple], monkeypatch: pytest.MonkeyPatch) -> None:
@@ -839,13 +839,14 @@ def test_token_pointer_is_the_rows_the_form_reads(launches: list[tuple], monkeyp
 
 
 def test_mxint4_call_compiles_its_form_in(launches: list[tuple]) -> None:
-    """An MXINT4 decode GEMM (BF16 epilogue without requantize, or plain) adds -DSM90_W_INT4=1 to its options and
+    """An MXINT4 decode GEMM (BF16 epilogue of a BF16 intermediate, or plain) adds -DSM90_W_INT4=1 to its options and
     passes the same arguments as the NVFP4 form."""
     variant = sm90.DecodeVariant(mt=2, wm=2, wk=2)
     for plain in (False, True):
         launches.clear()
         args = _fused_args(TokenLayout.BF16_FRAGMENTS, SwiGLU())
-        args["epilogue"] = ActivationEpilogue(SwiGLU(), args["epilogue"].row_to_slot, args["epilogue"].out, False)
+        args["epilogue"] = ActivationEpilogue(SwiGLU(), args["epilogue"].row_to_slot, args["epilogue"].out,
+                                                IntermediateCode.BF16)
         args.update(gather=None, x=torch.zeros(40, 128, dtype=torch.bfloat16), variant=variant, code=BlockCode.MXINT4)
         if plain:
             args.update(epilogue=None, out=torch.zeros(40, 256, dtype=torch.bfloat16))
@@ -900,11 +901,11 @@ _FUSED_BAD = [
         SwiGLU(), torch.zeros(40, dtype=torch.int32), a["epilogue"].out)), "one tensor"),
     ("mxint4 on wgmma", lambda a: a.update(code=BlockCode.MXINT4), "MXINT4 weights run on a DecodeVariant"),
     ("mxint4 requantizing", lambda a: a.update(variant=sm90.DecodeVariant(mt=2, wm=2, wk=2), gather=None, code=BlockCode.MXINT4,
-                                              x=torch.zeros(40, 128, dtype=torch.bfloat16)), "no requantize"),
-    ("nvfp4 without requantize", lambda a: a.update(epilogue=ActivationEpilogue(
+                                              x=torch.zeros(40, 128, dtype=torch.bfloat16)), "BF16 intermediate"),
+    ("nvfp4 of a bf16 intermediate", lambda a: a.update(epilogue=ActivationEpilogue(
         SwiGLU(), a["gather"].row_to_slot,
         TokenOperand(torch.zeros(40, 64, dtype=torch.uint8), torch.zeros(40 * 8, dtype=torch.uint8),
-                     TokenLayout.NVFP4_LINEAR), requantize=False)), "requantize"),
+                     TokenLayout.NVFP4_LINEAR), IntermediateCode.BF16)), "BF16 intermediate"),
 ]
 
 
@@ -924,6 +925,7 @@ def test_variant_macros_match_the_source() -> None:
     p = sm90.PrefillVariant()
     assert defaults == {"SM90_MT": str(d.mt), "SM90_WM": str(d.wm), "SM90_WK": str(d.wk), "SM90_NT": str(d.nt),
                         "SM90_PREFETCH": str(d.prefetch), "SM90_W_INT4": "0", "SM90_W_MXFP4": "0", "SM90_W_BF16": str(int(d.bf16_weights)),
+                        "SM90_ACT_MXFP8": "0",
                         "SM90_W_ROWS": str(int(d.row_major)),
                         "SM90_PF_STAGES": str(p.stages),
                         "SM90_PF_MIN_BLOCKS": str(p.min_blocks), "SM90_PF_STMATRIX": str(int(p.stmatrix)),
@@ -1015,15 +1017,17 @@ def _route_args(tokens: str = "nvfp4", top_k: int = 4, experts: int = 3, k: int 
     sorted_ = SortBuffers(torch.zeros(experts + 1, dtype=torch.int32), torch.zeros(top_k, dtype=torch.int32),
                           torch.zeros(rows, dtype=torch.int32), torch.zeros(rows, dtype=torch.int32),
                           torch.zeros(experts, dtype=torch.int32))
-    x, scales = ((torch.zeros(1, k, dtype=torch.bfloat16), None) if tokens == "bf16" else
-                 (torch.zeros(1, k // 2, dtype=torch.uint8), torch.zeros(1, k // 16, dtype=torch.uint8)))
+    x, scales = {"bf16": (torch.zeros(1, k, dtype=torch.bfloat16), None),
+                 "nvfp4": (torch.zeros(1, k // 2, dtype=torch.uint8), torch.zeros(1, k // 16, dtype=torch.uint8)),
+                 "mxfp8": (torch.zeros(1, k, dtype=torch.uint8).view(torch.float8_e4m3fn),
+                           torch.zeros(1, k // 32, dtype=torch.uint8))}[tokens]
     ids = torch.zeros(1, top_k, dtype=torch.int32)
     weights = None if routing_format == RoutingFormat.PACKED else torch.zeros(1, top_k)
     route = RoutePrologue(x, scales, ids, weights, routing_format, torch.zeros(1, top_k, dtype=torch.int32),
                           torch.zeros(1, top_k), 0, 8, sorted_)
     epilogue = ActivationEpilogue(SwiGLU(), sorted_.row_to_slot,
                                   TokenOperand(torch.zeros(rows, 128, dtype=torch.bfloat16), None,
-                                               TokenLayout.BF16_FRAGMENTS), requantize=False)
+                                               TokenLayout.BF16_FRAGMENTS), IntermediateCode.BF16)
     return {**_gemm_args(e=experts, n=256, k=k, rows=rows), "x": None, "out": None, "offsets": sorted_.offsets,
             "epilogue": epilogue, "route": route, "variant": sm90.DecodeVariant(mt=2, wm=2, wk=4)}
 
@@ -1066,6 +1070,7 @@ _ROUTE_BAD = [
     ("token H", lambda a: a.update(route=replace(a["route"], tokens=torch.zeros(1, 32, dtype=torch.uint8),
                                                  token_scales=torch.zeros(1, 4, dtype=torch.uint8))),
      ValueError, "w_tiles"),
+    ("mxfp8 tokens", lambda a: a.update(route=_route_args("mxfp8")["route"]), ValueError, "MXFP8 ones are decoded"),
     ("token dtype", lambda a: a.update(route=replace(a["route"], tokens=torch.zeros(1, 64, dtype=torch.float16))),
      ValueError, "route"),
     ("routing shape", lambda a: a.update(route=replace(a["route"], ids=torch.zeros(1, 3, dtype=torch.int32))),
