@@ -73,11 +73,13 @@ _SPLIT_DEEP = DecodeVariant(mt=2, wm=2, wk=4, nt=1, prefetch=4)
 _GEMM1_FILL_GAIN = 0.25
 # GEMM2 of NVFP4 tiles past one wave of _WIDE CTAs takes the same 128-feature CTAs with four m16 blocks a warp and two
 # k64 steps in flight (the same weight bytes in flight in half the ring steps; two warps a CTA held to 128 registers,
-# eight CTAs an SM, never finalizing: can_finalize). GEMMs
+# eight CTAs an SM; can_finalize). GEMMs
 # alone on the H200, us, _WIDE / _WIDE_MT4 (benchmarks/RESULTS.md, twenty-ninth session): Qwen3-30B-A3B T=8 24.4 /
 # 23.2, T=64 45.2 / 40.7; DeepSeek-V3 T=8 135.4 / 132.2, T=64 517.6 / 508.4; in one wave it loses (DeepSeek-V3 T=1
 # 29.6 / 37.0), and GEMM1 with its epilogue loses everywhere (Qwen3-30B-A3B T=8 41.9 on _SPLIT against 48.4).
 _WIDE_MT4 = DecodeVariant(mt=4, wm=2, wk=1, nt=1, prefetch=2)
+# Passes of its threads the CTA that finalizes a feature block may take (can_finalize): two, for _WIDE_MT4 at T = 8.
+_FINALIZE_PASSES = 2
 # Row-major NVFP4 (BlockCode.NVFP4_ROWS) GEMM1 takes _SPLIT wherever the tiles take _WIDE: a CTA then reads 128
 # contiguous bytes of each of its rows a step, not 64. GEMM1 alone on the H200 (benchmarks/RESULTS.md, twenty-sixth
 # session), us, _WIDE / _SPLIT: Qwen3-30B-A3B T=8 51.5 / 44.8, T=64 101.1 / 96.0; DeepSeek-V3 T=8 369.2 / 339.8,
@@ -297,19 +299,19 @@ class Sm90GemmEngine(GemmEngine):
         return 4 * _tickets(shape) + (8 * _handoff_tiles(rows, shape.num_experts) if handoff else 0)
 
     def can_finalize(self, operands: GemmOperands, tokens: int) -> bool:
-        """GEMM2 on the decode kernel in one wave of CTAs (_DECODE_CTA_THREADS_PER_SM), the CTA that finalizes a
-        feature block needing one pass of its threads (tokens x features / 8 pieces of 8 features). Each CTA's ticket
-        adds a GPU-scope atomic round trip to its end: once per launch in one wave, where it beats the finalize
-        launch (H200: Qwen3-30B-A3B T=1 28.2 -> 27.4 us, DeepSeek-V3 T=1 81.8 -> 81.3), but once per wave in more
-        (T=8: +0.7 and +2.9 us; benchmarks/RESULTS.md). Never on _WIDE_MT4: it runs past one wave of _WIDE's CTAs,
-        though its two-warp CTAs may fit one wave of their own (DeepSeek-V3 T=2), and its finalizing form is neither
-        held to 128 registers nor measured."""
+        """GEMM2 on the decode kernel in one wave of its own CTAs (_DECODE_CTA_THREADS_PER_SM), the CTA that finalizes
+        a feature block needing at most _FINALIZE_PASSES passes of its threads (tokens x features / 8 pieces of 8
+        features). Each CTA's ticket adds a GPU-scope atomic round trip to its end: once per launch in one wave, where
+        it beats the finalize launch (H200: Qwen3-30B-A3B T=1 28.2 -> 27.4 us, DeepSeek-V3 T=1 81.8 -> 81.3), but once
+        per wave in more (T=8: +0.7 and +2.9 us; benchmarks/RESULTS.md). _WIDE_MT4's two-warp CTAs fit one wave of
+        their own where _WIDE's would not (Qwen3-30B-A3B T=8: about 860 CTAs of 64 threads; DeepSeek-V3 T=2), and
+        finalize in two passes at eight tokens."""
         variant = self.variant(operands.rows, operands.shape, gemm=2, code=operands.weights.code)
-        if not isinstance(variant, DecodeVariant) or variant == _WIDE_MT4 or operands.workspace is None:
+        if not isinstance(variant, DecodeVariant) or operands.workspace is None:
             return False
         one_wave = decode_ctas(operands.rows, operands.shape, variant) * variant.threads <= (
             _DECODE_CTA_THREADS_PER_SM * self.sm_count)
-        return one_wave and tokens * variant.feature_block // 8 <= variant.threads
+        return one_wave and tokens * variant.feature_block // 8 <= _FINALIZE_PASSES * variant.threads
 
     def tile_handoff(self, gemm1: GemmOperands, gemm2: GemmOperands) -> TileHandoff | None:
         """Both GEMMs on the decode kernel with the same token tiles, in buckets of at most _HANDOFF_MAX_SLOTS slots:

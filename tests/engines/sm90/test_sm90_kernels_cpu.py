@@ -181,7 +181,7 @@ def coded_options(variant: Any, form: str, code: str) -> tuple[str, ...]:
 
 # The variants the engine picks for buckets of at most 8 tokens (engine.py: _WIDE, _SPLIT, _SPLIT_DEEP), the only
 # ones MXINT4 and MXFP4 layers (low-latency calls) run but for _WIDE_MT4 (GEMM2 of NVFP4 and MXFP4 tiles past one
-# wave of _WIDE, never finalizing).
+# wave of _WIDE).
 LOW_LATENCY_DECODE_VARIANTS = [sm90.DecodeVariant(mt=2, wm=4, wk=1, nt=1, prefetch=4),
                                sm90.DecodeVariant(mt=2, wm=2, wk=2, nt=1, prefetch=4),
                                sm90.DecodeVariant(mt=2, wm=2, wk=4, nt=1, prefetch=4)]
@@ -192,7 +192,7 @@ _CODED_FORMS = ("plain", "finalize", "await", "swiglu", "signal")
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found")
 @pytest.mark.parametrize("variant,form,code,arch", [(v, f, c, "90a") for v in LOW_LATENCY_DECODE_VARIANTS
                                                     for f in _CODED_FORMS for c in CODE_OPTIONS]
-                         + [(WIDE_MT4, f, "mxfp4", "90a") for f in ("plain", "await")]
+                         + [(WIDE_MT4, f, "mxfp4", "90a") for f in ("plain", "finalize", "await")]
                          + [(LOW_LATENCY_DECODE_VARIANTS[0], "swiglu", c, "100a") for c in CODE_OPTIONS], ids=str)
 def test_coded_decode_compiles(variant: Any, form: str, code: str, arch: str) -> None:
     """The decode kernel with MXINT4 or MXFP4 weights builds in every form the low-latency chain uses, within 128
