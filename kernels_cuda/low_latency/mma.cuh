@@ -189,6 +189,15 @@ __device__ __forceinline__ u32 e2m1x2_to_f16x2(u32 q, int j) {
 #endif
 }
 
+// E8M0 byte kb (0..3, a constant once unrolled) of word w as FP32, as e8m0_to_float gives it (2^(b - 127); b = 0:
+// 2^-127, b = 255: NaN) in selects, not branches: the byte into the exponent field, at least 2^-127, NaN for 255.
+__device__ __forceinline__ float e8m0_word_byte(u32 w, int kb) {
+  const int shift = 23 - 8 * kb;
+  const u32 bits = (shift >= 0 ? w << shift : w >> -shift) & 0x7F800000u;
+  const float v = fmaxf(__uint_as_float(bits), __uint_as_float(0x00400000u));
+  return bits == 0x7F800000u ? __uint_as_float(0x7FC00000u) : v;
+}
+
 // A fragments of mma m (0, 1) of a block from the lane's values of rows g (lo) and g + 8 (hi): E2M1, the word in .x;
 // E4M3, values 0..3 in .x and 4..7 in .y.
 template <bool E2M1>

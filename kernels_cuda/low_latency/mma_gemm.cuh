@@ -67,6 +67,13 @@ __device__ __forceinline__ void cp_async16(void* dst, const void* src) {
 __device__ __forceinline__ void cp_async4(void* dst, const void* src) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(shared_address(dst)), "l"(src) : "memory");
 }
+// The same copies to a shared-memory address, reading src_bytes (16 / 4, or 0: nothing read, zeros written).
+__device__ __forceinline__ void cp_async16_at(u32 dst, const void* src, u32 src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
+}
+__device__ __forceinline__ void cp_async4_at(u32 dst, const void* src, u32 src_bytes) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
@@ -170,11 +177,15 @@ __device__ __forceinline__ void mma_pair_dot_fp8(uint4* ring, const MmaPair& p, 
 }
 
 // The MX pairs' mma_pair_dot (XK = LL_INPUT_MXFP8): the warp's copies and the fragments in the block-pure K order
-// of mma.cuh (MX section), each block's partial scaled into acc (the file header).
+// of mma.cuh (MX section), each block's partial scaled into acc (the file header). The loop runs a unit (two k64
+// steps, the first bringing the unit's scale words) per iteration, so each step's stage and half are known; the
+// copies go to shared addresses computed once, and a lane with no token to copy zero-fills its token chunk and
+// scale word instead of branching (src-size 0 reads nothing): absent tokens' B columns are then exact zeros.
 __device__ __forceinline__ void mma_pair_dot_mx(uint4* ring, const MmaPair& p, int k, int kpart, int ksplit,
                                                 float (&acc)[2][4]) {
   constexpr bool E2M1 = MMA_E2M1;
   constexpr int WI = MMA_WEIGHT_ITEMS, ITEMS = mma_items<LL_INPUT_MXFP8>();
+  constexpr u32 ITEM_BYTES = 32 * 16, STAGE_BYTES = ITEMS * ITEM_BYTES;
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const i64 wrow = row_bytes(k), srow = k / MX_BLOCK;
   const u8* wsrc[WI];  // the weight chunks this lane copies (at K = 0)
@@ -186,18 +197,25 @@ __device__ __forceinline__ void mma_pair_dot_mx(uint4* ring, const MmaPair& p, i
   }
   // The scale word this lane copies: row kind lane / 8, group lane % 8 (index lane of the scale item).
   const u8* ssrc = ((lane >> 4) ? p.ws1 : p.ws0) + ((lane & 7) + 8 * ((lane >> 3) & 1)) * srow;
+  // The lane's token chunk and token scale word; where there is none, src-size 0 at an address that stays valid
+  // (the chunk at the weight row's start, the scale word at the lane's weight scale word).
+  const u8* xsrc = p.xc != nullptr ? p.xc : wsrc[0];
+  const u8* xssrc = p.xs0 != nullptr ? p.xs0 : ssrc;
+  const u32 x_size = p.xc != nullptr ? 16u : 0u, xs_size = p.xs0 != nullptr ? 4u : 0u;
+  const int x_step = p.xc != nullptr ? ~0 : 0;  // masks the chunk's K offset
+  const u32 mine = shared_address(ring) + 16 * lane;  // this lane's slot of item 0, stage 0
   const int units = k / MMA_UNIT;
   const int steps = units > kpart ? 2 * ((units - kpart + ksplit - 1) / ksplit) : 0;
   auto issue = [&](int i) {  // step i into stage i % MMA_STAGES
     const int u = kpart + ksplit * (i >> 1), k0 = MMA_UNIT * u + 64 * (i & 1);
-    uint4* stage = ring + (i % MMA_STAGES) * ITEMS * 32;
+    const u32 stage = mine + (i % MMA_STAGES) * STAGE_BYTES;
 #pragma unroll
-    for (int w = 0; w < WI; ++w) cp_async16(stage + 32 * w + lane, wsrc[w] + (E2M1 ? k0 / 2 : k0));
-    if (p.xc != nullptr) cp_async16(stage + 32 * WI + lane, p.xc + k0);
+    for (int w = 0; w < WI; ++w) cp_async16_at(stage + w * ITEM_BYTES, wsrc[w] + (E2M1 ? k0 / 2 : k0), 16u);
+    cp_async16_at(stage + WI * ITEM_BYTES, xsrc + (k0 & x_step), x_size);
     if (!(i & 1)) {  // the unit's scale words, read with its first step
-      u32* s = reinterpret_cast<u32*>(stage + 32 * (WI + 1));
-      cp_async4(s + lane, ssrc + 4 * u);
-      if (p.xs0 != nullptr) cp_async4(s + 32 + lane, p.xs0 + 4 * u);
+      const u32 s = mine - 12 * lane + (i % MMA_STAGES) * STAGE_BYTES + (WI + 1) * ITEM_BYTES;  // u32 slot `lane`
+      cp_async4_at(s, ssrc + 4 * u, 4u);
+      cp_async4_at(s + 128, xssrc + 4 * u, xs_size);
     }
   };
 #pragma unroll
@@ -206,52 +224,53 @@ __device__ __forceinline__ void mma_pair_dot_mx(uint4* ring, const MmaPair& p, i
     cp_async_commit();
   }
   u32 wsw[4] = {}, xsw[2] = {};  // this unit's E8M0 words (byte b: block b of the unit), rows g, g + 8 of both tiles
-  for (int i = 0; i < steps; ++i) {
-    cp_async_wait<MMA_STAGES - 2>();  // this lane's copies of step i have landed
-    __syncwarp();                     // ... and every lane's; every lane is done with step i - 1's stage
-    if (i + MMA_STAGES - 1 < steps) issue(i + MMA_STAGES - 1);
-    cp_async_commit();
-    const uint4* stage = ring + (i % MMA_STAGES) * ITEMS * 32;
-    if (!(i & 1)) {
-      const u32* s = reinterpret_cast<const u32*>(stage + 32 * (WI + 1));
+  for (int i = 0; i < steps; i += 2) {
 #pragma unroll
-      for (int q = 0; q < 4; ++q) wsw[q] = s[8 * q + g];
-      xsw[0] = s[32 + 2 * t], xsw[1] = s[32 + 2 * t + 1];
-    }
+    for (int h = 0; h < 2; ++h) {  // the unit's two k64 steps: step i + h in stage (i + h) % MMA_STAGES
+      cp_async_wait<MMA_STAGES - 2>();  // this lane's copies of step i + h have landed
+      __syncwarp();                     // ... and every lane's; every lane is done with step i + h - 1's stage
+      if (i + h + MMA_STAGES - 1 < steps) issue(i + h + MMA_STAGES - 1);
+      cp_async_commit();
+      const uint4* stage = ring + ((i + h) % MMA_STAGES) * ITEMS * 32;
+      if (h == 0) {
+        const u32* s = reinterpret_cast<const u32*>(stage + 32 * (WI + 1));
 #pragma unroll
-    for (int b = 0; b < 2; ++b) {
-      const int kb = 2 * (i & 1) + b;  // the block of the unit
-      const u32* words = reinterpret_cast<const u32*>(stage);
-      uint2 wv[4];
-#pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        const int at = mx_word(E2M1, q, g, t, b);
-        wv[q] = E2M1 ? make_uint2(words[at], 0u) : *reinterpret_cast<const uint2*>(words + at);
+        for (int q = 0; q < 4; ++q) wsw[q] = s[8 * q + g];
+        xsw[0] = s[32 + 2 * t], xsw[1] = s[32 + 2 * t + 1];
       }
-      // garbage past the token count: B is zeroed
-      const uint2 xv = *reinterpret_cast<const uint2*>(words + 128 * WI + mx_word(false, 0, g, t, b));
-      float part[2][4] = {};
 #pragma unroll
-      for (int m = 0; m < 2; ++m) {
-        u32 bf[2];
-        mx_b_fragment<E2M1>(xv, m, bf);
-        if (p.x == nullptr) bf[0] = bf[1] = 0u;
+      for (int b = 0; b < 2; ++b) {
+        const int kb = 2 * h + b;  // the block of the unit
+        const u32* words = reinterpret_cast<const u32*>(stage);
+        uint2 wv[4];
 #pragma unroll
-        for (int tile = 0; tile < 2; ++tile) {
-          u32 af[4];
-          mx_a_fragment<E2M1>(wv[2 * tile], wv[2 * tile + 1], m, af);
-          mma_16816<false>(part[tile], af, bf);
+        for (int q = 0; q < 4; ++q) {
+          const int at = mx_word(E2M1, q, g, t, b);
+          wv[q] = E2M1 ? make_uint2(words[at], 0u) : *reinterpret_cast<const uint2*>(words + at);
         }
+        const uint2 xv = *reinterpret_cast<const uint2*>(words + 128 * WI + mx_word(false, 0, g, t, b));
+        float part[2][4] = {};
+#pragma unroll
+        for (int m = 0; m < 2; ++m) {
+          u32 bf[2];
+          mx_b_fragment<E2M1>(xv, m, bf);  // zero-filled past the token count: B columns of zeros
+#pragma unroll
+          for (int tile = 0; tile < 2; ++tile) {
+            u32 af[4];
+            mx_a_fragment<E2M1>(wv[2 * tile], wv[2 * tile + 1], m, af);
+            mma_16816<false>(part[tile], af, bf);
+          }
+        }
+        float ws[2][2], xs[2];
+#pragma unroll
+        for (int r = 0; r < 4; ++r) ws[r >> 1][r & 1] = e8m0_word_byte(wsw[r], kb);
+        xs[0] = e8m0_word_byte(xsw[0], kb), xs[1] = e8m0_word_byte(xsw[1], kb);
+#pragma unroll
+        for (int tile = 0; tile < 2; ++tile)
+#pragma unroll
+          for (int c = 0; c < 4; ++c)
+            acc[tile][c] = fmaf(part[tile][c], __fmul_rn(ws[tile][c >> 1], xs[c & 1]), acc[tile][c]);
       }
-      float ws[2][2], xs[2];
-#pragma unroll
-      for (int r = 0; r < 4; ++r) ws[r >> 1][r & 1] = e8m0_to_float((wsw[r] >> (8 * kb)) & 0xFFu);
-      xs[0] = e8m0_to_float((xsw[0] >> (8 * kb)) & 0xFFu), xs[1] = e8m0_to_float((xsw[1] >> (8 * kb)) & 0xFFu);
-#pragma unroll
-      for (int tile = 0; tile < 2; ++tile)
-#pragma unroll
-        for (int c = 0; c < 4; ++c)
-          acc[tile][c] = fmaf(part[tile][c], __fmul_rn(ws[tile][c >> 1], xs[c & 1]), acc[tile][c]);
     }
   }
   cp_async_wait<0>();
