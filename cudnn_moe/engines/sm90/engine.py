@@ -227,9 +227,9 @@ _NATURAL_ROWS = (BlockCode.BF16, BlockCode.NVFP4_ROWS, BlockCode.MXFP4_ROWS)
 class Sm90GemmEngine(GemmEngine):
     """NVFP4 x NVFP4 grouped GEMMs with our own kernels on Hopper: the fused and aligned ops, and the
     low-latency op's 4-bit formats (finalized, BF16 out; NVFP4, MXFP4 or MXINT4 weight-only with BF16 tokens, the
-    NVFP4 pair, or the MXFP4 pair with MXFP8 tokens, which has not run on a GPU yet), measured 1.3-3x faster than
-    the CUDA-core kernels from two tokens on (at one token 1.9x faster on DeepSeek-V3, up to 10% slower on
-    Qwen3-30B-A3B), so it takes every T; and its BF16 layers
+    NVFP4 pair, or the MXFP4 pair with MXFP8 tokens), measured 1.3-3x faster than the CUDA-core kernels from two
+    tokens on (at one token 1.9x faster on DeepSeek-V3, up to 10% slower on Qwen3-30B-A3B; the MXFP4 pair 1.2-1.9x
+    faster at T = 1 and 8), so it takes every T; and its BF16 layers
     (BF16 tokens, finalized, BF16 out; the decode kernel's BF16 form), 1.17-1.43x faster than the CUDA cores on
     the H200 at T = 1 and 8 (benchmarks/RESULTS.md)."""
 
