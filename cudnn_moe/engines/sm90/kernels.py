@@ -571,9 +571,11 @@ def _weight_code(variant: GemmVariant, code: BlockCode | None) -> BlockCode:
     """What W holds: ``code``, or None read from the variant's form (its first code); ValueError where they
     disagree. The row-major form reads NVFP4 or (decode variants) MXFP4 rows."""
     decode = isinstance(variant, DecodeVariant)
-    forms = ((BlockCode.BF16,) if decode and variant.bf16_weights else
-             ((BlockCode.NVFP4_ROWS, BlockCode.MXFP4_ROWS) if decode else (BlockCode.NVFP4_ROWS,))
-             if not isinstance(variant, PrefillVariant) and variant.row_major else ())
+    forms: tuple[BlockCode, ...] = ()
+    if decode and variant.bf16_weights:
+        forms = (BlockCode.BF16,)
+    elif not isinstance(variant, PrefillVariant) and variant.row_major:
+        forms = (BlockCode.NVFP4_ROWS, BlockCode.MXFP4_ROWS) if decode else (BlockCode.NVFP4_ROWS,)
     if code is None:
         return forms[0] if forms else BlockCode.NVFP4
     if not isinstance(code, BlockCode):
