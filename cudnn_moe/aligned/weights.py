@@ -14,6 +14,7 @@ from ..arch import device_arch, parse_arch
 from ..engines.base import NVFP4, OP_ALIGNED, BlockCode, GemmShape, Request
 from ..engines.registry import choose, engine_class_of
 from ..formats import NVFP4_BLOCK
+from ..formats.nvfp4 import require_unsigned_scales
 from ..validate import require_same_device, require_shape, require_tensor
 from ..weights.nvfp4 import Nvfp4Weights, require_expert_count, swap_row_halves
 from .checks import K_MULTIPLE
@@ -113,7 +114,8 @@ def prepare_aligned_weights(
 
     gemm1_weights uint8 [E, N, K/2] ([gate; up] rows), gemm1_weights_scale float8_e4m3fn [E, N, K/16],
     gemm2_weights uint8 [E, K, N/4], gemm2_weights_scale float8_e4m3fn [E, K, N/32] (linear scales,
-    N and K multiples of 256), on one device. arch: the GPU the layout is for (default: the tensors'
+    N and K multiples of 256), on one device; the block scales are read and must be unsigned (E4M3 codes 0x00-0x7E,
+    or 0x80 as zero: a NaN or negative scale is refused, as the tensor cores read them unsigned). arch: the GPU the layout is for (default: the tensors'
     CUDA device; required for CPU tensors, e.g. 'sm90'). engine: 'auto', 'sm90' or 'cudnn', as for
     Nvfp4MoeConfig. in_place:
     - None (default): no copy where the engine reads the raw layout. The sm90 engine's kernels read the caller's
@@ -141,6 +143,8 @@ def prepare_aligned_weights(
     require_shape("gemm1_weights_scale", w1s, (experts, n, hidden // NVFP4_BLOCK))
     require_shape("gemm2_weights", w2, (experts, hidden, n // 4))
     require_shape("gemm2_weights_scale", w2s, (experts, hidden, n // (2 * NVFP4_BLOCK)))
+    require_unsigned_scales("gemm1_weights_scale", w1s)
+    require_unsigned_scales("gemm2_weights_scale", w2s)
     if arch is not None:
         target = parse_arch(arch)
     elif device.type == "cuda":

@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 
+from ..formats.nvfp4 import require_unsigned_scales
 from ..validate import require_tensor
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
@@ -244,7 +245,8 @@ def _count_experts(tensors: _Tensors, prefix: str) -> int:
 
 
 def _check(prefix: str, codes: dict, scales: dict, globals_: dict) -> int:
-    """The payloads' dtypes and shapes agree (gate and up [E, I, H/2], down [E, H, I/2]); returns E."""
+    """The payloads' dtypes and shapes agree (gate and up [E, I, H/2], down [E, H, I/2]) and the block scales are
+    unsigned (read: require_unsigned_scales); returns E."""
     for p in PROJECTIONS:
         require_tensor(f"{prefix} {p}.weight", codes[p], torch.uint8, rank=3)
         require_tensor(f"{prefix} {p}.weight_scale", scales[p], torch.float8_e4m3fn, rank=3)
@@ -258,6 +260,7 @@ def _check(prefix: str, codes: dict, scales: dict, globals_: dict) -> int:
         scale_shape = (*shape[:2], shape[2] * 2 // GROUP_SIZE)
         if tuple(scales[p].shape) != scale_shape:
             raise ValueError(f"{prefix} {p}.weight_scale must be {list(scale_shape)}, got {list(scales[p].shape)}")
+        require_unsigned_scales(f"{prefix} {p}.weight_scale", scales[p])
         if tuple(globals_[p].shape) != (experts,) or not bool(torch.isfinite(globals_[p]).all()):
             raise ValueError(f"{prefix} {p}.weight_scale_2 must be finite, one per expert")
     return experts

@@ -22,6 +22,7 @@ from ..formats import quantize_mxfp8, quantize_nvfp4
 from ..formats.blocks import to_e4m3
 from ..formats.fp8 import scale_from_amax
 from ..formats.mxfp4_as_nvfp4 import nvfp4_shifts
+from ..formats.nvfp4 import require_unsigned_scales
 from ..fused.config import Nvfp4MoeConfig
 from ..validate import (
     require_finite,
@@ -285,7 +286,8 @@ class LowLatencyMoeConfig:
     ) -> LowLatencyWeights:
         """The record ``cls`` of codes (``cls.codes_per_byte``: 2 for uint8 4-bit codes, 1 for E4M3) and block scales
         of ``scale_dtypes`` (kept as the first; the others are views of the same bytes), checked under the caller's
-        argument ``names``; refuse_nan also reads the data for E4M3 NaN codes and E8M0 NaN scale bytes (255)."""
+        argument ``names``; E4M3 block scales (NVFP4) are read and must be unsigned (require_unsigned_scales);
+        refuse_nan also reads the data for E4M3 NaN codes and E8M0 NaN scale bytes (255)."""
         self.require_format(self.target_arch(), fmt)
         act = parse_activation(activation)
         n1c, n1s, n2c, n2s = names
@@ -307,6 +309,9 @@ class LowLatencyMoeConfig:
         w2_scales = _check_scales(n2s, w2_scales, scale_dtypes, (experts, hidden, intermediate // block), device)
         w1_scales, w2_scales = w1_scales.view(stored), w2_scales.view(stored)
         checked = {name: _check_global(name, value, experts, device) for name, value in globals_.items()}
+        if stored is torch.float8_e4m3fn:  # NVFP4 block scales; reads them (preparation, not the serving path)
+            require_unsigned_scales(n1s, w1_scales)
+            require_unsigned_scales(n2s, w2_scales)
         if refuse_nan:  # reads the payloads: preparation, not the serving path
             if code_dtype is torch.float8_e4m3fn:
                 _require_no_e4m3_nan(n1c, w1_codes)
@@ -348,8 +353,9 @@ class LowLatencyMoeConfig:
         w1_codes uint8 [E, N1, H/2] (canonical E2M1, element 2i in the low nibble; N1 = 2I [up; gate]
         gated, else I), w1_scales float8_e4m3fn [E, N1, H/16] linear, w1_global float32 [E];
         w2_codes uint8 [E, H, I/2], w2_scales float8_e4m3fn [E, H, I/16], w2_global float32 [E].
-        Weight = e2m1 * scale * global (globals finite and positive). H % 128 == 0, I % 32 == 0,
-        I padded to a multiple of 128.
+        Weight = e2m1 * scale * global (globals finite and positive; block scales unsigned, E4M3 codes 0x00-0x7E or
+        0x80 as zero, read here: a NaN or negative scale is refused). H % 128 == 0, I % 32 == 0, I padded to a
+        multiple of 128.
         """
         return self._prepare_block_scaled(
             WeightFormat.NVFP4_WEIGHT_ONLY, Nvfp4WeightOnlyWeights, torch.float8_e4m3fn,

@@ -107,6 +107,11 @@ def test_refusals_name_what_is_wrong(tmp_path: Path) -> None:
         load_modelopt_experts(wrong, PREFIX)
     with pytest.raises(ValueError, match=rf"no tensor {PREFIX}\.4\.gate_proj\.weight"):
         load_modelopt_experts(state, PREFIX, num_experts=5)
+    for code, what in ((0x7F, "E4M3 NaN"), (0xB8, "negative")):  # NaN; -1.0: block scales are unsigned
+        scale = state[f"{PREFIX}.2.up_proj.weight_scale"].clone()
+        scale.view(torch.uint8)[3, 1] = code
+        with pytest.raises(ValueError, match=rf"{PREFIX} up_proj.weight_scale holds {what}"):
+            load_modelopt_experts(dict(state, **{f"{PREFIX}.2.up_proj.weight_scale": scale}), PREFIX)
     fused_state, _ = export_experts(*weights(3), PREFIX, fused=True)
     with pytest.raises(ValueError, match="num_experts=5 but the checkpoint holds 4"):
         load_modelopt_experts(fused_state, PREFIX, num_experts=5)

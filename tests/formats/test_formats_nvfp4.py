@@ -14,6 +14,7 @@ from cudnn_moe.formats import (
     quantize_nvfp4,
     unpack_nibbles,
 )
+from cudnn_moe.formats.nvfp4 import require_unsigned_scales
 
 # Written out from the E2M1 definition (1 sign, 2 exponent bits with bias 1, 1 mantissa bit):
 # codes 0..7 are +0, 0.5 (subnormal), 1, 1.5, 2, 3, 4, 6; codes 8..15 are their negatives.
@@ -190,3 +191,16 @@ def test_bf16_dequant_equals_fp32_dequant():
 def test_rejects_k_not_multiple_of_16():
     with pytest.raises(ValueError):
         quantize_nvfp4(torch.ones(2, 24))
+
+
+def test_unsigned_scales_take_every_finite_non_negative_code_and_negative_zero() -> None:
+    """require_unsigned_scales passes E4M3 codes 0x00-0x7E and 0x80 and refuses each NaN and each negative code,
+    naming the tensor."""
+    accepted = torch.cat((torch.arange(0x7F), torch.tensor([0x80]))).to(torch.uint8)
+    require_unsigned_scales("w1_scales", accepted.reshape(2, -1).view(torch.float8_e4m3fn))
+    for code in (0x7F, 0xFF):
+        with pytest.raises(ValueError, match=r"w1_scales holds E4M3 NaN block scales"):
+            require_unsigned_scales("w1_scales", torch.cat((accepted, torch.tensor([code], dtype=torch.uint8))))
+    for code in range(0x81, 0xFF):
+        with pytest.raises(ValueError, match=r"w2_scales holds negative E4M3 block scales"):
+            require_unsigned_scales("w2_scales", torch.tensor([0x38, code], dtype=torch.uint8).view(torch.float8_e4m3fn))

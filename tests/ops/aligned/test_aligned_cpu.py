@@ -504,7 +504,16 @@ PREPARE_ROWS = [
     ("no experts", lambda a: a.__setitem__(0, a[0][:0]), ValueError, "holds 0 experts"),
     ("w2 of another K", lambda a: a.__setitem__(2, a[2][:, :128]), ValueError, "gemm2_weights"),
     ("w2 scales of another N", lambda a: a.__setitem__(3, a[3][..., :4]), ValueError, "gemm2_weights_scale"),
+    ("a NaN w1 scale", lambda a: _set_scale_byte(a, 1, 0xFF), ValueError, "gemm1_weights_scale holds E4M3 NaN"),
+    ("a negative w2 scale", lambda a: _set_scale_byte(a, 3, 0x81), ValueError, "gemm2_weights_scale holds negative"),
 ]
+
+
+def _set_scale_byte(raw: list, index: int, code: int) -> None:
+    """One block scale of raw[index] set to E4M3 ``code`` (on a copy: the layer's tensors stay as they are)."""
+    scales = raw[index].clone()
+    scales.view(torch.uint8)[1, 2, 0] = code
+    raw[index] = scales
 
 
 @pytest.mark.parametrize("mutate,error,text", [r[1:] for r in PREPARE_ROWS], ids=[r[0] for r in PREPARE_ROWS])

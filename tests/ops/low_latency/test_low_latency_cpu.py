@@ -523,6 +523,13 @@ def _ref_bad(fmt=WeightFormat.BF16, x_dtype=torch.bfloat16, tokens=2, top_k=2, *
     return call
 
 
+def _e4m3_scales_with(shape: tuple[int, ...], code: int) -> torch.Tensor:
+    """E4M3 block scales of 1.0 (0x38) but one, E4M3 ``code``."""
+    scales = torch.full(shape, 0x38, dtype=torch.uint8)
+    scales[-1, 1, -1] = code
+    return scales.view(torch.float8_e4m3fn)
+
+
 NVFP4, MXFP4, MXINT4 = WEIGHT_ONLY
 BAD_INPUTS = [
     ("w1 fp16 for bf16", _bf16_bad(w1=torch.zeros(E, 2 * I, H, dtype=torch.float16)), TypeError, "w1 must have dtype bfloat16"),
@@ -534,6 +541,8 @@ BAD_INPUTS = [
     ("codes dtype", _wo_bad(NVFP4, 0, torch.zeros(E, 2 * I, H // 2, dtype=torch.int8)), TypeError, "w1_codes must have dtype uint8"),
     ("nvfp4 scale dtype", _wo_bad(NVFP4, 1, torch.zeros(E, 2 * I, H // 16, dtype=torch.bfloat16)), TypeError, "w1_scales must have dtype float8_e4m3fn"),
     ("nvfp4 scale shape", _wo_bad(NVFP4, 4, torch.zeros(E, H, I // 32, dtype=torch.float8_e4m3fn)), ValueError, "w2_scales must have shape"),
+    ("nvfp4 scale nan", _wo_bad(NVFP4, 1, _e4m3_scales_with((E, 2 * I, H // 16), 0x7F)), ValueError, "w1_scales holds E4M3 NaN block scales"),
+    ("nvfp4 scale negative", _wo_bad(NVFP4, 4, _e4m3_scales_with((E, H, I // 16), 0xB8)), ValueError, "w2_scales holds negative E4M3 block scales"),
     ("nvfp4 global dtype", _wo_bad(NVFP4, 2, torch.ones(E, dtype=torch.float64)), TypeError, "w1_global must have dtype float32"),
     ("nvfp4 global shape", _wo_bad(NVFP4, 5, torch.ones(E + 1)), ValueError, "w2_global must have shape"),
     ("nvfp4 global nan", _wo_bad(NVFP4, 5, torch.tensor([1.0, float("nan"), 1.0])), ValueError, "w2_global must be finite"),
