@@ -228,7 +228,8 @@ def test_in_place_refuses_what_it_cannot_read(case: str, needle: str) -> None:
     if case == "non-contiguous":
         raw[2] = raw[2].transpose(1, 2).contiguous().transpose(1, 2)
     elif case == "unaligned":
-        raw[1] = torch.empty(raw[1].numel() + 1, dtype=torch.uint8)[1:].view(torch.float8_e4m3fn).view(raw[1].shape)
+        unaligned = torch.empty(raw[1].numel() + 1, dtype=torch.uint8)[1:]  # the same scales, one byte off
+        raw[1] = unaligned.copy_(raw[1].view(torch.uint8).reshape(-1)).view(torch.float8_e4m3fn).view(raw[1].shape)
     else:
         arch, engine = "sm100", "cudnn"
     with pytest.raises(ValueError, match=needle):
