@@ -115,9 +115,9 @@ def prepare_aligned_weights(
     gemm1_weights uint8 [E, N, K/2] ([gate; up] rows), gemm1_weights_scale float8_e4m3fn [E, N, K/16],
     gemm2_weights uint8 [E, K, N/4], gemm2_weights_scale float8_e4m3fn [E, K, N/32] (linear scales,
     N and K multiples of 256), on one device; the block scales are read and must be unsigned (E4M3 codes 0x00-0x7E,
-    or 0x80 as zero: a NaN or negative scale is refused, as the tensor cores read them unsigned). arch: the GPU the layout is for (default: the tensors'
-    CUDA device; required for CPU tensors, e.g. 'sm90'). engine: 'auto', 'sm90' or 'cudnn', as for
-    Nvfp4MoeConfig. in_place:
+    or 0x80 as zero: a NaN or negative scale is refused, as the tensor cores read them unsigned). arch: the GPU the
+    layout is for (default: the tensors' CUDA device; required for CPU tensors, e.g. 'sm90'). engine: 'auto', 'sm90'
+    or 'cudnn', as for Nvfp4MoeConfig. in_place:
     - None (default): no copy where the engine reads the raw layout. The sm90 engine's kernels read the caller's
       contiguous, 16-byte aligned tensors as they are, so the op holds nothing beside the tensors its contract has
       the caller keep. Else (the cudnn engine, or tensors the kernels cannot read as they are) the codes and scales
@@ -143,8 +143,6 @@ def prepare_aligned_weights(
     require_shape("gemm1_weights_scale", w1s, (experts, n, hidden // NVFP4_BLOCK))
     require_shape("gemm2_weights", w2, (experts, hidden, n // 4))
     require_shape("gemm2_weights_scale", w2s, (experts, hidden, n // (2 * NVFP4_BLOCK)))
-    require_unsigned_scales("gemm1_weights_scale", w1s)
-    require_unsigned_scales("gemm2_weights_scale", w2s)
     if arch is not None:
         target = parse_arch(arch)
     elif device.type == "cuda":
@@ -154,6 +152,8 @@ def prepare_aligned_weights(
     inter = n // 2
     shapes = (GemmShape(hidden, n, experts), GemmShape(inter, hidden, experts))
     spec = choose(Request(OP_ALIGNED, target, NVFP4, shapes, experts), engine).spec(target)
+    require_unsigned_scales("gemm1_weights_scale", w1s)  # the first read of the data (a device sync)
+    require_unsigned_scales("gemm2_weights_scale", w2s)
     raw = (w1, w1s, w2, w2s)
     names = ("gemm1_weights", "gemm1_weights_scale", "gemm2_weights", "gemm2_weights_scale")
     # no alphas: every call brings its output scales, staged into the token bucket
