@@ -34,15 +34,18 @@ from .e2m1 import E2M1_MAX, decode_e2m1, encode_e2m1, pack_codes, unpack_nibbles
 NVFP4_BLOCK = 16
 NVFP4_MAX = E2M1_MAX * E4M3_MAX  # 2688: the largest magnitude a block can hold with global scale one
 _E4M3_NEGATIVE_ZERO = 0x80
+_SCALE_CHECK_CHUNK = 1 << 24  # scale bytes read at a time: bounded temporaries for a whole layer's scales
 
 
 def require_unsigned_scales(name: str, scales: torch.Tensor) -> None:
     """Prepared NVFP4 weights' block scales must be what NVIDIA's block-scaled tensor cores read, unsigned E4M3
     (UE4M3): codes 0x00-0x7E, or 0x80 (negative zero, read as zero). The SM90 kernels decode only a scale's seven
     low bits, so a NaN (0x7F, 0xFF) or negative code would be misread there: ValueError naming ``name``. Reads the
-    scales (a device sync: preparation only, not the serving path)."""
-    codes = scales.view(torch.uint8)
-    nan, negative = torch.stack((((codes & 0x7F) == 0x7F).any(), (codes > _E4M3_NEGATIVE_ZERO).any())).tolist()
+    scales 16 MB at a time, with one device sync (preparation only, not the serving path)."""
+    found = torch.zeros(2, dtype=torch.bool, device=scales.device)  # (a NaN code, a negative code)
+    for part in scales.view(torch.uint8).reshape(-1).split(_SCALE_CHECK_CHUNK):
+        found |= torch.stack((((part & 0x7F) == 0x7F).any(), (part > _E4M3_NEGATIVE_ZERO).any()))
+    nan, negative = found.tolist()
     if nan:
         raise ValueError(f"{name} holds E4M3 NaN block scales (0x7F / 0xFF); block scales must be finite")
     if negative:

@@ -14,6 +14,7 @@ from cudnn_moe.formats import (
     quantize_nvfp4,
     unpack_nibbles,
 )
+import cudnn_moe.formats.nvfp4 as nvfp4_format
 from cudnn_moe.formats.nvfp4 import require_unsigned_scales
 
 # Written out from the E2M1 definition (1 sign, 2 exponent bits with bias 1, 1 mantissa bit):
@@ -205,3 +206,13 @@ def test_unsigned_scales_take_every_finite_non_negative_code_and_negative_zero()
         with pytest.raises(ValueError, match=r"w2_scales holds negative E4M3 block scales"):
             scales = torch.tensor([0x38, code], dtype=torch.uint8).view(torch.float8_e4m3fn)
             require_unsigned_scales("w2_scales", scales)
+
+
+def test_unsigned_scales_are_read_in_chunks_to_the_last_byte(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bad code in the last of several chunks is still found (chunks of 7 bytes over 3 x 5 x 4 scales)."""
+    monkeypatch.setattr(nvfp4_format, "_SCALE_CHECK_CHUNK", 7)
+    scales = torch.full((3, 5, 4), 0x38, dtype=torch.uint8)
+    require_unsigned_scales("w1_scales", scales.view(torch.float8_e4m3fn))
+    scales[-1, -1, -1] = 0xC0
+    with pytest.raises(ValueError, match="w1_scales holds negative"):
+        require_unsigned_scales("w1_scales", scales.view(torch.float8_e4m3fn))
