@@ -26,8 +26,9 @@ from typing import TypeVar
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from checkout import ROOT, add_checkout  # every benchmark puts this folder first on sys.path
+
+add_checkout()
 
 from cudnn_moe import Nvfp4MoeConfig, Nvfp4Weights, Routing, SwiGLU, fused_moe, get_executor  # noqa: E402
 from cudnn_moe.engines.base import OP_FUSED  # noqa: E402
