@@ -143,7 +143,8 @@ class Request:
 
     shapes: the layer's two grouped GEMMs. token_dtype: the 16-bit dtype of a low-latency call's tokens
     (None for NVFP4 tokens). tokens: the most tokens a call passes. nvfp4_problem: for MXFP4 weight-only
-    weights, why they have no exact shifted form (None where they have one, or where nothing is known).
+    weights, why they have no exact shifted form (None where they have one, or where nothing is known). tiled: the
+    low-latency weights are stored as SM90 fragment tiles (cudnn_moe.weights.low_latency).
     """
 
     op: str
@@ -156,6 +157,7 @@ class Request:
     finalize: bool | None = None
     tokens: int | None = None
     nvfp4_problem: str | None = None
+    tiled: bool | None = None
 
 
 @dataclass(frozen=True)

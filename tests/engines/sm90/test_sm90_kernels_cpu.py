@@ -172,10 +172,14 @@ CODE_OPTIONS = {"mxint4": ("-DSM90_W_INT4=1",), "mxfp4": ("-DSM90_W_MXFP4=1",)}
 def coded_options(variant: Any, form: str, code: str) -> tuple[str, ...]:
     """The decode module's options for MXINT4 or MXFP4 weights (``code``): plain (GEMM2), with the finalize, waiting for
     GEMM1's tiles (a handoff), or with the SwiGLU epilogue (GEMM1; MXINT4: FP32 preactivations) and its handoff
-    signal."""
+    signal; MXFP4 also as the MXFP4 pair's GEMM1 (the epilogue quantizing to MXFP8, with the signal, and with early
+    routing too)."""
     swiglu = sm90.epilogue_options(SwiGLU())
+    mxfp8 = (*swiglu, "-DSM90_ACT_MXFP8=1")
     extra = {"plain": (), "finalize": ("-DSM90_FINALIZE=1",), "await": ("-DSM90_AWAIT=1", "-DSM90_FINALIZE=1"),
-             "swiglu": swiglu, "signal": (*swiglu, "-DSM90_SIGNAL=1")}[form]
+             "swiglu": swiglu, "signal": (*swiglu, "-DSM90_SIGNAL=1"), "swiglu-mxfp8": mxfp8,
+             "signal-mxfp8": (*mxfp8, "-DSM90_SIGNAL=1"),
+             "early-signal-mxfp8": (*mxfp8, "-DSM90_SIGNAL=1", "-DSM90_EARLY=1")}[form]
     return (*variant.options(), *CODE_OPTIONS[code], *extra)
 
 
@@ -187,12 +191,15 @@ LOW_LATENCY_DECODE_VARIANTS = [sm90.DecodeVariant(mt=2, wm=4, wk=1, nt=1, prefet
                                sm90.DecodeVariant(mt=2, wm=2, wk=4, nt=1, prefetch=4)]
 WIDE_MT4 = sm90.DecodeVariant(mt=4, wm=2, wk=1, nt=1, prefetch=2)
 _CODED_FORMS = ("plain", "finalize", "await", "swiglu", "signal")
+_PAIR_FORMS = ("swiglu-mxfp8", "signal-mxfp8", "early-signal-mxfp8")  # GEMM1 of the MXFP4 pair stored in its tiles
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found")
 @pytest.mark.parametrize("variant,form,code,arch", [(v, f, c, "90a") for v in LOW_LATENCY_DECODE_VARIANTS
                                                     for f in _CODED_FORMS for c in CODE_OPTIONS]
                          + [(WIDE_MT4, f, "mxfp4", "90a") for f in ("plain", "finalize", "await")]
+                         + [(v, f, "mxfp4", "90a") for v in LOW_LATENCY_DECODE_VARIANTS for f in _PAIR_FORMS]
+                         + [(LOW_LATENCY_DECODE_VARIANTS[1], "signal-mxfp8", "mxfp4", "100a")]
                          + [(LOW_LATENCY_DECODE_VARIANTS[0], "swiglu", c, "100a") for c in CODE_OPTIONS], ids=str)
 def test_coded_decode_compiles(variant: Any, form: str, code: str, arch: str) -> None:
     """The decode kernel with MXINT4 or MXFP4 weights builds in every form the low-latency chain uses, within 128
