@@ -335,16 +335,17 @@ class Sm90GemmEngine(GemmEngine):
     def can_route(self, operands: GemmOperands) -> bool:
         """GEMM1 of a one-token bucket on the decode kernel, whose token row (2K bytes) fits the dynamic shared memory
         every CTA has without an opt-in (grouped_gemm's ``route``); MXINT4 weights with BF16 tokens only (the MXINT4
-        form with NVFP4 tokens, which no op calls, spills 32 bytes of the register ring at 128 registers); never MXFP8
-        tokens (the MXFP4 pair's, which its sort + permute decodes) nor the row-major forms (natural token rows)."""
+        form with NVFP4 tokens, which no op calls, spills 32 bytes of the register ring at 128 registers); MXFP8
+        tokens (the MXFP4 pair's) on the pair's MXFP4 tiles only; never the row-major forms (natural token rows)."""
         code = operands.weights.code
         if code in _NATURAL_ROWS:  # these forms read natural token rows, not staged fragments
             return False
         variant = self.variant(operands.rows, operands.shape, gemm=1)
         route = operands.route
-        if route is not None and route.tokens.dtype == torch.float8_e4m3fn:
+        mxfp8 = route is not None and route.tokens.dtype == torch.float8_e4m3fn
+        if mxfp8 and code is not BlockCode.MXFP4:
             return False
-        tokens_fit = code is BlockCode.NVFP4 or route is not None and route.token_scales is None
+        tokens_fit = code is BlockCode.NVFP4 or mxfp8 or route is not None and route.token_scales is None
         return (isinstance(variant, DecodeVariant) and tokens_fit
                 and route_shared_mem(operands.shape.k) <= ROUTE_MAX_SHARED_MEM)
 

@@ -408,7 +408,8 @@ def test_the_pair_runs_the_decode_chain_with_its_mxfp8_forms(tokens: int, arch: 
     buffers): the MXFP8 tokens staged, sorted and permuted in one launch, GEMM1 quantizing to MXFP8 in its epilogue
     (SM90_ACT_MXFP8), GEMM2, both on the pair's own MXFP4 weights: prepared for SM90 its tiles (SM90_W_MXFP4), which
     take the tile handoff (buckets of at most 64 slots) and GEMM1's early routing up to four tokens as weight-only
-    MXFP4 does; prepared for another
+    MXFP4 does, and at one token the route instead (the MXFP8 token staged, the routing sorted in GEMM1: two launches,
+    GEMM2 with early routing); prepared for another
     arch its row-major tensors read in place (SM90_W_ROWS too: no handoff, no early routing). GEMM2 finalizes where
     the engine can. The bucket's graph chain stages the MXFP8 tokens into the bucket and sorts + permutes them from
     there."""
@@ -429,15 +430,18 @@ def test_the_pair_runs_the_decode_chain_with_its_mxfp8_forms(tokens: int, arch: 
     executor.run(Mxfp8Activations(codes, scales), routing, finalize=True, out=out, use_cuda_graph=False)
     names = [name for name, _ in recorded]
     gemms = [options for name, options in recorded if name == "sm90_gemm_decode"]
-    assert names[:3] == ["moe_stage_sort_permute_bf16_mxfp8_warp", "sm90_gemm_decode", "sm90_gemm_decode"]
-    assert names[3:] in ([], ["moe_finalize"])
+    routed = tiled and tokens == 1
+    head = [] if routed else ["moe_stage_sort_permute_bf16_mxfp8_warp"]
+    assert names[: len(head) + 2] == [*head, "sm90_gemm_decode", "sm90_gemm_decode"]
+    assert names[len(head) + 2 :] in ([], ["moe_finalize"])
     assert "-DSM90_ACT_MXFP8=1" in gemms[0] and "-DSM90_ACT_MXFP8=1" not in gemms[1]
     for options in gemms:
         assert "-DSM90_W_MXFP4=1" in options and ("-DSM90_W_ROWS=1" in options) != tiled
-        assert not any(o.startswith("-DSM90_ROUTE") for o in options)
-    handoff = tiled and tokens * 4 <= 64
+    assert ("-DSM90_ROUTE=3" in gemms[0]) == routed and not any(o.startswith("-DSM90_ROUTE") for o in gemms[1])
+    handoff = tiled and not routed
     assert ("-DSM90_SIGNAL=1" in gemms[0], "-DSM90_AWAIT=1" in gemms[1]) == (handoff, handoff)
-    assert ("-DSM90_EARLY=1" in gemms[0]) == (tiled and tokens <= 4)
+    assert ("-DSM90_EARLY=1" in gemms[0]) == (handoff and tokens <= 4)
+    assert ("-DSM90_EARLY=1" in gemms[1]) == routed  # GEMM2 behind the routed GEMM1 finds its expert early
     # The bucket's own chain (what its CUDA graph holds), behind the op's stage launch: the MXFP8 codes and scales
     # copied into the bucket, then sorted and permuted from there.
     recorded.clear()

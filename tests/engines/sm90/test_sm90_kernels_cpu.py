@@ -239,20 +239,24 @@ def test_bf16_decode_compiles(form: str, arch: str) -> None:
 
 def route_options(variant: Any, tokens: str) -> tuple[str, ...]:
     """The decode module's options for GEMM1 with the stage and the sort in its prologue (SwiGLU epilogue) for BF16 or
-    NVFP4 tokens, or ("mxint4", "mxfp4") MXINT4 or MXFP4 weights and BF16 tokens."""
+    NVFP4 tokens, or ("mxint4", "mxfp4") MXINT4 or MXFP4 weights and BF16 tokens, or ("mxfp8") the MXFP4 pair's: MXFP4
+    tiles, MXFP8 tokens and the epilogue quantizing to MXFP8."""
+    if tokens == "mxfp8":
+        return (*variant.options(), *CODE_OPTIONS["mxfp4"], *sm90.epilogue_options(SwiGLU()), "-DSM90_ACT_MXFP8=1",
+                "-DSM90_ROUTE=3")
     return (*variant.options(), *CODE_OPTIONS.get(tokens, ()), *sm90.epilogue_options(SwiGLU()),
             f"-DSM90_ROUTE={2 if tokens == 'nvfp4' else 1}")
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found")
 @pytest.mark.parametrize("variant,tokens,arch", [(v, t, "90a") for v in LOW_LATENCY_DECODE_VARIANTS
-                                                 for t in ("bf16", "nvfp4", "mxint4", "mxfp4")]
-                         + [(LOW_LATENCY_DECODE_VARIANTS[2], "nvfp4", "100a")], ids=str)
+                                                 for t in ("bf16", "nvfp4", "mxint4", "mxfp4", "mxfp8")]
+                         + [(LOW_LATENCY_DECODE_VARIANTS[2], t, "100a") for t in ("nvfp4", "mxfp8")], ids=str)
 def test_route_compiles(variant: Any, tokens: str, arch: str) -> None:
     """GEMM1 of a one-token bucket with the stage and the sort in its prologue builds for the variants the engine
     picks there within 128 registers a thread (512 threads an SM, as the plain forms), without spills (MXINT4: at most
-    8 bytes, as its plain form; MXFP4 tiles none, as NVFP4's): the token row lives in dynamic shared memory, the sort's
-    arrays in static."""
+    8 bytes, as its plain form; MXFP4 tiles none, as NVFP4's, with MXFP8 tokens too): the token row lives in dynamic
+    shared memory, the sort's arrays in static."""
     result = _nvcc(SM90_DIR / "grouped_gemm.cu", arch, route_options(variant, tokens))
     assert result.returncode == 0, result.stderr
     report = result.stderr.split(f"Compiling entry function '{variant.kernel}'")[1].split("Compiling entry")[0]
@@ -1077,7 +1081,8 @@ _ROUTE_BAD = [
     ("token H", lambda a: a.update(route=replace(a["route"], tokens=torch.zeros(1, 32, dtype=torch.uint8),
                                                  token_scales=torch.zeros(1, 4, dtype=torch.uint8))),
      ValueError, "w_tiles"),
-    ("mxfp8 tokens", lambda a: a.update(route=_route_args("mxfp8")["route"]), ValueError, "MXFP8 ones are decoded"),
+    ("mxfp8 tokens on NVFP4 tiles", lambda a: a.update(route=_route_args("mxfp8")["route"]), ValueError,
+     "MXFP8 tokens .the MXFP4 pair.s. on MXFP4 tiles only"),
     ("token dtype", lambda a: a.update(route=replace(a["route"], tokens=torch.zeros(1, 64, dtype=torch.float16))),
      ValueError, "route"),
     ("routing shape", lambda a: a.update(route=replace(a["route"], ids=torch.zeros(1, 3, dtype=torch.int32))),
