@@ -336,9 +336,9 @@ class LowLatencyMoeConfig:
         tiles = self.target_arch() == SM90 and weights.format in TILED_FORMATS
         if isinstance(weights, Mxfp4WeightOnlyWeights) and weights.nvfp4_problem is not None:
             tiles = False  # no exact shifted form (or not decided yet): these run on the CUDA cores, row-major
-        if tiles and self.engine != AUTO:
-            tiles = bool(engine_class(self.engine).check(Request(OP_LOW_LATENCY, SM90, weights.format.value,
-                                                                 tiled=True)))
+        if tiles and self.engine != AUTO:  # the named engine, where it runs the format, must read tiles
+            named, request = engine_class(self.engine), Request(OP_LOW_LATENCY, SM90, weights.format.value, tiled=True)
+            tiles = not any(s.covers(request) for s in named.services) or bool(named.check(request))
         return weights.to_tiles() if tiles else weights
 
     def prepare_nvfp4_weight_only_weights(

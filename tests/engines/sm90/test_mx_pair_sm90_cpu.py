@@ -231,10 +231,12 @@ def test_pair_prepared_for_sm90_is_stored_in_its_tiles() -> None:
 
 @pytest.mark.parametrize("engine", ["auto", "sm90", "cuda_cores", "ll_mma"])
 def test_pair_is_tiled_for_every_engine_that_reads_tiles(engine: str) -> None:
-    """A config for SM90 stores the pair as tiles unless it names ll_mma, whose kernels read row-major weights."""
+    """A config for SM90 stores the pair as tiles unless it names ll_mma, whose kernels read row-major weights; a
+    format ll_mma does not run (weight-only MXFP4) is tiled whatever engine the config names."""
     w1, s1, w2, s2 = mx_payloads("mxfp4", True, EXPERTS, HIDDEN, INTER, 7)
-    pair = LowLatencyMoeConfig(8, arch="sm90", engine=engine).prepare_weights(w1, s1.view(E8), w2, s2)
-    assert pair.tiled == (engine != "ll_mma")
+    config = LowLatencyMoeConfig(8, arch="sm90", engine=engine)
+    assert config.prepare_weights(w1, s1.view(E8), w2, s2).tiled == (engine != "ll_mma")
+    assert config.prepare_mxfp4_weight_only_weights(w1, s1.view(E8), w2, s2.view(E8)).tiled
 
 
 def test_pair_without_a_shifted_form_has_no_view() -> None:
