@@ -505,9 +505,11 @@ __device__ __forceinline__ float tile_scale(u32 raw, int b, int h) {
 // acc[t][2b + h] += row g + 8h of row block b dotted with token t over one chunk (tile j, quad q): per scale block,
 // the FP32 partial sum of exact products times the block scale (one FMA), as chunk_dot does for rows; with MXFP8
 // tokens (the MXFP4 pair) the products are of the codes and the factor is fp32(weight scale * token scale), the
-// token's E8M0 byte of the same 32-K block at xscales + xoff[t] / 32. The block's weights are decoded once; each
-// token's partial sums live only while that token is summed (a pair of rows per block doubles the sums of row
-// mode).
+// token's E8M0 byte of the same 32-K block at xscales + xoff[t] / 32. The weight scale is the shifted form's 2^(j - a)
+// and the global 2^a multiplies the sum (gemm1_store / gemm2_store): the row mode's factor 2^j * token scale, moved by
+// a power of two, so the same sums wherever both factors lie inside FP32's range (2^-149 .. 2^127). The block's
+// weights are decoded once; each token's partial sums live only while that token is summed (a pair of rows per
+// block doubles the sums of row mode).
 template <int NT, int RB, int XK>
 __device__ __forceinline__ void tile_chunk_dot(const uint4 (&raw)[RB], const TileScales (&sraw)[RB], int j, int q,
                                                const u8* xbase, const u8* xscales, const int (&xoff)[NT],
