@@ -457,7 +457,8 @@ def grouped_gemm(
     if tokens.dim() != 2 or w_tiles.dim() != 2 or (out is not None and out.dim() != 2):
         raise ValueError(f"x (or gather.source), out and w_tiles must be 2-D, got {list(tokens.shape)}, "
                          f"{None if out is None else list(out.shape)}, {list(w_tiles.shape)}")
-    k = tokens.shape[1] if route is None or _route_code(route) != 2 else 2 * tokens.shape[1]
+    route_code = None if route is None else _route_code(route)
+    k = 2 * tokens.shape[1] if route_code == 2 else tokens.shape[1]  # NVFP4 tokens: two codes a byte
     experts = w_tiles.shape[0]
     if k <= 0 or k % TILE_K:
         raise ValueError(f"x: K = {k} must be a positive multiple of {TILE_K}")
@@ -555,7 +556,7 @@ def grouped_gemm(
             options += ("-DSM90_W_MXFP4=1",)
         if route is not None:
             args += _route_args(route)
-            options += (f"-DSM90_ROUTE={_route_code(route)}",)
+            options += (f"-DSM90_ROUTE={route_code}",)
             shared_mem = route_shared_mem(k)
         if early is not None:
             args += _early_args(early)
