@@ -8,8 +8,8 @@
 #            mkdir -p .t/new && git archive REV cudnn_moe kernels_cuda graphs | tar -x -C .t/new
 #   COMMAND  e.g. python3 benchmarks/bench_stages.py --engines sm90 --models qwen3-30b-a3b --tokens 8 --iters 20
 # Writes $OUT/ab_ROUND_NAME.log (NAME: the tree's folder name, "checkout" for ".") and prints each run's table rows,
-# clock line and header (which names the folder the package came from). Exit status 1 when any run failed or ran
-# past LIMIT seconds (default 300).
+# clock line and header (which names the folder the package came from). Exit status 1 when any run failed, ran
+# past LIMIT seconds (default 300) or, by its header, imported another folder's package.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 trees=()
@@ -22,7 +22,7 @@ shift
 roots=()  # the trees' absolute paths, for PYTHONPATH
 for tree in "${trees[@]}"; do
   [ -d "$tree/cudnn_moe" ] || { echo "ab_trees: $tree holds no cudnn_moe package"; exit 2; }
-  roots+=("$(cd "$tree" && pwd)")
+  roots+=("$(cd "$tree" && pwd -P)")
 done
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -39,6 +39,12 @@ for round in $(seq 1 "${ROUNDS:-2}"); do
     echo "=== round $round, tree $tree: exit $rc"
     grep -E '^\||timed medians|cudnn_moe from' "$log"
     [ "$rc" = 0 ] || { status=1; tail -n 5 "$log"; }
+    # a benchmark's header names the folder its package came from: it must be this tree's
+    from=$(grep -o -m 1 'cudnn_moe from [^ |]*' "$log" | cut -d' ' -f3)
+    if [ -n "$from" ] && [ "$from" != "$root" ]; then
+      echo "ab_trees: this run imported cudnn_moe from $from, not from $root"
+      status=1
+    fi
   done
 done
 exit $status

@@ -44,13 +44,14 @@ def test_trees_alternate_and_import_their_own_package(tmp_path: Path) -> None:
     probe.write_text("import pathlib, checkout\ncheckout.add_checkout()\nimport cudnn_moe\n"
                      f"p = pathlib.Path({str(order)!r})\n"
                      "p.write_text((p.read_text() if p.exists() else '') + cudnn_moe.TREE + ' ')\n"
-                     "print('| tree |', cudnn_moe.TREE, '|')\n")
+                     "print('| tree |', cudnn_moe.TREE, '|')\n"
+                     "print('cudnn_moe from', pathlib.Path(cudnn_moe.__file__).resolve().parent.parent)\n")
     result = _run(root, out, ".", ".t/new", "--", sys.executable, str(probe), ROUNDS="3")
     assert result.returncode == 0, result.stdout + result.stderr
     assert order.read_text().split() == ["checkout", "new"] * 3
     assert sorted(p.name for p in out.iterdir()) == sorted(
         f"ab_{r}_{n}.log" for r in (1, 2, 3) for n in ("checkout", "new"))
-    assert (out / "ab_2_new.log").read_text() == "| tree | new |\n"
+    assert (out / "ab_2_new.log").read_text().startswith("| tree | new |\n")
     assert result.stdout.count("| tree | new |") == 3 and result.stdout.count("| tree | checkout |") == 3
 
 
@@ -64,3 +65,16 @@ def test_failure_timeout_and_bad_arguments(tmp_path: Path) -> None:
     assert missing.returncode == 2 and "nowhere holds no cudnn_moe package" in missing.stdout
     usage = _run(root, out, ".")
     assert usage.returncode == 2 and "Usage:" in usage.stdout
+
+
+def test_a_run_that_imports_another_package_fails(tmp_path: Path) -> None:
+    """A benchmark that puts the checkout's package first (as benchmarks/common.py once did) is caught by its header."""
+    root, out = _checkout(tmp_path), tmp_path / "logs"
+    probe = root / "benchmarks" / "probe.py"
+    probe.write_text("import pathlib, sys\nsys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))\n"
+                     "import cudnn_moe\n"
+                     "print('cudnn_moe from', pathlib.Path(cudnn_moe.__file__).resolve().parent.parent)\n")
+    result = _run(root, out, ".", ".t/new", "--", sys.executable, str(probe), ROUNDS="1")
+    assert result.returncode == 1
+    assert f"imported cudnn_moe from {root.resolve()}, not from {(root / '.t' / 'new').resolve()}" in result.stdout
+    assert "this run imported" not in result.stdout.split("tree .t/new")[0]  # the checkout's own run is fine
