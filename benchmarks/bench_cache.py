@@ -29,6 +29,8 @@ from pathlib import Path
 
 from checkout import ROOT, add_checkout  # the script's folder is first on sys.path
 
+add_checkout()  # for this process's imports and its children's PYTHONPATH
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
@@ -44,7 +46,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def _env(cache: Path) -> dict[str, str]:
-    add_checkout()
     return {**os.environ, "CUDNN_MOE_CACHE_DIR": str(cache), "PYTHONPATH": os.pathsep.join(sys.path)}
 
 
@@ -52,7 +53,6 @@ def child(args: argparse.Namespace) -> int:
     """One timed fresh process; writes its output tensor and a JSON report next to args.child."""
     import torch
 
-    add_checkout()
     presets = json.loads((ROOT / "graphs" / "presets.json").read_text())
     p = presets[args.preset]
     e, h, i, k, t = p["experts"], p["hidden"], p["intermediate"], p["top_k"], args.tokens
