@@ -196,6 +196,9 @@ def _memory() -> dict:
 def worker(out_path: Path, memory: bool) -> int:
     import torch
 
+    import cudnn_moe
+
+    out_path.with_suffix(".from").write_text(str(Path(cudnn_moe.__file__).resolve().parent.parent))
     results: dict = {}
     _fused(results)
     _aligned(results)
@@ -226,6 +229,9 @@ def main(argv: list[str] | None = None) -> int:
                    "CUDNN_MOE_CACHE_DIR": str(Path(tmp) / f"cache-{label}")}
             cmd = [sys.executable, str(Path(__file__).resolve()), str(args.old), str(args.new), "--worker", str(path)]
             subprocess.run(cmd + (["--memory"] if args.memory else []), env=env, check=True, cwd=tmp)
+            imported = path.with_suffix(".from").read_text()
+            if imported != str(tree.resolve()):
+                raise SystemExit(f"compare_trees: the {label} worker imported cudnn_moe from {imported}, not {tree}")
             saved[label] = (torch.load(path), json.loads(path.with_suffix(".json").read_text()) if args.memory else {})
         (old, old_mem), (new, new_mem) = saved["old"], saved["new"]
     differ = [name for name in old if name not in new or not torch.equal(old[name], new[name])]
