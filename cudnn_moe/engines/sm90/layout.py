@@ -110,6 +110,16 @@ def _tile_scale_codes() -> tuple[torch.Tensor, torch.Tensor]:
 _SCALE_CODE_OF_BYTE, _SCALE_BYTE_OF_CODE = _tile_scale_codes()
 
 
+def _look_up(table: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """table[x] for uint8 x [E, ...], one expert at a time: the int32 indices of one expert's bytes, never of the whole
+    layer's (a DeepSeek-V3 layer's scales would take 1.9 GB of them)."""
+    table = table.to(x.device)
+    out = torch.empty_like(x)
+    for expert in range(x.shape[0]):
+        out[expert] = table[x[expert].int()]
+    return out
+
+
 def _check_weight_shapes(n: int, k: int) -> None:
     if n <= 0 or n % TILE_ROWS:
         raise ValueError(f"weight rows N must be a positive multiple of {TILE_ROWS}, got {n}")
@@ -131,7 +141,7 @@ def pack_weight_tiles(packed: torch.Tensor, scales: torch.Tensor) -> tuple[torch
         raise ValueError(f"scales must be [E, N, K/16] = {[experts, n, k // NVFP4_BLOCK]}, got {list(scales.shape)}")
     # scale[e, i, h, g, j, s] of row 16i + 8h + g, block 4j + s -> [e, i, j, g, s, h]
     raw = scales.view(torch.uint8) if scales.dtype != torch.uint8 else scales
-    codes = _SCALE_CODE_OF_BYTE.to(raw.device)[raw.long()]
+    codes = _look_up(_SCALE_CODE_OF_BYTE, raw)
     tile_scales = codes.reshape(experts, n // 16, 2, 8, k // 64, 4).permute(0, 1, 4, 3, 5, 2)
     return _pack_codes(packed, CODE_BITS), tile_scales.reshape(experts, n * k // NVFP4_BLOCK).contiguous()
 
@@ -240,8 +250,7 @@ def unpack_weight_tiles(tiles: torch.Tensor, tile_scales: torch.Tensor, n: int, 
     _check_tiles(tiles, tile_scales, n, k, NVFP4_BLOCK)
     experts = tiles.shape[0]
     codes = tile_scales.reshape(experts, n // 16, k // 64, 8, 4, 2).permute(0, 1, 5, 3, 2, 4)
-    scales = _SCALE_BYTE_OF_CODE.to(codes.device)[codes.reshape(experts, n, k // NVFP4_BLOCK).long()]
-    scales = scales.view(torch.float8_e4m3fn)
+    scales = _look_up(_SCALE_BYTE_OF_CODE, codes.reshape(experts, n, k // NVFP4_BLOCK)).view(torch.float8_e4m3fn)
     return _unpack_codes(tiles, n, k, CODE_BITS), scales
 
 
