@@ -203,8 +203,8 @@ def test_unsigned_scales_take_every_finite_non_negative_code_and_negative_zero()
         with pytest.raises(ValueError, match=r"w1_scales holds E4M3 NaN block scales"):
             require_unsigned_scales("w1_scales", torch.cat((accepted, torch.tensor([code], dtype=torch.uint8))))
     for code in range(0x81, 0xFF):
+        scales = torch.tensor([0x38, code], dtype=torch.uint8).view(torch.float8_e4m3fn)
         with pytest.raises(ValueError, match=r"w2_scales holds negative E4M3 block scales"):
-            scales = torch.tensor([0x38, code], dtype=torch.uint8).view(torch.float8_e4m3fn)
             require_unsigned_scales("w2_scales", scales)
 
 
