@@ -51,9 +51,10 @@ def require_contiguous(**tensors: torch.Tensor) -> None:
 
 
 def require_multiple(name: str, value: int, multiple: int) -> None:
-    """Check that a size is a positive multiple of ``multiple``."""
+    """Check that a size is a positive multiple of ``multiple`` (1: any positive size)."""
     if value <= 0 or value % multiple:
-        raise ValueError(f"{name} must be a positive multiple of {multiple}, got {value}")
+        what = "positive" if multiple == 1 else f"a positive multiple of {multiple}"
+        raise ValueError(f"{name} must be {what}, got {value}")
 
 
 _FINITE_CHUNK = 1 << 26  # elements per isfinite pass: its bool temporary stays at 64 MiB

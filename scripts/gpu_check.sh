@@ -18,13 +18,7 @@ if [ -n "${CUDNN_PRELOAD:-}" ]; then
   # shellcheck disable=SC1090
   source "$CUDNN_PRELOAD" || { echo "could not preload cuDNN from $CUDNN_PRELOAD"; exit 1; }
 fi
-if compgen -G ".whl/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/cudnn_moe_site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/cudnn_moe_site:$PWD${PYTHONPATH:+:$PYTHONPATH}
-else
-  export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-fi
-export PYTHONUNBUFFERED=1
+source scripts/carried_wheels.sh || exit 1
 status=0
 step() {  # step NAME COMMAND...: run, tee into $OUT/NAME.log, remember a failure
   local name=$1

@@ -69,10 +69,15 @@ DEEPSEEK_BLOCK = 128  # DeepSeek FP8: weight scales per 128 x 128 block, token a
 _FLOAT_SOURCE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-def _check_pair(
-    name1: str, w1: object, name2: str, w2: object, dtypes: torch.dtype | tuple[torch.dtype, ...]
+def _check_weight_pair(
+    names: tuple[str, str], w1: object, w2: object, dtypes: torch.dtype | tuple[torch.dtype, ...], act: Activation,
+    multiples: tuple[int, int], per_element: int = 1,
 ) -> tuple[int, int, int]:
-    """Check w1 [E, N1, X1] and w2 [E, H, X2] (3-D, ``dtypes``, one device, same E >= 1); return (E, H, X2)."""
+    """Check a layer's two weights w1 [E, N1, H / v] and w2 [E, H, I / v], v = ``per_element`` values along K per
+    element (2 for packed 4-bit codes), under the caller's ``names``: both 3-D of ``dtypes`` on one device with the
+    same E >= 1, H and I positive multiples of ``multiples``, w1's K matching H, N1 the rows ``act`` needs for I.
+    Returns (E, H, I)."""
+    name1, name2 = names
     w1 = require_tensor(name1, w1, dtypes, rank=3)
     w2 = require_tensor(name2, w2, dtypes, rank=3)
     require_same_device(**{name1: w1, name2: w2})
@@ -80,19 +85,15 @@ def _check_pair(
         raise ValueError(f"{name1} has {w1.shape[0]} experts but {name2} has {w2.shape[0]}")
     if w1.shape[0] < 1:
         raise ValueError(f"{name1} must hold at least one expert, got shape {tuple(w1.shape)}")
-    return w1.shape[0], w2.shape[1], w2.shape[2]
-
-
-def _check_fp8_pair(w1: object, w2: object, act: Activation, hidden_multiple: int,
-                    intermediate_multiple: int) -> tuple[int, int, int]:
-    """Check E4M3 weights w1 [E, N1, H] and w2 [E, H, I] (``_check_pair``, H and I multiples of the format's,
-    w1's K = H, N1 the activation's rows for I); return (E, H, I)."""
-    experts, hidden, intermediate = _check_pair("w1", w1, "w2", w2, torch.float8_e4m3fn)
-    require_multiple("hidden size (w2.shape[1])", hidden, hidden_multiple)
-    require_multiple("intermediate size (w2.shape[2])", intermediate, intermediate_multiple)
-    if w1.shape[2] != hidden:
-        raise ValueError(f"w1 must be [E, N1, H] with H = {hidden} (from w2 [E, H, I]), got {tuple(w1.shape)}")
-    require_gemm1_rows("w1", w1.shape[1], act, intermediate)
+    experts, hidden, intermediate = w1.shape[0], w2.shape[1], per_element * w2.shape[2]
+    packed = f"{per_element} * " if per_element > 1 else ""
+    require_multiple(f"hidden size ({name2}.shape[1])", hidden, multiples[0])
+    require_multiple(f"intermediate size ({packed}{name2}.shape[2])", intermediate, multiples[1])
+    if per_element * w1.shape[2] != hidden:
+        k = f"H/{per_element}" if per_element > 1 else "H"
+        raise ValueError(f"{name1} must be [E, N1, {k}] with H = {hidden} (from {name2} [E, H, I]), "
+                         f"got {tuple(w1.shape)}")
+    require_gemm1_rows(name1, w1.shape[1], act, intermediate)
     return experts, hidden, intermediate
 
 
@@ -238,12 +239,7 @@ class LowLatencyMoeConfig:
     ) -> DenseWeights:
         self.require_format(self.target_arch(), fmt)
         act = parse_activation(activation)
-        _, hidden, intermediate = _check_pair("w1", w1, "w2", w2, dtype)
-        if w1.shape[2] != hidden:
-            raise ValueError(f"w1 must be [E, N1, H] with H = {hidden} (from w2 [E, H, I]), got {tuple(w1.shape)}")
-        if hidden < 1 or intermediate < 1:
-            raise ValueError(f"w2 must have a positive hidden and intermediate size, got {tuple(w2.shape)}")
-        require_gemm1_rows("w1", w1.shape[1], act, intermediate)
+        _, hidden, intermediate = _check_weight_pair(("w1", "w2"), w1, w2, dtype, act, (1, 1))
         require_finite("w1", w1)  # reads the weights (a device sync on CUDA): preparation, not the serving path
         require_finite("w2", w2)
         ip = padded_intermediate(intermediate)
@@ -293,15 +289,9 @@ class LowLatencyMoeConfig:
         n1c, n1s, n2c, n2s = names
         per_byte = cls.codes_per_byte
         code_dtype = torch.uint8 if per_byte == 2 else torch.float8_e4m3fn
-        experts, hidden, columns = _check_pair(n1c, w1_codes, n2c, w2_codes, code_dtype)
-        intermediate = per_byte * columns
-        half = "2 * " if per_byte == 2 else ""
-        require_multiple(f"hidden size ({n2c}.shape[1])", hidden, WEIGHT_ONLY_HIDDEN_MULTIPLE)
-        require_multiple(f"intermediate size ({half}{n2c}.shape[2])", intermediate, WEIGHT_ONLY_INTERMEDIATE_MULTIPLE)
-        if per_byte * w1_codes.shape[2] != hidden:
-            raise ValueError(f"{n1c} must be [E, N1, H{'/2' if per_byte == 2 else ''}] with H = {hidden} (from {n2c}), "
-                             f"got {tuple(w1_codes.shape)}")
-        require_gemm1_rows(n1c, w1_codes.shape[1], act, intermediate)
+        experts, hidden, intermediate = _check_weight_pair(
+            (n1c, n2c), w1_codes, w2_codes, code_dtype, act,
+            (WEIGHT_ONLY_HIDDEN_MULTIPLE, WEIGHT_ONLY_INTERMEDIATE_MULTIPLE), per_byte)
         device, block = w1_codes.device, cls.block
         n1 = w1_codes.shape[1]
         stored = scale_dtypes if isinstance(scale_dtypes, torch.dtype) else scale_dtypes[0]
@@ -436,7 +426,9 @@ class LowLatencyMoeConfig:
         """
         self.require_format(self.target_arch(), WeightFormat.FP8_WEIGHT_ONLY)
         act = parse_activation(activation)
-        experts, hidden, intermediate = _check_fp8_pair(w1, w2, act, WEIGHT_ONLY_HIDDEN_MULTIPLE, WEIGHT_ONLY_INTERMEDIATE_MULTIPLE)
+        experts, hidden, intermediate = _check_weight_pair(
+            ("w1", "w2"), w1, w2, torch.float8_e4m3fn, act,
+            (WEIGHT_ONLY_HIDDEN_MULTIPLE, WEIGHT_ONLY_INTERMEDIATE_MULTIPLE))
         device = w1.device
         w1_scale = _check_global("w1_scale", w1_scale, experts, device)
         w2_scale = _check_global("w2_scale", w2_scale, experts, device)
@@ -477,12 +469,9 @@ class LowLatencyMoeConfig:
         """
         self.require_format(self.target_arch(), WeightFormat.NVFP4_W_NVFP4_A)
         act = parse_activation(activation)
-        _, hidden, intermediate = _check_pair("w1_bf16", w1_bf16, "w2_bf16", w2_bf16, _FLOAT_SOURCE_DTYPES)
-        if w1_bf16.shape[2] != hidden:
-            raise ValueError(f"w1_bf16 must be [E, N1, H] with H = {hidden} (from w2_bf16), got {tuple(w1_bf16.shape)}")
-        require_multiple("hidden size (w2_bf16.shape[1])", hidden, PAIR_HIDDEN_MULTIPLE)
-        require_multiple("intermediate size (w2_bf16.shape[2])", intermediate, PAIR_INTERMEDIATE_MULTIPLE)
-        require_gemm1_rows("w1_bf16", w1_bf16.shape[1], act, intermediate)
+        _, hidden, intermediate = _check_weight_pair(
+            ("w1_bf16", "w2_bf16"), w1_bf16, w2_bf16, _FLOAT_SOURCE_DTYPES, act,
+            (PAIR_HIDDEN_MULTIPLE, PAIR_INTERMEDIATE_MULTIPLE))
         require_finite("w1_bf16", w1_bf16)
         require_finite("w2_bf16", w2_bf16)
         w1_codes, w1_scales, w1_global = quantize_experts("w1_bf16", w1_bf16)
@@ -604,12 +593,9 @@ class LowLatencyMoeConfig:
         """
         self.require_format(self.target_arch(), WeightFormat.FP8_PER_TENSOR)
         act = parse_activation(activation)
-        experts, hidden, intermediate = _check_pair("w1_bf16", w1_bf16, "w2_bf16", w2_bf16, _FLOAT_SOURCE_DTYPES)
-        if w1_bf16.shape[2] != hidden:
-            raise ValueError(f"w1_bf16 must be [E, N1, H] with H = {hidden} (from w2_bf16), got {tuple(w1_bf16.shape)}")
-        require_multiple("hidden size (w2_bf16.shape[1])", hidden, WEIGHT_ONLY_HIDDEN_MULTIPLE)
-        require_multiple("intermediate size (w2_bf16.shape[2])", intermediate, WEIGHT_ONLY_INTERMEDIATE_MULTIPLE)
-        require_gemm1_rows("w1_bf16", w1_bf16.shape[1], act, intermediate)
+        experts, hidden, intermediate = _check_weight_pair(
+            ("w1_bf16", "w2_bf16"), w1_bf16, w2_bf16, _FLOAT_SOURCE_DTYPES, act,
+            (WEIGHT_ONLY_HIDDEN_MULTIPLE, WEIGHT_ONLY_INTERMEDIATE_MULTIPLE))
         in_scale = require_float32_scalar("input_scale", input_scale, reciprocal=True)
         mid_scale = require_float32_scalar("intermediate_scale", intermediate_scale, reciprocal=True)
         require_finite("w1_bf16", w1_bf16)  # reads the weights: preparation, not the serving path
@@ -665,7 +651,8 @@ class LowLatencyMoeConfig:
         """
         self.require_format(self.target_arch(), WeightFormat.DEEPSEEK_FP8)
         act = parse_activation(activation)
-        experts, hidden, intermediate = _check_fp8_pair(w1, w2, act, DEEPSEEK_BLOCK, DEEPSEEK_BLOCK)
+        experts, hidden, intermediate = _check_weight_pair(("w1", "w2"), w1, w2, torch.float8_e4m3fn, act,
+                                                             (DEEPSEEK_BLOCK, DEEPSEEK_BLOCK))
         device = w1.device
         blocks = lambda n: -(-n // DEEPSEEK_BLOCK)  # noqa: E731
         w1_scale = _check_scales("w1_scale", w1_scale, torch.float32,

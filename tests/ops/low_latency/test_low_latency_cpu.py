@@ -538,6 +538,7 @@ BAD_INPUTS = [
     ("w1 rows", _bf16_bad(w1=torch.zeros(E, I, H, dtype=torch.bfloat16)), ValueError, "w1 must have 192 rows"),
     ("w1 H", _bf16_bad(w1=torch.zeros(E, 2 * I, H + 2, dtype=torch.bfloat16)), ValueError, "w1 must be"),
     ("w2 experts", _bf16_bad(w2=torch.zeros(E + 1, H, I, dtype=torch.bfloat16)), ValueError, "w2 has 4"),
+    ("w2 no columns", _bf16_bad(w1=torch.zeros(E, 0, H, dtype=torch.bfloat16), w2=torch.zeros(E, H, 0, dtype=torch.bfloat16)), ValueError, r"intermediate size \(w2.shape\[2\]\) must be positive, got 0"),
     ("codes dtype", _wo_bad(NVFP4, 0, torch.zeros(E, 2 * I, H // 2, dtype=torch.int8)), TypeError, "w1_codes must have dtype uint8"),
     ("nvfp4 scale dtype", _wo_bad(NVFP4, 1, torch.zeros(E, 2 * I, H // 16, dtype=torch.bfloat16)), TypeError, "w1_scales must have dtype float8_e4m3fn"),
     ("nvfp4 scale shape", _wo_bad(NVFP4, 4, torch.zeros(E, H, I // 32, dtype=torch.float8_e4m3fn)), ValueError, "w2_scales must have shape"),
