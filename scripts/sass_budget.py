@@ -1,11 +1,15 @@
 """Issue budget of the SM90 kernels' main loops, read off the SASS (CPU only: nvcc + cuobjdump).
 
-    python scripts/sass_budget.py [--arch 90a] [-D SM90_MT=2 ...] [--kernel sm90_gemm_decode]
+    python scripts/sass_budget.py [--arch 90a] [-D SM90_MT=2 ...] [--kernel sm90_gemm_decode] [--leads]
 
 Compiles kernels_cuda/sm90/grouped_gemm.cu to a cubin, disassembles it and, for each kernel, finds
 the loop (a backward branch) with the most HMMA instructions: it prints the loop's instruction
 count, its HMMA count and the instructions per k16 step per lane (= per HMMA / (MT x NT) mma per
-step), plus any local-memory traffic (LDL / STL) anywhere in the kernel.
+step), plus any local-memory traffic (LDL / STL) anywhere in the kernel. With --leads it also prints,
+for each global load in the loop (by opcode), its lead: how many HMMA the warp issues between the load
+and the first instruction that reads what it loaded, counted around the loop's back-edge. A register
+ring of P k64 steps would give its refills about (P - 1) / P of the loop's HMMA; ptxas places the
+refills itself, and a lead of 0 means the warp waits for that load's whole latency.
 cuobjdump is looked up on PATH and in the nvidia-cuda-cuobjdump wheel of the running Python.
 """
 
@@ -17,7 +21,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -49,6 +53,7 @@ class LoopReport:
     hmma: int
     local_memory: int  # LDL / STL anywhere in the kernel
     registers: int | None = None
+    load_leads: dict[str, list[int]] = field(default_factory=dict)  # LDG opcode -> the leads of its loads (sorted)
 
     def per_k16(self, mma_per_k16: int) -> float:
         return self.instructions / max(self.hmma // max(mma_per_k16, 1), 1)
@@ -95,8 +100,63 @@ def disassemble(cubin: Path) -> dict[str, list[tuple[int, str]]]:
     return kernels
 
 
+_REGISTER = re.compile(r"\bR(\d+)(?:\.(64|128))?\b")
+_HMMA_16816_WIDTHS = (4, 4, 2, 4)  # D, A, B, C registers of an m16n8k16 mma with FP32 accumulators
+
+
+def _split(instruction: str) -> tuple[str, list[str]]:
+    """(opcode, operands) of one SASS instruction, its guard predicate dropped."""
+    text = re.sub(r"^@!?U?P\w+\s+", "", instruction)
+    opcode, _, rest = text.partition(" ")
+    return opcode, [part.strip() for part in rest.split(",")] if rest else []
+
+
+def _registers(operand: str, width: int = 1) -> set[int]:
+    """The R registers an operand names: ``width`` from its first register, or its .64 / .128 suffix."""
+    out: set[int] = set()
+    for number, suffix in _REGISTER.findall(operand):
+        count = {"64": 2, "128": 4}.get(suffix, width)
+        out.update(range(int(number), int(number) + count))
+    return out
+
+
+def _reads(instruction: str) -> set[int]:
+    """The registers an instruction reads: every operand of a store or reduction, the others past the first."""
+    opcode, operands = _split(instruction)
+    if opcode.startswith("HMMA.16816"):
+        return set().union(*(_registers(o, w) for o, w in zip(operands[1:], _HMMA_16816_WIDTHS[1:], strict=False)))
+    if opcode.startswith(("ST", "RED")):
+        data_width = 4 if ".128" in opcode else 2 if ".64" in opcode else 1
+        return set().union(set(), *(_registers(o, data_width if i == len(operands) - 1 else 1)
+                                    for i, o in enumerate(operands)))
+    return set().union(set(), *(_registers(o) for o in operands[1:]))
+
+
+def load_leads(body: list[str]) -> dict[str, list[int]]:
+    """For each global load (LDG) of a loop body: the HMMA issued between it and the first instruction that reads a
+    register it writes, around the back-edge; by opcode, sorted."""
+    hmma_before = [0]
+    for instruction in body:
+        hmma_before.append(hmma_before[-1] + ("HMMA" in instruction))
+    total = hmma_before[-1]
+    leads: dict[str, list[int]] = {}
+    for index, instruction in enumerate(body):
+        opcode, operands = _split(instruction)
+        if not opcode.startswith("LDG") or not operands:
+            continue
+        width = 4 if ".128" in opcode else 2 if ".64" in opcode else 1
+        written = _registers(operands[0].split()[0], width)
+        for step in range(1, len(body) + 1):
+            other = (index + step) % len(body)
+            if written & _reads(body[other]):
+                lead = hmma_before[other] - hmma_before[index + 1]
+                leads.setdefault(opcode, []).append(lead if other > index else lead + total)
+                break
+    return {opcode: sorted(values) for opcode, values in leads.items()}
+
+
 def main_loop(kernel: str, code: list[tuple[int, str]]) -> LoopReport:
-    best = (0, 0)
+    best: tuple[int, list[str]] = (0, [])
     for index, (address, instruction) in enumerate(code):
         match = _BRANCH.search(instruction)
         if not match:
@@ -106,10 +166,10 @@ def main_loop(kernel: str, code: list[tuple[int, str]]) -> LoopReport:
             continue
         body = [ins for addr, ins in code[: index + 1] if addr >= target]
         hmma = sum("HMMA" in ins for ins in body)
-        if hmma > best[1]:
-            best = (len(body), hmma)
+        if hmma > best[0]:
+            best = (hmma, body)
     local = sum(bool(re.search(r"\b(LDL|STL)\b", ins)) for _, ins in code)
-    return LoopReport(kernel, best[0], best[1], local)
+    return LoopReport(kernel, len(best[1]), best[0], local, load_leads=load_leads(best[1]))
 
 
 def registers_of(report: str) -> dict[str, int]:
@@ -148,6 +208,7 @@ def main() -> None:
     parser.add_argument("--arch", default="90a")
     parser.add_argument("-D", dest="defines", action="append", default=[], help="macro, e.g. SM90_MT=2")
     parser.add_argument("--kernel", default=None)
+    parser.add_argument("--leads", action="store_true", help="the lead of each global load in the loop, in HMMA")
     args = parser.parse_args()
     macros = dict(d.split("=", 1) for d in args.defines if "=" in d)
     mma_per_k16 = {
@@ -160,6 +221,10 @@ def main() -> None:
         per = loop.per_k16(mma_per_k16.get(kernel, 1))
         print(f"{kernel}: {loop.registers} registers, main loop {loop.instructions} instructions, {loop.hmma} HMMA, "
               f"{per:.1f} instructions per k16 step per lane, {loop.local_memory} LDL/STL")
+        if args.leads:
+            for opcode, leads in sorted(loop.load_leads.items()):
+                mean = sum(leads) / len(leads)
+                print(f"  {opcode}: leads {leads} HMMA (mean {mean:.1f} of {loop.hmma})")
 
 
 if __name__ == "__main__":

@@ -1293,9 +1293,32 @@ def test_decode_sass_budget(variant: sm90.DecodeVariant) -> None:
     per_k16 = decode.per_k16(variant.mt * variant.nt)
     print(f"{variant}: {decode.registers} registers, {per_k16:.1f} instructions per k16 step per lane")
     assert decode.hmma == 4 * variant.prefetch * variant.mt * variant.nt  # the steady-state loop: PREFETCH k64 steps
+    # every ring refill of the loop (per step: MT weight words, MT scale words, 2 NT token pieces) has a lead
+    leads = [lead for opcode_leads in decode.load_leads.values() for lead in opcode_leads]
+    assert len(leads) == variant.prefetch * 2 * (variant.mt + variant.nt)
+    assert all(0 <= lead <= decode.hmma for lead in leads)
     if variant == sm90.DECODE:  # 19 with the eight-instruction word decode (22 with the eleven before it)
         assert per_k16 <= 20, f"decode main loop: {per_k16:.1f} instructions per k16 step (budget 20)"
     assert not math.isnan(per_k16)
+
+
+def test_load_leads_count_the_hmma_before_the_first_read_around_the_back_edge() -> None:
+    """sass_budget.load_leads on a hand-written loop body: register widths from the load's opcode, an HMMA reading its
+    four A registers from the first one named, a guard predicate, stores reading every operand, and the wrap."""
+    body = [
+        "LDG.E.NA.128.CONSTANT R4, desc[UR6][R2.64]",             # 0: R4-R7, first read by 5 (R7): 2 HMMA between
+        "LOP3.LUT R20, R8, 0xf, RZ, 0xc0, !PT",                   # 1: reads R8
+        "HMMA.16816.F32.BF16 R40, R20, R30, R40",                 # 2: reads R20-R23, R30-R31, R40-R43
+        "HMMA.16816.F32.BF16 R44, R20, R30, R44",                 # 3
+        "@P0 LDG.E.NA.64.CONSTANT R8, desc[UR6][R2.64+0x200]",    # 4: R8-R9, read by 1 after the wrap: 1 HMMA (6)
+        "IMAD.SHL.U32 R21, R7, 0x10, RZ",                         # 5
+        "HMMA.16816.F32.BF16 R48, R20, R32, R48",                 # 6
+        "LDG.E.CONSTANT R22, desc[UR6][R10.64]",                  # 7: R22, read by 2 (A = R20-R23) after the wrap: 0
+        "STG.E.128 desc[UR4][R2.64], R12",                        # 8: reads R2-R3, R12-R15
+        "BRA 0x100",
+    ]
+    assert sass_budget.load_leads(body) == {"LDG.E.NA.128.CONSTANT": [2], "LDG.E.NA.64.CONSTANT": [1],
+                                            "LDG.E.CONSTANT": [0]}
 
 
 @pytest.mark.skipif(NVCC is None or CUOBJDUMP is None, reason="nvcc or cuobjdump not found")
