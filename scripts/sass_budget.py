@@ -142,7 +142,7 @@ def load_leads(body: list[str]) -> dict[str, list[int]]:
     leads: dict[str, list[int]] = {}
     for index, instruction in enumerate(body):
         opcode, operands = _split(instruction)
-        if not opcode.startswith("LDG") or not operands:
+        if not re.fullmatch(r"LDG(\..*)?", opcode) or not operands:  # a register load (not LDGSTS / LDGDEPBAR)
             continue
         width = 4 if ".128" in opcode else 2 if ".64" in opcode else 1
         written = _registers(operands[0].split()[0], width)

@@ -1304,7 +1304,8 @@ def test_decode_sass_budget(variant: sm90.DecodeVariant) -> None:
 
 def test_load_leads_count_the_hmma_before_the_first_read_around_the_back_edge() -> None:
     """sass_budget.load_leads on a hand-written loop body: register widths from the load's opcode, an HMMA reading its
-    four A registers from the first one named, a guard predicate, stores reading every operand, and the wrap."""
+    four A registers from the first one named, a guard predicate, stores reading every operand, the wrap, and no lead
+    for an asynchronous copy to shared memory."""
     body = [
         "LDG.E.NA.128.CONSTANT R4, desc[UR6][R2.64]",             # 0: R4-R7, first read by 5 (R7): 2 HMMA between
         "LOP3.LUT R20, R8, 0xf, RZ, 0xc0, !PT",                   # 1: reads R8
@@ -1315,6 +1316,7 @@ def test_load_leads_count_the_hmma_before_the_first_read_around_the_back_edge() 
         "HMMA.16816.F32.BF16 R48, R20, R32, R48",                 # 6
         "LDG.E.CONSTANT R22, desc[UR6][R10.64]",                  # 7: R22, read by 2 (A = R20-R23) after the wrap: 0
         "STG.E.128 desc[UR4][R2.64], R12",                        # 8: reads R2-R3, R12-R15
+        "LDGSTS.E.64 [R60], desc[UR6][R10.64]",                   # 9: a copy to shared memory, no register loaded
         "BRA 0x100",
     ]
     assert sass_budget.load_leads(body) == {"LDG.E.NA.128.CONSTANT": [2], "LDG.E.NA.64.CONSTANT": [1],
