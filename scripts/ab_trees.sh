@@ -18,19 +18,22 @@ if [ $# -lt 2 ] || [ ${#trees[@]} -eq 0 ]; then
   exit 2
 fi
 shift
+roots=()  # the trees' absolute paths, for PYTHONPATH
 for tree in "${trees[@]}"; do
   [ -d "$tree/cudnn_moe" ] || { echo "ab_trees: $tree holds no cudnn_moe package"; exit 2; }
+  roots+=("$(cd "$tree" && pwd)")
 done
 OUT=${OUT:-out}
 mkdir -p "$OUT"
 source scripts/carried_wheels.sh || exit 1
 status=0
 for round in $(seq 1 "${ROUNDS:-2}"); do
-  for tree in "${trees[@]}"; do
-    name=$(basename "$(cd "$tree" && pwd)")
+  for i in "${!trees[@]}"; do
+    tree=${trees[$i]} root=${roots[$i]}
+    name=$(basename "$root")
     [ "$tree" = . ] && name=checkout
     log="$OUT/ab_${round}_${name}.log"
-    PYTHONPATH="$(cd "$tree" && pwd):$PYTHONPATH" timeout "${LIMIT:-300}" "$@" >"$log" 2>&1
+    PYTHONPATH="$root:$PYTHONPATH" timeout "${LIMIT:-300}" "$@" >"$log" 2>&1
     rc=$?
     echo "=== round $round, tree $tree: exit $rc"
     grep -E '^\||timed medians' "$log"

@@ -111,11 +111,16 @@ def _split(instruction: str) -> tuple[str, list[str]]:
     return opcode, [part.strip() for part in rest.split(",")] if rest else []
 
 
+def _width(suffixed: str) -> int:
+    """Registers of a 32-bit operand from a .64 / .128 suffix in ``suffixed`` (an opcode or a register)."""
+    return 4 if ".128" in suffixed else 2 if ".64" in suffixed else 1
+
+
 def _registers(operand: str, width: int = 1) -> set[int]:
     """The R registers an operand names: ``width`` from its first register, or its .64 / .128 suffix."""
     out: set[int] = set()
     for number, suffix in _REGISTER.findall(operand):
-        count = {"64": 2, "128": 4}.get(suffix, width)
+        count = _width(f".{suffix}") if suffix else width
         out.update(range(int(number), int(number) + count))
     return out
 
@@ -125,11 +130,10 @@ def _reads(instruction: str) -> set[int]:
     opcode, operands = _split(instruction)
     if opcode.startswith("HMMA.16816"):
         return set().union(*(_registers(o, w) for o, w in zip(operands[1:], _HMMA_16816_WIDTHS[1:], strict=False)))
-    if opcode.startswith(("ST", "RED")):
-        data_width = 4 if ".128" in opcode else 2 if ".64" in opcode else 1
-        return set().union(set(), *(_registers(o, data_width if i == len(operands) - 1 else 1)
-                                    for i, o in enumerate(operands)))
-    return set().union(set(), *(_registers(o) for o in operands[1:]))
+    if opcode.startswith(("ST", "RED")):  # the data operand, last, is as wide as the opcode says
+        return set().union(*(_registers(o, _width(opcode) if i == len(operands) - 1 else 1)
+                             for i, o in enumerate(operands)))
+    return set().union(*(_registers(o) for o in operands[1:]))
 
 
 def load_leads(body: list[str]) -> dict[str, list[int]]:
@@ -139,16 +143,16 @@ def load_leads(body: list[str]) -> dict[str, list[int]]:
     for instruction in body:
         hmma_before.append(hmma_before[-1] + ("HMMA" in instruction))
     total = hmma_before[-1]
+    reads = [_reads(instruction) for instruction in body]  # parsed once for every load's search
     leads: dict[str, list[int]] = {}
     for index, instruction in enumerate(body):
         opcode, operands = _split(instruction)
         if not re.fullmatch(r"LDG(\..*)?", opcode) or not operands:  # a register load (not LDGSTS / LDGDEPBAR)
             continue
-        width = 4 if ".128" in opcode else 2 if ".64" in opcode else 1
-        written = _registers(operands[0].split()[0], width)
+        written = _registers(operands[0].split()[0], _width(opcode))
         for step in range(1, len(body) + 1):
             other = (index + step) % len(body)
-            if written & _reads(body[other]):
+            if written & reads[other]:
                 lead = hmma_before[other] - hmma_before[index + 1]
                 leads.setdefault(opcode, []).append(lead if other > index else lead + total)
                 break

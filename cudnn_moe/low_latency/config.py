@@ -651,8 +651,8 @@ class LowLatencyMoeConfig:
         """
         self.require_format(self.target_arch(), WeightFormat.DEEPSEEK_FP8)
         act = parse_activation(activation)
-        experts, hidden, intermediate = _check_weight_pair(("w1", "w2"), w1, w2, torch.float8_e4m3fn, act,
-                                                             (DEEPSEEK_BLOCK, DEEPSEEK_BLOCK))
+        experts, hidden, intermediate = _check_weight_pair(
+            ("w1", "w2"), w1, w2, torch.float8_e4m3fn, act, (DEEPSEEK_BLOCK, DEEPSEEK_BLOCK))
         device = w1.device
         blocks = lambda n: -(-n // DEEPSEEK_BLOCK)  # noqa: E731
         w1_scale = _check_scales("w1_scale", w1_scale, torch.float32,
