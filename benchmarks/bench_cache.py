@@ -27,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+from checkout import ROOT, add_checkout  # the script's folder is first on sys.path
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -44,15 +44,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def _env(cache: Path) -> dict[str, str]:
-    return {**os.environ, "CUDNN_MOE_CACHE_DIR": str(cache), "PYTHONPATH": os.pathsep.join([str(REPO), *sys.path])}
+    add_checkout()
+    return {**os.environ, "CUDNN_MOE_CACHE_DIR": str(cache), "PYTHONPATH": os.pathsep.join(sys.path)}
 
 
 def child(args: argparse.Namespace) -> int:
     """One timed fresh process; writes its output tensor and a JSON report next to args.child."""
     import torch
 
-    sys.path.insert(0, str(REPO))
-    presets = json.loads((REPO / "graphs" / "presets.json").read_text())
+    add_checkout()
+    presets = json.loads((ROOT / "graphs" / "presets.json").read_text())
     p = presets[args.preset]
     e, h, i, k, t = p["experts"], p["hidden"], p["intermediate"], p["top_k"], args.tokens
     torch.cuda.init()

@@ -26,9 +26,11 @@ from typing import TypeVar
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from checkout import ROOT, add_checkout  # every benchmark puts this folder first on sys.path
 
+add_checkout()
+
+import cudnn_moe  # noqa: E402
 from cudnn_moe import Nvfp4MoeConfig, Nvfp4Weights, Routing, SwiGLU, fused_moe, get_executor  # noqa: E402
 from cudnn_moe.engines.base import OP_FUSED  # noqa: E402
 from cudnn_moe.engines.registry import engine_names  # noqa: E402
@@ -147,9 +149,9 @@ def cudnn_backend() -> str:
 
 
 def header_line(extra: str = "") -> str:
-    """Date, GPU, cuDNN backend, torch version (and ``extra``)."""
+    """Date, GPU, cuDNN backend, torch version, the folder the cudnn_moe package came from (and ``extra``)."""
     parts = [str(datetime.date.today()), torch.cuda.get_device_name(), f"cuDNN backend {cudnn_backend()}",
-             f"torch {torch.__version__}"]
+             f"torch {torch.__version__}", f"cudnn_moe from {Path(cudnn_moe.__file__).resolve().parent.parent}"]
     return " | ".join(parts + ([extra] if extra else []))
 
 

@@ -7,8 +7,9 @@
 #   TREE     "." for this checkout, or a folder holding another revision's package, made with
 #            mkdir -p .t/new && git archive REV cudnn_moe kernels_cuda graphs | tar -x -C .t/new
 #   COMMAND  e.g. python3 benchmarks/bench_stages.py --engines sm90 --models qwen3-30b-a3b --tokens 8 --iters 20
-# Writes $OUT/ab_ROUND_NAME.log (NAME: the tree's folder name, "checkout" for ".") and prints each run's table rows
-# and clock line. Exit status 1 when any run failed or ran past LIMIT seconds (default 300).
+# Writes $OUT/ab_ROUND_NAME.log (NAME: the tree's folder name, "checkout" for ".") and prints each run's table rows,
+# clock line and header (which names the folder the package came from). Exit status 1 when any run failed or ran
+# past LIMIT seconds (default 300).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 trees=()
@@ -36,7 +37,7 @@ for round in $(seq 1 "${ROUNDS:-2}"); do
     PYTHONPATH="$root:$PYTHONPATH" timeout "${LIMIT:-300}" "$@" >"$log" 2>&1
     rc=$?
     echo "=== round $round, tree $tree: exit $rc"
-    grep -E '^\||timed medians' "$log"
+    grep -E '^\||timed medians|cudnn_moe from' "$log"
     [ "$rc" = 0 ] || { status=1; tail -n 5 "$log"; }
   done
 done

@@ -143,7 +143,8 @@ class Request:
 
     shapes: the layer's two grouped GEMMs. token_dtype: the 16-bit dtype of a low-latency call's tokens
     (None for NVFP4 tokens). tokens: the most tokens a call passes. nvfp4_problem: for MXFP4 weight-only
-    weights, why they have no exact shifted form (None where they have one, or where nothing is known).
+    weights, why they have no exact shifted form (None where they have one, or where nothing is known). tiled: the
+    low-latency weights are stored as SM90 fragment tiles (cudnn_moe.weights.low_latency).
     """
 
     op: str
@@ -156,6 +157,7 @@ class Request:
     finalize: bool | None = None
     tokens: int | None = None
     nvfp4_problem: str | None = None
+    tiled: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -253,8 +255,9 @@ class RoutePrologue:
     routing instead of the permuted rows, sorts the slots itself, and writes what the stage + sort + permute launch
     writes besides those rows, so the rest of the chain reads the same buffers bit for bit: the decoded routing into
     ``ids_out`` int32 / ``w_out`` float32 [1, top_k], the sort's outputs (local experts from ``local_start``, segments
-    padded to ``align`` rows) into ``sorted``. tokens: bfloat16 [T, H] (``token_scales`` None) or NVFP4 codes uint8
-    [T, H/2] with E4M3 ``token_scales`` [T, H/16], T <= 1, 16-byte aligned; ids / weights / routing_format as
+    padded to ``align`` rows) into ``sorted``. tokens: bfloat16 [T, H] (``token_scales`` None), NVFP4 codes uint8
+    [T, H/2] with E4M3 ``token_scales`` [T, H/16], or MXFP8 codes float8_e4m3fn [T, H] with E8M0 ``token_scales``
+    [T, H/32] (the MXFP4 pair's, on its MXFP4 tiles), T <= 1, 16-byte aligned; ids / weights / routing_format as
     ``Routing.kernel_operands`` gives them."""
 
     tokens: torch.Tensor

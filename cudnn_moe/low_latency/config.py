@@ -16,8 +16,8 @@ import torch
 
 from ..activations import Activation, SwiGLU, parse_activation, require_gemm1_rows
 from ..arch import SM90, Arch, arch_name, parse_arch, target_arch
-from ..engines.base import OP_LOW_LATENCY
-from ..engines.registry import engine_names, served_archs
+from ..engines.base import OP_LOW_LATENCY, Request
+from ..engines.registry import AUTO, engine_class, engine_names, served_archs
 from ..formats import quantize_mxfp8, quantize_nvfp4
 from ..formats.blocks import to_e4m3
 from ..formats.fp8 import scale_from_amax
@@ -321,10 +321,14 @@ class LowLatencyMoeConfig:
     def stored(self, weights: BlockScaledWeights) -> BlockScaledWeights:
         """``weights`` (row-major) in the layout this config's arch keeps them in: SM90 fragment tiles for the
         TILED_FORMATS on SM90, the one copy that the tensor-core and the CUDA-core engines both read there
-        (cudnn_moe.weights.low_latency); as they are otherwise."""
+        (cudnn_moe.weights.low_latency); as they are otherwise, and where the engine this config names reads no tiles
+        (ll_mma, which a config names for the MXFP4 pair)."""
         tiles = self.target_arch() == SM90 and weights.format in TILED_FORMATS
         if isinstance(weights, Mxfp4WeightOnlyWeights) and weights.nvfp4_problem is not None:
             tiles = False  # no exact shifted form (or not decided yet): these run on the CUDA cores, row-major
+        if tiles and self.engine != AUTO:  # the named engine, where it runs the format, must read tiles
+            named, request = engine_class(self.engine), Request(OP_LOW_LATENCY, SM90, weights.format.value, tiled=True)
+            tiles = not any(s.covers(request) for s in named.services) or bool(named.check(request))
         return weights.to_tiles() if tiles else weights
 
     def prepare_nvfp4_weight_only_weights(
@@ -507,8 +511,10 @@ class LowLatencyMoeConfig:
         (0x7F / 0xFF) and E8M0 NaN scales (byte 255) are refused; the checks read the data (preparation, not the
         serving path). Errors name the argument: TypeError for a non-tensor or a wrong dtype (w2 of the other
         kind included), ValueError for a wrong shape, size, device or value. MXFP4 weights also get their exact shifted
-        form decided here (as ``prepare_mxfp4_weight_only_weights``'s), which the SM90 engine runs them in, reading the
-        tensors in place; ``weights.nvfp4_problem`` says why a layer has none (it then runs on the CUDA cores).
+        form decided here (as ``prepare_mxfp4_weight_only_weights``'s), which the SM90 engine runs them in; on SM90 a
+        layer with that form is stored in it, as the engine's tiles (``stored``: the one copy, which the CUDA-core
+        kernels read too; the E8M0 scales kept beside them for ``canonical()``). ``weights.nvfp4_problem`` says why a
+        layer has none (it then stays row-major and runs on the CUDA cores or ll_mma).
 
         What the call does with them (``reference_mx_pair`` states every rounding point): FC1 as FP32 sums of exact
         code products scaled per 32-K block by the two E8M0 scales, preactivation rounded to BF16, the activation
@@ -525,7 +531,7 @@ class LowLatencyMoeConfig:
             Mxfp4PairWeights if fp4 else Mxfp8PairWeights, (torch.float8_e8m0fnu, torch.uint8),
             w1, w1_scale, w2, w2_scale, activation, names=("w1", "w1_scale", "w2", "w2_scale"), refuse_nan=True,
         )
-        return replace(weights, nvfp4_shifts=self._mxfp4_shifts(weights)) if fp4 else weights
+        return self.stored(replace(weights, nvfp4_shifts=self._mxfp4_shifts(weights))) if fp4 else weights
 
     def prepare_mxfp8_activations(self, hidden_states: torch.Tensor) -> Mxfp8Activations:
         """Quantize tokens x [T, H] (BF16; FP16 or FP32 also taken; T <= max_num_tokens, H % 128 == 0) to MXFP8 for

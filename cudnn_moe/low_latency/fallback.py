@@ -102,8 +102,9 @@ def grouped_view(
 ) -> Nvfp4Weights:
     """The ``engine`` view on ``arch`` of NVFP4 low-latency weights, or of MXFP4 weight-only weights in their exact
     shifted form: w1 [E, N1p, H] in the engine's layout with the w1 global as alpha, w2 [E, H, Ip] likewise;
-    intermediate size Ip. Tiled weights in the engine's layout give their own tensors (``tiled_view``), the MXFP4
-    pair's its own row-major tensors (``mxfp4_rows_view``), others a repacked copy (MXFP4: its tiles, ``to_tiles``)."""
+    intermediate size Ip. Tiled weights in the engine's layout give their own tensors (``tiled_view``), an untiled
+    MXFP4 pair its own row-major tensors (``mxfp4_rows_view``), others a repacked copy (MXFP4: its tiles,
+    ``to_tiles``)."""
     view = tiled_view(engine, arch, weights)
     if view is not None:
         return view

@@ -11,8 +11,9 @@ exactly in registers, tokens on the narrow side of mma.sync, split-K) through th
   exactly, each 32-value block's FP32 partial sum times its BF16 scale; GEMM1 keeps the preactivation in FP32 and
   runs with the activation in its epilogue);
 - NVFP4 weights with NVFP4 activations (the pair): the tokens are decoded exactly to BF16 fragments;
-- MXFP4 weights with MXFP8 activations (the MXFP4 pair): the weights' own row-major tensors read in place in their
-  exact shifted form (BlockCode.MXFP4_ROWS: no copy; fallback.mxfp4_rows_view), the MXFP8 tokens decoded to BF16 by
+- MXFP4 weights with MXFP8 activations (the MXFP4 pair): in their exact shifted form, the weights' own MXFP4 tiles
+  where they were prepared for SM90 (as weight-only MXFP4's), else their row-major tensors read in place
+  (BlockCode.MXFP4_ROWS: no copy; fallback.mxfp4_rows_view), the MXFP8 tokens decoded to BF16 by
   the sort + permute (TokenCode.MXFP8), and the intermediate quantized to MXFP8 per 32
   values, held as BF16 values (IntermediateCode.MXFP8): exact for block scales 2^-117 .. 2^119, so the sums are FP32
   sums of the contract's exact products (reference_mx_pair; only their order differs);

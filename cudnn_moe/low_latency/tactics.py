@@ -75,12 +75,13 @@ def layer_request(
     """What a call of ``tokens`` tokens with these weights asks of the engines: GEMM1 K = H -> N = N1 (2I gated,
     else I), GEMM2 K = Ip -> N = H, over E experts; token_dtype: the 16-bit (or per-tensor FP8) tokens' dtype,
     None for tokens given as codes with scales (the NVFP4 pair, prequantized DeepSeek FP8); for MXFP4 weights
-    (weight-only, or the pair's), why they have no exact shifted form (``Mxfp4WeightOnlyWeights.nvfp4_problem``)."""
+    (weight-only, or the pair's), why they have no exact shifted form (``Mxfp4WeightOnlyWeights.nvfp4_problem``);
+    whether the weights are stored as SM90 tiles (``tiled``)."""
     shapes = (GemmShape(weights.hidden_size, weights.gemm1_rows, weights.num_experts),
               GemmShape(weights.padded_intermediate, weights.hidden_size, weights.num_experts))
     problem = weights.nvfp4_problem if isinstance(weights, Mxfp4WeightOnlyWeights) else None
     return Request(OP_LOW_LATENCY, arch, weights.format.value, shapes, weights.num_experts, token_dtype, out_dtype,
-                   finalize, tokens, problem)
+                   finalize, tokens, problem, weights.tiled)
 
 
 def _dtype_name(dtype: torch.dtype | None) -> str | None:

@@ -19,11 +19,12 @@ arch better: a layer of NVFP4 (weight-only or the pair) or MXINT4 weight-only pr
 kernels read and the CUDA-core kernels read too (their tile mode, -DLL_TILES=1). That is the layer's only
 copy: no engine repacks it. The tiled tensors keep the shapes and dtypes of the row-major ones (the same bytes,
 in tile order), and ``canonical()`` unpacks them (a new tensor), so it gives the caller's logical tensors
-either way. MXFP4 weight-only layers with an exact shifted form (cudnn_moe.formats.mxfp4_as_nvfp4) are tiled in
-that form, as the engine's MXFP4 tiles: the codes in tiles, and beside the caller's E8M0 scales (row-major, kept
-because the form drops the scale bytes of all-zero blocks, which ``canonical()`` gives back) the form's scales in
-tile order, one byte per 32 values, and its globals (``tile_form``): 1/32 of a byte a weight more than the
-row-major layer, where a repacked copy took 9/16. Layers without that form stay row-major.
+either way. MXFP4 layers (weight-only, or the pair with MXFP8 tokens) with an exact shifted form
+(cudnn_moe.formats.mxfp4_as_nvfp4) are tiled in that form, as the engine's MXFP4 tiles: the codes in tiles, and
+beside the caller's E8M0 scales (row-major, kept because the form drops the scale bytes of all-zero blocks, which
+``canonical()`` gives back) the form's scales in tile order, one byte per 32 values, and its globals
+(``tile_form``): 1/32 of a byte a weight more than the row-major layer, where a repacked copy took 9/16. Layers
+without that form stay row-major. The ll_mma engine reads row-major weights only: it runs no tiled MXFP4 pair.
 """
 
 from __future__ import annotations
@@ -50,14 +51,16 @@ if TYPE_CHECKING:
 PAD_MULTIPLE = 128
 _BIT_DTYPES = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
 # The formats whose payloads may be stored as SM90 fragment tiles (``tiled``), and how: NVFP4 tiles (E2M1 codes,
-# E4M3 scales per 16), MXFP4 tiles (E2M1 codes, a scale byte per 32: MXFP4 weight-only in its exact shifted form,
-# Mxfp4WeightOnlyWeights.to_tiles) or MXINT4 tiles (INT4 codes, BF16 scales per 32): each one's (pack, unpack) of
-# cudnn_moe.engines.sm90.layout.
+# E4M3 scales per 16), MXFP4 tiles (E2M1 codes, a scale byte per 32: MXFP4 weights, weight-only or the pair, in their
+# exact shifted form, Mxfp4WeightOnlyWeights.to_tiles) or MXINT4 tiles (INT4 codes, BF16 scales per 32): each one's
+# (pack, unpack) of cudnn_moe.engines.sm90.layout.
 _PACKERS = {WeightFormat.NVFP4_WEIGHT_ONLY: (pack_weight_tiles, unpack_weight_tiles),
             WeightFormat.NVFP4_W_NVFP4_A: (pack_weight_tiles, unpack_weight_tiles),
             WeightFormat.MXINT4_WEIGHT_ONLY: (pack_int4_weight_tiles, unpack_int4_weight_tiles),
-            WeightFormat.MXFP4_WEIGHT_ONLY: (pack_mxfp4_weight_tiles, unpack_mxfp4_weight_tiles)}
+            WeightFormat.MXFP4_WEIGHT_ONLY: (pack_mxfp4_weight_tiles, unpack_mxfp4_weight_tiles),
+            WeightFormat.MXFP4_W_MXFP8_A: (pack_mxfp4_weight_tiles, unpack_mxfp4_weight_tiles)}
 TILED_FORMATS = frozenset(_PACKERS)
+_MXFP4_TILED = frozenset({WeightFormat.MXFP4_WEIGHT_ONLY, WeightFormat.MXFP4_W_MXFP8_A})  # uint8 scale tiles
 
 
 def padded_intermediate(intermediate: int) -> int:
@@ -104,7 +107,7 @@ def _tile_payload(fmt: WeightFormat, codes: torch.Tensor, scales: torch.Tensor) 
     parts = [pack(codes[e : e + step].contiguous(), scales[e : e + step].contiguous())
              for e in range(0, codes.shape[0], step)]
     tiles, tile_scales = (torch.cat(p) for p in zip(*parts))
-    dtype = torch.uint8 if fmt is WeightFormat.MXFP4_WEIGHT_ONLY else scales.dtype
+    dtype = torch.uint8 if fmt in _MXFP4_TILED else scales.dtype
     return tiles.view(codes.shape), tile_scales.view(dtype).view(scales.shape)
 
 
@@ -261,7 +264,7 @@ class Mxfp4WeightOnlyWeights(BlockScaledWeights):
     def to_tiles(self) -> Mxfp4WeightOnlyWeights:
         """These weights with their codes stored as SM90 MXFP4 tiles and their exact shifted form's scale tiles and
         globals beside the E8M0 scales (``tile_form``); self if already tiled. ValueError when they have no such form
-        (``nvfp4_problem``) or are not weight-only (the MX pair)."""
+        (``nvfp4_problem``)."""
         if self.tiled:
             return self
         if self.format not in TILED_FORMATS:
@@ -288,9 +291,11 @@ class Mxfp4WeightOnlyWeights(BlockScaledWeights):
 @dataclass(frozen=True, eq=False)
 class Mxfp4PairWeights(Mxfp4WeightOnlyWeights):
     """MXFP4 weights for MXFP8 activations (``LowLatencyMoeConfig.prepare_weights``): the tensors of
-    Mxfp4WeightOnlyWeights (E2M1 codes, float8_e8m0fnu scales per 32 K values, I padded to 128), row-major (the
-    CUDA-core, ll_mma and SM90 kernels all read them so: the SM90 decode kernel's row-major MXFP4 form, in their exact
-    shifted form), with the shifts of that form decided at preparation (``nvfp4_shifts``)."""
+    Mxfp4WeightOnlyWeights (E2M1 codes, float8_e8m0fnu scales per 32 K values, I padded to 128), with the shifts of
+    their exact shifted form decided at preparation (``nvfp4_shifts``). Prepared for SM90 with that form they are
+    stored ``tiled`` in it (the module docstring), which the SM90 decode kernels and the CUDA-core kernels read;
+    otherwise row-major, which the CUDA-core and ll_mma kernels read, and the SM90 decode kernel's row-major MXFP4
+    form too where the form exists (weights prepared for another arch)."""
 
 
 @dataclass(frozen=True, eq=False)

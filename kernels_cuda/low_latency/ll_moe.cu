@@ -139,9 +139,10 @@ static_assert(!MXI || MXFP8W || LL_WEIGHTS == LL_WEIGHTS_MXFP4, "MXFP8 tokens go
 constexpr bool TILES = LL_TILES;
 static_assert(!TILES || ((LL_WEIGHTS == LL_WEIGHTS_NVFP4 || LL_WEIGHTS == LL_WEIGHTS_MXINT4 || MXFP4_TILES) && !LL_MMA &&
                          (LL_INPUT == LL_INPUT_BF16 || LL_INPUT == LL_INPUT_FP16 ||
-                          LL_INPUT == LL_INPUT_NVFP4 && LL_WEIGHTS == LL_WEIGHTS_NVFP4)),
-              "fragment tiles hold NVFP4, MXFP4 or MXINT4 weights, for 16-bit tokens (or NVFP4 ones with NVFP4 weights), "
-              "on the FMA dot products");
+                          LL_INPUT == LL_INPUT_NVFP4 && LL_WEIGHTS == LL_WEIGHTS_NVFP4 ||
+                          LL_INPUT == LL_INPUT_MXFP8 && MXFP4_TILES)),
+              "fragment tiles hold NVFP4, MXFP4 or MXINT4 weights, for 16-bit tokens (or NVFP4 ones with NVFP4 weights, "
+              "MXFP8 ones with MXFP4 weights), on the FMA dot products");
 // GEMM2's input: the 16-bit intermediate, or E4M3 codes with FP32 scales per 128 values (DeepSeek FP8) or E8M0
 // scales per 32 (the MX pairs).
 constexpr int INTER_INPUT = FP8B ? LL_INPUT_FP8_BLOCK : MXI ? LL_INPUT_MXFP8 : INTER_FP16 ? LL_INPUT_FP16 : LL_INPUT_BF16;
@@ -463,11 +464,18 @@ __device__ __forceinline__ int tile_feature(int group) { return 16 * (group >> 3
 
 // Token (or intermediate) values of k16 step s of tile j for quad q, exact, in FP32: v[0], v[1] at k = 64j + 16s +
 // 2q, + 1 and v[2], v[3] at + 8, + 9. The row starts at base + offset; NVFP4 rows (codes [T, H/2]) have their E4M3
-// scales (one per step) at scales + offset / 8.
+// scales (one per step) at scales + offset / 8. MXFP8 rows (E4M3 codes [T, H], one byte a value) give the codes
+// unscaled: tile_chunk_dot applies their E8M0 block scales.
 template <int XK>
 __device__ __forceinline__ void load_x_tile_step(const u8* base, const u8* scales, int offset, int j, int s, int q,
                                                  float v[4]) {
-  if (XK == LL_INPUT_NVFP4) {
+  if (XK == LL_INPUT_MXFP8) {
+    const u16* codes = reinterpret_cast<const u16*>(base + offset + TILE_K * j + 16 * s) + q;
+    float w[8];
+    decode_e4m3_word(static_cast<u32>(__ldg(codes)) | static_cast<u32>(__ldg(codes + 4)) << 16, 0u, w);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) v[i] = w[i];
+  } else if (XK == LL_INPUT_NVFP4) {
     const u8* codes = base + offset + (TILE_K / 2) * j + 8 * s + q;
     const float scale = e4m3_to_float(__ldg(scales + offset / 8 + 4 * j + s));
     decode_e2m1_byte(__ldg(codes), v[0], v[1]);
@@ -495,7 +503,11 @@ __device__ __forceinline__ float tile_scale(u32 raw, int b, int h) {
 }
 
 // acc[t][2b + h] += row g + 8h of row block b dotted with token t over one chunk (tile j, quad q): per scale block,
-// the FP32 partial sum of exact products times the block scale (one FMA), as chunk_dot does for rows. The block's
+// the FP32 partial sum of exact products times the block scale (one FMA), as chunk_dot does for rows; with MXFP8
+// tokens (the MXFP4 pair) the products are of the codes and the factor is fp32(weight scale * token scale), the
+// token's E8M0 byte of the same 32-K block at xscales + xoff[t] / 32. The weight scale is the shifted form's 2^(j - a)
+// and the global 2^a multiplies the sum (gemm1_store / gemm2_store): the row mode's factor 2^j * token scale, moved by
+// a power of two, so the same sums wherever both factors lie inside FP32's range (2^-149 .. 2^127). The block's
 // weights are decoded once; each token's partial sums live only while that token is summed (a pair of rows per
 // block doubles the sums of row mode).
 template <int NT, int RB, int XK>
@@ -548,8 +560,10 @@ __device__ __forceinline__ void tile_chunk_dot(const uint4 (&raw)[RB], const Til
           }
         }
       }
+      const float xs = XK == LL_INPUT_MXFP8 ? e8m0_to_float(__ldg(xscales + xoff[t] / MX_BLOCK + 2 * j + b)) : 1.0f;
 #pragma unroll
-      for (int r = 0; r < 2 * RB; ++r) acc[t][r] = fmaf(part[r], scale[r], acc[t][r]);
+      for (int r = 0; r < 2 * RB; ++r)
+        acc[t][r] = fmaf(part[r], XK == LL_INPUT_MXFP8 ? __fmul_rn(scale[r], xs) : scale[r], acc[t][r]);
     }
   }
 }

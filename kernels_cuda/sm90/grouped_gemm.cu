@@ -49,13 +49,17 @@ using namespace sm90;
 #define DEC_FINALIZE false
 #endif
 // The op's stage and the routing sort folded into GEMM1's prologue (a decode chain of one-token buckets:
-// SM90_ROUTE 1 for BF16 tokens, 2 for NVFP4 tokens; with SM90_ACT): every CTA decodes the caller's routing, sorts
+// SM90_ROUTE 1 for BF16 tokens, 2 for NVFP4 tokens, 3 for MXFP8 tokens (the MXFP4 pair's, on its MXFP4 tiles); with
+// SM90_ACT): every CTA decodes the caller's routing, sorts
 // its slots in one warp (sort_slots_warp, into shared memory) and stages the token row in fragment order in dynamic
 // shared memory (k BF16 values); CTA (0, 0) also writes the sort's outputs and the decoded routing for GEMM2 and the
 // finalize. The MMA's token operand then comes from shared memory: every row of a one-token bucket is that token.
 #ifdef SM90_ROUTE
 #if !defined(SM90_ACT) || defined(SM90_FINALIZE)
 #error "SM90_ROUTE is for GEMM1 with the activation epilogue (SM90_ACT)"
+#endif
+#if SM90_ROUTE == 3 && !SM90_W_MXFP4
+#error "SM90_ROUTE 3 (MXFP8 tokens) is for the MXFP4 pair's tiles (SM90_W_MXFP4)"
 #endif
 #endif
 // GEMM1 of a decode chain whose sort + permute runs in the launch before it, or GEMM2 behind a routed GEMM1
@@ -353,14 +357,16 @@ __device__ __forceinline__ uint4 load_token_piece(const u8* p) {
 }
 
 #ifdef SM90_ROUTE
-// When the token row is staged: NVFP4 tokens first of all (fetched and decoded before the routing is read), BF16 tokens
-// after the ring's first weight loads are issued (a copy, whose load then overlaps theirs). Measured on the H200 at one
-// token (fused_moe, NVFP4 tokens): Qwen3-30B-A3B 23.9-24.2 us staging first, 26.6-26.9 staging after the weights.
-#define ROUTE_STAGE_FIRST (SM90_ROUTE == 2)
+// When the token row is staged: NVFP4 and MXFP8 tokens first of all (fetched and decoded before the routing is read),
+// BF16 tokens after the ring's first weight loads are issued (a copy, whose load then overlaps theirs). Measured on the
+// H200 at one token (fused_moe, NVFP4 tokens): Qwen3-30B-A3B 23.9-24.2 us staging first, 26.6-26.9 staging after the
+// weights; MXFP8 tokens follow NVFP4's (decoded, not copied).
+#define ROUTE_STAGE_FIRST (SM90_ROUTE >= 2)
 
-// Units [0, units) of the routed call's token row (NVFP4 codes and scales decoded exactly: decode_token_words, or BF16
-// values) into `row` in fragment order (shared memory). BF16 units one at a time (staged while the weight ring's
-// loads are live: unrolled, their 64 bytes each spill it).
+// Units [0, units) of the routed call's token row (NVFP4 codes and scales decoded exactly: decode_token_words; MXFP8
+// codes and E8M0 scales expanded to their BF16 values as the sort + permute does: expand_mxfp8_unit; or BF16 values)
+// into `row` in fragment order (shared memory). BF16 units one at a time (staged while the weight ring's loads are
+// live: unrolled, their 64 bytes each spill it).
 __device__ __forceinline__ void stage_token_row(const u8* x, const u8* x_scales, int k, int units, u16* row) {
 #if SM90_ROUTE == 1
 #pragma unroll 1
@@ -369,6 +375,8 @@ __device__ __forceinline__ void stage_token_row(const u8* x, const u8* x_scales,
     uint4 piece[4];
 #if SM90_ROUTE == 2
     decode_token_words(*reinterpret_cast<const uint4*>(x + 16 * u), x_scales[2 * u], x_scales[2 * u + 1], piece);
+#elif SM90_ROUTE == 3
+    moe::expand_mxfp8_unit(moe::fetch_mxfp8_unit(x, x_scales, k, 0, u), piece);
 #else
     moe::bf16_unit_pieces(moe::fetch_bf16_unit(reinterpret_cast<const u16*>(x), k, 0, u).chunk, piece);
 #endif
@@ -426,7 +434,8 @@ __device__ __forceinline__ int decode_feature(int f, int n) {
 // With SM90_ROUTE (GEMM1 of a one-token bucket, the arguments past tickets): x, offsets and row_to_slot are not read;
 // the caller's routing (route_ids / route_w in route_format, as moe_stage_sort_permute_bf16 reads them; route_tokens
 // <= 1 tokens of route_top_k slots, route_slots = route_top_k <= SORT_WARP_SLOTS) and token row route_x (BF16 [k],
-// or NVFP4 codes [k / 2] with E4M3 scales route_x_scales [k / 16]; 16-byte aligned) come in instead, and CTA (0, 0)
+// NVFP4 codes [k / 2] with E4M3 scales route_x_scales [k / 16], or MXFP8 codes [k] with E8M0 scales [k / 32]; 16-byte
+// aligned) come in instead, and CTA (0, 0)
 // writes what that kernel writes besides the token rows: route_ids_out / route_w_out [route_slots] and the sort's
 // outputs (sort_*: moe_sort's, for local experts [route_local_start, + num_experts) in segments padded to route_align
 // rows). Dynamic shared memory: 2k bytes.

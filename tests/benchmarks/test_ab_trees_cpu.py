@@ -18,9 +18,12 @@ pytestmark = pytest.mark.skipif(BASH is None, reason="no bash")
 
 
 def _checkout(tmp_path: Path) -> Path:
-    """A checkout holding only the scripts and a package of its own (no carried wheels to install)."""
+    """A checkout holding only the scripts, the benchmarks' path setup and a package of its own (no carried wheels to
+    install)."""
     root = tmp_path / "checkout"
     shutil.copytree(REPO / "scripts", root / "scripts")
+    (root / "benchmarks").mkdir()
+    shutil.copy(REPO / "benchmarks" / "checkout.py", root / "benchmarks")
     for tree, name in ((root, "checkout"), (root / ".t" / "new", "new")):
         (tree / "cudnn_moe").mkdir(parents=True)
         (tree / "cudnn_moe" / "__init__.py").write_text(f"TREE = {name!r}\n")
@@ -36,8 +39,10 @@ def _run(root: Path, out: Path, *args: str, **env: str) -> subprocess.CompletedP
 
 def test_trees_alternate_and_import_their_own_package(tmp_path: Path) -> None:
     root, out, order = _checkout(tmp_path), tmp_path / "logs", tmp_path / "order"
-    probe = tmp_path / "probe.py"  # a script, as the benchmarks are: `python -c` would put the cwd first on sys.path
-    probe.write_text(f"import pathlib, cudnn_moe\np = pathlib.Path({str(order)!r})\n"
+    # a benchmark script of the checkout, which puts the checkout's package on sys.path as benchmarks/common.py does
+    probe = root / "benchmarks" / "probe.py"
+    probe.write_text("import pathlib, checkout\ncheckout.add_checkout()\nimport cudnn_moe\n"
+                     f"p = pathlib.Path({str(order)!r})\n"
                      "p.write_text((p.read_text() if p.exists() else '') + cudnn_moe.TREE + ' ')\n"
                      "print('| tree |', cudnn_moe.TREE, '|')\n")
     result = _run(root, out, ".", ".t/new", "--", sys.executable, str(probe), ROUNDS="3")

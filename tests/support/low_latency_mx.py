@@ -21,13 +21,15 @@ OUT_DTYPES = (torch.bfloat16, torch.float16)
 
 
 @functools.cache
-def layer(kind: str, gated: bool, experts: int = E, shape: tuple[int, int] = (HIDDEN, INTER), seed: int = 0):
+def layer(kind: str, gated: bool, experts: int = E, shape: tuple[int, int] = (HIDDEN, INTER), seed: int = 0,
+          engine: str = "cuda_cores"):
     """(config, prepared weights) of random MX payloads (tests.support.low_latency.mx_payloads); the config runs its
-    calls on the CUDA cores, whose workspace check_call reads (the MXFP4 pair's SM90 chain, which "auto" takes where
-    the shapes allow, has its own tests: tests/engines/sm90/test_mx_pair_sm90_gpu.py)."""
+    calls on ``engine``, the CUDA cores by default, whose workspace check_call reads (the MXFP4 pair's SM90 chain,
+    which "auto" takes where the shapes allow, has its own tests: tests/engines/sm90/test_mx_pair_sm90_gpu.py). On
+    SM90 an MXFP4 pair is stored as tiles for the CUDA cores, row-major for ll_mma."""
     hidden, inter = shape
     w1, s1, w2, s2 = mx_payloads(kind, gated, experts, hidden, inter, seed)
-    config = LowLatencyMoeConfig(8, engine="cuda_cores")
+    config = LowLatencyMoeConfig(8, engine=engine)
     weights = config.prepare_weights(w1.to(DEV), s1.view(torch.float8_e8m0fnu).to(DEV), w2.to(DEV), s2.to(DEV),
                                      activation=SwiGLU() if gated else SiLU())
     return config, weights

@@ -69,6 +69,7 @@ TILE_VARIANTS: tuple[tuple[WeightCode, InputCode, bool], ...] = (
     (WeightCode.MXINT4, InputCode.FP16, True),
     (WeightCode.MXFP4, InputCode.BF16, True),
     (WeightCode.MXFP4, InputCode.FP16, True),
+    (WeightCode.MXFP4, InputCode.MXFP8, True),
 )
 MODULE_VARIANTS: tuple[tuple[WeightCode, InputCode] | tuple[WeightCode, InputCode, bool], ...] = (
     (WeightCode.BF16, InputCode.BF16),
@@ -163,6 +164,8 @@ class Tactic:
         """ll_gemm1's cut for ``slots`` routed slots (T k) of tokens of kind ``x_kind``."""
         fmt = weights.format
         lpr = lanes_per_row(group_chunks(weights, weights.hidden_size))
+        if fmt in MX_PAIRS and weights.tiled:  # at most 32 features a round (two a group): 16 lanes a row pair or more
+            lpr = max(lpr, 16)
         features_per_block = WARPS * (32 // lpr) * (2 if weights.tiled else 1)
         columns = -(-weights.padded_intermediate // features_per_block)
         block_bytes = features_per_block * (2 if weights.gated else 1) * row_bytes(fmt, weights.hidden_size)

@@ -7,7 +7,9 @@ weight records and rounding points) with the tensor-core tactic (cudnn_moe.engin
 registry lists it after the CUDA-core engine, so "auto" keeps the CUDA cores; a config asks for it with
 ``engine="ll_mma"`` (and a tuner may time both). Numerics: as the CUDA-core engine's, rounding point for rounding
 point (cudnn_moe.low_latency.reference): only the FP32 summation order inside each GEMM differs (the MX pairs: the
-per-32 E8M0 scale products multiply FP32 partial sums of exactly one 32-value block, as on the CUDA cores).
+per-32 E8M0 scale products multiply FP32 partial sums of exactly one 32-value block, as on the CUDA cores). Its
+kernels read row-major weights: an MXFP4 pair stored as SM90 tiles (prepared for SM90) runs on the sm90 and
+cuda_cores engines instead (``check`` says so).
 
 Architectures: mma.sync.m16n8k16 with BF16 / FP16 operands (SM80 on), cvt.rn.f16x2.e4m3x2 (SM89 on), cp.async
 (SM80 on) and fma.rn.bf16x2 (SM80 on) are valid PTX on SM90, SM100, SM103, SM107 and SM120, so it declares
@@ -34,6 +36,9 @@ class LlMmaEngine(CudaCoresEngine):
 
     @classmethod
     def check(cls, request: Request) -> Support:
+        if request.tiled:
+            return Support(False, "the ll_mma kernels read row-major weights; these are stored as SM90 tiles (the "
+                                  "sm90 and cuda_cores engines read those)")
         for shape in request.shapes:
             if shape.k % UNIT:
                 return Support(False, f"the ll_mma kernels need each GEMM's K to be a multiple of {UNIT}, got {shape.k}")

@@ -213,10 +213,11 @@ _WEIGHT_ONLY = frozenset(f.value for f in (WeightFormat.NVFP4_WEIGHT_ONLY, Weigh
 # (benchmarks/RESULTS.md, twenty-fourth session): best or within 4% of the best of 14 forms at Qwen3-30B-A3B and
 # DeepSeek-V3 T=1 and 8, e.g. DeepSeek-V3 T=8 GEMM1 899 us (3.9 TB/s) against 1067 with two m16 blocks and two steps.
 _BF16_TOKENS = _WEIGHT_ONLY | {WeightFormat.BF16.value}
-# The MXFP4 weight + MXFP8 activation pair: its own row-major tensors read in place in their exact shifted form
-# (BlockCode.MXFP4_ROWS: the one copy, which the CUDA-core and ll_mma kernels read too), its MXFP8 tokens decoded
-# exactly to BF16 by the sort + permute and its intermediate quantized to MXFP8 per 32 values in the activation
-# (IntermediateCode.MXFP8), both held as BF16 values, exact for block scales 2^-117 .. 2^119.
+# The MXFP4 weight + MXFP8 activation pair, in its exact shifted form: prepared for SM90, its own MXFP4 tiles
+# (BlockCode.MXFP4, the one copy, which the CUDA-core kernels read too), else its row-major tensors read in place
+# (BlockCode.MXFP4_ROWS); its MXFP8 tokens decoded exactly to BF16 by the sort + permute and its intermediate
+# quantized to MXFP8 per 32 values in the activation (IntermediateCode.MXFP8), both held as BF16 values, exact for
+# block scales 2^-117 .. 2^119.
 _MX_PAIR = WeightFormat.MXFP4_W_MXFP8_A.value
 _MXFP4_FORMS = frozenset({WeightFormat.MXFP4_WEIGHT_ONLY.value, _MX_PAIR})
 _BF16 = DecodeVariant(mt=1, wm=4, wk=1, nt=1, prefetch=4, bf16_weights=True)
@@ -334,16 +335,17 @@ class Sm90GemmEngine(GemmEngine):
     def can_route(self, operands: GemmOperands) -> bool:
         """GEMM1 of a one-token bucket on the decode kernel, whose token row (2K bytes) fits the dynamic shared memory
         every CTA has without an opt-in (grouped_gemm's ``route``); MXINT4 weights with BF16 tokens only (the MXINT4
-        form with NVFP4 tokens, which no op calls, spills 32 bytes of the register ring at 128 registers); never MXFP8
-        tokens (the MXFP4 pair's, which its sort + permute decodes) nor the row-major forms (natural token rows)."""
+        form with NVFP4 tokens, which no op calls, spills 32 bytes of the register ring at 128 registers); MXFP8
+        tokens (the MXFP4 pair's) on the pair's MXFP4 tiles only; never the row-major forms (natural token rows)."""
         code = operands.weights.code
         if code in _NATURAL_ROWS:  # these forms read natural token rows, not staged fragments
             return False
         variant = self.variant(operands.rows, operands.shape, gemm=1)
         route = operands.route
-        if route is not None and route.tokens.dtype == torch.float8_e4m3fn:
+        mxfp8 = route is not None and route.tokens.dtype == torch.float8_e4m3fn
+        if mxfp8 and code is not BlockCode.MXFP4:
             return False
-        tokens_fit = code is BlockCode.NVFP4 or route is not None and route.token_scales is None
+        tokens_fit = code is BlockCode.NVFP4 or mxfp8 or route is not None and route.token_scales is None
         return (isinstance(variant, DecodeVariant) and tokens_fit
                 and route_shared_mem(operands.shape.k) <= ROUTE_MAX_SHARED_MEM)
 

@@ -441,9 +441,9 @@ def grouped_gemm(
     alpha, offsets = _tensor("alpha", alpha), _tensor("offsets", offsets)
     if route is not None:
         tokens = _tensor("route.tokens", route.tokens)
-        if tokens.dtype == torch.float8_e4m3fn:
-            raise ValueError("route.tokens: a route stages BF16 or NVFP4 tokens; MXFP8 ones are decoded by the sort + "
-                             "permute launch")
+        if tokens.dtype == torch.float8_e4m3fn and code is not BlockCode.MXFP4:
+            raise ValueError(f"route.tokens: a route stages MXFP8 tokens (the MXFP4 pair's) on MXFP4 tiles only, not "
+                             f"on {code.value} weights")
     elif gather is None:
         x = tokens = _tensor("x", x)
     elif x is not None:
@@ -457,7 +457,8 @@ def grouped_gemm(
     if tokens.dim() != 2 or w_tiles.dim() != 2 or (out is not None and out.dim() != 2):
         raise ValueError(f"x (or gather.source), out and w_tiles must be 2-D, got {list(tokens.shape)}, "
                          f"{None if out is None else list(out.shape)}, {list(w_tiles.shape)}")
-    k = tokens.shape[1] if route is None or route.token_scales is None else 2 * tokens.shape[1]
+    route_code = None if route is None else _route_code(route)
+    k = 2 * tokens.shape[1] if route_code == 2 else tokens.shape[1]  # NVFP4 tokens: two codes a byte
     experts = w_tiles.shape[0]
     if k <= 0 or k % TILE_K:
         raise ValueError(f"x: K = {k} must be a positive multiple of {TILE_K}")
@@ -555,7 +556,7 @@ def grouped_gemm(
             options += ("-DSM90_W_MXFP4=1",)
         if route is not None:
             args += _route_args(route)
-            options += (f"-DSM90_ROUTE={1 if route.token_scales is None else 2}",)
+            options += (f"-DSM90_ROUTE={route_code}",)
             shared_mem = route_shared_mem(k)
         if early is not None:
             args += _early_args(early)
@@ -673,6 +674,13 @@ def _check_route(route: RoutePrologue, k: int, experts: int) -> int:
         raise ValueError(f"a route stages the token row in {route_shared_mem(k)} bytes of shared memory, more than "
                          f"{ROUTE_MAX_SHARED_MEM}")
     return route.sorted.row_capacity
+
+
+def _route_code(route: RoutePrologue) -> int:
+    """The decode kernel's SM90_ROUTE of a route's tokens: 1 BF16, 2 NVFP4 (two codes a byte), 3 MXFP8."""
+    if route.token_scales is None:
+        return 1
+    return 3 if route.tokens.dtype == torch.float8_e4m3fn else 2
 
 
 def _route_args(route: RoutePrologue) -> tuple:

@@ -293,15 +293,18 @@ def test_deepseek_fp8_launches_match_kernel_signatures(prequantized: bool, final
     assert gemm2[16] == int(finalize)
 
 
+@pytest.mark.parametrize("arch", ["sm90", "sm100"])
 @pytest.mark.parametrize("finalize", [True, False])
 @pytest.mark.parametrize("hidden", [256, 1024, 2048])
 @pytest.mark.parametrize("fp4", [True, False], ids=["mxfp4", "mxfp8"])
-def test_mx_pair_launches_match_kernel_signatures(fp4: bool, hidden: int, finalize: bool,
+def test_mx_pair_launches_match_kernel_signatures(fp4: bool, hidden: int, finalize: bool, arch: str,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """The MX pairs run ll_gemm1 on the MXFP8 tokens (writing the intermediate's MXFP8 codes and E8M0 scales into
     the workspace) and ll_gemm2 on those: two launches, the argument types of the C signatures, the module's
     options, GEMM1's rounds set so that each CTA covers exactly one 32-feature block (grid.x = Ip / 32, for 8, 16
-    and 32 lanes a row), and the workspaces each launch reads and writes."""
+    and 32 lanes a row), and the workspaces each launch reads and writes. An MXFP4 pair prepared for SM90 is stored
+    as tiles: the tile module, two features a group (at least 16 lanes a row pair), its shifted form's scale tiles
+    and globals."""
     from cudnn_moe.engines.base import LowLatencyCall
     from cudnn_moe.engines.cuda_cores import engine as cc_engine
 
@@ -312,14 +315,15 @@ def test_mx_pair_launches_match_kernel_signatures(fp4: bool, hidden: int, finali
     monkeypatch.setattr(cc_engine, "_ensure_ready", lambda *args: None)
     monkeypatch.setattr(cc_engine, "_sm_count", lambda index: 132)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    config = LowLatencyMoeConfig(8, arch="sm90")
+    config = LowLatencyMoeConfig(8, arch=arch)
     e, i, tokens, top_k = 3, 96, 5, 4
     code = torch.uint8 if fp4 else torch.float8_e4m3fn
     per_byte = 2 if fp4 else 1
     weights = config.prepare_weights(
         torch.zeros(e, 2 * i, hidden // per_byte, dtype=code), torch.zeros(e, 2 * i, hidden // 32, dtype=torch.uint8),
         torch.zeros(e, hidden, i // per_byte, dtype=code), torch.zeros(e, hidden, i // 32, dtype=torch.uint8))
-    ip = weights.padded_intermediate
+    ip, tiles = weights.padded_intermediate, weights.tiled
+    assert tiles == (fp4 and arch == "sm90")
     acts = config.prepare_mxfp8_activations(torch.ones(tokens, hidden))
     call = LowLatencyCall(weights, acts.codes, acts.scales, Routing.packed(torch.zeros(tokens, top_k, dtype=torch.int32)),
                           SwiGLU(), torch.float16, finalize,
@@ -336,17 +340,21 @@ def test_mx_pair_launches_match_kernel_signatures(fp4: bool, hidden: int, finali
     assert ll.weight_code(weights.format) is weight_code
     for name, grid, block, args, opts in launches:
         assert [type(a) for a in args] == [ARG_TYPES[k] for k in signatures[name]], name
-        assert block == LL_THREADS and opts == ll.module_options(weight_code, LowLatencyInputCode.MXFP8), name
+        assert block == LL_THREADS and opts == ll.module_options(weight_code, LowLatencyInputCode.MXFP8, tiles), name
     address = lambda t: np.uint64(id(t))  # noqa: E731
     (_, grid1, _, gemm1, _), (_, _, _, gemm2, _) = launches
     lanes, rounds = gemm1[15], gemm1[16]
-    assert lanes == ll.lanes_per_row(hidden // per_byte // 16) and rounds * 8 * (32 // lanes) == 32
+    per_group = 2 if tiles else 1  # features (rows of each half) a group computes
+    want_lanes = ll.lanes_per_row(per_group * hidden // per_byte // 16)
+    assert lanes == (max(want_lanes, 16) if tiles else want_lanes) and rounds * 8 * (32 // lanes) * per_group == 32
     assert grid1 == (ip // 32, tokens * top_k)
     assert gemm1[:2] == (address(call.x), address(call.x_scales))
-    assert gemm1[9] == address(weights.w1_scales) and gemm1[10] == 0
+    w1_scales, w1_global, w2_scales, w2_global = weights.tile_form if tiles else (weights.w1_scales, None,
+                                                                                  weights.w2_scales, None)
+    assert gemm1[9] == address(w1_scales) and gemm1[10] == (0 if w1_global is None else address(w1_global))
     assert gemm1[21] == address(workspace["inter_codes"]) and gemm1[23] == address(workspace["inter_scales"])
     assert gemm2[0] == address(workspace["inter_codes"]) and gemm2[-1] == address(workspace["inter_scales"])
-    assert gemm2[9] == address(weights.w2_scales) and gemm2[10] == 0
+    assert gemm2[9] == address(w2_scales) and gemm2[10] == (0 if w2_global is None else address(w2_global))
     assert gemm2[15] == 1 and gemm2[16] == int(finalize)  # FP16 output
     assert gemm2[17] == address(workspace["rows"] if finalize else call.out)
 

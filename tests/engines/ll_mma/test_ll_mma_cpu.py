@@ -751,7 +751,9 @@ def test_mx_gemm1_cut_covers_one_block_of_32_features(fmt: WeightFormat) -> None
 
 
 def _mx_layer(fmt: WeightFormat):
-    config = LowLatencyMoeConfig(8, arch="sm90")
+    """A small MX layer kept row-major (prepared for SM100: an MXFP4 pair prepared for SM90 is stored as tiles, which
+    ll_mma does not read)."""
+    config = LowLatencyMoeConfig(8, arch="sm100")
     e, h, i = 3, 256, 128
     gen = torch.Generator().manual_seed(3)
     if fmt is WeightFormat.MXFP4_W_MXFP8_A:

@@ -55,12 +55,14 @@ from tests.support.low_latency_mx import HIDDEN as MX_HIDDEN
 from tests.support.low_latency_mx import INTER as MX_INTER
 from tests.support.low_latency_mx import KINDS as MX_KINDS
 from tests.support.low_latency_mx import check_call as check_mx_call
-from tests.support.low_latency_mx import layer as mx_layer
+from tests.support.low_latency_mx import layer as support_mx_layer
 from tests.support.low_latency_mx import tokens_bf16 as mx_tokens
 
 pytestmark = pytest.mark.gpu
 
 ENGINE = "ll_mma"
+# The MX layers this engine runs: row-major (a config naming ll_mma keeps an MXFP4 pair so on SM90).
+mx_layer = functools.partial(support_mx_layer, engine=ENGINE)
 WO, PT, DS = WeightFormat.FP8_WEIGHT_ONLY, WeightFormat.FP8_PER_TENSOR, WeightFormat.DEEPSEEK_FP8
 FORMATS = (WO, PT, DS)
 SPLIT_SHAPES = {WO: (640, 160), PT: (640, 160), DS: (640, 256)}  # 5 K units in GEMM1, Ip = 256 (2 units) in GEMM2

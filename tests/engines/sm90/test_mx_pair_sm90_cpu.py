@@ -22,6 +22,7 @@ from cudnn_moe import Routing
 from cudnn_moe.activations import SwiGLU
 from cudnn_moe.arch import SM90
 from cudnn_moe.engines.base import OP_LOW_LATENCY, BlockCode, GemmEngine, GemmShape, Request, WeightFormat
+from cudnn_moe.engines.ll_mma.engine import LlMmaEngine
 from cudnn_moe.engines.registry import supporting
 from cudnn_moe.engines.sm90 import kernels as sm90_kernels
 from cudnn_moe.engines.sm90.engine import Sm90GemmEngine
@@ -187,12 +188,12 @@ def _pair(seed: int = 0, arch: str = "sm90"):
 
 
 def test_pair_view_reads_the_weights_in_place() -> None:
-    """prepare_weights decides the MXFP4 pair's shifted form and keeps its tensors row-major, as given; the SM90
-    engine's view holds those very tensors (no copy: BlockCode.MXFP4_ROWS, the scales as their bytes) and the globals
-    2^a of the form as alphas."""
+    """prepare_weights decides the MXFP4 pair's shifted form. Prepared for another arch the tensors stay row-major, as
+    given, and the SM90 engine's view holds those very tensors (no copy: BlockCode.MXFP4_ROWS, the scales as their
+    bytes) with the globals 2^a of the form as alphas."""
     w1, s1, w2, s2 = mx_payloads("mxfp4", True, EXPERTS, HIDDEN, INTER, 3)
     s1[0] -= 18  # expert 0's w1 scales 2^-27 .. 2^-22: its shifted form takes a = -18
-    pair = LowLatencyMoeConfig(8, arch="sm90").prepare_weights(w1, s1.view(E8), w2, s2)
+    pair = LowLatencyMoeConfig(8, arch="sm100").prepare_weights(w1, s1.view(E8), w2, s2)
     assert not pair.tiled and pair.nvfp4_problem is None
     assert torch.equal(pair.w1_codes, w1) and torch.equal(pair.w2_codes, w2)  # row-major, as given (I = Ip)
     view = grouped_view(Sm90GemmEngine, SM90, pair)
@@ -203,6 +204,39 @@ def test_pair_view_reads_the_weights_in_place() -> None:
     shifts1, shifts2 = pair.nvfp4_shifts
     assert int(shifts1[0]) == -18 and int(shifts1[1]) == 0
     assert torch.equal(view.w1_alpha, torch.pow(2.0, shifts1.float())) and torch.equal(view.w2_alpha, torch.pow(2.0, shifts2.float()))
+
+
+def test_pair_prepared_for_sm90_is_stored_in_its_tiles() -> None:
+    """Prepared for SM90, the pair with a shifted form is stored as the engine's MXFP4 tiles of that form, its only
+    copy: canonical() gives the caller's tensors back bit for bit, the tiles are those of the weight-only MXFP4 layer
+    of the same payloads, and the SM90 view holds the stored tensors themselves (BlockCode.MXFP4, no copy)."""
+    w1, s1, w2, s2 = mx_payloads("mxfp4", True, EXPERTS, HIDDEN, INTER, 6)
+    s1[1] -= 11
+    config = LowLatencyMoeConfig(8, arch="sm90")
+    pair = config.prepare_weights(w1, s1.view(E8), w2, s2)
+    assert pair.tiled and pair.tile_form is not None
+    for got, want in zip(pair.canonical(), (w1, s1.view(E8), w2, s2.view(E8))):
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    weight_only = config.prepare_mxfp4_weight_only_weights(w1, s1.view(E8), w2, s2.view(E8))
+    assert torch.equal(pair.w1_codes, weight_only.w1_codes) and torch.equal(pair.w2_codes, weight_only.w2_codes)
+    for got, want in zip(pair.tile_form, weight_only.tile_form):
+        assert torch.equal(got, want)
+    view = grouped_view(Sm90GemmEngine, SM90, pair)
+    assert view.code is BlockCode.MXFP4
+    for got, own in ((view.w1, pair.w1_codes), (view.w1_scales, pair.tile_form[0]), (view.w2, pair.w2_codes),
+                     (view.w2_scales, pair.tile_form[2])):
+        assert got.data_ptr() == own.data_ptr()
+    assert view.w1_alpha is pair.tile_form[1] and view.w2_alpha is pair.tile_form[3]
+
+
+@pytest.mark.parametrize("engine", ["auto", "sm90", "cuda_cores", "ll_mma"])
+def test_pair_is_tiled_for_every_engine_that_reads_tiles(engine: str) -> None:
+    """A config for SM90 stores the pair as tiles unless it names ll_mma, whose kernels read row-major weights; a
+    format ll_mma does not run (weight-only MXFP4) is tiled whatever engine the config names."""
+    w1, s1, w2, s2 = mx_payloads("mxfp4", True, EXPERTS, HIDDEN, INTER, 7)
+    config = LowLatencyMoeConfig(8, arch="sm90", engine=engine)
+    assert config.prepare_weights(w1, s1.view(E8), w2, s2).tiled == (engine != "ll_mma")
+    assert config.prepare_mxfp4_weight_only_weights(w1, s1.view(E8), w2, s2.view(E8)).tiled
 
 
 def test_pair_without_a_shifted_form_has_no_view() -> None:
@@ -223,7 +257,11 @@ def test_sm90_engine_runs_the_mxfp4_pair_finalized_in_bf16() -> None:
     """The SM90 engine takes the MXFP4 pair (first in the registry: "auto" picks it untuned), finalized into BF16
     only; the MXFP8 pair (E4M3 weights) stays on the CUDA-core engines."""
     pair = _pair()
-    assert [e.name for e in supporting(layer_request(pair, SM90, 8, None, torch.bfloat16, True))][0] == "sm90"
+    request = layer_request(pair, SM90, 8, None, torch.bfloat16, True)
+    assert [e.name for e in supporting(request)] == ["sm90", "cuda_cores"]  # tiles: ll_mma reads row-major only
+    assert "row-major" in LlMmaEngine.check(request).reason
+    row_major = layer_request(_pair(arch="sm100"), SM90, 8, None, torch.bfloat16, True)
+    assert [e.name for e in supporting(row_major)] == ["sm90", "cuda_cores", "ll_mma"]
     for out_dtype, finalize in ((torch.float16, True), (torch.bfloat16, False)):
         assert Sm90GemmEngine not in supporting(layer_request(pair, SM90, 8, None, out_dtype, finalize))
     w1, s1, w2, s2 = mx_payloads("mxfp8", True, EXPERTS, HIDDEN, INTER, 0)
@@ -332,7 +370,7 @@ def test_request_of_the_pair_carries_its_form() -> None:
     request = layer_request(pair, SM90, 3, None, torch.bfloat16, True)
     assert request == Request(OP_LOW_LATENCY, SM90, "mxfp4_w_mxfp8_a", (
         GemmShape(HIDDEN, 2 * INTER, EXPERTS), GemmShape(pair.padded_intermediate, HIDDEN, EXPERTS)), EXPERTS, None,
-        torch.bfloat16, True, 3, None)
+        torch.bfloat16, True, 3, None, tiled=True)
     no_form = replace(pair, nvfp4_shifts="why")
     assert layer_request(no_form, SM90, 3, None, torch.bfloat16, True).nvfp4_problem == "why"
 
@@ -365,16 +403,23 @@ def recorded(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, tuple[str, ...]
     return calls
 
 
+@pytest.mark.parametrize("arch", ["sm90", "sm100"])
 @pytest.mark.parametrize("tokens", [1, 3, 8])
-def test_the_pair_runs_the_decode_chain_with_its_mxfp8_forms(tokens: int, recorded: list) -> None:
+def test_the_pair_runs_the_decode_chain_with_its_mxfp8_forms(tokens: int, arch: str, recorded: list) -> None:
     """A dry run of the MXFP4 pair's call through the executor (launches recorded, every wrapper's checks on the real
     buffers): the MXFP8 tokens staged, sorted and permuted in one launch, GEMM1 quantizing to MXFP8 in its epilogue
-    (SM90_ACT_MXFP8), GEMM2, both on the row-major MXFP4 form (SM90_W_ROWS, SM90_W_MXFP4: the weights in place), with
-    no tile handoff and no early routing (row-major forms); GEMM2 finalizes where the engine can. The bucket's graph
-    chain stages the MXFP8 tokens into the bucket and sorts + permutes them from there."""
-    pair = _pair(seed=5)
+    (SM90_ACT_MXFP8), GEMM2, both on the pair's own MXFP4 weights: prepared for SM90 its tiles (SM90_W_MXFP4), which
+    take the tile handoff (buckets of at most 64 slots) and GEMM1's early routing up to four tokens as weight-only
+    MXFP4 does, and at one token the route instead (the MXFP8 token staged, the routing sorted in GEMM1: two launches,
+    GEMM2 with early routing); prepared for another
+    arch its row-major tensors read in place (SM90_W_ROWS too: no handoff, no early routing). GEMM2 finalizes where
+    the engine can. The bucket's graph chain stages the MXFP8 tokens into the bucket and sorts + permutes them from
+    there."""
+    pair = _pair(seed=5, arch=arch)
+    tiled = arch == "sm90"
     view = grouped_view(Sm90GemmEngine, SM90, pair)
-    assert view.code is BlockCode.MXFP4_ROWS and view.w1.data_ptr() == pair.w1_codes.data_ptr()
+    assert view.code is (BlockCode.MXFP4 if tiled else BlockCode.MXFP4_ROWS)
+    assert view.w1.data_ptr() == pair.w1_codes.data_ptr()
     engine = Sm90GemmEngine.__new__(Sm90GemmEngine)
     GemmEngine.__init__(engine, torch.device("cpu"), SM90)
     engine.sm_count = 132
@@ -387,12 +432,18 @@ def test_the_pair_runs_the_decode_chain_with_its_mxfp8_forms(tokens: int, record
     executor.run(Mxfp8Activations(codes, scales), routing, finalize=True, out=out, use_cuda_graph=False)
     names = [name for name, _ in recorded]
     gemms = [options for name, options in recorded if name == "sm90_gemm_decode"]
-    assert names[:3] == ["moe_stage_sort_permute_bf16_mxfp8_warp", "sm90_gemm_decode", "sm90_gemm_decode"]
-    assert names[3:] in ([], ["moe_finalize"])
+    routed = tiled and tokens == 1
+    head = [] if routed else ["moe_stage_sort_permute_bf16_mxfp8_warp"]
+    assert names[: len(head) + 2] == [*head, "sm90_gemm_decode", "sm90_gemm_decode"]
+    assert names[len(head) + 2 :] in ([], ["moe_finalize"])
     assert "-DSM90_ACT_MXFP8=1" in gemms[0] and "-DSM90_ACT_MXFP8=1" not in gemms[1]
     for options in gemms:
-        assert "-DSM90_W_MXFP4=1" in options and "-DSM90_W_ROWS=1" in options
-        assert not any(o.startswith(("-DSM90_ROUTE", "-DSM90_EARLY", "-DSM90_SIGNAL", "-DSM90_AWAIT")) for o in options)
+        assert "-DSM90_W_MXFP4=1" in options and ("-DSM90_W_ROWS=1" in options) != tiled
+    assert ("-DSM90_ROUTE=3" in gemms[0]) == routed and not any(o.startswith("-DSM90_ROUTE") for o in gemms[1])
+    handoff = tiled and not routed
+    assert ("-DSM90_SIGNAL=1" in gemms[0], "-DSM90_AWAIT=1" in gemms[1]) == (handoff, handoff)
+    assert ("-DSM90_EARLY=1" in gemms[0]) == (handoff and tokens <= 4)
+    assert ("-DSM90_EARLY=1" in gemms[1]) == routed  # GEMM2 behind the routed GEMM1 finds its expert early
     # The bucket's own chain (what its CUDA graph holds), behind the op's stage launch: the MXFP8 codes and scales
     # copied into the bucket, then sorted and permuted from there.
     recorded.clear()

@@ -6,7 +6,8 @@
   activation, so the values are exact), and GEMM1's epilogue writes what that kernel writes, bit for bit;
 - ``low_latency_moe`` of the pair on the SM90 engine at T = 1..8 against ``reference_mx_pair``: the intermediate the
   chain left in GEMM2's tokens against the reference's step 2 (tests.support.low_latency_mx), then the output on that
-  intermediate (tests.support.low_latency's bounds); repeated and graph-replayed calls bitwise equal. The weights are
+  intermediate (tests.support.low_latency's bounds); repeated and graph-replayed calls bitwise equal. The weights in
+  both of their SM90 forms: prepared for SM90, their own MXFP4 tiles (BlockCode.MXFP4); prepared for another arch,
   read in place, row-major (BlockCode.MXFP4_ROWS).
 Every output is pre-filled with NaN.
 
@@ -117,19 +118,26 @@ def test_activation_kernel_writes_the_mxfp8_elements(layout: TokenLayout) -> Non
     assert bool(got[used:].isnan().all()), "rows past the segments were written"
 
 
-def _pair_layer(gated: bool, seed: int = 0):
+# Where the pair's weights are prepared for: SM90 stores them as tiles, another arch keeps them row-major.
+ARCHS = ("sm90", "sm100")
+
+
+def _pair_layer(gated: bool, seed: int = 0, arch: str = "sm90"):
     w1, s1, w2, s2 = mx_payloads("mxfp4", gated, E, HIDDEN, INTER, seed)
-    config = LowLatencyMoeConfig(MAX_NUM_TOKENS, engine="sm90")
+    config = LowLatencyMoeConfig(MAX_NUM_TOKENS, arch=arch, engine="sm90")
     weights = config.prepare_weights(w1.to(DEV), s1.view(torch.float8_e8m0fnu).to(DEV), w2.to(DEV), s2.to(DEV),
                                      activation=SwiGLU() if gated else SiLU())
+    assert weights.tiled == (arch == "sm90")
     return config, weights
 
 
-def test_gemm1_epilogue_writes_what_the_activation_kernel_writes() -> None:
+@pytest.mark.parametrize("arch", ARCHS)
+def test_gemm1_epilogue_writes_what_the_activation_kernel_writes(arch: str) -> None:
     """The pair's chain: GEMM1 with the MXFP8 epilogue writes GEMM2's tokens and GEMM2 its rows as the unfused chain
-    does (GEMM1, the activation kernel, GEMM2), bit for bit, on the weights read in place."""
+    does (GEMM1, the activation kernel, GEMM2), bit for bit, on the tiles (with the tile handoff) and on the weights
+    read in place."""
     act = SwiGLU()
-    config, weights = _pair_layer(True)
+    config, weights = _pair_layer(True, arch=arch)
     view = grouped.layer_view(Sm90GemmEngine, weights)
     executor = grouped._executor(view, TOP_K, act, TokenCode.MXFP8, MAX_NUM_TOKENS)
     assert executor.intermediate is IntermediateCode.MXFP8
@@ -152,7 +160,8 @@ def test_gemm1_epilogue_writes_what_the_activation_kernel_writes() -> None:
     want_rows = bucket.gemm2.out[:used].view(torch.int16).clone()
     assert used > 0 and torch.count_nonzero(want_rows) > 0
     fused = executor.stages(bucket)
-    assert [name for name, _ in fused] == ["sort+permute", "gemm1+activation", "gemm2"]  # row-major: no handoff
+    handoff = ["gemm1+activation+gemm2"] if weights.tiled else ["gemm1+activation", "gemm2"]  # row-major: none
+    assert [name for name, _ in fused] == ["sort+permute", *handoff]
     for buffer in (bucket.gemm2.tokens.data, bucket.gemm2.out):
         buffer.fill_(float("nan"))
     for _, launch in fused:
@@ -176,10 +185,11 @@ def _chain_intermediate(weights, act, tokens: int) -> dict[str, torch.Tensor]:
     return {"inter_codes": codes.view(torch.uint8), "inter_scales": scales.view(torch.uint8)}
 
 
+@pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("tokens,act,kind", [(1, SwiGLU(), "packed"), (2, GeGLU(), "fp32"), (5, SiLU(), "bf16"),
                                              (8, SwiGLU(), "int64")], ids=lambda v: getattr(v, "__name__", str(v)))
-def test_low_latency_pair_on_the_sm90_chain_matches_reference(tokens: int, act, kind: str) -> None:
-    config, weights = _pair_layer(act.gated, seed=tokens)
+def test_low_latency_pair_on_the_sm90_chain_matches_reference(tokens: int, act, kind: str, arch: str) -> None:
+    config, weights = _pair_layer(act.gated, seed=tokens, arch=arch)
     acts = config.prepare_mxfp8_activations(tokens_bf16(tokens, HIDDEN, tokens + 1))
     ids = random_ids(tokens, TOP_K, E, tokens + 2)
     ids[0, -1] = E + 3  # an unrouted slot, with a NaN score (packed routing holds finite ones only)
@@ -189,7 +199,7 @@ def test_low_latency_pair_on_the_sm90_chain_matches_reference(tokens: int, act, 
     out = nan_out((tokens, HIDDEN), torch.bfloat16)
     low_latency_moe(config, acts, weights, routing, activation=act, out=out)
     torch.cuda.synchronize()
-    what = f"MXFP4 pair on sm90 T={tokens} {type(act).__name__} {kind}"
+    what = f"MXFP4 pair on sm90 T={tokens} {type(act).__name__} {kind} prepared for {arch}"
     q, s = check_intermediate(_chain_intermediate(weights, act, tokens), acts, weights, routing, act, what)
     want = reference_mx_pair(acts, weights, routing, act, intermediate=(q, s))
     assert_close_to_reference(out, want, what)

@@ -168,7 +168,7 @@ def test_routed_chains(model, tokens: int, chain: list[str]) -> None:
 ])
 def test_can_route(model, tokens: int, routes: bool) -> None:
     """can_route: GEMM1 on the decode kernel, its token row within 48 KB of dynamic shared memory; MXINT4 weights with
-    BF16 tokens only; never MXFP8 tokens (their sort + permute decodes them)."""
+    BF16 tokens only; MXFP8 tokens (the MXFP4 pair's) on MXFP4 tiles only."""
     engine = Sm90GemmEngine.__new__(Sm90GemmEngine)
     engine.sm_count = SMS
     rows, shape = _bucket(model, tokens)
@@ -181,8 +181,9 @@ def test_can_route(model, tokens: int, routes: bool) -> None:
         assert engine.can_route(SimpleNamespace(rows=rows, shape=shape, weights=nvfp4, route=tokens_kind)) is routes
     assert engine.can_route(SimpleNamespace(rows=rows, shape=shape, weights=mxint4, route=bf16_tokens)) is routes
     assert not engine.can_route(SimpleNamespace(rows=rows, shape=shape, weights=mxint4, route=nvfp4_tokens))
-    for weights in (mxfp4, nvfp4, mxint4):
+    for weights in (nvfp4, mxint4):
         assert not engine.can_route(SimpleNamespace(rows=rows, shape=shape, weights=weights, route=mxfp8_tokens))
+    assert engine.can_route(SimpleNamespace(rows=rows, shape=shape, weights=mxfp4, route=mxfp8_tokens)) is routes
     assert not engine.can_route(SimpleNamespace(rows=rows, shape=shape, weights=mxfp4, route=nvfp4_tokens))
     bf16 = SimpleNamespace(code=BlockCode.BF16)  # its form reads natural rows, not the staged token row
     assert not engine.can_route(SimpleNamespace(rows=rows, shape=shape, weights=bf16, route=bf16_tokens))

@@ -173,10 +173,14 @@ CODE_OPTIONS = {"mxint4": ("-DSM90_W_INT4=1",), "mxfp4": ("-DSM90_W_MXFP4=1",)}
 def coded_options(variant: Any, form: str, code: str) -> tuple[str, ...]:
     """The decode module's options for MXINT4 or MXFP4 weights (``code``): plain (GEMM2), with the finalize, waiting for
     GEMM1's tiles (a handoff), or with the SwiGLU epilogue (GEMM1; MXINT4: FP32 preactivations) and its handoff
-    signal."""
+    signal; MXFP4 also as the MXFP4 pair's GEMM1 (the epilogue quantizing to MXFP8, with the signal, and with early
+    routing too)."""
     swiglu = sm90.epilogue_options(SwiGLU())
+    mxfp8 = (*swiglu, "-DSM90_ACT_MXFP8=1")
     extra = {"plain": (), "finalize": ("-DSM90_FINALIZE=1",), "await": ("-DSM90_AWAIT=1", "-DSM90_FINALIZE=1"),
-             "swiglu": swiglu, "signal": (*swiglu, "-DSM90_SIGNAL=1")}[form]
+             "swiglu": swiglu, "signal": (*swiglu, "-DSM90_SIGNAL=1"), "swiglu-mxfp8": mxfp8,
+             "signal-mxfp8": (*mxfp8, "-DSM90_SIGNAL=1"),
+             "early-signal-mxfp8": (*mxfp8, "-DSM90_SIGNAL=1", "-DSM90_EARLY=1")}[form]
     return (*variant.options(), *CODE_OPTIONS[code], *extra)
 
 
@@ -188,12 +192,15 @@ LOW_LATENCY_DECODE_VARIANTS = [sm90.DecodeVariant(mt=2, wm=4, wk=1, nt=1, prefet
                                sm90.DecodeVariant(mt=2, wm=2, wk=4, nt=1, prefetch=4)]
 WIDE_MT4 = sm90.DecodeVariant(mt=4, wm=2, wk=1, nt=1, prefetch=2)
 _CODED_FORMS = ("plain", "finalize", "await", "swiglu", "signal")
+_PAIR_FORMS = ("swiglu-mxfp8", "signal-mxfp8", "early-signal-mxfp8")  # GEMM1 of the MXFP4 pair stored in its tiles
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found")
 @pytest.mark.parametrize("variant,form,code,arch", [(v, f, c, "90a") for v in LOW_LATENCY_DECODE_VARIANTS
                                                     for f in _CODED_FORMS for c in CODE_OPTIONS]
                          + [(WIDE_MT4, f, "mxfp4", "90a") for f in ("plain", "finalize", "await")]
+                         + [(v, f, "mxfp4", "90a") for v in LOW_LATENCY_DECODE_VARIANTS for f in _PAIR_FORMS]
+                         + [(LOW_LATENCY_DECODE_VARIANTS[1], "signal-mxfp8", "mxfp4", "100a")]
                          + [(LOW_LATENCY_DECODE_VARIANTS[0], "swiglu", c, "100a") for c in CODE_OPTIONS], ids=str)
 def test_coded_decode_compiles(variant: Any, form: str, code: str, arch: str) -> None:
     """The decode kernel with MXINT4 or MXFP4 weights builds in every form the low-latency chain uses, within 128
@@ -233,20 +240,24 @@ def test_bf16_decode_compiles(form: str, arch: str) -> None:
 
 def route_options(variant: Any, tokens: str) -> tuple[str, ...]:
     """The decode module's options for GEMM1 with the stage and the sort in its prologue (SwiGLU epilogue) for BF16 or
-    NVFP4 tokens, or ("mxint4", "mxfp4") MXINT4 or MXFP4 weights and BF16 tokens."""
+    NVFP4 tokens, or ("mxint4", "mxfp4") MXINT4 or MXFP4 weights and BF16 tokens, or ("mxfp8") the MXFP4 pair's: MXFP4
+    tiles, MXFP8 tokens and the epilogue quantizing to MXFP8."""
+    if tokens == "mxfp8":
+        return (*variant.options(), *CODE_OPTIONS["mxfp4"], *sm90.epilogue_options(SwiGLU()), "-DSM90_ACT_MXFP8=1",
+                "-DSM90_ROUTE=3")
     return (*variant.options(), *CODE_OPTIONS.get(tokens, ()), *sm90.epilogue_options(SwiGLU()),
             f"-DSM90_ROUTE={2 if tokens == 'nvfp4' else 1}")
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found")
 @pytest.mark.parametrize("variant,tokens,arch", [(v, t, "90a") for v in LOW_LATENCY_DECODE_VARIANTS
-                                                 for t in ("bf16", "nvfp4", "mxint4", "mxfp4")]
-                         + [(LOW_LATENCY_DECODE_VARIANTS[2], "nvfp4", "100a")], ids=str)
+                                                 for t in ("bf16", "nvfp4", "mxint4", "mxfp4", "mxfp8")]
+                         + [(LOW_LATENCY_DECODE_VARIANTS[2], t, "100a") for t in ("nvfp4", "mxfp8")], ids=str)
 def test_route_compiles(variant: Any, tokens: str, arch: str) -> None:
     """GEMM1 of a one-token bucket with the stage and the sort in its prologue builds for the variants the engine
     picks there within 128 registers a thread (512 threads an SM, as the plain forms), without spills (MXINT4: at most
-    8 bytes, as its plain form; MXFP4 tiles none, as NVFP4's): the token row lives in dynamic shared memory, the sort's
-    arrays in static."""
+    8 bytes, as its plain form; MXFP4 tiles none, as NVFP4's, with MXFP8 tokens too): the token row lives in dynamic
+    shared memory, the sort's arrays in static."""
     result = _nvcc(SM90_DIR / "grouped_gemm.cu", arch, route_options(variant, tokens))
     assert result.returncode == 0, result.stderr
     report = result.stderr.split(f"Compiling entry function '{variant.kernel}'")[1].split("Compiling entry")[0]
@@ -1102,7 +1113,8 @@ _ROUTE_BAD = [
     ("token H", lambda a: a.update(route=replace(a["route"], tokens=torch.zeros(1, 32, dtype=torch.uint8),
                                                  token_scales=torch.zeros(1, 4, dtype=torch.uint8))),
      ValueError, "w_tiles"),
-    ("mxfp8 tokens", lambda a: a.update(route=_route_args("mxfp8")["route"]), ValueError, "MXFP8 ones are decoded"),
+    ("mxfp8 tokens on NVFP4 tiles", lambda a: a.update(route=_route_args("mxfp8")["route"]), ValueError,
+     "MXFP8 tokens .the MXFP4 pair.s. on MXFP4 tiles only"),
     ("token dtype", lambda a: a.update(route=replace(a["route"], tokens=torch.zeros(1, 64, dtype=torch.float16))),
      ValueError, "route"),
     ("routing shape", lambda a: a.update(route=replace(a["route"], ids=torch.zeros(1, 3, dtype=torch.int32))),

@@ -77,29 +77,35 @@ def prepare(kind: str, gated: bool = True, seed: int = 0, config: LowLatencyMoeC
 
 
 # ----------------------------------------------------------------------------- preparation
+@pytest.mark.parametrize("arch", ["sm90", "sm100"])
 @pytest.mark.parametrize("scale_dtype", [E8, torch.uint8], ids=["e8m0", "uint8"])
 @pytest.mark.parametrize("gated", [True, False])
 @pytest.mark.parametrize("kind", KINDS)
-def test_prepare_layout_and_bit_exact_payloads(kind, gated, scale_dtype):
+def test_prepare_layout_and_bit_exact_payloads(kind, gated, scale_dtype, arch):
     """The caller's codes and scale bytes, copied bit for bit; I padded to 128 with zero bytes ([up, 0, gate, 0] rows
-    gated, zero columns of w2 and its scales); scales stored as float8_e8m0fnu; canonical() gives the payloads back."""
+    gated, zero columns of w2 and its scales); scales stored as float8_e8m0fnu; canonical() gives the payloads back.
+    An MXFP4 pair prepared for SM90 stores its codes as the SM90 tiles of its exact shifted form instead (its E8M0
+    scales as given): the row-major codes come back through canonical()."""
     w1, s1, w2, s2 = payloads(kind, gated, scale_dtype=scale_dtype)
-    config = LowLatencyMoeConfig(8, arch="sm90")
+    config = LowLatencyMoeConfig(8, arch=arch)
     wts = config.prepare_weights(w1, s1, w2, s2, activation=SwiGLU() if gated else GELU())
     cls, per_byte = (Mxfp4PairWeights, 2) if kind == "mxfp4" else (Mxfp8PairWeights, 1)
     assert type(wts) is cls and wts.format is KINDS[kind] and wts.codes_per_byte == per_byte and wts.block == 32
+    assert wts.tiled == (arch == "sm90" and kind == "mxfp4")
+    codes = wts.row_payloads() if wts.tiled else (wts.w1_codes, wts.w1_scales, wts.w2_codes, wts.w2_scales)
     assert (wts.hidden_size, wts.intermediate_size, wts.padded_intermediate, wts.gated) == (H, I, IP, gated)
     assert wts.num_experts == E and wts.gemm1_rows == (2 if gated else 1) * I
     halves = 2 if gated else 1
     assert wts.w1_codes.dtype == w1.dtype and wts.w1_codes.shape == (E, halves * IP, H // per_byte)
     assert wts.w1_scales.dtype == E8 and wts.w1_scales.shape == (E, halves * IP, H // 32)
     assert wts.w2_codes.shape == (E, H, IP // per_byte) and wts.w2_scales.shape == (E, H, IP // 32)
-    for given, kept in ((w1, wts.w1_codes), (s1, wts.w1_scales)):
+    w1_codes, w1_scales, w2_codes, w2_scales = codes
+    for given, kept in ((w1, w1_codes), (s1, w1_scales)):
         for half, rows in enumerate(given.chunk(halves, dim=1)):
             assert same_bits(kept[:, half * IP : half * IP + I], rows)
             assert not bits(kept[:, half * IP + I : (half + 1) * IP]).any()
-    assert same_bits(wts.w2_codes[..., : I // per_byte], w2) and not bits(wts.w2_codes[..., I // per_byte :]).any()
-    assert same_bits(wts.w2_scales[..., : I // 32], s2) and not bits(wts.w2_scales[..., I // 32 :]).any()
+    assert same_bits(w2_codes[..., : I // per_byte], w2) and not bits(w2_codes[..., I // per_byte :]).any()
+    assert same_bits(w2_scales[..., : I // 32], s2) and not bits(w2_scales[..., I // 32 :]).any()
     canon = wts.canonical()
     for given, back in zip((w1, s1, w2, s2), canon):
         assert same_bits(back, given)

@@ -155,7 +155,9 @@ def test_top_k_32_and_256_slots():
 @pytest.mark.parametrize("kind", KINDS)
 def test_model_row_lengths(kind, shape):
     """Rows of 8, 16 and 32 lanes (GEMM1 in 1, 2 and 4 rounds of a 32-feature block per CTA): H = 512 (MXFP8: 16
-    lanes), 1024 (MXFP4: 16 lanes, I = 160 padded to 256), Qwen3-30B-A3B's 2048 x 768 and H = 7168 (32 lanes)."""
+    lanes), 1024 (I = 160 padded to 256), Qwen3-30B-A3B's 2048 x 768 and H = 7168 (32 lanes). On SM90 the MXFP4 pair
+    is stored as tiles: a row pair of 16 lanes at H = 512 (one round of two features a group), 32 lanes from H = 1024
+    (two rounds)."""
     run(kind, SwiGLU(), 5, "packed", torch.bfloat16, seed=6, experts=4, shape=shape, top_k=2)
 
 
