@@ -108,6 +108,10 @@ SM90_ROWS_STEP_K = 128  # K per ring step of the SM90 decode kernel's row-major 
 # byte is the BF16 exponent field of 2^(j - a + 118), the multiplier that takes a placed code (E2M1 x 2^-126) to
 # E2M1 x 2^(j - a - 8), which is where the NVFP4 tiles' products land too.
 MXFP4_TILE_SCALE_POW2 = 118
+# NVFP4 tiles store a block's E4M3 scale s as a code c whose BF16 multiplier s x 2^MXFP4_TILE_SCALE_POW2 has the bits
+# 16 c + NVFP4_TILE_SCALE_BASE (layout.py, scale tiles): the base is the BF16 of 2^109, E4M3's least scale 2^-9 times
+# 2^118, and the codes of the 126 positive scales run 0 .. 142 with their three mantissa bits in bits 4..6.
+NVFP4_TILE_SCALE_BASE = (127 - 9 + MXFP4_TILE_SCALE_POW2) << 7
 
 
 def cuda_defines() -> tuple[str, ...]:
@@ -121,5 +125,5 @@ def cuda_defines() -> tuple[str, ...]:
     values.update(SORT_THREADS=SORT_THREADS, SORT_MAX_EXPERTS=SORT_MAX_EXPERTS, SORT_WARP_SLOTS=SORT_WARP_SLOTS,
                   LL_THREADS=LL_THREADS, LL_MAX_SLOTS=LL_MAX_SLOTS, LL_MMA_STAGES=LL_MMA_STAGES,
                   LL_MMA_WARP_ROWS=LL_MMA_WARP_ROWS, SM90_ROWS_STEP_K=SM90_ROWS_STEP_K,
-                  MXFP4_TILE_SCALE_POW2=MXFP4_TILE_SCALE_POW2)
+                  MXFP4_TILE_SCALE_POW2=MXFP4_TILE_SCALE_POW2, NVFP4_TILE_SCALE_BASE=NVFP4_TILE_SCALE_BASE)
     return tuple(f"-D{name}={value}" for name, value in sorted(values.items()))

@@ -85,6 +85,18 @@ __device__ __forceinline__ void decode_tile_int4_word(u32 w, float v[8]) {
       v[2 * r + x] = __uint_as_float(0x4B000000u | (((w >> (4 * r + 16 * x)) & 0xFu) ^ 8u)) - 8388616.0f;
 }
 
+// The 8 scale codes of an NVFP4 tile's row pair (lo: bytes 0..3, hi: bytes 4..7; layout.py, scale tiles) as their
+// E4M3 scales, exact, in FP32: code c is the BF16 s x 2^118 with bits 16 c + NVFP4_TILE_SCALE_BASE, so the FP32 of
+// those bits times 2^-118 is s (a zero scale gives -0 or a negative subnormal that the product flushes to -0; the
+// NaN code gives NaN).
+__device__ __forceinline__ void decode_tile_scale_codes(u32 lo, u32 hi, float v[8]) {
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    const u32 code = ((j < 4 ? lo : hi) >> (8 * (j & 3))) & 0xFFu;
+    v[j] = __uint_as_float((code * 16u + NVFP4_TILE_SCALE_BASE) << 16) * 0x1p-118f;
+  }
+}
+
 // The two E2M1 codes of byte b (element 2i: the low nibble), exact, in FP32 (NVFP4 token pairs of the tile kernels).
 __device__ __forceinline__ void decode_e2m1_byte(u32 b, float& lo, float& hi) {
   const u32 p = ((b & 0xFu) << 12) | ((b & 0xF0u) << 24);  // code 0 at bits 12..15, code 1 at 28..31

@@ -440,8 +440,8 @@ __device__ __forceinline__ void dot_rows(const u8* const (&wrow)[R], const u8* c
 // copy of a layer prepared for SM90. An expert's matrix [N, K] is cut into m16 x k64 tiles of 512 bytes, the tiles
 // of one 16-row block consecutive along K; the lane (g, q) chunk of a tile, bytes [16 (4g + q), + 16), holds rows
 // g and g + 8 at k = 16s + 2q + {0, 1, 8, 9} of each k16 step s (decode_tile_*_word), and the tile's 64 scale
-// bytes hold, at byte 8g, the 8 scale bytes of those two rows (NVFP4: E4M3 of row g + 8h and step s at byte
-// 2s + h; MXINT4: the BF16 of row g + 8h and k32 half b at bytes 4b + 2h); MXFP4 tiles have 32 scale bytes, the
+// bytes hold, at byte 8g, the 8 scale bytes of those two rows (NVFP4: the scale code of row g + 8h and step s at
+// byte 2s + h, decode_tile_scale_codes; MXINT4: the BF16 of row g + 8h and k32 half b at bytes 4b + 2h); MXFP4 tiles have 32 scale bytes, the
 // 4 of the row pair at byte 4g (row g + 8h, k32 half b at byte 2b + h: the exponent field of 2^(p + 118) for the
 // block's shifted scale 2^p, tile_scale).
 // A feature group (lanes_per_row lanes, a multiple of 4) then owns a row pair (g, g + 8) of a 16-row block: group
@@ -516,11 +516,11 @@ __device__ __forceinline__ void tile_chunk_dot(const uint4 (&raw)[RB], const Til
                                                float (&acc)[NT][2 * RB]) {
   constexpr bool E4M3_SCALES = LL_WEIGHTS == LL_WEIGHTS_NVFP4;
   constexpr int STEPS = E4M3_SCALES ? 1 : 2;  // k16 steps per block scale
-  // NVFP4: the pair's 8 E4M3 scales (byte 2s + h: row g + 8h, step s) in FP32 at once (two per conversion on SM89 on)
+  // NVFP4: the pair's 8 E4M3 scales (code 2s + h: row g + 8h, step s) in FP32 at once
   float e4m3_scales[RB][E4M3_SCALES ? 8 : 1];
 #if LL_WEIGHTS == LL_WEIGHTS_NVFP4
 #pragma unroll
-  for (int r = 0; r < RB; ++r) decode_e4m3_word(sraw[r].x, sraw[r].y, e4m3_scales[r]);
+  for (int r = 0; r < RB; ++r) decode_tile_scale_codes(sraw[r].x, sraw[r].y, e4m3_scales[r]);
 #endif
 #pragma unroll
   for (int b = 0; b < 4 / STEPS; ++b) {

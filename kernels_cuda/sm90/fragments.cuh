@@ -9,14 +9,15 @@
 //   C (16 features x 8 tokens):       c0 = (g, 2q)  c1 = (g, 2q+1)  c2 = (g+8, 2q)  c3 = (g+8, 2q+1)
 //
 // Weight tile (m16 x k64, 512 bytes): lane L owns bytes [16L, 16L+16) = four words, word s for the
-// k16 step s. Scale tile (64 bytes): byte g*8 + s*2 + h = scale of row g + 8h, k16 step s.
+// k16 step s. Scale tile (64 bytes): byte g*8 + s*2 + h = scale code of row g + 8h, k16 step s.
 // Token fragments: lane (g, q) finds b0, b1 of step s at words 2s, 2s+1 of the 32 bytes at 32q of the
 // token's 128-byte k64 block.
 //
-// Numerics: a weight word decodes to BF16 E2M1 x 2^-126 exactly (moe::place_tile_e2m1); a scale
-// byte b decodes to BF16 bits (b & 0x7F) << 4 = s x 2^-120 (E4M3 subnormals land on BF16 subnormals),
-// then two exact multiplies by 2^119 give s x 2^118, and the product with the weight is w s 2^-8,
-// exact and normal in BF16 (|w s| >= 2^-10). The epilogue multiplies the FP32 accumulator by the
+// Numerics: a weight word decodes to BF16 E2M1 x 2^-126 exactly (moe::place_tile_e2m1); a tile's scale
+// code c is the BF16 s x 2^118 with bits 16 c + NVFP4_TILE_SCALE_BASE (a zero scale: -0), and the product
+// with the weight is w s 2^-8, exact and normal in BF16 (|w s| >= 2^-10). The row-major forms read the
+// caller's E4M3 bytes b instead: BF16 bits (b & 0x7F) << 4 = s x 2^-120 (E4M3 subnormals land on BF16
+// subnormals), then two exact multiplies by 2^119. The epilogue multiplies the FP32 accumulator by the
 // exact FP32 product alpha * 256 and rounds once to BF16 (RNE). BF16 arithmetic in PTX keeps
 // subnormal inputs (there is no .ftz for bf16 / bf16x2).
 #pragma once
@@ -69,8 +70,18 @@ __device__ __forceinline__ u32 bf16x2_mul_hi(u32 a, u32 s) {
   return d;
 }
 
-// One 32-bit word of a lane's 8 scale bytes: bytes (step 2p row g, step 2p row g+8, step 2p+1 row g,
-// step 2p+1 row g+8). Returns bf16x2 pairs s x 2^118 of (step 2p, step 2p+1) for row g and row g+8.
+// One 32-bit word of a lane's 8 scale codes of an NVFP4 tile (layout.py): codes (step 2p row g, step 2p row g + 8,
+// step 2p + 1 row g, step 2p + 1 row g + 8). Returns the bf16x2 pairs s x 2^118 of (step 2p, step 2p + 1) for row g
+// and row g + 8: a PRMT puts two codes in the low bytes of the halves and a LEA makes each 16 c + base.
+static_assert(255 * 16 + NVFP4_TILE_SCALE_BASE < 0x10000, "NVFP4 tile scale codes: no carry between the halves");
+__device__ __forceinline__ void decode_tile_scale_word(u32 w, u32& row_g, u32& row_g8) {
+  constexpr u32 base = NVFP4_TILE_SCALE_BASE * 0x10001u;
+  row_g = __byte_perm(w, 0u, 0x4240) * 16u + base;   // codes 0 and 2
+  row_g8 = __byte_perm(w, 0u, 0x4341) * 16u + base;  // codes 1 and 3
+}
+
+// The same for the caller's E4M3 bytes (the row-major forms, read in place; non-negative, as prepare checks: the sign
+// bit is not read).
 __device__ __forceinline__ void decode_scale_word(u32 w, u32& row_g, u32& row_g8) {
   const u32 lo = (w << 4) & 0x07F007F0u;  // bytes 0 and 2, (b & 0x7F) << 4 in each half: s x 2^-120
   const u32 hi = (w >> 4) & 0x07F007F0u;  // bytes 1 and 3
@@ -212,7 +223,7 @@ __device__ __forceinline__ u32 word_of(const uint4& v) {
 }
 
 // Scaled A registers of k16 step s (0..3) of a tile: words `w` (4 words of a lane), scale pairs
-// sg[2] / sg8[2] from decode_scale_word of the two scale words.
+// sg[2] / sg8[2] from decode_tile_scale_word of the two scale words.
 template <int S>
 __device__ __forceinline__ void scaled_a(u32 w, u32 sg, u32 sg8, u32 (&a)[4]) {
   moe::place_tile_e2m1(w, a);

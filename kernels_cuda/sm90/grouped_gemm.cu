@@ -4,7 +4,8 @@
 // Arguments of both kernels (the decode kernel then takes the activation epilogue's, at the kernel):
 //   w_tiles      uint8 [E, N*K/2]   fragment tiles of each expert's W_e [N, K] (layout.py; row-major codes with
 //                                   the decode kernel's SM90_W_ROWS form)
-//   w_scales     uint8 [E, N*K/16]  E4M3 scale tiles, same tile order (row-major, linear, with SM90_W_ROWS)
+//   w_scales     uint8 [E, N*K/16]  scale-code tiles, same tile order (layout.py; the caller's E4M3 bytes, row-major
+//                                   and linear, with SM90_W_ROWS)
 //   alpha        float32 [E], or [2E] with alpha_split < n: per-expert global scale; features
 //                f >= alpha_split take alpha[E + e] (e.g. the gate half of GEMM1 with its own scale);
 //                alpha_split is a multiple of the CTA's feature block (the host checks)
@@ -309,8 +310,8 @@ __device__ __forceinline__ void decode_step(const DecodeRing& ring, float (&acc)
   u32 sg[SM90_MT][2], sg8[SM90_MT][2];
 #pragma unroll
   for (int mt = 0; mt < SM90_MT; ++mt) {
-    decode_scale_word(ring.s[P][mt].x, sg[mt][0], sg8[mt][0]);
-    decode_scale_word(ring.s[P][mt].y, sg[mt][1], sg8[mt][1]);
+    decode_tile_scale_word(ring.s[P][mt].x, sg[mt][0], sg8[mt][0]);
+    decode_tile_scale_word(ring.s[P][mt].y, sg[mt][1], sg8[mt][1]);
   }
 #define SM90_DECODE_A(S, mt, a) scaled_a<S>(word_of<S>(ring.w[P][mt]), sg[mt][S >> 1], sg8[mt][S >> 1], a);
 #endif
@@ -1156,12 +1157,12 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, SM90_PF_MIN_BLOCKS)
     const uint2 sc = *reinterpret_cast<const uint2*>(st + PF_W_BYTES + warp * 64 + g * 8);
     u8* d = smem + PF_D_OFFSET + buf * PF_D_BYTES + warp * 2048 + lane * 16;
     u32 sg, sg8, a[4];
-    decode_scale_word(sc.x, sg, sg8);
+    decode_tile_scale_word(sc.x, sg, sg8);
     scaled_a<0>(wq.x, sg, sg8, a);
     *reinterpret_cast<uint4*>(d) = make_uint4(a[0], a[1], a[2], a[3]);
     scaled_a<1>(wq.y, sg, sg8, a);
     *reinterpret_cast<uint4*>(d + 512) = make_uint4(a[0], a[1], a[2], a[3]);
-    decode_scale_word(sc.y, sg, sg8);
+    decode_tile_scale_word(sc.y, sg, sg8);
     scaled_a<2>(wq.z, sg, sg8, a);
     *reinterpret_cast<uint4*>(d + 1024) = make_uint4(a[0], a[1], a[2], a[3]);
     scaled_a<3>(wq.w, sg, sg8, a);
@@ -1236,7 +1237,7 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, SM90_PF_MIN_BLOCKS)
 #define SM90_PREFILL_A(H)                                                                           \
     _Pragma("unroll") for (int mt = 0; mt < 2; ++mt) {                                              \
       u32 sg, sg8;                                                                                  \
-      decode_scale_word(H ? sc[mt].y : sc[mt].x, sg, sg8);                                          \
+      decode_tile_scale_word(H ? sc[mt].y : sc[mt].x, sg, sg8);                                     \
       scaled_a<2 * H>(word_of<2 * H>(wq[mt]), sg, sg8, a[0][mt]);                                   \
       scaled_a<2 * H + 1>(word_of<2 * H + 1>(wq[mt]), sg, sg8, a[1][mt]);                           \
     }

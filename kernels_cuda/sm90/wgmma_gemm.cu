@@ -5,7 +5,8 @@
 //
 //   w_tiles   uint8 [E, N*K/2]   fragment tiles of each expert's W_e [N, K] (layout.py), read in place (row-major
 //                                codes with SM90_WG_W_ROWS)
-//   w_scales  uint8 [E, N*K/16]  E4M3 scale tiles, same tile order (row-major, linear, with SM90_WG_W_ROWS)
+//   w_scales  uint8 [E, N*K/16]  scale-code tiles, same tile order (layout.py; the caller's E4M3 bytes, row-major
+//                                and linear, with SM90_WG_W_ROWS)
 //   alpha     float32 [E], or [2E] with alpha_split < n (features f >= alpha_split take alpha[E + e])
 //   x         bf16 [row_capacity, K]  token rows, natural column order, 16-byte aligned; with SM90_WG_TILED_X,
 //                                    the TOKENS_BF16_TILED planes instead (row_capacity a multiple of 8)
@@ -323,9 +324,14 @@ __device__ __forceinline__ void wgmma_tile(const Tile& tile, const u8* __restric
     const uint2 sc = *reinterpret_cast<const uint2*>(st + WG_S_OFFSET + warp * 64 + g * 8);
 #define SM90_WG_DECODE(S) scaled_a<S>(word_of<S>(wq), sg, sg8, a[S]);
 #endif
+#if SM90_WG_W_ROWS
+#define SM90_WG_SCALES decode_scale_word  // the caller's E4M3 bytes
+#else
+#define SM90_WG_SCALES decode_tile_scale_word
+#endif
 #define SM90_WG_STEP(S)                                                                             \
   wgmma_wait<3>();                                                                                  \
-  if ((S) % 2 == 0) decode_scale_word((S) ? sc.y : sc.x, sg, sg8);                                  \
+  if ((S) % 2 == 0) SM90_WG_SCALES((S) ? sc.y : sc.x, sg, sg8);                                     \
   SM90_WG_DECODE(S)                                                                                 \
   wgmma_fence();                                                                                    \
   wgmma_rs<TB>(acc, a[S], wgmma_desc_sw128(xb + 32 * (S)));                                      \
@@ -336,6 +342,7 @@ __device__ __forceinline__ void wgmma_tile(const Tile& tile, const u8* __restric
     SM90_WG_STEP(3)
 #undef SM90_WG_STEP
 #undef SM90_WG_DECODE
+#undef SM90_WG_SCALES
     read_phase ^= read_slot + 1 == SM90_WG_STAGES ? 1u : 0u;
     read_slot = read_slot + 1 == SM90_WG_STAGES ? 0 : read_slot + 1;
     write_slot = write_slot + 1 == SM90_WG_STAGES ? 0 : write_slot + 1;

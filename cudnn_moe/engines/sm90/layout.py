@@ -31,10 +31,16 @@ values equal to the E2M1 values times 2^-126 exactly (the magnitude lands on the
 the two low exponent bits). a3's multiply adds three copies of its eight kept bits shifted by 2, 7 and 12,
 which never overlap, so no carry reaches a kept bit.
 
-Scale tiles: 64 bytes per weight tile, at the same tile index; byte g * 8 + s * 2 + h is the E4M3
-scale of row 16i + g + 8h and k block 4j + s. The four lanes of a group g read the same 8
-bytes. Both arrays keep the canonical sizes (N*K/2 and N*K/16 bytes per expert), and
-``unpack_weight_tiles`` gives the canonical tensors back.
+Scale tiles: 64 bytes per weight tile, at the same tile index; byte g * 8 + s * 2 + h is the scale code
+of row 16i + g + 8h and k block 4j + s. The four lanes of a group g read the same 8 bytes. A code c
+stands for the E4M3 scale s whose BF16 multiplier s x 2^118 has the bits 16 c + ``NVFP4_TILE_SCALE_BASE``
+(cudnn_moe.kernels.codes): codes 0 .. 142 for the positive scales, 160 for +0 and 161 for -0 (BF16 -0
+and a negative subnormal, whose products with any placed code are zero). The kernels then decode a pair
+of codes with a PRMT and a LEA, where the E4M3 bytes took two shifts and masks and four bf16x2
+multiplies a word; the products with the placed codes (E2M1 x 2^-126) are E2M1 x s x 2^-8, exact.
+Scales that preparation refuses (NaN, negative: cudnn_moe.formats.nvfp4.require_unsigned_scales) get
+code 153, a BF16 NaN, so that no finite wrong value can come of them. Both arrays keep the canonical
+sizes (N*K/2 and N*K/16 bytes per expert), and ``unpack_weight_tiles`` gives the canonical tensors back.
 
 MXINT4 tiles (``pack_int4_weight_tiles``, the low-latency op's MXINT4 weight-only layers): the same tile and
 word order with two's-complement INT4 codes, register r's code at bits 4r .. 4r + 3 of each half
@@ -63,7 +69,7 @@ import torch
 from ...formats import MX_BLOCK, NVFP4_BLOCK, pack_nibbles, unpack_nibbles
 from ...formats.mx import E8M0_BIAS
 from ...formats.mxfp4_as_nvfp4 import E4M3_POW2_MAX, E4M3_POW2_MIN
-from ...kernels.codes import MXFP4_TILE_SCALE_POW2, TokenLayout
+from ...kernels.codes import MXFP4_TILE_SCALE_POW2, NVFP4_TILE_SCALE_BASE, TokenLayout
 
 TILE_ROWS = 16  # weight rows (output features) per tile: the mma's M
 TILE_K = 64  # reduction values per tile: four k16 steps
@@ -80,6 +86,40 @@ INT4_CODE_BITS = tuple(tuple((16 * x + 4 * r + 3, 16 * x + 4 * r, 16 * x + 4 * r
                              for x in range(2)) for r in range(4))
 
 
+# Scale codes of zero E4M3 scales and of the scales preparation refuses (module docstring: scale tiles).
+_ZERO_SCALE_CODE, _NEGATIVE_ZERO_SCALE_CODE, _NAN_SCALE_CODE = 160, 161, 153
+
+
+def _tile_scale_codes() -> tuple[torch.Tensor, torch.Tensor]:
+    """(code of each E4M3 byte, E4M3 byte of each code): uint8 [256] lookup tables of the NVFP4 tiles' scale codes
+    (module docstring); the second maps the codes no byte takes to 0x7F (NaN)."""
+    e4m3 = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    bits = (e4m3 * 2.0**MXFP4_TILE_SCALE_POW2).to(torch.bfloat16).view(torch.int16).to(torch.int64) & 0xFFFF
+    positive = torch.isfinite(e4m3) & (e4m3 > 0)
+    steps = bits - NVFP4_TILE_SCALE_BASE
+    assert bool((steps[positive] % 16 == 0).all() & (steps[positive] >= 0).all())  # three mantissa bits in bits 4..6
+    codes = torch.where(positive, steps // 16, _NAN_SCALE_CODE)
+    codes[0x00], codes[0x80] = _ZERO_SCALE_CODE, _NEGATIVE_ZERO_SCALE_CODE
+    bytes_of = torch.full((256,), 0x7F, dtype=torch.int64)
+    taken = positive.clone()
+    taken[0x00] = taken[0x80] = True
+    bytes_of[codes[taken]] = torch.arange(256)[taken]
+    return codes.to(torch.uint8), bytes_of.to(torch.uint8)
+
+
+_SCALE_CODE_OF_BYTE, _SCALE_BYTE_OF_CODE = _tile_scale_codes()
+
+
+def _look_up(table: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """table[x] for uint8 x [E, ...], one expert at a time: the int32 indices of one expert's bytes, never of the whole
+    layer's (a DeepSeek-V3 layer's scales would take 1.9 GB of them)."""
+    table = table.to(x.device)
+    out = torch.empty_like(x)
+    for expert in range(x.shape[0]):
+        out[expert] = table[x[expert].int()]
+    return out
+
+
 def _check_weight_shapes(n: int, k: int) -> None:
     if n <= 0 or n % TILE_ROWS:
         raise ValueError(f"weight rows N must be a positive multiple of {TILE_ROWS}, got {n}")
@@ -91,7 +131,8 @@ def pack_weight_tiles(packed: torch.Tensor, scales: torch.Tensor) -> tuple[torch
     """Canonical NVFP4 weights -> SM90 fragment tiles (layout in the module docstring).
 
     packed: uint8 [E, N, K/2] (element 2i in the low nibble); scales: float8_e4m3fn or uint8
-    [E, N, K/16], linear. Returns (tiles uint8 [E, N*K/2], tile_scales uint8 [E, N*K/16]).
+    [E, N, K/16], linear, unsigned (a NaN or negative scale is stored as the NaN code). Returns (tiles uint8
+    [E, N*K/2], tile_scales uint8 [E, N*K/16]: the scale codes).
     """
     experts, n, half_k = packed.shape
     k = 2 * half_k
@@ -100,7 +141,8 @@ def pack_weight_tiles(packed: torch.Tensor, scales: torch.Tensor) -> tuple[torch
         raise ValueError(f"scales must be [E, N, K/16] = {[experts, n, k // NVFP4_BLOCK]}, got {list(scales.shape)}")
     # scale[e, i, h, g, j, s] of row 16i + 8h + g, block 4j + s -> [e, i, j, g, s, h]
     raw = scales.view(torch.uint8) if scales.dtype != torch.uint8 else scales
-    tile_scales = raw.reshape(experts, n // 16, 2, 8, k // 64, 4).permute(0, 1, 4, 3, 5, 2)
+    codes = _look_up(_SCALE_CODE_OF_BYTE, raw)
+    tile_scales = codes.reshape(experts, n // 16, 2, 8, k // 64, 4).permute(0, 1, 4, 3, 5, 2)
     return _pack_codes(packed, CODE_BITS), tile_scales.reshape(experts, n * k // NVFP4_BLOCK).contiguous()
 
 
@@ -207,8 +249,8 @@ def unpack_weight_tiles(tiles: torch.Tensor, tile_scales: torch.Tensor, n: int, 
     """Inverse of pack_weight_tiles: -> (packed uint8 [E, N, K/2], scales float8_e4m3fn [E, N, K/16])."""
     _check_tiles(tiles, tile_scales, n, k, NVFP4_BLOCK)
     experts = tiles.shape[0]
-    scales = tile_scales.reshape(experts, n // 16, k // 64, 8, 4, 2).permute(0, 1, 5, 3, 2, 4)
-    scales = scales.reshape(experts, n, k // NVFP4_BLOCK).contiguous().view(torch.float8_e4m3fn)
+    codes = tile_scales.reshape(experts, n // 16, k // 64, 8, 4, 2).permute(0, 1, 5, 3, 2, 4)
+    scales = _look_up(_SCALE_BYTE_OF_CODE, codes.reshape(experts, n, k // NVFP4_BLOCK)).view(torch.float8_e4m3fn)
     return _unpack_codes(tiles, n, k, CODE_BITS), scales
 
 

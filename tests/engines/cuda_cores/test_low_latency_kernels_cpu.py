@@ -531,7 +531,8 @@ _TILE_DECODE_DRIVER = HOST_PRELUDE + r"""
 #include "low_latency/decode.cuh"
 
 // argv[1]: uint32 words; argv[2]: per word its 8 values as E2M1 tile registers, then as INT4 tile registers
-// (float32); then for b = 0..255 the two values of decode_e2m1_byte(b).
+// (float32); then for b = 0..255 the two values of decode_e2m1_byte(b); then for c = 0..255 the scale of tile scale
+// code c (decode_tile_scale_codes, eight codes c .. c + 7 at a time).
 int main(int, char** argv) {
   FILE* in = std::fopen(argv[1], "rb");
   FILE* out = std::fopen(argv[2], "wb");
@@ -547,6 +548,12 @@ int main(int, char** argv) {
     ll::decode_e2m1_byte(b, pair[0], pair[1]);
     std::fwrite(pair, 4, 2, out);
   }
+  for (unsigned int c = 0; c < 256; c += 8) {
+    float v[8];
+    ll::decode_tile_scale_codes(c | (c + 1) << 8 | (c + 2) << 16 | (c + 3) << 24,
+                                (c + 4) | (c + 5) << 8 | (c + 6) << 16 | (c + 7) << 24, v);
+    std::fwrite(v, 4, 8, out);
+  }
   return std::fclose(out) != 0 || std::fclose(in) != 0;
 }
 """
@@ -556,7 +563,9 @@ int main(int, char** argv) {
 def test_tile_decoders_give_the_rows_and_k_of_the_sm90_tiles(tmp_path: Path) -> None:
     """The tile mode's decoders (decode.cuh), built for the host, on random tiles packed by
     cudnn_moe.engines.sm90.layout: word s of lane (g, q) gives, bit for bit, rows g (registers a0, a2) and g + 8
-    (a1, a3) at k = 16s + 2q + {0, 1} and + 8 (E2M1 and INT4 tiles); decode_e2m1_byte gives a byte's two codes."""
+    (a1, a3) at k = 16s + 2q + {0, 1} and + 8 (E2M1 and INT4 tiles); decode_e2m1_byte gives a byte's two codes;
+    decode_tile_scale_codes gives each unsigned E4M3 scale back from its tile code (layout.py), bit for bit (both
+    zeros as zeros), and the NaN code NaN."""
     from cudnn_moe.engines.sm90.layout import pack_int4_weight_tiles, pack_weight_tiles
     from cudnn_moe.formats import decode_e2m1, pack_nibbles
 
@@ -584,10 +593,20 @@ def test_tile_decoders_give_the_rows_and_k_of_the_sm90_tiles(tmp_path: Path) -> 
                         want = values[row, k]
                         have = got[kind, tile, :, s, offset + 2 * r + x]
                         assert torch.equal(have.view(torch.int32), want.view(torch.int32)), (kind, tile, s, r, x)
-    pairs = torch.from_numpy(raw[512 * 16 :].copy()).view(256, 2)
+    pairs = torch.from_numpy(raw[512 * 16 : 512 * 16 + 512].copy()).view(256, 2)
     byte = torch.arange(256)
     want_pairs = decode_e2m1(torch.stack((byte & 0xF, byte >> 4), dim=1).to(torch.uint8))
     assert torch.equal(pairs.view(torch.int32), want_pairs.view(torch.int32))
+    of_code = torch.from_numpy(raw[512 * 16 + 512 :].copy())
+
+    def scale_of_byte(byte: int) -> torch.Tensor:  # the kernel's scale for the tile code layout.py gives E4M3 byte
+        block = torch.full((1, 16, 4), byte, dtype=torch.uint8).view(torch.float8_e4m3fn)
+        return of_code[int(pack_weight_tiles(torch.zeros(1, 16, 32, dtype=torch.uint8), block)[1][0, 0])]
+
+    got_scales = torch.stack([scale_of_byte(b) for b in range(1, 127)])
+    want_scales = torch.arange(1, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    assert torch.equal(got_scales.view(torch.int32), want_scales.view(torch.int32))
+    assert scale_of_byte(0x00) == 0 and scale_of_byte(0x80) == 0 and torch.isnan(scale_of_byte(0x7F))
 
 
 # ----------------------------------------------------------------------------- call checks on the CPU

@@ -31,9 +31,10 @@ from cudnn_moe.engines.base import (
     TokenOperand,
 )
 from cudnn_moe.engines.sm90 import kernels as sm90
-from cudnn_moe.engines.sm90.layout import pack_weight_tiles, to_token_fragments
+from cudnn_moe.engines.sm90.layout import pack_weight_tiles, to_token_fragments, unpack_weight_tiles
 from cudnn_moe.formats import decode_e2m1, dequantize_nvfp4, quantize_nvfp4
 from cudnn_moe.kernels import IntermediateCode, RoutingFormat, SortBuffers, TokenLayout, cuda_defines, kernels_dir, loader
+from cudnn_moe.kernels.codes import NVFP4_TILE_SCALE_BASE
 from cudnn_moe.kernels import sort as kernel_sort
 from cudnn_moe.kernels import stage as kernel_stage
 
@@ -289,7 +290,6 @@ def test_prefill_variant_compiles_for_sm100(variant: Any) -> None:
 
 M32 = 0xFFFFFFFF
 CODE_MASK = 0x81C081C0
-POW119 = 0x7B00  # bf16 2^119
 
 
 def _u32(x: np.ndarray) -> np.ndarray:
@@ -337,13 +337,14 @@ def bf16x2_mul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return (lo | (hi << 16)).astype(np.uint64)
 
 
-def decode_scale_word(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """fragments.cuh decode_scale_word -> (row g pair, row g+8 pair) of s x 2^118."""
+def decode_tile_scale_word(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """fragments.cuh decode_tile_scale_word -> (row g pair, row g+8 pair) of s x 2^118: codes 0, 2 (row g) and 1, 3
+    (row g + 8) of the word, each 16 c + NVFP4_TILE_SCALE_BASE in its half."""
     w = w.astype(np.uint64)
-    lo = ((w << 4) & M32) & 0x07F007F0
-    hi = (w >> 4) & 0x07F007F0
-    p = np.full_like(w, POW119 | (POW119 << 16))
-    return bf16x2_mul(bf16x2_mul(lo, p), p), bf16x2_mul(bf16x2_mul(hi, p), p)
+    base = np.uint64(NVFP4_TILE_SCALE_BASE * 0x10001)
+    row_g = ((w & 0xFF) | (((w >> 16) & 0xFF) << 16)) * 16 + base
+    row_g8 = (((w >> 8) & 0xFF) | (((w >> 24) & 0xFF) << 16)) * 16 + base
+    return row_g, row_g8
 
 
 def broadcast(s: np.ndarray, high: bool) -> np.ndarray:
@@ -409,22 +410,53 @@ def test_weight_decode_every_code_every_scale() -> None:
                 if r2 != r:
                     assert not place_tile_e2m1(word)[r2].any(), f"register {r} leaks into register {r2}"
 
-    scale_bytes = np.arange(127, dtype=np.uint64)
-    expected_s = torch.arange(127, dtype=torch.uint8).view(torch.float8_e4m3fn).double().numpy()
+    # every unsigned E4M3 scale, as the tiles store it (its code), in every byte position of the scale word
+    scale_bytes = torch.tensor([*range(127), 0x80], dtype=torch.uint8)
+    codes = tile_scale_codes(scale_bytes).astype(np.uint64)
+    expected_s = scale_bytes.view(torch.float8_e4m3fn).double().numpy()
+    w_bits = bf16_bits(expected_w * 2.0**-126)
     for pos in range(4):  # byte position in the scale word: (step parity, row half)
         others = np.uint64(0xA5A5A5A5) & ~np.uint64(0xFF << (8 * pos))  # neighbours must not leak
-        word = (scale_bytes << np.uint64(8 * pos)) | others
-        row_g, row_g8 = decode_scale_word(word)
+        word = (codes << np.uint64(8 * pos)) | others
+        row_g, row_g8 = decode_tile_scale_word(word)
         pair = row_g if pos % 2 == 0 else row_g8
-        chosen = broadcast(pair, high=pos >= 2) & 0xFFFF
-        np.testing.assert_array_equal(bf16_value(chosen), expected_s * 2.0**118)
-        # products with every code: exact, equal to w * s * 2^-8, normal or zero
-        w_bits = bf16_bits(expected_w * 2.0**-126)
-        product = bf16_value(w_bits)[:, None] * bf16_value(chosen)[None, :]
-        np.testing.assert_array_equal(bf16_value(bf16_bits(product.ravel())).reshape(product.shape),
-                                      expected_w[:, None] * expected_s[None, :] * 2.0**-8)
-        nonzero = np.abs(product[product != 0])
+        chosen = bf16_value(broadcast(pair, high=pos >= 2) & 0xFFFF)
+        np.testing.assert_array_equal(chosen[:-1], expected_s[:-1] * 2.0**118)
+        assert chosen[0] == 0 and chosen[-1] <= 0 and abs(chosen[-1]) < 2.0**-120  # +0 and -0: -0, a tiny negative
+        # products with every code, rounded to BF16 as mul.rn.bf16x2 does: w * s * 2^-8 exactly, normal or zero
+        product = bf16_value(w_bits)[:, None] * chosen[None, :]
+        rounded = torch.from_numpy(product.ravel()).to(torch.bfloat16).double().numpy().reshape(product.shape)
+        np.testing.assert_array_equal(rounded, expected_w[:, None] * expected_s[None, :] * 2.0**-8)
+        nonzero = np.abs(rounded[rounded != 0])
         assert nonzero.min() >= 2.0**-126 * 2**8  # far from BF16 subnormals (min |w s| 2^-8 = 2^-18)
+
+
+def tile_scale_codes(scale_bytes: torch.Tensor) -> np.ndarray:
+    """The NVFP4 tiles' codes of E4M3 scale bytes (pack_weight_tiles on a 16 x 64 block of them)."""
+    block = torch.zeros(1, 16, 4, dtype=torch.uint8)
+    codes = []
+    for byte in scale_bytes.tolist():
+        block[:] = byte
+        codes.append(int(pack_weight_tiles(torch.zeros(1, 16, 32, dtype=torch.uint8), block)[1][0, 0]))
+    return np.array(codes)
+
+
+def test_tile_scale_codes_round_trip_and_decode_as_the_bf16_of_s_times_2_pow_118() -> None:
+    """layout.py's scale codes: each unsigned E4M3 byte (0x00-0x7E, 0x80) its own code, unpacked back bit for bit;
+    the positive ones 0 .. 142 in steps of the BF16 bits of s x 2^118 (16 c + base), +0 160, -0 161; NaN and negative
+    bytes the NaN code 153 (a BF16 NaN)."""
+    unsigned = torch.tensor([*range(127), 0x80], dtype=torch.uint8)
+    codes = tile_scale_codes(unsigned)
+    assert len(set(codes.tolist())) == len(codes) and codes[0] == 160 and codes[-1] == 161
+    assert codes[1:-1].max() == 142
+    scales = unsigned.view(torch.float8_e4m3fn).double().numpy()
+    np.testing.assert_array_equal(bf16_value(16 * codes[1:-1] + NVFP4_TILE_SCALE_BASE), scales[1:-1] * 2.0**118)
+    refused = torch.tensor([0x7F, 0xFF, 0x81, 0xB8, 0xFE], dtype=torch.uint8)
+    assert (tile_scale_codes(refused) == 153).all() and np.isnan(bf16_value(np.array([16 * 153 + NVFP4_TILE_SCALE_BASE])))
+    block = unsigned.repeat(16 * 4)[: 16 * 4 * 32].reshape(1, 16 * 4, 32)  # 64 rows x 32 blocks (K = 512)
+    tiles, tile_scales = pack_weight_tiles(torch.zeros(1, 64, 256, dtype=torch.uint8), block.view(torch.float8_e4m3fn))
+    _, back = unpack_weight_tiles(tiles, tile_scales, 64, 512)
+    assert torch.equal(back.view(torch.uint8), block)
 
 
 def _dequantized(packed: torch.Tensor, scales: torch.Tensor) -> np.ndarray:
@@ -473,7 +505,7 @@ def emulate_a_tile(tiles: np.ndarray, tile_scales: np.ndarray, tile: int) -> np.
     words, swords = lane_words(tiles, tile_scales, tile, 8)
     out = np.full((16, 64), np.nan)
     for s in range(4):
-        sg, sg8 = decode_scale_word(swords[:, s >> 1])
+        sg, sg8 = decode_tile_scale_word(swords[:, s >> 1])
         a = scaled_a(words[:, s], sg, sg8, s)
         for r, (row_off, col_off) in enumerate(((0, 0), (8, 0), (0, 8), (8, 8))):
             for half in range(2):
@@ -1389,7 +1421,7 @@ def emulate_decode(v: sm90.DecodeVariant, w: np.ndarray, s: np.ndarray, alpha: n
                     bb = [_words(xb, xp[nt] + step * v.wk * 128, 8) for nt in range(v.nt)]
                     for k16 in range(4):
                         for mt in range(v.mt):
-                            sg, sg8 = decode_scale_word(ss[mt][:, k16 >> 1])
+                            sg, sg8 = decode_tile_scale_word(ss[mt][:, k16 >> 1])
                             a = a_matrix(scaled_a(ww[mt][:, k16], sg, sg8, k16))
                             for nt in range(v.nt):
                                 acc[mt, nt] += a @ b_matrix(bb[nt][:, 2 * k16], bb[nt][:, 2 * k16 + 1])
@@ -1467,7 +1499,7 @@ def emulate_prefill(w: np.ndarray, s: np.ndarray, alpha: np.ndarray, xb: np.ndar
                     wq = _words(stages[j], warp * 512 + LANES * 16, 4)
                     sc = _words(stages[j], w_bytes + warp * 64 + G * 8, 2)
                     for st in range(4):
-                        sg, sg8 = decode_scale_word(sc[:, st >> 1])
+                        sg, sg8 = decode_tile_scale_word(sc[:, st >> 1])
                         buf[warp, st] = np.stack(scaled_a(wq[:, st], sg, sg8, st), axis=1)
                 return buf
 
@@ -1489,7 +1521,7 @@ def emulate_prefill(w: np.ndarray, s: np.ndarray, alpha: np.ndarray, xb: np.ndar
                                 for s2 in range(2):
                                     a[s2, mt] = a_matrix(list(decoded[j & 1][wm * 2 + mt, 2 * h + s2].T))
                             else:
-                                sg, sg8 = decode_scale_word(sc[mt][:, h])
+                                sg, sg8 = decode_tile_scale_word(sc[mt][:, h])
                                 a[0, mt] = a_matrix(scaled_a(wq[mt][:, 2 * h], sg, sg8, 2 * h))
                                 a[1, mt] = a_matrix(scaled_a(wq[mt][:, 2 * h + 1], sg, sg8, 2 * h + 1))
                         for nt in range(8):

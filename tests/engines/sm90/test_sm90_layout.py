@@ -18,13 +18,16 @@ from cudnn_moe.engines.sm90.layout import (
     unpack_weight_tiles,
 )
 from cudnn_moe.kernels import TokenLayout
+from cudnn_moe.kernels.codes import NVFP4_TILE_SCALE_BASE
 
 
 @pytest.mark.parametrize("experts, n, k", [(1, 16, 64), (3, 48, 192), (2, 128, 2048)])
 def test_weight_tiles_round_trip(experts: int, n: int, k: int) -> None:
     gen = torch.Generator().manual_seed(n + k)
     packed = torch.randint(0, 256, (experts, n, k // 2), dtype=torch.uint8, generator=gen)
-    scales = torch.randint(0, 127, (experts, n, k // 16), dtype=torch.uint8, generator=gen).view(torch.float8_e4m3fn)
+    scales = torch.randint(0, 127, (experts, n, k // 16), dtype=torch.uint8, generator=gen)
+    scales[0, 0, 0] = 0x80  # negative zero, which preparation accepts as zero
+    scales = scales.view(torch.float8_e4m3fn)
     tiles, tile_scales = pack_weight_tiles(packed, scales)
     assert tiles.shape == (experts, n * k // 2) and tile_scales.shape == (experts, n * k // 16)
     assert not torch.equal(tiles.view(experts, n, k // 2), packed)  # really moved
@@ -34,7 +37,8 @@ def test_weight_tiles_round_trip(experts: int, n: int, k: int) -> None:
 
 
 def test_scale_tile_bytes() -> None:
-    """Byte g*8 + s*2 + h of tile (i, j) is the scale of row 16i + g + 8h, k block 4j + s."""
+    """Byte g*8 + s*2 + h of tile (i, j) is the scale code of row 16i + g + 8h, k block 4j + s: the code c whose
+    BF16 bits 16 c + NVFP4_TILE_SCALE_BASE are the scale times 2^118 (160 for a zero scale)."""
     n, k = 32, 128
     scales = torch.arange(n * k // 16, dtype=torch.int32).remainder(127).to(torch.uint8).view(1, n, k // 16)
     _, tile_scales = pack_weight_tiles(torch.zeros(1, n, k // 2, dtype=torch.uint8), scales.view(torch.float8_e4m3fn))
@@ -44,7 +48,10 @@ def test_scale_tile_bytes() -> None:
             for g in range(8):
                 for s in range(4):
                     for h in range(2):
-                        assert tiles[i, j, g * 8 + s * 2 + h] == scales[0, 16 * i + g + 8 * h, 4 * j + s]
+                        code = int(tiles[i, j, g * 8 + s * 2 + h])
+                        scale = scales[0, 16 * i + g + 8 * h, 4 * j + s].view(torch.float8_e4m3fn).double().item()
+                        bits = torch.tensor([16 * code + NVFP4_TILE_SCALE_BASE], dtype=torch.int32).to(torch.int16)
+                        assert code == 160 if scale == 0 else bits.view(torch.bfloat16).item() == scale * 2.0**118
 
 
 def test_mxfp4_scale_tile_bytes() -> None:
