@@ -90,20 +90,15 @@ def host_cells(call: Callable[[], object], graph: torch.cuda.CUDAGraph, gpu_us: 
     return [*cells, fmt(gpu_us)]
 
 
-def describe_launches(call_chain: list[str], count: int) -> str:
-    """The launches of a captured call: ``count`` kernel nodes, the chain the call ran (the executor's stages given the
-    call's inputs and output, which fold the op's stage and the finalize in where the engine does so:
-    cudnn_moe.pipeline.executor), with the op's stage before it and the finalize after it where they are launches of
-    their own; a stage holding both GEMMs (a tile handoff) is two launches."""
-    names = list(call_chain)
-    if not names or "stage" not in names[0]:
-        names.insert(0, "stage")
-    if "finalize" not in names[-1]:
-        names.append("finalize")
-    both = [name for name in names if "gemm1" in name and "gemm2" in name]
-    if len(names) + len(both) != count:
-        return f"{count}: {', '.join(call_chain)} and {count - len(call_chain)} more"
-    return f"{count}: {', '.join(name + ' (two)' if name in both else name for name in names)}"
+def describe_launches(launches: list[str], count: int) -> str:
+    """The launches of a captured call: ``count`` kernel nodes, and the launches the executor makes for such a call
+    (MoeExecutor.call_launches: the op's stage and the finalize where the chain does not fold them in); a stage
+    holding both GEMMs (a tile handoff) is two launches."""
+    both = [name for name in launches if "gemm1" in name and "gemm2" in name]
+    named = len(launches) + len(both)
+    if named != count:
+        return f"{count}: {', '.join(launches)} and {count - named} more"
+    return f"{count}: {', '.join(name + ' (two)' if name in both else name for name in launches)}"
 
 
 class Bf16Peer:
@@ -163,8 +158,8 @@ class MoeBench:
             bucket = executor.bucket(tokens)
             variants = [repr(executor.engine.variant(gemm.rows, gemm.shape, gemm=index))
                         for index, gemm in ((1, bucket.gemm1), (2, bucket.gemm2))]
-            chain = [name for name, _ in executor.stages(bucket, call_inputs(config, weights, *batch))]
-            launches = describe_launches(chain, kernel_launches(graph))
+            names = [name for name, _ in executor.call_launches(bucket, call_inputs(config, weights, *batch))]
+            launches = describe_launches(names, kernel_launches(graph))
             self.variant_rows.append([m.name, str(tokens), engine, str(bucket.rows), *variants, launches])
         return us
 

@@ -105,12 +105,12 @@ def in_chain(stages: list, timer: Timer) -> list[tuple[str, float]]:
 def call_chain(config: Nvfp4MoeConfig, weights: Nvfp4Weights, executor: MoeExecutor,
                batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor], timer: Timer,
                gemm_bytes: dict[str, float]) -> list[tuple[str, float, float, float | None]]:
-    """The launches of a call whose launches know its inputs and output (an eager call, one recorded into the caller's
-    graph, a full-call graph): the chain with the op's stage and the finalize folded in where the engine does so; each
-    launch's time alone, its cost inside that chain (in_chain), and for a launch holding a GEMM the GB/s that GEMM's
-    weight bytes (``gemm_bytes``: "gemm1", "gemm2"; both for a launch holding both) stream over its time alone (else
-    None)."""
-    stages = executor.stages(executor.bucket(batch[0].shape[0]), call_inputs(config, weights, *batch))
+    """Every launch of a call whose launches know its inputs and output (an eager call, one recorded into the caller's
+    graph, a full-call graph; MoeExecutor.call_launches: the op's stage and the finalize folded into the chain where
+    the engine does so, else launches of their own); each launch's time alone, its cost inside the call (in_chain), and
+    for a launch holding a GEMM the GB/s that GEMM's weight bytes (``gemm_bytes``: "gemm1", "gemm2"; both for a launch
+    holding both) stream over its time alone (else None)."""
+    stages = executor.call_launches(executor.bucket(batch[0].shape[0]), call_inputs(config, weights, *batch))
     alone = [timer.median_us(capture(launch).replay) for _, launch in stages]
     rows = []
     for t, (name, added) in zip(alone, in_chain(stages, timer)):
@@ -169,10 +169,10 @@ def main(argv: list[str] | None = None) -> int:
     for row in chains:
         report.emit(row)
     report.emit()
-    report.emit("The launches of a call that knows its inputs and output (eager, recorded into a caller's graph, a "
-                "full-call graph), the op's stage and the finalize folded in where the engine does so: each alone / its "
-                "cost inside that chain (us), and for a launch holding a GEMM the GB/s its NVFP4 weight bytes stream "
-                "over its time alone")
+    report.emit("Every launch of a call that knows its inputs and output (eager, recorded into a caller's graph, a "
+                "full-call graph): the op's stage and the finalize folded into the chain where the engine does so, else "
+                "launches of their own; each alone / its cost inside the call (us), and for a launch holding a GEMM "
+                "the GB/s its NVFP4 weight bytes stream over its time alone")
     report.emit()
     report.table(["model", "T", "engine", "launch: alone / added us"], left=4)
     for row in calls:

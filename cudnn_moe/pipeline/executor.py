@@ -269,10 +269,12 @@ class MoeExecutor:
         routing = Routing.unpacked(torch.full((t, self.top_k), -1, dtype=torch.int32, device=dev),
                                    torch.zeros(t, self.top_k, dtype=torch.float32, device=dev))
         out = torch.empty(t, hidden, dtype=torch.bfloat16, device=dev)
-        chain = self._call_chain(bucket, CallerInputs(tokens, routing, out))
+        caller = CallerInputs(tokens, routing, out)
+        chain = self._call_chain(bucket, caller)
         _, staged, finished = chain
         if staged or finished:
-            self._launch_chain(bucket, chain, lambda b: self.stage(b, tokens, routing), lambda b: self._finalize(b, out))
+            for _, launch in self._finalized_launches(bucket, chain, caller):
+                launch()
         bucket.call_chain_warm = True
 
     def run(
@@ -365,20 +367,24 @@ class MoeExecutor:
         """``stage(bucket)``, the bucket's chain and ``finish(bucket)``, launched now; the stage folded into the
         chain's first launch where that launch can read the caller's inputs, the finish (a finalize) into its last
         where that launch can write the caller's output."""
-        self._launch_chain(bucket, self._call_chain(bucket, caller), stage, finish)
-
-    @staticmethod
-    def _launch_chain(bucket: Bucket, chain: tuple[list[Stage], bool, bool], stage: Callable[[Bucket], None],
-                      finish: Callable[[Bucket], None]) -> None:
-        """_launch_call with its _call_chain given: ``stage(bucket)`` unless the chain stages, the chain's launches,
-        ``finish(bucket)`` unless the chain finishes."""
-        launches, staged, finished = chain
-        if not staged:
-            stage(bucket)
-        for _, launch in launches:
+        ends = Stage("stage", lambda: stage(bucket)), Stage("finish", lambda: finish(bucket))
+        for _, launch in _with_ends(self._call_chain(bucket, caller), *ends):
             launch()
-        if not finished:
-            finish(bucket)
+
+    def call_launches(self, b: Bucket, caller: CallerInputs) -> list[Stage]:
+        """Every launch of a finalized call on bucket ``b`` with the caller's inputs and output (``caller.out``, not
+        None), in order, as an eager call, one recorded into the caller's graph and a full-call graph launch them: the
+        op's stage ("stage") unless the chain's first launch does it, the chain (stages(b, caller)), and the finalize
+        into caller.out ("finalize") unless the chain's last launch does it."""
+        if caller.out is None:
+            raise ValueError("caller.out must be the output a finalized call writes, got None")
+        return self._finalized_launches(b, self._call_chain(b, caller), caller)
+
+    def _finalized_launches(self, b: Bucket, chain: tuple[list[Stage], bool, bool],
+                            caller: CallerInputs) -> list[Stage]:
+        """call_launches(b, caller) with its _call_chain given."""
+        return _with_ends(chain, Stage("stage", lambda: self.stage(b, caller.tokens, caller.routing)),
+                          Stage("finalize", lambda: self._finalize(b, caller.out)))
 
     def stage(self, bucket: Bucket, activations: Tokens, routing: Routing) -> None:
         """The op's stage launch: the caller's tokens and routing into ``bucket``. NVFP4 tokens are copied, or decoded
@@ -452,6 +458,13 @@ class MoeExecutor:
         layer = _BucketStages(self, b, caller)
         chain = self.engine.stages(layer)
         return chain, any(s is layer.staging for s in chain), any(s is layer.finishing for s in chain)
+
+
+def _with_ends(chain: tuple[list[Stage], bool, bool], stage: Stage, finish: Stage) -> list[Stage]:
+    """A call's launches from its _call_chain (launches, whether one stages, whether one finishes): ``stage`` before
+    them unless one stages, ``finish`` after them unless one finishes."""
+    launches, staged, finished = chain
+    return [*([] if staged else [stage]), *launches, *([] if finished else [finish])]
 
 
 @dataclass(frozen=True)

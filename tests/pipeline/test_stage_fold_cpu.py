@@ -14,7 +14,7 @@ import torch
 from cudnn_moe import Routing, kernels
 from cudnn_moe.engines.base import GemmOperands, GemmShape, Stage
 from cudnn_moe.kernels import IntermediateCode, TokenLayout
-from cudnn_moe.pipeline.executor import CallerInputs, MoeExecutor, _BucketStages
+from cudnn_moe.pipeline.executor import CallerInputs, MoeExecutor, _BucketStages, _with_ends
 from cudnn_moe.pipeline.tokens import TokenCode
 from cudnn_moe.weights.nvfp4 import Nvfp4Activations
 
@@ -223,7 +223,8 @@ def _warming_executor(bf16_tokens: bool, folds: tuple[bool, bool], launches: lis
     for), recording (bucket, caller) for each chain launched."""
     return SimpleNamespace(weights=SimpleNamespace(device=torch.device("cpu"), hidden_size=HIDDEN),
                            tokens=_code(bf16_tokens), top_k=TOP_K, _call_chain=lambda bucket, caller: ([caller], *folds),
-                           _launch_chain=lambda bucket, chain, stage, finish: launches.append((bucket, chain[0][0])))
+                           _finalized_launches=lambda bucket, chain, caller: [
+                               Stage("call", lambda: launches.append((bucket, chain[0][0])))])
 
 
 @pytest.mark.parametrize("folds", [(True, True), (True, False), (False, True)], ids=["both", "stage", "finalize"])
@@ -256,9 +257,35 @@ def test_warmup_launches_no_call_chain_without_a_fold() -> None:
 
 
 @pytest.mark.parametrize("staged, finished", [(False, False), (True, False), (False, True), (True, True)])
-def test_a_launched_chain_leaves_out_the_stage_and_the_finish_it_folds(staged: bool, finished: bool) -> None:
+def test_a_calls_launches_hold_the_stage_and_the_finish_the_chain_does_not_fold(staged: bool, finished: bool) -> None:
     order: list[str] = []
     chain = ([Stage(name, lambda name=name: order.append(name)) for name in ("first", "last")], staged, finished)
-    bucket = SimpleNamespace()
-    MoeExecutor._launch_chain(bucket, chain, lambda b: order.append("stage"), lambda b: order.append("finish"))
-    assert order == ["stage"] * (not staged) + ["first", "last"] + ["finish"] * (not finished)
+    launches = _with_ends(chain, Stage("stage", lambda: order.append("stage")),
+                          Stage("finish", lambda: order.append("finish")))
+    names = ["stage"] * (not staged) + ["first", "last"] + ["finish"] * (not finished)
+    assert [name for name, _ in launches] == names
+    for _, launch in launches:
+        launch()
+    assert order == names
+
+
+def test_call_launches_are_the_stage_the_chain_and_the_finalize_into_the_callers_output() -> None:
+    """MoeExecutor.call_launches, what benchmarks time launch by launch: the op's stage of the caller's inputs and the
+    finalize into its output around the chain (here a chain that folds neither); a caller without an output is
+    refused."""
+    recorded: list[tuple] = []
+    out = torch.zeros(TOKENS, HIDDEN, dtype=torch.bfloat16)
+    caller, bucket = replace(_caller(), out=out), SimpleNamespace()
+    executor = SimpleNamespace(
+        stage=lambda b, tokens, routing: recorded.append(("stage", b, tokens, routing)),
+        _finalize=lambda b, o: recorded.append(("finalize", b, o)),
+        _call_chain=lambda b, c: ([Stage("chain", lambda: recorded.append(("chain", b, c)))], False, False))
+    executor._finalized_launches = lambda b, chain, c: MoeExecutor._finalized_launches(executor, b, chain, c)
+    launches = MoeExecutor.call_launches(executor, bucket, caller)
+    assert [name for name, _ in launches] == ["stage", "chain", "finalize"]
+    for _, launch in launches:
+        launch()
+    assert recorded == [("stage", bucket, caller.tokens, caller.routing), ("chain", bucket, caller),
+                        ("finalize", bucket, out)]
+    with pytest.raises(ValueError, match="caller.out must be"):
+        MoeExecutor.call_launches(executor, bucket, _caller())
