@@ -3,8 +3,9 @@
 Per model and token count T: each engine's time (SwiGLU, top-k of the preset, uniform random
 distinct routing) and its ratio to the FP4 floor = max(NVFP4 weight bytes incl. E4M3 scales of the
 experts the routing touches / HBM bandwidth, FLOPs / BF16 peak); a BF16 layer on torch._grouped_mm
-over the same routing, its ratio to the BF16 floor (2 bytes per weight); the Triton BF16 layer of
-FlagGems (vLLM's fused_moe kernels; triton_peer.py) where flag_gems imports; best peer / best engine.
+over the same routing, its ratio to the BF16 floor (2 bytes per weight); where flag_gems imports, the Triton BF16
+layer of FlagGems (vLLM's fused_moe kernels; triton_peer.py) and a W4A16 layer on FlagGems' INT4 Triton kernel
+(int4_peer.py); best peer / best engine.
 Every contender is timed the same way (common.py): ONE call captured in a CUDA graph, median of
 CUDA-event-timed replays with L2 flushed before each. Then the SM90 kernel variant per GEMM (where
 the engine exposes its choice) and the host time per fused_moe call at T=1.
@@ -50,6 +51,7 @@ from common import (  # noqa: E402
     run_models,
 )
 
+from int4_peer import Int4Peer  # noqa: E402
 from triton_peer import TritonPeer  # noqa: E402
 
 from cudnn_moe import Nvfp4MoeConfig, Nvfp4Weights  # noqa: E402
@@ -134,13 +136,15 @@ class MoeBench:
         self.roofline = Roofline(args.bandwidth_tbs, args.peak_tflops)
         self.peer = Bf16Peer(report)
         self.triton = TritonPeer(report) if args.triton_peer else None
+        self.int4 = Int4Peer(report) if args.int4_peer else None
         self.host_rows: list[list[str]] = []
         self.variant_rows: list[list[str]] = []
 
     def columns(self) -> list[str]:
         engines = [c for e in self.args.engines for c in (f"{e} (us)", f"{e}/FP4 floor")]
         return ["model", "T", *engines, "FP4 floor (us)", "torch BF16 layer (graph) (us)", "BF16 floor (us)",
-                "torch BF16/BF16 floor", "Triton BF16 layer (graph) (us)", "best peer / best engine"]
+                "torch BF16/BF16 floor", "Triton BF16 layer (graph) (us)", "Triton INT4 W4A16 layer (graph) (us)",
+                "best peer / best engine"]
 
     def time_ours(
         self, m: ModelShape, engine: str, config: Nvfp4MoeConfig, weights: Nvfp4Weights,
@@ -169,6 +173,8 @@ class MoeBench:
         progress(f"{m.name}: random BF16 weights, NVFP4 weights for {', '.join(args.engines)}")
         w1, w2 = random_weights(m, gen)  # kept: the BF16 peer reads them
         prepared = prepare_engines(m, w1, w2, args.engines, max(args.tokens), report)
+        if self.int4 is not None:
+            self.int4.prepare(w1, w2)
         w1_t, w2_t = w1.transpose(1, 2), w2.transpose(1, 2)
         for tokens in args.tokens:
             batch = random_batch(m, tokens, gen)
@@ -200,7 +206,9 @@ class MoeBench:
             triton_us, triton_cell = (None, "-") if self.triton is None else self.triton.time_us(
                 timer, x, ids, route_w, w1, w2)
             cells.append(triton_cell)
-            peers = [us for us in (peer_us, triton_us) if us is not None]
+            int4_us, int4_cell = (None, "-") if self.int4 is None else self.int4.time_us(timer, x, ids, route_w)
+            cells.append(int4_cell)
+            peers = [us for us in (peer_us, triton_us, int4_us) if us is not None]
             cells.append(f"{min(peers) / min(times):.2f}x" if peers and times else "-")
             report.emit(md_row(cells))
 
@@ -244,6 +252,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--host-calls", type=positive_int, default=300, help="calls per host-time loop at T=1")
     parser.add_argument("--triton-peer", action=argparse.BooleanOptionalAction, default=True,
                         help="time FlagGems' Triton BF16 layer where flag_gems imports (default: %(default)s)")
+    parser.add_argument("--int4-peer", action=argparse.BooleanOptionalAction, default=True,
+                        help="time a W4A16 layer on FlagGems' INT4 Triton kernel where flag_gems imports (default: "
+                             "%(default)s)")
     return parser.parse_args(argv)
 
 

@@ -3,7 +3,8 @@
 # Usage: OUT=/path/to/logs bash scripts/gpu_check.sh [pytest args...]
 # Wheels the machine lacks (the cuDNN frontend) are expected in .whl/ (git-ignored; installed with --no-index); with
 # FlagGems' wheels there too (flag-gems, sqlalchemy, greenlet: `pip download --no-deps`), bench_moe.py also times the
-# Triton BF16 peer (benchmarks/triton_peer.py; without them its column says why it did not run).
+# Triton BF16 peer (benchmarks/triton_peer.py) and the INT4 W4A16 peer (benchmarks/int4_peer.py); without them their
+# columns say why they did not run.
 # BENCH_ARGS passes options to benchmarks/bench_moe.py, STAGES_ARGS to benchmarks/bench_stages.py, GLUE_ARGS to
 # benchmarks/bench_glue.py; SKIP_BENCH=1 / SKIP_ALIGNED=1 / SKIP_LOW_LATENCY=1 / SKIP_STAGES=1 / SKIP_GLUE=1 / SKIP_CACHE=1 /
 # SKIP_PROBE=1 / SKIP_TIMELINE=1 / SKIP_TESTS=1 skip a step; ALIGNED_ARGS

@@ -276,6 +276,10 @@ def test_bench_moe_tables_with_fake_cuda(fake_cuda: None, tmp_path: Path, capsys
     assert len(rows) == 2 + 2 + 2  # two token counts, SM90 variants, the host rows of both engines at T=1
     cells = rows[0].strip("| ").split(" | ")
     assert cells[:3] == ["Tiny", "1", "10.0"] and cells[4] == "10.0" and cells[-1] == "1.00x"
+    header = next(line for line in text.splitlines() if line.startswith("| model | T |"))
+    assert header.strip("| ").split(" | ")[-3:] == ["Triton BF16 layer (graph) (us)",
+                                                    "Triton INT4 W4A16 layer (graph) (us)", "best peer / best engine"]
+    assert len(cells) == len(header.strip("| ").split(" | ")) and "INT4 peer" in text
     assert cells[3] == common.fmt(10.0 / ROOFLINE.floor_us(TINY, 1, 2, common.FP4_BYTES_PER_WEIGHT))
     assert "host us per fused_moe call (T=1)" in text
     assert rows[-2].startswith("| Tiny | sm90 |") and rows[-1].startswith("| Tiny | cudnn |")
