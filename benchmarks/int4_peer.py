@@ -126,9 +126,9 @@ def int4_layer(parts: Parts, x: torch.Tensor, ids: torch.Tensor, route_w: torch.
 class Int4Peer:
     """The W4A16 layer's cell for one batch, or why it did not run; prepare() quantizes each model's weights once."""
 
-    def __init__(self, report: Report, parts: tuple[Parts | None, str] | None = None) -> None:
+    def __init__(self, report: Report) -> None:
         self.report = report
-        self.parts, self.version = load_parts() if parts is None else parts
+        self.parts, self.version = load_parts()
         self.weights: tuple[Int4Tensor, Int4Tensor] | None = None
         if self.parts is None:
             report.note(f"INT4 peer (FlagGems' W4A16 Triton kernel) not run: {self.version}")

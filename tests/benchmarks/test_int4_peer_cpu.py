@@ -103,6 +103,13 @@ def _torch_parts(log: list[tuple]) -> int4_peer.Parts:
     return int4_peer.Parts(config, align, gemm, activation, total, "bf16")
 
 
+def _peer(monkeypatch: pytest.MonkeyPatch, report: common.Report, parts: int4_peer.Parts | None,
+          version: str = "0.0-test") -> int4_peer.Int4Peer:
+    """An Int4Peer whose FlagGems parts are ``parts`` (None: flag_gems did not import, ``version`` says why)."""
+    monkeypatch.setattr(int4_peer, "load_parts", lambda: (parts, version))
+    return int4_peer.Int4Peer(report)
+
+
 def _timer() -> SimpleNamespace:
     return SimpleNamespace(median_us=lambda fn: (fn(), 42.0)[1])
 
@@ -112,11 +119,12 @@ def no_capture(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(int4_peer, "capture", lambda fn: SimpleNamespace(replay=fn))
 
 
-def test_the_composed_layer_matches_the_reference_and_is_timed(no_capture: None) -> None:
+def test_the_composed_layer_matches_the_reference_and_is_timed(no_capture: None,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     gen = torch.Generator().manual_seed(5)
     log: list[tuple] = []
     report = common.Report()
-    peer = int4_peer.Int4Peer(report, (_torch_parts(log), "0.0-test"))
+    peer = _peer(monkeypatch, report, _torch_parts(log))
     w1 = torch.randn(EXPERTS, 2 * INTER, HIDDEN, generator=gen).to(torch.bfloat16)
     w2 = torch.randn(EXPERTS, HIDDEN, INTER, generator=gen).to(torch.bfloat16)
     peer.prepare(w1, w2)
@@ -133,20 +141,21 @@ def test_the_composed_layer_matches_the_reference_and_is_timed(no_capture: None)
     assert any("INT4 peer: FlagGems 0.0-test" in note for note in report.notes)
 
 
-def test_a_peer_off_the_reference_is_not_timed(no_capture: None) -> None:
+def test_a_peer_off_the_reference_is_not_timed(no_capture: None, monkeypatch: pytest.MonkeyPatch) -> None:
     gen = torch.Generator().manual_seed(7)
     parts = _torch_parts([])
     wrong = int4_peer.Parts(parts.config, parts.align, parts.gemm, lambda out, h: out.copy_(h[:, out.shape[1]:]),
                             parts.sum, parts.compute_type)  # no SiLU-and-mul
     report = common.Report()
-    peer = int4_peer.Int4Peer(report, (wrong, "0.0-test"))
+    peer = _peer(monkeypatch, report, wrong)
     peer.prepare(torch.randn(EXPERTS, 2 * INTER, HIDDEN, generator=gen).to(torch.bfloat16),
                  torch.randn(EXPERTS, HIDDEN, INTER, generator=gen).to(torch.bfloat16))
     assert peer.time_us(_timer(), *_batch(gen)) == (None, "wrong")
     assert any("off the float32 reference" in note and "not timed" in note for note in report.notes)
 
 
-def test_a_failing_peer_is_reported_and_a_missing_one_leaves_the_column_empty(no_capture: None) -> None:
+def test_a_failing_peer_is_reported_and_a_missing_one_leaves_the_column_empty(
+        no_capture: None, monkeypatch: pytest.MonkeyPatch) -> None:
     gen = torch.Generator().manual_seed(9)
     parts = _torch_parts([])
 
@@ -154,12 +163,12 @@ def test_a_failing_peer_is_reported_and_a_missing_one_leaves_the_column_empty(no
         raise RuntimeError("out of resources: shared memory")
 
     report = common.Report()
-    peer = int4_peer.Int4Peer(report, (int4_peer.Parts(parts.config, parts.align, broken, parts.activation, parts.sum,
-                                                       parts.compute_type), "0.0-test"))
+    peer = _peer(monkeypatch, report, int4_peer.Parts(parts.config, parts.align, broken, parts.activation, parts.sum,
+                                                      parts.compute_type))
     peer.prepare(torch.randn(EXPERTS, 2 * INTER, HIDDEN, generator=gen).to(torch.bfloat16),
                  torch.randn(EXPERTS, HIDDEN, INTER, generator=gen).to(torch.bfloat16))
     us, cell = peer.time_us(_timer(), *_batch(gen))
     assert us is None and cell != "-" and any("shared memory" in note for note in report.notes)
-    missing = int4_peer.Int4Peer(common.Report(), (None, "No module named 'flag_gems'"))
+    missing = _peer(monkeypatch, common.Report(), None, "No module named 'flag_gems'")
     missing.prepare(torch.zeros(1, 2, GROUP, dtype=torch.bfloat16), torch.zeros(1, GROUP, 1, dtype=torch.bfloat16))
     assert missing.weights is None and missing.time_us(_timer(), *_batch(gen)) == (None, "-")
