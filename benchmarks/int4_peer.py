@@ -108,7 +108,9 @@ def int4_layer(parts: Parts, x: torch.Tensor, ids: torch.Tensor, route_w: torch.
     tokens, top_k = ids.shape
     experts, n, _ = w1[0].shape
     block = [0, GROUP]
-    config = parts.config(w1[0].size(), w2[0].size(), top_k, "int4_w4a16", tokens, experts, block)
+    # FlagGems 5.0.2's W4A16 kernel declares a SPLIT_K meta-parameter (its body never reads it) that neither the
+    # config lookup nor the WNA16 launcher sets; vLLM's kernel has none. 1 is the only value its loop is right for.
+    config = {**parts.config(w1[0].size(), w2[0].size(), top_k, "int4_w4a16", tokens, experts, block), "SPLIT_K": 1}
     sorted_ids, expert_ids, padded = parts.align(ids, config["BLOCK_SIZE_M"], experts)
     h = torch.empty(tokens, top_k, n, dtype=torch.bfloat16, device=x.device)
     parts.gemm(x, w1[0], h, w1[1], None, route_w, sorted_ids, expert_ids, padded, False, top_k, config,

@@ -87,7 +87,7 @@ def _torch_parts(log: list[tuple]) -> int4_peer.Parts:
 
     def gemm(a, b, c, b_scale, b_zp, route_w, sorted_ids, expert_ids, padded, mul_routed, top_k, config, compute,
              int8, int4, block):  # noqa: ANN001, ANN202
-        log.append(("gemm", mul_routed, top_k, int8, int4, tuple(block), b_zp))
+        log.append(("gemm", mul_routed, top_k, int8, int4, tuple(block), b_zp, config.get("SPLIT_K")))
         flat = c.view(-1, c.shape[-1])
         for slot, expert in zip(sorted_ids.tolist(), expert_ids.tolist()):
             row = a[slot // top_k].float() @ int4_peer.dequantize_int4(b[expert], b_scale[expert]).T
@@ -135,8 +135,9 @@ def test_the_composed_layer_matches_the_reference_and_is_timed(no_capture: None,
     # the lookup sees the packed shapes and the batch; GEMM1 keeps its slots' rows, GEMM2 takes the route weight
     assert log[0] == ("config", (EXPERTS, 2 * INTER, HIDDEN // 2), (EXPERTS, HIDDEN, INTER // 2), TOP_K, "int4_w4a16",
                       TOKENS, EXPERTS, (0, GROUP))
-    assert log[1:3] == [("gemm", False, TOP_K, False, True, (0, GROUP), None),
-                        ("gemm", True, 1, False, True, (0, GROUP), None)]
+    # (the FlagGems kernel takes a SPLIT_K that its launcher does not set: the layer passes 1)
+    assert log[1:3] == [("gemm", False, TOP_K, False, True, (0, GROUP), None, 1),
+                        ("gemm", True, 1, False, True, (0, GROUP), None, 1)]
     assert peer.time_us(_timer(), x, ids.long(), route_w) == (42.0, common.fmt(42.0))
     assert any("INT4 peer: FlagGems 0.0-test" in note for note in report.notes)
 
