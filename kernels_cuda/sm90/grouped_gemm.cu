@@ -177,6 +177,11 @@ using namespace sm90;
 #define DEC_THREADS (SM90_WM * SM90_WK * 32)
 #define DEC_FB (SM90_WM * SM90_MT * 16)  // features per CTA
 #define DEC_TB (SM90_NT * 8)             // token rows per tile
+#if defined(SM90_ACT) && !SM90_W_BF16 && !(SM90_W_INT4 && defined(SM90_EARLY))
+#define DEC_LIVE_ROWS 1  // padding rows read the tile's first row (at the token pointers below)
+#else
+#define DEC_LIVE_ROWS 0
+#endif
 #define DEC_RED_STRIDE (DEC_FB + 4)      // floats per token row of the split-K buffer (bank spread)
 // Accumulator sets per warp: with a single m16 x n8 tile, even and odd k16 steps accumulate apart
 // so that consecutive mma do not wait on each other (summed in a fixed order at the end).
@@ -755,7 +760,12 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS DEC_MIN_BLOCKS)
     SM90_DECODE_POINT_W(tile.expert)
   }
   // Token rows past the segment are clamped to the tile's first row (always inside it): their
-  // columns of the product are garbage but never stored, and nothing past the segment is read.
+  // columns of the product are garbage but never stored, and nothing past the segment is read. DEC_LIVE_ROWS (4-bit
+  // weights with the activation epilogue): the segment's padding rows (row_to_slot < 0, whose outputs the epilogue
+  // writes as zeros) are clamped too, so a tile of one live token reads that token's row once instead of eight rows
+  // (decode segments are padded to the tile); the ring then takes its weights first, as its token pointers wait on
+  // row_to_slot. (Not for BF16 weights, whose reordered ring takes 132 registers, nor MXINT4's early form: 24 bytes of
+  // spill, and MXINT4 never takes early routing.)
   const u8* xp[SM90_NT];
 #pragma unroll
   for (int nt = 0; nt < SM90_NT; ++nt) {
@@ -763,8 +773,13 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS DEC_MIN_BLOCKS)
     xp[nt] = smem + wk * 128 + q * 32;  // every row of the bucket is the one token
 #else
     const int row = tile.row0 + nt * 8 + g;
+#if DEC_LIVE_ROWS
+    const bool live = row < tile.row_end && __ldg(row_to_slot + row) >= 0;
+#else
+    const bool live = row < tile.row_end;
+#endif
     xp[nt] = reinterpret_cast<const u8*>(x) +
-             (static_cast<i64>(row < tile.row_end ? row : tile.row0) * k + (wk << DEC_STEP_SHIFT)) * 2 + q * X_LANE;
+             (static_cast<i64>(live ? row : tile.row0) * k + (wk << DEC_STEP_SHIFT)) * 2 + q * X_LANE;
 #endif
   }
   // The epilogue's operands, fetched into shared memory while the main loop runs (no dependent load at the end):
@@ -837,6 +852,13 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS DEC_MIN_BLOCKS)
   for (int p = 0; p < DEC_SLOTS; ++p)
     if (p < nsteps) SM90_DECODE_LOAD_W(p, p)
   await_tile(handoff_done, handoff_passed, handoff_producers, static_cast<int>(blockIdx.y));
+#pragma unroll
+  for (int p = 0; p < DEC_SLOTS; ++p)
+    if (p < nsteps) SM90_DECODE_LOAD_B(p, p)
+#elif DEC_LIVE_ROWS  // the weights first: the token pointers wait on row_to_slot
+#pragma unroll
+  for (int p = 0; p < DEC_SLOTS; ++p)
+    if (p < nsteps && !early_hit) SM90_DECODE_LOAD_W(p, p)
 #pragma unroll
   for (int p = 0; p < DEC_SLOTS; ++p)
     if (p < nsteps) SM90_DECODE_LOAD_B(p, p)
