@@ -7,7 +7,8 @@ sum, the launches of one call, the whole call (the op's stage, which decode buck
 the sort + permute, those stages, the finalize) captured in one graph, and the GB/s
 each GEMM streams (NVFP4 bytes of the touched experts / its time). A second table gives each stage's cost
 inside the chain, where the launches overlap (programmatic dependent launch): the first i stages captured in
-one graph, minus the first i - 1. Every time is the median of CUDA-event-timed replays with L2 flushed before
+one graph, minus the first i - 1. A note per row names the whole call's graph nodes other than kernels and times the
+whole call again after everything else. Every time is the median of CUDA-event-timed replays with L2 flushed before
 each (common.py). Host time per call: bench_moe.py.
 Usage: python benchmarks/bench_stages.py --help
 """
@@ -33,7 +34,7 @@ from common import (  # noqa: E402
     fmt,
     gpu_missing,
     header_line,
-    kernel_launches,
+    graph_nodes,
     make_parser,
     measure_engine,
     md_row,
@@ -60,13 +61,14 @@ STAGES = ("sort", "permute", "sort+permute", "gemm1", "gemm1+activation", "activ
 def stage_times(
     m: ModelShape, config: Nvfp4MoeConfig, weights: Nvfp4Weights,
     batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor], timer: Timer,
-) -> list[float | int | None]:
-    """GPU us of each of STAGES (captured alone, on the buffers the call staged; None where the chain lacks it),
-    their sum, the launches of the whole call (the kernel nodes of its graph: the chain, the op's stage unless the
-    chain's first launch does it, and the finish), its time, the GB/s
+) -> tuple[list[float | int | None], list[tuple[str, float]], list[tuple[str, float, float, float | None]], str]:
+    """(cells, in-chain costs, call chain, note). cells: GPU us of each of STAGES (captured alone, on the buffers the
+    call staged; None where the chain lacks it), their sum, the launches of the whole call (the kernel nodes of its
+    graph: the chain, the op's stage unless the chain's first launch does it, and the finish), its time, the GB/s
     each GEMM streams (NVFP4 bytes of the experts the batch touches / its time) and its TFLOP/s (the routed
     slots' multiply-adds, GEMM1 2I x H and GEMM2 H x I per slot, / its time; a fused GEMM1's time holds its
-    epilogue)."""
+    epilogue). In-chain costs: in_chain of the stages; call chain: call_chain; note: the whole call's graph nodes
+    other than kernels, and its time again after everything else."""
     call = moe_call(config, weights, *batch)
     graph = capture(call, keep_graph=True)
     whole = timer.median_us(graph.replay)
@@ -90,8 +92,15 @@ def stage_times(
         held = [g for g in gemm_bytes if g in name]
         rates.append(sum(gemm_bytes[g] for g in held) / t / 1e3)  # bytes / us / 1e3 = GB/s
         tflops.append(sum(gemm_flops[g] for g in held) / t / 1e6)  # FLOP / us / 1e6 = TFLOP/s
-    cells = [*(times.get(name) for name in STAGES), sum(times.values()), kernel_launches(graph), whole, *rates, *tflops]
-    return cells, chain, call_chain(config, weights, executor, batch, timer, gemm_bytes)
+    nodes = graph_nodes(graph)
+    cells = [*(times.get(name) for name in STAGES), sum(times.values()), nodes["kernel"], whole, *rates, *tflops]
+    calls = call_chain(config, weights, executor, batch, timer, gemm_bytes)
+    # The whole call again, after every other graph of this row: a whole call that reads far above its launches'
+    # sum (DeepSeek-V3 T=8 on the H100 and H200) either moves between these two medians or comes with the graph.
+    others = ", ".join(f"{count} {name}" for name, count in sorted(nodes.items()) if name != "kernel")
+    note = (f"its graph holds {nodes['kernel']} kernel nodes and {others or 'no other node'}; the whole call "
+            f"timed again after the stages: {fmt(timer.median_us(graph.replay))} us (first {fmt(whole)})")
+    return cells, chain, calls, note
 
 
 def in_chain(stages: list, timer: Timer) -> list[tuple[str, float]]:
@@ -139,6 +148,7 @@ def bench_model(args: argparse.Namespace, report: Report, m: ModelShape, gen: to
                 chain = ", ".join(f"{name} {fmt(t)}" for name, t in result[1])
                 call = ", ".join(f"{name} {fmt(alone)} / {fmt(added)}" + ("" if rate is None else f" ({fmt(rate)} GB/s)")
                                  for name, alone, added, rate in result[2])
+                report.note(f"{m.name} T={tokens} {engine}, the whole call: {result[3]}")
             report.emit(md_row([m.name, str(tokens), engine, *cells]))
             chains.append(md_row([m.name, str(tokens), engine, chain]))
             calls.append(md_row([m.name, str(tokens), engine, call]))

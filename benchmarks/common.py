@@ -19,6 +19,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -300,9 +301,21 @@ def capture(fn: Callable[[], object], keep_graph: bool = False) -> torch.cuda.CU
     return capture_graph(fn, keep_graph)
 
 
+# The driver API's CUgraphNodeType values, named as graph_nodes counts them.
+GRAPH_NODE_NAMES = {driver.CU_GRAPH_NODE_TYPE_KERNEL: "kernel", 1: "memcpy", 2: "memset", 3: "host", 4: "child graph",
+                    5: "empty", 6: "event wait", 7: "event record", 8: "semaphore signal", 9: "semaphore wait",
+                    10: "memory alloc", 11: "memory free", 12: "batch memory op", 13: "conditional"}
+
+
+def graph_nodes(graph: torch.cuda.CUDAGraph) -> Counter[str]:
+    """How many nodes of each type (GRAPH_NODE_NAMES; "type N" for others) a graph captured with keep_graph=True
+    holds; "kernel" counts the launches of the call it holds."""
+    return Counter(GRAPH_NODE_NAMES.get(t, f"type {t}") for t in driver.graph_node_types(graph.raw_cuda_graph()))
+
+
 def kernel_launches(graph: torch.cuda.CUDAGraph) -> int:
     """The kernel nodes of a graph captured with keep_graph=True: the launches of the call it holds."""
-    return sum(t == driver.CU_GRAPH_NODE_TYPE_KERNEL for t in driver.graph_node_types(graph.raw_cuda_graph()))
+    return graph_nodes(graph)["kernel"]
 
 
 # nvidia-smi's clock event reasons that lower the clocks under load: software power cap, hardware slowdown, software

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+from collections import Counter
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -262,7 +263,9 @@ def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
     for script in (bench_moe, bench_stages):
         monkeypatch.setattr(script, "executor_for", lambda *args: _FakeExecutor())
         monkeypatch.setattr(script, "gpu_missing", lambda name: False)
-        monkeypatch.setattr(script, "kernel_launches", lambda graph: 5)  # a fake graph holds no kernel nodes
+    # a fake graph holds no nodes: 5 kernels for the launches column, and a memset bench_stages names
+    monkeypatch.setattr(bench_moe, "kernel_launches", lambda graph: 5)
+    monkeypatch.setattr(bench_stages, "graph_nodes", lambda graph: Counter({"kernel": 5, "memset": 1}))
 
 
 @pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="torch without _grouped_mm")
@@ -312,6 +315,9 @@ def test_bench_stages_table_with_fake_cuda(fake_cuda: None, tmp_path: Path) -> N
     # GB/s (the same bytes and 10 us as the table's GEMM columns)
     assert call == (f"| Tiny | 2 | cudnn | stage+sort+permute+gemm1+activation 10.0 / 10.0 ({cells[14]} GB/s), "
                     f"gemm2 10.0 / 0.0 ({cells[15]} GB/s), finalize 10.0 / 0.0 |")
+    # the whole call's other graph nodes, and its time again after the rest
+    assert ("- Tiny T=2 cudnn, the whole call: its graph holds 5 kernel nodes and 1 memset; the whole call timed again "
+            "after the stages: 10.0 us (first 10.0)") in lines
 
 
 def test_bf16_peer_falls_back_to_eager_and_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
