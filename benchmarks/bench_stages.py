@@ -97,9 +97,10 @@ def stage_times(
     calls = call_chain(config, weights, executor, batch, timer, gemm_bytes)
     # The whole call again, after every other graph of this row: a whole call that reads far above its launches'
     # sum (DeepSeek-V3 T=8 on the H100 and H200) either moves between these two medians or comes with the graph.
+    again = timer.median_us(graph.replay)
     others = ", ".join(f"{count} {name}" for name, count in sorted(nodes.items()) if name != "kernel")
     note = (f"its graph holds {nodes['kernel']} kernel nodes and {others or 'no other node'}; the whole call "
-            f"timed again after the stages: {fmt(timer.median_us(graph.replay))} us (first {fmt(whole)})")
+            f"timed again after the stages: {fmt(again)} us (first {fmt(whole)})")
     return cells, chain, calls, note
 
 
