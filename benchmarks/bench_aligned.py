@@ -40,8 +40,8 @@ from common import (  # noqa: E402
     md_row,
     positive_int,
     progress,
-    random_batch,
     random_weights,
+    row_batch,
     run_models,
     slow_skip,
 )
@@ -183,12 +183,12 @@ class AlignedBench:
         report.note(f"{m.name}: aligned weights {held}")
         progress(f"{m.name}: engine {layer.engine}, aligned weights {held}")
         for tokens in args.tokens:
-            self.row(m, layer, tokens, gen, timer)
+            self.row(m, layer, tokens, timer)
         del layer
 
-    def row(self, m: ModelShape, layer: Layer, tokens: int, gen: torch.Generator, timer: Timer) -> None:
+    def row(self, m: ModelShape, layer: Layer, tokens: int, timer: Timer) -> None:
         args, report = self.args, self.report
-        x, ids, route_w = random_batch(m, tokens, gen)
+        x, ids, route_w = row_batch(m, tokens)
         active = int(torch.unique(ids).numel())
         floor = self.roofline.floor_us(m, tokens, active, FP4_BYTES_PER_WEIGHT)
         cells = [m.name, str(tokens)]

@@ -39,8 +39,8 @@ from common import (  # noqa: E402
     moe_call,
     prepare_engines,
     progress,
-    random_batch,
     random_weights,
+    row_batch,
     run_models,
 )
 
@@ -123,7 +123,7 @@ def bench_model(args: argparse.Namespace, report: Report, m: ModelShape, gen: to
     progress(f"{m.name}: random BF16 weights, NVFP4 weights for {', '.join(args.engines)}")
     prepared = prepare_engines(m, *random_weights(m, gen), args.engines, max(args.tokens), report)
     for tokens in args.tokens:
-        batch = random_batch(m, tokens, gen)
+        batch = row_batch(m, tokens)
         for engine in args.engines:
             if engine not in prepared:
                 continue

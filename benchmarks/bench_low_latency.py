@@ -1,6 +1,6 @@
 """Benchmark the low-latency MoE call (contract 004) per weight format against its weight-bytes floor and peers.
 
-Per model (top-8 presets) and T in {1, 2, 4, 8}: uniform random distinct routing (common.random_batch), the
+Per model (top-8 presets) and T in {1, 2, 4, 8}: uniform random distinct routing (common.row_batch), the
 distinct experts it touches, and per weight format the time of ``low_latency_moe`` (SwiGLU, finalized BF16
 output, or FP16 for FP16 weights) with the engine it ran on (engine="auto": the tuned choice where
 ``LowLatencyMoeConfig.tune`` stored one, else the registry's fixed rule; --engine names one for every call,
@@ -53,8 +53,8 @@ from common import (  # noqa: E402
     moe_call,
     prepare_engines,
     progress,
-    random_batch,
     random_weights,
+    row_batch,
     run_models,
 )
 
@@ -183,7 +183,7 @@ class LowLatencyBench:
         args, report = self.args, self.report
         formats = [WeightFormat(f) for f in args.formats]
         config = LowLatencyMoeConfig(max(args.tokens), engine=args.engine)
-        batches = {t: random_batch(m, t, gen) for t in args.tokens}
+        batches = {t: row_batch(m, t) for t in args.tokens}
         touched = {t: int(torch.unique(ids).numel()) for t, (_, ids, _) in batches.items()}
         needs_source = args.peers or any(f in (WeightFormat.BF16, WeightFormat.FP16) for f in formats)
         w1 = w2 = None

@@ -46,8 +46,8 @@ from common import (  # noqa: E402
     positive_int,
     prepare_engines,
     progress,
-    random_batch,
     random_weights,
+    row_batch,
     run_models,
 )
 
@@ -177,7 +177,7 @@ class MoeBench:
             self.int4.prepare(w1, w2)
         w1_t, w2_t = w1.transpose(1, 2), w2.transpose(1, 2)
         for tokens in args.tokens:
-            batch = random_batch(m, tokens, gen)
+            batch = row_batch(m, tokens)
             x, ids, route_w = batch
             active = int(torch.unique(ids).numel())
             fp4_floor = self.roofline.floor_us(m, tokens, active, FP4_BYTES_PER_WEIGHT)

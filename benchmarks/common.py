@@ -19,6 +19,7 @@ import statistics
 import subprocess
 import sys
 import time
+import zlib
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -232,6 +233,15 @@ def random_batch(m: ModelShape, tokens: int, gen: torch.Generator) -> tuple[torc
     x = torch.randn(tokens, m.hidden, device=dev, dtype=torch.bfloat16, generator=gen)
     ids = torch.rand(tokens, m.experts, device=dev, generator=gen).argsort(1)[:, : m.top_k].to(torch.int32)
     return x, ids, torch.softmax(torch.randn(tokens, m.top_k, device=dev, generator=gen), 1)
+
+
+def row_batch(m: ModelShape, tokens: int, device: str | torch.device = "cuda") -> tuple[torch.Tensor, torch.Tensor,
+                                                                                        torch.Tensor]:
+    """The batch of row (m, T) of every benchmark: random_batch from a generator seeded by the preset's key and T
+    alone, so a row draws the same tokens and routing in every script and whatever else the run measures (other
+    models, other token counts, weights drawn before it)."""
+    seed = zlib.crc32(f"{m.key}/{tokens}".encode())
+    return random_batch(m, tokens, torch.Generator(device=device).manual_seed(seed))
 
 
 Prepared = dict[str, tuple[Nvfp4MoeConfig, Nvfp4Weights]]

@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import (  # noqa: E402
     Report, Timer, capture, gpu_missing, header_line, kernel_launches, make_parser, md_row, measure_engine, moe_call,
-    prepare_engines, progress, random_batch, random_weights, run_models,
+    prepare_engines, progress, random_weights, row_batch, run_models,
 )
 
 Kernel = tuple[str, int, int]  # name, start and end in ns (CUPTI's clock)
@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         progress(f"{m.name}: random BF16 weights, NVFP4 weights for {', '.join(args.engines)}")
         prepared = prepare_engines(m, *random_weights(m, gen), args.engines, max(args.tokens), report)
         for tokens in args.tokens:
-            batch = random_batch(m, tokens, gen)
+            batch = row_batch(m, tokens)
             for engine in args.engines:
                 def measure(config, weights):  # noqa: ANN001, ANN202
                     graph = capture(moe_call(config, weights, *batch), keep_graph=True)  # noqa: B023

@@ -31,8 +31,8 @@ from common import (  # noqa: E402
     positive_int,
     prepare_engines,
     progress,
-    random_batch,
     random_weights,
+    row_batch,
 )
 
 
@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
         progress(f"{m.name}: random BF16 weights, NVFP4 weights for {', '.join(args.engines)}")
         prepared = prepare_engines(m, *random_weights(m, gen), args.engines, max(args.tokens), Report())
         for tokens in args.tokens:
-            batch = random_batch(m, tokens, gen)
+            batch = row_batch(m, tokens)
             for engine, (config, weights) in prepared.items():
                 call = moe_call(config, weights, *batch)
                 for _ in range(3):  # the eager call, then the full-call graph's capture and replay

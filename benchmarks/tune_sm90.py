@@ -20,8 +20,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import (  # noqa: E402
-    Report, Timer, capture, executor_for, gpu_missing, header_line, make_parser, md_row, moe_call, random_batch,
-    random_weights, run_models,
+    Report, Timer, capture, executor_for, gpu_missing, header_line, make_parser, md_row, moe_call, random_weights,
+    row_batch, run_models,
 )
 
 from cudnn_moe import Nvfp4MoeConfig, SwiGLU  # noqa: E402
@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         weights = config.prepare_weights(*random_weights(m, gen), activation=SwiGLU())
         executor = executor_for(m, config, weights)
         for tokens in args.tokens:
-            moe_call(config, weights, *random_batch(m, tokens, gen))()
+            moe_call(config, weights, *row_batch(m, tokens))()
             bucket = executor.bucket(tokens)
             source = token_rows(bucket)
             gemm1 = bucket.gemm1 if source is None else full_buffers(bucket.gemm1, source, bucket.row_to_slot, m.top_k)

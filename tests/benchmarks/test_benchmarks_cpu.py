@@ -187,6 +187,24 @@ def test_slow_cudnn_skip_and_cell_status() -> None:
     assert report.notes == ["DeepSeek-V3 engine cudnn: NotImplementedError: no kernel ('error' cells)"]
 
 
+def test_row_batch_depends_on_the_row_alone() -> None:
+    """A row's batch is the same whatever was drawn before it (weights, other rows), differs between token counts and
+    models, and holds distinct in-range ids with softmax weights."""
+    first = common.row_batch(TINY, 5, "cpu")
+    common.random_weights(TINY, torch.Generator().manual_seed(7))
+    common.row_batch(TINY, 3, "cpu")
+    again = common.row_batch(TINY, 5, "cpu")
+    for a, b in zip(first, again):
+        assert torch.equal(a, b)
+    other = common.ModelShape("tiny2", "Tiny 2", experts=8, hidden=256, intermediate=128, top_k=2)
+    assert not torch.equal(common.row_batch(TINY, 6, "cpu")[1][:5], first[1])
+    assert not torch.equal(common.row_batch(other, 5, "cpu")[1], first[1])
+    x, ids, route_w = first
+    assert x.shape == (5, TINY.hidden) and x.dtype == torch.bfloat16 and ids.dtype == torch.int32
+    assert all(len(set(row.tolist())) == TINY.top_k for row in ids) and 0 <= ids.min() and ids.max() < TINY.experts
+    assert torch.allclose(route_w.sum(1), torch.ones(5))
+
+
 @pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="torch without _grouped_mm")
 def test_bf16_peer_matches_a_loop() -> None:
     gen = torch.Generator().manual_seed(0)
