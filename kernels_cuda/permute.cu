@@ -1,6 +1,7 @@
 // Gather token rows into expert-sorted rows for the first grouped GEMM; for decode buckets, the routing sort
 // and the gather in one launch (moe_sort_permute_bf16*).
 #include "common.cuh"
+#include "l2_warm.cuh"
 #include "mxfp8.cuh"
 #include "sort.cuh"
 
@@ -100,7 +101,8 @@ extern "C" __global__ void moe_permute_bf16_tokens(const u16* __restrict__ x, co
 // token's slots hit L1 / L2) and expanded into its four BF16 pieces (expand(raw, piece)). The first pair's
 // fetch is issued BEFORE the sort (the tokens need nothing from it), so its latency overlaps the sort's; its row
 // comes from the block's sort (shared memory). The ids come from get_ids(), called by every thread once that first
-// fetch is issued (the num_slots ids, global or shared memory). Same outputs, bit for bit, as moe_sort followed by
+// fetch is issued (the num_slots ids, global or shared memory). `grid`: the launch's blocks that take part (blocks
+// 0 .. grid - 1; the staged kernels' later blocks warm L2 instead). Same outputs, bit for bit, as moe_sort followed by
 // moe_permute_bf16 / moe_permute_bf16_tokens. Any grid of at least one block (cudnn_moe/kernels/sort.py:
 // SORT_PERMUTE_BLOCK_PAIRS pairs per block, at most SORT_PERMUTE_MAX_BLOCKS blocks).
 // WarpOnly: for num_slots <= SORT_WARP_SLOTS (returns without writing for more), the one-warp sort alone
@@ -111,14 +113,13 @@ __device__ __forceinline__ void sort_permute(GetIds get_ids, int num_slots, int 
                                              int* __restrict__ offsets, int* __restrict__ slot_to_row,
                                              int* __restrict__ row_to_slot, int* __restrict__ row_expert,
                                              int* __restrict__ counts, u16* __restrict__ xp, Fetch fetch,
-                                             Expand expand) {
+                                             Expand expand, int grid) {
   __shared__ int slot_rows[SORT_THREADS];
   if (blockDim.x != SORT_THREADS || num_slots > SORT_THREADS || num_experts < 1 || num_experts > SORT_MAX_EXPERTS ||
       align < 1 || top_k < 1 || hidden % 64)
     return;
   const int units = hidden / 32;
   const int pairs = num_slots * units;  // <= SORT_THREADS * (H / 32): fits an int for any H below 2^26
-  const int grid = static_cast<int>(gridDim.x);
   const int per_block = min(SORT_THREADS, (pairs + grid - 1) / grid);  // threads of a block with a pair
   const int stride = grid * per_block;
   int p = static_cast<int>(threadIdx.x) < per_block ? static_cast<int>(blockIdx.x) * per_block + threadIdx.x : pairs;
@@ -178,7 +179,7 @@ extern "C" __global__ void __launch_bounds__(SORT_THREADS)
   sort_permute<false>(
       [&] { return ids; }, num_slots, top_k, local_start, num_experts, align, row_capacity, hidden, layout, offsets,
       slot_to_row, row_to_slot, row_expert, counts, xp,
-      [&](i64 t, int u) { return fetch_nvfp4_unit(xs, xss, hidden, t, u); }, expand_nvfp4_unit);
+      [&](i64 t, int u) { return fetch_nvfp4_unit(xs, xss, hidden, t, u); }, expand_nvfp4_unit, gridDim.x);
 }
 
 // A BF16 unit's four fragment-order pieces.
@@ -198,7 +199,7 @@ extern "C" __global__ void __launch_bounds__(SORT_THREADS)
   sort_permute<false>(
       [&] { return ids; }, num_slots, top_k, local_start, num_experts, align, row_capacity, hidden, layout, offsets,
       slot_to_row, row_to_slot, row_expert, counts, xp, [&](i64 t, int u) { return fetch_bf16_unit(x, hidden, t, u); },
-      expand_bf16_unit);
+      expand_bf16_unit, gridDim.x);
 }
 
 // MXFP8 tokens (codes xs [B, H], 16-byte aligned; E8M0 scales xss [B, H/32]), as their BF16 values.
@@ -212,7 +213,7 @@ extern "C" __global__ void __launch_bounds__(SORT_THREADS)
   sort_permute<false>(
       [&] { return ids; }, num_slots, top_k, local_start, num_experts, align, row_capacity, hidden, layout, offsets,
       slot_to_row, row_to_slot, row_expert, counts, xp,
-      [&](i64 t, int u) { return fetch_mxfp8_unit(xs, xss, hidden, t, u); }, expand_mxfp8_unit);
+      [&](i64 t, int u) { return fetch_mxfp8_unit(xs, xss, hidden, t, u); }, expand_mxfp8_unit, gridDim.x);
 }
 
 // The stage (moe_stage_inputs' routing half) folded into sort_permute, for calls whose launches know the caller's
@@ -221,7 +222,8 @@ extern "C" __global__ void __launch_bounds__(SORT_THREADS)
 // masked), and the gather reads the caller's T tokens (fetch(t, u), called for t < T only). Every block decodes the
 // routing into shared memory (num_slots * 4 bytes of dynamic shared memory); block 0 also writes it to
 // ids_out [B, top_k] and w_out [B, top_k] (moe_stage_inputs' outputs, which the finalize reads). The bucket's token
-// buffers are not written.
+// buffers are not written. The launch's last warm.blocks blocks take no part in that: they warm L2 with the first
+// weight bytes of the GEMM after the launch (warm_weights) and end.
 template <bool WarpOnly, typename Fetch, typename Expand>
 __device__ __forceinline__ void stage_sort_permute(const void* __restrict__ ids, const void* __restrict__ weights,
                                                    int routing_format, int ids_int64, int num_tokens, int num_slots,
@@ -230,26 +232,32 @@ __device__ __forceinline__ void stage_sort_permute(const void* __restrict__ ids,
                                                    float* __restrict__ w_out, int* __restrict__ offsets,
                                                    int* __restrict__ slot_to_row, int* __restrict__ row_to_slot,
                                                    int* __restrict__ row_expert, int* __restrict__ counts,
-                                                   u16* __restrict__ xp, Fetch fetch, Expand expand) {
+                                                   u16* __restrict__ xp, Fetch fetch, Expand expand,
+                                                   const WeightWarm& warm) {
   extern __shared__ __align__(16) int staged_ids[];  // num_slots ints (dynamic: the sort's static arrays fill 44 KB)
+  const auto stage_ids = [&]() -> const int* {
+    for (int i = threadIdx.x; i < num_slots; i += blockDim.x) {
+      int id;
+      float w;
+      decode_route(ids, weights, routing_format, ids_int64, i, i / top_k < num_tokens, id, w);
+      staged_ids[i] = id;
+      if (blockIdx.x == 0) {
+        ids_out[i] = id;
+        w_out[i] = w;
+      }
+    }
+    __syncthreads();
+    return staged_ids;
+  };
+  const int gather_blocks = static_cast<int>(gridDim.x) - warm.blocks;
+  if (static_cast<int>(blockIdx.x) >= gather_blocks) {
+    warm_weights(stage_ids(), num_slots, local_start, num_experts, warm, static_cast<int>(blockIdx.x) - gather_blocks);
+    return;
+  }
   sort_permute<WarpOnly>(
-      [&]() -> const int* {
-        for (int i = threadIdx.x; i < num_slots; i += blockDim.x) {
-          int id;
-          float w;
-          decode_route(ids, weights, routing_format, ids_int64, i, i / top_k < num_tokens, id, w);
-          staged_ids[i] = id;
-          if (blockIdx.x == 0) {
-            ids_out[i] = id;
-            w_out[i] = w;
-          }
-        }
-        __syncthreads();
-        return staged_ids;
-      },
-      num_slots, top_k, local_start, num_experts, align, row_capacity, hidden, layout, offsets, slot_to_row,
+      stage_ids, num_slots, top_k, local_start, num_experts, align, row_capacity, hidden, layout, offsets, slot_to_row,
       row_to_slot, row_expert, counts, xp,
-      [&](i64 t, int u) { return t < num_tokens ? fetch(t, u) : decltype(fetch(t, u)){}; }, expand);
+      [&](i64 t, int u) { return t < num_tokens ? fetch(t, u) : decltype(fetch(t, u)){}; }, expand, gather_blocks);
 }
 
 // stage_sort_permute of tokens given as codes xs (16-byte aligned rows) and 1-byte scales xss, unit u of token t read
@@ -265,11 +273,11 @@ __device__ __forceinline__ void stage_sort_permute_scaled(
     int num_slots, int top_k, int local_start, int num_experts, int align, int row_capacity, int hidden, int layout,
     const u8* __restrict__ xs, const u8* __restrict__ xss, int* __restrict__ ids_out, float* __restrict__ w_out,
     int* __restrict__ offsets, int* __restrict__ slot_to_row, int* __restrict__ row_to_slot,
-    int* __restrict__ row_expert, int* __restrict__ counts, u16* __restrict__ xp) {
+    int* __restrict__ row_expert, int* __restrict__ counts, u16* __restrict__ xp, const WeightWarm& warm) {
   stage_sort_permute<WarpOnly>(
       ids, weights, routing_format, ids_int64, num_tokens, num_slots, top_k, local_start, num_experts, align,
       row_capacity, hidden, layout, ids_out, w_out, offsets, slot_to_row, row_to_slot, row_expert, counts, xp,
-      [&](i64 t, int u) { return Fetch(xs, xss, hidden, t, u); }, Expand);
+      [&](i64 t, int u) { return Fetch(xs, xss, hidden, t, u); }, Expand, warm);
 }
 
 extern "C" __global__ void __launch_bounds__(SORT_THREADS) moe_stage_sort_permute_bf16(
@@ -277,11 +285,14 @@ extern "C" __global__ void __launch_bounds__(SORT_THREADS) moe_stage_sort_permut
     int num_slots, int top_k, int local_start, int num_experts, int align, int row_capacity, int hidden, int layout,
     const u8* __restrict__ xs, const u8* __restrict__ xss, int* __restrict__ ids_out, float* __restrict__ w_out,
     int* __restrict__ offsets, int* __restrict__ slot_to_row, int* __restrict__ row_to_slot,
-    int* __restrict__ row_expert, int* __restrict__ counts, u16* __restrict__ xp) {
+    int* __restrict__ row_expert, int* __restrict__ counts, u16* __restrict__ xp,
+    const u8* __restrict__ warm_codes, const u8* __restrict__ warm_scales, i64 warm_code_row, i64 warm_scale_row,
+    int warm_row_blocks, int warm_code_bytes, int warm_scale_bytes, int warm_experts, int warm_blocks) {
   moe::grid_dependency_begin();
   stage_sort_permute_scaled<false, Nvfp4Unit, fetch_nvfp4_unit, expand_nvfp4_unit>(
       ids, weights, routing_format, ids_int64, num_tokens, num_slots, top_k, local_start, num_experts, align,
-      row_capacity, hidden, layout, xs, xss, ids_out, w_out, offsets, slot_to_row, row_to_slot, row_expert, counts, xp);
+      row_capacity, hidden, layout, xs, xss, ids_out, w_out, offsets, slot_to_row, row_to_slot, row_expert, counts, xp,
+      WARM_ARGS);
 }
 
 extern "C" __global__ void __launch_bounds__(SORT_THREADS) moe_stage_sort_permute_bf16_warp(
@@ -289,11 +300,14 @@ extern "C" __global__ void __launch_bounds__(SORT_THREADS) moe_stage_sort_permut
     int num_slots, int top_k, int local_start, int num_experts, int align, int row_capacity, int hidden, int layout,
     const u8* __restrict__ xs, const u8* __restrict__ xss, int* __restrict__ ids_out, float* __restrict__ w_out,
     int* __restrict__ offsets, int* __restrict__ slot_to_row, int* __restrict__ row_to_slot,
-    int* __restrict__ row_expert, int* __restrict__ counts, u16* __restrict__ xp) {
+    int* __restrict__ row_expert, int* __restrict__ counts, u16* __restrict__ xp,
+    const u8* __restrict__ warm_codes, const u8* __restrict__ warm_scales, i64 warm_code_row, i64 warm_scale_row,
+    int warm_row_blocks, int warm_code_bytes, int warm_scale_bytes, int warm_experts, int warm_blocks) {
   moe::grid_dependency_begin();
   stage_sort_permute_scaled<true, Nvfp4Unit, fetch_nvfp4_unit, expand_nvfp4_unit>(
       ids, weights, routing_format, ids_int64, num_tokens, num_slots, top_k, local_start, num_experts, align,
-      row_capacity, hidden, layout, xs, xss, ids_out, w_out, offsets, slot_to_row, row_to_slot, row_expert, counts, xp);
+      row_capacity, hidden, layout, xs, xss, ids_out, w_out, offsets, slot_to_row, row_to_slot, row_expert, counts, xp,
+      WARM_ARGS);
 }
 
 // stage_sort_permute of BF16 tokens (x bf16 [T, H], 16-byte aligned), as they are: the same outputs, bit for bit, as
@@ -304,11 +318,11 @@ __device__ __forceinline__ void stage_sort_permute_tokens(
     int num_slots, int top_k, int local_start, int num_experts, int align, int row_capacity, int hidden, int layout,
     const u16* __restrict__ x, int* __restrict__ ids_out, float* __restrict__ w_out, int* __restrict__ offsets,
     int* __restrict__ slot_to_row, int* __restrict__ row_to_slot, int* __restrict__ row_expert,
-    int* __restrict__ counts, u16* __restrict__ xp) {
+    int* __restrict__ counts, u16* __restrict__ xp, const WeightWarm& warm) {
   stage_sort_permute<WarpOnly>(
       ids, weights, routing_format, ids_int64, num_tokens, num_slots, top_k, local_start, num_experts, align,
       row_capacity, hidden, layout, ids_out, w_out, offsets, slot_to_row, row_to_slot, row_expert, counts, xp,
-      [&](i64 t, int u) { return fetch_bf16_unit(x, hidden, t, u); }, expand_bf16_unit);
+      [&](i64 t, int u) { return fetch_bf16_unit(x, hidden, t, u); }, expand_bf16_unit, warm);
 }
 
 extern "C" __global__ void __launch_bounds__(SORT_THREADS) moe_stage_sort_permute_bf16_tokens(
@@ -316,11 +330,14 @@ extern "C" __global__ void __launch_bounds__(SORT_THREADS) moe_stage_sort_permut
     int num_slots, int top_k, int local_start, int num_experts, int align, int row_capacity, int hidden, int layout,
     const u16* __restrict__ x, int* __restrict__ ids_out, float* __restrict__ w_out, int* __restrict__ offsets,
     int* __restrict__ slot_to_row, int* __restrict__ row_to_slot, int* __restrict__ row_expert,
-    int* __restrict__ counts, u16* __restrict__ xp) {
+    int* __restrict__ counts, u16* __restrict__ xp,
+    const u8* __restrict__ warm_codes, const u8* __restrict__ warm_scales, i64 warm_code_row, i64 warm_scale_row,
+    int warm_row_blocks, int warm_code_bytes, int warm_scale_bytes, int warm_experts, int warm_blocks) {
   moe::grid_dependency_begin();
   stage_sort_permute_tokens<false>(ids, weights, routing_format, ids_int64, num_tokens, num_slots, top_k, local_start,
                                    num_experts, align, row_capacity, hidden, layout, x, ids_out, w_out, offsets,
-                                   slot_to_row, row_to_slot, row_expert, counts, xp);
+                                   slot_to_row, row_to_slot, row_expert, counts, xp,
+      WARM_ARGS);
 }
 
 extern "C" __global__ void __launch_bounds__(SORT_THREADS) moe_stage_sort_permute_bf16_tokens_warp(
@@ -328,11 +345,14 @@ extern "C" __global__ void __launch_bounds__(SORT_THREADS) moe_stage_sort_permut
     int num_slots, int top_k, int local_start, int num_experts, int align, int row_capacity, int hidden, int layout,
     const u16* __restrict__ x, int* __restrict__ ids_out, float* __restrict__ w_out, int* __restrict__ offsets,
     int* __restrict__ slot_to_row, int* __restrict__ row_to_slot, int* __restrict__ row_expert,
-    int* __restrict__ counts, u16* __restrict__ xp) {
+    int* __restrict__ counts, u16* __restrict__ xp,
+    const u8* __restrict__ warm_codes, const u8* __restrict__ warm_scales, i64 warm_code_row, i64 warm_scale_row,
+    int warm_row_blocks, int warm_code_bytes, int warm_scale_bytes, int warm_experts, int warm_blocks) {
   moe::grid_dependency_begin();
   stage_sort_permute_tokens<true>(ids, weights, routing_format, ids_int64, num_tokens, num_slots, top_k, local_start,
                                   num_experts, align, row_capacity, hidden, layout, x, ids_out, w_out, offsets,
-                                  slot_to_row, row_to_slot, row_expert, counts, xp);
+                                  slot_to_row, row_to_slot, row_expert, counts, xp,
+      WARM_ARGS);
 }
 
 // stage_sort_permute_scaled of MXFP8 tokens, as their BF16 values: the two kernels as NVFP4's.
@@ -341,11 +361,14 @@ extern "C" __global__ void __launch_bounds__(SORT_THREADS) moe_stage_sort_permut
     int num_slots, int top_k, int local_start, int num_experts, int align, int row_capacity, int hidden, int layout,
     const u8* __restrict__ xs, const u8* __restrict__ xss, int* __restrict__ ids_out, float* __restrict__ w_out,
     int* __restrict__ offsets, int* __restrict__ slot_to_row, int* __restrict__ row_to_slot,
-    int* __restrict__ row_expert, int* __restrict__ counts, u16* __restrict__ xp) {
+    int* __restrict__ row_expert, int* __restrict__ counts, u16* __restrict__ xp,
+    const u8* __restrict__ warm_codes, const u8* __restrict__ warm_scales, i64 warm_code_row, i64 warm_scale_row,
+    int warm_row_blocks, int warm_code_bytes, int warm_scale_bytes, int warm_experts, int warm_blocks) {
   moe::grid_dependency_begin();
   stage_sort_permute_scaled<false, Mxfp8Unit, fetch_mxfp8_unit, expand_mxfp8_unit>(
       ids, weights, routing_format, ids_int64, num_tokens, num_slots, top_k, local_start, num_experts, align,
-      row_capacity, hidden, layout, xs, xss, ids_out, w_out, offsets, slot_to_row, row_to_slot, row_expert, counts, xp);
+      row_capacity, hidden, layout, xs, xss, ids_out, w_out, offsets, slot_to_row, row_to_slot, row_expert, counts, xp,
+      WARM_ARGS);
 }
 
 extern "C" __global__ void __launch_bounds__(SORT_THREADS) moe_stage_sort_permute_bf16_mxfp8_warp(
@@ -353,9 +376,12 @@ extern "C" __global__ void __launch_bounds__(SORT_THREADS) moe_stage_sort_permut
     int num_slots, int top_k, int local_start, int num_experts, int align, int row_capacity, int hidden, int layout,
     const u8* __restrict__ xs, const u8* __restrict__ xss, int* __restrict__ ids_out, float* __restrict__ w_out,
     int* __restrict__ offsets, int* __restrict__ slot_to_row, int* __restrict__ row_to_slot,
-    int* __restrict__ row_expert, int* __restrict__ counts, u16* __restrict__ xp) {
+    int* __restrict__ row_expert, int* __restrict__ counts, u16* __restrict__ xp,
+    const u8* __restrict__ warm_codes, const u8* __restrict__ warm_scales, i64 warm_code_row, i64 warm_scale_row,
+    int warm_row_blocks, int warm_code_bytes, int warm_scale_bytes, int warm_experts, int warm_blocks) {
   moe::grid_dependency_begin();
   stage_sort_permute_scaled<true, Mxfp8Unit, fetch_mxfp8_unit, expand_mxfp8_unit>(
       ids, weights, routing_format, ids_int64, num_tokens, num_slots, top_k, local_start, num_experts, align,
-      row_capacity, hidden, layout, xs, xss, ids_out, w_out, offsets, slot_to_row, row_to_slot, row_expert, counts, xp);
+      row_capacity, hidden, layout, xs, xss, ids_out, w_out, offsets, slot_to_row, row_to_slot, row_expert, counts, xp,
+      WARM_ARGS);
 }

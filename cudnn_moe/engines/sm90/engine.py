@@ -17,12 +17,14 @@ tile to GEMM2 (``tile_handoff``), which then computes those tiles while GEMM1's 
 
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 
 import torch
 
 from ...arch import SM90, Arch
 from ...kernels.codes import SORT_MAX_EXPERTS, TokenLayout
+from ...kernels.l2_warm import CODE_CHUNK, LINE, L2Warm
 from ..base import (
     NVFP4,
     OP_ALIGNED,
@@ -115,6 +117,20 @@ _EARLY_MAX_TOKENS = 4
 # fused_moe call, us, main / handoff (benchmarks/RESULTS.md, twenty-eighth session): Qwen3-30B-A3B T=8 70.5 / 66.4-66.7,
 # DeepSeek-V3 T=8 441.4-441.8 / 431.8-433.2; Qwen3-30B-A3B T=64 124.4-124.5 / 126.0-126.7, so not past 64 slots.
 _HANDOFF_MAX_SLOTS = 64
+
+
+# L2 warming (L2Warm) before a decode GEMM1 of weight tiles: bytes asked for in all, and blocks that ask. EXPERIMENT:
+# $CUDNN_MOE_L2_WARM = "MB[,blocks]" (off when unset or 0).
+_L2_WARM_ENV = "CUDNN_MOE_L2_WARM"
+
+
+def _l2_warm_setting() -> tuple[int, int]:
+    """(bytes, blocks) of L2 warming from $CUDNN_MOE_L2_WARM."""
+    value = os.environ.get(_L2_WARM_ENV, "")
+    if not value:
+        return 0, 0
+    parts = value.split(",")
+    return int(float(parts[0]) * 2**20), int(parts[1]) if len(parts) > 1 else 16
 
 
 def _slots(rows: int, num_experts: int) -> int:
@@ -414,6 +430,31 @@ class Sm90GemmEngine(GemmEngine):
                      alpha_split=w.alpha_split, gather=gather, epilogue=epilogue, finalize=finalize, tickets=tickets,
                      route=route, early=self._early(operands, variant), handoff=operands.handoff,
                      code=w.code, swap_halves=w.halves_swapped)
+
+    def l2_warm(self, gemm1: GemmOperands) -> L2Warm | None:
+        """GEMM1's weight tiles (NVFP4, MXFP4 or MXINT4 on a decode variant), each row block's stream being K/64 tiles
+        of codes and of scales: the first bytes of every row block of the experts of its first wave of CTAs, within
+        the warming budget (_l2_warm_setting)."""
+        budget, blocks = _l2_warm_setting()
+        w, shape = gemm1.weights, gemm1.shape
+        if budget <= 0 or w.code not in (BlockCode.NVFP4, BlockCode.MXFP4, BlockCode.MXINT4):
+            return None
+        variant = self.variant(gemm1.rows, shape, gemm=1, code=w.code)
+        if not isinstance(variant, DecodeVariant) or variant.row_major or variant.bf16_weights:
+            return None
+        tiles = shape.k // TILE_K
+        tile_scale_bytes = 32 if w.code is BlockCode.MXFP4 else 64
+        row_blocks, code_row, scale_row = shape.n // 16, tiles * CODE_CHUNK, tiles * tile_scale_bytes
+        experts = min(shape.num_experts, SORT_MAX_EXPERTS,
+                      max(1, _cta_slots(variant, self.sm_count) // (shape.n // variant.feature_block)))
+        per_row_block = budget // (experts * row_blocks)
+        code_bytes = min(code_row, per_row_block * code_row // (code_row + scale_row) // CODE_CHUNK * CODE_CHUNK)
+        if code_bytes == 0 or scale_row % LINE or not (w.data.is_contiguous() and w.scales.is_contiguous()):
+            return None
+        warm_tiles = code_bytes // CODE_CHUNK
+        scale_bytes = min(scale_row, -(-warm_tiles * tile_scale_bytes // LINE) * LINE)
+        return L2Warm(w.data.reshape(-1).view(torch.uint8), w.scales.reshape(-1).view(torch.uint8), row_blocks,
+                      code_row, scale_row, code_bytes, scale_bytes, experts, blocks)
 
     def _early(self, operands: GemmOperands, variant: GemmVariant) -> EarlyRouting | None:
         """operands.early where the decode kernel takes it, for its first wave of CTAs: on a call of at most
