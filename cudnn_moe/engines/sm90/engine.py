@@ -119,18 +119,21 @@ _EARLY_MAX_TOKENS = 4
 _HANDOFF_MAX_SLOTS = 64
 
 
-# L2 warming (L2Warm) before a decode GEMM1 of weight tiles: bytes asked for in all, and blocks that ask. EXPERIMENT:
-# $CUDNN_MOE_L2_WARM = "MB[,blocks]" (off when unset or 0).
+# L2 warming (L2Warm) before a decode GEMM1 of weight tiles: the share of each row block's stream warmed, for the
+# experts of GEMM1's first wave of CTAs, and the blocks that ask. EXPERIMENT: $CUDNN_MOE_L2_WARM = "share[,blocks]"
+# overrides them ("0": off).
+_L2_WARM_SHARE = 0.3
+_L2_WARM_BLOCKS = 32
 _L2_WARM_ENV = "CUDNN_MOE_L2_WARM"
 
 
-def _l2_warm_setting() -> tuple[int, int]:
-    """(bytes, blocks) of L2 warming from $CUDNN_MOE_L2_WARM."""
+def _l2_warm_setting() -> tuple[float, int]:
+    """(share, blocks) of L2 warming."""
     value = os.environ.get(_L2_WARM_ENV, "")
     if not value:
-        return 0, 0
+        return _L2_WARM_SHARE, _L2_WARM_BLOCKS
     parts = value.split(",")
-    return int(float(parts[0]) * 2**20), int(parts[1]) if len(parts) > 1 else 16
+    return float(parts[0]), int(parts[1]) if len(parts) > 1 else _L2_WARM_BLOCKS
 
 
 def _slots(rows: int, num_experts: int) -> int:
@@ -433,11 +436,11 @@ class Sm90GemmEngine(GemmEngine):
 
     def l2_warm(self, gemm1: GemmOperands) -> L2Warm | None:
         """GEMM1's weight tiles (NVFP4, MXFP4 or MXINT4 on a decode variant), each row block's stream being K/64 tiles
-        of codes and of scales: the first bytes of every row block of the experts of its first wave of CTAs, within
-        the warming budget (_l2_warm_setting)."""
-        budget, blocks = _l2_warm_setting()
+        of codes and of scales: the first _L2_WARM_SHARE of every row block of the experts of its first wave of
+        CTAs."""
+        share, blocks = _l2_warm_setting()
         w, shape = gemm1.weights, gemm1.shape
-        if budget <= 0 or w.code not in (BlockCode.NVFP4, BlockCode.MXFP4, BlockCode.MXINT4):
+        if share <= 0 or w.code not in (BlockCode.NVFP4, BlockCode.MXFP4, BlockCode.MXINT4):
             return None
         variant = self.variant(gemm1.rows, shape, gemm=1, code=w.code)
         if not isinstance(variant, DecodeVariant) or variant.row_major or variant.bf16_weights:
@@ -447,8 +450,7 @@ class Sm90GemmEngine(GemmEngine):
         row_blocks, code_row, scale_row = shape.n // 16, tiles * CODE_CHUNK, tiles * tile_scale_bytes
         experts = min(shape.num_experts, SORT_MAX_EXPERTS,
                       max(1, _cta_slots(variant, self.sm_count) // (shape.n // variant.feature_block)))
-        per_row_block = budget // (experts * row_blocks)
-        code_bytes = min(code_row, per_row_block * code_row // (code_row + scale_row) // CODE_CHUNK * CODE_CHUNK)
+        code_bytes = min(code_row, int(share * tiles) * CODE_CHUNK)
         if code_bytes == 0 or scale_row % LINE or not (w.data.is_contiguous() and w.scales.is_contiguous()):
             return None
         warm_tiles = code_bytes // CODE_CHUNK
