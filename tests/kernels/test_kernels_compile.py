@@ -19,6 +19,7 @@ from cudnn_moe import kernels
 from cudnn_moe.activations import SwiGLU
 from cudnn_moe.formats import decode_e2m1, encode_e2m1
 from cudnn_moe.kernels import SORT_THREADS
+from cudnn_moe.kernels.l2_warm import L2Warm
 from cudnn_moe.kernels.sort import sort_grid
 from tests.support.kernel_sources import ARG_TYPES, CXX, HOST_PRELUDE, NVCC, compiled, host_program, kernel_signatures
 from tests.support.number_formats import check_format_helpers, format_inputs
@@ -348,3 +349,16 @@ def test_decode_route_reads_every_routing_format(tmp_path: Path, routing: str) -
     got = np.fromfile(tmp_path / "out.bin", dtype=np.int32).reshape(slots, 2)
     assert torch.equal(torch.from_numpy(got[:, 0].copy()), want_ids)
     assert torch.equal(torch.from_numpy(got[:, 1].copy()).view(torch.float32), want_w)
+
+
+def test_l2_warm_geometry_is_checked() -> None:
+    """L2Warm refuses prefixes that are not whole 512-byte tiles (codes) or 128-byte lines (scales), prefixes past a
+    row block, and tensors that are not whole experts of uint8."""
+    codes, scales = torch.zeros(2 * 3 * 1024, dtype=torch.uint8), torch.zeros(2 * 3 * 128, dtype=torch.uint8)
+    good = dict(codes=codes, scales=scales, row_blocks=3, code_row=1024, scale_row=128, code_bytes=512,
+                scale_bytes=128, experts=2, blocks=4)
+    L2Warm(**good)
+    for bad in (dict(code_bytes=256), dict(code_bytes=1536), dict(scale_bytes=64), dict(scale_bytes=256),
+                dict(experts=0), dict(blocks=0), dict(codes=codes[:-1]), dict(scales=scales.view(torch.int8))):
+        with pytest.raises(ValueError, match="L2Warm"):
+            L2Warm(**{**good, **bad})

@@ -17,7 +17,6 @@ tile to GEMM2 (``tile_handoff``), which then computes those tiles while GEMM1's 
 
 from __future__ import annotations
 
-import os
 from dataclasses import replace
 
 import torch
@@ -119,21 +118,15 @@ _EARLY_MAX_TOKENS = 4
 _HANDOFF_MAX_SLOTS = 64
 
 
-# L2 warming (L2Warm) before a decode GEMM1 of weight tiles: the share of each row block's stream warmed, for the
-# experts of GEMM1's first wave of CTAs, and the blocks that ask. EXPERIMENT: $CUDNN_MOE_L2_WARM = "share[,blocks]"
-# overrides them ("0": off).
-_L2_WARM_SHARE = 0.3
+# L2 warming (L2Warm): before a decode GEMM1 of weight tiles, the staged sort + permute launch (DRAM idle) asks L2 for
+# this share of every row block's stream of the experts GEMM1's first wave of CTAs computes, with this many extra
+# blocks. Whole fused_moe chain on an H100, us, off / 0.15 / 0.3 / 0.45 / 0.6 (benchmarks/RESULTS.md, forty-fourth
+# session): Qwen3-30B-A3B T=8 79.0 / 77.8 / 77.2 / 76.1 / 76.0, DeepSeek-V3 T=2 157.8 / 155.0 / 152.4 / 155.4 / -, T=4
+# 293.4 / - / - / 283.4 / 289.3, T=8 513.2 / 508.2 / 500.0 / 496.8 / 500.5, T=64 1962 / 1959 / 1952 / 1945 / -;
+# Qwen3-30B-A3B T=2, 4 and 64 within their noise (about 1 us). With 8 MB warmed at Qwen3-30B-A3B T=8, 8 / 16 / 32
+# blocks: 78.4 / 76.8 / 76.5.
+_L2_WARM_SHARE = 0.45
 _L2_WARM_BLOCKS = 32
-_L2_WARM_ENV = "CUDNN_MOE_L2_WARM"
-
-
-def _l2_warm_setting() -> tuple[float, int]:
-    """(share, blocks) of L2 warming."""
-    value = os.environ.get(_L2_WARM_ENV, "")
-    if not value:
-        return _L2_WARM_SHARE, _L2_WARM_BLOCKS
-    parts = value.split(",")
-    return float(parts[0]), int(parts[1]) if len(parts) > 1 else _L2_WARM_BLOCKS
 
 
 def _slots(rows: int, num_experts: int) -> int:
@@ -438,9 +431,8 @@ class Sm90GemmEngine(GemmEngine):
         """GEMM1's weight tiles (NVFP4, MXFP4 or MXINT4 on a decode variant), each row block's stream being K/64 tiles
         of codes and of scales: the first _L2_WARM_SHARE of every row block of the experts of its first wave of
         CTAs."""
-        share, blocks = _l2_warm_setting()
         w, shape = gemm1.weights, gemm1.shape
-        if share <= 0 or w.code not in (BlockCode.NVFP4, BlockCode.MXFP4, BlockCode.MXINT4):
+        if w.code not in (BlockCode.NVFP4, BlockCode.MXFP4, BlockCode.MXINT4):
             return None
         variant = self.variant(gemm1.rows, shape, gemm=1, code=w.code)
         if not isinstance(variant, DecodeVariant) or variant.row_major or variant.bf16_weights:
@@ -450,13 +442,13 @@ class Sm90GemmEngine(GemmEngine):
         row_blocks, code_row, scale_row = shape.n // 16, tiles * CODE_CHUNK, tiles * tile_scale_bytes
         experts = min(shape.num_experts, SORT_MAX_EXPERTS,
                       max(1, _cta_slots(variant, self.sm_count) // (shape.n // variant.feature_block)))
-        code_bytes = min(code_row, int(share * tiles) * CODE_CHUNK)
+        code_bytes = min(code_row, int(_L2_WARM_SHARE * tiles) * CODE_CHUNK)
         if code_bytes == 0 or scale_row % LINE or not (w.data.is_contiguous() and w.scales.is_contiguous()):
             return None
         warm_tiles = code_bytes // CODE_CHUNK
         scale_bytes = min(scale_row, -(-warm_tiles * tile_scale_bytes // LINE) * LINE)
         return L2Warm(w.data.reshape(-1).view(torch.uint8), w.scales.reshape(-1).view(torch.uint8), row_blocks,
-                      code_row, scale_row, code_bytes, scale_bytes, experts, blocks)
+                      code_row, scale_row, code_bytes, scale_bytes, experts, _L2_WARM_BLOCKS)
 
     def _early(self, operands: GemmOperands, variant: GemmVariant) -> EarlyRouting | None:
         """operands.early where the decode kernel takes it, for its first wave of CTAs: on a call of at most

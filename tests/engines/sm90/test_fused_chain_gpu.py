@@ -242,6 +242,40 @@ def test_early_routing_changes_no_bit(tokens: int, top_k: int, local) -> None:
         assert torch.equal(run_gemm2(early), want_rows), f"GEMM2, {name}"
 
 
+@pytest.mark.parametrize("tokens,top_k,local", [(2, 8, None), (5, 4, (16, 48)), (8, 8, None)])
+def test_l2_warming_changes_no_bit(tokens: int, top_k: int, local, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The call's staged sort + permute launch with its L2-warming blocks (Sm90GemmEngine.l2_warm: they only ask L2 for
+    GEMM1's first weight bytes) finalizes the same output, bit for bit, as without them, into a NaN-poisoned output,
+    and that output matches the float64 reference."""
+    experts, hidden, inter = 64, 1024, 512
+    gen, w1, w2 = _layer(experts, hidden, inter, SwiGLU(), seed=tokens + top_k)
+    config = Nvfp4MoeConfig(max_num_tokens=tokens, engine="sm90")
+    weights = config.prepare_weights(w1, w2, activation=SwiGLU())
+    start, total = local if local is not None else (0, experts)
+    executor = MoeExecutor(weights, engine_for(weights.spec, weights.device), top_k=top_k, activation=SwiGLU(),
+                           local_expert_start=start, max_num_tokens=tokens)
+    bucket = executor.bucket(tokens)
+    warm = executor.engine.l2_warm(bucket.gemm1)
+    assert warm is not None and warm.code_bytes > 0 and warm.experts > 0
+    acts = config.prepare_activations(torch.randn(tokens, hidden, generator=gen).cuda().bfloat16())
+    routing = Routing.unpacked(_ids(tokens, total, top_k, gen, hot=False).cuda(),
+                               (torch.rand(tokens, top_k, generator=gen) + 0.1).cuda())
+    outs = []
+    for warming in (True, False):
+        if not warming:
+            monkeypatch.setattr(type(executor.engine), "l2_warm", lambda self, gemm1: None)
+        caller = CallerInputs(acts, routing, torch.full((tokens, hidden), float("nan"), dtype=torch.bfloat16,
+                                                        device="cuda"))
+        launches = executor.call_launches(bucket, caller)
+        assert launches[0].name == "stage+sort+permute"
+        for _, launch in launches:
+            launch()
+        torch.cuda.synchronize()
+        outs.append(caller.out)
+    assert torch.equal(_bits(outs[0]), _bits(outs[1]))
+    check_close(outs[0], reference_for_prepared(acts, weights, routing, SwiGLU(), local_expert_start=start))
+
+
 LAYER_CASES = [
     # experts, hidden, inter, top_k, tokens, activation, hot, local (start, total)
     (8, 256, 256, 2, 512, SwiGLU(), False, None),
