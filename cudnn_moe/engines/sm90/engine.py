@@ -118,13 +118,14 @@ _EARLY_MAX_TOKENS = 4
 _HANDOFF_MAX_SLOTS = 64
 
 
-# L2 warming (L2Warm): before a decode GEMM1 of weight tiles, the staged sort + permute launch (DRAM idle) asks L2 for
-# this share of every row block's stream of the experts GEMM1's first wave of CTAs computes, with this many extra
-# blocks. Whole fused_moe chain on an H100, us, off / 0.15 / 0.3 / 0.45 / 0.6 (benchmarks/RESULTS.md, forty-fourth
-# session): Qwen3-30B-A3B T=8 79.0 / 77.8 / 77.2 / 76.1 / 76.0, DeepSeek-V3 T=2 157.8 / 155.0 / 152.4 / 155.4 / -, T=4
-# 293.4 / - / - / 283.4 / 289.3, T=8 513.2 / 508.2 / 500.0 / 496.8 / 500.5, T=64 1962 / 1959 / 1952 / 1945 / -;
-# Qwen3-30B-A3B T=2, 4 and 64 within their noise (about 1 us). With 8 MB warmed at Qwen3-30B-A3B T=8, 8 / 16 / 32
-# blocks: 78.4 / 76.8 / 76.5.
+# L2 warming (L2Warm): before a decode GEMM1 of weight tiles that runs past one wave of its CTAs, the staged sort +
+# permute launch (DRAM idle) asks L2 for this share of every row block's stream of the experts GEMM1's first wave
+# computes, with this many extra blocks. Whole fused_moe chain on an H100, us, off / 0.15 / 0.3 / 0.45 / 0.6
+# (benchmarks/RESULTS.md, forty-fourth session): Qwen3-30B-A3B T=8 79.0 / 77.8 / 77.2 / 76.1 / 76.0, DeepSeek-V3 T=4
+# 293.4 / - / - / 283.4 / 289.3, T=8 513.2 / 508.2 / 500.0 / 496.8 / 500.5, T=64 1962 / 1959 / 1952 / 1945 / -. In
+# one wave it does not pay: Qwen3-30B-A3B T=2 and T=4 (384 CTAs) 0.7-1 us slower in bench_moe (their early routing
+# already uses the window), DeepSeek-V3 T=2 (512 CTAs) 157.6 -> 153.7, left out with them. With 8 MB warmed at
+# Qwen3-30B-A3B T=8, 8 / 16 / 32 blocks: 78.4 / 76.8 / 76.5.
 _L2_WARM_SHARE = 0.45
 _L2_WARM_BLOCKS = 32
 
@@ -428,14 +429,15 @@ class Sm90GemmEngine(GemmEngine):
                      code=w.code, swap_halves=w.halves_swapped)
 
     def l2_warm(self, gemm1: GemmOperands) -> L2Warm | None:
-        """GEMM1's weight tiles (NVFP4, MXFP4 or MXINT4 on a decode variant), each row block's stream being K/64 tiles
-        of codes and of scales: the first _L2_WARM_SHARE of every row block of the experts of its first wave of
-        CTAs."""
+        """GEMM1's weight tiles (NVFP4, MXFP4 or MXINT4 on a decode variant past one wave of CTAs), each row block's
+        stream being K/64 tiles of codes and of scales: the first _L2_WARM_SHARE of every row block of the experts of
+        its first wave of CTAs."""
         w, shape = gemm1.weights, gemm1.shape
         if w.code not in (BlockCode.NVFP4, BlockCode.MXFP4, BlockCode.MXINT4):
             return None
         variant = self.variant(gemm1.rows, shape, gemm=1, code=w.code)
-        if not isinstance(variant, DecodeVariant) or variant.row_major or variant.bf16_weights:
+        if (not isinstance(variant, DecodeVariant) or variant.row_major or variant.bf16_weights
+                or decode_ctas(gemm1.rows, shape, variant) <= _cta_slots(variant, self.sm_count)):
             return None
         tiles = shape.k // TILE_K
         tile_scale_bytes = 32 if w.code is BlockCode.MXFP4 else 64

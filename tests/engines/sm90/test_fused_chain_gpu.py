@@ -242,13 +242,14 @@ def test_early_routing_changes_no_bit(tokens: int, top_k: int, local) -> None:
         assert torch.equal(run_gemm2(early), want_rows), f"GEMM2, {name}"
 
 
-@pytest.mark.parametrize("tokens,top_k,local", [(2, 8, None), (5, 4, (16, 48)), (8, 8, None)])
-def test_l2_warming_changes_no_bit(tokens: int, top_k: int, local, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("tokens,local", [(8, None), (6, (32, 160))])
+def test_l2_warming_changes_no_bit(tokens: int, local, monkeypatch: pytest.MonkeyPatch) -> None:
     """The call's staged sort + permute launch with its L2-warming blocks (Sm90GemmEngine.l2_warm: they only ask L2 for
-    GEMM1's first weight bytes) finalizes the same output, bit for bit, as without them, into a NaN-poisoned output,
-    and that output matches the float64 reference."""
-    experts, hidden, inter = 64, 1024, 512
-    gen, w1, w2 = _layer(experts, hidden, inter, SwiGLU(), seed=tokens + top_k)
+    GEMM1's first weight bytes; Qwen3-30B-A3B's shapes, GEMM1 past one wave) finalizes the same output, bit for bit, as
+    without them, into a NaN-poisoned output, and that output matches the float64 reference; also with an
+    expert-parallel subset."""
+    experts, hidden, inter, top_k = 128, 2048, 768, 8
+    gen, w1, w2 = _layer(experts, hidden, inter, SwiGLU(), seed=tokens)
     config = Nvfp4MoeConfig(max_num_tokens=tokens, engine="sm90")
     weights = config.prepare_weights(w1, w2, activation=SwiGLU())
     start, total = local if local is not None else (0, experts)
