@@ -1,6 +1,6 @@
-// L2 warming: blocks of a launch that runs while DRAM idles (the decode chain's staged sort + permute) read the caller's
-// routing and ask L2 for the first bytes of the next GEMM's weight stream, the part its first wave of CTAs loads first.
-// Nothing is written: only where the GEMM's loads are served from can change, never a result.
+// L2 warming: blocks of a launch that runs while DRAM idles (the decode chain's staged sort + permute) read the
+// caller's routing and ask L2 for the first bytes of the next GEMM's weight stream, the part its first wave of CTAs
+// loads first. Nothing is written: only where the GEMM's loads are served from can change, never a result.
 #pragma once
 #include "common.cuh"
 #include "sort.cuh"

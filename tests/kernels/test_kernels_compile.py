@@ -131,6 +131,8 @@ def _wrapper_calls() -> list[tuple[str, Callable[..., None], tuple[Any, ...]]]:
     nvfp4_tokens, bf16_tokens = (z(T, H // 2), z(T, H // 16)), (z(T, H, dtype=bf16), None)
     mxfp8_tokens = (z(T, H).view(torch.float8_e4m3fn), z(T, H // 32).view(torch.float8_e8m0fnu))
     many = kernels.SORT_WARP_SLOTS // k + 1  # a bucket of more slots than the one-warp sort takes
+    warm = L2Warm(z(E * 2 * 1024), z(E * 2 * 128), row_blocks=2, code_row=1024, scale_row=128, code_bytes=512,
+                  scale_bytes=128, experts=E, blocks=2)
 
     def staged_sort(bucket: int) -> tuple[Any, ...]:
         return (z(T, k, dtype=torch.int64), z(T, k, dtype=f32), kernels.ROUTING_FP32, z(bucket, k, dtype=i32),
@@ -158,6 +160,10 @@ def _wrapper_calls() -> list[tuple[str, Callable[..., None], tuple[Any, ...]]]:
         ("moe_stage_sort_permute_bf16_tokens_warp", kernels.stage_sort_permute_bf16, (*bf16_tokens, *staged_sort(B))),
         ("moe_stage_sort_permute_bf16", kernels.stage_sort_permute_bf16, (*nvfp4_tokens, *staged_sort(many))),
         ("moe_stage_sort_permute_bf16_tokens", kernels.stage_sort_permute_bf16, (*bf16_tokens, *staged_sort(many))),
+        *((f"moe_stage_sort_permute_bf16{kind}{form}_warm", kernels.stage_sort_permute_bf16,
+           (*tokens, *staged_sort(bucket), kernels.TokenLayout.BF16_FRAGMENTS, warm))
+          for kind, tokens in (("", nvfp4_tokens), ("_tokens", bf16_tokens), ("_mxfp8", mxfp8_tokens))
+          for form, bucket in (("", many), ("_warp", B))),
         ("moe_activation", kernels.activate_quantize, activation),
         ("moe_finalize", kernels.finalize, finalize),
         ("moe_unfinalized_rows", kernels.unfinalized_rows, unfinalized),
