@@ -120,12 +120,13 @@ _HANDOFF_MAX_SLOTS = 64
 
 # L2 warming (L2Warm): before a decode GEMM1 of weight tiles that runs past one wave of its CTAs, the staged sort +
 # permute launch (DRAM idle) asks L2 for this share of every row block's stream of the experts GEMM1's first wave
-# computes, with this many extra blocks. Whole fused_moe chain on an H100, us, off / 0.15 / 0.3 / 0.45 / 0.6
-# (benchmarks/RESULTS.md, forty-fourth session): Qwen3-30B-A3B T=8 79.0 / 77.8 / 77.2 / 76.1 / 76.0, DeepSeek-V3 T=4
-# 293.4 / - / - / 283.4 / 289.3, T=8 513.2 / 508.2 / 500.0 / 496.8 / 500.5, T=64 1962 / 1959 / 1952 / 1945 / -. In
-# one wave it does not pay: Qwen3-30B-A3B T=2 and T=4 (384 CTAs) 0.7-1 us slower in bench_moe (their early routing
-# already uses the window), DeepSeek-V3 T=2 (512 CTAs) 157.6 -> 153.7, left out with them. With 8 MB warmed at
-# Qwen3-30B-A3B T=8, 8 / 16 / 32 blocks: 78.4 / 76.8 / 76.5.
+# computes, with this many extra blocks. Whole fused_moe chain on an H100, us, off / 0.15 / 0.3 / 0.45 / 0.6, the same
+# kernel code (benchmarks/RESULTS.md, forty-fourth session): Qwen3-30B-A3B T=8 79.0 / 77.8 / 77.2 / 76.1 / 76.0,
+# DeepSeek-V3 T=4 293.4 / - / - / 283.4 / 289.3, T=8 513.2 / 508.2 / 500.0 / 496.8 / 500.5, T=64 1962 / 1959 / 1952 /
+# 1945 / -. The warming kernels cost 1-1.5 us over the plain ones where nothing is warmed (Qwen3-30B-A3B T=2 and T=4,
+# against main), which warming did not win back in one wave there (384 CTAs: within the noise); DeepSeek-V3 T=2 (512
+# CTAs, one wave) gained 4 us with them and is left out by this rule all the same. With 8 MB warmed at Qwen3-30B-A3B
+# T=8, 8 / 16 / 32 blocks: 78.4 / 76.8 / 76.5.
 _L2_WARM_SHARE = 0.45
 _L2_WARM_BLOCKS = 32
 
