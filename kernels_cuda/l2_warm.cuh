@@ -9,7 +9,7 @@ namespace moe {
 
 // What to warm (cudnn_moe/kernels/l2_warm.py L2Warm): weights in row blocks of one expert after another, each row
 // block's stream `code_row` bytes of codes (and `scale_row` bytes of scales) long, row_blocks per expert. The first
-// `code_bytes` (a multiple of 512) and `scale_bytes` (a multiple of 16) of every row block of the first `experts` used
+// `code_bytes` (a multiple of 512) and `scale_bytes` (a multiple of 128) of every row block of the first `experts` used
 // local experts, in ascending id order (the order of the GEMM's tiles), by the launch's last `blocks` blocks.
 struct WeightWarm {
   const u8* codes;
