@@ -1,6 +1,7 @@
 // Gather token rows into expert-sorted rows for the first grouped GEMM; for decode buckets, the routing sort
 // and the gather in one launch (moe_sort_permute_bf16*).
 #include "common.cuh"
+#include "l2_warm.cuh"
 #include "mxfp8.cuh"
 #include "sort.cuh"
 
@@ -100,7 +101,8 @@ extern "C" __global__ void moe_permute_bf16_tokens(const u16* __restrict__ x, co
 // token's slots hit L1 / L2) and expanded into its four BF16 pieces (expand(raw, piece)). The first pair's
 // fetch is issued BEFORE the sort (the tokens need nothing from it), so its latency overlaps the sort's; its row
 // comes from the block's sort (shared memory). The ids come from get_ids(), called by every thread once that first
-// fetch is issued (the num_slots ids, global or shared memory). Same outputs, bit for bit, as moe_sort followed by
+// fetch is issued (the num_slots ids, global or shared memory). The launch's last warm_blocks blocks take no part (the
+// staged _warm kernels' blocks that warm L2). Same outputs, bit for bit, as moe_sort followed by
 // moe_permute_bf16 / moe_permute_bf16_tokens. Any grid of at least one block (cudnn_moe/kernels/sort.py:
 // SORT_PERMUTE_BLOCK_PAIRS pairs per block, at most SORT_PERMUTE_MAX_BLOCKS blocks).
 // WarpOnly: for num_slots <= SORT_WARP_SLOTS (returns without writing for more), the one-warp sort alone
@@ -111,14 +113,14 @@ __device__ __forceinline__ void sort_permute(GetIds get_ids, int num_slots, int 
                                              int* __restrict__ offsets, int* __restrict__ slot_to_row,
                                              int* __restrict__ row_to_slot, int* __restrict__ row_expert,
                                              int* __restrict__ counts, u16* __restrict__ xp, Fetch fetch,
-                                             Expand expand) {
+                                             Expand expand, int warm_blocks = 0) {
   __shared__ int slot_rows[SORT_THREADS];
   if (blockDim.x != SORT_THREADS || num_slots > SORT_THREADS || num_experts < 1 || num_experts > SORT_MAX_EXPERTS ||
       align < 1 || top_k < 1 || hidden % 64)
     return;
   const int units = hidden / 32;
   const int pairs = num_slots * units;  // <= SORT_THREADS * (H / 32): fits an int for any H below 2^26
-  const int grid = static_cast<int>(gridDim.x);
+  const int grid = static_cast<int>(gridDim.x) - warm_blocks;
   const int per_block = min(SORT_THREADS, (pairs + grid - 1) / grid);  // threads of a block with a pair
   const int stride = grid * per_block;
   int p = static_cast<int>(threadIdx.x) < per_block ? static_cast<int>(blockIdx.x) * per_block + threadIdx.x : pairs;
@@ -221,8 +223,12 @@ extern "C" __global__ void __launch_bounds__(SORT_THREADS)
 // masked), and the gather reads the caller's T tokens (fetch(t, u), called for t < T only). Every block decodes the
 // routing into shared memory (num_slots * 4 bytes of dynamic shared memory); block 0 also writes it to
 // ids_out [B, top_k] and w_out [B, top_k] (moe_stage_inputs' outputs, which the finalize reads). The bucket's token
-// buffers are not written.
-template <bool WarpOnly, typename Fetch, typename Expand>
+// buffers are not written. Warm (the kernels named _warm, `warm` not null): the launch's last warm->blocks blocks take
+// no part in that; they warm L2 with the first weight bytes of the GEMM after the launch (warm_weights) and end.
+// Without Warm (`warm` null) the kernels compile to the same SASS as before warming existed (nvcc 13.0, sm_90a): one
+// kernel for both, with the warming passed by reference, compiled otherwise and measured 1-1.5 us slower at
+// Qwen3-30B-A3B T=2 and 4, where it does not warm.
+template <bool WarpOnly, bool Warm, typename Fetch, typename Expand>
 __device__ __forceinline__ void stage_sort_permute(const void* __restrict__ ids, const void* __restrict__ weights,
                                                    int routing_format, int ids_int64, int num_tokens, int num_slots,
                                                    int top_k, int local_start, int num_experts, int align,
@@ -230,26 +236,36 @@ __device__ __forceinline__ void stage_sort_permute(const void* __restrict__ ids,
                                                    float* __restrict__ w_out, int* __restrict__ offsets,
                                                    int* __restrict__ slot_to_row, int* __restrict__ row_to_slot,
                                                    int* __restrict__ row_expert, int* __restrict__ counts,
-                                                   u16* __restrict__ xp, Fetch fetch, Expand expand) {
+                                                   u16* __restrict__ xp, Fetch fetch, Expand expand,
+                                                   const WeightWarm* warm) {
   extern __shared__ __align__(16) int staged_ids[];  // num_slots ints (dynamic: the sort's static arrays fill 44 KB)
+  const auto stage_ids = [&]() -> const int* {
+    for (int i = threadIdx.x; i < num_slots; i += blockDim.x) {
+      int id;
+      float w;
+      decode_route(ids, weights, routing_format, ids_int64, i, i / top_k < num_tokens, id, w);
+      staged_ids[i] = id;
+      if (blockIdx.x == 0) {
+        ids_out[i] = id;
+        w_out[i] = w;
+      }
+    }
+    __syncthreads();
+    return staged_ids;
+  };
+  if constexpr (Warm) {
+    const int gather_blocks = static_cast<int>(gridDim.x) - warm->blocks;
+    if (static_cast<int>(blockIdx.x) >= gather_blocks) {
+      warm_weights(stage_ids(), num_slots, local_start, num_experts, *warm,
+                   static_cast<int>(blockIdx.x) - gather_blocks);
+      return;
+    }
+  }
   sort_permute<WarpOnly>(
-      [&]() -> const int* {
-        for (int i = threadIdx.x; i < num_slots; i += blockDim.x) {
-          int id;
-          float w;
-          decode_route(ids, weights, routing_format, ids_int64, i, i / top_k < num_tokens, id, w);
-          staged_ids[i] = id;
-          if (blockIdx.x == 0) {
-            ids_out[i] = id;
-            w_out[i] = w;
-          }
-        }
-        __syncthreads();
-        return staged_ids;
-      },
-      num_slots, top_k, local_start, num_experts, align, row_capacity, hidden, layout, offsets, slot_to_row,
+      stage_ids, num_slots, top_k, local_start, num_experts, align, row_capacity, hidden, layout, offsets, slot_to_row,
       row_to_slot, row_expert, counts, xp,
-      [&](i64 t, int u) { return t < num_tokens ? fetch(t, u) : decltype(fetch(t, u)){}; }, expand);
+      [&](i64 t, int u) { return t < num_tokens ? fetch(t, u) : decltype(fetch(t, u)){}; }, expand,
+      Warm ? warm->blocks : 0);
 }
 
 // stage_sort_permute of tokens given as codes xs (16-byte aligned rows) and 1-byte scales xss, unit u of token t read
@@ -258,18 +274,18 @@ __device__ __forceinline__ void stage_sort_permute(const void* __restrict__ ids,
 // fetch_mxfp8_unit, expand_mxfp8_unit; as moe_stage_inputs followed by moe_sort_permute_bf16_mxfp8). Each token kind
 // has two kernels: the general one, and the _warp one for num_slots <= SORT_WARP_SLOTS (it writes nothing for more)
 // with only the one-warp sort's shared arrays (8 KB against 45 KB: sort_permute's WarpOnly).
-template <bool WarpOnly, typename Unit, Unit (*Fetch)(const u8*, const u8*, int, i64, int),
+template <bool WarpOnly, bool Warm, typename Unit, Unit (*Fetch)(const u8*, const u8*, int, i64, int),
           void (*Expand)(const Unit&, uint4*)>
 __device__ __forceinline__ void stage_sort_permute_scaled(
     const void* __restrict__ ids, const void* __restrict__ weights, int routing_format, int ids_int64, int num_tokens,
     int num_slots, int top_k, int local_start, int num_experts, int align, int row_capacity, int hidden, int layout,
     const u8* __restrict__ xs, const u8* __restrict__ xss, int* __restrict__ ids_out, float* __restrict__ w_out,
     int* __restrict__ offsets, int* __restrict__ slot_to_row, int* __restrict__ row_to_slot,
-    int* __restrict__ row_expert, int* __restrict__ counts, u16* __restrict__ xp) {
-  stage_sort_permute<WarpOnly>(
+    int* __restrict__ row_expert, int* __restrict__ counts, u16* __restrict__ xp, const WeightWarm* warm) {
+  stage_sort_permute<WarpOnly, Warm>(
       ids, weights, routing_format, ids_int64, num_tokens, num_slots, top_k, local_start, num_experts, align,
       row_capacity, hidden, layout, ids_out, w_out, offsets, slot_to_row, row_to_slot, row_expert, counts, xp,
-      [&](i64 t, int u) { return Fetch(xs, xss, hidden, t, u); }, Expand);
+      [&](i64 t, int u) { return Fetch(xs, xss, hidden, t, u); }, Expand, warm);
 }
 
 extern "C" __global__ void __launch_bounds__(SORT_THREADS) moe_stage_sort_permute_bf16(
@@ -279,9 +295,26 @@ extern "C" __global__ void __launch_bounds__(SORT_THREADS) moe_stage_sort_permut
     int* __restrict__ offsets, int* __restrict__ slot_to_row, int* __restrict__ row_to_slot,
     int* __restrict__ row_expert, int* __restrict__ counts, u16* __restrict__ xp) {
   moe::grid_dependency_begin();
-  stage_sort_permute_scaled<false, Nvfp4Unit, fetch_nvfp4_unit, expand_nvfp4_unit>(
+  stage_sort_permute_scaled<false, false, Nvfp4Unit, fetch_nvfp4_unit, expand_nvfp4_unit>(
       ids, weights, routing_format, ids_int64, num_tokens, num_slots, top_k, local_start, num_experts, align,
-      row_capacity, hidden, layout, xs, xss, ids_out, w_out, offsets, slot_to_row, row_to_slot, row_expert, counts, xp);
+      row_capacity, hidden, layout, xs, xss, ids_out, w_out, offsets, slot_to_row, row_to_slot, row_expert, counts, xp,
+      nullptr);
+}
+
+extern "C" __global__ void __launch_bounds__(SORT_THREADS) moe_stage_sort_permute_bf16_warm(
+    const void* __restrict__ ids, const void* __restrict__ weights, int routing_format, int ids_int64, int num_tokens,
+    int num_slots, int top_k, int local_start, int num_experts, int align, int row_capacity, int hidden, int layout,
+    const u8* __restrict__ xs, const u8* __restrict__ xss, int* __restrict__ ids_out, float* __restrict__ w_out,
+    int* __restrict__ offsets, int* __restrict__ slot_to_row, int* __restrict__ row_to_slot,
+    int* __restrict__ row_expert, int* __restrict__ counts, u16* __restrict__ xp,
+    const u8* __restrict__ warm_codes, const u8* __restrict__ warm_scales, i64 warm_code_row, i64 warm_scale_row,
+    int warm_row_blocks, int warm_code_bytes, int warm_scale_bytes, int warm_experts, int warm_blocks) {
+  moe::grid_dependency_begin();
+  const WeightWarm warm = WARM_ARGS;
+  stage_sort_permute_scaled<false, true, Nvfp4Unit, fetch_nvfp4_unit, expand_nvfp4_unit>(
+      ids, weights, routing_format, ids_int64, num_tokens, num_slots, top_k, local_start, num_experts, align,
+      row_capacity, hidden, layout, xs, xss, ids_out, w_out, offsets, slot_to_row, row_to_slot, row_expert, counts, xp,
+      &warm);
 }
 
 extern "C" __global__ void __launch_bounds__(SORT_THREADS) moe_stage_sort_permute_bf16_warp(
@@ -291,24 +324,41 @@ extern "C" __global__ void __launch_bounds__(SORT_THREADS) moe_stage_sort_permut
     int* __restrict__ offsets, int* __restrict__ slot_to_row, int* __restrict__ row_to_slot,
     int* __restrict__ row_expert, int* __restrict__ counts, u16* __restrict__ xp) {
   moe::grid_dependency_begin();
-  stage_sort_permute_scaled<true, Nvfp4Unit, fetch_nvfp4_unit, expand_nvfp4_unit>(
+  stage_sort_permute_scaled<true, false, Nvfp4Unit, fetch_nvfp4_unit, expand_nvfp4_unit>(
       ids, weights, routing_format, ids_int64, num_tokens, num_slots, top_k, local_start, num_experts, align,
-      row_capacity, hidden, layout, xs, xss, ids_out, w_out, offsets, slot_to_row, row_to_slot, row_expert, counts, xp);
+      row_capacity, hidden, layout, xs, xss, ids_out, w_out, offsets, slot_to_row, row_to_slot, row_expert, counts, xp,
+      nullptr);
+}
+
+extern "C" __global__ void __launch_bounds__(SORT_THREADS) moe_stage_sort_permute_bf16_warp_warm(
+    const void* __restrict__ ids, const void* __restrict__ weights, int routing_format, int ids_int64, int num_tokens,
+    int num_slots, int top_k, int local_start, int num_experts, int align, int row_capacity, int hidden, int layout,
+    const u8* __restrict__ xs, const u8* __restrict__ xss, int* __restrict__ ids_out, float* __restrict__ w_out,
+    int* __restrict__ offsets, int* __restrict__ slot_to_row, int* __restrict__ row_to_slot,
+    int* __restrict__ row_expert, int* __restrict__ counts, u16* __restrict__ xp,
+    const u8* __restrict__ warm_codes, const u8* __restrict__ warm_scales, i64 warm_code_row, i64 warm_scale_row,
+    int warm_row_blocks, int warm_code_bytes, int warm_scale_bytes, int warm_experts, int warm_blocks) {
+  moe::grid_dependency_begin();
+  const WeightWarm warm = WARM_ARGS;
+  stage_sort_permute_scaled<true, true, Nvfp4Unit, fetch_nvfp4_unit, expand_nvfp4_unit>(
+      ids, weights, routing_format, ids_int64, num_tokens, num_slots, top_k, local_start, num_experts, align,
+      row_capacity, hidden, layout, xs, xss, ids_out, w_out, offsets, slot_to_row, row_to_slot, row_expert, counts, xp,
+      &warm);
 }
 
 // stage_sort_permute of BF16 tokens (x bf16 [T, H], 16-byte aligned), as they are: the same outputs, bit for bit, as
 // moe_stage_inputs (the tokens copied as bytes) followed by moe_sort_permute_bf16_tokens; the two kernels as above.
-template <bool WarpOnly>
+template <bool WarpOnly, bool Warm>
 __device__ __forceinline__ void stage_sort_permute_tokens(
     const void* __restrict__ ids, const void* __restrict__ weights, int routing_format, int ids_int64, int num_tokens,
     int num_slots, int top_k, int local_start, int num_experts, int align, int row_capacity, int hidden, int layout,
     const u16* __restrict__ x, int* __restrict__ ids_out, float* __restrict__ w_out, int* __restrict__ offsets,
     int* __restrict__ slot_to_row, int* __restrict__ row_to_slot, int* __restrict__ row_expert,
-    int* __restrict__ counts, u16* __restrict__ xp) {
-  stage_sort_permute<WarpOnly>(
+    int* __restrict__ counts, u16* __restrict__ xp, const WeightWarm* warm) {
+  stage_sort_permute<WarpOnly, Warm>(
       ids, weights, routing_format, ids_int64, num_tokens, num_slots, top_k, local_start, num_experts, align,
       row_capacity, hidden, layout, ids_out, w_out, offsets, slot_to_row, row_to_slot, row_expert, counts, xp,
-      [&](i64 t, int u) { return fetch_bf16_unit(x, hidden, t, u); }, expand_bf16_unit);
+      [&](i64 t, int u) { return fetch_bf16_unit(x, hidden, t, u); }, expand_bf16_unit, warm);
 }
 
 extern "C" __global__ void __launch_bounds__(SORT_THREADS) moe_stage_sort_permute_bf16_tokens(
@@ -318,9 +368,26 @@ extern "C" __global__ void __launch_bounds__(SORT_THREADS) moe_stage_sort_permut
     int* __restrict__ slot_to_row, int* __restrict__ row_to_slot, int* __restrict__ row_expert,
     int* __restrict__ counts, u16* __restrict__ xp) {
   moe::grid_dependency_begin();
-  stage_sort_permute_tokens<false>(ids, weights, routing_format, ids_int64, num_tokens, num_slots, top_k, local_start,
-                                   num_experts, align, row_capacity, hidden, layout, x, ids_out, w_out, offsets,
-                                   slot_to_row, row_to_slot, row_expert, counts, xp);
+  stage_sort_permute_tokens<false, false>(
+      ids, weights, routing_format, ids_int64, num_tokens, num_slots, top_k, local_start, num_experts, align,
+      row_capacity, hidden, layout, x, ids_out, w_out, offsets, slot_to_row, row_to_slot, row_expert, counts, xp,
+      nullptr);
+}
+
+extern "C" __global__ void __launch_bounds__(SORT_THREADS) moe_stage_sort_permute_bf16_tokens_warm(
+    const void* __restrict__ ids, const void* __restrict__ weights, int routing_format, int ids_int64, int num_tokens,
+    int num_slots, int top_k, int local_start, int num_experts, int align, int row_capacity, int hidden, int layout,
+    const u16* __restrict__ x, int* __restrict__ ids_out, float* __restrict__ w_out, int* __restrict__ offsets,
+    int* __restrict__ slot_to_row, int* __restrict__ row_to_slot, int* __restrict__ row_expert,
+    int* __restrict__ counts, u16* __restrict__ xp,
+    const u8* __restrict__ warm_codes, const u8* __restrict__ warm_scales, i64 warm_code_row, i64 warm_scale_row,
+    int warm_row_blocks, int warm_code_bytes, int warm_scale_bytes, int warm_experts, int warm_blocks) {
+  moe::grid_dependency_begin();
+  const WeightWarm warm = WARM_ARGS;
+  stage_sort_permute_tokens<false, true>(
+      ids, weights, routing_format, ids_int64, num_tokens, num_slots, top_k, local_start, num_experts, align,
+      row_capacity, hidden, layout, x, ids_out, w_out, offsets, slot_to_row, row_to_slot, row_expert, counts, xp,
+      &warm);
 }
 
 extern "C" __global__ void __launch_bounds__(SORT_THREADS) moe_stage_sort_permute_bf16_tokens_warp(
@@ -330,9 +397,26 @@ extern "C" __global__ void __launch_bounds__(SORT_THREADS) moe_stage_sort_permut
     int* __restrict__ slot_to_row, int* __restrict__ row_to_slot, int* __restrict__ row_expert,
     int* __restrict__ counts, u16* __restrict__ xp) {
   moe::grid_dependency_begin();
-  stage_sort_permute_tokens<true>(ids, weights, routing_format, ids_int64, num_tokens, num_slots, top_k, local_start,
-                                  num_experts, align, row_capacity, hidden, layout, x, ids_out, w_out, offsets,
-                                  slot_to_row, row_to_slot, row_expert, counts, xp);
+  stage_sort_permute_tokens<true, false>(
+      ids, weights, routing_format, ids_int64, num_tokens, num_slots, top_k, local_start, num_experts, align,
+      row_capacity, hidden, layout, x, ids_out, w_out, offsets, slot_to_row, row_to_slot, row_expert, counts, xp,
+      nullptr);
+}
+
+extern "C" __global__ void __launch_bounds__(SORT_THREADS) moe_stage_sort_permute_bf16_tokens_warp_warm(
+    const void* __restrict__ ids, const void* __restrict__ weights, int routing_format, int ids_int64, int num_tokens,
+    int num_slots, int top_k, int local_start, int num_experts, int align, int row_capacity, int hidden, int layout,
+    const u16* __restrict__ x, int* __restrict__ ids_out, float* __restrict__ w_out, int* __restrict__ offsets,
+    int* __restrict__ slot_to_row, int* __restrict__ row_to_slot, int* __restrict__ row_expert,
+    int* __restrict__ counts, u16* __restrict__ xp,
+    const u8* __restrict__ warm_codes, const u8* __restrict__ warm_scales, i64 warm_code_row, i64 warm_scale_row,
+    int warm_row_blocks, int warm_code_bytes, int warm_scale_bytes, int warm_experts, int warm_blocks) {
+  moe::grid_dependency_begin();
+  const WeightWarm warm = WARM_ARGS;
+  stage_sort_permute_tokens<true, true>(
+      ids, weights, routing_format, ids_int64, num_tokens, num_slots, top_k, local_start, num_experts, align,
+      row_capacity, hidden, layout, x, ids_out, w_out, offsets, slot_to_row, row_to_slot, row_expert, counts, xp,
+      &warm);
 }
 
 // stage_sort_permute_scaled of MXFP8 tokens, as their BF16 values: the two kernels as NVFP4's.
@@ -343,9 +427,26 @@ extern "C" __global__ void __launch_bounds__(SORT_THREADS) moe_stage_sort_permut
     int* __restrict__ offsets, int* __restrict__ slot_to_row, int* __restrict__ row_to_slot,
     int* __restrict__ row_expert, int* __restrict__ counts, u16* __restrict__ xp) {
   moe::grid_dependency_begin();
-  stage_sort_permute_scaled<false, Mxfp8Unit, fetch_mxfp8_unit, expand_mxfp8_unit>(
+  stage_sort_permute_scaled<false, false, Mxfp8Unit, fetch_mxfp8_unit, expand_mxfp8_unit>(
       ids, weights, routing_format, ids_int64, num_tokens, num_slots, top_k, local_start, num_experts, align,
-      row_capacity, hidden, layout, xs, xss, ids_out, w_out, offsets, slot_to_row, row_to_slot, row_expert, counts, xp);
+      row_capacity, hidden, layout, xs, xss, ids_out, w_out, offsets, slot_to_row, row_to_slot, row_expert, counts, xp,
+      nullptr);
+}
+
+extern "C" __global__ void __launch_bounds__(SORT_THREADS) moe_stage_sort_permute_bf16_mxfp8_warm(
+    const void* __restrict__ ids, const void* __restrict__ weights, int routing_format, int ids_int64, int num_tokens,
+    int num_slots, int top_k, int local_start, int num_experts, int align, int row_capacity, int hidden, int layout,
+    const u8* __restrict__ xs, const u8* __restrict__ xss, int* __restrict__ ids_out, float* __restrict__ w_out,
+    int* __restrict__ offsets, int* __restrict__ slot_to_row, int* __restrict__ row_to_slot,
+    int* __restrict__ row_expert, int* __restrict__ counts, u16* __restrict__ xp,
+    const u8* __restrict__ warm_codes, const u8* __restrict__ warm_scales, i64 warm_code_row, i64 warm_scale_row,
+    int warm_row_blocks, int warm_code_bytes, int warm_scale_bytes, int warm_experts, int warm_blocks) {
+  moe::grid_dependency_begin();
+  const WeightWarm warm = WARM_ARGS;
+  stage_sort_permute_scaled<false, true, Mxfp8Unit, fetch_mxfp8_unit, expand_mxfp8_unit>(
+      ids, weights, routing_format, ids_int64, num_tokens, num_slots, top_k, local_start, num_experts, align,
+      row_capacity, hidden, layout, xs, xss, ids_out, w_out, offsets, slot_to_row, row_to_slot, row_expert, counts, xp,
+      &warm);
 }
 
 extern "C" __global__ void __launch_bounds__(SORT_THREADS) moe_stage_sort_permute_bf16_mxfp8_warp(
@@ -355,7 +456,24 @@ extern "C" __global__ void __launch_bounds__(SORT_THREADS) moe_stage_sort_permut
     int* __restrict__ offsets, int* __restrict__ slot_to_row, int* __restrict__ row_to_slot,
     int* __restrict__ row_expert, int* __restrict__ counts, u16* __restrict__ xp) {
   moe::grid_dependency_begin();
-  stage_sort_permute_scaled<true, Mxfp8Unit, fetch_mxfp8_unit, expand_mxfp8_unit>(
+  stage_sort_permute_scaled<true, false, Mxfp8Unit, fetch_mxfp8_unit, expand_mxfp8_unit>(
       ids, weights, routing_format, ids_int64, num_tokens, num_slots, top_k, local_start, num_experts, align,
-      row_capacity, hidden, layout, xs, xss, ids_out, w_out, offsets, slot_to_row, row_to_slot, row_expert, counts, xp);
+      row_capacity, hidden, layout, xs, xss, ids_out, w_out, offsets, slot_to_row, row_to_slot, row_expert, counts, xp,
+      nullptr);
+}
+
+extern "C" __global__ void __launch_bounds__(SORT_THREADS) moe_stage_sort_permute_bf16_mxfp8_warp_warm(
+    const void* __restrict__ ids, const void* __restrict__ weights, int routing_format, int ids_int64, int num_tokens,
+    int num_slots, int top_k, int local_start, int num_experts, int align, int row_capacity, int hidden, int layout,
+    const u8* __restrict__ xs, const u8* __restrict__ xss, int* __restrict__ ids_out, float* __restrict__ w_out,
+    int* __restrict__ offsets, int* __restrict__ slot_to_row, int* __restrict__ row_to_slot,
+    int* __restrict__ row_expert, int* __restrict__ counts, u16* __restrict__ xp,
+    const u8* __restrict__ warm_codes, const u8* __restrict__ warm_scales, i64 warm_code_row, i64 warm_scale_row,
+    int warm_row_blocks, int warm_code_bytes, int warm_scale_bytes, int warm_experts, int warm_blocks) {
+  moe::grid_dependency_begin();
+  const WeightWarm warm = WARM_ARGS;
+  stage_sort_permute_scaled<true, true, Mxfp8Unit, fetch_mxfp8_unit, expand_mxfp8_unit>(
+      ids, weights, routing_format, ids_int64, num_tokens, num_slots, top_k, local_start, num_experts, align,
+      row_capacity, hidden, layout, xs, xss, ids_out, w_out, offsets, slot_to_row, row_to_slot, row_expert, counts, xp,
+      &warm);
 }

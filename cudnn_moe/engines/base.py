@@ -34,6 +34,7 @@ import torch
 
 from ..arch import Arch, arch_name
 from ..kernels.codes import IntermediateCode, TokenLayout
+from ..kernels.l2_warm import L2Warm
 
 PACK_CHUNK_BYTES = 1 << 28  # code bytes per chunk of GemmEngine.pack_weights_chunked
 
@@ -490,6 +491,11 @@ class GemmEngine(Engine):
         """Whether ``gemm`` runs GEMM1 of these operands (with its activation epilogue) with a RoutePrologue (never, by
         default)."""
         return False
+
+    def l2_warm(self, gemm1: GemmOperands) -> L2Warm | None:
+        """What the decode chain's staged sort + permute, which runs right before ``gemm1`` with DRAM idle, may warm
+        L2 with: the first bytes of GEMM1's weight stream, where this engine knows them (None by default)."""
+        return None
 
     def tile_handoff(self, gemm1: GemmOperands, gemm2: GemmOperands) -> TileHandoff | None:
         """The TileHandoff of a bucket's GEMM1 (with the activation epilogue) and GEMM2 where ``gemm`` runs them with

@@ -33,12 +33,13 @@ from .stage import stage_inputs
 def load_call_kernels(device: int) -> None:
     """Compile, or load from the persistent cache, the kernels every fused_moe call launches around the
     bucket pipeline (stage, finalize, and the stage folded into the decode chain's sort + permute), so that warming
-    up a layer leaves nothing to build on its first call."""
+    up a layer leaves nothing to build on its first call (with and without L2 warming)."""
     for source in (_STAGE_SOURCE, _FINALIZE_SOURCE):
         load_module(source, device)
     for tokens in ("", "_tokens", "_mxfp8"):
         for form in ("", "_warp"):
-            kernel_function(_PERMUTE_SOURCE, f"moe_stage_sort_permute_bf16{tokens}{form}", device)
+            for warm in ("", "_warm"):
+                kernel_function(_PERMUTE_SOURCE, f"moe_stage_sort_permute_bf16{tokens}{form}{warm}", device)
 
 
 ROUTING_PACKED = RoutingFormat.PACKED

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from .codes import SORT_MAX_EXPERTS, SORT_THREADS, SORT_WARP_SLOTS, TokenLayout
+from .l2_warm import L2Warm
 from .loader import launch, ptr
 from .permute import SOURCE as PERMUTE_SOURCE
 from .permute import require_bf16_rows
@@ -164,6 +165,13 @@ def sort_permute_bf16(
            (*head, *sources, *tail))
 
 
+def _warm_args(warm: L2Warm) -> tuple[np.generic, ...]:
+    """The staged _warm kernels' warm_* parameters."""
+    return (ptr(warm.codes), ptr(warm.scales), np.int64(warm.code_row), np.int64(warm.scale_row),
+            np.int32(warm.row_blocks), np.int32(warm.code_bytes), np.int32(warm.scale_bytes), np.int32(warm.experts),
+            np.int32(warm.blocks))
+
+
 def check_staged_sort(what: str, tokens: torch.Tensor, token_scales: torch.Tensor | None, ids: torch.Tensor,
                       weights: torch.Tensor | None, routing_format: int, ids_out: torch.Tensor, w_out: torch.Tensor,
                       num_local: int, align: int, out: SortBuffers) -> tuple[int, str, int, int]:
@@ -195,13 +203,15 @@ def stage_sort_permute_bf16(
     out: SortBuffers,
     xp: torch.Tensor,
     layout: TokenLayout = TokenLayout.BF16_FRAGMENTS,
+    warm: L2Warm | None = None,
 ) -> None:
     """``stage_inputs`` (its routing half) and ``sort_permute_bf16`` of a bucket of B tokens in ONE launch, with the
     same outputs bit for bit, from the caller's tensors: ``tokens`` of a kind sort_permute_bf16 takes, 16-byte
     aligned, T <= B; routing ``ids`` / ``weights`` in ``routing_format`` (stage_inputs' formats). ``ids_out`` int32 [B, top_k] and ``w_out`` float32
     [B, top_k] receive the decoded routing (-1 / 0 past T), the sort's outputs and ``xp`` what sort_permute_bf16
     writes for the B * top_k slots; the bucket's token buffers are not needed (kernels_cuda/permute.cu
-    moe_stage_sort_permute_bf16*)."""
+    moe_stage_sort_permute_bf16*). With ``warm``, the kernel's _warm form: ``warm.blocks`` more blocks warm L2 with the
+    next GEMM's first weight bytes (cudnn_moe.kernels.l2_warm)."""
     num_tokens = tokens.shape[0]
     hidden, kind, num_slots, top_k = check_staged_sort("stage + sort + permute", tokens, token_scales, ids,
                                                        weights, routing_format, ids_out, w_out, num_local, align,
@@ -218,5 +228,8 @@ def stage_sort_permute_bf16(
     sources = (ptr(tokens, 16),) if token_scales is None else (ptr(tokens, 16), ptr(token_scales))
     if num_slots <= SORT_WARP_SLOTS:
         name += "_warp"
-    launch(PERMUTE_SOURCE, name, tokens.device, sort_permute_blocks(num_slots, hidden), SORT_THREADS,
-           (*head, *sources, *tail), shared_mem=4 * num_slots)
+    blocks = sort_permute_blocks(num_slots, hidden)
+    if warm is not None:  # the _warm kernel: warm.blocks more blocks, and what they warm
+        name, blocks, tail = name + "_warm", blocks + warm.blocks, (*tail, *_warm_args(warm))
+    launch(PERMUTE_SOURCE, name, tokens.device, blocks, SORT_THREADS, (*head, *sources, *tail),
+           shared_mem=4 * num_slots)

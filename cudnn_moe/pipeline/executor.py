@@ -530,10 +530,11 @@ class _BucketStages(LayerStages):
         tokens, token_scales = (None, None) if self.caller is None else self.caller.token_operands()
         if tokens is not None and tokens.data_ptr() % 16 == 0:
             ids, route_weights, routing_format = self.caller.routing.kernel_operands()
+            warm = x.engine.l2_warm(g1)
             self.staging = Stage("stage+sort+permute", lambda: kernels.stage_sort_permute_bf16(
                 tokens, token_scales, ids, route_weights, routing_format, b.ids, b.route_weights,
                 x.local_expert_start, x.weights.num_experts, x.engine.row_alignment, b.sorted, g1.tokens.data,
-                g1.tokens.layout,
+                g1.tokens.layout, warm,
             ))
             return self.staging
         scales = None if x.tokens is TokenCode.BF16 else b.x_scales

@@ -766,6 +766,9 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS DEC_MIN_BLOCKS)
   // (decode segments are padded to the tile); the ring then takes its weights first, as its token pointers wait on
   // row_to_slot. (Not for BF16 weights, whose reordered ring takes 132 registers, nor MXINT4's early form: 24 bytes of
   // spill, and MXINT4 never takes early routing.)
+#ifdef SM90_ACT
+  __shared__ int tile_slot[DEC_TB];  // the slot of each row of the tile inside the segment (the epilogue's)
+#endif
   const u8* xp[SM90_NT];
 #pragma unroll
   for (int nt = 0; nt < SM90_NT; ++nt) {
@@ -774,7 +777,9 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS DEC_MIN_BLOCKS)
 #else
     const int row = tile.row0 + nt * 8 + g;
 #if DEC_LIVE_ROWS
-    const bool live = row < tile.row_end && __ldg(row_to_slot + row) >= 0;
+    const int slot = row < tile.row_end ? __ldg(row_to_slot + row) : -1;
+    const bool live = slot >= 0;
+    if (threadIdx.x < 32 && q == 0 && row < tile.row_end) tile_slot[nt * 8 + g] = slot;  // warp 0 keeps them
 #else
     const bool live = row < tile.row_end;
 #endif
@@ -784,14 +789,13 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS DEC_MIN_BLOCKS)
   }
   // The epilogue's operands, fetched into shared memory while the main loop runs (no dependent load at the end):
   // the alpha of the CTA's first and second half of features (one alpha each: alpha_split is a multiple of the
-  // feature block, and a paired CTA's halves are up and gate features), and (the activation epilogue) the slot of
-  // each row of the tile inside the segment.
+  // feature block, and a paired CTA's halves are up and gate features), and (the activation epilogue, unless
+  // DEC_LIVE_ROWS already stored them above) the slot of each row of the tile inside the segment.
   __shared__ float tile_alpha[2];
   if (threadIdx.x < 2)
     cp_async_4(smem_addr(&tile_alpha[threadIdx.x]),
                alpha + expert_alpha(tile.expert, num_experts, decode_feature(threadIdx.x * (DEC_FB / 2), n), alpha_split));
 #ifdef SM90_ACT
-  __shared__ int tile_slot[DEC_TB];
 #ifdef SM90_ROUTE
   if (threadIdx.x < DEC_TB && tile.row0 + static_cast<int>(threadIdx.x) < tile.row_end) {
     int slot = -1;  // a padding row unless a slot sorted into it
@@ -799,7 +803,7 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS DEC_MIN_BLOCKS)
       if (route_slot_rows[i] == tile.row0 + static_cast<int>(threadIdx.x)) slot = i;
     tile_slot[threadIdx.x] = slot;
   }
-#else
+#elif !DEC_LIVE_ROWS  // (with DEC_LIVE_ROWS warp 0 stored them with the token pointers above)
   if (threadIdx.x < DEC_TB && tile.row0 + static_cast<int>(threadIdx.x) < tile.row_end)
     cp_async_4(smem_addr(&tile_slot[threadIdx.x]), row_to_slot + tile.row0 + threadIdx.x);
 #endif

@@ -19,6 +19,7 @@ from cudnn_moe import kernels
 from cudnn_moe.activations import SwiGLU
 from cudnn_moe.formats import decode_e2m1, encode_e2m1
 from cudnn_moe.kernels import SORT_THREADS
+from cudnn_moe.kernels.l2_warm import L2Warm
 from cudnn_moe.kernels.sort import sort_grid
 from tests.support.kernel_sources import ARG_TYPES, CXX, HOST_PRELUDE, NVCC, compiled, host_program, kernel_signatures
 from tests.support.number_formats import check_format_helpers, format_inputs
@@ -130,6 +131,8 @@ def _wrapper_calls() -> list[tuple[str, Callable[..., None], tuple[Any, ...]]]:
     nvfp4_tokens, bf16_tokens = (z(T, H // 2), z(T, H // 16)), (z(T, H, dtype=bf16), None)
     mxfp8_tokens = (z(T, H).view(torch.float8_e4m3fn), z(T, H // 32).view(torch.float8_e8m0fnu))
     many = kernels.SORT_WARP_SLOTS // k + 1  # a bucket of more slots than the one-warp sort takes
+    warm = L2Warm(z(E * 2 * 1024), z(E * 2 * 128), row_blocks=2, code_row=1024, scale_row=128, code_bytes=512,
+                  scale_bytes=128, experts=E, blocks=2)
 
     def staged_sort(bucket: int) -> tuple[Any, ...]:
         return (z(T, k, dtype=torch.int64), z(T, k, dtype=f32), kernels.ROUTING_FP32, z(bucket, k, dtype=i32),
@@ -157,6 +160,10 @@ def _wrapper_calls() -> list[tuple[str, Callable[..., None], tuple[Any, ...]]]:
         ("moe_stage_sort_permute_bf16_tokens_warp", kernels.stage_sort_permute_bf16, (*bf16_tokens, *staged_sort(B))),
         ("moe_stage_sort_permute_bf16", kernels.stage_sort_permute_bf16, (*nvfp4_tokens, *staged_sort(many))),
         ("moe_stage_sort_permute_bf16_tokens", kernels.stage_sort_permute_bf16, (*bf16_tokens, *staged_sort(many))),
+        *((f"moe_stage_sort_permute_bf16{kind}{form}_warm", kernels.stage_sort_permute_bf16,
+           (*tokens, *staged_sort(bucket), kernels.TokenLayout.BF16_FRAGMENTS, warm))
+          for kind, tokens in (("", nvfp4_tokens), ("_tokens", bf16_tokens), ("_mxfp8", mxfp8_tokens))
+          for form, bucket in (("", many), ("_warp", B))),
         ("moe_activation", kernels.activate_quantize, activation),
         ("moe_finalize", kernels.finalize, finalize),
         ("moe_unfinalized_rows", kernels.unfinalized_rows, unfinalized),
@@ -348,3 +355,16 @@ def test_decode_route_reads_every_routing_format(tmp_path: Path, routing: str) -
     got = np.fromfile(tmp_path / "out.bin", dtype=np.int32).reshape(slots, 2)
     assert torch.equal(torch.from_numpy(got[:, 0].copy()), want_ids)
     assert torch.equal(torch.from_numpy(got[:, 1].copy()).view(torch.float32), want_w)
+
+
+def test_l2_warm_geometry_is_checked() -> None:
+    """L2Warm refuses prefixes that are not whole 512-byte tiles (codes) or 128-byte lines (scales), prefixes past a
+    row block, and tensors that are not whole experts of uint8."""
+    codes, scales = torch.zeros(2 * 3 * 1024, dtype=torch.uint8), torch.zeros(2 * 3 * 128, dtype=torch.uint8)
+    good = dict(codes=codes, scales=scales, row_blocks=3, code_row=1024, scale_row=128, code_bytes=512,
+                scale_bytes=128, experts=2, blocks=4)
+    L2Warm(**good)
+    for bad in (dict(code_bytes=256), dict(code_bytes=1536), dict(scale_bytes=64), dict(scale_bytes=256),
+                dict(experts=0), dict(blocks=0), dict(codes=codes[:-1]), dict(scales=scales.view(torch.int8))):
+        with pytest.raises(ValueError, match="L2Warm"):
+            L2Warm(**{**good, **bad})

@@ -17,6 +17,7 @@ from cudnn_moe.pipeline.executor import row_capacity
 from cudnn_moe.engines.sm90.layout import from_token_layout, to_token_layout
 from cudnn_moe.formats import dequantize_nvfp4, encode_e2m1, swizzled_offset, swizzled_shape, unpack_nibbles
 from cudnn_moe.kernels import SORT_THREADS, IntermediateCode, TokenLayout
+from cudnn_moe.kernels.l2_warm import L2Warm
 from cudnn_moe.kernels.sort import sort_grid
 from cudnn_moe.formats.blocks import to_e4m3
 from cudnn_moe.routing import pack_routing
@@ -806,17 +807,19 @@ def test_sort_permute_in_one_launch_equals_the_two_launches(case: tuple[int, int
     assert (want_sort["slot_to_row"] >= 0).sum() > 0
 
 
+@pytest.mark.parametrize("warm", [False, True], ids=["", "warm"])
 @pytest.mark.parametrize("token_kind", ["nvfp4", "bf16"])
 @pytest.mark.parametrize("routing", ["packed", "fp32", "bf16", "int64"])
 @pytest.mark.parametrize("case", [(1, 1, 8, 2048, 128, 0), (3, 4, 8, 7168, 256, 0), (5, 8, 8, 2048, 64, 32),
                                   (64, 64, 8, 2048, 128, 0), (100, 128, 8, 4096, 256, 17), (7, 8, 3, 64, 1, 0)],
                          ids=lambda c: "T{}-B{}-k{}-H{}-E{}-start{}".format(*c))
 def test_stage_sort_permute_in_one_launch_equals_stage_then_sort_permute(case: tuple[int, ...], routing: str,
-                                                                         token_kind: str) -> None:
+                                                                         token_kind: str, warm: bool) -> None:
     """moe_stage_sort_permute_bf16* from the caller's T tokens (NVFP4, or BF16 as the low-latency op stages them: as
     bytes) and routing: the bucket's routing copies (ids -1 and weight 0 past T), every sort output and the BF16
     fragment rows equal moe_stage_inputs followed by moe_sort_permute_bf16* over the bucket's B * top_k slots, bit
-    for bit, from buffers poisoned first."""
+    for bit, from buffers poisoned first; with ``warm`` the same, with blocks warming L2 with weights of the local
+    experts (cudnn_moe.kernels.l2_warm), which are left as they were."""
     tokens, bucket, top_k, hidden, experts, local_start = case
     slots, align, layout = bucket * top_k, 8, TokenLayout.BF16_FRAGMENTS
     capacity = row_capacity(slots, 1, experts, align)
@@ -860,9 +863,18 @@ def test_stage_sort_permute_in_one_launch_equals_stage_then_sort_permute(case: t
                                   kernels.SortBuffers(**want_sort), xs, xss, want_rows, layout)
     got_ids, got_w, got_rows = bucket_buffers()
     got_sort = _sort_buffers(slots, experts, capacity)
+    l2 = None
+    if warm:  # 3 row blocks an expert, 4 tiles of codes (and of 64-byte scales) each; the first 2 (1) warmed
+        codes = torch.randint(0, 256, (experts, 3 * 4 * 512), generator=gen, dtype=torch.uint8).to(DEV)
+        tile_scales = torch.randint(0, 256, (experts, 3 * 4 * 64), generator=gen, dtype=torch.uint8).to(DEV)
+        l2 = L2Warm(codes, tile_scales, row_blocks=3, code_row=4 * 512, scale_row=4 * 64, code_bytes=1024,
+                    scale_bytes=128, experts=min(experts, 5), blocks=3)
+        before = codes.clone(), tile_scales.clone()
     kernels.stage_sort_permute_bf16(x, scales, ids_in, w_in, fmt, got_ids, got_w, local_start, experts, align,
-                                    kernels.SortBuffers(**got_sort), got_rows, layout)
+                                    kernels.SortBuffers(**got_sort), got_rows, layout, l2)
     torch.cuda.synchronize()
+    if warm:
+        assert torch.equal(codes, before[0]) and torch.equal(tile_scales, before[1])
     assert bool((want_ids[tokens:] == -1).all()) and bool((want_w[tokens:] == 0).all())
     assert torch.equal(got_ids, want_ids) and torch.equal(got_w.view(torch.int32), want_w.view(torch.int32))
     _assert_sort_equal(got_sort, {n: t.cpu() for n, t in want_sort.items()}, "moe_stage_sort_permute")

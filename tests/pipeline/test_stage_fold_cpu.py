@@ -27,7 +27,8 @@ def _code(bf16_tokens: bool) -> TokenCode:
 
 def _executor(bf16_tokens: bool = False) -> SimpleNamespace:
     return SimpleNamespace(tokens=_code(bf16_tokens), top_k=TOP_K, local_expert_start=3,
-                           weights=SimpleNamespace(num_experts=EXPERTS), engine=SimpleNamespace(row_alignment=8))
+                           weights=SimpleNamespace(num_experts=EXPERTS),
+                           engine=SimpleNamespace(row_alignment=8, l2_warm=lambda gemm1: None))
 
 
 def _bucket() -> SimpleNamespace:

@@ -23,6 +23,7 @@ import torch
 
 from ...arch import SM90, Arch
 from ...kernels.codes import SORT_MAX_EXPERTS, TokenLayout
+from ...kernels.l2_warm import CODE_CHUNK, LINE, L2Warm
 from ..base import (
     NVFP4,
     OP_ALIGNED,
@@ -115,6 +116,19 @@ _EARLY_MAX_TOKENS = 4
 # fused_moe call, us, main / handoff (benchmarks/RESULTS.md, twenty-eighth session): Qwen3-30B-A3B T=8 70.5 / 66.4-66.7,
 # DeepSeek-V3 T=8 441.4-441.8 / 431.8-433.2; Qwen3-30B-A3B T=64 124.4-124.5 / 126.0-126.7, so not past 64 slots.
 _HANDOFF_MAX_SLOTS = 64
+
+
+# L2 warming (L2Warm): before a decode GEMM1 of weight tiles that runs past one wave of its CTAs, the staged sort +
+# permute launch (DRAM idle) asks L2 for this share of every row block's stream of the experts GEMM1's first wave
+# computes, with this many extra blocks. Whole fused_moe chain on an H100, us, off / 0.15 / 0.3 / 0.45 / 0.6, the same
+# kernel code (benchmarks/RESULTS.md, forty-fourth session): Qwen3-30B-A3B T=8 79.0 / 77.8 / 77.2 / 76.1 / 76.0,
+# DeepSeek-V3 T=4 293.4 / - / - / 283.4 / 289.3, T=8 513.2 / 508.2 / 500.0 / 496.8 / 500.5, T=64 1962 / 1959 / 1952 /
+# 1945 / -. The warming kernels cost 1-1.5 us over the plain ones where nothing is warmed (Qwen3-30B-A3B T=2 and T=4,
+# against main), which warming did not win back in one wave there (384 CTAs: within the noise); DeepSeek-V3 T=2 (512
+# CTAs, one wave) gained 4 us with them and is left out by this rule all the same. With 8 MB warmed at Qwen3-30B-A3B
+# T=8, 8 / 16 / 32 blocks: 78.4 / 76.8 / 76.5.
+_L2_WARM_SHARE = 0.45
+_L2_WARM_BLOCKS = 32
 
 
 def _slots(rows: int, num_experts: int) -> int:
@@ -414,6 +428,30 @@ class Sm90GemmEngine(GemmEngine):
                      alpha_split=w.alpha_split, gather=gather, epilogue=epilogue, finalize=finalize, tickets=tickets,
                      route=route, early=self._early(operands, variant), handoff=operands.handoff,
                      code=w.code, swap_halves=w.halves_swapped)
+
+    def l2_warm(self, gemm1: GemmOperands) -> L2Warm | None:
+        """GEMM1's weight tiles (NVFP4, MXFP4 or MXINT4 on a decode variant past one wave of CTAs), each row block's
+        stream being K/64 tiles of codes and of scales: the first _L2_WARM_SHARE of every row block of the experts of
+        its first wave of CTAs."""
+        w, shape = gemm1.weights, gemm1.shape
+        if w.code not in (BlockCode.NVFP4, BlockCode.MXFP4, BlockCode.MXINT4):
+            return None
+        variant = self.variant(gemm1.rows, shape, gemm=1, code=w.code)
+        if (not isinstance(variant, DecodeVariant) or variant.row_major or variant.bf16_weights
+                or decode_ctas(gemm1.rows, shape, variant) <= _cta_slots(variant, self.sm_count)):
+            return None
+        tiles = shape.k // TILE_K
+        tile_scale_bytes = 32 if w.code is BlockCode.MXFP4 else 64
+        row_blocks, code_row, scale_row = shape.n // 16, tiles * CODE_CHUNK, tiles * tile_scale_bytes
+        experts = min(shape.num_experts, SORT_MAX_EXPERTS,
+                      max(1, _cta_slots(variant, self.sm_count) // (shape.n // variant.feature_block)))
+        code_bytes = min(code_row, int(_L2_WARM_SHARE * tiles) * CODE_CHUNK)
+        if code_bytes == 0 or scale_row % LINE or not (w.data.is_contiguous() and w.scales.is_contiguous()):
+            return None
+        warm_tiles = code_bytes // CODE_CHUNK
+        scale_bytes = min(scale_row, -(-warm_tiles * tile_scale_bytes // LINE) * LINE)
+        return L2Warm(w.data.reshape(-1).view(torch.uint8), w.scales.reshape(-1).view(torch.uint8), row_blocks,
+                      code_row, scale_row, code_bytes, scale_bytes, experts, _L2_WARM_BLOCKS)
 
     def _early(self, operands: GemmOperands, variant: GemmVariant) -> EarlyRouting | None:
         """operands.early where the decode kernel takes it, for its first wave of CTAs: on a call of at most

@@ -175,19 +175,27 @@ def test_fused_chain_matches_unfused_chain_bitwise(case, activation) -> None:
         assert workspace is None or not workspace.view(torch.int32).any(), f"counters left set (replay={replay})"
 
 
-@pytest.mark.parametrize("tokens,top_k,local", [(4, 8, None), (3, 4, (16, 48)), (1, 8, None)])
-def test_early_routing_changes_no_bit(tokens: int, top_k: int, local) -> None:
-    """GEMM1 with the activation epilogue writes the same GEMM2 tokens, bit for bit, whatever its early routing says:
-    none, the bucket's ids (the right guess), other experts (every CTA guesses wrong and reloads), nothing routed
-    (no guess), and int64 ids; the bucket's own chain takes the bucket's ids. GEMM2 (as behind a routed GEMM1) writes
-    the same rows whatever its early routing says."""
-    experts, hidden, inter = 32, 512, 256
+def _swiglu_executor(experts: int, hidden: int, inter: int, top_k: int, tokens: int, local):
+    """A SwiGLU layer of random weights on the sm90 engine (seeded by ``tokens``) and its executor for calls of up to
+    ``tokens`` tokens, local experts from ``local``'s start (None: all): (generator, config, weights, executor,
+    (local start, total experts))."""
     gen, w1, w2 = _layer(experts, hidden, inter, SwiGLU(), seed=tokens)
     config = Nvfp4MoeConfig(max_num_tokens=tokens, engine="sm90")
     weights = config.prepare_weights(w1, w2, activation=SwiGLU())
     start, total = local if local is not None else (0, experts)
     executor = MoeExecutor(weights, engine_for(weights.spec, weights.device), top_k=top_k, activation=SwiGLU(),
                            local_expert_start=start, max_num_tokens=tokens)
+    return gen, config, weights, executor, (start, total)
+
+
+@pytest.mark.parametrize("tokens,top_k,local", [(4, 8, None), (3, 4, (16, 48)), (1, 8, None)])
+def test_early_routing_changes_no_bit(tokens: int, top_k: int, local) -> None:
+    """GEMM1 with the activation epilogue writes the same GEMM2 tokens, bit for bit, whatever its early routing says:
+    none, the bucket's ids (the right guess), other experts (every CTA guesses wrong and reloads), nothing routed
+    (no guess), and int64 ids; the bucket's own chain takes the bucket's ids. GEMM2 (as behind a routed GEMM1) writes
+    the same rows whatever its early routing says."""
+    hidden = 512
+    gen, config, _, executor, (start, total) = _swiglu_executor(32, hidden, 256, top_k, tokens, local)
     bucket = executor.bucket(tokens)
     stages = _BucketStages(executor, bucket)
     assert isinstance(executor.engine.variant(bucket.rows, bucket.gemm1.shape, gemm=1), DecodeVariant)
@@ -240,6 +248,36 @@ def test_early_routing_changes_no_bit(tokens: int, top_k: int, local) -> None:
     assert torch.count_nonzero(want_rows) > 0 and not torch.isnan(bucket.gemm2.out[:used]).any()
     for name, early in guesses.items():
         assert torch.equal(run_gemm2(early), want_rows), f"GEMM2, {name}"
+
+
+@pytest.mark.parametrize("tokens,local", [(8, None), (6, (32, 160))])
+def test_l2_warming_changes_no_bit(tokens: int, local, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The call's staged sort + permute launch with its L2-warming blocks (Sm90GemmEngine.l2_warm: they only ask L2 for
+    GEMM1's first weight bytes; Qwen3-30B-A3B's shapes, GEMM1 past one wave) finalizes the same output, bit for bit, as
+    without them, into a NaN-poisoned output, and that output matches the float64 reference; also with an
+    expert-parallel subset."""
+    hidden, top_k = 2048, 8
+    gen, config, weights, executor, (start, total) = _swiglu_executor(128, hidden, 768, top_k, tokens, local)
+    bucket = executor.bucket(tokens)
+    warm = executor.engine.l2_warm(bucket.gemm1)
+    assert warm is not None and warm.code_bytes > 0 and warm.experts > 0
+    acts = config.prepare_activations(torch.randn(tokens, hidden, generator=gen).cuda().bfloat16())
+    routing = Routing.unpacked(_ids(tokens, total, top_k, gen, hot=False).cuda(),
+                               (torch.rand(tokens, top_k, generator=gen) + 0.1).cuda())
+    outs = []
+    for warming in (True, False):
+        if not warming:
+            monkeypatch.setattr(type(executor.engine), "l2_warm", lambda self, gemm1: None)
+        caller = CallerInputs(acts, routing, torch.full((tokens, hidden), float("nan"), dtype=torch.bfloat16,
+                                                        device="cuda"))
+        launches = executor.call_launches(bucket, caller)
+        assert launches[0].name == "stage+sort+permute"
+        for _, launch in launches:
+            launch()
+        torch.cuda.synchronize()
+        outs.append(caller.out)
+    assert torch.equal(_bits(outs[0]), _bits(outs[1]))
+    check_close(outs[0], reference_for_prepared(acts, weights, routing, SwiGLU(), local_expert_start=start))
 
 
 LAYER_CASES = [

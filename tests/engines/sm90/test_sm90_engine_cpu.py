@@ -292,3 +292,41 @@ def test_early_routing_for_calls_of_few_tokens(model, tokens: int, early: bool) 
     assert engine._early(ops(early=None), variant) is None
     if isinstance(variant, DecodeVariant):  # never for BF16 weights
         assert engine._early(ops(), engine.variant(rows, shape, gemm=1, code=BlockCode.BF16)) is None
+
+
+@pytest.mark.parametrize("model,tokens,code,experts,code_bytes,scale_bytes", [
+    (QWEN3, 8, BlockCode.NVFP4, 22, 14 * 512, 896),  # 528 CTA slots / 24 feature blocks; 14 of 32 tiles a row block
+    (QWEN3, 8, BlockCode.MXFP4, 22, 14 * 512, 512),  # 32-byte tile scales: 448 bytes, whole lines
+    (QWEN3, 8, BlockCode.MXINT4, 22, 14 * 512, 896),  # 64-byte tile scales
+    (DEEPSEEK_V3, 4, BlockCode.NVFP4, 16, 50 * 512, 3200),  # 1024 CTAs
+    (DEEPSEEK_V3, 8, BlockCode.NVFP4, 16, 50 * 512, 3200),  # 528 / 32 feature blocks; 50 of 112 tiles
+])
+def test_l2_warm_covers_the_first_wave(model, tokens: int, code: BlockCode, experts: int, code_bytes: int,
+                                       scale_bytes: int) -> None:
+    """l2_warm before a decode GEMM1 of weight tiles past one wave of CTAs: the first _L2_WARM_SHARE of every row
+    block's K/64 tiles (and their scales, in whole 128-byte lines) of the experts of GEMM1's first wave."""
+    engine = Sm90GemmEngine.__new__(Sm90GemmEngine)
+    engine.sm_count = SMS
+    rows, shape = _bucket(model, tokens)
+    tiles, scale_tile = shape.k // 64, 32 if code is BlockCode.MXFP4 else 64
+    weights = SimpleNamespace(code=code, data=torch.empty(2, shape.n * shape.k // 2, dtype=torch.uint8),
+                              scales=torch.empty(2, shape.n // 16 * tiles * scale_tile, dtype=torch.uint8))
+    warm = engine.l2_warm(SimpleNamespace(rows=rows, shape=shape, weights=weights))
+    assert (warm.row_blocks, warm.code_row, warm.scale_row) == (shape.n // 16, tiles * 512, tiles * scale_tile)
+    assert (warm.experts, warm.code_bytes, warm.scale_bytes, warm.blocks) == (experts, code_bytes, scale_bytes, 32)
+    assert warm.codes.data_ptr() == weights.data.data_ptr() and warm.scales.data_ptr() == weights.scales.data_ptr()
+
+
+@pytest.mark.parametrize("model,tokens,code", [
+    (QWEN3, 8, BlockCode.BF16), (QWEN3, 8, BlockCode.NVFP4_ROWS), (QWEN3, 8, BlockCode.MXFP4_ROWS),
+    (QWEN3, 4096, BlockCode.NVFP4),  # wgmma
+    (QWEN3, 2, BlockCode.NVFP4), (QWEN3, 4, BlockCode.NVFP4), (DEEPSEEK_V3, 2, BlockCode.NVFP4),  # <= 512 CTAs
+])
+def test_l2_warm_only_before_decode_tiles(model, tokens: int, code: BlockCode) -> None:
+    """No warming where GEMM1 does not stream weight tiles on the decode kernel past one wave of CTAs: BF16 and
+    row-major weights, wgmma, one wave."""
+    engine = Sm90GemmEngine.__new__(Sm90GemmEngine)
+    engine.sm_count = SMS
+    rows, shape = _bucket(model, tokens)
+    weights = SimpleNamespace(code=code, data=torch.empty(0, dtype=torch.uint8), scales=torch.empty(0, dtype=torch.uint8))
+    assert engine.l2_warm(SimpleNamespace(rows=rows, shape=shape, weights=weights)) is None
