@@ -450,8 +450,8 @@ class Sm90GemmEngine(GemmEngine):
             return None
         warm_tiles = code_bytes // CODE_CHUNK
         scale_bytes = min(scale_row, -(-warm_tiles * tile_scale_bytes // LINE) * LINE)
-        return L2Warm(w.data.reshape(-1).view(torch.uint8), w.scales.reshape(-1).view(torch.uint8), row_blocks,
-                      code_row, scale_row, code_bytes, scale_bytes, experts, _L2_WARM_BLOCKS)
+        return L2Warm(w.data.view(torch.uint8), w.scales.view(torch.uint8), row_blocks, code_row, scale_row,
+                      code_bytes, scale_bytes, experts, _L2_WARM_BLOCKS)
 
     def _early(self, operands: GemmOperands, variant: GemmVariant) -> EarlyRouting | None:
         """operands.early where the decode kernel takes it, for its first wave of CTAs: on a call of at most
