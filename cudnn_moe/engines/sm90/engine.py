@@ -129,6 +129,11 @@ _HANDOFF_MAX_SLOTS = 64
 # T=8, 8 / 16 / 32 blocks: 78.4 / 76.8 / 76.5.
 _L2_WARM_SHARE = 0.45
 _L2_WARM_BLOCKS = 32
+# Past the tile-handoff buckets (_HANDOFF_MAX_SLOTS) warming pays only for long reductions (K >= _L2_WARM_LONG_K). H100,
+# the whole chain, us, warming / none, three rounds alternating (benchmarks/RESULTS.md, forty-fifth session):
+# Qwen3-30B-A3B (K = 2048) T=8 75.0 / 77.4, T=16 102.7 / 101.8, T=32 134.5 / 134.2, T=64 148.7 / 145.0; DeepSeek-V3
+# (K = 7168) T=8 479.8 / 499.5, T=16 860.7 / 872.0, T=64 1890.2 / 1902.5.
+_L2_WARM_LONG_K = 4096
 
 
 def _slots(rows: int, num_experts: int) -> int:
@@ -430,11 +435,13 @@ class Sm90GemmEngine(GemmEngine):
                      code=w.code, swap_halves=w.halves_swapped)
 
     def l2_warm(self, gemm1: GemmOperands) -> L2Warm | None:
-        """GEMM1's weight tiles (NVFP4, MXFP4 or MXINT4 on a decode variant past one wave of CTAs), each row block's
-        stream being K/64 tiles of codes and of scales: the first _L2_WARM_SHARE of every row block of the experts of
-        its first wave of CTAs."""
+        """GEMM1's weight tiles (NVFP4, MXFP4 or MXINT4 on a decode variant past one wave of CTAs, in a bucket of at
+        most _HANDOFF_MAX_SLOTS slots or with K >= _L2_WARM_LONG_K), each row block's stream being K/64 tiles of codes
+        and of scales: the first _L2_WARM_SHARE of every row block of the experts of its first wave of CTAs."""
         w, shape = gemm1.weights, gemm1.shape
         if w.code not in (BlockCode.NVFP4, BlockCode.MXFP4, BlockCode.MXINT4):
+            return None
+        if _slots(gemm1.rows, shape.num_experts) > _HANDOFF_MAX_SLOTS and shape.k < _L2_WARM_LONG_K:
             return None
         variant = self.variant(gemm1.rows, shape, gemm=1, code=w.code)
         if (not isinstance(variant, DecodeVariant) or variant.row_major or variant.bf16_weights

@@ -300,6 +300,8 @@ def test_early_routing_for_calls_of_few_tokens(model, tokens: int, early: bool) 
     (QWEN3, 8, BlockCode.MXINT4, 22, 14 * 512, 896),  # 64-byte tile scales
     (DEEPSEEK_V3, 4, BlockCode.NVFP4, 16, 50 * 512, 3200),  # 1024 CTAs
     (DEEPSEEK_V3, 8, BlockCode.NVFP4, 16, 50 * 512, 3200),  # 528 / 32 feature blocks; 50 of 112 tiles
+    (DEEPSEEK_V3, 16, BlockCode.NVFP4, 16, 50 * 512, 3200),  # past 64 slots: K = 7168 >= 4096
+    (DEEPSEEK_V3, 64, BlockCode.NVFP4, 16, 50 * 512, 3200),
 ])
 def test_l2_warm_covers_the_first_wave(model, tokens: int, code: BlockCode, experts: int, code_bytes: int,
                                        scale_bytes: int) -> None:
@@ -321,10 +323,11 @@ def test_l2_warm_covers_the_first_wave(model, tokens: int, code: BlockCode, expe
     (QWEN3, 8, BlockCode.BF16), (QWEN3, 8, BlockCode.NVFP4_ROWS), (QWEN3, 8, BlockCode.MXFP4_ROWS),
     (QWEN3, 4096, BlockCode.NVFP4),  # wgmma
     (QWEN3, 2, BlockCode.NVFP4), (QWEN3, 4, BlockCode.NVFP4), (DEEPSEEK_V3, 2, BlockCode.NVFP4),  # <= 512 CTAs
+    (QWEN3, 16, BlockCode.NVFP4), (QWEN3, 64, BlockCode.NVFP4),  # past 64 slots with K = 2048
 ])
 def test_l2_warm_only_before_decode_tiles(model, tokens: int, code: BlockCode) -> None:
     """No warming where GEMM1 does not stream weight tiles on the decode kernel past one wave of CTAs: BF16 and
-    row-major weights, wgmma, one wave."""
+    row-major weights, wgmma, one wave; nor past the handoff's 64 slots with K < 4096 (measured slower there)."""
     engine = Sm90GemmEngine.__new__(Sm90GemmEngine)
     engine.sm_count = SMS
     rows, shape = _bucket(model, tokens)
