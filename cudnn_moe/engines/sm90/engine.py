@@ -132,7 +132,7 @@ _L2_WARM_BLOCKS = 32
 # Past the tile-handoff buckets (_HANDOFF_MAX_SLOTS) warming pays only for long reductions (K >= _L2_WARM_LONG_K). H100,
 # the whole chain, us, warming / none, three rounds alternating (benchmarks/RESULTS.md, forty-fifth session):
 # Qwen3-30B-A3B (K = 2048) T=8 75.0 / 77.4, T=16 102.7 / 101.8, T=32 134.5 / 134.2, T=64 148.7 / 145.0; DeepSeek-V3
-# (K = 7168) T=8 479.8 / 499.5, T=16 860.7 / 872.0, T=64 1890.2 / 1902.5.
+# (K = 7168) T=8 479.8 / 499.5, T=16 860.7 / 872.0, T=64 1890.2 / 1902.5. No K between those two was measured.
 _L2_WARM_LONG_K = 4096
 
 
