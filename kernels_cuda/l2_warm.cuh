@@ -18,8 +18,11 @@ struct WeightWarm {
   int row_blocks, code_bytes, scale_bytes, experts, blocks;
 };
 
-// The struct of the kernels' warm_* parameters (codes, scales, code_row, scale_row, row_blocks, code_bytes,
-// scale_bytes, experts, blocks, in that order).
+// The _warm kernels' last parameters (cudnn_moe/kernels/sort.py passes them in this order), and the struct WARM_ARGS
+// makes of them.
+#define WARM_PARAMS                                                                                                 \
+  const u8 *__restrict__ warm_codes, const u8 *__restrict__ warm_scales, i64 warm_code_row, i64 warm_scale_row,    \
+      int warm_row_blocks, int warm_code_bytes, int warm_scale_bytes, int warm_experts, int warm_blocks
 #define WARM_ARGS                                                                                                   \
   WeightWarm { warm_codes, warm_scales, warm_code_row, warm_scale_row, warm_row_blocks, warm_code_bytes,          \
                warm_scale_bytes, warm_experts, warm_blocks }

@@ -306,9 +306,7 @@ extern "C" __global__ void __launch_bounds__(SORT_THREADS) moe_stage_sort_permut
     int num_slots, int top_k, int local_start, int num_experts, int align, int row_capacity, int hidden, int layout,
     const u8* __restrict__ xs, const u8* __restrict__ xss, int* __restrict__ ids_out, float* __restrict__ w_out,
     int* __restrict__ offsets, int* __restrict__ slot_to_row, int* __restrict__ row_to_slot,
-    int* __restrict__ row_expert, int* __restrict__ counts, u16* __restrict__ xp,
-    const u8* __restrict__ warm_codes, const u8* __restrict__ warm_scales, i64 warm_code_row, i64 warm_scale_row,
-    int warm_row_blocks, int warm_code_bytes, int warm_scale_bytes, int warm_experts, int warm_blocks) {
+    int* __restrict__ row_expert, int* __restrict__ counts, u16* __restrict__ xp, WARM_PARAMS) {
   moe::grid_dependency_begin();
   const WeightWarm warm = WARM_ARGS;
   stage_sort_permute_scaled<false, true, Nvfp4Unit, fetch_nvfp4_unit, expand_nvfp4_unit>(
@@ -335,9 +333,7 @@ extern "C" __global__ void __launch_bounds__(SORT_THREADS) moe_stage_sort_permut
     int num_slots, int top_k, int local_start, int num_experts, int align, int row_capacity, int hidden, int layout,
     const u8* __restrict__ xs, const u8* __restrict__ xss, int* __restrict__ ids_out, float* __restrict__ w_out,
     int* __restrict__ offsets, int* __restrict__ slot_to_row, int* __restrict__ row_to_slot,
-    int* __restrict__ row_expert, int* __restrict__ counts, u16* __restrict__ xp,
-    const u8* __restrict__ warm_codes, const u8* __restrict__ warm_scales, i64 warm_code_row, i64 warm_scale_row,
-    int warm_row_blocks, int warm_code_bytes, int warm_scale_bytes, int warm_experts, int warm_blocks) {
+    int* __restrict__ row_expert, int* __restrict__ counts, u16* __restrict__ xp, WARM_PARAMS) {
   moe::grid_dependency_begin();
   const WeightWarm warm = WARM_ARGS;
   stage_sort_permute_scaled<true, true, Nvfp4Unit, fetch_nvfp4_unit, expand_nvfp4_unit>(
@@ -379,9 +375,7 @@ extern "C" __global__ void __launch_bounds__(SORT_THREADS) moe_stage_sort_permut
     int num_slots, int top_k, int local_start, int num_experts, int align, int row_capacity, int hidden, int layout,
     const u16* __restrict__ x, int* __restrict__ ids_out, float* __restrict__ w_out, int* __restrict__ offsets,
     int* __restrict__ slot_to_row, int* __restrict__ row_to_slot, int* __restrict__ row_expert,
-    int* __restrict__ counts, u16* __restrict__ xp,
-    const u8* __restrict__ warm_codes, const u8* __restrict__ warm_scales, i64 warm_code_row, i64 warm_scale_row,
-    int warm_row_blocks, int warm_code_bytes, int warm_scale_bytes, int warm_experts, int warm_blocks) {
+    int* __restrict__ counts, u16* __restrict__ xp, WARM_PARAMS) {
   moe::grid_dependency_begin();
   const WeightWarm warm = WARM_ARGS;
   stage_sort_permute_tokens<false, true>(
@@ -408,9 +402,7 @@ extern "C" __global__ void __launch_bounds__(SORT_THREADS) moe_stage_sort_permut
     int num_slots, int top_k, int local_start, int num_experts, int align, int row_capacity, int hidden, int layout,
     const u16* __restrict__ x, int* __restrict__ ids_out, float* __restrict__ w_out, int* __restrict__ offsets,
     int* __restrict__ slot_to_row, int* __restrict__ row_to_slot, int* __restrict__ row_expert,
-    int* __restrict__ counts, u16* __restrict__ xp,
-    const u8* __restrict__ warm_codes, const u8* __restrict__ warm_scales, i64 warm_code_row, i64 warm_scale_row,
-    int warm_row_blocks, int warm_code_bytes, int warm_scale_bytes, int warm_experts, int warm_blocks) {
+    int* __restrict__ counts, u16* __restrict__ xp, WARM_PARAMS) {
   moe::grid_dependency_begin();
   const WeightWarm warm = WARM_ARGS;
   stage_sort_permute_tokens<true, true>(
@@ -438,9 +430,7 @@ extern "C" __global__ void __launch_bounds__(SORT_THREADS) moe_stage_sort_permut
     int num_slots, int top_k, int local_start, int num_experts, int align, int row_capacity, int hidden, int layout,
     const u8* __restrict__ xs, const u8* __restrict__ xss, int* __restrict__ ids_out, float* __restrict__ w_out,
     int* __restrict__ offsets, int* __restrict__ slot_to_row, int* __restrict__ row_to_slot,
-    int* __restrict__ row_expert, int* __restrict__ counts, u16* __restrict__ xp,
-    const u8* __restrict__ warm_codes, const u8* __restrict__ warm_scales, i64 warm_code_row, i64 warm_scale_row,
-    int warm_row_blocks, int warm_code_bytes, int warm_scale_bytes, int warm_experts, int warm_blocks) {
+    int* __restrict__ row_expert, int* __restrict__ counts, u16* __restrict__ xp, WARM_PARAMS) {
   moe::grid_dependency_begin();
   const WeightWarm warm = WARM_ARGS;
   stage_sort_permute_scaled<false, true, Mxfp8Unit, fetch_mxfp8_unit, expand_mxfp8_unit>(
@@ -467,9 +457,7 @@ extern "C" __global__ void __launch_bounds__(SORT_THREADS) moe_stage_sort_permut
     int num_slots, int top_k, int local_start, int num_experts, int align, int row_capacity, int hidden, int layout,
     const u8* __restrict__ xs, const u8* __restrict__ xss, int* __restrict__ ids_out, float* __restrict__ w_out,
     int* __restrict__ offsets, int* __restrict__ slot_to_row, int* __restrict__ row_to_slot,
-    int* __restrict__ row_expert, int* __restrict__ counts, u16* __restrict__ xp,
-    const u8* __restrict__ warm_codes, const u8* __restrict__ warm_scales, i64 warm_code_row, i64 warm_scale_row,
-    int warm_row_blocks, int warm_code_bytes, int warm_scale_bytes, int warm_experts, int warm_blocks) {
+    int* __restrict__ row_expert, int* __restrict__ counts, u16* __restrict__ xp, WARM_PARAMS) {
   moe::grid_dependency_begin();
   const WeightWarm warm = WARM_ARGS;
   stage_sort_permute_scaled<true, true, Mxfp8Unit, fetch_mxfp8_unit, expand_mxfp8_unit>(

@@ -24,11 +24,18 @@ ARG_TYPES = {"int": np.int32, "i64": np.int64, "float": np.float32, "pointer": n
 _ENTRY = re.compile(r'extern "C" __global__ void(?:\s+__launch_bounds__\([^)]*\))?\s+(\w+)\(([^)]*)\)')
 
 
-def kernel_signatures(paths: Iterable[Path]) -> dict[str, list[str]]:
-    """Entry point name -> parameter kinds ("int", "i64", "float" or "pointer"), parsed from the sources."""
+_DEFINE = re.compile(r"^#define (\w+)[ \t]+((?:.*\\\n)*.*)$", re.M)
+
+
+def kernel_signatures(paths: Iterable[Path], headers: Iterable[Path] = ()) -> dict[str, list[str]]:
+    """Entry point name -> parameter kinds ("int", "i64", "float" or "pointer"), parsed from the sources; a parameter
+    list may name a macro of ``headers`` (e.g. WARM_PARAMS of l2_warm.cuh), which is expanded first."""
+    macros = {name: body.replace("\\\n", " ")
+              for header in headers for name, body in _DEFINE.findall(header.read_text())}
     signatures = {}
     for path in paths:
         for kernel, params in _ENTRY.findall(path.read_text()):
+            params = re.sub(r"\b\w+\b", lambda m: macros.get(m.group(0), m.group(0)), params)
             decls = (param.strip() for param in params.split(","))
             signatures[kernel] = ["pointer" if "*" in decl else decl.split()[0] for decl in decls]
     return signatures
