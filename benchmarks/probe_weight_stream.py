@@ -14,11 +14,16 @@ random bytes, one launch after a 256 MiB L2 flush, median. Forms (columns):
   bytes with one cp.async.bulk completing on the stage's mbarrier; the lanes read their fragments back (LDS.128);
 - ``slab:N``: the tile layout, each CTA's whole share of the weights (16 WM MT rows) copied into shared memory at its
   start by thread 0, in N chunks along K (one cp.async.bulk per row block and chunk, an mbarrier per chunk); the
-  warps read their tiles back chunk by chunk (LDS.128).
+  warps read their tiles back chunk by chunk (LDS.128);
+- ``persist:S`` / ``persistc:S``: the tile layout on a persistent grid of four CTAs an SM. CTA c takes the decode
+  grid's CTAs c, c + G, ... (``persist``, G the grid) or a contiguous run of them (``persistc``), and each warp streams
+  its places in all of them through one ring of S steps, so the next one's first loads are in flight while this one's
+  last are consumed: what fewer, longer CTAs would save over the decode grid's CTA starts and ring drains.
 
 With ``--pairs``, a second table times a layer's two GEMMs (tile form): each alone, as two launches in one CUDA graph
 (the second a programmatic dependent, as in the decode chain), and as one launch whose first CTAs stream GEMM1's
-weights and the rest GEMM2's: what a chain loses to the second launch's start and the first one's tail.
+weights and the rest GEMM2's: what a chain loses to the second launch's start and the first one's tail; and as one
+persistent launch (both forms above, GEMM1's units first).
 
 Every form is held to at most four CTAs an SM (the engine's 128-register kernels; dummy shared memory), fewer where
 its stages need more (the cell says so). Cells: us [TB/s]. Usage: python benchmarks/probe_weight_stream.py --help
@@ -66,7 +71,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) probe(const u8* __restr
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wm = warp % WM, wk = warp / WM;
   int cta = blockIdx.x;
-  if (cta >= first2) {
+  if (P != 4 && cta >= first2) {
     cta -= first2;
     w = w2;
     n = n2;
@@ -122,6 +127,41 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) probe(const u8* __restr
         acc ^= mix(x); } \
     __syncwarp(); asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 #define USE(p) USE_AT(p, i0 + p)
+#endif
+#if P == 4
+  // Persistent: grid G CTAs; CTA c takes the decode grid's CTAs ("units") c, c + G, ... (CONTIG 0) or a contiguous run
+  // of them (CONTIG 1), and each warp streams its places in them as one sequence through one ring: the first steps of
+  // the next unit load while the last ones of this unit are in flight. `first2 + units2` units in all (units2 passed in
+  // `out[0]`'s stead: the host packs it into rb2's high half, see below).
+  const int units2 = rb2 >> 20;
+  rb2 &= (1 << 20) - 1;
+  const int units_all = first2 + units2;
+  const int G = gridDim.x;
+  const int u_begin = CONTIG ? (int)((i64)blockIdx.x * units_all / G) : (int)blockIdx.x;
+  const int u_end = CONTIG ? (int)((i64)(blockIdx.x + 1) * units_all / G) : units_all;
+  const int u_step = CONTIG ? 1 : G;
+  auto unit_steps = [&](int u) {
+    const int r = u < first2 ? rb : rb2;
+    const int kt = r / 32;
+    return wk < kt ? (kt - wk + WK - 1) / WK : 0;
+  };
+  auto unit_ptr = [&](int u) {
+    const u8* ww = w; int nn = n, r = rb;
+    if (u >= first2) { u -= first2; ww = w2; nn = n2; r = rb2; }
+    const int ux = u % (nn / (16 * WM * MT)), uy = u / (nn / (16 * WM * MT));
+    const i64 b0 = (static_cast<i64>(ux) * WM + wm) * MT;
+    return ww + (static_cast<i64>(uy) * nn + 16 * b0) * r + wk * 512 + lane * 16;
+  };
+  int nsteps = 0;
+  for (int u = u_begin; u < u_end; u += u_step) nsteps += unit_steps(u);
+  int cu = u_begin, cs = 0, cn = cu < u_end ? unit_steps(cu) : 0;
+  i64 crow = cu < u_end ? (cu < first2 ? rb : rb2) : 0;
+  const u8* cp = cu < u_end ? unit_ptr(cu) : w;
+  while (cu < u_end && cs >= cn) { cu += u_step; cs = 0; if (cu < u_end) { cn = unit_steps(cu); cp = unit_ptr(cu); crow = cu < first2 ? rb : rb2; } }
+  uint4 ring[S][MT];
+#define LOAD(p, i) { _Pragma("unroll") for (int mt = 0; mt < MT; ++mt) ring[p][mt] = ldg(cp + (i64)cs * WK * 512 + (i64)mt * 16 * crow); \
+    ++cs; while (cu < u_end && cs >= cn) { cu += u_step; cs = 0; if (cu < u_end) { cn = unit_steps(cu); cp = unit_ptr(cu); crow = cu < first2 ? rb : rb2; } } }
+#define USE(p) _Pragma("unroll") for (int mt = 0; mt < MT; ++mt) acc ^= mix(ring[p][mt]);
 #endif
 #if P == 3
   // The CTA's whole slab (its WM MT row blocks, each 16 rb contiguous bytes of 512-byte tiles) copied at its start:
@@ -185,25 +225,26 @@ SHAPES = {
     "deepseek-t8-gemm1": (60, 4096, 7168), "deepseek-t8-gemm2": (60, 7168, 2048),
 }
 PAIRS = sorted({shape.rsplit("-", 1)[0] for shape in SHAPES})  # layers with both GEMMs in SHAPES
-FORMS = ["tiles:4", "rows:1:2", "rowsh:1:2", "rows:2:2", "rows:4:1", "bulk:128:2", "bulk:128:4", "bulk:256:2",
+FORMS = ["tiles:4", "persist:4", "persistc:4", "rows:1:2", "rowsh:1:2", "rows:2:2", "rows:4:1", "bulk:128:2", "bulk:128:4", "bulk:256:2",
          "bulk:512:1", "slab:4"]
 WARP_FORMS = {"2,4,1": (2, 4, 1), "2,2,2": (2, 2, 2), "1,4,1": (1, 4, 1), "2,2,1": (2, 2, 1), "3,4,1": (3, 4, 1),
-              "4,4,1": (4, 4, 1), "4,2,2": (4, 2, 2), "3,2,2": (3, 2, 2)}  # (MT, WM, WK)
+              "4,4,1": (4, 4, 1), "4,2,2": (4, 2, 2), "3,2,2": (3, 2, 2), "4,2,1": (4, 2, 1)}  # (MT, WM, WK)
 CAP_SMEM = 52 * 1024  # at least this much shared memory a CTA: at most four CTAs an SM
 MAX_SMEM = 220 * 1024  # dynamic shared memory a CTA may ask (227 KB less the static barriers, with margin)
 SMEM_PER_SM = 228 * 1024
-FORM_PATTERN = re.compile(r"tiles:(\d+)|rowsh?:(1|2|4):(\d+)|bulk:(\d+):(\d+)|slab:(\d+)")
+PERSIST_CTAS_PER_SM = 4  # the persistent forms' grid: one wave of four CTAs an SM
+FORM_PATTERN = re.compile(r"tiles:(\d+)|rowsh?:(1|2|4):(\d+)|bulk:(\d+):(\d+)|slab:(\d+)|persistc?:(\d+)")
 
 
 def form_arg(text: str) -> str:
     """A --forms entry, checked: tiles:S, rows:V:S or rowsh:V:S (V 1, 2 or 4), bulk:C:S (C a multiple of 64 up to
-    512), slab:N; S and N 1 to 8."""
+    512), slab:N, persist:S, persistc:S; S and N 1 to 8."""
     match = FORM_PATTERN.fullmatch(text)
     stages = int(text.rsplit(":", 1)[-1]) if match else 0
     copy = int(match.group(4)) if match and match.group(4) else 64
     if not match or not 1 <= stages <= 8 or copy % 64 or not 64 <= copy <= 512:
         raise argparse.ArgumentTypeError(f"{text!r}: expected tiles:S, rows:V:S, rowsh:V:S (V 1, 2 or 4), bulk:C:S "
-                                         "(C 64..512, a multiple of 64) or slab:N, S and N 1..8")
+                                         "(C 64..512, a multiple of 64), slab:N, persist:S or persistc:S, S and N 1..8")
     return text
 
 
@@ -217,6 +258,8 @@ def defines(form: str, mt: int, wm: int, wk: int) -> dict[str, int]:
         return {**d, "P": 1, "V": int(numbers[0]), "S": int(numbers[1]), "H": int(kind == "rowsh")}
     if kind == "slab":
         return {**d, "P": 3, "NCH": int(numbers[0])}
+    if kind in ("persist", "persistc"):
+        return {**d, "P": 4, "S": int(numbers[0]), "CONTIG": int(kind == "persistc")}
     return {**d, "P": 2, "C": int(numbers[0]), "S": int(numbers[1])}
 
 
@@ -239,6 +282,7 @@ class Kernels:
 
     def __init__(self, sink: torch.Tensor) -> None:
         self.sink = sink
+        self.sms = torch.cuda.get_device_properties(sink.device).multi_processor_count
         self.functions: dict[tuple, int] = {}
 
     def function(self, d: dict[str, int], smem: int) -> int:
@@ -256,6 +300,10 @@ class Kernels:
         w, n, rb = first
         w2, n2, rb2 = second or first
         first2 = ctas if second is None else grid_ctas(d, n, w.numel() // (n * rb))
+        if d["P"] == 4:  # persistent: `ctas` units on at most four CTAs an SM; the second set's units in rb2's high bits
+            first2 = grid_ctas(d, n, w.numel() // (n * rb))
+            rb2 |= (ctas - first2) << 20
+            ctas = min(ctas, PERSIST_CTAS_PER_SM * self.sms)
         values = (np.uint64(w.data_ptr()), np.int32(n), np.int32(rb), np.uint64(w2.data_ptr()), np.int32(n2),
                   np.int32(rb2), np.int32(first2), np.uint64(self.sink.data_ptr()))
         launch = driver.launch_kernel_programmatic if programmatic else driver.launch_kernel
@@ -299,8 +347,9 @@ def pair_table(args: argparse.Namespace, kernels: Kernels, timer: Timer) -> None
     """One row per layer, tile form: GEMM1's and GEMM2's weight loads alone, the two as two launches (the second a
     programmatic dependent, as in the decode chain), and the two in one launch (GEMM1's CTAs first); each captured
     in a CUDA graph."""
-    print(md_row(["layer", "MB", "(MT, WM, WK)", "GEMM1", "GEMM2", "two launches (PDL)", "one launch"]))
-    print(md_row(["---", "---:", "---", "---:", "---:", "---:", "---:"]))
+    print(md_row(["layer", "MB", "(MT, WM, WK)", "GEMM1", "GEMM2", "two launches (PDL)", "one launch",
+                  "one launch, persistent", "one launch, persistent (runs)"]))
+    print(md_row(["---", "---:", "---", "---:", "---:", "---:", "---:", "---:", "---:"]))
     for pair in args.pairs:
         sets = []
         for shape in (f"{pair}-gemm1", f"{pair}-gemm2"):
@@ -320,7 +369,11 @@ def pair_table(args: argparse.Namespace, kernels: Kernels, timer: Timer) -> None
             runs = [lambda d=d, c=ctas: kernels.launch(d, CAP_SMEM, sets[0], None, c[0]),
                     lambda d=d, c=ctas: kernels.launch(d, CAP_SMEM, sets[1], None, c[1]),
                     two,
-                    lambda d=d, c=ctas: kernels.launch(d, CAP_SMEM, sets[0], sets[1], c[0] + c[1])]
+                    lambda d=d, c=ctas: kernels.launch(d, CAP_SMEM, sets[0], sets[1], c[0] + c[1]),
+                    lambda d=d, c=ctas: kernels.launch({**d, "P": 4, "CONTIG": 0}, CAP_SMEM, sets[0], sets[1],
+                                                       c[0] + c[1]),
+                    lambda d=d, c=ctas: kernels.launch({**d, "P": 4, "CONTIG": 1}, CAP_SMEM, sets[0], sets[1],
+                                                       c[0] + c[1])]
             cells = []
             for run in runs:
                 graph = capture(run, keep_graph=True)

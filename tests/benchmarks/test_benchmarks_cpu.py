@@ -148,7 +148,7 @@ def test_timeline_splits_replays_at_the_flushes() -> None:
 
 def test_weight_stream_forms() -> None:
     """The probe's columns: the compile-time form of each, the bytes a warp step covers of each row, and the stages'
-    shared memory (the bulk form's [warps][stages][rows][C + 16 bytes])."""
+    shared memory (the bulk form's [warps][stages][rows][C + 16 bytes]); the persistent forms' unit order."""
     assert probe_weight_stream.defines("tiles:4", 2, 4, 1) == {"MT": 2, "WM": 4, "WK": 1, "P": 0, "S": 4}
     rows = probe_weight_stream.defines("rowsh:2:2", 2, 2, 2)
     assert rows["P"] == 1 and rows["H"] == 1 and probe_weight_stream.step_bytes(rows) == 128
@@ -156,11 +156,13 @@ def test_weight_stream_forms() -> None:
     assert probe_weight_stream.step_bytes(bulk) == 256 and probe_weight_stream.stage_smem(bulk, 1024) == 4 * 2 * 32 * 272
     slab = probe_weight_stream.defines("slab:4", 2, 4, 1)
     assert slab["P"] == 3 and slab["NCH"] == 4 and probe_weight_stream.stage_smem(slab, 384) == 128 * 384
+    assert probe_weight_stream.defines("persist:2", 2, 2, 2) == {"MT": 2, "WM": 2, "WK": 2, "P": 4, "S": 2, "CONTIG": 0}
+    assert probe_weight_stream.defines("persistc:4", 2, 2, 2)["CONTIG"] == 1
     for form in probe_weight_stream.FORMS:
         assert probe_weight_stream.form_arg(form) == form
 
 
-@pytest.mark.parametrize("form", ["tile:4", "rows:3:2", "rows:1:0", "bulk:100:2", "bulk:1024:2", "tiles:9", "bulk:256", "slab:0", "slab:9"])
+@pytest.mark.parametrize("form", ["tile:4", "rows:3:2", "rows:1:0", "bulk:100:2", "bulk:1024:2", "tiles:9", "bulk:256", "slab:0", "slab:9", "persist:0", "persistc:9"])
 def test_weight_stream_refuses_bad_forms(form: str, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
         probe_weight_stream.main(["--forms", form])
