@@ -63,10 +63,11 @@ __device__ __forceinline__ u32 mix(uint4 v) { return v.x ^ v.y ^ v.z ^ v.w; }
 #define WARPS (WM * WK)
 // A linear grid: CTA c < first2 streams the first weight set w [experts, n, rb] as CTA (c % (n / 16 WM MT),
 // c / that) of the decode grid; the CTAs from first2 on stream the second set w2 [., n2, rb2] (two GEMMs in one
-// launch). griddepcontrol.wait first: a no-op unless launched as a programmatic dependent.
+// launch). `units`: the decode grid's CTAs in all (the persistent form's work; the others launch that many).
+// griddepcontrol.wait first: a no-op unless launched as a programmatic dependent.
 extern "C" __global__ void __launch_bounds__(WARPS * 32) probe(const u8* __restrict__ w, int n, int rb,
                                                               const u8* __restrict__ w2, int n2, int rb2, int first2,
-                                                              u32* out) {
+                                                              int units, u32* out) {
   asm volatile("griddepcontrol.wait;" ::: "memory");
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wm = warp % WM, wk = warp / WM;
@@ -131,36 +132,39 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) probe(const u8* __restr
 #if P == 4
   // Persistent: grid G CTAs; CTA c takes the decode grid's CTAs ("units") c, c + G, ... (CONTIG 0) or a contiguous run
   // of them (CONTIG 1), and each warp streams its places in them as one sequence through one ring: the first steps of
-  // the next unit load while the last ones of this unit are in flight. `first2 + units2` units in all (units2 passed in
-  // `out[0]`'s stead: the host packs it into rb2's high half, see below).
-  const int units2 = rb2 >> 20;
-  rb2 &= (1 << 20) - 1;
-  const int units_all = first2 + units2;
+  // the next unit load while the last ones of this unit are in flight. Units from first2 on are the second set's.
   const int G = gridDim.x;
-  const int u_begin = CONTIG ? (int)((i64)blockIdx.x * units_all / G) : (int)blockIdx.x;
-  const int u_end = CONTIG ? (int)((i64)(blockIdx.x + 1) * units_all / G) : units_all;
+  const int u_begin = CONTIG ? (int)((i64)blockIdx.x * units / G) : (int)blockIdx.x;
+  const int u_end = CONTIG ? (int)((i64)(blockIdx.x + 1) * units / G) : units;
   const int u_step = CONTIG ? 1 : G;
   auto unit_steps = [&](int u) {
-    const int r = u < first2 ? rb : rb2;
-    const int kt = r / 32;
+    const int kt = (u < first2 ? rb : rb2) / 32;
     return wk < kt ? (kt - wk + WK - 1) / WK : 0;
   };
-  auto unit_ptr = [&](int u) {
-    const u8* ww = w; int nn = n, r = rb;
-    if (u >= first2) { u -= first2; ww = w2; nn = n2; r = rb2; }
+  // The cursor of the next load: unit cu (its row bytes crow, its warp's first byte cp), step cs of its cn.
+  int cu = u_begin, cs = 0, cn = 0;
+  i64 crow = 0;
+  const u8* cp = w;
+  auto enter = [&](int u) {  // the cursor at unit u's first step, or past the CTA's units
+    cu = u;
+    cs = 0;
+    if (u >= u_end) return;
+    const u8* ww = w;
+    int nn = n;
+    crow = rb;
+    if (u >= first2) { u -= first2; ww = w2; nn = n2; crow = rb2; }
     const int ux = u % (nn / (16 * WM * MT)), uy = u / (nn / (16 * WM * MT));
-    const i64 b0 = (static_cast<i64>(ux) * WM + wm) * MT;
-    return ww + (static_cast<i64>(uy) * nn + 16 * b0) * r + wk * 512 + lane * 16;
+    cp = ww + (static_cast<i64>(uy) * nn + 16 * ((static_cast<i64>(ux) * WM + wm) * MT)) * crow + wk * 512 + lane * 16;
+    cn = unit_steps(cu);
   };
+  auto settle = [&] { while (cu < u_end && cs >= cn) enter(cu + u_step); };  // past units with no step left
   int nsteps = 0;
   for (int u = u_begin; u < u_end; u += u_step) nsteps += unit_steps(u);
-  int cu = u_begin, cs = 0, cn = cu < u_end ? unit_steps(cu) : 0;
-  i64 crow = cu < u_end ? (cu < first2 ? rb : rb2) : 0;
-  const u8* cp = cu < u_end ? unit_ptr(cu) : w;
-  while (cu < u_end && cs >= cn) { cu += u_step; cs = 0; if (cu < u_end) { cn = unit_steps(cu); cp = unit_ptr(cu); crow = cu < first2 ? rb : rb2; } }
+  enter(u_begin);
+  settle();
   uint4 ring[S][MT];
 #define LOAD(p, i) { _Pragma("unroll") for (int mt = 0; mt < MT; ++mt) ring[p][mt] = ldg(cp + (i64)cs * WK * 512 + (i64)mt * 16 * crow); \
-    ++cs; while (cu < u_end && cs >= cn) { cu += u_step; cs = 0; if (cu < u_end) { cn = unit_steps(cu); cp = unit_ptr(cu); crow = cu < first2 ? rb : rb2; } } }
+    ++cs; settle(); }
 #define USE(p) _Pragma("unroll") for (int mt = 0; mt < MT; ++mt) acc ^= mix(ring[p][mt]);
 #endif
 #if P == 3
@@ -225,8 +229,8 @@ SHAPES = {
     "deepseek-t8-gemm1": (60, 4096, 7168), "deepseek-t8-gemm2": (60, 7168, 2048),
 }
 PAIRS = sorted({shape.rsplit("-", 1)[0] for shape in SHAPES})  # layers with both GEMMs in SHAPES
-FORMS = ["tiles:4", "persist:4", "persistc:4", "rows:1:2", "rowsh:1:2", "rows:2:2", "rows:4:1", "bulk:128:2", "bulk:128:4", "bulk:256:2",
-         "bulk:512:1", "slab:4"]
+FORMS = ["tiles:4", "persist:4", "persistc:4", "rows:1:2", "rowsh:1:2", "rows:2:2", "rows:4:1", "bulk:128:2",
+         "bulk:128:4", "bulk:256:2", "bulk:512:1", "slab:4"]
 WARP_FORMS = {"2,4,1": (2, 4, 1), "2,2,2": (2, 2, 2), "1,4,1": (1, 4, 1), "2,2,1": (2, 2, 1), "3,4,1": (3, 4, 1),
               "4,4,1": (4, 4, 1), "4,2,2": (4, 2, 2), "3,2,2": (3, 2, 2), "4,2,1": (4, 2, 1)}  # (MT, WM, WK)
 CAP_SMEM = 52 * 1024  # at least this much shared memory a CTA: at most four CTAs an SM
@@ -295,17 +299,14 @@ class Kernels:
 
     def launch(self, d: dict[str, int], smem: int, first: tuple, second: tuple | None, ctas: int,
                programmatic: bool = False) -> None:
-        """One launch of ``ctas`` CTAs: the weight set ``first`` = (weights, N, row bytes) and, from its own CTA
-        count on, ``second`` (or nothing)."""
+        """One launch over ``ctas`` CTAs of the decode grid: the weight set ``first`` = (weights, N, row bytes) and,
+        from its own CTA count on, ``second`` (or nothing); the persistent forms on at most four CTAs an SM."""
         w, n, rb = first
         w2, n2, rb2 = second or first
         first2 = ctas if second is None else grid_ctas(d, n, w.numel() // (n * rb))
-        if d["P"] == 4:  # persistent: `ctas` units on at most four CTAs an SM; the second set's units in rb2's high bits
-            first2 = grid_ctas(d, n, w.numel() // (n * rb))
-            rb2 |= (ctas - first2) << 20
-            ctas = min(ctas, PERSIST_CTAS_PER_SM * self.sms)
+        units, ctas = ctas, min(ctas, PERSIST_CTAS_PER_SM * self.sms) if d["P"] == 4 else ctas
         values = (np.uint64(w.data_ptr()), np.int32(n), np.int32(rb), np.uint64(w2.data_ptr()), np.int32(n2),
-                  np.int32(rb2), np.int32(first2), np.uint64(self.sink.data_ptr()))
+                  np.int32(rb2), np.int32(first2), np.int32(units), np.uint64(self.sink.data_ptr()))
         launch = driver.launch_kernel_programmatic if programmatic else driver.launch_kernel
         launch(self.function(d, smem), (ctas, 1, 1), 32 * d["WM"] * d["WK"], smem, torch.cuda.current_stream().cuda_stream,
                packed_args(values).pointer)

@@ -162,7 +162,8 @@ def test_weight_stream_forms() -> None:
         assert probe_weight_stream.form_arg(form) == form
 
 
-@pytest.mark.parametrize("form", ["tile:4", "rows:3:2", "rows:1:0", "bulk:100:2", "bulk:1024:2", "tiles:9", "bulk:256", "slab:0", "slab:9", "persist:0", "persistc:9"])
+@pytest.mark.parametrize("form", ["tile:4", "rows:3:2", "rows:1:0", "bulk:100:2", "bulk:1024:2", "tiles:9", "bulk:256",
+                                  "slab:0", "slab:9", "persist:0", "persistc:9"])
 def test_weight_stream_refuses_bad_forms(form: str, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
         probe_weight_stream.main(["--forms", form])
