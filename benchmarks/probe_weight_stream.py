@@ -346,8 +346,8 @@ def form_table(args: argparse.Namespace, kernels: Kernels, timer: Timer) -> None
 
 def pair_table(args: argparse.Namespace, kernels: Kernels, timer: Timer) -> None:
     """One row per layer, tile form: GEMM1's and GEMM2's weight loads alone, the two as two launches (the second a
-    programmatic dependent, as in the decode chain), and the two in one launch (GEMM1's CTAs first); each captured
-    in a CUDA graph."""
+    programmatic dependent, as in the decode chain), and the two in one launch (GEMM1's CTAs first), also persistent
+    (persist:4, then persistc:4: "runs"); each captured in a CUDA graph."""
     print(md_row(["layer", "MB", "(MT, WM, WK)", "GEMM1", "GEMM2", "two launches (PDL)", "one launch",
                   "one launch, persistent", "one launch, persistent (runs)"]))
     print(md_row(["---", "---:", "---", "---:", "---:", "---:", "---:", "---:", "---:"]))
@@ -367,14 +367,12 @@ def pair_table(args: argparse.Namespace, kernels: Kernels, timer: Timer) -> None
                 kernels.launch(d, CAP_SMEM, sets[0], None, c[0])
                 kernels.launch(d, CAP_SMEM, sets[1], None, c[1], programmatic=True)
 
+            one_launch = [d, *(defines(f"{form}:4", *WARP_FORMS[warps]) for form in ("persist", "persistc"))]
             runs = [lambda d=d, c=ctas: kernels.launch(d, CAP_SMEM, sets[0], None, c[0]),
                     lambda d=d, c=ctas: kernels.launch(d, CAP_SMEM, sets[1], None, c[1]),
                     two,
-                    lambda d=d, c=ctas: kernels.launch(d, CAP_SMEM, sets[0], sets[1], c[0] + c[1]),
-                    lambda d=d, c=ctas: kernels.launch({**d, "P": 4, "CONTIG": 0}, CAP_SMEM, sets[0], sets[1],
-                                                       c[0] + c[1]),
-                    lambda d=d, c=ctas: kernels.launch({**d, "P": 4, "CONTIG": 1}, CAP_SMEM, sets[0], sets[1],
-                                                       c[0] + c[1])]
+                    *(lambda f=f, c=ctas: kernels.launch(f, CAP_SMEM, sets[0], sets[1], c[0] + c[1])
+                      for f in one_launch)]
             cells = []
             for run in runs:
                 graph = capture(run, keep_graph=True)
