@@ -228,16 +228,22 @@ extern "C" __global__ void __launch_bounds__(SORT_THREADS)
 // Without Warm (`warm` null) the kernels compile to the same SASS as before warming existed (nvcc 13.0, sm_90a): one
 // kernel for both, with the warming passed by reference, compiled otherwise and measured 1-1.5 us slower at
 // Qwen3-30B-A3B T=2 and 4, where it does not warm.
+// The parameters every stage + sort + permute kernel takes before its tokens (the caller's routing and the bucket's
+// sizes) and after them (the stage's and the sort's outputs, the gathered rows), and the arguments that pass them on.
+#define STAGE_ROUTING_PARAMS                                                                                         \
+  const void *__restrict__ ids, const void *__restrict__ weights, int routing_format, int ids_int64, int num_tokens, \
+      int num_slots, int top_k, int local_start, int num_experts, int align, int row_capacity, int hidden, int layout
+#define STAGE_ROUTING_ARGS                                                                                            \
+  ids, weights, routing_format, ids_int64, num_tokens, num_slots, top_k, local_start, num_experts, align,             \
+      row_capacity, hidden, layout
+#define STAGE_OUTPUT_PARAMS                                                                                          \
+  int *__restrict__ ids_out, float *__restrict__ w_out, int *__restrict__ offsets, int *__restrict__ slot_to_row,   \
+      int *__restrict__ row_to_slot, int *__restrict__ row_expert, int *__restrict__ counts, u16 *__restrict__ xp
+#define STAGE_OUTPUT_ARGS ids_out, w_out, offsets, slot_to_row, row_to_slot, row_expert, counts, xp
+
 template <bool WarpOnly, bool Warm, typename Fetch, typename Expand>
-__device__ __forceinline__ void stage_sort_permute(const void* __restrict__ ids, const void* __restrict__ weights,
-                                                   int routing_format, int ids_int64, int num_tokens, int num_slots,
-                                                   int top_k, int local_start, int num_experts, int align,
-                                                   int row_capacity, int hidden, int layout, int* __restrict__ ids_out,
-                                                   float* __restrict__ w_out, int* __restrict__ offsets,
-                                                   int* __restrict__ slot_to_row, int* __restrict__ row_to_slot,
-                                                   int* __restrict__ row_expert, int* __restrict__ counts,
-                                                   u16* __restrict__ xp, Fetch fetch, Expand expand,
-                                                   const WeightWarm* warm) {
+__device__ __forceinline__ void stage_sort_permute(STAGE_ROUTING_PARAMS, STAGE_OUTPUT_PARAMS, Fetch fetch,
+                                                   Expand expand, const WeightWarm* warm) {
   extern __shared__ __align__(16) int staged_ids[];  // num_slots ints (dynamic: the sort's static arrays fill 44 KB)
   const auto stage_ids = [&]() -> const int* {
     for (int i = threadIdx.x; i < num_slots; i += blockDim.x) {
@@ -271,197 +277,126 @@ __device__ __forceinline__ void stage_sort_permute(const void* __restrict__ ids,
 // stage_sort_permute of tokens given as codes xs (16-byte aligned rows) and 1-byte scales xss, unit u of token t read
 // by Fetch and decoded by Expand: NVFP4 (xs [T, H/2], xss [T, H/16]: fetch_nvfp4_unit, expand_nvfp4_unit; the same
 // outputs, bit for bit, as moe_stage_inputs followed by moe_sort_permute_bf16) or MXFP8 (xs [T, H], E8M0 xss [T, H/32]:
-// fetch_mxfp8_unit, expand_mxfp8_unit; as moe_stage_inputs followed by moe_sort_permute_bf16_mxfp8). Each token kind
-// has two kernels: the general one, and the _warp one for num_slots <= SORT_WARP_SLOTS (it writes nothing for more)
-// with only the one-warp sort's shared arrays (8 KB against 45 KB: sort_permute's WarpOnly).
+// fetch_mxfp8_unit, expand_mxfp8_unit; as moe_stage_inputs followed by moe_sort_permute_bf16_mxfp8).
 template <bool WarpOnly, bool Warm, typename Unit, Unit (*Fetch)(const u8*, const u8*, int, i64, int),
           void (*Expand)(const Unit&, uint4*)>
-__device__ __forceinline__ void stage_sort_permute_scaled(
-    const void* __restrict__ ids, const void* __restrict__ weights, int routing_format, int ids_int64, int num_tokens,
-    int num_slots, int top_k, int local_start, int num_experts, int align, int row_capacity, int hidden, int layout,
-    const u8* __restrict__ xs, const u8* __restrict__ xss, int* __restrict__ ids_out, float* __restrict__ w_out,
-    int* __restrict__ offsets, int* __restrict__ slot_to_row, int* __restrict__ row_to_slot,
-    int* __restrict__ row_expert, int* __restrict__ counts, u16* __restrict__ xp, const WeightWarm* warm) {
+__device__ __forceinline__ void stage_sort_permute_scaled(STAGE_ROUTING_PARAMS, const u8* __restrict__ xs,
+                                                          const u8* __restrict__ xss, STAGE_OUTPUT_PARAMS,
+                                                          const WeightWarm* warm) {
   stage_sort_permute<WarpOnly, Warm>(
-      ids, weights, routing_format, ids_int64, num_tokens, num_slots, top_k, local_start, num_experts, align,
-      row_capacity, hidden, layout, ids_out, w_out, offsets, slot_to_row, row_to_slot, row_expert, counts, xp,
-      [&](i64 t, int u) { return Fetch(xs, xss, hidden, t, u); }, Expand, warm);
-}
-
-extern "C" __global__ void __launch_bounds__(SORT_THREADS) moe_stage_sort_permute_bf16(
-    const void* __restrict__ ids, const void* __restrict__ weights, int routing_format, int ids_int64, int num_tokens,
-    int num_slots, int top_k, int local_start, int num_experts, int align, int row_capacity, int hidden, int layout,
-    const u8* __restrict__ xs, const u8* __restrict__ xss, int* __restrict__ ids_out, float* __restrict__ w_out,
-    int* __restrict__ offsets, int* __restrict__ slot_to_row, int* __restrict__ row_to_slot,
-    int* __restrict__ row_expert, int* __restrict__ counts, u16* __restrict__ xp) {
-  moe::grid_dependency_begin();
-  stage_sort_permute_scaled<false, false, Nvfp4Unit, fetch_nvfp4_unit, expand_nvfp4_unit>(
-      ids, weights, routing_format, ids_int64, num_tokens, num_slots, top_k, local_start, num_experts, align,
-      row_capacity, hidden, layout, xs, xss, ids_out, w_out, offsets, slot_to_row, row_to_slot, row_expert, counts, xp,
-      nullptr);
-}
-
-extern "C" __global__ void __launch_bounds__(SORT_THREADS) moe_stage_sort_permute_bf16_warm(
-    const void* __restrict__ ids, const void* __restrict__ weights, int routing_format, int ids_int64, int num_tokens,
-    int num_slots, int top_k, int local_start, int num_experts, int align, int row_capacity, int hidden, int layout,
-    const u8* __restrict__ xs, const u8* __restrict__ xss, int* __restrict__ ids_out, float* __restrict__ w_out,
-    int* __restrict__ offsets, int* __restrict__ slot_to_row, int* __restrict__ row_to_slot,
-    int* __restrict__ row_expert, int* __restrict__ counts, u16* __restrict__ xp, WARM_PARAMS) {
-  moe::grid_dependency_begin();
-  const WeightWarm warm = WARM_ARGS;
-  stage_sort_permute_scaled<false, true, Nvfp4Unit, fetch_nvfp4_unit, expand_nvfp4_unit>(
-      ids, weights, routing_format, ids_int64, num_tokens, num_slots, top_k, local_start, num_experts, align,
-      row_capacity, hidden, layout, xs, xss, ids_out, w_out, offsets, slot_to_row, row_to_slot, row_expert, counts, xp,
-      &warm);
-}
-
-extern "C" __global__ void __launch_bounds__(SORT_THREADS) moe_stage_sort_permute_bf16_warp(
-    const void* __restrict__ ids, const void* __restrict__ weights, int routing_format, int ids_int64, int num_tokens,
-    int num_slots, int top_k, int local_start, int num_experts, int align, int row_capacity, int hidden, int layout,
-    const u8* __restrict__ xs, const u8* __restrict__ xss, int* __restrict__ ids_out, float* __restrict__ w_out,
-    int* __restrict__ offsets, int* __restrict__ slot_to_row, int* __restrict__ row_to_slot,
-    int* __restrict__ row_expert, int* __restrict__ counts, u16* __restrict__ xp) {
-  moe::grid_dependency_begin();
-  stage_sort_permute_scaled<true, false, Nvfp4Unit, fetch_nvfp4_unit, expand_nvfp4_unit>(
-      ids, weights, routing_format, ids_int64, num_tokens, num_slots, top_k, local_start, num_experts, align,
-      row_capacity, hidden, layout, xs, xss, ids_out, w_out, offsets, slot_to_row, row_to_slot, row_expert, counts, xp,
-      nullptr);
-}
-
-extern "C" __global__ void __launch_bounds__(SORT_THREADS) moe_stage_sort_permute_bf16_warp_warm(
-    const void* __restrict__ ids, const void* __restrict__ weights, int routing_format, int ids_int64, int num_tokens,
-    int num_slots, int top_k, int local_start, int num_experts, int align, int row_capacity, int hidden, int layout,
-    const u8* __restrict__ xs, const u8* __restrict__ xss, int* __restrict__ ids_out, float* __restrict__ w_out,
-    int* __restrict__ offsets, int* __restrict__ slot_to_row, int* __restrict__ row_to_slot,
-    int* __restrict__ row_expert, int* __restrict__ counts, u16* __restrict__ xp, WARM_PARAMS) {
-  moe::grid_dependency_begin();
-  const WeightWarm warm = WARM_ARGS;
-  stage_sort_permute_scaled<true, true, Nvfp4Unit, fetch_nvfp4_unit, expand_nvfp4_unit>(
-      ids, weights, routing_format, ids_int64, num_tokens, num_slots, top_k, local_start, num_experts, align,
-      row_capacity, hidden, layout, xs, xss, ids_out, w_out, offsets, slot_to_row, row_to_slot, row_expert, counts, xp,
-      &warm);
+      STAGE_ROUTING_ARGS, STAGE_OUTPUT_ARGS, [&](i64 t, int u) { return Fetch(xs, xss, hidden, t, u); }, Expand, warm);
 }
 
 // stage_sort_permute of BF16 tokens (x bf16 [T, H], 16-byte aligned), as they are: the same outputs, bit for bit, as
-// moe_stage_inputs (the tokens copied as bytes) followed by moe_sort_permute_bf16_tokens; the two kernels as above.
+// moe_stage_inputs (the tokens copied as bytes) followed by moe_sort_permute_bf16_tokens.
 template <bool WarpOnly, bool Warm>
-__device__ __forceinline__ void stage_sort_permute_tokens(
-    const void* __restrict__ ids, const void* __restrict__ weights, int routing_format, int ids_int64, int num_tokens,
-    int num_slots, int top_k, int local_start, int num_experts, int align, int row_capacity, int hidden, int layout,
-    const u16* __restrict__ x, int* __restrict__ ids_out, float* __restrict__ w_out, int* __restrict__ offsets,
-    int* __restrict__ slot_to_row, int* __restrict__ row_to_slot, int* __restrict__ row_expert,
-    int* __restrict__ counts, u16* __restrict__ xp, const WeightWarm* warm) {
+__device__ __forceinline__ void stage_sort_permute_tokens(STAGE_ROUTING_PARAMS, const u16* __restrict__ x,
+                                                          STAGE_OUTPUT_PARAMS, const WeightWarm* warm) {
   stage_sort_permute<WarpOnly, Warm>(
-      ids, weights, routing_format, ids_int64, num_tokens, num_slots, top_k, local_start, num_experts, align,
-      row_capacity, hidden, layout, ids_out, w_out, offsets, slot_to_row, row_to_slot, row_expert, counts, xp,
-      [&](i64 t, int u) { return fetch_bf16_unit(x, hidden, t, u); }, expand_bf16_unit, warm);
+      STAGE_ROUTING_ARGS, STAGE_OUTPUT_ARGS, [&](i64 t, int u) { return fetch_bf16_unit(x, hidden, t, u); },
+      expand_bf16_unit, warm);
 }
 
-extern "C" __global__ void __launch_bounds__(SORT_THREADS) moe_stage_sort_permute_bf16_tokens(
-    const void* __restrict__ ids, const void* __restrict__ weights, int routing_format, int ids_int64, int num_tokens,
-    int num_slots, int top_k, int local_start, int num_experts, int align, int row_capacity, int hidden, int layout,
-    const u16* __restrict__ x, int* __restrict__ ids_out, float* __restrict__ w_out, int* __restrict__ offsets,
-    int* __restrict__ slot_to_row, int* __restrict__ row_to_slot, int* __restrict__ row_expert,
-    int* __restrict__ counts, u16* __restrict__ xp) {
+// The kernels: four a token kind. NAME sorts with the general block sort, NAME_warp with the one-warp sort alone
+// (num_slots <= SORT_WARP_SLOTS; it writes nothing for more) and only that sort's shared arrays (8 KB against 45 KB:
+// sort_permute's WarpOnly); the _warm forms add WARM_PARAMS and their blocks that warm L2. NVFP4 tokens: _bf16; BF16
+// tokens: _bf16_tokens; MXFP8 tokens, as their BF16 values: _bf16_mxfp8.
+extern "C" __global__ void __launch_bounds__(SORT_THREADS)
+    moe_stage_sort_permute_bf16(STAGE_ROUTING_PARAMS, const u8* __restrict__ xs, const u8* __restrict__ xss,
+                                STAGE_OUTPUT_PARAMS) {
+  moe::grid_dependency_begin();
+  stage_sort_permute_scaled<false, false, Nvfp4Unit, fetch_nvfp4_unit, expand_nvfp4_unit>(
+      STAGE_ROUTING_ARGS, xs, xss, STAGE_OUTPUT_ARGS, nullptr);
+}
+
+extern "C" __global__ void __launch_bounds__(SORT_THREADS)
+    moe_stage_sort_permute_bf16_warm(STAGE_ROUTING_PARAMS, const u8* __restrict__ xs, const u8* __restrict__ xss,
+                                     STAGE_OUTPUT_PARAMS, WARM_PARAMS) {
+  moe::grid_dependency_begin();
+  const WeightWarm warm = WARM_ARGS;
+  stage_sort_permute_scaled<false, true, Nvfp4Unit, fetch_nvfp4_unit, expand_nvfp4_unit>(
+      STAGE_ROUTING_ARGS, xs, xss, STAGE_OUTPUT_ARGS, &warm);
+}
+
+extern "C" __global__ void __launch_bounds__(SORT_THREADS)
+    moe_stage_sort_permute_bf16_warp(STAGE_ROUTING_PARAMS, const u8* __restrict__ xs, const u8* __restrict__ xss,
+                                     STAGE_OUTPUT_PARAMS) {
+  moe::grid_dependency_begin();
+  stage_sort_permute_scaled<true, false, Nvfp4Unit, fetch_nvfp4_unit, expand_nvfp4_unit>(
+      STAGE_ROUTING_ARGS, xs, xss, STAGE_OUTPUT_ARGS, nullptr);
+}
+
+extern "C" __global__ void __launch_bounds__(SORT_THREADS)
+    moe_stage_sort_permute_bf16_warp_warm(STAGE_ROUTING_PARAMS, const u8* __restrict__ xs, const u8* __restrict__ xss,
+                                          STAGE_OUTPUT_PARAMS, WARM_PARAMS) {
+  moe::grid_dependency_begin();
+  const WeightWarm warm = WARM_ARGS;
+  stage_sort_permute_scaled<true, true, Nvfp4Unit, fetch_nvfp4_unit, expand_nvfp4_unit>(
+      STAGE_ROUTING_ARGS, xs, xss, STAGE_OUTPUT_ARGS, &warm);
+}
+
+extern "C" __global__ void __launch_bounds__(SORT_THREADS)
+    moe_stage_sort_permute_bf16_tokens(STAGE_ROUTING_PARAMS, const u16* __restrict__ x, STAGE_OUTPUT_PARAMS) {
   moe::grid_dependency_begin();
   stage_sort_permute_tokens<false, false>(
-      ids, weights, routing_format, ids_int64, num_tokens, num_slots, top_k, local_start, num_experts, align,
-      row_capacity, hidden, layout, x, ids_out, w_out, offsets, slot_to_row, row_to_slot, row_expert, counts, xp,
-      nullptr);
+      STAGE_ROUTING_ARGS, x, STAGE_OUTPUT_ARGS, nullptr);
 }
 
-extern "C" __global__ void __launch_bounds__(SORT_THREADS) moe_stage_sort_permute_bf16_tokens_warm(
-    const void* __restrict__ ids, const void* __restrict__ weights, int routing_format, int ids_int64, int num_tokens,
-    int num_slots, int top_k, int local_start, int num_experts, int align, int row_capacity, int hidden, int layout,
-    const u16* __restrict__ x, int* __restrict__ ids_out, float* __restrict__ w_out, int* __restrict__ offsets,
-    int* __restrict__ slot_to_row, int* __restrict__ row_to_slot, int* __restrict__ row_expert,
-    int* __restrict__ counts, u16* __restrict__ xp, WARM_PARAMS) {
+extern "C" __global__ void __launch_bounds__(SORT_THREADS)
+    moe_stage_sort_permute_bf16_tokens_warm(STAGE_ROUTING_PARAMS, const u16* __restrict__ x,
+                                            STAGE_OUTPUT_PARAMS, WARM_PARAMS) {
   moe::grid_dependency_begin();
   const WeightWarm warm = WARM_ARGS;
   stage_sort_permute_tokens<false, true>(
-      ids, weights, routing_format, ids_int64, num_tokens, num_slots, top_k, local_start, num_experts, align,
-      row_capacity, hidden, layout, x, ids_out, w_out, offsets, slot_to_row, row_to_slot, row_expert, counts, xp,
-      &warm);
+      STAGE_ROUTING_ARGS, x, STAGE_OUTPUT_ARGS, &warm);
 }
 
-extern "C" __global__ void __launch_bounds__(SORT_THREADS) moe_stage_sort_permute_bf16_tokens_warp(
-    const void* __restrict__ ids, const void* __restrict__ weights, int routing_format, int ids_int64, int num_tokens,
-    int num_slots, int top_k, int local_start, int num_experts, int align, int row_capacity, int hidden, int layout,
-    const u16* __restrict__ x, int* __restrict__ ids_out, float* __restrict__ w_out, int* __restrict__ offsets,
-    int* __restrict__ slot_to_row, int* __restrict__ row_to_slot, int* __restrict__ row_expert,
-    int* __restrict__ counts, u16* __restrict__ xp) {
+extern "C" __global__ void __launch_bounds__(SORT_THREADS)
+    moe_stage_sort_permute_bf16_tokens_warp(STAGE_ROUTING_PARAMS, const u16* __restrict__ x, STAGE_OUTPUT_PARAMS) {
   moe::grid_dependency_begin();
   stage_sort_permute_tokens<true, false>(
-      ids, weights, routing_format, ids_int64, num_tokens, num_slots, top_k, local_start, num_experts, align,
-      row_capacity, hidden, layout, x, ids_out, w_out, offsets, slot_to_row, row_to_slot, row_expert, counts, xp,
-      nullptr);
+      STAGE_ROUTING_ARGS, x, STAGE_OUTPUT_ARGS, nullptr);
 }
 
-extern "C" __global__ void __launch_bounds__(SORT_THREADS) moe_stage_sort_permute_bf16_tokens_warp_warm(
-    const void* __restrict__ ids, const void* __restrict__ weights, int routing_format, int ids_int64, int num_tokens,
-    int num_slots, int top_k, int local_start, int num_experts, int align, int row_capacity, int hidden, int layout,
-    const u16* __restrict__ x, int* __restrict__ ids_out, float* __restrict__ w_out, int* __restrict__ offsets,
-    int* __restrict__ slot_to_row, int* __restrict__ row_to_slot, int* __restrict__ row_expert,
-    int* __restrict__ counts, u16* __restrict__ xp, WARM_PARAMS) {
+extern "C" __global__ void __launch_bounds__(SORT_THREADS)
+    moe_stage_sort_permute_bf16_tokens_warp_warm(STAGE_ROUTING_PARAMS, const u16* __restrict__ x,
+                                                 STAGE_OUTPUT_PARAMS, WARM_PARAMS) {
   moe::grid_dependency_begin();
   const WeightWarm warm = WARM_ARGS;
   stage_sort_permute_tokens<true, true>(
-      ids, weights, routing_format, ids_int64, num_tokens, num_slots, top_k, local_start, num_experts, align,
-      row_capacity, hidden, layout, x, ids_out, w_out, offsets, slot_to_row, row_to_slot, row_expert, counts, xp,
-      &warm);
+      STAGE_ROUTING_ARGS, x, STAGE_OUTPUT_ARGS, &warm);
 }
 
-// stage_sort_permute_scaled of MXFP8 tokens, as their BF16 values: the two kernels as NVFP4's.
-extern "C" __global__ void __launch_bounds__(SORT_THREADS) moe_stage_sort_permute_bf16_mxfp8(
-    const void* __restrict__ ids, const void* __restrict__ weights, int routing_format, int ids_int64, int num_tokens,
-    int num_slots, int top_k, int local_start, int num_experts, int align, int row_capacity, int hidden, int layout,
-    const u8* __restrict__ xs, const u8* __restrict__ xss, int* __restrict__ ids_out, float* __restrict__ w_out,
-    int* __restrict__ offsets, int* __restrict__ slot_to_row, int* __restrict__ row_to_slot,
-    int* __restrict__ row_expert, int* __restrict__ counts, u16* __restrict__ xp) {
+extern "C" __global__ void __launch_bounds__(SORT_THREADS)
+    moe_stage_sort_permute_bf16_mxfp8(STAGE_ROUTING_PARAMS, const u8* __restrict__ xs, const u8* __restrict__ xss,
+                                      STAGE_OUTPUT_PARAMS) {
   moe::grid_dependency_begin();
   stage_sort_permute_scaled<false, false, Mxfp8Unit, fetch_mxfp8_unit, expand_mxfp8_unit>(
-      ids, weights, routing_format, ids_int64, num_tokens, num_slots, top_k, local_start, num_experts, align,
-      row_capacity, hidden, layout, xs, xss, ids_out, w_out, offsets, slot_to_row, row_to_slot, row_expert, counts, xp,
-      nullptr);
+      STAGE_ROUTING_ARGS, xs, xss, STAGE_OUTPUT_ARGS, nullptr);
 }
 
-extern "C" __global__ void __launch_bounds__(SORT_THREADS) moe_stage_sort_permute_bf16_mxfp8_warm(
-    const void* __restrict__ ids, const void* __restrict__ weights, int routing_format, int ids_int64, int num_tokens,
-    int num_slots, int top_k, int local_start, int num_experts, int align, int row_capacity, int hidden, int layout,
-    const u8* __restrict__ xs, const u8* __restrict__ xss, int* __restrict__ ids_out, float* __restrict__ w_out,
-    int* __restrict__ offsets, int* __restrict__ slot_to_row, int* __restrict__ row_to_slot,
-    int* __restrict__ row_expert, int* __restrict__ counts, u16* __restrict__ xp, WARM_PARAMS) {
+extern "C" __global__ void __launch_bounds__(SORT_THREADS)
+    moe_stage_sort_permute_bf16_mxfp8_warm(STAGE_ROUTING_PARAMS, const u8* __restrict__ xs, const u8* __restrict__ xss,
+                                           STAGE_OUTPUT_PARAMS, WARM_PARAMS) {
   moe::grid_dependency_begin();
   const WeightWarm warm = WARM_ARGS;
   stage_sort_permute_scaled<false, true, Mxfp8Unit, fetch_mxfp8_unit, expand_mxfp8_unit>(
-      ids, weights, routing_format, ids_int64, num_tokens, num_slots, top_k, local_start, num_experts, align,
-      row_capacity, hidden, layout, xs, xss, ids_out, w_out, offsets, slot_to_row, row_to_slot, row_expert, counts, xp,
-      &warm);
+      STAGE_ROUTING_ARGS, xs, xss, STAGE_OUTPUT_ARGS, &warm);
 }
 
-extern "C" __global__ void __launch_bounds__(SORT_THREADS) moe_stage_sort_permute_bf16_mxfp8_warp(
-    const void* __restrict__ ids, const void* __restrict__ weights, int routing_format, int ids_int64, int num_tokens,
-    int num_slots, int top_k, int local_start, int num_experts, int align, int row_capacity, int hidden, int layout,
-    const u8* __restrict__ xs, const u8* __restrict__ xss, int* __restrict__ ids_out, float* __restrict__ w_out,
-    int* __restrict__ offsets, int* __restrict__ slot_to_row, int* __restrict__ row_to_slot,
-    int* __restrict__ row_expert, int* __restrict__ counts, u16* __restrict__ xp) {
+extern "C" __global__ void __launch_bounds__(SORT_THREADS)
+    moe_stage_sort_permute_bf16_mxfp8_warp(STAGE_ROUTING_PARAMS, const u8* __restrict__ xs, const u8* __restrict__ xss,
+                                           STAGE_OUTPUT_PARAMS) {
   moe::grid_dependency_begin();
   stage_sort_permute_scaled<true, false, Mxfp8Unit, fetch_mxfp8_unit, expand_mxfp8_unit>(
-      ids, weights, routing_format, ids_int64, num_tokens, num_slots, top_k, local_start, num_experts, align,
-      row_capacity, hidden, layout, xs, xss, ids_out, w_out, offsets, slot_to_row, row_to_slot, row_expert, counts, xp,
-      nullptr);
+      STAGE_ROUTING_ARGS, xs, xss, STAGE_OUTPUT_ARGS, nullptr);
 }
 
-extern "C" __global__ void __launch_bounds__(SORT_THREADS) moe_stage_sort_permute_bf16_mxfp8_warp_warm(
-    const void* __restrict__ ids, const void* __restrict__ weights, int routing_format, int ids_int64, int num_tokens,
-    int num_slots, int top_k, int local_start, int num_experts, int align, int row_capacity, int hidden, int layout,
-    const u8* __restrict__ xs, const u8* __restrict__ xss, int* __restrict__ ids_out, float* __restrict__ w_out,
-    int* __restrict__ offsets, int* __restrict__ slot_to_row, int* __restrict__ row_to_slot,
-    int* __restrict__ row_expert, int* __restrict__ counts, u16* __restrict__ xp, WARM_PARAMS) {
+extern "C" __global__ void __launch_bounds__(SORT_THREADS)
+    moe_stage_sort_permute_bf16_mxfp8_warp_warm(STAGE_ROUTING_PARAMS, const u8* __restrict__ xs,
+                                                const u8* __restrict__ xss, STAGE_OUTPUT_PARAMS, WARM_PARAMS) {
   moe::grid_dependency_begin();
   const WeightWarm warm = WARM_ARGS;
   stage_sort_permute_scaled<true, true, Mxfp8Unit, fetch_mxfp8_unit, expand_mxfp8_unit>(
-      ids, weights, routing_format, ids_int64, num_tokens, num_slots, top_k, local_start, num_experts, align,
-      row_capacity, hidden, layout, xs, xss, ids_out, w_out, offsets, slot_to_row, row_to_slot, row_expert, counts, xp,
-      &warm);
+      STAGE_ROUTING_ARGS, xs, xss, STAGE_OUTPUT_ARGS, &warm);
 }

@@ -29,9 +29,11 @@ _DEFINE = re.compile(r"^#define (\w+)[ \t]+((?:.*\\\n)*.*)$", re.M)
 
 def kernel_signatures(paths: Iterable[Path], headers: Iterable[Path] = ()) -> dict[str, list[str]]:
     """Entry point name -> parameter kinds ("int", "i64", "float" or "pointer"), parsed from the sources; a parameter
-    list may name a macro of ``headers`` (e.g. WARM_PARAMS of l2_warm.cuh), which is expanded first."""
+    list may name a macro of ``headers`` (e.g. WARM_PARAMS of l2_warm.cuh) or of the sources themselves, which is
+    expanded first."""
+    paths = list(paths)
     macros = {name: body.replace("\\\n", " ")
-              for header in headers for name, body in _DEFINE.findall(header.read_text())}
+              for source in (*headers, *paths) for name, body in _DEFINE.findall(source.read_text())}
     signatures = {}
     for path in paths:
         for kernel, params in _ENTRY.findall(path.read_text()):
