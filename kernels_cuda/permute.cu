@@ -217,17 +217,6 @@ extern "C" __global__ void __launch_bounds__(SORT_THREADS)
       [&](i64 t, int u) { return fetch_mxfp8_unit(xs, xss, hidden, t, u); }, expand_mxfp8_unit);
 }
 
-// The stage (moe_stage_inputs' routing half) folded into sort_permute, for calls whose launches know the caller's
-// tensors: the caller's routing (ids, weights, routing_format, ids_int64 as moe_stage_inputs reads them) goes straight
-// into the sort and the gather of the bucket's num_slots = B * top_k slots (slots of tokens t >= num_tokens = T
-// masked), and the gather reads the caller's T tokens (fetch(t, u), called for t < T only). Every block decodes the
-// routing into shared memory (num_slots * 4 bytes of dynamic shared memory); block 0 also writes it to
-// ids_out [B, top_k] and w_out [B, top_k] (moe_stage_inputs' outputs, which the finalize reads). The bucket's token
-// buffers are not written. Warm (the kernels named _warm, `warm` not null): the launch's last warm->blocks blocks take
-// no part in that; they warm L2 with the first weight bytes of the GEMM after the launch (warm_weights) and end.
-// Without Warm (`warm` null) the kernels compile to the same SASS as before warming existed (nvcc 13.0, sm_90a): one
-// kernel for both, with the warming passed by reference, compiled otherwise and measured 1-1.5 us slower at
-// Qwen3-30B-A3B T=2 and 4, where it does not warm.
 // The parameters every stage + sort + permute kernel takes before its tokens (the caller's routing and the bucket's
 // sizes) and after them (the stage's and the sort's outputs, the gathered rows), and the arguments that pass them on.
 #define STAGE_ROUTING_PARAMS                                                                                         \
@@ -241,6 +230,17 @@ extern "C" __global__ void __launch_bounds__(SORT_THREADS)
       int *__restrict__ row_to_slot, int *__restrict__ row_expert, int *__restrict__ counts, u16 *__restrict__ xp
 #define STAGE_OUTPUT_ARGS ids_out, w_out, offsets, slot_to_row, row_to_slot, row_expert, counts, xp
 
+// The stage (moe_stage_inputs' routing half) folded into sort_permute, for calls whose launches know the caller's
+// tensors: the caller's routing (ids, weights, routing_format, ids_int64 as moe_stage_inputs reads them) goes straight
+// into the sort and the gather of the bucket's num_slots = B * top_k slots (slots of tokens t >= num_tokens = T
+// masked), and the gather reads the caller's T tokens (fetch(t, u), called for t < T only). Every block decodes the
+// routing into shared memory (num_slots * 4 bytes of dynamic shared memory); block 0 also writes it to
+// ids_out [B, top_k] and w_out [B, top_k] (moe_stage_inputs' outputs, which the finalize reads). The bucket's token
+// buffers are not written. Warm (the kernels named _warm, `warm` not null): the launch's last warm->blocks blocks take
+// no part in that; they warm L2 with the first weight bytes of the GEMM after the launch (warm_weights) and end.
+// Without Warm (`warm` null) the kernels compile to the same SASS as before warming existed (nvcc 13.0, sm_90a): one
+// kernel for both, with the warming passed by reference, compiled otherwise and measured 1-1.5 us slower at
+// Qwen3-30B-A3B T=2 and 4, where it does not warm.
 template <bool WarpOnly, bool Warm, typename Fetch, typename Expand>
 __device__ __forceinline__ void stage_sort_permute(STAGE_ROUTING_PARAMS, STAGE_OUTPUT_PARAMS, Fetch fetch,
                                                    Expand expand, const WeightWarm* warm) {
@@ -338,8 +338,7 @@ extern "C" __global__ void __launch_bounds__(SORT_THREADS)
 extern "C" __global__ void __launch_bounds__(SORT_THREADS)
     moe_stage_sort_permute_bf16_tokens(STAGE_ROUTING_PARAMS, const u16* __restrict__ x, STAGE_OUTPUT_PARAMS) {
   moe::grid_dependency_begin();
-  stage_sort_permute_tokens<false, false>(
-      STAGE_ROUTING_ARGS, x, STAGE_OUTPUT_ARGS, nullptr);
+  stage_sort_permute_tokens<false, false>(STAGE_ROUTING_ARGS, x, STAGE_OUTPUT_ARGS, nullptr);
 }
 
 extern "C" __global__ void __launch_bounds__(SORT_THREADS)
@@ -347,15 +346,13 @@ extern "C" __global__ void __launch_bounds__(SORT_THREADS)
                                             STAGE_OUTPUT_PARAMS, WARM_PARAMS) {
   moe::grid_dependency_begin();
   const WeightWarm warm = WARM_ARGS;
-  stage_sort_permute_tokens<false, true>(
-      STAGE_ROUTING_ARGS, x, STAGE_OUTPUT_ARGS, &warm);
+  stage_sort_permute_tokens<false, true>(STAGE_ROUTING_ARGS, x, STAGE_OUTPUT_ARGS, &warm);
 }
 
 extern "C" __global__ void __launch_bounds__(SORT_THREADS)
     moe_stage_sort_permute_bf16_tokens_warp(STAGE_ROUTING_PARAMS, const u16* __restrict__ x, STAGE_OUTPUT_PARAMS) {
   moe::grid_dependency_begin();
-  stage_sort_permute_tokens<true, false>(
-      STAGE_ROUTING_ARGS, x, STAGE_OUTPUT_ARGS, nullptr);
+  stage_sort_permute_tokens<true, false>(STAGE_ROUTING_ARGS, x, STAGE_OUTPUT_ARGS, nullptr);
 }
 
 extern "C" __global__ void __launch_bounds__(SORT_THREADS)
@@ -363,8 +360,7 @@ extern "C" __global__ void __launch_bounds__(SORT_THREADS)
                                                  STAGE_OUTPUT_PARAMS, WARM_PARAMS) {
   moe::grid_dependency_begin();
   const WeightWarm warm = WARM_ARGS;
-  stage_sort_permute_tokens<true, true>(
-      STAGE_ROUTING_ARGS, x, STAGE_OUTPUT_ARGS, &warm);
+  stage_sort_permute_tokens<true, true>(STAGE_ROUTING_ARGS, x, STAGE_OUTPUT_ARGS, &warm);
 }
 
 extern "C" __global__ void __launch_bounds__(SORT_THREADS)
