@@ -18,7 +18,11 @@ random bytes, one launch after a 256 MiB L2 flush, median. Forms (columns):
 - ``persist:S`` / ``persistc:S``: the tile layout on a persistent grid of four CTAs an SM. CTA c takes the decode
   grid's CTAs c, c + G, ... (``persist``, G the grid) or a contiguous run of them (``persistc``), and each warp streams
   its places in all of them through one ring of S steps, so the next one's first loads are in flight while this one's
-  last are consumed: what fewer, longer CTAs would save over the decode grid's CTA starts and ring drains.
+  last are consumed: what fewer, longer CTAs would save over the decode grid's CTA starts and ring drains;
+- ``tsc:G:SC:S``: the tile layout with its scale tiles read as the decode kernel reads them (SC 1: 64 scale bytes a
+  tile in an array of their own, 8 bytes a lane; SC 2: each tile's scales right after its codes; SC 0: none), with
+  the tiles of G consecutive row blocks interleaved step by step (G = 1: the engine's layout): what a layout whose
+  CTA steps are longer contiguous runs would gain.
 
 With ``--pairs``, a second table times a layer's two GEMMs (tile form): each alone, as two launches in one CUDA graph
 (the second a programmatic dependent, as in the decode chain), and as one launch whose first CTAs stream GEMM1's
@@ -54,6 +58,10 @@ __device__ __forceinline__ uint4 ldg(const void* p) {
 }
 __device__ __forceinline__ uint4 ldgh(const void* p) {
   uint4 v; asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x),"=r"(v.y),"=r"(v.z),"=r"(v.w) : "l"(p));
+  return v;
+}
+__device__ __forceinline__ uint2 ldg2(const void* p) {
+  uint2 v; asm("ld.global.nc.L1::no_allocate.v2.u32 {%0,%1}, [%2];" : "=r"(v.x),"=r"(v.y) : "l"(p));
   return v;
 }
 #ifndef H
@@ -128,6 +136,33 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) probe(const u8* __restr
         acc ^= mix(x); } \
     __syncwarp(); asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 #define USE(p) USE_AT(p, i0 + p)
+#endif
+#if P == 5
+  // Tiles with their scale tiles (SC 1: a scale array of 64-byte tiles beside the codes, as the decode kernel reads
+  // them; SC 2: each tile's 64 scale bytes right after its 512 code bytes; SC 0: no scales) in groups of G row blocks
+  // whose tiles interleave step by step: tile (b, j) of an expert sits at (b / G) G kt U + (j G + b % G) U, U the
+  // tile's bytes. G = 1 is the engine's layout (each row block's tiles contiguous).
+  const int kt = rb / 32;
+  const int nsteps = wk < kt ? (kt - wk + WK - 1) / WK : 0;
+  constexpr int UC = SC == 2 ? 576 : 512;
+  const i64 expert_blocks = static_cast<i64>(by) * (n / 16);
+  auto tile_at = [&](i64 b, int unit) {
+    return ((expert_blocks + b) / G * G * kt + wk * G + (expert_blocks + b) % G) * unit;
+  };
+  const u8* pc[MT];
+  const u8* ps[MT];
+  const u8* scales = w + static_cast<i64>(gridDim.x / (n / (16 * WM * MT))) * n * rb;  // past the codes
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+    pc[mt] = w + tile_at(block0 + mt, UC) + lane * 16;
+    ps[mt] = SC == 2 ? pc[mt] - lane * 16 + 512 + (lane >> 2) * 8 : scales + tile_at(block0 + mt, 64) + (lane >> 2) * 8;
+  }
+  uint4 ring[S][MT];
+  uint2 sring[S][MT];
+#define LOAD(p, i) _Pragma("unroll") for (int mt = 0; mt < MT; ++mt) { \
+    ring[p][mt] = ldg(pc[mt] + (i64)(i) * WK * G * UC); \
+    if (SC) sring[p][mt] = ldg2(ps[mt] + (i64)(i) * WK * G * (SC == 2 ? UC : 64)); }
+#define USE(p) _Pragma("unroll") for (int mt = 0; mt < MT; ++mt) { acc ^= mix(ring[p][mt]); if (SC) acc ^= sring[p][mt].x ^ sring[p][mt].y; }
 #endif
 #if P == 4
   // Persistent: grid G CTAs; CTA c takes the decode grid's CTAs ("units") c, c + G, ... (CONTIG 0) or a contiguous run
@@ -237,18 +272,20 @@ CAP_SMEM = 52 * 1024  # at least this much shared memory a CTA: at most four CTA
 MAX_SMEM = 220 * 1024  # dynamic shared memory a CTA may ask (227 KB less the static barriers, with margin)
 SMEM_PER_SM = 228 * 1024
 PERSIST_CTAS_PER_SM = 4  # the persistent forms' grid: one wave of four CTAs an SM
-FORM_PATTERN = re.compile(r"tiles:(\d+)|rowsh?:(1|2|4):(\d+)|bulk:(\d+):(\d+)|slab:(\d+)|persistc?:(\d+)")
+FORM_PATTERN = re.compile(r"tiles:(\d+)|rowsh?:(1|2|4):(\d+)|bulk:(\d+):(\d+)|slab:(\d+)|persistc?:(\d+)"
+                          r"|tsc:(1|2|4|8):(0|1|2):(\d+)")
 
 
 def form_arg(text: str) -> str:
     """A --forms entry, checked: tiles:S, rows:V:S or rowsh:V:S (V 1, 2 or 4), bulk:C:S (C a multiple of 64 up to
-    512), slab:N, persist:S, persistc:S; S and N 1 to 8."""
+    512), slab:N, persist:S, persistc:S, tsc:G:SC:S (G 1, 2, 4 or 8; SC 0, 1 or 2); S and N 1 to 8."""
     match = FORM_PATTERN.fullmatch(text)
     stages = int(text.rsplit(":", 1)[-1]) if match else 0
     copy = int(match.group(4)) if match and match.group(4) else 64
     if not match or not 1 <= stages <= 8 or copy % 64 or not 64 <= copy <= 512:
         raise argparse.ArgumentTypeError(f"{text!r}: expected tiles:S, rows:V:S, rowsh:V:S (V 1, 2 or 4), bulk:C:S "
-                                         "(C 64..512, a multiple of 64), slab:N, persist:S or persistc:S, S and N 1..8")
+                                         "(C 64..512, a multiple of 64), slab:N, persist:S, persistc:S or tsc:G:SC:S, "
+                                         "S and N 1..8")
     return text
 
 
@@ -262,6 +299,8 @@ def defines(form: str, mt: int, wm: int, wk: int) -> dict[str, int]:
         return {**d, "P": 1, "V": int(numbers[0]), "S": int(numbers[1]), "H": int(kind == "rowsh")}
     if kind == "slab":
         return {**d, "P": 3, "NCH": int(numbers[0])}
+    if kind == "tsc":
+        return {**d, "P": 5, "G": int(numbers[0]), "SC": int(numbers[1]), "S": int(numbers[2])}
     if kind in ("persist", "persistc"):
         return {**d, "P": 4, "S": int(numbers[0]), "CONTIG": int(kind == "persistc")}
     return {**d, "P": 2, "C": int(numbers[0]), "S": int(numbers[1])}
@@ -324,23 +363,25 @@ def form_table(args: argparse.Namespace, kernels: Kernels, timer: Timer) -> None
     for shape in args.shapes:
         experts, n, k = SHAPES[shape]
         row_bytes = k // 2
-        weights = torch.randint(0, 256, (experts * n * row_bytes,), dtype=torch.uint8, device="cuda")
-        megabytes = weights.numel() / 1e6
+        # codes, then their scale tiles (read by the tsc forms with scales: 64 bytes per 512-byte tile)
+        weights = torch.randint(0, 256, (experts * n * row_bytes * 9 // 8,), dtype=torch.uint8, device="cuda")
         for warps in args.warps:
             mt, wm, wk = WARP_FORMS[warps]
             cells = []
             for form in args.forms:
                 d = defines(form, mt, wm, wk)
                 smem = max(stage_smem(d, row_bytes), CAP_SMEM)
+                group = d.get("G", 1)
                 if (n % (16 * mt * wm) or row_bytes % (step_bytes(d) * wk) or smem > MAX_SMEM
-                        or row_bytes // 32 < d.get("NCH", 1)):
+                        or row_bytes // 32 < d.get("NCH", 1) or n % (16 * group) or (group > 1 and group % mt)):
                     cells.append("-")
                     continue
                 ctas = grid_ctas(d, n, experts)
                 us = timer.median_us(lambda d=d, s=smem, c=ctas: kernels.launch(d, s, (weights, n, row_bytes), None, c))
+                megabytes = experts * n * row_bytes * (9 / 8 if d.get("SC") else 1) / 1e6
                 per_sm = SMEM_PER_SM // (smem + 1024)
                 cells.append(f"{us:.1f} [{megabytes / us:.2f}]" + ("" if per_sm >= 4 else f" {per_sm}/SM"))
-            print(md_row([shape, f"{megabytes:.0f}", f"({mt},{wm},{wk})", *cells]), flush=True)
+            print(md_row([shape, f"{experts * n * row_bytes / 1e6:.0f}", f"({mt},{wm},{wk})", *cells]), flush=True)
         del weights
 
 
