@@ -88,6 +88,33 @@ def test_sort_permute_of_mxfp8_tokens_is_that_of_their_values(layout: TokenLayou
             assert torch.equal(g, w), f"output {index} (staged={staged}) differs"
 
 
+def test_sort_permute_decodes_every_code_at_every_scale_byte() -> None:
+    """The device's MXFP8 token decode (expand_mxfp8_unit's hardware form) over all 256 E4M3 codes at all 256 E8M0 scale
+    bytes, gathered to natural rows: each element the nearest-even BF16 of c x 2^(b - 127), exact for 10 <= b <= 246
+    (infinity past BF16's range), NaN for NaN codes and the scale byte 255 (the host form's values, which
+    test_mx_pair_sm90_cpu.py checks)."""
+    tokens, hidden = 8, 256 * 256 // 8  # each scale byte over eight units of 32 codes: every code once
+    codes = torch.arange(256, dtype=torch.uint8).repeat(256).view(tokens, hidden)
+    scales = torch.arange(256, dtype=torch.uint8).repeat_interleave(8).view(tokens, hidden // 32)
+    rows = row_capacity(tokens, 1, E, 8)
+    sorted_ = kernels.SortBuffers(*(torch.full((n,), -7, dtype=torch.int32, device=DEV)
+                                    for n in (E + 1, tokens, rows, rows, E)))
+    xp = torch.full((rows, hidden), float("nan"), dtype=torch.bfloat16, device=DEV)
+    ids = torch.zeros(tokens, dtype=torch.int32, device=DEV)  # every token to expert 0
+    kernels.sort_permute_bf16(ids, 1, 0, E, 8, sorted_, codes.view(torch.float8_e4m3fn).to(DEV),
+                              scales.view(torch.float8_e8m0fnu).to(DEV), xp, TokenLayout.BF16_ROWS)
+    got = xp[sorted_.slot_to_row.long()].cpu().view(256, 256)  # row b: the 256 codes at scale byte b
+    code_values = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).double()
+    scale_bytes = torch.arange(256).double().unsqueeze(1)
+    nan = (torch.arange(256).bitwise_and(0x7F) == 0x7F).unsqueeze(0) | (scale_bytes == 255)
+    value = code_values.unsqueeze(0) * torch.pow(2.0, scale_bytes - 127)
+    want = value.float().bfloat16()  # exact in FP32 (|value| >= 2^-136), then nearest even
+    assert bool(got[nan].isnan().all()), "a NaN code or the NaN scale byte lost its NaN"
+    assert torch.equal(got[~nan].view(torch.int16), want[~nan].view(torch.int16))
+    in_range = ((scale_bytes >= 10) & (scale_bytes <= 246)).expand_as(nan) & ~nan
+    assert torch.equal(got[in_range].double(), value[in_range]), "a value in the stated scales is not exact"
+
+
 def _identity_g1(rows: int, inter: int, seed: int) -> torch.Tensor:
     """GEMM1 rows whose blocks span many binades (scales 2^-30 .. 2^30) and hold zeros and exact ties."""
     gen = torch.Generator().manual_seed(seed)
