@@ -94,6 +94,18 @@ __device__ __forceinline__ u16 float_to_bf16(float f) {
   return static_cast<u16>(u >> 16);
 }
 
+// (bf16(lo) | bf16(hi) << 16), each rounded to nearest even as float_to_bf16 rounds (subnormals kept, overflow gives
+// inf; NaN stays NaN): one cvt.rn.bf16x2.f32 from sm_80 on, float_to_bf16 before.
+__device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  u32 d;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+  return d;
+#else
+  return static_cast<u32>(float_to_bf16(lo)) | (static_cast<u32>(float_to_bf16(hi)) << 16);
+#endif
+}
+
 // ---------------------------------------------------------------------------
 // E2M1 codes of an SM90 fragment tile word (cudnn_moe.engines.sm90.layout, CODE_BITS): the four mma A registers of
 // one k16 step, two codes each. Every register gets its codes' sign at bit 15 and magnitude at bits 6..8 of each

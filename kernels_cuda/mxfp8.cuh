@@ -90,7 +90,7 @@ __device__ __forceinline__ Mxfp8Unit fetch_mxfp8_unit(const u8* __restrict__ xs,
 // A unit's four BF16 fragment-order pieces (bf16_unit_pieces' order): element j is mx_value_bf16(e4m3 code j,
 // scale), the element's value, exact for scale bytes 10..246. From sm_89 on, the hardware widens each pair of codes
 // (cvt.rn.f16x2.e4m3x2: exact, every E4M3 value is an FP16 value) and rounds each pair of scaled FP32 values to
-// BF16 (cvt.rn.bf16x2.f32: nearest even with subnormals, float_to_bf16's rounding), in an eighth of the arithmetic
+// BF16 (pack_bf16x2: nearest even with subnormals, float_to_bf16's rounding), in an eighth of the arithmetic
 // form's instructions (nvcc 13.0, sm_90a: 144 against 1160 for a unit with its loads and stores); the host and older
 // archs build the arithmetic form. NaN codes and scale byte 255 give NaN either way.
 __device__ __forceinline__ void expand_mxfp8_unit(const Mxfp8Unit& raw, uint4 piece[4]) {
@@ -107,7 +107,8 @@ __device__ __forceinline__ void expand_mxfp8_unit(const Mxfp8Unit& raw, uint4 pi
     asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(halves) : "h"(codes));
     asm("{\n.reg .f16 l, h;\nmov.b32 {l, h}, %2;\ncvt.f32.f16 %0, l;\ncvt.f32.f16 %1, h;\n}"
         : "=f"(lo), "=f"(hi) : "r"(halves));
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(pairs[i]) : "f"(hi * scale), "f"(lo * scale));
+    const float scaled_hi = hi * scale, scaled_lo = lo * scale;
+    pairs[i] = pack_bf16x2(scaled_lo, scaled_hi);
   }
 #else
 #pragma unroll

@@ -307,12 +307,7 @@ __device__ __forceinline__ void stmatrix_x4_trans(u32 addr, u32 r0, u32 r1, u32 
 // Epilogue
 // ---------------------------------------------------------------------------------------------
 
-// (bf16(lo) | bf16(hi) << 16), each rounded to nearest even (NaN stays NaN, overflow gives inf).
-__device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) {
-  u32 d;
-  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
-  return d;
-}
+using moe::pack_bf16x2;  // (common.cuh)
 
 // 16-byte global store.
 __device__ __forceinline__ void stg_v4(void* p, uint4 v) {
