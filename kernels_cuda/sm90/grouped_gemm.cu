@@ -158,6 +158,18 @@ using namespace sm90;
 #error "SM90_W_ROWS runs without SM90_W_INT4, SM90_W_BF16 and SM90_ROUTE"
 #endif
 #define DEC_ROWS_MXFP4 (SM90_W_ROWS && SM90_W_MXFP4)
+// A persistent GEMM1 (SM90_PERSIST 1; the activation epilogue, NVFP4 / MXFP4 tiles, no route): a 1-D grid of CTAs, CTA
+// c takes units c, c + gridDim.x, ... (unit u = feature block u % ceil(N / FB) of tile u / ceil(N / FB), the decode
+// grid's CTA order) until it runs past the last tile. Right after a unit's main loop, before its epilogue, it finds
+// its next unit and issues that unit's first weight loads, so the CTA's slot keeps loads in flight through the
+// epilogue's stores and the tile signal's fence. Same arithmetic as the decode grid: the output bit for bit.
+#ifndef SM90_PERSIST
+#define SM90_PERSIST 0
+#endif
+#define DEC_PERSIST (SM90_PERSIST != 0)
+#if DEC_PERSIST && (!defined(SM90_ACT) || defined(SM90_ROUTE) || SM90_W_ROWS || SM90_W_BF16)
+#error "SM90_PERSIST is for GEMM1 with the activation epilogue on weight tiles, without SM90_ROUTE"
+#endif
 // CTAs per SM the register allocation must allow: the NVFP4 forms of one or two m16 x n8 tiles a warp fit 128
 // registers a thread (512 threads an SM) on their own; the MXINT4 forms are held to it (unbounded, GEMM1's SwiGLU
 // form takes 133 registers and the eight-warp form 225: three CTAs and one an SM). At 128 some forms spill 8 bytes.
@@ -167,7 +179,7 @@ using namespace sm90;
 // m16 blocks (one n8 tile) a warp with two steps in flight are held to it (unbounded 130-137 registers, fewer warps an
 // SM; bounded no spill), finalizing too (no spill, but the NVFP4 one behind the tile handoff's wait: 4 bytes); the
 // engine never runs them with MXINT4 weights (bounded they would spill 56-144 bytes).
-#if (SM90_W_INT4 || SM90_W_ROWS || SM90_ROUTE == 1) && SM90_MT * SM90_NT <= 2 || \
+#if (SM90_W_INT4 || SM90_W_ROWS || SM90_ROUTE == 1) && SM90_MT * SM90_NT <= 2 || DEC_PERSIST || \
     SM90_MT == 4 && SM90_NT == 1 && SM90_PREFETCH <= 2 && !SM90_W_INT4 && !SM90_W_BF16 && !SM90_W_ROWS
 #define DEC_MIN_BLOCKS , 512 / DEC_THREADS  // the launch bounds' second argument
 #else
@@ -405,21 +417,21 @@ __device__ __forceinline__ void finalize_block(const u16* out, const int* slot_t
 }
 #endif
 
-// The m16 row tile of W that the first of warp wm's MT tiles is: blockIdx.x * WM * MT + wm * MT, or paired
+// The m16 row tile of W that the first of warp wm's MT tiles is, in feature block bx: bx * WM * MT + wm * MT, or paired
 // (a gated activation epilogue, W = [up; gate] of n / 2 rows each) the first WM / 2 warps the up tiles
-// blockIdx.x * WM * MT / 2 + wm * MT and the others the gate tiles of the same features, n / 32 tiles on.
+// bx * WM * MT / 2 + wm * MT and the others the gate tiles of the same features, n / 32 tiles on.
 // half_swap: W's two halves of n / 2 rows are stored the other way round (half_swapped_tile).
-__device__ __forceinline__ int decode_warp_tile(int wm, int n, int half_swap) {
+__device__ __forceinline__ int decode_warp_tile(int bx, int wm, int n, int half_swap) {
   constexpr int HALF_WARPS = SM90_WM / 2;
-  if (!DEC_PAIRED) return half_swapped_tile(static_cast<int>(blockIdx.x) * (SM90_WM * SM90_MT) + wm * SM90_MT, n, half_swap);
-  const int first = static_cast<int>(blockIdx.x) * (HALF_WARPS * SM90_MT) + (wm % HALF_WARPS) * SM90_MT;
+  if (!DEC_PAIRED) return half_swapped_tile(bx * (SM90_WM * SM90_MT) + wm * SM90_MT, n, half_swap);
+  const int first = bx * (HALF_WARPS * SM90_MT) + (wm % HALF_WARPS) * SM90_MT;
   return half_swapped_tile(wm < HALF_WARPS ? first : (n >> 5) + first, n, half_swap);
 }
 
-// The feature of W behind column f of the CTA's C tile (decode_warp_tile's order).
-__device__ __forceinline__ int decode_feature(int f, int n) {
-  if (!DEC_PAIRED) return static_cast<int>(blockIdx.x) * DEC_FB + f;
-  const int first = static_cast<int>(blockIdx.x) * (DEC_FB / 2);
+// The feature of W behind column f of feature block bx's C tile (decode_warp_tile's order).
+__device__ __forceinline__ int decode_feature(int bx, int f, int n) {
+  if (!DEC_PAIRED) return bx * DEC_FB + f;
+  const int first = bx * (DEC_FB / 2);
   return f < DEC_FB / 2 ? first + f : (n >> 1) + first + f - DEC_FB / 2;
 }
 
@@ -552,11 +564,21 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS DEC_MIN_BLOCKS)
   const int g = lane >> 2;
   const int q = lane & 3;
   const int kt = k >> DEC_STEP_SHIFT;  // ring steps (k64, or k128)
+  // The CTA's unit: feature block bx of tile by (DEC_PERSIST: unit blockIdx.x of the grid's first pass, then every
+  // gridDim.x-th on; units in the decode grid's order, feature blocks fastest).
+#if DEC_PERSIST
+  const int feature_blocks = (n + DEC_FB - 1) / DEC_FB;
+  int cta_unit = static_cast<int>(blockIdx.x);
+  int bx = cta_unit % feature_blocks, by = cta_unit / feature_blocks;
+#else
+  const int feature_blocks = static_cast<int>(gridDim.x);
+  const int bx = static_cast<int>(blockIdx.x), by = static_cast<int>(blockIdx.y);
+#endif
 #if SM90_W_BF16
   // Row-major BF16: the lane's row g of its first m16 block, columns 64 wk + 8q on (SM90_W_BF16 above).
   const i64 row_bytes = static_cast<i64>(k) * 2;
   const i64 mt_stride_w = 16 * row_bytes;  // bytes between the warp's m16 row blocks
-  const i64 first_row = static_cast<i64>(decode_warp_tile(wm, n, w_half_swap)) * 16 + g;
+  const i64 first_row = static_cast<i64>(decode_warp_tile(bx, wm, n, w_half_swap)) * 16 + g;
   const int nsteps = wk < kt ? (kt - wk + SM90_WK - 1) / SM90_WK : 0;
   constexpr int W_STEP = SM90_WK * 128, X_STEP = SM90_WK * 128;  // bytes per step
   DecodeRing ring;
@@ -580,13 +602,13 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS DEC_MIN_BLOCKS)
   // without spilling.
   constexpr int SCALE_BYTES = DEC_ROWS_MXFP4 ? 1 : 2;  // a lane's scale bytes of a row and step
   const u32 row_bytes = static_cast<u32>(k >> 1), scale_row_bytes = static_cast<u32>(k >> (DEC_ROWS_MXFP4 ? 5 : 4));
-  const i64 first_row = static_cast<i64>(decode_warp_tile(wm, n, w_half_swap)) * 16 + g;
+  const i64 first_row = static_cast<i64>(decode_warp_tile(bx, wm, n, w_half_swap)) * 16 + g;
   const int nsteps = wk < kt ? (kt - wk + SM90_WK - 1) / SM90_WK : 0;
   constexpr int W_STEP = SM90_WK * 64, S_STEP = SM90_WK * 4 * SCALE_BYTES, X_STEP = SM90_WK * 256;  // bytes per step
 #if DEC_ROWS_MXFP4
 // A lane's scale bytes of rows g (at c) and g + 8 (at c8) of a step, in one register.
 #define SM90_LOAD_ROW_SCALES(c, c8) (ldg_reused_u8(c) | (ldg_reused_u8(c8) << 16))
-  const int w_alpha_feature = decode_warp_tile(wm, n, 0) * 16;
+  const int w_alpha_feature = decode_warp_tile(bx, wm, n, 0) * 16;
 #define SM90_DECODE_POINT_BIAS(EXPERT)                                                              \
   ring.w_bias = mxfp4_rows_bias(                                                                    \
       __ldg(alpha + expert_alpha(static_cast<int>(EXPERT), num_experts, w_alpha_feature, alpha_split)));
@@ -658,7 +680,7 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS DEC_MIN_BLOCKS)
 #endif
 #else
   const i64 expert_tiles = static_cast<i64>(n >> 4) * kt;
-  const i64 first_tile = static_cast<i64>(decode_warp_tile(wm, n, w_half_swap)) * kt + wk;
+  i64 first_tile = static_cast<i64>(decode_warp_tile(bx, wm, n, w_half_swap)) * kt + wk;  // DEC_PERSIST: per unit
   const i64 mt_stride_w = static_cast<i64>(kt) * 512;  // bytes between the warp's m16 row blocks
   constexpr int TILE_SCALE_BYTES = SM90_W_MXFP4 ? 32 : 64;  // a lane reads TILE_SCALE_BYTES / 8 of them at g
   const i64 mt_stride_s = static_cast<i64>(kt) * TILE_SCALE_BYTES;
@@ -688,10 +710,9 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS DEC_MIN_BLOCKS)
 #ifdef SM90_EARLY
   // Only the launch's first early_ctas CTAs (one wave: the ones resident while the sort runs) guess; the later ones
   // start after the wait, where the guess would only delay their first loads.
-  const bool guesses = static_cast<i64>(blockIdx.y) * gridDim.x + blockIdx.x < early_ctas;
+  const bool guesses = static_cast<i64>(by) * feature_blocks + bx < early_ctas;
   const int early_expert =
-      guesses ? early_tile_expert(early_ids, early_format, early_ids_int64, early_slots, early_local_start, num_experts,
-                                  static_cast<int>(blockIdx.y))
+      guesses ? early_tile_expert(early_ids, early_format, early_ids_int64, early_slots, early_local_start, num_experts, by)
               : -1;
   if (early_expert >= 0) {
     SM90_DECODE_POINT_W(static_cast<i64>(early_expert))
@@ -739,7 +760,7 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS DEC_MIN_BLOCKS)
     return;
 #else
   int tiles = 0;  // with the finalize: the tiles of all segments, the CTAs of this feature block that write rows
-  if (!find_tile<DEC_TB>(offsets, num_experts, row_capacity, static_cast<int>(blockIdx.y), tile,
+  if (!find_tile<DEC_TB>(offsets, num_experts, row_capacity, by, tile,
                          DEC_FINALIZE ? &tiles : nullptr)) {
 #ifdef SM90_FINALIZE
     // No segment holds a row (every slot unrouted, e.g. no local expert on this rank): no CTA takes a ticket, and
@@ -751,14 +772,21 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS DEC_MIN_BLOCKS)
   }
 #endif
   if (tile.row0 < 0 || tile.row0 >= tile.row_end) return;  // offsets outside [0, row_capacity]: nothing safe to do
+  // ring_loaded: the ring's weight loads of the unit are in flight (an early guess that hit, or DEC_PERSIST's loads of
+  // the unit before).
 #ifdef SM90_EARLY
-  const bool early_hit = tile.expert == early_expert;  // the ring's weight loads are in flight
+  bool ring_loaded = tile.expert == early_expert;
+#elif DEC_PERSIST
+  bool ring_loaded = false;
 #else
-  constexpr bool early_hit = false;
+  constexpr bool ring_loaded = false;
 #endif
-  if (!early_hit) {
+  if (!ring_loaded) {
     SM90_DECODE_POINT_W(tile.expert)
   }
+#if DEC_PERSIST
+  for (;;) {  // the CTA's units
+#endif
   // Token rows past the segment are clamped to the tile's first row (always inside it): their
   // columns of the product are garbage but never stored, and nothing past the segment is read. DEC_LIVE_ROWS (4-bit
   // weights with the activation epilogue): the segment's padding rows (row_to_slot < 0, whose outputs the epilogue
@@ -794,7 +822,7 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS DEC_MIN_BLOCKS)
   __shared__ float tile_alpha[2];
   if (threadIdx.x < 2)
     cp_async_4(smem_addr(&tile_alpha[threadIdx.x]),
-               alpha + expert_alpha(tile.expert, num_experts, decode_feature(threadIdx.x * (DEC_FB / 2), n), alpha_split));
+               alpha + expert_alpha(tile.expert, num_experts, decode_feature(bx, threadIdx.x * (DEC_FB / 2), n), alpha_split));
 #ifdef SM90_ACT
 #ifdef SM90_ROUTE
   if (threadIdx.x < DEC_TB && tile.row0 + static_cast<int>(threadIdx.x) < tile.row_end) {
@@ -862,7 +890,7 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS DEC_MIN_BLOCKS)
 #elif DEC_LIVE_ROWS  // the weights first: the token pointers wait on row_to_slot
 #pragma unroll
   for (int p = 0; p < DEC_SLOTS; ++p)
-    if (p < nsteps && !early_hit) SM90_DECODE_LOAD_W(p, p)
+    if (p < nsteps && !ring_loaded) SM90_DECODE_LOAD_W(p, p)
 #pragma unroll
   for (int p = 0; p < DEC_SLOTS; ++p)
     if (p < nsteps) SM90_DECODE_LOAD_B(p, p)
@@ -870,7 +898,7 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS DEC_MIN_BLOCKS)
 #pragma unroll
   for (int p = 0; p < DEC_SLOTS; ++p)
     if (p < nsteps) {
-      if (!early_hit) SM90_DECODE_LOAD_W(p, p)
+      if (!ring_loaded) SM90_DECODE_LOAD_W(p, p)
       SM90_DECODE_LOAD_B(p, p)
     }
 #endif
@@ -910,13 +938,7 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS DEC_MIN_BLOCKS)
     SM90_DECODE_ADVANCE
   }
 #undef SM90_DECODE_LOAD
-#undef SM90_DECODE_LOAD_W
 #undef SM90_DECODE_LOAD_B
-#undef SM90_DECODE_POINT_W
-#undef SM90_DECODE_ADVANCE_W
-#undef SM90_LOAD_SCALES
-#undef SM90_LOAD_ROW_SCALES
-#undef SM90_DECODE_POINT_BIAS
 #undef SM90_DECODE_EACH_SLOT
 #undef SM90_DECODE_ADVANCE
 
@@ -943,6 +965,23 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS DEC_MIN_BLOCKS)
     }
   }
   __syncthreads();
+#if DEC_PERSIST
+  // The CTA's next unit: its ring's first weight loads issued before this unit's epilogue, so that they stream while
+  // the epilogue runs and while thread 0's signal waits on its fence (the ring's registers are free from here on).
+  cta_unit += static_cast<int>(gridDim.x);
+  const int next_bx = cta_unit % feature_blocks, next_by = cta_unit / feature_blocks;
+  Tile next;
+  const bool has_next = find_tile<DEC_TB>(offsets, num_experts, row_capacity, next_by, next) && next.row0 >= 0 &&
+                        next.row0 < next.row_end;
+  ring = DecodeRing{};  // no value of this unit's ring lives on into the next (the allocation then fits 128)
+  if (has_next) {
+    first_tile = static_cast<i64>(decode_warp_tile(next_bx, wm, n, w_half_swap)) * kt + wk;
+    SM90_DECODE_POINT_W(next.expert)
+#pragma unroll
+    for (int p = 0; p < SM90_PERSIST; ++p)
+      if (p < nsteps) SM90_DECODE_LOAD_W(p, p)
+  }
+#endif
 
   // Sum over wk in order, scale, round, store 16-byte row pieces of rows inside the segment (to the C tile
   // for the activation epilogue). Each 8-feature piece takes its half's alpha (tile_alpha).
@@ -1006,7 +1045,7 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS DEC_MIN_BLOCKS)
   // else a thread per unit.
   constexpr int UNITS = DEC_OUT_FB / 32;
   const int inter = DEC_PAIRED ? n / 2 : n;
-  const int unit0 = static_cast<int>(blockIdx.x) * UNITS;
+  const int unit0 = bx * UNITS;
   if (moe::is_bf16_layout(act_layout)) {
     for (int item = warp; item < DEC_TB * UNITS; item += DEC_THREADS / 32) {
       const int t = item / UNITS;
@@ -1033,9 +1072,28 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS DEC_MIN_BLOCKS)
   }
 #endif
 #ifdef SM90_SIGNAL
-  signal_tile(handoff_done, static_cast<int>(blockIdx.y));
+  signal_tile(handoff_done, by);
+#else
+  if (DEC_PERSIST) __syncthreads();  // the epilogue's shared memory, before the next unit's writes
 #endif
 #endif
+#if DEC_PERSIST
+  if (!has_next) return;
+#pragma unroll
+  for (int p = SM90_PERSIST; p < DEC_SLOTS; ++p)
+    if (p < nsteps) SM90_DECODE_LOAD_W(p, p)
+  tile = next;
+  bx = next_bx;
+  by = next_by;
+  ring_loaded = true;
+  }
+#endif
+#undef SM90_DECODE_LOAD_W
+#undef SM90_DECODE_POINT_W
+#undef SM90_DECODE_ADVANCE_W
+#undef SM90_LOAD_SCALES
+#undef SM90_LOAD_ROW_SCALES
+#undef SM90_DECODE_POINT_BIAS
 }
 
 // =============================================================================================

@@ -10,6 +10,8 @@ CUDA-graph safe. Kernels go on torch's current stream.
 
 from __future__ import annotations
 
+import functools
+import os
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -564,8 +566,17 @@ def grouped_gemm(
         if handoff is not None:
             args += _handoff_args(handoff, signals=epilogue is not None)
             options += ("-DSM90_SIGNAL=1",) if epilogue is not None else ("-DSM90_AWAIT=1",)
+        ahead = int(os.environ.get("CUDNN_MOE_G1_PERSIST", "0"))  # experiment: the persistent GEMM1
+        if ahead and epilogue is not None and route is None and not variant.bf16_weights and not variant.row_major:
+            options += (f"-DSM90_PERSIST={ahead}",)
+            grid = (min(grid[0] * grid[1], _sm_count(tokens.device) * (512 // variant.threads)), 1)
     launch(variant.source, variant.kernel, tokens.device, grid, variant.threads, args,
            shared_mem=shared_mem, extra_options=options)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _weight_code(variant: GemmVariant, code: BlockCode | None) -> BlockCode:
