@@ -968,7 +968,7 @@ def test_variant_macros_match_the_source() -> None:
     p = sm90.PrefillVariant()
     assert defaults == {"SM90_MT": str(d.mt), "SM90_WM": str(d.wm), "SM90_WK": str(d.wk), "SM90_NT": str(d.nt),
                         "SM90_PREFETCH": str(d.prefetch), "SM90_W_INT4": "0", "SM90_W_MXFP4": "0", "SM90_W_BF16": str(int(d.bf16_weights)),
-                        "SM90_ACT_MXFP8": "0",
+                        "SM90_ACT_MXFP8": "0", "SM90_PERSIST": "0",
                         "SM90_W_ROWS": str(int(d.row_major)),
                         "SM90_PF_STAGES": str(p.stages),
                         "SM90_PF_MIN_BLOCKS": str(p.min_blocks), "SM90_PF_STMATRIX": str(int(p.stmatrix)),
