@@ -116,6 +116,9 @@ _EARLY_MAX_TOKENS = 4
 # fused_moe call, us, main / handoff (benchmarks/RESULTS.md, twenty-eighth session): Qwen3-30B-A3B T=8 70.5 / 66.4-66.7,
 # DeepSeek-V3 T=8 441.4-441.8 / 431.8-433.2; Qwen3-30B-A3B T=64 124.4-124.5 / 126.0-126.7, so not past 64 slots.
 _HANDOFF_MAX_SLOTS = 64
+# GEMM1 behind a tile handoff (on NVFP4 or MXFP4 tiles, without a route) runs persistent, each CTA issuing this many
+# ring steps of its next unit's weights before the epilogue and signal of the one it finishes (DecodeVariant.persist).
+_PERSIST_AHEAD = 2
 
 
 # L2 warming (L2Warm): before a decode GEMM1 of weight tiles that runs past one wave of its CTAs, the staged sort +
@@ -427,6 +430,9 @@ class Sm90GemmEngine(GemmEngine):
         w, gather, epilogue, finalize = operands.weights, operands.gather, operands.epilogue, operands.finalize
         route = operands.route
         variant = self.variant(operands.rows, operands.shape, gemm=operands.gemm, code=w.code)
+        if (operands.gemm == 1 and operands.handoff is not None and route is None and epilogue is not None
+                and isinstance(variant, DecodeVariant) and w.code in (BlockCode.NVFP4, BlockCode.MXFP4)):
+            variant = replace(variant, persist=_PERSIST_AHEAD)
         tickets = None if finalize is None else operands.workspace.view(torch.int32)[: _tickets(operands.shape)]
         grouped_gemm(w.data, w.scales, w.alpha, operands.tokens.data if gather is None and route is None else None,
                      operands.offsets, operands.out if epilogue is None else None, variant,

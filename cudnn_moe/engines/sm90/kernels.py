@@ -11,7 +11,6 @@ CUDA-graph safe. Kernels go on torch's current stream.
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -60,7 +59,10 @@ class DecodeVariant:
     CTAs of 16 MT WM features. For segments of up to ~64 rows. bf16_weights: the form reading row-major
     BF16 weights in place (``-DSM90_W_BF16``), whose tokens are natural rows (BF16_ROWS) instead of fragments.
     row_major: the form reading NVFP4 (or, with -DSM90_W_MXFP4, MXFP4) weights in their canonical row-major layout in
-    place (``-DSM90_W_ROWS``), whose tokens are natural rows too."""
+    place (``-DSM90_W_ROWS``), whose tokens are natural rows too.
+    persist: 1..prefetch for the persistent GEMM1 (``-DSM90_PERSIST``: a grid of the CTAs the SMs hold at once, each
+    taking units a grid apart and issuing its next unit's first ``persist`` ring steps of weights before the unit's
+    epilogue and tile signal); with the activation epilogue, on weight tiles, without a route. 0: one unit a CTA."""
 
     mt: int = 1
     wm: int = 2
@@ -69,6 +71,7 @@ class DecodeVariant:
     prefetch: int = 4
     bf16_weights: bool = False
     row_major: bool = False
+    persist: int = 0
 
     kernel = "sm90_gemm_decode"
     source = GEMM_SOURCE
@@ -84,6 +87,9 @@ class DecodeVariant:
             raise ValueError(f"decode variant {self}: the split-K buffer exceeds 48 KB of shared memory")
         if self.bf16_weights and self.row_major:
             raise ValueError(f"decode variant {self}: bf16_weights and row_major are two forms")
+        if not 0 <= self.persist <= self.prefetch or self.persist and (self.bf16_weights or self.row_major):
+            raise ValueError(f"decode variant {self}: persist must be 0..PREFETCH, and 0 with bf16_weights or "
+                             f"row_major")
 
     @property
     def token_layout(self) -> TokenLayout:
@@ -113,7 +119,8 @@ class DecodeVariant:
     def options(self) -> tuple[str, ...]:
         return (f"-DSM90_MT={self.mt}", f"-DSM90_WM={self.wm}", f"-DSM90_WK={self.wk}", f"-DSM90_NT={self.nt}",
                 f"-DSM90_PREFETCH={self.prefetch}", *(("-DSM90_W_BF16=1",) if self.bf16_weights else ()),
-                *(("-DSM90_W_ROWS=1",) if self.row_major else ()))
+                *(("-DSM90_W_ROWS=1",) if self.row_major else ()),
+                *((f"-DSM90_PERSIST={self.persist}",) if self.persist else ()))
 
     def epilogue_problem(self, activation: Any, fp32_preactivation: bool = False) -> str | None:
         """Why this variant cannot run ``activation``'s epilogue (grouped_gemm.cu's static checks), or None.
@@ -515,6 +522,8 @@ def grouped_gemm(
         for name, (t, alignment) in _check_epilogue(epilogue, rows, n).items():
             named[name], align[name] = t, alignment
     grid = gemm_grid(variant, experts, n, rows)
+    if isinstance(variant, DecodeVariant) and variant.persist and (epilogue is None or route is not None):
+        raise ValueError(f"variant {variant}: the persistent form runs GEMM1 with an epilogue and without a route")
     if finalize is not None:
         for name, (t, alignment) in _check_finalize(finalize, _tensor("tickets", tickets), n, grid[0]).items():
             named[name], align[name] = t, alignment
@@ -566,9 +575,7 @@ def grouped_gemm(
         if handoff is not None:
             args += _handoff_args(handoff, signals=epilogue is not None)
             options += ("-DSM90_SIGNAL=1",) if epilogue is not None else ("-DSM90_AWAIT=1",)
-        ahead = int(os.environ.get("CUDNN_MOE_G1_PERSIST", "0"))  # experiment: the persistent GEMM1
-        if ahead and epilogue is not None and route is None and not variant.bf16_weights and not variant.row_major:
-            options += (f"-DSM90_PERSIST={ahead}",)
+        if variant.persist:
             grid = (min(grid[0] * grid[1], _sm_count(tokens.device) * (512 // variant.threads)), 1)
     launch(variant.source, variant.kernel, tokens.device, grid, variant.threads, args,
            shared_mem=shared_mem, extra_options=options)
@@ -576,6 +583,7 @@ def grouped_gemm(
 
 @functools.lru_cache(maxsize=None)
 def _sm_count(device: torch.device) -> int:
+    """The device's SMs (a persistent launch's grid: as many CTAs as they hold at once)."""
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
