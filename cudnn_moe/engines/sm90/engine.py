@@ -438,7 +438,7 @@ class Sm90GemmEngine(GemmEngine):
                      operands.offsets, operands.out if epilogue is None else None, variant,
                      alpha_split=w.alpha_split, gather=gather, epilogue=epilogue, finalize=finalize, tickets=tickets,
                      route=route, early=self._early(operands, variant), handoff=operands.handoff,
-                     code=w.code, swap_halves=w.halves_swapped)
+                     code=w.code, swap_halves=w.halves_swapped, sm_count=self.sm_count)
 
     def l2_warm(self, gemm1: GemmOperands) -> L2Warm | None:
         """GEMM1's weight tiles (NVFP4, MXFP4 or MXINT4 on a decode variant past one wave of CTAs, in a bucket of at

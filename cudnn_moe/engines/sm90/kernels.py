@@ -10,7 +10,6 @@ CUDA-graph safe. Kernels go on torch's current stream.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -40,6 +39,8 @@ WGMMA_SOURCE = "sm90/wgmma_gemm.cu"
 FEATURE_MULTIPLE = 128  # N % 128 == 0: every feature block divides it, or (256) overhangs N by 128 that the kernel skips
 ROW_ALIGNMENT = 8  # segment starts (offsets) are multiples of 8
 MAX_GRID_Y = 65535
+# Threads of a persistent decode variant's CTAs an SM holds (the kernel's launch bounds: 128 registers a thread).
+_DECODE_THREADS_PER_SM = 512
 
 _MAX_DYNAMIC_SMEM = 227 * 1024  # per block on SM90
 # A routed GEMM1 (grouped_gemm's ``route``) stages its token row in dynamic shared memory: at most what a launch gets
@@ -344,6 +345,7 @@ def grouped_gemm(
     handoff: TileHandoff | None = None,
     code: BlockCode | None = None,
     swap_halves: bool = False,
+    sm_count: int | None = None,
 ) -> None:
     """out[r, :N] = bf16(float32(alpha[e] * 256) * (x[r] @ W_e^T * 2^-8)) for the rows r of each segment e.
     With ``alpha_split`` (a multiple of ``variant.alpha_block``, below N) alpha is [2E] and
@@ -384,6 +386,7 @@ def grouped_gemm(
     A DecodeVariant with ``bf16_weights``: W_e is BF16, w_tiles bfloat16 [E, N*K] (each expert's [N, K] row-major,
     read in place), w_tile_scales ignored (any tensor), x in natural rows: out[r] = bf16(float32(alpha[e] * 256) *
     acc), acc the FP32 sum of x[r, k] W_e[f, k] (pass alpha = 1/256 for the plain sum); no route or early routing.
+    sm_count (a DecodeVariant with ``persist``): the device's SMs; the launch then runs as many CTAs as they hold.
     swap_halves (DecodeVariant, WgmmaVariant): W's stored rows are [second half; first half] of N / 2 rows each
     (the aligned op's raw w1, [gate; up]); the kernel reads them as [first; second].
     code: what W holds. None takes it from the variant (BlockCode.BF16 for ``bf16_weights``, NVFP4_ROWS for
@@ -522,8 +525,11 @@ def grouped_gemm(
         for name, (t, alignment) in _check_epilogue(epilogue, rows, n).items():
             named[name], align[name] = t, alignment
     grid = gemm_grid(variant, experts, n, rows)
-    if isinstance(variant, DecodeVariant) and variant.persist and (epilogue is None or route is not None):
-        raise ValueError(f"variant {variant}: the persistent form runs GEMM1 with an epilogue and without a route")
+    if isinstance(variant, DecodeVariant) and variant.persist:
+        if epilogue is None or route is not None:
+            raise ValueError(f"variant {variant}: the persistent form runs GEMM1 with an epilogue and without a route")
+        if not isinstance(sm_count, int) or sm_count < 1:
+            raise ValueError(f"sm_count must be the device's SM count for a persistent variant, got {sm_count!r}")
     if finalize is not None:
         for name, (t, alignment) in _check_finalize(finalize, _tensor("tickets", tickets), n, grid[0]).items():
             named[name], align[name] = t, alignment
@@ -575,16 +581,10 @@ def grouped_gemm(
         if handoff is not None:
             args += _handoff_args(handoff, signals=epilogue is not None)
             options += ("-DSM90_SIGNAL=1",) if epilogue is not None else ("-DSM90_AWAIT=1",)
-        if variant.persist:
-            grid = (min(grid[0] * grid[1], _sm_count(tokens.device) * (512 // variant.threads)), 1)
+    if isinstance(variant, DecodeVariant) and variant.persist:  # the CTAs the SMs hold at once, a unit a grid apart
+        grid = (min(grid[0] * grid[1], sm_count * (_DECODE_THREADS_PER_SM // variant.threads)), 1)
     launch(variant.source, variant.kernel, tokens.device, grid, variant.threads, args,
            shared_mem=shared_mem, extra_options=options)
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(device: torch.device) -> int:
-    """The device's SMs (a persistent launch's grid: as many CTAs as they hold at once)."""
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _weight_code(variant: GemmVariant, code: BlockCode | None) -> BlockCode:
