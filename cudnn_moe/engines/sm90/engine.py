@@ -46,6 +46,7 @@ from ..base import (
     WeightLayout,
 )
 from .kernels import (
+    DECODE_THREADS_PER_SM,
     FEATURE_MULTIPLE,
     ROUTE_MAX_SHARED_MEM,
     ROW_ALIGNMENT,
@@ -105,8 +106,6 @@ _WGMMA_MIN_ROWS, _WGMMA_LONG_ROWS, _WGMMA_WIDE_N = 32, 64, 4096
 # DeepSeek-V3 T=64 (16384 CTAs) 20 us (tune_sm90.py --forms, benchmarks/RESULTS.md). Fused up to this many
 # CTAs per SM.
 _DECODE_EPILOGUE_CTAS_PER_SM = 16
-# Threads of decode CTAs an SM holds at once: 128 registers a thread (what the decode variants use) in 64K.
-_DECODE_CTA_THREADS_PER_SM = 512
 # Calls of at most this many tokens take early routing (EarlyRouting). H200, fused_moe, us (main / early): GEMM1
 # after the sort launch, Qwen3-30B-A3B T=2 35.6 / 33.9, T=4 44.6 / 43.4, T=8 67.3 / 67.0; the low-latency NVFP4 layer
 # T=8 64.6 / 65.7 (benchmarks/RESULTS.md, twenty-third session): no gain at T=8. GEMM2 behind the routed one-token
@@ -165,8 +164,8 @@ def rows_per_expert(rows: int, num_experts: int) -> float:
 
 
 def _cta_slots(variant: DecodeVariant, sm_count: int) -> int:
-    """CTAs of ``variant`` the GPU holds at once (_DECODE_CTA_THREADS_PER_SM): one wave."""
-    return sm_count * (_DECODE_CTA_THREADS_PER_SM // variant.threads)
+    """CTAs of ``variant`` the GPU holds at once (DECODE_THREADS_PER_SM): one wave."""
+    return sm_count * (DECODE_THREADS_PER_SM // variant.threads)
 
 
 def _last_wave_fill(ctas: int, variant: DecodeVariant, sm_count: int) -> float:
@@ -322,7 +321,7 @@ class Sm90GemmEngine(GemmEngine):
         return 4 * _tickets(shape) + (8 * _handoff_tiles(rows, shape.num_experts) if handoff else 0)
 
     def can_finalize(self, operands: GemmOperands, tokens: int) -> bool:
-        """GEMM2 on the decode kernel in one wave of its own CTAs (_DECODE_CTA_THREADS_PER_SM), the CTA that finalizes
+        """GEMM2 on the decode kernel in one wave of its own CTAs (DECODE_THREADS_PER_SM), the CTA that finalizes
         a feature block needing at most _FINALIZE_PASSES passes of its threads (tokens x features / 8 pieces of 8
         features). Each CTA's ticket adds a GPU-scope atomic round trip to its end: once per launch in one wave, where
         it beats the finalize launch (H200: Qwen3-30B-A3B T=1 28.2 -> 27.4 us, DeepSeek-V3 T=1 81.8 -> 81.3), but once
@@ -333,7 +332,7 @@ class Sm90GemmEngine(GemmEngine):
         if not isinstance(variant, DecodeVariant) or operands.workspace is None:
             return False
         one_wave = decode_ctas(operands.rows, operands.shape, variant) * variant.threads <= (
-            _DECODE_CTA_THREADS_PER_SM * self.sm_count)
+            DECODE_THREADS_PER_SM * self.sm_count)
         return one_wave and tokens * variant.feature_block // 8 <= _FINALIZE_PASSES * variant.threads
 
     def tile_handoff(self, gemm1: GemmOperands, gemm2: GemmOperands) -> TileHandoff | None:
@@ -476,4 +475,4 @@ class Sm90GemmEngine(GemmEngine):
                 or operands.route is not None or operands.handoff is not None and operands.epilogue is None
                 or early.ids.shape[0] > min(_EARLY_MAX_TOKENS, variant.tile_rows)):
             return None
-        return replace(early, ctas=self.sm_count * (_DECODE_CTA_THREADS_PER_SM // variant.threads))
+        return replace(early, ctas=self.sm_count * (DECODE_THREADS_PER_SM // variant.threads))

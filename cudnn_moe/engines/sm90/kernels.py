@@ -39,8 +39,8 @@ WGMMA_SOURCE = "sm90/wgmma_gemm.cu"
 FEATURE_MULTIPLE = 128  # N % 128 == 0: every feature block divides it, or (256) overhangs N by 128 that the kernel skips
 ROW_ALIGNMENT = 8  # segment starts (offsets) are multiples of 8
 MAX_GRID_Y = 65535
-# Threads of a persistent decode variant's CTAs an SM holds (the kernel's launch bounds: 128 registers a thread).
-_DECODE_THREADS_PER_SM = 512
+# Threads of decode CTAs an SM holds at once: 128 registers a thread (what the decode variants use) in 64K.
+DECODE_THREADS_PER_SM = 512
 
 _MAX_DYNAMIC_SMEM = 227 * 1024  # per block on SM90
 # A routed GEMM1 (grouped_gemm's ``route``) stages its token row in dynamic shared memory: at most what a launch gets
@@ -582,7 +582,7 @@ def grouped_gemm(
             args += _handoff_args(handoff, signals=epilogue is not None)
             options += ("-DSM90_SIGNAL=1",) if epilogue is not None else ("-DSM90_AWAIT=1",)
     if isinstance(variant, DecodeVariant) and variant.persist:  # the CTAs the SMs hold at once, a unit a grid apart
-        grid = (min(grid[0] * grid[1], sm_count * (_DECODE_THREADS_PER_SM // variant.threads)), 1)
+        grid = (min(grid[0] * grid[1], sm_count * (DECODE_THREADS_PER_SM // variant.threads)), 1)
     launch(variant.source, variant.kernel, tokens.device, grid, variant.threads, args,
            shared_mem=shared_mem, extra_options=options)
 

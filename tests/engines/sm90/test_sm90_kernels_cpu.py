@@ -864,6 +864,38 @@ def test_fused_call_matches_kernel_signature(layout: TokenLayout, launches: list
             assert args[17] == np.int32(layout) and args[18] == np.int32(1)  # the epilogue's layout, intermediate
 
 
+@pytest.mark.parametrize("sm_count,want", [(132, 1056), (2, 16)])  # 8 CTAs an SM of 64 threads
+def test_persistent_gemm1_launches_the_ctas_the_sms_hold(sm_count: int, want: int, launches: list[tuple]) -> None:
+    """A persistent variant launches a 1-D grid of min(units, CTAs the SMs hold) with its -DSM90_PERSIST; its
+    arguments are the decode grid's."""
+    plain = sm90.DecodeVariant(mt=2, wm=2, wk=1, nt=1, prefetch=4)
+    for variant in (plain, replace(plain, persist=2)):
+        args = _fused_args(TokenLayout.BF16_ROWS, SwiGLU())
+        args.update(gather=None, x=torch.zeros(40, 128, dtype=torch.bfloat16))
+        sm90.grouped_gemm(**args, variant=variant, sm_count=sm_count)
+    (_, _, _, grid0, _, args0), kwargs0 = launches[0]
+    (_, _, _, grid1, _, args1), kwargs1 = launches[1]
+    units = grid0[0] * grid0[1]
+    assert grid1 == (min(units, want), 1) and units > 8
+    assert kwargs1["extra_options"] == (*kwargs0["extra_options"][:5], "-DSM90_PERSIST=2", *kwargs0["extra_options"][5:])
+    assert [type(a) for a in args1] == [type(a) for a in args0]
+
+
+@pytest.mark.parametrize("name,update,needle", [
+    ("no epilogue", dict(epilogue=None, out=torch.zeros(40, 256, dtype=torch.bfloat16)), "epilogue"),
+    ("no sm_count", dict(sm_count=None), "sm_count"),
+    ("zero sm_count", dict(sm_count=0), "sm_count"),
+], ids=lambda x: x if isinstance(x, str) else "")
+def test_persistent_gemm1_rejects_bad_arguments(name: str, update: dict, needle: str, launches: list[tuple]) -> None:
+    args = _fused_args(TokenLayout.BF16_ROWS, SwiGLU())
+    args.update(gather=None, x=torch.zeros(40, 128, dtype=torch.bfloat16), sm_count=132,
+                variant=sm90.DecodeVariant(mt=2, wm=2, wk=1, nt=1, prefetch=4, persist=2))
+    args.update(update)
+    with pytest.raises(ValueError, match=needle):
+        sm90.grouped_gemm(**args)
+    assert not launches
+
+
 def test_token_pointer_is_the_rows_the_form_reads(launches: list[tuple], monkeypatch: pytest.MonkeyPatch) -> None:
     """The kernels' token argument (x) is x for the plain forms, the gather's source for the gathering form, and
     null for the routed form (its token comes through the route's arguments)."""
