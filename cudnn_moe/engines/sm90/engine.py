@@ -115,9 +115,14 @@ _EARLY_MAX_TOKENS = 4
 # fused_moe call, us, main / handoff (benchmarks/RESULTS.md, twenty-eighth session): Qwen3-30B-A3B T=8 70.5 / 66.4-66.7,
 # DeepSeek-V3 T=8 441.4-441.8 / 431.8-433.2; Qwen3-30B-A3B T=64 124.4-124.5 / 126.0-126.7, so not past 64 slots.
 _HANDOFF_MAX_SLOTS = 64
-# GEMM1 behind a tile handoff (on NVFP4 or MXFP4 tiles, without a route) runs persistent, each CTA issuing this many
-# ring steps of its next unit's weights before the epilogue and signal of the one it finishes (DecodeVariant.persist).
+# GEMM1 behind a tile handoff (NVFP4 or MXFP4 tiles, no route) past _PERSIST_MIN_WAVES waves of its CTAs runs
+# persistent: each CTA issues this many ring steps of its next unit's weights before the epilogue and tile signal of the
+# unit it finishes (DecodeVariant.persist), so its slot keeps loads in flight while the signal's fence waits. H100,
+# probe_timeline.py, whole call, us, main / persistent with 2 steps ahead (benchmarks/RESULTS.md, fifty-second
+# session): Qwen3-30B-A3B T=8 (1320 CTAs of _SPLIT, 2.5 waves) 75.3-76.7 / 73.8-74.3 (4 steps ahead: 75.2); within one
+# wave it only adds the next unit's search before each epilogue: T=4 45.7 / 47.1, T=2 33.9-34.1 / 34.3-34.5.
 _PERSIST_AHEAD = 2
+_PERSIST_MIN_WAVES = 2
 
 
 # L2 warming (L2Warm): before a decode GEMM1 of weight tiles that runs past one wave of its CTAs, the staged sort +
@@ -429,8 +434,7 @@ class Sm90GemmEngine(GemmEngine):
         w, gather, epilogue, finalize = operands.weights, operands.gather, operands.epilogue, operands.finalize
         route = operands.route
         variant = self.variant(operands.rows, operands.shape, gemm=operands.gemm, code=w.code)
-        if (operands.gemm == 1 and operands.handoff is not None and route is None and epilogue is not None
-                and isinstance(variant, DecodeVariant) and w.code in (BlockCode.NVFP4, BlockCode.MXFP4)):
+        if self.persists(operands, variant):
             variant = replace(variant, persist=_PERSIST_AHEAD)
         tickets = None if finalize is None else operands.workspace.view(torch.int32)[: _tickets(operands.shape)]
         grouped_gemm(w.data, w.scales, w.alpha, operands.tokens.data if gather is None and route is None else None,
@@ -464,6 +468,15 @@ class Sm90GemmEngine(GemmEngine):
         scale_bytes = min(scale_row, -(-warm_tiles * tile_scale_bytes // LINE) * LINE)
         return L2Warm(w.data.view(torch.uint8), w.scales.view(torch.uint8), row_blocks, code_row, scale_row,
                       code_bytes, scale_bytes, experts, _L2_WARM_BLOCKS)
+
+    def persists(self, operands: GemmOperands, variant: GemmVariant) -> bool:
+        """Whether GEMM1 runs ``variant``'s persistent form (_PERSIST_AHEAD): behind a tile handoff, with its
+        activation epilogue and no route, on NVFP4 or MXFP4 tiles, past _PERSIST_MIN_WAVES waves of its CTAs."""
+        return (operands.gemm == 1 and operands.handoff is not None and operands.route is None
+                and operands.epilogue is not None and isinstance(variant, DecodeVariant)
+                and operands.weights.code in (BlockCode.NVFP4, BlockCode.MXFP4)
+                and decode_ctas(operands.rows, operands.shape, variant)
+                > _PERSIST_MIN_WAVES * _cta_slots(variant, self.sm_count))
 
     def _early(self, operands: GemmOperands, variant: GemmVariant) -> EarlyRouting | None:
         """operands.early where the decode kernel takes it, for its first wave of CTAs: on a call of at most
