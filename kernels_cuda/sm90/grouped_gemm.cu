@@ -158,11 +158,12 @@ using namespace sm90;
 #error "SM90_W_ROWS runs without SM90_W_INT4, SM90_W_BF16 and SM90_ROUTE"
 #endif
 #define DEC_ROWS_MXFP4 (SM90_W_ROWS && SM90_W_MXFP4)
-// A persistent GEMM1 (SM90_PERSIST 1; the activation epilogue, NVFP4 / MXFP4 tiles, no route): a 1-D grid of CTAs, CTA
-// c takes units c, c + gridDim.x, ... (unit u = feature block u % ceil(N / FB) of tile u / ceil(N / FB), the decode
-// grid's CTA order) until it runs past the last tile. Right after a unit's main loop, before its epilogue, it finds
-// its next unit and issues that unit's first weight loads, so the CTA's slot keeps loads in flight through the
-// epilogue's stores and the tile signal's fence. Same arithmetic as the decode grid: the output bit for bit.
+// A persistent GEMM1 (SM90_PERSIST = S, 1..PREFETCH; the activation epilogue, weight tiles, no route): a 1-D grid of
+// CTAs, CTA c takes units c, c + gridDim.x, ... (unit u = feature block u % ceil(N / FB) of tile u / ceil(N / FB), the
+// decode grid's CTA order) until it runs past the last tile. Right after a unit's main loop, before its epilogue, it
+// finds its next unit and issues that unit's first S ring steps of weights (the others after the unit's signal), so the
+// CTA's slot keeps loads in flight through the epilogue's stores and the tile signal's fence. Same arithmetic as the
+// decode grid: the output bit for bit. Held to 128 registers (DEC_MIN_BLOCKS: the grid is the CTAs the SMs hold).
 #ifndef SM90_PERSIST
 #define SM90_PERSIST 0
 #endif
@@ -178,7 +179,8 @@ using namespace sm90;
 // four steps) fit 128 on their own without spilling; bounded they would spill 8-20 bytes. The NVFP4 tile forms of four
 // m16 blocks (one n8 tile) a warp with two steps in flight are held to it (unbounded 130-137 registers, fewer warps an
 // SM; bounded no spill), finalizing too (no spill, but the NVFP4 one behind the tile handoff's wait: 4 bytes); the
-// engine never runs them with MXINT4 weights (bounded they would spill 56-144 bytes).
+// engine never runs them with MXINT4 weights (bounded they would spill 56-144 bytes). The persistent forms are held to it
+// too (S = 2: no spill with split-K, 4-8 bytes at (2, 4, 1)).
 #if (SM90_W_INT4 || SM90_W_ROWS || SM90_ROUTE == 1) && SM90_MT * SM90_NT <= 2 || DEC_PERSIST || \
     SM90_MT == 4 && SM90_NT == 1 && SM90_PREFETCH <= 2 && !SM90_W_INT4 && !SM90_W_BF16 && !SM90_W_ROWS
 #define DEC_MIN_BLOCKS , 512 / DEC_THREADS  // the launch bounds' second argument
@@ -966,8 +968,9 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS DEC_MIN_BLOCKS)
   }
   __syncthreads();
 #if DEC_PERSIST
-  // The CTA's next unit: its ring's first weight loads issued before this unit's epilogue, so that they stream while
-  // the epilogue runs and while thread 0's signal waits on its fence (the ring's registers are free from here on).
+  // The CTA's next unit: its ring's first SM90_PERSIST steps of weights issued before this unit's epilogue, so that
+  // they stream while the epilogue runs and while thread 0's signal waits on its fence (the ring's registers are free
+  // from here on).
   cta_unit += static_cast<int>(gridDim.x);
   const int next_bx = cta_unit % feature_blocks, next_by = cta_unit / feature_blocks;
   Tile next;
@@ -1086,7 +1089,7 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS DEC_MIN_BLOCKS)
   bx = next_bx;
   by = next_by;
   ring_loaded = true;
-  }
+  }  // the CTA's units
 #endif
 #undef SM90_DECODE_LOAD_W
 #undef SM90_DECODE_POINT_W
