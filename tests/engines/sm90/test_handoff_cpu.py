@@ -149,23 +149,25 @@ def test_handoff_forms_compile_within_their_spills(variant: sm90.DecodeVariant, 
     assert spilled <= spill, report
 
 
-# (variant, weights form, spill bytes allowed): the persistent GEMM1 the engine runs behind a handoff (two ring steps
-# of the next unit loaded ahead); _WIDE's spills 8 bytes with NVFP4 tiles and 4 with MXFP4 (none with early routing).
-_PERSISTENT = [(replace(v, persist=sm90_engine._PERSIST_AHEAD), weights, spill)
+# (variant, arch, weights form, spill bytes allowed): the persistent GEMM1 the engine runs behind a handoff (two ring
+# steps of the next unit loaded ahead); on sm_90a _WIDE's spills 8 bytes with NVFP4 tiles and 4 with MXFP4 (none with
+# early routing); on sm_100a none.
+_PERSISTENT = [(replace(v, persist=sm90_engine._PERSIST_AHEAD), "90a", weights, spill)
                for v, spills in ((sm90_engine._WIDE, (8, 4, 4)), (sm90_engine._SPLIT, (0, 0, 0)),
                                  (sm90_engine._SPLIT_DEEP, (0, 0, 0)))
-               for weights, spill in zip(("", "-DSM90_W_MXFP4=1", "-DSM90_W_MXFP4=1 -DSM90_ACT_MXFP8=1"), spills)]
+               for weights, spill in zip(("", "-DSM90_W_MXFP4=1", "-DSM90_W_MXFP4=1 -DSM90_ACT_MXFP8=1"), spills)] + [
+    (replace(v, persist=sm90_engine._PERSIST_AHEAD), "100a", "", 0) for v in (sm90_engine._WIDE, sm90_engine._SPLIT)]
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found")
 @pytest.mark.parametrize("early", ["", "-DSM90_EARLY=1"])
-@pytest.mark.parametrize("variant,weights,spill", _PERSISTENT, ids=str)
-def test_persistent_gemm1_compiles_within_its_spills(variant: sm90.DecodeVariant, weights: str, spill: int,
+@pytest.mark.parametrize("variant,arch,weights,spill", _PERSISTENT, ids=str)
+def test_persistent_gemm1_compiles_within_its_spills(variant: sm90.DecodeVariant, arch: str, weights: str, spill: int,
                                                      early: str) -> None:
     options = (*variant.options(), *weights.split(), "-DSM90_SIGNAL=1", *early.split(),
                *sm90.epilogue_options(SwiGLU()))
     assert f"-DSM90_PERSIST={sm90_engine._PERSIST_AHEAD}" in options
-    result = _nvcc(SM90_DIR / "grouped_gemm.cu", "90a", options)
+    result = _nvcc(SM90_DIR / "grouped_gemm.cu", arch, options)
     assert result.returncode == 0, result.stderr
     report = result.stderr.split(f"Compiling entry function '{variant.kernel}'")[1].split("Compiling entry")[0]
     assert int(re.search(r"(\d+) bytes spill stores", report).group(1)) <= spill, report
