@@ -525,7 +525,8 @@ def grouped_gemm(
         for name, (t, alignment) in _check_epilogue(epilogue, rows, n).items():
             named[name], align[name] = t, alignment
     grid = gemm_grid(variant, experts, n, rows)
-    if isinstance(variant, DecodeVariant) and variant.persist:
+    persistent = isinstance(variant, DecodeVariant) and variant.persist > 0
+    if persistent:
         if epilogue is None or route is not None:
             raise ValueError(f"variant {variant}: the persistent form runs GEMM1 with an epilogue and without a route")
         if not isinstance(sm_count, int) or sm_count < 1:
@@ -581,7 +582,7 @@ def grouped_gemm(
         if handoff is not None:
             args += _handoff_args(handoff, signals=epilogue is not None)
             options += ("-DSM90_SIGNAL=1",) if epilogue is not None else ("-DSM90_AWAIT=1",)
-    if isinstance(variant, DecodeVariant) and variant.persist:  # the CTAs the SMs hold at once, a unit a grid apart
+    if persistent:  # the CTAs the SMs hold at once, a unit a grid apart
         grid = (min(grid[0] * grid[1], sm_count * (DECODE_THREADS_PER_SM // variant.threads)), 1)
     launch(variant.source, variant.kernel, tokens.device, grid, variant.threads, args,
            shared_mem=shared_mem, extra_options=options)
