@@ -573,7 +573,7 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS DEC_MIN_BLOCKS)
   int cta_unit = static_cast<int>(blockIdx.x);
   int bx = cta_unit % feature_blocks, by = cta_unit / feature_blocks;
 #else
-  [[maybe_unused]] const int feature_blocks = static_cast<int>(gridDim.x);  // read by SM90_EARLY only
+  const int feature_blocks = static_cast<int>(gridDim.x);
   const int bx = static_cast<int>(blockIdx.x), by = static_cast<int>(blockIdx.y);
 #endif
 #if SM90_W_BF16
