@@ -53,6 +53,7 @@ from .kernels import (
     DecodeVariant,
     GemmVariant,
     WgmmaVariant,
+    decode_wave,
     gemm_grid,
     grouped_gemm,
     route_shared_mem,
@@ -168,14 +169,9 @@ def rows_per_expert(rows: int, num_experts: int) -> float:
     return slots / min(num_experts, slots)
 
 
-def _cta_slots(variant: DecodeVariant, sm_count: int) -> int:
-    """CTAs of ``variant`` the GPU holds at once (DECODE_THREADS_PER_SM): one wave."""
-    return sm_count * (DECODE_THREADS_PER_SM // variant.threads)
-
-
 def _last_wave_fill(ctas: int, variant: DecodeVariant, sm_count: int) -> float:
     """The share of the last wave's CTA slots that ``ctas`` CTAs of ``variant`` fill."""
-    slots = _cta_slots(variant, sm_count)
+    slots = decode_wave(variant, sm_count)
     return (ctas - 1) % slots / slots + 1 / slots
 
 
@@ -183,13 +179,13 @@ def _gemm1_splits(wide: int, split: int, sm_count: int) -> bool:
     """Whether GEMM1 takes ``split`` CTAs of _SPLIT over ``wide`` of _WIDE (_GEMM1_FILL_GAIN): past one wave, a last
     wave fuller by that much, within the activation epilogue's CTAs."""
     gain = _last_wave_fill(split, _SPLIT, sm_count) - _last_wave_fill(wide, _WIDE, sm_count)
-    return (wide > _cta_slots(_WIDE, sm_count) and gain >= _GEMM1_FILL_GAIN
+    return (wide > decode_wave(_WIDE, sm_count) and gain >= _GEMM1_FILL_GAIN
             and split <= _DECODE_EPILOGUE_CTAS_PER_SM * sm_count)
 
 
 def _past_one_wave(rows: int, shape: GemmShape, sm_count: int) -> bool:
     """Whether a decode GEMM of ``shape`` over a bucket of ``rows`` rows takes more _WIDE CTAs than one wave holds."""
-    return decode_ctas(rows, shape, _WIDE) > _cta_slots(_WIDE, sm_count)
+    return decode_ctas(rows, shape, _WIDE) > decode_wave(_WIDE, sm_count)
 
 
 def choose_variant(rows: int, shape: GemmShape, sm_count: int, gemm: int) -> GemmVariant:
@@ -454,13 +450,13 @@ class Sm90GemmEngine(GemmEngine):
             return None
         variant = self.variant(gemm1.rows, shape, gemm=1, code=w.code)
         if (not isinstance(variant, DecodeVariant) or variant.row_major or variant.bf16_weights
-                or decode_ctas(gemm1.rows, shape, variant) <= _cta_slots(variant, self.sm_count)):
+                or decode_ctas(gemm1.rows, shape, variant) <= decode_wave(variant, self.sm_count)):
             return None
         tiles = shape.k // TILE_K
         tile_scale_bytes = 32 if w.code is BlockCode.MXFP4 else 64
         row_blocks, code_row, scale_row = shape.n // 16, tiles * CODE_CHUNK, tiles * tile_scale_bytes
         experts = min(shape.num_experts, SORT_MAX_EXPERTS,
-                      max(1, _cta_slots(variant, self.sm_count) // (shape.n // variant.feature_block)))
+                      max(1, decode_wave(variant, self.sm_count) // (shape.n // variant.feature_block)))
         code_bytes = min(code_row, int(_L2_WARM_SHARE * tiles) * CODE_CHUNK)
         if code_bytes == 0 or scale_row % LINE or not (w.data.is_contiguous() and w.scales.is_contiguous()):
             return None
@@ -476,7 +472,7 @@ class Sm90GemmEngine(GemmEngine):
                 and operands.epilogue is not None and isinstance(variant, DecodeVariant)
                 and operands.weights.code in (BlockCode.NVFP4, BlockCode.MXFP4)
                 and decode_ctas(operands.rows, operands.shape, variant)
-                > _PERSIST_MIN_WAVES * _cta_slots(variant, self.sm_count))
+                > _PERSIST_MIN_WAVES * decode_wave(variant, self.sm_count))
 
     def _early(self, operands: GemmOperands, variant: GemmVariant) -> EarlyRouting | None:
         """operands.early where the decode kernel takes it, for its first wave of CTAs: on a call of at most
@@ -488,4 +484,4 @@ class Sm90GemmEngine(GemmEngine):
                 or operands.route is not None or operands.handoff is not None and operands.epilogue is None
                 or early.ids.shape[0] > min(_EARLY_MAX_TOKENS, variant.tile_rows)):
             return None
-        return replace(early, ctas=self.sm_count * (DECODE_THREADS_PER_SM // variant.threads))
+        return replace(early, ctas=decode_wave(variant, self.sm_count))

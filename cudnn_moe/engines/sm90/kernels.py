@@ -318,6 +318,11 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a0 < b1 and b0 < a1
 
 
+def decode_wave(variant: DecodeVariant, sm_count: int) -> int:
+    """CTAs of ``variant`` that ``sm_count`` SMs hold at once (DECODE_THREADS_PER_SM threads an SM): one wave."""
+    return sm_count * (DECODE_THREADS_PER_SM // variant.threads)
+
+
 def gemm_grid(variant: GemmVariant, num_experts: int, n: int, row_capacity: int) -> tuple[int, int]:
     """(feature blocks, upper bound on tiles): non-empty segments hold >= 8 rows each, so at most
     min(E, R/8) of them, and sum ceil(len/TB) <= R/TB + that count. A feature block wider than 128
@@ -583,7 +588,7 @@ def grouped_gemm(
             args += _handoff_args(handoff, signals=epilogue is not None)
             options += ("-DSM90_SIGNAL=1",) if epilogue is not None else ("-DSM90_AWAIT=1",)
     if persistent:  # the CTAs the SMs hold at once, a unit a grid apart
-        grid = (min(grid[0] * grid[1], sm_count * (DECODE_THREADS_PER_SM // variant.threads)), 1)
+        grid = (min(grid[0] * grid[1], decode_wave(variant, sm_count)), 1)
     launch(variant.source, variant.kernel, tokens.device, grid, variant.threads, args,
            shared_mem=shared_mem, extra_options=options)
 
