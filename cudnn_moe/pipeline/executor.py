@@ -609,7 +609,7 @@ class _BucketStages(LayerStages):
     def _gemm2_finalize(self, handoff: TileHandoff | None) -> Stage | None:
         x, b = self.x, self.b
         out = None if self.caller is None else self.caller.out
-        if out is None or not x.engine.can_finalize(b.gemm2, out.shape[0]):
+        if out is None or not x.engine.can_finalize(replace(b.gemm2, handoff=handoff), out.shape[0]):
             return None
         operands = replace(b.gemm2, finalize=FinalizeEpilogue(b.slot_to_row, b.route_weights.view(-1), x.top_k, out),
                            handoff=handoff, early=self.gemm2_early)

@@ -11,8 +11,9 @@ The chain per bucket (``gemm1_fusion``, ``Sm90GemmEngine.stages``): on the wgmma
 decoded into BF16 rows, GEMM1 gathering its rows through the routing with the activation in its epilogue, GEMM2;
 on the decode kernel, sort + permute, then GEMM1 with the activation epilogue while the launch is small enough for
 it to pay, else GEMM1 and the activation, then GEMM2, which also finalizes into the caller's output where the call's
-launches know it and its CTAs fit in one wave (``can_finalize``). GEMM1 with the epilogue hands each finished token
-tile to GEMM2 (``tile_handoff``), which then computes those tiles while GEMM1's last CTAs still run.
+launches know it and its CTAs fit in one wave or start behind the tile handoff (``can_finalize``). GEMM1 with the
+epilogue hands each finished token tile to GEMM2 (``tile_handoff``), which then computes those tiles while GEMM1's
+last CTAs still run.
 """
 
 from __future__ import annotations
@@ -81,6 +82,14 @@ _GEMM1_FILL_GAIN = 0.25
 # 23.2, T=64 45.2 / 40.7; DeepSeek-V3 T=8 135.4 / 132.2, T=64 517.6 / 508.4; in one wave it loses (DeepSeek-V3 T=1
 # 29.6 / 37.0), and GEMM1 with its epilogue loses everywhere (Qwen3-30B-A3B T=8 41.9 on _SPLIT against 48.4).
 _WIDE_MT4 = DecodeVariant(mt=4, wm=2, wk=1, nt=1, prefetch=2)
+# Behind a tile handoff (tile_handoff), GEMM2 takes _WIDE_MT4's CTAs with two-way split-K instead (four warps, each
+# half the reduction: the same feature blocks and token tiles), finalizing in as many waves as it takes (can_finalize):
+# its CTAs start as GEMM1's tiles finish, and each streams its share in half the time once its tile is ready. H100,
+# probe_timeline.py, whole call, us, _WIDE_MT4 / this (benchmarks/RESULTS.md, fifty-fourth session): Qwen3-30B-A3B
+# T=8 73.9, 73.8 / 71.3, 72.3; DeepSeek-V3 T=8 561.4 / 560.6. Split-K on two-block warps lost (Qwen3-30B-A3B T=8
+# 75.3-75.4 with (2, 2, 2), 90.2-90.6 with (2, 2, 4)); buckets within one wave of _WIDE keep it (T=4: 45.5-45.8 /
+# 45.9-46.0 with this form).
+_WIDE_MT4_SPLIT = DecodeVariant(mt=4, wm=2, wk=2, nt=1, prefetch=2)
 # Passes of its threads the CTA that finalizes a feature block may take (can_finalize): two, for _WIDE_MT4 at T = 8.
 _FINALIZE_PASSES = 2
 # Row-major NVFP4 (BlockCode.NVFP4_ROWS) GEMM1 takes _SPLIT wherever the tiles take _WIDE: a CTA then reads 128
@@ -322,19 +331,23 @@ class Sm90GemmEngine(GemmEngine):
         return 4 * _tickets(shape) + (8 * _handoff_tiles(rows, shape.num_experts) if handoff else 0)
 
     def can_finalize(self, operands: GemmOperands, tokens: int) -> bool:
-        """GEMM2 on the decode kernel in one wave of its own CTAs (DECODE_THREADS_PER_SM), the CTA that finalizes
-        a feature block needing at most _FINALIZE_PASSES passes of its threads (tokens x features / 8 pieces of 8
+        """GEMM2 on the decode kernel (the variant ``gemm`` launches for these operands) in one wave of its own CTAs
+        (DECODE_THREADS_PER_SM), or on _WIDE_MT4_SPLIT behind a tile handoff in any number, the CTA that finalizes a
+        feature block needing at most _FINALIZE_PASSES passes of its threads (tokens x features / 8 pieces of 8
         features). Each CTA's ticket adds a GPU-scope atomic round trip to its end: once per launch in one wave, where
         it beats the finalize launch (H200: Qwen3-30B-A3B T=1 28.2 -> 27.4 us, DeepSeek-V3 T=1 81.8 -> 81.3), but once
-        per wave in more (T=8: +0.7 and +2.9 us; benchmarks/RESULTS.md). _WIDE_MT4's two-warp CTAs fit one wave of
-        their own where _WIDE's would not (Qwen3-30B-A3B T=8: about 860 CTAs of 64 threads; DeepSeek-V3 T=2), and
-        finalize in two passes at eight tokens."""
-        variant = self.variant(operands.rows, operands.shape, gemm=2, code=operands.weights.code)
-        if not isinstance(variant, DecodeVariant) or operands.workspace is None:
+        per wave in more (T=8: +0.7 and +2.9 us; benchmarks/RESULTS.md), unless the CTAs start as their tiles get
+        ready (the handoff). _WIDE_MT4's two-warp CTAs fit one wave of their own where _WIDE's would not (DeepSeek-V3
+        T=2), and finalize in two passes at eight tokens."""
+        if operands.workspace is None:
+            return False
+        variant = self._launch_variant(operands)
+        if not isinstance(variant, DecodeVariant):
             return False
         one_wave = decode_ctas(operands.rows, operands.shape, variant) * variant.threads <= (
             DECODE_THREADS_PER_SM * self.sm_count)
-        return one_wave and tokens * variant.feature_block // 8 <= _FINALIZE_PASSES * variant.threads
+        return ((one_wave or variant == _WIDE_MT4_SPLIT)
+                and tokens * variant.feature_block // 8 <= _FINALIZE_PASSES * variant.threads)
 
     def tile_handoff(self, gemm1: GemmOperands, gemm2: GemmOperands) -> TileHandoff | None:
         """Both GEMMs on the decode kernel with the same token tiles, in buckets of at most _HANDOFF_MAX_SLOTS slots:
@@ -429,9 +442,7 @@ class Sm90GemmEngine(GemmEngine):
         """GEMM ``operands.gemm`` on the variant ``variant`` picks for it, in the fused forms the operands hold."""
         w, gather, epilogue, finalize = operands.weights, operands.gather, operands.epilogue, operands.finalize
         route = operands.route
-        variant = self.variant(operands.rows, operands.shape, gemm=operands.gemm, code=w.code)
-        if self.persists(operands, variant):
-            variant = replace(variant, persist=_PERSIST_AHEAD)
+        variant = self._launch_variant(operands)
         tickets = None if finalize is None else operands.workspace.view(torch.int32)[: _tickets(operands.shape)]
         grouped_gemm(w.data, w.scales, w.alpha, operands.tokens.data if gather is None and route is None else None,
                      operands.offsets, operands.out if epilogue is None else None, variant,
@@ -464,6 +475,14 @@ class Sm90GemmEngine(GemmEngine):
         scale_bytes = min(scale_row, -(-warm_tiles * tile_scale_bytes // LINE) * LINE)
         return L2Warm(w.data.view(torch.uint8), w.scales.view(torch.uint8), row_blocks, code_row, scale_row,
                       code_bytes, scale_bytes, experts, _L2_WARM_BLOCKS)
+
+    def _launch_variant(self, operands: GemmOperands) -> GemmVariant:
+        """The variant ``gemm`` launches for ``operands``: the bucket's (``variant``), _WIDE_MT4_SPLIT for _WIDE_MT4
+        behind a tile handoff, persistent where ``persists`` says."""
+        variant = self.variant(operands.rows, operands.shape, gemm=operands.gemm, code=operands.weights.code)
+        if operands.handoff is not None and variant == _WIDE_MT4:
+            return _WIDE_MT4_SPLIT
+        return replace(variant, persist=_PERSIST_AHEAD) if self.persists(operands, variant) else variant
 
     def persists(self, operands: GemmOperands, variant: GemmVariant) -> bool:
         """Whether GEMM1 runs ``variant``'s persistent form (_PERSIST_AHEAD): behind a tile handoff, with its

@@ -122,11 +122,15 @@ def test_engine_hands_off_small_decode_buckets_only(rows: int, experts: int) -> 
 _FORMS = ["-DSM90_SIGNAL=1", "-DSM90_AWAIT=1", "-DSM90_AWAIT=1 -DSM90_FINALIZE=1"]
 # (variant, arch, weights form, spill bytes allowed): MXINT4's SwiGLU forms spill 8 bytes with or without the signal,
 # and its finalizing GEMM2 4 bytes with the wait (none without); so does _WIDE_MT4's NVFP4 one, held to 128 registers
-# (one word stored before the main loop, loaded after it). Row-major weights never hand off (tile_handoff).
+# (one word stored before the main loop, loaded after it); _WIDE_MT4_SPLIT, GEMM2 behind the handoff past one wave,
+# spills none. Row-major weights never hand off (tile_handoff).
 _COMPILED = [(v, "90a", "", 0) for v in (sm90_engine._WIDE, sm90_engine._SPLIT, sm90_engine._SPLIT_DEEP,
                                           sm90_engine._MID)] + [
     (sm90_engine._WIDE_MT4, "90a", "", 4),
     (sm90_engine._WIDE_MT4, "90a", "-DSM90_W_MXFP4=1", 0),
+    (sm90_engine._WIDE_MT4_SPLIT, "90a", "", 0),
+    (sm90_engine._WIDE_MT4_SPLIT, "90a", "-DSM90_W_MXFP4=1", 0),
+    (sm90_engine._WIDE_MT4_SPLIT, "100a", "", 0),
     (sm90_engine._WIDE, "100a", "", 0),
     (sm90_engine._BF16, "90a", "", 0),
     (sm90_engine._SPLIT, "90a", "-DSM90_W_INT4=1", 8),

@@ -26,6 +26,13 @@ def _bucket(model: tuple[int, int, int], tokens: int, top_k: int = 8) -> tuple[i
     return row_capacity(bucket_size(tokens), top_k, experts, 8), GemmShape(hidden, 2 * inter, experts)
 
 
+def _gemm2(rows: int, shape: GemmShape, code: BlockCode = BlockCode.NVFP4, *, handoff: object = None,
+           workspace: object = object()) -> SimpleNamespace:
+    """What Sm90GemmEngine.can_finalize reads of GEMM2's operands."""
+    return SimpleNamespace(gemm=2, rows=rows, shape=shape, workspace=workspace, weights=SimpleNamespace(code=code),
+                           handoff=handoff, route=None, epilogue=None)
+
+
 @pytest.mark.parametrize("model,tokens,kind,fusion", [
     (QWEN3, 1, DecodeVariant, Gemm1Fusion(epilogue=True)),
     (QWEN3, 8, DecodeVariant, Gemm1Fusion(epilogue=True)),
@@ -196,17 +203,15 @@ def test_can_route(model, tokens: int, routes: bool) -> None:
     (DEEPSEEK_V3, 64, False), (QWEN3, 4096, False),
 ])
 def test_gemm2_finalizes_in_one_wave(model, tokens: int, finalizes: bool) -> None:
-    """can_finalize: the decode kernel in one wave of its CTAs (Qwen3-30B-A3B T=1: 256 CTAs of 256 threads, T=4: 480
-    of 128; T=8: about 800 of 64, _WIDE_MT4's), the finalizing CTA in at most two passes; not DeepSeek-V3 T=8 (about
-    3200 of 64)."""
+    """can_finalize without a handoff: the decode kernel in one wave of its CTAs (Qwen3-30B-A3B T=1: 256 CTAs of 256
+    threads, T=4: 480 of 128; T=8: about 800 of 64, _WIDE_MT4's), the finalizing CTA in at most two passes; not
+    DeepSeek-V3 T=8 (about 3200 of 64)."""
     engine = Sm90GemmEngine.__new__(Sm90GemmEngine)
     engine.sm_count = SMS
     experts, hidden, inter = model
     rows, shape2 = _bucket(model, tokens)[0], GemmShape(inter, hidden, experts)
-    nvfp4 = SimpleNamespace(code=BlockCode.NVFP4)
-    assert engine.can_finalize(SimpleNamespace(rows=rows, shape=shape2, workspace=object(), weights=nvfp4),
-                               tokens) is finalizes
-    assert not engine.can_finalize(SimpleNamespace(rows=rows, shape=shape2, workspace=None, weights=nvfp4), tokens)
+    assert engine.can_finalize(_gemm2(rows, shape2), tokens) is finalizes
+    assert not engine.can_finalize(_gemm2(rows, shape2, workspace=None), tokens)
 
 
 @pytest.mark.parametrize("model,tokens,four_blocks", [
@@ -229,13 +234,40 @@ def test_gemm2_past_one_wave_takes_four_blocks_a_warp(model, tokens: int, four_b
     if four_blocks:
         wide = choose_variant(rows, shape2, SMS, gemm=2)
         assert (variant.feature_block, variant.tile_rows) == (wide.feature_block, wide.tile_rows)
-        nvfp4 = SimpleNamespace(code=BlockCode.NVFP4)
         one_wave = (model, tokens) in ((QWEN3, 8), (DEEPSEEK_V3, 2))
-        assert engine.can_finalize(SimpleNamespace(rows=rows, shape=shape2, workspace=object(), weights=nvfp4),
-                                   tokens) is one_wave
+        assert engine.can_finalize(_gemm2(rows, shape2), tokens) is one_wave
         for code in (BlockCode.MXINT4, BlockCode.NVFP4_ROWS):
             assert engine.variant(rows, shape2, gemm=2, code=code).mt == 2
     assert engine.variant(rows, shape1, gemm=1).mt == 2
+
+
+@pytest.mark.parametrize("model,tokens,split", [
+    (QWEN3, 4, False),  # _WIDE in one wave: kept
+    (QWEN3, 8, True), (DEEPSEEK_V3, 4, True), (DEEPSEEK_V3, 8, True),
+])
+def test_gemm2_behind_a_handoff_splits_four_block_warps(model, tokens: int, split: bool) -> None:
+    """Behind a tile handoff, GEMM2 launches _WIDE_MT4's CTAs with two-way split-K (the same feature blocks and token
+    tiles, so the same grid and handoff counters) and finalizes in any number of waves (DeepSeek-V3 T=8: about 3200
+    CTAs); without a handoff it launches _WIDE_MT4 itself; MXINT4 (no _WIDE_MT4) keeps its variant and the one-wave
+    rule."""
+    engine = Sm90GemmEngine.__new__(Sm90GemmEngine)
+    engine.sm_count = SMS
+    experts, hidden, inter = model
+    rows = _bucket(model, tokens)[0]
+    shape2 = GemmShape(inter, hidden, experts)
+    bucket = engine.variant(rows, shape2, gemm=2)
+    for code in (BlockCode.NVFP4, BlockCode.MXFP4):
+        behind = engine._launch_variant(_gemm2(rows, shape2, code, handoff=object()))
+        assert engine._launch_variant(_gemm2(rows, shape2, code)) == bucket
+        if not split:
+            assert behind == bucket
+            continue
+        assert behind == DecodeVariant(mt=4, wm=2, wk=2, nt=1, prefetch=2)
+        assert (behind.feature_block, behind.tile_rows) == (bucket.feature_block, bucket.tile_rows)
+        assert engine.can_finalize(_gemm2(rows, shape2, code, handoff=object()), tokens)
+    mxint4 = _gemm2(rows, shape2, BlockCode.MXINT4, handoff=object())
+    assert engine._launch_variant(mxint4) == engine.variant(rows, shape2, gemm=2, code=BlockCode.MXINT4)
+    assert engine.can_finalize(mxint4, tokens) is (model == QWEN3 and tokens == 4)
 
 
 @pytest.mark.parametrize("model,tokens,finalizes", [
@@ -256,9 +288,7 @@ def test_bf16_weights_take_the_bf16_decode_form(model, tokens: int, finalizes: b
         assert "-DSM90_W_BF16=1" in variant.options()
         assert engine.token_layout_for(rows, shape, gemm=gemm, code=BlockCode.BF16) is TokenLayout.BF16_ROWS
         assert engine.token_layout_for(rows, shape, gemm=gemm) is TokenLayout.BF16_FRAGMENTS
-    bf16 = SimpleNamespace(code=BlockCode.BF16)
-    assert engine.can_finalize(SimpleNamespace(rows=rows, shape=shape2, workspace=object(), weights=bf16),
-                               tokens) is finalizes
+    assert engine.can_finalize(_gemm2(rows, shape2, BlockCode.BF16), tokens) is finalizes
     long_rows, _ = _bucket(model, 4096)
     with pytest.raises(ValueError, match="BF16 weights run on the decode kernel only"):
         engine.variant(long_rows, shape1, gemm=1, code=BlockCode.BF16)

@@ -186,11 +186,12 @@ def coded_options(variant: Any, form: str, code: str) -> tuple[str, ...]:
 
 # The variants the engine picks for buckets of at most 8 tokens (engine.py: _WIDE, _SPLIT, _SPLIT_DEEP), the only
 # ones MXINT4 and MXFP4 layers (low-latency calls) run but for _WIDE_MT4 (GEMM2 of NVFP4 and MXFP4 tiles past one
-# wave of _WIDE).
+# wave of _WIDE) and its split-K form behind a tile handoff.
 LOW_LATENCY_DECODE_VARIANTS = [sm90.DecodeVariant(mt=2, wm=4, wk=1, nt=1, prefetch=4),
                                sm90.DecodeVariant(mt=2, wm=2, wk=2, nt=1, prefetch=4),
                                sm90.DecodeVariant(mt=2, wm=2, wk=4, nt=1, prefetch=4)]
 WIDE_MT4 = sm90.DecodeVariant(mt=4, wm=2, wk=1, nt=1, prefetch=2)
+WIDE_MT4_SPLIT = sm90.DecodeVariant(mt=4, wm=2, wk=2, nt=1, prefetch=2)
 _CODED_FORMS = ("plain", "finalize", "await", "swiglu", "signal")
 _PAIR_FORMS = ("swiglu-mxfp8", "signal-mxfp8", "early-signal-mxfp8")  # GEMM1 of the MXFP4 pair stored in its tiles
 
@@ -199,6 +200,7 @@ _PAIR_FORMS = ("swiglu-mxfp8", "signal-mxfp8", "early-signal-mxfp8")  # GEMM1 of
 @pytest.mark.parametrize("variant,form,code,arch", [(v, f, c, "90a") for v in LOW_LATENCY_DECODE_VARIANTS
                                                     for f in _CODED_FORMS for c in CODE_OPTIONS]
                          + [(WIDE_MT4, f, "mxfp4", "90a") for f in ("plain", "finalize", "await")]
+                         + [(WIDE_MT4_SPLIT, "await", "mxfp4", "90a")]
                          + [(v, f, "mxfp4", "90a") for v in LOW_LATENCY_DECODE_VARIANTS for f in _PAIR_FORMS]
                          + [(LOW_LATENCY_DECODE_VARIANTS[1], "signal-mxfp8", "mxfp4", "100a")]
                          + [(LOW_LATENCY_DECODE_VARIANTS[0], "swiglu", c, "100a") for c in CODE_OPTIONS], ids=str)
