@@ -218,8 +218,9 @@ class MoeBench:
         if not self.variant_rows:
             return
         report.emit()
-        report.emit("SM90 kernel variant per GEMM (the SM90 engine's choice for the bucket's row capacity) and the "
-                    "launches of one call")
+        report.emit("SM90 kernel variant per GEMM (the SM90 engine's choice for the bucket's row capacity; behind a "
+                    "tile handoff GEMM1 may launch its persistent form and GEMM2 its split-K form) and the launches of "
+                    "one call")
         report.emit()
         report.table(["model", "T", "engine", "bucket rows", "GEMM1 variant", "GEMM2 variant", "launches per call"],
                      left=3)
