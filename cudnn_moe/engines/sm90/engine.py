@@ -85,10 +85,10 @@ _WIDE_MT4 = DecodeVariant(mt=4, wm=2, wk=1, nt=1, prefetch=2)
 # Behind a tile handoff (tile_handoff), GEMM2 takes _WIDE_MT4's CTAs with two-way split-K instead (four warps, each
 # half the reduction: the same feature blocks and token tiles), finalizing in as many waves as it takes (can_finalize):
 # its CTAs start as GEMM1's tiles finish, and each streams its share in half the time once its tile is ready. H100,
-# probe_timeline.py, whole call, us, _WIDE_MT4 / this (benchmarks/RESULTS.md, fifty-fourth session): Qwen3-30B-A3B
-# T=8 73.9, 73.8 / 71.3, 72.3; DeepSeek-V3 T=8 561.4 / 560.6. Split-K on two-block warps lost (Qwen3-30B-A3B T=8
-# 75.3-75.4 with (2, 2, 2), 90.2-90.6 with (2, 2, 4)); buckets within one wave of _WIDE keep it (T=4: 45.5-45.8 /
-# 45.9-46.0 with this form).
+# probe_timeline.py, whole call, us, _WIDE_MT4 / this (benchmarks/RESULTS.md, fifty-fourth session, three rounds):
+# Qwen3-30B-A3B T=8 73.3-73.7 / 72.1-72.4; DeepSeek-V3 T=4 320.2 / 317.4 (its finalize launch folded in), T=8 480.5 /
+# 478.6. Split-K on two-block warps lost (Qwen3-30B-A3B T=8 75.3-75.4 with (2, 2, 2), 90.2-90.6 with (2, 2, 4));
+# buckets within one wave of _WIDE keep it (T=4: 45.5-45.8 / 45.9-46.0 with this form).
 _WIDE_MT4_SPLIT = DecodeVariant(mt=4, wm=2, wk=2, nt=1, prefetch=2)
 # Passes of its threads the CTA that finalizes a feature block may take (can_finalize): two, for _WIDE_MT4 at T = 8.
 _FINALIZE_PASSES = 2
@@ -439,7 +439,8 @@ class Sm90GemmEngine(GemmEngine):
         return self.variant(rows, shape, gemm=gemm, code=code).token_layout
 
     def gemm(self, operands: GemmOperands) -> None:
-        """GEMM ``operands.gemm`` on the variant ``variant`` picks for it, in the fused forms the operands hold."""
+        """GEMM ``operands.gemm`` on the variant ``_launch_variant`` picks for it, in the fused forms the operands
+        hold."""
         w, gather, epilogue, finalize = operands.weights, operands.gather, operands.epilogue, operands.finalize
         route = operands.route
         variant = self._launch_variant(operands)
