@@ -609,10 +609,12 @@ class _BucketStages(LayerStages):
     def _gemm2_finalize(self, handoff: TileHandoff | None) -> Stage | None:
         x, b = self.x, self.b
         out = None if self.caller is None else self.caller.out
-        if out is None or not x.engine.can_finalize(replace(b.gemm2, handoff=handoff), out.shape[0]):
+        if out is None:
             return None
         operands = replace(b.gemm2, finalize=FinalizeEpilogue(b.slot_to_row, b.route_weights.view(-1), x.top_k, out),
                            handoff=handoff, early=self.gemm2_early)
+        if not x.engine.can_finalize(operands, out.shape[0]):
+            return None
         self.finishing = Stage("gemm2+finalize", lambda: x.engine.gemm(operands))
         return self.finishing
 

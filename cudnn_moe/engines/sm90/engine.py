@@ -47,7 +47,6 @@ from ..base import (
     WeightLayout,
 )
 from .kernels import (
-    DECODE_THREADS_PER_SM,
     FEATURE_MULTIPLE,
     ROUTE_MAX_SHARED_MEM,
     ROW_ALIGNMENT,
@@ -344,8 +343,7 @@ class Sm90GemmEngine(GemmEngine):
         variant = self._launch_variant(operands)
         if not isinstance(variant, DecodeVariant):
             return False
-        one_wave = decode_ctas(operands.rows, operands.shape, variant) * variant.threads <= (
-            DECODE_THREADS_PER_SM * self.sm_count)
+        one_wave = decode_ctas(operands.rows, operands.shape, variant) <= decode_wave(variant, self.sm_count)
         return ((one_wave or variant == _WIDE_MT4_SPLIT)
                 and tokens * variant.feature_block // 8 <= _FINALIZE_PASSES * variant.threads)
 
