@@ -191,9 +191,10 @@ def _gemm1_splits(wide: int, split: int, sm_count: int) -> bool:
             and split <= _DECODE_EPILOGUE_CTAS_PER_SM * sm_count)
 
 
-def _past_one_wave(rows: int, shape: GemmShape, sm_count: int) -> bool:
-    """Whether a decode GEMM of ``shape`` over a bucket of ``rows`` rows takes more _WIDE CTAs than one wave holds."""
-    return decode_ctas(rows, shape, _WIDE) > decode_wave(_WIDE, sm_count)
+def _past_waves(rows: int, shape: GemmShape, variant: DecodeVariant, sm_count: int, waves: int = 1) -> bool:
+    """Whether a decode GEMM of ``shape`` over a bucket of ``rows`` rows takes more CTAs of ``variant`` than ``waves``
+    waves of them hold."""
+    return decode_ctas(rows, shape, variant) > waves * decode_wave(variant, sm_count)
 
 
 def choose_variant(rows: int, shape: GemmShape, sm_count: int, gemm: int) -> GemmVariant:
@@ -331,7 +332,7 @@ class Sm90GemmEngine(GemmEngine):
 
     def can_finalize(self, operands: GemmOperands, tokens: int) -> bool:
         """GEMM2 on the decode kernel (the variant ``gemm`` launches for these operands) in one wave of its own CTAs
-        (DECODE_THREADS_PER_SM), or on _WIDE_MT4_SPLIT behind a tile handoff in any number, the CTA that finalizes a
+        (decode_wave), or on _WIDE_MT4_SPLIT behind a tile handoff in any number, the CTA that finalizes a
         feature block needing at most _FINALIZE_PASSES passes of its threads (tokens x features / 8 pieces of 8
         features). Each CTA's ticket adds a GPU-scope atomic round trip to its end: once per launch in one wave, where
         it beats the finalize launch (H200: Qwen3-30B-A3B T=1 28.2 -> 27.4 us, DeepSeek-V3 T=1 81.8 -> 81.3), but once
@@ -343,7 +344,7 @@ class Sm90GemmEngine(GemmEngine):
         variant = self._launch_variant(operands)
         if not isinstance(variant, DecodeVariant):
             return False
-        one_wave = decode_ctas(operands.rows, operands.shape, variant) <= decode_wave(variant, self.sm_count)
+        one_wave = not _past_waves(operands.rows, operands.shape, variant, self.sm_count)
         return ((one_wave or variant == _WIDE_MT4_SPLIT)
                 and tokens * variant.feature_block // 8 <= _FINALIZE_PASSES * variant.threads)
 
@@ -426,7 +427,7 @@ class Sm90GemmEngine(GemmEngine):
         if code.row_major:
             variant = replace(_SPLIT if gemm == 1 and variant == _WIDE else variant, row_major=True)
         elif (code in (BlockCode.NVFP4, BlockCode.MXFP4) and gemm == 2 and variant == _WIDE
-              and _past_one_wave(rows, shape, self.sm_count)):
+              and _past_waves(rows, shape, _WIDE, self.sm_count)):
             variant = _WIDE_MT4
         return variant.gathering() if isinstance(variant, WgmmaVariant) and gemm == 1 else variant
 
@@ -460,7 +461,7 @@ class Sm90GemmEngine(GemmEngine):
             return None
         variant = self.variant(gemm1.rows, shape, gemm=1, code=w.code)
         if (not isinstance(variant, DecodeVariant) or variant.row_major or variant.bf16_weights
-                or decode_ctas(gemm1.rows, shape, variant) <= decode_wave(variant, self.sm_count)):
+                or not _past_waves(gemm1.rows, shape, variant, self.sm_count)):
             return None
         tiles = shape.k // TILE_K
         tile_scale_bytes = 32 if w.code is BlockCode.MXFP4 else 64
@@ -489,8 +490,7 @@ class Sm90GemmEngine(GemmEngine):
         return (operands.gemm == 1 and operands.handoff is not None and operands.route is None
                 and operands.epilogue is not None and isinstance(variant, DecodeVariant)
                 and operands.weights.code in (BlockCode.NVFP4, BlockCode.MXFP4)
-                and decode_ctas(operands.rows, operands.shape, variant)
-                > _PERSIST_MIN_WAVES * decode_wave(variant, self.sm_count))
+                and _past_waves(operands.rows, operands.shape, variant, self.sm_count, _PERSIST_MIN_WAVES))
 
     def _early(self, operands: GemmOperands, variant: GemmVariant) -> EarlyRouting | None:
         """operands.early where the decode kernel takes it, for its first wave of CTAs: on a call of at most
