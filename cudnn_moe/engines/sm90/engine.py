@@ -67,13 +67,11 @@ from .layout import TILE_K, pack_int4_weight_tiles, pack_weight_tiles, unpack_we
 _WIDE = DecodeVariant(mt=2, wm=4, wk=1, nt=1, prefetch=4)
 _SPLIT = DecodeVariant(mt=2, wm=2, wk=2, nt=1, prefetch=4)
 _SPLIT_DEEP = DecodeVariant(mt=2, wm=2, wk=4, nt=1, prefetch=4)
-# GEMM1 takes _SPLIT over _WIDE past one wave where it fills its last wave of CTAs by this much more and stays within
-# the activation epilogue's CTAs (_DECODE_EPILOGUE_CTAS_PER_SM): Qwen3-30B-A3B T=8, 768 CTAs of 128 threads in 1.45
-# waves of 528 against 1536 in 2.91, GEMM1 + activation 42.6-43.0 -> 40.7-40.9 us, the call 69.3-69.4 -> 66.8-67.1 on
-# the H200. GEMM2 keeps _WIDE (the same move cost Qwen3-30B-A3B T=8's GEMM2 4 us), and so does every GEMM1 measured
-# with less to gain (DeepSeek-V3 T=2 and T=4: 2-12 us slower on _SPLIT) or past the epilogue's CTAs (Mixtral-8x7B
-# T=8: 3584 CTAs, the activation in its own launch, 198 -> 203 us).
-_GEMM1_FILL_GAIN = 0.25
+# GEMM1 keeps _WIDE past one wave too. Taking _SPLIT where its last wave of CTAs is fuller once won (Qwen3-30B-A3B
+# T=8, 1536 CTAs in 2.91 waves against 768 in 1.45: the call 69.3 -> 66.8 us on the H200), but behind the tile handoff
+# and the persistent GEMM1 it loses: H200, whole chain, us, _SPLIT (persistent) / _WIDE (benchmarks/RESULTS.md,
+# fifty-sixth session, two calls of three rounds): Qwen3-30B-A3B T=8 62.5-63.8 / 61.1-61.7, T=16 83.2-83.4 /
+# 82.8-83.1; persistent _WIDE at 1.45 waves 62.6-63.1.
 # GEMM2 of NVFP4 tiles past one wave of _WIDE CTAs takes the same 128-feature CTAs with four m16 blocks a warp and two
 # k64 steps in flight (the same weight bytes in flight in half the ring steps; two warps a CTA held to 128 registers,
 # eight CTAs an SM; can_finalize). GEMMs
@@ -129,7 +127,9 @@ _HANDOFF_MAX_SLOTS = 64
 # unit it finishes (DecodeVariant.persist), so its slot keeps loads in flight while the signal's fence waits. H100,
 # probe_timeline.py, whole call, us, main / persistent with 2 steps ahead (benchmarks/RESULTS.md, fifty-second
 # session): Qwen3-30B-A3B T=8 (1320 CTAs of _SPLIT, 2.5 waves) 75.3-76.7 / 73.8-74.3 (4 steps ahead: 75.2); within one
-# wave it only adds the next unit's search before each epilogue: T=4 45.7 / 47.1, T=2 33.9-34.1 / 34.3-34.5.
+# wave it only adds the next unit's search before each epilogue: T=4 45.7 / 47.1, T=2 33.9-34.1 / 34.3-34.5. Qwen3-30B-A3B
+# T=8's GEMM1 has since kept _WIDE (768 CTAs, 1.45 waves), where persistence lost on the H200 (the comment at _SPLIT);
+# DeepSeek-V3 T=8 (2048 CTAs of _WIDE) still persists.
 _PERSIST_AHEAD = 2
 _PERSIST_MIN_WAVES = 2
 
@@ -177,28 +177,14 @@ def rows_per_expert(rows: int, num_experts: int) -> float:
     return slots / min(num_experts, slots)
 
 
-def _last_wave_fill(ctas: int, variant: DecodeVariant, sm_count: int) -> float:
-    """The share of the last wave's CTA slots that ``ctas`` CTAs of ``variant`` fill."""
-    slots = decode_wave(variant, sm_count)
-    return (ctas - 1) % slots / slots + 1 / slots
-
-
-def _gemm1_splits(wide: int, split: int, sm_count: int) -> bool:
-    """Whether GEMM1 takes ``split`` CTAs of _SPLIT over ``wide`` of _WIDE (_GEMM1_FILL_GAIN): past one wave, a last
-    wave fuller by that much, within the activation epilogue's CTAs."""
-    gain = _last_wave_fill(split, _SPLIT, sm_count) - _last_wave_fill(wide, _WIDE, sm_count)
-    return (wide > decode_wave(_WIDE, sm_count) and gain >= _GEMM1_FILL_GAIN
-            and split <= _DECODE_EPILOGUE_CTAS_PER_SM * sm_count)
-
-
 def _past_waves(rows: int, shape: GemmShape, variant: DecodeVariant, sm_count: int, waves: int = 1) -> bool:
     """Whether a decode GEMM of ``shape`` over a bucket of ``rows`` rows takes more CTAs of ``variant`` than ``waves``
     waves of them hold."""
     return decode_ctas(rows, shape, variant) > waves * decode_wave(variant, sm_count)
 
 
-def choose_variant(rows: int, shape: GemmShape, sm_count: int, gemm: int) -> GemmVariant:
-    """The kernel variant for GEMM ``gemm`` (1 or 2) of a bucket of ``rows`` rows on a GPU of ``sm_count`` SMs."""
+def choose_variant(rows: int, shape: GemmShape, sm_count: int) -> GemmVariant:
+    """The kernel variant for a GEMM of ``shape`` over a bucket of ``rows`` rows on a GPU of ``sm_count`` SMs."""
     average = rows_per_expert(rows, shape.num_experts)
     if average >= _WGMMA_LONG_ROWS:
         return _WGMMA_WIDE if shape.n >= _WGMMA_WIDE_N else _WGMMA
@@ -207,10 +193,9 @@ def choose_variant(rows: int, shape: GemmShape, sm_count: int, gemm: int) -> Gem
     if average > _DECODE_MAX_ROWS:
         return _MID_LONG_K if shape.k >= _LONG_K else _MID
     used = min(shape.num_experts, _slots(rows, shape.num_experts))
-    wide, split = shape.n // _WIDE.feature_block * used, shape.n // _SPLIT.feature_block * used
-    if wide >= 2 * sm_count:
-        return _SPLIT if gemm == 1 and _gemm1_splits(wide, split, sm_count) else _WIDE
-    return _SPLIT if split >= 2 * sm_count else _SPLIT_DEEP
+    if shape.n // _WIDE.feature_block * used >= 2 * sm_count:
+        return _WIDE
+    return _SPLIT if shape.n // _SPLIT.feature_block * used >= 2 * sm_count else _SPLIT_DEEP
 
 
 def decode_ctas(rows: int, shape: GemmShape, variant: GemmVariant) -> int:
@@ -225,7 +210,7 @@ def gemm1_fusion(rows: int, shape: GemmShape, activation: object, sm_count: int)
     """How GEMM1 of ``shape`` runs on a bucket of ``rows`` rows with ``activation`` on a GPU of ``sm_count`` SMs:
     wgmma buckets with the activation epilogue and the gather; decode buckets with the epilogue where it pays (the
     variant fits it and the launch stays within _DECODE_EPILOGUE_CTAS_PER_SM CTAs per SM); else neither."""
-    variant = choose_variant(rows, shape, sm_count, gemm=1)
+    variant = choose_variant(rows, shape, sm_count)
     if isinstance(variant, WgmmaVariant):
         return Gemm1Fusion(epilogue=True, gather=True)
     fits = isinstance(variant, DecodeVariant) and variant.epilogue_problem(activation) is None
@@ -415,7 +400,7 @@ class Sm90GemmEngine(GemmEngine):
         and MXFP4 weights the row-major form of the variant (natural token rows on the decode kernel; MXFP4: decode
         variants only, as BF16), GEMM1 on _SPLIT where the tiles take _WIDE (the epilogue's fusion is still decided on
         the tiles' CTA count: gemm1_fusion)."""
-        variant = choose_variant(rows, shape, self.sm_count, gemm)
+        variant = choose_variant(rows, shape, self.sm_count)
         if code is BlockCode.BF16:
             if not isinstance(variant, DecodeVariant):
                 raise ValueError(f"BF16 weights run on the decode kernel only; {rows} rows over {shape.num_experts} "
