@@ -142,9 +142,11 @@ _PERSIST_MIN_WAVES = 2
 # 1945 / -. The warming kernels cost 1-1.5 us over the plain ones where nothing is warmed (Qwen3-30B-A3B T=2 and T=4,
 # against main), which warming did not win back in one wave there (384 CTAs: within the noise); DeepSeek-V3 T=2 (512
 # CTAs, one wave) gained 4 us with them and is left out by this rule all the same. With 8 MB warmed at Qwen3-30B-A3B
-# T=8, 8 / 16 / 32 blocks: 78.4 / 76.8 / 76.5.
+# T=8, 8 / 16 / 32 blocks: 78.4 / 76.8 / 76.5. On the H200 with GEMM1 on _WIDE, whole chain, us, 32 / 64 / 96 / 128
+# blocks (benchmarks/RESULTS.md, fifty-sixth session, three rounds): Qwen3-30B-A3B T=8 61.1-61.7 / 60.4-60.8 / 60.3-60.9
+# / 60.5-61.2, DeepSeek-V3 T=8 369.0-370.1 / 366.6-367.1 / 363.9-364.3 / 363.7-364.0.
 _L2_WARM_SHARE = 0.45
-_L2_WARM_BLOCKS = 32
+_L2_WARM_BLOCKS = 96
 # Past the tile-handoff buckets (_HANDOFF_MAX_SLOTS) warming pays only for long reductions (K >= _L2_WARM_LONG_K). H100,
 # the whole chain, us, warming / none, three rounds alternating (benchmarks/RESULTS.md, forty-fifth session):
 # Qwen3-30B-A3B (K = 2048) T=8 75.0 / 77.4, T=16 102.7 / 101.8, T=32 134.5 / 134.2, T=64 148.7 / 145.0; DeepSeek-V3

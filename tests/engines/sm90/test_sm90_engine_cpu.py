@@ -344,7 +344,7 @@ def test_l2_warm_covers_the_first_wave(model, tokens: int, code: BlockCode, expe
                               scales=torch.empty(2, shape.n // 16 * tiles * scale_tile, dtype=torch.uint8))
     warm = engine.l2_warm(SimpleNamespace(rows=rows, shape=shape, weights=weights))
     assert (warm.row_blocks, warm.code_row, warm.scale_row) == (shape.n // 16, tiles * 512, tiles * scale_tile)
-    assert (warm.experts, warm.code_bytes, warm.scale_bytes, warm.blocks) == (experts, code_bytes, scale_bytes, 32)
+    assert (warm.experts, warm.code_bytes, warm.scale_bytes, warm.blocks) == (experts, code_bytes, scale_bytes, 96)
     assert warm.codes.data_ptr() == weights.data.data_ptr() and warm.scales.data_ptr() == weights.scales.data_ptr()
 
 
