@@ -195,7 +195,7 @@ class _Gemm1Ops(_Ops):
 
 
 @pytest.mark.parametrize("tokens,experts,n,persists", [
-    (8, 128, 1536, False),  # Qwen3-30B-A3B T=8: 1.45 waves of _WIDE (measured 1.5-2 us slower persistent, H200)
+    (8, 128, 1536, False),  # Qwen3-30B-A3B T=8: 1.45 waves of _WIDE (measured 1.0-2.0 us slower persistent, H200)
     (4, 128, 1536, False),  # T=4 and T=2: one wave (measured 1.4 and 0.4 us slower persistent)
     (2, 128, 1536, False),
     (8, 256, 4096, True),   # DeepSeek-V3 T=8
