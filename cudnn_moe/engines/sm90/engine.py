@@ -127,9 +127,9 @@ _HANDOFF_MAX_SLOTS = 64
 # unit it finishes (DecodeVariant.persist), so its slot keeps loads in flight while the signal's fence waits. H100,
 # probe_timeline.py, whole call, us, main / persistent with 2 steps ahead (benchmarks/RESULTS.md, fifty-second
 # session): Qwen3-30B-A3B T=8 (1320 CTAs of _SPLIT, 2.5 waves) 75.3-76.7 / 73.8-74.3 (4 steps ahead: 75.2); within one
-# wave it only adds the next unit's search before each epilogue: T=4 45.7 / 47.1, T=2 33.9-34.1 / 34.3-34.5. Qwen3-30B-A3B
-# T=8's GEMM1 has since kept _WIDE (768 CTAs, 1.45 waves), where persistence lost on the H200 (the comment at _SPLIT);
-# DeepSeek-V3 T=8 (2048 CTAs of _WIDE) still persists.
+# wave it only adds the next unit's search before each epilogue: T=4 45.7 / 47.1, T=2 33.9-34.1 / 34.3-34.5.
+# Qwen3-30B-A3B T=8's GEMM1 has since kept _WIDE (768 CTAs, 1.45 waves), where persistence lost on the H200 (the
+# comment at _SPLIT); DeepSeek-V3 T=8 (2048 CTAs of _WIDE) still persists.
 _PERSIST_AHEAD = 2
 _PERSIST_MIN_WAVES = 2
 
