@@ -57,6 +57,22 @@ def _capability(index: int) -> Arch:
     return tuple(torch.cuda.get_device_capability(index))  # type: ignore[return-value]
 
 
+def peak_dram_tbs(device: torch.device | int | None = None) -> float:
+    """Peak DRAM bandwidth of a CUDA device (the current one by default) in TB/s: two transfers per memory clock
+    over the bus width, as the driver reports them (H100 SXM 3.35, H200 4.8); cached per device."""
+    index = device.index if isinstance(device, torch.device) else device
+    return _peak_dram_tbs(torch.cuda.current_device() if index is None else index)
+
+
+@functools.cache
+def _peak_dram_tbs(index: int) -> float:
+    from .kernels import driver  # the driver library loads on first use only
+
+    khz = driver.device_attribute(index, driver.CU_DEVICE_ATTRIBUTE_MEMORY_CLOCK_RATE)
+    bits = driver.device_attribute(index, driver.CU_DEVICE_ATTRIBUTE_GLOBAL_MEMORY_BUS_WIDTH)
+    return 2 * khz * 1e3 * bits / 8 / 1e12
+
+
 def is_blackwell(arch: Arch) -> bool:
     """SM100 / SM103 data-center Blackwell: native NVFP4 block-scaled MMA in cuDNN."""
     return arch[0] == 10

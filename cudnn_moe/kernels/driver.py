@@ -21,6 +21,7 @@ _SIGNATURES: dict[str, tuple[type, ...]] = {
     "cuInit": (_c_uint,),
     "cuDriverGetVersion": (ctypes.POINTER(_c_int),),
     "cuDeviceGet": (ctypes.POINTER(_c_int), _c_int),
+    "cuDeviceGetAttribute": (ctypes.POINTER(_c_int), _c_int, _c_int),
     "cuDevicePrimaryCtxRetain": (ctypes.POINTER(_c_void_p), _c_int),
     "cuCtxSetCurrent": (_c_void_p,),
     "cuModuleLoadData": (ctypes.POINTER(_c_void_p), ctypes.c_char_p),
@@ -35,6 +36,8 @@ _SIGNATURES: dict[str, tuple[type, ...]] = {
     "cuGraphNodeGetType": (_c_void_p, ctypes.POINTER(_c_int)),
 }
 
+CU_DEVICE_ATTRIBUTE_MEMORY_CLOCK_RATE = 36  # kHz
+CU_DEVICE_ATTRIBUTE_GLOBAL_MEMORY_BUS_WIDTH = 37  # bits
 CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
 CU_GRAPH_NODE_TYPE_KERNEL = 0
 CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
@@ -88,6 +91,14 @@ def driver_version() -> int:
     version = _c_int()
     _check(_library().cuDriverGetVersion(ctypes.byref(version)), "cuDriverGetVersion")
     return version.value
+
+
+def device_attribute(device: int, attribute: int) -> int:
+    """The CUdevice_attribute ``attribute`` of CUDA device ``device`` (an ordinal, as torch numbers devices)."""
+    lib, handle, value = _library(), _c_int(), _c_int()
+    _check(lib.cuDeviceGet(ctypes.byref(handle), device), "cuDeviceGet")
+    _check(lib.cuDeviceGetAttribute(ctypes.byref(value), attribute, handle.value), "cuDeviceGetAttribute")
+    return value.value
 
 
 _contexts: dict[int, int] = {}

@@ -252,7 +252,8 @@ class _FakeTimer:
 
 
 class _FakeExecutor:
-    engine = SimpleNamespace(variant=lambda rows, shape, gemm: choose_variant(rows, shape, sm_count=132))
+    engine = SimpleNamespace(variant=lambda rows, shape, gemm: choose_variant(rows, shape, sm_count=132, gemm=gemm,
+                                                                                   dram_tbs=4.92))
 
     def bucket(self, tokens: int) -> SimpleNamespace:
         rows = common.MODELS["tiny"].top_k * tokens + 7 * min(tokens * 2, 8)

@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from cudnn_moe import arch
 from cudnn_moe.kernels import driver
 
 
@@ -112,3 +113,23 @@ def test_programmatic_launch_can_be_switched_off(monkeypatch: pytest.MonkeyPatch
     loader.programmatic_launch.cache_clear()
     assert loader.programmatic_launch(0) is False
     loader.programmatic_launch.cache_clear()
+
+
+@pytest.mark.parametrize("khz,bits,tbs", [(2_619_000, 5120, 3.352), (3_201_000, 6144, 4.917)])  # H100 SXM, H200
+def test_peak_dram_bandwidth_from_the_memory_clock_and_bus_width(monkeypatch: pytest.MonkeyPatch, khz: int, bits: int,
+                                                                 tbs: float) -> None:
+    """peak_dram_tbs: two transfers a memory clock over the bus, from the driver's attributes of that device."""
+    asked = []
+
+    def attribute(device: int, which: int) -> int:
+        asked.append((device, which))
+        return {driver.CU_DEVICE_ATTRIBUTE_MEMORY_CLOCK_RATE: khz,
+                driver.CU_DEVICE_ATTRIBUTE_GLOBAL_MEMORY_BUS_WIDTH: bits}[which]
+
+    monkeypatch.setattr(driver, "device_attribute", attribute)
+    arch._peak_dram_tbs.cache_clear()
+    try:
+        assert arch.peak_dram_tbs(3) == pytest.approx(tbs, abs=1e-3)
+        assert {device for device, _ in asked} == {3}
+    finally:
+        arch._peak_dram_tbs.cache_clear()

@@ -880,3 +880,16 @@ def test_stage_sort_permute_in_one_launch_equals_stage_then_sort_permute(case: t
     _assert_sort_equal(got_sort, {n: t.cpu() for n, t in want_sort.items()}, "moe_stage_sort_permute")
     assert torch.equal(got_rows.view(torch.int16), want_rows.view(torch.int16))
     assert (want_sort["slot_to_row"] >= 0).sum() > 0
+
+
+def test_peak_dram_bandwidth_of_this_gpu() -> None:
+    """The driver's memory clock and bus width give the GPU's peak DRAM bandwidth: 3.35 TB/s for an H100 SXM
+    (HBM3), 4.8 for an H200, which the SM90 variant rules tell apart by it (_GEMM1_FILL_MAX_TBS)."""
+    from cudnn_moe.arch import peak_dram_tbs
+
+    name, tbs = torch.cuda.get_device_name(), peak_dram_tbs()
+    assert 0.2 < tbs < 20, (name, tbs)
+    if "H200" in name:
+        assert 4.5 < tbs < 5.2, (name, tbs)
+    if "H100 80GB HBM3" in name:
+        assert 3.2 < tbs < 3.5, (name, tbs)

@@ -22,7 +22,7 @@ from dataclasses import replace
 
 import torch
 
-from ...arch import SM90, Arch
+from ...arch import SM90, Arch, peak_dram_tbs
 from ...kernels.codes import SORT_MAX_EXPERTS, TokenLayout
 from ...kernels.l2_warm import CODE_CHUNK, LINE, L2Warm
 from ..base import (
@@ -67,11 +67,16 @@ from .layout import TILE_K, pack_int4_weight_tiles, pack_weight_tiles, unpack_we
 _WIDE = DecodeVariant(mt=2, wm=4, wk=1, nt=1, prefetch=4)
 _SPLIT = DecodeVariant(mt=2, wm=2, wk=2, nt=1, prefetch=4)
 _SPLIT_DEEP = DecodeVariant(mt=2, wm=2, wk=4, nt=1, prefetch=4)
-# GEMM1 keeps _WIDE past one wave too. Taking _SPLIT where its last wave of CTAs is fuller once won (Qwen3-30B-A3B
-# T=8, 1536 CTAs in 2.91 waves against 768 in 1.45: the call 69.3 -> 66.8 us on the H200), but behind the tile handoff
-# and the persistent GEMM1 it loses: H200, whole chain, us, _SPLIT (persistent) / _WIDE (benchmarks/RESULTS.md,
-# fifty-sixth session, two calls of three rounds): Qwen3-30B-A3B T=8 62.5-63.8 / 61.1-61.7, T=16 83.2-83.4 /
-# 82.8-83.1; persistent _WIDE at 1.45 waves 62.6-63.1.
+# GEMM1 past one wave of _WIDE takes _SPLIT where that fills its last wave of CTAs by _GEMM1_FILL_GAIN more and stays
+# within the activation epilogue's CTAs (_DECODE_EPILOGUE_CTAS_PER_SM), on GPUs whose DRAM streams less than
+# _GEMM1_FILL_MAX_TBS. Qwen3-30B-A3B T=8: 768 CTAs of _WIDE in 1.45 waves of 528, 1536 of _SPLIT in 2.91 (persistent
+# behind the tile handoff). Whole chain, us, _SPLIT / _WIDE (benchmarks/RESULTS.md): H100 (3.35 TB/s), bench_moe.py
+# in alternating trees, 72.8-75.0 / 76.4-76.5 (fifty-seventh session); H200 (4.8 TB/s), in-process A/B, 62.5-63.8 /
+# 61.1-61.7, T=16 83.2-83.4 / 82.8-83.1 (fifty-sixth session). GEMM2 keeps _WIDE (the same move cost Qwen3-30B-A3B
+# T=8's GEMM2 4 us), and so does every GEMM1 measured with less to gain (DeepSeek-V3 T=2 and T=4: 2-12 us slower on
+# _SPLIT) or past the epilogue's CTAs (Mixtral-8x7B T=8: 3584 CTAs, the activation in its own launch, 198 -> 203 us).
+_GEMM1_FILL_GAIN = 0.25
+_GEMM1_FILL_MAX_TBS = 4.0
 # GEMM2 of NVFP4 tiles past one wave of _WIDE CTAs takes the same 128-feature CTAs with four m16 blocks a warp and two
 # k64 steps in flight (the same weight bytes in flight in half the ring steps; two warps a CTA held to 128 registers,
 # eight CTAs an SM; can_finalize). GEMMs
@@ -128,8 +133,9 @@ _HANDOFF_MAX_SLOTS = 64
 # probe_timeline.py, whole call, us, main / persistent with 2 steps ahead (benchmarks/RESULTS.md, fifty-second
 # session): Qwen3-30B-A3B T=8 (1320 CTAs of _SPLIT, 2.5 waves) 75.3-76.7 / 73.8-74.3 (4 steps ahead: 75.2); within one
 # wave it only adds the next unit's search before each epilogue: T=4 45.7 / 47.1, T=2 33.9-34.1 / 34.3-34.5.
-# Qwen3-30B-A3B T=8's GEMM1 has since kept _WIDE (768 CTAs, 1.45 waves), where persistence lost on the H200 (the
-# comment at _SPLIT); DeepSeek-V3 T=8 (2048 CTAs of _WIDE) still persists.
+# On GPUs where Qwen3-30B-A3B T=8's GEMM1 keeps _WIDE (768 CTAs, 1.45 waves: _GEMM1_FILL_MAX_TBS), it does not
+# persist: the whole chain took 62.6-63.1 us with persistent _WIDE against 61.1-61.7 on the H200 (fifty-sixth session);
+# DeepSeek-V3 T=8 (2048 CTAs of _WIDE) persists on every GPU.
 _PERSIST_AHEAD = 2
 _PERSIST_MIN_WAVES = 2
 
@@ -179,14 +185,29 @@ def rows_per_expert(rows: int, num_experts: int) -> float:
     return slots / min(num_experts, slots)
 
 
+def _last_wave_fill(ctas: int, variant: DecodeVariant, sm_count: int) -> float:
+    """The share of the last wave's CTA slots that ``ctas`` CTAs of ``variant`` fill."""
+    slots = decode_wave(variant, sm_count)
+    return (ctas - 1) % slots / slots + 1 / slots
+
+
+def _gemm1_splits(wide: int, split: int, sm_count: int, dram_tbs: float) -> bool:
+    """Whether GEMM1 takes ``split`` CTAs of _SPLIT over ``wide`` of _WIDE (_GEMM1_FILL_GAIN): below
+    _GEMM1_FILL_MAX_TBS, past one wave, a last wave fuller by that much, within the activation epilogue's CTAs."""
+    gain = _last_wave_fill(split, _SPLIT, sm_count) - _last_wave_fill(wide, _WIDE, sm_count)
+    return (dram_tbs < _GEMM1_FILL_MAX_TBS and wide > decode_wave(_WIDE, sm_count) and gain >= _GEMM1_FILL_GAIN
+            and split <= _DECODE_EPILOGUE_CTAS_PER_SM * sm_count)
+
+
 def _past_waves(rows: int, shape: GemmShape, variant: DecodeVariant, sm_count: int, waves: int = 1) -> bool:
     """Whether a decode GEMM of ``shape`` over a bucket of ``rows`` rows takes more CTAs of ``variant`` than ``waves``
     waves of them hold."""
     return decode_ctas(rows, shape, variant) > waves * decode_wave(variant, sm_count)
 
 
-def choose_variant(rows: int, shape: GemmShape, sm_count: int) -> GemmVariant:
-    """The kernel variant for a GEMM of ``shape`` over a bucket of ``rows`` rows on a GPU of ``sm_count`` SMs."""
+def choose_variant(rows: int, shape: GemmShape, sm_count: int, *, gemm: int, dram_tbs: float) -> GemmVariant:
+    """The kernel variant for GEMM ``gemm`` (1 or 2) of ``shape`` over a bucket of ``rows`` rows on a GPU of
+    ``sm_count`` SMs whose DRAM streams ``dram_tbs`` TB/s."""
     average = rows_per_expert(rows, shape.num_experts)
     if average >= _WGMMA_LONG_ROWS:
         return _WGMMA_WIDE if shape.n >= _WGMMA_WIDE_N else _WGMMA
@@ -195,9 +216,10 @@ def choose_variant(rows: int, shape: GemmShape, sm_count: int) -> GemmVariant:
     if average > _DECODE_MAX_ROWS:
         return _MID_LONG_K if shape.k >= _LONG_K else _MID
     used = min(shape.num_experts, _slots(rows, shape.num_experts))
-    if shape.n // _WIDE.feature_block * used >= 2 * sm_count:
-        return _WIDE
-    return _SPLIT if shape.n // _SPLIT.feature_block * used >= 2 * sm_count else _SPLIT_DEEP
+    wide, split = shape.n // _WIDE.feature_block * used, shape.n // _SPLIT.feature_block * used
+    if wide >= 2 * sm_count:
+        return _SPLIT if gemm == 1 and _gemm1_splits(wide, split, sm_count, dram_tbs) else _WIDE
+    return _SPLIT if split >= 2 * sm_count else _SPLIT_DEEP
 
 
 def decode_ctas(rows: int, shape: GemmShape, variant: GemmVariant) -> int:
@@ -208,11 +230,12 @@ def decode_ctas(rows: int, shape: GemmShape, variant: GemmVariant) -> int:
     return used * max(1, tiles) * (shape.n // variant.feature_block)
 
 
-def gemm1_fusion(rows: int, shape: GemmShape, activation: object, sm_count: int) -> Gemm1Fusion:
-    """How GEMM1 of ``shape`` runs on a bucket of ``rows`` rows with ``activation`` on a GPU of ``sm_count`` SMs:
+def gemm1_fusion(rows: int, shape: GemmShape, activation: object, sm_count: int, dram_tbs: float) -> Gemm1Fusion:
+    """How GEMM1 of ``shape`` runs on a bucket of ``rows`` rows with ``activation`` on a GPU of ``sm_count`` SMs and
+    ``dram_tbs`` TB/s:
     wgmma buckets with the activation epilogue and the gather; decode buckets with the epilogue where it pays (the
     variant fits it and the launch stays within _DECODE_EPILOGUE_CTAS_PER_SM CTAs per SM); else neither."""
-    variant = choose_variant(rows, shape, sm_count)
+    variant = choose_variant(rows, shape, sm_count, gemm=1, dram_tbs=dram_tbs)
     if isinstance(variant, WgmmaVariant):
         return Gemm1Fusion(epilogue=True, gather=True)
     fits = isinstance(variant, DecodeVariant) and variant.epilogue_problem(activation) is None
@@ -305,10 +328,11 @@ class Sm90GemmEngine(GemmEngine):
     def __init__(self, device: torch.device) -> None:
         super().__init__(device, SM90)
         self.sm_count = torch.cuda.get_device_properties(device).multi_processor_count
+        self.dram_tbs = peak_dram_tbs(device)
 
     def gemm1_fusion(self, rows: int, shape: GemmShape, activation: object) -> Gemm1Fusion:
         """The module's gemm1_fusion on this GPU."""
-        return gemm1_fusion(rows, shape, activation, self.sm_count)
+        return gemm1_fusion(rows, shape, activation, self.sm_count, self.dram_tbs)
 
     def workspace_bytes(self, rows: int, shape: GemmShape) -> int:
         """A decode GEMM's finalize tickets (int32, one per feature block of the narrowest variant, from the start),
@@ -402,7 +426,7 @@ class Sm90GemmEngine(GemmEngine):
         and MXFP4 weights the row-major form of the variant (natural token rows on the decode kernel; MXFP4: decode
         variants only, as BF16), GEMM1 on _SPLIT where the tiles take _WIDE (the epilogue's fusion is still decided on
         the tiles' CTA count: gemm1_fusion)."""
-        variant = choose_variant(rows, shape, self.sm_count)
+        variant = choose_variant(rows, shape, self.sm_count, gemm=gemm, dram_tbs=self.dram_tbs)
         if code is BlockCode.BF16:
             if not isinstance(variant, DecodeVariant):
                 raise ValueError(f"BF16 weights run on the decode kernel only; {rows} rows over {shape.num_experts} "

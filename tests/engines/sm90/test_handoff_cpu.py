@@ -22,6 +22,7 @@ from cudnn_moe.pipeline.executor import row_capacity
 from tests.engines.sm90.test_sm90_kernels_cpu import (  # noqa: F401 (launches: a fixture)
     _early_args, _gemm_args, _nvcc, _signatures, launches,
 )
+from tests.engines.sm90.gpus import H100_TBS, H200_TBS, bare_engine
 from tests.support.kernel_sources import NVCC
 
 SM90_DIR = kernels_dir() / "sm90"
@@ -93,8 +94,7 @@ def test_handoff_rejects_bad_arguments(name: str, mutate: Any, error: type, need
 def test_engine_hands_off_decode_tiles_in_its_workspace(rows: int, experts: int) -> None:
     """The counters sit at the end of the bucket's workspace, after the finalize tickets of either GEMM, one per
     possible tile each; GEMM1's feature blocks produce each tile."""
-    engine = sm90_engine.Sm90GemmEngine.__new__(sm90_engine.Sm90GemmEngine)
-    engine.sm_count = 132
+    engine = bare_engine()
     shape1, shape2 = GemmShape(2048, 1536, experts), GemmShape(768, 2048, experts)
     size = max(engine.workspace_bytes(rows, shape1), engine.workspace_bytes(rows, shape2))
     workspace = torch.zeros(size, dtype=torch.uint8)
@@ -112,8 +112,7 @@ def test_engine_hands_off_decode_tiles_in_its_workspace(rows: int, experts: int)
 def test_engine_hands_off_small_decode_buckets_only(rows: int, experts: int) -> None:
     """Past 64 slots (T = 8 at top-8) the handoff measured no gain (Qwen3-30B-A3B T=64 lost 1-2 us), and wgmma
     buckets never hand off."""
-    engine = sm90_engine.Sm90GemmEngine.__new__(sm90_engine.Sm90GemmEngine)
-    engine.sm_count = 132
+    engine = bare_engine()
     workspace = torch.zeros(1 << 20, dtype=torch.uint8)
     shapes = GemmShape(2048, 1536, experts), GemmShape(768, 2048, experts)
     assert engine.tile_handoff(*(_Ops(rows, shape, workspace) for shape in shapes)) is None
@@ -194,15 +193,16 @@ class _Gemm1Ops(_Ops):
         self.__dict__.update(fields)
 
 
-@pytest.mark.parametrize("tokens,experts,n,persists", [
-    (8, 128, 1536, False),  # Qwen3-30B-A3B T=8: 1.45 waves of _WIDE (measured 1.0-2.0 us slower persistent, H200)
-    (4, 128, 1536, False),  # T=4 and T=2: one wave (measured 1.4 and 0.4 us slower persistent)
-    (2, 128, 1536, False),
-    (8, 256, 4096, True),   # DeepSeek-V3 T=8
+@pytest.mark.parametrize("tokens,experts,n,dram_tbs,persists", [
+    (8, 128, 1536, H200_TBS, False),  # Qwen3-30B-A3B T=8 on the H200: 1.45 waves of _WIDE (slower persistent)
+    (8, 128, 1536, H100_TBS, True),   # on the H100: 2.91 waves of _SPLIT
+    (4, 128, 1536, H100_TBS, False),  # T=4 and T=2: one wave (measured 1.4 and 0.4 us slower persistent)
+    (2, 128, 1536, H100_TBS, False),
+    (8, 256, 4096, H200_TBS, True),   # DeepSeek-V3 T=8
 ])
-def test_gemm1_persists_past_two_waves_behind_a_handoff(tokens: int, experts: int, n: int, persists: bool) -> None:
-    engine = sm90_engine.Sm90GemmEngine.__new__(sm90_engine.Sm90GemmEngine)
-    engine.sm_count = 132
+def test_gemm1_persists_past_two_waves_behind_a_handoff(tokens: int, experts: int, n: int, dram_tbs: float,
+                                                        persists: bool) -> None:
+    engine = bare_engine(dram_tbs)
     rows, shape = row_capacity(tokens, 8, experts, 8), GemmShape(2048, n, experts)
     variant = engine.variant(rows, shape, gemm=1)
     assert engine.persists(_Gemm1Ops(rows, shape), variant) is persists

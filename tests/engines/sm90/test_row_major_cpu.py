@@ -23,6 +23,7 @@ from cudnn_moe.formats import decode_e2m1
 from cudnn_moe.kernels import TokenLayout, kernels_dir
 
 from tests.engines.sm90.test_sm90_kernels_cpu import _gemm_args, _nvcc, launches  # noqa: F401 (fixture)
+from tests.engines.sm90.gpus import bare_engine
 from tests.support.kernel_sources import NVCC
 
 SM90_DIR = kernels_dir() / "sm90"
@@ -140,9 +141,7 @@ def test_row_major_wgmma_compiles(variant: Any, gemm: int) -> None:
 
 
 def _engine() -> sm90_engine.Sm90GemmEngine:
-    engine = object.__new__(sm90_engine.Sm90GemmEngine)
-    engine.sm_count = 132
-    return engine
+    return bare_engine()
 
 
 @pytest.mark.parametrize("rows", [8, 64, 512, 4096, 65536])

@@ -14,8 +14,8 @@ from cudnn_moe.engines.sm90.engine import Sm90GemmEngine, choose_variant, gemm1_
 from cudnn_moe.engines.sm90.kernels import DecodeVariant, WgmmaVariant
 from cudnn_moe.kernels.codes import TokenLayout
 from cudnn_moe.pipeline.executor import bucket_size, row_capacity
+from tests.engines.sm90.gpus import H100_TBS, H200_TBS, SMS, bare_engine
 
-SMS = 132
 QWEN3 = (128, 2048, 768)  # experts, hidden, intermediate
 DEEPSEEK_V3 = (256, 7168, 2048)
 MIXTRAL = (8, 4096, 14336)
@@ -44,17 +44,18 @@ def _gemm2(rows: int, shape: GemmShape, code: BlockCode = BlockCode.NVFP4, *, ha
     (DEEPSEEK_V3, 512, DecodeVariant, Gemm1Fusion()),
     (DEEPSEEK_V3, 1024, WgmmaVariant, Gemm1Fusion(epilogue=True, gather=True)),
 ])
-def test_variant_and_gemm1_fusion(model, tokens: int, kind: type, fusion: Gemm1Fusion) -> None:
+@pytest.mark.parametrize("dram_tbs", [H100_TBS, H200_TBS])
+def test_variant_and_gemm1_fusion(model, tokens: int, kind: type, fusion: Gemm1Fusion, dram_tbs: float) -> None:
     rows, shape = _bucket(model, tokens)
-    assert isinstance(choose_variant(rows, shape, SMS), kind)
-    assert gemm1_fusion(rows, shape, SwiGLU(), SMS) == fusion
+    assert isinstance(choose_variant(rows, shape, SMS, gemm=1, dram_tbs=dram_tbs), kind)
+    assert gemm1_fusion(rows, shape, SwiGLU(), SMS, dram_tbs) == fusion
 
 
 @pytest.mark.parametrize("model,tokens,split_k", [
     (QWEN3, 1, (4, 4)),  # 192 / 256 CTAs of 64 features: fewer than two per SM, so eight warps with four-way split-K
     (QWEN3, 2, (2, 2)),
     (QWEN3, 4, (1, 1)),  # 128 features per CTA: 384 / 512 CTAs, one wave
-    (QWEN3, 8, (1, 1)),  # GEMM1: 768 CTAs, 1.45 waves, kept past one wave (benchmarks/RESULTS.md, fifty-sixth session)
+    (QWEN3, 8, (1, 1)),  # GEMM1: 768 CTAs, 1.45 waves, kept past one wave on the H200 (test below)
     (DEEPSEEK_V3, 1, (2, 1)),
     (DEEPSEEK_V3, 2, (1, 1)),  # GEMM1: 512 CTAs, 97% of one wave
     (DEEPSEEK_V3, 4, (1, 1)),
@@ -63,20 +64,40 @@ def test_variant_and_gemm1_fusion(model, tokens: int, kind: type, fusion: Gemm1F
     (MIXTRAL, 8, (1, 2)),
 ])
 def test_decode_split_k_grows_as_ctas_get_few(model, tokens: int, split_k: tuple[int, int]) -> None:
-    """(GEMM1, GEMM2) of a decode bucket: 128-feature CTAs while every SM gets two, else 64-feature ones with two-way
-    split-K, and four-way where even those leave an SM fewer than two (benchmarks/RESULTS.md, twelfth session); GEMM1
-    and GEMM2 alike."""
+    """(GEMM1, GEMM2) of a decode bucket on the H200: 128-feature CTAs while every SM gets two, else 64-feature ones
+    with two-way split-K, and four-way where even those leave an SM fewer than two (benchmarks/RESULTS.md, twelfth
+    session); GEMM1 and GEMM2 alike."""
     rows, shape1 = _bucket(model, tokens, top_k=2 if model is MIXTRAL else 8)
     shape2 = GemmShape(model[2], model[1], model[0])
     for gemm, shape in ((1, shape1), (2, shape2)):
-        variant = choose_variant(rows, shape, SMS)
+        variant = choose_variant(rows, shape, SMS, gemm=gemm, dram_tbs=H200_TBS)
         assert isinstance(variant, DecodeVariant) and variant.wk == split_k[gemm - 1], (gemm, variant)
+
+
+@pytest.mark.parametrize("model,tokens,gemm1_wk", [
+    (QWEN3, 8, 2),  # 768 CTAs of 128 features fill 45% of their last wave, 1536 of 64 features 91%
+    (QWEN3, 4, 1),  # one wave
+    (DEEPSEEK_V3, 4, 1),  # 94% of the last wave against 88%
+    (DEEPSEEK_V3, 8, 1),  # 2048 CTAs fill 88% of their last wave, 4096 76%
+    (MIXTRAL, 4, 1),  # 64-feature CTAs would fill the last wave better, but 3584 of them are past the epilogue's CTAs
+])
+def test_gemm1_fills_its_last_wave_where_dram_is_slower(model, tokens: int, gemm1_wk: int) -> None:
+    """Below _GEMM1_FILL_MAX_TBS (an H100's 3.35 TB/s) GEMM1 past one wave of 128-feature CTAs takes 64-feature ones
+    with two-way split-K where they fill the last wave by a quarter of it more and keep the activation epilogue (at
+    most 16 CTAs an SM); GEMM2 keeps the H200's choice everywhere."""
+    top_k = 2 if model is MIXTRAL else 8
+    rows, shape1 = _bucket(model, tokens, top_k)
+    shape2 = GemmShape(model[2], model[1], model[0])
+    variant = choose_variant(rows, shape1, SMS, gemm=1, dram_tbs=H100_TBS)
+    assert isinstance(variant, DecodeVariant) and variant.wk == gemm1_wk, variant
+    assert (choose_variant(rows, shape2, SMS, gemm=2, dram_tbs=H100_TBS)
+            == choose_variant(rows, shape2, SMS, gemm=2, dram_tbs=H200_TBS))
 
 
 def test_decode_epilogue_needs_a_variant_that_fits() -> None:
     """A non-gated activation fits every decode variant the engine picks; the rule only looks at what fits."""
     rows, shape = _bucket(QWEN3, 1)
-    variant = choose_variant(rows, shape, SMS)
+    variant = choose_variant(rows, shape, SMS, gemm=1, dram_tbs=H200_TBS)
     assert variant.epilogue_problem(GELU()) is None and variant.epilogue_problem(SwiGLU()) is None
     assert DecodeVariant(mt=2, wm=1, wk=4).epilogue_problem(SwiGLU()) is not None
     assert DecodeVariant(mt=1, wm=1, wk=8, nt=4).epilogue_problem(GELU()) is not None  # 16 outputs per CTA
@@ -88,7 +109,7 @@ class _Layer(LayerStages):
     def __init__(self, rows: int, shape: GemmShape, finalizes: bool = False, routes: bool = False,
                  hands_off: bool = False) -> None:
         self.rows, self.finalizes, self.routes, self.hands_off = rows, finalizes, routes, hands_off
-        self.gemm1_fusion = gemm1_fusion(rows, shape, SwiGLU(), SMS)
+        self.gemm1_fusion = gemm1_fusion(rows, shape, SwiGLU(), SMS, H200_TBS)
 
     def sort(self) -> Stage:
         return Stage("sort", lambda: None)
@@ -175,8 +196,7 @@ def test_routed_chains(model, tokens: int, chain: list[str]) -> None:
 def test_can_route(model, tokens: int, routes: bool) -> None:
     """can_route: GEMM1 on the decode kernel, its token row within 48 KB of dynamic shared memory; MXINT4 weights with
     BF16 tokens only; MXFP8 tokens (the MXFP4 pair's) on MXFP4 tiles only."""
-    engine = Sm90GemmEngine.__new__(Sm90GemmEngine)
-    engine.sm_count = SMS
+    engine = bare_engine()
     rows, shape = _bucket(model, tokens)
     nvfp4, mxint4 = SimpleNamespace(code=BlockCode.NVFP4), SimpleNamespace(code=BlockCode.MXINT4)
     mxfp4 = SimpleNamespace(code=BlockCode.MXFP4)
@@ -205,8 +225,7 @@ def test_gemm2_finalizes_in_one_wave(model, tokens: int, finalizes: bool) -> Non
     """can_finalize without a handoff: the decode kernel in one wave of its CTAs (Qwen3-30B-A3B T=1: 256 CTAs of 256
     threads, T=4: 480 of 128; T=8: about 800 of 64, _WIDE_MT4's), the finalizing CTA in at most two passes; not
     DeepSeek-V3 T=8 (about 3200 of 64)."""
-    engine = Sm90GemmEngine.__new__(Sm90GemmEngine)
-    engine.sm_count = SMS
+    engine = bare_engine()
     experts, hidden, inter = model
     rows, shape2 = _bucket(model, tokens)[0], GemmShape(inter, hidden, experts)
     assert engine.can_finalize(_gemm2(rows, shape2), tokens) is finalizes
@@ -223,15 +242,14 @@ def test_gemm2_past_one_wave_takes_four_blocks_a_warp(model, tokens: int, four_b
     DeepSeek-V3 T=1: 448) runs them with four m16 blocks a warp and two steps in flight: the same grid and token tiles
     (so the tile handoff still pairs it with GEMM1), finalizing where its own two-warp CTAs fit one wave (Qwen3-30B-A3B
     T=8, DeepSeek-V3 T=2); MXINT4 and row-major weights keep two blocks, and GEMM1 never takes it."""
-    engine = Sm90GemmEngine.__new__(Sm90GemmEngine)
-    engine.sm_count = SMS
+    engine = bare_engine()
     experts, hidden, inter = model
     rows, shape1 = _bucket(model, tokens)
     shape2 = GemmShape(inter, hidden, experts)
     variant = engine.variant(rows, shape2, gemm=2)
     assert (variant == DecodeVariant(mt=4, wm=2, wk=1, nt=1, prefetch=2)) is four_blocks
     if four_blocks:
-        wide = choose_variant(rows, shape2, SMS)
+        wide = choose_variant(rows, shape2, SMS, gemm=2, dram_tbs=H200_TBS)
         assert (variant.feature_block, variant.tile_rows) == (wide.feature_block, wide.tile_rows)
         one_wave = (model, tokens) in ((QWEN3, 8), (DEEPSEEK_V3, 2))
         assert engine.can_finalize(_gemm2(rows, shape2), tokens) is one_wave
@@ -249,8 +267,7 @@ def test_gemm2_behind_a_handoff_splits_four_block_warps(model, tokens: int, spli
     tiles, so the same grid and handoff counters) and finalizes in any number of waves (DeepSeek-V3 T=8: about 3200
     CTAs); without a handoff it launches _WIDE_MT4 itself; MXINT4 (no _WIDE_MT4) keeps its variant and the one-wave
     rule."""
-    engine = Sm90GemmEngine.__new__(Sm90GemmEngine)
-    engine.sm_count = SMS
+    engine = bare_engine()
     experts, hidden, inter = model
     rows = _bucket(model, tokens)[0]
     shape2 = GemmShape(inter, hidden, experts)
@@ -276,8 +293,7 @@ def test_bf16_weights_take_the_bf16_decode_form(model, tokens: int, finalizes: b
     """BF16 weights run one decode variant (one m16 block a warp, four steps in flight) reading natural token rows at
     every T <= 8, for both GEMMs; GEMM2 finalizes where that variant's CTAs fit one wave (Qwen3-30B-A3B T=1: 256 CTAs
     of 128 threads; DeepSeek-V3 T=1: 896); buckets past the decode kernel are refused."""
-    engine = Sm90GemmEngine.__new__(Sm90GemmEngine)
-    engine.sm_count = SMS
+    engine = bare_engine()
     experts, hidden, inter = model
     rows, shape1 = _bucket(model, tokens)
     shape2 = GemmShape(inter, hidden, experts)
@@ -301,8 +317,7 @@ def test_early_routing_for_calls_of_few_tokens(model, tokens: int, early: bool) 
     """Early routing reaches the kernel for calls of at most four tokens on the decode kernel with NVFP4 or MXINT4
     tiles, with one wave of CTAs guessing (512 threads an SM): GEMM1, signalling a handoff or not, and GEMM2 behind a
     routed GEMM1; never with a route, or on a GEMM2 that waits for a handoff's tiles."""
-    engine = Sm90GemmEngine.__new__(Sm90GemmEngine)
-    engine.sm_count = SMS
+    engine = bare_engine()
     rows, shape = _bucket(model, tokens)
     variant = engine.variant(rows, shape, gemm=1)
     routing = EarlyRouting(torch.zeros(tokens, 8, dtype=torch.int32), 1, 0)
@@ -323,21 +338,21 @@ def test_early_routing_for_calls_of_few_tokens(model, tokens: int, early: bool) 
         assert engine._early(ops(), engine.variant(rows, shape, gemm=1, code=BlockCode.BF16)) is None
 
 
-@pytest.mark.parametrize("model,tokens,code,experts,code_bytes,scale_bytes", [
-    (QWEN3, 8, BlockCode.NVFP4, 44, 14 * 512, 896),  # 528 CTA slots / 12 feature blocks; 14 of 32 tiles a row block
-    (QWEN3, 8, BlockCode.MXFP4, 44, 14 * 512, 512),  # 32-byte tile scales: 448 bytes, whole lines
-    (QWEN3, 8, BlockCode.MXINT4, 44, 14 * 512, 896),  # 64-byte tile scales
-    (DEEPSEEK_V3, 4, BlockCode.NVFP4, 16, 50 * 512, 3200),  # 1024 CTAs
-    (DEEPSEEK_V3, 8, BlockCode.NVFP4, 16, 50 * 512, 3200),  # 528 / 32 feature blocks; 50 of 112 tiles
-    (DEEPSEEK_V3, 16, BlockCode.NVFP4, 16, 50 * 512, 3200),  # past 64 slots: K = 7168 >= 4096
-    (DEEPSEEK_V3, 64, BlockCode.NVFP4, 16, 50 * 512, 3200),
+@pytest.mark.parametrize("model,tokens,code,dram_tbs,experts,code_bytes,scale_bytes", [
+    (QWEN3, 8, BlockCode.NVFP4, H200_TBS, 44, 14 * 512, 896),  # 528 CTA slots / 12 feature blocks; 14 of 32 tiles
+    (QWEN3, 8, BlockCode.MXFP4, H200_TBS, 44, 14 * 512, 512),  # 32-byte tile scales: 448 bytes, whole lines
+    (QWEN3, 8, BlockCode.MXINT4, H200_TBS, 44, 14 * 512, 896),  # 64-byte tile scales
+    (QWEN3, 8, BlockCode.NVFP4, H100_TBS, 22, 14 * 512, 896),  # 64-feature CTAs there: 528 / 24 feature blocks
+    (DEEPSEEK_V3, 4, BlockCode.NVFP4, H200_TBS, 16, 50 * 512, 3200),  # 1024 CTAs
+    (DEEPSEEK_V3, 8, BlockCode.NVFP4, H200_TBS, 16, 50 * 512, 3200),  # 528 / 32 feature blocks; 50 of 112 tiles
+    (DEEPSEEK_V3, 16, BlockCode.NVFP4, H200_TBS, 16, 50 * 512, 3200),  # past 64 slots: K = 7168 >= 4096
+    (DEEPSEEK_V3, 64, BlockCode.NVFP4, H200_TBS, 16, 50 * 512, 3200),
 ])
-def test_l2_warm_covers_the_first_wave(model, tokens: int, code: BlockCode, experts: int, code_bytes: int,
-                                       scale_bytes: int) -> None:
+def test_l2_warm_covers_the_first_wave(model, tokens: int, code: BlockCode, dram_tbs: float, experts: int,
+                                       code_bytes: int, scale_bytes: int) -> None:
     """l2_warm before a decode GEMM1 of weight tiles past one wave of CTAs: the first _L2_WARM_SHARE of every row
     block's K/64 tiles (and their scales, in whole 128-byte lines) of the experts of GEMM1's first wave."""
-    engine = Sm90GemmEngine.__new__(Sm90GemmEngine)
-    engine.sm_count = SMS
+    engine = bare_engine(dram_tbs)
     rows, shape = _bucket(model, tokens)
     tiles, scale_tile = shape.k // 64, 32 if code is BlockCode.MXFP4 else 64
     weights = SimpleNamespace(code=code, data=torch.empty(2, shape.n * shape.k // 2, dtype=torch.uint8),
@@ -357,8 +372,7 @@ def test_l2_warm_covers_the_first_wave(model, tokens: int, code: BlockCode, expe
 def test_l2_warm_only_before_decode_tiles(model, tokens: int, code: BlockCode) -> None:
     """No warming where GEMM1 does not stream weight tiles on the decode kernel past one wave of CTAs: BF16 and
     row-major weights, wgmma, one wave; nor past the handoff's 64 slots with K < 4096 (measured slower there)."""
-    engine = Sm90GemmEngine.__new__(Sm90GemmEngine)
-    engine.sm_count = SMS
+    engine = bare_engine()
     rows, shape = _bucket(model, tokens)
     weights = SimpleNamespace(code=code, data=torch.empty(0, dtype=torch.uint8), scales=torch.empty(0, dtype=torch.uint8))
     assert engine.l2_warm(SimpleNamespace(rows=rows, shape=shape, weights=weights)) is None
