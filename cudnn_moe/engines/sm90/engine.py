@@ -153,6 +153,11 @@ _PERSIST_MIN_WAVES = 2
 # / 60.5-61.2, DeepSeek-V3 T=8 369.0-370.1 / 366.6-367.1 / 363.9-364.3 / 363.7-364.0.
 _L2_WARM_SHARE = 0.45
 _L2_WARM_BLOCKS = 96
+# Below _GEMM1_FILL_MAX_TBS the warming takes this many extra blocks instead. H100, bench_moe.py in alternating trees,
+# Qwen3-30B-A3B T=8 (GEMM1 on persistent _SPLIT), us, 32 / 96 blocks: 72.8-75.0 / 80.1-80.2; DeepSeek-V3 T=8 493.2-493.4
+# / 492.9-493.3 (benchmarks/RESULTS.md, fifty-seventh session). Below 4 TB/s the engine's choices are then those the
+# H100 measured fastest before the fifty-sixth session.
+_L2_WARM_BLOCKS_SLOW_DRAM = 32
 # Past the tile-handoff buckets (_HANDOFF_MAX_SLOTS) warming pays only for long reductions (K >= _L2_WARM_LONG_K). H100,
 # the whole chain, us, warming / none, three rounds alternating (benchmarks/RESULTS.md, forty-fifth session):
 # Qwen3-30B-A3B (K = 2048) T=8 75.0 / 77.4, T=16 102.7 / 101.8, T=32 134.5 / 134.2, T=64 148.7 / 145.0; DeepSeek-V3
@@ -485,7 +490,8 @@ class Sm90GemmEngine(GemmEngine):
         warm_tiles = code_bytes // CODE_CHUNK
         scale_bytes = min(scale_row, -(-warm_tiles * tile_scale_bytes // LINE) * LINE)
         return L2Warm(w.data.view(torch.uint8), w.scales.view(torch.uint8), row_blocks, code_row, scale_row,
-                      code_bytes, scale_bytes, experts, _L2_WARM_BLOCKS)
+                      code_bytes, scale_bytes, experts,
+                      _L2_WARM_BLOCKS if self.dram_tbs >= _GEMM1_FILL_MAX_TBS else _L2_WARM_BLOCKS_SLOW_DRAM)
 
     def _launch_variant(self, operands: GemmOperands) -> GemmVariant:
         """The variant ``gemm`` launches for ``operands``: the bucket's (``variant``), _WIDE_MT4_SPLIT for _WIDE_MT4

@@ -338,20 +338,22 @@ def test_early_routing_for_calls_of_few_tokens(model, tokens: int, early: bool) 
         assert engine._early(ops(), engine.variant(rows, shape, gemm=1, code=BlockCode.BF16)) is None
 
 
-@pytest.mark.parametrize("model,tokens,code,dram_tbs,experts,code_bytes,scale_bytes", [
-    (QWEN3, 8, BlockCode.NVFP4, H200_TBS, 44, 14 * 512, 896),  # 528 CTA slots / 12 feature blocks; 14 of 32 tiles
-    (QWEN3, 8, BlockCode.MXFP4, H200_TBS, 44, 14 * 512, 512),  # 32-byte tile scales: 448 bytes, whole lines
-    (QWEN3, 8, BlockCode.MXINT4, H200_TBS, 44, 14 * 512, 896),  # 64-byte tile scales
-    (QWEN3, 8, BlockCode.NVFP4, H100_TBS, 22, 14 * 512, 896),  # 64-feature CTAs there: 528 / 24 feature blocks
-    (DEEPSEEK_V3, 4, BlockCode.NVFP4, H200_TBS, 16, 50 * 512, 3200),  # 1024 CTAs
-    (DEEPSEEK_V3, 8, BlockCode.NVFP4, H200_TBS, 16, 50 * 512, 3200),  # 528 / 32 feature blocks; 50 of 112 tiles
-    (DEEPSEEK_V3, 16, BlockCode.NVFP4, H200_TBS, 16, 50 * 512, 3200),  # past 64 slots: K = 7168 >= 4096
-    (DEEPSEEK_V3, 64, BlockCode.NVFP4, H200_TBS, 16, 50 * 512, 3200),
+@pytest.mark.parametrize("model,tokens,code,dram_tbs,experts,code_bytes,scale_bytes,blocks", [
+    (QWEN3, 8, BlockCode.NVFP4, H200_TBS, 44, 14 * 512, 896, 96),  # 528 slots / 12 feature blocks; 14 of 32 tiles
+    (QWEN3, 8, BlockCode.MXFP4, H200_TBS, 44, 14 * 512, 512, 96),  # 32-byte tile scales: 448 bytes, whole lines
+    (QWEN3, 8, BlockCode.MXINT4, H200_TBS, 44, 14 * 512, 896, 96),  # 64-byte tile scales
+    (QWEN3, 8, BlockCode.NVFP4, H100_TBS, 22, 14 * 512, 896, 32),  # 64-feature CTAs there: 528 / 24 feature blocks
+    (DEEPSEEK_V3, 4, BlockCode.NVFP4, H200_TBS, 16, 50 * 512, 3200, 96),  # 1024 CTAs
+    (DEEPSEEK_V3, 8, BlockCode.NVFP4, H200_TBS, 16, 50 * 512, 3200, 96),  # 528 / 32 feature blocks; 50 of 112 tiles
+    (DEEPSEEK_V3, 8, BlockCode.NVFP4, H100_TBS, 16, 50 * 512, 3200, 32),
+    (DEEPSEEK_V3, 16, BlockCode.NVFP4, H200_TBS, 16, 50 * 512, 3200, 96),  # past 64 slots: K = 7168 >= 4096
+    (DEEPSEEK_V3, 64, BlockCode.NVFP4, H200_TBS, 16, 50 * 512, 3200, 96),
 ])
 def test_l2_warm_covers_the_first_wave(model, tokens: int, code: BlockCode, dram_tbs: float, experts: int,
-                                       code_bytes: int, scale_bytes: int) -> None:
+                                       code_bytes: int, scale_bytes: int, blocks: int) -> None:
     """l2_warm before a decode GEMM1 of weight tiles past one wave of CTAs: the first _L2_WARM_SHARE of every row
-    block's K/64 tiles (and their scales, in whole 128-byte lines) of the experts of GEMM1's first wave."""
+    block's K/64 tiles (and their scales, in whole 128-byte lines) of the experts of GEMM1's first wave, with 96 extra
+    blocks (32 below 4 TB/s of DRAM)."""
     engine = bare_engine(dram_tbs)
     rows, shape = _bucket(model, tokens)
     tiles, scale_tile = shape.k // 64, 32 if code is BlockCode.MXFP4 else 64
@@ -359,7 +361,7 @@ def test_l2_warm_covers_the_first_wave(model, tokens: int, code: BlockCode, dram
                               scales=torch.empty(2, shape.n // 16 * tiles * scale_tile, dtype=torch.uint8))
     warm = engine.l2_warm(SimpleNamespace(rows=rows, shape=shape, weights=weights))
     assert (warm.row_blocks, warm.code_row, warm.scale_row) == (shape.n // 16, tiles * 512, tiles * scale_tile)
-    assert (warm.experts, warm.code_bytes, warm.scale_bytes, warm.blocks) == (experts, code_bytes, scale_bytes, 96)
+    assert (warm.experts, warm.code_bytes, warm.scale_bytes, warm.blocks) == (experts, code_bytes, scale_bytes, blocks)
     assert warm.codes.data_ptr() == weights.data.data_ptr() and warm.scales.data_ptr() == weights.scales.data_ptr()
 
 
