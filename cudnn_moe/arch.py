@@ -59,7 +59,7 @@ def _capability(index: int) -> Arch:
 
 def peak_dram_tbs(device: torch.device | int | None = None) -> float:
     """Peak DRAM bandwidth of a CUDA device (the current one by default) in TB/s: two transfers per memory clock
-    over the bus width, as the driver reports them (H100 SXM 3.35, H200 4.8); cached per device."""
+    over the bus width, as the driver reports them (an H100 SXM read 3.35; an H200 gives 4.9); cached per device."""
     index = device.index if isinstance(device, torch.device) else device
     return _peak_dram_tbs(torch.cuda.current_device() if index is None else index)
 

@@ -71,7 +71,7 @@ _SPLIT_DEEP = DecodeVariant(mt=2, wm=2, wk=4, nt=1, prefetch=4)
 # within the activation epilogue's CTAs (_DECODE_EPILOGUE_CTAS_PER_SM), on GPUs whose DRAM streams less than
 # _GEMM1_FILL_MAX_TBS. Qwen3-30B-A3B T=8: 768 CTAs of _WIDE in 1.45 waves of 528, 1536 of _SPLIT in 2.91 (persistent
 # behind the tile handoff). Whole chain, us, _SPLIT / _WIDE (benchmarks/RESULTS.md): H100 (3.35 TB/s), bench_moe.py
-# in alternating trees, 72.8-75.0 / 76.4-76.5 (fifty-seventh session); H200 (4.8 TB/s), in-process A/B, 62.5-63.8 /
+# in alternating trees, 72.8-75.0 / 76.4-76.5 (fifty-seventh session); H200 (4.9 TB/s), in-process A/B, 62.5-63.8 /
 # 61.1-61.7, T=16 83.2-83.4 / 82.8-83.1 (fifty-sixth session). GEMM2 keeps _WIDE (the same move cost Qwen3-30B-A3B
 # T=8's GEMM2 4 us), and so does every GEMM1 measured with less to gain (DeepSeek-V3 T=2 and T=4: 2-12 us slower on
 # _SPLIT) or past the epilogue's CTAs (Mixtral-8x7B T=8: 3584 CTAs, the activation in its own launch, 198 -> 203 us).
