@@ -33,7 +33,9 @@ step() {  # step NAME COMMAND...: run, tee into $OUT/NAME.log, remember a failur
 }
 step env python3 -c '
 import torch, cupy, cudnn
-print("gpu", torch.cuda.get_device_name(), "cc", torch.cuda.get_device_capability())
+from cudnn_moe.arch import peak_dram_tbs
+print("gpu", torch.cuda.get_device_name(), "cc", torch.cuda.get_device_capability(),
+      "peak DRAM %.2f TB/s (the SM90 engine chooses by it)" % peak_dram_tbs())
 print("torch", torch.__version__, "cuda", torch.version.cuda, "cupy", cupy.__version__,
       "cudnn frontend", cudnn.__version__, "cudnn backend", cudnn.backend_version())'
 step demo python3 -m cudnn_moe demo
