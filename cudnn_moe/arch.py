@@ -46,10 +46,15 @@ def parse_arch(arch: str | int | tuple[int, int]) -> Arch:
     raise ValueError(f"arch {arch!r} is not a GPU architecture; use e.g. 'sm90', 'sm_100a', '10.0', 100 or (10, 0)")
 
 
+def _device_index(device: torch.device | int | None) -> int:
+    """The ordinal of ``device`` (a torch.device or an index; the current device for None or an unindexed one)."""
+    index = device.index if isinstance(device, torch.device) else device
+    return torch.cuda.current_device() if index is None else index
+
+
 def device_arch(device: torch.device | int | None = None) -> Arch:
     """Compute capability of a CUDA device (the current one by default); cached per device."""
-    index = device.index if isinstance(device, torch.device) else device
-    return _capability(torch.cuda.current_device() if index is None else index)
+    return _capability(_device_index(device))
 
 
 @functools.cache
@@ -60,8 +65,7 @@ def _capability(index: int) -> Arch:
 def peak_dram_tbs(device: torch.device | int | None = None) -> float:
     """Peak DRAM bandwidth of a CUDA device (the current one by default) in TB/s: two transfers per memory clock
     over the bus width, as the driver reports them (an H100 SXM read 3.35; an H200 gives 4.9); cached per device."""
-    index = device.index if isinstance(device, torch.device) else device
-    return _peak_dram_tbs(torch.cuda.current_device() if index is None else index)
+    return _peak_dram_tbs(_device_index(device))
 
 
 @functools.cache

@@ -27,6 +27,7 @@ import common  # noqa: E402
 
 from cudnn_moe.engines.base import GemmShape  # noqa: E402
 from cudnn_moe.engines.sm90.engine import choose_variant  # noqa: E402
+from tests.engines.sm90.gpus import H200_TBS, SMS  # noqa: E402
 
 QWEN3, DEEPSEEK = common.MODELS["qwen3-30b-a3b"], common.MODELS["deepseek-v3"]
 ROOFLINE = common.Roofline(bandwidth_tbs=4.3, peak_tflops=790.0)
@@ -252,8 +253,8 @@ class _FakeTimer:
 
 
 class _FakeExecutor:
-    engine = SimpleNamespace(variant=lambda rows, shape, gemm: choose_variant(rows, shape, sm_count=132, gemm=gemm,
-                                                                                   dram_tbs=4.92))
+    engine = SimpleNamespace(variant=lambda rows, shape, gemm: choose_variant(rows, shape, sm_count=SMS, gemm=gemm,
+                                                                                   dram_tbs=H200_TBS))
 
     def bucket(self, tokens: int) -> SimpleNamespace:
         rows = common.MODELS["tiny"].top_k * tokens + 7 * min(tokens * 2, 8)

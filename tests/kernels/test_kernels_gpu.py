@@ -884,7 +884,7 @@ def test_stage_sort_permute_in_one_launch_equals_stage_then_sort_permute(case: t
 
 def test_peak_dram_bandwidth_of_this_gpu() -> None:
     """The driver's memory clock and bus width give the GPU's peak DRAM bandwidth: 3.35 TB/s for an H100 SXM
-    (HBM3), 4.9 for an H200, which the SM90 variant rules tell apart by it (_GEMM1_FILL_MAX_TBS)."""
+    (HBM3), 4.9 for an H200, which the SM90 variant rules tell apart by it (_SLOW_DRAM_TBS)."""
     from cudnn_moe.arch import peak_dram_tbs
 
     name, tbs = torch.cuda.get_device_name(), peak_dram_tbs()

@@ -67,16 +67,18 @@ from .layout import TILE_K, pack_int4_weight_tiles, pack_weight_tiles, unpack_we
 _WIDE = DecodeVariant(mt=2, wm=4, wk=1, nt=1, prefetch=4)
 _SPLIT = DecodeVariant(mt=2, wm=2, wk=2, nt=1, prefetch=4)
 _SPLIT_DEEP = DecodeVariant(mt=2, wm=2, wk=4, nt=1, prefetch=4)
+# GPUs whose peak DRAM bandwidth (arch.peak_dram_tbs) is below this many TB/s, such as the H100 (3.35; the H200: 4.9),
+# take the two choices measured fastest there: GEMM1's move to _SPLIT below, and _L2_WARM_BLOCKS_SLOW_DRAM.
+_SLOW_DRAM_TBS = 4.0
 # GEMM1 past one wave of _WIDE takes _SPLIT where that fills its last wave of CTAs by _GEMM1_FILL_GAIN more and stays
 # within the activation epilogue's CTAs (_DECODE_EPILOGUE_CTAS_PER_SM), on GPUs whose DRAM streams less than
-# _GEMM1_FILL_MAX_TBS. Qwen3-30B-A3B T=8: 768 CTAs of _WIDE in 1.45 waves of 528, 1536 of _SPLIT in 2.91 (persistent
+# _SLOW_DRAM_TBS. Qwen3-30B-A3B T=8: 768 CTAs of _WIDE in 1.45 waves of 528, 1536 of _SPLIT in 2.91 (persistent
 # behind the tile handoff). Whole chain, us, _SPLIT / _WIDE (benchmarks/RESULTS.md): H100 (3.35 TB/s), bench_moe.py
 # in alternating trees, 72.8-75.0 / 76.4-76.5 (fifty-seventh session); H200 (4.9 TB/s), in-process A/B, 62.5-63.8 /
 # 61.1-61.7, T=16 83.2-83.4 / 82.8-83.1 (fifty-sixth session). GEMM2 keeps _WIDE (the same move cost Qwen3-30B-A3B
 # T=8's GEMM2 4 us), and so does every GEMM1 measured with less to gain (DeepSeek-V3 T=2 and T=4: 2-12 us slower on
 # _SPLIT) or past the epilogue's CTAs (Mixtral-8x7B T=8: 3584 CTAs, the activation in its own launch, 198 -> 203 us).
 _GEMM1_FILL_GAIN = 0.25
-_GEMM1_FILL_MAX_TBS = 4.0
 # GEMM2 of NVFP4 tiles past one wave of _WIDE CTAs takes the same 128-feature CTAs with four m16 blocks a warp and two
 # k64 steps in flight (the same weight bytes in flight in half the ring steps; two warps a CTA held to 128 registers,
 # eight CTAs an SM; can_finalize). GEMMs
@@ -133,7 +135,7 @@ _HANDOFF_MAX_SLOTS = 64
 # probe_timeline.py, whole call, us, main / persistent with 2 steps ahead (benchmarks/RESULTS.md, fifty-second
 # session): Qwen3-30B-A3B T=8 (1320 CTAs of _SPLIT, 2.5 waves) 75.3-76.7 / 73.8-74.3 (4 steps ahead: 75.2); within one
 # wave it only adds the next unit's search before each epilogue: T=4 45.7 / 47.1, T=2 33.9-34.1 / 34.3-34.5.
-# On GPUs where Qwen3-30B-A3B T=8's GEMM1 keeps _WIDE (768 CTAs, 1.45 waves: _GEMM1_FILL_MAX_TBS), it does not
+# On GPUs where Qwen3-30B-A3B T=8's GEMM1 keeps _WIDE (768 CTAs, 1.45 waves: _SLOW_DRAM_TBS), it does not
 # persist: the whole chain took 62.6-63.1 us with persistent _WIDE against 61.1-61.7 on the H200 (fifty-sixth session);
 # DeepSeek-V3 T=8 (2048 CTAs of _WIDE) persists on every GPU.
 _PERSIST_AHEAD = 2
@@ -153,7 +155,7 @@ _PERSIST_MIN_WAVES = 2
 # / 60.5-61.2, DeepSeek-V3 T=8 369.0-370.1 / 366.6-367.1 / 363.9-364.3 / 363.7-364.0.
 _L2_WARM_SHARE = 0.45
 _L2_WARM_BLOCKS = 96
-# Below _GEMM1_FILL_MAX_TBS the warming takes this many extra blocks instead. H100, bench_moe.py in alternating trees,
+# Below _SLOW_DRAM_TBS the warming takes this many extra blocks instead. H100, bench_moe.py in alternating trees,
 # Qwen3-30B-A3B T=8 (GEMM1 on persistent _SPLIT), us, 32 / 96 blocks: 72.8-75.0 / 80.1-80.2; DeepSeek-V3 T=8 493.2-493.4
 # / 492.9-493.3 (benchmarks/RESULTS.md, fifty-seventh session). Below 4 TB/s the engine's choices are then those the
 # H100 measured fastest before the fifty-sixth session.
@@ -198,9 +200,9 @@ def _last_wave_fill(ctas: int, variant: DecodeVariant, sm_count: int) -> float:
 
 def _gemm1_splits(wide: int, split: int, sm_count: int, dram_tbs: float) -> bool:
     """Whether GEMM1 takes ``split`` CTAs of _SPLIT over ``wide`` of _WIDE (_GEMM1_FILL_GAIN): below
-    _GEMM1_FILL_MAX_TBS, past one wave, a last wave fuller by that much, within the activation epilogue's CTAs."""
+    _SLOW_DRAM_TBS, past one wave, a last wave fuller by that much, within the activation epilogue's CTAs."""
     gain = _last_wave_fill(split, _SPLIT, sm_count) - _last_wave_fill(wide, _WIDE, sm_count)
-    return (dram_tbs < _GEMM1_FILL_MAX_TBS and wide > decode_wave(_WIDE, sm_count) and gain >= _GEMM1_FILL_GAIN
+    return (dram_tbs < _SLOW_DRAM_TBS and wide > decode_wave(_WIDE, sm_count) and gain >= _GEMM1_FILL_GAIN
             and split <= _DECODE_EPILOGUE_CTAS_PER_SM * sm_count)
 
 
@@ -491,7 +493,7 @@ class Sm90GemmEngine(GemmEngine):
         scale_bytes = min(scale_row, -(-warm_tiles * tile_scale_bytes // LINE) * LINE)
         return L2Warm(w.data.view(torch.uint8), w.scales.view(torch.uint8), row_blocks, code_row, scale_row,
                       code_bytes, scale_bytes, experts,
-                      _L2_WARM_BLOCKS if self.dram_tbs >= _GEMM1_FILL_MAX_TBS else _L2_WARM_BLOCKS_SLOW_DRAM)
+                      _L2_WARM_BLOCKS if self.dram_tbs >= _SLOW_DRAM_TBS else _L2_WARM_BLOCKS_SLOW_DRAM)
 
     def _launch_variant(self, operands: GemmOperands) -> GemmVariant:
         """The variant ``gemm`` launches for ``operands``: the bucket's (``variant``), _WIDE_MT4_SPLIT for _WIDE_MT4

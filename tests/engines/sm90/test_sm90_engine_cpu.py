@@ -82,7 +82,7 @@ def test_decode_split_k_grows_as_ctas_get_few(model, tokens: int, split_k: tuple
     (MIXTRAL, 4, 1),  # 64-feature CTAs would fill the last wave better, but 3584 of them are past the epilogue's CTAs
 ])
 def test_gemm1_fills_its_last_wave_where_dram_is_slower(model, tokens: int, gemm1_wk: int) -> None:
-    """Below _GEMM1_FILL_MAX_TBS (an H100's 3.35 TB/s) GEMM1 past one wave of 128-feature CTAs takes 64-feature ones
+    """Below _SLOW_DRAM_TBS (an H100's 3.35 TB/s) GEMM1 past one wave of 128-feature CTAs takes 64-feature ones
     with two-way split-K where they fill the last wave by a quarter of it more and keep the activation epilogue (at
     most 16 CTAs an SM); GEMM2 keeps the H200's choice everywhere."""
     top_k = 2 if model is MIXTRAL else 8

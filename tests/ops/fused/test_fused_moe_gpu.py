@@ -10,6 +10,7 @@ from cudnn_moe import (
     SwiGLUStep, fused_moe, get_executor, pack_routing,
 )
 from cudnn_moe.arch import peak_dram_tbs
+from cudnn_moe.engines.sm90.engine import _SLOW_DRAM_TBS
 from cudnn_moe.engines.sm90.kernels import DecodeVariant
 from cudnn_moe.fused.checks import unfinalized_row_count
 from cudnn_moe.fused.reference import reference_for_prepared
@@ -320,7 +321,7 @@ def test_qwen3_shapes_at_eight_tokens_past_one_wave_of_gemm1():
     executor = get_executor(config, weights, top_k=8, activation=act, local_expert_start=0)
     bucket = executor.bucket(8)
     wk = [executor.engine.variant(bucket.rows, g.shape, gemm=g.gemm).wk for g in (bucket.gemm1, bucket.gemm2)]
-    assert wk == ([1, 1] if peak_dram_tbs(0) >= 4 else [2, 1]), (wk, peak_dram_tbs(0))
+    assert wk == ([1, 1] if peak_dram_tbs(0) >= _SLOW_DRAM_TBS else [2, 1]), (wk, peak_dram_tbs(0))
     out = torch.full_like(graphed, float("nan"))
     eager = fused_moe(config, acts, r, weights, activation=act, out=out, use_cuda_graph=False)
     assert torch.equal(eager.view(torch.int16), graphed.view(torch.int16))
