@@ -201,9 +201,10 @@ def _last_wave_fill(ctas: int, variant: DecodeVariant, sm_count: int) -> float:
 def _gemm1_splits(wide: int, split: int, sm_count: int, dram_tbs: float) -> bool:
     """Whether GEMM1 takes ``split`` CTAs of _SPLIT over ``wide`` of _WIDE (_GEMM1_FILL_GAIN): below
     _SLOW_DRAM_TBS, past one wave, a last wave fuller by that much, within the activation epilogue's CTAs."""
+    if dram_tbs >= _SLOW_DRAM_TBS or wide <= decode_wave(_WIDE, sm_count):
+        return False
     gain = _last_wave_fill(split, _SPLIT, sm_count) - _last_wave_fill(wide, _WIDE, sm_count)
-    return (dram_tbs < _SLOW_DRAM_TBS and wide > decode_wave(_WIDE, sm_count) and gain >= _GEMM1_FILL_GAIN
-            and split <= _DECODE_EPILOGUE_CTAS_PER_SM * sm_count)
+    return gain >= _GEMM1_FILL_GAIN and split <= _DECODE_EPILOGUE_CTAS_PER_SM * sm_count
 
 
 def _past_waves(rows: int, shape: GemmShape, variant: DecodeVariant, sm_count: int, waves: int = 1) -> bool:
