@@ -42,7 +42,7 @@ from cudnn_moe.pipeline import executor as executor_module
 from cudnn_moe.pipeline.executor import MoeExecutor
 from cudnn_moe.pipeline.tokens import TokenCode, token_code, token_operands
 from cudnn_moe.weights.low_latency import Mxfp8Activations
-from tests.engines.sm90.gpus import H200_TBS, bare_engine
+from tests.engines.sm90.gpus import bare_engine
 from tests.support.kernel_sources import HOST_PRELUDE, host_program
 from tests.support.low_latency import mx_payloads
 
@@ -421,7 +421,7 @@ def test_the_pair_runs_the_decode_chain_with_its_mxfp8_forms(tokens: int, arch: 
     view = grouped_view(Sm90GemmEngine, SM90, pair)
     assert view.code is (BlockCode.MXFP4 if tiled else BlockCode.MXFP4_ROWS)
     assert view.w1.data_ptr() == pair.w1_codes.data_ptr()
-    engine = bare_engine(H200_TBS)
+    engine = bare_engine()
     executor = MoeExecutor(view, engine, top_k=4, activation=SwiGLU(), local_expert_start=0, max_num_tokens=8,
                            tokens=TokenCode.MXFP8, intermediate=IntermediateCode.MXFP8)
     codes, scales = quantize_mxfp8(torch.randn(tokens, HIDDEN))

@@ -10,7 +10,7 @@ import torch
 
 from cudnn_moe.activations import GELU, SwiGLU
 from cudnn_moe.engines.base import BlockCode, EarlyRouting, Gemm1Fusion, GemmShape, LayerStages, Stage
-from cudnn_moe.engines.sm90.engine import Sm90GemmEngine, choose_variant, gemm1_fusion
+from cudnn_moe.engines.sm90.engine import choose_variant, gemm1_fusion
 from cudnn_moe.engines.sm90.kernels import DecodeVariant, WgmmaVariant
 from cudnn_moe.kernels.codes import TokenLayout
 from cudnn_moe.pipeline.executor import bucket_size, row_capacity
@@ -152,7 +152,7 @@ class _Layer(LayerStages):
 ])
 def test_stage_chains(model, tokens: int, chain: list[str], finalizes: bool) -> None:
     """The decode chains end with GEMM2 finalizing where the layer offers it (the wgmma chain never asks)."""
-    engine = Sm90GemmEngine.__new__(Sm90GemmEngine)  # no device: stages() reads the layer only
+    engine = bare_engine()
     rows, shape = _bucket(model, tokens)
     if finalizes and tokens < 4096:
         chain = [*chain[:-1], "gemm2+finalize"]
@@ -169,7 +169,7 @@ def test_stage_chains(model, tokens: int, chain: list[str], finalizes: bool) -> 
 def test_handoff_chains(model, tokens: int, chain: list[str], finalizes: bool) -> None:
     """Where the layer offers GEMM1 and GEMM2 with a tile handoff, a decode chain with the epilogue runs them as one
     stage after the sort + permute; GEMM1 without the epilogue and the wgmma chain never ask."""
-    engine = Sm90GemmEngine.__new__(Sm90GemmEngine)
+    engine = bare_engine()
     rows, shape = _bucket(model, tokens)
     if finalizes and tokens < 4096:
         chain = [*chain[:-1], chain[-1].replace("gemm2", "gemm2+finalize")]
@@ -185,7 +185,7 @@ def test_handoff_chains(model, tokens: int, chain: list[str], finalizes: bool) -
 def test_routed_chains(model, tokens: int, chain: list[str]) -> None:
     """Where the layer offers GEMM1 with the stage and the sort folded in (a one-token bucket of a call whose launches
     know its inputs), the decode chain is two launches; GEMM1 without the epilogue and the wgmma chain never ask."""
-    engine = Sm90GemmEngine.__new__(Sm90GemmEngine)
+    engine = bare_engine()
     rows, shape = _bucket(model, tokens)
     assert [name for name, _ in engine.stages(_Layer(rows, shape, finalizes=True, routes=True))] == chain
 
