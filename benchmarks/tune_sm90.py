@@ -91,12 +91,17 @@ def routed_rows(source: torch.Tensor, row_to_slot: torch.Tensor, top_k: int) -> 
     return rows.masked_fill_((slots < 0).unsqueeze(1), 0)
 
 
-def full_buffers(ops: GemmOperands, source: torch.Tensor, row_to_slot: torch.Tensor, top_k: int) -> GemmOperands:
-    """``ops`` with R-row token and output buffers where the bucket's fused chain holds none: the call's own tokens
-    routed into rows (routed_rows), so the tensor cores see real values (zero tokens draw less power and run
-    faster: 419 against 442 us for Qwen3-30B-A3B T=4096's fused GEMM1, benchmarks/RESULTS.md)."""
+def full_buffers(ops: GemmOperands, source: torch.Tensor | None, row_to_slot: torch.Tensor,
+                 top_k: int) -> GemmOperands:
+    """``ops`` with R-row token and output buffers where the bucket's fused chain holds none (GEMM1's output with the
+    activation epilogue, its tokens with the gather): the call's own tokens ``source`` routed into rows
+    (routed_rows), so the tensor cores see real values (zero tokens draw less power and run faster: 419 against 442
+    us for Qwen3-30B-A3B T=4096's fused GEMM1, benchmarks/RESULTS.md). ``source`` may be None where the bucket holds
+    its permuted token rows (decode buckets)."""
     tokens, out = ops.tokens, ops.out
     if tokens.data.shape[0] != ops.rows:
+        if source is None:
+            raise ValueError("the bucket holds no token rows and no source rows were given")
         tokens = TokenOperand(routed_rows(source, row_to_slot, top_k), None, tokens.layout)
     if out.shape[0] != ops.rows:
         out = torch.empty(ops.rows, ops.shape.n, dtype=torch.bfloat16, device=ops.offsets.device)
@@ -138,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
             moe_call(config, weights, *row_batch(m, tokens))()
             bucket = executor.bucket(tokens)
             source = token_rows(bucket)
-            gemm1 = bucket.gemm1 if source is None else full_buffers(bucket.gemm1, source, bucket.row_to_slot, m.top_k)
+            gemm1 = full_buffers(bucket.gemm1, source, bucket.row_to_slot, m.top_k)
             for index, name, ops in ((1, "gemm1", gemm1), (2, "gemm2", bucket.gemm2)):
                 if index not in args.gemms:
                     continue
@@ -172,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
                             time_us = timer.median_us(capture(run).replay)
                             us, tflops = f"{time_us:.1f}", f"{flops / time_us / 1e6:.0f}"
                         except Exception as exc:  # noqa: BLE001 - a variant that does not fit is reported, not fatal
-                            us, tflops = f"error: {type(exc).__name__}", ""
+                            us, tflops = f"error: {type(exc).__name__}: {exc}", ""
                         report.emit(md_row([m.name, str(tokens), name + label, repr(variant), us, tflops,
                                             "yes" if variant == chosen and not fused else ""]))
 

@@ -25,7 +25,8 @@ import profile_call  # noqa: E402
 import tune_sm90  # noqa: E402
 import common  # noqa: E402
 
-from cudnn_moe.engines.base import GemmShape  # noqa: E402
+from cudnn_moe.engines.base import GemmOperands, GemmShape, TokenOperand, WeightOperand  # noqa: E402
+from cudnn_moe.kernels.codes import TokenLayout  # noqa: E402
 from cudnn_moe.engines.sm90.engine import choose_variant  # noqa: E402
 from tests.engines.sm90.gpus import H200_TBS, SMS  # noqa: E402
 
@@ -368,6 +369,33 @@ def test_tune_sm90_routes_the_call_tokens_into_rows() -> None:
         want = torch.zeros(16, dtype=torch.bfloat16) if slot < 0 else source[slot // 2]
         assert torch.equal(rows[r], want), r
     assert torch.count_nonzero(rows[[0, 1, 3]]) > 0
+
+
+def _bucket_gemm1(rows: int, token_rows: int, out_rows: int) -> GemmOperands:
+    """GEMM1 operands of a bucket of ``rows`` rows (K = 64, N = 32, 2 experts) whose token buffer holds
+    ``token_rows`` rows and whose output buffer ``out_rows``: 0 where the fused chain never touches it."""
+    shape = GemmShape(k=64, n=32, num_experts=2)
+    tokens = TokenOperand(torch.randn(token_rows, 64).bfloat16(), None, TokenLayout.BF16_FRAGMENTS)
+    weights = WeightOperand(torch.zeros(2, 1, dtype=torch.uint8), torch.zeros(2, 1, dtype=torch.uint8),
+                            torch.ones(2))
+    return GemmOperands(rows, shape, tokens, weights, torch.tensor([0, 8, 16], dtype=torch.int32),
+                        torch.empty(out_rows, 32, dtype=torch.bfloat16), None, gemm=1)
+
+
+def test_tune_sm90_gives_a_decode_bucket_gemm1_an_output_buffer() -> None:
+    """A decode bucket whose GEMM1 runs with the activation epilogue holds no GEMM1 output rows; the tuner's plain
+    GEMM1 then gets an R x N BF16 buffer and keeps the bucket's permuted token rows (no source rows needed)."""
+    ops = _bucket_gemm1(rows=16, token_rows=16, out_rows=0)
+    full = tune_sm90.full_buffers(ops, None, torch.arange(16, dtype=torch.int32), top_k=2)
+    assert full.out.shape == (16, 32) and full.out.dtype == torch.bfloat16
+    assert full.tokens is ops.tokens
+
+
+def test_tune_sm90_refuses_a_bucket_without_token_rows_and_no_source() -> None:
+    """A gathering bucket holds no token rows: without the call's rows to route the tuner says so."""
+    ops = _bucket_gemm1(rows=16, token_rows=0, out_rows=16)
+    with pytest.raises(ValueError, match="no token rows"):
+        tune_sm90.full_buffers(ops, None, torch.arange(16, dtype=torch.int32), top_k=2)
 
 
 @pytest.mark.parametrize("launches, count, described", [
