@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import (  # noqa: E402
     Report, Timer, capture, executor_for, gpu_missing, header_line, make_parser, md_row, moe_call, random_weights,
-    row_batch, run_models,
+    reason, row_batch, run_models,
 )
 
 from cudnn_moe import Nvfp4MoeConfig, SwiGLU  # noqa: E402
@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
                             time_us = timer.median_us(capture(run).replay)
                             us, tflops = f"{time_us:.1f}", f"{flops / time_us / 1e6:.0f}"
                         except Exception as exc:  # noqa: BLE001 - a variant that does not fit is reported, not fatal
-                            us, tflops = f"error: {type(exc).__name__}: {exc}", ""
+                            us, tflops = f"error: {reason(exc)}", ""
                         report.emit(md_row([m.name, str(tokens), name + label, repr(variant), us, tflops,
                                             "yes" if variant == chosen and not fused else ""]))
 
