@@ -26,8 +26,8 @@ import tune_sm90  # noqa: E402
 import common  # noqa: E402
 
 from cudnn_moe.engines.base import GemmOperands, GemmShape, TokenOperand, WeightOperand  # noqa: E402
-from cudnn_moe.kernels.codes import TokenLayout  # noqa: E402
 from cudnn_moe.engines.sm90.engine import choose_variant  # noqa: E402
+from cudnn_moe.kernels.codes import TokenLayout  # noqa: E402
 from tests.engines.sm90.gpus import H200_TBS, SMS  # noqa: E402
 
 QWEN3, DEEPSEEK = common.MODELS["qwen3-30b-a3b"], common.MODELS["deepseek-v3"]
