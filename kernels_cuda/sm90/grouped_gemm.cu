@@ -181,7 +181,10 @@ using namespace sm90;
 // SM; bounded no spill), finalizing too (no spill, but the NVFP4 one behind the tile handoff's wait: 4 bytes); the
 // engine never runs them with MXINT4 weights (bounded they would spill 56-144 bytes). The persistent forms are held to it
 // too (S = 2: no spill with split-K, 4-8 bytes at (2, 4, 1)).
-#if (SM90_W_INT4 || SM90_W_ROWS || SM90_ROUTE == 1) && SM90_MT * SM90_NT <= 2 || DEC_PERSIST || \
+// SM90_MIN_BLOCKS = B (DecodeVariant.min_blocks) asks for B CTAs an SM instead, whatever the form.
+#if defined(SM90_MIN_BLOCKS)
+#define DEC_MIN_BLOCKS , SM90_MIN_BLOCKS
+#elif (SM90_W_INT4 || SM90_W_ROWS || SM90_ROUTE == 1) && SM90_MT * SM90_NT <= 2 || DEC_PERSIST || \
     SM90_MT == 4 && SM90_NT == 1 && SM90_PREFETCH <= 2 && !SM90_W_INT4 && !SM90_W_BF16 && !SM90_W_ROWS
 #define DEC_MIN_BLOCKS , 512 / DEC_THREADS  // the launch bounds' second argument
 #else

@@ -11,6 +11,7 @@ DECODE_VARIANTS = [
     sm90.DecodeVariant(mt=1, wm=1, wk=8, nt=4, prefetch=2),
     sm90.DecodeVariant(mt=2, wm=4, wk=2, nt=1, prefetch=3),
     sm90.DecodeVariant(mt=4, wm=2, wk=1, nt=1, prefetch=2),  # four m16 blocks a warp, held to 128 registers
+    sm90.DecodeVariant(mt=2, wm=4, wk=1, nt=1, prefetch=2, min_blocks=6),  # six CTAs an SM: 80 registers
 ]
 # The first prefill variants share the 128 x 128 CTA tile; the others change the tile or decode the
 # weights once per CTA (adec).

@@ -63,7 +63,9 @@ class DecodeVariant:
     place (``-DSM90_W_ROWS``), whose tokens are natural rows too.
     persist: 1..prefetch for the persistent GEMM1 (``-DSM90_PERSIST``: a grid of the CTAs the SMs hold at once, each
     taking units a grid apart and issuing its next unit's first ``persist`` ring steps of weights before the unit's
-    epilogue and tile signal); with the activation epilogue, on weight tiles, without a route. 0: one unit a CTA."""
+    epilogue and tile signal); with the activation epilogue, on weight tiles, without a route. 0: one unit a CTA.
+    min_blocks: CTAs an SM the launch bounds ask the register allocation for (``-DSM90_MIN_BLOCKS``), more than
+    DECODE_THREADS_PER_SM threads give; 0: the kernel's own rule (DECODE_THREADS_PER_SM threads an SM, or no bound)."""
 
     mt: int = 1
     wm: int = 2
@@ -73,6 +75,7 @@ class DecodeVariant:
     bf16_weights: bool = False
     row_major: bool = False
     persist: int = 0
+    min_blocks: int = 0
 
     kernel = "sm90_gemm_decode"
     source = GEMM_SOURCE
@@ -91,6 +94,9 @@ class DecodeVariant:
         if not 0 <= self.persist <= self.prefetch or self.persist and (self.bf16_weights or self.row_major):
             raise ValueError(f"decode variant {self}: persist must be 0..PREFETCH, and 0 with bf16_weights or "
                              f"row_major")
+        if self.min_blocks and not DECODE_THREADS_PER_SM < self.min_blocks * self.threads <= 2048:
+            raise ValueError(f"decode variant {self}: min_blocks CTAs of {self.threads} threads must be 0 or more than "
+                             f"{DECODE_THREADS_PER_SM} threads and at most 2048")
 
     @property
     def token_layout(self) -> TokenLayout:
@@ -121,7 +127,8 @@ class DecodeVariant:
         return (f"-DSM90_MT={self.mt}", f"-DSM90_WM={self.wm}", f"-DSM90_WK={self.wk}", f"-DSM90_NT={self.nt}",
                 f"-DSM90_PREFETCH={self.prefetch}", *(("-DSM90_W_BF16=1",) if self.bf16_weights else ()),
                 *(("-DSM90_W_ROWS=1",) if self.row_major else ()),
-                *((f"-DSM90_PERSIST={self.persist}",) if self.persist else ()))
+                *((f"-DSM90_PERSIST={self.persist}",) if self.persist else ()),
+                *((f"-DSM90_MIN_BLOCKS={self.min_blocks}",) if self.min_blocks else ()))
 
     def epilogue_problem(self, activation: Any, fp32_preactivation: bool = False) -> str | None:
         """Why this variant cannot run ``activation``'s epilogue (grouped_gemm.cu's static checks), or None.
@@ -319,8 +326,9 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def decode_wave(variant: DecodeVariant, sm_count: int) -> int:
-    """CTAs of ``variant`` that ``sm_count`` SMs hold at once (DECODE_THREADS_PER_SM threads an SM): one wave."""
-    return sm_count * (DECODE_THREADS_PER_SM // variant.threads)
+    """CTAs of ``variant`` that ``sm_count`` SMs hold at once (min_blocks an SM, else DECODE_THREADS_PER_SM threads'
+    worth): one wave."""
+    return sm_count * (variant.min_blocks or DECODE_THREADS_PER_SM // variant.threads)
 
 
 def gemm_grid(variant: GemmVariant, num_experts: int, n: int, row_capacity: int) -> tuple[int, int]:

@@ -166,6 +166,32 @@ def test_variant_compiles(variant: Any) -> None:
         assert not re.search(r"\b[1-9]\d* bytes smem", report), report
 
 
+def test_decode_min_blocks_sets_the_wave_and_the_launch_bounds() -> None:
+    """min_blocks: CTAs an SM in the launch bounds (-DSM90_MIN_BLOCKS) and in the wave the engine counts; 0 keeps 512
+    threads an SM; it must ask for more than that and fit 2048 threads."""
+    six = sm90.DecodeVariant(mt=2, wm=4, wk=1, nt=1, prefetch=2, min_blocks=6)
+    assert "-DSM90_MIN_BLOCKS=6" in six.options() and sm90.decode_wave(six, 132) == 792
+    plain = replace(six, min_blocks=0)
+    assert not any("MIN_BLOCKS" in o for o in plain.options()) and sm90.decode_wave(plain, 132) == 528
+    for bad in (-1, 4, 17):  # 512 threads: the kernel's own rule; 2176 threads
+        with pytest.raises(ValueError, match="min_blocks"):
+            replace(six, min_blocks=bad)
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found")
+def test_six_ctas_an_sm_fit_the_register_file_behind_the_handoff() -> None:
+    """The form held to six CTAs of 128 threads an SM, as GEMM1 runs it (SwiGLU epilogue, tile signal): at most 80
+    registers a thread (65536 / 768, in steps of 8), spilling no more than 8 bytes."""
+    six = sm90.DecodeVariant(mt=2, wm=4, wk=1, nt=1, prefetch=2, min_blocks=6)
+    result = _nvcc(SM90_DIR / "grouped_gemm.cu", "90a",
+                   (*six.options(), *sm90.epilogue_options(SwiGLU()), "-DSM90_SIGNAL=1"))
+    assert result.returncode == 0, result.stderr
+    report = result.stderr.split(f"Compiling entry function '{six.kernel}'")[1].split("Compiling entry")[0]
+    registers = int(re.search(r"Used (\d+) registers", report).group(1))
+    spilled = int(re.search(r"(\d+) bytes spill stores", report).group(1))
+    assert registers <= 80 and spilled <= 8, report
+
+
 # The decode module's option of each tile code but NVFP4's.
 CODE_OPTIONS = {"mxint4": ("-DSM90_W_INT4=1",), "mxfp4": ("-DSM90_W_MXFP4=1",)}
 
