@@ -86,6 +86,13 @@ _GEMM1_FILL_GAIN = 0.25
 # 23.2, T=64 45.2 / 40.7; DeepSeek-V3 T=8 135.4 / 132.2, T=64 517.6 / 508.4; in one wave it loses (DeepSeek-V3 T=1
 # 29.6 / 37.0), and GEMM1 with its epilogue loses everywhere (Qwen3-30B-A3B T=8 41.9 on _SPLIT against 48.4).
 _WIDE_MT4 = DecodeVariant(mt=4, wm=2, wk=1, nt=1, prefetch=2)
+# NVFP4 tile GEMM1 on _SPLIT past one wave of _WIDE (below _SLOW_DRAM_TBS: _gemm1_splits) runs _WIDE's CTAs held to
+# six an SM instead (80 registers, 8 bytes spilled, two ring steps, not persistent) where that holds all of them at
+# once: Qwen3-30B-A3B T=8, 768 CTAs in 792 slots against 1536 of persistent _SPLIT in 2.91 waves of 528. Whole chain
+# on an H100, us, persistent _SPLIT / this, three rounds of an in-process A/B (benchmarks/RESULTS.md, sixty-second
+# session): 71.4-72.5 / 69.6-69.9, outputs bitwise equal; five CTAs an SM (96 registers, 1.16 waves): 73.7-73.9. Not
+# measured on the H200, whose GEMM1 there keeps _WIDE.
+_WIDE_ONE_WAVE = DecodeVariant(mt=2, wm=4, wk=1, nt=1, prefetch=2, min_blocks=6)
 # Behind a tile handoff (tile_handoff), GEMM2 takes _WIDE_MT4's CTAs with two-way split-K instead (four warps, each
 # half the reduction: the same feature blocks and token tiles), finalizing in as many waves as it takes (can_finalize):
 # its CTAs start as GEMM1's tiles finish, and each streams its share in half the time once its tile is ready. H100,
@@ -448,6 +455,10 @@ class Sm90GemmEngine(GemmEngine):
         elif (code in (BlockCode.NVFP4, BlockCode.MXFP4) and gemm == 2 and variant == _WIDE
               and _past_waves(rows, shape, _WIDE, self.sm_count)):
             variant = _WIDE_MT4
+        elif (code is BlockCode.NVFP4 and gemm == 1 and variant == _SPLIT
+              and _past_waves(rows, shape, _WIDE, self.sm_count)
+              and not _past_waves(rows, shape, _WIDE_ONE_WAVE, self.sm_count)):
+            variant = _WIDE_ONE_WAVE
         return variant.gathering() if isinstance(variant, WgmmaVariant) and gemm == 1 else variant
 
     def token_layout_for(self, rows: int, shape: GemmShape, *, gemm: int,
@@ -479,6 +490,7 @@ class Sm90GemmEngine(GemmEngine):
         if _slots(gemm1.rows, shape.num_experts) > _HANDOFF_MAX_SLOTS and shape.k < _L2_WARM_LONG_K:
             return None
         variant = self.variant(gemm1.rows, shape, gemm=1, code=w.code)
+        variant = _WIDE if variant == _WIDE_ONE_WAVE else variant  # what _WIDE's first wave reads (as measured)
         if (not isinstance(variant, DecodeVariant) or variant.row_major or variant.bf16_weights
                 or not _past_waves(gemm1.rows, shape, variant, self.sm_count)):
             return None

@@ -11,7 +11,7 @@ import torch
 from cudnn_moe.activations import GELU, SwiGLU
 from cudnn_moe.engines.base import BlockCode, EarlyRouting, Gemm1Fusion, GemmShape, LayerStages, Stage
 from cudnn_moe.engines.sm90.engine import choose_variant, gemm1_fusion
-from cudnn_moe.engines.sm90.kernels import DecodeVariant, WgmmaVariant
+from cudnn_moe.engines.sm90.kernels import DecodeVariant, WgmmaVariant, decode_wave
 from cudnn_moe.kernels.codes import TokenLayout
 from cudnn_moe.pipeline.executor import bucket_size, row_capacity
 from tests.engines.sm90.gpus import H100_TBS, H200_TBS, SMS, bare_engine
@@ -258,6 +258,32 @@ def test_gemm2_past_one_wave_takes_four_blocks_a_warp(model, tokens: int, four_b
     assert engine.variant(rows, shape1, gemm=1).mt == 2
 
 
+@pytest.mark.parametrize("model,tokens,dram_tbs,one_wave", [
+    (QWEN3, 8, H100_TBS, True),  # 768 CTAs of _WIDE: 1.45 waves of 528, one of 792; in place of 1536 of _SPLIT
+    (QWEN3, 8, H200_TBS, False),  # _WIDE there (not measured in this form)
+    (QWEN3, 4, H100_TBS, False),  # one wave of _WIDE already
+    (QWEN3, 16, H100_TBS, False), (DEEPSEEK_V3, 8, H100_TBS, False),  # past one wave of six CTAs an SM too
+])
+def test_gemm1_of_nvfp4_tiles_fits_one_wave_at_six_ctas_an_sm(model, tokens: int, dram_tbs: float,
+                                                              one_wave: bool) -> None:
+    """GEMM1 of NVFP4 tiles on _SPLIT past one wave of _WIDE (below 4 TB/s of DRAM) takes _WIDE's CTAs held to six
+    an SM where that holds all of them at once: _WIDE's feature blocks and token tiles, two ring steps, a wave of six
+    CTAs an SM. Other weight codes keep the bucket's variant."""
+    engine = bare_engine(dram_tbs)
+    rows, shape = _bucket(model, tokens)
+    chosen = choose_variant(rows, shape, SMS, gemm=1, dram_tbs=dram_tbs)
+    variant = engine.variant(rows, shape, gemm=1)
+    assert (variant == DecodeVariant(mt=2, wm=4, wk=1, nt=1, prefetch=2, min_blocks=6)) is one_wave
+    if one_wave:
+        wide = choose_variant(rows, shape, SMS, gemm=1, dram_tbs=H200_TBS)  # _WIDE
+        assert (variant.feature_block, variant.tile_rows) == (wide.feature_block, wide.tile_rows)
+        assert decode_wave(variant, SMS) == 6 * SMS and "-DSM90_MIN_BLOCKS=6" in variant.options()
+        for code in (BlockCode.MXFP4, BlockCode.MXINT4):
+            assert engine.variant(rows, shape, gemm=1, code=code) == chosen
+    else:
+        assert variant.min_blocks == 0
+
+
 @pytest.mark.parametrize("model,tokens,split", [
     (QWEN3, 4, False),  # _WIDE in one wave: kept
     (QWEN3, 8, True), (DEEPSEEK_V3, 4, True), (DEEPSEEK_V3, 8, True),
@@ -342,7 +368,8 @@ def test_early_routing_for_calls_of_few_tokens(model, tokens: int, early: bool) 
     (QWEN3, 8, BlockCode.NVFP4, H200_TBS, 44, 14 * 512, 896, 96),  # 528 slots / 12 feature blocks; 14 of 32 tiles
     (QWEN3, 8, BlockCode.MXFP4, H200_TBS, 44, 14 * 512, 512, 96),  # 32-byte tile scales: 448 bytes, whole lines
     (QWEN3, 8, BlockCode.MXINT4, H200_TBS, 44, 14 * 512, 896, 96),  # 64-byte tile scales
-    (QWEN3, 8, BlockCode.NVFP4, H100_TBS, 22, 14 * 512, 896, 32),  # 64-feature CTAs there: 528 / 24 feature blocks
+    (QWEN3, 8, BlockCode.NVFP4, H100_TBS, 44, 14 * 512, 896, 32),  # _WIDE's first wave there too (six CTAs an SM)
+    (QWEN3, 8, BlockCode.MXFP4, H100_TBS, 22, 14 * 512, 512, 32),  # 64-feature CTAs: 528 / 24 feature blocks
     (DEEPSEEK_V3, 4, BlockCode.NVFP4, H200_TBS, 16, 50 * 512, 3200, 96),  # 1024 CTAs
     (DEEPSEEK_V3, 8, BlockCode.NVFP4, H200_TBS, 16, 50 * 512, 3200, 96),  # 528 / 32 feature blocks; 50 of 112 tiles
     (DEEPSEEK_V3, 8, BlockCode.NVFP4, H100_TBS, 16, 50 * 512, 3200, 32),
