@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from cudnn_moe.engines.sm90 import kernels as sm90
 
+# _WIDE's CTAs held to six an SM (min_blocks: 80 registers), two ring steps: GEMM1's one-wave form.
+SIX_CTAS_AN_SM = sm90.DecodeVariant(mt=2, wm=4, wk=1, nt=1, prefetch=2, min_blocks=6)
 DECODE_VARIANTS = [
     sm90.DecodeVariant(),
     sm90.DecodeVariant(mt=2, wm=2, wk=2, nt=1, prefetch=4),
@@ -11,7 +13,7 @@ DECODE_VARIANTS = [
     sm90.DecodeVariant(mt=1, wm=1, wk=8, nt=4, prefetch=2),
     sm90.DecodeVariant(mt=2, wm=4, wk=2, nt=1, prefetch=3),
     sm90.DecodeVariant(mt=4, wm=2, wk=1, nt=1, prefetch=2),  # four m16 blocks a warp, held to 128 registers
-    sm90.DecodeVariant(mt=2, wm=4, wk=1, nt=1, prefetch=2, min_blocks=6),  # six CTAs an SM: 80 registers
+    SIX_CTAS_AN_SM,
 ]
 # The first prefill variants share the 128 x 128 CTA tile; the others change the tile or decode the
 # weights once per CTA (adec).

@@ -92,7 +92,7 @@ _WIDE_MT4 = DecodeVariant(mt=4, wm=2, wk=1, nt=1, prefetch=2)
 # on an H100, us, persistent _SPLIT / this (benchmarks/RESULTS.md, sixty-second session): bench_moe.py in alternating
 # trees 73.3-74.1 / 71.0-71.1; an in-process A/B 71.4-72.5 / 69.6-69.9, outputs bitwise equal, and five CTAs an SM
 # (96 registers, 1.16 waves) 73.7-73.9. Not measured on the H200, whose GEMM1 there keeps _WIDE.
-_WIDE_ONE_WAVE = DecodeVariant(mt=2, wm=4, wk=1, nt=1, prefetch=2, min_blocks=6)
+_WIDE_ONE_WAVE = replace(_WIDE, prefetch=2, min_blocks=6)
 # Behind a tile handoff (tile_handoff), GEMM2 takes _WIDE_MT4's CTAs with two-way split-K instead (four warps, each
 # half the reduction: the same feature blocks and token tiles), finalizing in as many waves as it takes (can_finalize):
 # its CTAs start as GEMM1's tiles finish, and each streams its share in half the time once its tile is ready. H100,

@@ -15,6 +15,7 @@ from cudnn_moe.engines.sm90.kernels import DecodeVariant, WgmmaVariant, decode_w
 from cudnn_moe.kernels.codes import TokenLayout
 from cudnn_moe.pipeline.executor import bucket_size, row_capacity
 from tests.engines.sm90.gpus import H100_TBS, H200_TBS, SMS, bare_engine
+from tests.support.sm90_variants import SIX_CTAS_AN_SM
 
 QWEN3 = (128, 2048, 768)  # experts, hidden, intermediate
 DEEPSEEK_V3 = (256, 7168, 2048)
@@ -273,7 +274,7 @@ def test_gemm1_of_nvfp4_tiles_fits_one_wave_at_six_ctas_an_sm(model, tokens: int
     rows, shape = _bucket(model, tokens)
     chosen = choose_variant(rows, shape, SMS, gemm=1, dram_tbs=dram_tbs)
     variant = engine.variant(rows, shape, gemm=1)
-    assert (variant == DecodeVariant(mt=2, wm=4, wk=1, nt=1, prefetch=2, min_blocks=6)) is one_wave
+    assert (variant == SIX_CTAS_AN_SM) is one_wave
     if one_wave:
         wide = choose_variant(rows, shape, SMS, gemm=1, dram_tbs=H200_TBS)  # _WIDE
         assert (variant.feature_block, variant.tile_rows) == (wide.feature_block, wide.tile_rows)

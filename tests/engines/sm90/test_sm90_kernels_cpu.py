@@ -49,7 +49,7 @@ CUOBJDUMP = sass_budget.find_tool("cuobjdump")
 
 from tests.support.kernel_sources import NVCC, compiled  # noqa: E402
 from tests.support.sm90_variants import (  # noqa: E402
-    DECODE_VARIANTS, OTHER_PREFILL_VARIANTS, PREFILL_VARIANTS, WGMMA_VARIANTS,
+    DECODE_VARIANTS, OTHER_PREFILL_VARIANTS, PREFILL_VARIANTS, SIX_CTAS_AN_SM, WGMMA_VARIANTS,
 )
 
 
@@ -169,7 +169,7 @@ def test_variant_compiles(variant: Any) -> None:
 def test_decode_min_blocks_sets_the_wave_and_the_launch_bounds() -> None:
     """min_blocks: CTAs an SM in the launch bounds (-DSM90_MIN_BLOCKS) and in the wave the engine counts; 0 keeps 512
     threads an SM; it must ask for more than that and fit 2048 threads."""
-    six = sm90.DecodeVariant(mt=2, wm=4, wk=1, nt=1, prefetch=2, min_blocks=6)
+    six = SIX_CTAS_AN_SM
     assert "-DSM90_MIN_BLOCKS=6" in six.options() and sm90.decode_wave(six, 132) == 792
     plain = replace(six, min_blocks=0)
     assert not any("MIN_BLOCKS" in o for o in plain.options()) and sm90.decode_wave(plain, 132) == 528
@@ -182,7 +182,7 @@ def test_decode_min_blocks_sets_the_wave_and_the_launch_bounds() -> None:
 def test_six_ctas_an_sm_fit_the_register_file_behind_the_handoff() -> None:
     """The form held to six CTAs of 128 threads an SM, as GEMM1 runs it (SwiGLU epilogue, tile signal): at most 80
     registers a thread (65536 / 768, in steps of 8), spilling no more than 8 bytes."""
-    six = sm90.DecodeVariant(mt=2, wm=4, wk=1, nt=1, prefetch=2, min_blocks=6)
+    six = SIX_CTAS_AN_SM
     result = _nvcc(SM90_DIR / "grouped_gemm.cu", "90a",
                    (*six.options(), *sm90.epilogue_options(SwiGLU()), "-DSM90_SIGNAL=1"))
     assert result.returncode == 0, result.stderr
