@@ -91,7 +91,9 @@ _WIDE_MT4 = DecodeVariant(mt=4, wm=2, wk=1, nt=1, prefetch=2)
 # once: Qwen3-30B-A3B T=8, 768 CTAs in 792 slots against 1536 of persistent _SPLIT in 2.91 waves of 528. Whole chain
 # on an H100, us, persistent _SPLIT / this (benchmarks/RESULTS.md, sixty-second session): bench_moe.py in alternating
 # trees 73.3-74.1 / 71.0-71.1; an in-process A/B 71.4-72.5 / 69.6-69.9, outputs bitwise equal, and five CTAs an SM
-# (96 registers, 1.16 waves) 73.7-73.9. Not measured on the H200, whose GEMM1 there keeps _WIDE.
+# (96 registers, 1.16 waves) 73.7-73.9. The same bucket serves T=5-8, whose tokens touch fewer experts (about 41 of
+# 128 at T=6 on average), and there it gains nothing or loses: in-process A/B on an H100 (sixty-third session), us,
+# T=7 64.2-64.5 / 64.2-64.4, T=6 56.3-56.4 / 58.2-58.3. Not measured on the H200, whose GEMM1 there keeps _WIDE.
 _WIDE_ONE_WAVE = replace(_WIDE, prefetch=2, min_blocks=6)
 # Behind a tile handoff (tile_handoff), GEMM2 takes _WIDE_MT4's CTAs with two-way split-K instead (four warps, each
 # half the reduction: the same feature blocks and token tiles), finalizing in as many waves as it takes (can_finalize):
