@@ -185,6 +185,15 @@ def compiled(command: list[str], suffix: str = ".o") -> Build:
     return submit(command, suffix).result()
 
 
+def register_usage(result: subprocess.CompletedProcess, kernel: str) -> tuple[int, int]:
+    """Registers a thread and bytes of spill stores of ``kernel`` in an nvcc -Xptxas -v build's report (asserting
+    the build succeeded)."""
+    assert result.returncode == 0, result.stderr
+    report = result.stderr.split(f"Compiling entry function '{kernel}'")[1].split("Compiling entry")[0]
+    return (int(re.search(r"Used (\d+) registers", report).group(1)),
+            int(re.search(r"(\d+) bytes spill stores", report).group(1)))
+
+
 def _skipped(item: Any) -> bool:
     """An item a skip mark or a true skipif condition will skip (it needs no build)."""
     if item.get_closest_marker("skip") is not None:

@@ -47,7 +47,7 @@ SM90_DIR = kernels_dir() / "sm90"
 SOURCES = sorted(path.name for path in SM90_DIR.glob("*.cu"))
 CUOBJDUMP = sass_budget.find_tool("cuobjdump")
 
-from tests.support.kernel_sources import NVCC, compiled  # noqa: E402
+from tests.support.kernel_sources import NVCC, compiled, register_usage  # noqa: E402
 from tests.support.sm90_variants import (  # noqa: E402
     DECODE_VARIANTS, OTHER_PREFILL_VARIANTS, PREFILL_VARIANTS, SIX_CTAS_AN_SM, WGMMA_VARIANTS,
 )
@@ -183,13 +183,9 @@ def test_six_ctas_an_sm_fit_the_register_file_behind_the_handoff() -> None:
     """The form held to six CTAs of 128 threads an SM, as GEMM1 runs it (SwiGLU epilogue, tile signal): at most 80
     registers a thread (65536 / 768, in steps of 8), spilling no more than 8 bytes."""
     six = SIX_CTAS_AN_SM
-    result = _nvcc(SM90_DIR / "grouped_gemm.cu", "90a",
-                   (*six.options(), *sm90.epilogue_options(SwiGLU()), "-DSM90_SIGNAL=1"))
-    assert result.returncode == 0, result.stderr
-    report = result.stderr.split(f"Compiling entry function '{six.kernel}'")[1].split("Compiling entry")[0]
-    registers = int(re.search(r"Used (\d+) registers", report).group(1))
-    spilled = int(re.search(r"(\d+) bytes spill stores", report).group(1))
-    assert registers <= 80 and spilled <= 8, report
+    options = (*six.options(), *sm90.epilogue_options(SwiGLU()), "-DSM90_SIGNAL=1")
+    registers, spilled = register_usage(_nvcc(SM90_DIR / "grouped_gemm.cu", "90a", options), six.kernel)
+    assert registers <= 80 and spilled <= 8, (registers, spilled)
 
 
 # The decode module's option of each tile code but NVFP4's.
