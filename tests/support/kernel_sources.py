@@ -185,11 +185,14 @@ def compiled(command: list[str], suffix: str = ".o") -> Build:
     return submit(command, suffix).result()
 
 
-def register_usage(result: subprocess.CompletedProcess, kernel: str) -> tuple[int, int]:
-    """Registers a thread and bytes of spill stores of ``kernel`` in an nvcc -Xptxas -v build's report (asserting
-    the build succeeded)."""
+def ptxas_report(result: subprocess.CompletedProcess, kernel: str) -> str:
+    """The ptxas lines of ``kernel`` in an nvcc -Xptxas -v build's stderr (asserting the build succeeded)."""
     assert result.returncode == 0, result.stderr
-    report = result.stderr.split(f"Compiling entry function '{kernel}'")[1].split("Compiling entry")[0]
+    return result.stderr.split(f"Compiling entry function '{kernel}'")[1].split("Compiling entry")[0]
+
+
+def register_usage(report: str) -> tuple[int, int]:
+    """Registers a thread and bytes of spill stores in one kernel's ptxas report (``ptxas_report``)."""
     return (int(re.search(r"Used (\d+) registers", report).group(1)),
             int(re.search(r"(\d+) bytes spill stores", report).group(1)))
 

@@ -6,7 +6,6 @@ the finalize tickets; the forms compile for sm_90a and sm_100a without spills.""
 
 from __future__ import annotations
 
-import re
 from dataclasses import replace
 from typing import Any
 
@@ -23,7 +22,7 @@ from tests.engines.sm90.test_sm90_kernels_cpu import (  # noqa: F401 (launches: 
     _early_args, _gemm_args, _nvcc, _signatures, launches,
 )
 from tests.engines.sm90.gpus import H100_TBS, H200_TBS, bare_engine
-from tests.support.kernel_sources import NVCC
+from tests.support.kernel_sources import NVCC, ptxas_report, register_usage
 
 SM90_DIR = kernels_dir() / "sm90"
 
@@ -146,9 +145,8 @@ def test_handoff_forms_compile_within_their_spills(variant: sm90.DecodeVariant, 
     if "SIGNAL" in form:
         options += sm90.epilogue_options(SwiGLU())
     result = _nvcc(SM90_DIR / "grouped_gemm.cu", arch, options)
-    assert result.returncode == 0, result.stderr
-    report = result.stderr.split(f"Compiling entry function '{variant.kernel}'")[1].split("Compiling entry")[0]
-    spilled = int(re.search(r"(\d+) bytes spill stores", report).group(1))
+    report = ptxas_report(result, variant.kernel)
+    _, spilled = register_usage(report)
     assert spilled <= spill, report
 
 
@@ -171,9 +169,8 @@ def test_persistent_gemm1_compiles_within_its_spills(variant: sm90.DecodeVariant
                *sm90.epilogue_options(SwiGLU()))
     assert f"-DSM90_PERSIST={sm90_engine._PERSIST_AHEAD}" in options
     result = _nvcc(SM90_DIR / "grouped_gemm.cu", arch, options)
-    assert result.returncode == 0, result.stderr
-    report = result.stderr.split(f"Compiling entry function '{variant.kernel}'")[1].split("Compiling entry")[0]
-    assert int(re.search(r"(\d+) bytes spill stores", report).group(1)) <= spill, report
+    report = ptxas_report(result, variant.kernel)
+    assert register_usage(report)[1] <= spill, report
 
 
 @pytest.mark.parametrize("bad", [dict(persist=5), dict(persist=-1), dict(persist=2, bf16_weights=True),

@@ -23,7 +23,7 @@ from cudnn_moe.kernels import TokenLayout, kernels_dir
 
 from tests.engines.sm90.test_sm90_kernels_cpu import _gemm_args, _nvcc, launches  # noqa: F401 (fixture)
 from tests.engines.sm90.gpus import bare_engine
-from tests.support.kernel_sources import NVCC, register_usage
+from tests.support.kernel_sources import NVCC, ptxas_report, register_usage
 
 SM90_DIR = kernels_dir() / "sm90"
 ENGINE_DECODE = [sm90_engine._WIDE, sm90_engine._SPLIT, sm90_engine._SPLIT_DEEP, sm90_engine._MID,
@@ -91,8 +91,8 @@ def test_row_major_decode_compiles(variant: Any, form: str, arch: str) -> None:
     GPU) without spills, the forms of one or two m16 x n8 tiles a warp within 128 registers (four CTAs of 128 threads
     an SM, as the tile form)."""
     variant = replace(variant, row_major=True)
-    registers, spilled = register_usage(
-        _nvcc(SM90_DIR / "grouped_gemm.cu", arch, (*variant.options(), *DECODE_FORMS[form])), variant.kernel)
+    result = _nvcc(SM90_DIR / "grouped_gemm.cu", arch, (*variant.options(), *DECODE_FORMS[form]))
+    registers, spilled = register_usage(ptxas_report(result, variant.kernel))
     assert arch != "90a" or (spilled == 0 and (variant.mt * variant.nt > 2 or registers <= 128))
 
 
@@ -112,7 +112,8 @@ def test_mxfp4_row_major_decode_compiles(variant: Any, form: str, arch: str) -> 
     shifted form's multiplier) builds in every form the MXFP4 pair's chain runs within 128 registers (four CTAs of 128
     threads an SM), for sm_90a without spills (NVFP4's finalizing split-K row-major forms spill 20 bytes)."""
     options = (*variant.options(), "-DSM90_W_MXFP4=1", *MXFP4_ROWS_FORMS[form])
-    registers, spilled = register_usage(_nvcc(SM90_DIR / "grouped_gemm.cu", arch, options), variant.kernel)
+    result = _nvcc(SM90_DIR / "grouped_gemm.cu", arch, options)
+    registers, spilled = register_usage(ptxas_report(result, variant.kernel))
     assert arch != "90a" or (registers <= 128 and spilled == 0)
 
 
@@ -123,7 +124,7 @@ def test_row_major_wgmma_compiles(variant: Any, gemm: int) -> None:
     tokens); without spills but for the 64-row GEMM1, whose tile form (three CTAs an SM) spills too."""
     variant = replace(variant, row_major=True)
     options = (*variant.gathering().options(), *sm90.epilogue_options(SwiGLU())) if gemm == 1 else variant.options()
-    _, spilled = register_usage(_nvcc(SM90_DIR / "wgmma_gemm.cu", "90a", options), variant.kernel)
+    _, spilled = register_usage(ptxas_report(_nvcc(SM90_DIR / "wgmma_gemm.cu", "90a", options), variant.kernel))
     assert spilled == 0 or (gemm == 1 and variant.tile_rows == 64)
 
 

@@ -47,7 +47,7 @@ SM90_DIR = kernels_dir() / "sm90"
 SOURCES = sorted(path.name for path in SM90_DIR.glob("*.cu"))
 CUOBJDUMP = sass_budget.find_tool("cuobjdump")
 
-from tests.support.kernel_sources import NVCC, compiled, register_usage  # noqa: E402
+from tests.support.kernel_sources import NVCC, compiled, ptxas_report, register_usage  # noqa: E402
 from tests.support.sm90_variants import (  # noqa: E402
     DECODE_VARIANTS, OTHER_PREFILL_VARIANTS, PREFILL_VARIANTS, SIX_CTAS_AN_SM, WGMMA_VARIANTS,
 )
@@ -126,8 +126,7 @@ def test_wgmma_variant_compiles(variant: Any) -> None:
     """Every wgmma variant builds for sm_90a without spills or static shared memory (but the tiled token load's
     mbarriers, 8 bytes a stage), with HGMMA in its loop (the SASS check runs where cuobjdump is found)."""
     result = _nvcc(SM90_DIR / "wgmma_gemm.cu", "90a", variant.options())
-    assert result.returncode == 0, result.stderr
-    report = result.stderr.split(f"Compiling entry function '{variant.kernel}'")[1].split("Compiling entry")[0]
+    report = ptxas_report(result, variant.kernel)
     static = re.search(r"\b(\d+) bytes smem", report)
     assert " 0 bytes spill stores" in report, report
     assert (int(static.group(1)) if static else 0) <= (128 if variant.tiled_tokens else 0), report
@@ -146,8 +145,7 @@ def test_epilogue_compiles(variant: Any, activation: Any) -> None:
     build for sm_90a; the SwiGLU epilogue (the models' activation) keeps every variant free of spills."""
     variant = variant.gathering() if isinstance(variant, sm90.WgmmaVariant) else variant
     result = _nvcc(kernels_dir() / variant.source, "90a", (*variant.options(), *sm90.epilogue_options(activation)))
-    assert result.returncode == 0, result.stderr
-    report = result.stderr.split(f"Compiling entry function '{variant.kernel}'")[1].split("Compiling entry")[0]
+    report = ptxas_report(result, variant.kernel)
     if isinstance(activation, SwiGLU):
         assert " 0 bytes spill stores" in report, report
     assert "instructions are serialized" not in result.stderr
@@ -157,8 +155,7 @@ def test_epilogue_compiles(variant: Any, activation: Any) -> None:
 @pytest.mark.parametrize("variant", [*DECODE_VARIANTS, *PREFILL_VARIANTS[1:]], ids=str)
 def test_variant_compiles(variant: Any) -> None:
     result = _nvcc(SM90_DIR / "grouped_gemm.cu", "90a", variant.options())
-    assert result.returncode == 0, result.stderr
-    report = result.stderr.split(f"Compiling entry function '{variant.kernel}'")[1].split("Compiling entry")[0]
+    report = ptxas_report(result, variant.kernel)
     print(variant, report)
     if variant.kernel == "sm90_gemm_decode":  # the decode register ring must never go to local memory
         assert " 0 bytes spill stores" in report, report
@@ -184,7 +181,8 @@ def test_six_ctas_an_sm_fit_the_register_file_behind_the_handoff() -> None:
     registers a thread (65536 / 768, in steps of 8), spilling no more than 8 bytes."""
     six = SIX_CTAS_AN_SM
     options = (*six.options(), *sm90.epilogue_options(SwiGLU()), "-DSM90_SIGNAL=1")
-    registers, spilled = register_usage(_nvcc(SM90_DIR / "grouped_gemm.cu", "90a", options), six.kernel)
+    result = _nvcc(SM90_DIR / "grouped_gemm.cu", "90a", options)
+    registers, spilled = register_usage(ptxas_report(result, six.kernel))
     assert registers <= 80 and spilled <= 8, (registers, spilled)
 
 
@@ -231,10 +229,8 @@ def test_coded_decode_compiles(variant: Any, form: str, code: str, arch: str) ->
     registers a thread (512 threads an SM, as the NVFP4 forms); MXINT4 spills at most 8 bytes, MXFP4 (whose ring holds
     fewer scale bytes than NVFP4's) none."""
     result = _nvcc(SM90_DIR / "grouped_gemm.cu", arch, coded_options(variant, form, code))
-    assert result.returncode == 0, result.stderr
-    report = result.stderr.split(f"Compiling entry function '{variant.kernel}'")[1].split("Compiling entry")[0]
-    registers = int(re.search(r"Used (\d+) registers", report).group(1))
-    spilled = int(re.search(r"(\d+) bytes spill stores", report).group(1))
+    report = ptxas_report(result, variant.kernel)
+    registers, spilled = register_usage(report)
     assert registers * variant.threads * (512 // variant.threads) <= 65536, report
     assert spilled <= (8 if code == "mxint4" else 0), report
 
@@ -256,9 +252,8 @@ def test_bf16_decode_compiles(form: str, arch: str) -> None:
     """The decode kernel's BF16-weight form builds in every form the low-latency chain uses without spills, for sm_90a
     (the engine's GPU) within 128 registers a thread (four CTAs of 128 threads an SM)."""
     result = _nvcc(SM90_DIR / "grouped_gemm.cu", arch, bf16_options(form))
-    assert result.returncode == 0, result.stderr
-    report = result.stderr.split(f"Compiling entry function '{BF16_VARIANT.kernel}'")[1].split("Compiling entry")[0]
-    registers = int(re.search(r"Used (\d+) registers", report).group(1))
+    report = ptxas_report(result, BF16_VARIANT.kernel)
+    registers, _ = register_usage(report)
     assert (arch != "90a" or registers <= 128) and " 0 bytes spill stores" in report, report
 
 
@@ -283,10 +278,8 @@ def test_route_compiles(variant: Any, tokens: str, arch: str) -> None:
     8 bytes, as its plain form; MXFP4 tiles none, as NVFP4's, with MXFP8 tokens too): the token row lives in dynamic
     shared memory, the sort's arrays in static."""
     result = _nvcc(SM90_DIR / "grouped_gemm.cu", arch, route_options(variant, tokens))
-    assert result.returncode == 0, result.stderr
-    report = result.stderr.split(f"Compiling entry function '{variant.kernel}'")[1].split("Compiling entry")[0]
-    registers = int(re.search(r"Used (\d+) registers", report).group(1))
-    spilled = int(re.search(r"(\d+) bytes spill stores", report).group(1))
+    report = ptxas_report(result, variant.kernel)
+    registers, spilled = register_usage(report)
     assert registers <= 128 and spilled <= (8 if tokens == "mxint4" else 0), report
 
 
@@ -296,8 +289,7 @@ def test_route_compiles(variant: Any, tokens: str, arch: str) -> None:
 def test_finalize_compiles(variant: Any, arch: str) -> None:
     """The decode kernel with GEMM2's finalize compiled in builds without spills."""
     result = _nvcc(SM90_DIR / "grouped_gemm.cu", arch, (*variant.options(), "-DSM90_FINALIZE=1"))
-    assert result.returncode == 0, result.stderr
-    report = result.stderr.split(f"Compiling entry function '{variant.kernel}'")[1].split("Compiling entry")[0]
+    report = ptxas_report(result, variant.kernel)
     assert " 0 bytes spill stores" in report, report
 
 
@@ -1272,9 +1264,8 @@ def test_early_routing_compiles(variant: Any, arch: str, gemm: str, weights: str
     form = sm90.epilogue_options(SwiGLU()) if gemm.startswith("GEMM1") else ("-DSM90_FINALIZE=1",)
     code = CODE_OPTIONS.get(weights.lower(), ())
     result = _nvcc(SM90_DIR / "grouped_gemm.cu", arch, (*variant.options(), *code, *form, "-DSM90_EARLY=1"))
-    assert result.returncode == 0, result.stderr
-    report = result.stderr.split(f"Compiling entry function '{variant.kernel}'")[1].split("Compiling entry")[0]
-    spilled = int(re.search(r"(\d+) bytes spill stores", report).group(1))
+    report = ptxas_report(result, variant.kernel)
+    _, spilled = register_usage(report)
     assert spilled <= (8 if weights == "MXINT4" else 0), report
 
 
